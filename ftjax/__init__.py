@@ -1,0 +1,1 @@
+"""ftjax: MoE serving with expert offload and layerwise KV offload, in JAX."""

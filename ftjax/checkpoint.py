@@ -1,0 +1,249 @@
+"""Hugging Face safetensors checkpoints -> ftjax params and host expert banks.
+
+Non-expert weights go to the device in the compute dtype. Routed-expert weights are stacked into
+two banks indexed by ``flat_id = layer * E + expert`` and placed in host memory (``pinned_host``
+where the backend has it); they never exist whole on the accelerator:
+
+  gate_up [L*E, D, 2F]   (gate_proj.T | up_proj.T)
+  down    [L*E, F, D]    (down_proj.T)
+
+Also builds random weights at a preset's shape directly in host memory (for benchmarks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from ftjax import memory
+from ftjax.config import ModelConfig, load_hf_config
+
+DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded: missing/unreadable file, missing tensor, bad shape."""
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A model ready to run.
+
+    cfg: the config; params: device pytree (see ``ftjax.model``); host_gate_up [L*E, D, 2F] and
+    host_down [L*E, F, D]: expert banks in host memory; dtype: compute dtype name;
+    tokenizer: a ``tokenizers.Tokenizer`` or None; name: where it came from.
+    """
+
+    cfg: ModelConfig
+    params: dict[str, Any]
+    host_gate_up: jax.Array
+    host_down: jax.Array
+    dtype: str
+    tokenizer: Any = None
+    name: str = ""
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one expert (gate, up, down) in the bank's dtype."""
+        return self.cfg.expert_bytes(np.dtype(DTYPES[self.dtype]).itemsize)
+
+
+def _hf_names(cfg: ModelConfig, i: int) -> dict[str, str]:
+    p = f"model.layers.{i}."
+    names = {"attn_norm": p + "input_layernorm.weight", "mlp_norm": p + "post_attention_layernorm.weight",
+             "wq": p + "self_attn.q_proj.weight", "wk": p + "self_attn.k_proj.weight",
+             "wv": p + "self_attn.v_proj.weight", "wo": p + "self_attn.o_proj.weight"}
+    if cfg.qk_norm != "none":
+        names["q_norm"] = p + "self_attn.q_norm.weight"
+        names["k_norm"] = p + "self_attn.k_norm.weight"
+    names["router"] = p + ("block_sparse_moe.gate.weight" if cfg.model_type == "mixtral" else "mlp.gate.weight")
+    return names
+
+
+def _expert_names(cfg: ModelConfig, i: int, j: int) -> tuple[str, str, str]:
+    """HF names of (gate, up, down) of expert j in layer i."""
+    if cfg.model_type == "mixtral":
+        p = f"model.layers.{i}.block_sparse_moe.experts.{j}."
+        return p + "w1.weight", p + "w3.weight", p + "w2.weight"
+    p = f"model.layers.{i}.mlp.experts.{j}."
+    return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
+
+
+def _layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Expected HF (torch [out, in]) shapes of the per-layer tensors."""
+    d, hd = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    s = {"attn_norm": (d,), "mlp_norm": (d,), "wq": (q, d), "wk": (kv, d), "wv": (kv, d), "wo": (d, q),
+         "router": (cfg.num_experts, d)}
+    if cfg.qk_norm == "per_head":
+        s["q_norm"], s["k_norm"] = (hd,), (hd,)
+    elif cfg.qk_norm == "full":
+        s["q_norm"], s["k_norm"] = (q,), (kv,)
+    return s
+
+
+class _TensorIndex:
+    """Finds tensors across a single ``model.safetensors`` or a sharded checkpoint."""
+
+    def __init__(self, ckpt_dir: str):
+        index_path = os.path.join(ckpt_dir, "model.safetensors.index.json")
+        single = os.path.join(ckpt_dir, "model.safetensors")
+        if os.path.exists(index_path):
+            try:
+                with open(index_path) as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index_path}: cannot read 'weight_map' ({e})") from None
+            self.where = {k: os.path.join(ckpt_dir, v) for k, v in weight_map.items()}
+        elif os.path.exists(single):
+            self.where = None
+            self._single = single
+        else:
+            raise CheckpointError(f"{ckpt_dir}: no model.safetensors or model.safetensors.index.json")
+        self._open: dict[str, Any] = {}
+        if self.where is None:
+            self.where = {k: single for k in self._file(single).keys()}
+
+    def _file(self, path: str):
+        if path not in self._open:
+            try:
+                self._open[path] = safe_open(path, framework="np")
+            except Exception as e:  # safetensors raises several error types for bad files
+                raise CheckpointError(f"{path}: cannot open safetensors file ({e})") from None
+        return self._open[path]
+
+    def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name not in self.where:
+            raise CheckpointError(f"checkpoint is missing tensor '{name}'")
+        path = self.where[name]
+        try:
+            t = self._file(path).get_tensor(name)
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"{path}: cannot read tensor '{name}' ({e})") from None
+        if tuple(t.shape) != tuple(shape):
+            raise CheckpointError(f"{path}: tensor '{name}' has shape {tuple(t.shape)}, expected {tuple(shape)}")
+        return t
+
+
+def load_tokenizer(ckpt_dir: str):
+    """A ``tokenizers.Tokenizer`` from ``tokenizer.json``, or None when the file is absent."""
+    path = os.path.join(ckpt_dir, "tokenizer.json")
+    if not os.path.exists(path):
+        return None
+    from tokenizers import Tokenizer
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as e:
+        raise CheckpointError(f"{path}: cannot load tokenizer ({e})") from None
+
+
+def load_checkpoint(ckpt_dir: str, dtype: str | None = None, progress: bool = True) -> LoadedModel:
+    """Loads an HF MoE checkpoint directory.
+
+    Args:
+      ckpt_dir: directory with config.json and model.safetensors (or an index + shards).
+      dtype: compute dtype ("float32" | "bfloat16" | "float16"); default: the checkpoint's.
+      progress: show a tqdm progress bar over tensors.
+    Returns:
+      LoadedModel with device params and host-memory expert banks in the compute dtype.
+    Raises:
+      ConfigError / CheckpointError: missing or unreadable files, missing tensors, shape mismatch.
+    """
+    if not os.path.isdir(ckpt_dir):
+        raise CheckpointError(f"{ckpt_dir}: checkpoint directory does not exist")
+    cfg = load_hf_config(ckpt_dir)
+    dtype = dtype or cfg.dtype
+    if dtype not in DTYPES:
+        raise CheckpointError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPES)}")
+    np_dtype = DTYPES[dtype]
+    idx = _TensorIndex(ckpt_dir)
+    L, E, D, F = cfg.num_layers, cfg.num_experts, cfg.hidden_size, cfg.expert_ffn
+    shapes = _layer_shapes(cfg)
+    total = 2 + (0 if cfg.tie_word_embeddings else 1) + L * (len(shapes) + 3 * E)
+    bar = tqdm(total=total, desc=f"loading {os.path.basename(os.path.normpath(ckpt_dir))}", unit="tensor",
+               disable=not progress, leave=False)
+
+    def get(name, shape, transpose=False):
+        t = idx.get(name, shape)
+        bar.update(1)
+        return (t.T if transpose else t).astype(np_dtype)
+
+    layers: dict[str, list[np.ndarray]] = {k: [] for k in shapes}
+    gate_up = np.empty((L * E, D, 2 * F), np_dtype)
+    down = np.empty((L * E, F, D), np_dtype)
+    for i in range(L):
+        for key, name in _hf_names(cfg, i).items():
+            layers[key].append(get(name, shapes[key], transpose=len(shapes[key]) == 2))
+        for j in range(E):
+            g, u, dn = _expert_names(cfg, i, j)
+            gate_up[i * E + j, :, :F] = get(g, (F, D), True)
+            gate_up[i * E + j, :, F:] = get(u, (F, D), True)
+            down[i * E + j] = get(dn, (D, F), True)
+    params: dict[str, Any] = {
+        "embed": get("model.embed_tokens.weight", (cfg.vocab_size, D)),
+        "final_norm": get("model.norm.weight", (D,)),
+        "layers": {k: np.stack(v) for k, v in layers.items()},
+    }
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = get("lm_head.weight", (cfg.vocab_size, D), True)
+    bar.close()
+    params = jax.tree.map(memory.to_device, params)
+    return LoadedModel(cfg, params, memory.to_host(gate_up), memory.to_host(down), dtype,
+                       load_tokenizer(ckpt_dir), name=ckpt_dir)
+
+
+def random_model(cfg: ModelConfig, dtype: str | None = None, seed: int = 0, scale: float = 0.5) -> LoadedModel:
+    """Random weights at ``cfg``'s shape: non-expert params on the device, expert banks created
+    directly in host memory by a jitted generator whose output sharding is the host memory kind
+    (no numpy detour through one host thread).
+
+    Weights are N(0, 1) * scale / sqrt(fan_in); norms are ones. Deterministic in ``seed``.
+    """
+    dtype = dtype or cfg.dtype
+    jdt = jnp.dtype(DTYPES[dtype])
+    L, E, D, F = cfg.num_layers, cfg.num_experts, cfg.hidden_size, cfg.expert_ffn
+    hd = cfg.head_dim
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    keys = iter(jax.random.split(jax.random.key(seed), 16))
+
+    def w(shape, fan_in):
+        return (jax.random.normal(next(keys), shape, jnp.float32) * (scale / fan_in ** 0.5)).astype(jdt)
+
+    layers = {"attn_norm": jnp.ones((L, D), jdt), "mlp_norm": jnp.ones((L, D), jdt),
+              "wq": w((L, D, q), D), "wk": w((L, D, kv), D), "wv": w((L, D, kv), D), "wo": w((L, q, D), q),
+              "router": w((L, D, E), D)}
+    if cfg.qk_norm == "per_head":
+        layers["q_norm"], layers["k_norm"] = jnp.ones((L, hd), jdt), jnp.ones((L, hd), jdt)
+    elif cfg.qk_norm == "full":
+        layers["q_norm"], layers["k_norm"] = jnp.ones((L, q), jdt), jnp.ones((L, kv), jdt)
+    params = {"embed": w((cfg.vocab_size, D), 1.0), "final_norm": jnp.ones((D,), jdt), "layers": layers}
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = w((D, cfg.vocab_size), D)
+    params = jax.tree.map(memory.to_device, params)
+
+    host = memory.host_sharding()
+
+    def bank(key, shape, fan_in):
+        # One layer at a time inside a scan (bounded float32 temporaries); the stacked result is
+        # the jit's output, placed in host memory by its output sharding.
+        def gen(k):
+            def layer(_, kl):
+                return None, (jax.random.normal(kl, shape, jnp.float32) * (scale / fan_in ** 0.5)).astype(jdt)
+            return jax.lax.scan(layer, None, jax.random.split(k, L))[1].reshape((L * E,) + shape[1:])
+        return jax.jit(gen, out_shardings=host)(key)
+
+    k_gu, k_dn = jax.random.split(jax.random.key(seed + 1))
+    host_gate_up = bank(k_gu, (E, D, 2 * F), D)
+    host_down = bank(k_dn, (E, F, D), F)
+    return LoadedModel(cfg, params, host_gate_up, host_down, dtype, None, name=f"random:{cfg.model_type}")

@@ -1,0 +1,240 @@
+"""Model configuration: parsed from a Hugging Face ``config.json``, or a named preset.
+
+The config is a frozen (hashable) dataclass so that it can be a static argument of ``jax.jit``.
+Supported families: ``qwen3_moe``, ``olmoe``, ``mixtral`` (every decoder layer a routed-expert MoE,
+SwiGLU experts, softmax top-k router, RoPE, grouped-query attention). Anything else in a config
+that would change the math (dense layers interleaved, sliding windows, rope scaling, biases, qkv
+clipping, shared experts, other activations) is refused with a :class:`ConfigError` naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Mapping
+
+FAMILIES = ("qwen3_moe", "olmoe", "mixtral")
+# How each family normalises queries and keys before RoPE.
+#   per_head: RMSNorm over head_dim, one weight [head_dim] (Qwen3).
+#   full:     RMSNorm over the whole projection, weights [H*head_dim] (OLMoE).
+QK_NORM = {"qwen3_moe": "per_head", "olmoe": "full", "mixtral": "none"}
+
+
+class ConfigError(ValueError):
+    """A config.json that ftjax cannot run: missing field, wrong type, or unsupported feature."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape and math of one MoE decoder-only model.
+
+    Attributes:
+      model_type: one of :data:`FAMILIES`.
+      vocab_size: V, number of token ids.
+      hidden_size: D, residual width.
+      num_layers: L, decoder layers (each with a routed-expert MLP).
+      num_heads, num_kv_heads, head_dim: attention shape (grouped-query when kv < heads).
+      num_experts: E, routed experts per layer.
+      top_k: experts per token.
+      expert_ffn: F, intermediate width of one SwiGLU expert.
+      norm_topk_prob: renormalise the top-k router probabilities to sum to one.
+      qk_norm: "none" | "per_head" | "full" (see module docstring).
+      rms_norm_eps: epsilon of every RMSNorm.
+      rope_theta: RoPE base.
+      tie_word_embeddings: lm head shares the embedding matrix.
+      max_position_embeddings: longest sequence (prompt + generated) in tokens.
+      dtype: dtype the checkpoint stores ("float32" | "bfloat16" | "float16").
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int
+    top_k: int
+    expert_ffn: int
+    norm_topk_prob: bool
+    qk_norm: str
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    dtype: str = "float32"
+
+    # ---- derived sizes -------------------------------------------------------------------
+    def expert_bytes(self, itemsize: int) -> int:
+        """Bytes of one expert's weights (gate, up, down) at ``itemsize`` bytes per element."""
+        return 3 * self.hidden_size * self.expert_ffn * itemsize
+
+    def pool_bytes(self, itemsize: int) -> int:
+        """Bytes of all L*E routed experts."""
+        return self.num_layers * self.num_experts * self.expert_bytes(itemsize)
+
+    def non_expert_param_count(self) -> int:
+        """Number of parameters outside the routed experts (embeddings, attention, norms, router, head)."""
+        d, hd = self.hidden_size, self.head_dim
+        q, kv = self.num_heads * hd, self.num_kv_heads * hd
+        per_layer = d * q + 2 * d * kv + q * d + 2 * d + d * self.num_experts
+        if self.qk_norm == "per_head":
+            per_layer += 2 * hd
+        elif self.qk_norm == "full":
+            per_layer += q + kv
+        head = 0 if self.tie_word_embeddings else d * self.vocab_size
+        return self.vocab_size * d + self.num_layers * per_layer + d + head
+
+    def kv_cache_bytes(self, batch: int, max_seq_len: int, itemsize: int) -> int:
+        """Bytes of a K and V cache for ``batch`` sequences of ``max_seq_len`` tokens."""
+        return 2 * self.num_layers * batch * max_seq_len * self.num_kv_heads * self.head_dim * itemsize
+
+    def identity(self) -> dict:
+        """Fields that define the model's math (used to key stored KV chunks)."""
+        return dataclasses.asdict(self)
+
+
+def _get(d: Mapping[str, Any], keys: tuple[str, ...], source: str, kind: type | tuple = int,
+         default: Any = dataclasses.MISSING) -> Any:
+    for k in keys:
+        if k in d and d[k] is not None:
+            v = d[k]
+            if kind is float and isinstance(v, int) and not isinstance(v, bool):
+                v = float(v)
+            if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
+                raise ConfigError(f"{source}: field '{k}' should be {getattr(kind, '__name__', kind)}, "
+                                  f"got {type(v).__name__} {v!r}")
+            return v
+    if default is dataclasses.MISSING:
+        raise ConfigError(f"{source}: required field '{keys[0]}' is missing")
+    return default
+
+
+def _refuse(cond: bool, source: str, field: str, why: str) -> None:
+    if cond:
+        raise ConfigError(f"{source}: unsupported '{field}': {why}")
+
+
+def from_hf_dict(d: Mapping[str, Any], source: str = "config.json") -> ModelConfig:
+    """Parses a Hugging Face config dict into a :class:`ModelConfig`.
+
+    Args:
+      d: the parsed ``config.json``.
+      source: a name for error messages (usually the file path).
+    Raises:
+      ConfigError: unknown model_type, missing or ill-typed required field, or a feature that
+        ftjax does not implement (the message names the field).
+    """
+    mt = d.get("model_type")
+    if mt not in FAMILIES:
+        raise ConfigError(f"{source}: unsupported 'model_type' {mt!r}; supported: {', '.join(FAMILIES)}")
+    hidden = _get(d, ("hidden_size",), source)
+    heads = _get(d, ("num_attention_heads",), source)
+    if hidden <= 0 or heads <= 0:
+        raise ConfigError(f"{source}: 'hidden_size' and 'num_attention_heads' must be positive")
+    kv_heads = _get(d, ("num_key_value_heads",), source, default=heads)
+    head_dim = _get(d, ("head_dim",), source, default=hidden // heads)
+    if heads % kv_heads:
+        raise ConfigError(f"{source}: 'num_attention_heads' ({heads}) must be a multiple of "
+                          f"'num_key_value_heads' ({kv_heads})")
+    act = d.get("hidden_act", "silu")
+    _refuse(act != "silu", source, "hidden_act", f"{act!r} (only silu SwiGLU experts)")
+    _refuse(bool(d.get("attention_bias", False)), source, "attention_bias", "biases are not implemented")
+    _refuse(d.get("rope_scaling") not in (None, {}), source, "rope_scaling", f"{d.get('rope_scaling')!r}")
+    rope_params = d.get("rope_parameters") or {}
+    rope_type = rope_params.get("rope_type", "default")
+    _refuse(rope_type != "default", source, "rope_parameters.rope_type", f"{rope_type!r} (only default RoPE)")
+    rope_theta = float(rope_params.get("rope_theta", d.get("rope_theta", 10000.0)))
+    _refuse(d.get("partial_rotary_factor", 1.0) != 1.0, source, "partial_rotary_factor", "partial RoPE")
+
+    if mt == "qwen3_moe":
+        experts = _get(d, ("num_experts", "num_local_experts"), source)
+        ffn = _get(d, ("moe_intermediate_size",), source)
+        _refuse(d.get("decoder_sparse_step", 1) != 1, source, "decoder_sparse_step",
+                "dense MLP layers interleaved with MoE layers")
+        _refuse(bool(d.get("mlp_only_layers")), source, "mlp_only_layers",
+                "dense MLP layers interleaved with MoE layers")
+        _refuse(bool(d.get("use_sliding_window", False)), source, "use_sliding_window", "sliding-window attention")
+        _refuse(bool(d.get("shared_expert_intermediate_size")), source, "shared_expert_intermediate_size",
+                "shared experts")
+        norm_topk = bool(d.get("norm_topk_prob", False))
+    elif mt == "olmoe":
+        experts = _get(d, ("num_experts",), source)
+        ffn = _get(d, ("intermediate_size",), source)
+        _refuse(d.get("clip_qkv") is not None, source, "clip_qkv", "qkv clipping")
+        norm_topk = bool(d.get("norm_topk_prob", False))
+    else:  # mixtral
+        experts = _get(d, ("num_local_experts",), source)
+        ffn = _get(d, ("intermediate_size",), source)
+        _refuse(d.get("sliding_window") is not None, source, "sliding_window", "sliding-window attention")
+        norm_topk = True  # Mixtral always renormalises its top-k weights
+    top_k = _get(d, ("num_experts_per_tok",), source)
+    if not 0 < top_k <= experts:
+        raise ConfigError(f"{source}: 'num_experts_per_tok' must be in [1, {experts}], got {top_k}")
+    dtype = d.get("torch_dtype") or d.get("dtype") or "float32"
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(f"{source}: unsupported 'dtype' {dtype!r} (float32, bfloat16, float16)")
+    return ModelConfig(
+        model_type=mt, vocab_size=_get(d, ("vocab_size",), source), hidden_size=hidden,
+        num_layers=_get(d, ("num_hidden_layers",), source), num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=head_dim, num_experts=experts, top_k=top_k, expert_ffn=ffn, norm_topk_prob=norm_topk,
+        qk_norm=QK_NORM[mt], rms_norm_eps=_get(d, ("rms_norm_eps",), source, float, 1e-6),
+        rope_theta=rope_theta, tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        max_position_embeddings=_get(d, ("max_position_embeddings",), source, default=4096), dtype=dtype)
+
+
+def load_hf_config(path: str | os.PathLike) -> ModelConfig:
+    """Reads ``config.json`` (a file, or a checkpoint directory holding one).
+
+    Raises:
+      ConfigError: the file is missing, is not JSON, or is not a supported config.
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read config ({e})") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(d).__name__}")
+    return from_hf_dict(d, source=path)
+
+
+# Real shapes for benchmarks with synthetic weights (DESIGN.md section 4), and the built-in demo.
+PRESETS: dict[str, ModelConfig] = {
+    "qwen3-30b-a3b": ModelConfig(
+        model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32,
+        num_kv_heads=4, head_dim=128, num_experts=128, top_k=8, expert_ffn=768, norm_topk_prob=True,
+        qk_norm="per_head", rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False,
+        max_position_embeddings=40960, dtype="bfloat16"),
+    "olmoe-1b-7b": ModelConfig(
+        model_type="olmoe", vocab_size=50304, hidden_size=2048, num_layers=16, num_heads=16,
+        num_kv_heads=16, head_dim=128, num_experts=64, top_k=8, expert_ffn=1024, norm_topk_prob=False,
+        qk_norm="full", rms_norm_eps=1e-5, rope_theta=1e4, tie_word_embeddings=False,
+        max_position_embeddings=4096, dtype="bfloat16"),
+    "mixtral-8x7b": ModelConfig(
+        model_type="mixtral", vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32,
+        num_kv_heads=8, head_dim=128, num_experts=8, top_k=2, expert_ffn=14336, norm_topk_prob=True,
+        qk_norm="none", rms_norm_eps=1e-5, rope_theta=1e6, tie_word_embeddings=False,
+        max_position_embeddings=32768, dtype="bfloat16"),
+    # Built-in demo: small enough for a CPU, with enough experts that a cache smaller than the
+    # pool shows hits and misses.
+    "tiny": ModelConfig(
+        model_type="qwen3_moe", vocab_size=512, hidden_size=128, num_layers=4, num_heads=4,
+        num_kv_heads=2, head_dim=32, num_experts=16, top_k=4, expert_ffn=128, norm_topk_prob=True,
+        qk_norm="per_head", rms_norm_eps=1e-6, rope_theta=1e4, tie_word_embeddings=False,
+        max_position_embeddings=2048, dtype="float32"),
+}
+
+
+def preset(name: str) -> ModelConfig:
+    """Returns a preset config by name; raises ConfigError listing the known names."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ConfigError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}") from None

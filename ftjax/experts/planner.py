@@ -1,0 +1,95 @@
+"""Device-memory plan: how many expert slots fit a VRAM budget (DESIGN.md 1.1, 1.3).
+
+budget = non-expert weights + KV cache + workspace + S * expert_bytes, with S clamped to
+[E, L*E]. The workspace margin covers activations and the one layer of experts that grouped
+prefill gathers (``ftjax.experts.compute``): ``WORKSPACE_BASE_BYTES + E * expert_bytes``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from ftjax.config import ModelConfig
+
+GB = 1e9
+WORKSPACE_BASE_BYTES = int(0.5 * GB)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per part of the device budget and the resulting slot count.
+
+    All sizes in bytes. ``slots`` is S; ``fits_resident``: the whole pool fits (S = L*E);
+    ``prefill_double_buffer``: S >= 2E, so prefill can stream whole layers through two buffers.
+    """
+
+    budget_bytes: int
+    non_expert_bytes: int
+    kv_cache_bytes: int
+    workspace_bytes: int
+    expert_bytes: int
+    slots: int
+    pool_slots: int
+    num_experts: int
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.slots * self.expert_bytes
+
+    @property
+    def fits_resident(self) -> bool:
+        return self.slots >= self.pool_slots
+
+    @property
+    def prefill_double_buffer(self) -> bool:
+        return self.slots >= 2 * self.num_experts
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.update(slot_bytes=self.slot_bytes, fits_resident=self.fits_resident,
+                 prefill_double_buffer=self.prefill_double_buffer)
+        return d
+
+    def describe(self) -> str:
+        gb = lambda n: f"{n / GB:8.3f} GB"  # noqa: E731
+        rows = [("budget", self.budget_bytes), ("non-expert weights", self.non_expert_bytes),
+                ("KV cache", self.kv_cache_bytes), ("workspace", self.workspace_bytes),
+                (f"expert slots ({self.slots} x {self.expert_bytes / 1e6:.2f} MB)", self.slot_bytes)]
+        lines = ["memory plan:"] + [f"  {name:<40} {gb(n)}" for name, n in rows]
+        lines.append(f"  slots {self.slots} of {self.pool_slots} experts in the pool "
+                     f"({100 * self.slots / self.pool_slots:.1f}%); prefill double buffer "
+                     f"(needs {2 * self.num_experts} slots): {'yes' if self.prefill_double_buffer else 'no'}")
+        return "\n".join(lines)
+
+
+def plan_memory(cfg: ModelConfig, itemsize: int, budget_bytes: int | None = None, slots: int | None = None,
+                batch: int = 1, max_seq_len: int = 512) -> MemoryPlan:
+    """Plans the device memory for a budget or an explicit slot count (exactly one of them).
+
+    Args:
+      cfg: model config; itemsize: bytes per weight/KV element (2 for bf16).
+      budget_bytes: device bytes available to ftjax. slots: explicit S instead.
+    Raises:
+      ValueError: neither or both given; the budget leaves fewer than E slots (the message gives
+        the minimum budget); slots outside [E, L*E].
+    """
+    if (budget_bytes is None) == (slots is None):
+        raise ValueError("give exactly one of a VRAM budget or a slot count")
+    e, pool = cfg.num_experts, cfg.num_layers * cfg.num_experts
+    eb = cfg.expert_bytes(itemsize)
+    non_expert = cfg.non_expert_param_count() * itemsize
+    kv = cfg.kv_cache_bytes(batch, max_seq_len, itemsize)
+    workspace = WORKSPACE_BASE_BYTES + e * eb
+    fixed = non_expert + kv + workspace
+    if slots is None:
+        slots = min(pool, (budget_bytes - fixed) // eb) if budget_bytes > fixed else 0
+        if slots < e:
+            need = fixed + e * eb
+            raise ValueError(f"VRAM budget {budget_bytes / GB:.3f} GB leaves {max(slots, 0)} expert slots; "
+                             f"at least E={e} are needed (one layer may route to every expert): the minimum "
+                             f"budget is {math.ceil(need / 1e7) / 100:.2f} GB")
+    elif not e <= slots <= pool:
+        raise ValueError(f"expert slots {slots} out of range: need E={e} <= slots <= L*E={pool}")
+    budget = budget_bytes if budget_bytes is not None else fixed + slots * eb
+    return MemoryPlan(int(budget), int(non_expert), int(kv), int(workspace), int(eb), int(slots), pool, e)

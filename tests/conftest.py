@@ -1,0 +1,31 @@
+"""Shared test fixtures: the transformers-made checkpoints under tests/fixtures/."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import numpy as np
+import pytest
+
+FIXTURES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
+FIXTURE_NAMES = ("qwen3_moe_fp32", "qwen3_moe_bf16", "olmoe_fp32", "mixtral_fp32", "qwen3_moe_sharded")
+
+
+def fixture_path(name: str) -> str:
+    return os.path.join(FIXTURES_DIR, name)
+
+
+@functools.lru_cache(maxsize=None)
+def load_fixture(name: str, dtype: str = "float32"):
+    """(LoadedModel, expected npz dict) for a fixture; cached across tests."""
+    from ftjax.checkpoint import load_checkpoint
+    model = load_checkpoint(fixture_path(name), dtype, progress=False)
+    with np.load(os.path.join(fixture_path(name), "expected.npz")) as z:
+        expected = {k: z[k] for k in z.files}
+    return model, expected
+
+
+@pytest.fixture(params=FIXTURE_NAMES)
+def fixture_name(request):
+    return request.param

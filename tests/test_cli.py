@@ -1,0 +1,109 @@
+"""The `python -m ftjax.generate` command end to end, and its errors on bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import fixture_path, load_fixture
+from ftjax.checkpoint import CheckpointError, load_checkpoint
+
+
+def _run(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-m", "ftjax.generate", "--noprogress", *args],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=cwd)
+
+
+def test_generate_fixture_writes_metrics_and_logits(tmp_path):
+    _, exp = load_fixture("qwen3_moe_fp32")
+    prompt = exp["short_prompt_ids"].tolist()
+    metrics, logits = tmp_path / "m.json", tmp_path / "l.npy"
+    r = _run(f"--checkpoint={fixture_path('qwen3_moe_fp32')}", f"--prompt_ids={','.join(map(str, prompt))}",
+             "--dtype=float32", "--temperature=0", "--max_new_tokens=16", "--expert_slots=8",
+             f"--metrics_json={metrics}", f"--logits_npy={logits}")
+    assert r.returncode == 0, r.stderr
+    m = json.loads(metrics.read_text())
+    assert m["prompt_ids"] == prompt
+    assert m["generated_ids"] == exp["short_generated_ids"].tolist()
+    for key in ("ttft_s", "prefill_tokens_per_s", "decode_tokens_per_s"):
+        assert m[key] > 0
+    ec = m["expert_cache"]
+    assert ec["slots"] == 8 and ec["hits"] + ec["misses"] > 0 and 0 <= ec["hit_rate"] <= 1
+    assert len(ec["hit_rate_per_layer"]) == 3
+    got = np.load(logits)
+    assert got.dtype == np.float32 and got.shape == (16, 384)
+    assert np.abs(got - exp["short_step_logits"]).max() < 1e-3
+    assert "memory plan" in r.stdout and "TTFT" in r.stdout
+
+
+def test_generate_text_prompt_prints_text():
+    r = _run(f"--checkpoint={fixture_path('mixtral_fp32')}", "--prompt=The quick brown fox", "--max_new_tokens=4")
+    assert r.returncode == 0, r.stderr
+    assert "text:" in r.stdout
+
+
+def test_default_demo_runs_with_cache_smaller_than_pool(tmp_path):
+    r = _run("--max_new_tokens=8", f"--metrics_json={tmp_path / 'm.json'}")
+    assert r.returncode == 0, r.stderr
+    m = json.loads((tmp_path / "m.json").read_text())
+    plan = m["memory_plan"]
+    assert m["experts_mode"] == "cached" and plan["slots"] < plan["pool_slots"]
+    assert m["expert_cache"]["bytes_h2d"] > 0
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--checkpoint=/nonexistent/ckpt"], "does not exist"),
+    (["--prompt_ids=1,2,99999"], "outside the vocabulary"),
+    (["--prompt_ids=1,x"], "must be integers"),
+    (["--prompt_len=2040", "--max_new_tokens=16"], "max_position_embeddings"),
+    (["--expert_slots=3"], "out of range"),
+    (["--vram_budget_gb=0.1"], "minimum budget"),
+    (["--prompt=hi"], "tokenizer"),
+])
+def test_bad_input_one_line_error(args, message, tmp_path):
+    metrics = tmp_path / "m.json"
+    r = _run(*args, f"--metrics_json={metrics}")
+    assert r.returncode == 1
+    assert message in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not metrics.exists()  # nothing half-written
+
+
+def test_checkpoint_errors(tmp_path):
+    src = fixture_path("qwen3_moe_fp32")
+    dst = tmp_path / "ckpt"
+    shutil.copytree(src, dst)
+    os.remove(dst / "model.safetensors")
+    with pytest.raises(CheckpointError, match="no model.safetensors"):
+        load_checkpoint(str(dst), progress=False)
+    (dst / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="cannot open safetensors"):
+        load_checkpoint(str(dst), progress=False)
+    # a config whose sizes disagree with the tensors: shape mismatch names the tensor
+    shutil.copy(os.path.join(src, "model.safetensors"), dst / "model.safetensors")
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["moe_intermediate_size"] = 48
+    (dst / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"gate_proj.weight' has shape \(32, 64\), expected \(48, 64\)"):
+        load_checkpoint(str(dst), progress=False)
+    # a missing tensor
+    cfg["moe_intermediate_size"] = 32
+    cfg["num_local_experts"] = 9
+    (dst / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError):
+        load_checkpoint(str(dst), progress=False)
+
+
+def test_sharded_checkpoint_same_weights_as_single():
+    single, _ = load_fixture("qwen3_moe_fp32")
+    sharded, _ = load_fixture("qwen3_moe_sharded")
+    np.testing.assert_array_equal(np.asarray(single.host_gate_up), np.asarray(sharded.host_gate_up))
+    np.testing.assert_array_equal(np.asarray(single.params["lm_head"]), np.asarray(sharded.params["lm_head"]))
+    assert sharded.host_gate_up.sharding.memory_kind in ("pinned_host", "unpinned_host")

@@ -1,0 +1,84 @@
+"""Config parsing: supported families parse, unsupported features are refused by field name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import FIXTURE_NAMES, fixture_path
+from ftjax.config import ConfigError, from_hf_dict, load_hf_config, preset
+
+
+def _base(name="qwen3_moe_fp32") -> dict:
+    with open(fixture_path(name) + "/config.json") as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
+def test_fixture_configs_parse(name):
+    cfg = load_hf_config(fixture_path(name))
+    assert (cfg.num_layers, cfg.num_experts, cfg.top_k, cfg.hidden_size, cfg.head_dim) == (3, 8, 2, 64, 16)
+    assert cfg.rope_theta == 10000.0
+
+
+def test_family_details():
+    assert load_hf_config(fixture_path("olmoe_fp32")).qk_norm == "full"
+    assert load_hf_config(fixture_path("qwen3_moe_fp32")).qk_norm == "per_head"
+    mix = load_hf_config(fixture_path("mixtral_fp32"))
+    assert mix.qk_norm == "none" and mix.norm_topk_prob and mix.tie_word_embeddings
+    assert load_hf_config(fixture_path("qwen3_moe_bf16")).dtype == "bfloat16"
+
+
+def test_legacy_keys_accepted():
+    d = _base()
+    d["num_experts"] = d.pop("num_local_experts")
+    d["rope_theta"] = 5e5
+    d.pop("rope_parameters")
+    cfg = from_hf_dict(d)
+    assert cfg.num_experts == 8 and cfg.rope_theta == 5e5
+
+
+@pytest.mark.parametrize("field,value", [
+    ("model_type", "llama"), ("mlp_only_layers", [0]), ("decoder_sparse_step", 2),
+    ("use_sliding_window", True), ("rope_scaling", {"type": "yarn", "factor": 4.0}),
+    ("hidden_act", "gelu"), ("attention_bias", True)])
+def test_unsupported_refused_naming_field(field, value):
+    d = _base()
+    d[field] = value
+    with pytest.raises(ConfigError, match=field):
+        from_hf_dict(d)
+
+
+def test_mixtral_sliding_window_refused():
+    d = _base("mixtral_fp32")
+    d["sliding_window"] = 4096
+    with pytest.raises(ConfigError, match="sliding_window"):
+        from_hf_dict(d)
+
+
+def test_missing_and_mistyped_fields():
+    d = _base()
+    del d["hidden_size"]
+    with pytest.raises(ConfigError, match="'hidden_size' is missing"):
+        from_hf_dict(d)
+    d = _base()
+    d["num_hidden_layers"] = "3"
+    with pytest.raises(ConfigError, match="num_hidden_layers"):
+        from_hf_dict(d)
+
+
+def test_missing_and_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        load_hf_config(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_hf_config(tmp_path)
+
+
+def test_presets_sizes():
+    q = preset("qwen3-30b-a3b")
+    assert abs(q.expert_bytes(2) / 1e6 - 9.44) < 0.01  # DESIGN.md section 4
+    assert abs(q.pool_bytes(2) / 1e9 - 58.0) < 0.1
+    with pytest.raises(ConfigError, match="unknown preset"):
+        preset("nope")

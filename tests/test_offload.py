@@ -1,0 +1,118 @@
+"""Expert offload never changes the math (DESIGN.md 1.1 invariant).
+
+Cached and on-demand runs read expert weights from device slots filled from host memory; the
+arithmetic is the same as the resident model's, so logits must be *bit-identical* for every
+slot count, including the smallest legal cache (S = E), over long greedy decodes where a stale
+or misplaced slot would show.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import load_fixture
+from ftjax.engine import Engine
+from ftjax.experts.planner import plan_memory
+
+STEPS = 200
+
+
+@pytest.fixture(scope="module")
+def resident_runs():
+    return {}
+
+
+def _decode(model, mode, slots, prompt, steps=STEPS, max_seq_len=256):
+    engine = Engine(model, mode, slots, max_seq_len=max_seq_len)
+    res = engine.generate([prompt], max_new_tokens=steps, keep_logits=True)
+    return res, engine
+
+
+def _resident(cache, name):
+    if name not in cache:
+        model, exp = load_fixture(name)
+        cache[name] = _decode(model, "resident", None, exp["short_prompt_ids"].tolist())[0]
+    return cache[name]
+
+
+@pytest.mark.parametrize("slots_rule", ["E", "E+1", "2E", "L*E"])
+def test_cached_decode_bit_identical(fixture_name, slots_rule, resident_runs):
+    model, exp = load_fixture(fixture_name)
+    e, le = model.cfg.num_experts, model.cfg.num_layers * model.cfg.num_experts
+    slots = {"E": e, "E+1": e + 1, "2E": 2 * e, "L*E": le}[slots_rule]
+    want = _resident(resident_runs, fixture_name)
+    got, engine = _decode(model, "cached", slots, exp["short_prompt_ids"].tolist())
+    assert got.generated_ids == want.generated_ids
+    np.testing.assert_array_equal(got.step_logits, want.step_logits)
+    m = engine.expert_cache_metrics()
+    assert m["slots"] == slots
+    if slots == le:  # everything fits: after the first touch of each expert, only hits
+        assert m["misses"] <= le
+    if slots == e:  # the smallest cache must really evict and refetch
+        assert m["misses"] > le
+    assert m["bytes_h2d"] == m["misses"] * model.expert_bytes
+
+
+def test_on_demand_bit_identical_and_never_hits(resident_runs):
+    model, exp = load_fixture("qwen3_moe_fp32")
+    want = _resident(resident_runs, "qwen3_moe_fp32")
+    got, engine = _decode(model, "on_demand", model.cfg.num_experts, exp["short_prompt_ids"].tolist())
+    np.testing.assert_array_equal(got.step_logits, want.step_logits)
+    m = engine.expert_cache_metrics()
+    assert m["hits"] == 0 and m["misses"] > 0
+
+
+def test_long_prompt_grouped_prefill_cached_equals_resident():
+    """300-token prompt: the grouped (ragged_dot) expert path, with the smallest cache."""
+    model, exp = load_fixture("olmoe_fp32")
+    prompt = exp["long_prompt_ids"].tolist()
+    want = _decode(model, "resident", None, prompt, steps=24, max_seq_len=384)[0]
+    got = _decode(model, "cached", model.cfg.num_experts, prompt, steps=24, max_seq_len=384)[0]
+    np.testing.assert_array_equal(got.step_logits, want.step_logits)
+    assert got.generated_ids[0][:16] == exp["long_generated_ids"].tolist()
+
+
+def test_batch_of_different_lengths_matches_single():
+    model, exp = load_fixture("qwen3_moe_fp32")
+    base = exp["long_prompt_ids"].tolist()
+    prompts = [base[:5], base[10:27], base[40:80], base[100:200]]
+    engine = Engine(model, "cached", model.cfg.num_experts + 3, max_seq_len=256, batch=4)
+    batched = engine.generate(prompts, max_new_tokens=20).generated_ids
+    for p, ids in zip(prompts, batched):
+        alone = Engine(model, "cached", model.cfg.num_experts + 3, max_seq_len=256).generate([p], 20)
+        assert alone.generated_ids[0] == ids
+
+
+def test_trace_routing_shapes_and_counts():
+    model, exp = load_fixture("mixtral_fp32")
+    engine = Engine(model, "cached", model.cfg.num_experts, max_seq_len=64)
+    prompt = exp["short_prompt_ids"].tolist()
+    res = engine.generate([prompt], max_new_tokens=5, trace_routing=True)
+    cfg = model.cfg
+    assert len(res.routing) == 5
+    assert res.routing[1].shape == (cfg.num_layers, 1, cfg.top_k)
+    # padding tokens of the prefill bucket are marked -1, real ones are valid expert ids
+    first = res.routing[0]
+    assert (first[:, : len(prompt)] >= 0).all() and (first[:, len(prompt):] == -1).all()
+    # a decode step's distinct experts are exactly its hits + misses
+    m = engine.expert_cache_metrics()["decode"]
+    distinct = sum(len(set(r[l, 0].tolist())) for r in res.routing[1:] for l in range(cfg.num_layers))
+    assert m["hits"] + m["misses"] == distinct
+
+
+def test_plan_memory_budget_and_errors():
+    model, _ = load_fixture("qwen3_moe_fp32")
+    cfg = model.cfg
+    eb = cfg.expert_bytes(4)
+    plan = plan_memory(cfg, 4, slots=cfg.num_experts)
+    # the same budget gives back the same slots; one byte less gives one slot fewer
+    again = plan_memory(cfg, 4, budget_bytes=plan.budget_bytes + 2 * eb)
+    assert again.slots == cfg.num_experts + 2
+    assert plan_memory(cfg, 4, budget_bytes=10**12).slots == cfg.num_layers * cfg.num_experts
+    with pytest.raises(ValueError, match="minimum budget"):
+        plan_memory(cfg, 4, budget_bytes=plan.budget_bytes - 1)
+    with pytest.raises(ValueError, match="out of range"):
+        plan_memory(cfg, 4, slots=cfg.num_experts - 1)
+    with pytest.raises(ValueError, match="exactly one"):
+        plan_memory(cfg, 4)

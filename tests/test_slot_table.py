@@ -1,0 +1,491 @@
+"""Tests for ftjax.experts.slot_table (global LRU expert slot cache, DESIGN.md 1.1).
+
+The JAX table is checked call by call against an independent, plain-Python, dict-based LRU
+with the same policy (hits refresh; misses in ascending expert id take the least recently used
+slots not holding a hit of the current call, free slots first, ties to the lowest slot index;
+clock += 1 per call).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ftjax.experts.slot_table import (
+    LayerLookup,
+    SlotTable,
+    forget_slots,
+    init_resident_table,
+    init_slot_table,
+    lookup_layer,
+    lookup_layer_no_reuse,
+    reset_table,
+)
+
+# One compiled program per shape: layer is passed as an int32 array, so it is traced.
+_lookup = jax.jit(lookup_layer, static_argnums=3)
+_lookup_no_reuse = jax.jit(lookup_layer_no_reuse, static_argnums=3)
+_forget = jax.jit(forget_slots)
+_reset = jax.jit(reset_table)
+
+
+# --------------------------------------------------------------------------------------------
+# Independent reference
+# --------------------------------------------------------------------------------------------
+class RefLRU:
+    """Dict-based global LRU over (layer, expert) with the documented tie-breaks."""
+
+    def __init__(self, num_layers: int, num_experts: int, num_slots: int):
+        self.L, self.E, self.S = num_layers, num_experts, num_slots
+        self.where: dict[tuple[int, int], int] = {}  # (layer, expert) -> slot
+        self.holder: dict[int, tuple[int, int]] = {}  # slot -> (layer, expert)
+        self.used: dict[int, int] = {}  # slot -> clock of last use (absent: never / free)
+        self.clock = 0
+
+    def lookup(self, layer: int, routed_experts: list[int]):
+        routed_experts = sorted(set(routed_experts))
+        hits = [e for e in routed_experts if (layer, e) in self.where]
+        misses = [e for e in routed_experts if (layer, e) not in self.where]
+        hit_slots = {self.where[(layer, e)] for e in hits}
+        for s in hit_slots:
+            self.used[s] = self.clock
+        candidates = sorted(
+            (s for s in range(self.S) if s not in hit_slots),
+            key=lambda s: (self.used.get(s, -1), s),
+        )
+        miss_slots, evicted = [], []
+        for e, s in zip(misses, candidates):
+            old = self.holder.get(s)
+            evicted.append(-1 if old is None else old[0] * self.E + old[1])
+            if old is not None:
+                del self.where[old]
+            self.holder[s] = (layer, e)
+            self.where[(layer, e)] = s
+            self.used[s] = self.clock
+            miss_slots.append(s)
+        assert len(miss_slots) == len(misses), "reference ran out of slots"
+        self.clock += 1
+        return dict(
+            hits=hits,
+            misses=misses,
+            miss_slots=miss_slots,
+            evicted=evicted,
+            slot_of_expert=[self.where.get((layer, e), -1) for e in range(self.E)],
+        )
+
+    def forget(self, slots):
+        for s in slots:
+            if 0 <= s < self.S:
+                old = self.holder.pop(s, None)
+                if old is not None:
+                    del self.where[old]
+                self.used.pop(s, None)
+
+    def reset(self):
+        self.where.clear()
+        self.holder.clear()
+        self.used.clear()
+
+    def arrays(self):
+        slot_of = np.full(self.L * self.E, -1, np.int32)
+        id_of_slot = np.full(self.S, -1, np.int32)
+        last_use = np.full(self.S, -1, np.int32)
+        for (l, e), s in self.where.items():
+            slot_of[l * self.E + e] = s
+            id_of_slot[s] = l * self.E + e
+        for s, c in self.used.items():
+            last_use[s] = c
+        return slot_of, id_of_slot, last_use, self.clock
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------
+def _np_table(t: SlotTable):
+    return (
+        np.asarray(t.slot_of),
+        np.asarray(t.id_of_slot),
+        np.asarray(t.last_use),
+        int(t.clock),
+    )
+
+
+def assert_table_equals_ref(t: SlotTable, ref: RefLRU):
+    slot_of, id_of_slot, last_use, clock = _np_table(t)
+    r_slot_of, r_id, r_last, r_clock = ref.arrays()
+    np.testing.assert_array_equal(slot_of, r_slot_of, err_msg="slot_of")
+    np.testing.assert_array_equal(id_of_slot, r_id, err_msg="id_of_slot")
+    np.testing.assert_array_equal(last_use, r_last, err_msg="last_use")
+    assert clock == r_clock
+
+
+def assert_table_invariants(t: SlotTable):
+    slot_of, id_of_slot, last_use, _ = _np_table(t)
+    for a in (t.slot_of, t.id_of_slot, t.last_use, t.clock):
+        assert a.dtype == jnp.int32
+    S, LE = id_of_slot.shape[0], slot_of.shape[0]
+    assert ((slot_of >= -1) & (slot_of < S)).all()
+    assert ((id_of_slot >= -1) & (id_of_slot < LE)).all()
+    # mutually inverse
+    for fid in np.nonzero(slot_of >= 0)[0]:
+        assert id_of_slot[slot_of[fid]] == fid
+    for s in np.nonzero(id_of_slot >= 0)[0]:
+        assert slot_of[id_of_slot[s]] == s
+    assert (slot_of >= 0).sum() == (id_of_slot >= 0).sum()
+    # free slots are never "used"
+    assert (last_use[id_of_slot < 0] == -1).all()
+
+
+def check_lookup(out: LayerLookup, before: SlotTable, layer: int, routed: np.ndarray, E: int):
+    """Invariants of one lookup_layer call that do not need the reference."""
+    t = out.table
+    assert_table_invariants(t)
+    slot_of_b, _, _, clock_b = _np_table(before)
+    slot_of, id_of_slot, last_use, clock = _np_table(t)
+    soe = np.asarray(out.slot_of_expert)
+    assert soe.dtype == np.int32 and soe.shape == (E,)
+    assert clock == clock_b + 1
+    routed_ids = np.nonzero(routed)[0]
+    base = layer * E
+    # every routed expert is resident, slot_of_expert gives its slot, and it is "used now"
+    for e in routed_ids:
+        assert slot_of[base + e] >= 0
+        assert soe[e] == slot_of[base + e]
+        assert id_of_slot[soe[e]] == base + e
+        assert last_use[soe[e]] == clock_b
+    # non-routed: slot if resident else -1
+    np.testing.assert_array_equal(soe, slot_of[base : base + E])
+    # no two routed experts share a slot
+    assert len(set(soe[routed_ids].tolist())) == len(routed_ids)
+    # hits were not evicted and did not move
+    was_resident = slot_of_b[base : base + E] >= 0
+    hit_ids = [e for e in routed_ids if was_resident[e]]
+    for e in hit_ids:
+        assert soe[e] == slot_of_b[base + e]
+    n_hit, n_miss = int(out.n_hit), int(out.n_miss)
+    assert n_hit == len(hit_ids)
+    assert n_hit + n_miss == int(routed.sum())
+    # miss list: ascending expert ids, padded with -1, slots distinct and padded with -1
+    me, ms = np.asarray(out.miss_experts), np.asarray(out.miss_slots)
+    assert me.shape == ms.shape == (E,)
+    assert (me[n_miss:] == -1).all() and (ms[n_miss:] == -1).all()
+    assert (np.asarray(out.evicted_ids)[n_miss:] == -1).all()
+    assert list(me[:n_miss]) == [e for e in routed_ids if not was_resident[e]]
+    assert (np.diff(me[:n_miss]) > 0).all()
+    np.testing.assert_array_equal(ms[:n_miss], soe[me[:n_miss]])
+    # only miss slots changed owner
+    changed = np.nonzero(np.asarray(before.id_of_slot) != id_of_slot)[0]
+    assert set(changed.tolist()) <= set(ms[:n_miss].tolist())
+
+
+def check_against_ref(out: LayerLookup, r: dict, E: int):
+    n_miss = len(r["misses"])
+    assert int(out.n_hit) == len(r["hits"])
+    assert int(out.n_miss) == n_miss
+    np.testing.assert_array_equal(np.asarray(out.slot_of_expert), r["slot_of_expert"])
+    np.testing.assert_array_equal(
+        np.asarray(out.miss_experts), r["misses"] + [-1] * (E - n_miss)
+    )
+    np.testing.assert_array_equal(
+        np.asarray(out.miss_slots), r["miss_slots"] + [-1] * (E - n_miss)
+    )
+    np.testing.assert_array_equal(
+        np.asarray(out.evicted_ids), r["evicted"] + [-1] * (E - n_miss)
+    )
+
+
+def _mask(bits: int, E: int) -> np.ndarray:
+    return np.array([(bits >> e) & 1 for e in range(E)], dtype=bool)
+
+
+# --------------------------------------------------------------------------------------------
+# Property test: random routing streams against the reference
+# --------------------------------------------------------------------------------------------
+@st.composite
+def streams(draw):
+    L = draw(st.integers(1, 4))
+    E = draw(st.integers(2, 8))
+    S = draw(st.integers(E, L * E))
+    steps = draw(st.integers(1, 30))
+    full = (1 << E) - 1
+    mask = st.one_of(st.just(0), st.just(full), st.integers(0, full))
+    routing = draw(st.lists(st.lists(mask, min_size=L, max_size=L), min_size=steps, max_size=steps))
+    # between steps, occasionally forget some slots (prefill borrowing) or reset everything
+    events = draw(
+        st.lists(
+            st.one_of(
+                st.just(None),
+                st.just("reset"),
+                st.lists(st.integers(-1, S - 1), min_size=1, max_size=E),
+            ),
+            min_size=steps,
+            max_size=steps,
+        )
+    )
+    return L, E, S, routing, events
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(streams())
+def test_matches_reference_lru(stream):
+    L, E, S, routing, events = stream
+    table = init_slot_table(L, E, S)
+    ref = RefLRU(L, E, S)
+    assert_table_equals_ref(table, ref)
+    for step, masks in enumerate(routing):
+        ev = events[step]
+        if ev == "reset":
+            table = _reset(table)
+            ref.reset()
+        elif ev is not None:
+            table = _forget(table, jnp.asarray(ev, jnp.int32))
+            ref.forget(ev)
+        if ev is not None:
+            assert_table_invariants(table)
+            assert_table_equals_ref(table, ref)
+        for layer in range(L):
+            routed = _mask(masks[layer], E)
+            out = _lookup(table, jnp.int32(layer), jnp.asarray(routed), E)
+            r = ref.lookup(layer, np.nonzero(routed)[0].tolist())
+            check_lookup(out, table, layer, routed, E)
+            check_against_ref(out, r, E)
+            assert_table_equals_ref(out.table, ref)
+            table = out.table
+
+
+def test_long_decode_tiny_cache_never_serves_stale_slot():
+    """S == E, many steps, every layer heavily routed: a stale slot would show up here."""
+    L, E = 4, 8
+    S = E
+    rng = np.random.default_rng(0)
+    table = init_slot_table(L, E, S)
+    ref = RefLRU(L, E, S)
+    for _ in range(60):
+        for layer in range(L):
+            routed = rng.random(E) < 0.6
+            out = _lookup(table, jnp.int32(layer), jnp.asarray(routed), E)
+            r = ref.lookup(layer, np.nonzero(routed)[0].tolist())
+            check_lookup(out, table, layer, routed, E)
+            check_against_ref(out, r, E)
+            table = out.table
+    assert_table_equals_ref(table, ref)
+
+
+# --------------------------------------------------------------------------------------------
+# Hand-checked examples (they pin the policy, independently of the reference)
+# --------------------------------------------------------------------------------------------
+def test_hand_example_lru_and_tie_breaks():
+    L, E, S = 2, 2, 3
+    t = init_slot_table(L, E, S)
+    # call 0 (clock 0): layer 0 routes both experts -> free slots 0, 1 in ascending order
+    o = _lookup(t, jnp.int32(0), jnp.array([True, True]), E)
+    assert o.miss_experts.tolist() == [0, 1] and o.miss_slots.tolist() == [0, 1]
+    assert o.table.id_of_slot.tolist() == [0, 1, -1]
+    assert o.table.last_use.tolist() == [0, 0, -1]
+    # call 1 (clock 1): layer 1 routes expert 1 (flat 3) -> the free slot 2
+    o = _lookup(o.table, jnp.int32(1), jnp.array([False, True]), E)
+    assert o.miss_slots.tolist() == [2, -1] and o.evicted_ids.tolist() == [-1, -1]
+    assert o.table.id_of_slot.tolist() == [0, 1, 3]
+    # call 2 (clock 2): layer 0 routes expert 1 -> hit slot 1, refreshed
+    o = _lookup(o.table, jnp.int32(0), jnp.array([False, True]), E)
+    assert int(o.n_hit) == 1 and int(o.n_miss) == 0
+    assert o.table.last_use.tolist() == [0, 2, 1]
+    # call 3 (clock 3): layer 1 routes both -> expert 1 hits slot 2; expert 0 (flat 2)
+    # evicts the LRU slot 0 (flat 0, last_use 0)
+    o = _lookup(o.table, jnp.int32(1), jnp.array([True, True]), E)
+    assert o.miss_experts.tolist() == [0, -1] and o.miss_slots.tolist() == [0, -1]
+    assert o.evicted_ids.tolist() == [0, -1]
+    assert o.table.id_of_slot.tolist() == [2, 1, 3]
+    assert o.table.slot_of.tolist() == [-1, 1, 0, 2]
+    assert o.table.last_use.tolist() == [3, 2, 3]
+    assert o.slot_of_expert.tolist() == [0, 2]
+    assert int(o.table.clock) == 4
+    # call 4: nothing routed, clock still advances, nothing else changes
+    o2 = _lookup(o.table, jnp.int32(0), jnp.zeros(E, bool), E)
+    assert int(o2.table.clock) == 5 and int(o2.n_hit) == 0 and int(o2.n_miss) == 0
+    assert o2.slot_of_expert.tolist() == [-1, 1]
+    np.testing.assert_array_equal(o2.table.id_of_slot, o.table.id_of_slot)
+    np.testing.assert_array_equal(o2.table.last_use, o.table.last_use)
+
+
+def test_equal_last_use_ties_go_to_lowest_slot():
+    L, E, S = 3, 2, 4
+    t = init_slot_table(L, E, S)
+    t = _lookup(t, jnp.int32(0), jnp.array([True, True]), E).table  # slots 0,1 at clock 0
+    t = _lookup(t, jnp.int32(1), jnp.array([True, True]), E).table  # slots 2,3 at clock 1
+    o = _lookup(t, jnp.int32(2), jnp.array([False, True]), E)  # ties 0/1 -> slot 0
+    assert o.miss_slots.tolist() == [0, -1] and o.evicted_ids.tolist() == [0, -1]
+    o = _lookup(o.table, jnp.int32(0), jnp.array([True, True]), E)
+    # flat 0 was evicted; flat 1 hits slot 1; flat 0 takes LRU among {0,2,3} \ {} = slot 2
+    assert o.miss_experts.tolist() == [0, -1]
+    assert o.miss_slots.tolist() == [2, -1]
+    assert o.slot_of_expert.tolist() == [2, 1]
+
+
+def test_all_routed_with_s_equal_e_every_layer_misses_everything():
+    L, E = 3, 4
+    t = init_slot_table(L, E, E)
+    for step in range(3):
+        for layer in range(L):
+            o = _lookup(t, jnp.int32(layer), jnp.ones(E, bool), E)
+            assert int(o.n_miss) == E and int(o.n_hit) == 0
+            assert sorted(o.slot_of_expert.tolist()) == list(range(E))
+            assert o.miss_experts.tolist() == list(range(E))
+            assert_table_invariants(o.table)
+            t = o.table
+    # same layer twice in a row: all hits
+    o = _lookup(t, jnp.int32(L - 1), jnp.ones(E, bool), E)
+    assert int(o.n_hit) == E and int(o.n_miss) == 0
+    np.testing.assert_array_equal(o.table.id_of_slot, t.id_of_slot)
+
+
+# --------------------------------------------------------------------------------------------
+# init, forget, reset, resident, no-reuse
+# --------------------------------------------------------------------------------------------
+def test_init_shapes_and_dtypes():
+    t = init_slot_table(3, 4, 5)
+    assert t.slot_of.shape == (12,) and t.id_of_slot.shape == (5,) and t.last_use.shape == (5,)
+    assert t.clock.shape == ()
+    for a in (t.slot_of, t.id_of_slot, t.last_use, t.clock):
+        assert a.dtype == jnp.int32
+    assert (np.asarray(t.slot_of) == -1).all() and (np.asarray(t.id_of_slot) == -1).all()
+    assert int(t.clock) == 0
+    assert t.num_slots == 5 and t.num_flat_ids == 12
+    init_slot_table(3, 4, 4)  # S == E ok
+    init_slot_table(3, 4, 12)  # S == L*E ok
+
+
+def test_init_too_few_slots_raises_helpful_error():
+    with pytest.raises(ValueError) as ei:
+        init_slot_table(48, 128, 100)
+    msg = str(ei.value)
+    assert "num_slots=100" in msg and "128" in msg and str(48 * 128) in msg
+
+
+def test_init_too_many_slots_raises():
+    with pytest.raises(ValueError) as ei:
+        init_slot_table(2, 4, 9)
+    msg = str(ei.value)
+    assert "num_slots=9" in msg and "8" in msg and "4" in msg
+
+
+def test_init_rejects_nonpositive_sizes():
+    with pytest.raises(ValueError):
+        init_slot_table(0, 4, 4)
+    with pytest.raises(ValueError):
+        init_resident_table(2, 0)
+
+
+def test_lookup_rejects_bad_routed_shape():
+    with pytest.raises(ValueError):
+        lookup_layer(init_slot_table(2, 4, 4), 0, jnp.ones(3, bool), 4)
+
+
+def test_forget_slots():
+    L, E, S = 2, 3, 5
+    t = init_slot_table(L, E, S)
+    t = _lookup(t, jnp.int32(0), jnp.array([True, True, True]), E).table  # slots 0,1,2
+    t = _lookup(t, jnp.int32(1), jnp.array([True, False, True]), E).table  # slots 3,4
+    assert t.id_of_slot.tolist() == [0, 1, 2, 3, 5]
+    t2 = _forget(t, jnp.array([1, -1, 4, 1], jnp.int32))  # -1 ignored, duplicate fine
+    assert t2.id_of_slot.tolist() == [0, -1, 2, 3, -1]
+    assert t2.last_use.tolist() == [0, -1, 0, 1, -1]
+    assert t2.slot_of.tolist() == [0, -1, 2, 3, -1, -1]
+    assert int(t2.clock) == int(t.clock)
+    assert_table_invariants(t2)
+    # freed slots are reused first (last_use -1), lowest index first
+    o = _lookup(t2, jnp.int32(1), jnp.array([False, True, False]), E)
+    assert o.miss_slots.tolist() == [1, -1, -1] and o.evicted_ids.tolist() == [-1, -1, -1]
+    # forgetting free slots / all -1 is a no-op
+    t3 = _forget(t2, jnp.array([-1, 1, 4], jnp.int32))
+    for a, b in zip(jax.tree.leaves(t3), jax.tree.leaves(t2)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_reset_table_and_no_reuse():
+    L, E, S = 2, 3, 4
+    t = init_slot_table(L, E, S)
+    t = _lookup(t, jnp.int32(0), jnp.array([True, True, False]), E).table
+    r = _reset(t)
+    assert (np.asarray(r.slot_of) == -1).all()
+    assert (np.asarray(r.id_of_slot) == -1).all()
+    assert (np.asarray(r.last_use) == -1).all()
+    assert int(r.clock) == int(t.clock) == 1
+    # no reuse: the same routing misses again every time, slots 0..n-1
+    for _ in range(3):
+        o = _lookup_no_reuse(t, jnp.int32(0), jnp.array([True, False, True]), E)
+        assert int(o.n_hit) == 0 and int(o.n_miss) == 2
+        assert o.miss_slots.tolist() == [0, 1, -1]
+        assert o.slot_of_expert.tolist() == [0, -1, 1]
+        assert_table_invariants(o.table)
+        t = o.table
+
+
+def test_resident_table_never_misses():
+    L, E = 3, 4
+    t = init_resident_table(L, E)
+    np.testing.assert_array_equal(t.slot_of, np.arange(L * E))
+    np.testing.assert_array_equal(t.id_of_slot, np.arange(L * E))
+    assert t.slot_of.dtype == jnp.int32 and t.id_of_slot.dtype == jnp.int32
+    assert_table_invariants(t)
+    rng = np.random.default_rng(1)
+    for _ in range(5):
+        for layer in range(L):
+            routed = rng.random(E) < 0.5
+            o = _lookup(t, jnp.int32(layer), jnp.asarray(routed), E)
+            assert int(o.n_miss) == 0 and int(o.n_hit) == routed.sum()
+            np.testing.assert_array_equal(o.slot_of_expert, layer * E + np.arange(E))
+            t = o.table
+    np.testing.assert_array_equal(t.slot_of, np.arange(L * E))
+
+
+# --------------------------------------------------------------------------------------------
+# Inside lax.scan over layers, layer traced
+# --------------------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnums=2)
+def _decode_steps(table, routed_steps, E):
+    """routed_steps: bool [steps, L, E]. One scan per step over layers (as in the model)."""
+    L = routed_steps.shape[1]
+
+    def layer_body(tbl, xs):
+        layer, routed = xs
+        out = lookup_layer(tbl, layer, routed, E)
+        return out.table, (out.slot_of_expert, out.miss_slots, out.n_hit, out.n_miss)
+
+    def step(tbl, routed_layers):
+        return jax.lax.scan(layer_body, tbl, (jnp.arange(L, dtype=jnp.int32), routed_layers))
+
+    return jax.lax.scan(step, table, routed_steps)
+
+
+def test_inside_lax_scan_over_layers():
+    L, E, S, steps = 4, 6, 9, 12
+    rng = np.random.default_rng(2)
+    routed_steps = rng.random((steps, L, E)) < 0.5
+    routed_steps[0] = True  # all routed
+    routed_steps[1, 2] = False  # none routed
+    final, (soe, miss_slots, n_hit, n_miss) = _decode_steps(
+        init_slot_table(L, E, S), jnp.asarray(routed_steps), E
+    )
+    assert soe.shape == (steps, L, E) and soe.dtype == jnp.int32
+    ref = RefLRU(L, E, S)
+    for s in range(steps):
+        for layer in range(L):
+            r = ref.lookup(layer, np.nonzero(routed_steps[s, layer])[0].tolist())
+            np.testing.assert_array_equal(soe[s, layer], r["slot_of_expert"])
+            n = len(r["misses"])
+            np.testing.assert_array_equal(miss_slots[s, layer], r["miss_slots"] + [-1] * (E - n))
+            assert int(n_hit[s, layer]) == len(r["hits"]) and int(n_miss[s, layer]) == n
+    assert_table_equals_ref(final, ref)
+    assert_table_invariants(final)
+    assert int(final.clock) == steps * L

@@ -81,7 +81,8 @@ class GenerationResult:
 
     generated_ids: int [B][n]; step_logits: float32 [n, B, V] (when kept); ttft_s, decode_s: seconds;
     prefill_tokens_per_s, decode_tokens_per_s: tokens/s summed over the batch; compile_s: seconds
-    spent compiling in this call (not part of the timings); routing: int32 [steps][L, N, k] when traced.
+    spent compiling in this call (not part of the timings); routing: int32 [steps][L, N, k] when traced;
+    step_s: seconds of each decode step (time per output token, TPOT) when timed step by step.
     """
 
     prompt_ids: list[list[int]]
@@ -93,6 +94,7 @@ class GenerationResult:
     decode_tokens_per_s: float
     compile_s: float
     routing: list[np.ndarray] | None = None
+    step_s: list[float] | None = None
 
 
 class Engine:
@@ -164,11 +166,13 @@ class Engine:
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0, keep_logits: bool = False,
-                 trace_routing: bool = False) -> GenerationResult:
+                 trace_routing: bool = False, time_steps: bool = False) -> GenerationResult:
         """Prefill + decode ``max_new_tokens`` tokens for each prompt.
 
         TTFT is measured from the prefill's dispatch to the first sampled token being ready;
         decode time from then to the last token. Compilation is excluded and reported apart.
+        ``time_steps`` waits for every decode step to finish and records its duration (adds one
+        host sync per step; without it steps are dispatched asynchronously).
         """
         self.check_prompts(prompts, max_new_tokens)
         b = len(prompts)
@@ -188,7 +192,9 @@ class Engine:
             routing.append(np.asarray(stats.routed_ids))
         toks, all_logits, decode_stats = [tok], [logits] if keep_logits else None, []
         pos = lengths.copy()
+        step_s = [] if time_steps else None
         for _ in range(max_new_tokens - 1):
+            ts = time.perf_counter()
             out = self._step(tok[:, None], pos, np.ones(b, np.int32), cache)
             cache = out.cache
             key, sub = jax.random.split(key)
@@ -197,6 +203,9 @@ class Engine:
             decode_stats.append(out.layer_stats)
             if keep_logits:
                 all_logits.append(out.logits)
+            if time_steps:
+                tok.block_until_ready()
+                step_s.append(time.perf_counter() - ts)
             pos = pos + 1
         jax.block_until_ready(toks)
         decode_s = time.perf_counter() - t0 - ttft
@@ -211,7 +220,7 @@ class Engine:
             step_logits=np.stack([np.asarray(x) for x in all_logits]) if keep_logits else None,
             ttft_s=ttft, decode_s=decode_s, prefill_tokens_per_s=float(lengths.sum()) / ttft,
             decode_tokens_per_s=n_dec / decode_s if n_dec and decode_s > 0 else 0.0,
-            compile_s=self.compile_s - compile_before, routing=routing)
+            compile_s=self.compile_s - compile_before, routing=routing, step_s=step_s)
 
     def _executable(self, args, all_logits: bool = False):
         """The compiled step for these arguments (compiled once per shape; time added to compile_s)."""

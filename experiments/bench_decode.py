@@ -1,0 +1,132 @@
+r"""Decode with expert offload: resident vs cached (global LRU) vs on_demand, batch 1 and 4.
+
+  PYTHONPATH=. python3 experiments/bench_decode.py --out_dir=experiments/results
+  PYTHONPATH=. python experiments/bench_decode.py --preset=tiny --steps=8 --prompt_len=32  # CPU smoke
+
+For each batch and mode: a prompt of --prompt_len tokens is prefilled, then --steps tokens are
+decoded with every step timed (TPOT). Per mode it reports decode tokens/s, the median step time
+and its spread, decode hit rate, H2D bytes per step, and
+  bound = resident step time + missed bytes per step / B_P
+with B_P the pinned_host -> device bandwidth measured in the same run (DESIGN.md 4).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import time
+
+from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+from experiments import common  # noqa: E402
+from ftjax.checkpoint import DTYPES, random_model  # noqa: E402
+from ftjax.config import preset  # noqa: E402
+from ftjax.engine import Engine  # noqa: E402
+from ftjax.experts.planner import GB, plan_memory  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("preset", "qwen3-30b-a3b", "Model shape (random weights).")
+flags.DEFINE_string("dtype", "bfloat16", "Compute and bank dtype.")
+flags.DEFINE_float("vram_budget_gb", 8.0, "Device budget that sizes the expert cache.")
+flags.DEFINE_list("batches", ["1", "4"], "Batch sizes.")
+flags.DEFINE_list("modes", ["resident", "cached", "on_demand"], "Expert modes to compare.")
+flags.DEFINE_integer("prompt_len", 512, "Prompt tokens.")
+flags.DEFINE_integer("steps", 128, "Decode steps timed.")
+flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
+flags.DEFINE_string("hlo_dir", None, "If set, write the compiled cached decode step's HLO text here.")
+
+
+def run_mode(model, mode, slots, batch, max_seq_len, prompts):
+    engine = Engine(model, mode, slots, max_seq_len=max_seq_len, batch=batch)
+    res = engine.generate(prompts, FLAGS.steps + 1, time_steps=True)
+    ec = engine.expert_cache_metrics()
+    steps = np.array(res.step_s)
+    dec = ec["decode"]
+    row = {"mode": mode, "batch": batch, "slots": engine.num_slots,
+           "decode_tokens_per_s": res.decode_tokens_per_s, "step_s": common.spread(steps),
+           "ttft_s": res.ttft_s, "compile_s": res.compile_s, "hit_rate_decode": dec["hit_rate"],
+           "hit_rate_prefill": ec["prefill"]["hit_rate"],
+           "h2d_bytes_per_step": dec["bytes_h2d"] / FLAGS.steps, "misses_per_step": dec["misses"] / FLAGS.steps,
+           "prefill_h2d_bytes": ec["prefill"]["bytes_h2d"]}
+    row["achieved_h2d_GBps"] = row["h2d_bytes_per_step"] / float(np.median(steps)) / 1e9
+    if FLAGS.hlo_dir and mode == "cached":
+        row["decode_hlo"] = dump_decode_hlo(batch)
+    del engine, res
+    gc.collect()
+    return row
+
+
+def dump_decode_hlo(batch: int) -> dict:
+    """Writes the compiled cached decode step's HLO and returns counts of the ops that show
+    whether expert copies are asynchronous (copy-start/copy-done) or synchronous."""
+    from ftjax import engine as engine_lib
+    for key, exe in engine_lib._COMPILED.items():
+        static = dict(key[0])
+        shapes = key[1]
+        if static["mode"] == "cached" and (batch, 1) in [s[0] for s in shapes]:
+            text = exe.as_text()
+            path = os.path.join(FLAGS.hlo_dir, f"decode_cached_b{batch}.hlo.txt")
+            os.makedirs(FLAGS.hlo_dir, exist_ok=True)
+            with open(path, "w") as f:
+                f.write(text)
+            ops = ["copy-start", "copy-done", "dynamic-slice", "while", "custom-call", "fusion"]
+            return {"path": os.path.basename(path), **{op: text.count(f" {op}(") for op in ops}}
+    return {}
+
+
+def main(argv):
+    del argv
+    cfg = preset(FLAGS.preset)
+    info = common.meta()
+    t0 = time.perf_counter()
+    model = random_model(cfg, FLAGS.dtype)
+    model.host_down.block_until_ready()
+    build_s = time.perf_counter() - t0
+    bp = common.measure_h2d()
+    bp_gbps = bp["h2d_GBps"]["median"]
+    print(f"{info['device']}: random {FLAGS.preset} built in {build_s:.1f} s; B_P = {bp_gbps:.1f} GB/s", flush=True)
+    itemsize = np.dtype(DTYPES[FLAGS.dtype]).itemsize
+    max_seq_len = -(-(FLAGS.prompt_len + FLAGS.steps + 1) // 128) * 128
+    rng = np.random.default_rng(0)
+    rows, plans = [], {}
+    for batch in map(int, FLAGS.batches):
+        plan = plan_memory(cfg, itemsize, budget_bytes=int(FLAGS.vram_budget_gb * GB), batch=batch,
+                           max_seq_len=max_seq_len)
+        plans[batch] = plan.as_dict()
+        print(plan.describe(), flush=True)
+        prompts = [rng.integers(0, cfg.vocab_size, FLAGS.prompt_len).tolist() for _ in range(batch)]
+        # offloading modes first: resident needs the whole pool on the device
+        for mode in sorted(FLAGS.modes, key=lambda m: m == "resident"):
+            try:
+                row = run_mode(model, mode, plan.slots, batch, max_seq_len, prompts)
+            except Exception as e:  # record and go on: one failing mode must not lose the others
+                row = {"mode": mode, "batch": batch, "error": f"{type(e).__name__}: {e}"[:2000]}
+            rows.append(row)
+            print({k: v for k, v in row.items() if k != "step_s"}, flush=True)
+    # bound and ratio per (batch, offloading mode), against resident of the same batch
+    for row in rows:
+        res = next((r for r in rows if r["mode"] == "resident" and r["batch"] == row["batch"] and "step_s" in r), None)
+        if res is None or "step_s" not in row:
+            continue
+        row["bound_step_s"] = res["step_s"]["median"] + row["h2d_bytes_per_step"] / (bp_gbps * 1e9)
+        row["ratio_to_bound"] = row["step_s"]["median"] / row["bound_step_s"]
+    payload = {"meta": info, "script": "experiments/bench_decode.py",
+               "flags": {k: FLAGS[k].value for k in ("preset", "dtype", "vram_budget_gb", "batches", "modes",
+                                                      "prompt_len", "steps")},
+               "model_build_s": build_s, "B_P": bp, "memory_plans": plans, "results": rows}
+    name = f"bench_decode_{FLAGS.preset}.json"
+    path = common.write_json(FLAGS.out_dir, name, payload)
+    flat = [dict(r, step_ms=r["step_s"]["median"] * 1e3 if "step_s" in r else None,
+                 MB_per_step=r.get("h2d_bytes_per_step", 0) / 1e6) for r in rows]
+    print(common.table(flat, ["mode", "batch", "decode_tokens_per_s", "step_ms", "hit_rate_decode",
+                              "MB_per_step", "achieved_h2d_GBps", "ratio_to_bound"]))
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    app.run(main)

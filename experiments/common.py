@@ -1,0 +1,72 @@
+"""Shared pieces of the GPU scripts: run metadata, H2D bandwidth, medians, JSON output.
+
+Every script writes one JSON file: ``meta`` (device, jax version, date, host), the measured
+host-to-device bandwidth ``B_P`` of that run, and its figures. Absolute times on shared machines
+are noisy, so scripts report medians, spreads and ratios measured in the same run.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ftjax import memory
+
+
+def meta() -> dict:
+    """Device name, backend, jax version, UTC date, host CPU count."""
+    d = memory.default_device()
+    return {"device": getattr(d, "device_kind", str(d)), "backend": d.platform, "jax": jax.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "host_cpus": os.cpu_count(), "python": platform.python_version()}
+
+
+def spread(xs: list[float]) -> dict:
+    """Median, min, max and count of a list of measurements (seconds or rates)."""
+    xs = [float(x) for x in xs]
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def measure_h2d(nbytes: int = 512 * 2**20, repeats: int = 7) -> dict:
+    """Host-to-device (pinned_host -> device) and device-to-host bandwidth of whole-array
+    ``jax.device_put``, in GB/s (1e9 bytes/s): B_P of DESIGN.md 1.2."""
+    host = jax.jit(lambda: jnp.ones((nbytes // 2,), jnp.bfloat16), out_shardings=memory.host_sharding())()
+    dev_s = memory.device_sharding()
+    h2d, d2h = [], []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x = jax.device_put(host, dev_s).block_until_ready()
+        h2d.append(nbytes / (time.perf_counter() - t) / 1e9)
+        t = time.perf_counter()
+        jax.device_put(x, memory.host_sharding()).block_until_ready()
+        d2h.append(nbytes / (time.perf_counter() - t) / 1e9)
+        del x
+    return {"bytes": nbytes, "h2d_GBps": spread(h2d[1:]), "d2h_GBps": spread(d2h[1:])}
+
+
+def write_json(out_dir: str, name: str, payload: dict) -> str:
+    """Writes ``payload`` to out_dir/name atomically; returns the path."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, name)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=1, default=lambda o: o.tolist() if isinstance(o, np.ndarray) else str(o))
+    os.replace(tmp, path)
+    return path
+
+
+def table(rows: list[dict], cols: list[str]) -> str:
+    """A plain text table of ``rows`` restricted to ``cols``."""
+    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
+    cells = [[fmt(r.get(c, "")) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    line = lambda vals: "  ".join(v.rjust(w) for v, w in zip(vals, widths))  # noqa: E731
+    return "\n".join([line(cols)] + [line(r) for r in cells])

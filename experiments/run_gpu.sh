@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# One GPU check: runs the benchmark scripts named as arguments (default: all) and writes their
+# JSON (and logs) under $OUT (the device tool's output folder) or experiments/results.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-experiments/results}"
+mkdir -p "$out"
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$out/gpu.txt" 2>&1 || true
+for bench in "${@:-bench_decode}"; do
+  echo "== $bench"
+  python3 "experiments/$bench.py" --out_dir="$out" ${BENCH_ARGS:-} 2>&1 | grep -v -E "libtpu|TPU" | tee "$out/$bench.log"
+done

@@ -9,5 +9,5 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$out/gpu.txt" 2>&1 || true
 for bench in "${@:-bench_decode}"; do
   echo "== $bench"
-  python3 "experiments/$bench.py" --out_dir="$out" ${BENCH_ARGS:-} 2>&1 | grep -v -E "libtpu|TPU" | tee "$out/$bench.log"
+  python3 "experiments/$bench.py" --out_dir="$out" ${BENCH_ARGS:-} 2>&1 | grep --line-buffered -v -E "libtpu|TPU" | tee "$out/$bench.log"
 done

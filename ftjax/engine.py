@@ -38,6 +38,7 @@ class ExpertCounters:
 
     hits: np.ndarray
     misses: np.ndarray
+    extra_copies: int = 0  # experts copied outside a layer (the streaming prologue)
 
     @classmethod
     def zeros(cls, num_layers: int) -> "ExpertCounters":
@@ -52,13 +53,19 @@ class ExpertCounters:
         per_layer = np.where(self.hits + self.misses > 0, self.hits / np.maximum(self.hits + self.misses, 1), 0.0)
         return {"hits": h, "misses": m, "hit_rate": h / (h + m) if h + m else 0.0,
                 "hit_rate_per_layer": [round(float(x), 6) for x in per_layer],
-                "bytes_h2d": m * expert_bytes}
+                "bytes_h2d": (m + self.extra_copies) * expert_bytes}
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "mode", "all_logits"), donate_argnames=("cache", "state"))
+@functools.partial(jax.jit, static_argnames=("cfg", "mode", "all_logits", "stream", "overlap"),
+                   donate_argnames=("cache", "state"))
 def _forward_step(params, host_gate_up, host_down, cache, state, tokens, start, valid_len, *, cfg, mode,
-                  all_logits=False):
-    expert_fn = offload.make_expert_fn(mode, cfg.num_experts, host_gate_up, host_down)
+                  all_logits=False, stream=False, overlap=True):
+    if stream:  # full-layer double-buffered prefill (DESIGN.md 1.3)
+        state = offload.stream_prologue(host_gate_up, host_down, state, cfg.num_experts, overlap)
+        expert_fn = offload.make_stream_expert_fn(cfg.num_experts, cfg.num_layers, host_gate_up, host_down,
+                                                  overlap)
+    else:
+        expert_fn = offload.make_expert_fn(mode, cfg.num_experts, host_gate_up, host_down)
     return model_lib.forward(params, cfg, tokens, start, valid_len, cache, expert_fn, state, all_logits)
 
 
@@ -106,12 +113,19 @@ class Engine:
       num_slots: S, slots of the device pool (cached / on_demand); must be in [E, L*E].
       max_seq_len: KV cache length in tokens (prompt + generated), <= max_position_embeddings.
       batch: sequences decoded together.
+      prefill: "auto" | "stream" | "on_demand". stream: whole layers through two E-slot buffers
+        (needs S >= 2E); on_demand: only the routed experts, through the LRU cache; auto: stream
+        when S >= 2E and the chunk has at least E (token, expert) pairs (DESIGN.md 1.3).
+      prefill_chunk: prompts longer than this many tokens are prefilled in chunks.
+      prefill_overlap: copy layer l+1's experts while layer l computes (False: the ablation).
     Raises:
-      ValueError: bad mode, slots out of range, or max_seq_len beyond the model's positions.
+      ValueError: bad mode, slots out of range, stream without 2E slots, or max_seq_len beyond
+        the model's positions.
     """
 
     def __init__(self, model: LoadedModel, experts_mode: str = "resident", num_slots: int | None = None,
-                 max_seq_len: int = 512, batch: int = 1):
+                 max_seq_len: int = 512, batch: int = 1, prefill: str = "auto", prefill_chunk: int = 8192,
+                 prefill_overlap: bool = True):
         cfg = model.cfg
         if max_seq_len > cfg.max_position_embeddings:
             raise ValueError(f"max_seq_len {max_seq_len} exceeds the model's max_position_embeddings "
@@ -120,6 +134,14 @@ class Engine:
             num_slots = cfg.num_layers * cfg.num_experts
         elif num_slots is None:
             raise ValueError(f"experts mode {experts_mode!r} needs num_slots")
+        if prefill not in ("auto", "stream", "on_demand"):
+            raise ValueError(f"unknown prefill mode {prefill!r}; expected auto, stream or on_demand")
+        if prefill == "stream" and (experts_mode == "resident" or num_slots < 2 * cfg.num_experts):
+            raise ValueError(f"prefill=stream needs an offloading experts mode and at least 2E="
+                             f"{2 * cfg.num_experts} slots (have {num_slots}, mode {experts_mode})")
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.prefill_mode, self.prefill_chunk, self.prefill_overlap = prefill, prefill_chunk, prefill_overlap
         self.model, self.cfg, self.mode = model, cfg, experts_mode
         self.num_slots, self.max_seq_len, self.batch = num_slots, max_seq_len, batch
         self.dtype = jnp.dtype(model.params["embed"].dtype)
@@ -130,12 +152,22 @@ class Engine:
         self.compile_s = 0.0
 
     # ---- one forward call --------------------------------------------------------------------
-    def _step(self, tokens: np.ndarray, start: np.ndarray, valid_len: np.ndarray, cache, all_logits=False):
+    def _step(self, tokens: np.ndarray, start: np.ndarray, valid_len: np.ndarray, cache, all_logits=False,
+              stream=False):
         args = (self.model.params, self.model.host_gate_up, self.model.host_down, cache, self.state,
                 jnp.asarray(tokens, jnp.int32), jnp.asarray(start, jnp.int32), jnp.asarray(valid_len, jnp.int32))
-        out = self._executable(args, all_logits)(*args)
+        out = self._executable(args, all_logits, stream)(*args)
         self.state = out.expert_state
         return out
+
+    def streams(self, valid_tokens: int) -> bool:
+        """Whether a prefill chunk with ``valid_tokens`` real tokens streams whole layers."""
+        if self.mode == "resident" or self.prefill_mode == "on_demand":
+            return False
+        if self.prefill_mode == "stream":
+            return True
+        e = self.cfg.num_experts
+        return self.num_slots >= 2 * e and valid_tokens * self.cfg.top_k >= e
 
     def new_cache(self, batch: int) -> model_lib.KVCache:
         return model_lib.init_kv_cache(self.cfg, batch, self.max_seq_len, self.dtype)
@@ -154,15 +186,39 @@ class Engine:
                                  f"{self.max_seq_len} (model max {self.cfg.max_position_embeddings})")
 
     def prefill(self, prompts: Sequence[Sequence[int]], cache, all_logits: bool = False):
-        """Prefills a batch of prompts (right-padded to a bucket). Returns (logits, cache, lengths)."""
+        """Prefills a batch of prompts, in chunks of at most ``prefill_chunk`` tokens (each chunk
+        right-padded to a bucket).
+
+        Returns (logits, cache, lengths, stats): logits float32 [B, V] of each prompt's last token
+        ([B, T, V] with all_logits, T the padded length); stats: one LayerStats per chunk.
+        """
+        b = len(prompts)
         lengths = np.array([len(p) for p in prompts], np.int32)
-        t = bucket(int(lengths.max()))
-        tokens = np.zeros((len(prompts), t), np.int32)
-        for i, p in enumerate(prompts):
-            tokens[i, : len(p)] = p
-        out = self._step(tokens, np.zeros(len(prompts), np.int32), lengths, cache, all_logits)
-        self.counters["prefill"].add(out.layer_stats)
-        return out.logits, out.cache, lengths, out.layer_stats
+        longest = int(lengths.max())
+        chunk = min(self.prefill_chunk, longest)
+        logits, stats, pieces = None, [], []
+        for c in range(0, longest, chunk):
+            valid = np.clip(lengths - c, 0, chunk).astype(np.int32)
+            t = bucket(int(valid.max()))
+            tokens = np.zeros((b, t), np.int32)
+            for i, p in enumerate(prompts):
+                tokens[i, : valid[i]] = p[c: c + valid[i]]
+            stream = self.streams(int(valid.sum()))
+            # sequences already complete still need valid_len >= 1 for the last-token gather
+            out = self._step(tokens, np.full(b, c, np.int32), np.maximum(valid, 1), cache, all_logits, stream)
+            cache = out.cache
+            self.counters["prefill"].add(out.layer_stats)
+            if stream and self.prefill_overlap:
+                self.counters["prefill"].extra_copies += self.cfg.num_experts
+            stats.append(out.layer_stats)
+            if all_logits:
+                pieces.append(out.logits[:, : min(chunk, longest - c)])
+            else:
+                ends_here = jnp.asarray((lengths > c) & (lengths <= c + chunk))[:, None]
+                logits = out.logits if logits is None else jnp.where(ends_here, out.logits, logits)
+        if all_logits:
+            logits = jnp.concatenate(pieces, axis=1)
+        return logits, cache, lengths, stats
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0, keep_logits: bool = False,
@@ -188,8 +244,8 @@ class Engine:
         tok = _sample(logits, sub, temperature, top_p)
         tok.block_until_ready()
         ttft = time.perf_counter() - t0
-        if trace_routing:
-            routing.append(np.asarray(stats.routed_ids))
+        if trace_routing:  # [L, B*T] token axis of every chunk, concatenated
+            routing.append(np.concatenate([np.asarray(st.routed_ids) for st in stats], axis=1))
         toks, all_logits, decode_stats = [tok], [logits] if keep_logits else None, []
         pos = lengths.copy()
         step_s = [] if time_steps else None
@@ -222,22 +278,32 @@ class Engine:
             decode_tokens_per_s=n_dec / decode_s if n_dec and decode_s > 0 else 0.0,
             compile_s=self.compile_s - compile_before, routing=routing, step_s=step_s)
 
-    def _executable(self, args, all_logits: bool = False):
+    def _executable(self, args, all_logits: bool = False, stream: bool = False):
         """The compiled step for these arguments (compiled once per shape; time added to compile_s)."""
-        key = _compile_key(args, cfg=self.cfg, mode=self.mode, all_logits=all_logits)
+        static = dict(cfg=self.cfg, mode=self.mode, all_logits=all_logits, stream=stream,
+                      overlap=self.prefill_overlap and stream)
+        key = _compile_key(args, **static)
         if key not in _COMPILED:
             t0 = time.perf_counter()
-            _COMPILED[key] = _forward_step.lower(*args, cfg=self.cfg, mode=self.mode,
-                                                 all_logits=all_logits).compile()
+            _COMPILED[key] = _forward_step.lower(*args, **static).compile()
             self.compile_s += time.perf_counter() - t0
         return _COMPILED[key]
 
     def _ensure_compiled(self, prompts, cache) -> None:
-        b, t = len(prompts), bucket(max(len(p) for p in prompts))
-        for shape in ((b, t), (b, 1)):
+        """Compiles every prefill chunk shape and the decode step before timing starts."""
+        b = len(prompts)
+        lengths = np.array([len(p) for p in prompts])
+        longest = int(lengths.max())
+        chunk = min(self.prefill_chunk, longest)
+        shapes = set()
+        for c in range(0, longest, chunk):
+            valid = np.clip(lengths - c, 0, chunk)
+            shapes.add(((b, bucket(int(valid.max()))), self.streams(int(valid.sum()))))
+        shapes.add(((b, 1), False))
+        for shape, stream in shapes:
             args = (self.model.params, self.model.host_gate_up, self.model.host_down, cache, self.state,
                     jnp.zeros(shape, jnp.int32), jnp.zeros(b, jnp.int32), jnp.ones(b, jnp.int32))
-            self._executable(args)
+            self._executable(args, stream=stream)
 
     def expert_cache_metrics(self) -> dict:
         """The ``expert_cache`` metrics object: slots, hits, misses, hit rates, H2D bytes."""

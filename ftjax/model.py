@@ -68,13 +68,12 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return x * cos + rotated * sin
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array) -> jax.Array:
-    """Causal grouped-query attention over a whole cache row.
+# Queries per attention block: bounds the float32 score tensor of long prefills to
+# [B, Hq, ATTN_BLOCK, S] instead of [B, Hq, T, S].
+ATTN_BLOCK = 512
 
-    q: [B, T, Hq, hd]; k, v: [B, S, Hkv, hd]; q_pos: int32 [B, T] absolute positions.
-    Key j is visible to query (b, t) iff j <= q_pos[b, t]; positions above that hold stale data.
-    Scores and softmax in float32. Returns [B, T, Hq, hd] in q's dtype.
-    """
+
+def _attention_block(q, k, v, q_pos):
     b, t, hq, hd = q.shape
     hkv = k.shape[2]
     qg = q.reshape(b, t, hkv, hq // hkv, hd)
@@ -85,6 +84,22 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array) -> jax
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
     return out.reshape(b, t, hq, hd)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array) -> jax.Array:
+    """Causal grouped-query attention over a whole cache row.
+
+    q: [B, T, Hq, hd]; k, v: [B, S, Hkv, hd]; q_pos: int32 [B, T] absolute positions.
+    Key j is visible to query (b, t) iff j <= q_pos[b, t]; positions above that hold stale data.
+    Scores and softmax in float32; queries in blocks of ATTN_BLOCK. Returns [B, T, Hq, hd] in
+    q's dtype.
+    """
+    t = q.shape[1]
+    if t <= ATTN_BLOCK:
+        return _attention_block(q, k, v, q_pos)
+    outs = [_attention_block(q[:, i:i + ATTN_BLOCK], k, v, q_pos[:, i:i + ATTN_BLOCK])
+            for i in range(0, t, ATTN_BLOCK)]
+    return jnp.concatenate(outs, axis=1)
 
 
 def route(cfg: ModelConfig, x: jax.Array, w_router: jax.Array) -> tuple[jax.Array, jax.Array]:

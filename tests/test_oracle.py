@@ -49,7 +49,8 @@ def test_long_prompt_routing_matches(fixture_name):
     engine = Engine(model, "resident", max_seq_len=384)
     prompt = exp["long_prompt_ids"].tolist()
     _, _, _, stats = engine.prefill([prompt], engine.new_cache(1))
-    ids = np.sort(np.asarray(stats.routed_ids)[:, : len(prompt)], axis=-1)  # [L, T, k]
+    assert len(stats) == 1  # one chunk
+    ids = np.sort(np.asarray(stats[0].routed_ids)[:, : len(prompt)], axis=-1)  # [L, T, k]
     want = np.sort(exp["long_router_topk"], axis=-1)
     assert ids.shape == want.shape
     assert (ids == want).mean() == 1.0

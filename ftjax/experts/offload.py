@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from ftjax.experts.compute import experts_from_pool
-from ftjax.experts.slot_table import SlotTable, init_slot_table, lookup_layer, reset_table
+from ftjax.experts.slot_table import SlotTable, forget_slots, init_slot_table, lookup_layer, reset_table
 from ftjax.model import LayerRouting
 
 MODES = ("resident", "cached", "on_demand")
@@ -113,6 +113,58 @@ def make_expert_fn(mode: str, num_experts: int, host_gate_up: jax.Array | None =
             slot_of_expert = look.slot_of_expert
             stats = LayerStats(look.n_hit, look.n_miss, trace_ids)
         y = experts_from_pool(r.x, r.ids, r.weights, slot_of_expert, state.gate_up, state.down)
+        return y, state, stats
+
+    return expert_fn
+
+
+def _fetch_layer(host_gate_up, host_down, state: ExpertState, layer, buffer, num_experts: int) -> ExpertState:
+    """Copies all E experts of ``layer`` (one contiguous slice of each host bank) into the
+    prefill buffer ``buffer`` (slots [buffer*E, (buffer+1)*E))."""
+    e = num_experts
+    gu = jax.device_put(jax.lax.dynamic_slice_in_dim(host_gate_up, layer * e, e), jax.memory.Space.Device)
+    dn = jax.device_put(jax.lax.dynamic_slice_in_dim(host_down, layer * e, e), jax.memory.Space.Device)
+    return state.replace(
+        gate_up=jax.lax.dynamic_update_slice_in_dim(state.gate_up, gu.astype(state.gate_up.dtype), buffer * e, 0),
+        down=jax.lax.dynamic_update_slice_in_dim(state.down, dn.astype(state.down.dtype), buffer * e, 0))
+
+
+def stream_prologue(host_gate_up, host_down, state: ExpertState, num_experts: int, overlap: bool) -> ExpertState:
+    """Prepares full-layer streaming: the LRU table forgets the 2E borrowed slots [0, 2E), and
+    (with overlap) layer 0's experts are copied into buffer 0 before the layer scan starts."""
+    table = forget_slots(state.table, jnp.arange(2 * num_experts, dtype=jnp.int32))
+    state = state.replace(table=table)
+    if overlap:
+        state = _fetch_layer(host_gate_up, host_down, state, 0, 0, num_experts)
+    return state
+
+
+def make_stream_expert_fn(num_experts: int, num_layers: int, host_gate_up: jax.Array, host_down: jax.Array,
+                          overlap: bool = True):
+    """Expert function for long prefills: whole layers streamed through two buffers of E slots
+    borrowed from the pool (FreeToken's full-layer double buffering; DESIGN.md 1.3).
+
+    With ``overlap``, layer l computes from buffer l % 2 while layer l+1's experts are copied
+    into the other buffer (issued before layer l's expert compute; the copy of the last layer is
+    clamped to L-1, one wasted layer copy per call). Without it (the ablation), each layer copies
+    its own experts and then computes, strictly in series. Needs ``stream_prologue`` first.
+    Stats count every copied expert as a miss (hits 0).
+    """
+    e, n_layers = num_experts, num_layers
+
+    def expert_fn(state: ExpertState, layer: jax.Array, r: LayerRouting):
+        buf = layer % 2
+        if overlap:
+            slot_of_expert = buf * e + jnp.arange(e, dtype=jnp.int32)
+            # Compute reads the pool as it is now (buffer l % 2 holds layer l); the prefetch
+            # writes buffer (l+1) % 2, so the two are independent and the copy can run early.
+            y = experts_from_pool(r.x, r.ids, r.weights, slot_of_expert, state.gate_up, state.down)
+            state = _fetch_layer(host_gate_up, host_down, state, jnp.minimum(layer + 1, n_layers - 1), 1 - buf, e)
+        else:
+            state = _fetch_layer(host_gate_up, host_down, state, layer, buf, e)
+            slot_of_expert = buf * e + jnp.arange(e, dtype=jnp.int32)
+            y = experts_from_pool(r.x, r.ids, r.weights, slot_of_expert, state.gate_up, state.down)
+        stats = LayerStats(jnp.int32(0), jnp.int32(e), jnp.where(r.valid[:, None], r.ids, -1))
         return y, state, stats
 
     return expert_fn

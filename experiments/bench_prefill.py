@@ -1,0 +1,178 @@
+r"""Prefill with expert offload: full-layer streaming (overlap on/off) vs on_demand vs resident.
+
+  PYTHONPATH=. python3 experiments/bench_prefill.py --out_dir=experiments/results
+  PYTHONPATH=. python experiments/bench_prefill.py --preset=tiny --dtype=float32 --lengths=64,256 \
+      --prefill_chunk=128 --vram_budget_gb=0.52                                   # CPU smoke
+
+Per prompt length and variant: TTFT (prefill + first token, median of --repeats), tokens/s,
+seconds per --prefill_chunk chunk, H2D bytes and achieved GB/s, and
+  bound = all expert bytes / B_P  per chunk  (DESIGN.md 1.3),
+with B_P measured in the same run. Also times the grouped expert matmul (Mosaic GPU kernel vs
+jax.lax.ragged_dot) on one layer's 8192-token routing, and counts async-copy ops in the HLO.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import time
+
+from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from experiments import common  # noqa: E402
+from ftjax import engine as engine_lib  # noqa: E402
+from ftjax.checkpoint import DTYPES, random_model  # noqa: E402
+from ftjax.config import preset  # noqa: E402
+from ftjax.engine import Engine  # noqa: E402
+from ftjax.experts.planner import GB, plan_memory  # noqa: E402
+from ftjax.kernels.grouped_matmul import grouped_matmul, mgpu_supported  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("preset", "qwen3-30b-a3b", "Model shape (random weights).")
+flags.DEFINE_string("dtype", "bfloat16", "Compute and bank dtype.")
+flags.DEFINE_float("vram_budget_gb", 8.0, "Device budget that sizes the expert cache.")
+flags.DEFINE_list("lengths", ["1024", "4096", "8192", "16384"], "Prompt lengths in tokens.")
+flags.DEFINE_list("variants", ["stream", "stream_no_overlap", "on_demand", "resident"], "What to compare.")
+flags.DEFINE_integer("prefill_chunk", 8192, "Prefill chunk in tokens.")
+flags.DEFINE_integer("repeats", 2, "Timed prefills per (length, variant).")
+flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
+
+VARIANTS = {"stream": ("cached", "stream", True), "stream_no_overlap": ("cached", "stream", False),
+            "on_demand": ("cached", "on_demand", True), "resident": ("resident", "auto", True)}
+
+
+def bench_grouped_matmul(cfg, dtype, tokens: int = 8192) -> dict:
+    """One layer's grouped expert matmul (gate_up) at ``tokens`` x top-k uneven rows."""
+    e, d, f, k = cfg.num_experts, cfg.hidden_size, cfg.expert_ffn, cfg.top_k
+    m = tokens * k
+    kx, kw, kg = jax.random.split(jax.random.key(0), 3)
+    lhs = jax.random.normal(kx, (m, d), jnp.float32).astype(dtype)
+    rhs = (jax.random.normal(kw, (e, d, 2 * f), jnp.float32) / d ** 0.5).astype(dtype)
+    ids = jax.random.categorical(kg, jnp.zeros((e,)), shape=(m,))
+    sizes = jnp.bincount(ids, length=e).astype(jnp.int32)
+    out = {"rows": m, "groups": e, "K": d, "N": 2 * f, "flops": 2 * m * d * 2 * f}
+    ref = None
+    for impl in ("xla", "mgpu"):
+        if impl == "mgpu" and not mgpu_supported(lhs, rhs):
+            out[impl] = "unsupported here"
+            continue
+        fn = jax.jit(lambda a, b, s, impl=impl: grouped_matmul(a, b, s, impl))
+        try:
+            y = fn(lhs, rhs, sizes).block_until_ready()
+            ts = []
+            for _ in range(5):
+                t = time.perf_counter()
+                fn(lhs, rhs, sizes).block_until_ready()
+                ts.append(time.perf_counter() - t)
+            y = np.asarray(y, np.float32)
+            ref = y if ref is None else ref
+            rel = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+            out[impl] = {"s": common.spread(ts), "TFLOPs": out["flops"] / np.median(ts) / 1e12, "rel_err_vs_xla": rel}
+        except Exception as ex:  # record: the kernel may not compile on every setup
+            out[impl] = f"{type(ex).__name__}: {ex}"[:1000]
+    return out
+
+
+def hlo_counts(stream: bool) -> dict:
+    for key, exe in engine_lib._COMPILED.items():
+        static = dict(key[0])
+        if static.get("stream") == stream and static["mode"] == "cached":
+            text = exe.as_text()
+            return {op: text.count(f" {op}(") for op in ("copy-start", "copy-done", "dynamic-slice", "while")}
+    return {}
+
+
+def main(argv):
+    del argv
+    cfg = preset(FLAGS.preset)
+    info = common.meta()
+    t0 = time.perf_counter()
+    model = random_model(cfg, FLAGS.dtype)
+    model.host_down.block_until_ready()
+    build_s = time.perf_counter() - t0
+    bp = common.measure_h2d()
+    bp_gbps = bp["h2d_GBps"]["median"]
+    itemsize = np.dtype(DTYPES[FLAGS.dtype]).itemsize
+    pool_bytes = cfg.pool_bytes(itemsize)
+    print(f"{info['device']}: B_P = {bp_gbps:.1f} GB/s; pool {pool_bytes / 1e9:.1f} GB; "
+          f"bound per chunk {pool_bytes / bp_gbps / 1e9:.3f} s", flush=True)
+    kernel = bench_grouped_matmul(cfg, jnp.dtype(DTYPES[FLAGS.dtype]))
+    print("grouped matmul:", kernel, flush=True)
+    if not isinstance(kernel.get("mgpu"), dict):  # the kernel failed or is unsupported: use ragged_dot
+        os.environ["FTJAX_GROUPED_MATMUL"] = "xla"
+    kernel["used"] = os.environ.get("FTJAX_GROUPED_MATMUL", "auto")
+    lengths = [int(x) for x in FLAGS.lengths]
+    rng = np.random.default_rng(0)
+    rows, hlo, plans, first_logits = [], {}, {}, {}
+    for n in lengths:
+        # the KV cache is sized for this prompt, so shorter prompts leave more room for slots
+        max_seq_len = -(-(n + 1) // 128) * 128
+        plan = plan_memory(cfg, itemsize, budget_bytes=int(FLAGS.vram_budget_gb * GB), max_seq_len=max_seq_len)
+        plans[n] = plan.as_dict()
+        print(plan.describe(), flush=True)
+        prompt = rng.integers(0, cfg.vocab_size, n).tolist()
+        for variant in sorted(FLAGS.variants, key=lambda v: v == "resident"):
+            mode, prefill, overlap = VARIANTS[variant]
+            print(f"-- {variant} at {n} tokens", flush=True)
+            try:
+                eng = Engine(model, mode, plan.slots, max_seq_len=max_seq_len, prefill=prefill,
+                             prefill_chunk=FLAGS.prefill_chunk, prefill_overlap=overlap)
+                ttfts = []
+                for _ in range(FLAGS.repeats):
+                    before = eng.expert_cache_metrics()["prefill"]["bytes_h2d"]
+                    res = eng.generate([prompt], 1, keep_logits=n == lengths[0])
+                    ttfts.append(res.ttft_s)
+                    moved = eng.expert_cache_metrics()["prefill"]["bytes_h2d"] - before
+                if n == lengths[0]:
+                    first_logits[variant] = res.step_logits[0, 0]
+                chunks = -(-n // FLAGS.prefill_chunk)
+                ttft = float(np.median(ttfts))
+                row = {"variant": variant, "tokens": n, "slots": plan.slots, "ttft_s": common.spread(ttfts),
+                       "tokens_per_s": n / ttft, "chunks": chunks, "s_per_chunk": ttft / chunks,
+                       "streamed": eng.streams(min(n, FLAGS.prefill_chunk)), "h2d_bytes": moved,
+                       "achieved_h2d_GBps": moved / ttft / 1e9, "compile_s": eng.compile_s}
+                if variant != "resident":
+                    row["bound_s"] = chunks * pool_bytes / (bp_gbps * 1e9)
+                    row["ratio_to_bound"] = ttft / row["bound_s"]
+                if variant.startswith("stream") and variant not in hlo:
+                    hlo[variant] = hlo_counts(True)
+                del eng
+            except Exception as ex:
+                row = {"variant": variant, "tokens": n, "error": f"{type(ex).__name__}: {ex}"[:2000]}
+            gc.collect()
+            rows.append(row)
+            print({k: v for k, v in row.items() if k != "ttft_s"}, flush=True)
+    # same math whatever the expert source: first-token logits of the first length vs resident
+    logits_check = {}
+    if "resident" in first_logits:
+        for v, lg in first_logits.items():
+            logits_check[v] = float(np.abs(np.asarray(lg) - np.asarray(first_logits["resident"])).max())
+    print("max |logits - resident| at", lengths[0], "tokens:", logits_check, flush=True)
+    for r in rows:  # overlap speed-up at the same length
+        if r.get("variant") == "stream" and "ttft_s" in r:
+            off = next((x for x in rows if x.get("variant") == "stream_no_overlap" and x.get("tokens") == r["tokens"]
+                        and "ttft_s" in x), None)
+            if off:
+                r["overlap_speedup"] = off["ttft_s"]["median"] / r["ttft_s"]["median"]
+    payload = {"meta": info, "script": "experiments/bench_prefill.py",
+               "flags": {k: FLAGS[k].value for k in ("preset", "dtype", "vram_budget_gb", "lengths", "variants",
+                                                      "prefill_chunk", "repeats")},
+               "model_build_s": build_s, "B_P": bp, "pool_bytes": pool_bytes, "memory_plans": plans,
+               "logits_max_abs_diff_vs_resident": logits_check,
+               "grouped_matmul": kernel, "hlo_stream_step": hlo, "results": rows}
+    path = common.write_json(FLAGS.out_dir, f"bench_prefill_{FLAGS.preset}.json", payload)
+    flat = [dict(r, ttft=r["ttft_s"]["median"] if "ttft_s" in r else None) for r in rows]
+    print(common.table(flat, ["variant", "tokens", "ttft", "tokens_per_s", "s_per_chunk", "achieved_h2d_GBps",
+                              "ratio_to_bound", "overlap_speedup"]))
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,1 @@
+"""Accelerator kernels, each with a plain-JAX reference."""

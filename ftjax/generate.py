@@ -110,8 +110,16 @@ def _prompt_ids(model) -> list[int]:
     return np.random.default_rng(FLAGS.seed).integers(0, model.cfg.vocab_size, n).tolist()
 
 
-def _read_prompts_file(path: str, model) -> list[list[int]]:
-    """Parses --prompts_file; every problem is a UserError naming the file and line."""
+def _read_prompts_file(path: str, model, max_new_tokens: int) -> list[list[int]]:
+    """Parses --prompts_file (JSON lines, each ``{"prompt_ids": [int, ...]}`` or ``{"prompt": str}``;
+    blank lines are skipped). Returns the token ids of each request, in order.
+
+    Raises:
+      UserError: unreadable file, malformed JSON, neither or both keys, ids that are not integers,
+        ids outside [0, V), an empty prompt, text without a tokenizer, a prompt plus
+        ``max_new_tokens`` beyond max_position_embeddings, or no requests; the message starts
+        with ``PATH:LINE:`` where a line is at fault.
+    """
     v, tok = model.cfg.vocab_size, model.tokenizer
     try:
         with open(path, encoding="utf-8") as f:
@@ -144,8 +152,8 @@ def _read_prompts_file(path: str, model) -> list[list[int]]:
         bad = [t for t in ids if not 0 <= t < v]
         if bad:
             raise UserError(f"{where}: token id {bad[0]} outside the vocabulary [0, {v})")
-        if len(ids) + FLAGS.max_new_tokens > model.cfg.max_position_embeddings:
-            raise UserError(f"{where}: prompt of {len(ids)} tokens + {FLAGS.max_new_tokens} new exceeds the "
+        if len(ids) + max_new_tokens > model.cfg.max_position_embeddings:
+            raise UserError(f"{where}: prompt of {len(ids)} tokens + {max_new_tokens} new exceeds the "
                             f"model's max_position_embeddings {model.cfg.max_position_embeddings}")
         prompts.append(ids)
     if not prompts:
@@ -242,7 +250,7 @@ def run() -> dict:
             raise UserError("give --prompts_file or one of --prompt, --prompt_ids, --prompt_len, not both")
     model = _load_model()
     cfg = model.cfg
-    prompts = _read_prompts_file(FLAGS.prompts_file, model) if FLAGS.prompts_file else None
+    prompts = _read_prompts_file(FLAGS.prompts_file, model, FLAGS.max_new_tokens) if FLAGS.prompts_file else None
     prompt = prompts[0] if prompts else _prompt_ids(model)
     longest = max(len(p) for p in prompts) if prompts else len(prompt)
     need = longest + FLAGS.max_new_tokens

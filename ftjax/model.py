@@ -143,8 +143,9 @@ class KVHook(Protocol):
     or None. ``init_carry()``: pytree carried through the scan (e.g. the next layer's prefetched
     KV), or None. ``before_attention(ck, cv, layer, xs_l, carry) -> (ck, cv, carry)``: may write
     rows of layer ``layer`` of the carried cache before this call's K/V are written.
-    ``layer_output(k, v)``: per-layer scan output (k, v: [B, T, Hkv, hd] in the cache dtype,
-    as written to the cache), stacked over layers into ``ForwardOut.kv_out``.
+    ``layer_output(ck, cv, layer, start)``: per-layer scan output, called after this call's K/V
+    were written into the caches (start: int32 [B], first position of the call); stacked over
+    layers into ``ForwardOut.kv_out``.
     """
 
     def scan_xs(self) -> Any: ...
@@ -154,7 +155,7 @@ class KVHook(Protocol):
     def before_attention(self, ck: jax.Array, cv: jax.Array, layer: jax.Array, xs: Any,
                          carry: Any) -> tuple[jax.Array, jax.Array, Any]: ...
 
-    def layer_output(self, k: jax.Array, v: jax.Array) -> Any: ...
+    def layer_output(self, ck: jax.Array, cv: jax.Array, layer: jax.Array, start: jax.Array) -> Any: ...
 
 
 class ForwardOut(NamedTuple):
@@ -204,10 +205,10 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, start: jax.Arra
                 ck, cv, hc = kv_hook.before_attention(ck, cv, l, hx, hc)
             x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
             q, k, v = _qk(cfg, lp, x, positions)
-            if kv_hook is not None:
-                hy = kv_hook.layer_output(k.astype(ck.dtype), v.astype(cv.dtype))
             ck = ck.at[l, bidx, positions].set(k.astype(ck.dtype), mode="drop")
             cv = cv.at[l, bidx, positions].set(v.astype(cv.dtype), mode="drop")
+            if kv_hook is not None:
+                hy = kv_hook.layer_output(ck, cv, l, start)
             o = attention(q, ck[l], cv[l], positions)
             h = h + o.reshape(b, t, -1) @ lp["wo"]
         with jax.named_scope("moe"):

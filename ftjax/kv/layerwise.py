@@ -25,9 +25,12 @@
   are moved to the device before the call, and the in-scan ``device_put`` is a no-op.
 
 * **Store.** With ``store_chunks = m > 0`` the call's first ``m * C`` tokens form ``m`` new
-  full chunks (the caller guarantees the call starts on a chunk boundary). Each layer emits
-  ``m`` arrays ``[2, C, Hkv, hd]`` (K/V as written into the cache, cache dtype) as scan outputs,
-  moved to host memory inside the body (``jax.device_put(..., jax.memory.Space.Host)``) when
+  full chunks (the caller guarantees the call starts on a chunk boundary and
+  ``start + m*C <= S_max``). After the layer has written this call's K/V, each layer emits ``m``
+  arrays ``[2, C, Hkv, hd]`` sliced from the updated cache rows (so they are exactly what the
+  cache holds, and the K/V computation keeps its only consumer, the cache write: XLA fuses it as
+  in the hook-free program and the math stays bit-identical), as scan outputs moved to host
+  memory inside the body (``jax.device_put(..., jax.memory.Space.Host)``) when
   ``store_to_host``; the scan stacks them into ``m`` arrays ``[L, 2, C, Hkv, hd]``, ready for
   ``HostKVStore.put``. With ``store_to_host=False`` they stay on the device and the caller
   moves them after the step.
@@ -59,7 +62,7 @@ def bucket_chunks(n: int) -> int:
     25% extra bytes are copied; e.g. 62 -> 64). ``n <= 0`` gives 0."""
     if n <= 0:
         return 0
-    step = max(1, 1 << (n.bit_length() - 3))
+    step = 1 << max(0, n.bit_length() - 3)
     return -(-n // step) * step
 
 
@@ -74,7 +77,8 @@ class LayerwiseKV:
       prefix: tuple of ``n`` chunk arrays, each ``[L, 2, C, Hkv, hd]`` in the cache dtype, in host
         memory (layerwise load) or device memory (load-all-first ablation). Empty: no prefix.
       variant: ``"prefetch"`` or ``"xs"``.
-      store_chunks: ``m``, new full chunks to emit (the call's tokens ``[0, m*C)``); 0: none.
+      store_chunks: ``m``, new full chunks to emit (the call's tokens ``[0, m*C)``, i.e. cache rows
+        ``[start, start + m*C)``, which must lie below S_max); 0: none.
       chunk_tokens: ``C``.
       store_to_host: place the emitted chunks in host memory inside the scan body.
     Raises:
@@ -116,15 +120,19 @@ class LayerwiseKV:
         cv = self._write(cv, buf[1], layer)
         return ck, cv, carry
 
-    def layer_output(self, k, v):
+    def layer_output(self, ck, cv, layer, start):
         m, c = self.store_chunks, self.chunk_tokens
         if m == 0:
             return None
-        if m * c > k.shape[1]:
-            raise ValueError(f"store_chunks {m} x {c} tokens exceed the call's {k.shape[1]} tokens")
+        if m * c > ck.shape[2]:
+            raise ValueError(f"store_chunks {m} x {c} tokens exceed the cache length {ck.shape[2]}")
+        z = jnp.zeros((), jnp.int32)
         out = []
         for j in range(m):
-            kv = jnp.stack([k[0, j * c:(j + 1) * c], v[0, j * c:(j + 1) * c]])  # [2, C, Hkv, hd]
+            idx = (layer.astype(jnp.int32), z, start[0].astype(jnp.int32) + j * c, z, z)
+            size = (1, 1, c) + ck.shape[3:]
+            kv = jnp.concatenate([jax.lax.dynamic_slice(ck, idx, size),
+                                  jax.lax.dynamic_slice(cv, idx, size)], axis=1)[0]  # [2, C, Hkv, hd]
             out.append(jax.device_put(kv, jax.memory.Space.Host) if self.store_to_host else kv)
         return tuple(out)
 

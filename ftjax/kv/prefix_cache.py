@@ -198,7 +198,8 @@ class PrefixCache:
             while pos < len(prompt):
                 valid = min(self.prefill_chunk, len(prompt) - pos)
                 t = _bucket(valid)
-                m = t // c if (self.store_new and pos % c == 0 and valid >= c) else 0
+                # new-chunk outputs: whole chunks of the padded call that lie inside the cache
+                m = min(t, engine.max_seq_len - pos) // c if (self.store_new and pos % c == 0 and valid >= c) else 0
                 calls.append(PrefillCall(pos, valid, t, m, pos // c, bool(n) and not calls))
                 pos += valid
             req = PrefixRequest(prompt, keys, hit, reused, padded, calls, self.load,

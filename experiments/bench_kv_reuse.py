@@ -83,7 +83,7 @@ flags.DEFINE_integer("seed", 0, "Prompt seed.")
 flags.DEFINE_boolean("probe", True, "First run each variant on the tiny preset in a child process (XLA can abort "
                      "the process on unsupported host-memory ops); drop the variants that fail.")
 flags.DEFINE_string("probe_only", None, "Internal: run the probe of this variant and print one JSON line.")
-flags.DEFINE_float("time_budget_s", 450.0, "Skip the modes not yet started once this many seconds have passed "
+flags.DEFINE_float("time_budget_s", 400.0, "Skip the modes not yet started once this many seconds have passed "
                    "(the JSON is rewritten after every mode).")
 flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
 
@@ -259,21 +259,35 @@ def run_mode(model, mode: str, slots, max_seq_len: int, prefix: list[int], rng, 
     route = FLAGS.store_route
     row: dict = {"mode": mode, "slots": engine.num_slots}
 
-    def manager(load, st=store):
-        return pc_lib.PrefixCache(st, chunk_tokens=c, load=load, store_route=route,
-                                  prefill_chunk=FLAGS.prefill_chunk)
+    chunk = FLAGS.prefill_chunk
 
-    # the earlier request: stores the prefix's chunks (also warms the long prefill program)
-    try:
-        first = timed_request(engine, manager("prefetch"), prefix)
-    except Exception as e:  # noqa: BLE001 -- host-memory scan outputs may not compile: fall back
-        if route != "scan":
-            raise
-        row["store_route_scan_error"] = f"{type(e).__name__}: {e}"[:2000]
-        route = "after"
-        store = HostKVStore(int(FLAGS.kv_host_gb * GB))
-        engine = Engine(model, mode, slots, max_seq_len=max_seq_len)
-        first = timed_request(engine, manager("prefetch"), prefix)
+    def manager(load, st=None):
+        return pc_lib.PrefixCache(st if st is not None else store, chunk_tokens=c, load=load, store_route=route,
+                                  prefill_chunk=chunk)
+
+    # the earlier request: stores the prefix's chunks (also warms the long prefill program). Falls
+    # back to the 'after' store route if host-memory scan outputs fail, and halves the prefill
+    # call length on a device out-of-memory error.
+    while True:
+        try:
+            first = timed_request(engine, manager("prefetch"), prefix)
+            break
+        except Exception as e:  # noqa: BLE001
+            msg = f"{type(e).__name__}: {e}"
+            oom = "RESOURCE_EXHAUSTED" in msg or "out of memory" in msg.lower()
+            if oom and chunk // 2 >= c and (chunk // 2) % c == 0:
+                row.setdefault("oom_retries", []).append({"prefill_chunk": chunk, "error": msg[:500]})
+                chunk //= 2
+            elif route == "scan" and not oom:
+                row["store_route_scan_error"] = msg[:2000]
+                route = "after"
+            else:
+                raise
+            store = HostKVStore(int(FLAGS.kv_host_gb * GB))
+            del engine
+            gc.collect()
+            engine = Engine(model, mode, slots, max_seq_len=max_seq_len)
+    row["prefill_chunk_used"] = chunk
     row["store_route"] = route
     row["store_request"] = first
     print(f"[{mode}] earlier request: {len(prefix)} tokens, {first['chunks_stored']} chunks stored, "

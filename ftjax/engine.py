@@ -102,6 +102,7 @@ class GenerationResult:
     compile_s: float
     routing: list[np.ndarray] | None = None
     step_s: list[float] | None = None
+    kv: dict | None = None  # prefix-reuse record of the request (``PrefixRequest.record()``)
 
 
 class Engine:
@@ -222,13 +223,15 @@ class Engine:
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0, keep_logits: bool = False,
-                 trace_routing: bool = False, time_steps: bool = False) -> GenerationResult:
+                 trace_routing: bool = False, time_steps: bool = False, kv_manager=None) -> GenerationResult:
         """Prefill + decode ``max_new_tokens`` tokens for each prompt.
 
         TTFT is measured from the prefill's dispatch to the first sampled token being ready;
         decode time from then to the last token. Compilation is excluded and reported apart.
         ``time_steps`` waits for every decode step to finish and records its duration (adds one
         host sync per step; without it steps are dispatched asynchronously).
+        With ``kv_manager`` (``ftjax.kv.prefix_cache.PrefixCache``, batch 1) the prefill reuses
+        stored prefix KV and stores new chunks; its key lookup time is added to TTFT.
         """
         self.check_prompts(prompts, max_new_tokens)
         b = len(prompts)
@@ -237,13 +240,18 @@ class Engine:
         key = jax.random.key(seed)
         routing = [] if trace_routing else None
         # Compile both programs before the clock starts.
-        self._ensure_compiled(prompts, cache)
+        self._ensure_compiled(prompts, cache, prefill=kv_manager is None)
+        req = kv_manager.begin(self, prompts, cache) if kv_manager is not None else None
         t0 = time.perf_counter()
-        logits, cache, lengths, stats = self.prefill(prompts, cache)
+        if req is None:
+            logits, cache, lengths, stats = self.prefill(prompts, cache)
+        else:
+            logits, cache, lengths, stats = kv_manager.prefill(self, req, cache)
         key, sub = jax.random.split(key)
         tok = _sample(logits, sub, temperature, top_p)
         tok.block_until_ready()
-        ttft = time.perf_counter() - t0
+        t_first = time.perf_counter()
+        ttft = t_first - t0 + (req.lookup_s if req is not None else 0.0)
         if trace_routing:  # [L, B*T] token axis of every chunk, concatenated
             routing.append(np.concatenate([np.asarray(st.routed_ids) for st in stats], axis=1))
         toks, all_logits, decode_stats = [tok], [logits] if keep_logits else None, []
@@ -264,7 +272,7 @@ class Engine:
                 step_s.append(time.perf_counter() - ts)
             pos = pos + 1
         jax.block_until_ready(toks)
-        decode_s = time.perf_counter() - t0 - ttft
+        decode_s = time.perf_counter() - t_first
         for s in decode_stats:
             self.counters["decode"].add(s)
             if trace_routing:
@@ -276,7 +284,8 @@ class Engine:
             step_logits=np.stack([np.asarray(x) for x in all_logits]) if keep_logits else None,
             ttft_s=ttft, decode_s=decode_s, prefill_tokens_per_s=float(lengths.sum()) / ttft,
             decode_tokens_per_s=n_dec / decode_s if n_dec and decode_s > 0 else 0.0,
-            compile_s=self.compile_s - compile_before, routing=routing, step_s=step_s)
+            compile_s=self.compile_s - compile_before, routing=routing, step_s=step_s,
+            kv=req.record() if req is not None else None)
 
     def _executable(self, args, all_logits: bool = False, stream: bool = False):
         """The compiled step for these arguments (compiled once per shape; time added to compile_s)."""
@@ -289,17 +298,17 @@ class Engine:
             self.compile_s += time.perf_counter() - t0
         return _COMPILED[key]
 
-    def _ensure_compiled(self, prompts, cache) -> None:
-        """Compiles every prefill chunk shape and the decode step before timing starts."""
+    def _ensure_compiled(self, prompts, cache, prefill: bool = True) -> None:
+        """Compiles every prefill chunk shape (unless ``prefill`` is False) and the decode step
+        before timing starts."""
         b = len(prompts)
         lengths = np.array([len(p) for p in prompts])
         longest = int(lengths.max())
         chunk = min(self.prefill_chunk, longest)
-        shapes = set()
-        for c in range(0, longest, chunk):
+        shapes = {((b, 1), False)}
+        for c in range(0, longest, chunk) if prefill else ():
             valid = np.clip(lengths - c, 0, chunk)
             shapes.add(((b, bucket(int(valid.max()))), self.streams(int(valid.sum()))))
-        shapes.add(((b, 1), False))
         for shape, stream in shapes:
             args = (self.model.params, self.model.host_gate_up, self.model.host_down, cache, self.state,
                     jnp.zeros(shape, jnp.int32), jnp.zeros(b, jnp.int32), jnp.ones(b, jnp.int32))

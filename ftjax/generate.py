@@ -3,6 +3,13 @@ r"""Generate text with an MoE model whose experts live in host memory.
   python -m ftjax.generate                                   # built-in demo model, expert cache on
   python -m ftjax.generate --checkpoint=DIR --prompt="Hello" --max_new_tokens=32
   python -m ftjax.generate --preset=qwen3-30b-a3b --vram_budget_gb=8 --prompt_len=512
+  python -m ftjax.generate --checkpoint=DIR --prompts_file=reqs.jsonl --kv_offload --metrics_json=m.json
+
+With --prompts_file, the requests (JSON lines ``{"prompt_ids": [...]}`` or ``{"prompt": "..."}``)
+run one after another in this process (batch 1); with --kv_offload, full 256-token chunks of
+their prompts' KV are kept in host memory and a later request sharing a prefix reuses it
+(layerwise load inside the prefill scan; DESIGN.md 1.4). --metrics_json then has a ``requests``
+list and a ``kv_store`` object.
 
 Prints the memory plan, the text (or ids), TTFT, prefill and decode tokens/s and the expert-cache
 hit rate and host-to-device bytes. Errors (bad files, bad flags, ids outside the vocabulary)
@@ -41,6 +48,21 @@ flags.DEFINE_string("metrics_json", None, "Write metrics (ids, TTFT, tokens/s, e
 flags.DEFINE_string("logits_npy", None, "Write float32 [steps, vocab] logits of every generated step.")
 flags.DEFINE_string("trace_routing", None, "Write routed expert ids per step and layer (.npz).")
 flags.DEFINE_boolean("progress", True, "Show a progress bar while loading.")
+flags.DEFINE_enum("prefill", "auto", ["auto", "stream", "on_demand"],
+                  "Prefill expert loading: stream whole layers through two E-slot buffers (needs 2E slots), "
+                  "only the routed experts through the cache, or auto (stream when it fits and pays).")
+flags.DEFINE_integer("prefill_chunk", 8192, "Prompts longer than this many tokens are prefilled in chunks.")
+flags.DEFINE_boolean("prefill_overlap", True, "Copy layer l+1's experts while layer l computes; "
+                     "--noprefill_overlap (alias --no_prefill_overlap) is the serial ablation.")
+flags.DEFINE_string("prompts_file", None, "JSON lines, each {\"prompt_ids\": [...]} or {\"prompt\": \"...\"}: "
+                    "requests run in order in this process (batch 1).")
+flags.DEFINE_boolean("kv_offload", False, "Keep full chunks of prompt KV in host memory and reuse a stored "
+                     "prefix (layerwise load in the prefill scan).")
+flags.DEFINE_float("kv_host_gb", 4.0, "Host memory for stored KV chunks, in GB (1e9 bytes).")
+flags.DEFINE_integer("kv_chunk_tokens", 256, "Tokens per stored KV chunk.")
+flags.DEFINE_enum("kv_load", "prefetch", ["prefetch", "xs", "all_first"],
+                  "How a reused prefix reaches the device: in the scan with the next layer prefetched, "
+                  "in the scan as scan xs, or all layers before the prefill (ablation).")
 
 
 class UserError(Exception):
@@ -94,6 +116,98 @@ def _prompt_ids(model) -> list[int]:
     return np.random.default_rng(FLAGS.seed).integers(0, model.cfg.vocab_size, n).tolist()
 
 
+def _read_prompts_file(path: str, model, max_new_tokens: int) -> list[list[int]]:
+    """Parses --prompts_file (JSON lines, each ``{"prompt_ids": [int, ...]}`` or ``{"prompt": str}``;
+    blank lines are skipped). Returns the token ids of each request, in order.
+
+    Raises:
+      UserError: unreadable file, malformed JSON, neither or both keys, ids that are not integers,
+        ids outside [0, V), an empty prompt, text without a tokenizer, a prompt plus
+        ``max_new_tokens`` beyond max_position_embeddings, or no requests; the message starts
+        with ``PATH:LINE:`` where a line is at fault.
+    """
+    v, tok = model.cfg.vocab_size, model.tokenizer
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: cannot read prompts file ({e})") from None
+    prompts = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{n}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{where}: malformed JSON ({e.msg})") from None
+        if not isinstance(obj, dict) or ("prompt_ids" in obj) == ("prompt" in obj):
+            raise UserError(f"{where}: expected an object with exactly one of 'prompt_ids' or 'prompt'")
+        if "prompt_ids" in obj:
+            ids = obj["prompt_ids"]
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise UserError(f"{where}: 'prompt_ids' must be a list of integers")
+        else:
+            if not isinstance(obj["prompt"], str):
+                raise UserError(f"{where}: 'prompt' must be a string")
+            if tok is None:
+                raise UserError(f"{where}: 'prompt' needs a tokenizer.json in the checkpoint; use 'prompt_ids'")
+            ids = tok.encode(obj["prompt"]).ids
+        if not ids:
+            raise UserError(f"{where}: empty prompt")
+        bad = [t for t in ids if not 0 <= t < v]
+        if bad:
+            raise UserError(f"{where}: token id {bad[0]} outside the vocabulary [0, {v})")
+        if len(ids) + max_new_tokens > model.cfg.max_position_embeddings:
+            raise UserError(f"{where}: prompt of {len(ids)} tokens + {max_new_tokens} new exceeds the "
+                            f"model's max_position_embeddings {model.cfg.max_position_embeddings}")
+        prompts.append(ids)
+    if not prompts:
+        raise UserError(f"{path}: no requests in the prompts file")
+    return prompts
+
+
+def _run_requests(model, engine, mode, plan, prompts: list[list[int]]) -> dict:
+    """Runs the requests one after another (batch 1), with prefix reuse when --kv_offload."""
+    from ftjax.experts.planner import GB
+    from ftjax.kv.host_store import HostKVStore
+    from ftjax.kv.prefix_cache import PrefixCache
+    manager = None
+    if FLAGS.kv_offload:
+        c = FLAGS.kv_chunk_tokens
+        manager = PrefixCache(HostKVStore(int(FLAGS.kv_host_gb * GB)), chunk_tokens=c, load=FLAGS.kv_load,
+                              prefill_chunk=max(c, FLAGS.prefill_chunk // c * c))
+    requests, results = [], []
+    for i, p in enumerate(prompts):
+        res = engine.generate([p], FLAGS.max_new_tokens, FLAGS.temperature, FLAGS.top_p, FLAGS.seed,
+                              kv_manager=manager)
+        reused = res.kv["reused_tokens"] if res.kv else 0
+        requests.append({"prompt_tokens": len(p), "generated_ids": res.generated_ids[0], "ttft_s": res.ttft_s,
+                         "reused_tokens": reused, "decode_s": res.decode_s,
+                         "decode_tokens_per_s": res.decode_tokens_per_s, "kv": res.kv})
+        results.append(res)
+        text = f" | text: {model.tokenizer.decode(res.generated_ids[0])!r}" if model.tokenizer is not None else ""
+        print(f"request {i}: {len(p)} prompt tokens, {reused} reused | TTFT {res.ttft_s * 1e3:.1f} ms | "
+              f"decode {res.decode_tokens_per_s:.2f} tokens/s{text}")
+        print(f"request {i} generated ids:", ",".join(map(str, res.generated_ids[0])))
+    kv_store = manager.metrics() if manager else None
+    if kv_store:
+        print(f"kv store: {kv_store['chunks_hit']} chunks hit, {kv_store['chunks_stored']} stored, "
+              f"{kv_store['chunks_evicted']} evicted, {kv_store['chunks_skipped']} skipped; "
+              f"{kv_store['bytes_loaded'] / 1e6:.1f} MB loaded, {kv_store['bytes_stored'] / 1e6:.1f} MB stored")
+    metrics = {"model": model.name, "config": model.cfg.identity(), "dtype": model.dtype, "experts_mode": mode,
+               "memory_plan": plan.as_dict() if plan else None, "requests": requests, "kv_store": kv_store,
+               "compile_s": sum(r.compile_s for r in results), "expert_cache": engine.expert_cache_metrics()}
+    if len(prompts) == 1:  # the single-prompt fields, as without --kv_offload
+        r = results[0]
+        metrics.update(prompt_ids=prompts[0], generated_ids=r.generated_ids[0],
+                       batch_generated_ids=r.generated_ids, ttft_s=r.ttft_s, decode_s=r.decode_s,
+                       prefill_tokens_per_s=r.prefill_tokens_per_s, decode_tokens_per_s=r.decode_tokens_per_s)
+    if FLAGS.metrics_json:
+        _atomic_write(FLAGS.metrics_json, lambda f: f.write(json.dumps(metrics, indent=1).encode()))
+    return metrics
+
+
 def _plan(model, batch: int, max_seq_len: int):
     """Chooses the experts mode and slot count; returns (mode, plan or None)."""
     import numpy as np
@@ -130,20 +244,35 @@ def run() -> dict:
         raise UserError(f"--batch must be >= 1, got {FLAGS.batch}")
     if not 0.0 < FLAGS.top_p <= 1.0 or FLAGS.temperature < 0:
         raise UserError("need 0 < --top_p <= 1 and --temperature >= 0")
+    requests_mode = FLAGS.prompts_file is not None or FLAGS.kv_offload
+    if requests_mode:
+        if FLAGS.batch != 1:
+            raise UserError("--prompts_file and --kv_offload run one request at a time: use --batch=1")
+        if FLAGS.logits_npy or FLAGS.trace_routing:
+            raise UserError("--logits_npy and --trace_routing are not supported with --prompts_file/--kv_offload")
+        if FLAGS.kv_chunk_tokens < 1 or FLAGS.kv_host_gb < 0:
+            raise UserError("need --kv_chunk_tokens >= 1 and --kv_host_gb >= 0")
+        if FLAGS.prompts_file and any(x is not None for x in (FLAGS.prompt, FLAGS.prompt_ids, FLAGS.prompt_len)):
+            raise UserError("give --prompts_file or one of --prompt, --prompt_ids, --prompt_len, not both")
     model = _load_model()
     cfg = model.cfg
-    prompt = _prompt_ids(model)
-    need = len(prompt) + FLAGS.max_new_tokens
+    prompts = _read_prompts_file(FLAGS.prompts_file, model, FLAGS.max_new_tokens) if FLAGS.prompts_file else None
+    prompt = prompts[0] if prompts else _prompt_ids(model)
+    longest = max(len(p) for p in prompts) if prompts else len(prompt)
+    need = longest + FLAGS.max_new_tokens
     max_seq_len = FLAGS.max_seq_len or min(-(-need // 128) * 128, cfg.max_position_embeddings)
     if need > cfg.max_position_embeddings:
-        raise UserError(f"prompt of {len(prompt)} tokens + {FLAGS.max_new_tokens} new exceeds the model's "
+        raise UserError(f"prompt of {longest} tokens + {FLAGS.max_new_tokens} new exceeds the model's "
                         f"max_position_embeddings {cfg.max_position_embeddings}")
     mode, plan = _plan(model, FLAGS.batch, max_seq_len)
     print(f"model: {model.name} ({cfg.model_type}, L={cfg.num_layers}, E={cfg.num_experts}, "
           f"top-k={cfg.top_k}, {model.dtype}); experts: {mode}")
     if plan is not None:
         print(plan.describe())
-    engine = Engine(model, mode, plan.slots if plan else None, max_seq_len=max_seq_len, batch=FLAGS.batch)
+    engine = Engine(model, mode, plan.slots if plan else None, max_seq_len=max_seq_len, batch=FLAGS.batch,
+                    prefill=FLAGS.prefill, prefill_chunk=FLAGS.prefill_chunk, prefill_overlap=FLAGS.prefill_overlap)
+    if requests_mode:
+        return _run_requests(model, engine, mode, plan, prompts or [prompt])
     res = engine.generate([prompt] * FLAGS.batch, FLAGS.max_new_tokens, FLAGS.temperature, FLAGS.top_p,
                           FLAGS.seed, keep_logits=bool(FLAGS.logits_npy), trace_routing=bool(FLAGS.trace_routing))
     gen = res.generated_ids[0]
@@ -185,5 +314,10 @@ def main(argv):
         sys.exit(1)
 
 
+def _alias_no_flags(argv: list[str]) -> list[str]:
+    """Accepts the spelling --no_prefill_overlap for absl's --noprefill_overlap."""
+    return ["--noprefill_overlap" if a == "--no_prefill_overlap" else a for a in argv]
+
+
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, argv=_alias_no_flags(sys.argv))

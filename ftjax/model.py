@@ -23,7 +23,7 @@ serves prefill (T tokens), prefix-reuse prefill (start > 0) and decode (T = 1).
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -150,18 +150,44 @@ def _qk(cfg: ModelConfig, lp: Params, x: jax.Array, positions: jax.Array):
     return rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta), v
 
 
+class KVHook(Protocol):
+    """Optional per-layer hook of :func:`forward` for layerwise KV offload (DESIGN.md 1.4).
+
+    Implemented by ``ftjax.kv.layerwise.LayerwiseKV``. With no hook, ``forward`` is unchanged.
+    ``scan_xs()``: pytree with leading axis L sliced by the layer scan (may live in host memory),
+    or None. ``init_carry()``: pytree carried through the scan (e.g. the next layer's prefetched
+    KV), or None. ``before_attention(ck, cv, layer, xs_l, carry) -> (ck, cv, carry)``: may write
+    rows of layer ``layer`` of the carried cache before this call's K/V are written.
+    ``layer_output(ck, cv, layer, start)``: per-layer scan output, called after this call's K/V
+    were written into the caches (start: int32 [B], first position of the call); stacked over
+    layers into ``ForwardOut.kv_out``.
+    """
+
+    def scan_xs(self) -> Any: ...
+
+    def init_carry(self) -> Any: ...
+
+    def before_attention(self, ck: jax.Array, cv: jax.Array, layer: jax.Array, xs: Any,
+                         carry: Any) -> tuple[jax.Array, jax.Array, Any]: ...
+
+    def layer_output(self, ck: jax.Array, cv: jax.Array, layer: jax.Array, start: jax.Array) -> Any: ...
+
+
 class ForwardOut(NamedTuple):
     """logits: float32 [B, V] (last valid token) or [B, T, V] (all); cache; expert state; stats
-    stacked over layers (leading axis L)."""
+    stacked over layers (leading axis L); kv_out: the KV hook's stacked per-layer outputs (None
+    without a hook)."""
 
     logits: jax.Array
     cache: KVCache
     expert_state: Any
     layer_stats: Any
+    kv_out: Any = None
 
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, start: jax.Array, valid_len: jax.Array,
-            cache: KVCache, expert_fn: ExpertFn, expert_state: Any, all_logits: bool = False) -> ForwardOut:
+            cache: KVCache, expert_fn: ExpertFn, expert_state: Any, all_logits: bool = False,
+            kv_hook: KVHook | None = None) -> ForwardOut:
     """Runs T tokens of B sequences through the decoder (one ``lax.scan`` over layers).
 
     Args:
@@ -172,6 +198,8 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, start: jax.Arra
       expert_fn / expert_state: where expert weights come from (see ``ftjax.experts.offload``);
         the state (slot pools, LRU table) is carried through the scan.
       all_logits: return logits of every position instead of the last valid one.
+      kv_hook: optional layerwise KV hook (:class:`KVHook`; ``ftjax.kv.layerwise``): loads a
+        reused prefix into the cache layer by layer and returns new K/V as scan outputs.
     """
     b, t = tokens.shape
     dtype = params["embed"].dtype
@@ -180,14 +208,22 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, start: jax.Arra
     valid = jnp.arange(t)[None, :] < valid_len[:, None]
     bidx = jnp.arange(b)[:, None]
 
+    hook_xs = kv_hook.scan_xs() if kv_hook is not None else None
+    hook_carry = kv_hook.init_carry() if kv_hook is not None else None
+
     def layer(carry, xs):
-        h, ck, cv, state = carry
-        lp, l = xs
+        h, ck, cv, state, hc = carry
+        lp, l, hx = xs
+        hy = None
         with jax.named_scope("attention"):
+            if kv_hook is not None:
+                ck, cv, hc = kv_hook.before_attention(ck, cv, l, hx, hc)
             x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
             q, k, v = _qk(cfg, lp, x, positions)
             ck = ck.at[l, bidx, positions].set(k.astype(ck.dtype), mode="drop")
             cv = cv.at[l, bidx, positions].set(v.astype(cv.dtype), mode="drop")
+            if kv_hook is not None:
+                hy = kv_hook.layer_output(ck, cv, l, start)
             o = attention(q, ck[l], cv[l], positions)
             h = h + o.reshape(b, t, -1) @ lp["wo"]
         with jax.named_scope("moe"):
@@ -195,14 +231,14 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, start: jax.Arra
             ids, w = route(cfg, x, lp["router"])
             y, state, stats = expert_fn(state, l, LayerRouting(x, ids, w, valid.reshape(-1)))
             h = h + y.reshape(b, t, -1).astype(dtype)
-        return (h, ck, cv, state), stats
+        return (h, ck, cv, state, hc), (stats, hy)
 
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (h, ck, cv, expert_state), stats = jax.lax.scan(
-        layer, (h, cache.k, cache.v, expert_state), (params["layers"], layer_ids))
+    (h, ck, cv, expert_state, _), (stats, kv_out) = jax.lax.scan(
+        layer, (h, cache.k, cache.v, expert_state, hook_carry), (params["layers"], layer_ids, hook_xs))
     if not all_logits:
         h = h[jnp.arange(b), valid_len - 1]
     h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
     head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
     logits = (h @ head).astype(jnp.float32)
-    return ForwardOut(logits, KVCache(ck, cv), expert_state, stats)
+    return ForwardOut(logits, KVCache(ck, cv), expert_state, stats, kv_out)

@@ -236,13 +236,16 @@ class HostKVStore:
         return shape, dtype
 
     # ------------------------------------------------------------------ core ops
-    def put(self, key: bytes, kv: Any) -> bool:
+    def put(self, key: bytes, kv: Any, *, copy: bool = True) -> bool:
         """Store one chunk's all-layer KV under ``key``; best effort.
 
         Args:
           key: chunk key from :func:`ftjax.kv.chunk_keys.chunk_keys`.
           kv: array (JAX or numpy) of shape ``[L, 2, chunk_tokens, num_kv_heads, head_dim]``,
             any dtype; copied into host memory with ``jax.device_put``.  Size = ``kv.nbytes``.
+          copy: when False and ``kv`` is a JAX array already placed with :attr:`sharding`
+            (e.g. a jitted step's output in ``pinned_host``), the store adopts it without a
+            host-to-host copy; the caller must then not delete or donate it.
 
         Returns:
           True if ``key`` is now stored (newly, or already present: then only its recency is
@@ -269,9 +272,12 @@ class HostKVStore:
             if not self._make_room(nbytes):
                 self._c["stores_skipped"] += 1
                 return False
-            # may_alias=False: always our own copy, so the caller deleting/donating its
-            # array cannot invalidate the stored entry.
-            arr = jax.device_put(kv, self._sharding, may_alias=False)
+            if not copy and isinstance(kv, jax.Array) and kv.sharding == self._sharding:
+                arr = kv  # adopted (see ``copy``)
+            else:
+                # may_alias=False: always our own copy, so the caller deleting/donating its
+                # array cannot invalidate the stored entry.
+                arr = jax.device_put(kv, self._sharding, may_alias=False)
             self._entries[key] = arr
             self._bytes_in_use += nbytes
             self._entry_shape, self._entry_dtype = shape, dtype

@@ -1,0 +1,178 @@
+"""Layerwise KV load/store inside the prefill layer scan (DESIGN.md 1.4, after LMCache).
+
+:class:`LayerwiseKV` implements the ``ftjax.model.KVHook`` seam of ``model.forward``:
+
+* **Load (retrieve).** The reused prefix arrives as a tuple of ``n`` chunk arrays, each
+  ``[L, 2, C, Hkv, hd]`` (axis 1: K, V) in host memory (``pinned_host``), exactly as
+  :class:`ftjax.kv.host_store.HostKVStore` holds them; they are never concatenated on the host
+  (that would be host math). For each layer, every chunk's ``[2, C, Hkv, hd]`` slice is moved to
+  the device with ``jax.device_put(..., jax.memory.Space.Device)`` right after the slice (the
+  only operation ever applied to host data; DESIGN.md section 2), the ``n`` device slices are
+  concatenated on the device and written into cache rows ``[0, n*C)`` of batch row 0 with one
+  ``dynamic_update_slice`` per K and V. Two variants (``variant``):
+
+  - ``"prefetch"``: layer ``l + 1``'s slices are copied while layer ``l`` computes: the copy
+    is issued in iteration ``l`` (``dynamic_index_in_dim(chunk, l + 1)`` + ``device_put``) and
+    carried to iteration ``l + 1`` (the scan carries one layer of prefix KV, ``[2, n*C, Hkv,
+    hd]`` on the device). Layer 0 is fetched before the scan. The last iteration re-fetches
+    layer ``L - 1`` (clamped index; ``1/L`` extra bytes) so the trip count and shapes stay fixed.
+  - ``"xs"``: the chunk arrays are scan ``xs`` (the JAX docs' host-offloading
+    parameter-streaming pattern); iteration ``l`` copies its own layer's slices.
+
+  Both are the same program whether the prefix hits or misses (``n = 0`` is a static empty
+  tuple): no per-request control flow, no yield protocol to get wrong (LMCache's bugs).
+  The same code with *device* chunk arrays is the "load all layers first" ablation: the arrays
+  are moved to the device before the call, and the in-scan ``device_put`` is a no-op.
+
+* **Store.** With ``store_chunks = m > 0`` the call's first ``m * C`` tokens form ``m`` new
+  full chunks (the caller guarantees the call starts on a chunk boundary and
+  ``start + m*C <= S_max``). After the layer has written this call's K/V, each layer emits ``m``
+  arrays ``[2, C, Hkv, hd]`` sliced from the updated cache rows (so they are exactly what the
+  cache holds, and the K/V computation keeps its only consumer, the cache write: XLA fuses it as
+  in the hook-free program and the math stays bit-identical), as scan outputs moved to host
+  memory inside the body (``jax.device_put(..., jax.memory.Space.Host)``) when
+  ``store_to_host``; the scan stacks them into ``m`` arrays ``[L, 2, C, Hkv, hd]``, ready for
+  ``HostKVStore.put``. With ``store_to_host=False`` they stay on the device and the caller
+  moves them after the step.
+
+Prefix padding: to bound recompiles the caller may pass more chunk arrays than were hit
+(:func:`bucket_chunks`), repeating the last hit chunk. The padded rows ``[n_hit*C, n_pad*C)``
+then hold stale data that is harmless: every row below the prompt length is rewritten by this
+call's (or a later call's) own K/V before any query can see it (attention is causal by
+absolute position, and the call's own write comes after the prefix write in the layer body),
+and rows at or beyond the prompt length are invisible until decode writes them. The caller
+must keep ``n_pad * C <= S_max`` (a clamped ``dynamic_update_slice`` would overwrite real rows).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["VARIANTS", "LayerwiseKV", "bucket_chunks", "load_prefix_only"]
+
+VARIANTS = ("prefetch", "xs")
+
+
+def bucket_chunks(n: int) -> int:
+    """Padded chunk count for ``n`` hit chunks: ``n`` rounded up to a multiple of
+    ``max(1, 2**(floor(log2 n) - 2))`` (exact up to 7; four buckets per octave above, so at most
+    25% extra bytes are copied; e.g. 62 -> 64). ``n <= 0`` gives 0."""
+    if n <= 0:
+        return 0
+    step = 1 << max(0, n.bit_length() - 3)
+    return -(-n // step) * step
+
+
+def _to_device(x: jax.Array) -> jax.Array:
+    return jax.device_put(x, jax.memory.Space.Device)
+
+
+class LayerwiseKV:
+    """The KV hook of ``model.forward`` (see the module docstring).
+
+    Args:
+      prefix: tuple of ``n`` chunk arrays, each ``[L, 2, C, Hkv, hd]`` in the cache dtype, in host
+        memory (layerwise load) or device memory (load-all-first ablation). Empty: no prefix.
+      variant: ``"prefetch"`` or ``"xs"``.
+      store_chunks: ``m``, new full chunks to emit (the call's tokens ``[0, m*C)``, i.e. cache rows
+        ``[start, start + m*C)``, which must lie below S_max); 0: none.
+      chunk_tokens: ``C``.
+      store_to_host: place the emitted chunks in host memory inside the scan body.
+    Raises:
+      ValueError: unknown variant, chunk arrays of different shapes, or a bad layout.
+    """
+
+    def __init__(self, prefix: Sequence[jax.Array], variant: str = "prefetch", store_chunks: int = 0,
+                 chunk_tokens: int = 256, store_to_host: bool = True):
+        if variant not in VARIANTS:
+            raise ValueError(f"unknown layerwise variant {variant!r}; expected one of {VARIANTS}")
+        self.prefix = tuple(prefix)
+        shapes = {tuple(c.shape) for c in self.prefix}
+        if len(shapes) > 1:
+            raise ValueError(f"prefix chunks must share one shape, got {sorted(shapes)}")
+        if self.prefix and (len(self.prefix[0].shape) != 5 or self.prefix[0].shape[1] != 2):
+            raise ValueError(f"prefix chunk must be [L, 2, C, Hkv, hd], got {self.prefix[0].shape}")
+        self.variant, self.store_chunks = variant, int(store_chunks)
+        self.chunk_tokens, self.store_to_host = int(chunk_tokens), bool(store_to_host)
+        self.num_layers = self.prefix[0].shape[0] if self.prefix else 0
+
+    # ---- KVHook ---------------------------------------------------------------------------
+    def scan_xs(self) -> Any:
+        return self.prefix if (self.prefix and self.variant == "xs") else None
+
+    def init_carry(self) -> Any:
+        if not self.prefix or self.variant != "prefetch":
+            return None
+        return self._fetch_layer(jnp.int32(0))
+
+    def before_attention(self, ck, cv, layer, xs, carry):
+        if not self.prefix:
+            return ck, cv, carry
+        if self.variant == "xs":
+            buf = self._concat([_to_device(s) for s in xs])
+        else:
+            buf = carry
+            carry = self._fetch_layer(jnp.minimum(layer + 1, self.num_layers - 1))
+        ck = self._write(ck, buf[0], layer)
+        cv = self._write(cv, buf[1], layer)
+        return ck, cv, carry
+
+    def layer_output(self, ck, cv, layer, start):
+        m, c = self.store_chunks, self.chunk_tokens
+        if m == 0:
+            return None
+        if m * c > ck.shape[2]:
+            raise ValueError(f"store_chunks {m} x {c} tokens exceed the cache length {ck.shape[2]}")
+        z = jnp.zeros((), jnp.int32)
+        out = []
+        for j in range(m):
+            idx = (layer.astype(jnp.int32), z, start[0].astype(jnp.int32) + j * c, z, z)
+            size = (1, 1, c) + ck.shape[3:]
+            kv = jnp.concatenate([jax.lax.dynamic_slice(ck, idx, size),
+                                  jax.lax.dynamic_slice(cv, idx, size)], axis=1)[0]  # [2, C, Hkv, hd]
+            out.append(jax.device_put(kv, jax.memory.Space.Host) if self.store_to_host else kv)
+        return tuple(out)
+
+    # ---- helpers --------------------------------------------------------------------------
+    def _fetch_layer(self, layer: jax.Array) -> jax.Array:
+        """Device copy of one layer of the prefix: [2, n*C, Hkv, hd]. Each host slice goes
+        straight into ``device_put``; the concatenation happens on the device."""
+        return self._concat([_to_device(jax.lax.dynamic_index_in_dim(c, layer, keepdims=False))
+                             for c in self.prefix])
+
+    @staticmethod
+    def _concat(parts: list[jax.Array]) -> jax.Array:
+        return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+
+    @staticmethod
+    def _write(cache: jax.Array, rows: jax.Array, layer: jax.Array) -> jax.Array:
+        """cache [L, B, S, Hkv, hd]; rows [n*C, Hkv, hd] -> cache[layer, 0, :n*C] = rows."""
+        if rows.shape[0] > cache.shape[2]:
+            raise ValueError(f"prefix of {rows.shape[0]} rows exceeds the cache length {cache.shape[2]}")
+        z = jnp.zeros((), jnp.int32)
+        return jax.lax.dynamic_update_slice(cache, rows[None, None].astype(cache.dtype),
+                                            (layer.astype(jnp.int32), z, z, z, z))
+
+
+def load_prefix_only(ck: jax.Array, cv: jax.Array, prefix: Sequence[jax.Array],
+                     variant: str = "prefetch") -> tuple[jax.Array, jax.Array]:
+    """Runs only the hook's loads through a layer scan (no model math): writes the prefix into
+    cache rows [0, n*C) of every layer. For tests and for measuring the in-scan copy bandwidth
+    (``experiments/bench_kv_reuse.py``). Jit it with the caches donated.
+
+    ck, cv: [L, B, S, Hkv, hd]; prefix: as for :class:`LayerwiseKV`. Returns the new caches.
+    """
+    hook = LayerwiseKV(prefix, variant)
+
+    def body(carry, xs):
+        ck, cv, hc = carry
+        l, hx = xs
+        ck, cv, hc = hook.before_attention(ck, cv, l, hx, hc)
+        return (ck, cv, hc), None
+
+    layers = jnp.arange(ck.shape[0], dtype=jnp.int32)
+    (ck, cv, _), _ = jax.lax.scan(body, (ck, cv, hook.init_carry()), (layers, hook.scan_xs()))
+    return ck, cv

@@ -15,7 +15,6 @@ from __future__ import annotations
 import gc
 import os
 import sys
-import time
 
 from absl import app, flags
 
@@ -24,8 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from experiments import common  # noqa: E402
-from ftjax.checkpoint import DTYPES, random_model  # noqa: E402
-from ftjax.config import preset  # noqa: E402
+from ftjax.checkpoint import DTYPES  # noqa: E402
 from ftjax.engine import Engine  # noqa: E402
 from ftjax.experts.planner import GB, plan_memory  # noqa: E402
 
@@ -81,13 +79,8 @@ def dump_decode_hlo(batch: int) -> dict:
 
 def main(argv):
     del argv
-    cfg = preset(FLAGS.preset)
     info = common.meta()
-    t0 = time.perf_counter()
-    model = random_model(cfg, FLAGS.dtype)
-    model.host_down.block_until_ready()
-    build_s = time.perf_counter() - t0
-    bp = common.measure_h2d()
+    cfg, model, build_s, bp = common.build_random_model(FLAGS.preset, FLAGS.dtype)
     bp_gbps = bp["h2d_GBps"]["median"]
     print(f"{info['device']}: random {FLAGS.preset} built in {build_s:.1f} s; B_P = {bp_gbps:.1f} GB/s", flush=True)
     itemsize = np.dtype(DTYPES[FLAGS.dtype]).itemsize

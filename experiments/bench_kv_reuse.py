@@ -32,14 +32,10 @@ first mode, and prints a table last. Sizes in bytes, times in seconds, GB = 1e9 
 
 from __future__ import annotations
 
-import datetime
 import functools
 import gc
 import json
 import os
-import platform
-import re
-import statistics
 import subprocess
 import sys
 import time
@@ -52,7 +48,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from ftjax import memory  # noqa: E402
+from experiments.common import hlo_ops, measure_h2d, meta, spread, table  # noqa: E402
 from ftjax.checkpoint import DTYPES, random_model  # noqa: E402
 from ftjax.config import preset  # noqa: E402
 from ftjax.engine import Engine  # noqa: E402
@@ -86,52 +82,6 @@ flags.DEFINE_string("probe_only", None, "Internal: run the probe of this variant
 flags.DEFINE_float("time_budget_s", 400.0, "Skip the modes not yet started once this many seconds have passed "
                    "(the JSON is rewritten after every mode).")
 flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
-
-
-# ---- small helpers (self-contained; see experiments/common.py on main for the shared ones) ----
-def meta() -> dict:
-    d = memory.default_device()
-    return {"device": getattr(d, "device_kind", str(d)), "backend": d.platform, "jax": jax.__version__,
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "host_cpus": os.cpu_count(), "python": platform.python_version()}
-
-
-def spread(xs) -> dict:
-    xs = [float(x) for x in xs]
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)} if xs else {}
-
-
-def measure_h2d(nbytes: int, repeats: int = 6) -> dict:
-    """Whole-array ``jax.device_put`` pinned_host -> device and back, GB/s (B_P, DESIGN.md 1.2)."""
-    host = jax.jit(lambda: jnp.ones((nbytes // 2,), jnp.bfloat16), out_shardings=memory.host_sharding())()
-    h2d, d2h = [], []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        x = jax.device_put(host, memory.device_sharding()).block_until_ready()
-        h2d.append(nbytes / (time.perf_counter() - t) / 1e9)
-        t = time.perf_counter()
-        jax.device_put(x, memory.host_sharding()).block_until_ready()
-        d2h.append(nbytes / (time.perf_counter() - t) / 1e9)
-        del x
-    return {"bytes": nbytes, "h2d_GBps": spread(h2d[1:]), "d2h_GBps": spread(d2h[1:])}
-
-
-def table(rows: list[dict], cols: list[str]) -> str:
-    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else ("" if v is None else str(v))  # noqa: E731
-    cells = [[fmt(r.get(c)) for c in cols] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
-    line = lambda vals: "  ".join(v.rjust(w) for v, w in zip(vals, widths))  # noqa: E731
-    return "\n".join([line(cols)] + [line(r) for r in cells])
-
-
-def hlo_ops(text: str) -> dict:
-    """Counts of the HLO ops that tell whether host copies are asynchronous."""
-    ops: dict[str, int] = {}
-    for op in re.findall(r"(?<=\s)([a-z][a-z0-9\-]*)\(", text):
-        if any(w in op for w in ("copy", "slice", "start", "done", "custom-call", "while")):
-            ops[op] = ops.get(op, 0) + 1
-    ops["host_memory_space_S(5)"] = text.count("S(5)")
-    return ops
 
 
 # ---- probes ---------------------------------------------------------------------------------

@@ -28,8 +28,7 @@ import numpy as np  # noqa: E402
 
 from experiments import common  # noqa: E402
 from ftjax import engine as engine_lib  # noqa: E402
-from ftjax.checkpoint import DTYPES, random_model  # noqa: E402
-from ftjax.config import preset  # noqa: E402
+from ftjax.checkpoint import DTYPES  # noqa: E402
 from ftjax.engine import Engine  # noqa: E402
 from ftjax.experts.planner import GB, plan_memory  # noqa: E402
 from ftjax.kernels.grouped_matmul import grouped_matmul, mgpu_supported  # noqa: E402
@@ -91,13 +90,8 @@ def hlo_counts(stream: bool) -> dict:
 
 def main(argv):
     del argv
-    cfg = preset(FLAGS.preset)
     info = common.meta()
-    t0 = time.perf_counter()
-    model = random_model(cfg, FLAGS.dtype)
-    model.host_down.block_until_ready()
-    build_s = time.perf_counter() - t0
-    bp = common.measure_h2d()
+    cfg, model, build_s, bp = common.build_random_model(FLAGS.preset, FLAGS.dtype)
     bp_gbps = bp["h2d_GBps"]["median"]
     itemsize = np.dtype(DTYPES[FLAGS.dtype]).itemsize
     pool_bytes = cfg.pool_bytes(itemsize)

@@ -11,6 +11,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import statistics
 import time
 
@@ -30,9 +31,20 @@ def meta() -> dict:
 
 
 def spread(xs: list[float]) -> dict:
-    """Median, min, max and count of a list of measurements (seconds or rates)."""
+    """Median, min, max and count of a list of measurements (seconds or rates); {} when empty."""
     xs = [float(x) for x in xs]
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)} if xs else {}
+
+
+def build_random_model(preset_name: str, dtype: str):
+    """Random weights at a preset's shape; returns (cfg, model, build seconds, B_P dict)."""
+    from ftjax.checkpoint import random_model
+    from ftjax.config import preset
+    cfg = preset(preset_name)
+    t0 = time.perf_counter()
+    model = random_model(cfg, dtype)
+    model.host_down.block_until_ready()
+    return cfg, model, time.perf_counter() - t0, measure_h2d()
 
 
 def measure_h2d(nbytes: int = 512 * 2**20, repeats: int = 7) -> dict:
@@ -52,6 +64,16 @@ def measure_h2d(nbytes: int = 512 * 2**20, repeats: int = 7) -> dict:
     return {"bytes": nbytes, "h2d_GBps": spread(h2d[1:]), "d2h_GBps": spread(d2h[1:])}
 
 
+def hlo_ops(text: str) -> dict:
+    """Counts of the HLO ops that tell whether host copies are asynchronous."""
+    ops: dict[str, int] = {}
+    for op in re.findall(r"(?<=\s)([a-z][a-z0-9\-]*)\(", text):
+        if any(w in op for w in ("copy", "slice", "start", "done", "custom-call", "while")):
+            ops[op] = ops.get(op, 0) + 1
+    ops["host_memory_space_S(5)"] = text.count("S(5)")
+    return ops
+
+
 def write_json(out_dir: str, name: str, payload: dict) -> str:
     """Writes ``payload`` to out_dir/name atomically; returns the path."""
     os.makedirs(out_dir, exist_ok=True)
@@ -65,8 +87,8 @@ def write_json(out_dir: str, name: str, payload: dict) -> str:
 
 def table(rows: list[dict], cols: list[str]) -> str:
     """A plain text table of ``rows`` restricted to ``cols``."""
-    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
-    cells = [[fmt(r.get(c, "")) for c in cols] for r in rows]
+    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else ("" if v is None else str(v))  # noqa: E731
+    cells = [[fmt(r.get(c)) for c in cols] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
     line = lambda vals: "  ".join(v.rjust(w) for v, w in zip(vals, widths))  # noqa: E731
     return "\n".join([line(cols)] + [line(r) for r in cells])

@@ -14,7 +14,7 @@ The expert arithmetic is ``experts_from_pool`` in every mode; only slot numbers 
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import flax.struct
 import jax

@@ -62,10 +62,8 @@ def run_mode(model, mode, slots, batch, max_seq_len, prompts):
 def dump_decode_hlo(batch: int) -> dict:
     """Writes the compiled cached decode step's HLO and returns counts of the ops that show
     whether expert copies are asynchronous (copy-start/copy-done) or synchronous."""
-    from ftjax import engine as engine_lib
-    for key, exe in engine_lib._COMPILED.items():
-        static = dict(key[0])
-        shapes = key[1]
+    from ftjax.engine import compiled_programs
+    for _, static, shapes, exe in compiled_programs("_forward_step"):
         if static["mode"] == "cached" and (batch, 1) in [s[0] for s in shapes]:
             text = exe.as_text()
             path = os.path.join(FLAGS.hlo_dir, f"decode_cached_b{batch}.hlo.txt")

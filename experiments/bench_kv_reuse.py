@@ -51,7 +51,7 @@ import numpy as np  # noqa: E402
 from experiments.common import hlo_ops, measure_h2d, meta, spread, table  # noqa: E402
 from ftjax.checkpoint import DTYPES, random_model  # noqa: E402
 from ftjax.config import preset  # noqa: E402
-from ftjax.engine import Engine  # noqa: E402
+from ftjax.engine import Engine, compiled_programs  # noqa: E402
 from ftjax.experts.planner import GB, plan_memory  # noqa: E402
 from ftjax.kv import prefix_cache as pc_lib  # noqa: E402
 from ftjax.kv.host_store import HostKVStore  # noqa: E402
@@ -159,9 +159,8 @@ def reuse_executables(mode: str, load: str) -> list:
     variant = "xs" if load == "all_first" else load
     kind = "device" if load == "all_first" else None
     found = []
-    for key, exe in pc_lib._COMPILED.items():
-        statics = dict(key[0])
-        prefix = [s for s in key[1] if len(s[0]) == 5 and s[0][1] == 2]
+    for _, statics, signature, exe in compiled_programs("_prefix_step"):
+        prefix = [s for s in signature if len(s[0]) == 5 and s[0][1] == 2]
         if statics["mode"] != mode or statics["variant"] != variant or not prefix:
             continue
         if (kind == "device") != all(s[2] == "device" for s in prefix):

@@ -80,8 +80,7 @@ def bench_grouped_matmul(cfg, dtype, tokens: int = 8192) -> dict:
 
 
 def hlo_counts(stream: bool) -> dict:
-    for key, exe in engine_lib._COMPILED.items():
-        static = dict(key[0])
+    for _, static, _, exe in engine_lib.compiled_programs("_forward_step"):
         if static.get("stream") == stream and static["mode"] == "cached":
             text = exe.as_text()
             return {op: text.count(f" {op}(") for op in ("copy-start", "copy-done", "dynamic-slice", "while")}

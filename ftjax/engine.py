@@ -19,6 +19,7 @@ import numpy as np
 from ftjax import model as model_lib
 from ftjax.checkpoint import LoadedModel
 from ftjax.experts import offload
+from ftjax.experts.slot_table import POLICIES
 from ftjax.sampling import sample
 
 MIN_BUCKET = 16
@@ -56,23 +57,32 @@ class ExpertCounters:
                 "bytes_h2d": (m + self.extra_copies) * expert_bytes}
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "mode", "all_logits", "stream", "overlap"),
+@functools.partial(jax.jit, static_argnames=("cfg", "mode", "all_logits", "stream", "overlap", "policy"),
                    donate_argnames=("cache", "state"))
 def _forward_step(params, host_gate_up, host_down, cache, state, tokens, start, valid_len, *, cfg, mode,
-                  all_logits=False, stream=False, overlap=True):
+                  all_logits=False, stream=False, overlap=True, policy="lru"):
     if stream:  # full-layer double-buffered prefill (DESIGN.md 1.3)
         state = offload.stream_prologue(host_gate_up, host_down, state, cfg.num_experts, overlap)
         expert_fn = offload.make_stream_expert_fn(cfg.num_experts, cfg.num_layers, host_gate_up, host_down,
                                                   overlap)
     else:
-        expert_fn = offload.make_expert_fn(mode, cfg.num_experts, host_gate_up, host_down)
+        expert_fn = offload.make_expert_fn(mode, cfg.num_experts, host_gate_up, host_down, policy)
     return model_lib.forward(params, cfg, tokens, start, valid_len, cache, expert_fn, state, all_logits)
 
 
 _sample = jax.jit(sample, static_argnames=("temperature", "top_p"))
 
-# Compiled steps shared by all engines, keyed by config, mode and argument shapes/dtypes/memory kinds.
+# Compiled steps shared by all engines, keyed by step function, static options and argument
+# shapes/dtypes/memory kinds.
 _COMPILED: dict[tuple, Any] = {}
+
+
+def compiled_programs(fn_name: str | None = None):
+    """Yields (step name, static options dict, argument signatures, compiled executable) of every
+    compiled step (e.g. to read its HLO with ``exe.as_text()``); ``fn_name`` filters by step."""
+    for key, exe in _COMPILED.items():
+        if fn_name is None or key[0] == fn_name:
+            yield key[0], dict(key[1]), key[2], exe
 
 
 def _compile_key(args, **static) -> tuple:
@@ -119,6 +129,7 @@ class Engine:
         when S >= 2E and the chunk has at least E (token, expert) pairs (DESIGN.md 1.3).
       prefill_chunk: prompts longer than this many tokens are prefilled in chunks.
       prefill_overlap: copy layer l+1's experts while layer l computes (False: the ablation).
+      cache_policy: slot eviction policy, "lru" or "lookahead" (``slot_table.eviction_order``).
     Raises:
       ValueError: bad mode, slots out of range, stream without 2E slots, or max_seq_len beyond
         the model's positions.
@@ -126,7 +137,7 @@ class Engine:
 
     def __init__(self, model: LoadedModel, experts_mode: str = "resident", num_slots: int | None = None,
                  max_seq_len: int = 512, batch: int = 1, prefill: str = "auto", prefill_chunk: int = 8192,
-                 prefill_overlap: bool = True):
+                 prefill_overlap: bool = True, cache_policy: str = "lru"):
         cfg = model.cfg
         if max_seq_len > cfg.max_position_embeddings:
             raise ValueError(f"max_seq_len {max_seq_len} exceeds the model's max_position_embeddings "
@@ -140,6 +151,9 @@ class Engine:
         if prefill == "stream" and (experts_mode == "resident" or num_slots < 2 * cfg.num_experts):
             raise ValueError(f"prefill=stream needs an offloading experts mode and at least 2E="
                              f"{2 * cfg.num_experts} slots (have {num_slots}, mode {experts_mode})")
+        if cache_policy not in POLICIES:
+            raise ValueError(f"unknown cache policy {cache_policy!r}; expected one of {POLICIES}")
+        self.cache_policy = cache_policy
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.prefill_mode, self.prefill_chunk, self.prefill_overlap = prefill, prefill_chunk, prefill_overlap
@@ -287,16 +301,20 @@ class Engine:
             compile_s=self.compile_s - compile_before, routing=routing, step_s=step_s,
             kv=req.record() if req is not None else None)
 
-    def _executable(self, args, all_logits: bool = False, stream: bool = False):
-        """The compiled step for these arguments (compiled once per shape; time added to compile_s)."""
-        static = dict(cfg=self.cfg, mode=self.mode, all_logits=all_logits, stream=stream,
-                      overlap=self.prefill_overlap and stream)
-        key = _compile_key(args, **static)
+    def compiled(self, fn, args, **static):
+        """``fn`` (a jitted step) compiled for these arguments and static options, from the shared
+        cache (compiled once per fn, shapes, dtypes, memory kinds and options); compile seconds
+        are added to ``compile_s`` so timings can exclude them."""
+        key = (fn.__name__,) + _compile_key(args, **static)
         if key not in _COMPILED:
             t0 = time.perf_counter()
-            _COMPILED[key] = _forward_step.lower(*args, **static).compile()
+            _COMPILED[key] = fn.lower(*args, **static).compile()
             self.compile_s += time.perf_counter() - t0
         return _COMPILED[key]
+
+    def _executable(self, args, all_logits: bool = False, stream: bool = False):
+        return self.compiled(_forward_step, args, cfg=self.cfg, mode=self.mode, all_logits=all_logits,
+                             stream=stream, overlap=self.prefill_overlap and stream, policy=self.cache_policy)
 
     def _ensure_compiled(self, prompts, cache, prefill: bool = True) -> None:
         """Compiles every prefill chunk shape (unless ``prefill`` is False) and the decode step
@@ -319,6 +337,6 @@ class Engine:
         eb = self.model.expert_bytes
         total = ExpertCounters(self.counters["prefill"].hits + self.counters["decode"].hits,
                                self.counters["prefill"].misses + self.counters["decode"].misses)
-        return {"mode": self.mode, "slots": self.num_slots, "expert_bytes": eb,
+        return {"mode": self.mode, "slots": self.num_slots, "policy": self.cache_policy, "expert_bytes": eb,
                 **total.summary(eb),
                 "prefill": self.counters["prefill"].summary(eb), "decode": self.counters["decode"].summary(eb)}

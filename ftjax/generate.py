@@ -23,7 +23,7 @@ import os
 import sys
 import tempfile
 
-from absl import app, flags
+from absl import app, flags, logging
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", None, "HF checkpoint directory (config.json + safetensors). "
@@ -43,6 +43,9 @@ flags.DEFINE_integer("max_seq_len", None, "KV cache length; default prompt + new
 flags.DEFINE_enum("experts", "auto", ["auto", "resident", "cached", "on_demand"],
                   "Where experts live: auto = resident if the pool fits the budget, else cached.")
 flags.DEFINE_integer("expert_slots", None, "Device expert slots S (E <= S <= L*E).")
+flags.DEFINE_enum("cache_policy", "lru", ["lru", "lookahead"],
+                  "Slot eviction: global LRU, or lookahead (evict the layer that comes up last in the layer "
+                  "cycle; avoids LRU's collapse when one step's experts do not fit).")
 flags.DEFINE_float("vram_budget_gb", None, "Device memory budget in GB (1e9 bytes) to plan slots from.")
 flags.DEFINE_string("metrics_json", None, "Write metrics (ids, TTFT, tokens/s, expert_cache) to this file.")
 flags.DEFINE_string("logits_npy", None, "Write float32 [steps, vocab] logits of every generated step.")
@@ -270,7 +273,8 @@ def run() -> dict:
     if plan is not None:
         print(plan.describe())
     engine = Engine(model, mode, plan.slots if plan else None, max_seq_len=max_seq_len, batch=FLAGS.batch,
-                    prefill=FLAGS.prefill, prefill_chunk=FLAGS.prefill_chunk, prefill_overlap=FLAGS.prefill_overlap)
+                    prefill=FLAGS.prefill, prefill_chunk=FLAGS.prefill_chunk, prefill_overlap=FLAGS.prefill_overlap,
+                    cache_policy=FLAGS.cache_policy)
     if requests_mode:
         return _run_requests(model, engine, mode, plan, prompts or [prompt])
     res = engine.generate([prompt] * FLAGS.batch, FLAGS.max_new_tokens, FLAGS.temperature, FLAGS.top_p,
@@ -305,6 +309,8 @@ def run() -> dict:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    if logging.get_verbosity() == logging.INFO:  # absl's default: hide JAX's backend probing notes
+        logging.set_verbosity(logging.WARNING)
     from ftjax.checkpoint import CheckpointError
     from ftjax.config import ConfigError
     try:

@@ -83,11 +83,12 @@ def fetch_experts(host_gate_up: jax.Array, host_down: jax.Array, state: ExpertSt
 
 
 def make_expert_fn(mode: str, num_experts: int, host_gate_up: jax.Array | None = None,
-                   host_down: jax.Array | None = None):
+                   host_down: jax.Array | None = None, policy: str = "lru"):
     """Builds the expert function for ``ftjax.model.forward``.
 
     Call it inside the jitted step, with the host banks being arguments of that jit (memory kind
-    ``pinned_host``), so the copies are part of the compiled program.
+    ``pinned_host``), so the copies are part of the compiled program. ``policy``: the slot cache's
+    eviction policy (``ftjax.experts.slot_table.POLICIES``).
 
     Raises:
       ValueError: unknown mode, or host banks missing for an offloading mode.
@@ -106,7 +107,7 @@ def make_expert_fn(mode: str, num_experts: int, host_gate_up: jax.Array | None =
             stats = LayerStats(jnp.sum(routed, dtype=jnp.int32), jnp.int32(0), trace_ids)
         else:
             table = reset_table(state.table) if mode == "on_demand" else state.table
-            look = lookup_layer(table, layer, routed, e)
+            look = lookup_layer(table, layer, routed, e, policy)
             state = state.replace(table=look.table)
             state = fetch_experts(host_gate_up, host_down, state, layer * e + look.miss_experts,
                                   look.miss_slots, look.n_miss)

@@ -184,8 +184,39 @@ def init_resident_table(num_layers: int, num_experts: int) -> SlotTable:
     )
 
 
+POLICIES = ("lru", "lookahead")
+
+
+def eviction_order(table: SlotTable, layer: jax.Array, protected: jax.Array, num_experts: int,
+                   policy: str = "lru") -> jax.Array:
+    """int32 [S]: slots in the order they are given to misses (free slots first, protected last).
+
+    ``lru``: least recently used first (FreeToken's global LRU; DESIGN.md 1.1).
+    ``lookahead``: the slot whose layer comes up *last* in the layer cycle first, LRU within a
+    layer. Decode visits layers 0..L-1 every step, so a slot of layer j is next needed after
+    (j - layer) mod L layers (a full cycle, L, for the current layer's unrouted experts); evicting
+    the farthest is Belady's choice for that cyclic order. It matters when S is smaller than one
+    step's working set (L x distinct experts per layer): there plain LRU always evicts exactly
+    the experts the next layers need and its hit rate collapses to zero.
+    Ties break by lowest slot index (stable sorts).
+    """
+    if policy == "lru":
+        key = jnp.where(protected, _INT32_MAX, table.last_use)
+        return jnp.argsort(key, stable=True).astype(jnp.int32)
+    if policy != "lookahead":
+        raise ValueError(f"unknown cache policy {policy!r}; expected one of {POLICIES}")
+    num_layers = table.num_flat_ids // num_experts
+    owner = table.id_of_slot // num_experts
+    distance = jnp.mod(owner - layer, num_layers)
+    distance = jnp.where(distance == 0, num_layers, distance)
+    free = table.id_of_slot < 0
+    primary = jnp.where(free, -(num_layers + 1), jnp.where(protected, num_layers + 1, -distance))
+    by_recency = jnp.argsort(table.last_use, stable=True)
+    return by_recency[jnp.argsort(primary[by_recency], stable=True)].astype(jnp.int32)
+
+
 def lookup_layer(
-    table: SlotTable, layer: jax.Array | int, routed: jax.Array, num_experts: int
+    table: SlotTable, layer: jax.Array | int, routed: jax.Array, num_experts: int, policy: str = "lru"
 ) -> LayerLookup:
     """Look up (and fill) the slots of one layer's routed experts; advance the clock.
 
@@ -195,6 +226,7 @@ def lookup_layer(
       routed: bool ``[E]`` (any integer/bool dtype accepted, nonzero = routed). True for each
         expert of this layer routed by any token of the current step (already deduplicated).
       num_experts: ``E`` (static Python int).
+      policy: which non-hit slots misses take, ``"lru"`` or ``"lookahead"`` (:func:`eviction_order`).
 
     Returns:
       :class:`LayerLookup`. See the module docstring for the exact policy (hits refresh,
@@ -230,9 +262,7 @@ def lookup_layer(
     hit_slot_idx = jnp.where(hit, cur_slot, S)                      # S = dropped
     protected = jnp.zeros((S,), jnp.bool_).at[hit_slot_idx].set(True, mode="drop")
 
-    # LRU order of the non-protected slots; stable sort breaks ties by slot index.
-    key = jnp.where(protected, _INT32_MAX, table.last_use)
-    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    order = eviction_order(table, layer, protected, E, policy)
     cand = order[:E]                                                # [E], S >= E
 
     # Compact list of misses in ascending expert id, and their slots.

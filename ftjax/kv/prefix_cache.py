@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax
 import numpy as np
@@ -48,20 +48,12 @@ STORE_ROUTES = ("scan", "after")
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "mode", "variant", "store_chunks", "chunk_tokens",
-                                             "store_to_host"), donate_argnames=("cache", "state"))
+                                             "store_to_host", "policy"), donate_argnames=("cache", "state"))
 def _prefix_step(params, host_gate_up, host_down, cache, state, tokens, start, valid_len, prefix, *, cfg, mode,
-                 variant, store_chunks, chunk_tokens, store_to_host):
-    expert_fn = offload.make_expert_fn(mode, cfg.num_experts, host_gate_up, host_down)
+                 variant, store_chunks, chunk_tokens, store_to_host, policy="lru"):
+    expert_fn = offload.make_expert_fn(mode, cfg.num_experts, host_gate_up, host_down, policy)
     hook = LayerwiseKV(prefix, variant, store_chunks, chunk_tokens, store_to_host)
     return model_lib.forward(params, cfg, tokens, start, valid_len, cache, expert_fn, state, kv_hook=hook)
-
-
-_COMPILED: dict[tuple, Any] = {}
-
-
-def _signature(args) -> tuple:
-    return tuple((tuple(x.shape), str(x.dtype), getattr(getattr(x, "sharding", None), "memory_kind", None))
-                 for x in jax.tree.leaves(args))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,16 +291,11 @@ class PrefixCache:
     def _statics(self, engine, call: PrefillCall) -> dict:
         variant = "xs" if self.load == "all_first" else self.load
         return dict(cfg=engine.cfg, mode=engine.mode, variant=variant, store_chunks=call.store_chunks,
-                    chunk_tokens=self.chunk_tokens, store_to_host=self.store_route == "scan")
+                    chunk_tokens=self.chunk_tokens, store_to_host=self.store_route == "scan",
+                    policy=engine.cache_policy)
 
     def _executable(self, engine, args, call: PrefillCall):
-        statics = self._statics(engine, call)
-        key = (tuple(sorted(statics.items())), _signature(args))
-        if key not in _COMPILED:
-            t0 = time.perf_counter()
-            _COMPILED[key] = _prefix_step.lower(*args, **statics).compile()
-            engine.compile_s += time.perf_counter() - t0
-        return _COMPILED[key]
+        return engine.compiled(_prefix_step, args, **self._statics(engine, call))
 
     # ---- metrics ----------------------------------------------------------------------------
     def metrics(self) -> dict:

@@ -246,4 +246,5 @@ def random_model(cfg: ModelConfig, dtype: str | None = None, seed: int = 0, scal
     k_gu, k_dn = jax.random.split(jax.random.key(seed + 1))
     host_gate_up = bank(k_gu, (E, D, 2 * F), D)
     host_down = bank(k_dn, (E, F, D), F)
-    return LoadedModel(cfg, params, host_gate_up, host_down, dtype, None, name=f"random:{cfg.model_type}")
+    name = f"random:{cfg.model_type}:seed={seed}:scale={scale}"  # names the weights (KV reuse keys on it)
+    return LoadedModel(cfg, params, host_gate_up, host_down, dtype, None, name=name)

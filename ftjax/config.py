@@ -19,6 +19,8 @@ FAMILIES = ("qwen3_moe", "olmoe", "mixtral")
 #   per_head: RMSNorm over head_dim, one weight [head_dim] (Qwen3).
 #   full:     RMSNorm over the whole projection, weights [H*head_dim] (OLMoE).
 QK_NORM = {"qwen3_moe": "per_head", "olmoe": "full", "mixtral": "none"}
+# transformers' default rms_norm_eps per family, for configs that leave it out.
+DEFAULT_RMS_EPS = {"qwen3_moe": 1e-6, "olmoe": 1e-5, "mixtral": 1e-5}
 
 
 class ConfigError(ValueError):
@@ -111,6 +113,16 @@ def _get(d: Mapping[str, Any], keys: tuple[str, ...], source: str, kind: type | 
     return default
 
 
+def _positive(d: Mapping[str, Any], keys: str | tuple[str, ...], source: str,
+              default: Any = dataclasses.MISSING) -> int:
+    """A required (or defaulted) integer field that must be >= 1."""
+    keys = (keys,) if isinstance(keys, str) else keys
+    v = _get(d, keys, source, int, default)
+    if v < 1:
+        raise ConfigError(f"{source}: field '{keys[0]}' must be a positive integer, got {v}")
+    return v
+
+
 def _refuse(cond: bool, source: str, field: str, why: str) -> None:
     if cond:
         raise ConfigError(f"{source}: unsupported '{field}': {why}")
@@ -129,12 +141,10 @@ def from_hf_dict(d: Mapping[str, Any], source: str = "config.json") -> ModelConf
     mt = d.get("model_type")
     if mt not in FAMILIES:
         raise ConfigError(f"{source}: unsupported 'model_type' {mt!r}; supported: {', '.join(FAMILIES)}")
-    hidden = _get(d, ("hidden_size",), source)
-    heads = _get(d, ("num_attention_heads",), source)
-    if hidden <= 0 or heads <= 0:
-        raise ConfigError(f"{source}: 'hidden_size' and 'num_attention_heads' must be positive")
-    kv_heads = _get(d, ("num_key_value_heads",), source, default=heads)
-    head_dim = _get(d, ("head_dim",), source, default=hidden // heads)
+    hidden = _positive(d, "hidden_size", source)
+    heads = _positive(d, "num_attention_heads", source)
+    kv_heads = _positive(d, "num_key_value_heads", source, default=heads)
+    head_dim = _positive(d, "head_dim", source, default=hidden // heads)
     if heads % kv_heads:
         raise ConfigError(f"{source}: 'num_attention_heads' ({heads}) must be a multiple of "
                           f"'num_key_value_heads' ({kv_heads})")
@@ -143,14 +153,16 @@ def from_hf_dict(d: Mapping[str, Any], source: str = "config.json") -> ModelConf
     _refuse(bool(d.get("attention_bias", False)), source, "attention_bias", "biases are not implemented")
     _refuse(d.get("rope_scaling") not in (None, {}), source, "rope_scaling", f"{d.get('rope_scaling')!r}")
     rope_params = d.get("rope_parameters") or {}
+    if not isinstance(rope_params, dict):
+        raise ConfigError(f"{source}: field 'rope_parameters' should be an object, got {rope_params!r}")
     rope_type = rope_params.get("rope_type", "default")
     _refuse(rope_type != "default", source, "rope_parameters.rope_type", f"{rope_type!r} (only default RoPE)")
     rope_theta = float(rope_params.get("rope_theta", d.get("rope_theta", 10000.0)))
-    _refuse(d.get("partial_rotary_factor", 1.0) != 1.0, source, "partial_rotary_factor", "partial RoPE")
+    _refuse(d.get("partial_rotary_factor") not in (None, 1, 1.0), source, "partial_rotary_factor", "partial RoPE")
 
     if mt == "qwen3_moe":
-        experts = _get(d, ("num_experts", "num_local_experts"), source)
-        ffn = _get(d, ("moe_intermediate_size",), source)
+        experts = _positive(d, ("num_experts", "num_local_experts"), source)
+        ffn = _positive(d, "moe_intermediate_size", source)
         _refuse(d.get("decoder_sparse_step", 1) != 1, source, "decoder_sparse_step",
                 "dense MLP layers interleaved with MoE layers")
         _refuse(bool(d.get("mlp_only_layers")), source, "mlp_only_layers",
@@ -160,13 +172,13 @@ def from_hf_dict(d: Mapping[str, Any], source: str = "config.json") -> ModelConf
                 "shared experts")
         norm_topk = bool(d.get("norm_topk_prob", False))
     elif mt == "olmoe":
-        experts = _get(d, ("num_experts",), source)
-        ffn = _get(d, ("intermediate_size",), source)
+        experts = _positive(d, "num_experts", source)
+        ffn = _positive(d, "intermediate_size", source)
         _refuse(d.get("clip_qkv") is not None, source, "clip_qkv", "qkv clipping")
         norm_topk = bool(d.get("norm_topk_prob", False))
     else:  # mixtral
-        experts = _get(d, ("num_local_experts",), source)
-        ffn = _get(d, ("intermediate_size",), source)
+        experts = _positive(d, "num_local_experts", source)
+        ffn = _positive(d, "intermediate_size", source)
         _refuse(d.get("sliding_window") is not None, source, "sliding_window", "sliding-window attention")
         norm_topk = True  # Mixtral always renormalises its top-k weights
     top_k = _get(d, ("num_experts_per_tok",), source)
@@ -176,10 +188,10 @@ def from_hf_dict(d: Mapping[str, Any], source: str = "config.json") -> ModelConf
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ConfigError(f"{source}: unsupported 'dtype' {dtype!r} (float32, bfloat16, float16)")
     return ModelConfig(
-        model_type=mt, vocab_size=_get(d, ("vocab_size",), source), hidden_size=hidden,
-        num_layers=_get(d, ("num_hidden_layers",), source), num_heads=heads, num_kv_heads=kv_heads,
+        model_type=mt, vocab_size=_positive(d, "vocab_size", source), hidden_size=hidden,
+        num_layers=_positive(d, "num_hidden_layers", source), num_heads=heads, num_kv_heads=kv_heads,
         head_dim=head_dim, num_experts=experts, top_k=top_k, expert_ffn=ffn, norm_topk_prob=norm_topk,
-        qk_norm=QK_NORM[mt], rms_norm_eps=_get(d, ("rms_norm_eps",), source, float, 1e-6),
+        qk_norm=QK_NORM[mt], rms_norm_eps=_get(d, ("rms_norm_eps",), source, float, DEFAULT_RMS_EPS[mt]),
         rope_theta=rope_theta, tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         max_position_embeddings=_get(d, ("max_position_embeddings",), source, default=4096), dtype=dtype)
 

@@ -142,6 +142,8 @@ class Engine:
         if max_seq_len > cfg.max_position_embeddings:
             raise ValueError(f"max_seq_len {max_seq_len} exceeds the model's max_position_embeddings "
                              f"{cfg.max_position_embeddings}")
+        if experts_mode not in offload.MODES:
+            raise ValueError(f"unknown experts mode {experts_mode!r}; expected one of {offload.MODES}")
         if experts_mode == "resident":
             num_slots = cfg.num_layers * cfg.num_experts
         elif num_slots is None:
@@ -219,8 +221,8 @@ class Engine:
             for i, p in enumerate(prompts):
                 tokens[i, : valid[i]] = p[c: c + valid[i]]
             stream = self.streams(int(valid.sum()))
-            # sequences already complete still need valid_len >= 1 for the last-token gather
-            out = self._step(tokens, np.full(b, c, np.int32), np.maximum(valid, 1), cache, all_logits, stream)
+            # a sequence already complete has 0 valid tokens here: none of its padding is routed
+            out = self._step(tokens, np.full(b, c, np.int32), valid, cache, all_logits, stream)
             cache = out.cache
             self.counters["prefill"].add(out.layer_stats)
             if stream and self.prefill_overlap:
@@ -336,7 +338,8 @@ class Engine:
         """The ``expert_cache`` metrics object: slots, hits, misses, hit rates, H2D bytes."""
         eb = self.model.expert_bytes
         total = ExpertCounters(self.counters["prefill"].hits + self.counters["decode"].hits,
-                               self.counters["prefill"].misses + self.counters["decode"].misses)
+                               self.counters["prefill"].misses + self.counters["decode"].misses,
+                               self.counters["prefill"].extra_copies + self.counters["decode"].extra_copies)
         return {"mode": self.mode, "slots": self.num_slots, "policy": self.cache_policy, "expert_bytes": eb,
                 **total.summary(eb),
                 "prefill": self.counters["prefill"].summary(eb), "decode": self.counters["decode"].summary(eb)}

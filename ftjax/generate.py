@@ -79,6 +79,9 @@ def _atomic_write(path: str, write) -> None:
         raise UserError(f"cannot write {path}: folder {folder} does not exist")
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the user's usual mode
         with os.fdopen(fd, "wb") as f:
             write(f)
         os.replace(tmp, path)
@@ -237,6 +240,32 @@ def _plan(model, batch: int, max_seq_len: int):
     return mode, plan
 
 
+def _check_flags() -> None:
+    """Rejects flag values that would fail late or silently (before any model is loaded, so a
+    bad output path costs nothing and no output is half-written)."""
+    import math
+    if not 0.0 < FLAGS.top_p <= 1.0 or not FLAGS.temperature >= 0 or not math.isfinite(FLAGS.temperature):
+        raise UserError(f"need 0 < --top_p <= 1 and a finite --temperature >= 0, got "
+                        f"{FLAGS.top_p}, {FLAGS.temperature}")
+    for name in ("vram_budget_gb", "kv_host_gb"):
+        v = FLAGS[name].value
+        if v is not None and not (math.isfinite(v) and v >= 0):
+            raise UserError(f"--{name} must be a finite number >= 0, got {v}")
+    if not 0 <= FLAGS.seed < 2**32:
+        raise UserError(f"--seed must be in [0, 2^32), got {FLAGS.seed}")
+    for name in ("prompt_len", "max_seq_len", "expert_slots", "prefill_chunk"):
+        v = FLAGS[name].value
+        if v is not None and v < 1:
+            raise UserError(f"--{name} must be >= 1, got {v}")
+    for name in ("metrics_json", "logits_npy", "trace_routing"):
+        path = FLAGS[name].value
+        if path is None:
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise UserError(f"--{name}={path}: not a writable file path (folder must exist)")
+
+
 def run() -> dict:
     """Runs the command; returns the metrics dict."""
     import numpy as np
@@ -245,8 +274,7 @@ def run() -> dict:
         raise UserError(f"--max_new_tokens must be >= 1, got {FLAGS.max_new_tokens}")
     if FLAGS.batch < 1:
         raise UserError(f"--batch must be >= 1, got {FLAGS.batch}")
-    if not 0.0 < FLAGS.top_p <= 1.0 or FLAGS.temperature < 0:
-        raise UserError("need 0 < --top_p <= 1 and --temperature >= 0")
+    _check_flags()
     requests_mode = FLAGS.prompts_file is not None or FLAGS.kv_offload
     if requests_mode:
         if FLAGS.batch != 1:
@@ -315,7 +343,7 @@ def main(argv):
     from ftjax.config import ConfigError
     try:
         run()
-    except (UserError, ConfigError, CheckpointError, ValueError) as e:
+    except (UserError, ConfigError, CheckpointError, ValueError, OSError) as e:
         print(f"ftjax.generate: error: {e}", file=sys.stderr)
         sys.exit(1)
 

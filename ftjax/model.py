@@ -193,7 +193,8 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, start: jax.Arra
     Args:
       tokens: int32 [B, T], right-padded; token t of sequence b sits at position start[b] + t.
       start: int32 [B], tokens already in the cache for each sequence (0 for a fresh prefill).
-      valid_len: int32 [B], real tokens in this call (the rest is padding), >= 1.
+      valid_len: int32 [B], real tokens in this call (the rest is padding); 0 for a sequence
+        that has nothing in this call (chunked prefill of a batch), whose logits are then junk.
       cache: KV cache, updated in place at positions [start, start + T).
       expert_fn / expert_state: where expert weights come from (see ``ftjax.experts.offload``);
         the state (slot pools, LRU table) is carried through the scan.
@@ -236,8 +237,8 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, start: jax.Arra
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     (h, ck, cv, expert_state, _), (stats, kv_out) = jax.lax.scan(
         layer, (h, cache.k, cache.v, expert_state, hook_carry), (params["layers"], layer_ids, hook_xs))
-    if not all_logits:
-        h = h[jnp.arange(b), valid_len - 1]
+    if not all_logits:  # a sequence with no valid token here (valid_len 0) reads position 0
+        h = h[jnp.arange(b), jnp.maximum(valid_len - 1, 0)]
     h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
     head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
     logits = (h @ head).astype(jnp.float32)

@@ -66,6 +66,11 @@ def test_default_demo_runs_with_cache_smaller_than_pool(tmp_path):
     (["--expert_slots=3"], "out of range"),
     (["--vram_budget_gb=0.1"], "minimum budget"),
     (["--prompt=hi"], "tokenizer"),
+    (["--temperature=nan"], "finite --temperature"),
+    (["--vram_budget_gb=inf"], "finite number"),
+    (["--prompt_len=0"], "--prompt_len must be >= 1"),
+    (["--seed=99999999999999999999"], "--seed must be in"),
+    (["--logits_npy=/nonexistent/l.npy"], "not a writable file path"),
 ])
 def test_bad_input_one_line_error(args, message, tmp_path):
     metrics = tmp_path / "m.json"

@@ -50,6 +50,23 @@ def test_unsupported_refused_naming_field(field, value):
         from_hf_dict(d)
 
 
+@pytest.mark.parametrize("field,value,message", [
+    ("num_key_value_heads", 0, "positive integer"), ("num_hidden_layers", 0, "positive integer"),
+    ("vocab_size", -5, "positive integer"), ("moe_intermediate_size", 0, "positive integer"),
+    ("rope_parameters", "default", "should be an object")])
+def test_invalid_values_refused(field, value, message):
+    d = _base()
+    d[field] = value
+    with pytest.raises(ConfigError, match=message):
+        from_hf_dict(d)
+
+
+def test_family_default_eps():
+    d = _base("olmoe_fp32")
+    del d["rms_norm_eps"]
+    assert from_hf_dict(d).rms_norm_eps == 1e-5  # transformers' OLMoE default, not Qwen3's 1e-6
+
+
 def test_mixtral_sliding_window_refused():
     d = _base("mixtral_fp32")
     d["sliding_window"] = 4096

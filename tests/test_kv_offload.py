@@ -372,3 +372,14 @@ def test_cli_prompts_file_bad_input(tmp_path):
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert f"{path}:2: token id 99999 outside the vocabulary" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not metrics.exists()
+
+
+def test_random_models_with_different_seeds_never_share_kv():
+    from ftjax.checkpoint import random_model
+    from ftjax.config import preset
+    from ftjax.engine import Engine
+    from ftjax.kv.host_store import HostKVStore
+    from ftjax.kv.prefix_cache import PrefixCache
+    a, b = random_model(preset("tiny"), seed=0), random_model(preset("tiny"), seed=1)
+    cache = PrefixCache(HostKVStore(10**8), chunk_tokens=16)
+    assert cache.identity(Engine(a)) != cache.identity(Engine(b))

@@ -73,6 +73,38 @@ def test_auto_picks_stream_only_with_room_and_enough_tokens():
         Engine(model, "cached", 2 * e - 1, prefill="stream")
 
 
+def test_finished_sequence_padding_is_not_routed_in_later_chunks():
+    """A batch whose short prompt ends in chunk 0: in later chunks its row is all padding, and
+    padding must not be routed, counted or loaded (DESIGN.md 1.1)."""
+    model, exp = load_fixture("qwen3_moe_fp32")
+    base = exp["long_prompt_ids"].tolist()
+    prompts = [base[:5], base[:40]]
+    eng = Engine(model, "cached", 8, max_seq_len=64, batch=2, prefill_chunk=16)
+    res = eng.generate(prompts, 2, trace_routing=True)
+    first = res.routing[0]  # [L, B*T over chunks, k]; chunk buckets are 16 tokens
+    chunks = first.reshape(first.shape[0], 3, 2, 16, -1)  # [L, chunk, B, T, k]
+    assert (chunks[:, 1:, 0] == -1).all()  # sequence 0 has nothing after chunk 0
+    distinct = sum(len(set(first[l][first[l] >= 0].tolist())) for l in range(first.shape[0]))
+    routed_per_chunk = [sum(len(set(chunks[l, c][chunks[l, c] >= 0].tolist())) for l in range(first.shape[0]))
+                        for c in range(3)]
+    m = eng.expert_cache_metrics()["prefill"]
+    assert m["hits"] + m["misses"] == sum(routed_per_chunk) >= distinct
+
+
+def test_total_bytes_include_streaming_prologue():
+    model, exp = load_fixture("qwen3_moe_fp32")
+    eng = Engine(model, "cached", 16, max_seq_len=384, prefill="stream", prefill_chunk=128)
+    eng.generate([exp["long_prompt_ids"].tolist()], 3)
+    m = eng.expert_cache_metrics()
+    assert m["bytes_h2d"] == m["prefill"]["bytes_h2d"] + m["decode"]["bytes_h2d"]
+
+
+def test_engine_rejects_unknown_mode():
+    model, _ = load_fixture("qwen3_moe_fp32")
+    with pytest.raises(ValueError, match="unknown experts mode"):
+        Engine(model, "cahced", 8)
+
+
 def test_batch_prefill_chunks_with_different_lengths():
     model, exp = load_fixture("qwen3_moe_fp32")
     base = exp["long_prompt_ids"].tolist()

@@ -142,18 +142,16 @@ class PrefixCache:
         self.store, self.chunk_tokens, self.load = store, int(chunk_tokens), load
         self.store_route, self.prefill_chunk = store_route, int(prefill_chunk)
         self.store_new, self.bucket_prefix = store_new, bucket_prefix
-        self._identity: dict[int, bytes] = {}
         self.requests: list[dict] = []
         self.store_errors = 0
 
     # ---- keys -------------------------------------------------------------------------------
     def identity(self, engine) -> bytes:
-        """32-byte model identity: config fields, compute (= KV) dtype, weights source name."""
-        key = id(engine.model)
-        if key not in self._identity:
-            fields = dict(engine.cfg.identity(), weights=engine.model.name)
-            self._identity[key] = model_identity(fields, engine.dtype.name)
-        return self._identity[key]
+        """32-byte model identity: config fields, compute (= KV) dtype, weights source name
+        (a checkpoint path, or the random generator with its seed). Recomputed on every call
+        (a hash of a small dict): caching it by object id went stale when a model was freed."""
+        fields = dict(engine.cfg.identity(), weights=engine.model.name)
+        return model_identity(fields, engine.dtype.name)
 
     def keys(self, engine, prompt: Sequence[int]) -> list[bytes]:
         """Chained keys of the prompt's full chunks (a trailing partial chunk has none)."""

@@ -1,7 +1,8 @@
 r"""Decode with expert offload: resident vs cached (global LRU) vs on_demand, batch 1 and 4.
 
   PYTHONPATH=. python3 experiments/bench_decode.py --out_dir=experiments/results
-  PYTHONPATH=. python experiments/bench_decode.py --preset=tiny --steps=8 --prompt_len=32  # CPU smoke
+  .venv/bin/python experiments/bench_decode.py --preset=tiny --dtype=float32 --steps=8 --prompt_len=32 \
+      --vram_budget_gb=1.02 --out_dir=/tmp/bench_smoke                         # CPU smoke
 
 For each batch and mode: a prompt of --prompt_len tokens is prefilled, then --steps tokens are
 decoded with every step timed (TPOT). Per mode it reports decode tokens/s, the median step time

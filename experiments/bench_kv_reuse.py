@@ -1,7 +1,7 @@
 r"""TTFT with layerwise KV prefix reuse vs load-all-first vs full recompute (DESIGN.md 1.4).
 
   PYTHONPATH=. python3 experiments/bench_kv_reuse.py --out_dir=$OUT               # GPU (H200)
-  PYTHONPATH=. python3 experiments/bench_kv_reuse.py --preset=tiny --dtype=float32 \
+  .venv/bin/python experiments/bench_kv_reuse.py --preset=tiny --dtype=float32 \
       --prefix_tokens=192 --suffix_tokens=64 --chunk_tokens=32 --prefill_chunk=128 \
       --expert_slots=32 --kv_host_gb=0.1 --h2d_mb=16 --out_dir=/tmp/kvb             # CPU smoke
 

@@ -1,8 +1,8 @@
 r"""Prefill with expert offload: full-layer streaming (overlap on/off) vs on_demand vs resident.
 
   PYTHONPATH=. python3 experiments/bench_prefill.py --out_dir=experiments/results
-  PYTHONPATH=. python experiments/bench_prefill.py --preset=tiny --dtype=float32 --lengths=64,256 \
-      --prefill_chunk=128 --vram_budget_gb=0.52                                   # CPU smoke
+  .venv/bin/python experiments/bench_prefill.py --preset=tiny --dtype=float32 --lengths=64,256 \
+      --prefill_chunk=128 --vram_budget_gb=1.02 --out_dir=/tmp/bench_smoke       # CPU smoke
 
 Per prompt length and variant: TTFT (prefill + first token, median of --repeats), tokens/s,
 seconds per --prefill_chunk chunk, H2D bytes and achieved GB/s, and

@@ -1,7 +1,7 @@
 r"""Replay a routing trace against expert-cache policies and slot counts, offline (CPU is fine).
 
-  python -m ftjax.generate --preset=tiny --max_new_tokens=64 --trace_routing=/tmp/routing.npz
-  python experiments/replay_policies.py --trace=/tmp/routing.npz --num_experts=16 --slots=16,24,32,48
+  .venv/bin/python -m ftjax.generate --preset=tiny --max_new_tokens=64 --trace_routing=/tmp/routing.npz
+  .venv/bin/python experiments/replay_policies.py --trace=/tmp/routing.npz --num_experts=16 --slots=16,24,32,48
 
 The trace (``generate --trace_routing``) holds ``step{i}``: int32 [L, tokens, top_k] routed ids
 (-1 = padding). Each step's layers are looked up in order through the same

@@ -167,6 +167,7 @@ def load_checkpoint(ckpt_dir: str, dtype: str | None = None, progress: bool = Tr
     if dtype not in DTYPES:
         raise CheckpointError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPES)}")
     np_dtype = DTYPES[dtype]
+    check_host_memory(cfg.pool_bytes(np.dtype(np_dtype).itemsize), ckpt_dir)
     idx = _TensorIndex(ckpt_dir)
     L, E, D, F = cfg.num_layers, cfg.num_experts, cfg.hidden_size, cfg.expert_ffn
     shapes = _layer_shapes(cfg)
@@ -203,6 +204,20 @@ def load_checkpoint(ckpt_dir: str, dtype: str | None = None, progress: bool = Tr
                        load_tokenizer(ckpt_dir), name=ckpt_dir)
 
 
+def check_host_memory(nbytes: int, what: str) -> None:
+    """Raises CheckpointError when ``nbytes`` of expert banks cannot fit this machine's RAM.
+
+    Applied on the CPU backend only, where host RAM holds everything; GPU hosts of some VM kinds
+    report less memory than they can use until it is touched, so there the check would mislead.
+    """
+    if memory.backend() != "cpu":
+        return
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if nbytes > 0.8 * total:
+        raise CheckpointError(f"{what}: the expert banks need {nbytes / 1e9:.1f} GB of host memory; this machine "
+                              f"has {total / 1e9:.1f} GB in all (use a smaller preset, e.g. tiny)")
+
+
 def random_model(cfg: ModelConfig, dtype: str | None = None, seed: int = 0, scale: float = 0.5) -> LoadedModel:
     """Random weights at ``cfg``'s shape: non-expert params on the device, expert banks created
     directly in host memory by a jitted generator whose output sharding is the host memory kind
@@ -212,6 +227,7 @@ def random_model(cfg: ModelConfig, dtype: str | None = None, seed: int = 0, scal
     """
     dtype = dtype or cfg.dtype
     jdt = jnp.dtype(DTYPES[dtype])
+    check_host_memory(cfg.pool_bytes(jdt.itemsize), f"random {cfg.model_type} weights")
     L, E, D, F = cfg.num_layers, cfg.num_experts, cfg.hidden_size, cfg.expert_ffn
     hd = cfg.head_dim
     q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd

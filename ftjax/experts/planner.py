@@ -36,7 +36,8 @@ class MemoryPlan:
     num_experts: int
 
     @property
-    def slot_bytes(self) -> int:
+    def all_slots_bytes(self) -> int:
+        """Bytes of the whole slot pool (S x expert_bytes)."""
         return self.slots * self.expert_bytes
 
     @property
@@ -49,7 +50,7 @@ class MemoryPlan:
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        d.update(slot_bytes=self.slot_bytes, fits_resident=self.fits_resident,
+        d.update(all_slots_bytes=self.all_slots_bytes, fits_resident=self.fits_resident,
                  prefill_double_buffer=self.prefill_double_buffer)
         return d
 
@@ -57,7 +58,7 @@ class MemoryPlan:
         gb = lambda n: f"{n / GB:8.3f} GB"  # noqa: E731
         rows = [("budget", self.budget_bytes), ("non-expert weights", self.non_expert_bytes),
                 ("KV cache", self.kv_cache_bytes), ("workspace", self.workspace_bytes),
-                (f"expert slots ({self.slots} x {self.expert_bytes / 1e6:.2f} MB)", self.slot_bytes)]
+                (f"expert slots ({self.slots} x {self.expert_bytes / 1e6:.2f} MB)", self.all_slots_bytes)]
         lines = ["memory plan:"] + [f"  {name:<40} {gb(n)}" for name, n in rows]
         lines.append(f"  slots {self.slots} of {self.pool_slots} experts in the pool "
                      f"({100 * self.slots / self.pool_slots:.1f}%); prefill double buffer "

@@ -18,7 +18,7 @@ import numpy as np
 
 from ftjax import model as model_lib
 from ftjax.checkpoint import LoadedModel
-from ftjax.experts import offload
+from ftjax.experts import miss_policy, offload
 from ftjax.sampling import sample
 
 MIN_BUCKET = 16
@@ -55,10 +55,13 @@ class ExpertCounters:
                 "bytes_h2d": m * expert_bytes}
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "mode", "all_logits"), donate_argnames=("cache", "state"))
+@functools.partial(jax.jit, static_argnames=("cfg", "mode", "all_logits", "miss"), donate_argnames=("cache", "state"))
 def _forward_step(params, host_gate_up, host_down, cache, state, tokens, start, valid_len, *, cfg, mode,
-                  all_logits=False):
-    expert_fn = offload.make_expert_fn(mode, cfg.num_experts, host_gate_up, host_down)
+                  all_logits=False, miss=None):
+    if miss is None:  # fetch every miss (or resident)
+        expert_fn = offload.make_expert_fn(mode, cfg.num_experts, host_gate_up, host_down)
+    else:  # cpu / adaptive miss policy (DESIGN.md 1.2)
+        expert_fn = miss_policy.make_expert_fn(miss, mode, cfg.num_experts, host_gate_up, host_down)
     return model_lib.forward(params, cfg, tokens, start, valid_len, cache, expert_fn, state, all_logits)
 
 
@@ -104,12 +107,14 @@ class Engine:
       num_slots: S, slots of the device pool (cached / on_demand); must be in [E, L*E].
       max_seq_len: KV cache length in tokens (prompt + generated), <= max_position_embeddings.
       batch: sequences decoded together.
+      miss: a ``miss_policy.MissRuntime`` (fetch / cpu / adaptive misses); None = fetch.
     Raises:
-      ValueError: bad mode, slots out of range, or max_seq_len beyond the model's positions.
+      ValueError: bad mode, slots out of range, max_seq_len beyond the model's positions, or a
+        cpu / adaptive miss policy with resident experts.
     """
 
     def __init__(self, model: LoadedModel, experts_mode: str = "resident", num_slots: int | None = None,
-                 max_seq_len: int = 512, batch: int = 1):
+                 max_seq_len: int = 512, batch: int = 1, miss: miss_policy.MissRuntime | None = None):
         cfg = model.cfg
         if max_seq_len > cfg.max_position_embeddings:
             raise ValueError(f"max_seq_len {max_seq_len} exceeds the model's max_position_embeddings "
@@ -123,6 +128,10 @@ class Engine:
         self.dtype = jnp.dtype(model.params["embed"].dtype)
         self.state = offload.init_expert_state(experts_mode, cfg.num_layers, cfg.num_experts, num_slots,
                                                model.host_gate_up, model.host_down, self.dtype)
+        if miss is not None and miss.policy != "fetch" and experts_mode == "resident":
+            raise ValueError(f"miss policy {miss.policy!r} needs experts mode cached or on_demand")
+        self.miss = miss or miss_policy.build_runtime("fetch", cfg.num_layers, cfg.num_experts)
+        self.state = self.miss.init_state(self.state)
         self.counters = {"prefill": ExpertCounters.zeros(cfg.num_layers),
                          "decode": ExpertCounters.zeros(cfg.num_layers)}
         self.compile_s = 0.0
@@ -160,6 +169,7 @@ class Engine:
             tokens[i, : len(p)] = p
         out = self._step(tokens, np.zeros(len(prompts), np.int32), lengths, cache, all_logits)
         self.counters["prefill"].add(out.layer_stats)
+        self.miss.add("prefill", out.layer_stats)
         return out.logits, out.cache, lengths, out.layer_stats
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
@@ -202,6 +212,7 @@ class Engine:
         decode_s = time.perf_counter() - t0 - ttft
         for s in decode_stats:
             self.counters["decode"].add(s)
+            self.miss.add("decode", s)
             if trace_routing:
                 routing.append(np.asarray(s.routed_ids))
         gen = np.stack([np.asarray(t) for t in toks], axis=1)
@@ -215,11 +226,12 @@ class Engine:
 
     def _executable(self, args, all_logits: bool = False):
         """The compiled step for these arguments (compiled once per shape; time added to compile_s)."""
-        key = _compile_key(args, cfg=self.cfg, mode=self.mode, all_logits=all_logits)
+        miss = self.miss.jit_config
+        key = _compile_key(args, cfg=self.cfg, mode=self.mode, all_logits=all_logits, miss=miss)
         if key not in _COMPILED:
             t0 = time.perf_counter()
             _COMPILED[key] = _forward_step.lower(*args, cfg=self.cfg, mode=self.mode,
-                                                 all_logits=all_logits).compile()
+                                                 all_logits=all_logits, miss=miss).compile()
             self.compile_s += time.perf_counter() - t0
         return _COMPILED[key]
 
@@ -235,6 +247,7 @@ class Engine:
         eb = self.model.expert_bytes
         total = ExpertCounters(self.counters["prefill"].hits + self.counters["decode"].hits,
                                self.counters["prefill"].misses + self.counters["decode"].misses)
-        return {"mode": self.mode, "slots": self.num_slots, "expert_bytes": eb,
-                **total.summary(eb),
-                "prefill": self.counters["prefill"].summary(eb), "decode": self.counters["decode"].summary(eb)}
+        m = {"mode": self.mode, "slots": self.num_slots, "expert_bytes": eb,
+             **total.summary(eb),
+             "prefill": self.counters["prefill"].summary(eb), "decode": self.counters["decode"].summary(eb)}
+        return self.miss.metrics(m, eb, min(self.cfg.num_experts, self.batch * self.cfg.top_k))

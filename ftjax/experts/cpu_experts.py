@@ -161,6 +161,44 @@ def host_bank_view(arr: jax.Array, allow_copy: bool = False) -> HostBankView:
     raise HostViewError("no zero-copy numpy view of the host bank: " + "; ".join(errors))
 
 
+def is_host_typed(arr: jax.Array) -> bool:
+    """True when JAX traces ``arr`` as host memory (its aval's memory space is Host)."""
+    return getattr(arr.aval, "memory_space", None) == jax.memory.Space.Host
+
+
+def ensure_host_typed(arr: jax.Array) -> jax.Array:
+    """The same values in host memory, typed as host memory when traced.
+
+    Quirk (jax 0.11.2): an array made by ``jax.jit(..., out_shardings=<pinned_host sharding>)``
+    (as ``ftjax.checkpoint.random_model`` makes its banks) has memory kind ``pinned_host`` but an
+    aval in the Device memory space, so a jit that takes it traces a device array. The fetch path
+    lowers the same either way (the argument keeps ``mhlo.memory_kind = "pinned_host"``), but
+    ``compute_on('device_host')`` then fails with "memory_space of all inputs passed to
+    `dot_general` must be the same". ``jax.device_put(x, Space.Host)`` of a device array gives the
+    right type. This moves the bank through device memory (H2D + D2H, the old host copy freed in
+    between, so host memory peaks at one bank); when the device cannot hold it, it copies host to
+    host (host memory peaks at two banks).
+
+    **Deletes** ``arr`` when a new array is made: replace every reference (e.g.
+    ``model.host_gate_up``). Returns ``arr`` itself when it is already host-typed.
+    """
+    if is_host_typed(arr):
+        return arr
+    try:
+        dev = jax.device_put(arr, jax.memory.Space.Device)
+        dev.block_until_ready()
+    except Exception:  # noqa: BLE001 - out of device memory: copy on the host instead
+        out = jax.device_put(arr, jax.memory.Space.Host)
+        out.block_until_ready()
+        arr.delete()
+        return out
+    arr.delete()
+    out = jax.device_put(dev, jax.memory.Space.Host)
+    out.block_until_ready()
+    dev.delete()
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # The host kernel (used by the callback mechanisms)
 # --------------------------------------------------------------------------------------------
@@ -372,12 +410,16 @@ def make_cpu_experts(impl: str, host_gate_up: jax.Array, host_down: jax.Array, t
 
     Raises:
       ValueError: unknown impl; a callback mechanism on the CPU backend with asynchronous dispatch
-        (:func:`check_callback_backend`). HostViewError: a callback mechanism and no zero-copy
+        (:func:`check_callback_backend`); a compute_on mechanism with banks not typed as host
+        memory (:func:`ensure_host_typed`). HostViewError: a callback mechanism and no zero-copy
         bank view.
     """
     if impl not in IMPLS:
         raise ValueError(f"unknown CPU expert mechanism {impl!r}; expected one of {IMPLS}")
     kernel = None
+    if impl not in CALLBACK_IMPLS and not (is_host_typed(host_gate_up) and is_host_typed(host_down)):
+        raise ValueError(f"{impl} needs host banks that JAX traces as host memory; pass them through "
+                         "ftjax.experts.cpu_experts.ensure_host_typed first (jit out_shardings quirk)")
     if impl in CALLBACK_IMPLS:
         check_callback_backend(host_gate_up)
         kernel = get_kernel(host_gate_up, host_down, threads, allow_copy)

@@ -31,7 +31,8 @@ and ``c`` falls linearly in ``F``, so ``cost`` is piecewise linear with a single
 ``a = c``, at ``F* = (alpha_h - alpha_p + M * beta_h) / (beta_p + beta_h)``. A piecewise linear
 function on an integer range takes its minimum at an end of a linear piece, so the minimiser is
 one of ``{0, M, 1, M - 1, floor(F*), ceil(F*)}`` (clipped to ``[0, M]``); the rule evaluates those
-six. Ties go to the larger ``F`` (a fetched expert also becomes a future hit).
+six. Ties (costs equal within a relative ``TIE_RTOL``) go to the larger ``F`` (a fetched expert
+also becomes a future hit).
 :func:`brute_force_fetch_count` tries every ``F`` with the same cost and tie rule; the tests check
 the two agree.
 
@@ -101,11 +102,15 @@ def split_cost(f: int, m: int, model: SplitModel) -> float:
     return max(a, h) + (1.0 - model.overlap) * min(a, h)
 
 
+# Costs within this relative margin are ties (float rounding of equal real costs).
+TIE_RTOL = 1e-9
+
+
 def _argmin(candidates, m: int, model: SplitModel) -> int:
     best, best_cost = None, math.inf
     for f in sorted(set(candidates), reverse=True):  # larger F first: ties keep the larger F
         cost = split_cost(f, m, model)
-        if cost < best_cost:
+        if cost < best_cost * (1.0 - TIE_RTOL):
             best, best_cost = f, cost
     return best
 

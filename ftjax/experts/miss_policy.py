@@ -23,7 +23,8 @@ orders a layer's misses by it (:func:`ftjax.experts.miss_split.most_recent_misse
 Where the CPU path applies: only to layers computed with the gather formulation (``N * k <=
 GATHER_MAX_PAIRS``: decode and very short calls). A long prefill call always fetches: the CPU
 costs were calibrated for a few tokens per expert, and a prompt of hundreds of tokens per expert
-is compute-bound on a CPU.
+is compute-bound on a CPU. When the split table fetches every miss for the call's size, the CPU
+machinery is left out of the program (statically), so such an adaptive run costs what fetch does.
 
 Arithmetic: the device computes the per-(token, k) expert outputs exactly as
 ``ftjax.experts.compute.experts_gather`` does; outputs of CPU-computed experts replace theirs
@@ -180,7 +181,9 @@ def make_expert_fn(miss: MissConfig, mode: str, num_experts: int, host_gate_up: 
         last = jax.lax.dynamic_slice(state.last_routed, (base,), (e,))
         last_routed = jax.lax.dynamic_update_slice(state.last_routed, jnp.where(routed, table.clock, last), (base,))
 
-        if r.ids.size > GATHER_MAX_PAIRS:  # long call (prefill): fetch every miss
+        c = min(e, r.ids.size)                     # most distinct experts one call can route
+        fetch_all = all(miss.table[m] == m for m in range(c + 1))  # static: the split never uses the CPU
+        if r.ids.size > GATHER_MAX_PAIRS or fetch_all:  # long call (prefill), or nothing for the CPU
             look = lookup_layer(table, layer, routed, e)
             es = offload.fetch_experts(host_gate_up, host_down, es.replace(table=look.table),
                                        base + look.miss_experts, look.miss_slots, look.n_miss)
@@ -196,7 +199,6 @@ def make_expert_fn(miss: MissConfig, mode: str, num_experts: int, host_gate_up: 
         fetch_mask = most_recent_misses(miss_mask, last, n_fetch)
         on_cpu = miss_mask & ~fetch_mask
         n_cpu = on_cpu.sum(dtype=jnp.int32)
-        c = min(e, r.ids.size)                     # most distinct experts one call can route
         experts = jnp.arange(e, dtype=jnp.int32)
         cpu_rank = jnp.cumsum(on_cpu.astype(jnp.int32)) - 1
         cpu_ids = jnp.full((c,), -1, jnp.int32).at[jnp.where(on_cpu, cpu_rank, c)].set(experts, mode="drop")

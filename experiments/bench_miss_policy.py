@@ -26,7 +26,6 @@ import gc
 import json
 import os
 import re
-import sys
 import tempfile
 import time
 import traceback

@@ -16,7 +16,6 @@ import math
 import os
 import subprocess
 import sys
-import textwrap
 
 import jax
 import jax.numpy as jnp

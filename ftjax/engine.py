@@ -18,7 +18,7 @@ import numpy as np
 
 from ftjax import model as model_lib
 from ftjax.checkpoint import LoadedModel
-from ftjax.experts import offload
+from ftjax.experts import miss_policy, offload
 from ftjax.experts.slot_table import POLICIES
 from ftjax.sampling import sample
 
@@ -57,17 +57,36 @@ class ExpertCounters:
                 "bytes_h2d": (m + self.extra_copies) * expert_bytes}
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "mode", "all_logits", "stream", "overlap", "policy"),
+@functools.partial(jax.jit, static_argnames=("cfg", "mode", "all_logits", "stream", "overlap", "policy", "miss"),
                    donate_argnames=("cache", "state"))
 def _forward_step(params, host_gate_up, host_down, cache, state, tokens, start, valid_len, *, cfg, mode,
-                  all_logits=False, stream=False, overlap=True, policy="lru"):
-    if stream:  # full-layer double-buffered prefill (DESIGN.md 1.3)
-        state = offload.stream_prologue(host_gate_up, host_down, state, cfg.num_experts, overlap)
-        expert_fn = offload.make_stream_expert_fn(cfg.num_experts, cfg.num_layers, host_gate_up, host_down,
-                                                  overlap)
-    else:
-        expert_fn = offload.make_expert_fn(mode, cfg.num_experts, host_gate_up, host_down, policy)
+                  all_logits=False, stream=False, overlap=True, policy="lru", miss=None):
+    state, expert_fn = step_expert_fn(cfg, mode, host_gate_up, host_down, state, stream, overlap, policy, miss)
     return model_lib.forward(params, cfg, tokens, start, valid_len, cache, expert_fn, state, all_logits)
+
+
+def step_expert_fn(cfg, mode, host_gate_up, host_down, state, stream=False, overlap=True, policy="lru", miss=None):
+    """(state, expert function) of one jitted step, inside the jit: full-layer streaming for a
+    long prefill chunk, else the experts mode with the cache ``policy`` and, when ``miss`` is set
+    (a ``miss_policy.MissConfig``), cpu / adaptive handling of misses."""
+    if stream:  # full-layer double-buffered prefill (DESIGN.md 1.3): every expert is fetched
+        inner = state if miss is None else state.experts  # cpu/adaptive wrap the offload state
+        inner = offload.stream_prologue(host_gate_up, host_down, inner, cfg.num_experts, overlap)
+        stream_fn = offload.make_stream_expert_fn(cfg.num_experts, cfg.num_layers, host_gate_up, host_down,
+                                                  overlap)
+        if miss is None:
+            state, expert_fn = inner, stream_fn
+        else:
+            state = state.replace(experts=inner)
+
+            def expert_fn(s, layer, r):
+                y, experts, stats = stream_fn(s.experts, layer, r)
+                return y, s.replace(experts=experts), stats
+    elif miss is None:  # fetch every miss (or resident)
+        expert_fn = offload.make_expert_fn(mode, cfg.num_experts, host_gate_up, host_down, policy)
+    else:  # cpu / adaptive miss policy (DESIGN.md 1.2)
+        expert_fn = miss_policy.make_expert_fn(miss, mode, cfg.num_experts, host_gate_up, host_down, policy)
+    return state, expert_fn
 
 
 _sample = jax.jit(sample, static_argnames=("temperature", "top_p"))
@@ -130,14 +149,16 @@ class Engine:
       prefill_chunk: prompts longer than this many tokens are prefilled in chunks.
       prefill_overlap: copy layer l+1's experts while layer l computes (False: the ablation).
       cache_policy: slot eviction policy, "lru" or "lookahead" (``slot_table.eviction_order``).
+      miss: a ``miss_policy.MissRuntime`` (fetch / cpu / adaptive misses); None = fetch.
     Raises:
-      ValueError: bad mode, slots out of range, stream without 2E slots, or max_seq_len beyond
-        the model's positions.
+      ValueError: bad mode, slots out of range, stream without 2E slots, max_seq_len beyond the
+        model's positions, or a cpu / adaptive miss policy with resident experts.
     """
 
     def __init__(self, model: LoadedModel, experts_mode: str = "resident", num_slots: int | None = None,
                  max_seq_len: int = 512, batch: int = 1, prefill: str = "auto", prefill_chunk: int = 8192,
-                 prefill_overlap: bool = True, cache_policy: str = "lru"):
+                 prefill_overlap: bool = True, cache_policy: str = "lru",
+                 miss: miss_policy.MissRuntime | None = None):
         cfg = model.cfg
         if max_seq_len > cfg.max_position_embeddings:
             raise ValueError(f"max_seq_len {max_seq_len} exceeds the model's max_position_embeddings "
@@ -164,6 +185,10 @@ class Engine:
         self.dtype = jnp.dtype(model.params["embed"].dtype)
         self.state = offload.init_expert_state(experts_mode, cfg.num_layers, cfg.num_experts, num_slots,
                                                model.host_gate_up, model.host_down, self.dtype)
+        if miss is not None and miss.policy != "fetch" and experts_mode == "resident":
+            raise ValueError(f"miss policy {miss.policy!r} needs experts mode cached or on_demand")
+        self.miss = miss or miss_policy.build_runtime("fetch", cfg.num_layers, cfg.num_experts)
+        self.state = self.miss.init_state(self.state)
         self.counters = {"prefill": ExpertCounters.zeros(cfg.num_layers),
                          "decode": ExpertCounters.zeros(cfg.num_layers)}
         self.compile_s = 0.0
@@ -225,6 +250,7 @@ class Engine:
             out = self._step(tokens, np.full(b, c, np.int32), valid, cache, all_logits, stream)
             cache = out.cache
             self.counters["prefill"].add(out.layer_stats)
+            self.miss.add("prefill", out.layer_stats)
             if stream and self.prefill_overlap:
                 self.counters["prefill"].extra_copies += self.cfg.num_experts
             stats.append(out.layer_stats)
@@ -292,6 +318,7 @@ class Engine:
         decode_s = time.perf_counter() - t_first
         for s in decode_stats:
             self.counters["decode"].add(s)
+            self.miss.add("decode", s)
             if trace_routing:
                 routing.append(np.asarray(s.routed_ids))
         gen = np.stack([np.asarray(t) for t in toks], axis=1)
@@ -317,7 +344,8 @@ class Engine:
 
     def _executable(self, args, all_logits: bool = False, stream: bool = False):
         return self.compiled(_forward_step, args, cfg=self.cfg, mode=self.mode, all_logits=all_logits,
-                             stream=stream, overlap=self.prefill_overlap and stream, policy=self.cache_policy)
+                             stream=stream, overlap=self.prefill_overlap and stream, policy=self.cache_policy,
+                             miss=self.miss.jit_config)
 
     def _ensure_compiled(self, prompts, cache, prefill: bool = True) -> None:
         """Compiles every prefill chunk shape (unless ``prefill`` is False) and the decode step
@@ -348,6 +376,12 @@ class Engine:
         total = ExpertCounters(self.counters["prefill"].hits + self.counters["decode"].hits,
                                self.counters["prefill"].misses + self.counters["decode"].misses,
                                self.counters["prefill"].extra_copies + self.counters["decode"].extra_copies)
-        return {"mode": self.mode, "slots": self.num_slots, "policy": self.cache_policy, "expert_bytes": eb,
-                **total.summary(eb),
-                "prefill": self.counters["prefill"].summary(eb), "decode": self.counters["decode"].summary(eb)}
+        m = {"mode": self.mode, "slots": self.num_slots, "policy": self.cache_policy, "expert_bytes": eb,
+             **total.summary(eb),
+             "prefill": self.counters["prefill"].summary(eb), "decode": self.counters["decode"].summary(eb)}
+        m = self.miss.metrics(m, eb, min(self.cfg.num_experts, self.batch * self.cfg.top_k))
+        # the miss runtime counts fetched misses; add the streaming prologue's copies back
+        extra = total.extra_copies * eb
+        m["bytes_h2d"] += extra
+        m["prefill"]["bytes_h2d"] += extra
+        return m

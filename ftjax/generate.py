@@ -66,6 +66,17 @@ flags.DEFINE_integer("kv_chunk_tokens", 256, "Tokens per stored KV chunk.")
 flags.DEFINE_enum("kv_load", "prefetch", ["prefetch", "xs", "all_first"],
                   "How a reused prefix reaches the device: in the scan with the next layer prefetched, "
                   "in the scan as scan xs, or all layers before the prefill (ablation).")
+flags.DEFINE_enum("miss_policy", "fetch", ["fetch", "cpu", "adaptive"],
+                  "Expert-cache misses: copy them to the device (fetch), compute them on the host CPU (cpu), "
+                  "or split each layer's misses by the calibrated q* rule (adaptive). DESIGN.md 1.2.")
+flags.DEFINE_enum("cpu_expert_impl", "callback_async",
+                  ["callback", "callback_async", "compute_on", "compute_on_static"],
+                  "How misses are computed on the CPU (ftjax.experts.cpu_experts).")
+flags.DEFINE_integer("cpu_threads", 0, "Host-kernel threads of the callback mechanisms; 0 = the profile's or "
+                     "half the cores.")
+flags.DEFINE_string("calibration_profile", None, "Calibration profile JSON (ftjax.calibrate); default "
+                    "~/.cache/ftjax/calibration.json. Adaptive calibrates quickly and adds to it when missing.")
+flags.DEFINE_integer("fixed_fetch", None, "Adaptive: fetch min(N, misses) per layer instead of the calibrated split.")
 
 
 class UserError(Exception):
@@ -264,6 +275,36 @@ def _check_flags() -> None:
         folder = os.path.dirname(os.path.abspath(path))
         if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
             raise UserError(f"--{name}={path}: not a writable file path (folder must exist)")
+def _miss_runtime(model, mode: str, batch: int):
+    """The engine's miss runtime for --miss_policy (None: fetch every miss)."""
+    if FLAGS.miss_policy == "fetch":
+        return None
+    if mode == "resident":
+        print(f"note: all experts are resident, so there are no misses; --miss_policy={FLAGS.miss_policy} ignored")
+        return None
+    from ftjax import calibrate
+    from ftjax.experts import cpu_experts, miss_policy
+    impl, threads = FLAGS.cpu_expert_impl, FLAGS.cpu_threads or None
+    if impl not in cpu_experts.CALLBACK_IMPLS:  # compute_on reads the banks in-graph: they must be host-typed
+        model.host_gate_up = cpu_experts.ensure_host_typed(model.host_gate_up)
+        model.host_down = cpu_experts.ensure_host_typed(model.host_down)
+    calibration = split_model = None
+    path = FLAGS.calibration_profile or calibrate.default_profile_path()
+    key = calibrate.profile_key(calibrate.device_name(), calibrate.expert_format(model.cfg, model.dtype))
+    entry, fresh = calibrate.get_entry(path, key), False
+    if FLAGS.miss_policy == "adaptive" and FLAGS.fixed_fetch is None:
+        entry, key, path, fresh = calibrate.profile_for(model, impl, batch, path, threads)
+        split_model = calibrate.split_model_from(entry["impls"][impl])
+    if entry is not None and impl in entry.get("impls", {}):
+        threads = threads or entry["impls"][impl].get("mechanism", {}).get("threads")
+        print(f"calibration profile: {path} [{key}]{' (calibrated now)' if fresh else ''}")
+        if not fresh:
+            print(calibrate.describe_impl(impl, entry["impls"][impl]))
+        calibration = {"path": path, "key": key, "calibrated_now": fresh, "entry": entry}
+    cpu = cpu_experts.make_cpu_experts(impl, model.host_gate_up, model.host_down, threads)
+    return miss_policy.build_runtime(FLAGS.miss_policy, model.cfg.num_layers, model.cfg.num_experts, cpu,
+                                     split_model=split_model, fixed_fetch=FLAGS.fixed_fetch,
+                                     calibration=calibration)
 
 
 def run() -> dict:
@@ -285,6 +326,8 @@ def run() -> dict:
             raise UserError("need --kv_chunk_tokens >= 1 and --kv_host_gb >= 0")
         if FLAGS.prompts_file and any(x is not None for x in (FLAGS.prompt, FLAGS.prompt_ids, FLAGS.prompt_len)):
             raise UserError("give --prompts_file or one of --prompt, --prompt_ids, --prompt_len, not both")
+    if FLAGS.fixed_fetch is not None and (FLAGS.miss_policy != "adaptive" or FLAGS.fixed_fetch < 0):
+        raise UserError("--fixed_fetch needs --miss_policy=adaptive and a value >= 0")
     model = _load_model()
     cfg = model.cfg
     prompts = _read_prompts_file(FLAGS.prompts_file, model, FLAGS.max_new_tokens) if FLAGS.prompts_file else None
@@ -300,9 +343,12 @@ def run() -> dict:
           f"top-k={cfg.top_k}, {model.dtype}); experts: {mode}")
     if plan is not None:
         print(plan.describe())
+    miss = _miss_runtime(model, mode, FLAGS.batch)
+    if miss is not None:
+        print(miss.describe(min(cfg.num_experts, FLAGS.batch * cfg.top_k)))
     engine = Engine(model, mode, plan.slots if plan else None, max_seq_len=max_seq_len, batch=FLAGS.batch,
                     prefill=FLAGS.prefill, prefill_chunk=FLAGS.prefill_chunk, prefill_overlap=FLAGS.prefill_overlap,
-                    cache_policy=FLAGS.cache_policy)
+                    cache_policy=FLAGS.cache_policy, miss=miss)
     if requests_mode:
         return _run_requests(model, engine, mode, plan, prompts or [prompt])
     res = engine.generate([prompt] * FLAGS.batch, FLAGS.max_new_tokens, FLAGS.temperature, FLAGS.top_p,
@@ -317,6 +363,9 @@ def run() -> dict:
     print(f"expert cache: {ec['slots']} slots, hit rate {ec['hit_rate']:.3f} "
           f"(decode {ec['decode']['hit_rate']:.3f}), {ec['misses']} misses, "
           f"{ec['bytes_h2d'] / 1e6:.1f} MB host-to-device")
+    if miss is not None:
+        print(f"misses: {ec['fetched']} fetched, {ec['cpu_computed']} computed on the CPU "
+              f"({ec['miss_policy']}, split {ec['split']['rule']})")
     metrics = {"model": model.name, "config": cfg.identity(), "dtype": model.dtype, "experts_mode": mode,
                "memory_plan": plan.as_dict() if plan else None, "prompt_ids": prompt,
                "generated_ids": gen, "batch_generated_ids": res.generated_ids, "ttft_s": res.ttft_s,
@@ -339,11 +388,14 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     if logging.get_verbosity() == logging.INFO:  # absl's default: hide JAX's backend probing notes
         logging.set_verbosity(logging.WARNING)
+    from ftjax.experts.cpu_experts import CALLBACK_IMPLS, HostViewError, use_sync_cpu_dispatch
+    if FLAGS.miss_policy != "fetch" and FLAGS.cpu_expert_impl in CALLBACK_IMPLS:
+        use_sync_cpu_dispatch()  # before JAX starts; the callbacks deadlock on an async CPU client
     from ftjax.checkpoint import CheckpointError
     from ftjax.config import ConfigError
     try:
         run()
-    except (UserError, ConfigError, CheckpointError, ValueError, OSError) as e:
+    except (UserError, ConfigError, CheckpointError, ValueError, OSError, HostViewError) as e:
         print(f"ftjax.generate: error: {e}", file=sys.stderr)
         sys.exit(1)
 

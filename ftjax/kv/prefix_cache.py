@@ -33,7 +33,7 @@ import numpy as np
 
 from ftjax import memory
 from ftjax import model as model_lib
-from ftjax.experts import offload
+from ftjax.engine import step_expert_fn
 from ftjax.kv.chunk_keys import chunk_keys, model_identity
 from ftjax.kv.host_store import HostKVStore
 from ftjax.kv.layerwise import LayerwiseKV, bucket_chunks
@@ -48,10 +48,10 @@ STORE_ROUTES = ("scan", "after")
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "mode", "variant", "store_chunks", "chunk_tokens",
-                                             "store_to_host", "policy"), donate_argnames=("cache", "state"))
+                                             "store_to_host", "policy", "miss"), donate_argnames=("cache", "state"))
 def _prefix_step(params, host_gate_up, host_down, cache, state, tokens, start, valid_len, prefix, *, cfg, mode,
-                 variant, store_chunks, chunk_tokens, store_to_host, policy="lru"):
-    expert_fn = offload.make_expert_fn(mode, cfg.num_experts, host_gate_up, host_down, policy)
+                 variant, store_chunks, chunk_tokens, store_to_host, policy="lru", miss=None):
+    state, expert_fn = step_expert_fn(cfg, mode, host_gate_up, host_down, state, policy=policy, miss=miss)
     hook = LayerwiseKV(prefix, variant, store_chunks, chunk_tokens, store_to_host)
     return model_lib.forward(params, cfg, tokens, start, valid_len, cache, expert_fn, state, kv_hook=hook)
 
@@ -236,6 +236,7 @@ class PrefixCache:
             self.store.unpin(req.hit)
         for _, out in outs:
             engine.counters["prefill"].add(out.layer_stats)
+            engine.miss.add("prefill", out.layer_stats)
         self.requests.append(req.record())
         last = outs[-1][1]
         return last.logits, cache, np.array([len(req.prompt)], np.int32), [out.layer_stats for _, out in outs]
@@ -290,7 +291,7 @@ class PrefixCache:
         variant = "xs" if self.load == "all_first" else self.load
         return dict(cfg=engine.cfg, mode=engine.mode, variant=variant, store_chunks=call.store_chunks,
                     chunk_tokens=self.chunk_tokens, store_to_host=self.store_route == "scan",
-                    policy=engine.cache_policy)
+                    policy=engine.cache_policy, miss=engine.miss.jit_config)
 
     def _executable(self, engine, args, call: PrefillCall):
         return engine.compiled(_prefix_step, args, **self._statics(engine, call))

@@ -1,0 +1,305 @@
+r"""Decode tokens/s with cache misses fetched, computed on the CPU, or split by the calibrated q*.
+
+  PYTHONPATH=. python3 experiments/bench_miss_policy.py --out_dir=$OUT            # GPU (H200)
+  PYTHONPATH=. python3 experiments/bench_miss_policy.py --preset=tiny --steps=8   # CPU smoke test
+
+One process: builds random weights at the preset's real shape (host banks in pinned host memory),
+calibrates every CPU mechanism (``ftjax.calibrate``: copy alone, CPU alone, both at once, timed on
+the engine's own per-layer code), then for each VRAM budget decodes with ``--miss_policy`` fetch,
+cpu and adaptive (the fastest calibrated mechanism first; the other mechanisms after, while the time
+budget lasts), batch 1, greedy. Writes ONE JSON (``bench_miss_policy-<device>.json`` in
+``--out_dir``; rewritten after every run so that a crash or hang still leaves what was measured)
+with device, jax version, date, the calibration profile, and per budget x policy x mechanism:
+decode tokens/s, TTFT, hit rate, fetched / CPU-computed misses, the split histogram, the split
+model's predicted expert time per token, and the logits' difference from the fetch run (CPU and
+GPU arithmetic may round differently). Prints a table last.
+
+DESIGN.md 1.2 (FreeToken): report fetch-only, cpu-only and adaptive side by side; a mis-calibrated
+split was slower than pure fetching in the field.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import gc
+import json
+import os
+import re
+import tempfile
+import time
+import traceback
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("preset", "qwen3-30b-a3b", "Model shape (random weights).")
+flags.DEFINE_enum("dtype", "bfloat16", ["float32", "bfloat16", "float16"], "Weights / compute dtype.")
+flags.DEFINE_list("budgets_gb", ["8", "24"], "Device budgets in GB (1e9 bytes).")
+flags.DEFINE_list("small_model_slot_fractions", ["0.25", "0.5"],
+                  "When the whole pool fits a budget (small presets), use these fractions of it as slots instead.")
+flags.DEFINE_integer("batch", 1, "Sequences decoded together.")
+flags.DEFINE_integer("prompt_len", 16, "Random prompt tokens.")
+flags.DEFINE_integer("steps", 32, "Generated tokens per run (tokens/s is over steps - 1 decode steps).")
+flags.DEFINE_list("impls", ["callback_async", "callback", "compute_on"], "CPU mechanisms to calibrate and run.")
+flags.DEFINE_list("policies", ["fetch", "cpu", "adaptive"], "Miss policies.")
+flags.DEFINE_integer("cpu_threads", 0, "Host-kernel threads; 0 = sweep in calibration and take the fastest.")
+flags.DEFINE_boolean("quick_calibration", False, "Fewer calibration points.")
+flags.DEFINE_boolean("pure_qstar", True, "Also run adaptive with the plain q* rule of DESIGN.md 1.2 (the alone "
+                     "bandwidths, no fixed costs, full overlap), to show what that calibration would give.")
+flags.DEFINE_integer("seed", 0, "Weights and prompt seed.")
+flags.DEFINE_float("time_budget_s", 330.0, "Skip further runs after this many seconds (the JSON says which).")
+flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _write(path: str, obj: dict) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f, indent=1, default=str)
+    os.replace(tmp, path)
+
+
+def _predicted_expert_s(hist: list[dict], model, policy: str) -> float | None:
+    """Seconds of miss traffic the split model predicts for a run's decode split histogram."""
+    if model is None:
+        return None
+    from ftjax.experts.miss_split import split_cost
+    return float(sum(h["layers"] * split_cost(h["fetched"], h["misses"], model) for h in hist))
+
+
+def _logit_diff(ref, got) -> dict:
+    """Greedy tokens agree up to the first difference; logits there have identical inputs."""
+    import numpy as np
+    ref_ids, got_ids = np.asarray(ref.generated_ids), np.asarray(got.generated_ids)
+    same = (ref_ids == got_ids).all(axis=0)
+    first = int(np.argmin(same)) if not same.all() else len(same)
+    upto = min(first + 1, len(same))
+    d = np.abs(ref.step_logits[:upto] - got.step_logits[:upto])
+    return {"tokens_match_fetch": first, "max_abs_logit_diff_vs_fetch": float(d.max()),
+            "max_abs_logit": float(np.abs(ref.step_logits[:upto]).max())}
+
+
+def main(argv):
+    del argv
+    t_start = time.perf_counter()
+    from ftjax.experts import cpu_experts
+    cpu_experts.use_sync_cpu_dispatch()  # before JAX starts (only matters on a CPU backend)
+    import jax
+    import numpy as np
+
+    from ftjax import calibrate
+    from ftjax.checkpoint import random_model
+    from ftjax.config import preset
+    from ftjax.engine import Engine
+    from ftjax.experts import miss_policy
+    from ftjax.experts.miss_split import SplitModel
+    from ftjax.experts.planner import GB, plan_memory
+
+    dev = jax.local_devices()[0]
+    slug = re.sub(r"[^A-Za-z0-9]+", "_", dev.device_kind).strip("_").lower()
+    out_path = os.path.join(FLAGS.out_dir, f"bench_miss_policy-{slug}.json")
+    # A hang (a callback that never returns) must still leave the JSON: dump stacks and exit.
+    faulthandler.dump_traceback_later(FLAGS.time_budget_s + 150, exit=True)
+    res: dict = {"bench": "miss_policy", "device": dev.device_kind, "platform": dev.platform,
+                 "jax": jax.__version__, "date": _now(), "host_cpus": os.cpu_count(),
+                 "args": {k: FLAGS[k].value for k in ("preset", "dtype", "budgets_gb", "batch", "prompt_len", "steps",
+                                                      "impls", "policies", "cpu_threads", "quick_calibration",
+                                                      "seed", "time_budget_s")},
+                 "setup_s": {}, "runs": [], "skipped": [], "notes": []}
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - t_start:7.1f}s] {msg}", flush=True)
+
+    def save() -> None:
+        res["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+        _write(out_path, res)
+
+    # ---- model ----------------------------------------------------------------------------
+    cfg = preset(FLAGS.preset)
+    t0 = time.perf_counter()
+    model = random_model(cfg, FLAGS.dtype, seed=FLAGS.seed)
+    jax.block_until_ready((model.host_gate_up, model.host_down))
+    res["setup_s"]["model"] = round(time.perf_counter() - t0, 2)
+    itemsize = np.dtype(model.host_gate_up.dtype).itemsize
+    res["model"] = {"preset": FLAGS.preset, "dtype": FLAGS.dtype, "L": cfg.num_layers, "E": cfg.num_experts,
+                    "top_k": cfg.top_k, "expert_bytes": model.expert_bytes, "pool_bytes": cfg.pool_bytes(itemsize),
+                    "bank_memory_kind": model.host_gate_up.sharding.memory_kind}
+    log(f"model {FLAGS.preset} {FLAGS.dtype}: pool {cfg.pool_bytes(itemsize) / GB:.1f} GB in "
+        f"{model.host_gate_up.sharding.memory_kind}, built in {res['setup_s']['model']} s")
+    if any(i.startswith("compute_on") for i in FLAGS.impls):
+        t0 = time.perf_counter()
+        model.host_gate_up = cpu_experts.ensure_host_typed(model.host_gate_up)
+        model.host_down = cpu_experts.ensure_host_typed(model.host_down)
+        res["setup_s"]["host_typed_banks"] = round(time.perf_counter() - t0, 2)
+    save()
+
+    # ---- calibration ----------------------------------------------------------------------
+    t0 = time.perf_counter()
+    entry = calibrate.calibrate(model.host_gate_up, model.host_down, cfg, FLAGS.dtype, FLAGS.batch, FLAGS.impls,
+                                FLAGS.cpu_threads or None, quick=FLAGS.quick_calibration, log=log)
+    impls = list(FLAGS.impls)
+    if "compute_on" in impls and not entry["impls"]["compute_on"]["ok"] and "compute_on_static" not in impls:
+        log("compute_on failed; calibrating the loop-free fallback compute_on_static")
+        extra = calibrate.calibrate(model.host_gate_up, model.host_down, cfg, FLAGS.dtype, FLAGS.batch,
+                                    ["compute_on_static"], FLAGS.cpu_threads or None,
+                                    quick=FLAGS.quick_calibration, log=log)
+        entry["impls"].update(extra["impls"])
+        impls.append("compute_on_static")
+    res["setup_s"]["calibration"] = round(time.perf_counter() - t0, 2)
+    key = calibrate.profile_key(calibrate.device_name(), calibrate.expert_format(cfg, FLAGS.dtype))
+    res["calibration"] = {"key": key, "entry": entry}
+    ok = [i for i in impls if entry["impls"][i]["ok"]]
+    max_m = entry["max_misses"]
+
+    def cpu_only_cost(i):  # predicted seconds per layer when every one of max_m misses goes to the CPU
+        c = entry["impls"][i]["cpu"]
+        return c["alpha_s"] + max_m * c["beta_s"]
+
+    ok.sort(key=cpu_only_cost)
+    res["impl_order"] = ok
+    save()
+    if not ok:
+        res["notes"].append("no CPU mechanism calibrated; only the fetch policy runs")
+    log(f"mechanisms by predicted CPU cost: {ok}")
+
+    # ---- runs -----------------------------------------------------------------------------
+    rng = np.random.default_rng(FLAGS.seed)
+    prompt = rng.integers(0, cfg.vocab_size, FLAGS.prompt_len).tolist()
+    prompts = [prompt] * FLAGS.batch
+    max_seq_len = -(-(FLAGS.prompt_len + FLAGS.steps) // 128) * 128
+    pool = cfg.num_layers * cfg.num_experts
+    budgets = []
+    for i, b in enumerate(FLAGS.budgets_gb):
+        plan = plan_memory(cfg, itemsize, budget_bytes=int(float(b) * GB), batch=FLAGS.batch, max_seq_len=max_seq_len)
+        if plan.fits_resident:
+            frac = float(FLAGS.small_model_slot_fractions[min(i, len(FLAGS.small_model_slot_fractions) - 1)])
+            budgets.append((float(b), max(cfg.num_experts, int(pool * frac)), f"fraction {frac} (pool fits {b} GB)"))
+        else:
+            budgets.append((float(b), plan.slots, "budget"))
+    res["budgets"] = [{"budget_gb": b, "slots": s, "pool_slots": pool, "slots_source": src} for b, s, src in budgets]
+
+    # Order: per budget fetch, then cpu / adaptive with the best mechanism; the others afterwards.
+    plan_runs = []
+    for b, s, src in budgets:
+        for pol in FLAGS.policies:
+            if pol == "fetch":
+                plan_runs.append((b, s, src, "fetch", None))
+            elif ok:
+                plan_runs.append((b, s, src, pol, ok[0]))
+    if FLAGS.pure_qstar and ok and "adaptive" in FLAGS.policies:
+        for b, s, src in budgets:
+            plan_runs.append((b, s, src, "adaptive-qstar", ok[0]))
+    for b, s, src in budgets:
+        for impl in ok[1:]:
+            for pol in FLAGS.policies:
+                if pol != "fetch":
+                    plan_runs.append((b, s, src, pol, impl))
+    fetch_ref: dict = {}
+    for b, s, src, pol, impl in plan_runs:
+        elapsed = time.perf_counter() - t_start
+        if elapsed > FLAGS.time_budget_s:
+            res["skipped"].append({"budget_gb": b, "policy": pol, "impl": impl, "why": f"time budget ({elapsed:.0f} s)"})
+            continue
+        run = {"budget_gb": b, "slots": s, "slots_source": src, "policy": pol, "impl": impl}
+        t0 = time.perf_counter()
+        eng = None
+        try:
+            split_model = None
+            if pol == "fetch":
+                rt = None
+            else:
+                th = entry["impls"][impl]["mechanism"].get("threads")
+                cpu = cpu_experts.make_cpu_experts(impl, model.host_gate_up, model.host_down, th)
+                if pol == "adaptive":
+                    split_model = calibrate.split_model_from(entry["impls"][impl])
+                elif pol == "adaptive-qstar":
+                    fitted = calibrate.split_model_from(entry["impls"][impl])
+                    split_model = SplitModel(beta_p=fitted.beta_p, beta_h=fitted.beta_h)
+                rt = miss_policy.build_runtime(pol.split("-")[0], cfg.num_layers, cfg.num_experts, cpu,
+                                               split_model=split_model, calibration={"key": key})
+                if pol == "adaptive-qstar":
+                    rt.rule = "qstar (alone per-expert costs; no fixed costs; full overlap)"
+            eng = Engine(model, "cached", s, max_seq_len=max_seq_len, batch=FLAGS.batch, miss=rt)
+            out = eng.generate(prompts, FLAGS.steps, keep_logits=True)
+            ec = eng.expert_cache_metrics()
+            dec = ec["decode"]
+            n_dec = FLAGS.batch * (FLAGS.steps - 1)
+            # the fitted model of the mechanism predicts what the run's split should have cost
+            model_for_pred = calibrate.split_model_from(entry["impls"][impl or ok[0]]) if ok else None
+            pred = _predicted_expert_s(dec["split_histogram"], model_for_pred, pol)
+            run.update({
+                "decode_tokens_per_s": out.decode_tokens_per_s, "decode_s_per_token": out.decode_s / max(n_dec, 1),
+                "ttft_s": out.ttft_s, "compile_s": out.compile_s, "hit_rate_decode": dec["hit_rate"],
+                "hit_rate": ec["hit_rate"], "misses_decode": dec["misses"], "fetched_decode": dec["fetched"],
+                "cpu_decode": dec["cpu_computed"], "fetch_fraction_decode": dec["fetch_fraction"],
+                "split_rule": ec["split"]["rule"], "split_table": ec["split"]["table"],
+                "split_histogram_decode": dec["split_histogram"],
+                "predicted_miss_s_per_token": pred / max(n_dec, 1) if pred is not None else None,
+                "generated_ids": out.generated_ids[0]})
+            if pol == "fetch":
+                fetch_ref[b] = out
+            elif b in fetch_ref:
+                run.update(_logit_diff(fetch_ref[b], out))
+            log(f"{b:g} GB ({s} slots) {pol:14s} {impl or '-':16s} {out.decode_tokens_per_s:7.2f} tok/s  "
+                f"hit {dec['hit_rate']:.3f}  fetched {dec['fetched']}  cpu {dec['cpu_computed']}  "
+                f"compile {out.compile_s:.1f} s")
+        except Exception as e:  # noqa: BLE001 - a failing mechanism is a finding
+            run["error"] = f"{type(e).__name__}: {str(e)[:3000]}"
+            run["traceback"] = traceback.format_exc()[-4000:]
+            log(f"{b:g} GB {pol} {impl}: FAILED {run['error'][:300]}")
+        run["wall_s"] = round(time.perf_counter() - t0, 1)
+        res["runs"].append(run)
+        del eng
+        gc.collect()
+        save()
+
+    # ---- summary --------------------------------------------------------------------------
+    summary = []
+    for b, s, _ in budgets:
+        rows = [r for r in res["runs"] if r["budget_gb"] == b and "decode_tokens_per_s" in r]
+        best = {}
+        for pol in ("fetch", "cpu", "adaptive", "adaptive-qstar"):
+            cands = [r for r in rows if r["policy"] == pol]
+            if cands:
+                top = max(cands, key=lambda r: r["decode_tokens_per_s"])
+                best[pol] = {"tokens_per_s": top["decode_tokens_per_s"], "impl": top["impl"]}
+        line = {"budget_gb": b, "slots": s, **best}
+        if "adaptive" in best and "fetch" in best:
+            single = max(best["fetch"]["tokens_per_s"], best.get("cpu", {}).get("tokens_per_s", 0.0))
+            line["adaptive_vs_best_single"] = best["adaptive"]["tokens_per_s"] / single if single else None
+        summary.append(line)
+    res["summary"] = summary
+    save()
+
+    print()
+    print(f"device {res['device']} | jax {res['jax']} | {FLAGS.preset} {FLAGS.dtype} | batch {FLAGS.batch} | "
+          f"{FLAGS.steps} tokens | calibration {key}")
+    for i in impls:
+        print(calibrate.describe_impl(i, entry["impls"][i]))
+    print(f"{'budget':>7} {'slots':>6} {'policy':14} {'mechanism':18} {'tok/s':>8} {'hit':>6} {'fetched':>8} "
+          f"{'cpu':>6} {'pred ms/tok':>11} {'logit diff':>10}")
+    for r in res["runs"]:
+        if "error" in r:
+            print(f"{r['budget_gb']:>7g} {r['slots']:>6} {r['policy']:14} {str(r['impl']):18} FAILED: {r['error'][:80]}")
+            continue
+        pred = r["predicted_miss_s_per_token"]
+        diff = r.get("max_abs_logit_diff_vs_fetch")
+        print(f"{r['budget_gb']:>7g} {r['slots']:>6} {r['policy']:14} {str(r['impl']):18} "
+              f"{r['decode_tokens_per_s']:8.2f} {r['hit_rate_decode']:6.3f} {r['fetched_decode']:8d} "
+              f"{r['cpu_decode']:6d} {pred * 1e3 if pred is not None else float('nan'):11.1f} "
+              f"{diff if diff is not None else float('nan'):10.3g}")
+    for s_ in res["skipped"]:
+        print(f"skipped: {s_}")
+    for line in summary:
+        print(f"summary {line}")
+    print(f"wrote {out_path} ({res['elapsed_s']} s)")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,447 @@
+r"""Calibrate the miss split: host-to-device copy cost and CPU expert cost, alone and together.
+
+  python -m ftjax.calibrate --preset=qwen3-30b-a3b --dtype=bfloat16
+  python -m ftjax.calibrate --checkpoint=DIR --impls=callback_async,compute_on --profile=prof.json
+
+Source of the idea: FreeToken's bandwidth-adaptive split (DESIGN.md 1.2): ``B_P`` (host -> device
+copy bandwidth) and ``B_H`` (CPU expert throughput), preferably measured while both run at once.
+
+What is timed is the engine's own per-layer code, ``ftjax.experts.miss_policy.fetch_and_cpu``,
+inside a jitted ``lax.scan`` of ``--reps`` layers (so per-layer fixed costs such as launching the
+copy loop or the host round trip are included), with ``n_fetch`` experts copied from the host
+bank into device slots and ``n_cpu`` experts computed on the CPU by the chosen mechanism, for
+the model's expert format (hidden D, expert ffn F, dtype) and ``--tokens`` tokens:
+
+* copy alone: ``(n, 0)`` for a few n; fit ``t = alpha_p + n * beta_p`` (``B_P = b / beta_p``);
+* CPU alone: ``(0, n)``; fit ``t = alpha_h + n * beta_h`` (``B_H = b / beta_h``);
+* together: ``(f, c)`` with both > 0; the overlap is how much of the shorter side was hidden,
+  ``(a + c - t) / min(a, c)`` clipped to [0, 1] (1 = fully parallel, 0 = serial; host-DRAM
+  contention lowers it); the median over the points is used.
+
+All times are per layer, after subtracting the ``(0, 0)`` baseline. The fit gives a
+``ftjax.experts.miss_split.SplitModel`` and its split table ``F(M)``.
+
+The profile is a JSON file (default ``~/.cache/ftjax/calibration.json``, or ``$XDG_CACHE_HOME``)
+keyed by device name and expert format (``"NVIDIA H200|bfloat16|D2048|F768"``); each entry holds
+one result per CPU mechanism. Writes are atomic (temporary file + rename) and merge with what is
+already there. ``ftjax.generate --miss_policy=adaptive`` reads it, or runs a quick calibration of
+its mechanism on the loaded model and adds it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import os
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PROFILE_VERSION = 1
+
+
+class CalibrationError(ValueError):
+    """An unreadable profile, or a calibration that could not run."""
+
+
+# --------------------------------------------------------------------------------------------
+# Profile file
+# --------------------------------------------------------------------------------------------
+def default_profile_path() -> str:
+    """``$XDG_CACHE_HOME/ftjax/calibration.json`` (default ``~/.cache/ftjax/calibration.json``)."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "ftjax", "calibration.json")
+
+
+def device_name() -> str:
+    """Name of the first local device (e.g. "NVIDIA H200", "cpu")."""
+    return jax.local_devices()[0].device_kind
+
+
+def expert_format(cfg, dtype: str) -> dict:
+    """The expert format a profile is for: hidden D, expert ffn F, dtype, bytes per expert."""
+    from ftjax.checkpoint import DTYPES
+    itemsize = np.dtype(DTYPES[dtype]).itemsize
+    return {"hidden": cfg.hidden_size, "expert_ffn": cfg.expert_ffn, "dtype": dtype,
+            "expert_bytes": cfg.expert_bytes(itemsize)}
+
+
+def profile_key(device: str, fmt: dict) -> str:
+    """``"<device>|<dtype>|D<hidden>|F<expert_ffn>"``."""
+    return f"{device}|{fmt['dtype']}|D{fmt['hidden']}|F{fmt['expert_ffn']}"
+
+
+def load_profile(path: str) -> dict:
+    """The whole profile file (``{"version": 1, "entries": {key: entry}}``); empty if absent.
+
+    Raises:
+      CalibrationError: not JSON, or not a profile of this version.
+    """
+    if not os.path.exists(path):
+        return {"version": PROFILE_VERSION, "entries": {}}
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CalibrationError(f"{path}: cannot read calibration profile ({e})") from None
+    if not isinstance(d, dict) or d.get("version") != PROFILE_VERSION or not isinstance(d.get("entries"), dict):
+        raise CalibrationError(f"{path}: not a version-{PROFILE_VERSION} ftjax calibration profile")
+    return d
+
+
+def get_entry(path: str, key: str) -> dict | None:
+    """The entry for ``key``, or None."""
+    return load_profile(path)["entries"].get(key)
+
+
+def save_entry(path: str, key: str, entry: dict) -> None:
+    """Adds or updates one entry (its ``impls`` merged with those already stored), atomically.
+
+    Creates the folder if needed. Raises CalibrationError if an existing file is unreadable.
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    prof = load_profile(path)
+    old = prof["entries"].get(key) or {}
+    merged = {**old, **entry, "impls": {**old.get("impls", {}), **entry.get("impls", {})}}
+    prof["entries"][key] = merged
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(prof, f, indent=1)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+# --------------------------------------------------------------------------------------------
+# Fitting
+# --------------------------------------------------------------------------------------------
+MIN_BETA_S = 1e-9
+
+
+def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares ``t = alpha + beta * n`` with ``alpha >= 0`` and ``beta >= MIN_BETA_S``.
+
+    points: (n, seconds) with n >= 1. When the free fit gives a negative alpha, the line is refit
+    through the origin. Raises CalibrationError for no points.
+    """
+    if not points:
+        raise CalibrationError("no points to fit")
+    n = np.array([p[0] for p in points], np.float64)
+    t = np.array([p[1] for p in points], np.float64)
+    if len(set(n.tolist())) >= 2:
+        beta, alpha = np.polyfit(n, t, 1)
+    else:
+        alpha, beta = 0.0, float(np.mean(t / n))
+    if alpha < 0:
+        alpha, beta = 0.0, float(np.sum(n * t) / np.sum(n * n))
+    return float(alpha), float(max(beta, MIN_BETA_S))
+
+
+def estimate_overlap(points: Sequence[tuple[int, int, float]], alpha_p: float, beta_p: float,
+                     alpha_h: float, beta_h: float) -> float:
+    """Median over (n_fetch, n_cpu, seconds) points of ``(a + c - t) / min(a, c)``, in [0, 1].
+    1.0 when there is no point with both sides active."""
+    vals = []
+    for f, c, t in points:
+        if f > 0 and c > 0:
+            a, h = alpha_p + f * beta_p, alpha_h + c * beta_h
+            vals.append(float(np.clip((a + h - t) / min(a, h), 0.0, 1.0)))
+    return float(np.median(vals)) if vals else 1.0
+
+
+def fit_impl(points: dict, expert_bytes: int, max_misses: int) -> dict:
+    """Turns measured points into the fitted figures of one mechanism.
+
+    points: {"base_s": s, "fetch": [(n, s)], "cpu": [(n, s)], "together": [(f, c, s)]} with raw
+    per-layer seconds (the baseline not yet subtracted).
+    """
+    from ftjax.experts.miss_split import SplitModel, split_table
+    base = points["base_s"]
+    fp = [(n, max(s - base, 0.0)) for n, s in points["fetch"]]
+    cp = [(n, max(s - base, 0.0)) for n, s in points["cpu"]]
+    tp = [(f, c, max(s - base, 0.0)) for f, c, s in points["together"]]
+    ap, bp = fit_line(fp)
+    ah, bh = fit_line(cp)
+    rho = estimate_overlap(tp, ap, bp, ah, bh)
+    model = SplitModel(beta_p=bp, beta_h=bh, alpha_p=ap, alpha_h=ah, overlap=rho)
+    gb = lambda beta: expert_bytes / beta / 1e9  # noqa: E731
+    together = []
+    for f, c, t in tp:
+        a, h = ap + f * bp, ah + c * bh
+        together.append({"fetch": f, "cpu": c, "t_s": t, "serial_s": a + h, "parallel_s": max(a, h),
+                         "combined_GBps": (f + c) * expert_bytes / t / 1e9 if t > 0 else None})
+    return {"ok": True, "base_s": base,
+            "fetch": {"alpha_s": ap, "beta_s": bp, "GBps": gb(bp), "points": fp},
+            "cpu": {"alpha_s": ah, "beta_s": bh, "GBps": gb(bh), "points": cp},
+            "together": {"overlap": rho, "points": together},
+            "split_model": model.as_dict(), "split_table": list(split_table(model, max_misses))}
+
+
+def split_model_from(impl_entry: dict):
+    """The :class:`SplitModel` stored in one mechanism's profile entry.
+
+    Raises:
+      CalibrationError: the entry records a failed calibration or has no model.
+    """
+    from ftjax.experts.miss_split import SplitModel
+    if not impl_entry.get("ok") or "split_model" not in impl_entry:
+        raise CalibrationError(f"calibration of this mechanism failed: {impl_entry.get('error', 'no model')}")
+    return SplitModel(**impl_entry["split_model"])
+
+
+# --------------------------------------------------------------------------------------------
+# Measurement
+# --------------------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnames=("cpu",), donate_argnames=("gu_pool", "dn_pool"))
+def _probe(host_gu, host_dn, gu_pool, dn_pool, x, fetch_ids, cpu_ids, n_fetch, n_cpu, *, cpu):
+    """``reps`` layers of ``fetch_and_cpu``: fetch_ids [reps, Cf], cpu_ids [reps, Cc] flat ids."""
+    from ftjax.experts import miss_policy, offload
+    slots = jnp.arange(gu_pool.shape[0], dtype=jnp.int32)
+
+    def rep(carry, ids):
+        gu, dn, acc = carry
+        fids, cids = ids
+        es, y = miss_policy.fetch_and_cpu(cpu, host_gu, host_dn, offload.ExpertState(gu, dn, None), x, fids,
+                                          slots, n_fetch, cids, n_cpu)
+        return (es.gate_up, es.down, acc + jnp.sum(y, dtype=jnp.float32)), None
+
+    (gu, dn, acc), _ = jax.lax.scan(rep, (gu_pool, dn_pool, jnp.float32(0)), (fetch_ids, cpu_ids))
+    return gu, dn, acc
+
+
+def plan_points(max_misses: int, quick: bool) -> dict:
+    """Which (n_fetch, n_cpu) to time for up to ``max_misses`` misses per layer."""
+    c = max(1, max_misses)
+    alone = sorted({1, c} if quick else {n for n in (1, 2, 4, 8, 16, 32, c) if n <= c})
+    if c == 1:
+        together = [(1, 1)]
+    elif quick:
+        together = [(c // 2, c - c // 2)]
+    else:
+        together = sorted({(c // 2, c - c // 2), (1, c - 1), (c - 1, 1), (c, c)})
+    return {"alone": alone, "together": together, "capacity": max(c, max(max(t) for t in together))}
+
+
+def measure_impl(cpu, host_gu, host_dn, tokens: int, max_misses: int, quick: bool, reps: int, repeats: int,
+                 seed: int = 0, log: Callable[[str], None] = print) -> dict:
+    """Times one mechanism; returns the raw points for :func:`fit_impl`."""
+    plan = plan_points(max_misses, quick)
+    cap = plan["capacity"]
+    rows, d = host_gu.shape[0], host_gu.shape[1]
+    rng = np.random.default_rng(seed)
+    ids = np.stack([rng.choice(rows, 2 * cap, replace=rows < 2 * cap) for _ in range(reps)]).astype(np.int32)
+    fetch_ids, cpu_ids = jnp.asarray(ids[:, :cap]), jnp.asarray(ids[:, cap:])
+    dtype = host_gu.dtype
+    x = (jax.random.normal(jax.random.key(seed), (tokens, d), jnp.float32) * 0.5).astype(dtype)
+    pools = [jnp.zeros((cap,) + host_gu.shape[1:], dtype), jnp.zeros((cap,) + host_dn.shape[1:], dtype)]
+
+    def run(nf: int, nc: int) -> float:
+        best = float("inf")
+        for i in range(repeats + 1):  # call 0 warms up (and compiles, once per mechanism)
+            t0 = time.perf_counter()
+            pools[0], pools[1], acc = _probe(host_gu, host_dn, pools[0], pools[1], x, fetch_ids, cpu_ids,
+                                             jnp.int32(nf), jnp.int32(nc), cpu=cpu)
+            acc.block_until_ready()
+            if i:
+                best = min(best, time.perf_counter() - t0)
+        return best / reps
+
+    t0 = time.perf_counter()
+    run(0, 0)
+    log(f"  {cpu.impl}: probe compiled in {time.perf_counter() - t0:.1f} s")
+    base = run(0, 0)
+    fetch = [(n, run(n, 0)) for n in plan["alone"]]
+    cpu_pts = [(n, run(0, n)) for n in plan["alone"]]
+    together = [(f, c, run(f, c)) for f, c in plan["together"]]
+    return {"base_s": base, "fetch": fetch, "cpu": cpu_pts, "together": together}
+
+
+def sweep_threads(host_gu, host_dn, tokens: int, max_misses: int, candidates: Sequence[int] | None = None,
+                  repeats: int = 3) -> list[tuple[int, float]]:
+    """Seconds for the host kernel (called directly, no jit around it) to compute ``max_misses``
+    experts for ``tokens`` tokens, per thread count."""
+    from ftjax.experts.cpu_experts import get_kernel
+    cores = os.cpu_count() or 1
+    candidates = candidates or [t for t in (1, 2, 4, 8, 16, 32) if t <= cores]
+    rows = host_gu.shape[0]
+    x = np.ones((tokens, host_gu.shape[1]), np.dtype(host_gu.dtype))
+    ids = (np.arange(max_misses) * 7919 % rows).astype(np.int32)
+    out = []
+    for th in candidates:
+        k = get_kernel(host_gu, host_dn, th)
+        k.compute(x, ids, max_misses)
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            k.compute(x, ids, max_misses)
+            best = min(best, time.perf_counter() - t0)
+        out.append((th, best))
+    return out
+
+
+def calibrate(host_gu: jax.Array, host_dn: jax.Array, cfg, dtype: str, tokens: int, impls: Sequence[str],
+              threads: int | None = None, quick: bool = False, reps: int | None = None,
+              repeats: int | None = None, log: Callable[[str], None] = print) -> dict:
+    """Measures and fits every mechanism in ``impls`` on these host banks; returns a profile entry.
+
+    Args:
+      host_gu, host_dn: host banks [rows, D, 2F] / [rows, F, D] of the model's format (the model's
+        own banks, or synthetic ones from :func:`synthetic_banks`).
+      cfg: model config (E, top_k, D, F); dtype: the banks' dtype name; tokens: tokens per
+        decode call (the batch).
+      impls: CPU mechanisms to time (``ftjax.experts.cpu_experts.IMPLS``); a mechanism that fails
+        is recorded with ``ok: False`` and its error.
+      threads: host-kernel threads for the callback mechanisms; None = sweep (or the default in
+        quick mode).
+      quick: fewer points and repetitions (a few seconds; what ``generate`` runs on first use).
+    Returns:
+      the entry: device, format, date, jax version, tokens, and ``impls: {impl: fitted figures}``.
+    """
+    from ftjax.experts.cpu_experts import CALLBACK_IMPLS, default_threads, make_cpu_experts
+    fmt = expert_format(cfg, dtype)
+    max_misses = min(cfg.num_experts, tokens * cfg.top_k)
+    reps = reps or (4 if quick else 16)
+    repeats = repeats or (2 if quick else 3)
+    entry: dict[str, Any] = {
+        "device": device_name(), "platform": jax.default_backend(), "host_cpus": os.cpu_count(),
+        "jax": jax.__version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "format": fmt, "tokens": tokens, "max_misses": max_misses, "quick": quick, "reps": reps, "impls": {}}
+    sweep = None
+    for impl in impls:
+        t0 = time.perf_counter()
+        try:
+            th = threads
+            if impl in CALLBACK_IMPLS and th is None:
+                if quick:
+                    th = default_threads()
+                else:
+                    if sweep is None:
+                        sweep = sweep_threads(host_gu, host_dn, tokens, max_misses)
+                        entry["host_kernel_thread_sweep"] = [{"threads": a, "s": s} for a, s in sweep]
+                    th = min(sweep, key=lambda p: p[1])[0]
+            cpu = make_cpu_experts(impl, host_gu, host_dn, th)
+            pts = measure_impl(cpu, host_gu, host_dn, tokens, max_misses, quick, reps, repeats, log=log)
+            res = fit_impl(pts, fmt["expert_bytes"], max_misses)
+            res["mechanism"] = cpu.describe()
+        except Exception as e:  # noqa: BLE001 - a failing mechanism is a finding, not a crash
+            res = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:2000]}"}
+        res["seconds"] = round(time.perf_counter() - t0, 2)
+        entry["impls"][impl] = res
+        log(describe_impl(impl, res))
+    return entry
+
+
+def describe_impl(impl: str, r: dict) -> str:
+    """One line per mechanism: fitted copy and CPU costs, overlap, split table."""
+    if not r.get("ok"):
+        return f"  {impl}: FAILED: {r.get('error', '')[:300]}"
+    f, c = r["fetch"], r["cpu"]
+    return (f"  {impl}: copy {f['alpha_s'] * 1e3:.3f} ms + {f['beta_s'] * 1e3:.3f} ms/expert ({f['GBps']:.2f} GB/s); "
+            f"CPU {c['alpha_s'] * 1e3:.3f} ms + {c['beta_s'] * 1e3:.3f} ms/expert ({c['GBps']:.2f} GB/s); "
+            f"overlap {r['together']['overlap']:.2f}; split F(M) {r['split_table'][1:]}")
+
+
+def synthetic_banks(cfg, dtype: str, rows: int, seed: int = 0) -> tuple[jax.Array, jax.Array]:
+    """Random host banks of ``rows`` experts in the model's format ([rows, D, 2F], [rows, F, D]),
+    generated on the device and moved to host memory (typed as host memory, see
+    ``ftjax.experts.cpu_experts.ensure_host_typed``)."""
+    from ftjax.checkpoint import DTYPES
+    jdt = jnp.dtype(DTYPES[dtype])
+    d, f = cfg.hidden_size, cfg.expert_ffn
+
+    def gen(key, shape, fan_in):
+        return (jax.random.normal(key, shape, jnp.float32) * (0.5 / fan_in ** 0.5)).astype(jdt)
+
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    gu = jax.jit(functools.partial(gen, shape=(rows, d, 2 * f), fan_in=d))(k1)
+    dn = jax.jit(functools.partial(gen, shape=(rows, f, d), fan_in=f))(k2)
+    return jax.device_put(gu, jax.memory.Space.Host), jax.device_put(dn, jax.memory.Space.Host)
+
+
+def profile_for(model, impl: str, tokens: int, path: str | None = None, threads: int | None = None,
+                log: Callable[[str], None] = print) -> tuple[dict, str, str, bool]:
+    """The profile entry for a loaded model and mechanism; quick-calibrates and saves it if missing.
+
+    Returns (entry, key, path, calibrated_now). Raises CalibrationError for an unreadable
+    profile; the entry may record a failed mechanism (``split_model_from`` raises then).
+    """
+    path = path or default_profile_path()
+    fmt = expert_format(model.cfg, model.dtype)
+    key = profile_key(device_name(), fmt)
+    entry = get_entry(path, key)
+    if entry is not None and impl in entry.get("impls", {}):
+        return entry, key, path, False
+    log(f"calibration: no profile for {key} / {impl} in {path}; quick calibration on this model ...")
+    new = calibrate(model.host_gate_up, model.host_down, model.cfg, model.dtype, tokens, [impl], threads,
+                    quick=True, log=log)
+    save_entry(path, key, new)
+    return get_entry(path, key), key, path, True
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+def _flags():
+    from absl import flags
+    flags.DEFINE_string("checkpoint", None, "HF checkpoint directory (only its config.json is read).")
+    flags.DEFINE_string("preset", None, "Model preset instead of a checkpoint (default tiny).")
+    flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "float16"], "Expert dtype; default the model's.")
+    flags.DEFINE_list("impls", ["callback", "callback_async", "compute_on"], "CPU mechanisms to calibrate.")
+    flags.DEFINE_integer("tokens", 1, "Tokens per decode call (the batch).")
+    flags.DEFINE_integer("cpu_threads", 0, "Host-kernel threads; 0 = sweep and pick the fastest.")
+    flags.DEFINE_integer("bank_rows", 64, "Synthetic experts in the host bank (spread beyond CPU caches).")
+    flags.DEFINE_boolean("quick", False, "Fewer points and repetitions.")
+    flags.DEFINE_string("profile", None, "Profile JSON to update; default ~/.cache/ftjax/calibration.json.")
+    return flags.FLAGS
+
+
+def main(argv):
+    from absl import app
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    from ftjax.config import ConfigError, load_hf_config, preset
+    from ftjax.experts.cpu_experts import IMPLS
+    flags_ = FLAGS
+    try:
+        bad = [i for i in flags_.impls if i not in IMPLS]
+        if bad:
+            raise CalibrationError(f"unknown --impls {bad}; expected some of {IMPLS}")
+        if flags_.checkpoint and flags_.preset:
+            raise CalibrationError("give --checkpoint or --preset, not both")
+        cfg = load_hf_config(flags_.checkpoint) if flags_.checkpoint else preset(flags_.preset or "tiny")
+        dtype = flags_.dtype or cfg.dtype
+        if flags_.tokens < 1 or flags_.bank_rows < 1:
+            raise CalibrationError("--tokens and --bank_rows must be >= 1")
+        path = flags_.profile or default_profile_path()
+        load_profile(path)  # fail early on an unreadable profile
+        fmt = expert_format(cfg, dtype)
+        key = profile_key(device_name(), fmt)
+        print(f"calibrating {key}: {fmt['expert_bytes'] / 1e6:.2f} MB per expert, {flags_.tokens} token(s), "
+              f"{flags_.bank_rows} host experts")
+        gu, dn = synthetic_banks(cfg, dtype, flags_.bank_rows)
+        entry = calibrate(gu, dn, cfg, dtype, flags_.tokens, flags_.impls, flags_.cpu_threads or None,
+                          quick=flags_.quick)
+        save_entry(path, key, entry)
+        print(f"profile written: {path} [{key}]")
+    except (CalibrationError, ConfigError, OSError) as e:
+        print(f"ftjax.calibrate: error: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
+FLAGS = None
+if __name__ == "__main__":
+    from absl import app
+    from ftjax.experts.cpu_experts import use_sync_cpu_dispatch
+    use_sync_cpu_dispatch()  # before JAX starts: callback mechanisms on a CPU backend need it
+    FLAGS = _flags()
+    app.run(main)

@@ -1,0 +1,170 @@
+"""How many of a layer's cache misses to fetch over PCIe, and which ones (DESIGN.md 1.2).
+
+Source of the idea: FreeToken's bandwidth-adaptive split ("q*"). A miss can be copied from the
+host bank to a device slot (time ``b / B_P`` per expert of ``b`` bytes over a link of ``B_P``
+bytes/s) or computed on the CPU where its weights already are (``b / B_H``, with ``B_H`` the
+CPU's expert throughput in weight bytes consumed per second). The two run side by side, so the
+balanced split of ``M`` misses fetches the integer ``F`` that minimises
+
+    max(F * b / B_P, (M - F) * b / B_H)            (DESIGN.md 1.2; the "q* rule")
+
+whose real-valued optimum is ``F* = M * B_P / (B_P + B_H)``.
+
+:class:`SplitModel` generalises this with what the calibration (``ftjax.calibrate``) measures on
+the real mechanism, because on a GPU neither side is a pure bandwidth:
+
+* a fixed cost per layer that does any fetch (``alpha_p``: launching the copy loop) and per layer
+  that computes any miss on the CPU (``alpha_h``: the host round trip), paid only when that side
+  has work;
+* an ``overlap`` in [0, 1]: 1 when the copy and the CPU work run fully side by side (cost is the
+  max of the two), 0 when they serialise (cost is the sum). Contention for host DRAM between the
+  two shows up as a lower measured overlap.
+
+    a(F) = [F > 0] * (alpha_p + F * beta_p)          beta_p = b / B_P   (s per expert fetched)
+    c(C) = [C > 0] * (alpha_h + C * beta_h)          beta_h = b / B_H   (s per expert on the CPU)
+    cost(F) = max(a, c) + (1 - overlap) * min(a, c),  with C = M - F
+
+With ``alpha_p = alpha_h = 0`` and ``overlap = 1`` this is exactly the q* rule above.
+
+Closed form (:func:`best_fetch_count`): for ``1 <= F <= M - 1`` both indicators are 1, ``a`` rises
+and ``c`` falls linearly in ``F``, so ``cost`` is piecewise linear with a single breakpoint where
+``a = c``, at ``F* = (alpha_h - alpha_p + M * beta_h) / (beta_p + beta_h)``. A piecewise linear
+function on an integer range takes its minimum at an end of a linear piece, so the minimiser is
+one of ``{0, M, 1, M - 1, floor(F*), ceil(F*)}`` (clipped to ``[0, M]``); the rule evaluates those
+six. Ties (costs equal within a relative ``TIE_RTOL``) go to the larger ``F`` (a fetched expert
+also becomes a future hit).
+:func:`brute_force_fetch_count` tries every ``F`` with the same cost and tie rule; the tests check
+the two agree.
+
+Which misses: the ``F`` most recently used ones (:func:`most_recent_misses`), by a per-flat-id
+``last_routed`` clock kept in the expert state (``ftjax.experts.miss_policy``); a recently used
+expert is the likeliest to be routed again, so it is the one worth a slot. The rest are computed on
+the CPU and not cached.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["SplitModel", "split_cost", "best_fetch_count", "brute_force_fetch_count", "qstar",
+           "split_table", "fixed_split_table", "most_recent_misses"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitModel:
+    """Cost model of one layer's misses (all times in seconds; see the module docstring).
+
+    Attributes:
+      beta_p: seconds per expert copied host -> device (``expert_bytes / B_P``), > 0.
+      beta_h: seconds per expert computed on the CPU (``expert_bytes / B_H``), > 0.
+      alpha_p: fixed seconds of a layer that fetches at least one expert, >= 0.
+      alpha_h: fixed seconds of a layer that computes at least one expert on the CPU, >= 0.
+      overlap: 1 = the two sides run fully in parallel (the q* rule), 0 = they serialise.
+    Raises:
+      ValueError: a non-positive beta, a negative alpha or an overlap outside [0, 1].
+    """
+
+    beta_p: float
+    beta_h: float
+    alpha_p: float = 0.0
+    alpha_h: float = 0.0
+    overlap: float = 1.0
+
+    def __post_init__(self):
+        if not (self.beta_p > 0 and self.beta_h > 0):
+            raise ValueError(f"beta_p and beta_h must be > 0, got {self.beta_p}, {self.beta_h}")
+        if self.alpha_p < 0 or self.alpha_h < 0:
+            raise ValueError(f"alpha_p and alpha_h must be >= 0, got {self.alpha_p}, {self.alpha_h}")
+        if not 0.0 <= self.overlap <= 1.0:
+            raise ValueError(f"overlap must be in [0, 1], got {self.overlap}")
+
+    @classmethod
+    def from_bandwidths(cls, expert_bytes: int, b_p: float, b_h: float, alpha_p: float = 0.0,
+                        alpha_h: float = 0.0, overlap: float = 1.0) -> "SplitModel":
+        """From bandwidths in bytes/s (``B_P`` host->device, ``B_H`` CPU expert throughput)."""
+        if not (b_p > 0 and b_h > 0):
+            raise ValueError(f"bandwidths must be > 0, got B_P={b_p}, B_H={b_h}")
+        return cls(expert_bytes / b_p, expert_bytes / b_h, alpha_p, alpha_h, overlap)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def split_cost(f: int, m: int, model: SplitModel) -> float:
+    """Predicted seconds for one layer that fetches ``f`` of its ``m`` misses (0 <= f <= m)."""
+    c = m - f
+    a = (model.alpha_p + f * model.beta_p) if f > 0 else 0.0
+    h = (model.alpha_h + c * model.beta_h) if c > 0 else 0.0
+    return max(a, h) + (1.0 - model.overlap) * min(a, h)
+
+
+# Costs within this relative margin are ties (float rounding of equal real costs).
+TIE_RTOL = 1e-9
+
+
+def _argmin(candidates, m: int, model: SplitModel) -> int:
+    best, best_cost = None, math.inf
+    for f in sorted(set(candidates), reverse=True):  # larger F first: ties keep the larger F
+        cost = split_cost(f, m, model)
+        if cost < best_cost * (1.0 - TIE_RTOL):
+            best, best_cost = f, cost
+    return best
+
+
+def best_fetch_count(m: int, model: SplitModel) -> int:
+    """Closed-form integer ``F`` in [0, m] minimising :func:`split_cost` (ties: larger F).
+
+    Raises:
+      ValueError: m < 0.
+    """
+    if m < 0:
+        raise ValueError(f"number of misses must be >= 0, got {m}")
+    if m == 0:
+        return 0
+    fstar = (model.alpha_h - model.alpha_p + m * model.beta_h) / (model.beta_p + model.beta_h)
+    fstar = min(max(fstar, 0.0), float(m))
+    cands = {0, m, 1, m - 1, math.floor(fstar), math.ceil(fstar)}
+    return _argmin((f for f in cands if 0 <= f <= m), m, model)
+
+
+def brute_force_fetch_count(m: int, model: SplitModel) -> int:
+    """Reference for :func:`best_fetch_count`: evaluates every F in [0, m] (ties: larger F)."""
+    return _argmin(range(m + 1), m, model)
+
+
+def qstar(m: int, b_p: float, b_h: float) -> int:
+    """The plain q* rule of DESIGN.md 1.2: integer F minimising max(F / B_P, (m - F) / B_H)."""
+    return best_fetch_count(m, SplitModel(1.0 / b_p, 1.0 / b_h))
+
+
+def split_table(model: SplitModel, max_misses: int) -> tuple[int, ...]:
+    """``F(M)`` for ``M = 0..max_misses`` (a static lookup table indexed inside the jitted step)."""
+    return tuple(best_fetch_count(m, model) for m in range(max_misses + 1))
+
+
+def fixed_split_table(fetch: int, max_misses: int) -> tuple[int, ...]:
+    """``F(M) = min(fetch, M)``: fetch at most ``fetch`` misses per layer (0 = CPU only)."""
+    if fetch < 0:
+        raise ValueError(f"fixed fetch count must be >= 0, got {fetch}")
+    return tuple(min(fetch, m) for m in range(max_misses + 1))
+
+
+def most_recent_misses(miss: jax.Array, last_routed: jax.Array, n_fetch: jax.Array) -> jax.Array:
+    """The ``n_fetch`` most recently used misses of one layer (jittable, fixed shapes).
+
+    Args:
+      miss: bool [E], routed experts not resident.
+      last_routed: int32 [E], clock of each expert's last routing (-1 = never).
+      n_fetch: int32 [], how many to pick (<= miss.sum()).
+    Returns:
+      bool [E], a subset of ``miss`` with ``n_fetch`` entries: largest ``last_routed`` first, ties
+      to the lower expert id.
+    """
+    key = jnp.where(miss, last_routed, -2)           # non-misses sort last
+    order = jnp.argsort(-key, stable=True)           # descending clock, ties ascending id
+    rank = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    return miss & (rank < n_fetch)

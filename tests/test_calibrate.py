@@ -1,0 +1,99 @@
+"""Calibration of the miss split (ftjax.calibrate): fits, the profile file, the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ftjax import calibrate
+from ftjax.experts.miss_split import SplitModel, split_table
+
+
+def test_fit_line_recovers_affine_costs():
+    alpha, beta = calibrate.fit_line([(1, 0.5e-3 + 0.3e-3), (2, 0.5e-3 + 0.6e-3), (8, 0.5e-3 + 2.4e-3)])
+    assert alpha == pytest.approx(0.5e-3) and beta == pytest.approx(0.3e-3)
+    # a negative intercept is refit through the origin
+    alpha, beta = calibrate.fit_line([(1, 0.1), (2, 0.3), (4, 0.7)])
+    assert alpha == 0.0 and beta == pytest.approx((0.1 + 0.6 + 2.8) / 21)
+    assert calibrate.fit_line([(4, 0.0)]) == (0.0, calibrate.MIN_BETA_S)  # noise floor: never zero
+    with pytest.raises(calibrate.CalibrationError):
+        calibrate.fit_line([])
+
+
+@pytest.mark.parametrize("overlap", [0.0, 0.4, 1.0])
+def test_fit_impl_recovers_a_known_model(overlap):
+    ap, bp, ah, bh, base = 0.6e-3, 0.22e-3, 0.1e-3, 1.2e-3, 0.05e-3
+    a = lambda n: ap + n * bp  # noqa: E731
+    c = lambda n: ah + n * bh  # noqa: E731
+    both = lambda f, n: max(a(f), c(n)) + (1 - overlap) * min(a(f), c(n))  # noqa: E731
+    pts = {"base_s": base, "fetch": [(n, base + a(n)) for n in (1, 2, 4, 8)],
+           "cpu": [(n, base + c(n)) for n in (1, 2, 4, 8)],
+           "together": [(f, n, base + both(f, n)) for f, n in ((4, 4), (1, 7), (7, 1))]}
+    eb = 9437184
+    r = calibrate.fit_impl(pts, eb, 8)
+    assert r["ok"] and r["fetch"]["alpha_s"] == pytest.approx(ap) and r["fetch"]["beta_s"] == pytest.approx(bp)
+    assert r["cpu"]["alpha_s"] == pytest.approx(ah) and r["cpu"]["beta_s"] == pytest.approx(bh)
+    assert r["fetch"]["GBps"] == pytest.approx(eb / bp / 1e9)
+    assert r["together"]["overlap"] == pytest.approx(overlap, abs=1e-9)
+    model = calibrate.split_model_from(r)
+    assert r["split_table"] == list(split_table(model, 8))
+    want = SplitModel(bp, bh, ap, ah, overlap).as_dict()
+    assert model.as_dict() == pytest.approx(want, abs=1e-12)
+    with pytest.raises(calibrate.CalibrationError, match="failed"):
+        calibrate.split_model_from({"ok": False, "error": "boom"})
+
+
+def test_plan_points():
+    p = calibrate.plan_points(8, quick=False)
+    assert p["alone"] == [1, 2, 4, 8] and (4, 4) in p["together"] and (8, 8) in p["together"]
+    assert calibrate.plan_points(8, quick=True) == {"alone": [1, 8], "together": [(4, 4)], "capacity": 8}
+    assert calibrate.plan_points(1, quick=True)["together"] == [(1, 1)]
+
+
+def test_profile_file_merge_atomic_and_errors(tmp_path):
+    path = str(tmp_path / "sub" / "cal.json")
+    fmt = {"hidden": 2048, "expert_ffn": 768, "dtype": "bfloat16", "expert_bytes": 9437184}
+    key = calibrate.profile_key("NVIDIA H200", fmt)
+    assert key == "NVIDIA H200|bfloat16|D2048|F768"
+    assert calibrate.get_entry(path, key) is None
+    calibrate.save_entry(path, key, {"device": "NVIDIA H200", "format": fmt, "impls": {"callback": {"ok": True}}})
+    calibrate.save_entry(path, key, {"date": "x", "impls": {"compute_on": {"ok": False, "error": "e"}}})
+    calibrate.save_entry(path, "cpu|float32|D64|F32", {"impls": {}})
+    e = calibrate.get_entry(path, key)
+    assert set(e["impls"]) == {"callback", "compute_on"} and e["device"] == "NVIDIA H200" and e["date"] == "x"
+    assert len(calibrate.load_profile(path)["entries"]) == 2
+    assert [f for f in os.listdir(tmp_path / "sub")] == ["cal.json"]  # no temporary left behind
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(calibrate.CalibrationError, match="cannot read"):
+        calibrate.load_profile(str(tmp_path / "bad.json"))
+    (tmp_path / "old.json").write_text(json.dumps({"version": 0, "entries": {}}))
+    with pytest.raises(calibrate.CalibrationError, match="version"):
+        calibrate.save_entry(str(tmp_path / "old.json"), key, {"impls": {}})
+    assert calibrate.default_profile_path().endswith(os.path.join("ftjax", "calibration.json"))
+
+
+def test_calibrate_cli_quick(tmp_path):
+    prof = tmp_path / "p.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-m", "ftjax.calibrate", "--quick", "--impls=callback,compute_on",
+                        "--bank_rows=16", "--cpu_threads=2", f"--profile={prof}"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "profile written" in r.stdout
+    entry = json.loads(prof.read_text())["entries"]["cpu|float32|D128|F128"]
+    assert entry["format"]["expert_bytes"] == 3 * 128 * 128 * 4 and entry["tokens"] == 1
+    assert entry["max_misses"] == 4  # tiny: top-4 of 16 experts, one token
+    for impl in ("callback", "compute_on"):
+        r_ = entry["impls"][impl]
+        assert r_["ok"], r_
+        assert r_["fetch"]["beta_s"] > 0 and r_["cpu"]["beta_s"] > 0 and 0 <= r_["together"]["overlap"] <= 1
+        assert len(r_["split_table"]) == 5 and r_["split_table"][0] == 0
+        assert [p[0] for p in r_["fetch"]["points"]] == [1, 4]
+    assert entry["impls"]["callback"]["mechanism"]["threads"] == 2
+    r = subprocess.run([sys.executable, "-m", "ftjax.calibrate", "--impls=torch", f"--profile={prof}"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 1 and "unknown --impls" in r.stderr and "Traceback" not in r.stderr

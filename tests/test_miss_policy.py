@@ -1,0 +1,320 @@
+"""Cache misses computed on the CPU and the q* split (DESIGN.md 1.2).
+
+Tolerance: on the CPU backend the logits of every miss policy must be *bit-identical* to the
+resident model's. The host kernel (XLA:CPU via a callback, or XLA's host computation via
+compute_on) evaluates the same SwiGLU expression on the same backend as the device path, and the
+CPU outputs replace the device's per-(token, k) outputs *before* the one weighted sum, so no
+summation order changes; measured: max |diff| = 0.0 for float32 and bfloat16 fixtures. On a GPU
+the CPU's and the GPU's dot products may round differently (bf16 outputs, f32 accumulation in a
+different order); experiments/bench_miss_policy.py reports that difference.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import load_fixture
+from ftjax import memory
+from ftjax.engine import Engine
+from ftjax.experts import cpu_experts, miss_policy, offload
+from ftjax.experts.miss_split import (SplitModel, best_fetch_count, brute_force_fetch_count, fixed_split_table,
+                                      most_recent_misses, qstar, split_cost, split_table)
+from ftjax.model import LayerRouting
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 32
+
+
+# ---------------------------------------------------------------------------------------------
+# The split rule
+# ---------------------------------------------------------------------------------------------
+def test_qstar_values_and_design_formula():
+    # B_P = 50, B_H = 10: F* = 8 * 50 / 60 = 6.67; F = 7 gives max(7/50, 1/10) = 0.14 < F = 6's 0.2
+    assert qstar(8, 50.0, 10.0) == 7
+    assert qstar(0, 50.0, 10.0) == 0
+    assert qstar(8, 1.0, 1.0) == 4                    # equal bandwidths: half and half
+    assert qstar(8, 1.0, 1e-9) == 8                   # a useless CPU: fetch everything
+    assert qstar(8, 1e-9, 1.0) == 0                   # a useless link: CPU everything
+    for m in range(1, 40):
+        for bp, bh in ((52.7, 7.8), (31.0, 25.8), (3.0, 11.0)):
+            f = qstar(m, bp, bh)
+            fstar = m * bp / (bp + bh)
+            assert math.floor(fstar) <= f <= math.ceil(fstar)
+
+
+@settings(max_examples=300, deadline=None)
+@given(m=st.integers(0, 64), beta_p=st.floats(1e-5, 1e-2), beta_h=st.floats(1e-5, 1e-2),
+       alpha_p=st.one_of(st.just(0.0), st.floats(0, 5e-3)), alpha_h=st.one_of(st.just(0.0), st.floats(0, 5e-3)),
+       overlap=st.one_of(st.just(1.0), st.just(0.0), st.floats(0, 1)))
+def test_closed_form_equals_brute_force(m, beta_p, beta_h, alpha_p, alpha_h, overlap):
+    model = SplitModel(beta_p, beta_h, alpha_p, alpha_h, overlap)
+    f = best_fetch_count(m, model)
+    costs = sorted(split_cost(g, m, model) for g in range(m + 1))
+    assert split_cost(f, m, model) <= costs[0] * (1 + 1e-9)          # the closed form is optimal
+    if len(costs) == 1 or costs[1] > costs[0] * (1 + 1e-6):           # a unique minimiser: the same F
+        assert f == brute_force_fetch_count(m, model)
+
+
+def test_closed_form_equals_brute_force_exact_costs_with_ties():
+    """Costs that are exact in binary floating point, so ties are real and the tie rule shows."""
+    for bp in (1.0, 2.0, 3.0, 0.5):
+        for bh in (1.0, 2.0, 4.0, 0.25):
+            for ap in (0.0, 1.0, 2.5):
+                for ah in (0.0, 0.5, 3.0):
+                    for ov in (0.0, 0.5, 1.0):
+                        model = SplitModel(bp, bh, ap, ah, ov)
+                        for m in range(0, 13):
+                            assert best_fetch_count(m, model) == brute_force_fetch_count(m, model), (model, m)
+
+
+def test_serial_overlap_picks_an_end_and_fixed_costs_matter():
+    # overlap 0: cost is a + c, linear in F apart from the fixed costs: one side gets everything
+    serial = SplitModel(beta_p=1.0, beta_h=2.0, overlap=0.0)
+    assert split_table(serial, 6) == (0, 1, 2, 3, 4, 5, 6)
+    # a large fixed cost of the copy loop makes a single miss cheaper on the CPU
+    lat = SplitModel(beta_p=0.2, beta_h=1.0, alpha_p=1.5, alpha_h=0.0, overlap=1.0)
+    assert best_fetch_count(1, lat) == 0 and best_fetch_count(8, lat) > 0
+    assert fixed_split_table(2, 5) == (0, 1, 2, 2, 2, 2)
+    with pytest.raises(ValueError, match="beta"):
+        SplitModel(0.0, 1.0)
+    with pytest.raises(ValueError, match="overlap"):
+        SplitModel(1.0, 1.0, overlap=1.5)
+    with pytest.raises(ValueError, match=">= 0"):
+        fixed_split_table(-1, 3)
+
+
+@settings(max_examples=50, deadline=None)
+@given(data=st.data())
+def test_most_recent_misses(data):
+    e = 12
+    miss = np.array(data.draw(st.lists(st.booleans(), min_size=e, max_size=e)))
+    last = np.array(data.draw(st.lists(st.integers(-1, 5), min_size=e, max_size=e)), np.int32)
+    n = data.draw(st.integers(0, int(miss.sum())))
+    got = np.asarray(jax.jit(most_recent_misses)(jnp.asarray(miss), jnp.asarray(last), jnp.int32(n)))
+    order = sorted(np.flatnonzero(miss), key=lambda i: (-last[i], i))  # newest first, ties: lower id
+    want = np.zeros(e, bool)
+    want[order[:n]] = True
+    np.testing.assert_array_equal(got, want)
+
+
+# ---------------------------------------------------------------------------------------------
+# Mechanisms
+# ---------------------------------------------------------------------------------------------
+def test_host_bank_view_is_zero_copy_and_kernel_matches_ffn():
+    model, _ = load_fixture("qwen3_moe_fp32")
+    view = cpu_experts.host_bank_view(model.host_gate_up)
+    assert view.array.ctypes.data == model.host_gate_up.unsafe_buffer_pointer()
+    assert not view.array.flags.writeable
+    np.testing.assert_array_equal(view.array, np.asarray(model.host_gate_up))
+    assert not cpu_experts._readable_mapping(8, 4096)  # page 0 is never mapped
+    k = cpu_experts.get_kernel(model.host_gate_up, model.host_down, threads=2)
+    assert k is cpu_experts.get_kernel(model.host_gate_up, model.host_down, threads=2)  # memoised
+    assert k.zero_copy
+    x = np.random.default_rng(0).normal(size=(3, model.cfg.hidden_size)).astype(np.float32)
+    ids = np.array([5, 0, 17, -1], np.int32)
+    y = k.compute(x, ids, 3)                       # called directly (no outer jit running)
+    assert y.shape == (4, 3, model.cfg.hidden_size)
+    for j in range(3):
+        want = cpu_experts._ffn(x, np.asarray(model.host_gate_up)[ids[j]], np.asarray(model.host_down)[ids[j]])
+        np.testing.assert_allclose(y[j], np.asarray(want), rtol=1e-6, atol=1e-6)
+    assert not y[3].any()                          # rows past count are zeros
+
+
+def test_callback_refused_on_async_cpu_client_and_compute_on_needs_host_typed_banks():
+    model, _ = load_fixture("qwen3_moe_fp32")
+    assert jax.config.read("jax_cpu_enable_async_dispatch")  # pytest's process: JAX defaults
+    with pytest.raises(ValueError, match="deadlock"):
+        cpu_experts.make_cpu_experts("callback_async", model.host_gate_up, model.host_down)
+    with pytest.raises(ValueError, match="unknown CPU expert mechanism"):
+        cpu_experts.make_cpu_experts("torch", model.host_gate_up, model.host_down)
+    # jit(out_shardings=pinned_host) arrays are traced as device memory (jax 0.11.2)
+    bank = jax.jit(lambda: jnp.arange(24.0).reshape(2, 3, 4), out_shardings=memory.host_sharding())()
+    assert bank.sharding.memory_kind == "pinned_host" and not cpu_experts.is_host_typed(bank)
+    with pytest.raises(ValueError, match="ensure_host_typed"):
+        cpu_experts.make_cpu_experts("compute_on", bank, bank)
+    fixed = cpu_experts.ensure_host_typed(bank)
+    assert cpu_experts.is_host_typed(fixed) and fixed.sharding.memory_kind == "pinned_host"
+    assert bank.is_deleted()
+    np.testing.assert_array_equal(np.asarray(fixed), np.arange(24.0).reshape(2, 3, 4))
+    assert cpu_experts.ensure_host_typed(fixed) is fixed
+
+
+# ---------------------------------------------------------------------------------------------
+# The expert function: which misses go where, and what the LRU table sees
+# ---------------------------------------------------------------------------------------------
+def test_expert_fn_fetches_most_recent_misses_and_cpu_misses_stay_out_of_the_table():
+    model, _ = load_fixture("qwen3_moe_fp32")  # L=3, E=8
+    cfg = model.cfg
+    e, slots = cfg.num_experts, cfg.num_experts + 2
+    cpu = cpu_experts.make_cpu_experts("compute_on", model.host_gate_up, model.host_down)
+    rt = miss_policy.build_runtime("adaptive", cfg.num_layers, e, cpu, fixed_fetch=2)
+    base = offload.init_expert_state("cached", cfg.num_layers, e, slots, model.host_gate_up, model.host_down,
+                                     jnp.float32)
+    state = rt.init_state(base)
+    layer = 1
+    # expert 0 resident (slot 3); experts 2, 4, 5, 7 missing with recencies 9, 11, -1, 11
+    table = state.experts.table
+    table = table.replace(slot_of=table.slot_of.at[layer * e + 0].set(3), id_of_slot=table.id_of_slot.at[3].set(layer * e),
+                          last_use=table.last_use.at[3].set(5), clock=jnp.int32(20))
+    last = state.last_routed.at[layer * e + jnp.array([2, 4, 7])].set(jnp.array([9, 11, 11]))
+    gu_pool = state.experts.gate_up.at[3].set(jnp.asarray(np.asarray(model.host_gate_up)[layer * e]))
+    dn_pool = state.experts.down.at[3].set(jnp.asarray(np.asarray(model.host_down)[layer * e]))
+    state = miss_policy.MissState(state.experts.replace(table=table, gate_up=gu_pool, down=dn_pool), last)
+    ids = jnp.array([[0, 2], [4, 5], [7, 0]], jnp.int32)
+    x = jax.random.normal(jax.random.key(0), (3, cfg.hidden_size))
+    w = jnp.full((3, 2), 0.5)
+    fn = jax.jit(miss_policy.make_expert_fn(rt.config, "cached", e, model.host_gate_up, model.host_down))
+    y, new, stats = fn(state, jnp.int32(layer), LayerRouting(x, ids, w, jnp.ones(3, bool)))
+    assert (int(stats.hits), int(stats.misses), int(stats.fetched), int(stats.cpu)) == (1, 4, 2, 2)
+    slot_of = np.asarray(new.experts.table.slot_of)[layer * e: (layer + 1) * e]
+    # the two most recent misses (4 and 7, clock 11) were fetched; 2 and 5 went to the CPU
+    assert slot_of[0] == 3 and slot_of[4] >= 0 and slot_of[7] >= 0
+    assert slot_of[2] == -1 and slot_of[5] == -1
+    assert int(new.experts.table.clock) == 21
+    lr = np.asarray(new.last_routed)[layer * e: (layer + 1) * e]
+    np.testing.assert_array_equal(lr[[0, 2, 4, 5, 7]], [20] * 5)        # every routed expert, now
+    # the output equals the resident FFN of the routed experts
+    gu, dn = np.asarray(model.host_gate_up), np.asarray(model.host_down)
+    want = np.zeros((3, cfg.hidden_size), np.float32)
+    for n in range(3):
+        for k in range(2):
+            fid = layer * e + int(ids[n, k])
+            want[n] += 0.5 * np.asarray(cpu_experts._ffn(x[n:n + 1], gu[fid], dn[fid]))[0]
+    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end: every policy equals the resident model, bit for bit
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def qwen():
+    model, exp = load_fixture("qwen3_moe_fp32")
+    prompt = exp["short_prompt_ids"].tolist()
+    want = Engine(model, "resident", max_seq_len=96).generate([prompt], STEPS, keep_logits=True)
+    return model, prompt, want, {}
+
+
+def _run(qwen, name, make_runtime, slots=None, trace=False):
+    """One cached decode of the fixture, memoised by name across the tests of this module."""
+    model, prompt, _, runs = qwen
+    if name not in runs:
+        cfg = model.cfg
+        eng = Engine(model, "cached", slots or cfg.num_experts, max_seq_len=96, miss=make_runtime())
+        runs[name] = (eng.generate([prompt], STEPS, keep_logits=True, trace_routing=trace), eng)
+    return runs[name]
+
+
+def _policy(model, policy, impl="compute_on", **kw):
+    cfg = model.cfg
+    return lambda: miss_policy.build_runtime(
+        policy, cfg.num_layers, cfg.num_experts,
+        cpu_experts.make_cpu_experts(impl, model.host_gate_up, model.host_down), **kw)
+
+
+def test_cpu_only_equals_resident_and_never_touches_the_table(qwen):
+    model, _, want, _ = qwen
+    cfg = model.cfg
+    got, eng = _run(qwen, "cpu", _policy(model, "cpu"), trace=True)
+    np.testing.assert_array_equal(got.step_logits, want.step_logits)
+    m = eng.expert_cache_metrics()
+    assert m["miss_policy"] == "cpu" and m["fetched"] == 0 and m["bytes_h2d"] == 0
+    assert m["cpu_computed"] == m["misses"] > 0
+    # the prompt (16-token bucket x top-2 <= 64 pairs) is a gather call too: nothing ever got a slot
+    table = eng.state.experts.table
+    assert (np.asarray(table.slot_of) == -1).all() and (np.asarray(table.id_of_slot) == -1).all()
+    assert m["hits"] == 0
+    # last_routed: the clock (call * L + layer) of each flat id's last routing by a real token
+    e, nl = cfg.num_experts, cfg.num_layers
+    ref = np.full(nl * e, -1)
+    for step, r in enumerate(got.routing):
+        for layer in range(nl):
+            for i in np.unique(r[layer]):
+                if i >= 0:
+                    ref[layer * e + i] = step * nl + layer
+    np.testing.assert_array_equal(np.asarray(eng.state.last_routed), ref)
+
+
+def test_fixed_split_zero_equals_cpu_only_and_split_all_equals_fetch(qwen):
+    model, _, want, _ = qwen
+    cfg = model.cfg
+    cpu_only, e_cpu = _run(qwen, "cpu", _policy(model, "cpu"), trace=True)
+    zero, e_zero = _run(qwen, "fixed0", _policy(model, "adaptive", fixed_fetch=0))
+    np.testing.assert_array_equal(zero.step_logits, cpu_only.step_logits)
+    mz, mc = e_zero.expert_cache_metrics(), e_cpu.expert_cache_metrics()
+    for key in ("hits", "misses", "fetched", "cpu_computed"):
+        assert mz[key] == mc[key]
+    # fetching every miss through this path reproduces the fetch policy's LRU table exactly
+    slots = cfg.num_experts + 1
+    fetch, e_fetch = _run(qwen, "fetch", lambda: None, slots=slots)
+    every, e_every = _run(qwen, "fixedE", _policy(model, "adaptive", fixed_fetch=cfg.num_experts), slots=slots)
+    np.testing.assert_array_equal(every.step_logits, want.step_logits)
+    np.testing.assert_array_equal(fetch.step_logits, want.step_logits)
+    mf, me = e_fetch.expert_cache_metrics(), e_every.expert_cache_metrics()
+    assert mf["miss_policy"] == "fetch" and mf["cpu_computed"] == 0 and mf["fetched"] == mf["misses"]
+    for key in ("hits", "misses", "fetched", "bytes_h2d"):
+        assert me[key] == mf[key]
+    assert me["cpu_computed"] == 0
+    for f in ("slot_of", "id_of_slot", "last_use", "clock"):
+        np.testing.assert_array_equal(getattr(e_every.state.experts.table, f), getattr(e_fetch.state.table, f))
+
+
+def test_adaptive_model_split_smallest_cache_equals_resident(qwen):
+    model, _, want, _ = qwen
+    cfg = model.cfg
+    # one miss goes to the CPU, two are split one-one (F* = 1 for M = 2)
+    split = SplitModel(beta_p=1.0, beta_h=1.0, alpha_p=0.5)
+    got, eng = _run(qwen, "model", _policy(model, "adaptive", "compute_on_static", split_model=split))
+    rt = eng.miss
+    assert rt.split_for(2) == [0, 0, 1]
+    np.testing.assert_array_equal(got.step_logits, want.step_logits)
+    m = eng.expert_cache_metrics()
+    assert m["fetched"] > 0 and m["cpu_computed"] > 0 and m["fetched"] + m["cpu_computed"] == m["misses"]
+    assert m["bytes_h2d"] == m["fetched"] * model.expert_bytes
+    table = rt.split_for(cfg.num_experts)
+    assert all(f == table[mm] for h in m["split_histogram"] for mm, f in [(h["misses"], h["fetched"])])
+    assert {(1, 0), (2, 1)} <= {(h["misses"], h["fetched"]) for h in m["split_histogram"]}
+    assert m["split"] == {"rule": "model", "table": [0, 0, 1], "model": split.as_dict()}
+    assert m["decode"]["fetched"] + m["prefill"]["fetched"] == m["fetched"]
+
+
+def test_generate_cli_adaptive_callback_async_bit_identical(qwen, tmp_path):
+    """The default mechanism (callback_async, which needs synchronous CPU dispatch set before JAX
+    starts: its own process) through the CLI: quick calibration, profile, metrics, exact logits."""
+    model, prompt, want, _ = qwen
+    prof, metrics, logits = tmp_path / "prof.json", tmp_path / "m.json", tmp_path / "l.npy"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-m", "ftjax.generate", "--noprogress", f"--checkpoint={model.name}",
+                        f"--prompt_ids={','.join(map(str, prompt))}", f"--max_new_tokens={STEPS}",
+                        f"--expert_slots={model.cfg.num_experts}", "--max_seq_len=96", "--miss_policy=adaptive",
+                        "--cpu_expert_impl=callback_async", "--cpu_threads=2", f"--calibration_profile={prof}",
+                        f"--metrics_json={metrics}", f"--logits_npy={logits}"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "quick calibration" in r.stdout and "split F(M)" in r.stdout and "computed on the CPU" in r.stdout
+    np.testing.assert_array_equal(np.load(logits), want.step_logits[:, 0])
+    ec = json.loads(metrics.read_text())["expert_cache"]
+    assert ec["miss_policy"] == "adaptive" and ec["split"]["rule"] == "model"
+    assert ec["fetched"] + ec["cpu_computed"] == ec["misses"] > 0
+    assert ec["cpu_expert_impl"]["impl"] == "callback_async" and ec["cpu_expert_impl"]["bank_view"] == "pointer"
+    cal = ec["calibration"]
+    assert cal["calibrated_now"] and cal["key"] == "cpu|float32|D64|F32" and cal["path"] == str(prof)
+    stored = json.loads(prof.read_text())["entries"][cal["key"]]["impls"]["callback_async"]
+    assert stored["ok"] and ec["split"]["table"] == stored["split_table"]
+
+
+def test_generate_cli_bad_miss_flags_one_line():
+    r = subprocess.run([sys.executable, "-m", "ftjax.generate", "--noprogress", "--miss_policy=cpu", "--fixed_fetch=2"],
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert r.returncode == 1 and "--fixed_fetch needs --miss_policy=adaptive" in r.stderr
+    assert "Traceback" not in r.stderr

@@ -71,8 +71,7 @@ def dump_decode_hlo(batch: int) -> dict:
             os.makedirs(FLAGS.hlo_dir, exist_ok=True)
             with open(path, "w") as f:
                 f.write(text)
-            ops = ["copy-start", "copy-done", "dynamic-slice", "while", "custom-call", "fusion"]
-            return {"path": os.path.basename(path), **{op: text.count(f" {op}(") for op in ops}}
+            return {"path": os.path.basename(path), **common.hlo_ops(text)}
     return {}
 
 

@@ -82,8 +82,7 @@ def bench_grouped_matmul(cfg, dtype, tokens: int = 8192) -> dict:
 def hlo_counts(stream: bool) -> dict:
     for _, static, _, exe in engine_lib.compiled_programs("_forward_step"):
         if static.get("stream") == stream and static["mode"] == "cached":
-            text = exe.as_text()
-            return {op: text.count(f" {op}(") for op in ("copy-start", "copy-done", "dynamic-slice", "while")}
+            return common.hlo_ops(exe.as_text())
     return {}
 
 

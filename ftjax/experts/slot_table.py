@@ -1,7 +1,7 @@
 """Global LRU expert slot table (decode-time expert cache), as pure jittable JAX.
 
 Source of the idea: FreeToken-style *global* LRU expert cache, see
-``/work/shared/DESIGN.md`` section 1.1. One pool of ``S`` slots (per weight kind) is shared
+``docs/DESIGN.md`` section 1.1. One pool of ``S`` slots (per weight kind) is shared
 by all layers; a slot holds one (layer, expert), addressed by its flat id
 ``flat_id = layer * E + expert``. The table is a small pytree of int32 arrays that is carried
 through the ``jax.lax.scan`` over layers, so every function here:

@@ -1,7 +1,7 @@
 r"""Decode tokens/s with cache misses fetched, computed on the CPU, or split by the calibrated q*.
 
   PYTHONPATH=. python3 experiments/bench_miss_policy.py --out_dir=$OUT            # GPU (H200)
-  PYTHONPATH=. python3 experiments/bench_miss_policy.py --preset=tiny --steps=8   # CPU smoke test
+  .venv/bin/python experiments/bench_miss_policy.py --preset=tiny --steps=8 --out_dir=/tmp/bench_smoke  # CPU smoke
 
 One process: builds random weights at the preset's real shape (host banks in pinned host memory),
 calibrates every CPU mechanism (``ftjax.calibrate``: copy alone, CPU alone, both at once, timed on

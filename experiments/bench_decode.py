@@ -34,26 +34,28 @@ flags.DEFINE_string("dtype", "bfloat16", "Compute and bank dtype.")
 flags.DEFINE_float("vram_budget_gb", 8.0, "Device budget that sizes the expert cache.")
 flags.DEFINE_list("batches", ["1", "4"], "Batch sizes.")
 flags.DEFINE_list("modes", ["resident", "cached", "on_demand"], "Expert modes to compare.")
+flags.DEFINE_list("cache_policies", ["lru"], "Slot eviction policies for mode cached (lru, lookahead).")
 flags.DEFINE_integer("prompt_len", 512, "Prompt tokens.")
 flags.DEFINE_integer("steps", 128, "Decode steps timed.")
 flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
 flags.DEFINE_string("hlo_dir", None, "If set, write the compiled cached decode step's HLO text here.")
 
 
-def run_mode(model, mode, slots, batch, max_seq_len, prompts):
-    engine = Engine(model, mode, slots, max_seq_len=max_seq_len, batch=batch)
+def run_mode(model, mode, slots, batch, max_seq_len, prompts, policy="lru"):
+    engine = Engine(model, mode, slots, max_seq_len=max_seq_len, batch=batch, cache_policy=policy)
     res = engine.generate(prompts, FLAGS.steps + 1, time_steps=True)
     ec = engine.expert_cache_metrics()
     steps = np.array(res.step_s)
     dec = ec["decode"]
-    row = {"mode": mode, "batch": batch, "slots": engine.num_slots,
+    row = {"mode": mode if mode != "cached" or policy == "lru" else f"cached-{policy}", "batch": batch,
+           "policy": policy, "slots": engine.num_slots,
            "decode_tokens_per_s": res.decode_tokens_per_s, "step_s": common.spread(steps),
            "ttft_s": res.ttft_s, "compile_s": res.compile_s, "hit_rate_decode": dec["hit_rate"],
            "hit_rate_prefill": ec["prefill"]["hit_rate"],
            "h2d_bytes_per_step": dec["bytes_h2d"] / FLAGS.steps, "misses_per_step": dec["misses"] / FLAGS.steps,
            "prefill_h2d_bytes": ec["prefill"]["bytes_h2d"]}
     row["achieved_h2d_GBps"] = row["h2d_bytes_per_step"] / float(np.median(steps)) / 1e9
-    if FLAGS.hlo_dir and mode == "cached":
+    if FLAGS.hlo_dir and mode == "cached" and policy == "lru":
         row["decode_hlo"] = dump_decode_hlo(batch)
     del engine, res
     gc.collect()
@@ -92,9 +94,11 @@ def main(argv):
         print(plan.describe(), flush=True)
         prompts = [rng.integers(0, cfg.vocab_size, FLAGS.prompt_len).tolist() for _ in range(batch)]
         # offloading modes first: resident needs the whole pool on the device
-        for mode in sorted(FLAGS.modes, key=lambda m: m == "resident"):
+        runs = [(m, p) for m in sorted(FLAGS.modes, key=lambda m: m == "resident")
+                for p in (FLAGS.cache_policies if m == "cached" else ["lru"])]
+        for mode, policy in runs:
             try:
-                row = run_mode(model, mode, plan.slots, batch, max_seq_len, prompts)
+                row = run_mode(model, mode, plan.slots, batch, max_seq_len, prompts, policy)
             except Exception as e:  # record and go on: one failing mode must not lose the others
                 row = {"mode": mode, "batch": batch, "error": f"{type(e).__name__}: {e}"[:2000]}
             rows.append(row)

@@ -28,14 +28,18 @@ def memory_kinds(device: jax.Device | None = None) -> set[str]:
     return {m.kind for m in device.addressable_memories()}
 
 
-def host_sharding(device: jax.Device | None = None) -> SingleDeviceSharding:
-    """Sharding for host-resident arrays: ``pinned_host`` where the device has it, else
-    ``unpinned_host``, else the default memory (a backend without host memory kinds)."""
+def host_sharding(kind: str | None = "pinned_host", device: jax.Device | None = None) -> SingleDeviceSharding:
+    """Sharding in memory kind ``kind`` (default ``pinned_host``), falling back gracefully.
+
+    If the device lacks ``kind``: ``pinned_host`` falls back to ``unpinned_host``; anything else
+    (and ``kind=None``) to the device's default memory. Check ``.memory_kind`` of the result for
+    what was chosen.
+    """
     device = device or default_device()
     kinds = memory_kinds(device)
-    for kind in ("pinned_host", "unpinned_host"):
-        if kind in kinds:
-            return SingleDeviceSharding(device, memory_kind=kind)
+    for candidate in ([kind, "unpinned_host"] if kind == "pinned_host" else [kind]):
+        if candidate is not None and candidate in kinds:
+            return SingleDeviceSharding(device, memory_kind=candidate)
     return SingleDeviceSharding(device)
 
 

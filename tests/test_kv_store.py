@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from ftjax.kv.chunk_keys import KEY_BYTES, chunk_keys, model_identity
-from ftjax.kv.host_store import HostKVStore, host_sharding
+from ftjax.kv.host_store import HostKVStore
+from ftjax.memory import host_sharding
 
 CFG = {"num_layers": 2, "num_kv_heads": 1, "head_dim": 2, "rope_theta": 10000.0}
 IDENT = model_identity(CFG, "float32")

@@ -32,37 +32,12 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["HostKVStore", "KVStoreStats", "host_sharding"]
+from ftjax.memory import host_sharding
+
+__all__ = ["HostKVStore", "KVStoreStats"]
 
 #: Expected layout of one entry, for error messages.
 ENTRY_LAYOUT = "[L, 2, chunk_tokens, num_kv_heads, head_dim]"
-
-
-def host_sharding(kind: str | None = "pinned_host", device: jax.Device | None = None) -> jax.sharding.Sharding:
-    """Single-device sharding in memory kind ``kind``, falling back gracefully.
-
-    Args:
-      kind: wanted memory kind (``"pinned_host"``, ``"unpinned_host"``, ``"device"``) or
-        ``None`` for the device's default memory.
-      device: device to place on; default ``jax.devices()[0]``.
-
-    Returns:
-      ``SingleDeviceSharding(device, memory_kind=kind)`` if ``device.addressable_memories()``
-      has ``kind``; otherwise, when ``"pinned_host"`` was asked for and ``"unpinned_host"``
-      exists, that; otherwise ``SingleDeviceSharding(device)`` (default memory).  Check
-      ``.memory_kind`` of the result for what was actually chosen.
-    """
-    dev = jax.devices()[0] if device is None else device
-    try:
-        kinds = {m.kind for m in dev.addressable_memories()}
-    except Exception:  # backends without the memories API
-        kinds = set()
-    if kind is not None:
-        if kind in kinds:
-            return jax.sharding.SingleDeviceSharding(dev, memory_kind=kind)
-        if kind == "pinned_host" and "unpinned_host" in kinds:
-            return jax.sharding.SingleDeviceSharding(dev, memory_kind="unpinned_host")
-    return jax.sharding.SingleDeviceSharding(dev)
 
 
 @dataclasses.dataclass(frozen=True)

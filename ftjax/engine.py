@@ -25,6 +25,19 @@ from ftjax.sampling import sample
 MIN_BUCKET = 16
 
 
+def prompt_error(ids: Sequence[int], vocab_size: int, new_tokens: int, max_len: int, max_len_name: str) -> str | None:
+    """What is wrong with one prompt of token ids, or None: empty, an id outside [0, vocab_size),
+    or prompt + ``new_tokens`` longer than ``max_len`` (named ``max_len_name`` in the message)."""
+    if len(ids) == 0:
+        return "empty prompt"
+    bad = [t for t in ids if not 0 <= int(t) < vocab_size]
+    if bad:
+        return f"token id {bad[0]} outside the vocabulary [0, {vocab_size})"
+    if len(ids) + new_tokens > max_len:
+        return f"prompt of {len(ids)} tokens + {new_tokens} new exceeds {max_len_name} {max_len}"
+    return None
+
+
 def bucket(n: int) -> int:
     """Padded length for n tokens: the next power of two, at least MIN_BUCKET (bounded recompiles)."""
     b = MIN_BUCKET
@@ -216,16 +229,10 @@ class Engine:
 
     def check_prompts(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
         """Raises ValueError for empty prompts, ids outside [0, V) or sequences longer than the cache."""
-        v = self.cfg.vocab_size
         for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"prompt {i} is empty")
-            bad = [t for t in p if not 0 <= int(t) < v]
-            if bad:
-                raise ValueError(f"prompt {i}: token id {bad[0]} outside the vocabulary [0, {v})")
-            if len(p) + max_new_tokens > self.max_seq_len:
-                raise ValueError(f"prompt {i}: {len(p)} tokens + {max_new_tokens} new exceed max_seq_len "
-                                 f"{self.max_seq_len} (model max {self.cfg.max_position_embeddings})")
+            problem = prompt_error(p, self.cfg.vocab_size, max_new_tokens, self.max_seq_len, "max_seq_len")
+            if problem:
+                raise ValueError(f"prompt {i}: {problem}")
 
     def prefill(self, prompts: Sequence[Sequence[int]], cache, all_logits: bool = False):
         """Prefills a batch of prompts, in chunks of at most ``prefill_chunk`` tokens (each chunk

@@ -143,6 +143,7 @@ def _read_prompts_file(path: str, model, max_new_tokens: int) -> list[list[int]]
         ``max_new_tokens`` beyond max_position_embeddings, or no requests; the message starts
         with ``PATH:LINE:`` where a line is at fault.
     """
+    from ftjax.engine import prompt_error
     v, tok = model.cfg.vocab_size, model.tokenizer
     try:
         with open(path, encoding="utf-8") as f:
@@ -170,14 +171,10 @@ def _read_prompts_file(path: str, model, max_new_tokens: int) -> list[list[int]]
             if tok is None:
                 raise UserError(f"{where}: 'prompt' needs a tokenizer.json in the checkpoint; use 'prompt_ids'")
             ids = tok.encode(obj["prompt"]).ids
-        if not ids:
-            raise UserError(f"{where}: empty prompt")
-        bad = [t for t in ids if not 0 <= t < v]
-        if bad:
-            raise UserError(f"{where}: token id {bad[0]} outside the vocabulary [0, {v})")
-        if len(ids) + max_new_tokens > model.cfg.max_position_embeddings:
-            raise UserError(f"{where}: prompt of {len(ids)} tokens + {max_new_tokens} new exceeds the "
-                            f"model's max_position_embeddings {model.cfg.max_position_embeddings}")
+        problem = prompt_error(ids, v, max_new_tokens, model.cfg.max_position_embeddings,
+                               "the model's max_position_embeddings")
+        if problem:
+            raise UserError(f"{where}: {problem}")
         prompts.append(ids)
     if not prompts:
         raise UserError(f"{path}: no requests in the prompts file")

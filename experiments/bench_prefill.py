@@ -4,8 +4,8 @@ r"""Prefill with expert offload: full-layer streaming (overlap on/off) vs on_dem
   .venv/bin/python experiments/bench_prefill.py --preset=tiny --dtype=float32 --lengths=64,256 \
       --prefill_chunk=128 --vram_budget_gb=1.02 --out_dir=/tmp/bench_smoke       # CPU smoke
 
-Per prompt length and variant: TTFT (prefill + first token, median of --repeats), tokens/s,
-seconds per --prefill_chunk chunk, H2D bytes and achieved GB/s, and
+Per prompt length and variant: TTFT (prefill + first token, median of --repeats, each from an
+empty expert cache), tokens/s, seconds per --prefill_chunk chunk, H2D bytes and achieved GB/s, and
   bound = all expert bytes / B_P  per chunk  (DESIGN.md 1.3),
 with B_P measured in the same run. Also times the grouped expert matmul (Mosaic GPU kernel vs
 jax.lax.ragged_dot) on one layer's 8192-token routing, and counts async-copy ops in the HLO.
@@ -118,6 +118,7 @@ def main(argv):
                              prefill_chunk=FLAGS.prefill_chunk, prefill_overlap=overlap)
                 ttfts = []
                 for _ in range(FLAGS.repeats):
+                    eng.reset_expert_cache()  # every timed prefill starts cold, from the same state
                     before = eng.expert_cache_metrics()["prefill"]["bytes_h2d"]
                     res = eng.generate([prompt], 1, keep_logits=n == lengths[0])
                     ttfts.append(res.ttft_s)

@@ -19,7 +19,7 @@ import numpy as np
 from ftjax import model as model_lib
 from ftjax.checkpoint import LoadedModel
 from ftjax.experts import miss_policy, offload
-from ftjax.experts.slot_table import POLICIES
+from ftjax.experts.slot_table import POLICIES, reset_table
 from ftjax.sampling import sample
 
 MIN_BUCKET = 16
@@ -205,6 +205,22 @@ class Engine:
         self.counters = {"prefill": ExpertCounters.zeros(cfg.num_layers),
                          "decode": ExpertCounters.zeros(cfg.num_layers)}
         self.compile_s = 0.0
+
+    def reset_expert_cache(self) -> None:
+        """Empties the expert cache: every slot freed (nothing resident), as in a new engine.
+
+        For cold-start measurements (each timed request from the same state) without rebuilding
+        the engine or recompiling. The slot pools keep their bytes (no copy, no reallocation);
+        the hit / miss / split counters keep counting. No-op in resident mode (no table).
+        """
+        inner = self.state if isinstance(self.state, offload.ExpertState) else self.state.experts
+        if inner.table is None:
+            return
+        inner = inner.replace(table=reset_table(inner.table))
+        if isinstance(self.state, offload.ExpertState):
+            self.state = inner
+        else:  # cpu / adaptive: the recency of routing is part of the cache state too
+            self.state = miss_policy.init_state(inner)
 
     # ---- one forward call --------------------------------------------------------------------
     def _step(self, tokens: np.ndarray, start: np.ndarray, valid_len: np.ndarray, cache, all_logits=False,

@@ -127,3 +127,39 @@ def test_lookahead_policy_bit_identical(name, resident_runs):
     got = engine.generate([exp["short_prompt_ids"].tolist()], max_new_tokens=STEPS, keep_logits=True)
     np.testing.assert_array_equal(got.step_logits, want.step_logits)
     assert engine.expert_cache_metrics()["policy"] == "lookahead"
+
+
+@pytest.mark.parametrize("policy", ["fetch", "adaptive"])
+def test_reset_expert_cache_makes_a_repeat_cold(policy):
+    """After ``reset_expert_cache`` a repeated request misses exactly as the first did (same
+    counters, same logits); without it the warm cache hits. Adaptive also forgets recency."""
+    from ftjax.experts import cpu_experts, miss_policy
+
+    model, exp = load_fixture("qwen3_moe_fp32")
+    cfg = model.cfg
+    prompt = exp["short_prompt_ids"].tolist()
+    miss = None
+    if policy == "adaptive":
+        cpu = cpu_experts.make_cpu_experts("compute_on", model.host_gate_up, model.host_down)
+        miss = miss_policy.build_runtime("adaptive", cfg.num_layers, cfg.num_experts, cpu, fixed_fetch=1)
+    # room for every expert, and no streaming (it re-copies whole layers): a repeat can hit
+    eng = Engine(model, "cached", cfg.num_layers * cfg.num_experts, max_seq_len=64, prefill="on_demand", miss=miss)
+
+    def run():
+        before = eng.expert_cache_metrics()
+        res = eng.generate([prompt], max_new_tokens=4, keep_logits=True)
+        after = eng.expert_cache_metrics()
+        return res, {k: after[k] - before[k] for k in ("hits", "misses")}
+
+    first, c1 = run()
+    warm, c2 = run()
+    assert c2["hits"] > c1["hits"]  # the warm cache serves part of the repeat
+    eng.reset_expert_cache()
+    if policy == "adaptive":
+        assert int(eng.state.last_routed.max()) == -1
+    cold, c3 = run()
+    assert c3 == c1 and c1["misses"] > 0
+    np.testing.assert_array_equal(cold.step_logits, first.step_logits)
+    np.testing.assert_array_equal(warm.step_logits, first.step_logits)
+    Engine(model, "resident", None, max_seq_len=64).reset_expert_cache()  # no table: a no-op
+

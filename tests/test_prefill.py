@@ -4,6 +4,7 @@ within the oracle tolerance of transformers."""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -113,3 +114,31 @@ def test_batch_prefill_chunks_with_different_lengths():
     chunked = Engine(model, "cached", 16, max_seq_len=384, batch=3, prefill="stream",
                      prefill_chunk=32).generate(prompts, 8)
     assert chunked.generated_ids == whole.generated_ids
+
+
+@pytest.mark.parametrize("mode,prefill", [("cached", "stream"), ("cached", "on_demand"), ("resident", "auto")])
+def test_grouped_kernel_sees_the_layers_experts_not_the_pool(monkeypatch, mode, prefill):
+    """The grouped matmul gets E groups whatever the pool size (L*E slots here): the Mosaic GPU
+    kernel unrolls a loop over its groups, so a pool-sized G made compiles take minutes."""
+    from ftjax import engine as engine_lib
+    from ftjax.experts import compute
+
+    model, exp = load_fixture("olmoe_fp32")
+    cfg = model.cfg
+    groups = []
+    real = compute.grouped_matmul
+
+    def spy(lhs, rhs, group_sizes, impl=None):
+        groups.append((rhs.shape[0], group_sizes.shape[0]))
+        return real(lhs, rhs, group_sizes, impl)
+
+    monkeypatch.setattr(compute, "grouped_matmul", spy)
+    monkeypatch.setattr(engine_lib, "_COMPILED", {})  # trace afresh, so the spy sees every call
+    jax.clear_caches()
+    prompt = exp["long_prompt_ids"].tolist()
+    slots = None if mode == "resident" else cfg.num_layers * cfg.num_experts
+    got, _, _ = _prefill_logits(model, prompt, mode, slots, prefill=prefill)
+    assert groups and set(groups) == {(cfg.num_experts, cfg.num_experts)}
+    assert cfg.num_layers * cfg.num_experts > cfg.num_experts  # the pool is larger than a layer
+    want, _, _ = _prefill_logits(model, prompt)
+    np.testing.assert_array_equal(got, want)

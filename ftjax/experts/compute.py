@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ftjax.kernels.grouped_matmul import grouped_matmul, mgpu_supported
+from ftjax.kernels.grouped_matmul import grouped_matmul
 
 # Use the gather formulation up to this many (token, expert) pairs per layer.
 GATHER_MAX_PAIRS = 64
@@ -65,15 +65,17 @@ def experts_from_pool(x: jax.Array, ids: jax.Array, weights: jax.Array, slot_of_
     slot_of_expert: int32 [E], the pool slot of each of the layer's experts (only routed
     experts need a valid slot). Picks the formulation from the static size N*k.
 
-    Grouped, with the Mosaic GPU kernel: rows are grouped by *slot* over the whole pool (G = S
-    groups, most empty), so the pool is the kernel's weight operand as it is and no copy of the
-    layer's E experts (1.2 GB for qwen3-30b-a3b) is made. Elsewhere (ragged_dot, CPU): the layer's
-    experts are gathered in expert order, so every pool size gives bit-identical results.
+    Grouped: the layer's E experts are gathered from the pool in expert order (one device copy,
+    1.2 GB for qwen3-30b-a3b, an estimated 0.5 ms of HBM traffic on an H200) and the kernel sees E
+    groups whatever the pool size S, so every pool size gives the same operands. Grouping rows by
+    *slot* over the whole pool instead (G = S groups, most empty) avoids that copy but costs far
+    more: the Mosaic GPU kernel unrolls a loop over its groups. Lowering one kernel call alone took
+    1.8 / 16 / 127 s for G = 413 / 2109 / 6144 (this machine's CPU, jax 0.11.2, ``jax.export`` for
+    cuda), and on the H200 a 24 GB cached engine (2109 slots) compiled for 160 to 194 s, with a
+    10 s TTFT for a 16-token prompt (docs/MISS_POLICY.md, "Open").
     """
     slots = slot_of_expert[ids]
     if ids.size <= GATHER_MAX_PAIRS:
         return experts_gather(x, slots, weights, gate_up, down)
-    if mgpu_supported(x, gate_up):
-        return experts_grouped(x, jnp.maximum(slots, 0), weights, gate_up, down)
     safe = jnp.maximum(slot_of_expert, 0)
     return experts_grouped(x, ids, weights, gate_up[safe], down[safe])

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ftjax import memory
 from ftjax import model as model_lib
 from ftjax.checkpoint import LoadedModel
 from ftjax.experts import miss_policy, offload
@@ -103,6 +104,8 @@ def step_expert_fn(cfg, mode, host_gate_up, host_down, state, stream=False, over
 
 
 _sample = jax.jit(sample, static_argnames=("temperature", "top_p"))
+# rows of ``new`` where ``mask`` [B] (numpy bool) is set, else of ``old`` ([B, V] logits)
+_keep_rows = jax.jit(lambda mask, new, old: jnp.where(mask[:, None], new, old))
 
 # Compiled steps shared by all engines, keyed by step function, static options and argument
 # shapes/dtypes/memory kinds.
@@ -279,9 +282,10 @@ class Engine:
             stats.append(out.layer_stats)
             if all_logits:
                 pieces.append(out.logits[:, : min(chunk, longest - c)])
-            else:
-                ends_here = jnp.asarray((lengths > c) & (lengths <= c + chunk))[:, None]
-                logits = out.logits if logits is None else jnp.where(ends_here, out.logits, logits)
+            elif logits is None:
+                logits = out.logits
+            else:  # keep each sequence's logits from the chunk its prompt ends in
+                logits = _keep_rows((lengths > c) & (lengths <= c + chunk), out.logits, logits)
         if all_logits:
             logits = jnp.concatenate(pieces, axis=1)
         return logits, cache, lengths, stats
@@ -387,10 +391,15 @@ class Engine:
             self._executable(args, stream=stream)
 
     def _warm_sampling(self, batch: int, temperature: float, top_p: float) -> None:
-        """Compiles the sampler and the key split outside the timed region."""
+        """Compiles the sampler and the key split outside the timed region. The dummy logits are
+        committed to device memory like the step's output: an uncommitted argument is another
+        jit cache entry, and the real call would compile again inside TTFT."""
         t0 = time.perf_counter()
         key = jax.random.split(jax.random.key(0))[1]
-        _sample(jnp.zeros((batch, self.cfg.vocab_size), jnp.float32), key, temperature, top_p).block_until_ready()
+        logits = memory.to_device(np.zeros((batch, self.cfg.vocab_size), np.float32))
+        tok = _sample(logits, key, temperature, top_p)
+        tok[:, None].block_until_ready()  # the decode step's input reshape, compiled here too
+        _keep_rows(np.ones(batch, bool), logits, logits).block_until_ready()  # multi-chunk prefill
         self.compile_s += time.perf_counter() - t0
 
     def expert_cache_metrics(self) -> dict:

@@ -1,0 +1,48 @@
+"""Compilation is excluded from the timings: after ``generate`` has compiled its programs and
+warmed the sampler, nothing is compiled while TTFT and decode are on the clock (a first request
+once paid the sampler's compile, ~0.6 s, inside its TTFT)."""
+
+from __future__ import annotations
+
+import jax
+import jax.monitoring
+import numpy as np
+import pytest
+
+from ftjax.checkpoint import random_model
+from ftjax.config import preset
+from ftjax.engine import Engine
+
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+@pytest.mark.parametrize("temperature,top_p,batch,prompt_len",
+                         [(0.0, 1.0, 1, 16), (0.8, 1.0, 1, 16), (0.8, 0.9, 2, 16), (0.0, 1.0, 2, 300)])
+def test_nothing_compiles_inside_the_timed_region(monkeypatch, temperature, top_p, batch, prompt_len):
+    jax.clear_caches()  # every case starts cold, as a new process would
+    cfg = preset("tiny")
+    model = random_model(cfg, "float32", seed=3)
+    eng = Engine(model, "cached", 2 * cfg.num_experts, max_seq_len=512, batch=batch, prefill_chunk=128)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, cfg.vocab_size, prompt_len - 7 * i).tolist() for i in range(batch)]
+    timed, compiled_while_timed, compiled_before = [False], [], []
+
+    def on_event(event, duration, **kw):
+        if event == COMPILE_EVENT:
+            (compiled_while_timed if timed[0] else compiled_before).append(duration)
+
+    real_prefill = eng.prefill
+
+    def prefill(*a, **kw):  # the clock starts right before the prefill and runs to the last token
+        timed[0] = True
+        return real_prefill(*a, **kw)
+
+    monkeypatch.setattr(eng, "prefill", prefill)
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        res = eng.generate(prompts, 6, temperature=temperature, top_p=top_p)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_event)
+    assert compiled_before, "the listener saw no compile at all: the check would be vacuous"
+    assert compiled_while_timed == [], f"{len(compiled_while_timed)} compiles inside TTFT/decode"
+    assert res.compile_s > 0 and len(res.generated_ids[0]) == 6

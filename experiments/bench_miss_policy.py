@@ -108,7 +108,7 @@ def main(argv):
     import numpy as np
 
     from ftjax import calibrate
-    from ftjax.checkpoint import random_model
+    from ftjax.checkpoint import DTYPES, random_model
     from ftjax.config import preset
     from ftjax.engine import Engine
     from ftjax.experts import miss_policy
@@ -136,11 +136,27 @@ def main(argv):
 
     # ---- model ----------------------------------------------------------------------------
     cfg = preset(FLAGS.preset)
+    if FLAGS.steps < 2:
+        raise app.UsageError(f"--steps must be >= 2 (tokens/s is over steps - 1 decode steps), got {FLAGS.steps}")
+    itemsize = np.dtype(DTYPES[FLAGS.dtype]).itemsize
+    max_seq_len = -(-(FLAGS.prompt_len + FLAGS.steps) // 128) * 128
+    pool = cfg.num_layers * cfg.num_experts
+    budgets = []
+    for i, b in enumerate(FLAGS.budgets_gb):
+        try:
+            plan = plan_memory(cfg, itemsize, budget_bytes=int(float(b) * GB), batch=FLAGS.batch,
+                               max_seq_len=max_seq_len)
+        except ValueError as e:  # checked before the minute-long model build and calibration
+            raise app.UsageError(f"--budgets_gb={b}: {e}") from None
+        if plan.fits_resident:
+            frac = float(FLAGS.small_model_slot_fractions[min(i, len(FLAGS.small_model_slot_fractions) - 1)])
+            budgets.append((float(b), max(cfg.num_experts, int(pool * frac)), f"fraction {frac} (pool fits {b} GB)"))
+        else:
+            budgets.append((float(b), plan.slots, "budget"))
     t0 = time.perf_counter()
     model = random_model(cfg, FLAGS.dtype, seed=FLAGS.seed)
     jax.block_until_ready((model.host_gate_up, model.host_down))
     res["setup_s"]["model"] = round(time.perf_counter() - t0, 2)
-    itemsize = np.dtype(model.host_gate_up.dtype).itemsize
     res["model"] = {"preset": FLAGS.preset, "dtype": FLAGS.dtype, "L": cfg.num_layers, "E": cfg.num_experts,
                     "top_k": cfg.top_k, "expert_bytes": model.expert_bytes, "pool_bytes": cfg.pool_bytes(itemsize),
                     "bank_memory_kind": model.host_gate_up.sharding.memory_kind}
@@ -166,7 +182,7 @@ def main(argv):
         entry["impls"].update(extra["impls"])
         impls.append("compute_on_static")
     res["setup_s"]["calibration"] = round(time.perf_counter() - t0, 2)
-    key = calibrate.profile_key(calibrate.device_name(), calibrate.expert_format(cfg, FLAGS.dtype))
+    key = calibrate.profile_key(calibrate.device_name(), calibrate.expert_format(cfg, FLAGS.dtype), FLAGS.batch)
     res["calibration"] = {"key": key, "entry": entry}
     ok = [i for i in impls if entry["impls"][i]["ok"]]
     max_m = entry["max_misses"]
@@ -186,16 +202,6 @@ def main(argv):
     rng = np.random.default_rng(FLAGS.seed)
     prompt = rng.integers(0, cfg.vocab_size, FLAGS.prompt_len).tolist()
     prompts = [prompt] * FLAGS.batch
-    max_seq_len = -(-(FLAGS.prompt_len + FLAGS.steps) // 128) * 128
-    pool = cfg.num_layers * cfg.num_experts
-    budgets = []
-    for i, b in enumerate(FLAGS.budgets_gb):
-        plan = plan_memory(cfg, itemsize, budget_bytes=int(float(b) * GB), batch=FLAGS.batch, max_seq_len=max_seq_len)
-        if plan.fits_resident:
-            frac = float(FLAGS.small_model_slot_fractions[min(i, len(FLAGS.small_model_slot_fractions) - 1)])
-            budgets.append((float(b), max(cfg.num_experts, int(pool * frac)), f"fraction {frac} (pool fits {b} GB)"))
-        else:
-            budgets.append((float(b), plan.slots, "budget"))
     res["budgets"] = [{"budget_gb": b, "slots": s, "pool_slots": pool, "slots_source": src} for b, s, src in budgets]
 
     # Order: per budget fetch, then cpu / adaptive with the best mechanism; the others afterwards.
@@ -290,12 +296,13 @@ def main(argv):
             if cands:
                 # compared by the median step time: robust to a few slow steps on a shared host
                 top = max(cands, key=lambda r: r["decode_tokens_per_s_median_step"])
-                best[pol] = {"tokens_per_s": top["decode_tokens_per_s_median_step"], "impl": top["impl"],
+                best[pol] = {"tokens_per_s_median_step": top["decode_tokens_per_s_median_step"], "impl": top["impl"],
                              "tpot_ms_p10_p90": [top["tpot_ms_p10"], top["tpot_ms_p90"]]}
         line = {"budget_gb": b, "slots": s, **best}
         if "adaptive" in best and "fetch" in best:
-            single = max(best["fetch"]["tokens_per_s"], best.get("cpu", {}).get("tokens_per_s", 0.0))
-            line["adaptive_vs_best_single"] = best["adaptive"]["tokens_per_s"] / single if single else None
+            single = max(best["fetch"]["tokens_per_s_median_step"],
+                         best.get("cpu", {}).get("tokens_per_s_median_step", 0.0))
+            line["adaptive_vs_best_single"] = best["adaptive"]["tokens_per_s_median_step"] / single if single else None
         summary.append(line)
     res["summary"] = summary
     save()

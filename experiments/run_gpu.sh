@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU check: runs the benchmark scripts named as arguments (default: all) and writes their
+# One GPU check: runs the benchmark scripts named as arguments (default: bench_decode) and writes their
 # JSON (and logs) under $OUT (the device tool's output folder) or experiments/results.
 set -uo pipefail
 cd "$(dirname "$0")/.."

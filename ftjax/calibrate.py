@@ -7,7 +7,7 @@ Source of the idea: FreeToken's bandwidth-adaptive split (DESIGN.md 1.2): ``B_P`
 copy bandwidth) and ``B_H`` (CPU expert throughput), preferably measured while both run at once.
 
 What is timed is the engine's own per-layer code, ``ftjax.experts.miss_policy.fetch_and_cpu``,
-inside a jitted ``lax.scan`` of ``--reps`` layers (so per-layer fixed costs such as launching the
+inside a jitted ``lax.scan`` of several layers (16; 4 with ``--quick``; so per-layer fixed costs such as launching the
 copy loop or the host round trip are included), with ``n_fetch`` experts copied from the host
 bank into device slots and ``n_cpu`` experts computed on the CPU by the chosen mechanism, for
 the model's expert format (hidden D, expert ffn F, dtype) and ``--tokens`` tokens:
@@ -22,14 +22,15 @@ All times are per layer, after subtracting the ``(0, 0)`` baseline. The fit give
 ``ftjax.experts.miss_split.SplitModel`` and its split table ``F(M)``.
 
 The profile is a JSON file (default ``~/.cache/ftjax/calibration.json``, or ``$XDG_CACHE_HOME``)
-keyed by device name and expert format (``"NVIDIA H200|bfloat16|D2048|F768"``); each entry holds
-one result per CPU mechanism. Writes are atomic (temporary file + rename) and merge with what is
+keyed by device name, expert format and tokens per call (``"NVIDIA H200|bfloat16|D2048|F768|T1"``);
+each entry holds one result per CPU mechanism. Writes are atomic (temporary file + rename) and merge with what is
 already there. ``ftjax.generate --miss_policy=adaptive`` reads it, or runs a quick calibration of
 its mechanism on the loaded model and adds it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import json
@@ -72,9 +73,10 @@ def expert_format(cfg, dtype: str) -> dict:
             "expert_bytes": cfg.expert_bytes(itemsize)}
 
 
-def profile_key(device: str, fmt: dict) -> str:
-    """``"<device>|<dtype>|D<hidden>|F<expert_ffn>"``."""
-    return f"{device}|{fmt['dtype']}|D{fmt['hidden']}|F{fmt['expert_ffn']}"
+def profile_key(device: str, fmt: dict, tokens: int) -> str:
+    """``"<device>|<dtype>|D<hidden>|F<expert_ffn>|T<tokens>"``: the CPU's cost per expert grows
+    with the tokens per decode call (the batch), so each batch size has its own entry."""
+    return f"{device}|{fmt['dtype']}|D{fmt['hidden']}|F{fmt['expert_ffn']}|T{tokens}"
 
 
 def load_profile(path: str) -> dict:
@@ -88,28 +90,89 @@ def load_profile(path: str) -> dict:
     try:
         with open(path) as f:
             d = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise CalibrationError(f"{path}: cannot read calibration profile ({e})") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CalibrationError(f"{path}: cannot read calibration profile ({type(e).__name__}: {e})") from None
     if not isinstance(d, dict) or d.get("version") != PROFILE_VERSION or not isinstance(d.get("entries"), dict):
         raise CalibrationError(f"{path}: not a version-{PROFILE_VERSION} ftjax calibration profile")
     return d
 
 
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v)
+
+
+def check_entry(path: str, key: str, entry) -> dict:
+    """Returns ``entry`` if it has the structure this module writes, else raises.
+
+    Raises:
+      CalibrationError: naming the file, the key and the first bad field.
+    """
+    from ftjax.experts.miss_split import SplitModel
+    where = f"{path} [{key}]"
+    if not isinstance(entry, dict) or not isinstance(entry.get("impls", {}), dict):
+        raise CalibrationError(f"{where}: entry must be an object with an 'impls' object")
+    for impl, r in entry.get("impls", {}).items():
+        if not isinstance(r, dict) or not isinstance(r.get("ok"), bool):
+            raise CalibrationError(f"{where}: impls.{impl} must be an object with a boolean 'ok'")
+        if not r["ok"]:
+            continue
+        fields = {f.name for f in dataclasses.fields(SplitModel)}
+        sm = r.get("split_model")
+        if not isinstance(sm, dict) or set(sm) != fields or not all(_number(v) for v in sm.values()):
+            raise CalibrationError(f"{where}: impls.{impl}.split_model must hold finite numbers for exactly "
+                                   f"{sorted(fields)}, got {sm!r}")
+        try:
+            SplitModel(**sm)
+        except ValueError as e:
+            raise CalibrationError(f"{where}: impls.{impl}.split_model: {e}") from None
+        for side, names in (("fetch", ("alpha_s", "beta_s", "GBps")), ("cpu", ("alpha_s", "beta_s", "GBps")),
+                            ("together", ("overlap",))):
+            d = r.get(side)
+            if not isinstance(d, dict) or not all(_number(d.get(n)) for n in names):
+                raise CalibrationError(f"{where}: impls.{impl}.{side} must hold finite numbers {list(names)}")
+        if not isinstance(r.get("mechanism", {}), dict):
+            raise CalibrationError(f"{where}: impls.{impl}.mechanism must be an object")
+        th = r.get("mechanism", {}).get("threads")
+        if th is not None and (not isinstance(th, int) or isinstance(th, bool) or th < 1):
+            raise CalibrationError(f"{where}: impls.{impl}.mechanism.threads must be an integer >= 1, got {th!r}")
+    return entry
+
+
 def get_entry(path: str, key: str) -> dict | None:
-    """The entry for ``key``, or None."""
-    return load_profile(path)["entries"].get(key)
+    """The entry for ``key``, or None. Raises CalibrationError for an unreadable profile or a
+    malformed entry (:func:`check_entry`)."""
+    entry = load_profile(path)["entries"].get(key)
+    return None if entry is None else check_entry(path, key, entry)
+
+
+def check_writable(path: str) -> None:
+    """Raises CalibrationError unless ``path`` can be written as a file (its folder may be made)."""
+    if os.path.isdir(path):
+        raise CalibrationError(f"{path}: calibration profile path is a directory")
+    folder = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise CalibrationError(f"{path}: cannot write the calibration profile there ({folder} is not a "
+                               "writable folder)")
 
 
 def save_entry(path: str, key: str, entry: dict) -> None:
     """Adds or updates one entry (its ``impls`` merged with those already stored), atomically.
 
-    Creates the folder if needed. Raises CalibrationError if an existing file is unreadable.
+    A mechanism whose new calibration failed keeps its earlier successful result. Creates the
+    folder if needed. Raises CalibrationError if an existing file or entry is unreadable.
     """
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     prof = load_profile(path)
-    old = prof["entries"].get(key) or {}
-    merged = {**old, **entry, "impls": {**old.get("impls", {}), **entry.get("impls", {})}}
+    old = prof["entries"].get(key)
+    old = check_entry(path, key, old) if old is not None else {}
+    impls = dict(old.get("impls", {}))
+    for impl, r in entry.get("impls", {}).items():
+        if r.get("ok") or not impls.get(impl, {}).get("ok"):  # a failed run keeps an earlier good one
+            impls[impl] = r
+    merged = {**old, **entry, "impls": impls}
     prof["entries"][key] = merged
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
     try:
@@ -377,10 +440,11 @@ def profile_for(model, impl: str, tokens: int, path: str | None = None, threads:
     """
     path = path or default_profile_path()
     fmt = expert_format(model.cfg, model.dtype)
-    key = profile_key(device_name(), fmt)
+    key = profile_key(device_name(), fmt, tokens)
     entry = get_entry(path, key)
     if entry is not None and impl in entry.get("impls", {}):
         return entry, key, path, False
+    check_writable(path)  # before spending time on a calibration that could not be saved
     log(f"calibration: no profile for {key} / {impl} in {path}; quick calibration on this model ...")
     new = calibrate(model.host_gate_up, model.host_down, model.cfg, model.dtype, tokens, [impl], threads,
                     quick=True, log=log)
@@ -406,9 +470,11 @@ def _flags():
 
 
 def main(argv):
-    from absl import app
+    from absl import app, logging
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    if logging.get_verbosity() == logging.INFO:  # absl's default: hide JAX's backend probing notes
+        logging.set_verbosity(logging.WARNING)
     from ftjax.config import ConfigError, load_hf_config, preset
     from ftjax.experts.cpu_experts import IMPLS
     flags_ = FLAGS
@@ -422,10 +488,15 @@ def main(argv):
         dtype = flags_.dtype or cfg.dtype
         if flags_.tokens < 1 or flags_.bank_rows < 1:
             raise CalibrationError("--tokens and --bank_rows must be >= 1")
+        if not flags_.impls:
+            raise CalibrationError(f"--impls is empty; expected some of {IMPLS}")
+        if flags_.cpu_threads < 0:
+            raise CalibrationError(f"--cpu_threads must be >= 0 (0 = sweep), got {flags_.cpu_threads}")
         path = flags_.profile or default_profile_path()
-        load_profile(path)  # fail early on an unreadable profile
         fmt = expert_format(cfg, dtype)
-        key = profile_key(device_name(), fmt)
+        key = profile_key(device_name(), fmt, flags_.tokens)
+        get_entry(path, key)  # fail early on an unreadable profile or entry
+        check_writable(path)
         print(f"calibrating {key}: {fmt['expert_bytes'] / 1e6:.2f} MB per expert, {flags_.tokens} token(s), "
               f"{flags_.bank_rows} host experts")
         gu, dn = synthetic_banks(cfg, dtype, flags_.bank_rows)
@@ -433,6 +504,9 @@ def main(argv):
                           quick=flags_.quick)
         save_entry(path, key, entry)
         print(f"profile written: {path} [{key}]")
+        failed = [i for i, r in entry["impls"].items() if not r.get("ok")]
+        if failed:
+            raise CalibrationError(f"calibration failed for {failed} (earlier successful results kept)")
     except (CalibrationError, ConfigError, OSError) as e:
         print(f"ftjax.calibrate: error: {e}", file=sys.stderr)
         sys.exit(1)

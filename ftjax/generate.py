@@ -68,7 +68,8 @@ flags.DEFINE_enum("kv_load", "prefetch", ["prefetch", "xs", "all_first"],
                   "in the scan as scan xs, or all layers before the prefill (ablation).")
 flags.DEFINE_enum("miss_policy", "fetch", ["fetch", "cpu", "adaptive"],
                   "Expert-cache misses: copy them to the device (fetch), compute them on the host CPU (cpu), "
-                  "or split each layer's misses by the calibrated q* rule (adaptive). DESIGN.md 1.2.")
+                  "or split each layer's misses by the calibrated cost model (adaptive: q* with fixed costs and the "
+                  "measured overlap; docs/MISS_POLICY.md). DESIGN.md 1.2.")
 flags.DEFINE_enum("cpu_expert_impl", "callback_async",
                   ["callback", "callback_async", "compute_on", "compute_on_static"],
                   "How misses are computed on the CPU (ftjax.experts.cpu_experts).")
@@ -239,6 +240,10 @@ def _plan(model, batch: int, max_seq_len: int):
         slots = min(2 * cfg.num_experts, cfg.num_layers * cfg.num_experts)
         plan = plan_memory(cfg, itemsize, slots=slots, batch=batch, max_seq_len=max_seq_len)
     elif FLAGS.expert_slots is not None:
+        if mode == "resident":
+            print(f"note: --experts=resident keeps all {cfg.num_layers * cfg.num_experts} experts on the device; "
+                  f"--expert_slots={FLAGS.expert_slots} ignored")
+            return "resident", None
         plan = plan_memory(cfg, itemsize, slots=FLAGS.expert_slots, batch=batch, max_seq_len=max_seq_len)
     else:
         plan = plan_memory(cfg, itemsize, budget_bytes=int(FLAGS.vram_budget_gb * GB), batch=batch,
@@ -286,13 +291,10 @@ def _miss_runtime(model, mode: str, batch: int):
         model.host_gate_up = cpu_experts.ensure_host_typed(model.host_gate_up)
         model.host_down = cpu_experts.ensure_host_typed(model.host_down)
     calibration = split_model = None
-    path = FLAGS.calibration_profile or calibrate.default_profile_path()
-    key = calibrate.profile_key(calibrate.device_name(), calibrate.expert_format(model.cfg, model.dtype))
-    entry, fresh = calibrate.get_entry(path, key), False
-    if FLAGS.miss_policy == "adaptive" and FLAGS.fixed_fetch is None:
+    if FLAGS.miss_policy == "adaptive" and FLAGS.fixed_fetch is None:  # only the model split reads a profile
+        path = FLAGS.calibration_profile or calibrate.default_profile_path()
         entry, key, path, fresh = calibrate.profile_for(model, impl, batch, path, threads)
         split_model = calibrate.split_model_from(entry["impls"][impl])
-    if entry is not None and impl in entry.get("impls", {}):
         threads = threads or entry["impls"][impl].get("mechanism", {}).get("threads")
         print(f"calibration profile: {path} [{key}]{' (calibrated now)' if fresh else ''}")
         if not fresh:

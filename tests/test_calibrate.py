@@ -54,26 +54,76 @@ def test_plan_points():
     assert calibrate.plan_points(1, quick=True)["together"] == [(1, 1)]
 
 
+def _good(beta_h=1e-3):
+    """A well-formed successful mechanism result, as ``fit_impl`` writes it."""
+    sm = {"beta_p": 2e-4, "beta_h": beta_h, "alpha_p": 0.0, "alpha_h": 2e-3, "overlap": 0.5}
+    return {"ok": True, "split_model": sm, "split_table": [0, 1],
+            "fetch": {"alpha_s": 0.0, "beta_s": 2e-4, "GBps": 40.0},
+            "cpu": {"alpha_s": 2e-3, "beta_s": beta_h, "GBps": 9.0}, "together": {"overlap": 0.5},
+            "mechanism": {"impl": "callback", "threads": 4}}
+
+
 def test_profile_file_merge_atomic_and_errors(tmp_path):
     path = str(tmp_path / "sub" / "cal.json")
     fmt = {"hidden": 2048, "expert_ffn": 768, "dtype": "bfloat16", "expert_bytes": 9437184}
-    key = calibrate.profile_key("NVIDIA H200", fmt)
-    assert key == "NVIDIA H200|bfloat16|D2048|F768"
+    key = calibrate.profile_key("NVIDIA H200", fmt, 1)
+    assert key == "NVIDIA H200|bfloat16|D2048|F768|T1" and calibrate.profile_key("x", fmt, 4).endswith("|T4")
     assert calibrate.get_entry(path, key) is None
-    calibrate.save_entry(path, key, {"device": "NVIDIA H200", "format": fmt, "impls": {"callback": {"ok": True}}})
+    calibrate.save_entry(path, key, {"device": "NVIDIA H200", "format": fmt, "impls": {"callback": _good()}})
     calibrate.save_entry(path, key, {"date": "x", "impls": {"compute_on": {"ok": False, "error": "e"}}})
-    calibrate.save_entry(path, "cpu|float32|D64|F32", {"impls": {}})
+    calibrate.save_entry(path, "cpu|float32|D64|F32|T1", {"impls": {}})
     e = calibrate.get_entry(path, key)
     assert set(e["impls"]) == {"callback", "compute_on"} and e["device"] == "NVIDIA H200" and e["date"] == "x"
     assert len(calibrate.load_profile(path)["entries"]) == 2
     assert [f for f in os.listdir(tmp_path / "sub")] == ["cal.json"]  # no temporary left behind
+    # a failed re-calibration keeps the earlier good result; a new good one replaces it
+    calibrate.save_entry(path, key, {"impls": {"callback": {"ok": False, "error": "max_workers"}}})
+    assert calibrate.get_entry(path, key)["impls"]["callback"]["ok"] is True
+    calibrate.save_entry(path, key, {"impls": {"callback": _good(beta_h=5e-3)}})
+    assert calibrate.get_entry(path, key)["impls"]["callback"]["split_model"]["beta_h"] == 5e-3
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(calibrate.CalibrationError, match="cannot read"):
         calibrate.load_profile(str(tmp_path / "bad.json"))
+    (tmp_path / "bin.json").write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(calibrate.CalibrationError, match="bin.json: cannot read"):
+        calibrate.load_profile(str(tmp_path / "bin.json"))
     (tmp_path / "old.json").write_text(json.dumps({"version": 0, "entries": {}}))
     with pytest.raises(calibrate.CalibrationError, match="version"):
         calibrate.save_entry(str(tmp_path / "old.json"), key, {"impls": {}})
     assert calibrate.default_profile_path().endswith(os.path.join("ftjax", "calibration.json"))
+
+
+def _with(change):
+    r = _good()
+    change(r)
+    return r
+
+
+@pytest.mark.parametrize("entry,match", [
+    ([1, 2], "entry must be an object"),
+    ({"impls": [1]}, "entry must be an object"),
+    ({"impls": {"callback": "fast"}}, "boolean 'ok'"),
+    ({"impls": {"callback": _with(lambda r: r["split_model"].update(extra=1.0))}}, "split_model"),
+    ({"impls": {"callback": _with(lambda r: r["split_model"].pop("overlap"))}}, "split_model"),
+    ({"impls": {"callback": _with(lambda r: r["split_model"].update(beta_p="fast"))}}, "split_model"),
+    ({"impls": {"callback": _with(lambda r: r["split_model"].update(alpha_h=float("inf")))}}, "split_model"),
+    ({"impls": {"callback": _with(lambda r: r["split_model"].update(beta_p=True))}}, "split_model"),
+    ({"impls": {"callback": _with(lambda r: r["split_model"].update(overlap=2.0))}}, "overlap"),
+    ({"impls": {"callback": _with(lambda r: r.update(cpu=[1]))}}, r"callback\.cpu"),
+    ({"impls": {"callback": _with(lambda r: r.update(mechanism="x"))}}, "mechanism must be"),
+    ({"impls": {"callback": _with(lambda r: r["mechanism"].update(threads=-3))}}, "threads"),
+])
+def test_malformed_profile_entries_are_named(tmp_path, entry, match):
+    path = tmp_path / "p.json"
+    key = "cpu|float32|D64|F32|T1"
+    path.write_text(json.dumps({"version": 1, "entries": {key: entry}}))
+    before = path.read_bytes()
+    with pytest.raises(calibrate.CalibrationError, match=match) as err:
+        calibrate.get_entry(str(path), key)
+    assert str(path) in str(err.value) and key in str(err.value)
+    with pytest.raises(calibrate.CalibrationError):
+        calibrate.save_entry(str(path), key, {"impls": {"callback": _good()}})
+    assert path.read_bytes() == before  # nothing half-written or replaced
 
 
 def test_calibrate_cli_quick(tmp_path):
@@ -84,7 +134,7 @@ def test_calibrate_cli_quick(tmp_path):
                        capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "profile written" in r.stdout
-    entry = json.loads(prof.read_text())["entries"]["cpu|float32|D128|F128"]
+    entry = json.loads(prof.read_text())["entries"]["cpu|float32|D128|F128|T1"]
     assert entry["format"]["expert_bytes"] == 3 * 128 * 128 * 4 and entry["tokens"] == 1
     assert entry["max_misses"] == 4  # tiny: top-4 of 16 experts, one token
     for impl in ("callback", "compute_on"):
@@ -97,3 +147,9 @@ def test_calibrate_cli_quick(tmp_path):
     r = subprocess.run([sys.executable, "-m", "ftjax.calibrate", "--impls=torch", f"--profile={prof}"],
                        capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 1 and "unknown --impls" in r.stderr and "Traceback" not in r.stderr
+    before = prof.read_bytes()
+    for bad, msg in (("--cpu_threads=-3", "--cpu_threads must be >= 0"), ("--impls=", "--impls is empty")):
+        r = subprocess.run([sys.executable, "-m", "ftjax.calibrate", "--quick", bad, f"--profile={prof}"],
+                           capture_output=True, text=True, timeout=300, env=env)
+        assert r.returncode == 1 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert prof.read_bytes() == before

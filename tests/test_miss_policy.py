@@ -92,6 +92,16 @@ def test_serial_overlap_picks_an_end_and_fixed_costs_matter():
         SplitModel(1.0, 1.0, overlap=1.5)
     with pytest.raises(ValueError, match=">= 0"):
         fixed_split_table(-1, 3)
+    for bad in (math.nan, math.inf, True, "fast"):
+        with pytest.raises(ValueError, match="finite number"):
+            SplitModel(1.0, 1.0, alpha_h=bad)
+    # costs that overflow to inf still give an integer split (not None)
+    huge = SplitModel(beta_p=1e307, beta_h=1e307, alpha_p=1.7e308, alpha_h=1.7e308)
+    assert split_table(huge, 4) == (0, 1, 2, 3, 4)
+    # a near-flat serial piece: the closed form reaches the minimum cost (F = 0 or 1 are ties)
+    flat = SplitModel(beta_p=1 + 6e-8, beta_h=1.0, overlap=0.0)
+    f = best_fetch_count(100, flat)
+    assert split_cost(f, 100, flat) <= split_cost(0, 100, flat) * (1 + 1e-9) and f == 1
 
 
 @settings(max_examples=50, deadline=None)
@@ -308,7 +318,7 @@ def test_generate_cli_adaptive_callback_async_bit_identical(qwen, tmp_path):
     assert ec["fetched"] + ec["cpu_computed"] == ec["misses"] > 0
     assert ec["cpu_expert_impl"]["impl"] == "callback_async" and ec["cpu_expert_impl"]["bank_view"] == "pointer"
     cal = ec["calibration"]
-    assert cal["calibrated_now"] and cal["key"] == "cpu|float32|D64|F32" and cal["path"] == str(prof)
+    assert cal["calibrated_now"] and cal["key"] == "cpu|float32|D64|F32|T1" and cal["path"] == str(prof)
     stored = json.loads(prof.read_text())["entries"][cal["key"]]["impls"]["callback_async"]
     assert stored["ok"] and ec["split"]["table"] == stored["split_table"]
 

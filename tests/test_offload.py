@@ -106,6 +106,10 @@ def test_plan_memory_budget_and_errors():
     cfg = model.cfg
     eb = cfg.expert_bytes(4)
     plan = plan_memory(cfg, 4, slots=cfg.num_experts)
+    # every part is counted, the grouped prefill's copy of one layer's experts included
+    assert plan.layer_gather_bytes == cfg.num_experts * eb
+    assert plan.budget_bytes == (plan.non_expert_bytes + plan.kv_cache_bytes + plan.workspace_bytes
+                                 + plan.layer_gather_bytes + plan.slots * eb)
     # the same budget gives back the same slots; one byte less gives one slot fewer
     again = plan_memory(cfg, 4, budget_bytes=plan.budget_bytes + 2 * eb)
     assert again.slots == cfg.num_experts + 2

@@ -1,7 +1,9 @@
 """Device-memory plan: how many expert slots fit a VRAM budget (DESIGN.md 1.1, 1.3).
 
-budget = non-expert weights + KV cache + workspace + S * expert_bytes, with S clamped to
-[E, L*E]. The workspace is a stated margin of WORKSPACE_BYTES (1 GB) for activations: decode
+budget = non-expert weights + KV cache + workspace + layer gather + S * expert_bytes, with S
+clamped to [E, L*E]. The layer gather is the copy of one layer's E experts that the grouped
+(prefill) expert matmul reads (``ftjax.experts.compute.experts_from_pool``; 1.2 GB for
+qwen3-30b-a3b in bf16). The workspace is a stated margin of WORKSPACE_BYTES (1 GB) for activations: decode
 needs far less; an 8192-token prefill chunk of qwen3-30b-a3b needs about that much (attention
 scores of one query block, the grouped expert activations). It is an estimate: the benchmark
 scripts report the measured peak device memory beside it.
@@ -30,6 +32,7 @@ class MemoryPlan:
     non_expert_bytes: int
     kv_cache_bytes: int
     workspace_bytes: int
+    layer_gather_bytes: int
     expert_bytes: int
     slots: int
     pool_slots: int
@@ -58,6 +61,7 @@ class MemoryPlan:
         gb = lambda n: f"{n / GB:8.3f} GB"  # noqa: E731
         rows = [("budget", self.budget_bytes), ("non-expert weights", self.non_expert_bytes),
                 ("KV cache", self.kv_cache_bytes), ("workspace", self.workspace_bytes),
+                (f"layer gather for prefill ({self.num_experts} experts)", self.layer_gather_bytes),
                 (f"expert slots ({self.slots} x {self.expert_bytes / 1e6:.2f} MB)", self.all_slots_bytes)]
         lines = ["memory plan:"] + [f"  {name:<40} {gb(n)}" for name, n in rows]
         lines.append(f"  slots {self.slots} of {self.pool_slots} experts in the pool "
@@ -84,7 +88,8 @@ def plan_memory(cfg: ModelConfig, itemsize: int, budget_bytes: int | None = None
     non_expert = cfg.non_expert_param_count() * itemsize
     kv = cfg.kv_cache_bytes(batch, max_seq_len, itemsize)
     workspace = WORKSPACE_BYTES
-    fixed = non_expert + kv + workspace
+    gather = e * eb  # one layer's experts, copied for the grouped matmul (prefill chunks > 64 pairs)
+    fixed = non_expert + kv + workspace + gather
     if slots is None:
         slots = min(pool, (budget_bytes - fixed) // eb) if budget_bytes > fixed else 0
         if slots < e:
@@ -95,4 +100,4 @@ def plan_memory(cfg: ModelConfig, itemsize: int, budget_bytes: int | None = None
     elif not e <= slots <= pool:
         raise ValueError(f"expert slots {slots} out of range: need E={e} <= slots <= L*E={pool}")
     budget = budget_bytes if budget_bytes is not None else fixed + slots * eb
-    return MemoryPlan(int(budget), int(non_expert), int(kv), int(workspace), int(eb), int(slots), pool, e)
+    return MemoryPlan(int(budget), int(non_expert), int(kv), int(workspace), int(gather), int(eb), int(slots), pool, e)

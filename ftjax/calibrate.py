@@ -7,8 +7,8 @@ Source of the idea: FreeToken's bandwidth-adaptive split (DESIGN.md 1.2): ``B_P`
 copy bandwidth) and ``B_H`` (CPU expert throughput), preferably measured while both run at once.
 
 What is timed is the engine's own per-layer code, ``ftjax.experts.miss_policy.fetch_and_cpu``,
-inside a jitted ``lax.scan`` of several layers (16; 4 with ``--quick``; so per-layer fixed costs such as launching the
-copy loop or the host round trip are included), with ``n_fetch`` experts copied from the host
+inside a jitted ``lax.scan`` of several layers (16; 4 with ``--quick``), so per-layer fixed costs
+such as launching the copy loop or the host round trip are included, with ``n_fetch`` experts copied from the host
 bank into device slots and ``n_cpu`` experts computed on the CPU by the chosen mechanism, for
 the model's expert format (hidden D, expert ffn F, dtype) and ``--tokens`` tokens:
 
@@ -22,10 +22,11 @@ All times are per layer, after subtracting the ``(0, 0)`` baseline. The fit give
 ``ftjax.experts.miss_split.SplitModel`` and its split table ``F(M)``.
 
 The profile is a JSON file (default ``~/.cache/ftjax/calibration.json``, or ``$XDG_CACHE_HOME``)
-keyed by device name, expert format and tokens per call (``"NVIDIA H200|bfloat16|D2048|F768|T1"``);
-each entry holds one result per CPU mechanism. Writes are atomic (temporary file + rename) and merge with what is
-already there. ``ftjax.generate --miss_policy=adaptive`` reads it, or runs a quick calibration of
-its mechanism on the loaded model and adds it.
+keyed by device name, expert format and tokens per call
+(``"NVIDIA H200|bfloat16|D2048|F768|T1"``); each entry holds one result per CPU mechanism. Writes
+are atomic (temporary file + rename) and merge with what is already there.
+``ftjax.generate --miss_policy=adaptive`` reads it, or runs a quick calibration of its mechanism on
+the loaded model and adds it.
 """
 
 from __future__ import annotations
@@ -109,6 +110,7 @@ def check_entry(path: str, key: str, entry) -> dict:
     """
     from ftjax.experts.miss_split import SplitModel
     where = f"{path} [{key}]"
+    fields = {f.name for f in dataclasses.fields(SplitModel)}
     if not isinstance(entry, dict) or not isinstance(entry.get("impls", {}), dict):
         raise CalibrationError(f"{where}: entry must be an object with an 'impls' object")
     for impl, r in entry.get("impls", {}).items():
@@ -116,12 +118,10 @@ def check_entry(path: str, key: str, entry) -> dict:
             raise CalibrationError(f"{where}: impls.{impl} must be an object with a boolean 'ok'")
         if not r["ok"]:
             continue
-        fields = {f.name for f in dataclasses.fields(SplitModel)}
         sm = r.get("split_model")
-        if not isinstance(sm, dict) or set(sm) != fields or not all(_number(v) for v in sm.values()):
-            raise CalibrationError(f"{where}: impls.{impl}.split_model must hold finite numbers for exactly "
-                                   f"{sorted(fields)}, got {sm!r}")
-        try:
+        if not isinstance(sm, dict) or set(sm) != fields:
+            raise CalibrationError(f"{where}: impls.{impl}.split_model must hold exactly {sorted(fields)}, got {sm!r}")
+        try:  # SplitModel checks the values: finite numbers, in range
             SplitModel(**sm)
         except ValueError as e:
             raise CalibrationError(f"{where}: impls.{impl}.split_model: {e}") from None

@@ -216,14 +216,11 @@ class Engine:
         the engine or recompiling. The slot pools keep their bytes (no copy, no reallocation);
         the hit / miss / split counters keep counting. No-op in resident mode (no table).
         """
-        inner = self.state if isinstance(self.state, offload.ExpertState) else self.state.experts
+        inner = self.state.experts if isinstance(self.state, miss_policy.MissState) else self.state
         if inner.table is None:
             return
-        inner = inner.replace(table=reset_table(inner.table))
-        if isinstance(self.state, offload.ExpertState):
-            self.state = inner
-        else:  # cpu / adaptive: the recency of routing is part of the cache state too
-            self.state = miss_policy.init_state(inner)
+        # the miss runtime wraps it as in __init__ (cpu / adaptive: routing recency starts over too)
+        self.state = self.miss.init_state(inner.replace(table=reset_table(inner.table)))
 
     # ---- one forward call --------------------------------------------------------------------
     def _step(self, tokens: np.ndarray, start: np.ndarray, valid_len: np.ndarray, cache, all_logits=False,

@@ -3,8 +3,8 @@
 budget = non-expert weights + KV cache + workspace + layer gather + S * expert_bytes, with S
 clamped to [E, L*E]. The layer gather is the copy of one layer's E experts that the grouped
 (prefill) expert matmul reads (``ftjax.experts.compute.experts_from_pool``; 1.2 GB for
-qwen3-30b-a3b in bf16). The workspace is a stated margin of WORKSPACE_BYTES (1 GB) for activations: decode
-needs far less; an 8192-token prefill chunk of qwen3-30b-a3b needs about that much (attention
+qwen3-30b-a3b in bf16). The workspace is a stated margin of WORKSPACE_BYTES (1 GB) for
+activations: decode needs far less; an 8192-token prefill chunk of qwen3-30b-a3b needs about that much (attention
 scores of one query block, the grouped expert activations). It is an estimate: the benchmark
 scripts report the measured peak device memory beside it.
 """

@@ -52,6 +52,7 @@ from experiments.common import hlo_ops, measure_h2d, meta, spread, table  # noqa
 from ftjax.checkpoint import DTYPES, random_model  # noqa: E402
 from ftjax.config import preset  # noqa: E402
 from ftjax.engine import Engine, compiled_programs  # noqa: E402
+from ftjax.config import EngineConfig  # noqa: E402
 from ftjax.experts.planner import GB, plan_memory  # noqa: E402
 from ftjax.kv import prefix_cache as pc_lib  # noqa: E402
 from ftjax.kv.host_store import HostKVStore  # noqa: E402
@@ -95,7 +96,7 @@ def probe(variant: str) -> dict:
     model = random_model(preset("tiny"), "bfloat16")
     load = "all_first" if variant == "store_scan" else variant
     route = "scan" if variant == "store_scan" else "after"
-    engine = Engine(model, "resident", max_seq_len=256)
+    engine = Engine(model, EngineConfig("resident", max_seq_len=256))
     mgr = pc_lib.PrefixCache(HostKVStore(10**8), chunk_tokens=32, load=load, store_route=route, prefill_chunk=128)
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, model.cfg.vocab_size, 136).tolist()
@@ -203,7 +204,7 @@ def run_mode(model, mode: str, slots, max_seq_len: int, prefix: list[int], rng, 
              deadline: float) -> dict:
     cfg = model.cfg
     c = FLAGS.chunk_tokens
-    engine = Engine(model, mode, slots, max_seq_len=max_seq_len)
+    engine = Engine(model, EngineConfig(mode, num_slots=slots, max_seq_len=max_seq_len))
     store = HostKVStore(int(FLAGS.kv_host_gb * GB))
     route = FLAGS.store_route
     row: dict = {"mode": mode, "slots": engine.num_slots}
@@ -235,7 +236,7 @@ def run_mode(model, mode: str, slots, max_seq_len: int, prefix: list[int], rng, 
             store = HostKVStore(int(FLAGS.kv_host_gb * GB))
             del engine
             gc.collect()
-            engine = Engine(model, mode, slots, max_seq_len=max_seq_len)
+            engine = Engine(model, EngineConfig(mode, num_slots=slots, max_seq_len=max_seq_len))
     row["prefill_chunk_used"] = chunk
     row["store_route"] = route
     row["store_request"] = first

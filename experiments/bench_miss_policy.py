@@ -112,6 +112,7 @@ def main(argv):
     from ftjax.checkpoint import DTYPES, random_model
     from ftjax.config import preset
     from ftjax.engine import Engine
+    from ftjax.config import EngineConfig
     from ftjax.experts import miss_policy
     from ftjax.experts.miss_split import SplitModel
     from ftjax.experts.planner import GB, plan_memory
@@ -165,8 +166,8 @@ def main(argv):
         f"{model.host_gate_up.sharding.memory_kind}, built in {res['setup_s']['model']} s")
     if any(i.startswith("compute_on") for i in FLAGS.impls):
         t0 = time.perf_counter()
-        model.host_gate_up = cpu_experts.ensure_host_typed(model.host_gate_up)
-        model.host_down = cpu_experts.ensure_host_typed(model.host_down)
+        model.banks = model.banks.replace(gate_up=cpu_experts.ensure_host_typed(model.banks.gate_up),
+                                          down=cpu_experts.ensure_host_typed(model.banks.down))
         res["setup_s"]["host_typed_banks"] = round(time.perf_counter() - t0, 2)
     save()
 
@@ -242,11 +243,11 @@ def main(argv):
                 elif pol == "adaptive-qstar":
                     fitted = calibrate.split_model_from(entry["impls"][impl])
                     split_model = SplitModel(beta_p=fitted.beta_p, beta_h=fitted.beta_h)
-                rt = miss_policy.build_runtime(pol.split("-")[0], cfg.num_layers, cfg.num_experts, cpu,
+                rt = miss_policy.build_runtime(pol.split("-")[0], cfg.num_experts, cpu,
                                                split_model=split_model, calibration={"key": key})
                 if pol == "adaptive-qstar":
                     rt.rule = "qstar (alone per-expert costs; no fixed costs; full overlap)"
-            eng = Engine(model, "cached", s, max_seq_len=max_seq_len, batch=FLAGS.batch, miss=rt)
+            eng = Engine(model, EngineConfig("cached", num_slots=s, max_seq_len=max_seq_len, batch=FLAGS.batch), miss=rt)
             run["host_mem_available_gb"] = _host_mem_available_gb()
             out = eng.generate(prompts, FLAGS.steps, temperature=FLAGS.temperature, seed=FLAGS.seed,
                                keep_logits=True, time_steps=True)

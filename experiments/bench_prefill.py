@@ -30,6 +30,7 @@ from experiments import common  # noqa: E402
 from ftjax import engine as engine_lib  # noqa: E402
 from ftjax.checkpoint import DTYPES  # noqa: E402
 from ftjax.engine import Engine  # noqa: E402
+from ftjax.config import EngineConfig  # noqa: E402
 from ftjax.experts.planner import GB, plan_memory  # noqa: E402
 from ftjax.kernels.grouped_matmul import grouped_matmul, mgpu_supported  # noqa: E402
 
@@ -114,8 +115,7 @@ def main(argv):
             mode, prefill, overlap = VARIANTS[variant]
             print(f"-- {variant} at {n} tokens", flush=True)
             try:
-                eng = Engine(model, mode, plan.slots, max_seq_len=max_seq_len, prefill=prefill,
-                             prefill_chunk=FLAGS.prefill_chunk, prefill_overlap=overlap)
+                eng = Engine(model, EngineConfig(mode, num_slots=plan.slots, max_seq_len=max_seq_len, prefill=prefill, prefill_chunk=FLAGS.prefill_chunk, prefill_overlap=overlap))
                 ttfts = []
                 for _ in range(FLAGS.repeats):
                     eng.reset_expert_cache()  # every timed prefill starts cold, from the same state

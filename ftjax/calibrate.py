@@ -268,13 +268,14 @@ def split_model_from(impl_entry: dict):
 @functools.partial(jax.jit, static_argnames=("cpu",), donate_argnames=("gu_pool", "dn_pool"))
 def _probe(host_gu, host_dn, gu_pool, dn_pool, x, fetch_ids, cpu_ids, n_fetch, n_cpu, *, cpu):
     """``reps`` layers of ``fetch_and_cpu``: fetch_ids [reps, Cf], cpu_ids [reps, Cc] flat ids."""
-    from ftjax.experts import miss_policy, offload
+    from ftjax.experts import miss_policy
+    from ftjax.experts.state import ExpertBanks, ExpertState
     slots = jnp.arange(gu_pool.shape[0], dtype=jnp.int32)
 
     def rep(carry, ids):
         gu, dn, acc = carry
         fids, cids = ids
-        es, y = miss_policy.fetch_and_cpu(cpu, host_gu, host_dn, offload.ExpertState(gu, dn, None), x, fids,
+        es, y = miss_policy.fetch_and_cpu(cpu, ExpertBanks(host_gu, host_dn), ExpertState(gu, dn, None), x, fids,
                                           slots, n_fetch, cids, n_cpu)
         return (es.gate_up, es.down, acc + jnp.sum(y, dtype=jnp.float32)), None
 

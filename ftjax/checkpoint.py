@@ -26,6 +26,8 @@ from tqdm.auto import tqdm
 
 from ftjax import memory
 from ftjax.config import ModelConfig, load_hf_config
+from ftjax.experts.state import ExpertBanks
+from ftjax.model import layer_param_shapes, param_shapes
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
@@ -38,23 +40,34 @@ class CheckpointError(ValueError):
 class LoadedModel:
     """A model ready to run.
 
-    cfg: the config; params: device pytree (see ``ftjax.model``); host_gate_up [L*E, D, 2F] and
-    host_down [L*E, F, D]: expert banks in host memory; dtype: compute dtype name;
-    tokenizer: a ``tokenizers.Tokenizer`` or None; name: where it came from.
+    cfg: the config; params: device pytree (see ``ftjax.model``); banks: the routed-expert
+    banks in host memory (``ExpertBanks``: gate_up [L*E, D, 2F], down [L*E, F, D]); dtype: compute dtype name;
+    tokenizer: a ``tokenizers.Tokenizer`` or None; name: where it came from; eos_ids: the
+    end-of-sequence id(s) generation stops at (none for random weights).
     """
 
     cfg: ModelConfig
     params: dict[str, Any]
-    host_gate_up: jax.Array
-    host_down: jax.Array
+    banks: ExpertBanks
     dtype: str
     tokenizer: Any = None
     name: str = ""
+    eos_ids: tuple[int, ...] = ()
 
     @property
     def expert_bytes(self) -> int:
-        """Bytes of one expert (gate, up, down) in the bank's dtype."""
-        return self.cfg.expert_bytes(np.dtype(DTYPES[self.dtype]).itemsize)
+        """Bytes of one expert as stored in the banks: what one H2D copy moves."""
+        return self.banks.expert_bytes
+
+    @property
+    def host_gate_up(self) -> jax.Array:
+        """The gate/up bank [L*E, D, 2F] (``banks.gate_up``)."""
+        return self.banks.gate_up
+
+    @property
+    def host_down(self) -> jax.Array:
+        """The down bank [L*E, F, D] (``banks.down``)."""
+        return self.banks.down
 
 
 def _hf_names(cfg: ModelConfig, i: int) -> dict[str, str]:
@@ -79,16 +92,8 @@ def _expert_names(cfg: ModelConfig, i: int, j: int) -> tuple[str, str, str]:
 
 
 def _layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Expected HF (torch [out, in]) shapes of the per-layer tensors."""
-    d, hd = cfg.hidden_size, cfg.head_dim
-    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
-    s = {"attn_norm": (d,), "mlp_norm": (d,), "wq": (q, d), "wk": (kv, d), "wv": (kv, d), "wo": (d, q),
-         "router": (cfg.num_experts, d)}
-    if cfg.qk_norm == "per_head":
-        s["q_norm"], s["k_norm"] = (hd,), (hd,)
-    elif cfg.qk_norm == "full":
-        s["q_norm"], s["k_norm"] = (q,), (kv,)
-    return s
+    """Expected HF (torch [out, in]) shapes of the per-layer tensors: ftjax's table, transposed."""
+    return {k: v[::-1] for k, v in layer_param_shapes(cfg).items()}
 
 
 class _TensorIndex:
@@ -200,7 +205,7 @@ def load_checkpoint(ckpt_dir: str, dtype: str | None = None, progress: bool = Tr
         params["lm_head"] = get("lm_head.weight", (cfg.vocab_size, D), True)
     bar.close()
     params = jax.tree.map(memory.to_device, params)
-    return LoadedModel(cfg, params, memory.to_host(gate_up), memory.to_host(down), dtype,
+    return LoadedModel(cfg, params, ExpertBanks(memory.to_host(gate_up), memory.to_host(down)), dtype,
                        load_tokenizer(ckpt_dir), name=ckpt_dir)
 
 
@@ -229,23 +234,18 @@ def random_model(cfg: ModelConfig, dtype: str | None = None, seed: int = 0, scal
     jdt = jnp.dtype(DTYPES[dtype])
     check_host_memory(cfg.pool_bytes(jdt.itemsize), f"random {cfg.model_type} weights")
     L, E, D, F = cfg.num_layers, cfg.num_experts, cfg.hidden_size, cfg.expert_ffn
-    hd = cfg.head_dim
-    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    shapes = param_shapes(cfg)
     keys = iter(jax.random.split(jax.random.key(seed), 16))
 
-    def w(shape, fan_in):
+    def w(name, shape):
+        if "norm" in name:
+            return jnp.ones(shape, jdt)
+        fan_in = 1.0 if name == "embed" else shape[-2]
         return (jax.random.normal(next(keys), shape, jnp.float32) * (scale / fan_in ** 0.5)).astype(jdt)
 
-    layers = {"attn_norm": jnp.ones((L, D), jdt), "mlp_norm": jnp.ones((L, D), jdt),
-              "wq": w((L, D, q), D), "wk": w((L, D, kv), D), "wv": w((L, D, kv), D), "wo": w((L, q, D), q),
-              "router": w((L, D, E), D)}
-    if cfg.qk_norm == "per_head":
-        layers["q_norm"], layers["k_norm"] = jnp.ones((L, hd), jdt), jnp.ones((L, hd), jdt)
-    elif cfg.qk_norm == "full":
-        layers["q_norm"], layers["k_norm"] = jnp.ones((L, q), jdt), jnp.ones((L, kv), jdt)
-    params = {"embed": w((cfg.vocab_size, D), 1.0), "final_norm": jnp.ones((D,), jdt), "layers": layers}
-    if not cfg.tie_word_embeddings:
-        params["lm_head"] = w((D, cfg.vocab_size), D)
+    # layers first, then embed and head: the order the random keys were always drawn in
+    layers = {n: w(n, sh) for n, sh in shapes.pop("layers").items()}
+    params = {"layers": layers, **{k: w(k, v) for k, v in shapes.items()}}
     params = jax.tree.map(memory.to_device, params)
 
     host = memory.host_sharding()
@@ -260,7 +260,6 @@ def random_model(cfg: ModelConfig, dtype: str | None = None, seed: int = 0, scal
         return jax.jit(gen, out_shardings=host)(key)
 
     k_gu, k_dn = jax.random.split(jax.random.key(seed + 1))
-    host_gate_up = bank(k_gu, (E, D, 2 * F), D)
-    host_down = bank(k_dn, (E, F, D), F)
+    banks = ExpertBanks(bank(k_gu, (E, D, 2 * F), D), bank(k_dn, (E, F, D), F))
     name = f"random:{cfg.model_type}:seed={seed}:scale={scale}"  # names the weights (KV reuse keys on it)
-    return LoadedModel(cfg, params, host_gate_up, host_down, dtype, None, name=name)
+    return LoadedModel(cfg, params, banks, dtype, None, name=name)

@@ -78,15 +78,10 @@ class ModelConfig:
 
     def non_expert_param_count(self) -> int:
         """Number of parameters outside the routed experts (embeddings, attention, norms, router, head)."""
-        d, hd = self.hidden_size, self.head_dim
-        q, kv = self.num_heads * hd, self.num_kv_heads * hd
-        per_layer = d * q + 2 * d * kv + q * d + 2 * d + d * self.num_experts
-        if self.qk_norm == "per_head":
-            per_layer += 2 * hd
-        elif self.qk_norm == "full":
-            per_layer += q + kv
-        head = 0 if self.tie_word_embeddings else d * self.vocab_size
-        return self.vocab_size * d + self.num_layers * per_layer + d + head
+        import math
+
+        from ftjax.model import param_shapes  # late import: model imports this module
+        return sum(math.prod(s) for s in _leaves(param_shapes(self)))
 
     def kv_cache_bytes(self, batch: int, max_seq_len: int, itemsize: int) -> int:
         """Bytes of a K and V cache for ``batch`` sequences of ``max_seq_len`` tokens."""
@@ -95,6 +90,13 @@ class ModelConfig:
     def identity(self) -> dict:
         """Fields that define the model's math (used to key stored KV chunks)."""
         return dataclasses.asdict(self)
+
+
+def _leaves(tree) -> list[tuple[int, ...]]:
+    """Shape tuples of a nested dict of shapes."""
+    if isinstance(tree, dict):
+        return [s for v in tree.values() for s in _leaves(v)]
+    return [tree]
 
 
 def _get(d: Mapping[str, Any], keys: tuple[str, ...], source: str, kind: type | tuple = int,
@@ -250,3 +252,143 @@ def preset(name: str) -> ModelConfig:
         return PRESETS[name]
     except KeyError:
         raise ConfigError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Run configuration: how an engine runs a model (validated once, here)
+# ---------------------------------------------------------------------------------------------
+#: Prefill expert loading: stream whole layers, only the routed experts, or pick per chunk.
+PREFILL_MODES = ("auto", "stream", "on_demand")
+#: Matmul precision of the step's dots: "auto" = full float32 ("highest") when the compute dtype
+#: is float32, the backend's fast default otherwise (on GPUs, TF32 for float32 dots).
+MATMUL_PRECISIONS = ("auto", "default", "high", "highest")
+
+
+def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"unknown {name} {value!r}; expected one of {', '.join(choices)}")
+
+
+def _at_least(name: str, value: int, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """How an :class:`ftjax.engine.Engine` runs a model. Frozen and validated on creation;
+    :meth:`for_model` checks it against a model and resolves what depends on it.
+
+    Attributes:
+      experts: "resident" | "cached" | "on_demand" (``ftjax.experts.offload.MODES``).
+      num_slots: S, device expert slots (cached / on_demand: E <= S <= L*E); resident: L*E.
+      max_seq_len: KV cache length in tokens (prompt + generated).
+      batch: sequences decoded together.
+      prefill: one of :data:`PREFILL_MODES`. stream: whole layers through two E-slot buffers
+        (S >= 2E); on_demand: the routed experts through the slot cache; auto: stream when S >= 2E
+        and a chunk has at least E (token, expert) pairs (DESIGN.md 1.3).
+      prefill_chunk: prompts longer than this many tokens are prefilled in chunks.
+      prefill_overlap: copy layer l+1's experts while layer l computes (False: the ablation).
+      cache_policy: slot eviction policy (``ftjax.experts.slot_table.POLICIES``).
+      matmul_precision: one of :data:`MATMUL_PRECISIONS`.
+    Raises:
+      ValueError: a choice outside its registry or a size out of range (the message names the field).
+    """
+
+    experts: str = "resident"
+    num_slots: int | None = None
+    max_seq_len: int = 512
+    batch: int = 1
+    prefill: str = "auto"
+    prefill_chunk: int = 8192
+    prefill_overlap: bool = True
+    cache_policy: str = "lru"
+    matmul_precision: str = "auto"
+
+    def __post_init__(self):
+        from ftjax.experts.offload import MODES  # late imports: these modules import this one
+        from ftjax.experts.slot_table import POLICIES
+        _choice("experts mode", self.experts, MODES)
+        _choice("prefill mode", self.prefill, PREFILL_MODES)
+        _choice("cache policy", self.cache_policy, POLICIES)
+        _choice("matmul precision", self.matmul_precision, MATMUL_PRECISIONS)
+        for name in ("max_seq_len", "batch", "prefill_chunk"):
+            _at_least(name, getattr(self, name), 1)
+        if self.num_slots is not None:
+            _at_least("num_slots", self.num_slots, 1)
+        if self.experts != "resident" and self.num_slots is None:
+            raise ValueError(f"experts mode {self.experts!r} needs num_slots")
+        if self.prefill == "stream" and self.experts == "resident":
+            raise ValueError("prefill=stream needs an offloading experts mode (cached or on_demand)")
+
+    def for_model(self, cfg: ModelConfig) -> "EngineConfig":
+        """This config checked against ``cfg``, with resident's slots resolved to L*E.
+
+        Raises:
+          ValueError: max_seq_len beyond the model's positions; slots outside [E, L*E]; stream
+            without 2E slots.
+        """
+        if self.max_seq_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_seq_len {self.max_seq_len} exceeds the model's max_position_embeddings "
+                             f"{cfg.max_position_embeddings}")
+        all_slots = cfg.num_layers * cfg.num_experts
+        if self.experts == "resident":
+            return dataclasses.replace(self, num_slots=all_slots)
+        if not cfg.num_experts <= self.num_slots <= all_slots:
+            raise ValueError(f"num_slots must be in [E, L*E] = [{cfg.num_experts}, {all_slots}], got {self.num_slots}")
+        if self.prefill == "stream" and self.num_slots < 2 * cfg.num_experts:
+            raise ValueError(f"prefill=stream needs at least 2E={2 * cfg.num_experts} slots (have {self.num_slots}, "
+                             f"mode {self.experts})")
+        return self
+
+    def precision(self, dtype: str) -> str:
+        """The matmul precision a step runs with for compute dtype ``dtype``."""
+        if self.matmul_precision != "auto":
+            return self.matmul_precision
+        return "highest" if dtype == "float32" else "default"
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+#: How a reused prefix reaches the device: in the prefill scan with the next layer prefetched, in
+#: the scan as scan ``xs``, or all layers before the step (the ablation).
+KV_LOADS = ("prefetch", "xs", "all_first")
+#: Where new chunks go to host memory: inside the scan body ("scan") or after the step ("after").
+KV_STORE_ROUTES = ("scan", "after")
+
+
+@dataclasses.dataclass(frozen=True)
+class KVOffloadConfig:
+    """Layerwise KV offload with prefix reuse (after LMCache; DESIGN.md 1.4).
+
+    Attributes:
+      chunk_tokens: C, tokens per stored chunk (LMCache's default 256).
+      load: one of :data:`KV_LOADS`.
+      store_route: one of :data:`KV_STORE_ROUTES`.
+      prefill_chunk: most tokens per prefill call (a positive multiple of C); longer suffixes
+        take several calls at increasing start offsets.
+      store_new: insert each request's new full chunks into the store (False: lookup only).
+      bucket_prefix: pad the hit-chunk count to bound recompiles (``ftjax.kv.layerwise.bucket_chunks``).
+    Raises:
+      ValueError: bad load / route, chunk_tokens < 1, prefill_chunk not a positive multiple of C.
+    """
+
+    chunk_tokens: int = 256
+    load: str = "prefetch"
+    store_route: str = "scan"
+    prefill_chunk: int = 8192
+    store_new: bool = True
+    bucket_prefix: bool = True
+
+    def __post_init__(self):
+        _choice("KV load", self.load, KV_LOADS)
+        _choice("KV store route", self.store_route, KV_STORE_ROUTES)
+        if isinstance(self.chunk_tokens, bool) or not isinstance(self.chunk_tokens, int) or self.chunk_tokens < 1:
+            raise ValueError(f"kv chunk tokens must be >= 1, got {self.chunk_tokens}")
+        if self.prefill_chunk < self.chunk_tokens or self.prefill_chunk % self.chunk_tokens:
+            raise ValueError(f"prefill chunk {self.prefill_chunk} must be a positive multiple of the KV chunk "
+                             f"({self.chunk_tokens} tokens)")
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)

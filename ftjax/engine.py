@@ -1,8 +1,9 @@
-"""Prefill/decode orchestration: jitted steps, sampling, expert-cache accounting, timings.
+"""Prefill/decode orchestration: the one jitted step, sampling, expert-cache accounting, timings.
 
-One jitted program per (phase, shape): ``prefill`` for a prompt bucket of T tokens, ``decode``
-for T = 1. The KV cache and the expert state (slot pools + LRU table) are donated to each step,
-so they are updated in place rather than copied.
+One jitted step function (:func:`_forward_step`) serves every call: prefill chunks, prefix-reuse
+prefills (with the layerwise KV hook) and decode steps; its static :class:`StepOptions` and the
+argument shapes pick the compiled program. The KV cache and the expert state (slot pools + slot
+table) are donated to each step, so they are updated in place rather than copied.
 """
 
 from __future__ import annotations
@@ -19,8 +20,11 @@ import numpy as np
 from ftjax import memory
 from ftjax import model as model_lib
 from ftjax.checkpoint import LoadedModel
+from ftjax.config import EngineConfig
 from ftjax.experts import miss_policy, offload
-from ftjax.experts.slot_table import POLICIES, reset_table
+from ftjax.experts.slot_table import reset_table
+from ftjax.experts.state import ExpertCounters, ExpertState, init_expert_state
+from ftjax.kv.layerwise import KVStep
 from ftjax.sampling import sample
 
 MIN_BUCKET = 16
@@ -47,60 +51,59 @@ def bucket(n: int) -> int:
     return b
 
 
-@dataclasses.dataclass
-class ExpertCounters:
-    """Host-side totals of expert-cache events, per layer (int64 [L])."""
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """Static options of the one jitted step (hashable: they key its compiled programs).
 
-    hits: np.ndarray
-    misses: np.ndarray
-    extra_copies: int = 0  # experts copied outside a layer (the streaming prologue)
+    mode: experts mode; all_logits: logits of every position; stream: full-layer streaming of
+    this call's experts; overlap: prefetch layer l+1 while layer l computes (streaming);
+    policy: slot eviction policy; miss: a cpu / adaptive ``MissConfig`` or None; kv: the KV
+    hook's options (``ftjax.kv.layerwise.KVStep``) or None; precision: matmul precision.
+    """
 
-    @classmethod
-    def zeros(cls, num_layers: int) -> "ExpertCounters":
-        return cls(np.zeros(num_layers, np.int64), np.zeros(num_layers, np.int64))
-
-    def add(self, stats: offload.LayerStats) -> None:
-        self.hits += np.asarray(stats.hits, np.int64)
-        self.misses += np.asarray(stats.misses, np.int64)
-
-    def summary(self, expert_bytes: int) -> dict:
-        h, m = int(self.hits.sum()), int(self.misses.sum())
-        per_layer = np.where(self.hits + self.misses > 0, self.hits / np.maximum(self.hits + self.misses, 1), 0.0)
-        return {"hits": h, "misses": m, "hit_rate": h / (h + m) if h + m else 0.0,
-                "hit_rate_per_layer": [round(float(x), 6) for x in per_layer],
-                "bytes_h2d": (m + self.extra_copies) * expert_bytes}
+    mode: str
+    all_logits: bool = False
+    stream: bool = False
+    overlap: bool = True
+    policy: str = "lru"
+    miss: miss_policy.MissConfig | None = None
+    kv: KVStep | None = None
+    precision: str = "default"
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "mode", "all_logits", "stream", "overlap", "policy", "miss"),
-                   donate_argnames=("cache", "state"))
-def _forward_step(params, host_gate_up, host_down, cache, state, tokens, start, valid_len, *, cfg, mode,
-                  all_logits=False, stream=False, overlap=True, policy="lru", miss=None):
-    state, expert_fn = step_expert_fn(cfg, mode, host_gate_up, host_down, state, stream, overlap, policy, miss)
-    return model_lib.forward(params, cfg, tokens, start, valid_len, cache, expert_fn, state, all_logits)
+@functools.partial(jax.jit, static_argnames=("cfg", "opts"), donate_argnames=("cache", "state"))
+def _forward_step(params, banks, cache, state, tokens, start, valid_len, prefix, *, cfg, opts: StepOptions):
+    """One forward call of the decoder (prefill chunk or decode step): the engine's only jitted
+    step. prefix: the reused KV chunks of a prefix-reuse call (``()`` otherwise)."""
+    with jax.default_matmul_precision(opts.precision):
+        state, expert_fn = offload.step_expert_fn(cfg.num_layers, cfg.num_experts, opts.mode, banks, state,
+                                                  opts.stream, opts.overlap, opts.policy, opts.miss)
+        hook = opts.kv.hook(prefix) if opts.kv is not None else None
+        return model_lib.forward(params, cfg, tokens, start, valid_len, cache, expert_fn, state, opts.all_logits,
+                                 kv_hook=hook)
 
 
-def step_expert_fn(cfg, mode, host_gate_up, host_down, state, stream=False, overlap=True, policy="lru", miss=None):
-    """(state, expert function) of one jitted step, inside the jit: full-layer streaming for a
-    long prefill chunk, else the experts mode with the cache ``policy`` and, when ``miss`` is set
-    (a ``miss_policy.MissConfig``), cpu / adaptive handling of misses."""
-    if stream:  # full-layer double-buffered prefill (DESIGN.md 1.3): every expert is fetched
-        inner = state if miss is None else state.experts  # cpu/adaptive wrap the offload state
-        inner = offload.stream_prologue(host_gate_up, host_down, inner, cfg.num_experts, overlap)
-        stream_fn = offload.make_stream_expert_fn(cfg.num_experts, cfg.num_layers, host_gate_up, host_down,
-                                                  overlap)
-        if miss is None:
-            state, expert_fn = inner, stream_fn
-        else:
-            state = state.replace(experts=inner)
+@dataclasses.dataclass(frozen=True)
+class PrefillCall:
+    """One jitted prefill call.
 
-            def expert_fn(s, layer, r):
-                y, experts, stats = stream_fn(s.experts, layer, r)
-                return y, s.replace(experts=experts), stats
-    elif miss is None:  # fetch every miss (or resident)
-        expert_fn = offload.make_expert_fn(mode, cfg.num_experts, host_gate_up, host_down, policy)
-    else:  # cpu / adaptive miss policy (DESIGN.md 1.2)
-        expert_fn = miss_policy.make_expert_fn(miss, mode, cfg.num_experts, host_gate_up, host_down, policy)
-    return state, expert_fn
+    start: first position (tokens already in the cache); valid: real tokens of each sequence
+    in this call; bucket: padded T; store_chunks: new KV chunks the call emits (prefix reuse;
+    static m); first_chunk: chunk index of output 0 (= start // C); with_prefix: the call
+    receives the reused prefix.
+    """
+
+    start: int
+    valid: tuple[int, ...]
+    bucket: int
+    store_chunks: int = 0
+    first_chunk: int = 0
+    with_prefix: bool = False
+
+    @property
+    def tokens(self) -> int:
+        """Real tokens of the call, summed over the batch."""
+        return sum(self.valid)
 
 
 _sample = jax.jit(sample, static_argnames=("temperature", "top_p"))
@@ -131,10 +134,14 @@ def _compile_key(args, **static) -> tuple:
 class GenerationResult:
     """Output of :meth:`Engine.generate`.
 
-    generated_ids: int [B][n]; step_logits: float32 [n, B, V] (when kept); ttft_s, decode_s: seconds;
-    prefill_tokens_per_s, decode_tokens_per_s: tokens/s summed over the batch; compile_s: seconds
-    spent compiling in this call (not part of the timings); routing: int32 [steps][L, N, k] when traced;
-    step_s: seconds of each decode step (time per output token, TPOT) when timed step by step.
+    generated_ids: int [B][n_b] (each sequence up to and including its EOS, if it stopped there);
+    step_logits: float32 [n, B, V] (when kept); ttft_s, decode_s: seconds; prefill_tokens_per_s,
+    decode_tokens_per_s: tokens/s summed over the batch (tokens after a sequence's EOS are not
+    counted); compile_s: seconds spent compiling in this call (not part of the timings); routing:
+    int32 [steps][L, N, k] when traced; step_s: seconds of each decode step (TPOT) when timed step
+    by step; stop_reasons: per sequence, "eos" or "length"; expert_cache: this call's own expert
+    cache figures (hits, misses, bytes_h2d, ...; ``ExpertCounters.summary``); kv: the prefix-reuse
+    record of the request.
     """
 
     prompt_ids: list[list[int]]
@@ -147,95 +154,130 @@ class GenerationResult:
     compile_s: float
     routing: list[np.ndarray] | None = None
     step_s: list[float] | None = None
-    kv: dict | None = None  # prefix-reuse record of the request (``PrefixRequest.record()``)
+    stop_reasons: list[str] | None = None
+    expert_cache: dict | None = None
+    kv: dict | None = None
 
 
 class Engine:
-    """Runs a :class:`LoadedModel` with one of the expert modes.
+    """Runs a :class:`LoadedModel` as an :class:`EngineConfig` says.
 
     Args:
       model: weights (device params + host expert banks).
-      experts_mode: "resident" | "cached" | "on_demand" (``ftjax.experts.offload``).
-      num_slots: S, slots of the device pool (cached / on_demand); must be in [E, L*E].
-      max_seq_len: KV cache length in tokens (prompt + generated), <= max_position_embeddings.
-      batch: sequences decoded together.
-      prefill: "auto" | "stream" | "on_demand". stream: whole layers through two E-slot buffers
-        (needs S >= 2E); on_demand: only the routed experts, through the LRU cache; auto: stream
-        when S >= 2E and the chunk has at least E (token, expert) pairs (DESIGN.md 1.3).
-      prefill_chunk: prompts longer than this many tokens are prefilled in chunks.
-      prefill_overlap: copy layer l+1's experts while layer l computes (False: the ablation).
-      cache_policy: slot eviction policy, "lru" or "lookahead" (``slot_table.eviction_order``).
+      config: how to run it (experts mode, slots, cache length, batch, prefill, cache policy,
+        matmul precision); default: resident, 512 tokens, batch 1.
       miss: a ``miss_policy.MissRuntime`` (fetch / cpu / adaptive misses); None = fetch.
     Raises:
-      ValueError: bad mode, slots out of range, stream without 2E slots, max_seq_len beyond the
-        model's positions, or a cpu / adaptive miss policy with resident experts.
+      ValueError: a config that does not fit the model (``EngineConfig.for_model``), or a cpu /
+        adaptive miss policy with resident experts.
     """
 
-    def __init__(self, model: LoadedModel, experts_mode: str = "resident", num_slots: int | None = None,
-                 max_seq_len: int = 512, batch: int = 1, prefill: str = "auto", prefill_chunk: int = 8192,
-                 prefill_overlap: bool = True, cache_policy: str = "lru",
+    def __init__(self, model: LoadedModel, config: EngineConfig | None = None, *,
                  miss: miss_policy.MissRuntime | None = None):
         cfg = model.cfg
-        if max_seq_len > cfg.max_position_embeddings:
-            raise ValueError(f"max_seq_len {max_seq_len} exceeds the model's max_position_embeddings "
-                             f"{cfg.max_position_embeddings}")
-        if experts_mode not in offload.MODES:
-            raise ValueError(f"unknown experts mode {experts_mode!r}; expected one of {offload.MODES}")
-        if experts_mode == "resident":
-            num_slots = cfg.num_layers * cfg.num_experts
-        elif num_slots is None:
-            raise ValueError(f"experts mode {experts_mode!r} needs num_slots")
-        if prefill not in ("auto", "stream", "on_demand"):
-            raise ValueError(f"unknown prefill mode {prefill!r}; expected auto, stream or on_demand")
-        if prefill == "stream" and (experts_mode == "resident" or num_slots < 2 * cfg.num_experts):
-            raise ValueError(f"prefill=stream needs an offloading experts mode and at least 2E="
-                             f"{2 * cfg.num_experts} slots (have {num_slots}, mode {experts_mode})")
-        if cache_policy not in POLICIES:
-            raise ValueError(f"unknown cache policy {cache_policy!r}; expected one of {POLICIES}")
-        self.cache_policy = cache_policy
-        if prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-        self.prefill_mode, self.prefill_chunk, self.prefill_overlap = prefill, prefill_chunk, prefill_overlap
-        self.model, self.cfg, self.mode = model, cfg, experts_mode
-        self.num_slots, self.max_seq_len, self.batch = num_slots, max_seq_len, batch
-        self.dtype = jnp.dtype(model.params["embed"].dtype)
-        self.state = offload.init_expert_state(experts_mode, cfg.num_layers, cfg.num_experts, num_slots,
-                                               model.host_gate_up, model.host_down, self.dtype)
-        if miss is not None and miss.policy != "fetch" and experts_mode == "resident":
+        self.config = (config or EngineConfig()).for_model(cfg)
+        if miss is not None and miss.policy != "fetch" and self.config.experts == "resident":
             raise ValueError(f"miss policy {miss.policy!r} needs experts mode cached or on_demand")
-        self.miss = miss or miss_policy.build_runtime("fetch", cfg.num_layers, cfg.num_experts)
-        self.state = self.miss.init_state(self.state)
-        self.counters = {"prefill": ExpertCounters.zeros(cfg.num_layers),
-                         "decode": ExpertCounters.zeros(cfg.num_layers)}
+        self.model, self.cfg = model, cfg
+        self.dtype = jnp.dtype(model.params["embed"].dtype)
+        self.miss = miss or miss_policy.build_runtime("fetch", cfg.num_experts)
+        self.state = self._fresh_state()
+        self.counters = {p: ExpertCounters.zeros(cfg.num_layers, cfg.num_experts) for p in ("prefill", "decode")}
         self.compile_s = 0.0
+        self.failed_steps = 0
+
+    # ---- configuration, read-only views -------------------------------------------------------
+    @property
+    def mode(self) -> str:
+        return self.config.experts
+
+    @property
+    def num_slots(self) -> int:
+        return self.config.num_slots
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.config.max_seq_len
+
+    @property
+    def batch(self) -> int:
+        return self.config.batch
+
+    @property
+    def cache_policy(self) -> str:
+        return self.config.cache_policy
+
+    @property
+    def precision(self) -> str:
+        """Matmul precision of every step (``EngineConfig.precision`` for the compute dtype)."""
+        return self.config.precision(self.dtype.name)
+
+    def describe(self) -> dict:
+        """JSON-ready run configuration: the engine config, resolved precision, miss policy."""
+        return {**self.config.as_dict(), "matmul_precision_resolved": self.precision,
+                "miss_policy": self.miss.policy, "compute_dtype": self.dtype.name}
+
+    # ---- expert state ----------------------------------------------------------------------
+    def _fresh_state(self) -> ExpertState:
+        cfg = self.cfg
+        return init_expert_state(self.mode, cfg.num_layers, cfg.num_experts, self.num_slots, self.model.banks,
+                                 self.dtype, track_recency=self.miss.track_recency)
 
     def reset_expert_cache(self) -> None:
         """Empties the expert cache: every slot freed (nothing resident), as in a new engine.
 
         For cold-start measurements (each timed request from the same state) without rebuilding
         the engine or recompiling. The slot pools keep their bytes (no copy, no reallocation);
-        the hit / miss / split counters keep counting. No-op in resident mode (no table).
+        routing recency starts over; the counters keep counting. No-op in resident mode (no table).
         """
-        inner = self.state.experts if isinstance(self.state, miss_policy.MissState) else self.state
-        if inner.table is None:
+        if self.state.table is None:
             return
-        # the miss runtime wraps it as in __init__ (cpu / adaptive: routing recency starts over too)
-        self.state = self.miss.init_state(inner.replace(table=reset_table(inner.table)))
+        recency = self.state.last_routed
+        self.state = self.state.replace(table=reset_table(self.state.table),
+                                        last_routed=None if recency is None else jnp.full_like(recency, -1))
+
+    def resident_experts_per_layer(self) -> list[int]:
+        """How many experts of each layer sit in the slot cache now (all E when resident)."""
+        cfg = self.cfg
+        if self.state.table is None:
+            return [cfg.num_experts] * cfg.num_layers
+        slot_of = np.asarray(self.state.table.slot_of).reshape(cfg.num_layers, cfg.num_experts)
+        return (slot_of >= 0).sum(axis=1).tolist()
 
     # ---- one forward call --------------------------------------------------------------------
-    def _step(self, tokens: np.ndarray, start: np.ndarray, valid_len: np.ndarray, cache, all_logits=False,
-              stream=False):
-        args = (self.model.params, self.model.host_gate_up, self.model.host_down, cache, self.state,
-                jnp.asarray(tokens, jnp.int32), jnp.asarray(start, jnp.int32), jnp.asarray(valid_len, jnp.int32))
-        out = self._executable(args, all_logits, stream)(*args)
+    def _options(self, all_logits: bool = False, stream: bool = False, kv: KVStep | None = None) -> StepOptions:
+        return StepOptions(self.mode, all_logits, stream, self.config.prefill_overlap and stream, self.cache_policy,
+                           self.miss.jit_config, kv, self.precision)
+
+    def _args(self, tokens, start, valid_len, cache, prefix=()):
+        m = self.model
+        return (m.params, m.banks, cache, self.state, jnp.asarray(tokens, jnp.int32), jnp.asarray(start, jnp.int32),
+                jnp.asarray(valid_len, jnp.int32), tuple(prefix))
+
+    def _step(self, tokens: np.ndarray, start: np.ndarray, valid_len: np.ndarray, cache, opts: StepOptions,
+              prefix=()) -> model_lib.ForwardOut:
+        """Runs the step; the expert state and ``cache`` are donated to it.
+
+        If the step raises (a device OOM, say) after its donated expert state was consumed, the
+        engine starts again from an empty expert cache (counted in ``failed_steps``) so that it
+        stays usable; the KV cache passed in is consumed either way. The error is re-raised.
+        """
+        args = self._args(tokens, start, valid_len, cache, prefix)
+        try:
+            out = self._executable(args, opts)(*args)
+        except Exception:
+            self.failed_steps += 1
+            if any(x.is_deleted() for x in jax.tree.leaves(self.state)):
+                self.state = self._fresh_state()
+            raise
         self.state = out.expert_state
         return out
 
     def streams(self, valid_tokens: int) -> bool:
-        """Whether a prefill chunk with ``valid_tokens`` real tokens streams whole layers."""
-        if self.mode == "resident" or self.prefill_mode == "on_demand":
+        """Whether a prefill call with ``valid_tokens`` real tokens streams whole layers."""
+        if self.mode == "resident" or self.config.prefill == "on_demand":
             return False
-        if self.prefill_mode == "stream":
+        if self.config.prefill == "stream":
             return True
         e = self.cfg.num_experts
         return self.num_slots >= 2 * e and valid_tokens * self.cfg.top_k >= e
@@ -250,47 +292,70 @@ class Engine:
             if problem:
                 raise ValueError(f"prompt {i}: {problem}")
 
-    def prefill(self, prompts: Sequence[Sequence[int]], cache, all_logits: bool = False):
-        """Prefills a batch of prompts, in chunks of at most ``prefill_chunk`` tokens (each chunk
-        right-padded to a bucket).
+    # ---- prefill ------------------------------------------------------------------------------
+    def plan_prefill(self, prompts: Sequence[Sequence[int]]) -> list[PrefillCall]:
+        """The calls of a plain prefill: chunks of at most ``prefill_chunk`` tokens, each
+        right-padded to a bucket (a sequence already complete has 0 valid tokens in later chunks)."""
+        lengths = np.array([len(p) for p in prompts])
+        longest = int(lengths.max())
+        chunk = min(self.config.prefill_chunk, longest)
+        calls = []
+        for c in range(0, longest, chunk):
+            valid = tuple(int(v) for v in np.clip(lengths - c, 0, chunk))
+            calls.append(PrefillCall(c, valid, bucket(max(valid))))
+        return calls
+
+    def prefill(self, prompts: Sequence[Sequence[int]], cache, all_logits: bool = False, kv_manager=None,
+                request=None):
+        """Prefills a batch of prompts through the calls of :meth:`plan_prefill`, or, with a
+        prefix-reuse ``request`` of ``kv_manager`` (``ftjax.kv.prefix_cache``, batch 1), through
+        the request's calls: the reused prefix loads layer by layer inside the first call and new
+        full chunks leave as outputs, which the manager stores. Every call picks streaming or
+        on-demand expert loading by :meth:`streams`, whichever path planned it.
 
         Returns (logits, cache, lengths, stats): logits float32 [B, V] of each prompt's last token
-        ([B, T, V] with all_logits, T the padded length); stats: one LayerStats per chunk.
+        ([B, T, V] with all_logits, T the padded length); stats: one LayerStats per call.
         """
         b = len(prompts)
         lengths = np.array([len(p) for p in prompts], np.int32)
-        longest = int(lengths.max())
-        chunk = min(self.prefill_chunk, longest)
-        logits, stats, pieces = None, [], []
-        for c in range(0, longest, chunk):
-            valid = np.clip(lengths - c, 0, chunk).astype(np.int32)
-            t = bucket(int(valid.max()))
-            tokens = np.zeros((b, t), np.int32)
-            for i, p in enumerate(prompts):
-                tokens[i, : valid[i]] = p[c: c + valid[i]]
-            stream = self.streams(int(valid.sum()))
-            # a sequence already complete has 0 valid tokens here: none of its padding is routed
-            out = self._step(tokens, np.full(b, c, np.int32), valid, cache, all_logits, stream)
-            cache = out.cache
-            self.counters["prefill"].add(out.layer_stats)
-            self.miss.add("prefill", out.layer_stats)
-            if stream and self.prefill_overlap:
-                self.counters["prefill"].extra_copies += self.cfg.num_experts
-            stats.append(out.layer_stats)
-            if all_logits:
-                pieces.append(out.logits[:, : min(chunk, longest - c)])
-            elif logits is None:
-                logits = out.logits
-            else:  # keep each sequence's logits from the chunk its prompt ends in
-                logits = _keep_rows((lengths > c) & (lengths <= c + chunk), out.logits, logits)
+        calls = request.calls if request is not None else self.plan_prefill(prompts)
+        logits, stats, pieces, outs = None, [], [], []
+        try:
+            prefix = kv_manager.load_prefix(request) if request is not None else ()
+            for call in calls:
+                tokens = np.zeros((b, call.bucket), np.int32)
+                for i, p in enumerate(prompts):
+                    tokens[i, : call.valid[i]] = p[call.start: call.start + call.valid[i]]
+                stream = self.streams(call.tokens)
+                kv = kv_manager.step_options(call) if request is not None else None
+                out = self._step(tokens, np.full(b, call.start, np.int32), np.asarray(call.valid, np.int32), cache,
+                                 self._options(all_logits, stream, kv), prefix if call.with_prefix else ())
+                cache = out.cache
+                outs.append(out)
+                self.counters["prefill"].add(out.layer_stats)
+                if stream and self.config.prefill_overlap:
+                    self.counters["prefill"].extra_copies += self.cfg.num_experts
+                stats.append(out.layer_stats)
+                if all_logits:
+                    pieces.append(out.logits[:, : max(call.valid)])
+                elif logits is None:
+                    logits = out.logits
+                else:  # keep each sequence's logits from the call its prompt ends in
+                    ends = (lengths > call.start) & (lengths <= call.start + np.asarray(call.valid))
+                    logits = _keep_rows(ends, out.logits, logits)
+        finally:
+            if request is not None:
+                kv_manager.finish(request, [o.kv_out for o in outs] if len(outs) == len(calls) else None)
         if all_logits:
             logits = jnp.concatenate(pieces, axis=1)
         return logits, cache, lengths, stats
 
+    # ---- generation ---------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0, keep_logits: bool = False,
-                 trace_routing: bool = False, time_steps: bool = False, kv_manager=None) -> GenerationResult:
-        """Prefill + decode ``max_new_tokens`` tokens for each prompt.
+                 trace_routing: bool = False, time_steps: bool = False, kv_manager=None,
+                 eos_ids: Sequence[int] = ()) -> GenerationResult:
+        """Prefill + decode up to ``max_new_tokens`` tokens for each prompt.
 
         TTFT is measured from the prefill's dispatch to the first sampled token being ready;
         decode time from then to the last token. Compilation is excluded and reported apart.
@@ -298,35 +363,48 @@ class Engine:
         host sync per step; without it steps are dispatched asynchronously).
         With ``kv_manager`` (``ftjax.kv.prefix_cache.PrefixCache``, batch 1) the prefill reuses
         stored prefix KV and stores new chunks; its key lookup time is added to TTFT.
+        ``eos_ids``: a sequence stops after generating one of these ids (its stop reason is
+        "eos"); decoding ends when every sequence stopped. The check reads each token one step
+        late, so dispatch stays asynchronous; at most one extra step runs.
         """
         self.check_prompts(prompts, max_new_tokens)
         b = len(prompts)
         compile_before = self.compile_s
+        before = {p: c.copy() for p, c in self.counters.items()}
         cache = self.new_cache(b)
         key = jax.random.key(seed)
-        routing = [] if trace_routing else None
-        # Compile both programs before the clock starts.
-        self._ensure_compiled(prompts, cache, prefill=kv_manager is None)
-        self._warm_sampling(b, temperature, top_p)
-        req = kv_manager.begin(self, prompts, cache) if kv_manager is not None else None
+        req = kv_manager.begin(self, prompts) if kv_manager is not None else None
+        try:  # compile every program before the clock starts
+            self._ensure_compiled(req.calls if req is not None else self.plan_prefill(prompts), b, cache,
+                                  kv_manager, req)
+            self._warm_sampling(b, temperature, top_p)
+        except BaseException:
+            if req is not None:
+                kv_manager.finish(req, None)  # unpins the hit chunks
+            raise
         t0 = time.perf_counter()
-        if req is None:
-            logits, cache, lengths, stats = self.prefill(prompts, cache)
-        else:
-            logits, cache, lengths, stats = kv_manager.prefill(self, req, cache)
+        logits, cache, lengths, stats = self.prefill(prompts, cache, kv_manager=kv_manager, request=req)
         key, sub = jax.random.split(key)
         tok = _sample(logits, sub, temperature, top_p)
         tok.block_until_ready()
         t_first = time.perf_counter()
         ttft = t_first - t0 + (req.lookup_s if req is not None else 0.0)
-        if trace_routing:  # [L, B*T] token axis of every chunk, concatenated
-            routing.append(np.concatenate([np.asarray(st.routed_ids) for st in stats], axis=1))
+        routing = [np.concatenate([np.asarray(st.routed_ids) for st in stats], axis=1)] if trace_routing else None
         toks, all_logits, decode_stats = [tok], [logits] if keep_logits else None, []
+        eos = np.asarray(list(eos_ids), np.int64)
+        done_at = np.full(b, -1)  # index into toks of each sequence's EOS, -1 = still going
         pos = lengths.copy()
         step_s = [] if time_steps else None
+        decode_opts = self._options()
         for _ in range(max_new_tokens - 1):
+            if eos.size:  # the previous token is ready by now: this read does not stall the device
+                i = len(toks) - 1
+                hit = np.isin(np.asarray(toks[i]), eos) & (done_at < 0)
+                done_at[hit] = i
+                if (done_at >= 0).all():
+                    break
             ts = time.perf_counter()
-            out = self._step(tok[:, None], pos, np.ones(b, np.int32), cache)
+            out = self._step(tok[:, None], pos, np.ones(b, np.int32), cache, decode_opts)
             cache = out.cache
             key, sub = jax.random.split(key)
             tok = _sample(out.logits, sub, temperature, top_p)
@@ -342,19 +420,28 @@ class Engine:
         decode_s = time.perf_counter() - t_first
         for s in decode_stats:
             self.counters["decode"].add(s)
-            self.miss.add("decode", s)
             if trace_routing:
                 routing.append(np.asarray(s.routed_ids))
         gen = np.stack([np.asarray(t) for t in toks], axis=1)
-        n_dec = b * (max_new_tokens - 1)
+        if eos.size:  # the last token was not checked inside the loop
+            hit = np.isin(gen[:, -1], eos) & (done_at < 0)
+            done_at[hit] = gen.shape[1] - 1
+        ends = np.where(done_at >= 0, done_at + 1, gen.shape[1])
+        generated = [gen[i, : ends[i]].tolist() for i in range(b)]
+        n_dec = int(sum(max(e - 1, 0) for e in ends))
+        eb = self.model.expert_bytes
+        own = sum((self.counters[p] - before[p] for p in self.counters), ExpertCounters.zeros(
+            self.cfg.num_layers, self.cfg.num_experts))
         return GenerationResult(
-            prompt_ids=[list(map(int, p)) for p in prompts], generated_ids=gen.tolist(),
+            prompt_ids=[list(map(int, p)) for p in prompts], generated_ids=generated,
             step_logits=np.stack([np.asarray(x) for x in all_logits]) if keep_logits else None,
             ttft_s=ttft, decode_s=decode_s, prefill_tokens_per_s=float(lengths.sum()) / ttft,
             decode_tokens_per_s=n_dec / decode_s if n_dec and decode_s > 0 else 0.0,
             compile_s=self.compile_s - compile_before, routing=routing, step_s=step_s,
+            stop_reasons=["eos" if d >= 0 else "length" for d in done_at], expert_cache=own.summary(eb),
             kv=req.record() if req is not None else None)
 
+    # ---- compilation --------------------------------------------------------------------------
     def compiled(self, fn, args, **static):
         """``fn`` (a jitted step) compiled for these arguments and static options, from the shared
         cache (compiled once per fn, shapes, dtypes, memory kinds and options); compile seconds
@@ -366,26 +453,21 @@ class Engine:
             self.compile_s += time.perf_counter() - t0
         return _COMPILED[key]
 
-    def _executable(self, args, all_logits: bool = False, stream: bool = False):
-        return self.compiled(_forward_step, args, cfg=self.cfg, mode=self.mode, all_logits=all_logits,
-                             stream=stream, overlap=self.prefill_overlap and stream, policy=self.cache_policy,
-                             miss=self.miss.jit_config)
+    def _executable(self, args, opts: StepOptions):
+        return self.compiled(_forward_step, args, cfg=self.cfg, opts=opts)
 
-    def _ensure_compiled(self, prompts, cache, prefill: bool = True) -> None:
-        """Compiles every prefill chunk shape (unless ``prefill`` is False) and the decode step
-        before timing starts."""
-        b = len(prompts)
-        lengths = np.array([len(p) for p in prompts])
-        longest = int(lengths.max())
-        chunk = min(self.prefill_chunk, longest)
-        shapes = {((b, 1), False)}
-        for c in range(0, longest, chunk) if prefill else ():
-            valid = np.clip(lengths - c, 0, chunk)
-            shapes.add(((b, bucket(int(valid.max()))), self.streams(int(valid.sum()))))
-        for shape, stream in shapes:
-            args = (self.model.params, self.model.host_gate_up, self.model.host_down, cache, self.state,
-                    jnp.zeros(shape, jnp.int32), jnp.zeros(b, jnp.int32), jnp.ones(b, jnp.int32))
-            self._executable(args, stream=stream)
+    def _ensure_compiled(self, calls: Sequence[PrefillCall], batch: int, cache, kv_manager=None,
+                         request=None) -> None:
+        """Compiles every prefill call's program and the decode step before timing starts."""
+        shapes = {((batch, 1), self._options(), ())}
+        for call in calls:
+            kv = kv_manager.step_options(call) if request is not None else None
+            prefix = kv_manager.prefix_spec(self, request) if request is not None and call.with_prefix else ()
+            shapes.add(((batch, call.bucket), self._options(stream=self.streams(call.tokens), kv=kv), prefix))
+        for shape, opts, prefix in shapes:
+            args = self._args(np.zeros(shape, np.int32), np.zeros(batch, np.int32), np.ones(batch, np.int32), cache,
+                              prefix)
+            self._executable(args, opts)
 
     def _warm_sampling(self, batch: int, temperature: float, top_p: float) -> None:
         """Compiles the sampler and the key split outside the timed region. The dummy logits are
@@ -399,18 +481,16 @@ class Engine:
         _keep_rows(np.ones(batch, bool), logits, logits).block_until_ready()  # multi-chunk prefill
         self.compile_s += time.perf_counter() - t0
 
+    # ---- metrics ------------------------------------------------------------------------------
     def expert_cache_metrics(self) -> dict:
-        """The ``expert_cache`` metrics object: slots, hits, misses, hit rates, H2D bytes."""
+        """The ``expert_cache`` metrics object: slots, hits, misses, hit rates, fetched / CPU
+        misses, H2D bytes (per phase too), what the cache holds per layer, the miss policy."""
         eb = self.model.expert_bytes
-        total = ExpertCounters(self.counters["prefill"].hits + self.counters["decode"].hits,
-                               self.counters["prefill"].misses + self.counters["decode"].misses,
-                               self.counters["prefill"].extra_copies + self.counters["decode"].extra_copies)
+        total = self.counters["prefill"] + self.counters["decode"]
         m = {"mode": self.mode, "slots": self.num_slots, "policy": self.cache_policy, "expert_bytes": eb,
              **total.summary(eb),
-             "prefill": self.counters["prefill"].summary(eb), "decode": self.counters["decode"].summary(eb)}
-        m = self.miss.metrics(m, eb, min(self.cfg.num_experts, self.batch * self.cfg.top_k))
-        # the miss runtime counts fetched misses; add the streaming prologue's copies back
-        extra = total.extra_copies * eb
-        m["bytes_h2d"] += extra
-        m["prefill"]["bytes_h2d"] += extra
+             "prefill": self.counters["prefill"].summary(eb), "decode": self.counters["decode"].summary(eb),
+             "resident_per_layer": self.resident_experts_per_layer()}
+        m.update(self.miss.metrics(min(self.cfg.num_experts, self.batch * self.cfg.top_k)))
         return m
+

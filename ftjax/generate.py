@@ -25,6 +25,13 @@ import tempfile
 
 from absl import app, flags, logging
 
+# Flag choices come from the code's own registries (importing them does not start a JAX backend).
+from ftjax.config import KV_LOADS, MATMUL_PRECISIONS, PREFILL_MODES, EngineConfig, KVOffloadConfig
+from ftjax.experts.cpu_experts import IMPLS as CPU_EXPERT_IMPLS
+from ftjax.experts.miss_policy import POLICIES as MISS_POLICIES
+from ftjax.experts.offload import MODES as EXPERT_MODES
+from ftjax.experts.slot_table import POLICIES as CACHE_POLICIES
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", None, "HF checkpoint directory (config.json + safetensors). "
                     "Absent: the built-in deterministic demo model (random weights, preset 'tiny').")
@@ -40,10 +47,10 @@ flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass in (0, 1].")
 flags.DEFINE_integer("seed", 0, "Sampling / random-weight seed.")
 flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "float16"], "Compute dtype; default the checkpoint's.")
 flags.DEFINE_integer("max_seq_len", None, "KV cache length; default prompt + new tokens rounded up to 128.")
-flags.DEFINE_enum("experts", "auto", ["auto", "resident", "cached", "on_demand"],
+flags.DEFINE_enum("experts", "auto", ["auto", *EXPERT_MODES],
                   "Where experts live: auto = resident if the pool fits the budget, else cached.")
 flags.DEFINE_integer("expert_slots", None, "Device expert slots S (E <= S <= L*E).")
-flags.DEFINE_enum("cache_policy", "lru", ["lru", "lookahead"],
+flags.DEFINE_enum("cache_policy", "lru", list(CACHE_POLICIES),
                   "Slot eviction: global LRU, or lookahead (evict the layer that comes up last in the layer "
                   "cycle; avoids LRU's collapse when one step's experts do not fit).")
 flags.DEFINE_float("vram_budget_gb", None, "Device memory budget in GB (1e9 bytes) to plan slots from.")
@@ -51,7 +58,7 @@ flags.DEFINE_string("metrics_json", None, "Write metrics (ids, TTFT, tokens/s, e
 flags.DEFINE_string("logits_npy", None, "Write float32 [steps, vocab] logits of every generated step.")
 flags.DEFINE_string("trace_routing", None, "Write routed expert ids per step and layer (.npz).")
 flags.DEFINE_boolean("progress", True, "Show a progress bar while loading.")
-flags.DEFINE_enum("prefill", "auto", ["auto", "stream", "on_demand"],
+flags.DEFINE_enum("prefill", "auto", list(PREFILL_MODES),
                   "Prefill expert loading: stream whole layers through two E-slot buffers (needs 2E slots), "
                   "only the routed experts through the cache, or auto (stream when it fits and pays).")
 flags.DEFINE_integer("prefill_chunk", 8192, "Prompts longer than this many tokens are prefilled in chunks.")
@@ -63,20 +70,24 @@ flags.DEFINE_boolean("kv_offload", False, "Keep full chunks of prompt KV in host
                      "prefix (layerwise load in the prefill scan).")
 flags.DEFINE_float("kv_host_gb", 4.0, "Host memory for stored KV chunks, in GB (1e9 bytes).")
 flags.DEFINE_integer("kv_chunk_tokens", 256, "Tokens per stored KV chunk.")
-flags.DEFINE_enum("kv_load", "prefetch", ["prefetch", "xs", "all_first"],
+flags.DEFINE_enum("kv_load", "prefetch", list(KV_LOADS),
                   "How a reused prefix reaches the device: in the scan with the next layer prefetched, "
                   "in the scan as scan xs, or all layers before the prefill (ablation).")
-flags.DEFINE_enum("miss_policy", "fetch", ["fetch", "cpu", "adaptive"],
+flags.DEFINE_enum("miss_policy", "fetch", list(MISS_POLICIES),
                   "Expert-cache misses: copy them to the device (fetch), compute them on the host CPU (cpu), "
                   "or split each layer's misses by the calibrated cost model (adaptive: q* with fixed costs and the "
                   "measured overlap; docs/MISS_POLICY.md). DESIGN.md 1.2.")
-flags.DEFINE_enum("cpu_expert_impl", "callback_async",
-                  ["callback", "callback_async", "compute_on", "compute_on_static"],
+flags.DEFINE_enum("cpu_expert_impl", "callback_async", list(CPU_EXPERT_IMPLS),
                   "How misses are computed on the CPU (ftjax.experts.cpu_experts).")
 flags.DEFINE_integer("cpu_threads", 0, "Host-kernel threads of the callback mechanisms; 0 = the profile's or "
                      "half the cores.")
 flags.DEFINE_string("calibration_profile", None, "Calibration profile JSON (ftjax.calibrate); default "
                     "~/.cache/ftjax/calibration.json. Adaptive calibrates quickly and adds to it when missing.")
+flags.DEFINE_enum("matmul_precision", "auto", list(MATMUL_PRECISIONS),
+                  "Precision of the step's matmuls: auto = full float32 ('highest') for --dtype=float32 and the "
+                  "backend's fast default for 16-bit dtypes (on GPUs float32 dots otherwise run as TF32).")
+flags.DEFINE_boolean("ignore_eos", False, "Generate --max_new_tokens tokens even past the checkpoint's EOS id(s) "
+                     "(benchmarks).")
 flags.DEFINE_integer("fixed_fetch", None, "Adaptive: fetch min(N, misses) per layer instead of the calibrated split.")
 
 
@@ -182,7 +193,17 @@ def _read_prompts_file(path: str, model, max_new_tokens: int) -> list[list[int]]
     return prompts
 
 
-def _run_requests(model, engine, mode, plan, prompts: list[list[int]]) -> dict:
+def _run_metrics(model, engine, plan) -> dict:
+    """The metrics fields every run writes: model, engine config, memory plan, expert cache, and
+    where the run happened (commit, device, versions, date) and with which flags."""
+    from ftjax.provenance import run_meta
+    return {"model": model.name, "config": model.cfg.identity(), "dtype": model.dtype,
+            "experts_mode": engine.mode, "engine": engine.describe(), "memory_plan": plan.as_dict() if plan else None,
+            "expert_cache": engine.expert_cache_metrics(), "meta": run_meta(),
+            "flags": {f.name: f.value for f in FLAGS.get_key_flags_for_module(sys.modules[__name__])}}
+
+
+def _run_requests(model, engine, plan, prompts: list[list[int]], eos) -> dict:
     """Runs the requests one after another (batch 1), with prefix reuse when --kv_offload."""
     from ftjax.experts.planner import GB
     from ftjax.kv.host_store import HostKVStore
@@ -190,16 +211,18 @@ def _run_requests(model, engine, mode, plan, prompts: list[list[int]]) -> dict:
     manager = None
     if FLAGS.kv_offload:
         c = FLAGS.kv_chunk_tokens
-        manager = PrefixCache(HostKVStore(int(FLAGS.kv_host_gb * GB)), chunk_tokens=c, load=FLAGS.kv_load,
-                              prefill_chunk=max(c, FLAGS.prefill_chunk // c * c))
+        manager = PrefixCache(HostKVStore(int(FLAGS.kv_host_gb * GB)),
+                              KVOffloadConfig(chunk_tokens=c, load=FLAGS.kv_load,
+                                              prefill_chunk=max(c, FLAGS.prefill_chunk // c * c)))
     requests, results = [], []
     for i, p in enumerate(prompts):
         res = engine.generate([p], FLAGS.max_new_tokens, FLAGS.temperature, FLAGS.top_p, FLAGS.seed,
-                              kv_manager=manager)
+                              kv_manager=manager, eos_ids=eos)
         reused = res.kv["reused_tokens"] if res.kv else 0
         requests.append({"prompt_tokens": len(p), "generated_ids": res.generated_ids[0], "ttft_s": res.ttft_s,
                          "reused_tokens": reused, "decode_s": res.decode_s,
-                         "decode_tokens_per_s": res.decode_tokens_per_s, "kv": res.kv})
+                         "decode_tokens_per_s": res.decode_tokens_per_s, "stop_reason": res.stop_reasons[0],
+                         "expert_cache": res.expert_cache, "kv": res.kv})
         results.append(res)
         text = f" | text: {model.tokenizer.decode(res.generated_ids[0])!r}" if model.tokenizer is not None else ""
         print(f"request {i}: {len(p)} prompt tokens, {reused} reused | TTFT {res.ttft_s * 1e3:.1f} ms | "
@@ -210,9 +233,8 @@ def _run_requests(model, engine, mode, plan, prompts: list[list[int]]) -> dict:
         print(f"kv store: {kv_store['chunks_hit']} chunks hit, {kv_store['chunks_stored']} stored, "
               f"{kv_store['chunks_evicted']} evicted, {kv_store['chunks_skipped']} skipped; "
               f"{kv_store['bytes_loaded'] / 1e6:.1f} MB loaded, {kv_store['bytes_stored'] / 1e6:.1f} MB stored")
-    metrics = {"model": model.name, "config": model.cfg.identity(), "dtype": model.dtype, "experts_mode": mode,
-               "memory_plan": plan.as_dict() if plan else None, "requests": requests, "kv_store": kv_store,
-               "compile_s": sum(r.compile_s for r in results), "expert_cache": engine.expert_cache_metrics()}
+    metrics = {**_run_metrics(model, engine, plan), "requests": requests, "kv_store": kv_store,
+               "compile_s": sum(r.compile_s for r in results)}
     if len(prompts) == 1:  # the single-prompt fields, as without --kv_offload
         r = results[0]
         metrics.update(prompt_ids=prompts[0], generated_ids=r.generated_ids[0],
@@ -288,8 +310,8 @@ def _miss_runtime(model, mode: str, batch: int):
     from ftjax.experts import cpu_experts, miss_policy
     impl, threads = FLAGS.cpu_expert_impl, FLAGS.cpu_threads or None
     if impl not in cpu_experts.CALLBACK_IMPLS:  # compute_on reads the banks in-graph: they must be host-typed
-        model.host_gate_up = cpu_experts.ensure_host_typed(model.host_gate_up)
-        model.host_down = cpu_experts.ensure_host_typed(model.host_down)
+        model.banks = model.banks.replace(gate_up=cpu_experts.ensure_host_typed(model.banks.gate_up),
+                                          down=cpu_experts.ensure_host_typed(model.banks.down))
     calibration = split_model = None
     if FLAGS.miss_policy == "adaptive" and FLAGS.fixed_fetch is None:  # only the model split reads a profile
         path = FLAGS.calibration_profile or calibrate.default_profile_path()
@@ -301,7 +323,7 @@ def _miss_runtime(model, mode: str, batch: int):
             print(calibrate.describe_impl(impl, entry["impls"][impl]))
         calibration = {"path": path, "key": key, "calibrated_now": fresh, "entry": entry}
     cpu = cpu_experts.make_cpu_experts(impl, model.host_gate_up, model.host_down, threads)
-    return miss_policy.build_runtime(FLAGS.miss_policy, model.cfg.num_layers, model.cfg.num_experts, cpu,
+    return miss_policy.build_runtime(FLAGS.miss_policy, model.cfg.num_experts, cpu,
                                      split_model=split_model, fixed_fetch=FLAGS.fixed_fetch,
                                      calibration=calibration)
 
@@ -345,13 +367,17 @@ def run() -> dict:
     miss = _miss_runtime(model, mode, FLAGS.batch)
     if miss is not None:
         print(miss.describe(min(cfg.num_experts, FLAGS.batch * cfg.top_k)))
-    engine = Engine(model, mode, plan.slots if plan else None, max_seq_len=max_seq_len, batch=FLAGS.batch,
-                    prefill=FLAGS.prefill, prefill_chunk=FLAGS.prefill_chunk, prefill_overlap=FLAGS.prefill_overlap,
-                    cache_policy=FLAGS.cache_policy, miss=miss)
+    config = EngineConfig(mode, num_slots=plan.slots if plan else None, max_seq_len=max_seq_len, batch=FLAGS.batch,
+                          prefill=FLAGS.prefill, prefill_chunk=FLAGS.prefill_chunk,
+                          prefill_overlap=FLAGS.prefill_overlap, cache_policy=FLAGS.cache_policy,
+                          matmul_precision=FLAGS.matmul_precision)
+    engine = Engine(model, config, miss=miss)
+    eos = () if FLAGS.ignore_eos else model.eos_ids
     if requests_mode:
-        return _run_requests(model, engine, mode, plan, prompts or [prompt])
+        return _run_requests(model, engine, plan, prompts or [prompt], eos)
     res = engine.generate([prompt] * FLAGS.batch, FLAGS.max_new_tokens, FLAGS.temperature, FLAGS.top_p,
-                          FLAGS.seed, keep_logits=bool(FLAGS.logits_npy), trace_routing=bool(FLAGS.trace_routing))
+                          FLAGS.seed, keep_logits=bool(FLAGS.logits_npy), trace_routing=bool(FLAGS.trace_routing),
+                          eos_ids=eos)
     gen = res.generated_ids[0]
     if model.tokenizer is not None:
         print("text:", model.tokenizer.decode(gen))
@@ -365,11 +391,10 @@ def run() -> dict:
     if miss is not None:
         print(f"misses: {ec['fetched']} fetched, {ec['cpu_computed']} computed on the CPU "
               f"({ec['miss_policy']}, split {ec['split']['rule']})")
-    metrics = {"model": model.name, "config": cfg.identity(), "dtype": model.dtype, "experts_mode": mode,
-               "memory_plan": plan.as_dict() if plan else None, "prompt_ids": prompt,
-               "generated_ids": gen, "batch_generated_ids": res.generated_ids, "ttft_s": res.ttft_s,
-               "decode_s": res.decode_s, "prefill_tokens_per_s": res.prefill_tokens_per_s,
-               "decode_tokens_per_s": res.decode_tokens_per_s, "compile_s": res.compile_s, "expert_cache": ec}
+    metrics = {**_run_metrics(model, engine, plan), "prompt_ids": prompt,
+               "generated_ids": gen, "batch_generated_ids": res.generated_ids, "stop_reasons": res.stop_reasons,
+               "ttft_s": res.ttft_s, "decode_s": res.decode_s, "prefill_tokens_per_s": res.prefill_tokens_per_s,
+               "decode_tokens_per_s": res.decode_tokens_per_s, "compile_s": res.compile_s}
     if FLAGS.logits_npy:
         logits = res.step_logits[:, 0, :].astype(np.float32)  # [steps, vocab] of sequence 0
         _atomic_write(FLAGS.logits_npy, lambda f: np.save(f, logits))

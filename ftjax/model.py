@@ -33,6 +33,33 @@ from ftjax.config import ModelConfig
 Params = dict[str, Any]
 
 
+def layer_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shape of each per-layer parameter of one layer (matrices as [in, out]), by family.
+
+    The one table of non-expert shapes: the checkpoint loader, the random-weight builder and
+    the memory planner all read it. Stacked over layers, each gets a leading L axis.
+    """
+    d, hd = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    s = {"attn_norm": (d,), "mlp_norm": (d,), "wq": (d, q), "wk": (d, kv), "wv": (d, kv), "wo": (q, d),
+         "router": (d, cfg.num_experts)}
+    if cfg.qk_norm == "per_head":
+        s["q_norm"], s["k_norm"] = (hd,), (hd,)
+    elif cfg.qk_norm == "full":
+        s["q_norm"], s["k_norm"] = (q,), (kv,)
+    return s
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
+    """Shapes of the whole params pytree (see the module docstring); no lm_head when tied."""
+    shapes: dict[str, Any] = {
+        "embed": (cfg.vocab_size, cfg.hidden_size), "final_norm": (cfg.hidden_size,),
+        "layers": {k: (cfg.num_layers,) + v for k, v in layer_param_shapes(cfg).items()}}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (cfg.hidden_size, cfg.vocab_size)
+    return shapes
+
+
 class KVCache(NamedTuple):
     """Device KV cache. k, v: [L, B, S_max, Hkv, hd], compute dtype."""
 
@@ -185,6 +212,67 @@ class ForwardOut(NamedTuple):
     kv_out: Any = None
 
 
+class LayerInputs(NamedTuple):
+    """What every layer of one forward call shares (built once by :func:`forward`).
+
+    positions: int32 [B, T] absolute positions; bidx: int32 [B, 1] batch row ids; valid: bool
+    [B, T], False for padding; start: int32 [B], first position of the call.
+    """
+
+    positions: jax.Array
+    bidx: jax.Array
+    valid: jax.Array
+    start: jax.Array
+
+
+class LayerCarry(NamedTuple):
+    """What one layer hands the next: the residual stream h [B, T, D], the KV cache k, v
+    [L, B, S_max, Hkv, hd], the expert state and the KV hook's carry."""
+
+    h: jax.Array
+    k: jax.Array
+    v: jax.Array
+    expert_state: Any
+    hook: Any
+
+
+def decoder_layer(cfg: ModelConfig, lp: Params, layer: jax.Array, carry: LayerCarry, inputs: LayerInputs,
+                  expert_fn: ExpertFn, kv_hook: KVHook | None = None, hook_xs: Any = None):
+    """One decoder layer: attention (K/V written into the cache) then the routed-expert MLP.
+
+    Any driver calls this same function: the layer scan of :func:`forward`, or another driver
+    that runs layers one at a time. lp: one layer's slice of ``params["layers"]``; layer: int32 []
+    layer index. Returns (new carry, (expert stats, the KV hook's per-layer output or None)).
+    """
+    h, ck, cv, state, hc = carry
+    b, t, _ = h.shape
+    positions = inputs.positions
+    hy = None
+    with jax.named_scope("attention"):
+        if kv_hook is not None:
+            ck, cv, hc = kv_hook.before_attention(ck, cv, layer, hook_xs, hc)
+        x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
+        q, k, v = _qk(cfg, lp, x, positions)
+        ck = ck.at[layer, inputs.bidx, positions].set(k.astype(ck.dtype), mode="drop")
+        cv = cv.at[layer, inputs.bidx, positions].set(v.astype(cv.dtype), mode="drop")
+        if kv_hook is not None:
+            hy = kv_hook.layer_output(ck, cv, layer, inputs.start)
+        o = attention(q, ck[layer], cv[layer], positions)
+        h = h + o.reshape(b, t, -1) @ lp["wo"]
+    with jax.named_scope("moe"):
+        x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps).reshape(b * t, -1)
+        ids, w = route(cfg, x, lp["router"])
+        y, state, stats = expert_fn(state, layer, LayerRouting(x, ids, w, inputs.valid.reshape(-1)))
+        h = h + y.reshape(b, t, -1).astype(h.dtype)
+    return LayerCarry(h, ck, cv, state, hc), (stats, hy)
+
+
+#: The layer function of each family (``ModelConfig.model_type``). The three families today share
+#: one layer; a family with another layer kind (or a block of several) registers its own here.
+LAYER_FNS: dict[str, Callable[..., tuple[LayerCarry, Any]]] = {
+    "qwen3_moe": decoder_layer, "olmoe": decoder_layer, "mixtral": decoder_layer}
+
+
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, start: jax.Array, valid_len: jax.Array,
             cache: KVCache, expert_fn: ExpertFn, expert_state: Any, all_logits: bool = False,
             kv_hook: KVHook | None = None) -> ForwardOut:
@@ -203,43 +291,23 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, start: jax.Arra
         reused prefix into the cache layer by layer and returns new K/V as scan outputs.
     """
     b, t = tokens.shape
-    dtype = params["embed"].dtype
     h = params["embed"][tokens]
     positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    valid = jnp.arange(t)[None, :] < valid_len[:, None]
-    bidx = jnp.arange(b)[:, None]
+    inputs = LayerInputs(positions, jnp.arange(b)[:, None], jnp.arange(t)[None, :] < valid_len[:, None], start)
+    layer_fn = LAYER_FNS[cfg.model_type]
+
+    def body(carry, xs):
+        lp, l, hx = xs
+        return layer_fn(cfg, lp, l, carry, inputs, expert_fn, kv_hook, hx)
 
     hook_xs = kv_hook.scan_xs() if kv_hook is not None else None
-    hook_carry = kv_hook.init_carry() if kv_hook is not None else None
-
-    def layer(carry, xs):
-        h, ck, cv, state, hc = carry
-        lp, l, hx = xs
-        hy = None
-        with jax.named_scope("attention"):
-            if kv_hook is not None:
-                ck, cv, hc = kv_hook.before_attention(ck, cv, l, hx, hc)
-            x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
-            q, k, v = _qk(cfg, lp, x, positions)
-            ck = ck.at[l, bidx, positions].set(k.astype(ck.dtype), mode="drop")
-            cv = cv.at[l, bidx, positions].set(v.astype(cv.dtype), mode="drop")
-            if kv_hook is not None:
-                hy = kv_hook.layer_output(ck, cv, l, start)
-            o = attention(q, ck[l], cv[l], positions)
-            h = h + o.reshape(b, t, -1) @ lp["wo"]
-        with jax.named_scope("moe"):
-            x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps).reshape(b * t, -1)
-            ids, w = route(cfg, x, lp["router"])
-            y, state, stats = expert_fn(state, l, LayerRouting(x, ids, w, valid.reshape(-1)))
-            h = h + y.reshape(b, t, -1).astype(dtype)
-        return (h, ck, cv, state, hc), (stats, hy)
-
+    carry = LayerCarry(h, cache.k, cache.v, expert_state, kv_hook.init_carry() if kv_hook is not None else None)
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (h, ck, cv, expert_state, _), (stats, kv_out) = jax.lax.scan(
-        layer, (h, cache.k, cache.v, expert_state, hook_carry), (params["layers"], layer_ids, hook_xs))
+    carry, (stats, kv_out) = jax.lax.scan(body, carry, (params["layers"], layer_ids, hook_xs))
+    h = carry.h
     if not all_logits:  # a sequence with no valid token here (valid_len 0) reads position 0
         h = h[jnp.arange(b), jnp.maximum(valid_len - 1, 0)]
     h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
     head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
     logits = (h @ head).astype(jnp.float32)
-    return ForwardOut(logits, KVCache(ck, cv), expert_state, stats, kv_out)
+    return ForwardOut(logits, KVCache(carry.k, carry.v), carry.expert_state, stats, kv_out)

@@ -16,6 +16,7 @@ Most tests use one fixture, mode and set of lengths, so compiled programs are sh
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -30,6 +31,8 @@ import pytest
 from conftest import fixture_path, load_fixture
 from ftjax import model as model_lib
 from ftjax.engine import Engine, bucket
+from ftjax.config import EngineConfig, KVOffloadConfig
+from ftjax.experts.state import init_expert_state
 from ftjax.experts import offload
 from ftjax.kv.host_store import HostKVStore
 from ftjax.kv.layerwise import LayerwiseKV, bucket_chunks, load_prefix_only
@@ -46,7 +49,7 @@ def _tol(x: np.ndarray) -> float:
 
 def _engine(name: str, mode: str = "resident") -> Engine:
     model, _ = load_fixture(name)
-    return Engine(model, mode, None if mode == "resident" else model.cfg.num_experts, max_seq_len=S)
+    return Engine(model, EngineConfig(mode, num_slots=None if mode == "resident" else model.cfg.num_experts, max_seq_len=S))
 
 
 def _entry_bytes(model) -> int:
@@ -55,8 +58,8 @@ def _entry_bytes(model) -> int:
 
 
 def _manager(model, chunks: float = 100, **kw) -> PrefixCache:
-    return PrefixCache(HostKVStore(int(chunks * _entry_bytes(model))), chunk_tokens=C, prefill_chunk=kw.pop(
-        "prefill_chunk", 256), **kw)
+    return PrefixCache(HostKVStore(int(chunks * _entry_bytes(model))),
+                       KVOffloadConfig(chunk_tokens=C, prefill_chunk=kw.pop("prefill_chunk", 256), **kw))
 
 
 @functools.lru_cache(maxsize=None)
@@ -71,8 +74,8 @@ def _reference(model, prompt, calls):
     """Plain forward as the calls ``(a, b)``: tokens prompt[a:b] at start a, padded to ``bucket``,
     in order, on one cache. Returns (logits [V] of the last call's last token, cache k, v numpy)."""
     cfg = model.cfg
-    state = offload.init_expert_state("resident", cfg.num_layers, cfg.num_experts, 0, model.host_gate_up,
-                                      model.host_down, model.params["embed"].dtype)
+    state = init_expert_state("resident", cfg.num_layers, cfg.num_experts, 0, model.banks,
+                              model.params["embed"].dtype)
     cache = model_lib.init_kv_cache(cfg, 1, S, model.params["embed"].dtype)
     f = _plain_fn(cfg)
     for a, b in calls:
@@ -87,8 +90,8 @@ def _reference(model, prompt, calls):
 def _prefill(engine, mgr, prompt):
     """One request's prefill through the manager; returns (logits [V], cache k, v numpy, record)."""
     cache = engine.new_cache(1)
-    req = mgr.begin(engine, [prompt], cache)
-    logits, cache, _, _ = mgr.prefill(engine, req, cache)
+    req = mgr.begin(engine, [prompt])
+    logits, cache, _, _ = engine.prefill([prompt], cache, kv_manager=mgr, request=req)
     return np.asarray(logits[0]), np.asarray(cache.k), np.asarray(cache.v), req.record()
 
 
@@ -158,7 +161,7 @@ def test_stored_then_retrieved_kv_equals_in_place_every_layer():
         assert all(a.sharding.memory_kind in HOST_KINDS for a in mgr.store.get(mgr.store.keys_lru()))
         # retrieved: each load variant writes exactly the stored rows into a fresh cache
         for load in ("prefetch", "xs", "all_first"):
-            mgr.load = load
+            mgr.config = dataclasses.replace(mgr.config, load=load)
             _, k2, v2, rec2 = _prefill(engine, mgr, prompt + [7, 8])
             assert rec2["reused_tokens"] == 96
             np.testing.assert_array_equal(k2[:, :, :96], k[:, :, :96])
@@ -232,11 +235,11 @@ def test_total_miss_short_prompt_and_multi_call_equal_plain_engine():
     np.testing.assert_allclose(res.step_logits, plain.step_logits, rtol=0, atol=_tol(plain.step_logits))
     assert mgr.store.stats.num_pinned == 0
     with pytest.raises(ValueError, match="batch 1"):
-        mgr.begin(engine, [prompt, prompt], engine.new_cache(2))
+        mgr.begin(engine, [prompt, prompt])
     with pytest.raises(ValueError, match="multiple of the KV chunk"):
-        PrefixCache(HostKVStore(0), chunk_tokens=16, prefill_chunk=40)
+        PrefixCache(HostKVStore(0), KVOffloadConfig(chunk_tokens=16, prefill_chunk=40))
     with pytest.raises(ValueError, match="unknown KV load"):
-        PrefixCache(HostKVStore(0), load="bogus")
+        PrefixCache(HostKVStore(0), KVOffloadConfig(load="bogus"))
 
 
 def test_full_hit_recomputes_only_the_last_token():
@@ -280,7 +283,7 @@ def test_capacity_smaller_than_one_chunk_skips_every_store():
     model, _ = load_fixture("qwen3_moe_fp32")
     prompt = _long_prompt()[:100]
     engine = _engine("qwen3_moe_fp32")
-    mgr = PrefixCache(HostKVStore(_entry_bytes(model) - 1), chunk_tokens=C)
+    mgr = PrefixCache(HostKVStore(_entry_bytes(model) - 1), KVOffloadConfig(chunk_tokens=C))
     plain = engine.generate([prompt], 6)
     for _ in range(2):
         res = engine.generate([prompt], 6, kv_manager=mgr)
@@ -293,7 +296,7 @@ def test_second_model_identity_never_hits_first_models_chunks():
     qwen, _ = load_fixture("qwen3_moe_fp32")
     prompt = _long_prompt()[:100]
     store = HostKVStore(100 * _entry_bytes(qwen))
-    mgr = PrefixCache(store, chunk_tokens=C, prefill_chunk=256)
+    mgr = PrefixCache(store, KVOffloadConfig(chunk_tokens=C, prefill_chunk=256))
     e_qwen, e_mix = _engine("qwen3_moe_fp32"), _engine("mixtral_fp32")  # same chunk shape and dtype
     assert mgr.identity(e_qwen) != mgr.identity(e_mix)
     e_qwen.generate([prompt], 1, kv_manager=mgr)
@@ -302,7 +305,7 @@ def test_second_model_identity_never_hits_first_models_chunks():
     assert e_qwen.generate([prompt], 1, kv_manager=mgr).kv["hit_chunks"] == 6
     # same weights in bfloat16: another identity, and an incompatible entry dtype: no hit, no store
     bf16, _ = load_fixture("qwen3_moe_fp32", "bfloat16")
-    e_bf16 = Engine(bf16, "resident", max_seq_len=S)
+    e_bf16 = Engine(bf16, EngineConfig("resident", max_seq_len=S))
     assert mgr.identity(e_bf16) != mgr.identity(e_qwen)
     res = e_bf16.generate([prompt], 1, kv_manager=mgr)
     assert res.kv["hit_chunks"] == 0 and res.kv["chunks_skipped"] == 6 and len(store) == 12
@@ -361,7 +364,7 @@ def test_cli_prompts_file_bad_input(tmp_path):
             _read_prompts_file(str(path), model, 8)
         assert message in str(e.value), (text, str(e.value))
     path.write_text('{"prompt": "hello"}\n')
-    random_model = type(model)(model.cfg, model.params, model.host_gate_up, model.host_down, model.dtype, None)
+    random_model = dataclasses.replace(model, tokenizer=None)
     with pytest.raises(UserError, match="bad.jsonl:1: 'prompt' needs a tokenizer"):
         _read_prompts_file(str(path), random_model, 8)
     # end to end: one line on stderr, exit 1, no metrics file
@@ -378,8 +381,9 @@ def test_random_models_with_different_seeds_never_share_kv():
     from ftjax.checkpoint import random_model
     from ftjax.config import preset
     from ftjax.engine import Engine
+    from ftjax.config import EngineConfig
     from ftjax.kv.host_store import HostKVStore
     from ftjax.kv.prefix_cache import PrefixCache
     a, b = random_model(preset("tiny"), seed=0), random_model(preset("tiny"), seed=1)
-    cache = PrefixCache(HostKVStore(10**8), chunk_tokens=16)
+    cache = PrefixCache(HostKVStore(10**8), KVOffloadConfig(chunk_tokens=16))
     assert cache.identity(Engine(a)) != cache.identity(Engine(b))

@@ -27,7 +27,9 @@ from hypothesis import strategies as st
 from conftest import load_fixture
 from ftjax import memory
 from ftjax.engine import Engine
+from ftjax.config import EngineConfig
 from ftjax.experts import cpu_experts, miss_policy, offload
+from ftjax.experts.state import init_expert_state
 from ftjax.experts.miss_split import (SplitModel, best_fetch_count, brute_force_fetch_count, fixed_split_table,
                                       most_recent_misses, qstar, split_cost, split_table)
 from ftjax.model import LayerRouting
@@ -168,30 +170,29 @@ def test_expert_fn_fetches_most_recent_misses_and_cpu_misses_stay_out_of_the_tab
     cfg = model.cfg
     e, slots = cfg.num_experts, cfg.num_experts + 2
     cpu = cpu_experts.make_cpu_experts("compute_on", model.host_gate_up, model.host_down)
-    rt = miss_policy.build_runtime("adaptive", cfg.num_layers, e, cpu, fixed_fetch=2)
-    base = offload.init_expert_state("cached", cfg.num_layers, e, slots, model.host_gate_up, model.host_down,
-                                     jnp.float32)
-    state = rt.init_state(base)
+    rt = miss_policy.build_runtime("adaptive", e, cpu, fixed_fetch=2)
+    state = init_expert_state("cached", cfg.num_layers, e, slots, model.banks, jnp.float32,
+                              track_recency=rt.track_recency)
     layer = 1
     # expert 0 resident (slot 3); experts 2, 4, 5, 7 missing with recencies 9, 11, -1, 11
-    table = state.experts.table
+    table = state.table
     table = table.replace(slot_of=table.slot_of.at[layer * e + 0].set(3), id_of_slot=table.id_of_slot.at[3].set(layer * e),
                           last_use=table.last_use.at[3].set(5), clock=jnp.int32(20))
     last = state.last_routed.at[layer * e + jnp.array([2, 4, 7])].set(jnp.array([9, 11, 11]))
-    gu_pool = state.experts.gate_up.at[3].set(jnp.asarray(np.asarray(model.host_gate_up)[layer * e]))
-    dn_pool = state.experts.down.at[3].set(jnp.asarray(np.asarray(model.host_down)[layer * e]))
-    state = miss_policy.MissState(state.experts.replace(table=table, gate_up=gu_pool, down=dn_pool), last)
+    gu_pool = state.gate_up.at[3].set(jnp.asarray(np.asarray(model.host_gate_up)[layer * e]))
+    dn_pool = state.down.at[3].set(jnp.asarray(np.asarray(model.host_down)[layer * e]))
+    state = state.replace(table=table, gate_up=gu_pool, down=dn_pool, last_routed=last)
     ids = jnp.array([[0, 2], [4, 5], [7, 0]], jnp.int32)
     x = jax.random.normal(jax.random.key(0), (3, cfg.hidden_size))
     w = jnp.full((3, 2), 0.5)
-    fn = jax.jit(miss_policy.make_expert_fn(rt.config, "cached", e, model.host_gate_up, model.host_down))
+    fn = jax.jit(offload.make_expert_fn("cached", e, model.banks, miss=rt.config))
     y, new, stats = fn(state, jnp.int32(layer), LayerRouting(x, ids, w, jnp.ones(3, bool)))
     assert (int(stats.hits), int(stats.misses), int(stats.fetched), int(stats.cpu)) == (1, 4, 2, 2)
-    slot_of = np.asarray(new.experts.table.slot_of)[layer * e: (layer + 1) * e]
+    slot_of = np.asarray(new.table.slot_of)[layer * e: (layer + 1) * e]
     # the two most recent misses (4 and 7, clock 11) were fetched; 2 and 5 went to the CPU
     assert slot_of[0] == 3 and slot_of[4] >= 0 and slot_of[7] >= 0
     assert slot_of[2] == -1 and slot_of[5] == -1
-    assert int(new.experts.table.clock) == 21
+    assert int(new.table.clock) == 21
     lr = np.asarray(new.last_routed)[layer * e: (layer + 1) * e]
     np.testing.assert_array_equal(lr[[0, 2, 4, 5, 7]], [20] * 5)        # every routed expert, now
     # the output equals the resident FFN of the routed experts
@@ -211,7 +212,7 @@ def test_expert_fn_fetches_most_recent_misses_and_cpu_misses_stay_out_of_the_tab
 def qwen():
     model, exp = load_fixture("qwen3_moe_fp32")
     prompt = exp["short_prompt_ids"].tolist()
-    want = Engine(model, "resident", max_seq_len=96).generate([prompt], STEPS, keep_logits=True)
+    want = Engine(model, EngineConfig("resident", max_seq_len=96)).generate([prompt], STEPS, keep_logits=True)
     return model, prompt, want, {}
 
 
@@ -220,7 +221,7 @@ def _run(qwen, name, make_runtime, slots=None, trace=False):
     model, prompt, _, runs = qwen
     if name not in runs:
         cfg = model.cfg
-        eng = Engine(model, "cached", slots or cfg.num_experts, max_seq_len=96, miss=make_runtime())
+        eng = Engine(model, EngineConfig("cached", num_slots=slots or cfg.num_experts, max_seq_len=96), miss=make_runtime())
         runs[name] = (eng.generate([prompt], STEPS, keep_logits=True, trace_routing=trace), eng)
     return runs[name]
 
@@ -228,7 +229,7 @@ def _run(qwen, name, make_runtime, slots=None, trace=False):
 def _policy(model, policy, impl="compute_on", **kw):
     cfg = model.cfg
     return lambda: miss_policy.build_runtime(
-        policy, cfg.num_layers, cfg.num_experts,
+        policy, cfg.num_experts,
         cpu_experts.make_cpu_experts(impl, model.host_gate_up, model.host_down), **kw)
 
 
@@ -241,7 +242,7 @@ def test_cpu_only_equals_resident_and_never_touches_the_table(qwen):
     assert m["miss_policy"] == "cpu" and m["fetched"] == 0 and m["bytes_h2d"] == 0
     assert m["cpu_computed"] == m["misses"] > 0
     # the prompt (16-token bucket x top-2 <= 64 pairs) is a gather call too: nothing ever got a slot
-    table = eng.state.experts.table
+    table = eng.state.table
     assert (np.asarray(table.slot_of) == -1).all() and (np.asarray(table.id_of_slot) == -1).all()
     assert m["hits"] == 0
     # last_routed: the clock (call * L + layer) of each flat id's last routing by a real token
@@ -276,7 +277,7 @@ def test_fixed_split_zero_equals_cpu_only_and_split_all_equals_fetch(qwen):
         assert me[key] == mf[key]
     assert me["cpu_computed"] == 0
     for f in ("slot_of", "id_of_slot", "last_use", "clock"):
-        np.testing.assert_array_equal(getattr(e_every.state.experts.table, f), getattr(e_fetch.state.table, f))
+        np.testing.assert_array_equal(getattr(e_every.state.table, f), getattr(e_fetch.state.table, f))
 
 
 def test_adaptive_model_split_smallest_cache_equals_resident(qwen):

@@ -13,6 +13,7 @@ import pytest
 
 from conftest import load_fixture
 from ftjax.engine import Engine
+from ftjax.config import EngineConfig
 from ftjax.experts.planner import plan_memory
 
 STEPS = 200
@@ -24,7 +25,7 @@ def resident_runs():
 
 
 def _decode(model, mode, slots, prompt, steps=STEPS, max_seq_len=256):
-    engine = Engine(model, mode, slots, max_seq_len=max_seq_len)
+    engine = Engine(model, EngineConfig(mode, num_slots=slots, max_seq_len=max_seq_len))
     res = engine.generate([prompt], max_new_tokens=steps, keep_logits=True)
     return res, engine
 
@@ -77,16 +78,16 @@ def test_batch_of_different_lengths_matches_single():
     model, exp = load_fixture("qwen3_moe_fp32")
     base = exp["long_prompt_ids"].tolist()
     prompts = [base[:5], base[10:27], base[40:80], base[100:200]]
-    engine = Engine(model, "cached", model.cfg.num_experts + 3, max_seq_len=256, batch=4)
+    engine = Engine(model, EngineConfig("cached", num_slots=model.cfg.num_experts + 3, max_seq_len=256, batch=4))
     batched = engine.generate(prompts, max_new_tokens=20).generated_ids
     for p, ids in zip(prompts, batched):
-        alone = Engine(model, "cached", model.cfg.num_experts + 3, max_seq_len=256).generate([p], 20)
+        alone = Engine(model, EngineConfig("cached", num_slots=model.cfg.num_experts + 3, max_seq_len=256)).generate([p], 20)
         assert alone.generated_ids[0] == ids
 
 
 def test_trace_routing_shapes_and_counts():
     model, exp = load_fixture("mixtral_fp32")
-    engine = Engine(model, "cached", model.cfg.num_experts, max_seq_len=64)
+    engine = Engine(model, EngineConfig("cached", num_slots=model.cfg.num_experts, max_seq_len=64))
     prompt = exp["short_prompt_ids"].tolist()
     res = engine.generate([prompt], max_new_tokens=5, trace_routing=True)
     cfg = model.cfg
@@ -127,7 +128,7 @@ def test_lookahead_policy_bit_identical(name, resident_runs):
     model, exp = load_fixture(name)
     want = _resident(resident_runs, name)
     e = model.cfg.num_experts
-    engine = Engine(model, "cached", e + 1, max_seq_len=256, cache_policy="lookahead")
+    engine = Engine(model, EngineConfig("cached", num_slots=e + 1, max_seq_len=256, cache_policy="lookahead"))
     got = engine.generate([exp["short_prompt_ids"].tolist()], max_new_tokens=STEPS, keep_logits=True)
     np.testing.assert_array_equal(got.step_logits, want.step_logits)
     assert engine.expert_cache_metrics()["policy"] == "lookahead"
@@ -145,9 +146,9 @@ def test_reset_expert_cache_makes_a_repeat_cold(policy):
     miss = None
     if policy == "adaptive":
         cpu = cpu_experts.make_cpu_experts("compute_on", model.host_gate_up, model.host_down)
-        miss = miss_policy.build_runtime("adaptive", cfg.num_layers, cfg.num_experts, cpu, fixed_fetch=1)
+        miss = miss_policy.build_runtime("adaptive", cfg.num_experts, cpu, fixed_fetch=1)
     # room for every expert, and no streaming (it re-copies whole layers): a repeat can hit
-    eng = Engine(model, "cached", cfg.num_layers * cfg.num_experts, max_seq_len=64, prefill="on_demand", miss=miss)
+    eng = Engine(model, EngineConfig("cached", num_slots=cfg.num_layers * cfg.num_experts, max_seq_len=64, prefill="on_demand"), miss=miss)
 
     def run():
         before = eng.expert_cache_metrics()
@@ -165,5 +166,5 @@ def test_reset_expert_cache_makes_a_repeat_cold(policy):
     assert c3 == c1 and c1["misses"] > 0
     np.testing.assert_array_equal(cold.step_logits, first.step_logits)
     np.testing.assert_array_equal(warm.step_logits, first.step_logits)
-    Engine(model, "resident", None, max_seq_len=64).reset_expert_cache()  # no table: a no-op
+    Engine(model, EngineConfig("resident", max_seq_len=64)).reset_expert_cache()  # no table: a no-op
 

@@ -15,6 +15,7 @@ import pytest
 
 from conftest import load_fixture
 from ftjax.engine import Engine
+from ftjax.config import EngineConfig
 
 
 def _tol(expected: np.ndarray) -> float:
@@ -23,7 +24,7 @@ def _tol(expected: np.ndarray) -> float:
 
 def test_prompt_logits_all_positions(fixture_name):
     model, exp = load_fixture(fixture_name)
-    engine = Engine(model, "resident", max_seq_len=64)
+    engine = Engine(model, EngineConfig("resident", max_seq_len=64))
     prompt = exp["short_prompt_ids"].tolist()
     logits, *_ = engine.prefill([prompt], engine.new_cache(1), all_logits=True)
     got = np.asarray(logits)[0, : len(prompt)]
@@ -35,7 +36,7 @@ def test_prompt_logits_all_positions(fixture_name):
 @pytest.mark.parametrize("which", ["short", "long"])
 def test_greedy_matches_transformers(fixture_name, which):
     model, exp = load_fixture(fixture_name)
-    engine = Engine(model, "resident", max_seq_len=384)
+    engine = Engine(model, EngineConfig("resident", max_seq_len=384))
     prompt = exp[f"{which}_prompt_ids"].tolist()
     res = engine.generate([prompt], max_new_tokens=16, keep_logits=True)
     assert res.generated_ids[0] == exp[f"{which}_generated_ids"].tolist()
@@ -46,7 +47,7 @@ def test_greedy_matches_transformers(fixture_name, which):
 def test_long_prompt_routing_matches(fixture_name):
     """Our router picks the same top-k experts per layer and token as transformers."""
     model, exp = load_fixture(fixture_name)
-    engine = Engine(model, "resident", max_seq_len=384)
+    engine = Engine(model, EngineConfig("resident", max_seq_len=384))
     prompt = exp["long_prompt_ids"].tolist()
     _, _, _, stats = engine.prefill([prompt], engine.new_cache(1))
     assert len(stats) == 1  # one chunk
@@ -66,7 +67,7 @@ def test_text_prompt_tokenizer(fixture_name):
 def test_bf16_compute_close_to_float32():
     """bfloat16 compute stays close to the float32 oracle and picks the same first token."""
     model, exp = load_fixture("qwen3_moe_bf16", "bfloat16")
-    engine = Engine(model, "resident", max_seq_len=64)
+    engine = Engine(model, EngineConfig("resident", max_seq_len=64))
     prompt = exp["short_prompt_ids"].tolist()
     res = engine.generate([prompt], max_new_tokens=1, keep_logits=True)
     got, want = res.step_logits[0, 0], exp["short_step_logits"][0]

@@ -10,12 +10,13 @@ import pytest
 
 from conftest import load_fixture
 from ftjax.engine import Engine
+from ftjax.config import EngineConfig
 
 FAMILIES = ["qwen3_moe_fp32", "olmoe_fp32", "mixtral_fp32", "qwen3_moe_bf16"]
 
 
 def _prefill_logits(model, prompt, mode="resident", slots=None, **kw):
-    engine = Engine(model, mode, slots, max_seq_len=384, **kw)
+    engine = Engine(model, EngineConfig(mode, num_slots=slots, max_seq_len=384, **kw))
     logits, _, _, stats = engine.prefill([prompt], engine.new_cache(1), all_logits=True)
     return np.asarray(logits)[0, : len(prompt)], engine, stats
 
@@ -53,8 +54,8 @@ def test_streamed_prefill_then_decode_same_tokens(name):
     model, exp = load_fixture(name)
     prompt = exp["long_prompt_ids"].tolist()
     e = model.cfg.num_experts
-    res = Engine(model, "resident", max_seq_len=384, prefill_chunk=128).generate([prompt], 40, keep_logits=True)
-    eng = Engine(model, "cached", 2 * e, max_seq_len=384, prefill="stream", prefill_chunk=128)
+    res = Engine(model, EngineConfig("resident", max_seq_len=384, prefill_chunk=128)).generate([prompt], 40, keep_logits=True)
+    eng = Engine(model, EngineConfig("cached", num_slots=2 * e, max_seq_len=384, prefill="stream", prefill_chunk=128))
     got = eng.generate([prompt], 40, keep_logits=True)
     assert got.generated_ids == res.generated_ids
     assert got.generated_ids[0][:16] == exp["long_generated_ids"].tolist()
@@ -66,12 +67,12 @@ def test_streamed_prefill_then_decode_same_tokens(name):
 def test_auto_picks_stream_only_with_room_and_enough_tokens():
     model, _ = load_fixture("qwen3_moe_fp32")
     e, k = model.cfg.num_experts, model.cfg.top_k
-    eng = Engine(model, "cached", 2 * e)
+    eng = Engine(model, EngineConfig("cached", num_slots=2 * e))
     assert eng.streams(e // k) and not eng.streams(e // k - 1)
-    assert not Engine(model, "cached", 2 * e - 1).streams(1000)
-    assert not Engine(model, "resident").streams(1000)
+    assert not Engine(model, EngineConfig("cached", num_slots=2 * e - 1)).streams(1000)
+    assert not Engine(model, EngineConfig("resident")).streams(1000)
     with pytest.raises(ValueError, match="2E"):
-        Engine(model, "cached", 2 * e - 1, prefill="stream")
+        Engine(model, EngineConfig("cached", num_slots=2 * e - 1, prefill="stream"))
 
 
 def test_finished_sequence_padding_is_not_routed_in_later_chunks():
@@ -80,7 +81,7 @@ def test_finished_sequence_padding_is_not_routed_in_later_chunks():
     model, exp = load_fixture("qwen3_moe_fp32")
     base = exp["long_prompt_ids"].tolist()
     prompts = [base[:5], base[:40]]
-    eng = Engine(model, "cached", 8, max_seq_len=64, batch=2, prefill_chunk=16)
+    eng = Engine(model, EngineConfig("cached", num_slots=8, max_seq_len=64, batch=2, prefill_chunk=16))
     res = eng.generate(prompts, 2, trace_routing=True)
     first = res.routing[0]  # [L, B*T over chunks, k]; chunk buckets are 16 tokens
     chunks = first.reshape(first.shape[0], 3, 2, 16, -1)  # [L, chunk, B, T, k]
@@ -94,7 +95,7 @@ def test_finished_sequence_padding_is_not_routed_in_later_chunks():
 
 def test_total_bytes_include_streaming_prologue():
     model, exp = load_fixture("qwen3_moe_fp32")
-    eng = Engine(model, "cached", 16, max_seq_len=384, prefill="stream", prefill_chunk=128)
+    eng = Engine(model, EngineConfig("cached", num_slots=16, max_seq_len=384, prefill="stream", prefill_chunk=128))
     eng.generate([exp["long_prompt_ids"].tolist()], 3)
     m = eng.expert_cache_metrics()
     assert m["bytes_h2d"] == m["prefill"]["bytes_h2d"] + m["decode"]["bytes_h2d"]
@@ -103,16 +104,15 @@ def test_total_bytes_include_streaming_prologue():
 def test_engine_rejects_unknown_mode():
     model, _ = load_fixture("qwen3_moe_fp32")
     with pytest.raises(ValueError, match="unknown experts mode"):
-        Engine(model, "cahced", 8)
+        Engine(model, EngineConfig("cahced", num_slots=8))
 
 
 def test_batch_prefill_chunks_with_different_lengths():
     model, exp = load_fixture("qwen3_moe_fp32")
     base = exp["long_prompt_ids"].tolist()
     prompts = [base[:30], base[:150], base[50:120]]
-    whole = Engine(model, "resident", max_seq_len=384, batch=3).generate(prompts, 8)
-    chunked = Engine(model, "cached", 16, max_seq_len=384, batch=3, prefill="stream",
-                     prefill_chunk=32).generate(prompts, 8)
+    whole = Engine(model, EngineConfig("resident", max_seq_len=384, batch=3)).generate(prompts, 8)
+    chunked = Engine(model, EngineConfig("cached", num_slots=16, max_seq_len=384, batch=3, prefill="stream", prefill_chunk=32)).generate(prompts, 8)
     assert chunked.generated_ids == whole.generated_ids
 
 

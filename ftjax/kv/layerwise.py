@@ -46,14 +46,33 @@ must keep ``n_pad * C <= S_max`` (a clamped ``dynamic_update_slice`` would overw
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["VARIANTS", "LayerwiseKV", "bucket_chunks", "load_prefix_only"]
+__all__ = ["VARIANTS", "KVStep", "LayerwiseKV", "bucket_chunks", "load_prefix_only"]
 
 VARIANTS = ("prefetch", "xs")
+
+
+@dataclasses.dataclass(frozen=True)
+class KVStep:
+    """The KV hook's static options in one jitted step (hashable: part of the step's identity).
+
+    variant: one of :data:`VARIANTS`; store_chunks: ``m`` new full chunks to emit; chunk_tokens:
+    ``C``; store_to_host: place the emitted chunks in host memory inside the scan body.
+    """
+
+    variant: str
+    store_chunks: int
+    chunk_tokens: int
+    store_to_host: bool
+
+    def hook(self, prefix: Sequence[jax.Array]) -> "LayerwiseKV":
+        """The hook for these options and the step's ``prefix`` chunk arrays."""
+        return LayerwiseKV(prefix, self.variant, self.store_chunks, self.chunk_tokens, self.store_to_host)
 
 
 def bucket_chunks(n: int) -> int:
@@ -106,11 +125,17 @@ class LayerwiseKV:
     def init_carry(self) -> Any:
         if not self.prefix or self.variant != "prefetch":
             return None
-        return self._fetch_layer(jnp.int32(0))
+        with jax.named_scope("kv_prefix_load"):
+            return self._fetch_layer(jnp.int32(0))
 
     def before_attention(self, ck, cv, layer, xs, carry):
         if not self.prefix:
             return ck, cv, carry
+        with jax.named_scope("kv_prefix_load"):
+            return self._load(ck, cv, layer, xs, carry)
+
+    def _load(self, ck, cv, layer, xs, carry):
+        """Writes this layer's prefix rows; prefetch: issues the next layer's copy."""
         if self.variant == "xs":
             buf = self._concat([_to_device(s) for s in xs])
         else:
@@ -126,6 +151,12 @@ class LayerwiseKV:
             return None
         if m * c > ck.shape[2]:
             raise ValueError(f"store_chunks {m} x {c} tokens exceed the cache length {ck.shape[2]}")
+        with jax.named_scope("kv_store"):
+            return self._emit(ck, cv, layer, start)
+
+    def _emit(self, ck, cv, layer, start):
+        """The call's m new chunks of this layer, sliced from the updated caches: m x [2, C, Hkv, hd]."""
+        m, c = self.store_chunks, self.chunk_tokens
         z = jnp.zeros((), jnp.int32)
         out = []
         for j in range(m):

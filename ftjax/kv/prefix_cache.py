@@ -2,19 +2,18 @@
 
 After LMCache (chunked prefix caching with chained hashes, layerwise retrieve/store), built on
 :mod:`ftjax.kv.chunk_keys`, :class:`ftjax.kv.host_store.HostKVStore` and the layer-scan hook
-:mod:`ftjax.kv.layerwise`. One request (batch 1) goes through :class:`PrefixCache` as:
+:mod:`ftjax.kv.layerwise`. Like vLLM's KV connector, :class:`PrefixCache` only plans and moves
+KV: the engine owns the step and runs it. One request (batch 1) goes through it as:
 
-1. :meth:`PrefixCache.begin` (before the TTFT clock, but its time is reported as
-   ``lookup_s`` and added to TTFT by the engine): chained keys of the prompt's full chunks,
-   ``store.lookup`` (longest stored prefix, made most recent), pin the hit chunks, plan the
-   prefill calls and compile them (compilation is excluded from timings, as in the engine).
-2. :meth:`PrefixCache.prefill` (timed): the first call receives the hit chunks' KV (host
-   arrays, loaded layer by layer inside the scan; or, for the ``all_first`` ablation, moved to
-   the device first) and computes only the suffix; a long suffix is split into calls of at most
-   ``prefill_chunk`` tokens at increasing start offsets. New full chunks leave each call as scan
-   outputs (in host memory with ``store_route="scan"``) and are inserted into the store right
-   after the calls are dispatched, last chunk first, so that under LRU pressure what survives is
-   a contiguous prefix. The hit chunks are unpinned at the end (also on error).
+1. :meth:`PrefixCache.begin` (before the TTFT clock, but its time is reported as ``lookup_s``
+   and added to TTFT by the engine): chained keys of the prompt's full chunks, ``store.lookup``
+   (longest stored prefix, made most recent), pin the hit chunks, plan the prefill calls.
+2. The engine's prefill (timed) asks :meth:`load_prefix` for the hit chunks' KV (host arrays,
+   loaded layer by layer inside the first call; or, for the ``all_first`` ablation, moved to the
+   device first), runs the calls with :meth:`step_options` (the KV hook's static options), each
+   call streaming or not as any prefill would, and hands the calls' new-chunk outputs to
+   :meth:`finish`, which inserts them into the store, last chunk first, so that under LRU
+   pressure what survives is a contiguous prefix, and unpins the hit chunks (also on error).
 
 Reuse rules: a trailing partial chunk is never stored; at most ``len(prompt) - 1`` tokens are
 reused, so a prompt whose chunks all hit loads them all and recomputes its last token (its K/V
@@ -24,7 +23,6 @@ row is rewritten by the same value) to produce logits. Requests run one at a tim
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from typing import Sequence
 
@@ -32,51 +30,20 @@ import jax
 import numpy as np
 
 from ftjax import memory
-from ftjax import model as model_lib
-from ftjax.engine import step_expert_fn
+from ftjax.config import KV_LOADS as LOADS
+from ftjax.config import KV_STORE_ROUTES as STORE_ROUTES
+from ftjax.config import KVOffloadConfig
+from ftjax.engine import PrefillCall, bucket
 from ftjax.kv.chunk_keys import chunk_keys, model_identity
 from ftjax.kv.host_store import HostKVStore
-from ftjax.kv.layerwise import LayerwiseKV, bucket_chunks
+from ftjax.kv.layerwise import KVStep, bucket_chunks
 
-__all__ = ["LOADS", "STORE_ROUTES", "PrefixCache", "PrefixRequest", "PrefillCall"]
-
-#: How the reused prefix reaches the device: in-scan with the next layer prefetched, in-scan
-#: as scan ``xs``, or all layers before the step (the ablation).
-LOADS = ("prefetch", "xs", "all_first")
-#: Where new chunks go to host memory: inside the scan body ("scan") or after the step ("after").
-STORE_ROUTES = ("scan", "after")
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "mode", "variant", "store_chunks", "chunk_tokens",
-                                             "store_to_host", "policy", "miss"), donate_argnames=("cache", "state"))
-def _prefix_step(params, host_gate_up, host_down, cache, state, tokens, start, valid_len, prefix, *, cfg, mode,
-                 variant, store_chunks, chunk_tokens, store_to_host, policy="lru", miss=None):
-    state, expert_fn = step_expert_fn(cfg, mode, host_gate_up, host_down, state, policy=policy, miss=miss)
-    hook = LayerwiseKV(prefix, variant, store_chunks, chunk_tokens, store_to_host)
-    return model_lib.forward(params, cfg, tokens, start, valid_len, cache, expert_fn, state, kv_hook=hook)
-
-
-@dataclasses.dataclass(frozen=True)
-class PrefillCall:
-    """One jitted prefill call of a request.
-
-    start: first position (tokens already in the cache); valid: real tokens; bucket: padded T;
-    store_chunks: new-chunk outputs of the call (static m; those past the prompt's last full
-    chunk are dropped); first_chunk: chunk index of output 0 (= start // C); with_prefix: the
-    call receives the reused prefix.
-    """
-
-    start: int
-    valid: int
-    bucket: int
-    store_chunks: int
-    first_chunk: int
-    with_prefix: bool
+__all__ = ["LOADS", "STORE_ROUTES", "PrefixCache", "PrefixRequest"]
 
 
 @dataclasses.dataclass
 class PrefixRequest:
-    """State of one request between :meth:`PrefixCache.begin` and :meth:`PrefixCache.prefill`.
+    """State of one request between :meth:`PrefixCache.begin` and :meth:`PrefixCache.finish`.
 
     Times in seconds, sizes in bytes. ``prefix_chunks`` is the padded count passed to the step
     (>= ``len(hit)``); ``load_s`` is the host-to-device copy time of the ``all_first`` ablation
@@ -108,7 +75,7 @@ class PrefixRequest:
 
 
 class PrefixCache:
-    """Ties a :class:`HostKVStore`, chunk keys and an :class:`ftjax.engine.Engine` together.
+    """Plans prefix reuse for an :class:`ftjax.engine.Engine` over a :class:`HostKVStore`.
 
     Pass it to ``Engine.generate(..., kv_manager=cache)``; one manager (and store) can serve many
     sequential requests of one model. Keys include the model identity (config, compute dtype and
@@ -116,34 +83,22 @@ class PrefixCache:
 
     Args:
       store: the host KV store (capacity in bytes).
-      chunk_tokens: C, tokens per chunk (LMCache's default 256).
-      load: one of :data:`LOADS` (default ``"prefetch"``: layer l+1 copied while layer l computes).
-      store_route: one of :data:`STORE_ROUTES`.
-      prefill_chunk: most tokens per prefill call (a multiple of C); longer suffixes take several
-        calls at increasing start offsets.
-      store_new: insert the request's new full chunks into the store (False: lookup only).
-      bucket_prefix: pad the hit-chunk count with :func:`bucket_chunks` to bound recompiles.
-    Raises:
-      ValueError: bad load / route, chunk_tokens < 1, prefill_chunk not a positive multiple of C.
+      config: chunk size, load variant, store route, prefill chunk, ... (:class:`KVOffloadConfig`,
+        validated there); default: 256-token chunks, layerwise load with the next layer prefetched.
     """
 
-    def __init__(self, store: HostKVStore, chunk_tokens: int = 256, load: str = "prefetch",
-                 store_route: str = "scan", prefill_chunk: int = 8192, store_new: bool = True,
-                 bucket_prefix: bool = True):
-        if load not in LOADS:
-            raise ValueError(f"unknown KV load {load!r}; expected one of {LOADS}")
-        if store_route not in STORE_ROUTES:
-            raise ValueError(f"unknown KV store route {store_route!r}; expected one of {STORE_ROUTES}")
-        if chunk_tokens < 1:
-            raise ValueError(f"kv chunk tokens must be >= 1, got {chunk_tokens}")
-        if prefill_chunk < chunk_tokens or prefill_chunk % chunk_tokens:
-            raise ValueError(f"prefill chunk {prefill_chunk} must be a positive multiple of the KV chunk "
-                             f"({chunk_tokens} tokens)")
-        self.store, self.chunk_tokens, self.load = store, int(chunk_tokens), load
-        self.store_route, self.prefill_chunk = store_route, int(prefill_chunk)
-        self.store_new, self.bucket_prefix = store_new, bucket_prefix
+    def __init__(self, store: HostKVStore, config: KVOffloadConfig | None = None):
+        self.store, self.config = store, config or KVOffloadConfig()
         self.requests: list[dict] = []
         self.store_errors = 0
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.config.chunk_tokens
+
+    @property
+    def load(self) -> str:
+        return self.config.load
 
     # ---- keys -------------------------------------------------------------------------------
     def identity(self, engine) -> bytes:
@@ -163,8 +118,9 @@ class PrefixCache:
         return cfg.num_layers * 2 * self.chunk_tokens * cfg.num_kv_heads * cfg.head_dim * engine.dtype.itemsize
 
     # ---- one request ------------------------------------------------------------------------
-    def begin(self, engine, prompts: Sequence[Sequence[int]], cache) -> PrefixRequest:
-        """Keys, lookup, pin, plan and compile for one request (batch 1).
+    def begin(self, engine, prompts: Sequence[Sequence[int]]) -> PrefixRequest:
+        """Keys, lookup, pin and plan for one request (batch 1). The caller must call
+        :meth:`finish` afterwards (the engine's prefill does), which unpins the hit chunks.
 
         Raises:
           ValueError: more than one prompt, or an empty prompt.
@@ -178,68 +134,70 @@ class PrefixCache:
         keys = self.keys(engine, prompt)
         hit = self.store.lookup(keys) if self._compatible(engine) else []
         self.store.pin(hit)
-        try:
-            c, n = self.chunk_tokens, len(hit)
-            reused = min(n * c, len(prompt) - 1)
-            padded = n
-            if n and self.bucket_prefix and bucket_chunks(n) * c <= engine.max_seq_len:
-                padded = bucket_chunks(n)
-            calls, pos = [], reused
-            while pos < len(prompt):
-                valid = min(self.prefill_chunk, len(prompt) - pos)
-                t = _bucket(valid)
-                # new-chunk outputs: whole chunks of the padded call that lie inside the cache
-                m = min(t, engine.max_seq_len - pos) // c if (self.store_new and pos % c == 0 and valid >= c) else 0
-                calls.append(PrefillCall(pos, valid, t, m, pos // c, bool(n) and not calls))
-                pos += valid
-            req = PrefixRequest(prompt, keys, hit, reused, padded, calls, self.load,
-                                lookup_s=time.perf_counter() - t0)
-            for call in calls:
-                self._executable(engine, self._args(engine, req, call, cache, None), call)
-        except BaseException:
-            self.store.unpin(hit)
-            raise
-        return req
+        c, n = self.chunk_tokens, len(hit)
+        reused = min(n * c, len(prompt) - 1)
+        padded = n
+        if n and self.config.bucket_prefix and bucket_chunks(n) * c <= engine.max_seq_len:
+            padded = bucket_chunks(n)
+        calls, pos = [], reused
+        while pos < len(prompt):
+            valid = min(self.config.prefill_chunk, len(prompt) - pos)
+            t = bucket(valid)
+            # new-chunk outputs: whole chunks of the padded call that lie inside the cache
+            store = self.config.store_new and pos % c == 0 and valid >= c
+            m = min(t, engine.max_seq_len - pos) // c if store else 0
+            calls.append(PrefillCall(pos, (valid,), t, m, pos // c, bool(n) and not calls))
+            pos += valid
+        return PrefixRequest(prompt, keys, hit, reused, padded, calls, self.load, lookup_s=time.perf_counter() - t0)
 
-    def prefill(self, engine, req: PrefixRequest, cache):
-        """Runs the request's prefill calls; stores new chunks; unpins the hit chunks.
+    def step_options(self, call: PrefillCall) -> KVStep:
+        """The KV hook's static options for one of the request's calls."""
+        variant = "xs" if self.load == "all_first" else self.load
+        return KVStep(variant, call.store_chunks, self.chunk_tokens, self.config.store_route == "scan")
 
-        Returns (logits float32 [1, V] of the last prompt token, cache, lengths int32 [1], layer
-        stats of every call), like ``Engine.prefill``.
+    def prefix_spec(self, engine, req: PrefixRequest) -> tuple:
+        """Shapes (``jax.ShapeDtypeStruct``) of the prefix argument of the request's first call,
+        for compiling it ahead of time."""
+        cfg = engine.cfg
+        shape = (cfg.num_layers, 2, self.chunk_tokens, cfg.num_kv_heads, cfg.head_dim)
+        sharding = memory.device_sharding() if self.load == "all_first" else self.store.sharding
+        return tuple(jax.ShapeDtypeStruct(shape, engine.dtype, sharding=sharding) for _ in range(req.prefix_chunks))
+
+    def load_prefix(self, req: PrefixRequest) -> tuple:
+        """The hit chunks' KV for the first call, padded to ``req.prefix_chunks`` arrays
+        ``[L, 2, C, Hkv, hd]``: host arrays (layerwise load), or device arrays for ``all_first``
+        (the copy timed into ``req.load_s``).
+
         Raises:
           RuntimeError: the request was already run.
         """
         if req.finished:
             raise RuntimeError("this request's prefill already ran")
+        if not req.hit:
+            return ()
+        prefix = self.store.get(req.hit)
+        req.bytes_loaded = sum(a.nbytes for a in prefix)
+        pad = req.prefix_chunks - len(prefix)
+        req.bytes_padding = pad * prefix[-1].nbytes
+        prefix = prefix + [prefix[-1]] * pad
+        if self.load == "all_first":
+            t0 = time.perf_counter()
+            prefix = jax.device_put(prefix, memory.device_sharding())
+            jax.block_until_ready(prefix)
+            req.load_s = time.perf_counter() - t0
+        return tuple(prefix)
+
+    def finish(self, req: PrefixRequest, kv_outs: Sequence | None) -> None:
+        """Ends the request: stores its new full chunks (``kv_outs``: the KV-hook outputs of each
+        call, in call order; None when the prefill failed: nothing is stored) and unpins the hit
+        chunks. Storing is best effort and never raises for the store."""
         req.finished = True
         try:
-            prefix = []
-            if req.hit:
-                prefix = self.store.get(req.hit)
-                req.bytes_loaded = sum(a.nbytes for a in prefix)
-                pad = req.prefix_chunks - len(prefix)
-                req.bytes_padding = pad * prefix[-1].nbytes
-                prefix = prefix + [prefix[-1]] * pad
-                if self.load == "all_first":
-                    t0 = time.perf_counter()
-                    prefix = jax.device_put(prefix, memory.device_sharding())
-                    jax.block_until_ready(prefix)
-                    req.load_s = time.perf_counter() - t0
-            outs = []
-            for call in req.calls:
-                args = self._args(engine, req, call, cache, tuple(prefix) if call.with_prefix else ())
-                out = self._executable(engine, args, call)(*args)
-                engine.state, cache = out.expert_state, out.cache
-                outs.append((call, out))
-            self._store_new(engine, req, outs)
+            if kv_outs is not None:
+                self._store_new(req, kv_outs)
+                self.requests.append(req.record())
         finally:
             self.store.unpin(req.hit)
-        for _, out in outs:
-            engine.counters["prefill"].add(out.layer_stats)
-            engine.miss.add("prefill", out.layer_stats)
-        self.requests.append(req.record())
-        last = outs[-1][1]
-        return last.logits, cache, np.array([len(req.prompt)], np.int32), [out.layer_stats for _, out in outs]
 
     # ---- internals --------------------------------------------------------------------------
     def _compatible(self, engine) -> bool:
@@ -248,53 +206,28 @@ class PrefixCache:
         shape = (cfg.num_layers, 2, self.chunk_tokens, cfg.num_kv_heads, cfg.head_dim)
         return self.store.entry_shape in (None, shape) and self.store.entry_dtype in (None, engine.dtype)
 
-    def _store_new(self, engine, req: PrefixRequest, outs) -> None:
-        """Best-effort insert of the new full chunks, last first; never raises for the store."""
+    def _store_new(self, req: PrefixRequest, kv_outs: Sequence) -> None:
+        """Best-effort insert of the new full chunks, last first."""
         items = []
-        for call, out in outs:
+        for call, out in zip(req.calls, kv_outs):
             for j in range(call.store_chunks):
                 ci = call.first_chunk + j
-                if ci < len(req.keys) and (j + 1) * self.chunk_tokens <= call.valid:
-                    items.append((req.keys[ci], out.kv_out[j]))
+                if ci < len(req.keys) and (j + 1) * self.chunk_tokens <= call.valid[0]:
+                    items.append((req.keys[ci], out[j]))
         if not items:
             return
-        if not self._compatible(engine):
+        entry = items[0][1]
+        if self.store.entry_shape not in (None, tuple(entry.shape)) or \
+                self.store.entry_dtype not in (None, entry.dtype):
             self.store_errors += len(items)
             req.chunks_skipped += len(items)
             return
         before = self.store.stats
         for key, kv in reversed(items):
-            self.store.put(key, kv, copy=self.store_route != "scan")
+            self.store.put(key, kv, copy=self.config.store_route != "scan")
         after = self.store.stats
         req.chunks_stored = after.chunks_stored - before.chunks_stored
         req.chunks_skipped = after.stores_skipped - before.stores_skipped
-
-    def _prefix_spec(self, engine, n: int, concrete):
-        if concrete is not None:
-            return concrete
-        cfg = engine.cfg
-        shape = (cfg.num_layers, 2, self.chunk_tokens, cfg.num_kv_heads, cfg.head_dim)
-        sharding = memory.device_sharding() if self.load == "all_first" else self.store.sharding
-        return tuple(jax.ShapeDtypeStruct(shape, engine.dtype, sharding=sharding) for _ in range(n))
-
-    def _args(self, engine, req: PrefixRequest, call: PrefillCall, cache, prefix):
-        tokens = np.zeros((1, call.bucket), np.int32)
-        tokens[0, :call.valid] = req.prompt[call.start:call.start + call.valid]
-        if prefix is None:
-            prefix = self._prefix_spec(engine, req.prefix_chunks if call.with_prefix else 0, None)
-        m = engine.model
-        return (m.params, m.host_gate_up, m.host_down, cache, engine.state, jax.numpy.asarray(tokens),
-                jax.numpy.asarray([call.start], jax.numpy.int32), jax.numpy.asarray([call.valid], jax.numpy.int32),
-                prefix)
-
-    def _statics(self, engine, call: PrefillCall) -> dict:
-        variant = "xs" if self.load == "all_first" else self.load
-        return dict(cfg=engine.cfg, mode=engine.mode, variant=variant, store_chunks=call.store_chunks,
-                    chunk_tokens=self.chunk_tokens, store_to_host=self.store_route == "scan",
-                    policy=engine.cache_policy, miss=engine.miss.jit_config)
-
-    def _executable(self, engine, args, call: PrefillCall):
-        return engine.compiled(_prefix_step, args, **self._statics(engine, call))
 
     # ---- metrics ----------------------------------------------------------------------------
     def metrics(self) -> dict:
@@ -306,16 +239,10 @@ class PrefixCache:
         bytes_padding_copied: extra bytes copied for bucket padding; bytes_stored: inserted.
         """
         s = self.store.stats
-        return {"chunk_tokens": self.chunk_tokens, "load": self.load, "store_route": self.store_route,
-                "prefill_chunk": self.prefill_chunk, "memory_kind": self.store.memory_kind,
+        return {**self.config.as_dict(), "memory_kind": self.store.memory_kind,
                 "capacity_bytes": s.capacity_bytes, "chunks_hit": s.chunks_hit, "chunks_missed": s.chunks_missed,
                 "chunks_stored": s.chunks_stored, "chunks_evicted": s.chunks_evicted,
                 "chunks_skipped": s.stores_skipped + self.store_errors, "bytes_loaded": s.bytes_loaded,
                 "bytes_padding_copied": sum(r["bytes_padding"] for r in self.requests),
                 "bytes_stored": s.bytes_stored, "bytes_in_use": s.bytes_in_use, "num_entries": s.num_entries,
                 "requests": len(self.requests), "reused_tokens": sum(r["reused_tokens"] for r in self.requests)}
-
-
-def _bucket(n: int) -> int:
-    from ftjax.engine import bucket  # late import: engine imports nothing from here
-    return bucket(n)

@@ -1,0 +1,180 @@
+"""The expert offload's data: host banks, device state, per-layer stats, host counters.
+
+One type of each, shared by every mode, cache policy and miss policy (FreeToken-style expert
+offload; DESIGN.md 1.1-1.3):
+
+* :class:`ExpertBanks`: the routed-expert weights of all layers in host memory (the source of
+  truth), banked by ``flat_id = layer * E + expert``, with room for quantization scales and a
+  format tag.
+* :class:`ExpertState`: what the jitted step carries through the layer scan: slot pools, the
+  slot table, and the routing recency the cpu / adaptive miss policies read.
+* :class:`LayerStats`: one layer's counters of one forward call (stacked over layers by the scan).
+* :class:`ExpertCounters`: host totals per layer, summed over calls, and the metrics built from them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ftjax.experts.slot_table import SlotTable, init_slot_table
+
+#: Storage formats of the routed-expert banks. Only the compute dtype today; quantized formats
+#: add their scales in :attr:`ExpertBanks.scales`.
+BANK_FORMATS = ("dense",)
+
+
+@flax.struct.dataclass
+class ExpertBanks:
+    """Routed-expert weights of every layer, in host memory (``pinned_host`` where it exists).
+
+    gate_up: [L*E, D, 2F] (gate columns first, then up); down: [L*E, F, D]; both in the compute
+    dtype for ``fmt == "dense"``. scales: per-bank scale arrays of a quantized format (None for
+    dense). fmt: one of :data:`BANK_FORMATS` (static: part of the compiled program's identity).
+    """
+
+    gate_up: jax.Array
+    down: jax.Array
+    scales: tuple | None = None
+    fmt: str = flax.struct.field(pytree_node=False, default="dense")
+
+    def __post_init__(self):
+        if self.fmt not in BANK_FORMATS:
+            raise ValueError(f"unknown expert bank format {self.fmt!r}; expected one of {BANK_FORMATS}")
+
+    @property
+    def num_flat_ids(self) -> int:
+        """L*E, rows of each bank."""
+        return self.gate_up.shape[0]
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one expert (gate, up, down and its scales) as stored: what one H2D copy moves."""
+        per = lambda a: a.size // a.shape[0] * a.dtype.itemsize  # noqa: E731
+        scales = sum(per(s) for s in self.scales) if self.scales else 0
+        return per(self.gate_up) + per(self.down) + scales
+
+
+@flax.struct.dataclass
+class ExpertState:
+    """Device state carried through the layer scan.
+
+    gate_up: [S, D, 2F] and down: [S, F, D] slot pools (compute dtype). table: the slot table
+    (None in resident mode, where the pool is the bank itself and slot = flat id).
+    last_routed: int32 [L*E], the table clock at each flat id's last routing (-1 = never); kept
+    only for miss policies that rank misses by recency (None otherwise).
+    """
+
+    gate_up: jax.Array
+    down: jax.Array
+    table: SlotTable | None
+    last_routed: jax.Array | None = None
+
+
+class LayerStats(NamedTuple):
+    """Per-layer counters of one forward call (stacked over layers by the scan).
+
+    hits, misses: int32 [] distinct routed experts found resident / not resident (a streamed
+    layer counts all E experts as misses). fetched, cpu: int32 [], misses copied over PCIe /
+    computed on the CPU (``fetched + cpu == misses``). routed_ids: int32 [N, k] routed expert
+    ids, -1 for padding tokens (routing traces).
+    """
+
+    hits: jax.Array
+    misses: jax.Array
+    fetched: jax.Array
+    cpu: jax.Array
+    routed_ids: jax.Array
+
+    @classmethod
+    def fetch_only(cls, hits: jax.Array, misses: jax.Array, routed_ids: jax.Array) -> "LayerStats":
+        """Stats of a layer whose every miss was fetched."""
+        return cls(hits, misses, misses, jnp.int32(0), routed_ids)
+
+
+def init_expert_state(mode: str, num_layers: int, num_experts: int, num_slots: int, banks: ExpertBanks,
+                      dtype, track_recency: bool = False) -> ExpertState:
+    """Allocates the device side of an experts mode.
+
+    resident: copies the whole banks to the device (L*E slots, no table). cached / on_demand:
+    zero pools of ``num_slots`` slots and an empty table. ``track_recency`` adds
+    ``last_routed`` (all -1) for the cpu / adaptive miss policies.
+
+    Raises:
+      ValueError: num_slots outside [E, L*E] for the offloading modes (from init_slot_table).
+    """
+    if mode == "resident":
+        dev = jax.memory.Space.Device
+        return ExpertState(jax.device_put(banks.gate_up, dev).astype(dtype),
+                           jax.device_put(banks.down, dev).astype(dtype), None)
+    table = init_slot_table(num_layers, num_experts, num_slots)
+    gu = jnp.zeros((num_slots,) + banks.gate_up.shape[1:], dtype)
+    dn = jnp.zeros((num_slots,) + banks.down.shape[1:], dtype)
+    last = jnp.full((num_layers * num_experts,), -1, jnp.int32) if track_recency else None
+    return ExpertState(gu, dn, table, last)
+
+
+@dataclasses.dataclass
+class ExpertCounters:
+    """Host totals of expert-cache events of one phase (prefill or decode), per layer (int64 [L]).
+
+    hits / misses / fetched / cpu as in :class:`LayerStats`; hist[M, F]: number of (layer, call)
+    with M misses of which F were fetched (the miss split's histogram); extra_copies: experts
+    copied outside any layer's misses (a streamed prefill's prologue and its last, wasted
+    prefetch).
+    """
+
+    hits: np.ndarray
+    misses: np.ndarray
+    fetched: np.ndarray
+    cpu: np.ndarray
+    hist: np.ndarray
+    extra_copies: int = 0
+
+    @classmethod
+    def zeros(cls, num_layers: int, num_experts: int) -> "ExpertCounters":
+        z = lambda: np.zeros(num_layers, np.int64)  # noqa: E731
+        return cls(z(), z(), z(), z(), np.zeros((num_experts + 1, num_experts + 1), np.int64))
+
+    def add(self, stats: LayerStats) -> None:
+        """Adds one call's stacked stats (leaves of shape [L])."""
+        misses, fetched = np.asarray(stats.misses, np.int64), np.asarray(stats.fetched, np.int64)
+        self.hits += np.asarray(stats.hits, np.int64)
+        self.misses += misses
+        self.fetched += fetched
+        self.cpu += np.asarray(stats.cpu, np.int64)
+        np.add.at(self.hist, (misses, fetched), 1)
+
+    def _combine(self, other: "ExpertCounters", op) -> "ExpertCounters":
+        arrays = {f: op(getattr(self, f), getattr(other, f)) for f in ("hits", "misses", "fetched", "cpu", "hist")}
+        return ExpertCounters(**arrays, extra_copies=op(self.extra_copies, other.extra_copies))
+
+    def __add__(self, other: "ExpertCounters") -> "ExpertCounters":
+        return self._combine(other, lambda a, b: a + b)
+
+    def __sub__(self, other: "ExpertCounters") -> "ExpertCounters":
+        """What was counted since ``other`` (a :meth:`copy` taken earlier)."""
+        return self._combine(other, lambda a, b: a - b)
+
+    def copy(self) -> "ExpertCounters":
+        return self._combine(self, lambda a, b: a.copy() if isinstance(a, np.ndarray) else a)
+
+    def summary(self, expert_bytes: int) -> dict:
+        """JSON-ready: hits, misses, hit_rate, hit_rate_per_layer, fetched, cpu_computed,
+        fetch_fraction, bytes_h2d (every expert byte copied over PCIe), split_histogram."""
+        h, m = int(self.hits.sum()), int(self.misses.sum())
+        f, c = int(self.fetched.sum()), int(self.cpu.sum())
+        seen = self.hits + self.misses
+        per_layer = np.where(seen > 0, self.hits / np.maximum(seen, 1), 0.0)
+        ms, fs = np.nonzero(self.hist)
+        return {"hits": h, "misses": m, "hit_rate": h / (h + m) if h + m else 0.0,
+                "hit_rate_per_layer": [round(float(x), 6) for x in per_layer],
+                "fetched": f, "cpu_computed": c, "fetch_fraction": f / (f + c) if f + c else None,
+                "bytes_h2d": (f + self.extra_copies) * expert_bytes,
+                "split_histogram": [{"misses": int(a), "fetched": int(b), "layers": int(self.hist[a, b])}
+                                    for a, b in zip(ms, fs) if a > 0]}

@@ -1,0 +1,33 @@
+"""Where a result came from: git commit, device, library versions, date (for every metrics and
+benchmark JSON, so that figures can be compared across runs and machines)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+
+import jax
+
+
+def git_commit() -> str | None:
+    """The checkout's commit (with ``+dirty`` when tracked files changed), or None outside git."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
+        if sha.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return sha.stdout.strip() + ("+dirty" if dirty else "")
+
+
+def run_meta() -> dict:
+    """Device name, backend, jax version, UTC date, host CPU count, Python version, git commit."""
+    d = jax.devices()[0]
+    return {"device": getattr(d, "device_kind", str(d)), "backend": d.platform, "jax": jax.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "host_cpus": os.cpu_count(), "python": platform.python_version(), "git_commit": git_commit()}

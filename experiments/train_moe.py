@@ -113,25 +113,6 @@ SIZES = {
 }
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("size", "small", ["small", "large"], "Model size (small = the committed artefact).")
-flags.DEFINE_boolean("smoke", False, "Tiny model on a tiny corpus subset, seconds on a CPU (overrides --size).")
-flags.DEFINE_integer("steps", None, "Optimizer steps (default: the size's).")
-flags.DEFINE_integer("batch", None, "Sequences per step (default: the size's).")
-flags.DEFINE_integer("seq_len", None, "Tokens per training sequence (default: the size's).")
-flags.DEFINE_float("lr", None, "Peak learning rate (default: the size's).")
-flags.DEFINE_integer("warmup", None, "Linear warmup steps (default: the size's).")
-flags.DEFINE_float("time_budget_s", None, "Wall seconds for the whole run, tokenizer to export; training stops "
-                   "early (and still evaluates and exports) to stay within it (default: the size's).")
-flags.DEFINE_float("router_aux_loss_coef", 0.01, "Weight of the load-balancing loss (Switch Transformer uses 0.01).")
-flags.DEFINE_integer("vocab_size", None, "BPE vocabulary size (default: the size's).")
-flags.DEFINE_integer("max_files", None, "Use only the first N corpus files (0: all; default: the size's).")
-flags.DEFINE_integer("eval_every", 500, "Evaluate held-out loss every N steps (and at the end).")
-flags.DEFINE_integer("eval_windows", 256, "Held-out windows of seq_len tokens per evaluation (at most).")
-flags.DEFINE_integer("log_every", 50, "Record the train loss every N steps.")
-flags.DEFINE_float("max_shard_mib", 12.0, "Largest safetensors file (MiB); bigger checkpoints are sharded.")
-flags.DEFINE_integer("seed", 0, "Seed of init and batch sampling.")
-flags.DEFINE_string("out_dir", None, "Where to write the checkpoint and metrics.", required=True)
-
 # Reserved at the end of --time_budget_s for the final evaluation, export and plot (seconds).
 EXPORT_RESERVE_S = 20.0
 
@@ -247,6 +228,19 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
             "layers": layers}
 
 
+def params_from_loaded(model) -> dict:
+    """The :func:`init_params` layout from a ``ftjax.checkpoint.LoadedModel`` (its host expert
+    banks [L*E, D, 2F] / [L*E, F, D] copied to the default device as [L, E, D, 2F] / [L, E, F, D])."""
+    cfg = model.cfg
+    L, E, D, F = cfg.num_layers, cfg.num_experts, cfg.hidden_size, cfg.expert_ffn
+    layers = dict(model.params["layers"])
+    layers["gate_up"] = jnp.asarray(np.asarray(model.host_gate_up).reshape(L, E, D, 2 * F))
+    layers["down"] = jnp.asarray(np.asarray(model.host_down).reshape(L, E, F, D))
+    head = model.params["embed"].T if cfg.tie_word_embeddings else model.params["lm_head"]
+    return {"embed": model.params["embed"], "final_norm": model.params["final_norm"], "lm_head": head,
+            "layers": layers}
+
+
 def moe_dense(cfg: ModelConfig, x: jax.Array, lp: dict) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Routed SwiGLU experts of one layer, computed densely over all E experts.
 
@@ -268,12 +262,14 @@ def moe_dense(cfg: ModelConfig, x: jax.Array, lp: dict) -> tuple[jax.Array, jax.
     return y.astype(x.dtype), ids, aux
 
 
-def forward_train(params: dict, cfg: ModelConfig, tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def forward_train(params: dict, cfg: ModelConfig, tokens: jax.Array
+                  ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Full-sequence causal forward for training (no KV cache).
 
     params: as :func:`init_params` (any float dtype; computed in params' dtype); tokens: int32
     [B, T]. Returns (logits float32 [B, T, V], mean aux loss over layers (float32 scalar),
-    routed ids int32 [L, B*T, k]).
+    routed ids int32 [L, B*T, k], each layer's output residual stream [L, B, T, D]); outputs
+    a caller does not use are dropped by XLA under ``jit``.
     """
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -285,11 +281,12 @@ def forward_train(params: dict, cfg: ModelConfig, tokens: jax.Array) -> tuple[ja
         h = h + attention(q, k, v, positions).reshape(b, t, -1) @ lp["wo"]
         x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps).reshape(b * t, -1)
         y, ids, aux = moe_dense(cfg, x, lp)
-        return h + y.reshape(b, t, -1), (aux, ids)
+        h = h + y.reshape(b, t, -1)
+        return h, (aux, ids, h)
 
-    h, (aux, ids) = jax.lax.scan(layer, h, params["layers"])
+    h, (aux, ids, hs) = jax.lax.scan(layer, h, params["layers"])
     h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
-    return (h @ params["lm_head"]).astype(jnp.float32), jnp.mean(aux), ids
+    return (h @ params["lm_head"]).astype(jnp.float32), jnp.mean(aux), ids, hs
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -303,7 +300,7 @@ def make_loss(cfg: ModelConfig, aux_coef: float, compute_dtype):
     """loss(params, windows int32 [B, T+1]) -> (total, (ce, aux)); params cast to ``compute_dtype``."""
     def loss(params, windows):
         p = jax.tree.map(lambda a: a.astype(compute_dtype), params)
-        logits, aux, _ = forward_train(p, cfg, windows[:, :-1])
+        logits, aux, _, _ = forward_train(p, cfg, windows[:, :-1])
         ce = cross_entropy(logits, windows[:, 1:])
         return ce + aux_coef * aux, (ce, aux)
     return loss
@@ -504,7 +501,7 @@ def train(size: Size, opts: dict, out_dir: str, t0: float) -> dict:
     @jax.jit
     def eval_rows(params, windows):  # mean cross entropy of each row, float32 [B]
         p = jax.tree.map(lambda a: a.astype(compute_dtype), params)
-        logits, _, _ = forward_train(p, cfg, windows[:, :-1])
+        logits, _, _, _ = forward_train(p, cfg, windows[:, :-1])
         logz = jax.nn.logsumexp(logits, axis=-1)
         gold = jnp.take_along_axis(logits, windows[:, 1:, None], axis=-1)[..., 0]
         return jnp.mean(logz - gold, axis=-1)
@@ -575,6 +572,29 @@ def train(size: Size, opts: dict, out_dir: str, t0: float) -> dict:
     }
 
 
+def define_flags() -> None:
+    """The command-line flags (defined only when run as a script, so other scripts can import
+    this module without flag clashes)."""
+    flags.DEFINE_enum("size", "small", ["small", "large"], "Model size (small = the committed artefact).")
+    flags.DEFINE_boolean("smoke", False, "Tiny model on a tiny corpus subset, seconds on a CPU (overrides --size).")
+    flags.DEFINE_integer("steps", None, "Optimizer steps (default: the size's).")
+    flags.DEFINE_integer("batch", None, "Sequences per step (default: the size's).")
+    flags.DEFINE_integer("seq_len", None, "Tokens per training sequence (default: the size's).")
+    flags.DEFINE_float("lr", None, "Peak learning rate (default: the size's).")
+    flags.DEFINE_integer("warmup", None, "Linear warmup steps (default: the size's).")
+    flags.DEFINE_float("time_budget_s", None, "Wall seconds for the whole run, tokenizer to export; training stops "
+                       "early (and still evaluates and exports) to stay within it (default: the size's).")
+    flags.DEFINE_float("router_aux_loss_coef", 0.01, "Weight of the load-balancing loss (Switch Transformer uses 0.01).")
+    flags.DEFINE_integer("vocab_size", None, "BPE vocabulary size (default: the size's).")
+    flags.DEFINE_integer("max_files", None, "Use only the first N corpus files (0: all; default: the size's).")
+    flags.DEFINE_integer("eval_every", 500, "Evaluate held-out loss every N steps (and at the end).")
+    flags.DEFINE_integer("eval_windows", 256, "Held-out windows of seq_len tokens per evaluation (at most).")
+    flags.DEFINE_integer("log_every", 50, "Record the train loss every N steps.")
+    flags.DEFINE_float("max_shard_mib", 12.0, "Largest safetensors file (MiB); bigger checkpoints are sharded.")
+    flags.DEFINE_integer("seed", 0, "Seed of init and batch sampling.")
+    flags.DEFINE_string("out_dir", None, "Where to write the checkpoint and metrics.", required=True)
+
+
 def resolve_opts() -> tuple[Size, dict]:
     """The Size and the effective settings: flags override the size's defaults."""
     size = SIZES["smoke" if FLAGS.smoke else FLAGS.size]
@@ -613,4 +633,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

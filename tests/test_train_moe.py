@@ -1,8 +1,8 @@
 """experiments/train_moe.py: the --smoke run trains, exports a checkpoint ftjax loads, and the
 exported weights give the training forward's logits through ftjax's inference path.
 
-One smoke run (a 4-layer, 8-expert model on 24 stdlib files, ~25 s on 2 CPU cores) is shared by
-every test of this module.
+One smoke run (a 4-layer, 8-expert model on 24 stdlib files, ~25 s on 2 CPU cores; tests/train_smoke.py)
+is shared by every test of the session.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 
 import jax.numpy as jnp
@@ -23,16 +22,12 @@ sys.path.insert(0, REPO)
 from experiments import train_moe  # noqa: E402
 from ftjax.checkpoint import load_checkpoint, load_tokenizer  # noqa: E402
 from ftjax.engine import Engine  # noqa: E402
+from train_smoke import smoke_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def smoke_dir(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("train_smoke") / "ckpt")
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "experiments", "train_moe.py"), "--smoke",
-                           f"--out_dir={out}"], env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out
+def smoke_dir():
+    return smoke_checkpoint()
 
 
 @pytest.fixture(scope="module")
@@ -100,13 +95,8 @@ def test_ftjax_loads_and_matches_training_forward(smoke_dir):
     got = np.asarray(logits)[0, : len(prompt)]
     assert got.shape == (len(prompt), 320) and np.isfinite(got).all()
 
-    L, E, D, F = cfg.num_layers, cfg.num_experts, cfg.hidden_size, cfg.expert_ffn
-    p = model.params
-    layers = dict(p["layers"])
-    layers["gate_up"] = jnp.asarray(np.asarray(model.host_gate_up).reshape(L, E, D, 2 * F))
-    layers["down"] = jnp.asarray(np.asarray(model.host_down).reshape(L, E, F, D))
-    train_params = {"embed": p["embed"], "final_norm": p["final_norm"], "lm_head": p["lm_head"], "layers": layers}
-    want, aux, ids = train_moe.forward_train(train_params, cfg, jnp.asarray([prompt], jnp.int32))
+    train_params = train_moe.params_from_loaded(model)
+    want, aux, ids, hs = train_moe.forward_train(train_params, cfg, jnp.asarray([prompt], jnp.int32))
     want = np.asarray(want)[0]
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max() + 1e-5)
-    assert ids.shape == (4, len(prompt), 2) and np.isfinite(float(aux))
+    assert ids.shape == (4, len(prompt), 2) and hs.shape == (4, 1, len(prompt), 32) and np.isfinite(float(aux))

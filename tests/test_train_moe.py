@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
 import sys
 
 import jax.numpy as jnp
@@ -100,3 +101,25 @@ def test_ftjax_loads_and_matches_training_forward(smoke_dir):
     want = np.asarray(want)[0]
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max() + 1e-5)
     assert ids.shape == (4, len(prompt), 2) and hs.shape == (4, 1, len(prompt), 32) and np.isfinite(float(aux))
+
+
+def test_generate_default_demo_uses_trained_model(smoke_dir, tmp_path):
+    """``python -m ftjax.generate`` with no model flag runs DEFAULT_CHECKPOINT (pointed here at the
+    smoke checkpoint) on DEFAULT_PROMPT with an expert cache of 2E slots, and its greedy ids are
+    the resident engine's."""
+    from ftjax import generate
+    metrics = tmp_path / "m.json"
+    code = ("import sys; from absl import app; from ftjax import generate; generate.DEFAULT_CHECKPOINT = sys.argv[1]; "
+            "app.run(generate.main, argv=['generate', '--noprogress', '--max_new_tokens=8', '--metrics_json=' + sys.argv[2]])")
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", code, smoke_dir, str(metrics)], env=env, capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = json.loads(metrics.read_text())
+    model = load_checkpoint(smoke_dir, progress=False)
+    prompt = model.tokenizer.encode(generate.DEFAULT_PROMPT).ids
+    assert m["model"] == smoke_dir and m["prompt_ids"] == prompt
+    assert m["experts_mode"] == "cached" and m["memory_plan"]["slots"] == 16 < m["memory_plan"]["pool_slots"] == 32
+    want = Engine(model, "resident", max_seq_len=128).generate([prompt], max_new_tokens=8).generated_ids[0]
+    assert m["generated_ids"] == want
+    assert "prompt: import os\nimport sys" in proc.stdout and "text:" in proc.stdout

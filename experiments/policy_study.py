@@ -97,7 +97,7 @@ def trace(model, windows: np.ndarray, dtype: str, batch: int) -> tuple[np.ndarra
     k2 = min(2 * cfg.top_k, cfg.num_experts)
 
     @jax.jit
-    def run(tokens):
+    def run(params, tokens):  # params as an argument: a closure would embed them as constants
         _, _, ids, hs = train_moe.forward_train(params, cfg, tokens)  # ids [L, B*T, k]; hs [L, B, T, D]
         lay = params["layers"]
 
@@ -112,7 +112,7 @@ def trace(model, windows: np.ndarray, dtype: str, batch: int) -> tuple[np.ndarra
     all_ids, all_pred = [], []
     for i in range(0, len(windows), batch):
         w = windows[i:i + batch]
-        ids, pred = run(jnp.asarray(w))
+        ids, pred = run(params, jnp.asarray(w))
         b, t = w.shape
         all_ids.append(np.asarray(ids).reshape(cfg.num_layers, b, t, -1).transpose(1, 2, 0, 3))
         all_pred.append(np.asarray(pred).reshape(cfg.num_layers - 1, b, t, -1).transpose(1, 2, 0, 3))

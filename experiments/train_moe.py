@@ -5,6 +5,10 @@ the training loop stops itself at ``--time_budget_s`` = 330 s of total wall time
 
   python experiments/train_moe.py --size=small --out_dir=$OUT/stdlib_moe
 
+A bigger model for GPU studies (not committed; 239M params, ~9.5 minutes wall, --time_budget_s=540):
+
+  python experiments/train_moe.py --size=large --out_dir=$OUT/stdlib_moe_large
+
 CPU smoke (seconds; a tiny model on a tiny subset of the corpus, as the tests run it):
 
   python experiments/train_moe.py --smoke --out_dir=/tmp/stdlib_moe_smoke
@@ -98,15 +102,18 @@ class Size:
     warmup: int
     time_budget_s: float
     max_files: int = 0  # 0: the whole corpus
+    remat: bool = False  # recompute each layer in the backward pass (jax.checkpoint): bounds activations
 
 
 SIZES = {
     # The committed artefact (ftjax/assets/stdlib_moe): 16.6M params, 33 MB in bfloat16.
     "small": Size(hidden=192, layers=8, heads=6, kv_heads=2, head_dim=32, experts=32, top_k=4, ffn=96,
                   vocab=4096, seq_len=512, batch=128, steps=6000, lr=2e-3, warmup=200, time_budget_s=330),
-    # For GPU studies (not committed): 24 layers x 64 experts, top-8, ~0.6B params (~1.2 GB bf16).
-    "large": Size(hidden=512, layers=24, heads=8, kv_heads=4, head_dim=64, experts=64, top_k=8, ffn=256,
-                  vocab=8192, seq_len=1024, batch=64, steps=20000, lr=1e-3, warmup=500, time_budget_s=3000),
+    # For GPU studies (not committed): 16 layers x 64 experts, top-8, 239M params (478 MB bf16);
+    # activations bounded by rematerialisation; fits one 10-minute device command.
+    "large": Size(hidden=384, layers=16, heads=6, kv_heads=2, head_dim=64, experts=64, top_k=8, ffn=192,
+                  vocab=8192, seq_len=1024, batch=32, steps=20000, lr=1e-3, warmup=300, time_budget_s=540,
+                  remat=True),
     # --smoke: seconds on a CPU. 4 layers x 8 experts so a policy study has sizes E..2E to replay.
     "smoke": Size(hidden=32, layers=4, heads=2, kv_heads=1, head_dim=16, experts=8, top_k=2, ffn=32,
                   vocab=320, seq_len=64, batch=8, steps=60, lr=1e-2, warmup=5, time_budget_s=60, max_files=24),
@@ -262,14 +269,15 @@ def moe_dense(cfg: ModelConfig, x: jax.Array, lp: dict) -> tuple[jax.Array, jax.
     return y.astype(x.dtype), ids, aux
 
 
-def forward_train(params: dict, cfg: ModelConfig, tokens: jax.Array
+def forward_train(params: dict, cfg: ModelConfig, tokens: jax.Array, remat: bool = False
                   ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Full-sequence causal forward for training (no KV cache).
 
     params: as :func:`init_params` (any float dtype; computed in params' dtype); tokens: int32
     [B, T]. Returns (logits float32 [B, T, V], mean aux loss over layers (float32 scalar),
     routed ids int32 [L, B*T, k], each layer's output residual stream [L, B, T, D]); outputs
-    a caller does not use are dropped by XLA under ``jit``.
+    a caller does not use are dropped by XLA under ``jit``. ``remat``: wrap each layer in
+    ``jax.checkpoint`` (recomputed in the backward pass; same values).
     """
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -284,7 +292,7 @@ def forward_train(params: dict, cfg: ModelConfig, tokens: jax.Array
         h = h + y.reshape(b, t, -1)
         return h, (aux, ids, h)
 
-    h, (aux, ids, hs) = jax.lax.scan(layer, h, params["layers"])
+    h, (aux, ids, hs) = jax.lax.scan(jax.checkpoint(layer) if remat else layer, h, params["layers"])
     h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
     return (h @ params["lm_head"]).astype(jnp.float32), jnp.mean(aux), ids, hs
 
@@ -296,11 +304,11 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return jnp.mean(logz - gold)
 
 
-def make_loss(cfg: ModelConfig, aux_coef: float, compute_dtype):
+def make_loss(cfg: ModelConfig, aux_coef: float, compute_dtype, remat: bool = False):
     """loss(params, windows int32 [B, T+1]) -> (total, (ce, aux)); params cast to ``compute_dtype``."""
     def loss(params, windows):
         p = jax.tree.map(lambda a: a.astype(compute_dtype), params)
-        logits, aux, _, _ = forward_train(p, cfg, windows[:, :-1])
+        logits, aux, _, _ = forward_train(p, cfg, windows[:, :-1], remat)
         ce = cross_entropy(logits, windows[:, 1:])
         return ce + aux_coef * aux, (ce, aux)
     return loss
@@ -483,7 +491,7 @@ def train(size: Size, opts: dict, out_dir: str, t0: float) -> dict:
 
     on_gpu = jax.default_backend() != "cpu"
     compute_dtype = jnp.bfloat16 if on_gpu else jnp.float32
-    loss_fn = make_loss(cfg, opts["router_aux_loss_coef"], compute_dtype)
+    loss_fn = make_loss(cfg, opts["router_aux_loss_coef"], compute_dtype, size.remat)
     opt = make_optimizer(opts["lr"])
     key = jax.random.key(opts["seed"])
     params = init_params(cfg, jax.random.fold_in(key, 0))
@@ -491,7 +499,7 @@ def train(size: Size, opts: dict, out_dir: str, t0: float) -> dict:
     stream = jnp.asarray(train_stream)
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def step_fn(params, opt_state, step, lr):
+    def step_fn(params, opt_state, stream, step, lr):  # stream is an argument: a closure would embed it as a constant
         windows = sample_windows(stream, jax.random.fold_in(jax.random.fold_in(key, 1), step), batch, seq_len + 1)
         (_, (ce, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, windows)
         opt_state.hyperparams["learning_rate"] = lr
@@ -530,7 +538,7 @@ def train(size: Size, opts: dict, out_dir: str, t0: float) -> dict:
         if progress >= 1.0:
             break
         lr = lr_at(progress, step, opts["lr"], warmup)
-        params, opt_state, ce, aux = step_fn(params, opt_state, jnp.int32(step), jnp.float32(lr))
+        params, opt_state, ce, aux = step_fn(params, opt_state, stream, jnp.int32(step), jnp.float32(lr))
         step += 1
         if compile_s is None:
             ce.block_until_ready()

@@ -123,3 +123,4 @@ def test_generate_default_demo_uses_trained_model(smoke_dir, tmp_path):
     want = Engine(model, "resident", max_seq_len=128).generate([prompt], max_new_tokens=8).generated_ids[0]
     assert m["generated_ids"] == want
     assert "prompt: import os\nimport sys" in proc.stdout and "text:" in proc.stdout
+

@@ -67,7 +67,7 @@ import numpy as np  # noqa: E402
 from experiments import common, train_moe  # noqa: E402
 from ftjax.checkpoint import load_checkpoint  # noqa: E402
 from ftjax.experts.slot_table import init_slot_table, lookup_layer  # noqa: E402
-from ftjax.model import rms_norm, route  # noqa: E402
+from ftjax.model import rms_norm  # noqa: E402
 
 SLOT_TABLE_POLICIES = ("lru", "lookahead")
 SIM_POLICIES = ("lfu", "lfru", "belady")
@@ -270,8 +270,8 @@ def next_layer_prediction(ids: np.ndarray, pred: np.ndarray) -> dict:
     out = {}
     for n in sorted({k, pred.shape[-1]}):
         hit = (pred[..., :n, None] == actual[..., None, :]).any(-2).sum(-1)  # [B, T, L-1]
-        per_layer = [{"layer": l + 1, "precision": float(hit[..., l].mean() / n), "recall": float(hit[..., l].mean() / k)}
-                     for l in range(actual.shape[2])]
+        per_layer = [{"layer": i + 1, "precision": float(hit[..., i].mean() / n),
+                      "recall": float(hit[..., i].mean() / k)} for i in range(actual.shape[2])]
         out[f"prefetch_{n}"] = {"per_layer": per_layer, "mean_precision": float(hit.mean() / n),
                                 "mean_recall": float(hit.mean() / k)}
     return out
@@ -370,7 +370,7 @@ def define_flags() -> None:
     beside other scripts)."""
     flags.DEFINE_string("ckpt", os.path.join("ftjax", "assets", "stdlib_moe"), "Trained checkpoint directory.")
     flags.DEFINE_string("out_dir", None, "Where to write policy_study.json and policy_study.png.", required=True)
-    flags.DEFINE_boolean("smoke", False, "A few short streams over the smoke corpus subset (24 files), seconds on a CPU.")
+    flags.DEFINE_boolean("smoke", False, "4 streams of 64 tokens over the smoke corpus subset (24 files): seconds.")
     flags.DEFINE_integer("streams", 8, "Token streams (consecutive held-out windows).")
     flags.DEFINE_integer("stream_len", 512, "Tokens per stream (decode steps).")
     flags.DEFINE_integer("max_files", 0, "Corpus subset as train_moe --max_files (0: all; --smoke: 24).")

@@ -196,7 +196,8 @@ def train_tokenizer(texts: list[str], vocab_size: int):
 
 def encode_stream(tok, texts: list[str]) -> np.ndarray:
     """int32 [n]: ``<s> text </s>`` of every text, concatenated."""
-    parts = [np.asarray([BOS_ID] + e.ids + [EOS_ID], np.int32) for e in tok.encode_batch(texts, add_special_tokens=False)]
+    parts = [np.asarray([BOS_ID] + e.ids + [EOS_ID], np.int32)
+             for e in tok.encode_batch(texts, add_special_tokens=False)]
     return np.concatenate(parts) if parts else np.zeros((0,), np.int32)
 
 
@@ -555,7 +556,8 @@ def train(size: Size, opts: dict, out_dir: str, t0: float) -> dict:
     loop_s = time.perf_counter() - loop_start if compile_s is not None else 0.0
     trained_tokens = (step - loop_step0) * batch * seq_len if compile_s is not None else 0
     if not curve or curve[-1]["step"] != step:
-        curve.append({"step": step, "ce": float(ce), "aux": float(aux), "lr": lr, "s": time.perf_counter() - train_start})
+        curve.append({"step": step, "ce": float(ce), "aux": float(aux), "lr": lr,
+                      "s": time.perf_counter() - train_start})
     final = evaluate(params)
     if not evals or evals[-1]["step"] != step:
         evals.append({"step": step, "loss": final})
@@ -592,7 +594,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("warmup", None, "Linear warmup steps (default: the size's).")
     flags.DEFINE_float("time_budget_s", None, "Wall seconds for the whole run, tokenizer to export; training stops "
                        "early (and still evaluates and exports) to stay within it (default: the size's).")
-    flags.DEFINE_float("router_aux_loss_coef", 0.01, "Weight of the load-balancing loss (Switch Transformer uses 0.01).")
+    flags.DEFINE_float("router_aux_loss_coef", 0.01, "Weight of the load-balancing loss (Switch Transformer: 0.01).")
     flags.DEFINE_integer("vocab_size", None, "BPE vocabulary size (default: the size's).")
     flags.DEFINE_integer("max_files", None, "Use only the first N corpus files (0: all; default: the size's).")
     flags.DEFINE_integer("eval_every", 500, "Evaluate held-out loss every N steps (and at the end).")

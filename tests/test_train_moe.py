@@ -110,7 +110,8 @@ def test_generate_default_demo_uses_trained_model(smoke_dir, tmp_path):
     from ftjax import generate
     metrics = tmp_path / "m.json"
     code = ("import sys; from absl import app; from ftjax import generate; generate.DEFAULT_CHECKPOINT = sys.argv[1]; "
-            "app.run(generate.main, argv=['generate', '--noprogress', '--max_new_tokens=8', '--metrics_json=' + sys.argv[2]])")
+            "app.run(generate.main, argv=['generate', '--noprogress', '--max_new_tokens=8', "
+            "'--metrics_json=' + sys.argv[2]])")
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", code, smoke_dir, str(metrics)], env=env, capture_output=True,
                           text=True, timeout=240)

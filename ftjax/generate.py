@@ -1,6 +1,6 @@
 r"""Generate text with an MoE model whose experts live in host memory.
 
-  python -m ftjax.generate                                   # built-in demo model, expert cache on
+  python -m ftjax.generate                                   # demo model and prompt, expert cache on
   python -m ftjax.generate --checkpoint=DIR --prompt="Hello" --max_new_tokens=32
   python -m ftjax.generate --preset=qwen3-30b-a3b --vram_budget_gb=8 --prompt_len=512
   python -m ftjax.generate --checkpoint=DIR --prompts_file=reqs.jsonl --kv_offload --metrics_json=m.json
@@ -10,6 +10,11 @@ run one after another in this process (batch 1); with --kv_offload, full 256-tok
 their prompts' KV are kept in host memory and a later request sharing a prefix reuses it
 (layerwise load inside the prefill scan; DESIGN.md 1.4). --metrics_json then has a ``requests``
 list and a ``kv_store`` object.
+
+With neither --checkpoint nor --preset the demo model is the trained one committed at
+``ftjax/assets/stdlib_moe`` (experiments/train_moe.py; a Python-source model) with a built-in Python
+prompt, or, where that directory is absent, random weights at preset 'tiny'. The demo keeps an
+expert cache of 2E slots, smaller than its pool.
 
 Prints the memory plan, the text (or ids), TTFT, prefill and decode tokens/s and the expert-cache
 hit rate and host-to-device bytes. Errors (bad files, bad flags, ids outside the vocabulary)
@@ -34,7 +39,8 @@ from ftjax.experts.slot_table import POLICIES as CACHE_POLICIES
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", None, "HF checkpoint directory (config.json + safetensors). "
-                    "Absent: the built-in deterministic demo model (random weights, preset 'tiny').")
+                    "Absent: the trained demo model ftjax/assets/stdlib_moe if present, else random "
+                    "weights at preset 'tiny'.")
 flags.DEFINE_string("preset", None, "Random weights at a preset's real shape instead of a checkpoint "
                     "(qwen3-30b-a3b, olmoe-1b-7b, mixtral-8x7b, tiny).")
 flags.DEFINE_string("prompt", None, "Prompt text (needs tokenizer.json in the checkpoint).")
@@ -114,13 +120,26 @@ def _atomic_write(path: str, write) -> None:
         raise
 
 
+# The default demo: the trained model (experiments/train_moe.py) and a prompt it continues.
+DEFAULT_CHECKPOINT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "stdlib_moe")
+DEFAULT_PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n"
+
+
+def _default_checkpoint() -> str | None:
+    """DEFAULT_CHECKPOINT when no --checkpoint / --preset is given and it exists, else None."""
+    if FLAGS.checkpoint or FLAGS.preset or not os.path.isfile(os.path.join(DEFAULT_CHECKPOINT, "config.json")):
+        return None
+    return DEFAULT_CHECKPOINT
+
+
 def _load_model():
     from ftjax.checkpoint import load_checkpoint, random_model
     from ftjax.config import preset
     if FLAGS.checkpoint and FLAGS.preset:
         raise UserError("give --checkpoint or --preset, not both")
-    if FLAGS.checkpoint:
-        return load_checkpoint(FLAGS.checkpoint, FLAGS.dtype, progress=FLAGS.progress)
+    ckpt = FLAGS.checkpoint or _default_checkpoint()
+    if ckpt:
+        return load_checkpoint(ckpt, FLAGS.dtype, progress=FLAGS.progress)
     return random_model(preset(FLAGS.preset or "tiny"), FLAGS.dtype, seed=FLAGS.seed)
 
 
@@ -141,6 +160,8 @@ def _prompt_ids(model) -> list[int]:
             return [int(x) for x in FLAGS.prompt_ids]
         except ValueError:
             raise UserError(f"--prompt_ids must be integers, got {','.join(FLAGS.prompt_ids)}") from None
+    if not given and model.name == DEFAULT_CHECKPOINT and model.tokenizer is not None:
+        return model.tokenizer.encode(DEFAULT_PROMPT).ids
     n = FLAGS.prompt_len or 16
     return np.random.default_rng(FLAGS.seed).integers(0, model.cfg.vocab_size, n).tolist()
 
@@ -380,6 +401,7 @@ def run() -> dict:
                           eos_ids=eos)
     gen = res.generated_ids[0]
     if model.tokenizer is not None:
+        print("prompt:", model.tokenizer.decode(prompt))
         print("text:", model.tokenizer.decode(gen))
     print("generated ids:", ",".join(map(str, gen)))
     ec = engine.expert_cache_metrics()

@@ -1,0 +1,409 @@
+r"""Expert-cache policies on real routing: traces of a trained model, replayed offline.
+
+  python experiments/policy_study.py --ckpt=ftjax/assets/stdlib_moe --out_dir=experiments/results/policy_study
+  python experiments/policy_study.py --smoke --ckpt=/tmp/stdlib_moe_smoke --out_dir=/tmp/policy_smoke
+
+Traces. The held-out split of the training corpus (``experiments/train_moe.py``: the stdlib files
+whose path hash puts them in the 2% held out, rebuilt deterministically) is encoded with the
+checkpoint's tokenizer into one stream; ``--streams`` consecutive windows of ``--stream_len``
+tokens from its start are the token streams. Each window runs through the model once (causal,
+float32 compute by default); in a causal model the routing of token t does not depend on later
+tokens, so the per-layer routed ids of position t are exactly those a batch-1 decode of that
+text routes at step t (teacher forcing). The forward is ``train_moe.forward_train`` on the loaded
+weights (ftjax's inference pieces; experts computed densely, the same function); the test checks
+its routed ids against ``ftjax.engine.Engine``'s.
+
+Replay. Every token is a step; every (step, layer) asks for the token's top-k experts of that
+layer (flat ids ``layer * E + expert``), all of which must be resident together (S >= E). A
+global cache of S slots serves all layers (DESIGN.md 1.1), cold at the start of each stream; hit
+rate = hits / (hits + misses) over all requests of all streams. Policies (victims are always
+taken among the resident experts not requested by this same (step, layer)):
+
+* ``lru``, ``lookahead``: ftjax's own slot table (``ftjax.experts.slot_table.lookup_layer``,
+  ``eviction_order``): global LRU (FreeToken), and LRU ordered by the cyclic distance to the
+  layer's next visit.
+* ``lfu``: least frequently used, counts over the whole stream so far (perfect LFU), ties to the
+  least recently used, then the lowest flat id.
+* ``lfru``: LRU with frequency, as LRFU (Lee et al. 2001, IEEE Trans. Computers 50(12)): each
+  expert's combined recency-frequency CRF(t) = sum over its past requests t_i of
+  2^(-lambda (t - t_i)), evict the smallest; ``--lfru_half_life_tokens`` sets lambda (CRF halves
+  every that many tokens; small: LRU-like, large: LFU-like).
+* ``belady``: Belady's MIN (Belady 1966, IBM Systems Journal 5(2)): evict the expert whose next
+  request is farthest in the future (never again first). Offline: the bound no online policy
+  beats (the exchange argument holds with the co-residency constraint, because the victims are
+  chosen among the experts not requested now).
+
+Statistics: per layer, share of routings taken by the most popular 10% of experts, normalised
+entropy of the routing distribution (1 = uniform), max / mean load; probability that token t+1
+reuses an expert of token t at the same layer (mean |R_t+1 & R_t| / k, and P(any)); with the
+uniform-routing baselines k/E and 1 - C(E-k, k)/C(E, k).
+
+Next-layer prediction (the signal of speculative prefetch, e.g. Pre-gated MoE, Hwang et al.
+2024): layer l+1's router applied to layer l's output residual stream, normed with layer l+1's
+``post_attention_layernorm`` weight, predicts layer l+1's top-k; reported as precision and recall
+against the experts layer l+1 actually routes, for prefetching k and 2k experts, per layer and
+mean (for k predicted experts precision = recall).
+
+Output (``--out_dir``): ``policy_study.json`` and ``policy_study.png`` (hit rate vs slots per policy;
+prediction and reuse per layer).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import sys
+import time
+
+from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from experiments import common, train_moe  # noqa: E402
+from ftjax.checkpoint import load_checkpoint  # noqa: E402
+from ftjax.experts.slot_table import init_slot_table, lookup_layer  # noqa: E402
+from ftjax.model import rms_norm  # noqa: E402
+
+SLOT_TABLE_POLICIES = ("lru", "lookahead")
+SIM_POLICIES = ("lfu", "lfru", "belady")
+POLICIES = SLOT_TABLE_POLICIES + SIM_POLICIES
+
+FLAGS = flags.FLAGS
+# ---------------------------------------------------------------------------------------- traces
+
+
+def heldout_stream(tok, max_files: int) -> tuple[np.ndarray, dict]:
+    """The held-out split encoded as train_moe does (int32 [n]) and its corpus stats."""
+    texts, stats = train_moe.load_corpus(max_files)
+    stream = train_moe.encode_stream(tok, texts["heldout"])
+    stats["heldout"]["tokens"] = int(stream.size)
+    return stream, stats
+
+
+def trace(model, windows: np.ndarray, dtype: str, batch: int) -> tuple[np.ndarray, np.ndarray]:
+    """Routed ids and next-layer predictions of every position of every window.
+
+    windows: int32 [B, T]. Returns (ids int32 [B, T, L, k] in descending routing probability,
+    pred int32 [B, T, L-1, 2k]: the top 2k experts that layer l+1's router gives layer l's output
+    residual stream (normed by layer l+1's mlp_norm), descending).
+    """
+    cfg = model.cfg
+    params = jax.tree.map(lambda a: a.astype(dtype), train_moe.params_from_loaded(model))
+    k2 = min(2 * cfg.top_k, cfg.num_experts)
+
+    @jax.jit
+    def run(params, tokens):  # params as an argument: a closure would embed them as constants
+        _, _, ids, hs = train_moe.forward_train(params, cfg, tokens)  # ids [L, B*T, k]; hs [L, B, T, D]
+        lay = params["layers"]
+
+        def predict(h, norm_w, router_w):
+            x = rms_norm(h.reshape(-1, h.shape[-1]), norm_w, cfg.rms_norm_eps)
+            probs = jax.nn.softmax((x @ router_w).astype(jnp.float32), axis=-1)
+            return jax.lax.top_k(probs, k2)[1]
+
+        pred = jax.vmap(predict)(hs[:-1], lay["mlp_norm"][1:], lay["router"][1:])  # [L-1, B*T, 2k]
+        return ids, pred
+
+    all_ids, all_pred = [], []
+    for i in range(0, len(windows), batch):
+        w = windows[i:i + batch]
+        ids, pred = run(params, jnp.asarray(w))
+        b, t = w.shape
+        all_ids.append(np.asarray(ids).reshape(cfg.num_layers, b, t, -1).transpose(1, 2, 0, 3))
+        all_pred.append(np.asarray(pred).reshape(cfg.num_layers - 1, b, t, -1).transpose(1, 2, 0, 3))
+    return np.concatenate(all_ids).astype(np.int32), np.concatenate(all_pred).astype(np.int32)
+
+
+# ---------------------------------------------------------------------------------------- replay
+
+
+@functools.lru_cache(maxsize=None)
+def _slot_table_runner(num_layers: int, num_experts: int, slots: int, policy: str):
+    """Jitted (masks bool [T*L, E]) -> (hits, misses) of one stream from an empty table."""
+    @jax.jit
+    def run(masks):
+        layers = jnp.tile(jnp.arange(num_layers, dtype=jnp.int32), masks.shape[0] // num_layers)
+
+        def body(table, xs):
+            layer, m = xs
+            out = lookup_layer(table, layer, m, num_experts, policy)
+            return out.table, (out.n_hit, out.n_miss)
+        _, (h, m) = jax.lax.scan(body, init_slot_table(num_layers, num_experts, slots), (layers, masks))
+        return h.sum(), m.sum()
+    return run
+
+
+def replay_slot_table(ids: np.ndarray, num_experts: int, slots: int, policy: str) -> tuple[int, int]:
+    """(hits, misses) of ftjax's slot table (``lookup_layer`` with ``policy``) over streams.
+
+    ids: int32 [B, T, L, k]; each stream starts from an empty table. One ``lax.scan`` over the
+    T*L (step, layer) lookups of a stream, in decode order.
+    """
+    b, t, num_layers, _ = ids.shape
+    routed = np.zeros((b, t, num_layers, num_experts), bool)
+    np.put_along_axis(routed, ids, True, axis=-1)
+    run = _slot_table_runner(num_layers, num_experts, slots, policy)
+    hits = misses = 0
+    for s in range(b):
+        h, m = run(jnp.asarray(routed[s].reshape(t * num_layers, num_experts)))
+        hits, misses = hits + int(h), misses + int(m)
+    return hits, misses
+
+
+def _next_use(flat: np.ndarray) -> np.ndarray:
+    """For requests flat int [n_events, k] (event = clock), the clock of each request's next
+    request of the same id (int64, a large sentinel when none)."""
+    n, k = flat.shape
+    nxt = np.full((n, k), np.iinfo(np.int64).max // 4, np.int64)
+    last: dict[int, tuple[int, int]] = {}
+    for c in range(n - 1, -1, -1):
+        for j in range(k):
+            x = int(flat[c, j])
+            nxt[c, j] = last[x][0] if x in last else nxt[c, j]
+        for j in range(k):
+            last[int(flat[c, j])] = (c, j)
+    return nxt
+
+
+def replay_sim(ids: np.ndarray, num_experts: int, slots: int, policy: str,
+               half_life_tokens: float = 4.0) -> tuple[int, int]:
+    """(hits, misses) of ``lfu`` / ``lfru`` / ``belady`` over streams (numpy simulation).
+
+    ids: int32 [B, T, L, k]. Same request model as :func:`replay_slot_table`: event c = t*L + l
+    asks for flat ids l*E + ids[b, t, l]; hits are refreshed; misses fill free slots first, then
+    evict, among the resident ids not requested by this event, the ones with the smallest key
+    (lfu: (count, last use, id); lfru: (log2 CRF + lambda * last use, last use, id); belady:
+    (-next use, id)). Raises ValueError for an unknown policy or slots < num_experts.
+    """
+    if policy not in SIM_POLICIES:
+        raise ValueError(f"unknown simulated policy {policy!r}; expected one of {SIM_POLICIES}")
+    b, t, num_layers, k = ids.shape
+    if slots < num_experts:
+        raise ValueError(f"slots={slots} < num_experts={num_experts}")
+    n_ids = num_layers * num_experts
+    lam = 1.0 / (half_life_tokens * num_layers)  # per clock tick (one (step, layer))
+    hits = misses = 0
+    for s in range(b):
+        flat = (ids[s] + (np.arange(num_layers) * num_experts)[None, :, None]).reshape(t * num_layers, k)
+        nxt = _next_use(flat) if policy == "belady" else None
+        resident = np.zeros(n_ids, bool)
+        count = np.zeros(n_ids, np.int64)
+        last = np.full(n_ids, -1, np.int64)
+        crf = np.full(n_ids, -np.inf)  # log2 CRF(t) + lam * t, constant between requests
+        nu = np.zeros(n_ids, np.int64)  # next use of resident ids (belady)
+        used = 0
+        for c in range(flat.shape[0]):
+            req = flat[c]
+            hit = resident[req]
+            hits += int(hit.sum())
+            new = req[~hit]
+            misses += len(new)
+            need = used + len(new) - slots
+            if need > 0:
+                cand = np.flatnonzero(resident)
+                cand = cand[~np.isin(cand, req)]
+                if policy == "lfu":
+                    order = np.lexsort((cand, last[cand], count[cand]))
+                elif policy == "lfru":
+                    order = np.lexsort((cand, last[cand], crf[cand]))
+                else:
+                    order = np.lexsort((cand, -nu[cand]))
+                resident[cand[order[:need]]] = False
+                used -= need
+            resident[new] = True
+            used += len(new)
+            count[req] += 1
+            last[req] = c
+            crf[req] = np.logaddexp2(lam * c, crf[req])
+            if nxt is not None:
+                nu[req] = nxt[c]
+    return hits, misses
+
+
+def default_slots(num_layers: int, num_experts: int) -> list[int]:
+    """E, 1.25E, 1.5E, 2E, 3E, 4E, 6E, 8E, 12E, ... capped at (and including) L*E/2 (at least E)."""
+    top = max(num_experts, num_layers * num_experts // 2)
+    mults = [1, 1.25, 1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
+    return sorted({int(round(m * num_experts)) for m in mults if m * num_experts <= top} | {top})
+
+
+# ------------------------------------------------------------------------------------ statistics
+
+
+def routing_stats(ids: np.ndarray, num_experts: int) -> dict:
+    """Popularity skew and token-to-token reuse per layer. ids: int32 [B, T, L, k]."""
+    b, t, num_layers, k = ids.shape
+    per_layer = []
+    top_n = max(1, math.ceil(0.1 * num_experts))
+    for layer in range(num_layers):
+        counts = np.bincount(ids[:, :, layer].reshape(-1), minlength=num_experts).astype(np.float64)
+        p = counts / counts.sum()
+        nz = p[p > 0]
+        r_prev, r_next = ids[:, :-1, layer], ids[:, 1:, layer]  # [B, T-1, k]
+        inter = (r_next[..., :, None] == r_prev[..., None, :]).any(-1).sum(-1)  # [B, T-1]
+        per_layer.append({
+            "layer": layer, "top10pct_share": float(np.sort(p)[::-1][:top_n].sum()),
+            "entropy_norm": float(-(nz * np.log(nz)).sum() / math.log(num_experts)),
+            "max_over_mean_load": float(p.max() * num_experts), "unused_experts": int((counts == 0).sum()),
+            "reuse_frac": float(inter.mean() / k), "reuse_any": float((inter > 0).mean()),
+        })
+    mean = {key: float(np.mean([r[key] for r in per_layer])) for key in per_layer[0] if key != "layer"}
+    any_baseline = 1.0 - math.comb(num_experts - k, k) / math.comb(num_experts, k) if num_experts >= 2 * k else 1.0
+    return {"per_layer": per_layer, "mean": mean, "top10pct_experts": top_n,
+            "uniform_baseline": {"top10pct_share": top_n / num_experts, "entropy_norm": 1.0,
+                                 "reuse_frac": k / num_experts, "reuse_any": any_baseline}}
+
+
+def next_layer_prediction(ids: np.ndarray, pred: np.ndarray) -> dict:
+    """Precision / recall of predicting layer l+1's routed experts from layer l.
+
+    ids: int32 [B, T, L, k]; pred: int32 [B, T, L-1, 2k] (descending). For prefetch sizes k and
+    2k: precision = |predicted & routed| / predicted, recall = |predicted & routed| / k.
+    """
+    k = ids.shape[-1]
+    actual = ids[:, :, 1:]  # [B, T, L-1, k]
+    out = {}
+    for n in sorted({k, pred.shape[-1]}):
+        hit = (pred[..., :n, None] == actual[..., None, :]).any(-2).sum(-1)  # [B, T, L-1]
+        per_layer = [{"layer": i + 1, "precision": float(hit[..., i].mean() / n),
+                      "recall": float(hit[..., i].mean() / k)} for i in range(actual.shape[2])]
+        out[f"prefetch_{n}"] = {"per_layer": per_layer, "mean_precision": float(hit.mean() / n),
+                                "mean_recall": float(hit.mean() / k)}
+    return out
+
+
+# ------------------------------------------------------------------------------------------ main
+
+
+def plot(path: str, results: dict, num_experts: int, nlp: dict, stats: dict, title: str) -> None:
+    """Hit rate vs slots per policy (left); next-layer recall and token reuse per layer (right)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for pol, rows in results.items():
+        a.plot([r["slots"] / num_experts for r in rows], [r["hit_rate"] for r in rows], marker="o",
+               label=pol, lw=2.5 if pol == "belady" else 1.5, ls="--" if pol == "belady" else "-")
+    a.set_xlabel("cache size (slots / E)")
+    a.set_ylabel("hit rate")
+    a.set_ylim(0, 1)
+    a.grid(alpha=0.3)
+    a.legend()
+    a.set_title("expert cache hit rate (global, decode order)", fontsize=9)
+    for key, rows in nlp.items():
+        b.plot([r["layer"] for r in rows["per_layer"]], [r["recall"] for r in rows["per_layer"]], "o-",
+               label=f"next-layer recall, {key.replace('_', ' ')}")
+    lay = stats["per_layer"]
+    b.plot([r["layer"] for r in lay], [r["reuse_frac"] for r in lay], "s--", label="reuse by token t+1")
+    b.plot([r["layer"] for r in lay], [r["top10pct_share"] for r in lay], "^:", label="share of top 10% experts")
+    b.set_xlabel("layer")
+    b.set_ylim(0, 1)
+    b.grid(alpha=0.3)
+    b.legend(fontsize=8)
+    b.set_title("routing statistics", fontsize=9)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_study(ckpt: str, streams: int, stream_len: int, max_files: int, slots: list[int] | None,
+              policies: list[str], half_life: float, dtype: str, batch: int) -> dict:
+    """Traces, replays and statistics; returns the result dict (see the module docstring).
+
+    Raises:
+      ValueError: unknown policy, a slot count outside [E, L*E], or a held-out stream shorter
+        than one window.
+    """
+    for p in policies:
+        if p not in POLICIES:
+            raise ValueError(f"unknown policy {p!r}; expected some of {POLICIES}")
+    t0 = time.perf_counter()
+    model = load_checkpoint(ckpt, dtype, progress=False)
+    cfg = model.cfg
+    L, E, k = cfg.num_layers, cfg.num_experts, cfg.top_k
+    slots = slots or default_slots(L, E)
+    for s in slots:
+        if not E <= s <= L * E:
+            raise ValueError(f"slots={s} outside [E={E}, L*E={L * E}]")
+    if model.tokenizer is None:
+        raise ValueError(f"{ckpt}: no tokenizer.json")
+    stream, corpus = heldout_stream(model.tokenizer, max_files)
+    n = min(streams, len(stream) // stream_len)
+    if n < 1:
+        raise ValueError(f"held-out stream has {len(stream)} tokens, fewer than --stream_len={stream_len}")
+    windows = stream[: n * stream_len].reshape(n, stream_len)
+    ids, pred = trace(model, windows, dtype, batch)
+    trace_s = time.perf_counter() - t0
+    results: dict[str, list[dict]] = {}
+    for p in policies:
+        rows = []
+        for s in slots:
+            t = time.perf_counter()
+            if p in SLOT_TABLE_POLICIES:
+                h, m = replay_slot_table(ids, E, s, p)
+            else:
+                h, m = replay_sim(ids, E, s, p, half_life)
+            rows.append({"slots": s, "slots_over_E": s / E, "hits": h, "misses": m, "hit_rate": h / (h + m),
+                         "replay_s": time.perf_counter() - t})
+        results[p] = rows
+    corpus = {key: v for key, v in corpus.items() if key != "heldout_files"}
+    return {
+        "meta": common.meta(), "checkpoint": os.path.abspath(ckpt), "config": {
+            "num_layers": L, "num_experts": E, "top_k": k, "hidden_size": cfg.hidden_size,
+            "expert_ffn": cfg.expert_ffn, "vocab_size": cfg.vocab_size},
+        "flags": {"streams": n, "stream_len": stream_len, "max_files": max_files, "slots": slots,
+                  "policies": policies, "lfru_half_life_tokens": half_life, "dtype": dtype},
+        "corpus": corpus, "requests": int(ids.size), "trace_s": trace_s,
+        "hit_rate": results, "routing_stats": routing_stats(ids, E), "next_layer_prediction":
+            next_layer_prediction(ids, pred),
+    }
+
+
+def define_flags() -> None:
+    """The command-line flags (defined only when run as a script, so tests can import this module
+    beside other scripts)."""
+    flags.DEFINE_string("ckpt", os.path.join("ftjax", "assets", "stdlib_moe"), "Trained checkpoint directory.")
+    flags.DEFINE_string("out_dir", None, "Where to write policy_study.json and policy_study.png.", required=True)
+    flags.DEFINE_boolean("smoke", False, "4 streams of 64 tokens over the smoke corpus subset (24 files): seconds.")
+    flags.DEFINE_integer("streams", 8, "Token streams (consecutive held-out windows).")
+    flags.DEFINE_integer("stream_len", 512, "Tokens per stream (decode steps).")
+    flags.DEFINE_integer("max_files", 0, "Corpus subset as train_moe --max_files (0: all; --smoke: 24).")
+    flags.DEFINE_list("slots", None, "Cache sizes S (default: E, 1.25E, 1.5E, 2E, 3E, 4E, 6E, ... up to L*E/2).")
+    flags.DEFINE_list("policies", list(POLICIES), "Policies to replay.")
+    flags.DEFINE_float("lfru_half_life_tokens", 4.0, "LRFU: tokens after which an access counts half.")
+    flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype of the trace forward.")
+    flags.DEFINE_integer("batch", 8, "Streams per forward call.")
+
+
+def main(argv):
+    del argv
+    max_files = FLAGS.max_files or (24 if FLAGS.smoke else 0)
+    streams, stream_len = (4, 64) if FLAGS.smoke else (FLAGS.streams, FLAGS.stream_len)
+    slots = [int(s) for s in FLAGS.slots] if FLAGS.slots else None
+    res = run_study(FLAGS.ckpt, streams, stream_len, max_files, slots, FLAGS.policies,
+                    FLAGS.lfru_half_life_tokens, FLAGS.dtype, FLAGS.batch)
+    os.makedirs(FLAGS.out_dir, exist_ok=True)
+    common.write_json(FLAGS.out_dir, "policy_study.json", res)
+    E = res["config"]["num_experts"]
+    nlp = res["next_layer_prediction"]
+    plot(os.path.join(FLAGS.out_dir, "policy_study.png"), res["hit_rate"], E, nlp, res["routing_stats"],
+         f"{os.path.basename(os.path.normpath(FLAGS.ckpt))}: L={res['config']['num_layers']} E={E} "
+         f"k={res['config']['top_k']}, {res['flags']['streams']} x {res['flags']['stream_len']} held-out tokens")
+    rows = [{"policy": p, **{f"S={r['slots']}": r["hit_rate"] for r in rs}} for p, rs in res["hit_rate"].items()]
+    print(common.table(rows, list(rows[0])))
+    m = res["routing_stats"]["mean"]
+    print(f"top-10% share {m['top10pct_share']:.3f}, entropy {m['entropy_norm']:.3f}, reuse t->t+1 "
+          f"{m['reuse_frac']:.3f} (uniform {res['routing_stats']['uniform_baseline']['reuse_frac']:.3f}); "
+          + ", ".join(f"next-layer {key}: precision {v['mean_precision']:.3f} recall {v['mean_recall']:.3f}"
+                      for key, v in nlp.items()))
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main)

@@ -50,11 +50,11 @@ def run_mode(model, mode, slots, batch, max_seq_len, prompts, policy="lru"):
     dec = ec["decode"]
     row = {"mode": mode if mode != "cached" or policy == "lru" else f"cached-{policy}", "batch": batch,
            "policy": policy, "slots": engine.num_slots,
-           "decode_tokens_per_s": res.decode_tokens_per_s, "step_s": common.spread(steps),
+           "decode_tokens_per_s": res.decode_tokens_per_s, "tpot_s": common.spread(steps),
            "ttft_s": res.ttft_s, "compile_s": res.compile_s, "hit_rate_decode": dec["hit_rate"],
            "hit_rate_prefill": ec["prefill"]["hit_rate"],
            "h2d_bytes_per_step": dec["bytes_h2d"] / FLAGS.steps, "misses_per_step": dec["misses"] / FLAGS.steps,
-           "prefill_h2d_bytes": ec["prefill"]["bytes_h2d"]}
+           "prefill_h2d_bytes": ec["prefill"]["bytes_h2d"], "engine": engine.describe()}
     row["achieved_h2d_GBps"] = row["h2d_bytes_per_step"] / float(np.median(steps)) / 1e9
     if FLAGS.hlo_dir and mode == "cached" and policy == "lru":
         row["decode_hlo"] = dump_decode_hlo(batch)
@@ -113,14 +113,12 @@ def main(argv):
         row["bound_step_s"] = res["step_s"]["median"] + row["h2d_bytes_per_step"] / (bp_gbps * 1e9)
         row["ratio_to_bound"] = row["step_s"]["median"] / row["bound_step_s"]
     payload = {"meta": info, "script": "experiments/bench_decode.py",
-               "flags": {k: FLAGS[k].value for k in ("preset", "dtype", "vram_budget_gb", "batches", "modes",
-                                                      "prompt_len", "steps")},
                "model_build_s": build_s, "B_P": bp, "memory_plans": plans, "results": rows}
     name = f"bench_decode_{FLAGS.preset}.json"
     path = common.write_json(FLAGS.out_dir, name, payload)
-    flat = [dict(r, step_ms=r["step_s"]["median"] * 1e3 if "step_s" in r else None,
+    flat = [dict(r, tpot_ms=r["tpot_s"]["median"] * 1e3 if "tpot_s" in r else None,
                  MB_per_step=r.get("h2d_bytes_per_step", 0) / 1e6) for r in rows]
-    print(common.table(flat, ["mode", "batch", "decode_tokens_per_s", "step_ms", "hit_rate_decode",
+    print(common.table(flat, ["mode", "batch", "decode_tokens_per_s", "tpot_ms", "hit_rate_decode",
                               "MB_per_step", "achieved_h2d_GBps", "ratio_to_bound"]))
     print("wrote", path)
 

@@ -48,11 +48,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from experiments.common import hlo_ops, measure_h2d, meta, spread, table  # noqa: E402
+from experiments.common import hlo_ops, measure_h2d, meta, spread, table, write_json  # noqa: E402
 from ftjax.checkpoint import DTYPES, random_model  # noqa: E402
 from ftjax.config import preset  # noqa: E402
 from ftjax.engine import Engine, compiled_programs  # noqa: E402
-from ftjax.config import EngineConfig  # noqa: E402
+from ftjax.config import EngineConfig, KVOffloadConfig  # noqa: E402
 from ftjax.experts.planner import GB, plan_memory  # noqa: E402
 from ftjax.kv import prefix_cache as pc_lib  # noqa: E402
 from ftjax.kv.host_store import HostKVStore  # noqa: E402
@@ -97,20 +97,22 @@ def probe(variant: str) -> dict:
     load = "all_first" if variant == "store_scan" else variant
     route = "scan" if variant == "store_scan" else "after"
     engine = Engine(model, EngineConfig("resident", max_seq_len=256))
-    mgr = pc_lib.PrefixCache(HostKVStore(10**8), chunk_tokens=32, load=load, store_route=route, prefill_chunk=128)
+    mgr = pc_lib.PrefixCache(HostKVStore(10**8), KVOffloadConfig(chunk_tokens=32, load=load, store_route=route,
+                                                                 prefill_chunk=128))
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, model.cfg.vocab_size, 136).tolist()
     first = timed_request(engine, mgr, prompt[:96])
     cache = engine.new_cache(1)
-    req = mgr.begin(engine, [prompt], cache)
-    logits, cache, _, _ = mgr.prefill(engine, req, cache)
+    req = engine.prepare_prefill([prompt], cache, mgr)
+    logits, cache, _, _ = engine.prefill([prompt], cache, kv_manager=mgr, request=req)
     out = {"variant": variant, "ok": True, "stored": first["chunks_stored"], "reused": req.reused_tokens,
            "finite": bool(jnp.all(jnp.isfinite(logits)))}
     try:
-        ref_mgr = pc_lib.PrefixCache(HostKVStore(0), chunk_tokens=32, store_route="after", prefill_chunk=128)
+        ref_mgr = pc_lib.PrefixCache(HostKVStore(0), KVOffloadConfig(chunk_tokens=32, store_route="after",
+                                                                     prefill_chunk=128))
         c2 = engine.new_cache(1)
-        r = ref_mgr.begin(engine, [prompt], c2)
-        ref, _, _, _ = ref_mgr.prefill(engine, r, c2)
+        r = engine.prepare_prefill([prompt], c2, ref_mgr)
+        ref, _, _, _ = engine.prefill([prompt], c2, kv_manager=ref_mgr, request=r)
         out["max_abs_logit_diff_vs_recompute"] = float(jnp.max(jnp.abs(logits - ref)))
         out["max_abs_logit"] = float(jnp.max(jnp.abs(ref)))
     except Exception as e:  # noqa: BLE001 -- the reference must not fail the probe
@@ -144,11 +146,11 @@ _greedy = jax.jit(lambda logits: jnp.argmax(logits, axis=-1))
 
 
 def timed_request(engine, mgr, prompt) -> dict:
-    """Compile + lookup (``begin``), then the timed prefill and first greedy token."""
+    """Lookup and compile (``prepare_prefill``), then the timed prefill and first greedy token."""
     cache = engine.new_cache(1)
-    req = mgr.begin(engine, [prompt], cache)
+    req = engine.prepare_prefill([prompt], cache, mgr)
     t0 = time.perf_counter()
-    logits, cache, _, _ = mgr.prefill(engine, req, cache)
+    logits, cache, _, _ = engine.prefill([prompt], cache, kv_manager=mgr, request=req)
     _greedy(logits).block_until_ready()
     ttft = time.perf_counter() - t0 + req.lookup_s
     del cache, logits
@@ -156,13 +158,14 @@ def timed_request(engine, mgr, prompt) -> dict:
 
 
 def reuse_executables(mode: str, load: str) -> list:
-    """Compiled reuse programs (with a prefix) of this mode and load, from the prefix cache's AOT cache."""
+    """Compiled reuse programs (with a prefix) of this mode and load, from the engine's AOT cache."""
     variant = "xs" if load == "all_first" else load
     kind = "device" if load == "all_first" else None
     found = []
-    for _, statics, signature, exe in compiled_programs("_prefix_step"):
+    for _, statics, signature, exe in compiled_programs("_forward_step"):
         prefix = [s for s in signature if len(s[0]) == 5 and s[0][1] == 2]
-        if statics["mode"] != mode or statics["variant"] != variant or not prefix:
+        opts = statics["opts"]
+        if opts.mode != mode or opts.kv is None or opts.kv.variant != variant or not prefix:
             continue
         if (kind == "device") != all(s[2] == "device" for s in prefix):
             continue
@@ -212,8 +215,8 @@ def run_mode(model, mode: str, slots, max_seq_len: int, prefix: list[int], rng, 
     chunk = FLAGS.prefill_chunk
 
     def manager(load, st=None):
-        return pc_lib.PrefixCache(st if st is not None else store, chunk_tokens=c, load=load, store_route=route,
-                                  prefill_chunk=chunk)
+        return pc_lib.PrefixCache(st if st is not None else store,
+                                  KVOffloadConfig(chunk_tokens=c, load=load, store_route=route, prefill_chunk=chunk))
 
     # the earlier request: stores the prefix's chunks (also warms the long prefill program). Falls
     # back to the 'after' store route if host-memory scan outputs fail, and halves the prefill
@@ -357,18 +360,12 @@ def main(argv):
 
     def write(rows):
         payload = {"meta": info, "script": "experiments/bench_kv_reuse.py",
-                   "flags": {k: FLAGS[k].value for k in ("preset", "dtype", "vram_budget_gb", "expert_slots", "modes",
-                                                          "loads", "prefix_tokens", "suffix_tokens", "chunk_tokens",
-                                                          "prefill_chunk", "kv_host_gb", "store_route", "reps",
-                                                          "recompute_reps", "seed")},
                    "model_build_s": build_s, "B_P": bp, "max_seq_len": max_seq_len,
                    "chunk_bytes": entry, "prefix_chunks": n_chunks, "prefix_bytes": n_chunks * entry,
                    "memory_plan": plan.as_dict() if plan else None, "in_scan_copy_only": scan_copy,
                    "targets": {"speedup_vs_recompute": ">= 10", "hidden_fraction": ">= 0.8"}, "probes": probes,
                    "elapsed_s": time.perf_counter() - t0, "results": rows}
-        with open(path + ".tmp", "w") as f:
-            json.dump(payload, f, indent=1, default=str)
-        os.replace(path + ".tmp", path)
+        write_json(FLAGS.out_dir, name, payload)
 
     rows = []
     for i, mode in enumerate(sorted(FLAGS.modes, key=lambda m: m == "resident")):

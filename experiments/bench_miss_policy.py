@@ -21,13 +21,11 @@ split was slower than pure fetching in the field.
 
 from __future__ import annotations
 
-import datetime
 import faulthandler
 import gc
 import json
 import os
 import re
-import tempfile
 import time
 import traceback
 
@@ -53,19 +51,6 @@ flags.DEFINE_float("temperature", 1.0, "Sampling temperature (same seed in every
 flags.DEFINE_integer("seed", 0, "Weights, prompt and sampling seed.")
 flags.DEFINE_float("time_budget_s", 330.0, "Skip further runs after this many seconds (the JSON says which).")
 flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-
-
-def _write(path: str, obj: dict) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=1, default=str)
-    os.replace(tmp, path)
 
 
 def _host_mem_available_gb() -> float | None:
@@ -111,8 +96,9 @@ def main(argv):
     from ftjax import calibrate
     from ftjax.checkpoint import DTYPES, random_model
     from ftjax.config import preset
-    from ftjax.engine import Engine
+    from experiments import common
     from ftjax.config import EngineConfig
+    from ftjax.engine import Engine
     from ftjax.experts import miss_policy
     from ftjax.experts.miss_split import SplitModel
     from ftjax.experts.planner import GB, plan_memory
@@ -122,19 +108,15 @@ def main(argv):
     out_path = os.path.join(FLAGS.out_dir, f"bench_miss_policy-{slug}.json")
     # A hang (a callback that never returns) must still leave the JSON: dump stacks and exit.
     faulthandler.dump_traceback_later(FLAGS.time_budget_s + 150, exit=True)
-    res: dict = {"bench": "miss_policy", "device": dev.device_kind, "platform": dev.platform,
-                 "jax": jax.__version__, "date": _now(), "host_cpus": os.cpu_count(),
-                 "args": {k: FLAGS[k].value for k in ("preset", "dtype", "budgets_gb", "batch", "prompt_len", "steps",
-                                                      "impls", "policies", "cpu_threads", "quick_calibration",
-                                                      "temperature", "seed", "time_budget_s")},
-                 "setup_s": {}, "runs": [], "skipped": [], "notes": []}
+    res: dict = {"meta": common.meta(), "bench": "miss_policy", "setup_s": {}, "runs": [], "skipped": [],
+                 "notes": []}
 
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - t_start:7.1f}s] {msg}", flush=True)
 
     def save() -> None:
         res["elapsed_s"] = round(time.perf_counter() - t_start, 1)
-        _write(out_path, res)
+        common.write_json(os.path.dirname(out_path) or ".", os.path.basename(out_path), res)
 
     # ---- model ----------------------------------------------------------------------------
     cfg = preset(FLAGS.preset)
@@ -251,7 +233,7 @@ def main(argv):
             run["host_mem_available_gb"] = _host_mem_available_gb()
             out = eng.generate(prompts, FLAGS.steps, temperature=FLAGS.temperature, seed=FLAGS.seed,
                                keep_logits=True, time_steps=True)
-            tpot = np.asarray(out.step_s) * 1e3
+            tpot = common.spread(out.step_s)
             ec = eng.expert_cache_metrics()
             dec = ec["decode"]
             n_dec = FLAGS.batch * (FLAGS.steps - 1)
@@ -260,9 +242,8 @@ def main(argv):
             pred = _predicted_expert_s(dec["split_histogram"], model_for_pred, pol)
             run.update({
                 "decode_tokens_per_s": out.decode_tokens_per_s, "decode_s_per_token": out.decode_s / max(n_dec, 1),
-                "tpot_ms_median": float(np.median(tpot)), "tpot_ms_p10": float(np.percentile(tpot, 10)),
-                "tpot_ms_p90": float(np.percentile(tpot, 90)),
-                "decode_tokens_per_s_median_step": FLAGS.batch * 1e3 / float(np.median(tpot)),
+                "tpot_s": tpot, "tokens_per_s_median_tpot": FLAGS.batch / tpot["median"],
+                "engine": eng.describe(),
                 "ttft_s": out.ttft_s, "compile_s": out.compile_s, "hit_rate_decode": dec["hit_rate"],
                 "hit_rate": ec["hit_rate"], "misses_decode": dec["misses"], "fetched_decode": dec["fetched"],
                 "cpu_decode": dec["cpu_computed"], "fetch_fraction_decode": dec["fetch_fraction"],
@@ -275,8 +256,8 @@ def main(argv):
             elif b in fetch_ref:
                 run.update(_logit_diff(fetch_ref[b], out))
             log(f"{b:g} GB ({s} slots) {pol:14s} {impl or '-':16s} {out.decode_tokens_per_s:7.2f} tok/s  "
-                f"TPOT median {run['tpot_ms_median']:.1f} ms (p10 {run['tpot_ms_p10']:.1f}, "
-                f"p90 {run['tpot_ms_p90']:.1f})  "
+                f"TPOT median {tpot['median'] * 1e3:.1f} ms (p10 {tpot['p10'] * 1e3:.1f}, "
+                f"p90 {tpot['p90'] * 1e3:.1f})  "
                 f"hit {dec['hit_rate']:.3f}  fetched {dec['fetched']}  cpu {dec['cpu_computed']}  "
                 f"compile {out.compile_s:.1f} s")
         except Exception as e:  # noqa: BLE001 - a failing mechanism is a finding
@@ -298,20 +279,20 @@ def main(argv):
             cands = [r for r in rows if r["policy"] == pol]
             if cands:
                 # compared by the median step time: robust to a few slow steps on a shared host
-                top = max(cands, key=lambda r: r["decode_tokens_per_s_median_step"])
-                best[pol] = {"tokens_per_s_median_step": top["decode_tokens_per_s_median_step"],
-                             "impl": top["impl"], "tpot_ms_p10_p90": [top["tpot_ms_p10"], top["tpot_ms_p90"]]}
+                top = max(cands, key=lambda r: r["tokens_per_s_median_tpot"])
+                best[pol] = {"tokens_per_s_median_tpot": top["tokens_per_s_median_tpot"],
+                             "impl": top["impl"], "tpot_s_p10_p90": [top["tpot_s"]["p10"], top["tpot_s"]["p90"]]}
         line = {"budget_gb": b, "slots": s, **best}
         if "adaptive" in best and "fetch" in best:
-            single = max(best["fetch"]["tokens_per_s_median_step"],
-                         best.get("cpu", {}).get("tokens_per_s_median_step", 0.0))
-            line["adaptive_vs_best_single"] = best["adaptive"]["tokens_per_s_median_step"] / single if single else None
+            single = max(best["fetch"]["tokens_per_s_median_tpot"],
+                         best.get("cpu", {}).get("tokens_per_s_median_tpot", 0.0))
+            line["adaptive_vs_best_single"] = best["adaptive"]["tokens_per_s_median_tpot"] / single if single else None
         summary.append(line)
     res["summary"] = summary
     save()
 
     print()
-    print(f"device {res['device']} | jax {res['jax']} | {FLAGS.preset} {FLAGS.dtype} | batch {FLAGS.batch} | "
+    print(f"device {res['meta']['device']} | jax {res['meta']['jax']} | {FLAGS.preset} {FLAGS.dtype} | batch {FLAGS.batch} | "
           f"{FLAGS.steps} tokens | calibration {key}")
     for i in impls:
         print(calibrate.describe_impl(i, entry["impls"][i]))
@@ -324,8 +305,8 @@ def main(argv):
         pred = r["predicted_miss_s_per_token"]
         diff = r.get("max_abs_logit_diff_vs_fetch")
         print(f"{r['budget_gb']:>7g} {r['slots']:>6} {r['policy']:14} {str(r['impl']):18} "
-              f"{r['decode_tokens_per_s']:8.2f} {r['tpot_ms_median']:8.1f} "
-              f"{r['tpot_ms_p10']:5.1f}-{r['tpot_ms_p90']:<5.1f} {r['hit_rate_decode']:6.3f} "
+              f"{r['decode_tokens_per_s']:8.2f} {r['tpot_s']['median'] * 1e3:8.1f} "
+              f"{r['tpot_s']['p10'] * 1e3:5.1f}-{r['tpot_s']['p90'] * 1e3:<5.1f} {r['hit_rate_decode']:6.3f} "
               f"{r['fetched_decode']:8d} {r['cpu_decode']:6d} {pred * 1e3 if pred is not None else float('nan'):11.1f} "
               f"{diff if diff is not None else float('nan'):10.3g}")
     for s_ in res["skipped"]:

@@ -155,8 +155,6 @@ def main(argv):
             if off:
                 r["overlap_speedup"] = off["ttft_s"]["median"] / r["ttft_s"]["median"]
     payload = {"meta": info, "script": "experiments/bench_prefill.py",
-               "flags": {k: FLAGS[k].value for k in ("preset", "dtype", "vram_budget_gb", "lengths", "variants",
-                                                      "prefill_chunk", "repeats")},
                "model_build_s": build_s, "B_P": bp, "pool_bytes": pool_bytes, "memory_plans": plans,
                "logits_max_abs_diff_vs_resident": logits_check,
                "grouped_matmul": kernel, "hlo_stream_step": hlo, "results": rows}

@@ -1,18 +1,20 @@
 """Shared pieces of the GPU scripts: run metadata, H2D bandwidth, medians, JSON output.
 
-Every script writes one JSON file: ``meta`` (device, jax version, date, host), the measured
-host-to-device bandwidth ``B_P`` of that run, and its figures. Absolute times on shared machines
-are noisy, so scripts report medians, spreads and ratios measured in the same run.
+Every script writes one JSON file through :func:`write_json`, the one result writer: ``meta``
+(git commit, device, jax version, date, host), the script's ``flags``, the measured host-to-device
+bandwidth ``B_P`` of that run, its figures, and per run the engine config
+(``Engine.describe()``). One naming throughout: ``ttft_s``, ``tpot_s`` (a :func:`spread` of
+per-step seconds), ``tokens_per_s``, ``bytes_h2d``, ``hit_rate``. ``experiments/plots.py`` draws a
+PNG from any of these files. Absolute times on shared machines are noisy, so scripts report
+medians, spreads and ratios measured in the same run.
 """
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
-import platform
 import re
-import statistics
+import sys
 import time
 
 import jax
@@ -20,20 +22,32 @@ import jax.numpy as jnp
 import numpy as np
 
 from ftjax import memory
+from ftjax.provenance import run_meta
 
 
 def meta() -> dict:
-    """Device name, backend, jax version, UTC date, host CPU count."""
-    d = memory.default_device()
-    return {"device": getattr(d, "device_kind", str(d)), "backend": d.platform, "jax": jax.__version__,
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "host_cpus": os.cpu_count(), "python": platform.python_version()}
+    """Git commit, device name, backend, jax version, UTC date, host CPU count, Python version."""
+    return run_meta()
 
 
-def spread(xs: list[float]) -> dict:
-    """Median, min, max and count of a list of measurements (seconds or rates); {} when empty."""
-    xs = [float(x) for x in xs]
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)} if xs else {}
+def spread(xs) -> dict:
+    """Median, 10th / 90th percentiles, min, max and count of measurements (seconds or rates);
+    {} when empty."""
+    xs = np.asarray([float(x) for x in xs])
+    if not xs.size:
+        return {}
+    return {"median": float(np.median(xs)), "p10": float(np.percentile(xs, 10)), "p90": float(np.percentile(xs, 90)),
+            "min": float(xs.min()), "max": float(xs.max()), "n": int(xs.size)}
+
+
+def script_flags() -> dict:
+    """The values of the running absl app's flags (those of its main module), {} outside one."""
+    from absl import flags
+    main = sys.modules.get("__main__")
+    try:
+        return {f.name: f.value for f in flags.FLAGS.get_key_flags_for_module(main)} if main else {}
+    except Exception:  # flags not parsed (imported from a test)
+        return {}
 
 
 def build_random_model(preset_name: str, dtype: str):
@@ -75,7 +89,9 @@ def hlo_ops(text: str) -> dict:
 
 
 def write_json(out_dir: str, name: str, payload: dict) -> str:
-    """Writes ``payload`` to out_dir/name atomically; returns the path."""
+    """The one result writer: ``payload`` plus ``meta`` (when absent) and the script's ``flags``,
+    written to out_dir/name atomically; returns the path."""
+    payload = {**payload, "meta": payload.get("meta") or meta(), "flags": {**script_flags(), **payload.get("flags", {})}}
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, name)
     tmp = path + ".tmp"

@@ -293,6 +293,20 @@ class Engine:
                 raise ValueError(f"prompt {i}: {problem}")
 
     # ---- prefill ------------------------------------------------------------------------------
+    def prepare_prefill(self, prompts: Sequence[Sequence[int]], cache, kv_manager=None):
+        """Compiles every program a prefill of ``prompts`` and the decode after it need (so that
+        timings exclude compilation). With ``kv_manager``, first plans the prefix-reuse request
+        (``kv_manager.begin``: lookup, pin) and returns it for :meth:`prefill`; else None."""
+        req = kv_manager.begin(self, prompts) if kv_manager is not None else None
+        try:
+            self._ensure_compiled(req.calls if req is not None else self.plan_prefill(prompts), len(prompts),
+                                  cache, kv_manager, req)
+        except BaseException:
+            if req is not None:
+                kv_manager.finish(req, None)  # unpins the hit chunks
+            raise
+        return req
+
     def plan_prefill(self, prompts: Sequence[Sequence[int]]) -> list[PrefillCall]:
         """The calls of a plain prefill: chunks of at most ``prefill_chunk`` tokens, each
         right-padded to a bucket (a sequence already complete has 0 valid tokens in later chunks)."""
@@ -373,10 +387,8 @@ class Engine:
         before = {p: c.copy() for p, c in self.counters.items()}
         cache = self.new_cache(b)
         key = jax.random.key(seed)
-        req = kv_manager.begin(self, prompts) if kv_manager is not None else None
-        try:  # compile every program before the clock starts
-            self._ensure_compiled(req.calls if req is not None else self.plan_prefill(prompts), b, cache,
-                                  kv_manager, req)
+        req = self.prepare_prefill(prompts, cache, kv_manager)  # compile before the clock starts
+        try:
             self._warm_sampling(b, temperature, top_p)
         except BaseException:
             if req is not None:

@@ -28,7 +28,9 @@ def _run(script: str, out_dir: pathlib.Path, *flags: str) -> dict:
 
 
 def _meta(d: dict) -> dict:
-    return d.get("meta", d)  # bench_miss_policy keeps device / jax / date at the top level
+    """The one result writer's provenance: meta (with the git commit) and the script's flags."""
+    assert d["meta"]["git_commit"] and d["flags"]["out_dir"], (d["meta"], d.get("flags"))
+    return d["meta"]
 
 
 def test_bench_decode_smoke(tmp_path):
@@ -73,15 +75,15 @@ def test_bench_kv_reuse_smoke(tmp_path):
 def test_bench_miss_policy_smoke(tmp_path):
     d = _run("bench_miss_policy", tmp_path, "--preset=tiny", "--steps=6", "--impls=compute_on", "--budgets_gb=8",
              "--temperature=0")
-    assert d["device"] and d["jax"] and d["calibration"]["entry"]["impls"]["compute_on"]["ok"]
+    assert _meta(d)["device"] and _meta(d)["jax"] and d["calibration"]["entry"]["impls"]["compute_on"]["ok"]
     runs = {r["policy"]: r for r in d["runs"]}
     assert set(runs) == {"fetch", "cpu", "adaptive", "adaptive-qstar"}
     for pol, r in runs.items():
         assert "error" not in r, r
         assert r["fetched_decode"] + r["cpu_decode"] == r["misses_decode"]
-        assert r["tpot_ms_p10"] <= r["tpot_ms_median"] <= r["tpot_ms_p90"]
+        assert r["tpot_s"]["p10"] <= r["tpot_s"]["median"] <= r["tpot_s"]["p90"]
         if pol != "fetch":  # CPU and device arithmetic are the same XLA:CPU here
             assert r["max_abs_logit_diff_vs_fetch"] == 0.0 and r["tokens_match_fetch"] == 6
     assert runs["fetch"]["cpu_decode"] == 0 and runs["fetch"]["misses_decode"] > 0
     assert runs["cpu"]["fetched_decode"] == 0 and runs["cpu"]["hit_rate_decode"] == 0.0
-    assert d["summary"][0]["fetch"]["tokens_per_s_median_step"] > 0
+    assert d["summary"][0]["fetch"]["tokens_per_s_median_tpot"] > 0

@@ -387,3 +387,30 @@ def test_random_models_with_different_seeds_never_share_kv():
     a, b = random_model(preset("tiny"), seed=0), random_model(preset("tiny"), seed=1)
     cache = PrefixCache(HostKVStore(10**8), KVOffloadConfig(chunk_tokens=16))
     assert cache.identity(Engine(a)) != cache.identity(Engine(b))
+
+
+# ------------------------------------------------------------------ one step for every prefill
+@pytest.mark.parametrize("prefill", ["stream", "on_demand", "auto"])
+def test_kv_reuse_prefill_honours_the_prefill_mode(prefill):
+    """A prefill that reuses a stored prefix runs the engine's own step, so it streams whole
+    layers exactly when a plain prefill of the same call would, and its logits stay exact."""
+    model, _ = load_fixture("qwen3_moe_fp32")
+    cfg = model.cfg
+    e, nl = cfg.num_experts, cfg.num_layers
+    prompt = _long_prompt()[:98]  # 6 chunks of C = 16 reused, a 2-token suffix computed
+    eng = Engine(model, EngineConfig("cached", num_slots=2 * e, max_seq_len=S, prefill=prefill))
+    mgr = _manager(model)
+    eng.generate([prompt[:96]], 1, kv_manager=mgr)
+    before = eng.counters["prefill"].copy()
+    res = eng.generate([prompt], 4, keep_logits=True, kv_manager=mgr)
+    assert res.kv["reused_tokens"] == 96 and res.kv["prefill_calls"] == 1
+    resident, ref_mgr = _engine("qwen3_moe_fp32"), _manager(model)  # the same calls, all experts resident
+    resident.generate([prompt[:96]], 1, kv_manager=ref_mgr)
+    ref = resident.generate([prompt], 4, keep_logits=True, kv_manager=ref_mgr)
+    np.testing.assert_array_equal(res.step_logits, ref.step_logits)
+    got = eng.counters["prefill"] - before
+    # 2 tokens x top-2 = 4 (token, expert) pairs < E = 8: auto does not stream, stream always does
+    if prefill == "stream":
+        assert int(got.misses.sum()) == nl * e and got.extra_copies == e
+    else:
+        assert got.extra_copies == 0 and int((got.hits + got.misses).sum()) <= nl * 4

@@ -168,3 +168,34 @@ def test_reset_expert_cache_makes_a_repeat_cold(policy):
     np.testing.assert_array_equal(warm.step_logits, first.step_logits)
     Engine(model, EngineConfig("resident", max_seq_len=64)).reset_expert_cache()  # no table: a no-op
 
+
+
+def test_a_failed_step_leaves_the_engine_usable(monkeypatch):
+    """A step that raises after consuming its donated expert state (as a device OOM can) must not
+    leave the engine holding deleted buffers: it starts again from an empty cache, and the next
+    request gives the same logits as before."""
+    import jax
+    model, exp = load_fixture("qwen3_moe_fp32")
+    prompt = exp["short_prompt_ids"].tolist()
+    eng = Engine(model, EngineConfig("cached", num_slots=model.cfg.num_experts, max_seq_len=64))
+    want = eng.generate([prompt], 8, keep_logits=True)
+    compiled = eng._executable
+
+    def failing(args, opts):
+        compiled(args, opts)
+
+        def run(*a):
+            for x in jax.tree.leaves(a[3]):  # the expert state, donated to the step
+                x.delete()
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory while running the step (simulated)")
+        return run
+
+    monkeypatch.setattr(eng, "_executable", failing)
+    with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
+        eng.generate([prompt], 8)
+    monkeypatch.undo()
+    assert eng.failed_steps == 1
+    assert not any(x.is_deleted() for x in jax.tree.leaves(eng.state))
+    assert eng.resident_experts_per_layer() == [0] * model.cfg.num_layers  # a fresh, empty cache
+    got = eng.generate([prompt], 8, keep_logits=True)
+    np.testing.assert_array_equal(got.step_logits, want.step_logits)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -85,3 +86,46 @@ def test_bench_miss_policy_smoke(tmp_path):
     assert runs["fetch"]["cpu_decode"] == 0 and runs["fetch"]["misses_decode"] > 0
     assert runs["cpu"]["fetched_decode"] == 0 and runs["cpu"]["hit_rate_decode"] == 0.0
     assert d["summary"][0]["fetch"]["tokens_per_s_median_step"] > 0
+
+
+def test_check_oracle_gpu_smoke(tmp_path):
+    """Every expert mode of the oracle script passes on the CPU (one fixture, the short prompt)."""
+    d = _run("check_oracle_gpu", tmp_path, "--smoke")
+    assert _meta(d)["device"] and _meta(d)["jax"]
+    assert d["precision"]["float32"] == "highest" and d["prompts"] == ["short"]
+    f32 = [r for r in d["results"] if r["dtype"] == "float32"]
+    assert {r["mode"] for r in f32} == {"resident", "cached_S=E", "cached_S=2E", "on_demand", "stream_S=2E",
+                                        "miss_fetch", "miss_cpu", "miss_adaptive"}
+    for r in f32:
+        assert "error" not in r and r["ok"] and r["ids_equal"] and r["ids_agree"] == r["steps"] == 16, r
+        assert 0 < r["max_abs_err"] <= r["tol"] < 1e-3
+        assert r["generated_ids"] == r["expected_ids"]
+        assert (r["misses"] > 0) == (r["mode"] != "resident")
+    # the CPU backend's arithmetic is the same in every mode: one error value for all of them
+    assert len({r["max_abs_err"] for r in f32}) == 1
+    cpu = {r["mode"]: r["cpu_computed"] for r in f32}
+    assert cpu["miss_cpu"] > 0 and cpu["miss_adaptive"] > 0 and cpu["miss_fetch"] == cpu["cached_S=E"] == 0
+    assert d["summary"]["float32_failed"] == [] and d["summary"]["float32_cases"] == 8
+    (bf,) = [r for r in d["results"] if r["dtype"] == "bfloat16"]
+    assert bf["mode"] == "resident" and "ok" not in bf  # reported, not asserted
+    assert bf["generated_ids"][0] == bf["expected_ids"][0] and 1e-3 < bf["max_abs_err"] < 0.1 * bf["max_abs_logit"]
+
+
+def test_check_oracle_gpu_exits_nonzero_on_a_float32_failure(tmp_path):
+    """A float32 case outside the tolerance fails the run (exit 1, case named): a copy of the
+    fixture whose expected logit at one step is moved by 1e-3 (the tolerance there is 1.7e-4)."""
+    import numpy as np
+    fx = tmp_path / "fixtures" / "qwen3_moe_fp32"
+    shutil.copytree(ROOT / "tests" / "fixtures" / "qwen3_moe_fp32", fx)
+    with np.load(fx / "expected.npz") as z:
+        exp = {k: z[k] for k in z.files}
+    exp["short_step_logits"][3, 5] += 1e-3
+    np.savez(fx / "expected.npz", **exp)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "check_oracle_gpu.py"), f"--out_dir={tmp_path}",
+                           f"--fixtures_dir={tmp_path / 'fixtures'}", "--smoke", "--modes=resident", "--bf16_modes="],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1 and "FAILED float32 cases: qwen3_moe_fp32/short/resident" in proc.stderr, proc.stderr
+    d = json.loads((tmp_path / "check_oracle_gpu.json").read_text())
+    (r,) = d["results"]
+    assert r["ids_equal"] and not r["ok"] and 9e-4 < r["max_abs_err"] < 1.1e-3 and r["tol"] < 2e-4

@@ -8,7 +8,8 @@ GPU runtime (estimate, not measured: the lead runs it): about 4-8 min, almost al
 compilation (5 fixtures x 8 modes x 3 programs x 2 dtypes, the tiny programs compile in ~1 s
 each; fixtures with the same config share programs). Split it with --fixtures=... if needed.
 CPU: the smoke run (qwen3_moe_fp32, short prompt, 8 modes in float32, resident in bfloat16) takes
-~45 s on 2 busy cores (5 s per compiled program); the full run (160 cases) took 907 s on the CPU and passed every float32 case.
+~45 s on 2 busy cores (5 s per compiled program); the full run (160 cases) took 907 s there and
+passed every float32 case.
 
 For each fixture under tests/fixtures/ (README there), each prompt (``short``: 12 tokens,
 ``long``: 300) and each expert mode of :data:`MODES` (resident; cached at S=E and S=2E;

@@ -42,8 +42,8 @@ class LoadedModel:
 
     cfg: the config; params: device pytree (see ``ftjax.model``); banks: the routed-expert
     banks in host memory (``ExpertBanks``: gate_up [L*E, D, 2F], down [L*E, F, D]); dtype: compute dtype name;
-    tokenizer: a ``tokenizers.Tokenizer`` or None; name: where it came from; eos_ids: the
-    end-of-sequence id(s) generation stops at (none for random weights).
+    tokenizer: a ``tokenizers.Tokenizer`` or None; name: where it came from;
+    eos_token_ids: end-of-sequence ids (:func:`eos_token_ids`; () for random weights: no EOS).
     """
 
     cfg: ModelConfig
@@ -52,7 +52,7 @@ class LoadedModel:
     dtype: str
     tokenizer: Any = None
     name: str = ""
-    eos_ids: tuple[int, ...] = ()
+    eos_token_ids: tuple[int, ...] = ()
 
     @property
     def expert_bytes(self) -> int:
@@ -206,7 +206,66 @@ def load_checkpoint(ckpt_dir: str, dtype: str | None = None, progress: bool = Tr
     bar.close()
     params = jax.tree.map(memory.to_device, params)
     return LoadedModel(cfg, params, ExpertBanks(memory.to_host(gate_up), memory.to_host(down)), dtype,
-                       load_tokenizer(ckpt_dir), name=ckpt_dir)
+                       load_tokenizer(ckpt_dir), name=ckpt_dir, eos_token_ids=eos_token_ids(ckpt_dir))
+
+
+EOS_FILES = ("generation_config.json", "config.json")
+
+
+def _read_json(path: str) -> dict | None:
+    """The JSON object in ``path``; None when the file does not exist.
+    Raises CheckpointError for an unreadable file or one that is not a JSON object."""
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot read JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def eos_token_ids(ckpt_dir: str) -> tuple[int, ...]:
+    """The end-of-sequence token ids of a checkpoint, in file order without repeats.
+
+    ``eos_token_id`` is read from ``generation_config.json`` first (what transformers'
+    ``generate`` uses), else from ``config.json``; a file that is absent, or has the field absent
+    or null, does not count. The value is an int or a list of ints (Llama 3 style). Returns () when
+    neither file gives one (a list may also be empty: no EOS).
+
+    Raises:
+      CheckpointError (a ValueError): a file that is not a JSON object; a value that is not an int
+        or a list of ints (strings, floats and booleans are refused), a negative id, or an id >=
+        ``vocab_size`` of config.json (when config.json gives one). The message names the file,
+        the field and the value.
+    """
+    config = _read_json(os.path.join(ckpt_dir, "config.json")) or {}
+    vocab = config.get("vocab_size")
+    for name in EOS_FILES:
+        obj = config if name == "config.json" else _read_json(os.path.join(ckpt_dir, name))
+        value = (obj or {}).get("eos_token_id")
+        if value is not None:
+            return _check_eos(value, os.path.join(ckpt_dir, name), vocab)
+    return ()
+
+
+def _check_eos(value: Any, where: str, vocab: Any) -> tuple[int, ...]:
+    """``value`` of ``eos_token_id`` in file ``where`` as a tuple of ids, or CheckpointError."""
+    items = value if isinstance(value, list) else [value]
+    ids: list[int] = []
+    for v in items:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise CheckpointError(f"{where}: 'eos_token_id' must be an integer or a list of integers, got {value!r}")
+        if v < 0:
+            raise CheckpointError(f"{where}: 'eos_token_id' has a negative id {v} (value {value!r})")
+        if isinstance(vocab, int) and not isinstance(vocab, bool) and v >= vocab:
+            raise CheckpointError(f"{where}: 'eos_token_id' id {v} is outside the vocabulary [0, {vocab}) "
+                                  f"(value {value!r})")
+        if v not in ids:
+            ids.append(v)
+    return tuple(ids)
 
 
 def check_host_memory(nbytes: int, what: str) -> None:

@@ -393,7 +393,7 @@ def run() -> dict:
                           prefill_overlap=FLAGS.prefill_overlap, cache_policy=FLAGS.cache_policy,
                           matmul_precision=FLAGS.matmul_precision)
     engine = Engine(model, config, miss=miss)
-    eos = () if FLAGS.ignore_eos else model.eos_ids
+    eos = () if FLAGS.ignore_eos else model.eos_token_ids
     if requests_mode:
         return _run_requests(model, engine, plan, prompts or [prompt], eos)
     res = engine.generate([prompt] * FLAGS.batch, FLAGS.max_new_tokens, FLAGS.temperature, FLAGS.top_p,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -86,4 +87,75 @@ def test_bench_miss_policy_smoke(tmp_path):
             assert r["max_abs_logit_diff_vs_fetch"] == 0.0 and r["tokens_match_fetch"] == 6
     assert runs["fetch"]["cpu_decode"] == 0 and runs["fetch"]["misses_decode"] > 0
     assert runs["cpu"]["fetched_decode"] == 0 and runs["cpu"]["hit_rate_decode"] == 0.0
+<<<<<<< HEAD
     assert d["summary"][0]["fetch"]["tokens_per_s_median_tpot"] > 0
+=======
+    assert d["summary"][0]["fetch"]["tokens_per_s_median_step"] > 0
+
+
+def test_check_oracle_gpu_smoke(tmp_path):
+    """Every expert mode of the oracle script passes on the CPU (one fixture, the short prompt)."""
+    d = _run("check_oracle_gpu", tmp_path, "--smoke")
+    assert _meta(d)["device"] and _meta(d)["jax"]
+    assert d["precision"]["float32"] == "highest" and d["prompts"] == ["short"]
+    f32 = [r for r in d["results"] if r["dtype"] == "float32"]
+    assert {r["mode"] for r in f32} == {"resident", "cached_S=E", "cached_S=2E", "on_demand", "stream_S=2E",
+                                        "miss_fetch", "miss_cpu", "miss_adaptive"}
+    for r in f32:
+        assert "error" not in r and r["ok"] and r["ids_equal"] and r["ids_agree"] == r["steps"] == 16, r
+        assert 0 < r["max_abs_err"] <= r["tol"] < 1e-3
+        assert r["generated_ids"] == r["expected_ids"]
+        assert (r["misses"] > 0) == (r["mode"] != "resident")
+    # the CPU backend's arithmetic is the same in every mode: one error value for all of them
+    assert len({r["max_abs_err"] for r in f32}) == 1
+    cpu = {r["mode"]: r["cpu_computed"] for r in f32}
+    assert cpu["miss_cpu"] > 0 and cpu["miss_adaptive"] > 0 and cpu["miss_fetch"] == cpu["cached_S=E"] == 0
+    assert d["summary"]["float32_failed"] == [] and d["summary"]["float32_cases"] == 8
+    (bf,) = [r for r in d["results"] if r["dtype"] == "bfloat16"]
+    assert bf["mode"] == "resident" and "ok" not in bf  # reported, not asserted
+    assert bf["generated_ids"][0] == bf["expected_ids"][0] and 1e-3 < bf["max_abs_err"] < 0.1 * bf["max_abs_logit"]
+
+
+def test_check_oracle_gpu_exits_nonzero_on_a_float32_failure(tmp_path):
+    """A float32 case outside the tolerance fails the run (exit 1, case named): a copy of the
+    fixture whose expected logit at one step is moved by 1e-3 (the tolerance there is 1.7e-4)."""
+    import numpy as np
+    fx = tmp_path / "fixtures" / "qwen3_moe_fp32"
+    shutil.copytree(ROOT / "tests" / "fixtures" / "qwen3_moe_fp32", fx)
+    with np.load(fx / "expected.npz") as z:
+        exp = {k: z[k] for k in z.files}
+    exp["short_step_logits"][3, 5] += 1e-3
+    np.savez(fx / "expected.npz", **exp)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "check_oracle_gpu.py"), f"--out_dir={tmp_path}",
+                           f"--fixtures_dir={tmp_path / 'fixtures'}", "--smoke", "--modes=resident", "--bf16_modes="],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1 and "FAILED float32 cases: qwen3_moe_fp32/short/resident" in proc.stderr, proc.stderr
+    d = json.loads((tmp_path / "check_oracle_gpu.json").read_text())
+    (r,) = d["results"]
+    assert r["ids_equal"] and not r["ok"] and 9e-4 < r["max_abs_err"] < 1.1e-3 and r["tol"] < 2e-4
+
+
+def test_plan_vs_peak_smoke(tmp_path):
+    """The CPU path: plans as generate makes them, engines run, no memory_stats (null, no failure)."""
+    d = _run("plan_vs_peak", tmp_path, "--preset=tiny", "--budgets_gb=1.005,1.008", "--lengths=64,256", "--steps=2")
+    assert _meta(d)["device"] and _meta(d)["backend"] == "cpu"
+    assert d["child_errors"] == [] and d["skipped"] == [] and d["plan_below_peak"] == []
+    assert d["builds"][0]["peak_after_build"] is None and d["builds"][0]["pool_bytes"] == 4 * 16 * 3 * 128 * 128 * 2
+    from ftjax.config import preset
+    from ftjax.experts.planner import plan_memory
+    rows = {(r["budget_gb"], r["prompt_len"]): r for r in d["results"]}
+    assert list(rows) == [(1.005, 64), (1.005, 256), (1.008, 64), (1.008, 256)]  # run order
+    for (budget, n), r in rows.items():
+        assert "error" not in r and "plan_error" not in r, r
+        p = r["plan"]
+        assert r["max_seq_len"] == {64: 128, 256: 384}[n]  # prompt + 3 new tokens, rounded up to 128
+        want = plan_memory(preset("tiny"), 2, budget_bytes=int(budget * 1e9), max_seq_len=r["max_seq_len"])
+        assert p == want.as_dict() and r["mode"] == "cached" and 16 <= p["slots"] < 64
+        assert r["planned_bytes"] == (p["non_expert_bytes"] + p["kv_cache_bytes"] + p["workspace_bytes"]
+                                      + p["layer_gather_bytes"] + p["slots"] * p["expert_bytes"]) <= budget * 1e9
+        assert r["peak_after_compile"] is None and r["peak_after_run"] is None and r["verdict"] is None
+        assert "peak_bytes" not in r and r["ttft_s"] > 0 and r["decode_tokens_per_s"] > 0
+        # streaming whole layers needs 2E = 32 slots
+        assert r["streamed_prefill"] == (budget == 1.008)
+>>>>>>> issue11

@@ -43,7 +43,8 @@ flags.DEFINE_string("hlo_dir", None, "If set, write the compiled cached decode s
 
 
 def run_mode(model, mode, slots, batch, max_seq_len, prompts, policy="lru"):
-    engine = Engine(model, EngineConfig(mode, num_slots=slots, max_seq_len=max_seq_len, batch=batch, cache_policy=policy))
+    engine = Engine(model, EngineConfig(mode, num_slots=slots, max_seq_len=max_seq_len, batch=batch,
+                                        cache_policy=policy))
     res = engine.generate(prompts, FLAGS.steps + 1, time_steps=True)
     ec = engine.expert_cache_metrics()
     steps = np.array(res.step_s)
@@ -67,7 +68,6 @@ def dump_decode_hlo(batch: int) -> dict:
     """Writes the compiled cached decode step's HLO and returns counts of the ops that show
     whether expert copies are asynchronous (copy-start/copy-done) or synchronous."""
     from ftjax.engine import compiled_programs
-    from ftjax.config import EngineConfig
     for _, static, shapes, exe in compiled_programs("_forward_step"):
         if static["mode"] == "cached" and (batch, 1) in [s[0] for s in shapes]:
             text = exe.as_text()

@@ -294,7 +294,8 @@ def run_mode(model, mode: str, slots, max_seq_len: int, prefix: list[int], rng, 
             row[load]["exposed_load_s"] = t - af["compute_s"]["median"]
     row["kv_store"] = store.stats_dict()
     row["compile_s"] = engine.compile_s
-    del engine, store
+    del engine
+    store = None  # frees the host KV store before the next mode
     gc.collect()
     return row
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import faulthandler
 import gc
-import json
 import os
 import re
 import time
@@ -208,7 +207,8 @@ def main(argv):
     for b, s, src, pol, impl in plan_runs:
         elapsed = time.perf_counter() - t_start
         if elapsed > FLAGS.time_budget_s:
-            res["skipped"].append({"budget_gb": b, "policy": pol, "impl": impl, "why": f"time budget ({elapsed:.0f} s)"})
+            res["skipped"].append({"budget_gb": b, "policy": pol, "impl": impl,
+                                   "why": f"time budget ({elapsed:.0f} s)"})
             continue
         run = {"budget_gb": b, "slots": s, "slots_source": src, "policy": pol, "impl": impl}
         t0 = time.perf_counter()
@@ -229,7 +229,8 @@ def main(argv):
                                                split_model=split_model, calibration={"key": key})
                 if pol == "adaptive-qstar":
                     rt.rule = "qstar (alone per-expert costs; no fixed costs; full overlap)"
-            eng = Engine(model, EngineConfig("cached", num_slots=s, max_seq_len=max_seq_len, batch=FLAGS.batch), miss=rt)
+            eng = Engine(model, EngineConfig("cached", num_slots=s, max_seq_len=max_seq_len, batch=FLAGS.batch),
+                         miss=rt)
             run["host_mem_available_gb"] = _host_mem_available_gb()
             out = eng.generate(prompts, FLAGS.steps, temperature=FLAGS.temperature, seed=FLAGS.seed,
                                keep_logits=True, time_steps=True)
@@ -292,15 +293,16 @@ def main(argv):
     save()
 
     print()
-    print(f"device {res['meta']['device']} | jax {res['meta']['jax']} | {FLAGS.preset} {FLAGS.dtype} | batch {FLAGS.batch} | "
-          f"{FLAGS.steps} tokens | calibration {key}")
+    print(f"device {res['meta']['device']} | jax {res['meta']['jax']} | {FLAGS.preset} {FLAGS.dtype} | "
+          f"batch {FLAGS.batch} | {FLAGS.steps} tokens | calibration {key}")
     for i in impls:
         print(calibrate.describe_impl(i, entry["impls"][i]))
     print(f"{'budget':>7} {'slots':>6} {'policy':14} {'mechanism':18} {'tok/s':>8} {'TPOT ms':>8} {'p10-p90':>11} "
           f"{'hit':>6} {'fetched':>8} {'cpu':>6} {'pred ms/tok':>11} {'logit diff':>10}")
     for r in res["runs"]:
         if "error" in r:
-            print(f"{r['budget_gb']:>7g} {r['slots']:>6} {r['policy']:14} {str(r['impl']):18} FAILED: {r['error'][:80]}")
+            print(f"{r['budget_gb']:>7g} {r['slots']:>6} {r['policy']:14} {str(r['impl']):18} "
+                  f"FAILED: {r['error'][:80]}")
             continue
         pred = r["predicted_miss_s_per_token"]
         diff = r.get("max_abs_logit_diff_vs_fetch")

@@ -115,7 +115,8 @@ def main(argv):
             mode, prefill, overlap = VARIANTS[variant]
             print(f"-- {variant} at {n} tokens", flush=True)
             try:
-                eng = Engine(model, EngineConfig(mode, num_slots=plan.slots, max_seq_len=max_seq_len, prefill=prefill, prefill_chunk=FLAGS.prefill_chunk, prefill_overlap=overlap))
+                eng = Engine(model, EngineConfig(mode, num_slots=plan.slots, max_seq_len=max_seq_len, prefill=prefill,
+                                                 prefill_chunk=FLAGS.prefill_chunk, prefill_overlap=overlap))
                 ttfts = []
                 for _ in range(FLAGS.repeats):
                     eng.reset_expert_cache()  # every timed prefill starts cold, from the same state

@@ -48,6 +48,7 @@ from experiments import common  # noqa: E402
 from ftjax import engine as engine_lib  # noqa: E402
 from ftjax.checkpoint import load_checkpoint  # noqa: E402
 from ftjax.engine import Engine  # noqa: E402
+from ftjax.config import EngineConfig  # noqa: E402
 from ftjax.experts import cpu_experts, miss_policy  # noqa: E402
 
 FIXTURES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "fixtures")
@@ -105,10 +106,10 @@ def build_engine(model, mode: str, max_seq_len: int) -> Engine:
         cpu = None
         if policy != "fetch":
             cpu = cpu_experts.make_cpu_experts(FLAGS.cpu_expert_impl, model.host_gate_up, model.host_down)
-        miss = miss_policy.build_runtime(policy, cfg.num_layers, cfg.num_experts, cpu,
+        miss = miss_policy.build_runtime(policy, cfg.num_experts, cpu,
                                          fixed_fetch=FLAGS.fixed_fetch if policy == "adaptive" else None)
     slots = None if slots_e is None else slots_e * cfg.num_experts
-    return Engine(model, experts, slots, max_seq_len=max_seq_len, prefill=prefill, miss=miss)
+    return Engine(model, EngineConfig(experts, num_slots=slots, max_seq_len=max_seq_len, prefill=prefill), miss=miss)
 
 
 def load(name: str, dtype: str):
@@ -117,8 +118,8 @@ def load(name: str, dtype: str):
     path = os.path.join(FLAGS.fixtures_dir, name)
     model = load_checkpoint(path, dtype, progress=False)
     if FLAGS.cpu_expert_impl not in cpu_experts.CALLBACK_IMPLS:
-        model.host_gate_up = cpu_experts.ensure_host_typed(model.host_gate_up)
-        model.host_down = cpu_experts.ensure_host_typed(model.host_down)
+        model.banks = model.banks.replace(gate_up=cpu_experts.ensure_host_typed(model.banks.gate_up),
+                                          down=cpu_experts.ensure_host_typed(model.banks.down))
     with np.load(os.path.join(path, "expected.npz")) as z:
         expected = {k: z[k] for k in z.files}
     return model, expected

@@ -91,7 +91,8 @@ def hlo_ops(text: str) -> dict:
 def write_json(out_dir: str, name: str, payload: dict) -> str:
     """The one result writer: ``payload`` plus ``meta`` (when absent) and the script's ``flags``,
     written to out_dir/name atomically; returns the path."""
-    payload = {**payload, "meta": payload.get("meta") or meta(), "flags": {**script_flags(), **payload.get("flags", {})}}
+    payload = {**payload, "meta": payload.get("meta") or meta(), "flags": {**script_flags(), **payload.get("flags",
+                                                                                                           {})}}
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, name)
     tmp = path + ".tmp"

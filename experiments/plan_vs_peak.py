@@ -107,8 +107,9 @@ def run_engine(model, mode: str, plan, max_seq_len: int, prompt: list[int], step
     peak after compiling is read apart: XLA:GPU's autotuning allocates scratch), then one prefill
     and ``steps`` decode steps."""
     from ftjax.engine import Engine
-    engine = Engine(model, mode, plan.slots, max_seq_len=max_seq_len, batch=1)
-    engine._ensure_compiled([prompt], engine.new_cache(1))  # generate() would compile here too
+    from ftjax.config import EngineConfig
+    engine = Engine(model, EngineConfig(mode, num_slots=plan.slots, max_seq_len=max_seq_len, batch=1))
+    engine.prepare_prefill([prompt], engine.new_cache(1))  # generate() would compile here too
     out = {"peak_after_compile": peak_bytes()}
     res = engine.generate([prompt], steps + 1)
     out.update(peak_after_run=peak_bytes(), ttft_s=res.ttft_s, decode_tokens_per_s=res.decode_tokens_per_s,

@@ -478,7 +478,8 @@ def main() -> None:
             manifest["fixtures"][name]["same_weights_as"] = "qwen3_moe_fp32"
         if dtype == torch.bfloat16:
             manifest["fixtures"][name]["expected_from"] = "bf16 weights loaded, model.float(), float32 compute"
-        print(f"{name}: short gen {diag['short_generated_ids']}\n{' ' * len(name)}  long gen {diag['long_generated_ids']}")
+        print(f"{name}: short gen {diag['short_generated_ids']}\n"
+              f"{' ' * len(name)}  long gen {diag['long_generated_ids']}")
 
     # Sharded copy must reproduce the unsharded fixture exactly.
     a = np.load(out_root / "qwen3_moe_fp32" / "expected.npz")

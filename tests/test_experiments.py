@@ -87,10 +87,7 @@ def test_bench_miss_policy_smoke(tmp_path):
             assert r["max_abs_logit_diff_vs_fetch"] == 0.0 and r["tokens_match_fetch"] == 6
     assert runs["fetch"]["cpu_decode"] == 0 and runs["fetch"]["misses_decode"] > 0
     assert runs["cpu"]["fetched_decode"] == 0 and runs["cpu"]["hit_rate_decode"] == 0.0
-<<<<<<< HEAD
     assert d["summary"][0]["fetch"]["tokens_per_s_median_tpot"] > 0
-=======
-    assert d["summary"][0]["fetch"]["tokens_per_s_median_step"] > 0
 
 
 def test_check_oracle_gpu_smoke(tmp_path):
@@ -158,4 +155,19 @@ def test_plan_vs_peak_smoke(tmp_path):
         assert "peak_bytes" not in r and r["ttft_s"] > 0 and r["decode_tokens_per_s"] > 0
         # streaming whole layers needs 2E = 32 slots
         assert r["streamed_prefill"] == (budget == 1.008)
->>>>>>> issue11
+
+
+def test_plots_draw_every_committed_result(tmp_path):
+    """experiments/plots.py draws a PNG for each committed benchmark JSON (each has run rows with a
+    known metric), with one panel per metric found, and refuses a file that is not a JSON object."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import plots
+    files = sorted((ROOT / "experiments" / "results").glob("bench_*.json"))
+    assert files
+    for f in files:
+        out = plots.plot(str(f), str(tmp_path / (f.stem + ".png")))
+        assert out and pathlib.Path(out).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f
+        assert plots.rows_of(json.loads(f.read_text()))
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]")
+    assert plots.main(["plots", str(bad)]) == 1

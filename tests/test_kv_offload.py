@@ -49,7 +49,8 @@ def _tol(x: np.ndarray) -> float:
 
 def _engine(name: str, mode: str = "resident") -> Engine:
     model, _ = load_fixture(name)
-    return Engine(model, EngineConfig(mode, num_slots=None if mode == "resident" else model.cfg.num_experts, max_seq_len=S))
+    return Engine(model, EngineConfig(mode, num_slots=None if mode == "resident" else model.cfg.num_experts,
+                                      max_seq_len=S))
 
 
 def _entry_bytes(model) -> int:
@@ -381,7 +382,6 @@ def test_random_models_with_different_seeds_never_share_kv():
     from ftjax.checkpoint import random_model
     from ftjax.config import preset
     from ftjax.engine import Engine
-    from ftjax.config import EngineConfig
     from ftjax.kv.host_store import HostKVStore
     from ftjax.kv.prefix_cache import PrefixCache
     a, b = random_model(preset("tiny"), seed=0), random_model(preset("tiny"), seed=1)

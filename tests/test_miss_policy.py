@@ -176,7 +176,8 @@ def test_expert_fn_fetches_most_recent_misses_and_cpu_misses_stay_out_of_the_tab
     layer = 1
     # expert 0 resident (slot 3); experts 2, 4, 5, 7 missing with recencies 9, 11, -1, 11
     table = state.table
-    table = table.replace(slot_of=table.slot_of.at[layer * e + 0].set(3), id_of_slot=table.id_of_slot.at[3].set(layer * e),
+    table = table.replace(slot_of=table.slot_of.at[layer * e + 0].set(3),
+                          id_of_slot=table.id_of_slot.at[3].set(layer * e),
                           last_use=table.last_use.at[3].set(5), clock=jnp.int32(20))
     last = state.last_routed.at[layer * e + jnp.array([2, 4, 7])].set(jnp.array([9, 11, 11]))
     gu_pool = state.gate_up.at[3].set(jnp.asarray(np.asarray(model.host_gate_up)[layer * e]))
@@ -221,7 +222,8 @@ def _run(qwen, name, make_runtime, slots=None, trace=False):
     model, prompt, _, runs = qwen
     if name not in runs:
         cfg = model.cfg
-        eng = Engine(model, EngineConfig("cached", num_slots=slots or cfg.num_experts, max_seq_len=96), miss=make_runtime())
+        eng = Engine(model, EngineConfig("cached", num_slots=slots or cfg.num_experts, max_seq_len=96),
+                     miss=make_runtime())
         runs[name] = (eng.generate([prompt], STEPS, keep_logits=True, trace_routing=trace), eng)
     return runs[name]
 

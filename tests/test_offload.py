@@ -81,7 +81,8 @@ def test_batch_of_different_lengths_matches_single():
     engine = Engine(model, EngineConfig("cached", num_slots=model.cfg.num_experts + 3, max_seq_len=256, batch=4))
     batched = engine.generate(prompts, max_new_tokens=20).generated_ids
     for p, ids in zip(prompts, batched):
-        alone = Engine(model, EngineConfig("cached", num_slots=model.cfg.num_experts + 3, max_seq_len=256)).generate([p], 20)
+        alone = Engine(model, EngineConfig("cached", num_slots=model.cfg.num_experts + 3,
+                                           max_seq_len=256)).generate([p], 20)
         assert alone.generated_ids[0] == ids
 
 
@@ -148,7 +149,8 @@ def test_reset_expert_cache_makes_a_repeat_cold(policy):
         cpu = cpu_experts.make_cpu_experts("compute_on", model.host_gate_up, model.host_down)
         miss = miss_policy.build_runtime("adaptive", cfg.num_experts, cpu, fixed_fetch=1)
     # room for every expert, and no streaming (it re-copies whole layers): a repeat can hit
-    eng = Engine(model, EngineConfig("cached", num_slots=cfg.num_layers * cfg.num_experts, max_seq_len=64, prefill="on_demand"), miss=miss)
+    eng = Engine(model, EngineConfig("cached", num_slots=cfg.num_layers * cfg.num_experts, max_seq_len=64,
+                                     prefill="on_demand"), miss=miss)
 
     def run():
         before = eng.expert_cache_metrics()

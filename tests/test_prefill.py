@@ -54,7 +54,8 @@ def test_streamed_prefill_then_decode_same_tokens(name):
     model, exp = load_fixture(name)
     prompt = exp["long_prompt_ids"].tolist()
     e = model.cfg.num_experts
-    res = Engine(model, EngineConfig("resident", max_seq_len=384, prefill_chunk=128)).generate([prompt], 40, keep_logits=True)
+    res = Engine(model, EngineConfig("resident", max_seq_len=384, prefill_chunk=128)).generate([prompt], 40,
+                                                                                               keep_logits=True)
     eng = Engine(model, EngineConfig("cached", num_slots=2 * e, max_seq_len=384, prefill="stream", prefill_chunk=128))
     got = eng.generate([prompt], 40, keep_logits=True)
     assert got.generated_ids == res.generated_ids
@@ -112,7 +113,8 @@ def test_batch_prefill_chunks_with_different_lengths():
     base = exp["long_prompt_ids"].tolist()
     prompts = [base[:30], base[:150], base[50:120]]
     whole = Engine(model, EngineConfig("resident", max_seq_len=384, batch=3)).generate(prompts, 8)
-    chunked = Engine(model, EngineConfig("cached", num_slots=16, max_seq_len=384, batch=3, prefill="stream", prefill_chunk=32)).generate(prompts, 8)
+    chunked = Engine(model, EngineConfig("cached", num_slots=16, max_seq_len=384, batch=3, prefill="stream",
+                                         prefill_chunk=32)).generate(prompts, 8)
     assert chunked.generated_ids == whole.generated_ids
 
 

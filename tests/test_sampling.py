@@ -18,6 +18,7 @@ import pytest
 
 from conftest import load_fixture
 from ftjax.engine import Engine
+from ftjax.config import EngineConfig
 from ftjax.sampling import GREEDY_BELOW, check_sampling, sample
 
 N = 20000
@@ -76,7 +77,7 @@ def test_generate_at_tiny_temperature_equals_greedy():
     """The reported case end to end: --temperature=1e-38 on qwen3_moe_fp32 gives the greedy ids
     (it used to overflow to nan and sample unrelated ids)."""
     model, exp = load_fixture("qwen3_moe_fp32")
-    engine = Engine(model, "resident", max_seq_len=64)
+    engine = Engine(model, EngineConfig("resident", max_seq_len=64))
     prompt = exp["short_prompt_ids"].tolist()
     for t in (1e-38, 1e-4):
         res = engine.generate([prompt], max_new_tokens=16, temperature=t, seed=3)
@@ -228,7 +229,7 @@ def test_good_values_accepted_including_numpy_scalars():
 
 def test_engine_generate_refuses_bad_values_before_running():
     model, exp = load_fixture("qwen3_moe_fp32")
-    engine = Engine(model, "resident", max_seq_len=64)
+    engine = Engine(model, EngineConfig("resident", max_seq_len=64))
     prompt = exp["short_prompt_ids"].tolist()
     with pytest.raises(ValueError, match="temperature must be a finite number >= 0 .*got -0.1"):
         engine.generate([prompt], max_new_tokens=2, temperature=-0.1)

@@ -23,7 +23,8 @@ def test_nothing_compiles_inside_the_timed_region(monkeypatch, temperature, top_
     jax.clear_caches()  # every case starts cold, as a new process would
     cfg = preset("tiny")
     model = random_model(cfg, "float32", seed=3)
-    eng = Engine(model, EngineConfig("cached", num_slots=2 * cfg.num_experts, max_seq_len=512, batch=batch, prefill_chunk=128))
+    eng = Engine(model, EngineConfig("cached", num_slots=2 * cfg.num_experts, max_seq_len=512, batch=batch,
+                                     prefill_chunk=128))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, prompt_len - 7 * i).tolist() for i in range(batch)]
     timed, compiled_while_timed, compiled_before = [False], [], []

@@ -16,8 +16,9 @@ clock, exactly as for a fetch-only step restricted to those experts; a CPU miss 
 the table, so it gets no slot, evicts nothing and stays non-resident (``slot_of == -1``).
 
 Recency of a missing expert: a missing expert has no slot and so no ``last_use``; the expert state
-keeps ``last_routed`` int32 [L*E] (``ftjax.experts.state.ExpertState``), the table clock at each flat id's last routing (-1 = never), updated
-for every routed expert (hit, fetched or CPU) of every call. "Fetch the most recently used misses"
+(``ftjax.experts.state.ExpertState``) keeps ``last_routed`` int32 [L*E], the table clock at each
+flat id's last routing (-1 = never), updated for every routed expert (hit, fetched or CPU) of
+every call. "Fetch the most recently used misses"
 orders a layer's misses by it (:func:`ftjax.experts.miss_split.most_recent_misses`).
 
 Where the CPU path applies: only to layers computed with the gather formulation (``N * k <=

@@ -84,7 +84,8 @@ def make_expert_fn(mode: str, num_experts: int, banks: ExpertBanks | None = None
             return y, state.replace(last_routed=recency), stats
         with jax.named_scope("slot_lookup"):
             look = lookup_layer(table, layer, routed, e, policy)
-        state = fetch_experts(banks, state.replace(table=look.table, last_routed=recency), layer * e + look.miss_experts,
+        state = fetch_experts(banks, state.replace(table=look.table, last_routed=recency),
+                              layer * e + look.miss_experts,
                               look.miss_slots, look.n_miss)
         y = experts_from_pool(r.x, r.ids, r.weights, look.slot_of_expert, state.gate_up, state.down)
         return y, state, LayerStats.fetch_only(look.n_hit, look.n_miss, _trace_ids(r))

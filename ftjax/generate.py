@@ -300,9 +300,12 @@ def _check_flags() -> None:
     """Rejects flag values that would fail late or silently (before any model is loaded, so a
     bad output path costs nothing and no output is half-written)."""
     import math
-    if not 0.0 < FLAGS.top_p <= 1.0 or not FLAGS.temperature >= 0 or not math.isfinite(FLAGS.temperature):
-        raise UserError(f"need 0 < --top_p <= 1 and a finite --temperature >= 0, got "
-                        f"{FLAGS.top_p}, {FLAGS.temperature}")
+
+    from ftjax.sampling import check_sampling
+    try:
+        check_sampling(FLAGS.temperature, FLAGS.top_p)
+    except ValueError as e:
+        raise UserError(f"need a finite --temperature >= 0 and 0 < --top_p <= 1: {e}") from None
     for name in ("vram_budget_gb", "kv_host_gb"):
         v = FLAGS[name].value
         if v is not None and not (math.isfinite(v) and v >= 0):
@@ -403,7 +406,7 @@ def run() -> dict:
     if model.tokenizer is not None:
         print("prompt:", model.tokenizer.decode(prompt))
         print("text:", model.tokenizer.decode(gen))
-    print("generated ids:", ",".join(map(str, gen)))
+    print("generated ids:", ",".join(map(str, gen)), f"(stopped: {res.stop_reasons[0]})")
     ec = engine.expert_cache_metrics()
     print(f"TTFT {res.ttft_s * 1e3:.1f} ms | prefill {res.prefill_tokens_per_s:.1f} tokens/s | "
           f"decode {res.decode_tokens_per_s:.2f} tokens/s | compile {res.compile_s:.1f} s (excluded)")

@@ -201,3 +201,39 @@ def test_a_failed_step_leaves_the_engine_usable(monkeypatch):
     assert eng.resident_experts_per_layer() == [0] * model.cfg.num_layers  # a fresh, empty cache
     got = eng.generate([prompt], 8, keep_logits=True)
     np.testing.assert_array_equal(got.step_logits, want.step_logits)
+
+
+def test_generation_stops_at_eos_per_sequence():
+    """Each sequence stops after its first EOS id (kept, and nothing after it); the batch stops
+    when all did; a sequence that never meets EOS runs to max_new_tokens ("length")."""
+    model, exp = load_fixture("qwen3_moe_fp32")
+    short, long_ = exp["short_prompt_ids"].tolist(), exp["long_prompt_ids"].tolist()[:40]
+    eng = Engine(model, EngineConfig("cached", num_slots=model.cfg.num_experts, max_seq_len=96, batch=2))
+    free = eng.generate([short, long_], 12)
+    assert free.stop_reasons == ["length", "length"]
+    a, b = free.generated_ids
+    eos = next(t for t in a[2:] if t not in b and a.index(t) >= 2)  # an id only sequence 0 generates
+    got = eng.generate([short, long_], 12, eos_ids=[eos])
+    cut = a.index(eos) + 1
+    assert got.generated_ids == [a[:cut], b] and got.stop_reasons == ["eos", "length"]
+    both = eng.generate([short, short], 12, eos_ids=[eos])  # both stop: decoding ends early
+    assert both.generated_ids == [a[:cut], a[:cut]] and both.stop_reasons == ["eos", "eos"]
+    assert model.eos_token_ids == (2,)  # the fixture's generation_config.json
+
+
+def test_cache_contents_and_per_request_figures():
+    """The metrics say what the slot cache holds per layer, and each request's own hits, misses
+    and H2D bytes, which add up to the engine's totals."""
+    model, exp = load_fixture("qwen3_moe_fp32")
+    cfg = model.cfg
+    eng = Engine(model, EngineConfig("cached", num_slots=cfg.num_experts + 2, max_seq_len=96))
+    r1 = eng.generate([exp["short_prompt_ids"].tolist()], 6)
+    r2 = eng.generate([exp["long_prompt_ids"].tolist()[:30]], 6)
+    m = eng.expert_cache_metrics()
+    for key in ("hits", "misses", "bytes_h2d", "fetched"):
+        assert r1.expert_cache[key] + r2.expert_cache[key] == m[key] and r1.expert_cache[key] >= 0
+    assert r1.expert_cache["misses"] > 0
+    held = m["resident_per_layer"]
+    assert len(held) == cfg.num_layers and sum(held) == cfg.num_experts + 2  # every slot holds one expert
+    table = np.asarray(eng.state.table.slot_of).reshape(cfg.num_layers, cfg.num_experts)
+    assert held == (table >= 0).sum(axis=1).tolist()

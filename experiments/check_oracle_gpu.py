@@ -17,12 +17,13 @@ on_demand; streamed prefill (prefill="stream", S=2E); the miss policies fetch, c
 (a fixed fetch count, as tests/test_miss_policy.py does) at S=E), it greedily generates
 --steps tokens and compares with transformers' float32 outputs in ``expected.npz``:
 
-* **float32 pass** (asserted), run under ``jax.default_matmul_precision(--f32_precision)``
-  (default "highest": float32 dots in full float32, not TF32 as XLA:GPU does by default):
+* **float32 pass** (asserted), engines built with ``EngineConfig(matmul_precision=--f32_precision)``
+  (default "auto", which is "highest" for float32: full float32 dots, not TF32 as XLA:GPU does by
+  default; the engine applies it inside its step):
   greedy ids equal, and max |logit error| <= tol = 2e-5 * max|expected logit| + 1e-5 over every
   step (tests/test_oracle.py's tolerance and its reasoning).
 * **bfloat16 pass** (reported, not asserted), weights and compute in bfloat16 under
-  ``--bf16_precision`` (default: the backend's default, today's fast path): how many greedy ids
+  ``--bf16_precision`` ("auto": the backend's default, today's fast path): how many greedy ids
   agree with the float32 oracle, and the max |logit error| vs its float32 logits over the steps
   whose context still equals the oracle's (after a divergence the contexts differ).
 
@@ -41,14 +42,12 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from experiments import common  # noqa: E402
-from ftjax import engine as engine_lib  # noqa: E402
 from ftjax.checkpoint import load_checkpoint  # noqa: E402
 from ftjax.engine import Engine  # noqa: E402
-from ftjax.config import EngineConfig  # noqa: E402
+from ftjax.config import MATMUL_PRECISIONS, EngineConfig  # noqa: E402
 from ftjax.experts import cpu_experts, miss_policy  # noqa: E402
 
 FIXTURES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "fixtures")
@@ -76,8 +75,10 @@ flags.DEFINE_list("modes", list(MODES), f"Expert modes, of {list(MODES)}.")
 flags.DEFINE_list("bf16_modes", None, "Modes of the bfloat16 pass (default: --modes; empty: no bfloat16 pass).")
 flags.DEFINE_list("prompts", list(PROMPTS), "Prompts of expected.npz: short, long.")
 flags.DEFINE_integer("steps", 16, "Greedy steps compared (at most the 16 stored).")
-flags.DEFINE_string("f32_precision", "highest", "jax.default_matmul_precision of the float32 pass.")
-flags.DEFINE_string("bf16_precision", None, "jax.default_matmul_precision of the bfloat16 pass (None: default).")
+flags.DEFINE_enum("f32_precision", "auto", list(MATMUL_PRECISIONS),
+                  "EngineConfig.matmul_precision of the float32 pass (auto = highest for float32).")
+flags.DEFINE_enum("bf16_precision", "auto", list(MATMUL_PRECISIONS),
+                  "EngineConfig.matmul_precision of the bfloat16 pass (auto = the backend's fast default).")
 flags.DEFINE_enum("cpu_expert_impl", "compute_on", list(cpu_experts.IMPLS), "CPU mechanism of miss_cpu / "
                   "miss_adaptive (the callback ones need synchronous CPU dispatch, set at start).")
 flags.DEFINE_integer("fixed_fetch", 1, "miss_adaptive: misses fetched per layer and step (the rest on the CPU).")
@@ -92,7 +93,7 @@ def tolerance(expected: np.ndarray) -> float:
     return 2e-5 * float(np.abs(expected).max()) + 1e-5
 
 
-def build_engine(model, mode: str, max_seq_len: int) -> Engine:
+def build_engine(model, mode: str, max_seq_len: int, precision: str = "auto") -> Engine:
     """The one place an engine is built (adapt here when the Engine API changes).
 
     ``mode``: a key of :data:`MODES`. Raises ValueError for an unknown mode.
@@ -109,7 +110,9 @@ def build_engine(model, mode: str, max_seq_len: int) -> Engine:
         miss = miss_policy.build_runtime(policy, cfg.num_experts, cpu,
                                          fixed_fetch=FLAGS.fixed_fetch if policy == "adaptive" else None)
     slots = None if slots_e is None else slots_e * cfg.num_experts
-    return Engine(model, EngineConfig(experts, num_slots=slots, max_seq_len=max_seq_len, prefill=prefill), miss=miss)
+    config = EngineConfig(experts, num_slots=slots, max_seq_len=max_seq_len, prefill=prefill,
+                          matmul_precision=precision)
+    return Engine(model, config, miss=miss)
 
 
 def load(name: str, dtype: str):
@@ -144,14 +147,14 @@ def compare(got_ids: list[int], got_logits: np.ndarray, want_ids: np.ndarray, wa
             "generated_ids": got_ids, "expected_ids": want_ids}
 
 
-def run_case(model, expected, fixture: str, dtype: str, mode: str, prompt: str) -> dict:
+def run_case(model, expected, fixture: str, dtype: str, mode: str, prompt: str, precision: str = "auto") -> dict:
     row = {"fixture": fixture, "dtype": dtype, "mode": mode, "prompt": prompt}
     ids = expected[f"{prompt}_prompt_ids"].tolist()
     want_logits = expected[f"{prompt}_step_logits"][: FLAGS.steps]
     max_seq_len = -(-(len(ids) + FLAGS.steps) // 128) * 128
     t0 = time.perf_counter()
     try:
-        eng = build_engine(model, mode, max_seq_len)
+        eng = build_engine(model, mode, max_seq_len, precision)
         res = eng.generate([ids], FLAGS.steps, keep_logits=True)
         row.update(compare(res.generated_ids[0], np.asarray(res.step_logits[:, 0], np.float32),
                            expected[f"{prompt}_generated_ids"], want_logits))
@@ -172,23 +175,21 @@ def prompts() -> list[str]:
 
 
 def run_pass(dtype: str, precision: str | None, fixtures: list[str], modes: list[str]) -> list[dict]:
-    """Every (fixture, prompt, mode) in ``dtype`` under ``jax.default_matmul_precision(precision)``."""
+    """Every (fixture, prompt, mode) in ``dtype`` with the engine's ``matmul_precision``
+    (``EngineConfig``; "auto" = full float32 for float32, the fast default for bfloat16)."""
     rows = []
-    engine_lib._COMPILED.clear()  # compiled under another precision: the cache key does not hold it
-    with jax.default_matmul_precision(precision):
-        for fixture in fixtures:
-            model, expected = load(fixture, dtype)
-            for prompt in prompts():
-                for mode in modes:
-                    row = run_case(model, expected, fixture, dtype, mode, prompt)
-                    rows.append(row)
-                    status = ("ERROR " + row["error"][:200] if "error" in row else
-                              f"ids {'equal' if row['ids_equal'] else 'DIFFER at ' + str(row['first_mismatch'])}, "
-                              f"max err {row['max_abs_err']:.2e}")
-                    verdict = "" if dtype != "float32" else (" ok" if row["ok"] else " FAIL")
-                    print(f"[{dtype}] {fixture:<18} {prompt:<5} {mode:<14} {status}{verdict}", flush=True)
-            del model
-    engine_lib._COMPILED.clear()
+    for fixture in fixtures:
+        model, expected = load(fixture, dtype)
+        for prompt in prompts():
+            for mode in modes:
+                row = run_case(model, expected, fixture, dtype, mode, prompt, precision)
+                rows.append(row)
+                status = ("ERROR " + row["error"][:200] if "error" in row else
+                          f"ids {'equal' if row['ids_equal'] else 'DIFFER at ' + str(row['first_mismatch'])}, "
+                          f"max err {row['max_abs_err']:.2e}")
+                verdict = "" if dtype != "float32" else (" ok" if row["ok"] else " FAIL")
+                print(f"[{dtype}] {fixture:<18} {prompt:<5} {mode:<14} {status}{verdict}", flush=True)
+        del model
     return rows
 
 
@@ -232,14 +233,10 @@ def main(argv):
     summary = summarize(rows)
     payload = {"meta": info, "script": "experiments/check_oracle_gpu.py",
                "prompts": prompts(),
-               "flags": {k: FLAGS[k].value for k in ("fixtures_dir", "fixtures", "modes", "bf16_modes", "prompts",
-                                                      "steps", "f32_precision", "bf16_precision", "cpu_expert_impl",
-                                                      "fixed_fetch", "smoke")},
                "fixtures": fixtures, "modes": {m: dict(zip(("experts", "slots_per_E", "prefill", "miss_policy"),
                                                            MODES[m])) for m in MODES},
-               "precision": {"float32": FLAGS.f32_precision or "default",
-                             "bfloat16": FLAGS.bf16_precision or "default",
-                             "jax_default_matmul_precision_config": jax.config.jax_default_matmul_precision},
+               "precision": {"float32": EngineConfig(matmul_precision=FLAGS.f32_precision).precision("float32"),
+                             "bfloat16": EngineConfig(matmul_precision=FLAGS.bf16_precision).precision("bfloat16")},
                "tolerance": {"float32": "max|ours - transformers| <= 2e-5 * max|expected| + 1e-5 per case, "
                                         "greedy ids equal (asserted)",
                              "bfloat16": "reported only: ids agreeing with the float32 oracle, max |error| vs "

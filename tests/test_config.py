@@ -99,3 +99,26 @@ def test_presets_sizes():
     assert abs(q.pool_bytes(2) / 1e9 - 58.0) < 0.1
     with pytest.raises(ConfigError, match="unknown preset"):
         preset("nope")
+
+
+def test_matmul_precision_follows_the_dtype_and_reaches_the_step():
+    """float32 means float32: with "auto", a float32 engine lowers its dots at HIGHEST precision
+    (XLA:GPU would otherwise run them as TF32); a bfloat16 engine keeps the default fast path; an
+    explicit choice wins; an unknown one is refused."""
+    import numpy as np
+
+    from ftjax import engine as engine_lib
+    from ftjax.checkpoint import random_model
+    from ftjax.config import EngineConfig, preset
+    from ftjax.engine import Engine
+    assert EngineConfig().precision("float32") == "highest"
+    assert EngineConfig().precision("bfloat16") == "default"
+    assert EngineConfig(matmul_precision="high").precision("float32") == "high"
+    with pytest.raises(ValueError, match="unknown matmul precision 'tf32'"):
+        EngineConfig(matmul_precision="tf32")
+    for dtype, want in (("float32", True), ("bfloat16", False)):
+        eng = Engine(random_model(preset("tiny"), dtype), EngineConfig(max_seq_len=32))
+        args = eng._args(np.zeros((1, 1), np.int32), np.zeros(1, np.int32), np.ones(1, np.int32), eng.new_cache(1))
+        text = engine_lib._forward_step.lower(*args, cfg=eng.cfg, opts=eng._options()).as_text()
+        assert ("HIGHEST" in text) == want, dtype
+        assert eng.describe()["matmul_precision_resolved"] == ("highest" if want else "default")

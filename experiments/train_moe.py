@@ -377,8 +377,10 @@ def eval_windows(stream: np.ndarray, length: int, max_windows: int) -> np.ndarra
 
 def hf_tensors(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
     """Transformers' tensor names and [out, in] layouts for the trained params, in bfloat16,
-    as ``ftjax.checkpoint`` reads them (``_hf_names``, ``_expert_names``)."""
-    bf = lambda a: np.asarray(a, np.float32).astype(ml_dtypes.bfloat16)  # noqa: E731
+    as ``ftjax.checkpoint`` reads them (``_hf_names``, ``_expert_names``). Every array is
+    C-contiguous: ``safetensors.numpy.save_file`` writes an array's memory as it lies, so a
+    transposed view (``astype`` keeps its Fortran order) would be stored scrambled."""
+    bf = lambda a: np.ascontiguousarray(np.asarray(a, np.float32).astype(ml_dtypes.bfloat16))  # noqa: E731
     lay = jax.tree.map(np.asarray, params["layers"])
     out = {"model.embed_tokens.weight": bf(params["embed"]), "model.norm.weight": bf(params["final_norm"]),
            "lm_head.weight": bf(np.asarray(params["lm_head"]).T)}
@@ -613,7 +615,7 @@ def train(size: Size, opts: dict, out_dir: str, t0: float) -> dict:
     last_loss = evals[-1]["loss"]
     train_s = time.perf_counter() - train_start
     tokens_seen = step * batch * seq_len
-    print(f"stopped by {stopped_by} at step {step} ({tokens_seen / train_stream.size:.1f} epochs); exporting "
+    print(f"stopped by {stopped_by} at step {step} ({tokens_seen / train_stream.size:.2f} epochs); exporting "
           f"step {best_step}: held-out {best_loss:.4f} (last {last_loss:.4f})", flush=True)
 
     t = time.perf_counter()
@@ -698,9 +700,10 @@ def main(argv):
     metrics = train(size, opts, FLAGS.out_dir, t0)
     metrics["wall_s"] = time.perf_counter() - t0
     plot_loss(os.path.join(FLAGS.out_dir, "loss.png"), metrics["loss_curve"], metrics["heldout_curve"],
-              f"qwen3_moe {opts['size']}: {metrics['params']['total'] / 1e6:.1f}M params, exported step "
-              f"{metrics['best_step']} (held-out ppl {metrics['heldout_perplexity']:.2f}); "
-              f"{metrics['epochs']:.1f} epochs, stopped by {metrics['stopped_by']}", metrics["best_step"])
+              f"qwen3_moe {opts['size']}: {metrics['params']['total'] / 1e6:.1f}M params; exported step "
+              f"{metrics['best_step']}, held-out ppl {metrics['heldout_perplexity']:.2f}\n"
+              f"{metrics['steps_done']} steps, {metrics['epochs']:.2f} epochs, stopped by {metrics['stopped_by']}",
+              metrics["best_step"])
     common.write_json(FLAGS.out_dir, "train_metrics.json", metrics)
     print(f"exported step {metrics['best_step']}: held-out loss {metrics['heldout_loss']:.4f} "
           f"(ppl {metrics['heldout_perplexity']:.2f}); {metrics['steps_done']} steps "

@@ -87,18 +87,21 @@ def prompt_len_for(cfg, requested: int, steps: int) -> int:
     return min(requested, cfg.max_position_embeddings - (steps + 1))
 
 
-def plan_case(model, budget_gb: float, prompt_len: int, steps: int):
+def plan_case(model, budget_gb: float, prompt: list[int], steps: int):
     """(experts mode, MemoryPlan, max_seq_len) as ``ftjax.generate`` chooses them for
-    ``--vram_budget_gb=budget_gb --prompt_len=prompt_len --max_new_tokens=steps+1`` (batch 1).
+    ``--vram_budget_gb=budget_gb`` and this prompt with ``--max_new_tokens=steps+1`` (batch 1):
+    ``ftjax.engine.plan_engine``, the workspace measured on the compiled steps.
     Raises ValueError where the planner refuses the budget."""
-    from ftjax.checkpoint import DTYPES
-    from ftjax.experts.planner import GB, plan_memory
+    from ftjax.config import EngineConfig
+    from ftjax.engine import plan_engine
+    from ftjax.experts.planner import GB
     cfg = model.cfg
-    need = prompt_len + steps + 1
+    need = len(prompt) + steps + 1
     max_seq_len = min(-(-need // 128) * 128, cfg.max_position_embeddings)
-    plan = plan_memory(cfg, np.dtype(DTYPES[model.dtype]).itemsize, budget_bytes=int(budget_gb * GB), batch=1,
-                       max_seq_len=max_seq_len)
-    return ("resident" if plan.fits_resident else "cached"), plan, max_seq_len
+    base = EngineConfig("cached", num_slots=min(2 * cfg.num_experts, cfg.num_layers * cfg.num_experts),
+                        max_seq_len=max_seq_len)
+    config, plan = plan_engine(model, int(budget_gb * GB), [prompt], base)
+    return config.experts, plan, max_seq_len
 
 
 def run_engine(model, mode: str, plan, max_seq_len: int, prompt: list[int], steps: int) -> dict:
@@ -134,17 +137,16 @@ def run_case(model, preset_name: str, budget_gb: float, requested_len: int, step
     n = prompt_len_for(cfg, requested_len, steps)
     row = {"preset": preset_name, "budget_gb": budget_gb, "requested_prompt_len": requested_len,
            "prompt_len": n, "steps": steps}
+    prompt = rng.integers(0, cfg.vocab_size, n).tolist()
     try:
-        mode, plan, max_seq_len = plan_case(model, budget_gb, n, steps)
+        mode, plan, max_seq_len = plan_case(model, budget_gb, prompt, steps)
     except ValueError as e:
         row["plan_error"] = str(e)
         return row
-    planned = (plan.non_expert_bytes + plan.kv_cache_bytes + plan.workspace_bytes + plan.layer_gather_bytes
-               + plan.all_slots_bytes)
+    planned = plan.planned_bytes
     row.update(mode=mode, max_seq_len=max_seq_len, plan=plan.as_dict(), planned_bytes=planned)
     before = peak_bytes()
     row["peak_before"], row["in_use_before"] = before, in_use_bytes()
-    prompt = rng.integers(0, cfg.vocab_size, n).tolist()
     t0 = time.perf_counter()
     try:
         row.update(run_engine(model, mode, plan, max_seq_len, prompt, steps))

@@ -185,6 +185,7 @@ class Engine:
         self.counters = {p: ExpertCounters.zeros(cfg.num_layers, cfg.num_experts) for p in ("prefill", "decode")}
         self.compile_s = 0.0
         self.failed_steps = 0
+        self._programs: set[tuple] = set()  # keys into _COMPILED of the programs this engine ran or compiled
 
     # ---- configuration, read-only views -------------------------------------------------------
     @property
@@ -463,7 +464,14 @@ class Engine:
             t0 = time.perf_counter()
             _COMPILED[key] = fn.lower(*args, **static).compile()
             self.compile_s += time.perf_counter() - t0
+        self._programs.add(key)
         return _COMPILED[key]
+
+    def workspace_bytes(self) -> int:
+        """The largest temporary-buffer size (bytes, XLA's ``memory_analysis``) of the programs this
+        engine compiled: the device memory a step needs beyond its arguments and outputs."""
+        sizes = [_COMPILED[k].memory_analysis().temp_size_in_bytes for k in self._programs]
+        return int(max(sizes, default=0))
 
     def _executable(self, args, opts: StepOptions):
         return self.compiled(_forward_step, args, cfg=self.cfg, opts=opts)
@@ -506,3 +514,32 @@ class Engine:
         m.update(self.miss.metrics(min(self.cfg.num_experts, self.batch * self.cfg.top_k)))
         return m
 
+
+
+def plan_engine(model: LoadedModel, budget_bytes: int, prompts: Sequence[Sequence[int]], config: EngineConfig,
+                mode: str = "auto", miss: miss_policy.MissRuntime | None = None):
+    """The slot count (and, for ``mode="auto"``, the experts mode) that fit ``budget_bytes`` of
+    device memory for a run of ``prompts`` with ``config`` (whose mode and slots are replaced),
+    with the workspace *measured*: a probe engine at min(2E, L*E) slots (so that the streamed
+    prefill programs are compiled where streaming can happen) compiles every prefill call and the
+    decode step, and the largest temporary buffer of those programs is the plan's workspace
+    (``ftjax.experts.planner``). ``mode``: "auto" (resident when the whole pool fits, else
+    cached) or an experts mode to keep. Returns (EngineConfig for the run, MemoryPlan).
+
+    Raises:
+      ValueError: the budget leaves fewer than E slots (the message gives the minimum budget).
+    """
+    from ftjax.checkpoint import DTYPES
+    from ftjax.experts.planner import plan_memory
+    cfg = model.cfg
+    itemsize = np.dtype(DTYPES[model.dtype]).itemsize
+    probe_slots = min(2 * cfg.num_experts, cfg.num_layers * cfg.num_experts)
+    probe = Engine(model, dataclasses.replace(config, experts="cached", num_slots=probe_slots), miss=miss)
+    probe.prepare_prefill(prompts, probe.new_cache(len(prompts)))
+    workspace = probe.workspace_bytes()
+    del probe
+    plan = plan_memory(cfg, itemsize, budget_bytes=budget_bytes, batch=config.batch, max_seq_len=config.max_seq_len,
+                       workspace_bytes=workspace)
+    if mode == "auto":
+        mode = "resident" if plan.fits_resident else "cached"
+    return dataclasses.replace(config, experts=mode, num_slots=None if mode == "resident" else plan.slots), plan

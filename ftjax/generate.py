@@ -266,10 +266,13 @@ def _run_requests(model, engine, plan, prompts: list[list[int]], eos) -> dict:
     return metrics
 
 
-def _plan(model, batch: int, max_seq_len: int):
-    """Chooses the experts mode and slot count; returns (mode, plan or None)."""
+def _plan(model, batch: int, max_seq_len: int, prompts: list[list[int]]):
+    """Chooses the experts mode and slot count; returns (mode, plan or None). With
+    --vram_budget_gb the workspace is measured on the compiled steps of these ``prompts``
+    (``ftjax.engine.plan_engine``), so that the plan is never below the run's peak."""
     import numpy as np
     from ftjax.checkpoint import DTYPES
+    from ftjax.engine import plan_engine
     from ftjax.experts.planner import GB, plan_memory
     cfg = model.cfg
     itemsize = np.dtype(DTYPES[model.dtype]).itemsize
@@ -289,11 +292,19 @@ def _plan(model, batch: int, max_seq_len: int):
             return "resident", None
         plan = plan_memory(cfg, itemsize, slots=FLAGS.expert_slots, batch=batch, max_seq_len=max_seq_len)
     else:
-        plan = plan_memory(cfg, itemsize, budget_bytes=int(FLAGS.vram_budget_gb * GB), batch=batch,
-                           max_seq_len=max_seq_len)
+        base = _engine_config("cached", min(2 * cfg.num_experts, cfg.num_layers * cfg.num_experts), max_seq_len)
+        config, plan = plan_engine(model, int(FLAGS.vram_budget_gb * GB), prompts, base, mode=mode)
+        return config.experts, plan
     if mode == "auto":
         mode = "resident" if plan.fits_resident else "cached"
     return mode, plan
+
+
+def _engine_config(mode: str, slots: int | None, max_seq_len: int) -> EngineConfig:
+    """The run's EngineConfig from the flags."""
+    return EngineConfig(mode, num_slots=slots, max_seq_len=max_seq_len, batch=FLAGS.batch, prefill=FLAGS.prefill,
+                        prefill_chunk=FLAGS.prefill_chunk, prefill_overlap=FLAGS.prefill_overlap,
+                        cache_policy=FLAGS.cache_policy, matmul_precision=FLAGS.matmul_precision)
 
 
 def _check_flags() -> None:
@@ -383,7 +394,8 @@ def run() -> dict:
     if need > cfg.max_position_embeddings:
         raise UserError(f"prompt of {longest} tokens + {FLAGS.max_new_tokens} new exceeds the model's "
                         f"max_position_embeddings {cfg.max_position_embeddings}")
-    mode, plan = _plan(model, FLAGS.batch, max_seq_len)
+    probe_prompts = [max(prompts, key=len)] if prompts else [prompt] * FLAGS.batch
+    mode, plan = _plan(model, FLAGS.batch, max_seq_len, probe_prompts)
     print(f"model: {model.name} ({cfg.model_type}, L={cfg.num_layers}, E={cfg.num_experts}, "
           f"top-k={cfg.top_k}, {model.dtype}); experts: {mode}")
     if plan is not None:
@@ -391,11 +403,8 @@ def run() -> dict:
     miss = _miss_runtime(model, mode, FLAGS.batch)
     if miss is not None:
         print(miss.describe(min(cfg.num_experts, FLAGS.batch * cfg.top_k)))
-    config = EngineConfig(mode, num_slots=plan.slots if plan else None, max_seq_len=max_seq_len, batch=FLAGS.batch,
-                          prefill=FLAGS.prefill, prefill_chunk=FLAGS.prefill_chunk,
-                          prefill_overlap=FLAGS.prefill_overlap, cache_policy=FLAGS.cache_policy,
-                          matmul_precision=FLAGS.matmul_precision)
-    engine = Engine(model, config, miss=miss)
+    engine = Engine(model, _engine_config(mode, plan.slots if plan and mode != "resident" else None, max_seq_len),
+                    miss=miss)
     eos = () if FLAGS.ignore_eos else model.eos_token_ids
     if requests_mode:
         return _run_requests(model, engine, plan, prompts or [prompt], eos)

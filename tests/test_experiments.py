@@ -134,27 +134,39 @@ def test_check_oracle_gpu_exits_nonzero_on_a_float32_failure(tmp_path):
 
 
 def test_plan_vs_peak_smoke(tmp_path):
-    """The CPU path: plans as generate makes them, engines run, no memory_stats (null, no failure)."""
-    d = _run("plan_vs_peak", tmp_path, "--preset=tiny", "--budgets_gb=1.005,1.008", "--lengths=64,256", "--steps=2")
+    """The CPU path: plans as generate makes them (workspace measured on the compiled steps),
+    engines run, no memory_stats (null, no failure)."""
+    from ftjax.checkpoint import random_model
+    from ftjax.config import EngineConfig, preset
+    from ftjax.engine import plan_engine
+    from ftjax.experts.planner import plan_memory
+    cfg = preset("tiny")
+    # budgets that leave 24 (no streaming) and 40 (streaming) slots at the measured workspace
+    _, probe = plan_engine(random_model(cfg, "bfloat16"), 10**9, [[1] * 256],
+                           EngineConfig("cached", num_slots=32, max_seq_len=384))
+    fixed = probe.planned_bytes - probe.all_slots_bytes
+    budgets = [round((fixed + s * probe.expert_bytes) / 1e9, 6) for s in (24, 40)]
+    d = _run("plan_vs_peak", tmp_path, "--preset=tiny", f"--budgets_gb={budgets[0]},{budgets[1]}", "--lengths=200,256",
+             "--steps=2")
     assert _meta(d)["device"] and _meta(d)["backend"] == "cpu"
     assert d["child_errors"] == [] and d["skipped"] == [] and d["plan_below_peak"] == []
     assert d["builds"][0]["peak_after_build"] is None and d["builds"][0]["pool_bytes"] == 4 * 16 * 3 * 128 * 128 * 2
-    from ftjax.config import preset
-    from ftjax.experts.planner import plan_memory
     rows = {(r["budget_gb"], r["prompt_len"]): r for r in d["results"]}
-    assert list(rows) == [(1.005, 64), (1.005, 256), (1.008, 64), (1.008, 256)]  # run order
+    assert list(rows) == [(budgets[0], 200), (budgets[0], 256), (budgets[1], 200), (budgets[1], 256)]  # run order
     for (budget, n), r in rows.items():
         assert "error" not in r and "plan_error" not in r, r
         p = r["plan"]
-        assert r["max_seq_len"] == {64: 128, 256: 384}[n]  # prompt + 3 new tokens, rounded up to 128
-        want = plan_memory(preset("tiny"), 2, budget_bytes=int(budget * 1e9), max_seq_len=r["max_seq_len"])
+        assert r["max_seq_len"] == {200: 256, 256: 384}[n]  # prompt + 3 new tokens, rounded up to 128
+        assert p["workspace_temp_bytes"] > 0 and p["layer_gather_bytes"] == 0  # measured: the gather is in it
+        want = plan_memory(cfg, 2, budget_bytes=int(budget * 1e9), max_seq_len=r["max_seq_len"],
+                           workspace_bytes=p["workspace_temp_bytes"])
         assert p == want.as_dict() and r["mode"] == "cached" and 16 <= p["slots"] < 64
         assert r["planned_bytes"] == (p["non_expert_bytes"] + p["kv_cache_bytes"] + p["workspace_bytes"]
-                                      + p["layer_gather_bytes"] + p["slots"] * p["expert_bytes"]) <= budget * 1e9
+                                      + p["slots"] * p["expert_bytes"]) <= budget * 1e9
         assert r["peak_after_compile"] is None and r["peak_after_run"] is None and r["verdict"] is None
         assert "peak_bytes" not in r and r["ttft_s"] > 0 and r["decode_tokens_per_s"] > 0
         # streaming whole layers needs 2E = 32 slots
-        assert r["streamed_prefill"] == (budget == 1.008)
+        assert r["streamed_prefill"] == (budget == budgets[1])
 
 
 def test_plots_draw_every_committed_result(tmp_path):

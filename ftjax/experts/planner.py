@@ -3,10 +3,14 @@
 budget = non-expert weights + KV cache + workspace + layer gather + S * expert_bytes, with S
 clamped to [E, L*E]. The layer gather is the copy of one layer's E experts that the grouped
 (prefill) expert matmul reads (``ftjax.experts.compute.experts_from_pool``; 1.2 GB for
-qwen3-30b-a3b in bf16). The workspace is a stated margin of WORKSPACE_BYTES (1 GB) for
-activations: decode needs far less; an 8192-token prefill chunk of qwen3-30b-a3b needs about that much (attention
-scores of one query block, the grouped expert activations). It is an estimate: the benchmark
-scripts report the measured peak device memory beside it.
+qwen3-30b-a3b in bf16).
+
+The workspace (activations and every other temporary of the compiled steps) is either
+*measured*: the largest ``temp_size_in_bytes`` of the XLA programs the run will execute, plus a
+margin for the allocator (``ftjax.engine.plan_engine`` compiles them first; the gather is part of
+that temp, so it is not added again), or, without a measurement, a *stated* WORKSPACE_BYTES
+(1 GB). The stated margin is too small for long prefills: on the H200 an 8192-token chunk of
+qwen3-30b-a3b peaked 6.9 GB above such a plan at 8 GB (experiments/results/plan_vs_peak_*.json).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from ftjax.config import ModelConfig
 
 GB = 1e9
 WORKSPACE_BYTES = int(1.0 * GB)
+#: Added to a measured workspace: the device allocator's rounding and fragmentation.
+WORKSPACE_MARGIN_FRACTION, WORKSPACE_MARGIN_BYTES = 0.10, int(0.25 * GB)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +31,9 @@ class MemoryPlan:
     """Bytes per part of the device budget and the resulting slot count.
 
     All sizes in bytes. ``slots`` is S; ``fits_resident``: the whole pool fits (S = L*E);
-    ``prefill_double_buffer``: S >= 2E, so prefill can stream whole layers through two buffers.
+    ``prefill_double_buffer``: S >= 2E, so prefill can stream whole layers through two buffers;
+    ``workspace_temp_bytes``: the compiled programs' largest temporaries the workspace was
+    measured from (None: the workspace is the stated one).
     """
 
     budget_bytes: int
@@ -37,6 +45,13 @@ class MemoryPlan:
     slots: int
     pool_slots: int
     num_experts: int
+    workspace_temp_bytes: int | None = None
+
+    @property
+    def planned_bytes(self) -> int:
+        """Everything the plan puts on the device: the number that must not be below the peak."""
+        return (self.non_expert_bytes + self.kv_cache_bytes + self.workspace_bytes + self.layer_gather_bytes
+                + self.all_slots_bytes)
 
     @property
     def all_slots_bytes(self) -> int:
@@ -54,14 +69,18 @@ class MemoryPlan:
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d.update(all_slots_bytes=self.all_slots_bytes, fits_resident=self.fits_resident,
-                 prefill_double_buffer=self.prefill_double_buffer)
+                 prefill_double_buffer=self.prefill_double_buffer, planned_bytes=self.planned_bytes)
         return d
 
     def describe(self) -> str:
         gb = lambda n: f"{n / GB:8.3f} GB"  # noqa: E731
+        measured = self.workspace_temp_bytes is not None
+        gather = [] if measured else [  # a measured workspace includes the gather
+            (f"layer gather for prefill ({self.num_experts} experts)", self.layer_gather_bytes)]
         rows = [("budget", self.budget_bytes), ("non-expert weights", self.non_expert_bytes),
-                ("KV cache", self.kv_cache_bytes), ("workspace", self.workspace_bytes),
-                (f"layer gather for prefill ({self.num_experts} experts)", self.layer_gather_bytes),
+                ("KV cache", self.kv_cache_bytes),
+                ("workspace (" + ("measured" if measured else "stated") + ")", self.workspace_bytes),
+                *gather,
                 (f"expert slots ({self.slots} x {self.expert_bytes / 1e6:.2f} MB)", self.all_slots_bytes)]
         lines = ["memory plan:"] + [f"  {name:<40} {gb(n)}" for name, n in rows]
         lines.append(f"  slots {self.slots} of {self.pool_slots} experts in the pool "
@@ -71,12 +90,15 @@ class MemoryPlan:
 
 
 def plan_memory(cfg: ModelConfig, itemsize: int, budget_bytes: int | None = None, slots: int | None = None,
-                batch: int = 1, max_seq_len: int = 512) -> MemoryPlan:
+                batch: int = 1, max_seq_len: int = 512, workspace_bytes: int | None = None) -> MemoryPlan:
     """Plans the device memory for a budget or an explicit slot count (exactly one of them).
 
     Args:
       cfg: model config; itemsize: bytes per weight/KV element (2 for bf16).
       budget_bytes: device bytes available to ftjax. slots: explicit S instead.
+      workspace_bytes: the measured temporaries of the compiled steps (the layer gather
+        included; the allocator margin is added here); None: the stated WORKSPACE_BYTES plus
+        the layer gather.
     Raises:
       ValueError: neither or both given; the budget leaves fewer than E slots (the message gives
         the minimum budget); slots outside [E, L*E].
@@ -87,17 +109,24 @@ def plan_memory(cfg: ModelConfig, itemsize: int, budget_bytes: int | None = None
     eb = cfg.expert_bytes(itemsize)
     non_expert = cfg.non_expert_param_count() * itemsize
     kv = cfg.kv_cache_bytes(batch, max_seq_len, itemsize)
-    workspace = WORKSPACE_BYTES
-    gather = e * eb  # one layer's experts, copied for the grouped matmul (prefill chunks > 64 pairs)
+    if workspace_bytes is None:
+        workspace = WORKSPACE_BYTES
+        gather = e * eb  # one layer's experts, copied for the grouped matmul (prefill chunks > 64 pairs)
+    else:
+        workspace = int(workspace_bytes * (1 + WORKSPACE_MARGIN_FRACTION)) + WORKSPACE_MARGIN_BYTES
+        gather = 0  # part of the measured temporaries
     fixed = non_expert + kv + workspace + gather
     if slots is None:
         slots = min(pool, (budget_bytes - fixed) // eb) if budget_bytes > fixed else 0
         if slots < e:
             need = fixed + e * eb
+            hint = (f" (the workspace of the compiled steps is {workspace / GB:.2f} GB; a smaller --prefill_chunk "
+                    f"shrinks it)" if workspace_bytes is not None else "")
             raise ValueError(f"VRAM budget {budget_bytes / GB:.3f} GB leaves {max(slots, 0)} expert slots; "
                              f"at least E={e} are needed (one layer may route to every expert): the minimum "
-                             f"budget is {math.ceil(need / 1e7) / 100:.2f} GB")
+                             f"budget is {math.ceil(need / 1e7) / 100:.2f} GB{hint}")
     elif not e <= slots <= pool:
         raise ValueError(f"expert slots {slots} out of range: need E={e} <= slots <= L*E={pool}")
     budget = budget_bytes if budget_bytes is not None else fixed + slots * eb
-    return MemoryPlan(int(budget), int(non_expert), int(kv), int(workspace), int(gather), int(eb), int(slots), pool, e)
+    return MemoryPlan(int(budget), int(non_expert), int(kv), int(workspace), int(gather), int(eb), int(slots), pool, e,
+                      None if workspace_bytes is None else int(workspace_bytes))

@@ -104,14 +104,14 @@ def main(argv):
             except Exception as e:  # record and go on: one failing mode must not lose the others
                 row = {"mode": mode, "batch": batch, "error": f"{type(e).__name__}: {e}"[:2000]}
             rows.append(row)
-            print({k: v for k, v in row.items() if k != "step_s"}, flush=True)
+            print({k: v for k, v in row.items() if k != "tpot_s"}, flush=True)
     # bound and ratio per (batch, offloading mode), against resident of the same batch
     for row in rows:
-        res = next((r for r in rows if r["mode"] == "resident" and r["batch"] == row["batch"] and "step_s" in r), None)
-        if res is None or "step_s" not in row:
+        res = next((r for r in rows if r["mode"] == "resident" and r["batch"] == row["batch"] and "tpot_s" in r), None)
+        if res is None or "tpot_s" not in row:
             continue
-        row["bound_step_s"] = res["step_s"]["median"] + row["h2d_bytes_per_step"] / (bp_gbps * 1e9)
-        row["ratio_to_bound"] = row["step_s"]["median"] / row["bound_step_s"]
+        row["bound_step_s"] = res["tpot_s"]["median"] + row["h2d_bytes_per_step"] / (bp_gbps * 1e9)
+        row["ratio_to_bound"] = row["tpot_s"]["median"] / row["bound_step_s"]
     payload = {"meta": info, "script": "experiments/bench_decode.py",
                "model_build_s": build_s, "B_P": bp, "memory_plans": plans, "results": rows}
     name = f"bench_decode_{FLAGS.preset}.json"

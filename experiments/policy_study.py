@@ -1,6 +1,6 @@
 r"""Expert-cache policies on real routing: traces of a trained model, replayed offline.
 
-  python experiments/policy_study.py --ckpt=ftjax/assets/stdlib_moe --out_dir=experiments/results/policy_study
+  python experiments/policy_study.py --ckpt=ftjax/assets/stdlib_moe --out_dir=experiments/results
   python experiments/policy_study.py --smoke --ckpt=/tmp/stdlib_moe_smoke --out_dir=/tmp/policy_smoke
 
 Traces. The held-out split of the training corpus (``experiments/train_moe.py``: the stdlib files
@@ -11,7 +11,10 @@ float32 compute by default); in a causal model the routing of token t does not d
 tokens, so the per-layer routed ids of position t are exactly those a batch-1 decode of that
 text routes at step t (teacher forcing). The forward is ``train_moe.forward_train`` on the loaded
 weights (ftjax's inference pieces; experts computed densely, the same function); the test checks
-its routed ids against ``ftjax.engine.Engine``'s.
+its routed ids against ``ftjax.engine.Engine``'s. The split is by path hash, so no held-out file
+was trained on whatever interpreter runs the study, but the held-out file set and contents are
+those of the running interpreter's stdlib (a distribution may ship more or fewer files than the
+one that trained; the JSON's ``corpus`` records which).
 
 Replay. Every token is a step; every (step, layer) asks for the token's top-k experts of that
 layer (flat ids ``layer * E + expert``), all of which must be resident together (S >= E). A

@@ -15,6 +15,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -48,6 +50,10 @@ def test_bench_decode_smoke(tmp_path):
             assert r["hit_rate_decode"] == 0.0 and r["h2d_bytes_per_step"] > 0
         else:
             assert 0.0 < r["hit_rate_decode"] < 1.0
+        if mode != "resident":  # time / (resident step + miss bytes / B_P), from the same run
+            bound = rows[("resident", r["batch"])]["tpot_s"]["median"] + r["h2d_bytes_per_step"] / (
+                d["B_P"]["h2d_GBps"]["median"] * 1e9)
+            assert r["ratio_to_bound"] == pytest.approx(r["tpot_s"]["median"] / bound)
 
 
 def test_bench_prefill_smoke(tmp_path):

@@ -19,6 +19,7 @@ sys.path.insert(0, REPO)
 
 from experiments import policy_study, replay_policies  # noqa: E402
 from ftjax.checkpoint import load_checkpoint  # noqa: E402
+from ftjax.config import EngineConfig  # noqa: E402
 from ftjax.engine import Engine  # noqa: E402
 from train_smoke import smoke_checkpoint  # noqa: E402
 
@@ -139,7 +140,7 @@ def test_traced_routing_matches_engine():
     window = stream[:64][None]
     ids, pred = policy_study.trace(model, window, "float32", 1)
     assert ids.shape == (1, 64, 4, 2) and pred.shape == (1, 64, 3, 4)
-    engine = Engine(model, "resident", max_seq_len=64)
+    engine = Engine(model, EngineConfig("resident", max_seq_len=64))
     _, _, _, stats = engine.prefill([window[0].tolist()], engine.new_cache(1))
     want = np.concatenate([np.asarray(s.routed_ids) for s in stats], axis=1)[:, :64]  # [L, T, k]
     np.testing.assert_array_equal(np.sort(ids[0].transpose(1, 0, 2), -1), np.sort(want, -1))

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from ftjax.checkpoint import load_checkpoint
+from ftjax.config import EngineConfig
 from ftjax.engine import Engine
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,7 +47,7 @@ def test_tokenizer_matches(trained):
 def test_prompt_logits_all_positions(trained):
     model, exp = trained
     prompt = exp["prompt_ids"].tolist()
-    engine = Engine(model, "resident", max_seq_len=len(prompt) + 32)
+    engine = Engine(model, EngineConfig("resident", max_seq_len=len(prompt) + 32))
     logits, *_ = engine.prefill([prompt], engine.new_cache(1), all_logits=True)
     got = np.asarray(logits)[0, : len(prompt)]
     np.testing.assert_allclose(got, exp["prompt_logits"], rtol=0, atol=_tol(exp["prompt_logits"]))
@@ -57,7 +58,7 @@ def test_greedy_with_expert_cache_smaller_than_pool(trained):
     model, exp = trained
     prompt = exp["prompt_ids"].tolist()
     cfg = model.cfg
-    engine = Engine(model, "cached", num_slots=2 * cfg.num_experts, max_seq_len=len(prompt) + 32)
+    engine = Engine(model, EngineConfig("cached", num_slots=2 * cfg.num_experts, max_seq_len=len(prompt) + 32))
     res = engine.generate([prompt], max_new_tokens=16, keep_logits=True)
     assert res.generated_ids[0] == exp["generated_ids"].tolist()
     np.testing.assert_allclose(res.step_logits[:, 0], exp["step_logits"], rtol=0, atol=_tol(exp["step_logits"]))
@@ -66,7 +67,7 @@ def test_greedy_with_expert_cache_smaller_than_pool(trained):
 def test_prompt_routing_matches(trained):
     model, exp = trained
     prompt = exp["prompt_ids"].tolist()
-    engine = Engine(model, "resident", max_seq_len=len(prompt) + 32)
+    engine = Engine(model, EngineConfig("resident", max_seq_len=len(prompt) + 32))
     _, _, _, stats = engine.prefill([prompt], engine.new_cache(1))
     ids = np.sort(np.concatenate([np.asarray(s.routed_ids) for s in stats], axis=1)[:, : len(prompt)], axis=-1)
     want = np.sort(exp["prompt_router_topk"], axis=-1)

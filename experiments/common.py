@@ -11,6 +11,7 @@ medians, spreads and ratios measured in the same run.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -88,16 +89,25 @@ def hlo_ops(text: str) -> dict:
     return ops
 
 
+def _jsonable(o):
+    """numpy arrays as lists, dataclasses (EngineConfig, ...) as dicts, anything else as its str."""
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    if dataclasses.is_dataclass(o) and not isinstance(o, type):
+        return dataclasses.asdict(o)
+    return str(o)
+
+
 def write_json(out_dir: str, name: str, payload: dict) -> str:
-    """The one result writer: ``payload`` plus ``meta`` (when absent) and the script's ``flags``,
+    """The one result writer: ``payload`` plus ``meta`` (when absent), its own file name and the script's ``flags``,
     written to out_dir/name atomically; returns the path."""
-    payload = {**payload, "meta": payload.get("meta") or meta(), "flags": {**script_flags(), **payload.get("flags",
-                                                                                                           {})}}
+    payload = {**payload, "meta": payload.get("meta") or meta(), "file": name,
+               "flags": {**script_flags(), **payload.get("flags", {})}}
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, name)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(payload, f, indent=1, default=lambda o: o.tolist() if isinstance(o, np.ndarray) else str(o))
+        json.dump(payload, f, indent=1, default=_jsonable)
     os.replace(tmp, path)
     return path
 

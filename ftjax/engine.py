@@ -261,15 +261,26 @@ class Engine:
 
         If the step raises (a device OOM, say) after its donated expert state was consumed, the
         engine starts again from an empty expert cache (counted in ``failed_steps``) so that it
-        stays usable; the KV cache passed in is consumed either way. The error is re-raised.
+        stays usable, or, when even that fails, says so on every later call (RuntimeError) rather
+        than crashing on deleted buffers; the KV cache passed in is consumed either way. The error
+        is re-raised. An error that the device reports only later, when an output is read, is
+        not seen here.
         """
+        if self.state is None:
+            raise RuntimeError("this engine lost its expert state in a failed step and could not rebuild it "
+                               "(see the earlier error); build a new Engine")
         args = self._args(tokens, start, valid_len, cache, prefix)
         try:
             out = self._executable(args, opts)(*args)
-        except Exception:
+        except Exception as err:
             self.failed_steps += 1
             if any(x.is_deleted() for x in jax.tree.leaves(self.state)):
-                self.state = self._fresh_state()
+                self.state = None
+                try:  # resident mode copies the whole bank again: that can fail too (after an OOM)
+                    self.state = self._fresh_state()
+                except Exception as again:
+                    raise RuntimeError(f"a step failed ({err!r}) and the expert state could not be rebuilt "
+                                       f"({again!r}); this engine is unusable, build a new one") from err
             raise
         self.state = out.expert_state
         return out
@@ -287,7 +298,13 @@ class Engine:
         return model_lib.init_kv_cache(self.cfg, batch, self.max_seq_len, self.dtype)
 
     def check_prompts(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
-        """Raises ValueError for empty prompts, ids outside [0, V) or sequences longer than the cache."""
+        """Raises ValueError for no new tokens, more prompts than the config's batch, empty prompts,
+        ids outside [0, V) or sequences longer than the cache."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if len(prompts) > self.batch:
+            raise ValueError(f"{len(prompts)} prompts exceed the engine's batch {self.batch} (EngineConfig.batch "
+                             f"sizes the KV cache plan)")
         for i, p in enumerate(prompts):
             problem = prompt_error(p, self.cfg.vocab_size, max_new_tokens, self.max_seq_len, "max_seq_len")
             if problem:
@@ -331,6 +348,11 @@ class Engine:
         Returns (logits, cache, lengths, stats): logits float32 [B, V] of each prompt's last token
         ([B, T, V] with all_logits, T the padded length); stats: one LayerStats per call.
         """
+        if (kv_manager is None) != (request is None):
+            raise ValueError("prefix reuse needs both kv_manager and the request that "
+                             "prepare_prefill(prompts, cache, kv_manager) returned")
+        if request is not None and [list(map(int, p)) for p in prompts] != [request.prompt]:
+            raise ValueError("the prompts differ from the ones the prefix-reuse request was planned for")
         b = len(prompts)
         lengths = np.array([len(p) for p in prompts], np.int32)
         calls = request.calls if request is not None else self.plan_prefill(prompts)
@@ -379,8 +401,9 @@ class Engine:
         With ``kv_manager`` (``ftjax.kv.prefix_cache.PrefixCache``, batch 1) the prefill reuses
         stored prefix KV and stores new chunks; its key lookup time is added to TTFT.
         ``eos_ids``: a sequence stops after generating one of these ids (its stop reason is
-        "eos"); decoding ends when every sequence stopped. The check reads each token one step
-        late, so dispatch stays asynchronous; at most one extra step runs.
+        "eos"; what it generates after it is dropped and not counted); decoding ends when every
+        sequence stopped. The check reads the token before the one just dispatched, so decode
+        stays asynchronous; at most one step runs after the last sequence stopped.
         """
         self.check_prompts(prompts, max_new_tokens)
         b = len(prompts)
@@ -405,40 +428,41 @@ class Engine:
         routing = [np.concatenate([np.asarray(st.routed_ids) for st in stats], axis=1)] if trace_routing else None
         toks, all_logits, decode_stats = [tok], [logits] if keep_logits else None, []
         eos = np.asarray(list(eos_ids), np.int64)
-        done_at = np.full(b, -1)  # index into toks of each sequence's EOS, -1 = still going
+        stopped = np.zeros(b, bool)  # sequences known (one step late) to have generated an EOS
         pos = lengths.copy()
         step_s = [] if time_steps else None
         decode_opts = self._options()
-        for _ in range(max_new_tokens - 1):
-            if eos.size:  # the previous token is ready by now: this read does not stall the device
-                i = len(toks) - 1
-                hit = np.isin(np.asarray(toks[i]), eos) & (done_at < 0)
-                done_at[hit] = i
-                if (done_at >= 0).all():
-                    break
-            ts = time.perf_counter()
-            out = self._step(tok[:, None], pos, np.ones(b, np.int32), cache, decode_opts)
-            cache = out.cache
-            key, sub = jax.random.split(key)
-            tok = _sample(out.logits, sub, temperature, top_p)
-            toks.append(tok)
-            decode_stats.append(out.layer_stats)
-            if keep_logits:
-                all_logits.append(out.logits)
-            if time_steps:
-                tok.block_until_ready()
-                step_s.append(time.perf_counter() - ts)
-            pos = pos + 1
-        jax.block_until_ready(toks)
+        try:
+            for _ in range(max_new_tokens - 1):
+                if eos.size and len(toks) >= 2:
+                    # The token before the one just dispatched: its step has finished, so reading
+                    # it does not stall the device queue (decode stays asynchronous).
+                    stopped |= np.isin(np.asarray(toks[-2]), eos)
+                    if stopped.all():
+                        break
+                ts = time.perf_counter()
+                out = self._step(tok[:, None], pos, np.ones(b, np.int32), cache, decode_opts)
+                cache = out.cache
+                key, sub = jax.random.split(key)
+                tok = _sample(out.logits, sub, temperature, top_p)
+                toks.append(tok)
+                decode_stats.append(out.layer_stats)
+                if keep_logits:
+                    all_logits.append(out.logits)
+                if time_steps:
+                    tok.block_until_ready()
+                    step_s.append(time.perf_counter() - ts)
+                pos = pos + 1
+            jax.block_until_ready(toks)
+        finally:  # the steps that ran moved the slot table: count them even if a later one failed
+            for s in decode_stats:
+                self.counters["decode"].add(s)
         decode_s = time.perf_counter() - t_first
-        for s in decode_stats:
-            self.counters["decode"].add(s)
-            if trace_routing:
-                routing.append(np.asarray(s.routed_ids))
+        if trace_routing:
+            routing += [np.asarray(s.routed_ids) for s in decode_stats]
         gen = np.stack([np.asarray(t) for t in toks], axis=1)
-        if eos.size:  # the last token was not checked inside the loop
-            hit = np.isin(gen[:, -1], eos) & (done_at < 0)
-            done_at[hit] = gen.shape[1] - 1
+        is_eos = np.isin(gen, eos) if eos.size else np.zeros(gen.shape, bool)
+        done_at = np.where(is_eos.any(axis=1), is_eos.argmax(axis=1), -1)  # each sequence's first EOS
         ends = np.where(done_at >= 0, done_at + 1, gen.shape[1])
         generated = [gen[i, : ends[i]].tolist() for i in range(b)]
         n_dec = int(sum(max(e - 1, 0) for e in ends))
@@ -527,7 +551,8 @@ def plan_engine(model: LoadedModel, budget_bytes: int, prompts: Sequence[Sequenc
     cached) or an experts mode to keep. Returns (EngineConfig for the run, MemoryPlan).
 
     Raises:
-      ValueError: the budget leaves fewer than E slots (the message gives the minimum budget).
+      ValueError: the budget leaves fewer than E slots (the message gives the minimum budget), or
+        fewer than the 2E that ``prefill="stream"`` needs.
     """
     from ftjax.checkpoint import DTYPES
     from ftjax.experts.planner import plan_memory
@@ -542,4 +567,8 @@ def plan_engine(model: LoadedModel, budget_bytes: int, prompts: Sequence[Sequenc
                        workspace_bytes=workspace)
     if mode == "auto":
         mode = "resident" if plan.fits_resident else "cached"
-    return dataclasses.replace(config, experts=mode, num_slots=None if mode == "resident" else plan.slots), plan
+    if mode == "resident":  # every expert on the device: nothing to stream
+        return dataclasses.replace(config, experts=mode, num_slots=None,
+                                   prefill="auto" if config.prefill == "stream" else config.prefill), plan
+    # validated against the model here: e.g. prefill=stream with fewer than 2E slots is refused
+    return dataclasses.replace(config, experts=mode, num_slots=plan.slots).for_model(cfg), plan

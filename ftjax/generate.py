@@ -301,8 +301,13 @@ def _plan(model, batch: int, max_seq_len: int, prompts: list[list[int]]):
 
 
 def _engine_config(mode: str, slots: int | None, max_seq_len: int) -> EngineConfig:
-    """The run's EngineConfig from the flags."""
-    return EngineConfig(mode, num_slots=slots, max_seq_len=max_seq_len, batch=FLAGS.batch, prefill=FLAGS.prefill,
+    """The run's EngineConfig from the flags (a resident run has nothing to stream: --prefill=stream
+    then prefills as auto does, with a note)."""
+    prefill = FLAGS.prefill
+    if mode == "resident" and prefill == "stream":
+        print("note: all experts are resident, so there is nothing to stream; --prefill=stream ignored")
+        prefill = "auto"
+    return EngineConfig(mode, num_slots=slots, max_seq_len=max_seq_len, batch=FLAGS.batch, prefill=prefill,
                         prefill_chunk=FLAGS.prefill_chunk, prefill_overlap=FLAGS.prefill_overlap,
                         cache_policy=FLAGS.cache_policy, matmul_precision=FLAGS.matmul_precision)
 

@@ -414,3 +414,27 @@ def test_kv_reuse_prefill_honours_the_prefill_mode(prefill):
         assert int(got.misses.sum()) == nl * e and got.extra_copies == e
     else:
         assert got.extra_copies == 0 and int((got.hits + got.misses).sum()) <= nl * 4
+
+
+def test_prefill_api_misuse_is_refused_and_pins_stay_balanced():
+    """A request runs once: a second prefill with it is refused without unpinning its chunks again;
+    a manager without its request (or the reverse), or other prompts than planned, are refused."""
+    model, _ = load_fixture("qwen3_moe_fp32")
+    engine, mgr = _engine("qwen3_moe_fp32"), _manager(model)
+    prompt = _long_prompt()[:40]
+    engine.generate([prompt[:32]], 1, kv_manager=mgr)  # stores 2 chunks
+    cache = engine.new_cache(1)
+    req = engine.prepare_prefill([prompt], cache, mgr)
+    assert len(req.hit) == 2 and all(mgr.store.pin_count(k) == 1 for k in req.hit)
+    engine.prefill([prompt], cache, kv_manager=mgr, request=req)
+    assert all(mgr.store.pin_count(k) == 0 for k in req.hit)
+    with pytest.raises(RuntimeError, match="already ran"):
+        engine.prefill([prompt], engine.new_cache(1), kv_manager=mgr, request=req)
+    assert all(mgr.store.pin_count(k) == 0 for k in req.hit)
+    with pytest.raises(ValueError, match="both kv_manager and the request"):
+        engine.prefill([prompt], engine.new_cache(1), kv_manager=mgr)
+    req2 = engine.prepare_prefill([prompt], engine.new_cache(1), mgr)
+    with pytest.raises(ValueError, match="prompts differ"):
+        engine.prefill([prompt[:-1]], engine.new_cache(1), kv_manager=mgr, request=req2)
+    mgr.finish(req2, None)
+    assert all(mgr.store.pin_count(k) == 0 for k in req2.hit)

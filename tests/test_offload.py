@@ -8,6 +8,8 @@ or misplaced slot would show.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -237,3 +239,31 @@ def test_cache_contents_and_per_request_figures():
     assert len(held) == cfg.num_layers and sum(held) == cfg.num_experts + 2  # every slot holds one expert
     table = np.asarray(eng.state.table.slot_of).reshape(cfg.num_layers, cfg.num_experts)
     assert held == (table >= 0).sum(axis=1).tolist()
+
+
+def test_engine_refuses_more_prompts_than_its_batch_and_no_new_tokens():
+    model, exp = load_fixture("qwen3_moe_fp32")
+    eng = Engine(model, EngineConfig(max_seq_len=64))  # batch 1
+    p = exp["short_prompt_ids"].tolist()
+    with pytest.raises(ValueError, match="2 prompts exceed the engine's batch 1"):
+        eng.generate([p, p], 4)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        eng.generate([p], 0)
+
+
+def test_plan_for_a_budget_that_fits_everything_is_resident_even_with_prefill_stream():
+    """A budget that holds the whole pool plans a resident run, and a resident run has nothing to
+    stream (prefill=stream then prefills as auto), instead of refusing the combination."""
+    from ftjax.engine import plan_engine
+    model, exp = load_fixture("qwen3_moe_fp32")
+    cfg = model.cfg
+    base = EngineConfig("cached", num_slots=2 * cfg.num_experts, max_seq_len=64, prefill="stream")
+    config, plan = plan_engine(model, 10**10, [exp["short_prompt_ids"].tolist()], base)
+    assert config.experts == "resident" and config.prefill == "auto" and plan.fits_resident
+    assert plan.workspace_temp_bytes is not None and plan.planned_bytes <= 10**10
+    budget = plan.planned_bytes - plan.all_slots_bytes + 10 * plan.expert_bytes  # 10 slots: E < 10 < 2E
+    with pytest.raises(ValueError, match="prefill=stream needs at least 2E=16 slots"):
+        plan_engine(model, budget, [exp["short_prompt_ids"].tolist()], base)
+    small, plan2 = plan_engine(model, budget, [exp["short_prompt_ids"].tolist()],
+                               dataclasses.replace(base, prefill="auto"))
+    assert small.experts == "cached" and small.num_slots == 10 and plan2.slots == 10

@@ -190,7 +190,10 @@ class PrefixCache:
     def finish(self, req: PrefixRequest, kv_outs: Sequence | None) -> None:
         """Ends the request: stores its new full chunks (``kv_outs``: the KV-hook outputs of each
         call, in call order; None when the prefill failed: nothing is stored) and unpins the hit
-        chunks. Storing is best effort and never raises for the store."""
+        chunks. Storing is best effort and never raises for the store. A second call is a no-op
+        (the hit chunks were unpinned by the first)."""
+        if req.finished:
+            return
         req.finished = True
         try:
             if kv_outs is not None:

@@ -30,7 +30,10 @@ taken among the resident experts not requested by this same (step, layer)):
 * ``lfru``: LRU with frequency, as LRFU (Lee et al. 2001, IEEE Trans. Computers 50(12)): each
   expert's combined recency-frequency CRF(t) = sum over its past requests t_i of
   2^(-lambda (t - t_i)), evict the smallest; ``--lfru_half_life_tokens`` sets lambda (CRF halves
-  every that many tokens; small: LRU-like, large: LFU-like).
+  every that many tokens; small: LRU-like, large: LFU-like). Replayed both through ftjax's slot
+  table (``--cache_policy=lfru``; these are the rows' hits) and through the numpy simulation
+  :func:`replay_sim` (``sim_hits``); the JSON's ``lfru_slot_table_equals_sim`` says whether the
+  two agree on every (policy, S) (they should: the slot table's tests replay one against the other).
 * ``belady``: Belady's MIN (Belady 1966, IBM Systems Journal 5(2)): evict the expert whose next
   request is farthest in the future (never again first). Offline: the bound no online policy
   beats (the exchange argument holds with the co-residency constraint, because the victims are
@@ -69,12 +72,12 @@ import numpy as np  # noqa: E402
 
 from experiments import common, train_moe  # noqa: E402
 from ftjax.checkpoint import load_checkpoint  # noqa: E402
-from ftjax.experts.slot_table import init_slot_table, lookup_layer  # noqa: E402
+from ftjax.experts.slot_table import LFRU_HALF_LIFE_TOKENS, init_slot_table, lookup_layer  # noqa: E402
 from ftjax.model import rms_norm  # noqa: E402
 
-SLOT_TABLE_POLICIES = ("lru", "lookahead")
-SIM_POLICIES = ("lfu", "lfru", "belady")
-POLICIES = SLOT_TABLE_POLICIES + SIM_POLICIES
+SLOT_TABLE_POLICIES = ("lru", "lookahead", "lfru")  # ftjax.experts.slot_table.POLICIES
+SIM_POLICIES = ("lfu", "lfru", "belady")  # numpy simulations (lfru: both, checked equal)
+POLICIES = ("lru", "lookahead", "lfu", "lfru", "belady")
 
 FLAGS = flags.FLAGS
 # ---------------------------------------------------------------------------------------- traces
@@ -126,7 +129,7 @@ def trace(model, windows: np.ndarray, dtype: str, batch: int) -> tuple[np.ndarra
 
 
 @functools.lru_cache(maxsize=None)
-def _slot_table_runner(num_layers: int, num_experts: int, slots: int, policy: str):
+def _slot_table_runner(num_layers: int, num_experts: int, slots: int, policy: str, half_life_tokens: float):
     """Jitted (masks bool [T*L, E]) -> (hits, misses) of one stream from an empty table."""
     @jax.jit
     def run(masks):
@@ -134,23 +137,24 @@ def _slot_table_runner(num_layers: int, num_experts: int, slots: int, policy: st
 
         def body(table, xs):
             layer, m = xs
-            out = lookup_layer(table, layer, m, num_experts, policy)
+            out = lookup_layer(table, layer, m, num_experts, policy, half_life_tokens)
             return out.table, (out.n_hit, out.n_miss)
         _, (h, m) = jax.lax.scan(body, init_slot_table(num_layers, num_experts, slots), (layers, masks))
         return h.sum(), m.sum()
     return run
 
 
-def replay_slot_table(ids: np.ndarray, num_experts: int, slots: int, policy: str) -> tuple[int, int]:
+def replay_slot_table(ids: np.ndarray, num_experts: int, slots: int, policy: str,
+                      half_life_tokens: float = LFRU_HALF_LIFE_TOKENS) -> tuple[int, int]:
     """(hits, misses) of ftjax's slot table (``lookup_layer`` with ``policy``) over streams.
 
     ids: int32 [B, T, L, k]; each stream starts from an empty table. One ``lax.scan`` over the
-    T*L (step, layer) lookups of a stream, in decode order.
+    T*L (step, layer) lookups of a stream, in decode order. ``half_life_tokens``: lfru only.
     """
     b, t, num_layers, _ = ids.shape
     routed = np.zeros((b, t, num_layers, num_experts), bool)
     np.put_along_axis(routed, ids, True, axis=-1)
-    run = _slot_table_runner(num_layers, num_experts, slots, policy)
+    run = _slot_table_runner(num_layers, num_experts, slots, policy, float(half_life_tokens))
     hits = misses = 0
     for s in range(b):
         h, m = run(jnp.asarray(routed[s].reshape(t * num_layers, num_experts)))
@@ -174,7 +178,7 @@ def _next_use(flat: np.ndarray) -> np.ndarray:
 
 
 def replay_sim(ids: np.ndarray, num_experts: int, slots: int, policy: str,
-               half_life_tokens: float = 4.0) -> tuple[int, int]:
+               half_life_tokens: float = LFRU_HALF_LIFE_TOKENS) -> tuple[int, int]:
     """(hits, misses) of ``lfu`` / ``lfru`` / ``belady`` over streams (numpy simulation).
 
     ids: int32 [B, T, L, k]. Same request model as :func:`replay_slot_table`: event c = t*L + l
@@ -344,16 +348,23 @@ def run_study(ckpt: str, streams: int, stream_len: int, max_files: int, slots: l
     ids, pred = trace(model, windows, dtype, batch)
     trace_s = time.perf_counter() - t0
     results: dict[str, list[dict]] = {}
+    lfru_equal = None
     for p in policies:
         rows = []
         for s in slots:
             t = time.perf_counter()
             if p in SLOT_TABLE_POLICIES:
-                h, m = replay_slot_table(ids, E, s, p)
+                h, m = replay_slot_table(ids, E, s, p, half_life)
             else:
                 h, m = replay_sim(ids, E, s, p, half_life)
             rows.append({"slots": s, "slots_over_E": s / E, "hits": h, "misses": m, "hit_rate": h / (h + m),
                          "replay_s": time.perf_counter() - t})
+            if p in SLOT_TABLE_POLICIES and p in SIM_POLICIES:  # lfru: the simulation's figure too
+                sh, sm = replay_sim(ids, E, s, p, half_life)
+                rows[-1].update(sim_hits=sh, sim_misses=sm)
+                lfru_equal = (lfru_equal is not False) and (sh, sm) == (h, m)
+                if (sh, sm) != (h, m):
+                    print(f"WARNING: {p} at S={s}: slot table {h} hits, numpy simulation {sh}", file=sys.stderr)
         results[p] = rows
     corpus = {key: v for key, v in corpus.items() if key != "heldout_files"}
     return {
@@ -363,6 +374,7 @@ def run_study(ckpt: str, streams: int, stream_len: int, max_files: int, slots: l
         "flags": {"streams": n, "stream_len": stream_len, "max_files": max_files, "slots": slots,
                   "policies": policies, "lfru_half_life_tokens": half_life, "dtype": dtype},
         "corpus": corpus, "requests": int(ids.size), "trace_s": trace_s,
+        "lfru_slot_table_equals_sim": lfru_equal,
         "hit_rate": results, "routing_stats": routing_stats(ids, E), "next_layer_prediction":
             next_layer_prediction(ids, pred),
     }

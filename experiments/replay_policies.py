@@ -28,13 +28,14 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from experiments import common  # noqa: E402
-from ftjax.experts.slot_table import POLICIES, init_slot_table, lookup_layer  # noqa: E402
+from ftjax.experts.slot_table import LFRU_HALF_LIFE_TOKENS, POLICIES, init_slot_table, lookup_layer  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("trace", None, "Routing trace .npz from generate --trace_routing.", required=True)
 flags.DEFINE_integer("num_experts", None, "E of the model.", required=True)
 flags.DEFINE_list("slots", None, "Slot counts S to replay (each E <= S <= L*E).", required=True)
-flags.DEFINE_list("policies", list(POLICIES), "Policies to compare.")
+flags.DEFINE_list("policies", list(POLICIES), f"Policies to compare (of {', '.join(POLICIES)}).")
+flags.DEFINE_float("lfru_half_life_tokens", LFRU_HALF_LIFE_TOKENS, "lfru: decode steps after which a use counts half.")
 flags.DEFINE_boolean("skip_prefill", True, "Leave step 0 (the prefill) out of the hit rate; it still fills the cache.")
 flags.DEFINE_string("out", None, "Write the results as JSON here.")
 
@@ -53,15 +54,17 @@ def routed_masks(trace: dict, num_experts: int) -> list[np.ndarray]:
     return masks
 
 
-def replay(masks: list[np.ndarray], num_experts: int, slots: int, policy: str, skip_first: bool) -> dict:
-    """Hit rate of ``policy`` with ``slots`` slots over the routed masks (one scan per step)."""
+def replay(masks: list[np.ndarray], num_experts: int, slots: int, policy: str, skip_first: bool,
+           half_life_tokens: float = LFRU_HALF_LIFE_TOKENS) -> dict:
+    """Hit rate of ``policy`` with ``slots`` slots over the routed masks (one scan per step);
+    ``half_life_tokens``: lfru only."""
     num_layers = masks[0].shape[0]
 
     @jax.jit
     def step(table, routed):
         def body(t, xs):
             layer, r = xs
-            out = lookup_layer(t, layer, r, num_experts, policy)
+            out = lookup_layer(t, layer, r, num_experts, policy, half_life_tokens)
             return out.table, (out.n_hit, out.n_miss)
         return jax.lax.scan(body, table, (jnp.arange(num_layers, dtype=jnp.int32), routed))
 
@@ -82,7 +85,7 @@ def main(argv):
     if not trace:
         raise app.UsageError(f"{FLAGS.trace}: no step<i> arrays (expected a generate --trace_routing file)")
     masks = routed_masks(trace, FLAGS.num_experts)
-    rows = [replay(masks, FLAGS.num_experts, int(s), p, FLAGS.skip_prefill)
+    rows = [replay(masks, FLAGS.num_experts, int(s), p, FLAGS.skip_prefill, FLAGS.lfru_half_life_tokens)
             for s in FLAGS.slots for p in FLAGS.policies]
     print(common.table(rows, ["policy", "slots", "hits", "misses", "hit_rate"]))
     if FLAGS.out:

@@ -58,7 +58,8 @@ flags.DEFINE_enum("experts", "auto", ["auto", *EXPERT_MODES],
 flags.DEFINE_integer("expert_slots", None, "Device expert slots S (E <= S <= L*E).")
 flags.DEFINE_enum("cache_policy", "lru", list(CACHE_POLICIES),
                   "Slot eviction: global LRU, or lookahead (evict the layer that comes up last in the layer "
-                  "cycle; avoids LRU's collapse when one step's experts do not fit).")
+                  "cycle; avoids LRU's collapse when one step's experts do not fit), or lfru (LRFU: evict the "
+                  "smallest recency-frequency value, uses decaying with a half-life of 4 tokens).")
 flags.DEFINE_float("vram_budget_gb", None, "Device memory budget in GB (1e9 bytes) to plan slots from.")
 flags.DEFINE_string("metrics_json", None, "Write metrics (ids, TTFT, tokens/s, expert_cache) to this file.")
 flags.DEFINE_string("logits_npy", None, "Write float32 [steps, vocab] logits of every generated step.")

@@ -64,6 +64,10 @@ def test_hit_rate_invariants(study):
         assert h == sorted(h), pol
     # Real routing has reuse: Belady strictly beats LRU at E slots, and nothing is all-miss.
     assert hr["belady"][0]["hits"] > hr["lru"][0]["hits"] > 0
+    # lfru is replayed through the slot table and the numpy simulation: the same figures
+    assert res["lfru_slot_table_equals_sim"] is True
+    for r in hr["lfru"]:
+        assert (r["hits"], r["misses"]) == (r["sim_hits"], r["sim_misses"]) and r["hits"] > 0
 
 
 def test_routing_statistics(study):
@@ -116,6 +120,8 @@ def test_belady_is_optimal_on_random_tiny_traces():
         for pol in ONLINE:
             replay = policy_study.replay_slot_table if pol in ("lru", "lookahead") else policy_study.replay_sim
             assert replay(ids, num_experts, slots, pol)[1] >= m
+        assert policy_study.replay_slot_table(ids, num_experts, slots, "lfru") == policy_study.replay_sim(
+            ids, num_experts, slots, "lfru")
 
 
 def test_slot_table_replay_matches_replay_policies():
@@ -127,7 +133,7 @@ def test_slot_table_replay_matches_replay_policies():
         m = np.zeros((4, 8), bool)
         np.put_along_axis(m, ids[0, s], True, axis=-1)
         masks.append(m)
-    for pol in ("lru", "lookahead"):
+    for pol in ("lru", "lookahead", "lfru"):
         for slots in (8, 13):
             want = replay_policies.replay(masks, 8, slots, pol, skip_first=False)
             assert policy_study.replay_slot_table(ids.astype(np.int32), 8, slots, pol) == (want["hits"], want["misses"])

@@ -3,12 +3,16 @@
 The JAX table is checked call by call against an independent, plain-Python, dict-based LRU
 with the same policy (hits refresh; misses in ascending expert id take the least recently used
 slots not holding a hit of the current call, free slots first, ties to the lowest slot index;
-clock += 1 per call).
+clock += 1 per call). The ``lfru`` policy (LRFU) is also checked against the numpy simulation
+that measured it, ``experiments/policy_study.replay_sim``.
 """
 
 from __future__ import annotations
 
 import functools
+import math
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +21,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ftjax.experts.slot_table import (
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from experiments.policy_study import replay_sim  # noqa: E402
+from ftjax.experts.slot_table import (  # noqa: E402
+    LFRU_HALF_LIFE_TOKENS,
     LayerLookup,
     SlotTable,
     forget_slots,
@@ -30,6 +38,7 @@ from ftjax.experts.slot_table import (
 
 # One compiled program per shape: layer is passed as an int32 array, so it is traced.
 _lookup = jax.jit(lookup_layer, static_argnums=(3, 4))
+_lookup_hl = jax.jit(lookup_layer, static_argnums=(3, 4, 5))  # half-life given
 _lookup_no_reuse = jax.jit(lookup_layer_no_reuse, static_argnums=3)
 _forget = jax.jit(forget_slots)
 _reset = jax.jit(reset_table)
@@ -44,14 +53,20 @@ class RefLRU:
     policy "lru": misses take the least recently used non-hit slots (free first).
     policy "lookahead": free slots first, then the slot whose layer is farthest ahead in the layer
     cycle ((owner - layer) mod L, 0 counting as L), then least recently used, then lowest index.
+    policy "lfru": free slots first (lowest index), then the smallest CRF (float64, kept as
+    log2 CRF + lambda * last reference, as policy_study.replay_sim), then least recently used,
+    then lowest flat id. Each flat id's history survives its eviction; forget / reset clear it.
     """
 
-    def __init__(self, num_layers: int, num_experts: int, num_slots: int, policy: str = "lru"):
+    def __init__(self, num_layers: int, num_experts: int, num_slots: int, policy: str = "lru",
+                 half_life_tokens: float = LFRU_HALF_LIFE_TOKENS):
         self.L, self.E, self.S, self.policy = num_layers, num_experts, num_slots, policy
         self.where: dict[tuple[int, int], int] = {}  # (layer, expert) -> slot
         self.holder: dict[int, tuple[int, int]] = {}  # slot -> (layer, expert)
         self.used: dict[int, int] = {}  # slot -> clock of last use (absent: never / free)
         self.clock = 0
+        self.lam = 1.0 / (half_life_tokens * num_layers)
+        self.crf: dict[int, tuple[float, int]] = {}  # flat id -> (log2 CRF + lam * t_last, t_last)
 
     def lookup(self, layer: int, routed_experts: list[int]):
         routed_experts = sorted(set(routed_experts))
@@ -66,8 +81,16 @@ class RefLRU:
             d = (self.holder[s][0] - layer) % self.L
             return d if d else self.L
 
+        def crf_key(s):
+            if s not in self.holder:
+                return (0, 0.0, -1, -1, s)
+            fid = self.holder[s][0] * self.E + self.holder[s][1]
+            return (1, self.crf[fid][0], self.used.get(s, -1), fid, s)
+
         if self.policy == "lru":
             key = lambda s: (self.used.get(s, -1), s)  # noqa: E731
+        elif self.policy == "lfru":
+            key = crf_key
         else:
             key = lambda s: (-distance(s), self.used.get(s, -1), s)  # noqa: E731
         candidates = sorted((s for s in range(self.S) if s not in hit_slots), key=key)
@@ -82,6 +105,10 @@ class RefLRU:
             self.used[s] = self.clock
             miss_slots.append(s)
         assert len(miss_slots) == len(misses), "reference ran out of slots"
+        for e in routed_experts:  # LRFU: every reference adds 2^(lam * t) to 2^(lam * t) CRF(t)
+            fid = layer * self.E + e
+            old = self.crf.get(fid, (-math.inf, -1))[0]
+            self.crf[fid] = (float(np.logaddexp2(self.lam * self.clock, old)), self.clock)
         self.clock += 1
         return dict(
             hits=hits,
@@ -97,12 +124,22 @@ class RefLRU:
                 old = self.holder.pop(s, None)
                 if old is not None:
                     del self.where[old]
+                    self.crf.pop(old[0] * self.E + old[1], None)
                 self.used.pop(s, None)
 
     def reset(self):
         self.where.clear()
         self.holder.clear()
         self.used.clear()
+        self.crf.clear()
+
+    def history(self):
+        """(log2 CRF at the last reference float64 [L*E] (-inf: none), its clock int [L*E] (-1))."""
+        log2 = np.full(self.L * self.E, -np.inf)
+        when = np.full(self.L * self.E, -1, np.int64)
+        for fid, (v, t) in self.crf.items():
+            log2[fid], when[fid] = v - self.lam * t, t
+        return log2, when
 
     def arrays(self):
         slot_of = np.full(self.L * self.E, -1, np.int32)
@@ -250,6 +287,31 @@ def streams(draw):
 )
 @given(streams(), st.sampled_from(["lru", "lookahead"]))
 def test_matches_reference(stream, policy):
+    _replay_against_reference(stream, policy)
+
+
+def assert_history_equals_ref(t: SlotTable, ref: RefLRU):
+    """LRFU fields: the reference clocks exactly, log2 CRF to float32 rounding."""
+    log2, when = ref.history()
+    np.testing.assert_array_equal(np.asarray(t.crf_time), when, err_msg="crf_time")
+    got = np.asarray(t.crf_log2)
+    assert t.crf_log2.dtype == jnp.float32 and t.crf_time.dtype == jnp.int32
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(log2), err_msg="crf_log2 history")
+    np.testing.assert_allclose(got[~np.isinf(got)], log2[~np.isinf(log2)], rtol=1e-5, atol=1e-5)
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(streams())
+def test_lfru_matches_reference(stream):
+    """Call by call (slots, misses, evictions, history), forget / reset between steps included."""
+    _replay_against_reference(stream, "lfru", assert_history_equals_ref)
+
+
+def _replay_against_reference(stream, policy, check_more=lambda table, ref: None):
     L, E, S, routing, events = stream
     table = init_slot_table(L, E, S)
     ref = RefLRU(L, E, S, policy)
@@ -265,6 +327,7 @@ def test_matches_reference(stream, policy):
         if ev is not None:
             assert_table_invariants(table)
             assert_table_equals_ref(table, ref)
+            check_more(table, ref)
         for layer in range(L):
             routed = _mask(masks[layer], E)
             out = _lookup(table, jnp.int32(layer), jnp.asarray(routed), E, policy)
@@ -272,7 +335,51 @@ def test_matches_reference(stream, policy):
             check_lookup(out, table, layer, routed, E)
             check_against_ref(out, r, E)
             assert_table_equals_ref(out.table, ref)
+            check_more(out.table, ref)
             table = out.table
+
+
+@st.composite
+def topk_traces(draw):
+    """ids int32 [B, T, L, k] as policy_study traces them (k distinct experts per (token, layer))."""
+    L = draw(st.integers(1, 4))
+    E = draw(st.integers(2, 8))
+    k = draw(st.integers(1, E))
+    S = draw(st.integers(E, L * E))
+    B = draw(st.integers(1, 2))
+    T = draw(st.integers(1, 24))
+    perms = st.permutations(list(range(E))).map(lambda p: p[:k])
+    ids = draw(st.lists(perms, min_size=B * T * L, max_size=B * T * L))
+    return np.asarray(ids, np.int32).reshape(B, T, L, k), E, S
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(topk_traces(), st.sampled_from([LFRU_HALF_LIFE_TOKENS, 1.0, 2.5, 50.0]))
+def test_lfru_matches_policy_study_simulation(trace, half_life):
+    """The JAX lfru table and experiments/policy_study.replay_sim(..., "lfru") (float64 numpy) agree
+    on every token's hits: replay_sim over each prefix of each stream gives the table's running
+    hit count. Streams start cold: reset_table between them (the clock runs on)."""
+    ids, E, S = trace
+    B, T, L, k = ids.shape
+    table = init_slot_table(L, E, S)
+    total = 0
+    for b in range(B):
+        table = _reset(table)
+        running = 0
+        for t in range(T):
+            for layer in range(L):
+                routed = np.zeros(E, bool)
+                routed[ids[b, t, layer]] = True
+                out = _lookup_hl(table, jnp.int32(layer), jnp.asarray(routed), E, "lfru", half_life)
+                running, table = running + int(out.n_hit), out.table
+            want = replay_sim(ids[b:b + 1, :t + 1], E, S, "lfru", half_life)
+            assert (running, (t + 1) * L * k - running) == want, (b, t)
+        total += running
+    assert (total, B * T * L * k - total) == replay_sim(ids, E, S, "lfru", half_life)
 
 
 def _hit_rate(policy: str, L: int, E: int, S: int, steps: list[list[np.ndarray]]) -> float:
@@ -386,6 +493,96 @@ def test_all_routed_with_s_equal_e_every_layer_misses_everything():
     o = _lookup(t, jnp.int32(L - 1), jnp.ones(E, bool), E)
     assert int(o.n_hit) == E and int(o.n_miss) == 0
     np.testing.assert_array_equal(o.table.id_of_slot, t.id_of_slot)
+
+
+def _run_calls(policy: str, L: int, E: int, S: int, calls: list[tuple[int, list[int]]]):
+    """Look up ``calls`` [(layer, routed experts)] from an empty table; returns the outputs."""
+    t, outs = init_slot_table(L, E, S), []
+    for layer, experts in calls:
+        o = _lookup(t, jnp.int32(layer), jnp.asarray(np.isin(np.arange(E), experts)), E, policy)
+        outs.append(o)
+        t = o.table
+    return outs
+
+
+def test_hand_example_lfru_keeps_the_frequent_expert_lru_evicts():
+    """L=2, E=2, S=3, lambda = 1/(4*2) per call. Flat 0 is referenced at calls 0, 2, 4; flat 2 at
+    1, 5; flat 3 at 3, 5. At call 6 flat 1 misses with every slot full: LRU evicts the least
+    recent, flat 0 (last use 4); LRFU the smallest CRF(6): flat 2 (2^-5/8 + 2^-1/8 = 1.565) before
+    flat 3 (2^-3/8 + 2^-1/8 = 1.688) and flat 0 (2^-6/8 + 2^-4/8 + 2^-2/8 = 2.143). At call 8 flat 0
+    comes back: an LRFU hit, an LRU miss."""
+    L, E, S = 2, 2, 3
+    calls = [(0, [0]), (1, [0]), (0, [0]), (1, [1]), (0, [0]), (1, [0, 1]), (0, [1]), (1, []), (0, [0])]
+    lru, lfru = _run_calls("lru", L, E, S, calls), _run_calls("lfru", L, E, S, calls)
+    for outs in (lru, lfru):  # identical up to call 5: slots 0, 1, 2 hold flat 0, 2, 3
+        assert outs[5].table.id_of_slot.tolist() == [0, 2, 3]
+        assert outs[5].table.last_use.tolist() == [4, 5, 5]
+    assert lru[6].evicted_ids.tolist() == [0, -1] and lru[6].miss_slots.tolist() == [0, -1]
+    assert lfru[6].evicted_ids.tolist() == [2, -1] and lfru[6].miss_slots.tolist() == [1, -1]
+    assert lru[6].table.id_of_slot.tolist() == [1, 2, 3]
+    assert lfru[6].table.id_of_slot.tolist() == [0, 1, 3]
+    assert (int(lru[8].n_hit), int(lru[8].n_miss)) == (0, 1)
+    assert (int(lfru[8].n_hit), int(lfru[8].n_miss)) == (1, 0)
+    # the history after call 6: log2 CRF at each id's last reference, and that clock
+    t = lfru[6].table
+    want = [math.log2(1 + 2 ** -0.25 + 2 ** -0.5), 0.0, math.log2(1 + 2 ** -0.5), math.log2(1 + 2 ** -0.25)]
+    np.testing.assert_allclose(np.asarray(t.crf_log2), want, rtol=1e-6)
+    assert t.crf_time.tolist() == [4, 6, 5, 5]
+    # lru never touches the LRFU fields
+    assert (np.asarray(lru[8].table.crf_log2) == -np.inf).all() and (np.asarray(lru[8].table.crf_time) == -1).all()
+    # the half-life is a static parameter: very long, LRFU ~ LFU (flat 0 has 3 references: kept);
+    # very short, LRFU = LRU (the most recent reference dominates every older sum)
+    for half_life, victim in ((1e6, 2), (0.05, 0)):
+        t = lfru[5].table
+        o = _lookup_hl(t, jnp.int32(0), jnp.array([False, True]), E, "lfru", half_life)
+        assert o.evicted_ids.tolist() == [victim, -1], half_life
+
+
+def test_lfru_forget_and_reset_clear_the_history():
+    L, E, S = 2, 3, 4
+    outs = _run_calls("lfru", L, E, S, [(0, [0, 1]), (1, [2]), (0, [0])])  # flat 0 twice, 1 and 5 once
+    t = outs[-1].table
+    assert t.id_of_slot.tolist() == [0, 1, 5, -1]
+    assert t.crf_time.tolist() == [2, 0, -1, -1, -1, 1]
+    np.testing.assert_allclose(np.asarray(t.crf_log2)[[0, 1, 5]], [math.log2(1 + 2 ** -0.25), 0.0, 0.0],
+                               rtol=1e-6)
+    f = _forget(t, jnp.array([0, 3, -1], jnp.int32))  # slot 0 holds flat 0; slot 3 is free
+    assert f.id_of_slot.tolist() == [-1, 1, 5, -1]
+    assert f.crf_time.tolist() == [-1, 0, -1, -1, -1, 1]
+    log2 = np.asarray(f.crf_log2)
+    assert log2[0] == -np.inf and log2[1] == 0.0 and log2[5] == 0.0
+    assert_table_invariants(f)
+    # flat 0 comes back as a first reference (CRF 1), not resuming its two references
+    o = _lookup(f, jnp.int32(0), jnp.array([True, False, False]), E, "lfru")
+    assert int(o.n_miss) == 1 and float(o.table.crf_log2[0]) == 0.0 and int(o.table.crf_time[0]) == 3
+    r = _reset(o.table)
+    assert (np.asarray(r.crf_log2) == -np.inf).all() and (np.asarray(r.crf_time) == -1).all()
+    assert r.crf_log2.dtype == jnp.float32 and int(r.clock) == 4
+    for a, b in zip(jax.tree.leaves(r), jax.tree.leaves(init_slot_table(L, E, S).replace(clock=jnp.int32(4)))):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_lfru_history_is_bounded_over_a_long_decode():
+    """log2 CRF is stored relative to each id's last reference: it stays below log2 of the
+    geometric bound 1 / (1 - 2^-lambda) however long the decode (no growth with the clock)."""
+    L, E, S, steps = 4, 8, 10, 2000
+    rng = np.random.default_rng(3)
+    routed = jnp.asarray(rng.random((steps, L, E)) < 0.4)
+
+    @jax.jit
+    def run(table, routed):
+        def step(t, r):
+            def body(t, xs):
+                return lookup_layer(t, xs[0], xs[1], E, "lfru").table, None
+            return jax.lax.scan(body, t, (jnp.arange(L, dtype=jnp.int32), r))[0], None
+        return jax.lax.scan(step, table, routed)[0]
+
+    t = run(init_slot_table(L, E, S), routed)
+    log2 = np.asarray(t.crf_log2)
+    lam = 1.0 / (LFRU_HALF_LIFE_TOKENS * L)
+    assert int(t.clock) == steps * L and np.isfinite(log2).all()
+    assert (log2 >= 0).all() and (log2 <= math.log2(1 / (1 - 2 ** -lam)) + 1e-4).all()
+    assert_table_invariants(t)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,9 +1,10 @@
-"""Global LRU expert slot table (decode-time expert cache), as pure jittable JAX.
+"""Global expert slot table (decode-time expert cache; LRU, lookahead or LRFU), as pure jittable JAX.
 
 Source of the idea: FreeToken-style *global* LRU expert cache, see
 ``docs/DESIGN.md`` section 1.1. One pool of ``S`` slots (per weight kind) is shared
 by all layers; a slot holds one (layer, expert), addressed by its flat id
-``flat_id = layer * E + expert``. The table is a small pytree of int32 arrays that is carried
+``flat_id = layer * E + expert``. The table is a small pytree of fixed-shape arrays (int32, and
+one float32 array for LRFU) that is carried
 through the ``jax.lax.scan`` over layers, so every function here:
 
 * is pure (returns a new table, never mutates),
@@ -20,6 +21,7 @@ Policy of :func:`lookup_layer` (for one layer of one step):
    index: the order is deterministic). Misses, in ascending expert id order, take the
    candidates in that order. The evicted flat id (if any) becomes non-resident, the missed
    flat id is mapped to the slot, and the slot's ``last_use`` becomes ``clock``.
+   (``lookahead`` and ``lfru`` order the candidates differently: :func:`eviction_order`.)
 3. ``clock`` advances by one (once per call, even when nothing was routed), so recency is
    global across layers.
 
@@ -30,6 +32,19 @@ the candidates exclude only the ``n_hit`` hit slots, leaving ``S - n_hit >= n_mi
 
 The clock is int32: it wraps after 2**31 - 1 (step, layer) calls (e.g. ~44.7M decode steps of a
 48-layer model), far beyond one serving session.
+
+LRFU (``policy="lfru"``; Lee et al. 2001, IEEE Trans. Computers 50(12)): every flat id has a
+combined recency-frequency value CRF(t) = sum over its past references t_i of
+2^(-lambda (t - t_i)), lambda = 1 / (half_life_tokens * L) per clock tick (so a reference counts
+half after ``half_life_tokens`` decode steps; default :data:`LFRU_HALF_LIFE_TOKENS` = 4). The table
+keeps, per flat id, ``log2 CRF`` at its last reference (``crf_log2``, float32) and that reference's
+clock (``crf_time``); the value now is ``crf_log2 - lambda * (clock - crf_time)``, so nothing
+grows with the clock (no overflow over long decodes). A reference (hit or fill) sets
+``crf_log2 = log2(1 + 2^(value now))``, ``crf_time = clock``. The history of an evicted id is kept
+(a re-fetched expert resumes its CRF), exactly as in the numpy simulation
+``experiments/policy_study.replay_sim(..., "lfru")`` that measured the policy (the tests replay
+the two against each other); :func:`forget_slots` and :func:`reset_table` clear it. ``lru`` and
+``lookahead`` never read or write these two arrays.
 """
 
 from __future__ import annotations
@@ -49,6 +64,10 @@ __all__ = [
     "lookup_layer_no_reuse",
     "forget_slots",
     "reset_table",
+    "eviction_order",
+    "POLICIES",
+    "LFRU_HALF_LIFE_TOKENS",
+    "lfru_lambda",
 ]
 
 _INT32_MAX = jnp.iinfo(jnp.int32).max
@@ -56,7 +75,7 @@ _INT32_MAX = jnp.iinfo(jnp.int32).max
 
 @flax.struct.dataclass
 class SlotTable:
-    """State of the global LRU expert slot cache (DESIGN.md 1.1). All fields int32.
+    """State of the global expert slot cache (DESIGN.md 1.1). All fields int32 but ``crf_log2``.
 
     Attributes:
       slot_of: int32 ``[L*E]``. Slot holding flat expert id ``layer*E + expert``; ``-1`` if
@@ -67,6 +86,10 @@ class SlotTable:
         slot never used since it was filled by :func:`init_resident_table`.
       clock: int32 ``[]``. Advances by one per :func:`lookup_layer` call, i.e. once per
         (step, layer).
+      crf_log2: float32 ``[L*E]``. LRFU only: log2 of each flat id's CRF at its last reference;
+        ``-inf`` if never referenced (or cleared). Untouched by ``lru`` / ``lookahead``.
+      crf_time: int32 ``[L*E]``. LRFU only: clock of each flat id's last reference; ``-1`` if
+        never referenced (or cleared).
 
     The shapes are static: ``L*E`` and ``S`` come from ``slot_of.shape`` and
     ``id_of_slot.shape``. ``E`` is not stored and is passed to :func:`lookup_layer`.
@@ -76,6 +99,8 @@ class SlotTable:
     id_of_slot: jax.Array
     last_use: jax.Array
     clock: jax.Array
+    crf_log2: jax.Array
+    crf_time: jax.Array
 
     @property
     def num_slots(self) -> int:
@@ -127,6 +152,12 @@ def _check_sizes(num_layers: int, num_experts: int) -> None:
         )
 
 
+def _no_history(total: int) -> dict:
+    """LRFU fields of a table with no reference history (``L*E = total``)."""
+    return {"crf_log2": jnp.full((total,), -jnp.inf, jnp.float32),
+            "crf_time": jnp.full((total,), -1, jnp.int32)}
+
+
 def init_slot_table(num_layers: int, num_experts: int, num_slots: int) -> SlotTable:
     """Empty table: every slot free, no expert resident, ``clock = 0``.
 
@@ -137,7 +168,8 @@ def init_slot_table(num_layers: int, num_experts: int, num_slots: int) -> SlotTa
 
     Returns:
       SlotTable with ``slot_of`` int32 ``[L*E]`` all -1, ``id_of_slot`` and ``last_use``
-      int32 ``[S]`` all -1, ``clock`` int32 ``[]`` = 0.
+      int32 ``[S]`` all -1, ``clock`` int32 ``[]`` = 0, no LRFU history (``crf_log2`` float32
+      ``[L*E]`` all -inf, ``crf_time`` int32 ``[L*E]`` all -1).
 
     Raises:
       ValueError: if ``num_slots < num_experts`` (all experts of one layer may be routed in one
@@ -163,6 +195,7 @@ def init_slot_table(num_layers: int, num_experts: int, num_slots: int) -> SlotTa
         id_of_slot=jnp.full((num_slots,), -1, jnp.int32),
         last_use=jnp.full((num_slots,), -1, jnp.int32),
         clock=jnp.zeros((), jnp.int32),
+        **_no_history(total),
     )
 
 
@@ -170,7 +203,7 @@ def init_resident_table(num_layers: int, num_experts: int) -> SlotTable:
     """Fully resident table ('resident' mode): ``S = L*E`` and slot ``i`` holds flat id ``i``.
 
     ``slot_of`` and ``id_of_slot`` are both ``arange(L*E)`` (int32), ``last_use`` is all -1
-    (never used), ``clock = 0``. :func:`lookup_layer` on it never misses, and
+    (never used), ``clock = 0``, no LRFU history. :func:`lookup_layer` on it never misses, and
     ``slot_of_expert == layer*E + arange(E)``.
     """
     _check_sizes(num_layers, num_experts)
@@ -181,14 +214,32 @@ def init_resident_table(num_layers: int, num_experts: int) -> SlotTable:
         id_of_slot=ids,
         last_use=jnp.full((total,), -1, jnp.int32),
         clock=jnp.zeros((), jnp.int32),
+        **_no_history(total),
     )
 
 
-POLICIES = ("lru", "lookahead")
+POLICIES = ("lru", "lookahead", "lfru")
+
+LFRU_HALF_LIFE_TOKENS = 4.0
+"""Default LRFU half-life, in decode steps (tokens), as in experiments/policy_study.py (whose
+results, experiments/results/policy_study.json, were measured with it)."""
+
+
+def lfru_lambda(num_layers: int, half_life_tokens: float = LFRU_HALF_LIFE_TOKENS) -> float:
+    """LRFU decay per clock tick (one (step, layer) lookup): ``1 / (half_life_tokens * L)``."""
+    if not half_life_tokens > 0:
+        raise ValueError(f"half_life_tokens must be > 0, got {half_life_tokens}")
+    return 1.0 / (float(half_life_tokens) * num_layers)
+
+
+def _crf_now(table: SlotTable, flat_ids: jax.Array, lam: float) -> jax.Array:
+    """float32: log2 CRF of ``flat_ids`` (valid ids) at the table's clock (``-inf``: no history)."""
+    age = (table.clock - table.crf_time[flat_ids]).astype(jnp.float32)
+    return table.crf_log2[flat_ids] - jnp.float32(lam) * age
 
 
 def eviction_order(table: SlotTable, layer: jax.Array, protected: jax.Array, num_experts: int,
-                   policy: str = "lru") -> jax.Array:
+                   policy: str = "lru", half_life_tokens: float = LFRU_HALF_LIFE_TOKENS) -> jax.Array:
     """int32 [S]: slots in the order they are given to misses (free slots first, protected last).
 
     ``lru``: least recently used first (FreeToken's global LRU; DESIGN.md 1.1).
@@ -198,11 +249,26 @@ def eviction_order(table: SlotTable, layer: jax.Array, protected: jax.Array, num
     the farthest is Belady's choice for that cyclic order. It matters when S is smaller than one
     step's working set (L x distinct experts per layer): there plain LRU always evicts exactly
     the experts the next layers need and its hit rate collapses to zero.
-    Ties break by lowest slot index (stable sorts).
+    ``lfru``: LRFU (Lee et al. 2001; module docstring): the smallest combined recency-frequency
+    value CRF now first, ``lambda = 1 / (half_life_tokens * L)`` per tick (``half_life_tokens``
+    static, default :data:`LFRU_HALF_LIFE_TOKENS` = 4 decode steps); ties to the least recently
+    used, then the lowest flat id, as ``experiments/policy_study.replay_sim(..., "lfru")``.
+    Free slots come first and protected slots last under every policy; other ties (and, for
+    ``lru`` and ``lookahead``, all ties) break by lowest slot index (stable sorts).
     """
     if policy == "lru":
         key = jnp.where(protected, _INT32_MAX, table.last_use)
         return jnp.argsort(key, stable=True).astype(jnp.int32)
+    if policy == "lfru":
+        S = table.num_slots
+        lam = lfru_lambda(table.num_flat_ids // num_experts, half_life_tokens)
+        ids = table.id_of_slot
+        free = ids < 0
+        value = jnp.where(free | protected, 0.0, _crf_now(table, jnp.maximum(ids, 0), lam))
+        group = jnp.where(free, 0, jnp.where(protected, 2, 1)).astype(jnp.int32)
+        *_, order = jax.lax.sort((group, value, table.last_use, ids, jnp.arange(S, dtype=jnp.int32)),
+                                 num_keys=4, is_stable=True)
+        return order
     if policy != "lookahead":
         raise ValueError(f"unknown cache policy {policy!r}; expected one of {POLICIES}")
     num_layers = table.num_flat_ids // num_experts
@@ -216,7 +282,8 @@ def eviction_order(table: SlotTable, layer: jax.Array, protected: jax.Array, num
 
 
 def lookup_layer(
-    table: SlotTable, layer: jax.Array | int, routed: jax.Array, num_experts: int, policy: str = "lru"
+    table: SlotTable, layer: jax.Array | int, routed: jax.Array, num_experts: int, policy: str = "lru",
+    half_life_tokens: float = LFRU_HALF_LIFE_TOKENS,
 ) -> LayerLookup:
     """Look up (and fill) the slots of one layer's routed experts; advance the clock.
 
@@ -226,7 +293,8 @@ def lookup_layer(
       routed: bool ``[E]`` (any integer/bool dtype accepted, nonzero = routed). True for each
         expert of this layer routed by any token of the current step (already deduplicated).
       num_experts: ``E`` (static Python int).
-      policy: which non-hit slots misses take, ``"lru"`` or ``"lookahead"`` (:func:`eviction_order`).
+      policy: which non-hit slots misses take, one of :data:`POLICIES` (:func:`eviction_order`).
+      half_life_tokens: ``lfru`` only (static): decode steps after which a reference counts half.
 
     Returns:
       :class:`LayerLookup`. See the module docstring for the exact policy (hits refresh,
@@ -262,7 +330,7 @@ def lookup_layer(
     hit_slot_idx = jnp.where(hit, cur_slot, S)                      # S = dropped
     protected = jnp.zeros((S,), jnp.bool_).at[hit_slot_idx].set(True, mode="drop")
 
-    order = eviction_order(table, layer, protected, E, policy)
+    order = eviction_order(table, layer, protected, E, policy, half_life_tokens)
     cand = order[:E]                                                # [E], S >= E
 
     # Compact list of misses in ascending expert id, and their slots.
@@ -288,8 +356,18 @@ def lookup_layer(
     last_use = table.last_use.at[hit_slot_idx].set(clock, mode="drop")
     last_use = last_use.at[fill_idx].set(clock, mode="drop")
 
+    crf_log2, crf_time = table.crf_log2, table.crf_time
+    if policy == "lfru":  # every routed expert (hit or fill) is referenced now: CRF = 1 + decayed CRF
+        lam = jnp.float32(lfru_lambda(LE // E, half_life_tokens))
+        old_log2 = jax.lax.dynamic_slice(crf_log2, (base,), (E,))
+        old_time = jax.lax.dynamic_slice(crf_time, (base,), (E,))
+        ref = jnp.logaddexp2(old_log2 - lam * (clock - old_time).astype(jnp.float32), jnp.float32(0.0))
+        crf_log2 = jax.lax.dynamic_update_slice(crf_log2, jnp.where(routed, ref, old_log2), (base,))
+        crf_time = jax.lax.dynamic_update_slice(crf_time, jnp.where(routed, clock, old_time), (base,))
+
     new_table = SlotTable(
-        slot_of=slot_of, id_of_slot=id_of_slot, last_use=last_use, clock=clock + 1
+        slot_of=slot_of, id_of_slot=id_of_slot, last_use=last_use, clock=clock + 1,
+        crf_log2=crf_log2, crf_time=crf_time,
     )
     slot_of_expert = jax.lax.dynamic_slice(slot_of, (base,), (E,))
     return LayerLookup(
@@ -304,7 +382,8 @@ def lookup_layer(
 
 
 def forget_slots(table: SlotTable, slots: jax.Array) -> SlotTable:
-    """Mark ``slots`` free: ``id_of_slot = -1``, ``last_use = -1``, ``slot_of[old id] = -1``.
+    """Mark ``slots`` free: ``id_of_slot = -1``, ``last_use = -1``, ``slot_of[old id] = -1``, and
+    clear the LRFU history of the ids they held (``crf_log2 = -inf``, ``crf_time = -1``).
 
     Used when prefill borrows slots as streaming buffers (DESIGN.md 1.3): the borrowed slots
     must be invalidated first so no stale weights are ever served.
@@ -326,15 +405,21 @@ def forget_slots(table: SlotTable, slots: jax.Array) -> SlotTable:
     slot_of = table.slot_of.at[jnp.where(old >= 0, old, LE)].set(-1, mode="drop")
     id_of_slot = table.id_of_slot.at[idx].set(-1, mode="drop")
     last_use = table.last_use.at[idx].set(-1, mode="drop")
-    return table.replace(slot_of=slot_of, id_of_slot=id_of_slot, last_use=last_use)
+    old_idx = jnp.where(old >= 0, old, LE)
+    crf_log2 = table.crf_log2.at[old_idx].set(-jnp.inf, mode="drop")
+    crf_time = table.crf_time.at[old_idx].set(-1, mode="drop")
+    return table.replace(slot_of=slot_of, id_of_slot=id_of_slot, last_use=last_use,
+                         crf_log2=crf_log2, crf_time=crf_time)
 
 
 def reset_table(table: SlotTable) -> SlotTable:
-    """Free every slot (nothing resident), keep ``clock``. Same shapes and dtypes."""
+    """Free every slot (nothing resident), clear the LRFU history, keep ``clock``. Same shapes
+    and dtypes."""
     return table.replace(
         slot_of=jnp.full_like(table.slot_of, -1),
         id_of_slot=jnp.full_like(table.id_of_slot, -1),
         last_use=jnp.full_like(table.last_use, -1),
+        **_no_history(table.num_flat_ids),
     )
 
 

@@ -16,7 +16,7 @@ int4       uint8, 2 per byte        INT4_GROUP x 1             nibble - 8, nibbl
 fp8        float8_e4m3fn            128 x 128                  q (as float32)
 =========  ======================  =========================  ===================================
 
-Scales: ``amax(|w| over the block) / qmax`` with qmax 127 (int8), 7 (int4), 448 (fp8, the largest
+Scales: ``amax(|w| over the block) * float32(1 / qmax)`` with qmax 127 (int8), 7 (int4), 448 (fp8, the largest
 finite e4m3fn). int8 / int4 round to nearest (half to even); fp8 casts ``w / scale`` to e4m3fn
 (round to nearest even). A block of zeros has scale 0 and decodes to zeros. int4 packs two
 values per byte along the output axis: byte ``j`` of a row holds columns ``2j`` (low nibble)
@@ -168,7 +168,9 @@ def quantize(fmt: str, w: jax.Array, parts: int = 1) -> tuple[jax.Array, jax.Arr
         raise ValueError(f"{fmt}: output width {n_out} does not split into {parts} part(s) of even width")
     bi, bo = block(fmt, n_in)
     w = w.astype(jnp.float32)
-    s = block_amax(w, bi, bo, parts) / jnp.float32(QMAX[fmt])
+    # amax * (1 / qmax) rather than amax / qmax: XLA may rewrite a division by a constant into that
+    # product inside a jit but not outside one; written as the product it is the same everywhere.
+    s = block_amax(w, bi, bo, parts) * jnp.float32(1.0 / QMAX[fmt])
     full = expand_scales(s, n_in, n_out, bi, bo, parts)
     r = w / jnp.where(full > 0, full, jnp.float32(1))
     if fmt == "fp8":

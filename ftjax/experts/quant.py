@@ -213,8 +213,7 @@ def map_bank_rows(fn, arrays: tuple, rows_per_step: int | None = None):
     """Applies ``fn`` (device arrays -> tuple of arrays, row-wise) to host banks a chunk of rows at
     a time: each chunk is sliced from host memory and moved to the device, ``fn`` runs there, its
     outputs go back to host memory as scan outputs (DESIGN.md section 2), so the device holds one
-    chunk. Returns the outputs, [N, ...] each, in host memory."""
-    from ftjax import memory
+    chunk. Returns the outputs, [N, ...] each, in host memory (``pinned_host`` where it exists)."""
     n = arrays[0].shape[0]
     row_bytes = sum(a.size // n * a.dtype.itemsize for a in arrays) * 4
     c = rows_per_step or _rows_per_step(n, row_bytes)
@@ -226,7 +225,10 @@ def map_bank_rows(fn, arrays: tuple, rows_per_step: int | None = None):
         _, ys = jax.lax.scan(body, None, jnp.arange(n // c))
         return tuple(y.reshape((n,) + y.shape[2:]) for y in ys)
 
-    return jax.jit(run, out_shardings=memory.host_sharding())(*arrays)
+    # no out_shardings: the scan outputs' own host placement makes arrays that JAX also *traces* as
+    # host memory (out_shardings=pinned_host alone does not; ``cpu_experts.ensure_host_typed``),
+    # which the compute_on CPU-expert mechanisms need
+    return jax.jit(run)(*arrays)
 
 
 def quantize_banks(banks, fmt: str, rows_per_step: int | None = None):

@@ -100,24 +100,22 @@ def expert_bytes(fmt: str, hidden: int, ffn: int, itemsize: int = 2) -> int:
 # --------------------------------------------------------------------------------------------
 # Scales: block maxima and their expansion to the matrix
 # --------------------------------------------------------------------------------------------
-def _expand_index(n: int, parts: int, b: int) -> np.ndarray:
-    """Block index of each of ``n`` positions along an axis of ``parts`` equal parts, blocks of
-    ``b`` within each part (static numpy)."""
-    per = n // parts
-    nb = math.ceil(per / b)
-    j = np.arange(n)
-    return ((j // per) * nb + (j % per) // b).astype(np.int32)
-
-
 def expand_scales(s: jax.Array, in_dim: int, out_dim: int, bi: int, bo: int, parts: int) -> jax.Array:
-    """Scales [..., nbi, nbo] -> [..., in, out] (each weight's own scale)."""
-    if s.shape[-2] == 1:
-        s = jnp.broadcast_to(s, s.shape[:-2] + (in_dim, s.shape[-1]))
+    """Scales [..., nbi, parts * nbo] -> [..., in, out] (each weight's own scale).
+
+    Broadcasts, reshapes and slices only (no gather: it fuses into the multiply, and it runs in
+    host computations too, where an index constant would sit in device memory)."""
+    *lead, nbi, nb = s.shape
+    if nbi > 1 or bi < in_dim:
+        s = jnp.broadcast_to(s[..., :, None, :], (*lead, nbi, bi, nb)).reshape(*lead, nbi * bi, nb)[..., :in_dim, :]
     else:
-        s = jnp.take(s, _expand_index(in_dim, 1, bi), axis=-2)
-    if bo == 1:  # one scale per column: the index is the identity
+        s = jnp.broadcast_to(s, (*lead, in_dim, nb))
+    if bo == 1:  # one scale per column
         return s
-    return jnp.take(s, _expand_index(out_dim, parts, bo), axis=-1)
+    per, nbo = out_dim // parts, nb // parts
+    s = s.reshape(*lead, in_dim, parts, nbo, 1)
+    s = jnp.broadcast_to(s, (*lead, in_dim, parts, nbo, bo)).reshape(*lead, in_dim, parts, nbo * bo)[..., :per]
+    return s.reshape(*lead, in_dim, out_dim)
 
 
 def block_amax(w: jax.Array, bi: int, bo: int, parts: int) -> jax.Array:

@@ -63,7 +63,7 @@ def test_bench_decode_expert_dtypes_smoke(tmp_path):
     rows = {(r["expert_dtype"], r["mode"]): r for r in d["results"]}
     assert set(rows) == {(f, m) for f in ("bfloat16", "int8", "int4", "fp8") for m in ("resident", "cached")}
     eb = {f: rows[(f, "cached")]["expert_bytes"] for f in ("bfloat16", "int8", "int4", "fp8")}
-    assert eb["bfloat16"] > eb["fp8"] >= eb["int8"] * 0.99 and eb["int8"] > eb["int4"]
+    assert eb["bfloat16"] > max(eb["int8"], eb["fp8"]) and min(eb["int8"], eb["fp8"]) > eb["int4"]
     for (fmt, mode), r in rows.items():
         assert "error" not in r and r["decode_tokens_per_s"] > 0, r
         assert r["h2d_bytes_per_step"] * 4 == pytest.approx(r["misses_per_step"] * 4 * r["expert_bytes"])

@@ -364,3 +364,15 @@ def test_fp8_checkpoint_with_quantized_attention_and_errors(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfgd))
     with pytest.raises(CheckpointError, match="weight_block_size"):
         load_checkpoint(str(tmp_path), "float32", progress=False)
+
+
+def test_kv_prefix_identity_includes_the_expert_format(qmodels):
+    """Quantized experts change the KV of a prefix: a stored prefix must not be reused across formats."""
+    from ftjax.config import KVOffloadConfig
+    from ftjax.kv.host_store import HostKVStore
+    from ftjax.kv.prefix_cache import PrefixCache
+    model, _, models = qmodels
+    mgr = PrefixCache(HostKVStore(1 << 20), KVOffloadConfig(chunk_tokens=32, prefill_chunk=256))
+    ids = {name: mgr.identity(Engine(m, EngineConfig("resident", max_seq_len=64)))
+           for name, m in [("dense", model), *models.items()]}
+    assert len(set(ids.values())) == len(ids)

@@ -1,18 +1,24 @@
-r"""Decode with expert offload: resident vs cached (global LRU) vs on_demand, batch 1 and 4.
+r"""Decode with expert offload: resident vs cached (global LRU) vs on_demand, batch 1 and 4, per
+expert storage format (--expert_dtypes: bfloat16, int8, int4, fp8; ftjax.experts.quant).
 
   PYTHONPATH=. python3 experiments/bench_decode.py --out_dir=experiments/results
   .venv/bin/python experiments/bench_decode.py --preset=tiny --dtype=float32 --steps=8 --prompt_len=32 \
       --vram_budget_gb=1.02 --out_dir=/tmp/bench_smoke                         # CPU smoke
+  .venv/bin/python experiments/bench_decode.py --preset=tiny --dtype=float32 --steps=4 --prompt_len=16 \
+      --vram_budget_gb=1.02 --batches=1 --expert_dtypes=bfloat16,int8,int4,fp8 --out_dir=/tmp/bench_smoke
 
 For each batch and mode: a prompt of --prompt_len tokens is prefilled, then --steps tokens are
 decoded with every step timed (TPOT). Per mode it reports decode tokens/s, the median step time
 and its spread, decode hit rate, H2D bytes per step, and
   bound = resident step time + missed bytes per step / B_P
-with B_P the pinned_host -> device bandwidth measured in the same run (DESIGN.md 4).
+with B_P the pinned_host -> device bandwidth measured in the same run (DESIGN.md 4). Each format
+quantizes the random banks once (round to nearest); its memory plan sizes the slots by its own
+bytes per expert, and its bound uses its own resident run and its own bytes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import sys
@@ -27,6 +33,7 @@ from experiments import common  # noqa: E402
 from ftjax.checkpoint import DTYPES  # noqa: E402
 from ftjax.engine import Engine  # noqa: E402
 from ftjax.config import EngineConfig  # noqa: E402
+from ftjax.experts import quant  # noqa: E402
 from ftjax.experts.planner import GB, plan_memory  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -36,6 +43,8 @@ flags.DEFINE_float("vram_budget_gb", 8.0, "Device budget that sizes the expert c
 flags.DEFINE_list("batches", ["1", "4"], "Batch sizes.")
 flags.DEFINE_list("modes", ["resident", "cached", "on_demand"], "Expert modes to compare.")
 flags.DEFINE_list("cache_policies", ["lru"], "Slot eviction policies for mode cached (lru, lookahead).")
+flags.DEFINE_list("expert_dtypes", None, "Expert storage formats to compare (bfloat16, int8, int4, fp8); "
+                  "default: the banks as built (--dtype).")
 flags.DEFINE_integer("prompt_len", 512, "Prompt tokens.")
 flags.DEFINE_integer("steps", 128, "Decode steps timed.")
 flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
@@ -89,37 +98,52 @@ def main(argv):
     max_seq_len = -(-(FLAGS.prompt_len + FLAGS.steps + 1) // 128) * 128
     rng = np.random.default_rng(0)
     rows, plans = [], {}
-    for batch in map(int, FLAGS.batches):
-        plan = plan_memory(cfg, itemsize, budget_bytes=int(FLAGS.vram_budget_gb * GB), batch=batch,
-                           max_seq_len=max_seq_len)
-        plans[batch] = plan.as_dict()
-        print(plan.describe(), flush=True)
-        prompts = [rng.integers(0, cfg.vocab_size, FLAGS.prompt_len).tolist() for _ in range(batch)]
-        # offloading modes first: resident needs the whole pool on the device
-        runs = [(m, p) for m in sorted(FLAGS.modes, key=lambda m: m == "resident")
-                for p in (FLAGS.cache_policies if m == "cached" else ["lru"])]
-        for mode, policy in runs:
-            try:
-                row = run_mode(model, mode, plan.slots, batch, max_seq_len, prompts, policy)
-            except Exception as e:  # record and go on: one failing mode must not lose the others
-                row = {"mode": mode, "batch": batch, "error": f"{type(e).__name__}: {e}"[:2000]}
-            rows.append(row)
-            print({k: v for k, v in row.items() if k != "tpot_s"}, flush=True)
-    # bound and ratio per (batch, offloading mode), against resident of the same batch
+    prompts_of = {b: [rng.integers(0, cfg.vocab_size, FLAGS.prompt_len).tolist() for _ in range(b)]
+                  for b in map(int, FLAGS.batches)}
+    for fmt in FLAGS.expert_dtypes or [None]:
+        fmodel = model if fmt is None else dataclasses.replace(model, banks=quant.quantize_banks(model.banks, fmt))
+        label = fmt or model.banks.fmt
+        print(f"experts stored {label}: {fmodel.banks.fmt} {fmodel.banks.gate_up.dtype}, "
+              f"{fmodel.expert_bytes / 1e6:.3f} MB per expert", flush=True)
+        for batch in map(int, FLAGS.batches):
+            plan = plan_memory(cfg, itemsize, budget_bytes=int(FLAGS.vram_budget_gb * GB), batch=batch,
+                               max_seq_len=max_seq_len, expert_bytes=fmodel.expert_bytes)
+            plans[f"{label}/b{batch}"] = plan.as_dict()
+            print(plan.describe(), flush=True)
+            # offloading modes first: resident needs the whole pool on the device
+            runs = [(m, p) for m in sorted(FLAGS.modes, key=lambda m: m == "resident")
+                    for p in (FLAGS.cache_policies if m == "cached" else ["lru"])]
+            for mode, policy in runs:
+                try:
+                    row = run_mode(fmodel, mode, plan.slots, batch, max_seq_len, prompts_of[batch], policy)
+                except Exception as e:  # record and go on: one failing mode must not lose the others
+                    row = {"mode": mode, "batch": batch, "error": f"{type(e).__name__}: {e}"[:2000]}
+                row.update(expert_dtype=label, expert_bytes=fmodel.expert_bytes)
+                rows.append(row)
+                print({k: v for k, v in row.items() if k != "tpot_s"}, flush=True)
+        del fmodel
+        gc.collect()
+    # bound and ratio per (format, batch, offloading mode), against resident of the same format and batch
     for row in rows:
-        res = next((r for r in rows if r["mode"] == "resident" and r["batch"] == row["batch"] and "tpot_s" in r), None)
+        res = next((r for r in rows if r["mode"] == "resident" and r["batch"] == row["batch"] and "tpot_s" in r
+                    and r["expert_dtype"] == row["expert_dtype"]), None)
         if res is None or "tpot_s" not in row:
             continue
         row["bound_step_s"] = res["tpot_s"]["median"] + row["h2d_bytes_per_step"] / (bp_gbps * 1e9)
         row["ratio_to_bound"] = row["tpot_s"]["median"] / row["bound_step_s"]
-    payload = {"meta": info, "script": "experiments/bench_decode.py",
+    for row in rows:  # speed-up of each format over the first format's same mode and batch
+        ref = next((r for r in rows if r["expert_dtype"] == rows[0]["expert_dtype"] and r["mode"] == row["mode"]
+                    and r["batch"] == row["batch"] and r.get("decode_tokens_per_s")), None)
+        if ref and row.get("decode_tokens_per_s"):
+            row["speedup_vs_first_format"] = row["decode_tokens_per_s"] / ref["decode_tokens_per_s"]
+    payload = {"meta": info, "script": "experiments/bench_decode.py", "expert_dtypes": FLAGS.expert_dtypes,
                "model_build_s": build_s, "B_P": bp, "memory_plans": plans, "results": rows}
     name = f"bench_decode_{FLAGS.preset}.json"
     path = common.write_json(FLAGS.out_dir, name, payload)
     flat = [dict(r, tpot_ms=r["tpot_s"]["median"] * 1e3 if "tpot_s" in r else None,
                  MB_per_step=r.get("h2d_bytes_per_step", 0) / 1e6) for r in rows]
-    print(common.table(flat, ["mode", "batch", "decode_tokens_per_s", "tpot_ms", "hit_rate_decode",
-                              "MB_per_step", "achieved_h2d_GBps", "ratio_to_bound"]))
+    print(common.table(flat, ["expert_dtype", "mode", "batch", "decode_tokens_per_s", "speedup_vs_first_format",
+                              "tpot_ms", "hit_rate_decode", "MB_per_step", "achieved_h2d_GBps", "ratio_to_bound"]))
     print("wrote", path)
 
 

@@ -8,13 +8,21 @@ where the backend has it); they never exist whole on the accelerator:
   down    [L*E, F, D]    (down_proj.T)
 
 Also builds random weights at a preset's shape directly in host memory (for benchmarks).
+
+Quantized experts (``ftjax.experts.quant``): ``expert_dtype`` quantizes the banks after loading;
+an fp8 block-wise checkpoint (``quantization_config.quant_method == "fp8"``, the layout of the
+official fp8 Qwen3 MoE checkpoints: ``*.weight`` float8_e4m3fn + ``*.weight_scale_inv`` float32
+[ceil(out/128), ceil(in/128)]) loads its experts as they are into fp8 banks, so no bf16 copy of
+the experts ever exists; its other quantized weights are dequantized to the compute dtype.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import struct
 from typing import Any
 
 import jax
@@ -26,6 +34,7 @@ from tqdm.auto import tqdm
 
 from ftjax import memory
 from ftjax.config import ModelConfig, load_hf_config
+from ftjax.experts import quant
 from ftjax.experts.state import ExpertBanks
 from ftjax.model import layer_param_shapes, param_shapes
 
@@ -118,6 +127,34 @@ class _TensorIndex:
         if self.where is None:
             self.where = {k: single for k in self._file(single).keys()}
 
+    def _header(self, path: str) -> dict:
+        """The safetensors header of ``path`` (name -> dtype, shape, data_offsets), cached."""
+        key = ("header", path)
+        if key not in self._open:
+            try:
+                with open(path, "rb") as f:
+                    n = struct.unpack("<Q", f.read(8))[0]
+                    self._open[key] = (8 + n, json.loads(f.read(n)))
+            except (OSError, ValueError, struct.error) as e:
+                raise CheckpointError(f"{path}: cannot read the safetensors header ({e})") from None
+        return self._open[key]
+
+    def _raw(self, path: str, name: str) -> np.ndarray:
+        """A tensor whose dtype safetensors' numpy reader lacks (F8_E4M3), read from the bytes."""
+        base, header = self._header(path)
+        info = header[name]
+        dtype = RAW_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise CheckpointError(f"{path}: tensor '{name}' has unsupported dtype {info['dtype']}")
+        lo, hi = info["data_offsets"]
+        with open(path, "rb") as f:
+            f.seek(base + lo)
+            buf = f.read(hi - lo)
+        return np.frombuffer(buf, dtype=dtype).reshape(info["shape"])
+
+    def has(self, name: str) -> bool:
+        return name in self.where
+
     def _file(self, path: str):
         if path not in self._open:
             try:
@@ -131,7 +168,8 @@ class _TensorIndex:
             raise CheckpointError(f"checkpoint is missing tensor '{name}'")
         path = self.where[name]
         try:
-            t = self._file(path).get_tensor(name)
+            f = self._file(path)
+            t = self._raw(path, name) if f.get_slice(name).get_dtype() in RAW_DTYPES else f.get_tensor(name)
         except CheckpointError:
             raise
         except Exception as e:
@@ -139,6 +177,40 @@ class _TensorIndex:
         if tuple(t.shape) != tuple(shape):
             raise CheckpointError(f"{path}: tensor '{name}' has shape {tuple(t.shape)}, expected {tuple(shape)}")
         return t
+
+
+#: safetensors dtypes read from the raw bytes (safetensors' numpy reader has no fp8).
+RAW_DTYPES = {"F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn)}
+
+
+def checkpoint_quantization(ckpt_dir: str) -> str | None:
+    """"fp8" for an fp8 block-wise checkpoint (config.json ``quantization_config``), None for a
+    plain one.
+
+    Raises:
+      CheckpointError: another quantization method, or fp8 blocks other than [128, 128].
+    """
+    q = (_read_json(os.path.join(ckpt_dir, "config.json")) or {}).get("quantization_config")
+    if q is None:
+        return None
+    method = q.get("quant_method") if isinstance(q, dict) else None
+    if method != "fp8":
+        raise CheckpointError(f"{ckpt_dir}: unsupported quantization_config quant_method {method!r} (only fp8)")
+    if list(q.get("weight_block_size") or []) != list(quant.FP8_BLOCK):
+        raise CheckpointError(f"{ckpt_dir}: fp8 weight_block_size {q.get('weight_block_size')!r} is not supported "
+                              f"(only {list(quant.FP8_BLOCK)})")
+    fmt = q.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise CheckpointError(f"{ckpt_dir}: fp8 fmt {fmt!r} is not supported (only e4m3)")
+    return "fp8"
+
+
+def dequantize_fp8_block(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int] = quant.FP8_BLOCK) -> np.ndarray:
+    """float32 ``w * scale_inv`` per block of a [out, in] fp8 weight with scales [ceil(out/bo), ceil(in/bi)]."""
+    out, inp = w.shape
+    bo, bi = block
+    s = np.repeat(np.repeat(scale_inv.astype(np.float32), bo, axis=0)[:out], bi, axis=1)[:, :inp]
+    return w.astype(np.float32) * s
 
 
 def load_tokenizer(ckpt_dir: str):
@@ -153,17 +225,22 @@ def load_tokenizer(ckpt_dir: str):
         raise CheckpointError(f"{path}: cannot load tokenizer ({e})") from None
 
 
-def load_checkpoint(ckpt_dir: str, dtype: str | None = None, progress: bool = True) -> LoadedModel:
+def load_checkpoint(ckpt_dir: str, dtype: str | None = None, progress: bool = True,
+                    expert_dtype: str | None = None) -> LoadedModel:
     """Loads an HF MoE checkpoint directory.
 
     Args:
       ckpt_dir: directory with config.json and model.safetensors (or an index + shards).
       dtype: compute dtype ("float32" | "bfloat16" | "float16"); default: the checkpoint's.
       progress: show a tqdm progress bar over tensors.
+      expert_dtype: format of the expert banks (``ftjax.experts.quant.FORMATS``): a plain
+        checkpoint's experts are quantized after loading (round to nearest); an fp8 checkpoint's
+        experts load as they are ("fp8" or None only). None: the compute dtype (plain) / fp8.
     Returns:
-      LoadedModel with device params and host-memory expert banks in the compute dtype.
+      LoadedModel with device params and host-memory expert banks (compute dtype, or quantized).
     Raises:
-      ConfigError / CheckpointError: missing or unreadable files, missing tensors, shape mismatch.
+      ConfigError / CheckpointError: missing or unreadable files, missing tensors, shape mismatch,
+        an unsupported quantization, an fp8 checkpoint with another ``expert_dtype``.
     """
     if not os.path.isdir(ckpt_dir):
         raise CheckpointError(f"{ckpt_dir}: checkpoint directory does not exist")
@@ -172,30 +249,66 @@ def load_checkpoint(ckpt_dir: str, dtype: str | None = None, progress: bool = Tr
     if dtype not in DTYPES:
         raise CheckpointError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPES)}")
     np_dtype = DTYPES[dtype]
-    check_host_memory(cfg.pool_bytes(np.dtype(np_dtype).itemsize), ckpt_dir)
-    idx = _TensorIndex(ckpt_dir)
+    stored = checkpoint_quantization(ckpt_dir)
+    if stored is not None and expert_dtype not in (None, stored):
+        raise CheckpointError(f"{ckpt_dir}: an {stored} checkpoint's experts load as {stored}; "
+                              f"expert_dtype {expert_dtype!r} is not supported for it")
+    if expert_dtype is not None:
+        quant.bank_format(expert_dtype)  # ValueError for an unknown format, before any loading
     L, E, D, F = cfg.num_layers, cfg.num_experts, cfg.hidden_size, cfg.expert_ffn
+    check_host_memory(L * E * quant.expert_bytes(stored or "dense", D, F, np.dtype(np_dtype).itemsize), ckpt_dir)
+    idx = _TensorIndex(ckpt_dir)
     shapes = _layer_shapes(cfg)
     total = 2 + (0 if cfg.tie_word_embeddings else 1) + L * (len(shapes) + 3 * E)
     bar = tqdm(total=total, desc=f"loading {os.path.basename(os.path.normpath(ckpt_dir))}", unit="tensor",
                disable=not progress, leave=False)
 
+    def scale_of(name, shape):
+        """The fp8 weight_scale_inv of weight ``name`` [out, in], or None when it has none."""
+        sname = name + "_scale_inv"
+        if stored is None or not idx.has(sname):
+            return None
+        return idx.get(sname, tuple(math.ceil(n / b) for n, b in zip(shape, quant.FP8_BLOCK)))
+
     def get(name, shape, transpose=False):
         t = idx.get(name, shape)
+        s = scale_of(name, shape) if len(shape) == 2 else None
+        if s is not None:  # a quantized non-expert weight: dequantized to the compute dtype here
+            t = dequantize_fp8_block(t, s)
         bar.update(1)
         return (t.T if transpose else t).astype(np_dtype)
 
+    def get_expert(name, shape):
+        """fp8 checkpoint: the stored fp8 weight [in, out] and its scales [nbi, nbo] as they are."""
+        t, s = idx.get(name, shape), scale_of(name, shape)
+        if s is None or t.dtype != quant.STORAGE["fp8"]:
+            raise CheckpointError(f"{ckpt_dir}: fp8 checkpoint expert tensor '{name}' is not float8_e4m3fn with a "
+                                  f"weight_scale_inv")
+        bar.update(1)
+        return t.T, s.T
+
     layers: dict[str, list[np.ndarray]] = {k: [] for k in shapes}
-    gate_up = np.empty((L * E, D, 2 * F), np_dtype)
-    down = np.empty((L * E, F, D), np_dtype)
+    bank_dtype = quant.STORAGE[stored] if stored else np_dtype
+    gate_up = np.empty((L * E, D, 2 * F), bank_dtype)
+    down = np.empty((L * E, F, D), bank_dtype)
+    if stored:
+        sg = np.empty((L * E,) + quant.scale_shape(stored, D, 2 * F, 2), np.float32)
+        sd = np.empty((L * E,) + quant.scale_shape(stored, F, D, 1), np.float32)
+        nbf = sg.shape[-1] // 2
     for i in range(L):
         for key, name in _hf_names(cfg, i).items():
             layers[key].append(get(name, shapes[key], transpose=len(shapes[key]) == 2))
         for j in range(E):
             g, u, dn = _expert_names(cfg, i, j)
-            gate_up[i * E + j, :, :F] = get(g, (F, D), True)
-            gate_up[i * E + j, :, F:] = get(u, (F, D), True)
-            down[i * E + j] = get(dn, (D, F), True)
+            r = i * E + j
+            if stored:
+                gate_up[r, :, :F], sg[r, :, :nbf] = get_expert(g, (F, D))
+                gate_up[r, :, F:], sg[r, :, nbf:] = get_expert(u, (F, D))
+                down[r], sd[r] = get_expert(dn, (D, F))
+                continue
+            gate_up[r, :, :F] = get(g, (F, D), True)
+            gate_up[r, :, F:] = get(u, (F, D), True)
+            down[r] = get(dn, (D, F), True)
     params: dict[str, Any] = {
         "embed": get("model.embed_tokens.weight", (cfg.vocab_size, D)),
         "final_norm": get("model.norm.weight", (D,)),
@@ -205,8 +318,16 @@ def load_checkpoint(ckpt_dir: str, dtype: str | None = None, progress: bool = Tr
         params["lm_head"] = get("lm_head.weight", (cfg.vocab_size, D), True)
     bar.close()
     params = jax.tree.map(memory.to_device, params)
-    return LoadedModel(cfg, params, ExpertBanks(memory.to_host(gate_up), memory.to_host(down)), dtype,
-                       load_tokenizer(ckpt_dir), name=ckpt_dir, eos_token_ids=eos_token_ids(ckpt_dir))
+    if stored:
+        banks = ExpertBanks(memory.to_host(gate_up), memory.to_host(down), (memory.to_host(sg), memory.to_host(sd)),
+                            stored)
+    else:
+        banks = ExpertBanks(memory.to_host(gate_up), memory.to_host(down))
+        del gate_up, down
+        if expert_dtype is not None:
+            banks = quant.quantize_banks(banks, expert_dtype)
+    return LoadedModel(cfg, params, banks, dtype, load_tokenizer(ckpt_dir), name=ckpt_dir,
+                       eos_token_ids=eos_token_ids(ckpt_dir))
 
 
 EOS_FILES = ("generation_config.json", "config.json")

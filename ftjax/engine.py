@@ -532,6 +532,7 @@ class Engine:
         eb = self.model.expert_bytes
         total = self.counters["prefill"] + self.counters["decode"]
         m = {"mode": self.mode, "slots": self.num_slots, "policy": self.cache_policy, "expert_bytes": eb,
+             "expert_format": self.model.banks.fmt, "expert_storage_dtype": str(self.model.banks.gate_up.dtype),
              **total.summary(eb),
              "prefill": self.counters["prefill"].summary(eb), "decode": self.counters["decode"].summary(eb),
              "resident_per_layer": self.resident_experts_per_layer()}
@@ -564,7 +565,7 @@ def plan_engine(model: LoadedModel, budget_bytes: int, prompts: Sequence[Sequenc
     workspace = probe.workspace_bytes()
     del probe
     plan = plan_memory(cfg, itemsize, budget_bytes=budget_bytes, batch=config.batch, max_seq_len=config.max_seq_len,
-                       workspace_bytes=workspace)
+                       workspace_bytes=workspace, expert_bytes=model.expert_bytes)
     if mode == "auto":
         mode = "resident" if plan.fits_resident else "cached"
     if mode == "resident":  # every expert on the device: nothing to stream

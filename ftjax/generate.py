@@ -35,6 +35,7 @@ from ftjax.config import KV_LOADS, MATMUL_PRECISIONS, PREFILL_MODES, EngineConfi
 from ftjax.experts.cpu_experts import IMPLS as CPU_EXPERT_IMPLS
 from ftjax.experts.miss_policy import POLICIES as MISS_POLICIES
 from ftjax.experts.offload import MODES as EXPERT_MODES
+from ftjax.experts.quant import FORMATS as EXPERT_FORMATS
 from ftjax.experts.slot_table import POLICIES as CACHE_POLICIES
 
 FLAGS = flags.FLAGS
@@ -52,6 +53,11 @@ flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 = greedy.")
 flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass in (0, 1].")
 flags.DEFINE_integer("seed", 0, "Sampling / random-weight seed.")
 flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "float16"], "Compute dtype; default the checkpoint's.")
+flags.DEFINE_enum("expert_dtype", None, list(EXPERT_FORMATS),
+                  "Storage format of the routed experts (host banks and slot pools), quantized after loading by "
+                  "round to nearest: bfloat16, int8 (per output channel), int4 (groups of 64 inputs, packed), fp8 "
+                  "(e4m3, 128x128 blocks); docs/QUANTIZATION.md. Default: the compute dtype, or fp8 for an fp8 "
+                  "checkpoint (whose experts load as they are)."),
 flags.DEFINE_integer("max_seq_len", None, "KV cache length; default prompt + new tokens rounded up to 128.")
 flags.DEFINE_enum("experts", "auto", ["auto", *EXPERT_MODES],
                   "Where experts live: auto = resident if the pool fits the budget, else cached.")
@@ -140,8 +146,12 @@ def _load_model():
         raise UserError("give --checkpoint or --preset, not both")
     ckpt = FLAGS.checkpoint or _default_checkpoint()
     if ckpt:
-        return load_checkpoint(ckpt, FLAGS.dtype, progress=FLAGS.progress)
-    return random_model(preset(FLAGS.preset or "tiny"), FLAGS.dtype, seed=FLAGS.seed)
+        return load_checkpoint(ckpt, FLAGS.dtype, progress=FLAGS.progress, expert_dtype=FLAGS.expert_dtype)
+    model = random_model(preset(FLAGS.preset or "tiny"), FLAGS.dtype, seed=FLAGS.seed)
+    if FLAGS.expert_dtype is not None:
+        from ftjax.experts.quant import quantize_banks
+        model.banks = quantize_banks(model.banks, FLAGS.expert_dtype)
+    return model
 
 
 def _prompt_ids(model) -> list[int]:
@@ -220,6 +230,8 @@ def _run_metrics(model, engine, plan) -> dict:
     where the run happened (commit, device, versions, date) and with which flags."""
     from ftjax.provenance import run_meta
     return {"model": model.name, "config": model.cfg.identity(), "dtype": model.dtype,
+            "experts": {"format": model.banks.fmt, "expert_dtype": FLAGS.expert_dtype,
+                        "storage_dtype": str(model.banks.gate_up.dtype), "expert_bytes": model.expert_bytes},
             "experts_mode": engine.mode, "engine": engine.describe(), "memory_plan": plan.as_dict() if plan else None,
             "expert_cache": engine.expert_cache_metrics(), "meta": run_meta(),
             "flags": {f.name: f.value for f in FLAGS.get_key_flags_for_module(sys.modules[__name__])}}
@@ -277,6 +289,7 @@ def _plan(model, batch: int, max_seq_len: int, prompts: list[list[int]]):
     from ftjax.experts.planner import GB, plan_memory
     cfg = model.cfg
     itemsize = np.dtype(DTYPES[model.dtype]).itemsize
+    eb = model.expert_bytes
     mode = FLAGS.experts
     if FLAGS.expert_slots is not None and FLAGS.vram_budget_gb is not None:
         raise UserError("give --expert_slots or --vram_budget_gb, not both")
@@ -285,13 +298,14 @@ def _plan(model, batch: int, max_seq_len: int, prompts: list[list[int]]):
             return "resident", None
         # Demo default: a cache of 2E slots, smaller than the pool, so the mechanism shows.
         slots = min(2 * cfg.num_experts, cfg.num_layers * cfg.num_experts)
-        plan = plan_memory(cfg, itemsize, slots=slots, batch=batch, max_seq_len=max_seq_len)
+        plan = plan_memory(cfg, itemsize, slots=slots, batch=batch, max_seq_len=max_seq_len, expert_bytes=eb)
     elif FLAGS.expert_slots is not None:
         if mode == "resident":
             print(f"note: --experts=resident keeps all {cfg.num_layers * cfg.num_experts} experts on the device; "
                   f"--expert_slots={FLAGS.expert_slots} ignored")
             return "resident", None
-        plan = plan_memory(cfg, itemsize, slots=FLAGS.expert_slots, batch=batch, max_seq_len=max_seq_len)
+        plan = plan_memory(cfg, itemsize, slots=FLAGS.expert_slots, batch=batch, max_seq_len=max_seq_len,
+                           expert_bytes=eb)
     else:
         base = _engine_config("cached", min(2 * cfg.num_experts, cfg.num_layers * cfg.num_experts), max_seq_len)
         config, plan = plan_engine(model, int(FLAGS.vram_budget_gb * GB), prompts, base, mode=mode)
@@ -351,8 +365,10 @@ def _miss_runtime(model, mode: str, batch: int):
     from ftjax.experts import cpu_experts, miss_policy
     impl, threads = FLAGS.cpu_expert_impl, FLAGS.cpu_threads or None
     if impl not in cpu_experts.CALLBACK_IMPLS:  # compute_on reads the banks in-graph: they must be host-typed
-        model.banks = model.banks.replace(gate_up=cpu_experts.ensure_host_typed(model.banks.gate_up),
-                                          down=cpu_experts.ensure_host_typed(model.banks.down))
+        b = model.banks
+        model.banks = b.replace(gate_up=cpu_experts.ensure_host_typed(b.gate_up),
+                                down=cpu_experts.ensure_host_typed(b.down),
+                                scales=None if b.scales is None else tuple(map(cpu_experts.ensure_host_typed, b.scales)))
     calibration = split_model = None
     if FLAGS.miss_policy == "adaptive" and FLAGS.fixed_fetch is None:  # only the model split reads a profile
         path = FLAGS.calibration_profile or calibrate.default_profile_path()
@@ -363,7 +379,8 @@ def _miss_runtime(model, mode: str, batch: int):
         if not fresh:
             print(calibrate.describe_impl(impl, entry["impls"][impl]))
         calibration = {"path": path, "key": key, "calibrated_now": fresh, "entry": entry}
-    cpu = cpu_experts.make_cpu_experts(impl, model.host_gate_up, model.host_down, threads)
+    cpu = cpu_experts.make_cpu_experts(impl, model.host_gate_up, model.host_down, threads, scales=model.banks.scales,
+                                       fmt=model.banks.fmt)
     return miss_policy.build_runtime(FLAGS.miss_policy, model.cfg.num_experts, cpu,
                                      split_model=split_model, fixed_fetch=FLAGS.fixed_fetch,
                                      calibration=calibration)
@@ -403,7 +420,8 @@ def run() -> dict:
     probe_prompts = [max(prompts, key=len)] if prompts else [prompt] * FLAGS.batch
     mode, plan = _plan(model, FLAGS.batch, max_seq_len, probe_prompts)
     print(f"model: {model.name} ({cfg.model_type}, L={cfg.num_layers}, E={cfg.num_experts}, "
-          f"top-k={cfg.top_k}, {model.dtype}); experts: {mode}")
+          f"top-k={cfg.top_k}, {model.dtype}); experts: {mode}, stored {model.banks.fmt} "
+          f"({model.banks.gate_up.dtype}, {model.expert_bytes / 1e6:.3f} MB per expert)")
     if plan is not None:
         print(plan.describe())
     miss = _miss_runtime(model, mode, FLAGS.batch)

@@ -56,6 +56,21 @@ def test_bench_decode_smoke(tmp_path):
             assert r["ratio_to_bound"] == pytest.approx(r["tpot_s"]["median"] / bound)
 
 
+def test_bench_decode_expert_dtypes_smoke(tmp_path):
+    d = _run("bench_decode", tmp_path, "--preset=tiny", "--dtype=float32", "--steps=4", "--prompt_len=16",
+             "--vram_budget_gb=1.02", "--batches=1", "--modes=resident,cached",
+             "--expert_dtypes=bfloat16,int8,int4,fp8")
+    rows = {(r["expert_dtype"], r["mode"]): r for r in d["results"]}
+    assert set(rows) == {(f, m) for f in ("bfloat16", "int8", "int4", "fp8") for m in ("resident", "cached")}
+    eb = {f: rows[(f, "cached")]["expert_bytes"] for f in ("bfloat16", "int8", "int4", "fp8")}
+    assert eb["bfloat16"] > max(eb["int8"], eb["fp8"]) and min(eb["int8"], eb["fp8"]) > eb["int4"]
+    for (fmt, mode), r in rows.items():
+        assert "error" not in r and r["decode_tokens_per_s"] > 0, r
+        assert r["h2d_bytes_per_step"] * 4 == pytest.approx(r["misses_per_step"] * 4 * r["expert_bytes"])
+        assert d["memory_plans"][f"{fmt}/b1"]["expert_bytes"] == r["expert_bytes"]
+        assert r["speedup_vs_first_format"] > 0
+
+
 def test_bench_prefill_smoke(tmp_path):
     d = _run("bench_prefill", tmp_path, "--preset=tiny", "--dtype=float32", "--lengths=64,256", "--prefill_chunk=128",
              "--vram_budget_gb=1.02")

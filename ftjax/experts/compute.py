@@ -3,7 +3,9 @@
 Both formulations read weights from a *pool*: ``gate_up`` [S, D, 2F] (gate columns first, then
 up) and ``down`` [S, F, D]. The resident model is the special case where the pool is the whole
 bank (S = L*E, slot = flat id), so offload changes only which slot a weight sits in, never the
-arithmetic: resident and cached runs are bit-identical.
+arithmetic: resident and cached runs are bit-identical. Pools may hold quantized weights
+(``ftjax.experts.quant``): each formulation dequantizes only the experts it reads, just before
+its matmuls; dense weights pass through unchanged.
 
 * ``gather``: each (token, k) pair gathers its expert's weights. Cheap when N*k is small (decode).
 * ``grouped``: tokens sorted by expert and multiplied group by group against the layer's E
@@ -16,6 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ftjax.experts import quant
 from ftjax.kernels.grouped_matmul import grouped_matmul
 
 # Use the gather formulation up to this many (token, expert) pairs per layer.
@@ -27,27 +30,47 @@ def _swiglu(h: jax.Array) -> jax.Array:
     return jax.nn.silu(h[..., :f]) * h[..., f:]
 
 
+def _rows(pool: jax.Array, scales: tuple | None, which: int, idx: jax.Array, fmt: str, dtype) -> jax.Array:
+    """The weights of pool rows ``idx`` (any index shape), dequantized to ``dtype``: only these
+    rows, never the whole pool. which: 0 = gate_up, 1 = down (selects the scales and parts)."""
+    s = None if scales is None else scales[which][idx]
+    return quant.dequantize_expert(fmt, ("gate_up", "down")[which], pool[idx], s, dtype)
+
+
+def gather_outputs(x: jax.Array, slots: jax.Array, gate_up: jax.Array, down: jax.Array,
+                   scales: tuple | None = None, fmt: str = "dense") -> jax.Array:
+    """Per-(token, k) expert outputs [N, k, D]: each pair gathers (and dequantizes) its
+    expert's weights from the pool. x: [N, D]; slots: int32 [N, k]."""
+    h = jnp.einsum("nd,nkdf->nkf", x, _rows(gate_up, scales, 0, slots, fmt, x.dtype))
+    return jnp.einsum("nkf,nkfd->nkd", _swiglu(h), _rows(down, scales, 1, slots, fmt, x.dtype))
+
+
 def experts_gather(x: jax.Array, slots: jax.Array, weights: jax.Array, gate_up: jax.Array,
-                   down: jax.Array) -> jax.Array:
+                   down: jax.Array, scales: tuple | None = None, fmt: str = "dense") -> jax.Array:
     """Per-pair gather formulation.
 
-    x: [N, D]; slots: int32 [N, k] pool slots; weights: [N, k]; gate_up: [S, D, 2F]; down: [S, F, D].
-    Returns [N, D] in x's dtype: sum_k weights[n, k] * FFN_{slots[n, k]}(x[n]).
+    x: [N, D]; slots: int32 [N, k] pool slots; weights: [N, k]; gate_up: [S, D, 2F]; down: [S, F, D]
+    (stored in format ``fmt`` with pool ``scales``; ``ftjax.experts.quant``). Returns [N, D] in
+    x's dtype: sum_k weights[n, k] * FFN_{slots[n, k]}(x[n]). Only the N*k gathered experts are
+    dequantized.
     """
-    h = jnp.einsum("nd,nkdf->nkf", x, gate_up[slots])
-    y = jnp.einsum("nkf,nkfd->nkd", _swiglu(h), down[slots])
+    y = gather_outputs(x, slots, gate_up, down, scales, fmt)
     return jnp.einsum("nkd,nk->nd", y, weights.astype(y.dtype)).astype(x.dtype)
 
 
 def experts_grouped(x: jax.Array, ids: jax.Array, weights: jax.Array, gate_up: jax.Array,
-                    down: jax.Array) -> jax.Array:
+                    down: jax.Array, scales: tuple | None = None, fmt: str = "dense") -> jax.Array:
     """Grouped (sorted + ragged_dot) formulation over one layer's experts.
 
     x: [N, D]; ids: int32 [N, k] group (expert or slot) ids in [0, G); weights: [N, k];
-    gate_up: [G, D, 2F] and down: [G, F, D]. Returns [N, D] in x's dtype.
+    gate_up: [G, D, 2F] and down: [G, F, D] in format ``fmt`` with ``scales`` ([G, ...] each),
+    dequantized here just before the grouped matmul. Returns [N, D] in x's dtype.
     """
     n, k = ids.shape
     e = gate_up.shape[0]
+    sg, sd = scales if scales is not None else (None, None)
+    gate_up = quant.dequantize_expert(fmt, "gate_up", gate_up, sg, x.dtype)
+    down = quant.dequantize_expert(fmt, "down", down, sd, x.dtype)
     flat = ids.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     group_sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
@@ -59,14 +82,16 @@ def experts_grouped(x: jax.Array, ids: jax.Array, weights: jax.Array, gate_up: j
 
 
 def experts_from_pool(x: jax.Array, ids: jax.Array, weights: jax.Array, slot_of_expert: jax.Array,
-                      gate_up: jax.Array, down: jax.Array) -> jax.Array:
-    """Expert FFN of one layer, weights read from pool slots.
+                      gate_up: jax.Array, down: jax.Array, scales: tuple | None = None,
+                      fmt: str = "dense") -> jax.Array:
+    """Expert FFN of one layer, weights read from pool slots (format ``fmt``, pool ``scales``).
 
     slot_of_expert: int32 [E], the pool slot of each of the layer's experts (only routed
     experts need a valid slot). Picks the formulation from the static size N*k.
 
     Grouped: the layer's E experts are gathered from the pool in expert order (one device copy,
-    1.2 GB for qwen3-30b-a3b, an estimated 0.5 ms of HBM traffic on an H200) and the kernel sees E
+    1.2 GB for qwen3-30b-a3b, an estimated 0.5 ms of HBM traffic on an H200; a quantized format
+    gathers its stored bytes and scales and dequantizes these E experts) and the kernel sees E
     groups whatever the pool size S, so every pool size gives the same operands. Grouping rows by
     *slot* over the whole pool instead (G = S groups, most empty) avoids that copy but costs far
     more: the Mosaic GPU kernel unrolls a loop over its groups. Lowering one kernel call alone took
@@ -76,6 +101,7 @@ def experts_from_pool(x: jax.Array, ids: jax.Array, weights: jax.Array, slot_of_
     """
     slots = slot_of_expert[ids]
     if ids.size <= GATHER_MAX_PAIRS:
-        return experts_gather(x, slots, weights, gate_up, down)
+        return experts_gather(x, slots, weights, gate_up, down, scales, fmt)
     safe = jnp.maximum(slot_of_expert, 0)
-    return experts_grouped(x, ids, weights, gate_up[safe], down[safe])
+    layer_scales = None if scales is None else tuple(s[safe] for s in scales)
+    return experts_grouped(x, ids, weights, gate_up[safe], down[safe], layer_scales, fmt)

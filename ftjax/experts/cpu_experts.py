@@ -7,7 +7,9 @@ The device sends ``x`` [N, D] and a compact list of ``C`` flat expert ids (the f
 valid); the host returns ``y`` [C, N, D] with ``y[j] = FFN_{flat_ids[j]}(x)`` (rows ``j >= count``
 are zeros or unspecified and must be ignored). FFN is the SwiGLU expert of
 ``ftjax.experts.compute``: ``h = x @ gate_up``, ``y = (silu(h[:, :F]) * h[:, F:]) @ down``, in x's
-dtype. ``gate_up`` is ``[L*E, D, 2F]`` and ``down`` ``[L*E, F, D]``, the host banks.
+dtype. ``gate_up`` is ``[L*E, D, 2F]`` and ``down`` ``[L*E, F, D]``, the host banks. Quantized
+banks (``ftjax.experts.quant``) are dequantized on the host, one computed expert at a time,
+from the bank rows and their scale rows.
 
 Mechanisms (``IMPLS``; selected by ``--cpu_expert_impl``):
 
@@ -36,6 +38,7 @@ from __future__ import annotations
 import concurrent.futures
 import ctypes
 import dataclasses
+import functools
 import itertools
 import os
 import sys
@@ -48,6 +51,7 @@ import numpy as np
 from jax.experimental import io_callback
 from jax.experimental.compute_on import compute_on
 
+from ftjax.experts import quant
 from ftjax.experts.compute import _swiglu
 
 IMPLS = ("callback", "callback_async", "compute_on", "compute_on_static")
@@ -193,9 +197,13 @@ def ensure_host_typed(arr: jax.Array) -> jax.Array:
 # --------------------------------------------------------------------------------------------
 # The host kernel (used by the callback mechanisms)
 # --------------------------------------------------------------------------------------------
-def _ffn(x: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
-    """One SwiGLU expert: x [N, D], gate_up [D, 2F], down [F, D] -> [N, D] in x's dtype."""
-    return (_swiglu(x @ gate_up.astype(x.dtype)) @ down.astype(x.dtype)).astype(x.dtype)
+def _ffn(x: jax.Array, gate_up: jax.Array, down: jax.Array, s_gu: jax.Array | None = None,
+         s_dn: jax.Array | None = None, fmt: str = "dense") -> jax.Array:
+    """One SwiGLU expert: x [N, D], gate_up [D, 2F], down [F, D] (stored in format ``fmt`` with
+    scales ``s_gu``, ``s_dn``; dequantized here) -> [N, D] in x's dtype."""
+    gu = quant.dequantize_expert(fmt, "gate_up", gate_up, s_gu, x.dtype)
+    dn = quant.dequantize_expert(fmt, "down", down, s_dn, x.dtype)
+    return (_swiglu(x @ gu) @ dn).astype(x.dtype)
 
 
 def default_threads() -> int:
@@ -242,13 +250,17 @@ class HostExpertKernel:
     Args:
       gate_up, down: :class:`HostBankView` of the banks [L*E, D, 2F] and [L*E, F, D].
       threads: worker threads (experts computed concurrently); default :func:`default_threads`.
+      scales: views of a quantized format's scale banks (gate_up, down), None for dense.
+      fmt: the banks' format (``ftjax.experts.quant``); the kernel dequantizes each expert it computes.
     """
 
-    def __init__(self, gate_up: HostBankView, down: HostBankView, threads: int | None = None):
+    def __init__(self, gate_up: HostBankView, down: HostBankView, threads: int | None = None,
+                 scales: tuple[HostBankView, HostBankView] | None = None, fmt: str = "dense"):
         self.gate_up, self.down = gate_up, down
+        self.scales, self.fmt = scales, fmt
         self.threads = int(threads or default_threads())
         self.cpu = jax.devices("cpu")[0]
-        self._ffn = jax.jit(_ffn)
+        self._ffn = jax.jit(_ffn, static_argnames=("fmt",))
         self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="ftjax-cpu-expert")
         self._pending: dict[int, tuple[list, tuple]] = {}
         self._lock = threading.Lock()
@@ -259,7 +271,10 @@ class HostExpertKernel:
     def _one(self, x_cpu: jax.Array, fid: int) -> np.ndarray:
         gu = jax.device_put(self.gate_up.array[fid], self.cpu)
         dn = jax.device_put(self.down.array[fid], self.cpu)
-        return np.asarray(self._ffn(x_cpu, gu, dn))
+        sg = sd = None
+        if self.scales is not None:
+            sg, sd = (jax.device_put(v.array[fid], self.cpu) for v in self.scales)
+        return np.asarray(self._ffn(x_cpu, gu, dn, sg, sd, fmt=self.fmt))
 
     def submit(self, x: np.ndarray, flat_ids: np.ndarray, count) -> int:
         """Starts ``count`` experts; returns a ticket for :meth:`result`. x [N, D]; flat_ids int [C]."""
@@ -294,18 +309,23 @@ _KERNELS: dict[tuple, HostExpertKernel] = {}
 
 
 def get_kernel(host_gate_up: jax.Array, host_down: jax.Array, threads: int | None = None,
-               allow_copy: bool = False) -> HostExpertKernel:
-    """The (memoised) :class:`HostExpertKernel` of a pair of host banks.
+               allow_copy: bool = False, scales: tuple | None = None, fmt: str = "dense") -> HostExpertKernel:
+    """The (memoised) :class:`HostExpertKernel` of a pair of host banks (and, for a quantized
+    format ``fmt``, their scale banks ``scales``).
 
     Raises:
       HostViewError: the banks cannot be viewed from numpy without a copy.
     """
     threads = int(threads or default_threads())
-    key = (id(host_gate_up), id(host_down), threads)
+    scales = tuple(scales) if scales else None
+    key = (id(host_gate_up), id(host_down), threads, fmt) + tuple(id(s) for s in scales or ())
     k = _KERNELS.get(key)
-    if k is None or k.gate_up.source is not host_gate_up or k.down.source is not host_down:
+    stale = k is not None and (k.gate_up.source is not host_gate_up or k.down.source is not host_down or (
+        scales is not None and any(v.source is not s for v, s in zip(k.scales, scales))))
+    if k is None or stale:
+        views = None if scales is None else tuple(host_bank_view(s, allow_copy) for s in scales)
         k = HostExpertKernel(host_bank_view(host_gate_up, allow_copy), host_bank_view(host_down, allow_copy),
-                             threads)
+                             threads, views, fmt)
         _KERNELS[key] = k
     return k
 
@@ -313,26 +333,26 @@ def get_kernel(host_gate_up: jax.Array, host_down: jax.Array, threads: int | Non
 # --------------------------------------------------------------------------------------------
 # In-jit launch / collect
 # --------------------------------------------------------------------------------------------
-def _host_ffn_loop(x, gate_up_bank, down_bank, flat_ids, count):
-    """Host computation of compute_on: a loop over the first ``count`` ids. Returns [C, N, D]."""
+def _host_expert(x, fid, fmt, gate_up_bank, down_bank, *scale_banks):
+    """One expert's FFN on the host from the bank rows (and scale rows) of flat id ``fid``."""
+    row = lambda b: jax.lax.dynamic_index_in_dim(b, fid, keepdims=False)  # noqa: E731
+    scales = [row(b) for b in scale_banks] or [None, None]
+    return _ffn(x, row(gate_up_bank), row(down_bank), *scales, fmt=fmt)
+
+
+def _host_ffn_loop(fmt, x, flat_ids, count, *banks):
+    """Host computation of compute_on: a loop over the first ``count`` ids. Returns [C, N, D].
+    banks: gate_up, down and, for a quantized ``fmt``, their scale banks."""
     def body(j, acc):
-        gu = jax.lax.dynamic_index_in_dim(gate_up_bank, flat_ids[j], keepdims=False)
-        dn = jax.lax.dynamic_index_in_dim(down_bank, flat_ids[j], keepdims=False)
-        return acc.at[j].set(_ffn(x, gu, dn))
+        return acc.at[j].set(_host_expert(x, flat_ids[j], fmt, *banks))
     init = jnp.zeros((flat_ids.shape[0],) + x.shape, x.dtype)
     return jax.lax.fori_loop(0, count, body, init)
 
 
-def _host_ffn_static(x, gate_up_bank, down_bank, flat_ids, count):
+def _host_ffn_static(fmt, x, flat_ids, count, *banks):
     """Host computation without a loop: all C entries, padding ids clamped to 0. Returns [C, N, D]."""
     del count
-    ys = []
-    for j in range(flat_ids.shape[0]):
-        fid = jnp.maximum(flat_ids[j], 0)
-        gu = jax.lax.dynamic_index_in_dim(gate_up_bank, fid, keepdims=False)
-        dn = jax.lax.dynamic_index_in_dim(down_bank, fid, keepdims=False)
-        ys.append(_ffn(x, gu, dn))
-    return jnp.stack(ys)
+    return jnp.stack([_host_expert(x, jnp.maximum(flat_ids[j], 0), fmt, *banks) for j in range(flat_ids.shape[0])])
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -359,11 +379,11 @@ class CpuExperts:
         return d
 
     # ---- in-jit --------------------------------------------------------------------------
-    def launch(self, x: jax.Array, flat_ids: jax.Array, count: jax.Array, host_gate_up: jax.Array,
-               host_down: jax.Array) -> Any:
+    def launch(self, x: jax.Array, flat_ids: jax.Array, count: jax.Array, banks) -> Any:
         """Issues the CPU work for ``count`` experts; returns a handle for :meth:`collect`.
 
-        x: [N, D] (device); flat_ids: int32 [C], the first ``count`` valid; count: int32 [].
+        x: [N, D] (device); flat_ids: int32 [C], the first ``count`` valid; count: int32 [];
+        banks: the host ``ExpertBanks`` (read in-graph by the compute_on mechanisms).
         Call it before the layer's fetch so that asynchronous mechanisms overlap the copy.
         """
         c = flat_ids.shape[0]
@@ -378,10 +398,10 @@ class CpuExperts:
             submit = lambda: io_callback(lambda *a: np.int32(k.submit(*a)), tick, x, flat_ids, count)  # noqa: E731
             return jax.lax.cond(count > 0, submit, lambda: jnp.int32(-1))
         host = jax.memory.Space.Host
-        fn = _host_ffn_loop if self.impl == "compute_on" else _host_ffn_static
+        fn = functools.partial(_host_ffn_loop if self.impl == "compute_on" else _host_ffn_static, banks.fmt)
         return compute_on(fn, compute_type="device_host", out_memory_spaces=host)(
-            jax.device_put(x, host), host_gate_up, host_down, jax.device_put(flat_ids, host),
-            jax.device_put(count, host))
+            jax.device_put(x, host), jax.device_put(flat_ids, host), jax.device_put(count, host),
+            banks.gate_up, banks.down, *(banks.scales or ()))
 
     def collect(self, handle: Any, x: jax.Array, num: int) -> jax.Array:
         """The CPU results on the device: [num, N, D] in x's dtype (rows >= count unspecified)."""
@@ -396,8 +416,9 @@ class CpuExperts:
 
 
 def make_cpu_experts(impl: str, host_gate_up: jax.Array, host_down: jax.Array, threads: int | None = None,
-                     allow_copy: bool = False) -> CpuExperts:
-    """Builds the mechanism ``impl`` for these host banks.
+                     allow_copy: bool = False, scales: tuple | None = None, fmt: str = "dense") -> CpuExperts:
+    """Builds the mechanism ``impl`` for these host banks (``scales``, ``fmt``: those of a
+    quantized format, ``ExpertBanks.scales`` / ``.fmt``).
 
     Raises:
       ValueError: unknown impl; a callback mechanism on the CPU backend with asynchronous dispatch
@@ -408,10 +429,10 @@ def make_cpu_experts(impl: str, host_gate_up: jax.Array, host_down: jax.Array, t
     if impl not in IMPLS:
         raise ValueError(f"unknown CPU expert mechanism {impl!r}; expected one of {IMPLS}")
     kernel = None
-    if impl not in CALLBACK_IMPLS and not (is_host_typed(host_gate_up) and is_host_typed(host_down)):
+    if impl not in CALLBACK_IMPLS and not all(is_host_typed(b) for b in (host_gate_up, host_down, *(scales or ()))):
         raise ValueError(f"{impl} needs host banks that JAX traces as host memory; pass them through "
                          "ftjax.experts.cpu_experts.ensure_host_typed first (jit out_shardings quirk)")
     if impl in CALLBACK_IMPLS:
         check_callback_backend(host_gate_up)
-        kernel = get_kernel(host_gate_up, host_down, threads, allow_copy)
+        kernel = get_kernel(host_gate_up, host_down, threads, allow_copy, scales, fmt)
     return CpuExperts(impl, kernel)

@@ -2,7 +2,8 @@
 
 Every copy is a slice of a host bank followed immediately by ``jax.device_put`` to device
 memory, the one operation applied to host data (DESIGN.md section 2: other math on host
-operands turns into slow host compute).
+operands turns into slow host compute). A quantized format's scales travel with their weights
+(the pools store what the banks store; ``ftjax.experts.quant``).
 """
 
 from __future__ import annotations
@@ -16,36 +17,47 @@ def _to_device(x: jax.Array) -> jax.Array:
     return jax.device_put(x, jax.memory.Space.Device)
 
 
+def _bank_arrays(banks: ExpertBanks) -> tuple:
+    """(gate_up, down, *scales) of the banks."""
+    return (banks.gate_up, banks.down) + tuple(banks.scales or ())
+
+
+def _pool_arrays(state: ExpertState) -> tuple:
+    return (state.gate_up, state.down) + tuple(state.scales or ())
+
+
+def _with_pools(state: ExpertState, pools: tuple) -> ExpertState:
+    gu, dn, *scales = pools
+    return state.replace(gate_up=gu, down=dn, scales=tuple(scales) if scales else None)
+
+
 def fetch_experts(banks: ExpertBanks, state: ExpertState, flat_ids: jax.Array, slots: jax.Array,
                   count: jax.Array) -> ExpertState:
-    """Copies ``count`` experts from the host banks into pool slots (H2D over PCIe).
+    """Copies ``count`` experts (weights and scales) from the host banks into pool slots (H2D).
 
     flat_ids, slots: int32 [M], the first ``count`` entries valid; count: int32 []. Each copy is
     a dynamic index of the host bank, moved to the device and written into its slot.
     """
+    src = _bank_arrays(banks)
 
     def one(i, pools):
-        gu, dn = pools
         fid, slot = flat_ids[i], slots[i]
-        w_gu = _to_device(jax.lax.dynamic_index_in_dim(banks.gate_up, fid, keepdims=False))
-        w_dn = _to_device(jax.lax.dynamic_index_in_dim(banks.down, fid, keepdims=False))
-        gu = jax.lax.dynamic_update_index_in_dim(gu, w_gu.astype(gu.dtype), slot, 0)
-        dn = jax.lax.dynamic_update_index_in_dim(dn, w_dn.astype(dn.dtype), slot, 0)
-        return gu, dn
+        return tuple(jax.lax.dynamic_update_index_in_dim(
+            p, _to_device(jax.lax.dynamic_index_in_dim(b, fid, keepdims=False)).astype(p.dtype), slot, 0)
+            for b, p in zip(src, pools))
 
     with jax.named_scope("expert_fetch"):
-        gu, dn = jax.lax.fori_loop(0, count, one, (state.gate_up, state.down))
-    return state.replace(gate_up=gu, down=dn)
+        pools = jax.lax.fori_loop(0, count, one, _pool_arrays(state))
+    return _with_pools(state, pools)
 
 
 def fetch_layer(banks: ExpertBanks, state: ExpertState, layer: jax.Array, buffer: jax.Array | int,
                 num_experts: int) -> ExpertState:
-    """Copies all E experts of ``layer`` (one contiguous slice of each host bank) into the
-    streaming buffer ``buffer`` (pool slots [buffer*E, (buffer+1)*E))."""
+    """Copies all E experts of ``layer`` (one contiguous slice of each host bank, scales too) into
+    the streaming buffer ``buffer`` (pool slots [buffer*E, (buffer+1)*E))."""
     e = num_experts
     with jax.named_scope("stream_prefetch"):
-        gu = _to_device(jax.lax.dynamic_slice_in_dim(banks.gate_up, layer * e, e))
-        dn = _to_device(jax.lax.dynamic_slice_in_dim(banks.down, layer * e, e))
-        return state.replace(
-            gate_up=jax.lax.dynamic_update_slice_in_dim(state.gate_up, gu.astype(state.gate_up.dtype), buffer * e, 0),
-            down=jax.lax.dynamic_update_slice_in_dim(state.down, dn.astype(state.down.dtype), buffer * e, 0))
+        pools = tuple(jax.lax.dynamic_update_slice_in_dim(
+            p, _to_device(jax.lax.dynamic_slice_in_dim(b, layer * e, e)).astype(p.dtype), buffer * e, 0)
+            for b, p in zip(_bank_arrays(banks), _pool_arrays(state)))
+        return _with_pools(state, pools)

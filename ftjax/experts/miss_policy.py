@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ftjax.experts.compute import GATHER_MAX_PAIRS, _swiglu
+from ftjax.experts.compute import GATHER_MAX_PAIRS, gather_outputs
 from ftjax.experts.cpu_experts import CALLBACK_IMPLS, CpuExperts
 from ftjax.experts.fetch import fetch_experts
 from ftjax.experts.miss_split import SplitModel, fixed_split_table, most_recent_misses, split_table
@@ -88,17 +88,15 @@ class MissConfig:
 
 def combine_gather(x: jax.Array, ids: jax.Array, weights: jax.Array, slot_of_expert: jax.Array,
                    gate_up: jax.Array, down: jax.Array, on_cpu: jax.Array, cpu_rank: jax.Array,
-                   y_cpu: jax.Array) -> jax.Array:
+                   y_cpu: jax.Array, scales: tuple | None = None, fmt: str = "dense") -> jax.Array:
     """``experts_gather`` with some experts' outputs supplied by the CPU.
 
     x: [N, D]; ids: int32 [N, k]; weights: [N, k]; slot_of_expert: int32 [E]; gate_up [S, D, 2F],
-    down [S, F, D]: slot pools; on_cpu: bool [E]; cpu_rank: int32 [E], row of each CPU expert in
+    down [S, F, D]: slot pools (format ``fmt``, pool ``scales``); on_cpu: bool [E]; cpu_rank: int32 [E], row of each CPU expert in
     ``y_cpu`` [C, N, D]. Returns [N, D] in x's dtype. The device arithmetic is the same expression
     as ``ftjax.experts.compute.experts_gather``.
     """
-    slots = slot_of_expert[ids]
-    h = jnp.einsum("nd,nkdf->nkf", x, gate_up[slots])
-    y = jnp.einsum("nkf,nkfd->nkd", _swiglu(h), down[slots])
+    y = gather_outputs(x, slot_of_expert[ids], gate_up, down, scales, fmt)
     n = x.shape[0]
     rows = jnp.clip(cpu_rank[ids], 0, y_cpu.shape[0] - 1)
     yc = y_cpu[rows, jnp.arange(n)[:, None]]                      # [N, k, D]
@@ -120,16 +118,17 @@ def fetch_and_cpu(cpu: CpuExperts, banks: ExpertBanks, state: ExpertState, x: ja
     """
     num = cpu_flat.shape[0]
     with jax.named_scope("cpu_experts"):
-        handle = cpu.launch(x, cpu_flat, n_cpu, banks.gate_up, banks.down)
+        handle = cpu.launch(x, cpu_flat, n_cpu, banks)
     ordered = cpu.impl == "callback_async"
     if fetch:
-        gu, dn = state.gate_up, state.down
+        pools = (state.gate_up, state.down, state.scales)
         if ordered:
-            handle, gu, dn = jax.lax.optimization_barrier((handle, gu, dn))
-        state = fetch_experts(banks, state.replace(gate_up=gu, down=dn), fetch_flat, fetch_slots, n_fetch)
+            handle, pools = jax.lax.optimization_barrier((handle, pools))
+        state = fetch_experts(banks, state.replace(gate_up=pools[0], down=pools[1], scales=pools[2]), fetch_flat,
+                              fetch_slots, n_fetch)
         if ordered:
-            gu, dn, handle = jax.lax.optimization_barrier((state.gate_up, state.down, handle))
-            state = state.replace(gate_up=gu, down=dn)
+            pools, handle = jax.lax.optimization_barrier(((state.gate_up, state.down, state.scales), handle))
+            state = state.replace(gate_up=pools[0], down=pools[1], scales=pools[2])
     with jax.named_scope("cpu_experts"):
         return state, cpu.collect(handle, x, num)
 
@@ -165,7 +164,7 @@ def split_layer(miss: MissConfig, banks: ExpertBanks, state: ExpertState, table:
     state, y_cpu = fetch_and_cpu(miss.cpu, banks, state.replace(table=look.table), r.x, base + look.miss_experts,
                                  look.miss_slots, look.n_miss, cpu_flat, n_cpu, fetch=miss.policy != "cpu")
     y = combine_gather(r.x, r.ids, r.weights, look.slot_of_expert, state.gate_up, state.down, on_cpu, cpu_rank,
-                       y_cpu)
+                       y_cpu, state.scales, state.fmt)
     stats = LayerStats(look.n_hit, n_miss, look.n_miss, n_cpu, jnp.where(r.valid[:, None], r.ids, -1))
     return y, state, stats
 

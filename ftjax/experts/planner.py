@@ -90,7 +90,8 @@ class MemoryPlan:
 
 
 def plan_memory(cfg: ModelConfig, itemsize: int, budget_bytes: int | None = None, slots: int | None = None,
-                batch: int = 1, max_seq_len: int = 512, workspace_bytes: int | None = None) -> MemoryPlan:
+                batch: int = 1, max_seq_len: int = 512, workspace_bytes: int | None = None,
+                expert_bytes: int | None = None) -> MemoryPlan:
     """Plans the device memory for a budget or an explicit slot count (exactly one of them).
 
     Args:
@@ -99,6 +100,9 @@ def plan_memory(cfg: ModelConfig, itemsize: int, budget_bytes: int | None = None
       workspace_bytes: the measured temporaries of the compiled steps (the layer gather
         included; the allocator margin is added here); None: the stated WORKSPACE_BYTES plus
         the layer gather.
+      expert_bytes: bytes of one expert as stored (``ExpertBanks.expert_bytes``: quantized
+        weights + scales); default: dense at ``itemsize``. Slots are sized by it; the stated
+        layer gather is E experts as stored plus, when quantized, their dequantized copy.
     Raises:
       ValueError: neither or both given; the budget leaves fewer than E slots (the message gives
         the minimum budget); slots outside [E, L*E].
@@ -106,12 +110,14 @@ def plan_memory(cfg: ModelConfig, itemsize: int, budget_bytes: int | None = None
     if (budget_bytes is None) == (slots is None):
         raise ValueError("give exactly one of a VRAM budget or a slot count")
     e, pool = cfg.num_experts, cfg.num_layers * cfg.num_experts
-    eb = cfg.expert_bytes(itemsize)
+    dense_eb = cfg.expert_bytes(itemsize)
+    eb = int(expert_bytes) if expert_bytes is not None else dense_eb
     non_expert = cfg.non_expert_param_count() * itemsize
     kv = cfg.kv_cache_bytes(batch, max_seq_len, itemsize)
     if workspace_bytes is None:
         workspace = WORKSPACE_BYTES
-        gather = e * eb  # one layer's experts, copied for the grouped matmul (prefill chunks > 64 pairs)
+        # one layer's experts, copied for the grouped matmul (prefill chunks > 64 pairs), and dequantized
+        gather = e * eb + (e * dense_eb if eb != dense_eb else 0)
     else:
         workspace = int(workspace_bytes * (1 + WORKSPACE_MARGIN_FRACTION)) + WORKSPACE_MARGIN_BYTES
         gather = 0  # part of the measured temporaries

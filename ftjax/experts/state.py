@@ -24,18 +24,21 @@ import numpy as np
 
 from ftjax.experts.slot_table import SlotTable, init_slot_table
 
-#: Storage formats of the routed-expert banks. Only the compute dtype today; quantized formats
-#: add their scales in :attr:`ExpertBanks.scales`.
-BANK_FORMATS = ("dense",)
+#: Storage formats of the routed-expert banks (``ftjax.experts.quant``): dense (the compute dtype,
+#: or bfloat16), and the quantized formats, whose scales sit in :attr:`ExpertBanks.scales`.
+BANK_FORMATS = ("dense", "int8", "int4", "fp8")
 
 
 @flax.struct.dataclass
 class ExpertBanks:
     """Routed-expert weights of every layer, in host memory (``pinned_host`` where it exists).
 
-    gate_up: [L*E, D, 2F] (gate columns first, then up); down: [L*E, F, D]; both in the compute
-    dtype for ``fmt == "dense"``. scales: per-bank scale arrays of a quantized format (None for
-    dense). fmt: one of :data:`BANK_FORMATS` (static: part of the compiled program's identity).
+    gate_up: [L*E, D, 2F] (gate columns first, then up); down: [L*E, F, D]; for ``fmt ==
+    "dense"`` in the compute dtype (or bfloat16), else in the format's storage dtype (int4: the
+    last axis packed, 2F/2 and D/2 bytes). scales: None for dense, else (gate_up scales
+    float32 [L*E, nbi, nbo], down scales float32 [L*E, nbi, nbo]), the block layout of
+    ``ftjax.experts.quant``. fmt: one of :data:`BANK_FORMATS` (static: part of the compiled
+    program's identity).
     """
 
     gate_up: jax.Array
@@ -46,6 +49,8 @@ class ExpertBanks:
     def __post_init__(self):
         if self.fmt not in BANK_FORMATS:
             raise ValueError(f"unknown expert bank format {self.fmt!r}; expected one of {BANK_FORMATS}")
+        if (self.fmt == "dense") != (self.scales is None):
+            raise ValueError(f"expert bank format {self.fmt!r} {'takes no' if self.fmt == 'dense' else 'needs'} scales")
 
     @property
     def num_flat_ids(self) -> int:
@@ -64,16 +69,20 @@ class ExpertBanks:
 class ExpertState:
     """Device state carried through the layer scan.
 
-    gate_up: [S, D, 2F] and down: [S, F, D] slot pools (compute dtype). table: the slot table
-    (None in resident mode, where the pool is the bank itself and slot = flat id).
-    last_routed: int32 [L*E], the table clock at each flat id's last routing (-1 = never); kept
-    only for miss policies that rank misses by recency (None otherwise).
+    gate_up: [S, D, 2F] and down: [S, F, D] slot pools, stored as the banks are (format
+    ``fmt``). table: the slot table (None in resident mode, where the pool is the bank itself and
+    slot = flat id). last_routed: int32 [L*E], the table clock at each flat id's last routing
+    (-1 = never); kept only for miss policies that rank misses by recency (None otherwise).
+    scales: the pools' scales of a quantized format ((gate_up [S, ...], down [S, ...]) float32,
+    filled with the weights), None for dense. fmt: the banks' format (static).
     """
 
     gate_up: jax.Array
     down: jax.Array
     table: SlotTable | None
     last_routed: jax.Array | None = None
+    scales: tuple | None = None
+    fmt: str = flax.struct.field(pytree_node=False, default="dense")
 
 
 class LayerStats(NamedTuple):
@@ -101,22 +110,26 @@ def init_expert_state(mode: str, num_layers: int, num_experts: int, num_slots: i
                       dtype, track_recency: bool = False) -> ExpertState:
     """Allocates the device side of an experts mode.
 
-    resident: copies the whole banks to the device (L*E slots, no table). cached / on_demand:
-    zero pools of ``num_slots`` slots and an empty table. ``track_recency`` adds
-    ``last_routed`` (all -1) for the cpu / adaptive miss policies.
+    resident: copies the whole banks (and scales) to the device (L*E slots, no table). cached /
+    on_demand: zero pools (and scale pools) of ``num_slots`` slots in the banks' storage dtype and
+    format, and an empty table. ``track_recency`` adds ``last_routed`` (all -1) for the cpu /
+    adaptive miss policies. ``dtype``: the compute dtype (dense banks in another dtype are stored
+    as they are and cast in the expert computation).
 
     Raises:
       ValueError: num_slots outside [E, L*E] for the offloading modes (from init_slot_table).
     """
+    del dtype  # the pools keep the banks' storage dtype; the expert computation casts
     if mode == "resident":
         dev = jax.memory.Space.Device
-        return ExpertState(jax.device_put(banks.gate_up, dev).astype(dtype),
-                           jax.device_put(banks.down, dev).astype(dtype), None)
+        put = lambda a: jax.device_put(a, dev)  # noqa: E731
+        scales = None if banks.scales is None else tuple(put(s) for s in banks.scales)
+        return ExpertState(put(banks.gate_up), put(banks.down), None, scales=scales, fmt=banks.fmt)
     table = init_slot_table(num_layers, num_experts, num_slots)
-    gu = jnp.zeros((num_slots,) + banks.gate_up.shape[1:], dtype)
-    dn = jnp.zeros((num_slots,) + banks.down.shape[1:], dtype)
+    pool = lambda a: jnp.zeros((num_slots,) + a.shape[1:], a.dtype)  # noqa: E731
+    scales = None if banks.scales is None else tuple(pool(s) for s in banks.scales)
     last = jnp.full((num_layers * num_experts,), -1, jnp.int32) if track_recency else None
-    return ExpertState(gu, dn, table, last)
+    return ExpertState(pool(banks.gate_up), pool(banks.down), table, last, scales, banks.fmt)
 
 
 @dataclasses.dataclass

@@ -103,9 +103,13 @@ class PrefixCache:
     # ---- keys -------------------------------------------------------------------------------
     def identity(self, engine) -> bytes:
         """32-byte model identity: config fields, compute (= KV) dtype, weights source name
-        (a checkpoint path, or the random generator with its seed). Recomputed on every call
+        (a checkpoint path, or the random generator with its seed), and the expert format when the
+        experts are not stored in the compute dtype (quantized). Recomputed on every call
         (a hash of a small dict): caching it by object id went stale when a model was freed."""
         fields = dict(engine.cfg.identity(), weights=engine.model.name)
+        banks = engine.model.banks
+        if banks.fmt != "dense" or banks.gate_up.dtype != engine.dtype:  # quantized experts give other KV
+            fields["experts"] = f"{banks.fmt}:{banks.gate_up.dtype}"
         return model_identity(fields, engine.dtype.name)
 
     def keys(self, engine, prompt: Sequence[int]) -> list[bytes]:

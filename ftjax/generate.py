@@ -368,7 +368,8 @@ def _miss_runtime(model, mode: str, batch: int):
         b = model.banks
         model.banks = b.replace(gate_up=cpu_experts.ensure_host_typed(b.gate_up),
                                 down=cpu_experts.ensure_host_typed(b.down),
-                                scales=None if b.scales is None else tuple(map(cpu_experts.ensure_host_typed, b.scales)))
+                                scales=None if b.scales is None else tuple(map(cpu_experts.ensure_host_typed,
+                                                                               b.scales)))
     calibration = split_model = None
     if FLAGS.miss_policy == "adaptive" and FLAGS.fixed_fetch is None:  # only the model split reads a profile
         path = FLAGS.calibration_profile or calibrate.default_profile_path()

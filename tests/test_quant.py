@@ -115,7 +115,8 @@ def test_expert_ffn_of_quantized_weights_vs_numpy_dequantize_then_matmul(fmt):
     banks = quant.quantize_banks(ExpertBanks(jnp.asarray(gu), jnp.asarray(dn)), fmt)
     gq, dq = quant.dequantize_banks_np(banks)
     if fmt == "bfloat16":
-        ref_gu, ref_dn = gu.astype(ml_dtypes.bfloat16).astype(np.float32), dn.astype(ml_dtypes.bfloat16).astype(np.float32)
+        ref_gu = gu.astype(ml_dtypes.bfloat16).astype(np.float32)
+        ref_dn = dn.astype(ml_dtypes.bfloat16).astype(np.float32)
     else:
         ref_gu, ref_dn = np_quant(fmt, gu, 2)[3], np_quant(fmt, dn, 1)[3]
     np.testing.assert_allclose(gq, ref_gu, rtol=2 ** -23, atol=0)

@@ -92,7 +92,8 @@ def combine_gather(x: jax.Array, ids: jax.Array, weights: jax.Array, slot_of_exp
     """``experts_gather`` with some experts' outputs supplied by the CPU.
 
     x: [N, D]; ids: int32 [N, k]; weights: [N, k]; slot_of_expert: int32 [E]; gate_up [S, D, 2F],
-    down [S, F, D]: slot pools (format ``fmt``, pool ``scales``); on_cpu: bool [E]; cpu_rank: int32 [E], row of each CPU expert in
+    down [S, F, D]: slot pools (format ``fmt``,
+                                pool ``scales``); on_cpu: bool [E]; cpu_rank: int32 [E], row of each CPU expert in
     ``y_cpu`` [C, N, D]. Returns [N, D] in x's dtype. The device arithmetic is the same expression
     as ``ftjax.experts.compute.experts_gather``.
     """

@@ -72,7 +72,8 @@ def make_expert_fn(mode: str, num_experts: int, banks: ExpertBanks | None = None
         if mode == "resident":
             slot_of_expert = layer * e + jnp.arange(e, dtype=jnp.int32)
             stats = LayerStats.fetch_only(jnp.sum(routed, dtype=jnp.int32), jnp.int32(0), _trace_ids(r))
-            return experts_from_pool(r.x, r.ids, r.weights, slot_of_expert, state.gate_up, state.down, state.scales, state.fmt), state, stats
+            return experts_from_pool(r.x, r.ids, r.weights, slot_of_expert, state.gate_up, state.down, state.scales,
+                                     state.fmt), state, stats
         table = reset_table(state.table) if mode == "on_demand" else state.table
         recency = state.last_routed
         if recency is not None:  # every routed expert (hit, fetched or CPU) is now the most recent
@@ -87,7 +88,8 @@ def make_expert_fn(mode: str, num_experts: int, banks: ExpertBanks | None = None
         state = fetch_experts(banks, state.replace(table=look.table, last_routed=recency),
                               layer * e + look.miss_experts,
                               look.miss_slots, look.n_miss)
-        y = experts_from_pool(r.x, r.ids, r.weights, look.slot_of_expert, state.gate_up, state.down, state.scales, state.fmt)
+        y = experts_from_pool(r.x, r.ids, r.weights, look.slot_of_expert, state.gate_up, state.down, state.scales,
+                              state.fmt)
         return y, state, LayerStats.fetch_only(look.n_hit, look.n_miss, _trace_ids(r))
 
     return expert_fn
@@ -120,11 +122,13 @@ def make_stream_expert_fn(num_experts: int, num_layers: int, banks: ExpertBanks,
         if overlap:
             # Compute reads the pool as it is now (buffer l % 2 holds layer l); the prefetch
             # writes buffer (l+1) % 2, so the two are independent and the copy can run early.
-            y = experts_from_pool(r.x, r.ids, r.weights, slot_of_expert, state.gate_up, state.down, state.scales, state.fmt)
+            y = experts_from_pool(r.x, r.ids, r.weights, slot_of_expert, state.gate_up, state.down, state.scales,
+                                  state.fmt)
             state = fetch_layer(banks, state, jnp.minimum(layer + 1, n_layers - 1), 1 - buf, e)
         else:
             state = fetch_layer(banks, state, layer, buf, e)
-            y = experts_from_pool(r.x, r.ids, r.weights, slot_of_expert, state.gate_up, state.down, state.scales, state.fmt)
+            y = experts_from_pool(r.x, r.ids, r.weights, slot_of_expert, state.gate_up, state.down, state.scales,
+                                  state.fmt)
         return y, state, LayerStats.fetch_only(jnp.int32(0), jnp.int32(e), _trace_ids(r))
 
     return expert_fn

@@ -29,3 +29,20 @@ def load_fixture(name: str, dtype: str = "float32"):
 @pytest.fixture(params=FIXTURE_NAMES)
 def fixture_name(request):
     return request.param
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_compile_caches():
+    """Each test module starts and ends with empty compile caches (the engine's AOT programs and
+    JAX's). Hundreds of compiled steps kept across the whole suite on one 2-core, 24 GB machine
+    ended in a segfault inside XLA:CPU's compiler in a late module, a module that passes alone."""
+    yield
+    import gc
+
+    import jax
+
+    from ftjax import engine
+    engine._COMPILED.clear()
+    load_fixture.cache_clear()
+    jax.clear_caches()
+    gc.collect()

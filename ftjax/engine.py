@@ -346,7 +346,8 @@ class Engine:
         on-demand expert loading by :meth:`streams`, whichever path planned it.
 
         Returns (logits, cache, lengths, stats): logits float32 [B, V] of each prompt's last token
-        ([B, T, V] with all_logits, T the padded length); stats: one LayerStats per call.
+        ([B, T, V] with all_logits: T the tokens computed, the longest prompt less any reused prefix);
+        stats: one LayerStats per call.
         """
         if (kv_manager is None) != (request is None):
             raise ValueError("prefix reuse needs both kv_manager and the request that "
@@ -356,7 +357,7 @@ class Engine:
         b = len(prompts)
         lengths = np.array([len(p) for p in prompts], np.int32)
         calls = request.calls if request is not None else self.plan_prefill(prompts)
-        logits, stats, pieces, outs = None, [], [], []
+        logits, stats, pieces, kv_outs = None, [], [], []
         try:
             prefix = kv_manager.load_prefix(request) if request is not None else ()
             for call in calls:
@@ -368,7 +369,7 @@ class Engine:
                 out = self._step(tokens, np.full(b, call.start, np.int32), np.asarray(call.valid, np.int32), cache,
                                  self._options(all_logits, stream, kv), prefix if call.with_prefix else ())
                 cache = out.cache
-                outs.append(out)
+                kv_outs.append(out.kv_out)  # only the KV hook's new chunks outlive the call
                 self.counters["prefill"].add(out.layer_stats)
                 if stream and self.config.prefill_overlap:
                     self.counters["prefill"].extra_copies += self.cfg.num_experts
@@ -382,7 +383,7 @@ class Engine:
                     logits = _keep_rows(ends, out.logits, logits)
         finally:
             if request is not None:
-                kv_manager.finish(request, [o.kv_out for o in outs] if len(outs) == len(calls) else None)
+                kv_manager.finish(request, kv_outs if len(kv_outs) == len(calls) else None)
         if all_logits:
             logits = jnp.concatenate(pieces, axis=1)
         return logits, cache, lengths, stats

@@ -53,11 +53,6 @@ class ExpertBanks:
             raise ValueError(f"expert bank format {self.fmt!r} {'takes no' if self.fmt == 'dense' else 'needs'} scales")
 
     @property
-    def num_flat_ids(self) -> int:
-        """L*E, rows of each bank."""
-        return self.gate_up.shape[0]
-
-    @property
     def expert_bytes(self) -> int:
         """Bytes of one expert (gate, up, down and its scales) as stored: what one H2D copy moves."""
         per = lambda a: a.size // a.shape[0] * a.dtype.itemsize  # noqa: E731

@@ -23,6 +23,7 @@ import json
 import math
 import os
 import struct
+import sys
 from typing import Any
 
 import jax
@@ -256,8 +257,12 @@ def load_checkpoint(ckpt_dir: str, dtype: str | None = None, progress: bool = Tr
     if expert_dtype is not None:
         quant.bank_format(expert_dtype)  # ValueError for an unknown format, before any loading
     L, E, D, F = cfg.num_layers, cfg.num_experts, cfg.hidden_size, cfg.expert_ffn
+    if stored and cfg.is_hybrid:
+        raise CheckpointError(f"{ckpt_dir}: fp8 checkpoints of the {cfg.model_type} family are not supported")
     check_host_memory(L * E * quant.expert_bytes(stored or "dense", D, F, np.dtype(np_dtype).itemsize), ckpt_dir)
     idx = _TensorIndex(ckpt_dir)
+    if cfg.is_hybrid:
+        return _load_hybrid(cfg, idx, ckpt_dir, dtype, progress, expert_dtype)
     shapes = _layer_shapes(cfg)
     total = 2 + (0 if cfg.tie_word_embeddings else 1) + L * (len(shapes) + 3 * E)
     bar = tqdm(total=total, desc=f"loading {os.path.basename(os.path.normpath(ckpt_dir))}", unit="tensor",
@@ -328,6 +333,105 @@ def load_checkpoint(ckpt_dir: str, dtype: str | None = None, progress: bool = Tr
             banks = quant.quantize_banks(banks, expert_dtype)
     return LoadedModel(cfg, params, banks, dtype, load_tokenizer(ckpt_dir), name=ckpt_dir,
                        eos_token_ids=eos_token_ids(ckpt_dir))
+
+
+def _hybrid_prefix(idx: _TensorIndex, ckpt_dir: str) -> str:
+    """The text model's tensor prefix: "model." (ForCausalLM) or "model.language_model."
+    (ForConditionalGeneration, whose vision tower and MTP head are skipped with a note)."""
+    if idx.has("model.language_model.embed_tokens.weight"):
+        skipped = {k.split(".")[1] if k.startswith("model.") else k.split(".")[0] for k in idx.where
+                   if k.startswith(("model.visual.", "mtp."))}
+        if skipped:
+            print(f"note: {ckpt_dir}: text model only; skipping the tensors of {', '.join(sorted(skipped))} "
+                  f"(vision tower / multi-token-prediction head)", file=sys.stderr)
+        return "model.language_model."
+    return "model."
+
+
+def _load_hybrid(cfg: ModelConfig, idx: _TensorIndex, ckpt_dir: str, dtype: str, progress: bool,
+                 expert_dtype: str | None) -> LoadedModel:
+    """Loads a hybrid (qwen3_5_moe) checkpoint: non-expert weights in the block layout of
+    ``ftjax.hybrid``, routed experts into the host banks. Experts may be stored per expert
+    (``mlp.experts.{j}.gate_proj.weight`` ...) or fused (``mlp.experts.gate_up_proj`` [E, 2F, D],
+    ``mlp.experts.down_proj`` [E, D, F]), the two layouts transformers reads."""
+    from ftjax.hybrid import block_position, block_param_shapes, layer_kind_shapes
+    np_dtype = DTYPES[dtype]
+    L, E, D, F = cfg.num_layers, cfg.num_experts, cfg.hidden_size, cfg.expert_ffn
+    pre = _hybrid_prefix(idx, ckpt_dir)
+    kinds = layer_kind_shapes(cfg)
+    bar = tqdm(total=L, desc=f"loading {os.path.basename(os.path.normpath(ckpt_dir))}", unit="layer",
+               disable=not progress, leave=False)
+
+    def get(name, shape):  # a tensor as stored
+        return idx.get(name, tuple(shape)).astype(np_dtype)
+
+    def mat(name, shape):  # shape: ftjax's [in, out]; stored transposed ([out, in])
+        return get(name, shape[::-1]).T
+
+    layers = jax.tree.map(lambda sh: np.zeros(sh, np_dtype), block_param_shapes(cfg), is_leaf=lambda x: isinstance(
+        x, tuple))
+    gate_up = np.empty((L * E, D, 2 * F), np_dtype)
+    down = np.empty((L * E, F, D), np_dtype)
+    for i in range(L):
+        p = f"{pre}layers.{i}."
+        blk, pos, kind, j = block_position(cfg, i)
+        common = {"attn_norm": get(p + "input_layernorm.weight", (D,)),
+                  "mlp_norm": get(p + "post_attention_layernorm.weight", (D,)),
+                  "router": mat(p + "mlp.gate.weight", kinds["common"]["router"]),
+                  "shared_gate_up": np.concatenate([mat(p + f"mlp.shared_expert.{n}_proj.weight",
+                                                        (D, cfg.shared_expert_ffn)) for n in ("gate", "up")], axis=1),
+                  "shared_down": mat(p + "mlp.shared_expert.down_proj.weight", kinds["common"]["shared_down"]),
+                  "shared_gate": mat(p + "mlp.shared_expert_gate.weight", (D, 1))}
+        for k, v in common.items():
+            layers[k][blk, pos] = v
+        if kind == "full_attention":
+            a, sh = p + "self_attn.", kinds["attn"]
+            part = {"wq": mat(a + "q_proj.weight", sh["wq"]), "wk": mat(a + "k_proj.weight", sh["wk"]),
+                    "wv": mat(a + "v_proj.weight", sh["wv"]), "wo": mat(a + "o_proj.weight", sh["wo"]),
+                    "q_norm": get(a + "q_norm.weight", sh["q_norm"]), "k_norm": get(a + "k_norm.weight", sh["k_norm"])}
+            group = layers["attn"]
+        else:
+            a, sh = p + "linear_attn.", kinds["linear"]
+            conv = get(a + "conv1d.weight", (cfg.linear_conv_dim, 1, cfg.linear_conv_kernel))
+            part = {"w_qkv": mat(a + "in_proj_qkv.weight", sh["w_qkv"]), "w_z": mat(a + "in_proj_z.weight", sh["w_z"]),
+                    "w_b": mat(a + "in_proj_b.weight", sh["w_b"]), "w_a": mat(a + "in_proj_a.weight", sh["w_a"]),
+                    "conv": conv[:, 0, :].T, "dt_bias": get(a + "dt_bias", sh["dt_bias"]),
+                    "A_log": get(a + "A_log", sh["A_log"]), "norm": get(a + "norm.weight", sh["norm"]),
+                    "w_out": mat(a + "out_proj.weight", sh["w_out"])}
+            group = layers["linear"]
+        for k, v in part.items():
+            group[k][blk, j] = v
+        _read_layer_experts(cfg, idx, p + "mlp.experts.", i, gate_up, down, np_dtype)
+        bar.update(1)
+    params: dict[str, Any] = {"embed": get(pre + "embed_tokens.weight", (cfg.vocab_size, D)),
+                              "final_norm": get(pre + "norm.weight", (D,)), "layers": layers}
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = mat("lm_head.weight", (D, cfg.vocab_size))
+    bar.close()
+    params = jax.tree.map(memory.to_device, params)
+    banks = ExpertBanks(memory.to_host(gate_up), memory.to_host(down))
+    del gate_up, down
+    if expert_dtype is not None:
+        banks = quant.quantize_banks(banks, expert_dtype)
+    return LoadedModel(cfg, params, banks, dtype, load_tokenizer(ckpt_dir), name=ckpt_dir,
+                       eos_token_ids=eos_token_ids(ckpt_dir))
+
+
+def _read_layer_experts(cfg: ModelConfig, idx: _TensorIndex, prefix: str, layer: int, gate_up: np.ndarray,
+                        down: np.ndarray, np_dtype) -> None:
+    """Fills rows [layer*E, (layer+1)*E) of the banks from fused or per-expert tensors."""
+    E, D, F = cfg.num_experts, cfg.hidden_size, cfg.expert_ffn
+    rows = slice(layer * E, (layer + 1) * E)
+    if idx.has(prefix + "gate_up_proj"):
+        gate_up[rows] = idx.get(prefix + "gate_up_proj", (E, 2 * F, D)).astype(np_dtype).transpose(0, 2, 1)
+        down[rows] = idx.get(prefix + "down_proj", (E, D, F)).astype(np_dtype).transpose(0, 2, 1)
+        return
+    for j in range(E):
+        p = f"{prefix}{j}."
+        r = layer * E + j
+        gate_up[r, :, :F] = idx.get(p + "gate_proj.weight", (F, D)).astype(np_dtype).T
+        gate_up[r, :, F:] = idx.get(p + "up_proj.weight", (F, D)).astype(np_dtype).T
+        down[r] = idx.get(p + "down_proj.weight", (D, F)).astype(np_dtype).T
 
 
 EOS_FILES = ("generation_config.json", "config.json")
@@ -415,7 +519,7 @@ def random_model(cfg: ModelConfig, dtype: str | None = None, seed: int = 0, scal
     check_host_memory(cfg.pool_bytes(jdt.itemsize), f"random {cfg.model_type} weights")
     L, E, D, F = cfg.num_layers, cfg.num_experts, cfg.hidden_size, cfg.expert_ffn
     shapes = param_shapes(cfg)
-    keys = iter(jax.random.split(jax.random.key(seed), 16))
+    keys = iter(jax.random.split(jax.random.key(seed), 64 if cfg.is_hybrid else 16))
 
     def w(name, shape):
         if "norm" in name:
@@ -424,7 +528,10 @@ def random_model(cfg: ModelConfig, dtype: str | None = None, seed: int = 0, scal
         return (jax.random.normal(next(keys), shape, jnp.float32) * (scale / fan_in ** 0.5)).astype(jdt)
 
     # layers first, then embed and head: the order the random keys were always drawn in
-    layers = {n: w(n, sh) for n, sh in shapes.pop("layers").items()}
+    def tree(shapes_):  # a hybrid family's layers nest one level (ftjax.hybrid)
+        return {n: tree(sh) if isinstance(sh, dict) else w(n, sh) for n, sh in shapes_.items()}
+
+    layers = tree(shapes.pop("layers"))
     params = {"layers": layers, **{k: w(k, v) for k, v in shapes.items()}}
     params = jax.tree.map(memory.to_device, params)
 

@@ -2,9 +2,12 @@
 
 The config is a frozen (hashable) dataclass so that it can be a static argument of ``jax.jit``.
 Supported families: ``qwen3_moe``, ``olmoe``, ``mixtral`` (every decoder layer a routed-expert MoE,
-SwiGLU experts, softmax top-k router, RoPE, grouped-query attention). Anything else in a config
-that would change the math (dense layers interleaved, sliding windows, rope scaling, biases, qkv
-clipping, shared experts, other activations) is refused with a :class:`ConfigError` naming the field.
+SwiGLU experts, softmax top-k router, RoPE, grouped-query attention), and the hybrid
+``qwen3_5_moe`` (Qwen3.5 / Qwen3.6 MoE: Gated DeltaNet and gated full-attention layers in a
+repeating pattern, partial RoPE, zero-centred RMSNorm weights, a shared expert beside the routed
+ones; ``ftjax.hybrid``). Anything else in a config that would change the math (dense layers
+interleaved, sliding windows, rope scaling, biases, qkv clipping, shared experts outside
+qwen3_5_moe, other activations) is refused with a :class:`ConfigError` naming the field.
 """
 
 from __future__ import annotations
@@ -14,13 +17,17 @@ import json
 import os
 from typing import Any, Mapping
 
-FAMILIES = ("qwen3_moe", "olmoe", "mixtral")
+FAMILIES = ("qwen3_moe", "olmoe", "mixtral", "qwen3_5_moe")
+#: transformers' model_type of the text model of a family, accepted as that family.
+FAMILY_ALIASES = {"qwen3_5_moe_text": "qwen3_5_moe"}
+#: Token mixers of a hybrid family's layers (``ModelConfig.layer_types``).
+LAYER_TYPES = ("full_attention", "linear_attention")
 # How each family normalises queries and keys before RoPE.
 #   per_head: RMSNorm over head_dim, one weight [head_dim] (Qwen3).
 #   full:     RMSNorm over the whole projection, weights [H*head_dim] (OLMoE).
-QK_NORM = {"qwen3_moe": "per_head", "olmoe": "full", "mixtral": "none"}
+QK_NORM = {"qwen3_moe": "per_head", "olmoe": "full", "mixtral": "none", "qwen3_5_moe": "per_head"}
 # transformers' default rms_norm_eps per family, for configs that leave it out.
-DEFAULT_RMS_EPS = {"qwen3_moe": 1e-6, "olmoe": 1e-5, "mixtral": 1e-5}
+DEFAULT_RMS_EPS = {"qwen3_moe": 1e-6, "olmoe": 1e-5, "mixtral": 1e-5, "qwen3_5_moe": 1e-6}
 
 
 class ConfigError(ValueError):
@@ -47,6 +54,16 @@ class ModelConfig:
       tie_word_embeddings: lm head shares the embedding matrix.
       max_position_embeddings: longest sequence (prompt + generated) in tokens.
       dtype: dtype the checkpoint stores ("float32" | "bfloat16" | "float16").
+      layer_types: hybrid families only: each layer's token mixer (:data:`LAYER_TYPES`); () for
+        the families whose every layer is full attention.
+      partial_rotary_factor: fraction of head_dim that RoPE rotates (the leading dims).
+      attn_output_gate: the query projection also gives a per-head gate; the attention output is
+        multiplied by its sigmoid before ``wo``.
+      norm_offset: RMSNorm weights are zero-centred (scale ``1 + w``, in float32).
+      shared_expert_ffn: width of the always-on shared expert (0: none); its output is scaled by
+        a sigmoid gate.
+      linear_num_key_heads, linear_num_value_heads, linear_key_head_dim, linear_value_head_dim,
+      linear_conv_kernel: the Gated DeltaNet layers' shape (0 without such layers).
     """
 
     model_type: str
@@ -66,6 +83,65 @@ class ModelConfig:
     tie_word_embeddings: bool
     max_position_embeddings: int
     dtype: str = "float32"
+    layer_types: tuple[str, ...] = ()
+    partial_rotary_factor: float = 1.0
+    attn_output_gate: bool = False
+    norm_offset: bool = False
+    shared_expert_ffn: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 0
+
+    # ---- hybrid layer pattern --------------------------------------------------------------
+    @property
+    def is_hybrid(self) -> bool:
+        """Has Gated DeltaNet (linear attention) layers beside full attention."""
+        return "linear_attention" in self.layer_types
+
+    @property
+    def block_pattern(self) -> tuple[str, ...]:
+        """The shortest repeating unit of ``layer_types`` (the block the hybrid decoder scans over);
+        a one-layer full-attention block for the other families."""
+        types = self.layer_types or ("full_attention",)
+        n = len(types)
+        for p in range(1, n + 1):
+            if n % p == 0 and types == types[:p] * (n // p):
+                return types[:p]
+        return types
+
+    @property
+    def num_blocks(self) -> int:
+        return self.num_layers // len(self.block_pattern)
+
+    @property
+    def num_attention_layers(self) -> int:
+        """Layers with a KV cache (all of them outside the hybrid families)."""
+        return sum(t == "full_attention" for t in self.layer_types) if self.layer_types else self.num_layers
+
+    @property
+    def num_linear_layers(self) -> int:
+        """Gated DeltaNet layers (with a conv and a recurrent state instead of a KV cache)."""
+        return sum(t == "linear_attention" for t in self.layer_types)
+
+    @property
+    def rotary_dim(self) -> int:
+        """Leading dims of each head that RoPE rotates."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of the DeltaNet conv: q, k (key dim each) and v (value dim)."""
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + \
+            self.linear_num_value_heads * self.linear_value_head_dim
+
+    def linear_state_bytes(self, batch: int, itemsize: int) -> int:
+        """Bytes of the DeltaNet layers' per-sequence state: the conv state (last K-1 inputs, compute
+        dtype) and the recurrent state [Hv, dk, dv] (float32)."""
+        conv = (self.linear_conv_kernel - 1) * self.linear_conv_dim * itemsize
+        rec = self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim * 4
+        return self.num_linear_layers * batch * (conv + rec)
 
     # ---- derived sizes -------------------------------------------------------------------
     def expert_bytes(self, itemsize: int) -> int:
@@ -84,12 +160,25 @@ class ModelConfig:
         return sum(math.prod(s) for s in _leaves(param_shapes(self)))
 
     def kv_cache_bytes(self, batch: int, max_seq_len: int, itemsize: int) -> int:
-        """Bytes of a K and V cache for ``batch`` sequences of ``max_seq_len`` tokens."""
-        return 2 * self.num_layers * batch * max_seq_len * self.num_kv_heads * self.head_dim * itemsize
+        """Bytes of the per-sequence state of ``batch`` sequences of ``max_seq_len`` tokens: the K and
+        V cache of the full-attention layers, plus the DeltaNet layers' conv and recurrent state."""
+        kv = 2 * self.num_attention_layers * batch * max_seq_len * self.num_kv_heads * self.head_dim * itemsize
+        return kv + self.linear_state_bytes(batch, itemsize)
 
     def identity(self) -> dict:
-        """Fields that define the model's math (used to key stored KV chunks)."""
-        return dataclasses.asdict(self)
+        """Fields that define the model's math (used to key stored KV chunks). The hybrid fields are
+        left out where they hold their defaults, so the other families keep their identities."""
+        d = dataclasses.asdict(self)
+        for f in dataclasses.fields(self):
+            if f.name in HYBRID_FIELDS and d[f.name] == f.default:
+                del d[f.name]
+        return d
+
+
+#: ModelConfig fields that only the hybrid families set.
+HYBRID_FIELDS = ("layer_types", "partial_rotary_factor", "attn_output_gate", "norm_offset", "shared_expert_ffn",
+                 "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                 "linear_conv_kernel")
 
 
 def _leaves(tree) -> list[tuple[int, ...]]:
@@ -141,8 +230,11 @@ def from_hf_dict(d: Mapping[str, Any], source: str = "config.json") -> ModelConf
         ftjax does not implement (the message names the field).
     """
     mt = d.get("model_type")
+    mt = FAMILY_ALIASES.get(mt, mt)
     if mt not in FAMILIES:
         raise ConfigError(f"{source}: unsupported 'model_type' {mt!r}; supported: {', '.join(FAMILIES)}")
+    if mt == "qwen3_5_moe" and "text_config" in d:
+        d = _text_config(d, source)
     hidden = _positive(d, "hidden_size", source)
     heads = _positive(d, "num_attention_heads", source)
     kv_heads = _positive(d, "num_key_value_heads", source, default=heads)
@@ -160,7 +252,11 @@ def from_hf_dict(d: Mapping[str, Any], source: str = "config.json") -> ModelConf
     rope_type = rope_params.get("rope_type", "default")
     _refuse(rope_type != "default", source, "rope_parameters.rope_type", f"{rope_type!r} (only default RoPE)")
     rope_theta = float(rope_params.get("rope_theta", d.get("rope_theta", 10000.0)))
-    _refuse(d.get("partial_rotary_factor") not in (None, 1, 1.0), source, "partial_rotary_factor", "partial RoPE")
+    hybrid: dict[str, Any] = {}
+    if mt == "qwen3_5_moe":
+        hybrid = _qwen3_5_fields(d, rope_params, head_dim, source)
+    else:
+        _refuse(d.get("partial_rotary_factor") not in (None, 1, 1.0), source, "partial_rotary_factor", "partial RoPE")
 
     if mt == "qwen3_moe":
         experts = _positive(d, ("num_experts", "num_local_experts"), source)
@@ -178,6 +274,10 @@ def from_hf_dict(d: Mapping[str, Any], source: str = "config.json") -> ModelConf
         ffn = _positive(d, "intermediate_size", source)
         _refuse(d.get("clip_qkv") is not None, source, "clip_qkv", "qkv clipping")
         norm_topk = bool(d.get("norm_topk_prob", False))
+    elif mt == "qwen3_5_moe":
+        experts = _positive(d, "num_experts", source)
+        ffn = _positive(d, "moe_intermediate_size", source)
+        norm_topk = True  # its router always renormalises the top-k probabilities
     else:  # mixtral
         experts = _positive(d, "num_local_experts", source)
         ffn = _positive(d, "intermediate_size", source)
@@ -195,7 +295,49 @@ def from_hf_dict(d: Mapping[str, Any], source: str = "config.json") -> ModelConf
         head_dim=head_dim, num_experts=experts, top_k=top_k, expert_ffn=ffn, norm_topk_prob=norm_topk,
         qk_norm=QK_NORM[mt], rms_norm_eps=_get(d, ("rms_norm_eps",), source, float, DEFAULT_RMS_EPS[mt]),
         rope_theta=rope_theta, tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-        max_position_embeddings=_get(d, ("max_position_embeddings",), source, default=4096), dtype=dtype)
+        max_position_embeddings=_get(d, ("max_position_embeddings",), source, default=4096), dtype=dtype, **hybrid)
+
+
+def _text_config(d: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """The text model's fields of a ForConditionalGeneration config (``text_config``), with the
+    outer dtype and tied-head flag where the text config leaves them out. The vision tower's
+    config is not read: ftjax runs the text model only."""
+    text = d["text_config"]
+    if not isinstance(text, dict):
+        raise ConfigError(f"{source}: field 'text_config' should be an object, got {type(text).__name__}")
+    outer = {k: d[k] for k in ("torch_dtype", "dtype", "tie_word_embeddings") if d.get(k) is not None}
+    return {**outer, **{k: v for k, v in text.items() if v is not None}, "model_type": "qwen3_5_moe"}
+
+
+def _qwen3_5_fields(d: Mapping[str, Any], rope_params: Mapping[str, Any], head_dim: int,
+                    source: str) -> dict[str, Any]:
+    """The hybrid fields of a qwen3_5_moe text config (transformers' Qwen3_5MoeTextConfig defaults
+    where a field is absent). The multimodal rope sections (``mrope_section``) are accepted as
+    they are: for text every section has the same position, which reduces them to plain RoPE."""
+    n = _positive(d, "num_hidden_layers", source)
+    types = d.get("layer_types")
+    if types is None:
+        every = _positive(d, "full_attention_interval", source, default=4)
+        types = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(n)]
+    if not isinstance(types, list) or len(types) != n or any(t not in LAYER_TYPES for t in types):
+        raise ConfigError(f"{source}: field 'layer_types' must list one of {LAYER_TYPES} per layer "
+                          f"({n} layers), got {types!r}")
+    _refuse("full_attention" not in types, source, "layer_types", "no full_attention layer")
+    prf = rope_params.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25))
+    if not isinstance(prf, (int, float)) or isinstance(prf, bool) or not 0 < prf <= 1 or int(head_dim * prf) % 2:
+        raise ConfigError(f"{source}: field 'partial_rotary_factor' must be in (0, 1] and rotate an even number "
+                          f"of head dims, got {prf!r}")
+    kh = _positive(d, "linear_num_key_heads", source, default=16)
+    vh = _positive(d, "linear_num_value_heads", source, default=32)
+    if vh % kh:
+        raise ConfigError(f"{source}: 'linear_num_value_heads' ({vh}) must be a multiple of "
+                          f"'linear_num_key_heads' ({kh})")
+    return dict(layer_types=tuple(types), partial_rotary_factor=float(prf), attn_output_gate=True, norm_offset=True,
+                shared_expert_ffn=_positive(d, "shared_expert_intermediate_size", source),
+                linear_num_key_heads=kh, linear_num_value_heads=vh,
+                linear_key_head_dim=_positive(d, "linear_key_head_dim", source, default=128),
+                linear_value_head_dim=_positive(d, "linear_value_head_dim", source, default=128),
+                linear_conv_kernel=_positive(d, "linear_conv_kernel_dim", source, default=4))
 
 
 def load_hf_config(path: str | os.PathLike) -> ModelConfig:
@@ -236,6 +378,16 @@ PRESETS: dict[str, ModelConfig] = {
         num_kv_heads=8, head_dim=128, num_experts=8, top_k=2, expert_ffn=14336, norm_topk_prob=True,
         qk_norm="none", rms_norm_eps=1e-5, rope_theta=1e6, tie_word_embeddings=False,
         max_position_embeddings=32768, dtype="bfloat16"),
+    # Qwen3.5-35B-A3B (Qwen3.6-35B-A3B has the same shape): 3 Gated DeltaNet layers to 1 gated
+    # attention layer, 256 routed experts + 1 shared expert per layer.
+    "qwen3.5-35b-a3b": ModelConfig(
+        model_type="qwen3_5_moe", vocab_size=248320, hidden_size=2048, num_layers=40, num_heads=16,
+        num_kv_heads=2, head_dim=256, num_experts=256, top_k=8, expert_ffn=512, norm_topk_prob=True,
+        qk_norm="per_head", rms_norm_eps=1e-6, rope_theta=1e7, tie_word_embeddings=False,
+        max_position_embeddings=262144, dtype="bfloat16",
+        layer_types=(("linear_attention",) * 3 + ("full_attention",)) * 10, partial_rotary_factor=0.25,
+        attn_output_gate=True, norm_offset=True, shared_expert_ffn=512, linear_num_key_heads=16,
+        linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel=4),
     # Built-in demo: small enough for a CPU, with enough experts that a cache smaller than the
     # pool shows hits and misses.
     "tiny": ModelConfig(

@@ -51,26 +51,41 @@ def layer_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
-    """Shapes of the whole params pytree (see the module docstring); no lm_head when tied."""
+    """Shapes of the whole params pytree (see the module docstring; a hybrid family's layers are
+    laid out by blocks, ``ftjax.hybrid.block_param_shapes``); no lm_head when tied."""
+    if cfg.is_hybrid:
+        from ftjax.hybrid import block_param_shapes  # late import: hybrid imports this module
+        layers = block_param_shapes(cfg)
+    else:
+        layers = {k: (cfg.num_layers,) + v for k, v in layer_param_shapes(cfg).items()}
     shapes: dict[str, Any] = {
-        "embed": (cfg.vocab_size, cfg.hidden_size), "final_norm": (cfg.hidden_size,),
-        "layers": {k: (cfg.num_layers,) + v for k, v in layer_param_shapes(cfg).items()}}
+        "embed": (cfg.vocab_size, cfg.hidden_size), "final_norm": (cfg.hidden_size,), "layers": layers}
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (cfg.hidden_size, cfg.vocab_size)
     return shapes
 
 
 class KVCache(NamedTuple):
-    """Device KV cache. k, v: [L, B, S_max, Hkv, hd], compute dtype."""
+    """Device state of the sequences: k, v [L_att, B, S_max, Hkv, hd] (compute dtype) of the
+    full-attention layers (L_att = L outside the hybrid families); for a hybrid family also the
+    Gated DeltaNet layers' conv state [G, Nl, B, K-1, conv_dim] (compute dtype) and recurrent
+    state [G, Nl, B, Hv, dk, dv] (float32), by block (``ftjax.hybrid``); None otherwise."""
 
     k: jax.Array
     v: jax.Array
+    conv: jax.Array | None = None
+    rec: jax.Array | None = None
 
 
 def init_kv_cache(cfg: ModelConfig, batch: int, max_seq_len: int, dtype) -> KVCache:
-    """Zeros of shape [L, batch, max_seq_len, Hkv, hd]."""
-    shape = (cfg.num_layers, batch, max_seq_len, cfg.num_kv_heads, cfg.head_dim)
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    """Zeros: K and V [L_att, batch, max_seq_len, Hkv, hd]; a hybrid family's linear states too."""
+    shape = (cfg.num_attention_layers, batch, max_seq_len, cfg.num_kv_heads, cfg.head_dim)
+    if not cfg.is_hybrid:
+        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    from ftjax.hybrid import linear_state_shapes  # late import: hybrid imports this module
+    conv, rec = linear_state_shapes(cfg, batch)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros(conv, dtype),
+                   jnp.zeros(rec, jnp.float32))
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -78,6 +93,19 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return w * y.astype(x.dtype)
+
+
+def rms_norm_offset(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm with zero-centred weights (Qwen3.5 / Qwen3-Next): the float32 normalised x times
+    ``1 + w`` in float32, then cast to x's dtype (transformers' ``Qwen3_5MoeRMSNorm``)."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
+
+
+def norm_fn(cfg: ModelConfig) -> Callable[[jax.Array, jax.Array, float], jax.Array]:
+    """The family's RMSNorm: zero-centred weights where ``cfg.norm_offset``."""
+    return rms_norm_offset if cfg.norm_offset else rms_norm
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -290,10 +318,11 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, start: jax.Arra
       kv_hook: optional layerwise KV hook (:class:`KVHook`; ``ftjax.kv.layerwise``): loads a
         reused prefix into the cache layer by layer and returns new K/V as scan outputs.
     """
-    b, t = tokens.shape
-    h = params["embed"][tokens]
-    positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    inputs = LayerInputs(positions, jnp.arange(b)[:, None], jnp.arange(t)[None, :] < valid_len[:, None], start)
+    if cfg.is_hybrid:
+        from ftjax.hybrid import forward_blocks  # late import: hybrid imports this module
+        return forward_blocks(params, cfg, tokens, start, valid_len, cache, expert_fn, expert_state, all_logits,
+                              kv_hook)
+    h, inputs = embed_inputs(params, tokens, start, valid_len)
     layer_fn = LAYER_FNS[cfg.model_type]
 
     def body(carry, xs):
@@ -304,10 +333,22 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, start: jax.Arra
     carry = LayerCarry(h, cache.k, cache.v, expert_state, kv_hook.init_carry() if kv_hook is not None else None)
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     carry, (stats, kv_out) = jax.lax.scan(body, carry, (params["layers"], layer_ids, hook_xs))
-    h = carry.h
-    if not all_logits:  # a sequence with no valid token here (valid_len 0) reads position 0
-        h = h[jnp.arange(b), jnp.maximum(valid_len - 1, 0)]
-    h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
-    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    logits = (h @ head).astype(jnp.float32)
+    logits = lm_logits(params, cfg, carry.h, valid_len, all_logits)
     return ForwardOut(logits, KVCache(carry.k, carry.v), carry.expert_state, stats, kv_out)
+
+
+def embed_inputs(params: Params, tokens: jax.Array, start: jax.Array, valid_len: jax.Array):
+    """The embedded tokens h [B, T, D] and the :class:`LayerInputs` of a forward call."""
+    b, t = tokens.shape
+    positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    inputs = LayerInputs(positions, jnp.arange(b)[:, None], jnp.arange(t)[None, :] < valid_len[:, None], start)
+    return params["embed"][tokens], inputs
+
+
+def lm_logits(params: Params, cfg: ModelConfig, h: jax.Array, valid_len: jax.Array, all_logits: bool) -> jax.Array:
+    """Final norm and lm head: float32 [B, V] of each sequence's last valid token, or [B, T, V]."""
+    if not all_logits:  # a sequence with no valid token here (valid_len 0) reads position 0
+        h = h[jnp.arange(h.shape[0]), jnp.maximum(valid_len - 1, 0)]
+    h = norm_fn(cfg)(h, params["final_norm"], cfg.rms_norm_eps)
+    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    return (h @ head).astype(jnp.float32)

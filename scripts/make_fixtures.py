@@ -27,6 +27,13 @@ Fixtures written (``tests/fixtures/<name>/``):
 * ``mixtral_fp32``       MixtralConfig, float32, sliding_window=None, tie_word_embeddings=True
 * ``qwen3_moe_sharded``  the exact qwen3_moe_fp32 weights saved with max_shard_size="200KB"
                          (model.safetensors.index.json + several shards)
+* ``qwen3_5_moe_fp32``   Qwen3_5MoeTextConfig (Qwen3_5MoeForCausalLM), float32: the hybrid
+                         family, 8 layers = 2 blocks of (3 Gated DeltaNet, 1 gated attention),
+                         shared expert, partial RoPE; its own smaller sizes (QWEN35_DIMS)
+* ``qwen3_5_moe_bf16``   the same family stored in bfloat16 (expected: bf16 weights, model.float())
+
+The qwen3_5_moe fixtures' long prompt (300 tokens) spans several 64-token chunks of the chunked
+gated delta rule, which transformers' torch path (no flash-linear-attention installed) runs.
 
 Each folder holds: config.json, generation_config.json, model*.safetensors
 (+ index), tokenizer.json, tokenizer_config.json and expected.npz.
@@ -73,6 +80,7 @@ from transformers import (
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
+from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "tests" / "fixtures"
@@ -218,6 +226,50 @@ def make_mixtral():
     return cfg, MixtralForCausalLM
 
 
+# The hybrid fixtures' sizes: smaller than the others (8 layers instead of 3, so the files stay
+# under ~1 MB), with the Gated DeltaNet shape of their own.
+QWEN35_DIMS = dict(
+    hidden_size=32,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_experts=EXPERTS,
+    moe_intermediate_size=16,
+    shared_expert_intermediate_size=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+)
+
+
+def make_qwen3_5():
+    kw = common_config_kwargs()
+    for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"):
+        kw.pop(k)
+    kw["rope_parameters"] = {"rope_type": "default", "rope_theta": ROPE_THETA, "partial_rotary_factor": 0.25,
+                             "mrope_section": [1, 1, 0], "mrope_interleaved": True}
+    cfg = Qwen3_5MoeTextConfig(**kw, **QWEN35_DIMS, full_attention_interval=4, tie_word_embeddings=False)
+    return cfg, Qwen3_5MoeForCausalLM
+
+
+def randomize_qwen3_5_(model: torch.nn.Module, seed: int) -> None:
+    """After randomize_: zero-centred RMSNorm weights (scale 1 + w) ~ N(0, NORM_STD); per-head
+    decay rates exp(A_log) ~ U(0.02, 0.3) and dt_bias ~ N(0, 0.5), so the recurrent state keeps
+    information across several 64-token chunks (with randomize_'s ~1 they decay within a token)."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if name.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight")) or name == "model.norm.weight":
+                p.copy_(NORM_STD * torch.randn(p.shape, generator=gen))
+            elif name.endswith("A_log"):
+                p.copy_(torch.log(0.02 + 0.28 * torch.rand(p.shape, generator=gen)))
+            elif name.endswith("dt_bias"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+
+
 def randomize_(model: torch.nn.Module, seed: int) -> None:
     """Re-draw every parameter (see EMBED_STD / WEIGHT_GAIN / NORM_STD)."""
     gen = torch.Generator().manual_seed(seed)
@@ -237,6 +289,8 @@ def build_model(cfg, cls, seed: int):
     torch.manual_seed(seed)
     model = cls(cfg)
     randomize_(model, seed)
+    if cfg.model_type == "qwen3_5_moe_text":
+        randomize_qwen3_5_(model, seed)
     return model.eval()
 
 
@@ -321,13 +375,15 @@ def oracle(model, short_ids, long_ids, tokenizer) -> tuple[dict, dict]:
     )
     for h in hooks:
         h.remove()
-    assert len(captured) == LAYERS
+    n_layers = cfg.num_hidden_layers
+    assert len(captured) == n_layers
     rl = out.router_logits
-    assert isinstance(rl, tuple) and len(rl) == LAYERS, type(rl)
+    assert isinstance(rl, tuple) and len(rl) == n_layers, type(rl)
     rl = torch.stack([r.reshape(len(long_ids), EXPERTS) for r in rl]).float()  # [L, T, E]
     probs = torch.softmax(rl, dim=-1)
     topv, topi = torch.topk(probs, TOP_K, dim=-1)
-    norm = bool(getattr(cfg, "norm_topk_prob", False)) or cfg.model_type == "mixtral"
+    # Mixtral and Qwen3.5-MoE always renormalise (neither config has norm_topk_prob)
+    norm = bool(getattr(cfg, "norm_topk_prob", False)) or cfg.model_type in ("mixtral", "qwen3_5_moe_text")
     if norm:
         topv = topv / topv.sum(-1, keepdim=True)
     # Our recomputation must match the routers' own top-k ids and routing weights exactly.
@@ -370,6 +426,7 @@ def oracle(model, short_ids, long_ids, tokenizer) -> tuple[dict, dict]:
 # top1-top2 logit margin over all 32 greedy steps and keep the smallest router k-th vs
 # (k+1)-th probability gap >= ~1e-4, so tiny numeric differences in a re-implementation are
 # unlikely to flip a greedy token or an expert choice.  See manifest.json "diagnostics".
+QWEN35_FP32_SEED, QWEN35_BF16_SEED = 200, 201
 FIXTURES = [
     # name, builder, seed, stored dtype, save kwargs
     ("qwen3_moe_fp32", lambda: make_qwen3(norm_topk_prob=False), 121, torch.float32, {}),
@@ -378,13 +435,21 @@ FIXTURES = [
     ("mixtral_fp32", make_mixtral, 122, torch.float32, {}),
     # same builder + seed as qwen3_moe_fp32 -> identical weights, only sharded on disk
     ("qwen3_moe_sharded", lambda: make_qwen3(norm_topk_prob=False), 121, torch.float32, {"max_shard_size": "200KB"}),
+    ("qwen3_5_moe_fp32", make_qwen3_5, QWEN35_FP32_SEED, torch.float32, {}),
+    ("qwen3_5_moe_bf16", make_qwen3_5, QWEN35_BF16_SEED, torch.bfloat16, {}),
 ]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--only", default="", help="comma-separated fixture names: write only these and update their "
+                    "manifest entries, leaving the other fixtures and entries as they are")
     args = ap.parse_args()
+    only = [n for n in args.only.split(",") if n]
+    unknown = sorted(set(only) - {f[0] for f in FIXTURES})
+    if unknown:
+        ap.error(f"unknown fixture(s) {unknown}; known: {[f[0] for f in FIXTURES]}")
     out_root: Path = args.out
     out_root.mkdir(parents=True, exist_ok=True)
 
@@ -425,7 +490,12 @@ def main() -> None:
         "fixtures": {},
     }
 
+    if only:  # keep the manifest's other entries (and its versions) as they are
+        versions = manifest["versions"]
+        manifest = json.loads((out_root / "manifest.json").read_text())
     for name, builder, seed, dtype, save_kwargs in FIXTURES:
+        if only and name not in only:
+            continue
         cfg, cls = builder()
         model = build_model(cfg, cls, seed)
         if dtype != torch.float32:
@@ -478,10 +548,21 @@ def main() -> None:
             manifest["fixtures"][name]["same_weights_as"] = "qwen3_moe_fp32"
         if dtype == torch.bfloat16:
             manifest["fixtures"][name]["expected_from"] = "bf16 weights loaded, model.float(), float32 compute"
+        if c.model_type == "qwen3_5_moe_text":
+            manifest["fixtures"][name]["dims"] = {**QWEN35_DIMS, "layer_types": list(c.layer_types),
+                                                  "rope_parameters": c.rope_parameters}
+            manifest["fixtures"][name]["note"] = ("hybrid family: own dims; router always renormalises "
+                                                  "(no norm_topk_prob key)")
+        if only and versions != manifest["versions"]:
+            manifest["fixtures"][name]["versions"] = versions
         print(f"{name}: short gen {diag['short_generated_ids']}\n"
               f"{' ' * len(name)}  long gen {diag['long_generated_ids']}")
 
     # Sharded copy must reproduce the unsharded fixture exactly.
+    if only and not {"qwen3_moe_fp32", "qwen3_moe_sharded"} <= set(only):
+        (out_root / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+        print(f"wrote {', '.join(only)} in {out_root}")
+        return
     a = np.load(out_root / "qwen3_moe_fp32" / "expected.npz")
     b = np.load(out_root / "qwen3_moe_sharded" / "expected.npz")
     for k in a.files:

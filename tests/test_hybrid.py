@@ -13,10 +13,12 @@ its offset, the gate on the wrong half of q_proj, a wrong decay) moves logits by
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
-from conftest import load_fixture
+from conftest import fixture_path, load_fixture
 from ftjax.config import EngineConfig
 from ftjax.engine import Engine
 
@@ -205,3 +207,202 @@ def test_preset_35b_a3b_shape_and_state_bytes():
     assert plan.kv_cache_bytes == kv + linear
     assert plan.slots == (int(40e9) - plan.non_expert_bytes - plan.kv_cache_bytes - plan.workspace_bytes
                           - plan.layer_gather_bytes) // cfg.expert_bytes(2)
+
+
+# ---- prefix reuse: the linear layers resume from the stored state -----------------------------
+def _prefix_cache(**kw):
+    from ftjax.config import KVOffloadConfig
+    from ftjax.kv.host_store import HostKVStore
+    from ftjax.kv.prefix_cache import PrefixCache
+    return PrefixCache(HostKVStore(10 ** 8), KVOffloadConfig(chunk_tokens=kw.pop("chunk_tokens", 64),
+                                                              prefill_chunk=256, **kw))
+
+
+@pytest.mark.parametrize("load,route", [("prefetch", "scan"), ("xs", "scan"), ("all_first", "after")])
+def test_prefix_reuse_bit_identical_to_recompute(load, route):
+    """Request A (200 tokens) stores 3 chunks of 64 with the DeltaNet states at their ends;
+    request B (the 300-token prompt) reuses them (192 tokens) and computes the rest from the
+    stored state: bit-identical to an engine that recomputes everything with its prefill cut at
+    the same token, and within the oracle tolerance of transformers."""
+    model, exp = load_fixture("qwen3_5_moe_fp32")
+    prompt = exp["long_prompt_ids"].tolist()
+    mgr = _prefix_cache(load=load, store_route=route)
+    engine = Engine(model, EngineConfig("cached", num_slots=model.cfg.num_experts + 1, max_seq_len=448))
+    first = engine.generate([prompt[:200]], 2, kv_manager=mgr)
+    assert first.kv["chunks_stored"] == 3
+    got = engine.generate([prompt], 16, kv_manager=mgr, keep_logits=True)
+    assert got.kv["reused_tokens"] == 192 and got.kv["hit_chunks"] == 3
+    recompute = Engine(model, EngineConfig("resident", max_seq_len=448, prefill_chunk=192)).generate(
+        [prompt], 16, keep_logits=True)
+    np.testing.assert_array_equal(got.step_logits, recompute.step_logits)
+    assert got.generated_ids[0] == exp["long_generated_ids"].tolist()
+    want = exp["long_step_logits"]
+    np.testing.assert_allclose(got.step_logits[:, 0], want, rtol=0, atol=_tol(want))
+
+
+def test_stored_state_equals_the_recomputed_state_at_the_chunk_end():
+    """The stored entry of chunk 3 holds the KV of the attention layers and the conv and
+    recurrent state of every DeltaNet layer exactly as a plain prefill of the first 192 tokens
+    leaves them in its cache."""
+    model, exp = load_fixture("qwen3_5_moe_fp32")
+    prompt = exp["long_prompt_ids"].tolist()
+    mgr = _prefix_cache()
+    engine = Engine(model, EngineConfig("resident", max_seq_len=448))
+    engine.generate([prompt[:200]], 1, kv_manager=mgr)
+    keys = mgr.keys(engine, prompt[:192])
+    kv, conv, rec = (np.asarray(a) for a in mgr.store.get(keys[-1:])[0])
+    _, cache, _, _ = engine.prefill([prompt[:192]], engine.new_cache(1))
+    assert conv.shape == (2, 3, 3, 64) and rec.shape == (2, 3, 4, 8, 8)
+    np.testing.assert_array_equal(conv, np.asarray(cache.conv)[:, :, 0])
+    np.testing.assert_array_equal(rec, np.asarray(cache.rec)[:, :, 0])
+    np.testing.assert_array_equal(kv[:, 0], np.asarray(cache.k)[:, 0, 128:192])
+    np.testing.assert_array_equal(kv[:, 1], np.asarray(cache.v)[:, 0, 128:192])
+    assert mgr.entry_bytes(engine) == kv.nbytes + conv.nbytes + rec.nbytes
+
+
+def test_full_hit_reuses_whole_chunks_only():
+    """All 3 chunks of a 192-token prompt are stored: the state after token 192 cannot be
+    rewound to recompute the last token, so 2 chunks are reused and the third is recomputed."""
+    model, exp = load_fixture("qwen3_5_moe_fp32")
+    prompt = exp["long_prompt_ids"].tolist()[:192]
+    mgr = _prefix_cache()
+    engine = Engine(model, EngineConfig("resident", max_seq_len=448))
+    engine.generate([prompt], 1, kv_manager=mgr)
+    got = engine.generate([prompt], 8, kv_manager=mgr, keep_logits=True)
+    assert got.kv["reused_tokens"] == 128 and got.kv["hit_chunks"] == 2
+    want = Engine(model, EngineConfig("resident", max_seq_len=448, prefill_chunk=128)).generate(
+        [prompt], 8, keep_logits=True)
+    np.testing.assert_array_equal(got.step_logits, want.step_logits)
+
+
+def test_chunk_size_must_sit_on_delta_rule_chunks():
+    model, exp = load_fixture("qwen3_5_moe_fp32")
+    engine = Engine(model, EngineConfig("resident", max_seq_len=448))
+    with pytest.raises(ValueError, match="multiple of 64"):
+        engine.generate([exp["long_prompt_ids"].tolist()], 1, kv_manager=_prefix_cache(chunk_tokens=32))
+
+
+# ---- checkpoint layouts and the command line ---------------------------------------------------
+def _conditional_generation_layout(tmp_path) -> str:
+    """The fp32 fixture rewritten as a published Qwen3.5 MoE checkpoint is laid out: the text
+    model under ``model.language_model.``, routed experts fused per layer (``gate_up_proj``
+    [E, 2F, D], ``down_proj`` [E, D, F]), a vision tower and an MTP head beside it, the text config
+    nested in a Qwen3_5MoeForConditionalGeneration config; sharded with an index."""
+    import json
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    src = fixture_path("qwen3_5_moe_fp32")
+    with safe_open(os.path.join(src, "model.safetensors"), framework="np") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    out: dict[str, np.ndarray] = {}
+    for k, v in tensors.items():
+        if ".mlp.experts." in k:
+            continue
+        out[k if k.startswith("lm_head") else k.replace("model.", "model.language_model.", 1)] = v
+    e = 8
+    for i in range(8):
+        p = f"model.layers.{i}.mlp.experts."
+        gate_up = [np.concatenate([tensors[f"{p}{j}.gate_proj.weight"], tensors[f"{p}{j}.up_proj.weight"]])
+                   for j in range(e)]
+        out[f"model.language_model.layers.{i}.mlp.experts.gate_up_proj"] = np.stack(gate_up)
+        out[f"model.language_model.layers.{i}.mlp.experts.down_proj"] = np.stack(
+            [tensors[f"{p}{j}.down_proj.weight"] for j in range(e)])
+    out["model.visual.blocks.0.attn.qkv.weight"] = np.ones((6, 2), np.float32)
+    out["mtp.fc.weight"] = np.ones((2, 2), np.float32)
+    d = tmp_path / "qwen3_5_moe_cond_gen"
+    d.mkdir()
+    names = sorted(out)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for fname, keys in shards.items():
+        save_file({k: np.ascontiguousarray(out[k]) for k in keys}, str(d / fname))
+    index = {"metadata": {}, "weight_map": {k: f for f, ks in shards.items() for k in ks}}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    text = json.loads(open(os.path.join(src, "config.json")).read())
+    cfg = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+           "text_config": {k: v for k, v in text.items() if k not in ("architectures", "dtype")},
+           "vision_config": {"model_type": "qwen3_5_moe_vision", "depth": 1, "hidden_size": 2},
+           "dtype": "float32", "tie_word_embeddings": False, "image_token_id": 5}
+    (d / "config.json").write_text(json.dumps(cfg))
+    for fname in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(os.path.join(src, fname), d / fname)
+    return str(d)
+
+
+def test_conditional_generation_layout_loads_the_same_model(tmp_path, capsys):
+    import jax
+
+    from ftjax.checkpoint import load_checkpoint
+
+    path = _conditional_generation_layout(tmp_path)
+    got = load_checkpoint(path, progress=False)
+    assert "vision tower" in capsys.readouterr().err
+    model, exp = load_fixture("qwen3_5_moe_fp32")
+    assert got.cfg == model.cfg
+    for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(model.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(got.banks.gate_up), np.asarray(model.banks.gate_up))
+    np.testing.assert_array_equal(np.asarray(got.banks.down), np.asarray(model.banks.down))
+
+
+def test_generate_cli_runs_a_published_layout_checkpoint(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    _, exp = load_fixture("qwen3_5_moe_fp32")
+    prompt = exp["short_prompt_ids"].tolist()
+    metrics = tmp_path / "m.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-m", "ftjax.generate", "--noprogress",
+                        f"--checkpoint={_conditional_generation_layout(tmp_path)}",
+                        f"--prompt_ids={','.join(map(str, prompt))}", "--temperature=0", "--max_new_tokens=16",
+                        "--expert_slots=8", "--ignore_eos", f"--metrics_json={metrics}"],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(metrics.read_text())["generated_ids"] == exp["short_generated_ids"].tolist()
+
+
+# ---- config: the nested layout and bad input ---------------------------------------------------
+def _text_config() -> dict:
+    import json
+    with open(os.path.join(fixture_path("qwen3_5_moe_fp32"), "config.json")) as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("layer_types", ["linear_attention"] * 7, "'layer_types'"),
+    ("layer_types", ["linear_attention"] * 7 + ["mamba"], "'layer_types'"),
+    ("layer_types", ["linear_attention"] * 8, "'layer_types'.*no full_attention"),
+    ("linear_num_value_heads", 3, "'linear_num_value_heads'"),
+    ("linear_conv_kernel_dim", 0, "'linear_conv_kernel_dim'"),
+    ("shared_expert_intermediate_size", None, "'shared_expert_intermediate_size'"),
+    ("partial_rotary_factor", 0.1, "'partial_rotary_factor'"),
+    ("attention_bias", True, "'attention_bias'"),
+])
+def test_bad_hybrid_config_names_the_field(field, value, match):
+    from ftjax.config import ConfigError, from_hf_dict
+    d = _text_config()
+    if field == "partial_rotary_factor":
+        d["rope_parameters"] = {**d["rope_parameters"], field: value}
+    else:
+        d[field] = value
+    with pytest.raises(ConfigError, match=match):
+        from_hf_dict(d)
+
+
+def test_nested_text_config_and_default_layer_pattern():
+    from ftjax.config import ConfigError, from_hf_dict
+    text = _text_config()
+    want = from_hf_dict(text)
+    outer = {"model_type": "qwen3_5_moe", "dtype": "float32", "text_config": {**text, "dtype": None},
+             "vision_config": {"depth": 27}}
+    assert from_hf_dict(outer) == want
+    no_types = {k: v for k, v in text.items() if k != "layer_types"}
+    assert from_hf_dict({**no_types, "full_attention_interval": 4}).layer_types == want.layer_types
+    assert from_hf_dict({**no_types, "full_attention_interval": 2}).block_pattern == (
+        "linear_attention", "full_attention")
+    with pytest.raises(ConfigError, match="'text_config'"):
+        from_hf_dict({"model_type": "qwen3_5_moe", "text_config": [1]})

@@ -10,7 +10,9 @@ Rules (DESIGN.md 1.4):
 * One entry = one chunk with K and V of **all** layers, a single array ``kv`` of shape
   ``[L, 2, chunk_tokens, num_kv_heads, head_dim]`` (axis 1: 0 = K, 1 = V), any dtype.  It
   is stored and evicted as one unit, so the store never holds a chunk with some layers
-  missing (LMCache crashed on per-layer eviction).
+  missing (LMCache crashed on per-layer eviction).  A hybrid model's entry is a tuple
+  ``(kv, *states)``: the KV of its full-attention layers, then its linear layers' conv and
+  recurrent state at the chunk's end (``ftjax.hybrid``); the tuple is one unit the same way.
 * LRU over chunks; :meth:`HostKVStore.lookup` makes a reused prefix most recent.
 * Storing is best effort: when the entry does not fit and nothing (enough) can be
   evicted, :meth:`HostKVStore.put` skips the store and returns ``False``; it never raises
@@ -34,7 +36,7 @@ import numpy as np
 
 from ftjax.memory import host_sharding
 
-__all__ = ["HostKVStore", "KVStoreStats"]
+__all__ = ["HostKVStore", "KVStoreStats", "entry_nbytes"]
 
 #: Expected layout of one entry, for error messages.
 ENTRY_LAYOUT = "[L, 2, chunk_tokens, num_kv_heads, head_dim]"
@@ -81,6 +83,11 @@ class KVStoreStats:
         """chunks_hit / (chunks_hit + chunks_missed); 0.0 before any lookup."""
         total = self.chunks_hit + self.chunks_missed
         return self.chunks_hit / total if total else 0.0
+
+
+def entry_nbytes(entry: Any) -> int:
+    """Bytes of one entry: its array, or the sum over a ``(kv, *states)`` tuple."""
+    return sum(int(np.prod(np.shape(a), dtype=np.int64)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(entry))
 
 
 class HostKVStore:
@@ -195,20 +202,31 @@ class HostKVStore:
         return self._pins.get(key, 0)
 
     # ------------------------------------------------------------------ validation
-    def _check_entry(self, kv: Any) -> tuple[tuple[int, ...], np.dtype]:
-        shape = tuple(int(d) for d in np.shape(kv))
-        if len(shape) != 5:
-            raise ValueError(f"KV entry must have shape {ENTRY_LAYOUT} (ndim 5), got shape {shape}")
-        if shape[1] != 2:
-            raise ValueError(f"KV entry must have shape {ENTRY_LAYOUT} with axis 1 == 2 (K, V), got shape {shape}")
-        dtype = kv.dtype if hasattr(kv, "dtype") else np.asarray(kv).dtype
-        dtype = np.dtype(dtype)
+    def _check_entry(self, kv: Any) -> tuple[Any, Any]:
+        """(shape, dtype) of an entry: of its array, or tuples of them for a ``(kv, *states)`` entry."""
+        if isinstance(kv, tuple):
+            if not kv:
+                raise ValueError("KV entry tuple is empty; expected (kv, *states)")
+            self._check_kv_array(kv[0])
+            shape = tuple(tuple(int(d) for d in np.shape(a)) for a in kv)
+            dtype = tuple(np.dtype(a.dtype) for a in kv)
+        else:
+            shape, dtype = self._check_kv_array(kv)
         if self._entry_shape is not None and (shape != self._entry_shape or dtype != self._entry_dtype):
             raise ValueError(
                 f"KV entry shape/dtype mismatch: store holds {self._entry_shape} {self._entry_dtype}, "
                 f"got {shape} {dtype}"
             )
         return shape, dtype
+
+    @staticmethod
+    def _check_kv_array(kv: Any) -> tuple[tuple[int, ...], np.dtype]:
+        shape = tuple(int(d) for d in np.shape(kv))
+        if len(shape) != 5:
+            raise ValueError(f"KV entry must have shape {ENTRY_LAYOUT} (ndim 5), got shape {shape}")
+        if shape[1] != 2:
+            raise ValueError(f"KV entry must have shape {ENTRY_LAYOUT} with axis 1 == 2 (K, V), got shape {shape}")
+        return shape, np.dtype(kv.dtype if hasattr(kv, "dtype") else np.asarray(kv).dtype)
 
     # ------------------------------------------------------------------ core ops
     def put(self, key: bytes, kv: Any, *, copy: bool = True) -> bool:
@@ -236,18 +254,20 @@ class HostKVStore:
         if not isinstance(key, (bytes, bytearray)):
             raise TypeError(f"key must be bytes, got {type(key).__name__}")
         key = bytes(key)
-        if not (hasattr(kv, "shape") and hasattr(kv, "dtype")):
+        if isinstance(kv, tuple):
+            kv = tuple(a if hasattr(a, "shape") and hasattr(a, "dtype") else np.asarray(a) for a in kv)
+        elif not (hasattr(kv, "shape") and hasattr(kv, "dtype")):
             kv = np.asarray(kv)  # lists etc.; device_put would treat a list as a pytree
         with self._lock:
             shape, dtype = self._check_entry(kv)
             if key in self._entries:
                 self._entries.move_to_end(key)
                 return True
-            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            nbytes = entry_nbytes(kv)
             if not self._make_room(nbytes):
                 self._c["stores_skipped"] += 1
                 return False
-            if not copy and isinstance(kv, jax.Array) and kv.sharding == self._sharding:
+            if not copy and all(isinstance(a, jax.Array) and a.sharding == self._sharding for a in jax.tree.leaves(kv)):
                 arr = kv  # adopted (see ``copy``)
             else:
                 # may_alias=False: always our own copy, so the caller deleting/donating its
@@ -273,14 +293,14 @@ class HostKVStore:
             if k in self._pins:
                 continue
             victims.append(k)
-            freed += a.nbytes
+            freed += entry_nbytes(a)
             if freed >= need:
                 break
         if freed < need:  # pinned entries block it: skip rather than evict for nothing
             return False
         for k in victims:
             a = self._entries.pop(k)
-            self._bytes_in_use -= a.nbytes
+            self._bytes_in_use -= entry_nbytes(a)
             self._c["chunks_evicted"] += 1
         return True
 
@@ -331,7 +351,7 @@ class HostKVStore:
                     out.append(self._entries[k])
                 except KeyError:
                     raise KeyError(f"KV chunk {bytes(k).hex()[:16]}... not in store") from None
-            self._c["bytes_loaded"] += sum(a.nbytes for a in out)
+            self._c["bytes_loaded"] += sum(entry_nbytes(a) for a in out)
             return out
 
     def record_loaded(self, nbytes: int) -> None:
@@ -357,7 +377,7 @@ class HostKVStore:
             for k in keys:
                 c = self._pins.get(k, 0)
                 if c == 0:
-                    self._bytes_pinned += self._entries[k].nbytes
+                    self._bytes_pinned += entry_nbytes(self._entries[k])
                 self._pins[k] = c + 1
 
     def unpin(self, keys: Iterable[bytes]) -> None:
@@ -384,7 +404,7 @@ class HostKVStore:
                 c = self._pins[k] - n
                 if c == 0:
                     del self._pins[k]
-                    self._bytes_pinned -= self._entries[k].nbytes
+                    self._bytes_pinned -= entry_nbytes(self._entries[k])
                 else:
                     self._pins[k] = c
 

@@ -35,6 +35,15 @@
   ``HostKVStore.put``. With ``store_to_host=False`` they stay on the device and the caller
   moves them after the step.
 
+Hybrid models (``ftjax.hybrid``): an entry is ``(kv, conv, rec)``, the KV of the full-attention
+layers and the Gated DeltaNet layers' conv and recurrent state (by block, ``[G, Nl, ...]``) at
+the chunk's end. The prefix is then a tuple of such entries; :meth:`LayerwiseKV.load_state`
+copies the last one's state (the state where the reused prefix ends; padding repeats that
+chunk) into batch row 0's linear states before the layer scan (one copy, not layerwise: it is
+small beside the weights, ~63 MB per chunk for the 35B-A3B, and every block needs its own slice
+only once). When storing, :meth:`state_points` tells the layers where the call's new chunks end
+and :meth:`state_output` moves their states to host memory inside the scan body, beside the KV.
+
 Prefix padding: to bound recompiles the caller may pass more chunk arrays than were hit
 (:func:`bucket_chunks`), repeating the last hit chunk. The padded rows ``[n_hit*C, n_pad*C)``
 then hold stale data that is harmless: every row below the prompt length is rewritten by this
@@ -95,6 +104,7 @@ class LayerwiseKV:
     Args:
       prefix: tuple of ``n`` chunk arrays, each ``[L, 2, C, Hkv, hd]`` in the cache dtype, in host
         memory (layerwise load) or device memory (load-all-first ablation). Empty: no prefix.
+        A hybrid model's chunks are ``(kv, conv, rec)`` tuples (see the module docstring).
       variant: ``"prefetch"`` or ``"xs"``.
       store_chunks: ``m``, new full chunks to emit (the call's tokens ``[0, m*C)``, i.e. cache rows
         ``[start, start + m*C)``, which must lie below S_max); 0: none.
@@ -108,7 +118,9 @@ class LayerwiseKV:
                  chunk_tokens: int = 256, store_to_host: bool = True):
         if variant not in VARIANTS:
             raise ValueError(f"unknown layerwise variant {variant!r}; expected one of {VARIANTS}")
-        self.prefix = tuple(prefix)
+        prefix = tuple(prefix)
+        self.state = tuple(prefix[-1][1:]) if prefix and isinstance(prefix[0], tuple) else ()
+        self.prefix = tuple(c[0] if isinstance(c, tuple) else c for c in prefix)
         shapes = {tuple(c.shape) for c in self.prefix}
         if len(shapes) > 1:
             raise ValueError(f"prefix chunks must share one shape, got {sorted(shapes)}")
@@ -166,6 +178,26 @@ class LayerwiseKV:
                                   jax.lax.dynamic_slice(cv, idx, size)], axis=1)[0]  # [2, C, Hkv, hd]
             out.append(jax.device_put(kv, jax.memory.Space.Host) if self.store_to_host else kv)
         return tuple(out)
+
+    # ---- linear-layer state (hybrid models) ----------------------------------------------------
+    def state_points(self) -> tuple[int, ...]:
+        """Call-relative token counts where the m new chunks end (their states are stored)."""
+        return tuple((j + 1) * self.chunk_tokens for j in range(self.store_chunks))
+
+    def state_output(self, states: Any) -> Any:
+        """The linear states at the state points, moved to host memory (when ``store_to_host``)."""
+        if not self.store_to_host:
+            return states
+        with jax.named_scope("kv_store"):
+            return jax.tree.map(lambda a: jax.device_put(a, jax.memory.Space.Host), states)
+
+    def load_state(self, conv: jax.Array, rec: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """conv [G, Nl, B, K-1, cd], rec [G, Nl, B, Hv, dk, dv]: batch row 0 set to the prefix's
+        stored state ([G, Nl, ...] each); unchanged without a prefix."""
+        if not self.state:
+            return conv, rec
+        s_conv, s_rec = (_to_device(a) for a in self.state)
+        return conv.at[:, :, 0].set(s_conv.astype(conv.dtype)), rec.at[:, :, 0].set(s_rec.astype(rec.dtype))
 
     # ---- helpers --------------------------------------------------------------------------
     def _fetch_layer(self, layer: jax.Array) -> jax.Array:

@@ -18,11 +18,19 @@ KV: the engine owns the step and runs it. One request (batch 1) goes through it 
 Reuse rules: a trailing partial chunk is never stored; at most ``len(prompt) - 1`` tokens are
 reused, so a prompt whose chunks all hit loads them all and recomputes its last token (its K/V
 row is rewritten by the same value) to produce logits. Requests run one at a time, batch 1.
+
+Hybrid models (Gated DeltaNet layers, ``ftjax.hybrid``): each stored chunk also holds the linear
+layers' conv and recurrent state at its end, and a request resumes from the state of the last
+chunk it reuses. A recurrent state cannot rewind, so only whole chunks are reused (a prompt whose
+chunks all hit reuses all but the last one and recomputes that), and the chunk size must be a
+multiple of the delta rule's chunk (``gated_deltanet.DELTA_CHUNK``, 64), so that the resumed
+computation cuts the sequence where a recompute does.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Sequence
 
@@ -35,7 +43,8 @@ from ftjax.config import KV_STORE_ROUTES as STORE_ROUTES
 from ftjax.config import KVOffloadConfig
 from ftjax.engine import PrefillCall, bucket
 from ftjax.kv.chunk_keys import chunk_keys, model_identity
-from ftjax.kv.host_store import HostKVStore
+from ftjax.gated_deltanet import DELTA_CHUNK
+from ftjax.kv.host_store import HostKVStore, entry_nbytes
 from ftjax.kv.layerwise import KVStep, bucket_chunks
 
 __all__ = ["LOADS", "STORE_ROUTES", "PrefixCache", "PrefixRequest"]
@@ -117,9 +126,23 @@ class PrefixCache:
         return chunk_keys(np.asarray(prompt, np.int64), self.chunk_tokens, self.identity(engine))
 
     def entry_bytes(self, engine) -> int:
-        """Bytes of one stored chunk: L * 2 * C * Hkv * hd * itemsize."""
+        """Bytes of one stored chunk: L_att * 2 * C * Hkv * hd * itemsize, plus a hybrid model's
+        linear states at the chunk's end."""
+        return sum(math.prod(s.shape) * s.dtype.itemsize for s in jax.tree.leaves(self._entry_spec(engine)))
+
+    def _entry_spec(self, engine, sharding=None):
+        """``jax.ShapeDtypeStruct`` of one stored chunk: the KV array, or for a hybrid model the
+        tuple (KV, conv [G, Nl, K-1, cd], rec [G, Nl, Hv, dk, dv] float32)."""
         cfg = engine.cfg
-        return cfg.num_layers * 2 * self.chunk_tokens * cfg.num_kv_heads * cfg.head_dim * engine.dtype.itemsize
+        kv = jax.ShapeDtypeStruct((cfg.num_attention_layers, 2, self.chunk_tokens, cfg.num_kv_heads, cfg.head_dim),
+                                  engine.dtype, sharding=sharding)
+        if not cfg.is_hybrid:
+            return kv
+        from ftjax.hybrid import linear_state_shapes
+        conv, rec = linear_state_shapes(cfg, 1)
+        drop_batch = lambda sh: sh[:2] + sh[3:]  # noqa: E731
+        return (kv, jax.ShapeDtypeStruct(drop_batch(conv), engine.dtype, sharding=sharding),
+                jax.ShapeDtypeStruct(drop_batch(rec), np.float32, sharding=sharding))
 
     # ---- one request ------------------------------------------------------------------------
     def begin(self, engine, prompts: Sequence[Sequence[int]]) -> PrefixRequest:
@@ -134,11 +157,17 @@ class PrefixCache:
         prompt = [int(t) for t in prompts[0]]
         if not prompt:
             raise ValueError("prompt is empty")
+        c = self.chunk_tokens
+        if engine.cfg.is_hybrid and c % DELTA_CHUNK:
+            raise ValueError(f"KV chunk tokens {c} must be a multiple of {DELTA_CHUNK} for a model with Gated "
+                             f"DeltaNet layers (stored states sit on the delta rule's chunk boundaries)")
         t0 = time.perf_counter()
         keys = self.keys(engine, prompt)
         hit = self.store.lookup(keys) if self._compatible(engine) else []
+        if engine.cfg.is_hybrid:  # whole chunks only: the recurrent state cannot rewind
+            hit = hit[: (len(prompt) - 1) // c]
         self.store.pin(hit)
-        c, n = self.chunk_tokens, len(hit)
+        n = len(hit)
         reused = min(n * c, len(prompt) - 1)
         padded = n
         if n and self.config.bucket_prefix and bucket_chunks(n) * c <= engine.max_seq_len:
@@ -162,10 +191,8 @@ class PrefixCache:
     def prefix_spec(self, engine, req: PrefixRequest) -> tuple:
         """Shapes (``jax.ShapeDtypeStruct``) of the prefix argument of the request's first call,
         for compiling it ahead of time."""
-        cfg = engine.cfg
-        shape = (cfg.num_layers, 2, self.chunk_tokens, cfg.num_kv_heads, cfg.head_dim)
         sharding = memory.device_sharding() if self.load == "all_first" else self.store.sharding
-        return tuple(jax.ShapeDtypeStruct(shape, engine.dtype, sharding=sharding) for _ in range(req.prefix_chunks))
+        return tuple(self._entry_spec(engine, sharding) for _ in range(req.prefix_chunks))
 
     def load_prefix(self, req: PrefixRequest) -> tuple:
         """The hit chunks' KV for the first call, padded to ``req.prefix_chunks`` arrays
@@ -180,9 +207,9 @@ class PrefixCache:
         if not req.hit:
             return ()
         prefix = self.store.get(req.hit)
-        req.bytes_loaded = sum(a.nbytes for a in prefix)
+        req.bytes_loaded = sum(entry_nbytes(a) for a in prefix)
         pad = req.prefix_chunks - len(prefix)
-        req.bytes_padding = pad * prefix[-1].nbytes
+        req.bytes_padding = pad * entry_nbytes(prefix[-1])
         prefix = prefix + [prefix[-1]] * pad
         if self.load == "all_first":
             t0 = time.perf_counter()
@@ -209,9 +236,8 @@ class PrefixCache:
     # ---- internals --------------------------------------------------------------------------
     def _compatible(self, engine) -> bool:
         """The store's entries (if any) have this model's chunk shape and dtype."""
-        cfg = engine.cfg
-        shape = (cfg.num_layers, 2, self.chunk_tokens, cfg.num_kv_heads, cfg.head_dim)
-        return self.store.entry_shape in (None, shape) and self.store.entry_dtype in (None, engine.dtype)
+        shape, dtype = _shape_dtype(self._entry_spec(engine))
+        return self.store.entry_shape in (None, shape) and self.store.entry_dtype in (None, dtype)
 
     def _store_new(self, req: PrefixRequest, kv_outs: Sequence) -> None:
         """Best-effort insert of the new full chunks, last first."""
@@ -223,9 +249,8 @@ class PrefixCache:
                     items.append((req.keys[ci], out[j]))
         if not items:
             return
-        entry = items[0][1]
-        if self.store.entry_shape not in (None, tuple(entry.shape)) or \
-                self.store.entry_dtype not in (None, entry.dtype):
+        shape, dtype = _shape_dtype(items[0][1])
+        if self.store.entry_shape not in (None, shape) or self.store.entry_dtype not in (None, dtype):
             self.store_errors += len(items)
             req.chunks_skipped += len(items)
             return
@@ -253,3 +278,10 @@ class PrefixCache:
                 "bytes_padding_copied": sum(r["bytes_padding"] for r in self.requests),
                 "bytes_stored": s.bytes_stored, "bytes_in_use": s.bytes_in_use, "num_entries": s.num_entries,
                 "requests": len(self.requests), "reused_tokens": sum(r["reused_tokens"] for r in self.requests)}
+
+
+def _shape_dtype(entry) -> tuple:
+    """(shape, dtype) of an entry or its spec as the store records them (tuples for a tuple entry)."""
+    if isinstance(entry, tuple):
+        return tuple(tuple(a.shape) for a in entry), tuple(np.dtype(a.dtype) for a in entry)
+    return tuple(entry.shape), np.dtype(entry.dtype)

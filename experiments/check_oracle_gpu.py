@@ -88,9 +88,10 @@ flags.DEFINE_boolean("smoke", False, f"CPU smoke: fixtures {','.join(SMOKE_FIXTU
 flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
 
 
-def tolerance(expected: np.ndarray) -> float:
-    """tests/test_oracle.py's float32 bound on |ours - transformers|: 2e-5 * max|logit| + 1e-5."""
-    return 2e-5 * float(np.abs(expected).max()) + 1e-5
+def tolerance(expected: np.ndarray, hybrid: bool = False) -> float:
+    """tests/test_oracle.py's float32 bound on |ours - transformers|: 2e-5 * max|logit| + 1e-5;
+    5e-5 * max|logit| + 1e-5 for the hybrid family (tests/test_hybrid.py says why)."""
+    return (5e-5 if hybrid else 2e-5) * float(np.abs(expected).max()) + 1e-5
 
 
 def build_engine(model, mode: str, max_seq_len: int, precision: str = "auto") -> Engine:
@@ -165,7 +166,7 @@ def run_case(model, expected, fixture: str, dtype: str, mode: str, prompt: str, 
         row["error"] = f"{type(e).__name__}: {e}"[:2000]
     row["wall_s"] = time.perf_counter() - t0
     if dtype == "float32":
-        row["tol"] = tolerance(want_logits)
+        row["tol"] = tolerance(want_logits, model.cfg.is_hybrid)
         row["ok"] = "error" not in row and row["ids_equal"] and row["max_abs_err"] <= row["tol"]
     return row
 

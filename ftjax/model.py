@@ -216,6 +216,10 @@ class KVHook(Protocol):
     ``layer_output(ck, cv, layer, start)``: per-layer scan output, called after this call's K/V
     were written into the caches (start: int32 [B], first position of the call); stacked over
     layers into ``ForwardOut.kv_out``.
+    A hybrid family (``ftjax.hybrid``) also calls ``state_points()`` (call-relative token counts
+    where stored chunks end), ``state_output(states)`` (the linear layers' states there, moved
+    down) and ``load_state(conv, rec)`` (the reused prefix's stored state written into the cache),
+    and passes attention-layer indices (its KV cache's index) as ``layer``.
     """
 
     def scan_xs(self) -> Any: ...
@@ -295,8 +299,9 @@ def decoder_layer(cfg: ModelConfig, lp: Params, layer: jax.Array, carry: LayerCa
     return LayerCarry(h, ck, cv, state, hc), (stats, hy)
 
 
-#: The layer function of each family (``ModelConfig.model_type``). The three families today share
-#: one layer; a family with another layer kind (or a block of several) registers its own here.
+#: The layer function of each family (``ModelConfig.model_type``). The three families here share
+#: one layer; the hybrid family (layers of two kinds) scans over blocks instead
+#: (``ftjax.hybrid.forward_blocks``, which :func:`forward` hands it to).
 LAYER_FNS: dict[str, Callable[..., tuple[LayerCarry, Any]]] = {
     "qwen3_moe": decoder_layer, "olmoe": decoder_layer, "mixtral": decoder_layer}
 

@@ -406,3 +406,34 @@ def test_nested_text_config_and_default_layer_pattern():
         "linear_attention", "full_attention")
     with pytest.raises(ConfigError, match="'text_config'"):
         from_hf_dict({"model_type": "qwen3_5_moe", "text_config": [1]})
+
+
+@pytest.mark.parametrize("which,bound", [("short", 2.4), ("long", 1.2)])
+def test_bf16_compute_no_further_from_float32_than_transformers_bf16(which, bound):
+    """bfloat16 compute against the float32 oracle. These tiny random models amplify rounding
+    (weights at 2/sqrt(fan_in), the delta rule's state over 300 tokens): transformers itself, run
+    in bfloat16 on this checkpoint (same environment as the fixtures), is off the float32 logits by
+    2.41 (short prompt) and 1.14 (long), and picks another first token on the long prompt (301
+    instead of 200). Ours measured 1.88 and 0.70, with the same first tokens as transformers-bf16:
+    the bound is transformers' own bf16 error."""
+    model, exp = load_fixture("qwen3_5_moe_bf16", "bfloat16")
+    engine = Engine(model, EngineConfig("resident", max_seq_len=384))
+    res = engine.generate([exp[f"{which}_prompt_ids"].tolist()], max_new_tokens=1, keep_logits=True)
+    got, want = res.step_logits[0, 0], exp[f"{which}_step_logits"][0]
+    assert np.abs(got - want).max() < bound
+    assert res.generated_ids[0][0] == {"short": 36, "long": 301}[which]
+
+
+def test_host_store_keeps_a_tuple_entry_as_one_unit():
+    from ftjax.kv.host_store import HostKVStore, entry_nbytes
+    kv, conv, rec = np.ones((2, 2, 4, 2, 3), np.float32), np.ones((2, 3, 3, 5), np.float32), np.ones((2, 3, 2, 2))
+    entry = (kv, conv, rec.astype(np.float32))
+    store = HostKVStore(2 * entry_nbytes(entry))
+    assert store.put(b"a" * 32, entry) and store.put(b"b" * 32, entry)
+    assert store.stats.bytes_in_use == 2 * (kv.nbytes + conv.nbytes + 24 * 4)
+    assert store.put(b"c" * 32, entry)  # evicts "a" whole
+    assert len(store) == 2 and b"a" * 32 not in store and store.stats.chunks_evicted == 1
+    got = store.get([b"c" * 32])[0]
+    assert isinstance(got, tuple) and [a.shape for a in got] == [kv.shape, conv.shape, rec.shape]
+    with pytest.raises(ValueError, match="mismatch"):
+        store.put(b"d" * 32, kv)

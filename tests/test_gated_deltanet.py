@@ -1,0 +1,80 @@
+"""The gated delta rule's two forms and the causal conv (ftjax.gated_deltanet), against a plain
+numpy float64 loop of the recurrence written from the paper's update rule."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ftjax import gated_deltanet as gdn
+
+B, H, DK, DV = 2, 3, 8, 6
+
+
+def _inputs(t: int, seed: int = 0):
+    r = np.random.default_rng(seed)
+    q = gdn.l2_normalize(jnp.asarray(r.normal(size=(B, t, H, DK)), jnp.float32))
+    k = gdn.l2_normalize(jnp.asarray(r.normal(size=(B, t, H, DK)), jnp.float32))
+    v = jnp.asarray(r.normal(size=(B, t, H, DV)), jnp.float32)
+    g = -jnp.asarray(r.uniform(0.0, 0.3, size=(B, t, H)), jnp.float32)
+    beta = jnp.asarray(r.uniform(size=(B, t, H)), jnp.float32)
+    s0 = jnp.asarray(r.normal(size=(B, H, DK, DV)), jnp.float32)
+    return q, k, v, g, beta, s0
+
+
+def _reference(q, k, v, g, beta, s0):
+    """S_t = a S + beta k (v - a S^T k)^T with a = exp(g); o_t = S_t^T q / sqrt(dk); float64."""
+    q, k, v, g, beta, s = (np.asarray(a, np.float64) for a in (q, k, v, g, beta, s0))
+    out = np.zeros(v.shape)
+    for t in range(q.shape[1]):
+        s = s * np.exp(g[:, t])[..., None, None]
+        err = v[:, t] - np.einsum("bhkv,bhk->bhv", s, k[:, t])
+        s = s + np.einsum("bhk,bhv->bhkv", k[:, t], beta[:, t][..., None] * err)
+        out[:, t] = np.einsum("bhkv,bhk->bhv", s, q[:, t]) / np.sqrt(q.shape[-1])
+    return out, s
+
+
+@pytest.mark.parametrize("t", [1, 5, 64, 150])
+def test_both_forms_match_the_recurrence(t):
+    args = _inputs(t)
+    want_o, want_s = _reference(*args)
+    o, s = gdn.recurrent_gated_delta_rule(*args)
+    np.testing.assert_allclose(o, want_o, atol=2e-5)
+    np.testing.assert_allclose(s, want_s, atol=2e-5)
+    o, s, ends = gdn.chunked_gated_delta_rule(*args)
+    np.testing.assert_allclose(o, want_o, atol=2e-5)
+    np.testing.assert_allclose(s, want_s, atol=2e-5)
+    assert ends.shape == (-(-t // gdn.DELTA_CHUNK), B, H, DK, DV)
+    np.testing.assert_array_equal(ends[-1], s)
+    if t > gdn.DELTA_CHUNK:  # the state after the first chunk is the recurrence's after 64 tokens
+        _, s64 = _reference(*(a[:, :64] for a in args[:5]), args[5])
+        np.testing.assert_allclose(ends[0], s64, atol=2e-5)
+
+
+def test_padding_with_zero_beta_and_decay_leaves_the_state_exactly():
+    """What the hybrid layer does for right padding: beta = 0, g = 0 after the real tokens."""
+    q, k, v, g, beta, s0 = _inputs(128)
+    valid = jnp.arange(128)[None, :, None] < 70
+    _, s_padded, _ = gdn.chunked_gated_delta_rule(q, k, v, jnp.where(valid, g, 0.0), jnp.where(valid, beta, 0.0), s0)
+    _, s_short, _ = gdn.chunked_gated_delta_rule(q[:, :70], k[:, :70], v[:, :70], g[:, :70], beta[:, :70], s0)
+    np.testing.assert_allclose(s_padded, s_short, atol=1e-6)
+    _, s_rec = gdn.recurrent_gated_delta_rule(q[:, :1], k[:, :1], v[:, :1], g[:, :1] * 0, beta[:, :1] * 0, s0)
+    np.testing.assert_array_equal(s_rec, s0)  # one padding token: nothing moves
+
+
+def test_causal_conv_continues_from_its_state():
+    r = np.random.default_rng(1)
+    x = jnp.asarray(r.normal(size=(2, 10, 5)), jnp.float32)
+    w = jnp.asarray(r.normal(size=(4, 5)), jnp.float32)
+    zero = jnp.zeros((2, 3, 5), jnp.float32)
+    full, state_full = gdn.causal_conv(x, w, zero, jnp.array([10, 10]))
+    xp = np.pad(np.asarray(x), ((0, 0), (3, 0), (0, 0)))
+    want = sum(xp[:, i:i + 10] * np.asarray(w)[i] for i in range(4))
+    np.testing.assert_allclose(full, want / (1 + np.exp(-want)), atol=1e-5)
+    first, state = gdn.causal_conv(x[:, :6], w, zero, jnp.array([6, 4]))
+    np.testing.assert_array_equal(state[0], x[0, 3:6])
+    np.testing.assert_array_equal(state[1], x[1, 1:4])  # row 1: only 4 real tokens
+    second, state2 = gdn.causal_conv(x[:1, 6:], w, state[:1], jnp.array([4]))
+    np.testing.assert_allclose(second, full[:1, 6:], atol=1e-6)
+    np.testing.assert_array_equal(state2, state_full[:1])

@@ -323,6 +323,8 @@ def _qwen3_5_fields(d: Mapping[str, Any], rope_params: Mapping[str, Any], head_d
         raise ConfigError(f"{source}: field 'layer_types' must list one of {LAYER_TYPES} per layer "
                           f"({n} layers), got {types!r}")
     _refuse("full_attention" not in types, source, "layer_types", "no full_attention layer")
+    _refuse(d.get("attn_output_gate", True) is not True, source, "attn_output_gate",
+            "attention without its output gate")
     prf = rope_params.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25))
     if not isinstance(prf, (int, float)) or isinstance(prf, bool) or not 0 < prf <= 1 or int(head_dim * prf) % 2:
         raise ConfigError(f"{source}: field 'partial_rotary_factor' must be in (0, 1] and rotate an even number "

@@ -3,6 +3,7 @@ r"""Generate text with an MoE model whose experts live in host memory.
   python -m ftjax.generate                                   # demo model and prompt, expert cache on
   python -m ftjax.generate --checkpoint=DIR --prompt="Hello" --max_new_tokens=32
   python -m ftjax.generate --preset=qwen3-30b-a3b --vram_budget_gb=8 --prompt_len=512
+  python -m ftjax.generate --preset=qwen3.5-35b-a3b --vram_budget_gb=8 --prompt_len=512   # hybrid DeltaNet
   python -m ftjax.generate --checkpoint=DIR --prompts_file=reqs.jsonl --kv_offload --metrics_json=m.json
 
 With --prompts_file, the requests (JSON lines ``{"prompt_ids": [...]}`` or ``{"prompt": "..."}``)
@@ -43,7 +44,7 @@ flags.DEFINE_string("checkpoint", None, "HF checkpoint directory (config.json + 
                     "Absent: the trained demo model ftjax/assets/stdlib_moe if present, else random "
                     "weights at preset 'tiny'.")
 flags.DEFINE_string("preset", None, "Random weights at a preset's real shape instead of a checkpoint "
-                    "(qwen3-30b-a3b, olmoe-1b-7b, mixtral-8x7b, tiny).")
+                    "(qwen3-30b-a3b, olmoe-1b-7b, mixtral-8x7b, qwen3.5-35b-a3b, tiny).")
 flags.DEFINE_string("prompt", None, "Prompt text (needs tokenizer.json in the checkpoint).")
 flags.DEFINE_list("prompt_ids", None, "Prompt token ids, comma separated.")
 flags.DEFINE_integer("prompt_len", None, "With --preset: a random prompt of this many tokens.")

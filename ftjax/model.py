@@ -19,6 +19,10 @@ plugs in without touching the math.
 KV cache: ``k`` and ``v`` of shape [L, B, S_max, Hkv, hd]. A forward call writes the K/V of its
 tokens at positions ``start[b] + t`` and attends causally by absolute position, so one function
 serves prefill (T tokens), prefix-reuse prefill (start > 0) and decode (T = 1).
+
+The hybrid family (``qwen3_5_moe``: Gated DeltaNet + gated attention layers) lays its layers out
+by blocks and has a KV cache for its attention layers only, beside the DeltaNet layers' conv and
+recurrent state; :func:`forward` hands it to ``ftjax.hybrid.forward_blocks``.
 """
 
 from __future__ import annotations

@@ -381,6 +381,7 @@ def _text_config() -> dict:
     ("shared_expert_intermediate_size", None, "'shared_expert_intermediate_size'"),
     ("partial_rotary_factor", 0.1, "'partial_rotary_factor'"),
     ("attention_bias", True, "'attention_bias'"),
+    ("attn_output_gate", False, "'attn_output_gate'"),
 ])
 def test_bad_hybrid_config_names_the_field(field, value, match):
     from ftjax.config import ConfigError, from_hf_dict

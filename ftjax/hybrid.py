@@ -161,7 +161,7 @@ def gated_deltanet(cfg: ModelConfig, lp: Params, x: jax.Array, conv_state: jax.A
     if t == 1:
         o, rec = gdn.recurrent_gated_delta_rule(q, k, v, g, beta, rec_state)
     else:
-        o, rec, ends = gdn.chunked_gated_delta_rule(q, k, v, g, beta, rec_state)
+        o, rec, ends = gdn.chunked_gated_delta_rule(q, k, v, g, beta, rec_state, chunk_states=bool(state_points))
         if state_points:
             conv_in = jnp.concatenate([conv_state.astype(qkv_in.dtype), qkv_in], axis=1)[0]
             km1 = cfg.linear_conv_kernel - 1

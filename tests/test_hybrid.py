@@ -438,3 +438,16 @@ def test_host_store_keeps_a_tuple_entry_as_one_unit():
     assert isinstance(got, tuple) and [a.shape for a in got] == [kv.shape, conv.shape, rec.shape]
     with pytest.raises(ValueError, match="mismatch"):
         store.put(b"d" * 32, kv)
+
+
+def test_quantized_experts_offload_bit_identical():
+    """int8 expert banks (quantized after loading): cached at S=E equals resident."""
+    from ftjax.checkpoint import load_checkpoint
+    model = load_checkpoint(fixture_path("qwen3_5_moe_fp32"), "float32", progress=False, expert_dtype="int8")
+    _, exp = load_fixture("qwen3_5_moe_fp32")
+    prompt = exp["short_prompt_ids"].tolist()
+    want, _ = _run(model, prompt, steps=24)
+    got, engine = _run(model, prompt, steps=24, experts="cached", num_slots=model.cfg.num_experts)
+    np.testing.assert_array_equal(got.step_logits, want.step_logits)
+    assert engine.expert_cache_metrics()["expert_format"] == "int8"
+    assert got.generated_ids[0][:4] == exp["short_generated_ids"][:4].tolist()

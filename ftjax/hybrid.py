@@ -252,7 +252,8 @@ def forward_blocks(params: Params, cfg: ModelConfig, tokens: jax.Array, start: j
     With a KV hook that stores new chunks (prefix reuse), ``kv_out`` is a tuple over the m new
     chunks of (KV [L_att, 2, C, Hkv, hd], conv [G, Nl, K-1, conv_dim], rec [G, Nl, Hv, dk, dv]):
     each chunk's KV and the linear states at its end. A hook whose prefix carries a state
-    (``kv_hook.prefix_state``) writes it into batch row 0's linear states before the scan.
+    (``kv_hook.state_xs()``) writes each block's slice into batch row 0's linear states at the
+    start of that block.
     Expert stats are stacked over the L layers, as for the other families.
 
     Raises:
@@ -266,18 +267,19 @@ def forward_blocks(params: Params, cfg: ModelConfig, tokens: jax.Array, start: j
         if na != 1:
             raise ValueError(f"prefix reuse of a hybrid model needs one full-attention layer per block, got {na}")
         state_points = kv_hook.state_points()
-        with jax.named_scope("kv_prefix_state_load"):
-            conv, rec = kv_hook.load_state(conv, rec)
 
     def body(carry, xs):
-        lp, blk, hx, conv_b, rec_b = xs
+        lp, blk, hx, conv_b, rec_b, state_b = xs
+        if kv_hook is not None:
+            conv_b, rec_b = kv_hook.load_state(conv_b, rec_b, state_b)
         return decoder_block(cfg, lp, blk, carry, inputs, expert_fn, kv_hook, hx, conv_b, rec_b, state_points)
 
     hook_xs = kv_hook.scan_xs() if kv_hook is not None else None
+    state_xs = kv_hook.state_xs() if kv_hook is not None else None
     carry = LayerCarry(h, cache.k, cache.v, expert_state, kv_hook.init_carry() if kv_hook is not None else None)
     blocks = jnp.arange(cfg.num_blocks, dtype=jnp.int32)
     carry, (stats, hook_out, conv, rec, pts) = jax.lax.scan(body, carry, (params["layers"], blocks, hook_xs, conv,
-                                                                          rec))
+                                                                          rec, state_xs))
     stats = jax.tree.map(lambda a: a.reshape((cfg.num_layers,) + a.shape[2:]), stats)
     kv_out = None
     if hook_out is not None:

@@ -222,8 +222,9 @@ class KVHook(Protocol):
     layers into ``ForwardOut.kv_out``.
     A hybrid family (``ftjax.hybrid``) also calls ``state_points()`` (call-relative token counts
     where stored chunks end), ``state_output(states)`` (the linear layers' states there, moved
-    down) and ``load_state(conv, rec)`` (the reused prefix's stored state written into the cache),
-    and passes attention-layer indices (its KV cache's index) as ``layer``.
+    down), ``state_xs()`` and ``load_state(conv, rec, xs)`` (the reused prefix's stored state, as
+    scan xs over blocks, written into each block's linear states), and passes attention-layer
+    indices (its KV cache's index) as ``layer``.
     """
 
     def scan_xs(self) -> Any: ...

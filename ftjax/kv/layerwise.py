@@ -37,12 +37,13 @@
 
 Hybrid models (``ftjax.hybrid``): an entry is ``(kv, conv, rec)``, the KV of the full-attention
 layers and the Gated DeltaNet layers' conv and recurrent state (by block, ``[G, Nl, ...]``) at
-the chunk's end. The prefix is then a tuple of such entries; :meth:`LayerwiseKV.load_state`
-copies the last one's state (the state where the reused prefix ends; padding repeats that
-chunk) into batch row 0's linear states before the layer scan (one copy, not layerwise: it is
-small beside the weights, ~63 MB per chunk for the 35B-A3B, and every block needs its own slice
-only once). When storing, :meth:`state_points` tells the layers where the call's new chunks end
-and :meth:`state_output` moves their states to host memory inside the scan body, beside the KV.
+the chunk's end. The prefix is then a tuple of such entries; the last one's state (the state where
+the reused prefix ends; padding repeats that chunk) is scan ``xs`` over blocks
+(:meth:`LayerwiseKV.state_xs`), and :meth:`LayerwiseKV.load_state` copies each block's slice to
+the device inside the block body and writes it into batch row 0's linear states (the "xs"
+pattern, block by block; ~63 MB per chunk for the 35B-A3B, 6 MB per block). When storing,
+:meth:`state_points` tells the layers where the call's new chunks end and :meth:`state_output`
+moves their states to host memory inside the scan body, beside the KV.
 
 Prefix padding: to bound recompiles the caller may pass more chunk arrays than were hit
 (:func:`bucket_chunks`), repeating the last hit chunk. The padded rows ``[n_hit*C, n_pad*C)``
@@ -191,13 +192,21 @@ class LayerwiseKV:
         with jax.named_scope("kv_store"):
             return jax.tree.map(lambda a: jax.device_put(a, jax.memory.Space.Host), states)
 
-    def load_state(self, conv: jax.Array, rec: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """conv [G, Nl, B, K-1, cd], rec [G, Nl, B, Hv, dk, dv]: batch row 0 set to the prefix's
-        stored state ([G, Nl, ...] each); unchanged without a prefix."""
-        if not self.state:
+    def state_xs(self) -> Any:
+        """The prefix's stored linear state (conv [G, Nl, K-1, cd], rec [G, Nl, Hv, dk, dv], host
+        memory) as scan ``xs`` over blocks, or None without a prefix."""
+        return self.state or None
+
+    def load_state(self, conv: jax.Array, rec: jax.Array, xs: Any) -> tuple[jax.Array, jax.Array]:
+        """One block's linear states, conv [Nl, B, K-1, cd] and rec [Nl, B, Hv, dk, dv], with batch
+        row 0 set to the prefix's stored state (``xs``: this block's slice of :meth:`state_xs`, copied
+        to the device here, so the state loads block by block inside the scan); unchanged without a
+        prefix."""
+        if xs is None:
             return conv, rec
-        s_conv, s_rec = (_to_device(a) for a in self.state)
-        return conv.at[:, :, 0].set(s_conv.astype(conv.dtype)), rec.at[:, :, 0].set(s_rec.astype(rec.dtype))
+        with jax.named_scope("kv_prefix_state_load"):
+            s_conv, s_rec = (_to_device(a) for a in xs)
+            return conv.at[:, 0].set(s_conv.astype(conv.dtype)), rec.at[:, 0].set(s_rec.astype(rec.dtype))
 
     # ---- helpers --------------------------------------------------------------------------
     def _fetch_layer(self, layer: jax.Array) -> jax.Array:

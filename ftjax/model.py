@@ -273,6 +273,28 @@ LAYER_FNS: dict[str, Callable[..., tuple[LayerCarry, Any]]] = {
     "qwen3_moe": decoder_layer, "olmoe": decoder_layer, "mixtral": decoder_layer}
 
 
+def embed_inputs(params: Params, tokens: jax.Array, start: jax.Array,
+                 valid_len: jax.Array) -> tuple[jax.Array, LayerInputs]:
+    """The residual stream entering layer 0 (h [B, T, D], the embedding rows of ``tokens``) and
+    the :class:`LayerInputs` every layer of the call shares. Arguments as for :func:`forward`."""
+    b, t = tokens.shape
+    positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    inputs = LayerInputs(positions, jnp.arange(b)[:, None], jnp.arange(t)[None, :] < valid_len[:, None], start)
+    return params["embed"][tokens], inputs
+
+
+def final_logits(params: Params, cfg: ModelConfig, h: jax.Array, valid_len: jax.Array,
+                 all_logits: bool = False) -> jax.Array:
+    """Final norm and LM head over the last layer's output h [B, T, D]: float32 logits [B, V] of
+    each sequence's last valid token, or [B, T, V] with ``all_logits``."""
+    b = h.shape[0]
+    if not all_logits:  # a sequence with no valid token here (valid_len 0) reads position 0
+        h = h[jnp.arange(b), jnp.maximum(valid_len - 1, 0)]
+    h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    return (h @ head).astype(jnp.float32)
+
+
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, start: jax.Array, valid_len: jax.Array,
             cache: KVCache, expert_fn: ExpertFn, expert_state: Any, all_logits: bool = False,
             kv_hook: KVHook | None = None) -> ForwardOut:
@@ -289,11 +311,11 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, start: jax.Arra
       all_logits: return logits of every position instead of the last valid one.
       kv_hook: optional layerwise KV hook (:class:`KVHook`; ``ftjax.kv.layerwise``): loads a
         reused prefix into the cache layer by layer and returns new K/V as scan outputs.
+
+    The layer-pipelined driver (``ftjax.layer_pipeline``) runs the same pieces (:func:`embed_inputs`,
+    the family's layer function, :func:`final_logits`) one layer program at a time instead.
     """
-    b, t = tokens.shape
-    h = params["embed"][tokens]
-    positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    inputs = LayerInputs(positions, jnp.arange(b)[:, None], jnp.arange(t)[None, :] < valid_len[:, None], start)
+    h, inputs = embed_inputs(params, tokens, start, valid_len)
     layer_fn = LAYER_FNS[cfg.model_type]
 
     def body(carry, xs):
@@ -304,10 +326,5 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, start: jax.Arra
     carry = LayerCarry(h, cache.k, cache.v, expert_state, kv_hook.init_carry() if kv_hook is not None else None)
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     carry, (stats, kv_out) = jax.lax.scan(body, carry, (params["layers"], layer_ids, hook_xs))
-    h = carry.h
-    if not all_logits:  # a sequence with no valid token here (valid_len 0) reads position 0
-        h = h[jnp.arange(b), jnp.maximum(valid_len - 1, 0)]
-    h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
-    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    logits = (h @ head).astype(jnp.float32)
+    logits = final_logits(params, cfg, carry.h, valid_len, all_logits)
     return ForwardOut(logits, KVCache(carry.k, carry.v), carry.expert_state, stats, kv_out)

@@ -81,6 +81,18 @@ def experts_grouped(x: jax.Array, ids: jax.Array, weights: jax.Array, gate_up: j
     return jnp.einsum("nkd,nk->nd", y, weights.astype(y.dtype)).astype(x.dtype)
 
 
+def experts_from_layer(x: jax.Array, ids: jax.Array, weights: jax.Array, gate_up: jax.Array, down: jax.Array,
+                       scales: tuple | None = None, fmt: str = "dense") -> jax.Array:
+    """Expert FFN of one layer whose E experts sit in expert order in ``gate_up`` [E, D, 2F] and
+    ``down`` [E, F, D] (a streamed full-layer buffer): the grouped matmul reads them as they are,
+    with no gather copy (issue 12, item 2). ids: int32 [N, k] expert ids. Same arithmetic, and the
+    same formulation choice by N*k, as :func:`experts_from_pool` with slot = expert id.
+    """
+    if ids.size <= GATHER_MAX_PAIRS:
+        return experts_gather(x, ids, weights, gate_up, down, scales, fmt)
+    return experts_grouped(x, ids, weights, gate_up, down, scales, fmt)
+
+
 def experts_from_pool(x: jax.Array, ids: jax.Array, weights: jax.Array, slot_of_expert: jax.Array,
                       gate_up: jax.Array, down: jax.Array, scales: tuple | None = None,
                       fmt: str = "dense") -> jax.Array:

@@ -1,0 +1,181 @@
+"""Fused MoE decode: each routed (token, expert) pair reads its expert's weights straight from the
+slot pool by slot id, with no gathered copy of the weights.
+
+The reference is ``ftjax.experts.compute.gather_outputs`` (jnp): it gathers the k experts'
+weights of every token into a temporary ``[N, k, D, 2F]`` (a second pass over ~75 MB per layer
+of qwen3-30b-a3b at batch 1) and then runs two einsums that XLA lowers, at batch 1, to
+elementwise multiply + reduce fusions. Here two Pallas kernels compute the same per-pair outputs
+``[P, D]`` (P = N*k pairs) from the pool in place:
+
+1. gate/up: grid (P, F / block_f). Program (p, j) loads slot ``slots[p]`` and, in steps of
+   ``block_d`` input rows, accumulates in float32 the gate columns ``[j*bf, (j+1)*bf)`` and the
+   matching up columns ``F + ...`` of ``gate_up[slot]`` against token ``p // k``; then
+   ``h = silu(gate) * up`` ([P, F], the input dtype).
+2. down: grid (P, D / block_d). Program (p, j) accumulates ``h[p] @ down[slot][:, j*bd:(j+1)*bd]``
+   over F in steps of ``block_f``.
+
+Each weight byte is read once (decode is a batched GEMV, bandwidth-bound: the matrix-vector
+products are written as broadcast-multiply + row reductions, not ``dot``, which needs 16 rows).
+The weighted sum over k stays in jnp (``experts_gather``) so the CPU-miss path of
+``ftjax.experts.miss_policy``, which replaces some pairs' outputs, shares the kernel.
+
+Quantized pools are dequantized inside the kernel (``ftjax.experts.quant`` layouts): ``int8``
+multiplies each column's float32 accumulator by its per-column scale at the end; ``fp8``
+multiplies each tile's partial sum by its 128x128 block scale (tiles must not straddle blocks).
+``int4`` is not handled here (the caller falls back to the reference).
+
+Backend choice: the kernels use only generic Pallas primitives (whole-array refs indexed with
+``pl.ds`` and a slot id read from a ref, ``lax.fori_loop``), so they run on the CPU in interpret
+mode (``interpret=True``; the tests) and lower on the GPU through Pallas' Triton backend (the
+default GPU lowering of a ``pallas_call`` without Mosaic GPU compiler params in jax 0.11.2; it is
+deprecated but still shipped). Mosaic GPU was not used: its TMA / warpgroup-matmul model wants
+64-row tiles of a dense operand, while this is a 1-to-64-row GEMV over weights chosen by a
+data-dependent slot id; the Triton backend has no scalar prefetch but reads the slot id inside
+the kernel and offsets the pool pointer by it (64-bit offsets when a pool exceeds 4 GiB,
+as jax's Triton lowering does by itself). Idea: the fused-MoE kernels of vLLM / SGLang
+(expert weights addressed by id inside the kernel instead of gathered).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from ftjax.kernels import select
+
+#: Default tiles (input rows per step, output columns per program); the GPU script sweeps others.
+BLOCK_D, BLOCK_F = 64, 64
+FP8_BLOCK = 128
+FORMATS = ("dense", "int8", "fp8")
+
+
+def supported(x: jax.Array, gate_up: jax.Array, down: jax.Array, fmt: str, block_d: int = BLOCK_D,
+              block_f: int = BLOCK_F) -> bool:
+    """True when the kernels handle these operands: format in :data:`FORMATS`, float x, power-of-two
+    tiles dividing D and F (F = gate_up's width / 2), and for fp8 tiles inside its 128x128 blocks."""
+    d, f = x.shape[-1], down.shape[1]
+    if fmt not in FORMATS or not jnp.issubdtype(x.dtype, jnp.floating):
+        return False
+    if gate_up.shape[1:] != (d, 2 * f) or down.shape[2] != d:
+        return False
+    tiles = [min(block_d, d), min(block_f, f), min(block_d, f), min(block_f, d)]
+    if any(t & (t - 1) for t in tiles) or d % tiles[0] or f % tiles[1] or f % tiles[2] or d % tiles[3]:
+        return False
+    if fmt == "fp8":
+        return d % FP8_BLOCK == 0 and f % FP8_BLOCK == 0 and all(FP8_BLOCK % t == 0 for t in tiles)
+    return True
+
+
+def _silu_mul(g: jax.Array, u: jax.Array, dtype) -> jax.Array:
+    """silu(g) * u with the reference's roundings: g, u and silu(g) rounded to ``dtype``."""
+    g = g.astype(dtype).astype(jnp.float32)
+    u = u.astype(dtype).astype(jnp.float32)
+    s = (g / (1.0 + jnp.exp(-g))).astype(dtype).astype(jnp.float32)
+    return (s * u).astype(dtype)
+
+
+def _gate_up_kernel(slots_ref, x_ref, gu_ref, *rest, k, f, bd, bf, fmt):
+    s_ref, h_ref = (rest[0], rest[1]) if fmt != "dense" else (None, rest[0])
+    p, j = pl.program_id(0), pl.program_id(1)
+    slot = slots_ref[p]
+    n = p // k
+    f0 = j * bf
+    d_steps = x_ref.shape[1] // bd
+
+    def body(i, carry):
+        g, u = carry
+        d0 = i * bd
+        xb = x_ref[n, pl.ds(d0, bd)].astype(jnp.float32)[:, None]
+        pg = jnp.sum(xb * gu_ref[slot, pl.ds(d0, bd), pl.ds(f0, bf)].astype(jnp.float32), axis=0)
+        pu = jnp.sum(xb * gu_ref[slot, pl.ds(d0, bd), pl.ds(f + f0, bf)].astype(jnp.float32), axis=0)
+        if fmt == "fp8":  # one block scale per tile: gate blocks first, then up blocks
+            r, c = d0 // FP8_BLOCK, f0 // FP8_BLOCK
+            pg = pg * s_ref[slot, r, c]
+            pu = pu * s_ref[slot, r, f // FP8_BLOCK + c]
+        return g + pg, u + pu
+
+    zeros = jnp.zeros((bf,), jnp.float32)
+    g, u = lax.fori_loop(0, d_steps, body, (zeros, zeros))
+    if fmt == "int8":  # one scale per output column
+        g = g * s_ref[slot, 0, pl.ds(f0, bf)]
+        u = u * s_ref[slot, 0, pl.ds(f + f0, bf)]
+    h_ref[p, pl.ds(f0, bf)] = _silu_mul(g, u, h_ref.dtype)
+
+
+def _down_kernel(slots_ref, h_ref, dn_ref, *rest, bd, bf, fmt):
+    s_ref, y_ref = (rest[0], rest[1]) if fmt != "dense" else (None, rest[0])
+    p, j = pl.program_id(0), pl.program_id(1)
+    slot = slots_ref[p]
+    d0 = j * bd
+    f_steps = h_ref.shape[1] // bf
+
+    def body(i, acc):
+        f0 = i * bf
+        hb = h_ref[p, pl.ds(f0, bf)].astype(jnp.float32)[:, None]
+        part = jnp.sum(hb * dn_ref[slot, pl.ds(f0, bf), pl.ds(d0, bd)].astype(jnp.float32), axis=0)
+        if fmt == "fp8":
+            part = part * s_ref[slot, f0 // FP8_BLOCK, d0 // FP8_BLOCK]
+        return acc + part
+
+    acc = lax.fori_loop(0, f_steps, body, jnp.zeros((bd,), jnp.float32))
+    if fmt == "int8":
+        acc = acc * s_ref[slot, 0, pl.ds(d0, bd)]
+    y_ref[p, pl.ds(d0, bd)] = acc.astype(y_ref.dtype)
+
+
+def _compiler_params(num_warps: int | None, num_stages: int | None):
+    from jax.experimental.pallas import triton as pltriton
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "interpret", "block_d", "block_f", "num_warps", "num_stages"))
+def moe_decode_pairs(x: jax.Array, slots: jax.Array, gate_up: jax.Array, down: jax.Array,
+                     scales: tuple | None = None, fmt: str = "dense", *, interpret: bool = False,
+                     block_d: int = BLOCK_D, block_f: int = BLOCK_F, num_warps: int | None = None,
+                     num_stages: int | None = None) -> jax.Array:
+    """Per-(token, k) expert outputs [N, k, D] in x's dtype, weights read from the pool by slot.
+
+    x: [N, D] float; slots: int32 [N, k] pool slots (negative ids wrap and out-of-range ids clamp,
+    as a jnp gather would); gate_up: [S, D, 2F] (gate columns first, then up); down: [S, F, D];
+    scales: the pool's (gate_up, down) float32 scales for a quantized ``fmt`` (int8: [S, 1, 2F]
+    and [S, 1, D]; fp8: [S, D/128, 2F/128] and [S, F/128, D/128]). interpret: run the kernels in
+    Pallas interpret mode (CPU). block_d / block_f: tile sizes (powers of two); num_warps /
+    num_stages: Triton compiler parameters on the GPU (None: its defaults).
+    """
+    n, k = slots.shape
+    d, f = x.shape[1], down.shape[1]
+    s_pool = gate_up.shape[0]
+    pairs = n * k
+    flat = slots.reshape(-1).astype(jnp.int32)
+    flat = jnp.clip(jnp.where(flat < 0, flat + s_pool, flat), 0, s_pool - 1)
+    sg, sd = scales if scales is not None else (None, None)
+    extra_g = () if fmt == "dense" else (sg.astype(jnp.float32),)
+    extra_d = () if fmt == "dense" else (sd.astype(jnp.float32),)
+    params = None if interpret else _compiler_params(num_warps, num_stages)
+    bf1, bd1 = min(block_f, f), min(block_d, d)
+    h = pl.pallas_call(
+        functools.partial(_gate_up_kernel, k=k, f=f, bd=bd1, bf=bf1, fmt=fmt),
+        out_shape=jax.ShapeDtypeStruct((pairs, f), x.dtype), grid=(pairs, f // bf1),
+        interpret=interpret, compiler_params=params, name="moe_decode_gate_up",
+    )(flat, x, gate_up, *extra_g)
+    bd2, bf2 = min(block_f, d), min(block_d, f)
+    y = pl.pallas_call(
+        functools.partial(_down_kernel, bd=bd2, bf=bf2, fmt=fmt),
+        out_shape=jax.ShapeDtypeStruct((pairs, d), x.dtype), grid=(pairs, d // bd2),
+        interpret=interpret, compiler_params=params, name="moe_decode_down",
+    )(flat, h, down, *extra_d)
+    return y.reshape(n, k, d)
+
+
+def maybe_pairs(x: jax.Array, slots: jax.Array, gate_up: jax.Array, down: jax.Array, scales: tuple | None,
+                fmt: str) -> jax.Array | None:
+    """The kernel's per-pair outputs [N, k, D] when ``FTJAX_KERNELS`` selects it for these operands
+    (``ftjax.kernels.select``), else None (the caller runs its jnp reference)."""
+    how = select.mode("moe_decode", supported(x, gate_up, down, fmt))
+    if how == "xla":
+        return None
+    return moe_decode_pairs(x, slots, gate_up, down, scales, fmt, interpret=how == "interpret")

@@ -1,0 +1,57 @@
+"""Which implementation each kernel-backed op uses, decided at trace time.
+
+The environment variable ``FTJAX_KERNELS`` (read when a function is traced, like
+``FTJAX_GROUPED_MATMUL`` in :mod:`ftjax.kernels.grouped_matmul`):
+
+* ``auto`` (default): the Pallas kernel on a GPU where it supports the operands, the XLA (jnp)
+  reference everywhere else. On the CPU every op therefore keeps its jnp code, so the exactness
+  tests of the model are unchanged.
+* ``xla``: the jnp reference everywhere.
+* ``interpret``: every kernel in Pallas interpret mode (any backend; CPU tests of the wiring).
+* a comma list of kernel names (:data:`KERNELS`, e.g. ``moe_decode,decode_attention``): only those
+  kernels, on the GPU compiled and elsewhere interpreted; the others use the reference.
+
+A jitted function keeps the choice made when it was traced: after changing the variable call
+``jax.clear_caches()`` (and clear the engine's compiled programs) before tracing again.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+#: The kernel-backed ops: fused MoE decode (:mod:`ftjax.kernels.moe_decode`), decode attention
+#: over the filled length (:mod:`ftjax.kernels.decode_attention`), flash attention for prefill
+#: (:mod:`ftjax.kernels.flash_prefill`).
+KERNELS = ("moe_decode", "decode_attention", "flash_prefill")
+ENV = "FTJAX_KERNELS"
+
+
+def mode(name: str, supported: bool = True) -> str:
+    """How op ``name`` runs in the function being traced: "xla", "gpu" or "interpret".
+
+    supported: whether the kernel handles these operands on a GPU (shapes, dtypes); an
+    unsupported case falls back to "xla" under ``auto`` and a name list, and stays "interpret"
+    under ``interpret`` only when the kernel's own checks pass (the caller passes the same flag).
+    Raises:
+      ValueError: unknown kernel name, or an unknown name in the variable.
+    """
+    if name not in KERNELS:
+        raise ValueError(f"unknown kernel {name!r}; expected one of {KERNELS}")
+    value = os.environ.get(ENV, "auto").strip() or "auto"
+    on_gpu = jax.default_backend() == "gpu"
+    if value == "xla" or not supported:
+        return "xla"
+    if value == "interpret":
+        return "interpret"
+    if value == "auto":
+        return "gpu" if on_gpu else "xla"
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    bad = [n for n in names if n not in KERNELS]
+    if bad:
+        raise ValueError(f"{ENV}={value!r}: unknown kernel(s) {bad}; expected auto, xla, interpret or names "
+                         f"from {KERNELS}")
+    if name not in names:
+        return "xla"
+    return "gpu" if on_gpu else "interpret"

@@ -142,9 +142,10 @@ def cached_attention(q: jax.Array, ck: jax.Array, cv: jax.Array, layer: jax.Arra
     from ftjax.kernels import decode_attention, flash_prefill
     if q.shape[1] == 1:
         o = decode_attention.maybe(q, ck, cv, layer, q_pos)
-    else:
-        o = flash_prefill.maybe(q, ck[layer], cv[layer], q_pos, attention)
-    return attention(q, ck[layer], cv[layer], q_pos) if o is None else o
+        return attention(q, ck[layer], cv[layer], q_pos) if o is None else o
+    k, v = ck[layer], cv[layer]
+    o = flash_prefill.maybe(q, k, v, q_pos, attention)
+    return attention(q, k, v, q_pos) if o is None else o
 
 
 def route(cfg: ModelConfig, x: jax.Array, w_router: jax.Array) -> tuple[jax.Array, jax.Array]:

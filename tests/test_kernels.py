@@ -36,7 +36,7 @@ def _pool(rng, s=10, d=256, f=128, dtype=jnp.bfloat16):
     return gu, dn
 
 
-@pytest.mark.parametrize("fmt", ["dense", "int8", "fp8"])
+@pytest.mark.parametrize("fmt", ["dense", "int8", "fp8", "int4"])
 def test_moe_decode_matches_gather_reference(fmt):
     rng = np.random.default_rng(0)
     gu, dn = _pool(rng)
@@ -73,7 +73,8 @@ def test_moe_decode_supported():
     x = jnp.zeros((1, 2048), jnp.bfloat16)
     gu, dn = jnp.zeros((4, 2048, 1536), jnp.bfloat16), jnp.zeros((4, 768, 2048), jnp.bfloat16)
     assert md.supported(x, gu, dn, "dense") and md.supported(x, gu, dn, "fp8")
-    assert not md.supported(x, gu, dn, "int4")
+    assert not md.supported(x, gu, dn, "int4")  # int4 pools are packed: [S, D, F] and [S, F, D/2]
+    assert md.supported(x, gu[..., :768], dn[..., :1024], "int4")
     assert not md.supported(x, jnp.zeros((4, 2048, 1200), jnp.bfloat16), jnp.zeros((4, 600, 2048)), "dense")
 
 
@@ -188,6 +189,11 @@ def test_kernels_lower_for_cuda_at_real_shapes():
                       sd((4, 8), jnp.int32), sd((S, D, 2 * F), fp8), sd((S, F, D), fp8),
                       sd((S, D // 128, 2 * F // 128), jnp.float32), sd((S, F // 128, D // 128), jnp.float32))
     assert txt.count("__gpu$xla.gpu.triton") == 2
+    u8, f32 = jnp.uint8, jnp.float32
+    txt = _lower_cuda(lambda x, s, g, d, a, b: md.moe_decode_pairs(x, s, g, d, (a, b), "int4"), sd((1, D), bf),
+                      sd((1, 8), jnp.int32), sd((S, D, F), u8), sd((S, F, D // 2), u8), sd((S, D // 64, 2 * F), f32),
+                      sd((S, F // 64, D), f32))
+    assert txt.count("__gpu$xla.gpu.triton") == 2
     cache = sd((48, 1, 8192, 4, 128), bf)
     txt = _lower_cuda(lambda q, k, v, n: da.decode_attention(q, k, v, 3, n), sd((1, 1, 32, 128), bf), cache, cache,
                       sd((1,), jnp.int32))
@@ -208,7 +214,8 @@ def _tiny_engine_run(mode, slots, monkeypatch, kernels):
     jax.clear_caches()
     cfg = dataclasses.replace(preset("tiny"), num_layers=2)
     model = random_model(cfg, "float32")
-    eng = engine_lib.Engine(model, EngineConfig(mode, num_slots=slots, max_seq_len=64))
+    # chunks of 16: the second prefill chunk starts at position 16 (flash prefill with an offset)
+    eng = engine_lib.Engine(model, EngineConfig(mode, num_slots=slots, max_seq_len=64, prefill_chunk=16))
     res = eng.generate([list(range(1, 20))], max_new_tokens=4, keep_logits=True)
     return res
 

@@ -51,8 +51,13 @@ def gather_outputs(x: jax.Array, slots: jax.Array, gate_up: jax.Array, down: jax
     resident runs stay bit-identical either way.
     """
     y = moe_decode.maybe_pairs(x, slots, gate_up, down, scales, fmt)
-    if y is not None:
-        return y
+    return gather_outputs_reference(x, slots, gate_up, down, scales, fmt) if y is None else y
+
+
+def gather_outputs_reference(x: jax.Array, slots: jax.Array, gate_up: jax.Array, down: jax.Array,
+                             scales: tuple | None = None, fmt: str = "dense") -> jax.Array:
+    """:func:`gather_outputs` in jnp (the kernel's reference): each pair gathers (and
+    dequantizes) its expert's weights into a temporary [N, k, D, 2F], then two einsums."""
     h = jnp.einsum("nd,nkdf->nkf", x, _rows(gate_up, scales, 0, slots, fmt, x.dtype))
     return jnp.einsum("nkf,nkfd->nkd", _swiglu(h), _rows(down, scales, 1, slots, fmt, x.dtype))
 

@@ -128,7 +128,7 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer
 def maybe(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, q_pos: jax.Array) -> jax.Array | None:
     """The kernel's output for a decode call (T = 1; q_pos int32 [B, 1]) when ``FTJAX_KERNELS``
     selects it for these operands (``ftjax.kernels.select``), else None."""
-    how = select.mode("decode_attention", supported(q, k_cache))
+    how = select.mode("decode_attention", supported(q, k_cache) and select.dot_dtype_ok(q.dtype))
     if how == "xla":
         return None
     return decode_attention(q, k_cache, v_cache, layer, q_pos[:, 0] + 1, interpret=how == "interpret")

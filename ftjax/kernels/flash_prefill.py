@@ -152,7 +152,7 @@ def maybe(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
         if how != "gpu":  # the Mosaic GPU kernel does not interpret on the CPU
             return None
         return lax.cond(jnp.all(start == 0), lambda: mgpu_attention(q, k, v), lambda: reference(q, k, v, q_pos))
-    how = select.mode("flash_prefill", supported(q, k))
+    how = select.mode("flash_prefill", supported(q, k) and select.dot_dtype_ok(q.dtype))
     if how == "xla":
         return None
     return flash_attention(q, k, v, start, interpret=how == "interpret")

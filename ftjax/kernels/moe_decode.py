@@ -22,7 +22,9 @@ The weighted sum over k stays in jnp (``experts_gather``) so the CPU-miss path o
 Quantized pools are dequantized inside the kernel (``ftjax.experts.quant`` layouts): ``int8``
 multiplies each column's float32 accumulator by its per-column scale at the end; ``fp8``
 multiplies each tile's partial sum by its 128x128 block scale (tiles must not straddle blocks).
-``int4`` is not handled here (the caller falls back to the reference).
+``int4`` unpacks each byte's two nibbles (even, odd column) and accumulates even and odd
+columns apart, with their scales read through a free reshape of the scales ``[..., 2F]`` ->
+``[..., F, 2]`` (row steps stay inside one 64-row scale group), so no interleave is needed.
 
 Backend choice: the kernels use only generic Pallas primitives (whole-array refs indexed with
 ``pl.ds`` and a slot id read from a ref, ``lax.fori_loop``), so they run on the CPU in interpret
@@ -45,12 +47,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from ftjax.experts import quant
 from ftjax.kernels import select
 
 #: Default tiles (input rows per step, output columns per program); the GPU script sweeps others.
 BLOCK_D, BLOCK_F = 64, 64
 FP8_BLOCK = 128
-FORMATS = ("dense", "int8", "fp8")
+FORMATS = ("dense", "int8", "fp8", "int4")
 
 
 def supported(x: jax.Array, gate_up: jax.Array, down: jax.Array, fmt: str, block_d: int = BLOCK_D,
@@ -60,13 +63,18 @@ def supported(x: jax.Array, gate_up: jax.Array, down: jax.Array, fmt: str, block
     d, f = x.shape[-1], down.shape[1]
     if fmt not in FORMATS or not jnp.issubdtype(x.dtype, jnp.floating):
         return False
-    if gate_up.shape[1:] != (d, 2 * f) or down.shape[2] != d:
+    packed = 2 if fmt == "int4" else 1  # int4: two columns per byte
+    if gate_up.shape[1:] != (d, 2 * f // packed) or down.shape[2] != d // packed:
         return False
     tiles = [min(block_d, d), min(block_f, f), min(block_d, f), min(block_f, d)]
     if any(t & (t - 1) for t in tiles) or d % tiles[0] or f % tiles[1] or f % tiles[2] or d % tiles[3]:
         return False
     if fmt == "fp8":
         return d % FP8_BLOCK == 0 and f % FP8_BLOCK == 0 and all(FP8_BLOCK % t == 0 for t in tiles)
+    if fmt == "int4":  # input-row steps inside one scale group; output tiles of whole column pairs
+        g = quant.INT4_GROUP
+        return (d % g == 0 and f % g == 0 and g % tiles[0] == 0 and g % tiles[2] == 0 and tiles[1] >= 2
+                and tiles[3] >= 2)
     return True
 
 
@@ -127,6 +135,65 @@ def _down_kernel(slots_ref, h_ref, dn_ref, *rest, bd, bf, fmt):
     y_ref[p, pl.ds(d0, bd)] = acc.astype(y_ref.dtype)
 
 
+def _nibbles(q: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """uint8 tile -> (low, high) nibbles as float32 values q - 8 (even, odd columns)."""
+    q = q.astype(jnp.int32)
+    return ((q & 0xF) - 8).astype(jnp.float32), ((q >> 4) - 8).astype(jnp.float32)
+
+
+def _gate_up_kernel_int4(slots_ref, x_ref, gu_ref, s_ref, h_ref, *, k, f, bd, bf):
+    """int4: gu_ref uint8 [S, D, F] (two columns per byte), s_ref [S, D/64, F, 2] (the scales
+    [S, D/64, 2F] with each column pair split into (even, odd)), h_ref [P, F/2, 2] (h with its
+    column pairs split the same way). Even and odd columns are accumulated apart, so no
+    interleaving (and no strided access) is needed."""
+    p, j = pl.program_id(0), pl.program_id(1)
+    slot = slots_ref[p]
+    n = p // k
+    half = bf // 2
+    c0 = j * half  # first column pair of the tile
+    d_steps = x_ref.shape[1] // bd
+
+    def part(xb, d0, pair0):
+        lo, hi = _nibbles(gu_ref[slot, pl.ds(d0, bd), pl.ds(pair0, half)])
+        g = d0 // quant.INT4_GROUP
+        return (jnp.sum(xb * lo, axis=0) * s_ref[slot, g, pl.ds(pair0, half), 0],
+                jnp.sum(xb * hi, axis=0) * s_ref[slot, g, pl.ds(pair0, half), 1])
+
+    def body(i, carry):
+        d0 = i * bd
+        xb = x_ref[n, pl.ds(d0, bd)].astype(jnp.float32)[:, None]
+        ge, go = part(xb, d0, c0)
+        ue, uo = part(xb, d0, f // 2 + c0)
+        return carry[0] + ge, carry[1] + go, carry[2] + ue, carry[3] + uo
+
+    zeros = jnp.zeros((half,), jnp.float32)
+    ge, go, ue, uo = lax.fori_loop(0, d_steps, body, (zeros,) * 4)
+    h_ref[p, pl.ds(c0, half), 0] = _silu_mul(ge, ue, h_ref.dtype)
+    h_ref[p, pl.ds(c0, half), 1] = _silu_mul(go, uo, h_ref.dtype)
+
+
+def _down_kernel_int4(slots_ref, h_ref, dn_ref, s_ref, y_ref, *, bd, bf):
+    """int4: dn_ref uint8 [S, F, D/2], s_ref [S, F/64, D/2, 2], y_ref [P, D/2, 2]."""
+    p, j = pl.program_id(0), pl.program_id(1)
+    slot = slots_ref[p]
+    half = bd // 2
+    c0 = j * half
+    f_steps = h_ref.shape[1] // bf
+
+    def body(i, carry):
+        f0 = i * bf
+        hb = h_ref[p, pl.ds(f0, bf)].astype(jnp.float32)[:, None]
+        lo, hi = _nibbles(dn_ref[slot, pl.ds(f0, bf), pl.ds(c0, half)])
+        g = f0 // quant.INT4_GROUP
+        return (carry[0] + jnp.sum(hb * lo, axis=0) * s_ref[slot, g, pl.ds(c0, half), 0],
+                carry[1] + jnp.sum(hb * hi, axis=0) * s_ref[slot, g, pl.ds(c0, half), 1])
+
+    zeros = jnp.zeros((half,), jnp.float32)
+    ye, yo = lax.fori_loop(0, f_steps, body, (zeros, zeros))
+    y_ref[p, pl.ds(c0, half), 0] = ye.astype(y_ref.dtype)
+    y_ref[p, pl.ds(c0, half), 1] = yo.astype(y_ref.dtype)
+
+
 def _compiler_params(num_warps: int | None, num_stages: int | None):
     from jax.experimental.pallas import triton as pltriton
     return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
@@ -142,7 +209,8 @@ def moe_decode_pairs(x: jax.Array, slots: jax.Array, gate_up: jax.Array, down: j
     x: [N, D] float; slots: int32 [N, k] pool slots (negative ids wrap and out-of-range ids clamp,
     as a jnp gather would); gate_up: [S, D, 2F] (gate columns first, then up); down: [S, F, D];
     scales: the pool's (gate_up, down) float32 scales for a quantized ``fmt`` (int8: [S, 1, 2F]
-    and [S, 1, D]; fp8: [S, D/128, 2F/128] and [S, F/128, D/128]). interpret: run the kernels in
+    and [S, 1, D]; fp8: [S, D/128, 2F/128] and [S, F/128, D/128]; int4: uint8 pools [S, D, F] and
+    [S, F, D/2] with scales [S, D/64, 2F] and [S, F/64, D]). interpret: run the kernels in
     Pallas interpret mode (CPU). block_d / block_f: tile sizes (powers of two); num_warps /
     num_stages: Triton compiler parameters on the GPU (None: its defaults).
     """
@@ -157,12 +225,25 @@ def moe_decode_pairs(x: jax.Array, slots: jax.Array, gate_up: jax.Array, down: j
     extra_d = () if fmt == "dense" else (sd.astype(jnp.float32),)
     params = None if interpret else _compiler_params(num_warps, num_stages)
     bf1, bd1 = min(block_f, f), min(block_d, d)
+    bd2, bf2 = min(block_f, d), min(block_d, f)
+    if fmt == "int4":
+        s_pool4 = lambda a: a.astype(jnp.float32).reshape(a.shape[:-1] + (a.shape[-1] // 2, 2))  # noqa: E731
+        h = pl.pallas_call(
+            functools.partial(_gate_up_kernel_int4, k=k, f=f, bd=bd1, bf=bf1),
+            out_shape=jax.ShapeDtypeStruct((pairs, f // 2, 2), x.dtype), grid=(pairs, f // bf1),
+            interpret=interpret, compiler_params=params, name="moe_decode_gate_up_int4",
+        )(flat, x, gate_up, s_pool4(sg)).reshape(pairs, f)
+        y = pl.pallas_call(
+            functools.partial(_down_kernel_int4, bd=bd2, bf=bf2),
+            out_shape=jax.ShapeDtypeStruct((pairs, d // 2, 2), x.dtype), grid=(pairs, d // bd2),
+            interpret=interpret, compiler_params=params, name="moe_decode_down_int4",
+        )(flat, h, down, s_pool4(sd))
+        return y.reshape(n, k, d)
     h = pl.pallas_call(
         functools.partial(_gate_up_kernel, k=k, f=f, bd=bd1, bf=bf1, fmt=fmt),
         out_shape=jax.ShapeDtypeStruct((pairs, f), x.dtype), grid=(pairs, f // bf1),
         interpret=interpret, compiler_params=params, name="moe_decode_gate_up",
     )(flat, x, gate_up, *extra_g)
-    bd2, bf2 = min(block_f, d), min(block_d, f)
     y = pl.pallas_call(
         functools.partial(_down_kernel, bd=bd2, bf=bf2, fmt=fmt),
         out_shape=jax.ShapeDtypeStruct((pairs, d), x.dtype), grid=(pairs, d // bd2),

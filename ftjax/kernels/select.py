@@ -55,3 +55,11 @@ def mode(name: str, supported: bool = True) -> str:
     if name not in names:
         return "xla"
     return "gpu" if on_gpu else "interpret"
+
+
+def dot_dtype_ok(dtype) -> bool:
+    """Whether a kernel built on ``dot`` may take operands of ``dtype`` here: anywhere for 16-bit
+    floats; float32 only off the GPU (interpret mode). On the GPU the Triton backend would run a
+    float32 dot as TF32 whatever ``jax.default_matmul_precision`` says, and the float32 oracle
+    runs (DESIGN.md section 3) need full float32, so float32 attention keeps the XLA path."""
+    return jax.numpy.dtype(dtype).itemsize == 2 or jax.default_backend() != "gpu"

@@ -5,23 +5,29 @@ kernel vs XLA time, and the resident decode step / prefill with the kernels on a
   PYTHONPATH=. python experiments/check_kernels_gpu.py --sections=moe --moe_slots=280 --out_dir=/tmp/k
   PYTHONPATH=. python experiments/check_kernels_gpu.py --smoke --out_dir=/tmp/k   # CPU: tiny shapes, interpreted
 
-Sections (--sections, in this order; each check in its own try/except, the JSON rewritten after
-every check, so a failure or a timeout keeps what ran before it):
+Sections (--sections; by default in the order moe, decode_attention, e2e, flash_prefill,
+e2e_prefill; each check in its own try/except, the JSON rewritten after every check, so a
+failure or a timeout keeps what ran before it):
 
 * ``moe``: ``ftjax.kernels.moe_decode`` vs ``compute.gather_outputs_reference`` (qwen3-30b-a3b:
-  D=2048, F=768, k=8; pools of --moe_slots slots; batch 1 and 4; dense bf16, int8, fp8, int4): max abs
-  diff, median time of the per-pair outputs and of the whole ``experts_gather`` (kernel + weighted
-  sum vs the jnp path), weight bytes read / time, for a sweep of tiles and warps.
+  D=2048, F=768, k=8; pools of --moe_slots slots; batch 1 and 4; dense bf16 at every pool size,
+  int8 / fp8 / int4 at the largest): max abs diff, median time of the per-pair outputs and of the
+  whole ``experts_gather`` (kernel + weighted sum vs the jnp path), weight bytes read / time, for a
+  sweep of tiles and warps (dense; two tiles for the quantized formats).
 * ``decode_attention``: ``ftjax.kernels.decode_attention`` vs ``model.attention`` (T=1) on a
   4-layer stacked cache, 32/4 heads, hd 128, S_max 1024 and 8192, 600 filled, batch 1 and 4.
 * ``flash_prefill``: ``flash_prefill.flash_attention`` (Triton backend) and the shipped Mosaic GPU
   kernel (``mgpu_attention``) vs ``model.attention``: T=8192 from position 0 in an 8192 row, and
   (Triton kernel only) T=1024 from position 4096.
 * ``e2e``: qwen3-30b-a3b cut to --e2e_layers layers, random bf16 weights, resident: decode step
-  time (median of --e2e_steps) and TTFT of a --prompt_len prompt with FTJAX_KERNELS=xla, auto and
-  each kernel alone; logits diff and greedy ids vs xla; a cached run (--e2e_slots) with kernels on
-  must give the resident run's logits bit for bit.
+  time (median of --e2e_steps) and TTFT of a --prompt_len prompt with FTJAX_KERNELS=xla, auto,
+  auto with the fastest MoE tiles of the ``moe`` section (FTJAX_MOE_DECODE_TILES), and each kernel
+  alone; logits diff and greedy ids vs xla; a cached run (--e2e_slots) with kernels on must give
+  the resident run's logits bit for bit.
 * ``e2e_prefill``: one --prefill_len prompt, resident, kernels off / flash (Triton) / flash (mgpu).
+
+First of all, the device memory bandwidth of a large elementwise op (``hbm``), the figure the
+kernels' GBps compare against.
 
 Medians of --repeats timed calls after two warm-up calls; times in microseconds unless named _s.
 """
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import os
 import sys
@@ -48,7 +55,7 @@ from experiments import common  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
-flags.DEFINE_list("sections", ["moe", "decode_attention", "flash_prefill", "e2e", "e2e_prefill"], "What to run.")
+flags.DEFINE_list("sections", ["moe", "decode_attention", "e2e", "flash_prefill", "e2e_prefill"], "What to run.")
 flags.DEFINE_list("moe_slots", ["280", "6144"], "Pool sizes for the MoE kernel.")
 flags.DEFINE_list("moe_formats", ["dense", "int8", "fp8", "int4"], "Pool formats for the MoE kernel.")
 flags.DEFINE_list("batches", ["1", "4"], "Tokens per decode step.")
@@ -156,14 +163,20 @@ def _random_pool(s: int, fmt: str):
     return (out[0], out[1], None) if fmt == "dense" else (out[0], out[1], (out[2], out[3]))
 
 
-MOE_TILES = [(64, 64, 4), (32, 128, 4), (128, 32, 4), (64, 128, 8), (128, 64, 4), (32, 64, 2)]
+# (block_d, block_f, num_warps, d_split) of ftjax.kernels.moe_decode; the first is the default
+MOE_TILES = [(64, 64, 4, 1), (64, 64, 4, 4), (32, 128, 4, 4), (128, 64, 8, 4), (64, 128, 8, 8), (256, 64, 8, 2),
+             (128, 32, 4, 1), (32, 64, 4, 8)]
+MOE_TILES_QUANT = [(64, 64, 4, 1), (64, 64, 4, 4), (32, 128, 4, 1)]
 
 
 def section_moe():
     from ftjax.experts import compute
     from ftjax.kernels import moe_decode as md
-    for s in map(int, FLAGS.moe_slots):
+    sizes = list(map(int, FLAGS.moe_slots))
+    for s in sizes:
         for fmt in FLAGS.moe_formats:
+            if fmt != "dense" and s != max(sizes):  # quantized pools: the largest size only (64-bit offsets)
+                continue
             pool = {}
             check("moe", "make pool", lambda s=s, fmt=fmt: pool.update(p=_random_pool(s, fmt)) or {}, slots=s, fmt=fmt)
             if "p" not in pool:
@@ -184,12 +197,13 @@ def section_moe():
                     return {"xla_us": median_us(ref_fn, x, slots, gu, dn, sc)}
                 ref = check("moe", "xla gather_outputs", ref_row, **info)
                 want = ref_fn(x, slots, gu, dn, sc)
-                for bd, bf, nw in MOE_TILES:
-                    def kern_row(bd=bd, bf=bf, nw=nw):
-                        if not md.supported(x, gu, dn, fmt, bd, bf):
+                for bd, bf, nw, ds in (MOE_TILES if fmt == "dense" else MOE_TILES_QUANT):
+                    def kern_row(bd=bd, bf=bf, nw=nw, ds=ds):
+                        if not md.supported(x, gu, dn, fmt, bd, bf, ds):
                             return {"unsupported": True}
                         fn = jax.jit(lambda x, sl, g, d, c: md.moe_decode_pairs(
-                            x, sl, g, d, c, fmt, block_d=bd, block_f=bf, num_warps=nw, interpret=INTERPRET))
+                            x, sl, g, d, c, fmt, block_d=bd, block_f=bf, num_warps=nw, d_split=ds,
+                            interpret=INTERPRET))
                         got = fn(x, slots, gu, dn, sc)
                         t = median_us(fn, x, slots, gu, dn, sc)
                         row = {"max_abs_diff": maxdiff(got, want), "max_abs_ref": float(jnp.max(jnp.abs(
@@ -198,7 +212,8 @@ def section_moe():
                         if "xla_us" in ref:
                             row["speedup_vs_xla"] = ref["xla_us"]["median"] / t["median"]
                         return row
-                    check("moe", f"kernel bd={bd} bf={bf} warps={nw}", kern_row, **info)
+                    check("moe", f"kernel bd={bd} bf={bf} warps={nw} d_split={ds}", kern_row, tiles=[bd, bf, nw, ds],
+                          **info)
 
                 def whole_op():  # experts_gather as the model calls it, kernels off vs default
                     res = {}
@@ -327,35 +342,70 @@ def _run(model, value, mode="resident", slots=None, prompt_len=None, steps=None,
             os.environ.pop("FTJAX_FLASH_PREFILL", None)
         else:
             os.environ["FTJAX_FLASH_PREFILL"] = old
+        eng = None  # the engine's device pool goes before the next run builds its own
+        gc.collect()
     return res
+
+
+TILES_ENV = "FTJAX_MOE_DECODE_TILES"
+_RUNS: dict = {}
+
+
+def best_moe_tiles():
+    """(block_d, block_f, num_warps, d_split) of the fastest dense MoE kernel at batch 1 on the
+    largest pool whose max abs diff stayed below 0.05, or None."""
+    rows = [r for r in OUT["checks"] if r.get("section") == "moe" and r.get("fmt") == "dense"
+            and r.get("batch") == 1 and "kernel_us" in r and r.get("max_abs_diff", 1) < 0.05]
+    if not rows:
+        return None
+    big = max(r["slots"] for r in rows)
+    return min((r for r in rows if r["slots"] == big), key=lambda r: r["kernel_us"]["median"])["tiles"]
+
+
+def e2e_row(value: str, key: str) -> dict:
+    """One resident decode run with FTJAX_KERNELS=value, kept as _RUNS[key]; diffs against xla."""
+    res = _run(_model(), value)
+    _RUNS[key] = res
+    r = {"tpot_s": common.spread(res.step_s), "tpot_ms": float(np.median(res.step_s)) * 1e3,
+         "ttft_s": res.ttft_s, "compile_s": res.compile_s}
+    ref = _RUNS.get("xla")
+    if key != "xla" and ref is not None:
+        r["max_abs_logit_diff_vs_xla"] = float(np.max(np.abs(res.step_logits - ref.step_logits)))
+        r["greedy_ids_equal_xla"] = res.generated_ids == ref.generated_ids
+        r["speedup_vs_xla"] = float(np.median(ref.step_s) / np.median(res.step_s))
+    return r
 
 
 def section_e2e():
     model = _model()
-    runs = {}
-    for value in ("xla", "interpret" if INTERPRET else "auto", "moe_decode", "decode_attention"):
-        def row(value=value):
-            res = _run(model, value)
-            runs[value] = res
-            r = {"tpot_s": common.spread(res.step_s), "tpot_ms": float(np.median(res.step_s)) * 1e3,
-                 "ttft_s": res.ttft_s, "compile_s": res.compile_s}
-            if value != "xla" and "xla" in runs:
-                r["max_abs_logit_diff_vs_xla"] = float(np.max(np.abs(res.step_logits - runs["xla"].step_logits)))
-                r["greedy_ids_equal_xla"] = res.generated_ids == runs["xla"].generated_ids
-                r["speedup_vs_xla"] = float(np.median(runs["xla"].step_s) / np.median(res.step_s))
-            return r
-        check("e2e", f"resident decode FTJAX_KERNELS={value}", row, layers=FLAGS.e2e_layers,
-              prompt_len=FLAGS.prompt_len, steps=FLAGS.e2e_steps)
+    runs = _RUNS
+    on = "interpret" if INTERPRET else "auto"
 
     def cached_row():
-        n = 8
-        on = "interpret" if INTERPRET else "auto"
+        n = min(8, FLAGS.e2e_steps)
         res = _run(model, on, "cached", FLAGS.e2e_slots, steps=n)
         want = runs[on].step_logits[: n + 1]
         return {"bit_identical_to_resident": bool(np.array_equal(res.step_logits, want)),
                 "max_abs_diff": float(np.max(np.abs(res.step_logits - want))),
                 "tpot_ms": float(np.median(res.step_s)) * 1e3}
-    check("e2e", "cached (kernels auto) vs resident (kernels auto)", cached_row, slots=FLAGS.e2e_slots)
+
+    best = best_moe_tiles()
+    for value in ("xla", on, "cached", "best_tiles", "moe_decode", "decode_attention"):
+        if value == "best_tiles":  # kernels on, with the fastest accurate MoE tiles of the moe section
+            if best and tuple(best) != MOE_TILES[0]:
+                os.environ[TILES_ENV] = ",".join(map(str, best))
+                try:
+                    check("e2e", f"resident decode FTJAX_KERNELS={on} {TILES_ENV}={os.environ[TILES_ENV]}",
+                          functools.partial(e2e_row, on, f"{on}+best"), layers=model.cfg.num_layers, tiles=best)
+                finally:
+                    os.environ.pop(TILES_ENV, None)
+            continue
+        if value == "cached":
+            check("e2e", f"cached (kernels {on}) vs resident (kernels {on})", cached_row, slots=FLAGS.e2e_slots)
+            continue
+
+        check("e2e", f"resident decode FTJAX_KERNELS={value}", functools.partial(e2e_row, value, value),
+              layers=model.cfg.num_layers, prompt_len=FLAGS.prompt_len, steps=FLAGS.e2e_steps)
 
 
 def section_e2e_prefill():
@@ -373,7 +423,17 @@ def section_e2e_prefill():
                 r["max_abs_logit_diff_vs_xla"] = float(np.max(np.abs(res.step_logits[0] - runs["xla"].step_logits[0])))
                 r["speedup_vs_xla"] = runs["xla"].ttft_s / res.ttft_s
             return r
-        check("e2e_prefill", f"resident prefill {name}", row, layers=FLAGS.e2e_layers, prompt_len=n)
+        check("e2e_prefill", f"resident prefill {name}", row, layers=model.cfg.num_layers, prompt_len=n)
+
+
+def hbm_bandwidth() -> dict:
+    """Device memory bandwidth of a large elementwise op (negate: reads and writes every byte once),
+    in GB/s of bytes read + written: the speed the kernels' GBps figures compare against."""
+    n = (256 << 20) if FLAGS.smoke else (2 << 30)  # bytes of the bf16 array
+    x = jnp.ones((n // 2,), jnp.bfloat16)
+    fn = jax.jit(lambda a: -a)
+    t = median_us(fn, x)
+    return {"bytes": 2 * n, "us": t, "GBps": 2 * n / (t["median"] * 1e-6) / 1e9}
 
 
 SECTIONS = {"moe": section_moe, "decode_attention": section_decode_attention, "flash_prefill": section_flash_prefill,
@@ -387,6 +447,7 @@ def _smoke():
     FLAGS.moe_slots, FLAGS.repeats, FLAGS.e2e_steps, FLAGS.prompt_len = ["16"], 2, 3, 20
     FLAGS.prefill_len, FLAGS.e2e_slots = 100, 16
     MOE_TILES[:] = MOE_TILES[:2]
+    MOE_TILES_QUANT[:] = MOE_TILES_QUANT[:1]
 
 
 def main(argv):
@@ -397,6 +458,7 @@ def main(argv):
         _smoke()
     OUT["meta"] = common.meta()
     print(OUT["meta"], flush=True)
+    check("hbm", "negate 2 GiB bf16", lambda: OUT.setdefault("hbm", hbm_bandwidth()))
     for name in FLAGS.sections:
         if name not in SECTIONS:
             OUT["checks"].append({"section": name, "error": f"unknown section; expected {list(SECTIONS)}"})

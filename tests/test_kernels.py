@@ -55,17 +55,17 @@ def test_moe_decode_matches_gather_reference(fmt):
     assert _maxdiff(got, ref) <= 2 / 64
 
 
-@pytest.mark.parametrize("block_d,block_f", [(64, 64), (32, 128), (128, 32)])
-def test_moe_decode_float32_tiles_and_negative_slots(block_d, block_f):
+@pytest.mark.parametrize("block_d,block_f,d_split", [(64, 64, 1), (32, 128, 4), (128, 32, 2)])
+def test_moe_decode_float32_tiles_and_negative_slots(block_d, block_f, d_split):
     rng = np.random.default_rng(1)
     gu, dn = _pool(rng, dtype=jnp.float32)
     x = jnp.asarray(rng.standard_normal((3, 256)), jnp.float32)
     slots = jnp.asarray([[-1, 2], [5, 5], [0, 9]], jnp.int32)  # -1 wraps to slot 9, as jnp indexing does
     ref = compute.gather_outputs(x, slots, gu, dn)
-    got = md.moe_decode_pairs(x, slots, gu, dn, interpret=True, block_d=block_d, block_f=block_f)
+    got = md.moe_decode_pairs(x, slots, gu, dn, interpret=True, block_d=block_d, block_f=block_f, d_split=d_split)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
     wrapped = md.moe_decode_pairs(x[:1], jnp.asarray([[9]]), gu, dn, interpret=True, block_d=block_d,
-                                  block_f=block_f)
+                                  block_f=block_f, d_split=d_split)
     np.testing.assert_array_equal(np.asarray(got[0, 0]), np.asarray(wrapped[0, 0]))
 
 
@@ -75,7 +75,18 @@ def test_moe_decode_supported():
     assert md.supported(x, gu, dn, "dense") and md.supported(x, gu, dn, "fp8")
     assert not md.supported(x, gu, dn, "int4")  # int4 pools are packed: [S, D, F] and [S, F, D/2]
     assert md.supported(x, gu[..., :768], dn[..., :1024], "int4")
+    assert md.supported(x, gu, dn, "dense", 64, 64, d_split=32) and not md.supported(x, gu, dn, "dense", 64, 64, 64)
     assert not md.supported(x, jnp.zeros((4, 2048, 1200), jnp.bfloat16), jnp.zeros((4, 600, 2048)), "dense")
+
+
+def test_moe_decode_tiles_env(monkeypatch):
+    monkeypatch.delenv(md.TILES_ENV, raising=False)
+    assert md.tiles() == {"block_d": md.BLOCK_D, "block_f": md.BLOCK_F, "num_warps": None, "d_split": md.D_SPLIT}
+    monkeypatch.setenv(md.TILES_ENV, "128,32,8,4")
+    assert md.tiles() == {"block_d": 128, "block_f": 32, "num_warps": 8, "d_split": 4}
+    monkeypatch.setenv(md.TILES_ENV, "128,32")
+    with pytest.raises(ValueError, match="block_d,block_f,num_warps,d_split"):
+        md.tiles()
 
 
 def test_experts_gather_uses_kernel_only_when_selected(monkeypatch):
@@ -181,8 +192,8 @@ def test_kernels_lower_for_cuda_at_real_shapes():
     """qwen3-30b-a3b shapes lower to Triton custom calls (the GPU compile itself is not run here)."""
     sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
     S, D, F = 6144, 2048, 768
-    txt = _lower_cuda(lambda x, s, g, d: md.moe_decode_pairs(x, s, g, d), sd((1, D), bf), sd((1, 8), jnp.int32),
-                      sd((S, D, 2 * F), bf), sd((S, F, D), bf))
+    txt = _lower_cuda(lambda x, s, g, d: md.moe_decode_pairs(x, s, g, d, d_split=4), sd((1, D), bf),
+                      sd((1, 8), jnp.int32), sd((S, D, 2 * F), bf), sd((S, F, D), bf))
     assert txt.count("__gpu$xla.gpu.triton") == 2
     fp8 = jnp.float8_e4m3fn
     txt = _lower_cuda(lambda x, s, g, d, a, b: md.moe_decode_pairs(x, s, g, d, (a, b), "fp8"), sd((4, D), bf),

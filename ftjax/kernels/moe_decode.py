@@ -14,6 +14,12 @@ elementwise multiply + reduce fusions. Here two Pallas kernels compute the same 
 2. down: grid (P, D / block_d). Program (p, j) accumulates ``h[p] @ down[slot][:, j*bd:(j+1)*bd]``
    over F in steps of ``block_f``.
 
+With ``d_split > 1`` the gate/up stage also splits the D input rows over that many programs
+(grid (P, F / block_f, d_split)) and adds their float32 partial sums before the gating: at batch
+1 there are only 8 pairs, and more programs keep more loads in flight. The model's calls take
+their tiles from ``FTJAX_MOE_DECODE_TILES="block_d,block_f,num_warps,d_split"`` (trace time;
+:func:`tiles`), else the module defaults; ``experiments/check_kernels_gpu.py`` sweeps them.
+
 Each weight byte is read once (decode is a batched GEMV, bandwidth-bound: the matrix-vector
 products are written as broadcast-multiply + row reductions, not ``dot``, which needs 16 rows).
 The weighted sum over k stays in jnp (``experts_gather``) so the CPU-miss path of
@@ -41,6 +47,7 @@ as jax's Triton lowering does by itself). Idea: the fused-MoE kernels of vLLM / 
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -51,15 +58,16 @@ from ftjax.experts import quant
 from ftjax.kernels import select
 
 #: Default tiles (input rows per step, output columns per program); the GPU script sweeps others.
-BLOCK_D, BLOCK_F = 64, 64
+BLOCK_D, BLOCK_F, D_SPLIT = 64, 64, 1
 FP8_BLOCK = 128
 FORMATS = ("dense", "int8", "fp8", "int4")
 
 
 def supported(x: jax.Array, gate_up: jax.Array, down: jax.Array, fmt: str, block_d: int = BLOCK_D,
-              block_f: int = BLOCK_F) -> bool:
+              block_f: int = BLOCK_F, d_split: int = 1) -> bool:
     """True when the kernels handle these operands: format in :data:`FORMATS`, float x, power-of-two
-    tiles dividing D and F (F = gate_up's width / 2), and for fp8 tiles inside its 128x128 blocks."""
+    tiles dividing D (times d_split) and F, fp8 tiles inside its 128x128 blocks, int4 row steps inside
+    its 64-row groups."""
     d, f = x.shape[-1], down.shape[1]
     if fmt not in FORMATS or not jnp.issubdtype(x.dtype, jnp.floating):
         return False
@@ -67,7 +75,9 @@ def supported(x: jax.Array, gate_up: jax.Array, down: jax.Array, fmt: str, block
     if gate_up.shape[1:] != (d, 2 * f // packed) or down.shape[2] != d // packed:
         return False
     tiles = [min(block_d, d), min(block_f, f), min(block_d, f), min(block_f, d)]
-    if any(t & (t - 1) for t in tiles) or d % tiles[0] or f % tiles[1] or f % tiles[2] or d % tiles[3]:
+    if any(t & (t - 1) for t in tiles) or d % (tiles[0] * d_split) or f % tiles[1] or f % tiles[2] or d % tiles[3]:
+        return False
+    if fmt == "int4" and d_split != 1:
         return False
     if fmt == "fp8":
         return d % FP8_BLOCK == 0 and f % FP8_BLOCK == 0 and all(FP8_BLOCK % t == 0 for t in tiles)
@@ -86,17 +96,19 @@ def _silu_mul(g: jax.Array, u: jax.Array, dtype) -> jax.Array:
     return (s * u).astype(dtype)
 
 
-def _gate_up_kernel(slots_ref, x_ref, gu_ref, *rest, k, f, bd, bf, fmt):
-    s_ref, h_ref = (rest[0], rest[1]) if fmt != "dense" else (None, rest[0])
-    p, j = pl.program_id(0), pl.program_id(1)
+def _gate_up_kernel(slots_ref, x_ref, gu_ref, *rest, k, f, bd, bf, fmt, split):
+    s_ref = rest[0] if fmt != "dense" else None
+    outs = rest[1:] if fmt != "dense" else rest
+    p, j, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     slot = slots_ref[p]
     n = p // k
     f0 = j * bf
-    d_steps = x_ref.shape[1] // bd
+    d_steps = x_ref.shape[1] // (bd * split)
+    base = part * (d_steps * bd)  # this program's share of the input rows (split > 1)
 
     def body(i, carry):
         g, u = carry
-        d0 = i * bd
+        d0 = base + i * bd
         xb = x_ref[n, pl.ds(d0, bd)].astype(jnp.float32)[:, None]
         pg = jnp.sum(xb * gu_ref[slot, pl.ds(d0, bd), pl.ds(f0, bf)].astype(jnp.float32), axis=0)
         pu = jnp.sum(xb * gu_ref[slot, pl.ds(d0, bd), pl.ds(f + f0, bf)].astype(jnp.float32), axis=0)
@@ -111,7 +123,11 @@ def _gate_up_kernel(slots_ref, x_ref, gu_ref, *rest, k, f, bd, bf, fmt):
     if fmt == "int8":  # one scale per output column
         g = g * s_ref[slot, 0, pl.ds(f0, bf)]
         u = u * s_ref[slot, 0, pl.ds(f + f0, bf)]
-    h_ref[p, pl.ds(f0, bf)] = _silu_mul(g, u, h_ref.dtype)
+    if split == 1:
+        outs[0][p, pl.ds(f0, bf)] = _silu_mul(g, u, outs[0].dtype)
+    else:  # partial sums, added up (and gated) outside
+        outs[0][part, p, pl.ds(f0, bf)] = g
+        outs[1][part, p, pl.ds(f0, bf)] = u
 
 
 def _down_kernel(slots_ref, h_ref, dn_ref, *rest, bd, bf, fmt):
@@ -199,11 +215,12 @@ def _compiler_params(num_warps: int | None, num_stages: int | None):
     return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "interpret", "block_d", "block_f", "num_warps", "num_stages"))
+@functools.partial(jax.jit, static_argnames=("fmt", "interpret", "block_d", "block_f", "num_warps", "num_stages",
+                                             "d_split"))
 def moe_decode_pairs(x: jax.Array, slots: jax.Array, gate_up: jax.Array, down: jax.Array,
                      scales: tuple | None = None, fmt: str = "dense", *, interpret: bool = False,
                      block_d: int = BLOCK_D, block_f: int = BLOCK_F, num_warps: int | None = None,
-                     num_stages: int | None = None) -> jax.Array:
+                     num_stages: int | None = None, d_split: int = 1) -> jax.Array:
     """Per-(token, k) expert outputs [N, k, D] in x's dtype, weights read from the pool by slot.
 
     x: [N, D] float; slots: int32 [N, k] pool slots (negative ids wrap and out-of-range ids clamp,
@@ -212,8 +229,14 @@ def moe_decode_pairs(x: jax.Array, slots: jax.Array, gate_up: jax.Array, down: j
     and [S, 1, D]; fp8: [S, D/128, 2F/128] and [S, F/128, D/128]; int4: uint8 pools [S, D, F] and
     [S, F, D/2] with scales [S, D/64, 2F] and [S, F/64, D]). interpret: run the kernels in
     Pallas interpret mode (CPU). block_d / block_f: tile sizes (powers of two); num_warps /
-    num_stages: Triton compiler parameters on the GPU (None: its defaults).
+    num_stages: Triton compiler parameters on the GPU (None: its defaults); d_split: the gate/up
+    stage splits the D input rows over this many programs (more parallelism at batch 1), whose
+    float32 partial sums are added up before the gating (int4: 1 only).
+    Raises:
+      ValueError: int4 with d_split > 1.
     """
+    if fmt == "int4" and d_split != 1:
+        raise ValueError("the int4 kernel has no d_split")
     n, k = slots.shape
     d, f = x.shape[1], down.shape[1]
     s_pool = gate_up.shape[0]
@@ -239,11 +262,14 @@ def moe_decode_pairs(x: jax.Array, slots: jax.Array, gate_up: jax.Array, down: j
             interpret=interpret, compiler_params=params, name="moe_decode_down_int4",
         )(flat, h, down, s_pool4(sd))
         return y.reshape(n, k, d)
+    part = jax.ShapeDtypeStruct((d_split, pairs, f), jnp.float32)
     h = pl.pallas_call(
-        functools.partial(_gate_up_kernel, k=k, f=f, bd=bd1, bf=bf1, fmt=fmt),
-        out_shape=jax.ShapeDtypeStruct((pairs, f), x.dtype), grid=(pairs, f // bf1),
-        interpret=interpret, compiler_params=params, name="moe_decode_gate_up",
+        functools.partial(_gate_up_kernel, k=k, f=f, bd=bd1, bf=bf1, fmt=fmt, split=d_split),
+        out_shape=jax.ShapeDtypeStruct((pairs, f), x.dtype) if d_split == 1 else (part, part),
+        grid=(pairs, f // bf1, d_split), interpret=interpret, compiler_params=params, name="moe_decode_gate_up",
     )(flat, x, gate_up, *extra_g)
+    if d_split > 1:
+        h = _silu_mul(jnp.sum(h[0], axis=0), jnp.sum(h[1], axis=0), x.dtype)
     y = pl.pallas_call(
         functools.partial(_down_kernel, bd=bd2, bf=bf2, fmt=fmt),
         out_shape=jax.ShapeDtypeStruct((pairs, d), x.dtype), grid=(pairs, d // bd2),
@@ -252,11 +278,34 @@ def moe_decode_pairs(x: jax.Array, slots: jax.Array, gate_up: jax.Array, down: j
     return y.reshape(n, k, d)
 
 
+TILES_ENV = "FTJAX_MOE_DECODE_TILES"
+
+
+def tiles() -> dict:
+    """The tiles the model's calls use: ``FTJAX_MOE_DECODE_TILES="block_d,block_f,num_warps,d_split"``
+    (read at trace time; num_warps 0 = Triton's default), else the module defaults.
+
+    Raises:
+      ValueError: a malformed value.
+    """
+    v = os.environ.get(TILES_ENV, "")
+    if not v:
+        return {"block_d": BLOCK_D, "block_f": BLOCK_F, "num_warps": None, "d_split": D_SPLIT}
+    try:
+        bd, bf, nw, ds = (int(a) for a in v.split(","))
+    except ValueError:
+        raise ValueError(f"{TILES_ENV}={v!r}: expected block_d,block_f,num_warps,d_split") from None
+    return {"block_d": bd, "block_f": bf, "num_warps": nw or None, "d_split": ds}
+
+
 def maybe_pairs(x: jax.Array, slots: jax.Array, gate_up: jax.Array, down: jax.Array, scales: tuple | None,
                 fmt: str) -> jax.Array | None:
     """The kernel's per-pair outputs [N, k, D] when ``FTJAX_KERNELS`` selects it for these operands
     (``ftjax.kernels.select``), else None (the caller runs its jnp reference)."""
-    how = select.mode("moe_decode", supported(x, gate_up, down, fmt))
+    t = tiles()
+    if fmt == "int4":
+        t["d_split"] = 1
+    how = select.mode("moe_decode", supported(x, gate_up, down, fmt, t["block_d"], t["block_f"], t["d_split"]))
     if how == "xla":
         return None
-    return moe_decode_pairs(x, slots, gate_up, down, scales, fmt, interpret=how == "interpret")
+    return moe_decode_pairs(x, slots, gate_up, down, scales, fmt, interpret=how == "interpret", **t)

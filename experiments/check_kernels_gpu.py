@@ -5,7 +5,7 @@ kernel vs XLA time, and the resident decode step / prefill with the kernels on a
   PYTHONPATH=. python experiments/check_kernels_gpu.py --sections=moe --moe_slots=280 --out_dir=/tmp/k
   PYTHONPATH=. python experiments/check_kernels_gpu.py --smoke --out_dir=/tmp/k   # CPU: tiny shapes, interpreted
 
-Sections (--sections; by default in the order moe, decode_attention, e2e, flash_prefill,
+Sections (--sections; by default in the order moe, decode_attention, flash_prefill, e2e,
 e2e_prefill; each check in its own try/except, the JSON rewritten after every check, so a
 failure or a timeout keeps what ran before it):
 
@@ -39,6 +39,7 @@ import dataclasses
 import functools
 import gc
 import os
+import re
 import sys
 import time
 import traceback
@@ -55,7 +56,7 @@ from experiments import common  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
-flags.DEFINE_list("sections", ["moe", "decode_attention", "e2e", "flash_prefill", "e2e_prefill"], "What to run.")
+flags.DEFINE_list("sections", ["moe", "decode_attention", "flash_prefill", "e2e", "e2e_prefill"], "What to run.")
 flags.DEFINE_list("moe_slots", ["280", "6144"], "Pool sizes for the MoE kernel.")
 flags.DEFINE_list("moe_formats", ["dense", "int8", "fp8", "int4"], "Pool formats for the MoE kernel.")
 flags.DEFINE_list("batches", ["1", "4"], "Tokens per decode step.")
@@ -65,7 +66,7 @@ flags.DEFINE_integer("e2e_steps", 32, "Decode steps timed per end-to-end run.")
 flags.DEFINE_integer("e2e_slots", 280, "Slots of the cached run checked bit for bit against resident.")
 flags.DEFINE_integer("prompt_len", 512, "Prompt tokens of the end-to-end decode runs.")
 flags.DEFINE_integer("prefill_len", 8192, "Prompt tokens of the end-to-end prefill run.")
-flags.DEFINE_float("time_budget_s", 560, "Skip the remaining checks after this many seconds.")
+flags.DEFINE_float("time_budget_s", 540, "Skip the remaining checks after this many seconds.")
 flags.DEFINE_bool("smoke", False, "Tiny shapes and the tiny preset, kernels interpreted off the GPU (CPU smoke run).")
 
 # qwen3-30b-a3b shapes (--smoke replaces them in main)
@@ -308,6 +309,22 @@ def section_flash_prefill():
 
 # ---------------------------------------------------------------------------------- end to end
 _MODEL: dict = {}
+_HLO: dict = {}
+
+
+def decode_hlo_stats(cfg, max_seq_len: int, batch: int = 1) -> dict:
+    """Op counts of the compiled decode step (tokens [batch, 1]): Triton kernel calls, copies, and
+    copies of a whole KV cache ([L, B, S_max, Hkv, hd]: a kernel reading the carried cache must not
+    make XLA copy it every layer)."""
+    from ftjax.engine import compiled_programs
+    cache = f"[{cfg.num_layers},{batch},{max_seq_len},{cfg.num_kv_heads},{cfg.head_dim}]"
+    for _, _, shapes, exe in compiled_programs("_forward_step"):
+        if (batch, 1) in [sh[0] for sh in shapes]:
+            text = exe.as_text()
+            copies = re.findall(r"=\s*(\S+)\s+copy(?:-start)?\(", text)  # result shapes of copy ops
+            return {"triton_calls": text.count("__gpu$xla.gpu.triton"), "copies": len(copies),
+                    "cache_copies": sum(cache in c for c in copies), **common.hlo_ops(text)}
+    return {}
 
 
 def _model():
@@ -334,6 +351,7 @@ def _run(model, value, mode="resident", slots=None, prompt_len=None, steps=None,
             eng = Engine(model, EngineConfig(mode, num_slots=slots, max_seq_len=max_seq_len))
             n = steps if steps is not None else FLAGS.e2e_steps
             res = eng.generate([prompt], n + 1, time_steps=True, keep_logits=True)
+            _HLO[value, mode] = decode_hlo_stats(model.cfg, max_seq_len)
             if steps == 0:  # prefill only: a second, timed run (the first one compiled)
                 res2 = eng.generate([prompt], 1, keep_logits=True)
                 res = dataclasses.replace(res, ttft_s=min(res.ttft_s, res2.ttft_s))
@@ -367,7 +385,7 @@ def e2e_row(value: str, key: str) -> dict:
     res = _run(_model(), value)
     _RUNS[key] = res
     r = {"tpot_s": common.spread(res.step_s), "tpot_ms": float(np.median(res.step_s)) * 1e3,
-         "ttft_s": res.ttft_s, "compile_s": res.compile_s}
+         "ttft_s": res.ttft_s, "compile_s": res.compile_s, "decode_hlo": _HLO.get((value, "resident"), {})}
     ref = _RUNS.get("xla")
     if key != "xla" and ref is not None:
         r["max_abs_logit_diff_vs_xla"] = float(np.max(np.abs(res.step_logits - ref.step_logits)))

@@ -13,6 +13,26 @@ The environment variable ``FTJAX_KERNELS`` (read when a function is traced, like
 
 A jitted function keeps the choice made when it was traced: after changing the variable call
 ``jax.clear_caches()`` (and clear the engine's compiled programs) before tracing again.
+
+Pallas backends in jax 0.11.2 (read from ``jax/_src/pallas/pallas_call.py`` and its backends):
+
+* ``pallas_call(..., interpret=True)`` evaluates the kernel's jaxpr with ordinary JAX ops
+  (``hlo_interpreter``) on any backend: kernels written with generic primitives (BlockSpecs or
+  whole-array refs, ``pl.ds`` indexing, ``lax.fori_loop``, ``jnp.dot`` / ``dot_general``) run on
+  the CPU. Strided ``pl.ds`` does not discharge there (the int4 kernel avoids it).
+* On a GPU, a ``pallas_call`` without compiler params (or with the Triton ``CompilerParams``)
+  lowers through the Triton backend: deprecated (a warning at each lowering) but shipped; no
+  scalar prefetch, no dynamic grid; offsets become 64-bit for arrays over 4 GiB. It lowers on a
+  machine without a GPU under an abstract H200 device (``jax.sharding.AbstractDevice`` in a
+  ``use_abstract_mesh``), which ``tests/test_kernels.py`` uses to check each kernel's lowering.
+* Mosaic GPU (``plgpu.CompilerParams`` / ``plgpu.kernel``; the Hopper kernels shipped under
+  ``jax.experimental.pallas.ops.gpu.*_mgpu``) is the maintained GPU backend. Its own interpret
+  mode (``InterpretGPUParams``) exists, but the shipped attention kernel asserts a CUDA runtime at
+  trace time, so it neither interprets nor lowers here.
+
+The decode kernels (one to 64 rows, weights or keys chosen by data) are written with generic
+primitives for the Triton backend; prefill can also use the shipped Mosaic GPU attention
+(``ftjax.kernels.flash_prefill``).
 """
 
 from __future__ import annotations

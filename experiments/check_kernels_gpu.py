@@ -312,10 +312,19 @@ _MODEL: dict = {}
 _HLO: dict = {}
 
 
+def _shape_bytes(shape: str) -> int:
+    """Bytes of an HLO array shape such as ``bf16[16,1,1024,4,128]{4,3,2,1,0}`` (0 if unparsable)."""
+    m = re.match(r"([a-z]+)(\d*)\[([\d,]*)\]", shape)
+    if not m:
+        return 0
+    bits = int(m.group(2) or 8) if m.group(1) != "pred" else 8
+    return int(np.prod([int(d) for d in m.group(3).split(",") if d] or [1])) * bits // 8
+
+
 def decode_hlo_stats(cfg, max_seq_len: int, batch: int = 1) -> dict:
-    """Op counts of the compiled decode step (tokens [batch, 1]): Triton kernel calls, copies, and
-    copies of a whole KV cache ([L, B, S_max, Hkv, hd]: a kernel reading the carried cache must not
-    make XLA copy it every layer)."""
+    """Op counts of the compiled decode step (tokens [batch, 1]): Triton kernel calls, copies,
+    copies of a whole KV cache ([L, B, S_max, Hkv, hd]) and the five largest copies (a kernel
+    reading the carried KV cache or slot pool must not make XLA copy it every layer)."""
     from ftjax.engine import compiled_programs
     cache = f"[{cfg.num_layers},{batch},{max_seq_len},{cfg.num_kv_heads},{cfg.head_dim}]"
     for _, _, shapes, exe in compiled_programs("_forward_step"):
@@ -323,7 +332,8 @@ def decode_hlo_stats(cfg, max_seq_len: int, batch: int = 1) -> dict:
             text = exe.as_text()
             copies = re.findall(r"=\s*(\S+)\s+copy(?:-start)?\(", text)  # result shapes of copy ops
             return {"triton_calls": text.count("__gpu$xla.gpu.triton"), "copies": len(copies),
-                    "cache_copies": sum(cache in c for c in copies), **common.hlo_ops(text)}
+                    "cache_copies": sum(cache in c for c in copies),
+                    "largest_copies": sorted(copies, key=_shape_bytes, reverse=True)[:5], **common.hlo_ops(text)}
     return {}
 
 
@@ -405,7 +415,7 @@ def section_e2e():
         want = runs[on].step_logits[: n + 1]
         return {"bit_identical_to_resident": bool(np.array_equal(res.step_logits, want)),
                 "max_abs_diff": float(np.max(np.abs(res.step_logits - want))),
-                "tpot_ms": float(np.median(res.step_s)) * 1e3}
+                "tpot_ms": float(np.median(res.step_s)) * 1e3, "decode_hlo": _HLO.get((on, "cached"), {})}
 
     best = best_moe_tiles()
     for value in ("xla", on, "cached", "best_tiles", "moe_decode", "decode_attention"):

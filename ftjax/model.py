@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from ftjax.config import ModelConfig
+from ftjax.kernels import decode_attention, flash_prefill
 
 Params = dict[str, Any]
 
@@ -135,11 +136,10 @@ def cached_attention(q: jax.Array, ck: jax.Array, cv: jax.Array, layer: jax.Arra
 
     q: [B, T, Hq, hd]; ck, cv: [L, B, S_max, Hkv, hd]; layer: int32 []; q_pos: int32 [B, T].
     Decode (T = 1): ``ftjax.kernels.decode_attention`` reads only the filled positions
-    ``[0, q_pos + 1)`` of each row. Prefill: ``ftjax.kernels.flash_prefill`` (flash attention,
-    used when every row of the call starts at position 0). Otherwise, and as the reference, the
-    blocked jnp :func:`attention` over the whole cache row.
+    ``[0, q_pos + 1)`` of each row. Prefill: ``ftjax.kernels.flash_prefill`` (flash attention
+    from any start position; its Mosaic GPU variant only for calls whose rows all start at 0).
+    Otherwise, and as the reference, the blocked jnp :func:`attention` over the whole cache row.
     """
-    from ftjax.kernels import decode_attention, flash_prefill
     if q.shape[1] == 1:
         o = decode_attention.maybe(q, ck, cv, layer, q_pos)
         return attention(q, ck[layer], cv[layer], q_pos) if o is None else o

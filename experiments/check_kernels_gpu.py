@@ -103,9 +103,27 @@ def check(section: str, name: str, fn, **info):
             row["traceback"] = traceback.format_exc()[-3000:]
         row["wall_s"] = time.perf_counter() - t
     OUT["checks"].append(row)
-    print({k: v for k, v in row.items() if k != "traceback"}, flush=True)
+    print(_summary(row), flush=True)
     _save()
     return row
+
+
+def _summary(row: dict) -> str:
+    """One short line per check for the log (the JSON has everything)."""
+    keep = ("slots", "fmt", "batch", "s_max", "T", "start", "max_abs_diff", "speedup_vs_xla", "speedup", "GBps",
+            "TFLOPs", "tpot_ms", "ttft_s", "bit_identical_to_resident", "greedy_ids_equal_xla",
+            "max_abs_logit_diff_vs_xla", "skipped")
+    parts = [f"{row['section']}: {row.get('name', '')}"]
+    for key in ("xla_us", "kernel_us", "auto_us"):
+        if key in row:
+            parts.append(f"{key}={row[key]['median']:.1f}")
+    parts += [f"{k}={row[k]:.4g}" if isinstance(row[k], float) else f"{k}={row[k]}" for k in keep if k in row]
+    if "decode_hlo" in row and row["decode_hlo"]:
+        h = row["decode_hlo"]
+        parts.append(f"triton={h.get('triton_calls')} copies={h.get('copies')} cache_copies={h.get('cache_copies')}")
+    if "error" in row:
+        parts.append("ERROR " + row["error"][:300].replace("\n", " "))
+    return " ".join(parts)
 
 
 def median_us(fn, *args, repeats=None) -> dict:
@@ -497,7 +515,8 @@ def main(argv):
             OUT["checks"].append({"section": name, "error": f"{type(e).__name__}: {e}"[:3000],
                                   "traceback": traceback.format_exc()[-3000:]})
         _save()
-    rows = [dict(r, ms=(r.get("kernel_us") or r.get("xla_us") or {}).get("median", 0) / 1e3) for r in OUT["checks"]]
+    rows = [dict(r, ms=(r.get("kernel_us") or r.get("xla_us") or {}).get("median", 0) / 1e3,
+                 error=r.get("error", "")[:50]) for r in OUT["checks"]]
     print(common.table(rows, ["section", "name", "slots", "fmt", "batch", "s_max", "T", "max_abs_diff", "ms",
                               "speedup_vs_xla", "GBps", "tpot_ms", "ttft_s", "error"]))
     print("wrote", os.path.join(FLAGS.out_dir, "check_kernels_gpu.json"))

@@ -84,6 +84,11 @@ def test_moe_decode_tiles_env(monkeypatch):
     assert md.tiles() == {"block_d": md.BLOCK_D, "block_f": md.BLOCK_F, "num_warps": None, "d_split": md.D_SPLIT}
     monkeypatch.setenv(md.TILES_ENV, "128,32,8,4")
     assert md.tiles() == {"block_d": 128, "block_f": 32, "num_warps": 8, "d_split": 4}
+    # batch 1 of qwen3-30b-a3b: 8 pairs x 12 column tiles = 96 programs -> split D in 4 (384)
+    assert md.auto_d_split(8, 2048, 768, 64, 64, "dense") == 4
+    assert md.auto_d_split(32, 2048, 768, 64, 64, "dense") == 1
+    assert md.auto_d_split(8, 2048, 768, 64, 64, "int4") == 1
+    assert md.auto_d_split(1, 128, 768, 64, 64, "dense") == 2  # D = 128 allows no more
     monkeypatch.setenv(md.TILES_ENV, "128,32")
     with pytest.raises(ValueError, match="block_d,block_f,num_warps,d_split"):
         md.tiles()

@@ -18,7 +18,9 @@ With ``d_split > 1`` the gate/up stage also splits the D input rows over that ma
 (grid (P, F / block_f, d_split)) and adds their float32 partial sums before the gating: at batch
 1 there are only 8 pairs, and more programs keep more loads in flight. The model's calls take
 their tiles from ``FTJAX_MOE_DECODE_TILES="block_d,block_f,num_warps,d_split"`` (trace time;
-:func:`tiles`), else the module defaults; ``experiments/check_kernels_gpu.py`` sweeps them.
+:func:`tiles`), else the module defaults, whose d_split gives the gate/up stage at least 256
+programs (:func:`auto_d_split`: 4 at batch 1 of qwen3-30b-a3b, 1 from batch 4);
+``experiments/check_kernels_gpu.py`` sweeps them.
 
 Each weight byte is read once (decode is a batched GEMV, bandwidth-bound: the matrix-vector
 products are written as broadcast-multiply + row reductions, not ``dot``, which needs 16 rows).
@@ -58,7 +60,10 @@ from ftjax.experts import quant
 from ftjax.kernels import select
 
 #: Default tiles (input rows per step, output columns per program); the GPU script sweeps others.
-BLOCK_D, BLOCK_F, D_SPLIT = 64, 64, 1
+#: d_split 0 = :func:`auto_d_split`.
+BLOCK_D, BLOCK_F, D_SPLIT = 64, 64, 0
+#: Programs of the gate/up stage that :func:`auto_d_split` aims for (an H200 has 132 SMs).
+MIN_PROGRAMS = 256
 FP8_BLOCK = 128
 FORMATS = ("dense", "int8", "fp8", "int4")
 
@@ -283,7 +288,8 @@ TILES_ENV = "FTJAX_MOE_DECODE_TILES"
 
 def tiles() -> dict:
     """The tiles the model's calls use: ``FTJAX_MOE_DECODE_TILES="block_d,block_f,num_warps,d_split"``
-    (read at trace time; num_warps 0 = Triton's default), else the module defaults.
+    (read at trace time; num_warps 0 = Triton's default, d_split 0 = :func:`auto_d_split`), else
+    the module defaults.
 
     Raises:
       ValueError: a malformed value.
@@ -298,6 +304,17 @@ def tiles() -> dict:
     return {"block_d": bd, "block_f": bf, "num_warps": nw or None, "d_split": ds}
 
 
+def auto_d_split(pairs: int, d: int, f: int, block_d: int, block_f: int, fmt: str) -> int:
+    """The smallest power-of-two d_split (at most 8) that gives the gate/up stage at least
+    :data:`MIN_PROGRAMS` programs, within what D allows; 1 for int4 and when there are enough."""
+    programs = pairs * (f // min(block_f, f))
+    split = 1
+    while (fmt != "int4" and programs * split < MIN_PROGRAMS and split < 8
+           and d % (min(block_d, d) * split * 2) == 0):
+        split *= 2
+    return split
+
+
 def maybe_pairs(x: jax.Array, slots: jax.Array, gate_up: jax.Array, down: jax.Array, scales: tuple | None,
                 fmt: str) -> jax.Array | None:
     """The kernel's per-pair outputs [N, k, D] when ``FTJAX_KERNELS`` selects it for these operands
@@ -305,6 +322,8 @@ def maybe_pairs(x: jax.Array, slots: jax.Array, gate_up: jax.Array, down: jax.Ar
     t = tiles()
     if fmt == "int4":
         t["d_split"] = 1
+    elif t["d_split"] == 0:
+        t["d_split"] = auto_d_split(slots.size, x.shape[-1], down.shape[1], t["block_d"], t["block_f"], fmt)
     how = select.mode("moe_decode", supported(x, gate_up, down, fmt, t["block_d"], t["block_f"], t["d_split"]))
     if how == "xla":
         return None

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from ftjax.config import ModelConfig
+from ftjax.kernels import decode_attention, flash_prefill
 
 Params = dict[str, Any]
 
@@ -127,6 +128,24 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array) -> jax
     outs = [_attention_block(q[:, i:i + ATTN_BLOCK], k, v, q_pos[:, i:i + ATTN_BLOCK])
             for i in range(0, t, ATTN_BLOCK)]
     return jnp.concatenate(outs, axis=1)
+
+
+def cached_attention(q: jax.Array, ck: jax.Array, cv: jax.Array, layer: jax.Array, q_pos: jax.Array) -> jax.Array:
+    """:func:`attention` of one layer over the stacked cache, through a Pallas kernel where
+    ``FTJAX_KERNELS`` selects one (``ftjax.kernels.select``; default: on GPUs, never on the CPU).
+
+    q: [B, T, Hq, hd]; ck, cv: [L, B, S_max, Hkv, hd]; layer: int32 []; q_pos: int32 [B, T].
+    Decode (T = 1): ``ftjax.kernels.decode_attention`` reads only the filled positions
+    ``[0, q_pos + 1)`` of each row. Prefill: ``ftjax.kernels.flash_prefill`` (flash attention
+    from any start position; its Mosaic GPU variant only for calls whose rows all start at 0).
+    Otherwise, and as the reference, the blocked jnp :func:`attention` over the whole cache row.
+    """
+    if q.shape[1] == 1:
+        o = decode_attention.maybe(q, ck, cv, layer, q_pos)
+        return attention(q, ck[layer], cv[layer], q_pos) if o is None else o
+    k, v = ck[layer], cv[layer]
+    o = flash_prefill.maybe(q, k, v, q_pos, attention)
+    return attention(q, k, v, q_pos) if o is None else o
 
 
 def route(cfg: ModelConfig, x: jax.Array, w_router: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -257,7 +276,7 @@ def decoder_layer(cfg: ModelConfig, lp: Params, layer: jax.Array, carry: LayerCa
         cv = cv.at[layer, inputs.bidx, positions].set(v.astype(cv.dtype), mode="drop")
         if kv_hook is not None:
             hy = kv_hook.layer_output(ck, cv, layer, inputs.start)
-        o = attention(q, ck[layer], cv[layer], positions)
+        o = cached_attention(q, ck, cv, layer, positions)
         h = h + o.reshape(b, t, -1) @ lp["wo"]
     with jax.named_scope("moe"):
         x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps).reshape(b * t, -1)

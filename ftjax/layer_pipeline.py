@@ -264,6 +264,14 @@ def head_program(params, h, valid_len, *, cfg, all_logits):
     return model_lib.final_logits(params, cfg, h, valid_len, all_logits)
 
 
+@functools.cache
+def _layer_index(l: int) -> jax.Array:
+    """int32 [] device scalar ``l``, made once: a fresh ``jnp.int32(l)`` per layer is a small host
+    copy that blocks Python until the compute already queued is done, which would stop the driver
+    from running ahead of the GPU."""
+    return memory.to_device(np.int32(l))
+
+
 @jax.jit
 def _stack(xs):
     return jax.tree.map(lambda *a: jnp.stack(a), *xs)
@@ -321,7 +329,7 @@ def run(compiled: Callable, params, banks, state, cache: model_lib.KVCache, toke
             # queued is done (here layer l-1), so it runs while layer l computes. Issued after layer l,
             # it would wait for layer l and hide nothing (measured: docs/OVERLAP.md).
             nxt = copies(l + 1)
-        args = (params, banks, state, h, ck, cv, inputs, jnp.int32(l), *cur)
+        args = (params, banks, state, h, ck, cv, inputs, _layer_index(l), *cur)
         h, ck, cv, state, st, kv = compiled(layer_program, args, cfg=cfg, opts=opts)(*args)
         stats.append(st)
         kv_outs.append(kv)

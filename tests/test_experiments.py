@@ -209,7 +209,7 @@ def test_plots_draw_every_committed_result(tmp_path):
 def test_profile_overlap_summary_of_a_hand_made_trace():
     """The timeline reduction: GPU events only, memcpy H2D vs kernels, bursts split by gaps."""
     sys.path.insert(0, str(ROOT))
-    from experiments.profile_overlap import summarize_trace
+    from experiments.timeline import summarize_trace
     events = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
               {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
               {"ph": "X", "pid": 1, "tid": 1, "name": "MemcpyH2D", "ts": 0, "dur": 100},

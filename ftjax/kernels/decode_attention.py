@@ -33,11 +33,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ftjax.kernels import select
+from ftjax.kernels.online_softmax import NEG, fold_block
 
 BLOCK_K, N_SPLIT = 64, 16
 #: Rows of the query tile (the GQA group is zero-padded to this).
 MIN_ROWS = 16
-NEG = -1e30
 
 
 def supported(q: jax.Array, k_cache: jax.Array, block_k: int = BLOCK_K) -> bool:
@@ -71,12 +71,7 @@ def _kernel(len_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, bk,
         sc = lax.dot_general(q, kb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
         visible = (j0 + lax.broadcasted_iota(jnp.int32, (rows, bk), 1)) < hi
         sc = jnp.where(visible, sc, NEG)
-        m_new = jnp.maximum(m, jnp.max(sc, axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(sc - m_new[:, None])
-        l_new = alpha * l + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + jnp.dot(p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
-        return acc, m_new, l_new
+        return fold_block(acc, m, l, sc, vb)
 
     init = (jnp.zeros(q.shape, jnp.float32), jnp.full((rows,), NEG, jnp.float32), jnp.zeros((rows,), jnp.float32))
     acc, m, l = lax.fori_loop(0, steps, body, init)

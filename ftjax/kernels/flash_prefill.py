@@ -39,9 +39,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ftjax.kernels import select
+from ftjax.kernels.online_softmax import NEG, fold_block
 
 BLOCK_Q, BLOCK_K = 64, 64
-NEG = -1e30
 IMPL_ENV = "FTJAX_FLASH_PREFILL"
 
 
@@ -75,12 +75,7 @@ def _kernel(start_ref, q_ref, k_ref, v_ref, o_ref, *, bq, bk, group, scale):
         vb = v_ref[b, pl.ds(j0, bk), kvh, :]
         sc = lax.dot_general(q, kb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
         sc = jnp.where(j0 + lax.broadcasted_iota(jnp.int32, (bq, bk), 1) <= q_pos, sc, NEG)
-        m_new = jnp.maximum(m, jnp.max(sc, axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(sc - m_new[:, None])
-        l_new = alpha * l + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + jnp.dot(p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
-        return acc, m_new, l_new
+        return fold_block(acc, m, l, sc, vb)
 
     init = (jnp.zeros(q.shape, jnp.float32), jnp.full((bq,), NEG, jnp.float32), jnp.zeros((bq,), jnp.float32))
     acc, _, l = lax.fori_loop(0, steps, body, init)

@@ -121,6 +121,9 @@ def main(argv):
                 row.update(expert_dtype=label, expert_bytes=fmodel.expert_bytes)
                 rows.append(row)
                 print({k: v for k, v in row.items() if k != "tpot_s"}, flush=True)
+                # partial file after every run: a run cut short by a time limit keeps what it measured
+                common.write_json(FLAGS.out_dir, f"bench_decode_{FLAGS.preset}.json",
+                                  {"meta": info, "partial": True, "B_P": bp, "results": rows})
         del fmodel
         gc.collect()
     # bound and ratio per (format, batch, offloading mode), against resident of the same format and batch

@@ -413,6 +413,11 @@ def preset(name: str) -> ModelConfig:
 # ---------------------------------------------------------------------------------------------
 #: Prefill expert loading: stream whole layers, only the routed experts, or pick per chunk.
 PREFILL_MODES = ("auto", "stream", "on_demand")
+#: How a prefill call runs its layers: one ``lax.scan`` program (``model.forward``), or one program
+#: per layer driven from Python with the next layer's host copies issued while the current layer
+#: computes (``ftjax.layer_pipeline``); auto: pipelined on a GPU for the calls that stream whole
+#: layers of experts, scan otherwise (issue 12; docs/OVERLAP.md).
+PREFILL_DRIVERS = ("auto", "scan", "pipelined")
 #: Matmul precision of the step's dots: "auto" = full float32 ("highest") when the compute dtype
 #: is float32, the backend's fast default otherwise (on GPUs, TF32 for float32 dots).
 MATMUL_PRECISIONS = ("auto", "default", "high", "highest")
@@ -443,6 +448,7 @@ class EngineConfig:
         and a chunk has at least E (token, expert) pairs (DESIGN.md 1.3).
       prefill_chunk: prompts longer than this many tokens are prefilled in chunks.
       prefill_overlap: copy layer l+1's experts while layer l computes (False: the ablation).
+      prefill_driver: one of :data:`PREFILL_DRIVERS`.
       cache_policy: slot eviction policy (``ftjax.experts.slot_table.POLICIES``).
       matmul_precision: one of :data:`MATMUL_PRECISIONS`.
     Raises:
@@ -456,6 +462,7 @@ class EngineConfig:
     prefill: str = "auto"
     prefill_chunk: int = 8192
     prefill_overlap: bool = True
+    prefill_driver: str = "auto"
     cache_policy: str = "lru"
     matmul_precision: str = "auto"
 
@@ -464,6 +471,7 @@ class EngineConfig:
         from ftjax.experts.slot_table import POLICIES
         _choice("experts mode", self.experts, MODES)
         _choice("prefill mode", self.prefill, PREFILL_MODES)
+        _choice("prefill driver", self.prefill_driver, PREFILL_DRIVERS)
         _choice("cache policy", self.cache_policy, POLICIES)
         _choice("matmul precision", self.matmul_precision, MATMUL_PRECISIONS)
         for name in ("max_seq_len", "batch", "prefill_chunk"):
@@ -490,10 +498,22 @@ class EngineConfig:
             return dataclasses.replace(self, num_slots=all_slots)
         if not cfg.num_experts <= self.num_slots <= all_slots:
             raise ValueError(f"num_slots must be in [E, L*E] = [{cfg.num_experts}, {all_slots}], got {self.num_slots}")
-        if self.prefill == "stream" and self.num_slots < 2 * cfg.num_experts:
-            raise ValueError(f"prefill=stream needs at least 2E={2 * cfg.num_experts} slots (have {self.num_slots}, "
-                             f"mode {self.experts})")
+        if cfg.is_hybrid and self.prefill_driver == "pipelined":
+            raise ValueError(f"prefill_driver 'pipelined' runs families of one layer kind; {cfg.model_type} "
+                             f"scans blocks of two kinds: use 'auto' or 'scan'")
+        if self.prefill == "stream" and self.num_slots < 2 * cfg.num_experts and not self.pipelines_streams(cfg):
+            raise ValueError(f"prefill=stream on the layer scan needs at least 2E={2 * cfg.num_experts} slots (have "
+                             f"{self.num_slots}, mode {self.experts}); the pipelined driver needs E")
         return self
+
+    def pipelines_streams(self, cfg: ModelConfig | None = None) -> bool:
+        """Whether streamed prefill calls run on the layer-pipelined driver (its own two full-layer
+        buffers, no borrowed slots): ``prefill_driver`` "pipelined", or "auto" on a GPU; never for a
+        hybrid family (``cfg.is_hybrid``: its decoder scans blocks of layers of two kinds)."""
+        from ftjax import memory
+        if cfg is not None and cfg.is_hybrid:
+            return False
+        return self.prefill_driver == "pipelined" or (self.prefill_driver == "auto" and memory.backend() == "gpu")
 
     def precision(self, dtype: str) -> str:
         """The matmul precision a step runs with for compute dtype ``dtype``."""

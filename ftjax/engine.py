@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ftjax import memory
+from ftjax import layer_pipeline, memory
 from ftjax import model as model_lib
 from ftjax.checkpoint import LoadedModel
 from ftjax.config import EngineConfig
@@ -186,6 +186,8 @@ class Engine:
         self.compile_s = 0.0
         self.failed_steps = 0
         self._programs: set[tuple] = set()  # keys into _COMPILED of the programs this engine ran or compiled
+        self._expert_views: layer_pipeline.ExpertLayerSource | None = None  # built on the first pipelined stream
+        self.prefill_driver_calls = {"scan": 0, "pipelined": 0}  # prefill calls run by each driver
 
     # ---- configuration, read-only views -------------------------------------------------------
     @property
@@ -256,8 +258,9 @@ class Engine:
                 jnp.asarray(valid_len, jnp.int32), tuple(prefix))
 
     def _step(self, tokens: np.ndarray, start: np.ndarray, valid_len: np.ndarray, cache, opts: StepOptions,
-              prefix=()) -> model_lib.ForwardOut:
-        """Runs the step; the expert state and ``cache`` are donated to it.
+              prefix=(), pipelined: bool = False) -> model_lib.ForwardOut:
+        """Runs the step (with the layer-pipelined driver when ``pipelined``); the expert state and
+        ``cache`` are donated to it.
 
         If the step raises (a device OOM, say) after its donated expert state was consumed, the
         engine starts again from an empty expert cache (counted in ``failed_steps``) so that it
@@ -269,9 +272,12 @@ class Engine:
         if self.state is None:
             raise RuntimeError("this engine lost its expert state in a failed step and could not rebuild it "
                                "(see the earlier error); build a new Engine")
-        args = self._args(tokens, start, valid_len, cache, prefix)
         try:
-            out = self._executable(args, opts)(*args)
+            if pipelined:
+                out = self._run_pipelined(tokens, start, valid_len, cache, opts, prefix)
+            else:
+                args = self._args(tokens, start, valid_len, cache, prefix)
+                out = self._executable(args, opts)(*args)
         except Exception as err:
             self.failed_steps += 1
             if any(x.is_deleted() for x in jax.tree.leaves(self.state)):
@@ -292,7 +298,44 @@ class Engine:
         if self.config.prefill == "stream":
             return True
         e = self.cfg.num_experts
-        return self.num_slots >= 2 * e and valid_tokens * self.cfg.top_k >= e
+        # the scan borrows 2E pool slots; the pipelined driver streams through buffers of its own
+        room = self.config.pipelines_streams(self.cfg) or self.num_slots >= 2 * e
+        return room and valid_tokens * self.cfg.top_k >= e
+
+    def pipelines(self, stream: bool, prefix=()) -> bool:
+        """Whether a prefill call runs on the layer-pipelined driver (``ftjax.layer_pipeline``):
+        ``prefill_driver`` "pipelined", or "auto" on a GPU for a call that streams whole layers of
+        experts. A call that only reuses a prefix stays on the scan under "auto": its layer copies
+        are 62 pieces of 512 KB per layer at 16k tokens, and issuing them from Python (~0.3 ms
+        each) costs more than the 31 ms load it would hide (docs/OVERLAP.md). A prefix already on
+        the device (the load-all-first ablation) always runs on the scan."""
+        driver = self.config.prefill_driver
+        if self.cfg.is_hybrid:  # its block scan is the only driver (refused with "pipelined" by the config)
+            return False
+        on_host = bool(prefix) and memory.memory_kind(prefix[0]) in ("pinned_host", "unpinned_host")
+        if driver == "scan" or (prefix and not on_host):
+            return False
+        return driver == "pipelined" or (memory.backend() == "gpu" and stream)
+
+    def _expert_source(self):
+        if self._expert_views is None:
+            self._expert_views = layer_pipeline.ExpertLayerSource(self.model.banks, self.cfg.num_experts)
+        return self._expert_views
+
+    @property
+    def stream_copy_path(self) -> str | None:
+        """How the pipelined driver copies streamed layers: "pinned_alias" (asynchronous, overlaps
+        compute), "numpy_view" (waits for queued compute; the CPU backend), None: not used yet."""
+        return self._expert_views.path if self._expert_views is not None else None
+
+    def _run_pipelined(self, tokens, start, valid_len, cache, opts: StepOptions, prefix=()) -> model_lib.ForwardOut:
+        m = self.model
+        return layer_pipeline.run(
+            self.compiled, m.params, m.banks, self.state, cache, jnp.asarray(tokens, jnp.int32),
+            jnp.asarray(start, jnp.int32), jnp.asarray(valid_len, jnp.int32), cfg=self.cfg, step=opts,
+            all_logits=opts.all_logits, experts=self._expert_source() if opts.stream else None,
+            prefix=layer_pipeline.PrefixLayerSource(prefix) if prefix else None,
+            overlap=self.config.prefill_overlap)
 
     def new_cache(self, batch: int) -> model_lib.KVCache:
         return model_lib.init_kv_cache(self.cfg, batch, self.max_seq_len, self.dtype)
@@ -366,12 +409,16 @@ class Engine:
                     tokens[i, : call.valid[i]] = p[call.start: call.start + call.valid[i]]
                 stream = self.streams(call.tokens)
                 kv = kv_manager.step_options(call) if request is not None else None
+                pfx = prefix if call.with_prefix else ()
+                pipelined = self.pipelines(stream, pfx)
                 out = self._step(tokens, np.full(b, call.start, np.int32), np.asarray(call.valid, np.int32), cache,
-                                 self._options(all_logits, stream, kv), prefix if call.with_prefix else ())
+                                 self._options(all_logits, stream, kv), pfx, pipelined)
                 cache = out.cache
+                self.prefill_driver_calls["pipelined" if pipelined else "scan"] += 1
                 kv_outs.append(out.kv_out)  # only the KV hook's new chunks outlive the call
                 self.counters["prefill"].add(out.layer_stats)
-                if stream and self.config.prefill_overlap:
+                if stream and self.config.prefill_overlap and not pipelined:
+                    # the scan's prefetch of the last layer is clamped to L-1: one layer copied twice
                     self.counters["prefill"].extra_copies += self.cfg.num_experts
                 stats.append(out.layer_stats)
                 if all_logits:
@@ -504,15 +551,23 @@ class Engine:
     def _ensure_compiled(self, calls: Sequence[PrefillCall], batch: int, cache, kv_manager=None,
                          request=None) -> None:
         """Compiles every prefill call's program and the decode step before timing starts."""
-        shapes = {((batch, 1), self._options(), ())}
+        shapes = {((batch, 1), self._options(), (), False)}
         for call in calls:
             kv = kv_manager.step_options(call) if request is not None else None
             prefix = kv_manager.prefix_spec(self, request) if request is not None and call.with_prefix else ()
-            shapes.add(((batch, call.bucket), self._options(stream=self.streams(call.tokens), kv=kv), prefix))
-        for shape, opts, prefix in shapes:
+            stream = self.streams(call.tokens)
+            shapes.add(((batch, call.bucket), self._options(stream=stream, kv=kv), prefix,
+                        self.pipelines(stream, prefix)))
+        for shape, opts, prefix, pipelined in shapes:
             args = self._args(np.zeros(shape, np.int32), np.zeros(batch, np.int32), np.ones(batch, np.int32), cache,
                               prefix)
-            self._executable(args, opts)
+            if not pipelined:
+                self._executable(args, opts)
+                continue
+            m = self.model
+            layer_pipeline.precompile(self.compiled, m.params, m.banks, self.state, cache, *args[4:7], cfg=self.cfg,
+                                      step=opts, all_logits=opts.all_logits,
+                                      experts=self._expert_source() if opts.stream else None, prefix_spec=prefix)
 
     def _warm_sampling(self, batch: int, temperature: float, top_p: float) -> None:
         """Compiles the sampler and the key split outside the timed region. The dummy logits are
@@ -566,7 +621,8 @@ def plan_engine(model: LoadedModel, budget_bytes: int, prompts: Sequence[Sequenc
     workspace = probe.workspace_bytes()
     del probe
     plan = plan_memory(cfg, itemsize, budget_bytes=budget_bytes, batch=config.batch, max_seq_len=config.max_seq_len,
-                       workspace_bytes=workspace, expert_bytes=model.expert_bytes)
+                       workspace_bytes=workspace, expert_bytes=model.expert_bytes,
+                       pipelined=config.pipelines_streams(cfg) and config.prefill != "on_demand")
     if mode == "auto":
         mode = "resident" if plan.fits_resident else "cached"
     if mode == "resident":  # every expert on the device: nothing to stream

@@ -32,7 +32,7 @@ import tempfile
 from absl import app, flags, logging
 
 # Flag choices come from the code's own registries (importing them does not start a JAX backend).
-from ftjax.config import KV_LOADS, MATMUL_PRECISIONS, PREFILL_MODES, EngineConfig, KVOffloadConfig
+from ftjax.config import KV_LOADS, MATMUL_PRECISIONS, PREFILL_DRIVERS, PREFILL_MODES, EngineConfig, KVOffloadConfig
 from ftjax.experts.cpu_experts import IMPLS as CPU_EXPERT_IMPLS
 from ftjax.experts.miss_policy import POLICIES as MISS_POLICIES
 from ftjax.experts.offload import MODES as EXPERT_MODES
@@ -76,6 +76,9 @@ flags.DEFINE_enum("prefill", "auto", list(PREFILL_MODES),
                   "Prefill expert loading: stream whole layers through two E-slot buffers (needs 2E slots), "
                   "only the routed experts through the cache, or auto (stream when it fits and pays).")
 flags.DEFINE_integer("prefill_chunk", 8192, "Prompts longer than this many tokens are prefilled in chunks.")
+flags.DEFINE_enum("prefill_driver", "auto", list(PREFILL_DRIVERS),
+                  "How prefill calls run their layers: one scan program, or one program per layer with the next "
+                  "layer's host copies issued from Python (auto: pipelined for streamed calls on a GPU).")
 flags.DEFINE_boolean("prefill_overlap", True, "Copy layer l+1's experts while layer l computes; "
                      "--noprefill_overlap (alias --no_prefill_overlap) is the serial ablation.")
 flags.DEFINE_string("prompts_file", None, "JSON lines, each {\"prompt_ids\": [...]} or {\"prompt\": \"...\"}: "
@@ -325,6 +328,7 @@ def _engine_config(mode: str, slots: int | None, max_seq_len: int) -> EngineConf
         prefill = "auto"
     return EngineConfig(mode, num_slots=slots, max_seq_len=max_seq_len, batch=FLAGS.batch, prefill=prefill,
                         prefill_chunk=FLAGS.prefill_chunk, prefill_overlap=FLAGS.prefill_overlap,
+                        prefill_driver=FLAGS.prefill_driver,
                         cache_policy=FLAGS.cache_policy, matmul_precision=FLAGS.matmul_precision)
 
 

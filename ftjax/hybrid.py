@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from ftjax import gated_deltanet as gdn
 from ftjax.config import ModelConfig
 from ftjax.model import (ExpertFn, ForwardOut, KVCache, KVHook, LayerCarry, LayerInputs, LayerRouting, Params,
-                         attention, embed_inputs, lm_logits, rms_norm_offset, rope, route)
+                         attention, embed_inputs, final_logits, rms_norm_offset, rope, route)
 
 
 def _counts(cfg: ModelConfig) -> tuple[int, int, int]:
@@ -284,5 +284,5 @@ def forward_blocks(params: Params, cfg: ModelConfig, tokens: jax.Array, start: j
     kv_out = None
     if hook_out is not None:
         kv_out = tuple((hook_out[m], pts[m][0], pts[m][1]) for m in range(len(hook_out)))
-    logits = lm_logits(params, cfg, carry.h, valid_len, all_logits)
+    logits = final_logits(params, cfg, carry.h, valid_len, all_logits)
     return ForwardOut(logits, KVCache(carry.k, carry.v, conv, rec), carry.expert_state, stats, kv_out)

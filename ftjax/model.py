@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from ftjax.config import ModelConfig
+from ftjax.kernels import decode_attention, flash_prefill
 
 Params = dict[str, Any]
 
@@ -159,6 +160,24 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array) -> jax
     outs = [_attention_block(q[:, i:i + ATTN_BLOCK], k, v, q_pos[:, i:i + ATTN_BLOCK])
             for i in range(0, t, ATTN_BLOCK)]
     return jnp.concatenate(outs, axis=1)
+
+
+def cached_attention(q: jax.Array, ck: jax.Array, cv: jax.Array, layer: jax.Array, q_pos: jax.Array) -> jax.Array:
+    """:func:`attention` of one layer over the stacked cache, through a Pallas kernel where
+    ``FTJAX_KERNELS`` selects one (``ftjax.kernels.select``; default: on GPUs, never on the CPU).
+
+    q: [B, T, Hq, hd]; ck, cv: [L, B, S_max, Hkv, hd]; layer: int32 []; q_pos: int32 [B, T].
+    Decode (T = 1): ``ftjax.kernels.decode_attention`` reads only the filled positions
+    ``[0, q_pos + 1)`` of each row. Prefill: ``ftjax.kernels.flash_prefill`` (flash attention
+    from any start position; its Mosaic GPU variant only for calls whose rows all start at 0).
+    Otherwise, and as the reference, the blocked jnp :func:`attention` over the whole cache row.
+    """
+    if q.shape[1] == 1:
+        o = decode_attention.maybe(q, ck, cv, layer, q_pos)
+        return attention(q, ck[layer], cv[layer], q_pos) if o is None else o
+    k, v = ck[layer], cv[layer]
+    o = flash_prefill.maybe(q, k, v, q_pos, attention)
+    return attention(q, k, v, q_pos) if o is None else o
 
 
 def route(cfg: ModelConfig, x: jax.Array, w_router: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -294,7 +313,7 @@ def decoder_layer(cfg: ModelConfig, lp: Params, layer: jax.Array, carry: LayerCa
         cv = cv.at[layer, inputs.bidx, positions].set(v.astype(cv.dtype), mode="drop")
         if kv_hook is not None:
             hy = kv_hook.layer_output(ck, cv, layer, inputs.start)
-        o = attention(q, ck[layer], cv[layer], positions)
+        o = cached_attention(q, ck, cv, layer, positions)
         h = h + o.reshape(b, t, -1) @ lp["wo"]
     with jax.named_scope("moe"):
         x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps).reshape(b * t, -1)
@@ -309,6 +328,28 @@ def decoder_layer(cfg: ModelConfig, lp: Params, layer: jax.Array, carry: LayerCa
 #: (``ftjax.hybrid.forward_blocks``, which :func:`forward` hands it to).
 LAYER_FNS: dict[str, Callable[..., tuple[LayerCarry, Any]]] = {
     "qwen3_moe": decoder_layer, "olmoe": decoder_layer, "mixtral": decoder_layer}
+
+
+def embed_inputs(params: Params, tokens: jax.Array, start: jax.Array,
+                 valid_len: jax.Array) -> tuple[jax.Array, LayerInputs]:
+    """The residual stream entering layer 0 (h [B, T, D], the embedding rows of ``tokens``) and
+    the :class:`LayerInputs` every layer of the call shares. Arguments as for :func:`forward`."""
+    b, t = tokens.shape
+    positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    inputs = LayerInputs(positions, jnp.arange(b)[:, None], jnp.arange(t)[None, :] < valid_len[:, None], start)
+    return params["embed"][tokens], inputs
+
+
+def final_logits(params: Params, cfg: ModelConfig, h: jax.Array, valid_len: jax.Array,
+                 all_logits: bool = False) -> jax.Array:
+    """Final norm and LM head over the last layer's output h [B, T, D]: float32 logits [B, V] of
+    each sequence's last valid token, or [B, T, V] with ``all_logits``."""
+    b = h.shape[0]
+    if not all_logits:  # a sequence with no valid token here (valid_len 0) reads position 0
+        h = h[jnp.arange(b), jnp.maximum(valid_len - 1, 0)]
+    h = norm_fn(cfg)(h, params["final_norm"], cfg.rms_norm_eps)
+    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    return (h @ head).astype(jnp.float32)
 
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, start: jax.Array, valid_len: jax.Array,
@@ -327,6 +368,9 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, start: jax.Arra
       all_logits: return logits of every position instead of the last valid one.
       kv_hook: optional layerwise KV hook (:class:`KVHook`; ``ftjax.kv.layerwise``): loads a
         reused prefix into the cache layer by layer and returns new K/V as scan outputs.
+
+    The layer-pipelined driver (``ftjax.layer_pipeline``) runs the same pieces (:func:`embed_inputs`,
+    the family's layer function, :func:`final_logits`) one layer program at a time instead.
     """
     if cfg.is_hybrid:
         from ftjax.hybrid import forward_blocks  # late import: hybrid imports this module
@@ -343,22 +387,6 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, start: jax.Arra
     carry = LayerCarry(h, cache.k, cache.v, expert_state, kv_hook.init_carry() if kv_hook is not None else None)
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     carry, (stats, kv_out) = jax.lax.scan(body, carry, (params["layers"], layer_ids, hook_xs))
-    logits = lm_logits(params, cfg, carry.h, valid_len, all_logits)
+    logits = final_logits(params, cfg, carry.h, valid_len, all_logits)
     return ForwardOut(logits, KVCache(carry.k, carry.v), carry.expert_state, stats, kv_out)
 
-
-def embed_inputs(params: Params, tokens: jax.Array, start: jax.Array, valid_len: jax.Array):
-    """The embedded tokens h [B, T, D] and the :class:`LayerInputs` of a forward call."""
-    b, t = tokens.shape
-    positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    inputs = LayerInputs(positions, jnp.arange(b)[:, None], jnp.arange(t)[None, :] < valid_len[:, None], start)
-    return params["embed"][tokens], inputs
-
-
-def lm_logits(params: Params, cfg: ModelConfig, h: jax.Array, valid_len: jax.Array, all_logits: bool) -> jax.Array:
-    """Final norm and lm head: float32 [B, V] of each sequence's last valid token, or [B, T, V]."""
-    if not all_logits:  # a sequence with no valid token here (valid_len 0) reads position 0
-        h = h[jnp.arange(h.shape[0]), jnp.maximum(valid_len - 1, 0)]
-    h = norm_fn(cfg)(h, params["final_norm"], cfg.rms_norm_eps)
-    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    return (h @ head).astype(jnp.float32)

@@ -74,7 +74,7 @@ def test_bench_decode_expert_dtypes_smoke(tmp_path):
 def test_bench_prefill_smoke(tmp_path):
     d = _run("bench_prefill", tmp_path, "--preset=tiny", "--dtype=float32", "--lengths=64,256", "--prefill_chunk=128",
              "--vram_budget_gb=1.02")
-    assert d["logits_max_abs_diff_vs_resident"] == {"stream": 0.0, "stream_no_overlap": 0.0, "on_demand": 0.0,
+    assert d["logits_max_abs_diff_vs_resident"] == {"stream": 0.0, "stream_no_overlap": 0.0, "stream_scan": 0.0,
                                                     "resident": 0.0}
     for r in d["results"]:
         assert "error" not in r, r
@@ -204,3 +204,31 @@ def test_plots_draw_every_committed_result(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("[1, 2]")
     assert plots.main(["plots", str(bad)]) == 1
+
+
+def test_profile_overlap_summary_of_a_hand_made_trace():
+    """The timeline reduction: GPU events only, memcpy H2D vs kernels, bursts split by gaps."""
+    sys.path.insert(0, str(ROOT))
+    from experiments.timeline import summarize_trace
+    events = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+              {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+              {"ph": "X", "pid": 1, "tid": 1, "name": "MemcpyH2D", "ts": 0, "dur": 100},
+              {"ph": "X", "pid": 1, "tid": 2, "name": "fusion_1", "ts": 50, "dur": 100},
+              {"ph": "X", "pid": 1, "tid": 1, "name": "MemcpyH2D", "ts": 1000, "dur": 100},
+              {"ph": "X", "pid": 1, "tid": 2, "name": "MemcpyD2D", "ts": 1050, "dur": 10},
+              {"ph": "X", "pid": 2, "tid": 1, "name": "MemcpyH2D", "ts": 0, "dur": 5000}]  # host: ignored
+    r = summarize_trace(events, gap_us=500)
+    assert r["gpu_processes"] == ["/device:GPU:0"]
+    assert r["copy_s"] == pytest.approx(200e-6) and r["compute_s"] == pytest.approx(110e-6)
+    assert r["copy_overlapped_fraction"] == pytest.approx(60 / 200)  # 50 us of burst 1, 10 us of burst 2
+    assert [b["overlapped_fraction"] for b in r["bursts"]] == pytest.approx([0.5, 0.1])
+    assert r["span_s"] == pytest.approx(1100e-6)
+
+
+def test_profile_overlap_smoke(tmp_path):
+    d = _run("profile_overlap", tmp_path, "--preset=tiny", "--dtype=float32", "--tokens=256", "--slots=64",
+             "--prefix_tokens=256", "--suffix_tokens=16")
+    _meta(d)
+    assert set(d["runs"]) == {"stream", "kv_reuse"}
+    assert d["runs"]["kv_reuse"]["reused_tokens"] == 256
+    assert sum(d["runs"]["stream"]["driver_calls"].values()) == 2  # the warm-up prefill and the traced one

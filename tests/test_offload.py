@@ -124,6 +124,11 @@ def test_plan_memory_budget_and_errors():
         plan_memory(cfg, 4, slots=cfg.num_experts - 1)
     with pytest.raises(ValueError, match="exactly one"):
         plan_memory(cfg, 4)
+    # the pipelined driver: two full-layer buffers outside the pool instead of the gather; E slots stream
+    piped = plan_memory(cfg, 4, slots=cfg.num_experts, pipelined=True)
+    assert piped.layer_gather_bytes == 2 * cfg.num_experts * eb and piped.prefill_double_buffer
+    assert piped.planned_bytes == plan.planned_bytes + cfg.num_experts * eb
+    assert "stream buffers (2 x" in piped.describe() and not plan.prefill_double_buffer
 
 
 @pytest.mark.parametrize("policy", ["lookahead", "lfru"])

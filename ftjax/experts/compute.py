@@ -7,7 +7,9 @@ arithmetic: resident and cached runs are bit-identical. Pools may hold quantized
 (``ftjax.experts.quant``): each formulation dequantizes only the experts it reads, just before
 its matmuls; dense weights pass through unchanged.
 
-* ``gather``: each (token, k) pair gathers its expert's weights. Cheap when N*k is small (decode).
+* ``gather``: each (token, k) pair reads its expert's weights. Cheap when N*k is small (decode).
+  On GPUs a fused Pallas kernel reads them from the pool in place (``ftjax.kernels.moe_decode``);
+  the jnp reference gathers them into a temporary first.
 * ``grouped``: tokens sorted by expert and multiplied group by group against the layer's E
   experts (``ftjax.kernels.grouped_matmul``: a Mosaic GPU kernel on GPUs, ``ragged_dot`` else).
   For prefill, where N*k >> E.
@@ -19,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from ftjax.experts import quant
+from ftjax.kernels import moe_decode
 from ftjax.kernels.grouped_matmul import grouped_matmul
 
 # Use the gather formulation up to this many (token, expert) pairs per layer.
@@ -39,8 +42,22 @@ def _rows(pool: jax.Array, scales: tuple | None, which: int, idx: jax.Array, fmt
 
 def gather_outputs(x: jax.Array, slots: jax.Array, gate_up: jax.Array, down: jax.Array,
                    scales: tuple | None = None, fmt: str = "dense") -> jax.Array:
-    """Per-(token, k) expert outputs [N, k, D]: each pair gathers (and dequantizes) its
-    expert's weights from the pool. x: [N, D]; slots: int32 [N, k]."""
+    """Per-(token, k) expert outputs [N, k, D]. x: [N, D]; slots: int32 [N, k].
+
+    Where ``FTJAX_KERNELS`` selects it (``ftjax.kernels.select``; default: on GPUs), the fused
+    Pallas kernel ``ftjax.kernels.moe_decode`` reads each pair's weights from the pool in place;
+    otherwise (the reference, and the CPU default) each pair gathers (and dequantizes) its
+    expert's weights from the pool. Every expert mode calls this one function, so cached and
+    resident runs stay bit-identical either way.
+    """
+    y = moe_decode.maybe_pairs(x, slots, gate_up, down, scales, fmt)
+    return gather_outputs_reference(x, slots, gate_up, down, scales, fmt) if y is None else y
+
+
+def gather_outputs_reference(x: jax.Array, slots: jax.Array, gate_up: jax.Array, down: jax.Array,
+                             scales: tuple | None = None, fmt: str = "dense") -> jax.Array:
+    """:func:`gather_outputs` in jnp (the kernel's reference): each pair gathers (and
+    dequantizes) its expert's weights into a temporary [N, k, D, 2F], then two einsums."""
     h = jnp.einsum("nd,nkdf->nkf", x, _rows(gate_up, scales, 0, slots, fmt, x.dtype))
     return jnp.einsum("nkf,nkfd->nkd", _swiglu(h), _rows(down, scales, 1, slots, fmt, x.dtype))
 
@@ -79,6 +96,18 @@ def experts_grouped(x: jax.Array, ids: jax.Array, weights: jax.Array, gate_up: j
     y = grouped_matmul(_swiglu(h), down, group_sizes)
     y = jnp.zeros_like(y).at[order].set(y).reshape(n, k, -1)
     return jnp.einsum("nkd,nk->nd", y, weights.astype(y.dtype)).astype(x.dtype)
+
+
+def experts_from_layer(x: jax.Array, ids: jax.Array, weights: jax.Array, gate_up: jax.Array, down: jax.Array,
+                       scales: tuple | None = None, fmt: str = "dense") -> jax.Array:
+    """Expert FFN of one layer whose E experts sit in expert order in ``gate_up`` [E, D, 2F] and
+    ``down`` [E, F, D] (a streamed full-layer buffer): the grouped matmul reads them as they are,
+    with no gather copy (issue 12, item 2). ids: int32 [N, k] expert ids. Same arithmetic, and the
+    same formulation choice by N*k, as :func:`experts_from_pool` with slot = expert id.
+    """
+    if ids.size <= GATHER_MAX_PAIRS:
+        return experts_gather(x, ids, weights, gate_up, down, scales, fmt)
+    return experts_grouped(x, ids, weights, gate_up, down, scales, fmt)
 
 
 def experts_from_pool(x: jax.Array, ids: jax.Array, weights: jax.Array, slot_of_expert: jax.Array,

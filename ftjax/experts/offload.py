@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from ftjax.experts import miss_policy
-from ftjax.experts.compute import experts_from_pool
+from ftjax.experts.compute import experts_from_layer, experts_from_pool
 from ftjax.experts.fetch import fetch_experts, fetch_layer
 from ftjax.experts.slot_table import forget_slots, lookup_layer, reset_table
 from ftjax.experts.state import ExpertBanks, ExpertState, LayerStats
@@ -130,6 +130,22 @@ def make_stream_expert_fn(num_experts: int, num_layers: int, banks: ExpertBanks,
             y = experts_from_pool(r.x, r.ids, r.weights, slot_of_expert, state.gate_up, state.down, state.scales,
                                   state.fmt)
         return y, state, LayerStats.fetch_only(jnp.int32(0), jnp.int32(e), _trace_ids(r))
+
+    return expert_fn
+
+
+def make_layer_buffer_expert_fn(num_experts: int, buffer: tuple, fmt: str = "dense"):
+    """Expert function of one streamed layer whose E experts were copied as a whole into device
+    arrays ``buffer`` = (gate_up [E, D, 2F], down [E, F, D], *scales) by the layer-pipelined driver
+    (``ftjax.layer_pipeline``): computes straight from them (no slot table, no pool, no gather copy)
+    and leaves the expert state as it is. Stats as :func:`make_stream_expert_fn`: E fetched, 0 hits.
+    """
+    gate_up, down, *scales = buffer
+
+    def expert_fn(state: ExpertState, layer: jax.Array, r: LayerRouting):
+        del layer
+        y = experts_from_layer(r.x, r.ids, r.weights, gate_up, down, tuple(scales) or None, fmt)
+        return y, state, LayerStats.fetch_only(jnp.int32(0), jnp.int32(num_experts), _trace_ids(r))
 
     return expert_fn
 

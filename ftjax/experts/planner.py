@@ -1,9 +1,11 @@
 """Device-memory plan: how many expert slots fit a VRAM budget (DESIGN.md 1.1, 1.3).
 
-budget = non-expert weights + KV cache + workspace + layer gather + S * expert_bytes, with S
-clamped to [E, L*E]. The layer gather is the copy of one layer's E experts that the grouped
-(prefill) expert matmul reads (``ftjax.experts.compute.experts_from_pool``; 1.2 GB for
-qwen3-30b-a3b in bf16).
+budget = non-expert weights + KV cache + workspace + layer buffers + S * expert_bytes, with S
+clamped to [E, L*E]. The layer buffers depend on the prefill driver (``EngineConfig.prefill_driver``):
+the layer scan streams through 2E slots borrowed from the pool and copies one layer's E experts for the
+grouped (prefill) expert matmul (the "layer gather", ``ftjax.experts.compute.experts_from_pool``; 1.2 GB
+for qwen3-30b-a3b in bf16); the layer-pipelined driver (``ftjax.layer_pipeline``) gathers nothing
+and borrows no slot, but holds two full-layer buffers of its own (2.4 GB), so it streams with S >= E.
 
 The workspace (activations and every other temporary of the compiled steps) is either
 *measured*: the largest ``temp_size_in_bytes`` of the XLA programs the run will execute, plus a
@@ -33,7 +35,8 @@ class MemoryPlan:
     All sizes in bytes. ``slots`` is S; ``fits_resident``: the whole pool fits (S = L*E);
     ``prefill_double_buffer``: S >= 2E, so prefill can stream whole layers through two buffers;
     ``workspace_temp_bytes``: the compiled programs' largest temporaries the workspace was
-    measured from (None: the workspace is the stated one).
+    measured from (None: the workspace is the stated one); ``pipelined``: the layer buffers are the
+    pipelined driver's two full-layer buffers (else the scan's layer gather).
     """
 
     budget_bytes: int
@@ -46,6 +49,7 @@ class MemoryPlan:
     pool_slots: int
     num_experts: int
     workspace_temp_bytes: int | None = None
+    pipelined: bool = False
 
     @property
     def planned_bytes(self) -> int:
@@ -64,7 +68,9 @@ class MemoryPlan:
 
     @property
     def prefill_double_buffer(self) -> bool:
-        return self.slots >= 2 * self.num_experts
+        """Whether prefill can stream whole layers: the pipelined driver's buffers are planned, or
+        the scan's 2E borrowed slots fit."""
+        return self.pipelined or self.slots >= 2 * self.num_experts
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -75,8 +81,11 @@ class MemoryPlan:
     def describe(self) -> str:
         gb = lambda n: f"{n / GB:8.3f} GB"  # noqa: E731
         measured = self.workspace_temp_bytes is not None
-        gather = [] if measured else [  # a measured workspace includes the gather
-            (f"layer gather for prefill ({self.num_experts} experts)", self.layer_gather_bytes)]
+        if self.pipelined:
+            gather = [(f"stream buffers (2 x {self.num_experts} experts)", self.layer_gather_bytes)]
+        else:  # a measured workspace includes the gather
+            gather = [] if measured else [
+                (f"layer gather for prefill ({self.num_experts} experts)", self.layer_gather_bytes)]
         rows = [("budget", self.budget_bytes), ("non-expert weights", self.non_expert_bytes),
                 ("KV cache", self.kv_cache_bytes),
                 ("workspace (" + ("measured" if measured else "stated") + ")", self.workspace_bytes),
@@ -85,13 +94,14 @@ class MemoryPlan:
         lines = ["memory plan:"] + [f"  {name:<40} {gb(n)}" for name, n in rows]
         lines.append(f"  slots {self.slots} of {self.pool_slots} experts in the pool "
                      f"({100 * self.slots / self.pool_slots:.1f}%); prefill double buffer "
-                     f"(needs {2 * self.num_experts} slots): {'yes' if self.prefill_double_buffer else 'no'}")
+                     + ("(pipelined driver): yes" if self.pipelined else
+                        f"(needs {2 * self.num_experts} slots): {'yes' if self.prefill_double_buffer else 'no'}"))
         return "\n".join(lines)
 
 
 def plan_memory(cfg: ModelConfig, itemsize: int, budget_bytes: int | None = None, slots: int | None = None,
                 batch: int = 1, max_seq_len: int = 512, workspace_bytes: int | None = None,
-                expert_bytes: int | None = None) -> MemoryPlan:
+                expert_bytes: int | None = None, pipelined: bool = False) -> MemoryPlan:
     """Plans the device memory for a budget or an explicit slot count (exactly one of them).
 
     Args:
@@ -103,6 +113,9 @@ def plan_memory(cfg: ModelConfig, itemsize: int, budget_bytes: int | None = None
       expert_bytes: bytes of one expert as stored (``ExpertBanks.expert_bytes``: quantized
         weights + scales); default: dense at ``itemsize``. Slots are sized by it; the stated
         layer gather is E experts as stored plus, when quantized, their dequantized copy.
+      pipelined: plan for the layer-pipelined prefill driver: two full-layer buffers (2E experts as
+        stored) outside the pool, counted whether the workspace is measured or stated (they are
+        the programs' arguments, not temporaries), instead of the layer gather.
     Raises:
       ValueError: neither or both given; the budget leaves fewer than E slots (the message gives
         the minimum budget); slots outside [E, L*E].
@@ -121,6 +134,8 @@ def plan_memory(cfg: ModelConfig, itemsize: int, budget_bytes: int | None = None
     else:
         workspace = int(workspace_bytes * (1 + WORKSPACE_MARGIN_FRACTION)) + WORKSPACE_MARGIN_BYTES
         gather = 0  # part of the measured temporaries
+    if pipelined:
+        gather = 2 * e * eb
     fixed = non_expert + kv + workspace + gather
     if slots is None:
         slots = min(pool, (budget_bytes - fixed) // eb) if budget_bytes > fixed else 0
@@ -135,4 +150,4 @@ def plan_memory(cfg: ModelConfig, itemsize: int, budget_bytes: int | None = None
         raise ValueError(f"expert slots {slots} out of range: need E={e} <= slots <= L*E={pool}")
     budget = budget_bytes if budget_bytes is not None else fixed + slots * eb
     return MemoryPlan(int(budget), int(non_expert), int(kv), int(workspace), int(gather), int(eb), int(slots), pool, e,
-                      None if workspace_bytes is None else int(workspace_bytes))
+                      None if workspace_bytes is None else int(workspace_bytes), pipelined)

@@ -142,7 +142,7 @@ class LayerwiseKV:
             return self._fetch_layer(jnp.int32(0))
 
     def before_attention(self, ck, cv, layer, xs, carry):
-        if not self.prefix:
+        if not self.prefix and not xs:  # xs without a prefix: the layer's slices handed over by a driver
             return ck, cv, carry
         with jax.named_scope("kv_prefix_load"):
             return self._load(ck, cv, layer, xs, carry)

@@ -1,0 +1,527 @@
+r"""Pallas kernels of ftjax.kernels on the GPU: accuracy against their jnp references at real shapes,
+kernel vs XLA time, and the resident decode step / prefill with the kernels on and off.
+
+  PYTHONPATH=. timeout 590 python experiments/check_kernels_gpu.py --out_dir=experiments/results
+  PYTHONPATH=. python experiments/check_kernels_gpu.py --sections=moe --moe_slots=280 --out_dir=/tmp/k
+  PYTHONPATH=. python experiments/check_kernels_gpu.py --smoke --out_dir=/tmp/k   # CPU: tiny shapes, interpreted
+
+Sections (--sections; by default in the order moe, decode_attention, flash_prefill, e2e,
+e2e_prefill; each check in its own try/except, the JSON rewritten after every check, so a
+failure or a timeout keeps what ran before it):
+
+* ``moe``: ``ftjax.kernels.moe_decode`` vs ``compute.gather_outputs_reference`` (qwen3-30b-a3b:
+  D=2048, F=768, k=8; pools of --moe_slots slots; batch 1 and 4; dense bf16 at every pool size,
+  int8 / fp8 / int4 at the largest): max abs diff, median time of the per-pair outputs and of the
+  whole ``experts_gather`` (kernel + weighted sum vs the jnp path), weight bytes read / time, for a
+  sweep of tiles and warps (dense; two tiles for the quantized formats).
+* ``decode_attention``: ``ftjax.kernels.decode_attention`` vs ``model.attention`` (T=1) on a
+  4-layer stacked cache, 32/4 heads, hd 128, S_max 1024 and 8192, 600 filled, batch 1 and 4.
+* ``flash_prefill``: ``flash_prefill.flash_attention`` (Triton backend) and the shipped Mosaic GPU
+  kernel (``mgpu_attention``) vs ``model.attention``: T=8192 from position 0 in an 8192 row, and
+  (Triton kernel only) T=1024 from position 4096.
+* ``e2e``: qwen3-30b-a3b cut to --e2e_layers layers, random bf16 weights, resident: decode step
+  time (median of --e2e_steps) and TTFT of a --prompt_len prompt with FTJAX_KERNELS=xla, auto,
+  auto with the fastest MoE tiles of the ``moe`` section (FTJAX_MOE_DECODE_TILES), and each kernel
+  alone; logits diff and greedy ids vs xla; a cached run (--e2e_slots) with kernels on must give
+  the resident run's logits bit for bit.
+* ``e2e_prefill``: one --prefill_len prompt, resident, kernels off / flash (Triton) / flash (mgpu).
+
+First of all, the device memory bandwidth of a large elementwise op (``hbm``), the figure the
+kernels' GBps compare against.
+
+Medians of --repeats timed calls after two warm-up calls; times in microseconds unless named _s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import gc
+import os
+import re
+import sys
+import time
+import traceback
+
+from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from experiments import common  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
+flags.DEFINE_list("sections", ["moe", "decode_attention", "flash_prefill", "e2e", "e2e_prefill"], "What to run.")
+flags.DEFINE_list("moe_slots", ["280", "6144"], "Pool sizes for the MoE kernel.")
+flags.DEFINE_list("moe_formats", ["dense", "int8", "fp8", "int4"], "Pool formats for the MoE kernel.")
+flags.DEFINE_list("batches", ["1", "4"], "Tokens per decode step.")
+flags.DEFINE_integer("repeats", 10, "Timed calls per measurement (after two warm-up calls).")
+flags.DEFINE_integer("e2e_layers", 16, "Layers of the cut qwen3-30b-a3b preset for the end-to-end runs.")
+flags.DEFINE_integer("e2e_steps", 32, "Decode steps timed per end-to-end run.")
+flags.DEFINE_integer("e2e_slots", 280, "Slots of the cached run checked bit for bit against resident.")
+flags.DEFINE_integer("prompt_len", 512, "Prompt tokens of the end-to-end decode runs.")
+flags.DEFINE_integer("prefill_len", 8192, "Prompt tokens of the end-to-end prefill run.")
+flags.DEFINE_float("time_budget_s", 540, "Skip the remaining checks after this many seconds.")
+flags.DEFINE_bool("smoke", False, "Tiny shapes and the tiny preset, kernels interpreted off the GPU (CPU smoke run).")
+
+# qwen3-30b-a3b shapes (--smoke replaces them in main)
+D, F, K = 2048, 768, 8
+HQ, HKV, HD = 32, 4, 128
+S_MAX, FILLED, PREFILL = (1024, 8192), 600, ((8192, 0), (1024, 4096))
+PRESET = "qwen3-30b-a3b"
+INTERPRET = False  # kernels called directly run in Pallas interpret mode (off the GPU)
+ENV = "FTJAX_KERNELS"
+T0 = time.perf_counter()
+OUT: dict = {"script": "experiments/check_kernels_gpu.py", "checks": []}
+
+
+def _save():
+    OUT["elapsed_s"] = time.perf_counter() - T0
+    common.write_json(FLAGS.out_dir, "check_kernels_gpu.json", OUT)
+
+
+def _over_budget() -> bool:
+    return time.perf_counter() - T0 > FLAGS.time_budget_s
+
+
+def check(section: str, name: str, fn, **info):
+    """Runs one check; its row (or error) is appended and the JSON rewritten."""
+    row = {"section": section, "name": name, **info}
+    if _over_budget():
+        row["skipped"] = "time budget"
+    else:
+        t = time.perf_counter()
+        try:
+            row.update(fn())
+        except Exception as e:  # record and go on
+            row["error"] = f"{type(e).__name__}: {e}"[:3000]
+            row["traceback"] = traceback.format_exc()[-3000:]
+        row["wall_s"] = time.perf_counter() - t
+    OUT["checks"].append(row)
+    print(_summary(row), flush=True)
+    _save()
+    return row
+
+
+def _summary(row: dict) -> str:
+    """One short line per check for the log (the JSON has everything)."""
+    keep = ("slots", "fmt", "batch", "s_max", "T", "start", "max_abs_diff", "speedup_vs_xla", "speedup", "GBps",
+            "TFLOPs", "tpot_ms", "ttft_s", "bit_identical_to_resident", "greedy_ids_equal_xla",
+            "max_abs_logit_diff_vs_xla", "skipped")
+    parts = [f"{row['section']}: {row.get('name', '')}"]
+    for key in ("xla_us", "kernel_us", "auto_us"):
+        if key in row:
+            parts.append(f"{key}={row[key]['median']:.1f}")
+    parts += [f"{k}={row[k]:.4g}" if isinstance(row[k], float) else f"{k}={row[k]}" for k in keep if k in row]
+    if "decode_hlo" in row and row["decode_hlo"]:
+        h = row["decode_hlo"]
+        parts.append(f"triton={h.get('triton_calls')} copies={h.get('copies')} cache_copies={h.get('cache_copies')}")
+    if "error" in row:
+        parts.append("ERROR " + row["error"][:300].replace("\n", " "))
+    return " ".join(parts)
+
+
+def median_us(fn, *args, repeats=None) -> dict:
+    """Spread of the wall time of ``fn(*args)`` (blocked) in microseconds, after two warm-ups."""
+    for _ in range(2):
+        jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(repeats or FLAGS.repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append((time.perf_counter() - t) * 1e6)
+    return common.spread(ts)
+
+
+def maxdiff(a, b) -> float:
+    return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+
+
+@contextlib.contextmanager
+def kernels(value: str):
+    """FTJAX_KERNELS=value for what is traced inside (caches cleared on entry and exit)."""
+    from ftjax import engine
+    old = os.environ.get(ENV)
+    os.environ[ENV] = value
+    engine._COMPILED.clear()
+    jax.clear_caches()
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = old
+        engine._COMPILED.clear()
+        jax.clear_caches()
+
+
+# ------------------------------------------------------------------------------------------ moe
+def _random_pool(s: int, fmt: str):
+    """A pool of s random experts (qwen3-30b-a3b shape) in ``fmt``, made slot by slot on the device."""
+    from ftjax.experts import quant
+
+    def one(key):
+        kg, kd = jax.random.split(key)
+        gu = (jax.random.normal(kg, (D, 2 * F), jnp.float32) * (0.5 / D ** 0.5)).astype(jnp.bfloat16)
+        dn = (jax.random.normal(kd, (F, D), jnp.float32) * (0.5 / F ** 0.5)).astype(jnp.bfloat16)
+        if fmt == "dense":
+            return gu, dn
+        qg, sg = quant.quantize(fmt, gu, 2)
+        qd, sd = quant.quantize(fmt, dn, 1)
+        return qg, qd, sg, sd
+
+    keys = jax.random.split(jax.random.key(1), s)
+    out = jax.jit(lambda k: jax.lax.map(one, k, batch_size=64))(keys)
+    jax.block_until_ready(out)
+    return (out[0], out[1], None) if fmt == "dense" else (out[0], out[1], (out[2], out[3]))
+
+
+# (block_d, block_f, num_warps, d_split) of ftjax.kernels.moe_decode; its defaults are the first two
+# (d_split 4 at batch 1, 1 at batch 4: moe_decode.auto_d_split)
+MOE_TILES = [(64, 64, 4, 1), (64, 64, 4, 4), (32, 128, 4, 4), (128, 64, 8, 4), (64, 128, 8, 8), (256, 64, 8, 2),
+             (128, 32, 4, 1), (32, 64, 4, 8)]
+MOE_TILES_QUANT = [(64, 64, 4, 1), (64, 64, 4, 4), (32, 128, 4, 1)]
+
+
+def section_moe():
+    from ftjax.experts import compute
+    from ftjax.kernels import moe_decode as md
+    sizes = list(map(int, FLAGS.moe_slots))
+    for s in sizes:
+        for fmt in FLAGS.moe_formats:
+            if fmt != "dense" and s != max(sizes):  # quantized pools: the largest size only (64-bit offsets)
+                continue
+            pool = {}
+            check("moe", "make pool", lambda s=s, fmt=fmt: pool.update(p=_random_pool(s, fmt)) or {}, slots=s, fmt=fmt)
+            if "p" not in pool:
+                continue
+            gu, dn, sc = pool.pop("p")
+            expert_bytes = (gu.size + dn.size) // s * gu.dtype.itemsize + (
+                0 if sc is None else sum(a.size // s * 4 for a in sc))
+            for batch in map(int, FLAGS.batches):
+                rng = np.random.default_rng(batch)
+                x = jnp.asarray(rng.standard_normal((batch, D)), jnp.bfloat16)
+                slots = jnp.asarray(rng.choice(s, (batch, K), replace=False), jnp.int32)
+                w = jax.nn.softmax(jnp.asarray(rng.standard_normal((batch, K)), jnp.float32)).astype(jnp.bfloat16)
+                ref_fn = jax.jit(lambda x, sl, g, d, c: compute.gather_outputs_reference(x, sl, g, d, c, fmt))
+                info = {"slots": s, "fmt": fmt, "batch": batch, "pairs": batch * K,
+                        "weight_bytes": batch * K * expert_bytes}
+
+                def ref_row():
+                    return {"xla_us": median_us(ref_fn, x, slots, gu, dn, sc)}
+                ref = check("moe", "xla gather_outputs", ref_row, **info)
+                want = ref_fn(x, slots, gu, dn, sc)
+                for bd, bf, nw, ds in (MOE_TILES if fmt == "dense" else MOE_TILES_QUANT):
+                    def kern_row(bd=bd, bf=bf, nw=nw, ds=ds):
+                        if not md.supported(x, gu, dn, fmt, bd, bf, ds):
+                            return {"unsupported": True}
+                        fn = jax.jit(lambda x, sl, g, d, c: md.moe_decode_pairs(
+                            x, sl, g, d, c, fmt, block_d=bd, block_f=bf, num_warps=nw, d_split=ds,
+                            interpret=INTERPRET))
+                        got = fn(x, slots, gu, dn, sc)
+                        t = median_us(fn, x, slots, gu, dn, sc)
+                        row = {"max_abs_diff": maxdiff(got, want), "max_abs_ref": float(jnp.max(jnp.abs(
+                            want.astype(jnp.float32)))), "kernel_us": t,
+                            "GBps": info["weight_bytes"] / (t["median"] * 1e-6) / 1e9}
+                        if "xla_us" in ref:
+                            row["speedup_vs_xla"] = ref["xla_us"]["median"] / t["median"]
+                        return row
+                    check("moe", f"kernel bd={bd} bf={bf} warps={nw} d_split={ds}", kern_row, tiles=[bd, bf, nw, ds],
+                          **info)
+
+                def whole_op():  # experts_gather as the model calls it, kernels off vs default
+                    res = {}
+                    for value in ("xla", "interpret" if INTERPRET else "auto"):
+                        with kernels(value):
+                            fn = jax.jit(lambda x, sl, ww, g, d, c: compute.experts_gather(x, sl, ww, g, d, c, fmt))
+                            res[f"{value}_out"] = fn(x, slots, w, gu, dn, sc)
+                            res[f"{value}_us"] = median_us(fn, x, slots, w, gu, dn, sc)
+                    on = "interpret" if INTERPRET else "auto"
+                    res["max_abs_diff"] = maxdiff(res.pop(f"{on}_out"), res.pop("xla_out"))
+                    res["speedup"] = res["xla_us"]["median"] / res[f"{on}_us"]["median"]
+                    return res
+                check("moe", "experts_gather xla vs auto", whole_op, **info)
+            gu = dn = sc = None  # free the pool before the next one
+            gc.collect()
+
+
+# ---------------------------------------------------------------------------------- attention
+def section_decode_attention():
+    from ftjax import model as model_lib
+    from ftjax.kernels import decode_attention as da
+    L, layer, filled = 4, 2, FILLED
+    for s_max in S_MAX:
+        for batch in map(int, FLAGS.batches):
+            rng = np.random.default_rng(s_max + batch)
+            shape = (L, batch, s_max, HKV, HD)
+            kc = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+            vc = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+            q = jnp.asarray(rng.standard_normal((batch, 1, HQ, HD)), jnp.bfloat16)
+            pos = jnp.full((batch, 1), filled - 1, jnp.int32).at[0, 0].set(filled // 3)  # rows of other lengths
+            ref_fn = jax.jit(lambda q, k, v, p: model_lib.attention(q, k[layer], v[layer], p))
+            want = ref_fn(q, kc, vc, pos)
+            info = {"s_max": s_max, "batch": batch, "filled": filled}
+            ref = check("decode_attention", "xla attention", lambda: {"xla_us": median_us(ref_fn, q, kc, vc, pos)},
+                        **info)
+            for bk, ns, nw in [(64, 16, 4), (64, 8, 4), (128, 16, 4), (64, 32, 4), (32, 16, 2), (128, 8, 8)]:
+                def row(bk=bk, ns=ns, nw=nw):
+                    fn = jax.jit(lambda q, k, v, p: da.decode_attention(q, k, v, layer, p[:, 0] + 1, block_k=bk,
+                                                                        n_split=ns, num_warps=nw,
+                                                                        interpret=INTERPRET))
+                    got = fn(q, kc, vc, pos)
+                    t = median_us(fn, q, kc, vc, pos)
+                    r = {"max_abs_diff": maxdiff(got, want), "kernel_us": t}
+                    if "xla_us" in ref:
+                        r["speedup_vs_xla"] = ref["xla_us"]["median"] / t["median"]
+                    return r
+                check("decode_attention", f"kernel bk={bk} split={ns} warps={nw}", row, **info)
+            kc = vc = None
+            gc.collect()
+
+
+def section_flash_prefill():
+    from ftjax import model as model_lib
+    from ftjax.kernels import flash_prefill as fp
+    s_max = S_MAX[-1]
+    for t, start in PREFILL:
+        rng = np.random.default_rng(t)
+        k = jnp.asarray(rng.standard_normal((1, s_max, HKV, HD)), jnp.bfloat16)
+        v = jnp.asarray(rng.standard_normal((1, s_max, HKV, HD)), jnp.bfloat16)
+        q = jnp.asarray(rng.standard_normal((1, t, HQ, HD)), jnp.bfloat16)
+        st = jnp.asarray([start], jnp.int32)
+        pos = st[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+        ref_fn = jax.jit(model_lib.attention)
+        want = ref_fn(q, k, v, pos)
+        info = {"T": t, "start": start, "s_max": s_max,
+                "flops": 4 * HQ * HD * sum(min(start + i + 1, s_max) for i in range(t))}
+        ref = check("flash_prefill", "xla blocked attention", lambda: {"xla_us": median_us(ref_fn, q, k, v, pos)},
+                    **info)
+
+        def finish(fn, got):
+            tm = median_us(fn, q, k, v, st)
+            r = {"max_abs_diff": maxdiff(got, want), "kernel_us": tm, "TFLOPs": info["flops"] / tm["median"] / 1e6}
+            if "xla_us" in ref:
+                r["speedup_vs_xla"] = ref["xla_us"]["median"] / tm["median"]
+            return r
+
+        for bq, bk, nw, ns in [(64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 2), (128, 128, 8, 2), (128, 32, 4, 3)]:
+            def row(bq=bq, bk=bk, nw=nw, ns=ns):
+                fn = jax.jit(lambda q, k, v, s: fp.flash_attention(q, k, v, s, block_q=bq, block_k=bk, num_warps=nw,
+                                                                    num_stages=ns, interpret=INTERPRET))
+                return finish(fn, fn(q, k, v, st))
+            check("flash_prefill", f"pallas bq={bq} bk={bk} warps={nw} stages={ns}", row, **info)
+        if start == 0:
+            for bq, bkv, steps in [(64, 128, 2), (64, 64, 2), (64, 128, 4)]:
+                def mrow(bq=bq, bkv=bkv, steps=steps):
+                    fn = jax.jit(lambda q, k, v, s: fp.mgpu_attention(q, k, v, bq, bkv, steps))
+                    return finish(fn, fn(q, k, v, st))
+                check("flash_prefill", f"mgpu bq={bq} bkv={bkv} steps={steps}", mrow, **info)
+        k = v = q = None
+        gc.collect()
+
+
+# ---------------------------------------------------------------------------------- end to end
+_MODEL: dict = {}
+_HLO: dict = {}
+
+
+def _shape_bytes(shape: str) -> int:
+    """Bytes of an HLO array shape such as ``bf16[16,1,1024,4,128]{4,3,2,1,0}`` (0 if unparsable)."""
+    m = re.match(r"([a-z]+)(\d*)\[([\d,]*)\]", shape)
+    if not m:
+        return 0
+    bits = int(m.group(2) or 8) if m.group(1) != "pred" else 8
+    return int(np.prod([int(d) for d in m.group(3).split(",") if d] or [1])) * bits // 8
+
+
+def decode_hlo_stats(cfg, max_seq_len: int, batch: int = 1) -> dict:
+    """Op counts of the compiled decode step (tokens [batch, 1]): Triton kernel calls, copies,
+    copies of a whole KV cache ([L, B, S_max, Hkv, hd]) and the five largest copies (a kernel
+    reading the carried KV cache or slot pool must not make XLA copy it every layer)."""
+    from ftjax.engine import compiled_programs
+    cache = f"[{cfg.num_layers},{batch},{max_seq_len},{cfg.num_kv_heads},{cfg.head_dim}]"
+    for _, _, shapes, exe in compiled_programs("_forward_step"):
+        if (batch, 1) in [sh[0] for sh in shapes]:
+            text = exe.as_text()
+            copies = re.findall(r"=\s*(\S+)\s+copy(?:-start)?\(", text)  # result shapes of copy ops
+            return {"triton_calls": text.count("__gpu$xla.gpu.triton"), "copies": len(copies),
+                    "cache_copies": sum(cache in c for c in copies),
+                    "largest_copies": sorted(copies, key=_shape_bytes, reverse=True)[:5], **common.hlo_ops(text)}
+    return {}
+
+
+def _model():
+    if "m" not in _MODEL:
+        from ftjax.checkpoint import random_model
+        from ftjax.config import preset
+        cfg = dataclasses.replace(preset(PRESET), num_layers=min(FLAGS.e2e_layers, preset(PRESET).num_layers))
+        t = time.perf_counter()
+        _MODEL["m"] = random_model(cfg, "bfloat16")
+        _MODEL["m"].host_down.block_until_ready()
+        OUT["e2e_model_build_s"] = time.perf_counter() - t
+    return _MODEL["m"]
+
+
+def _run(model, value, mode="resident", slots=None, prompt_len=None, steps=None, max_seq_len=1024, flash=None):
+    from ftjax.config import EngineConfig
+    from ftjax.engine import Engine
+    prompt = np.random.default_rng(0).integers(0, model.cfg.vocab_size, prompt_len or FLAGS.prompt_len).tolist()
+    old = os.environ.get("FTJAX_FLASH_PREFILL")
+    if flash:
+        os.environ["FTJAX_FLASH_PREFILL"] = flash
+    try:
+        with kernels(value):
+            eng = Engine(model, EngineConfig(mode, num_slots=slots, max_seq_len=max_seq_len))
+            n = steps if steps is not None else FLAGS.e2e_steps
+            res = eng.generate([prompt], n + 1, time_steps=True, keep_logits=True)
+            _HLO[value, mode] = decode_hlo_stats(model.cfg, max_seq_len)
+            if steps == 0:  # prefill only: a second, timed run (the first one compiled)
+                res2 = eng.generate([prompt], 1, keep_logits=True)
+                res = dataclasses.replace(res, ttft_s=min(res.ttft_s, res2.ttft_s))
+    finally:
+        if old is None:
+            os.environ.pop("FTJAX_FLASH_PREFILL", None)
+        else:
+            os.environ["FTJAX_FLASH_PREFILL"] = old
+        eng = None  # the engine's device pool goes before the next run builds its own
+        gc.collect()
+    return res
+
+
+TILES_ENV = "FTJAX_MOE_DECODE_TILES"
+_RUNS: dict = {}
+
+
+def best_moe_tiles():
+    """(block_d, block_f, num_warps, d_split) of the fastest dense MoE kernel at batch 1 on the
+    largest pool whose max abs diff stayed below 0.05, or None."""
+    rows = [r for r in OUT["checks"] if r.get("section") == "moe" and r.get("fmt") == "dense"
+            and r.get("batch") == 1 and "kernel_us" in r and r.get("max_abs_diff", 1) < 0.05]
+    if not rows:
+        return None
+    big = max(r["slots"] for r in rows)
+    return min((r for r in rows if r["slots"] == big), key=lambda r: r["kernel_us"]["median"])["tiles"]
+
+
+def e2e_row(value: str, key: str) -> dict:
+    """One resident decode run with FTJAX_KERNELS=value, kept as _RUNS[key]; diffs against xla."""
+    res = _run(_model(), value)
+    _RUNS[key] = res
+    r = {"tpot_s": common.spread(res.step_s), "tpot_ms": float(np.median(res.step_s)) * 1e3,
+         "ttft_s": res.ttft_s, "compile_s": res.compile_s, "decode_hlo": _HLO.get((value, "resident"), {})}
+    ref = _RUNS.get("xla")
+    if key != "xla" and ref is not None:
+        r["max_abs_logit_diff_vs_xla"] = float(np.max(np.abs(res.step_logits - ref.step_logits)))
+        r["greedy_ids_equal_xla"] = res.generated_ids == ref.generated_ids
+        r["speedup_vs_xla"] = float(np.median(ref.step_s) / np.median(res.step_s))
+    return r
+
+
+def section_e2e():
+    model = _model()
+    runs = _RUNS
+    on = "interpret" if INTERPRET else "auto"
+
+    def cached_row():
+        n = min(8, FLAGS.e2e_steps)
+        res = _run(model, on, "cached", FLAGS.e2e_slots, steps=n)
+        want = runs[on].step_logits[: n + 1]
+        return {"bit_identical_to_resident": bool(np.array_equal(res.step_logits, want)),
+                "max_abs_diff": float(np.max(np.abs(res.step_logits - want))),
+                "tpot_ms": float(np.median(res.step_s)) * 1e3, "decode_hlo": _HLO.get((on, "cached"), {})}
+
+    best = best_moe_tiles()
+    for value in ("xla", on, "cached", "best_tiles", "moe_decode", "decode_attention"):
+        if value == "best_tiles":  # kernels on, with the fastest accurate MoE tiles of the moe section
+            if best:
+                os.environ[TILES_ENV] = ",".join(map(str, best))
+                try:
+                    check("e2e", f"resident decode FTJAX_KERNELS={on} {TILES_ENV}={os.environ[TILES_ENV]}",
+                          functools.partial(e2e_row, on, f"{on}+best"), layers=model.cfg.num_layers, tiles=best)
+                finally:
+                    os.environ.pop(TILES_ENV, None)
+            continue
+        if value == "cached":
+            check("e2e", f"cached (kernels {on}) vs resident (kernels {on})", cached_row, slots=FLAGS.e2e_slots)
+            continue
+
+        check("e2e", f"resident decode FTJAX_KERNELS={value}", functools.partial(e2e_row, value, value),
+              layers=model.cfg.num_layers, prompt_len=FLAGS.prompt_len, steps=FLAGS.e2e_steps)
+
+
+def section_e2e_prefill():
+    model = _model()
+    n = FLAGS.prefill_len
+    msl = -(-(n + 2) // 128) * 128
+    runs = {}
+    for name, value, flash in (("xla", "xla", None), ("flash pallas", "flash_prefill", "pallas"),
+                               ("flash mgpu", "flash_prefill", "mgpu")):
+        def row(name=name, value=value, flash=flash):
+            res = _run(model, value, prompt_len=n, steps=0, max_seq_len=msl, flash=flash)
+            runs[name] = res
+            r = {"ttft_s": res.ttft_s, "compile_s": res.compile_s}
+            if name != "xla" and "xla" in runs:
+                r["max_abs_logit_diff_vs_xla"] = float(np.max(np.abs(res.step_logits[0] - runs["xla"].step_logits[0])))
+                r["speedup_vs_xla"] = runs["xla"].ttft_s / res.ttft_s
+            return r
+        check("e2e_prefill", f"resident prefill {name}", row, layers=model.cfg.num_layers, prompt_len=n)
+
+
+def hbm_bandwidth() -> dict:
+    """Device memory bandwidth of a large elementwise op (negate: reads and writes every byte once),
+    in GB/s of bytes read + written: the speed the kernels' GBps figures compare against."""
+    n = (256 << 20) if FLAGS.smoke else (2 << 30)  # bytes of the bf16 array
+    x = jnp.ones((n // 2,), jnp.bfloat16)
+    fn = jax.jit(lambda a: -a)
+    t = median_us(fn, x)
+    return {"bytes": 2 * n, "us": t, "GBps": 2 * n / (t["median"] * 1e-6) / 1e9}
+
+
+SECTIONS = {"moe": section_moe, "decode_attention": section_decode_attention, "flash_prefill": section_flash_prefill,
+            "e2e": section_e2e, "e2e_prefill": section_e2e_prefill}
+
+
+def _smoke():
+    global D, F, K, HQ, HKV, HD, S_MAX, FILLED, PREFILL, PRESET, INTERPRET
+    D, F, K, HQ, HKV, HD = 256, 128, 4, 4, 2, 32
+    S_MAX, FILLED, PREFILL, PRESET = (128, 256), 100, ((128, 0), (64, 64)), "tiny"
+    FLAGS.moe_slots, FLAGS.repeats, FLAGS.e2e_steps, FLAGS.prompt_len = ["16"], 2, 3, 20
+    FLAGS.prefill_len, FLAGS.e2e_slots = 100, 16
+    MOE_TILES[:] = MOE_TILES[:2]
+    MOE_TILES_QUANT[:] = MOE_TILES_QUANT[:1]
+
+
+def main(argv):
+    del argv
+    global INTERPRET
+    INTERPRET = jax.default_backend() != "gpu"
+    if FLAGS.smoke:
+        _smoke()
+    OUT["meta"] = common.meta()
+    print(OUT["meta"], flush=True)
+    check("hbm", "negate 2 GiB bf16", lambda: OUT.setdefault("hbm", hbm_bandwidth()))
+    for name in FLAGS.sections:
+        if name not in SECTIONS:
+            OUT["checks"].append({"section": name, "error": f"unknown section; expected {list(SECTIONS)}"})
+            continue
+        try:
+            SECTIONS[name]()
+        except Exception as e:  # a section's own setup failed; the next section still runs
+            OUT["checks"].append({"section": name, "error": f"{type(e).__name__}: {e}"[:3000],
+                                  "traceback": traceback.format_exc()[-3000:]})
+        _save()
+    rows = [dict(r, ms=(r.get("kernel_us") or r.get("xla_us") or {}).get("median", 0) / 1e3,
+                 error=r.get("error", "")[:50]) for r in OUT["checks"]]
+    print(common.table(rows, ["section", "name", "slots", "fmt", "batch", "s_max", "T", "max_abs_diff", "ms",
+                              "speedup_vs_xla", "GBps", "tpot_ms", "ttft_s", "error"]))
+    print("wrote", os.path.join(FLAGS.out_dir, "check_kernels_gpu.json"))
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,153 @@
+"""Flash attention for prefill: causal GQA over a cache row, queries at absolute positions.
+
+The reference, ``ftjax.model.attention``, materialises float32 scores [B, Hq, 512, S_max] per
+block of 512 queries and scores every cache position, filled or not. Flash attention (Dao et al.
+2022) instead streams K/V blocks through an online softmax and skips the blocks no query of the
+tile can see, so neither the score tensor nor the unreachable keys are touched.
+
+Semantics (the reference's): queries of row b sit at positions ``start[b] + t`` (t < T) and see
+keys ``j <= start[b] + t`` of the row's cache ``[S_max, Hkv, hd]``; keys above hold stale data.
+Two implementations:
+
+* ``pallas`` (default on GPUs): :func:`flash_attention`, written here with generic Pallas
+  primitives, grid (B, Hq, T / block_q): program (b, h, i) holds queries ``[i*bq, (i+1)*bq)`` of
+  head h and walks the K/V blocks of KV head ``h // (Hq / Hkv)`` (GQA) up to the last position
+  its tile can see, ``start[b] + (i+1)*bq - 1``, masking by position inside the last blocks. Any
+  per-row start (chunked and prefix-reuse prefill) and bf16 work. It interprets on the CPU (the
+  tests) and lowers through Pallas' Triton backend (deprecated in jax 0.11.2 but shipped; the
+  default lowering of a ``pallas_call`` without Mosaic GPU parameters).
+* ``mgpu``: the Hopper Mosaic GPU kernel shipped with jax
+  (``jax.experimental.pallas.ops.gpu.attention_mgpu.attention``, warp-specialised, TMA + WGMMA).
+  Its causal mask aligns query t with key t, so it serves only calls where every row starts at 0
+  (chosen at run time by ``lax.cond``; other calls take the reference), and in jax 0.11.2 its
+  shared-memory buffers are float16, so bf16 operands are cast to float16 (exact in mantissa,
+  but values beyond +-65504 would overflow) and the output cast back. It cannot run on the CPU.
+
+``FTJAX_FLASH_PREFILL=pallas|mgpu`` (read at trace time) picks one when ``FTJAX_KERNELS``
+selects the ``flash_prefill`` kernel (``ftjax.kernels.select``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from ftjax.kernels import select
+from ftjax.kernels.online_softmax import NEG, fold_block
+
+BLOCK_Q, BLOCK_K = 64, 64
+IMPL_ENV = "FTJAX_FLASH_PREFILL"
+
+
+def supported(q: jax.Array, k: jax.Array, block_q: int = BLOCK_Q, block_k: int = BLOCK_K) -> bool:
+    """True for q [B, T, Hq, hd], k [B, S, Hkv, hd] of one float dtype, Hq % Hkv == 0, hd a power of
+    two >= 16, T and S multiples of the (power-of-two, >= 16) tiles min(block_q, T), min(block_k, S)."""
+    if q.ndim != 4 or k.ndim != 4 or q.dtype != k.dtype or not jnp.issubdtype(q.dtype, jnp.floating):
+        return False
+    t, hq, hd = q.shape[1:]
+    s, hkv = k.shape[1], k.shape[2]
+    bq, bk = min(block_q, t), min(block_k, s)
+    pow2 = lambda n: n >= 16 and n & (n - 1) == 0  # noqa: E731
+    return hq % hkv == 0 and pow2(hd) and pow2(bq) and pow2(bk) and t % bq == 0 and s % bk == 0
+
+
+def _kernel(start_ref, q_ref, k_ref, v_ref, o_ref, *, bq, bk, group, scale):
+    b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    kvh = h // group
+    t0 = i * bq
+    start = start_ref[b]
+    s_max = k_ref.shape[1]
+    last = start + t0 + bq  # one past the last position a query of this tile can see
+    steps = pl.cdiv(jnp.minimum(last, s_max), bk)
+    q = q_ref[b, pl.ds(t0, bq), h, :]
+    q_pos = start + t0 + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+
+    def body(j, carry):
+        acc, m, l = carry
+        j0 = j * bk
+        kb = k_ref[b, pl.ds(j0, bk), kvh, :]
+        vb = v_ref[b, pl.ds(j0, bk), kvh, :]
+        sc = lax.dot_general(q, kb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+        sc = jnp.where(j0 + lax.broadcasted_iota(jnp.int32, (bq, bk), 1) <= q_pos, sc, NEG)
+        return fold_block(acc, m, l, sc, vb)
+
+    init = (jnp.zeros(q.shape, jnp.float32), jnp.full((bq,), NEG, jnp.float32), jnp.zeros((bq,), jnp.float32))
+    acc, _, l = lax.fori_loop(0, steps, body, init)
+    o_ref[b, pl.ds(t0, bq), h, :] = (acc / l[:, None]).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "block_q", "block_k", "num_warps", "num_stages"))
+def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array, *, interpret: bool = False,
+                    block_q: int = BLOCK_Q, block_k: int = BLOCK_K, num_warps: int | None = None,
+                    num_stages: int | None = None) -> jax.Array:
+    """Causal GQA flash attention of T queries per row at positions ``start[b] + t``.
+
+    q: [B, T, Hq, hd]; k, v: [B, S_max, Hkv, hd] (one layer's cache rows); start: int32 [B].
+    Query t of row b sees keys j <= start[b] + t. Scores scaled by hd**-0.5, softmax in float32.
+    Returns [B, T, Hq, hd] in q's dtype. interpret: Pallas interpret mode (CPU); block_q /
+    block_k: tile sizes; num_warps / num_stages: Triton compiler parameters on the GPU.
+    """
+    b, t, hq, hd = q.shape
+    s_max, hkv = k.shape[1], k.shape[2]
+    bq, bk = min(block_q, t), min(block_k, s_max)
+    params = None
+    if not interpret:
+        from jax.experimental.pallas import triton as pltriton
+        params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    return pl.pallas_call(
+        functools.partial(_kernel, bq=bq, bk=bk, group=hq // hkv, scale=hd ** -0.5),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), grid=(b, hq, t // bq),
+        interpret=interpret, compiler_params=params, name="flash_prefill",
+    )(start.astype(jnp.int32), q, k, v)
+
+
+def mgpu_supported(q: jax.Array, k: jax.Array, block_q: int = 64, block_kv: int = 128) -> bool:
+    """Shapes the shipped Mosaic GPU kernel takes: T a multiple of 2*block_q and of block_kv, T <= S,
+    hd % 64 == 0, 16-bit floats."""
+    t, hd, s = q.shape[1], q.shape[3], k.shape[1]
+    return (q.dtype in (jnp.bfloat16, jnp.float16) and hd % 64 == 0 and t % (2 * block_q) == 0
+            and t % block_kv == 0 and t <= s)
+
+
+def mgpu_attention(q: jax.Array, k: jax.Array, v: jax.Array, block_q: int = 64, block_kv: int = 128,
+                   max_concurrent_steps: int = 2) -> jax.Array:
+    """jax's Mosaic GPU attention, causal, for rows that all start at position 0: query t sees the
+    keys ``k[:, :t + 1]``. q: [B, T, Hq, hd]; k, v: [B, S >= T, Hkv, hd]. Computed in float16
+    (the kernel's buffers); returns q's dtype."""
+    from jax.experimental.pallas.ops.gpu import attention_mgpu
+    t = q.shape[1]
+    cfg = attention_mgpu.TuningConfig(block_q=block_q, block_kv=block_kv,
+                                      max_concurrent_steps=max_concurrent_steps, causal=True)
+    f16 = lambda a: a.astype(jnp.float16)  # noqa: E731
+    out = attention_mgpu.attention(f16(q), f16(k[:, :t]), f16(v[:, :t]), cfg)
+    return out.astype(q.dtype)
+
+
+def maybe(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
+          reference: Callable[..., jax.Array]) -> jax.Array | None:
+    """Flash attention for a prefill call (q_pos int32 [B, T] = start + t) when ``FTJAX_KERNELS``
+    selects it for these operands, else None. ``reference(q, k, v, q_pos)``: the jnp attention,
+    taken by the ``mgpu`` implementation for calls with a row that does not start at 0.
+
+    Raises:
+      ValueError: unknown ``FTJAX_FLASH_PREFILL`` value.
+    """
+    impl = os.environ.get(IMPL_ENV, "pallas")
+    if impl not in ("pallas", "mgpu"):
+        raise ValueError(f"{IMPL_ENV}={impl!r}; expected pallas or mgpu")
+    start = q_pos[:, 0]
+    if impl == "mgpu":
+        how = select.mode("flash_prefill", mgpu_supported(q, k))
+        if how != "gpu":  # the Mosaic GPU kernel does not interpret on the CPU
+            return None
+        return lax.cond(jnp.all(start == 0), lambda: mgpu_attention(q, k, v), lambda: reference(q, k, v, q_pos))
+    how = select.mode("flash_prefill", supported(q, k) and select.dot_dtype_ok(q.dtype))
+    if how == "xla":
+        return None
+    return flash_attention(q, k, v, start, interpret=how == "interpret")

@@ -1,0 +1,330 @@
+"""Fused MoE decode: each routed (token, expert) pair reads its expert's weights straight from the
+slot pool by slot id, with no gathered copy of the weights.
+
+The reference is ``ftjax.experts.compute.gather_outputs`` (jnp): it gathers the k experts'
+weights of every token into a temporary ``[N, k, D, 2F]`` (a second pass over ~75 MB per layer
+of qwen3-30b-a3b at batch 1) and then runs two einsums that XLA lowers, at batch 1, to
+elementwise multiply + reduce fusions. Here two Pallas kernels compute the same per-pair outputs
+``[P, D]`` (P = N*k pairs) from the pool in place:
+
+1. gate/up: grid (P, F / block_f). Program (p, j) loads slot ``slots[p]`` and, in steps of
+   ``block_d`` input rows, accumulates in float32 the gate columns ``[j*bf, (j+1)*bf)`` and the
+   matching up columns ``F + ...`` of ``gate_up[slot]`` against token ``p // k``; then
+   ``h = silu(gate) * up`` ([P, F], the input dtype).
+2. down: grid (P, D / block_d). Program (p, j) accumulates ``h[p] @ down[slot][:, j*bd:(j+1)*bd]``
+   over F in steps of ``block_f``.
+
+With ``d_split > 1`` the gate/up stage also splits the D input rows over that many programs
+(grid (P, F / block_f, d_split)) and adds their float32 partial sums before the gating: at batch
+1 there are only 8 pairs, and more programs keep more loads in flight. The model's calls take
+their tiles from ``FTJAX_MOE_DECODE_TILES="block_d,block_f,num_warps,d_split"`` (trace time;
+:func:`tiles`), else the module defaults, whose d_split gives the gate/up stage at least 256
+programs (:func:`auto_d_split`: 4 at batch 1 of qwen3-30b-a3b, 1 from batch 4);
+``experiments/check_kernels_gpu.py`` sweeps them.
+
+Each weight byte is read once (decode is a batched GEMV, bandwidth-bound: the matrix-vector
+products are written as broadcast-multiply + row reductions, not ``dot``, which needs 16 rows).
+The weighted sum over k stays in jnp (``experts_gather``) so the CPU-miss path of
+``ftjax.experts.miss_policy``, which replaces some pairs' outputs, shares the kernel.
+
+Quantized pools are dequantized inside the kernel (``ftjax.experts.quant`` layouts): ``int8``
+multiplies each column's float32 accumulator by its per-column scale at the end; ``fp8``
+multiplies each tile's partial sum by its 128x128 block scale (tiles must not straddle blocks).
+``int4`` unpacks each byte's two nibbles (even, odd column) and accumulates even and odd
+columns apart, with their scales read through a free reshape of the scales ``[..., 2F]`` ->
+``[..., F, 2]`` (row steps stay inside one 64-row scale group), so no interleave is needed.
+
+Backend choice: the kernels use only generic Pallas primitives (whole-array refs indexed with
+``pl.ds`` and a slot id read from a ref, ``lax.fori_loop``), so they run on the CPU in interpret
+mode (``interpret=True``; the tests) and lower on the GPU through Pallas' Triton backend (the
+default GPU lowering of a ``pallas_call`` without Mosaic GPU compiler params in jax 0.11.2; it is
+deprecated but still shipped). Mosaic GPU was not used: its TMA / warpgroup-matmul model wants
+64-row tiles of a dense operand, while this is a 1-to-64-row GEMV over weights chosen by a
+data-dependent slot id; the Triton backend has no scalar prefetch but reads the slot id inside
+the kernel and offsets the pool pointer by it (64-bit offsets when a pool exceeds 4 GiB,
+as jax's Triton lowering does by itself). Idea: the fused-MoE kernels of vLLM / SGLang
+(expert weights addressed by id inside the kernel instead of gathered).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from ftjax.experts import quant
+from ftjax.kernels import select
+
+#: Default tiles (input rows per step, output columns per program); the GPU script sweeps others.
+#: d_split 0 = :func:`auto_d_split`.
+BLOCK_D, BLOCK_F, D_SPLIT = 64, 64, 0
+#: Programs of the gate/up stage that :func:`auto_d_split` aims for (an H200 has 132 SMs).
+MIN_PROGRAMS = 256
+FP8_BLOCK = 128
+FORMATS = ("dense", "int8", "fp8", "int4")
+
+
+def supported(x: jax.Array, gate_up: jax.Array, down: jax.Array, fmt: str, block_d: int = BLOCK_D,
+              block_f: int = BLOCK_F, d_split: int = 1) -> bool:
+    """True when the kernels handle these operands: format in :data:`FORMATS`, float x, power-of-two
+    tiles dividing D (times d_split) and F, fp8 tiles inside its 128x128 blocks, int4 row steps inside
+    its 64-row groups."""
+    d, f = x.shape[-1], down.shape[1]
+    if fmt not in FORMATS or not jnp.issubdtype(x.dtype, jnp.floating):
+        return False
+    packed = 2 if fmt == "int4" else 1  # int4: two columns per byte
+    if gate_up.shape[1:] != (d, 2 * f // packed) or down.shape[2] != d // packed:
+        return False
+    tiles = [min(block_d, d), min(block_f, f), min(block_d, f), min(block_f, d)]
+    if any(t & (t - 1) for t in tiles) or d % (tiles[0] * d_split) or f % tiles[1] or f % tiles[2] or d % tiles[3]:
+        return False
+    if fmt == "int4" and d_split != 1:
+        return False
+    if fmt == "fp8":
+        return d % FP8_BLOCK == 0 and f % FP8_BLOCK == 0 and all(FP8_BLOCK % t == 0 for t in tiles)
+    if fmt == "int4":  # input-row steps inside one scale group; output tiles of whole column pairs
+        g = quant.INT4_GROUP
+        return (d % g == 0 and f % g == 0 and g % tiles[0] == 0 and g % tiles[2] == 0 and tiles[1] >= 2
+                and tiles[3] >= 2)
+    return True
+
+
+def _silu_mul(g: jax.Array, u: jax.Array, dtype) -> jax.Array:
+    """silu(g) * u with the reference's roundings: g, u and silu(g) rounded to ``dtype``."""
+    g = g.astype(dtype).astype(jnp.float32)
+    u = u.astype(dtype).astype(jnp.float32)
+    s = (g / (1.0 + jnp.exp(-g))).astype(dtype).astype(jnp.float32)
+    return (s * u).astype(dtype)
+
+
+def _gate_up_kernel(slots_ref, x_ref, gu_ref, *rest, k, f, bd, bf, fmt, split):
+    s_ref = rest[0] if fmt != "dense" else None
+    outs = rest[1:] if fmt != "dense" else rest
+    p, j, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    slot = slots_ref[p]
+    n = p // k
+    f0 = j * bf
+    d_steps = x_ref.shape[1] // (bd * split)
+    base = part * (d_steps * bd)  # this program's share of the input rows (split > 1)
+
+    def body(i, carry):
+        g, u = carry
+        d0 = base + i * bd
+        xb = x_ref[n, pl.ds(d0, bd)].astype(jnp.float32)[:, None]
+        pg = jnp.sum(xb * gu_ref[slot, pl.ds(d0, bd), pl.ds(f0, bf)].astype(jnp.float32), axis=0)
+        pu = jnp.sum(xb * gu_ref[slot, pl.ds(d0, bd), pl.ds(f + f0, bf)].astype(jnp.float32), axis=0)
+        if fmt == "fp8":  # one block scale per tile: gate blocks first, then up blocks
+            r, c = d0 // FP8_BLOCK, f0 // FP8_BLOCK
+            pg = pg * s_ref[slot, r, c]
+            pu = pu * s_ref[slot, r, f // FP8_BLOCK + c]
+        return g + pg, u + pu
+
+    zeros = jnp.zeros((bf,), jnp.float32)
+    g, u = lax.fori_loop(0, d_steps, body, (zeros, zeros))
+    if fmt == "int8":  # one scale per output column
+        g = g * s_ref[slot, 0, pl.ds(f0, bf)]
+        u = u * s_ref[slot, 0, pl.ds(f + f0, bf)]
+    if split == 1:
+        outs[0][p, pl.ds(f0, bf)] = _silu_mul(g, u, outs[0].dtype)
+    else:  # partial sums, added up (and gated) outside
+        outs[0][part, p, pl.ds(f0, bf)] = g
+        outs[1][part, p, pl.ds(f0, bf)] = u
+
+
+def _down_kernel(slots_ref, h_ref, dn_ref, *rest, bd, bf, fmt):
+    s_ref, y_ref = (rest[0], rest[1]) if fmt != "dense" else (None, rest[0])
+    p, j = pl.program_id(0), pl.program_id(1)
+    slot = slots_ref[p]
+    d0 = j * bd
+    f_steps = h_ref.shape[1] // bf
+
+    def body(i, acc):
+        f0 = i * bf
+        hb = h_ref[p, pl.ds(f0, bf)].astype(jnp.float32)[:, None]
+        part = jnp.sum(hb * dn_ref[slot, pl.ds(f0, bf), pl.ds(d0, bd)].astype(jnp.float32), axis=0)
+        if fmt == "fp8":
+            part = part * s_ref[slot, f0 // FP8_BLOCK, d0 // FP8_BLOCK]
+        return acc + part
+
+    acc = lax.fori_loop(0, f_steps, body, jnp.zeros((bd,), jnp.float32))
+    if fmt == "int8":
+        acc = acc * s_ref[slot, 0, pl.ds(d0, bd)]
+    y_ref[p, pl.ds(d0, bd)] = acc.astype(y_ref.dtype)
+
+
+def _nibbles(q: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """uint8 tile -> (low, high) nibbles as float32 values q - 8 (even, odd columns)."""
+    q = q.astype(jnp.int32)
+    return ((q & 0xF) - 8).astype(jnp.float32), ((q >> 4) - 8).astype(jnp.float32)
+
+
+def _gate_up_kernel_int4(slots_ref, x_ref, gu_ref, s_ref, h_ref, *, k, f, bd, bf):
+    """int4: gu_ref uint8 [S, D, F] (two columns per byte), s_ref [S, D/64, F, 2] (the scales
+    [S, D/64, 2F] with each column pair split into (even, odd)), h_ref [P, F/2, 2] (h with its
+    column pairs split the same way). Even and odd columns are accumulated apart, so no
+    interleaving (and no strided access) is needed."""
+    p, j = pl.program_id(0), pl.program_id(1)
+    slot = slots_ref[p]
+    n = p // k
+    half = bf // 2
+    c0 = j * half  # first column pair of the tile
+    d_steps = x_ref.shape[1] // bd
+
+    def part(xb, d0, pair0):
+        lo, hi = _nibbles(gu_ref[slot, pl.ds(d0, bd), pl.ds(pair0, half)])
+        g = d0 // quant.INT4_GROUP
+        return (jnp.sum(xb * lo, axis=0) * s_ref[slot, g, pl.ds(pair0, half), 0],
+                jnp.sum(xb * hi, axis=0) * s_ref[slot, g, pl.ds(pair0, half), 1])
+
+    def body(i, carry):
+        d0 = i * bd
+        xb = x_ref[n, pl.ds(d0, bd)].astype(jnp.float32)[:, None]
+        ge, go = part(xb, d0, c0)
+        ue, uo = part(xb, d0, f // 2 + c0)
+        return carry[0] + ge, carry[1] + go, carry[2] + ue, carry[3] + uo
+
+    zeros = jnp.zeros((half,), jnp.float32)
+    ge, go, ue, uo = lax.fori_loop(0, d_steps, body, (zeros,) * 4)
+    h_ref[p, pl.ds(c0, half), 0] = _silu_mul(ge, ue, h_ref.dtype)
+    h_ref[p, pl.ds(c0, half), 1] = _silu_mul(go, uo, h_ref.dtype)
+
+
+def _down_kernel_int4(slots_ref, h_ref, dn_ref, s_ref, y_ref, *, bd, bf):
+    """int4: dn_ref uint8 [S, F, D/2], s_ref [S, F/64, D/2, 2], y_ref [P, D/2, 2]."""
+    p, j = pl.program_id(0), pl.program_id(1)
+    slot = slots_ref[p]
+    half = bd // 2
+    c0 = j * half
+    f_steps = h_ref.shape[1] // bf
+
+    def body(i, carry):
+        f0 = i * bf
+        hb = h_ref[p, pl.ds(f0, bf)].astype(jnp.float32)[:, None]
+        lo, hi = _nibbles(dn_ref[slot, pl.ds(f0, bf), pl.ds(c0, half)])
+        g = f0 // quant.INT4_GROUP
+        return (carry[0] + jnp.sum(hb * lo, axis=0) * s_ref[slot, g, pl.ds(c0, half), 0],
+                carry[1] + jnp.sum(hb * hi, axis=0) * s_ref[slot, g, pl.ds(c0, half), 1])
+
+    zeros = jnp.zeros((half,), jnp.float32)
+    ye, yo = lax.fori_loop(0, f_steps, body, (zeros, zeros))
+    y_ref[p, pl.ds(c0, half), 0] = ye.astype(y_ref.dtype)
+    y_ref[p, pl.ds(c0, half), 1] = yo.astype(y_ref.dtype)
+
+
+def _compiler_params(num_warps: int | None, num_stages: int | None):
+    from jax.experimental.pallas import triton as pltriton
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "interpret", "block_d", "block_f", "num_warps", "num_stages",
+                                             "d_split"))
+def moe_decode_pairs(x: jax.Array, slots: jax.Array, gate_up: jax.Array, down: jax.Array,
+                     scales: tuple | None = None, fmt: str = "dense", *, interpret: bool = False,
+                     block_d: int = BLOCK_D, block_f: int = BLOCK_F, num_warps: int | None = None,
+                     num_stages: int | None = None, d_split: int = 1) -> jax.Array:
+    """Per-(token, k) expert outputs [N, k, D] in x's dtype, weights read from the pool by slot.
+
+    x: [N, D] float; slots: int32 [N, k] pool slots (negative ids wrap and out-of-range ids clamp,
+    as a jnp gather would); gate_up: [S, D, 2F] (gate columns first, then up); down: [S, F, D];
+    scales: the pool's (gate_up, down) float32 scales for a quantized ``fmt`` (int8: [S, 1, 2F]
+    and [S, 1, D]; fp8: [S, D/128, 2F/128] and [S, F/128, D/128]; int4: uint8 pools [S, D, F] and
+    [S, F, D/2] with scales [S, D/64, 2F] and [S, F/64, D]). interpret: run the kernels in
+    Pallas interpret mode (CPU). block_d / block_f: tile sizes (powers of two); num_warps /
+    num_stages: Triton compiler parameters on the GPU (None: its defaults); d_split: the gate/up
+    stage splits the D input rows over this many programs (more parallelism at batch 1), whose
+    float32 partial sums are added up before the gating (int4: 1 only).
+    Raises:
+      ValueError: int4 with d_split > 1.
+    """
+    if fmt == "int4" and d_split != 1:
+        raise ValueError("the int4 kernel has no d_split")
+    n, k = slots.shape
+    d, f = x.shape[1], down.shape[1]
+    s_pool = gate_up.shape[0]
+    pairs = n * k
+    flat = slots.reshape(-1).astype(jnp.int32)
+    flat = jnp.clip(jnp.where(flat < 0, flat + s_pool, flat), 0, s_pool - 1)
+    sg, sd = scales if scales is not None else (None, None)
+    extra_g = () if fmt == "dense" else (sg.astype(jnp.float32),)
+    extra_d = () if fmt == "dense" else (sd.astype(jnp.float32),)
+    params = None if interpret else _compiler_params(num_warps, num_stages)
+    bf1, bd1 = min(block_f, f), min(block_d, d)
+    bd2, bf2 = min(block_f, d), min(block_d, f)
+    if fmt == "int4":
+        s_pool4 = lambda a: a.astype(jnp.float32).reshape(a.shape[:-1] + (a.shape[-1] // 2, 2))  # noqa: E731
+        h = pl.pallas_call(
+            functools.partial(_gate_up_kernel_int4, k=k, f=f, bd=bd1, bf=bf1),
+            out_shape=jax.ShapeDtypeStruct((pairs, f // 2, 2), x.dtype), grid=(pairs, f // bf1),
+            interpret=interpret, compiler_params=params, name="moe_decode_gate_up_int4",
+        )(flat, x, gate_up, s_pool4(sg)).reshape(pairs, f)
+        y = pl.pallas_call(
+            functools.partial(_down_kernel_int4, bd=bd2, bf=bf2),
+            out_shape=jax.ShapeDtypeStruct((pairs, d // 2, 2), x.dtype), grid=(pairs, d // bd2),
+            interpret=interpret, compiler_params=params, name="moe_decode_down_int4",
+        )(flat, h, down, s_pool4(sd))
+        return y.reshape(n, k, d)
+    part = jax.ShapeDtypeStruct((d_split, pairs, f), jnp.float32)
+    h = pl.pallas_call(
+        functools.partial(_gate_up_kernel, k=k, f=f, bd=bd1, bf=bf1, fmt=fmt, split=d_split),
+        out_shape=jax.ShapeDtypeStruct((pairs, f), x.dtype) if d_split == 1 else (part, part),
+        grid=(pairs, f // bf1, d_split), interpret=interpret, compiler_params=params, name="moe_decode_gate_up",
+    )(flat, x, gate_up, *extra_g)
+    if d_split > 1:
+        h = _silu_mul(jnp.sum(h[0], axis=0), jnp.sum(h[1], axis=0), x.dtype)
+    y = pl.pallas_call(
+        functools.partial(_down_kernel, bd=bd2, bf=bf2, fmt=fmt),
+        out_shape=jax.ShapeDtypeStruct((pairs, d), x.dtype), grid=(pairs, d // bd2),
+        interpret=interpret, compiler_params=params, name="moe_decode_down",
+    )(flat, h, down, *extra_d)
+    return y.reshape(n, k, d)
+
+
+TILES_ENV = "FTJAX_MOE_DECODE_TILES"
+
+
+def tiles() -> dict:
+    """The tiles the model's calls use: ``FTJAX_MOE_DECODE_TILES="block_d,block_f,num_warps,d_split"``
+    (read at trace time; num_warps 0 = Triton's default, d_split 0 = :func:`auto_d_split`), else
+    the module defaults.
+
+    Raises:
+      ValueError: a malformed value.
+    """
+    v = os.environ.get(TILES_ENV, "")
+    if not v:
+        return {"block_d": BLOCK_D, "block_f": BLOCK_F, "num_warps": None, "d_split": D_SPLIT}
+    try:
+        bd, bf, nw, ds = (int(a) for a in v.split(","))
+    except ValueError:
+        raise ValueError(f"{TILES_ENV}={v!r}: expected block_d,block_f,num_warps,d_split") from None
+    return {"block_d": bd, "block_f": bf, "num_warps": nw or None, "d_split": ds}
+
+
+def auto_d_split(pairs: int, d: int, f: int, block_d: int, block_f: int, fmt: str) -> int:
+    """The smallest power-of-two d_split (at most 8) that gives the gate/up stage at least
+    :data:`MIN_PROGRAMS` programs, within what D allows; 1 for int4 and when there are enough."""
+    programs = pairs * (f // min(block_f, f))
+    split = 1
+    while (fmt != "int4" and programs * split < MIN_PROGRAMS and split < 8
+           and d % (min(block_d, d) * split * 2) == 0):
+        split *= 2
+    return split
+
+
+def maybe_pairs(x: jax.Array, slots: jax.Array, gate_up: jax.Array, down: jax.Array, scales: tuple | None,
+                fmt: str) -> jax.Array | None:
+    """The kernel's per-pair outputs [N, k, D] when ``FTJAX_KERNELS`` selects it for these operands
+    (``ftjax.kernels.select``), else None (the caller runs its jnp reference)."""
+    t = tiles()
+    if fmt == "int4":
+        t["d_split"] = 1
+    elif t["d_split"] == 0:
+        t["d_split"] = auto_d_split(slots.size, x.shape[-1], down.shape[1], t["block_d"], t["block_f"], fmt)
+    how = select.mode("moe_decode", supported(x, gate_up, down, fmt, t["block_d"], t["block_f"], t["d_split"]))
+    if how == "xla":
+        return None
+    return moe_decode_pairs(x, slots, gate_up, down, scales, fmt, interpret=how == "interpret", **t)

@@ -1,0 +1,85 @@
+"""Which implementation each kernel-backed op uses, decided at trace time.
+
+The environment variable ``FTJAX_KERNELS`` (read when a function is traced, like
+``FTJAX_GROUPED_MATMUL`` in :mod:`ftjax.kernels.grouped_matmul`):
+
+* ``auto`` (default): the Pallas kernel on a GPU where it supports the operands, the XLA (jnp)
+  reference everywhere else. On the CPU every op therefore keeps its jnp code, so the exactness
+  tests of the model are unchanged.
+* ``xla``: the jnp reference everywhere.
+* ``interpret``: every kernel in Pallas interpret mode (any backend; CPU tests of the wiring).
+* a comma list of kernel names (:data:`KERNELS`, e.g. ``moe_decode,decode_attention``): only those
+  kernels, on the GPU compiled and elsewhere interpreted; the others use the reference.
+
+A jitted function keeps the choice made when it was traced: after changing the variable call
+``jax.clear_caches()`` (and clear the engine's compiled programs) before tracing again.
+
+Pallas backends in jax 0.11.2 (read from ``jax/_src/pallas/pallas_call.py`` and its backends):
+
+* ``pallas_call(..., interpret=True)`` evaluates the kernel's jaxpr with ordinary JAX ops
+  (``hlo_interpreter``) on any backend: kernels written with generic primitives (BlockSpecs or
+  whole-array refs, ``pl.ds`` indexing, ``lax.fori_loop``, ``jnp.dot`` / ``dot_general``) run on
+  the CPU. Strided ``pl.ds`` does not discharge there (the int4 kernel avoids it).
+* On a GPU, a ``pallas_call`` without compiler params (or with the Triton ``CompilerParams``)
+  lowers through the Triton backend: deprecated (a warning at each lowering) but shipped; no
+  scalar prefetch, no dynamic grid; offsets become 64-bit for arrays over 4 GiB. It lowers on a
+  machine without a GPU under an abstract H200 device (``jax.sharding.AbstractDevice`` in a
+  ``use_abstract_mesh``), which ``tests/test_kernels.py`` uses to check each kernel's lowering.
+* Mosaic GPU (``plgpu.CompilerParams`` / ``plgpu.kernel``; the Hopper kernels shipped under
+  ``jax.experimental.pallas.ops.gpu.*_mgpu``) is the maintained GPU backend. Its own interpret
+  mode (``InterpretGPUParams``) exists, but the shipped attention kernel asserts a CUDA runtime at
+  trace time, so it neither interprets nor lowers here.
+
+The decode kernels (one to 64 rows, weights or keys chosen by data) are written with generic
+primitives for the Triton backend; prefill can also use the shipped Mosaic GPU attention
+(``ftjax.kernels.flash_prefill``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+#: The kernel-backed ops: fused MoE decode (:mod:`ftjax.kernels.moe_decode`), decode attention
+#: over the filled length (:mod:`ftjax.kernels.decode_attention`), flash attention for prefill
+#: (:mod:`ftjax.kernels.flash_prefill`).
+KERNELS = ("moe_decode", "decode_attention", "flash_prefill")
+ENV = "FTJAX_KERNELS"
+
+
+def mode(name: str, supported: bool = True) -> str:
+    """How op ``name`` runs in the function being traced: "xla", "gpu" or "interpret".
+
+    supported: whether the kernel handles these operands on a GPU (shapes, dtypes); an
+    unsupported case falls back to "xla" under ``auto`` and a name list, and stays "interpret"
+    under ``interpret`` only when the kernel's own checks pass (the caller passes the same flag).
+    Raises:
+      ValueError: unknown kernel name, or an unknown name in the variable.
+    """
+    if name not in KERNELS:
+        raise ValueError(f"unknown kernel {name!r}; expected one of {KERNELS}")
+    value = os.environ.get(ENV, "auto").strip() or "auto"
+    on_gpu = jax.default_backend() == "gpu"
+    if value == "xla" or not supported:
+        return "xla"
+    if value == "interpret":
+        return "interpret"
+    if value == "auto":
+        return "gpu" if on_gpu else "xla"
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    bad = [n for n in names if n not in KERNELS]
+    if bad:
+        raise ValueError(f"{ENV}={value!r}: unknown kernel(s) {bad}; expected auto, xla, interpret or names "
+                         f"from {KERNELS}")
+    if name not in names:
+        return "xla"
+    return "gpu" if on_gpu else "interpret"
+
+
+def dot_dtype_ok(dtype) -> bool:
+    """Whether a kernel built on ``dot`` may take operands of ``dtype`` here: anywhere for 16-bit
+    floats; float32 only off the GPU (interpret mode). On the GPU the Triton backend would run a
+    float32 dot as TF32 whatever ``jax.default_matmul_precision`` says, and the float32 oracle
+    runs (DESIGN.md section 3) need full float32, so float32 attention keeps the XLA path."""
+    return jax.numpy.dtype(dtype).itemsize == 2 or jax.default_backend() != "gpu"

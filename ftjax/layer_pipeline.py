@@ -1,0 +1,343 @@
+"""The layer-pipelined driver: one program per layer, the next layer's host copies issued from Python
+while the current layer computes (issue 12; docs/OVERLAP.md has the measurements that chose it).
+
+Inside one compiled program, XLA (jax 0.11.2) lowers every copy of a slice of a host array to a
+synchronous ``dynamic-slice`` on the compute stream, so the layer scan of ``model.forward`` cannot
+hide its host copies behind compute (DESIGN.md section 3, ``experiments/results/hlo/``). Copies that
+the runtime makes on its own transfer stream do overlap: a ``jax.device_put`` issued from Python. This
+driver therefore runs a prefill call as
+
+    embed program -> [layer program l, issued before layer l+1's host copy] x L -> head program
+
+where every layer program runs the family's one layer function (``model.LAYER_FNS``, the same
+function the scan runs; no second copy of the math) and the host copies are whole contiguous slices
+of the host arrays, read through zero-copy numpy views of their pinned buffers (:func:`host_view`):
+a streamed layer's E experts (``flat_id`` rows ``[l*E, (l+1)*E)`` of each bank, scales too) and a
+reused prefix's rows of layer l in every stored KV chunk. Each slice is presented to JAX as a whole
+``pinned_host`` array aliasing the bank's memory (:func:`pinned_alias`, through DLPack, no copy),
+because ``device_put`` of a whole pinned JAX array is asynchronous and runs on the transfer stream,
+while ``device_put`` of a numpy array blocks and waits for the queued compute. The order is: issue
+layer l+1's copies, then dispatch layer l; the GPU copies l+1 while it computes l. The two full-layer
+buffers of FreeToken's double buffering (DESIGN.md 1.3) are the driver's carried state: the buffer
+layer l reads and the one being filled for l+1.
+
+The KV cache and the expert state are donated to each layer program, so they are updated in place
+exactly as in the scan. Streamed layers compute from their buffer directly
+(``offload.make_layer_buffer_expert_fn``): no slot of the pool is borrowed and nothing is gathered.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import weakref
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ftjax import memory
+from ftjax import model as model_lib
+from ftjax.experts import offload
+from ftjax.experts.state import ExpertBanks
+from ftjax.kv.layerwise import LayerwiseKV
+
+
+def host_view(x: jax.Array) -> np.ndarray:
+    """A numpy array of ``x``'s shape and dtype over ``x``'s own buffer (no copy).
+
+    x: a single-device array in host memory (``pinned_host`` / ``unpinned_host``, or any array
+    on the CPU backend). The view is valid while ``x`` is alive and not donated; the caller keeps
+    ``x``.
+    Raises:
+      ValueError: ``x`` lives in device memory of an accelerator, or spans several devices.
+    """
+    if len(x.sharding.device_set) != 1:
+        raise ValueError(f"host_view needs a single-device array, got sharding {x.sharding}")
+    kind = x.sharding.memory_kind
+    if memory.backend() != "cpu" and kind not in ("pinned_host", "unpinned_host"):
+        raise ValueError(f"host_view needs an array in host memory, got memory kind {kind!r}")
+    buf = x.addressable_data(0)
+    dtype = np.dtype(x.dtype)
+    raw = (ctypes.c_uint8 * (x.size * dtype.itemsize)).from_address(buf.unsafe_buffer_pointer())
+    return np.frombuffer(raw, dtype=dtype).reshape(x.shape)
+
+
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+class _PinnedHostTensor:
+    """DLPack producer that presents a numpy view of pinned memory as CUDA-host (pinned) memory."""
+
+    def __init__(self, view: np.ndarray):
+        self.view = view
+
+    def __dlpack_device__(self):
+        from jax._src.typing import DLDeviceType
+        return DLDeviceType.kDLCUDAHost, 0
+
+    def __dlpack__(self, stream=None, **kw):
+        del stream, kw
+        return self.view.__dlpack__()
+
+
+def pinned_alias(view: np.ndarray) -> jax.Array | None:
+    """A ``pinned_host`` JAX array over the same memory as ``view`` (a contiguous numpy view of a
+    pinned host array, see :func:`host_view`), made through DLPack without a copy; None where that
+    is not possible (the CPU backend, a JAX that copies). Its dtype is the unsigned integer of the
+    view's item size (DLPack carries no bfloat16 / float8): the program that reads the device copy
+    bitcasts it back.
+
+    Why: ``jax.device_put`` of a whole pinned JAX array runs on the runtime's transfer stream and
+    overlaps compute (84% of the copy hidden on the H200), while ``device_put`` of a numpy array waits
+    for the work already queued on the compute stream first (nothing hidden; docs/OVERLAP.md).
+    """
+    if memory.backend() != "gpu":
+        return None
+    flat = np.ascontiguousarray(view).view(_UINT[view.dtype.itemsize])
+    if flat.ctypes.data != view.ctypes.data:
+        return None
+    try:
+        arr = jax.dlpack.from_dlpack(_PinnedHostTensor(flat), copy=False)
+    except Exception:  # noqa: BLE001 - an unsupported import means: use the numpy path
+        return None
+    if arr.addressable_data(0).unsafe_buffer_pointer() != view.ctypes.data or \
+            arr.sharding.memory_kind != "pinned_host":
+        return None
+    return arr
+
+
+def _as_dtypes(arrays: Sequence[jax.Array], dtypes: Sequence) -> tuple:
+    """Bitcasts device copies of :func:`pinned_alias` arrays back to their real dtypes (inside a program)."""
+    return tuple(a if a.dtype == d else jax.lax.bitcast_convert_type(a, d) for a, d in zip(arrays, dtypes))
+
+
+class _LayerPieces:
+    """Per-layer pieces of host arrays whose leading axis is ``layers x rows``: each piece is
+    either a zero-copy pinned JAX alias (the fast path on a GPU) or a numpy view."""
+
+    def __init__(self, arrays: Sequence[jax.Array], rows: int, layers: int, eager: bool):
+        self.arrays = tuple(arrays)  # keeps the viewed arrays alive
+        self.dtypes = tuple(a.dtype for a in self.arrays)
+        self.views = [host_view(a) for a in self.arrays]
+        self.rows, self.layers = rows, layers
+        self._alias: dict[tuple[int, int], jax.Array | None] = {}
+        self.path = "numpy_view"
+        if eager:
+            for l in range(layers):
+                self.pieces(l)
+
+    def _piece(self, i: int, l: int):
+        key = (i, l)
+        if key not in self._alias:
+            self._alias[key] = pinned_alias(self.views[i][l * self.rows:(l + 1) * self.rows])
+        alias = self._alias[key]
+        if alias is not None:
+            self.path = "pinned_alias"
+            return alias
+        return self.views[i][l * self.rows:(l + 1) * self.rows]
+
+    def pieces(self, l: int) -> list:
+        return [self._piece(i, l) for i in range(len(self.views))]
+
+    def put(self, l: int) -> tuple:
+        return tuple(jax.device_put(self.pieces(l), memory.device_sharding()))
+
+
+class ExpertLayerSource:
+    """Per-layer pieces of the routed-expert banks: :meth:`put` copies layer l's E experts (weights
+    and scales) to the device as whole contiguous slices. banks: ``ExpertBanks`` [L*E, ...]."""
+
+    def __init__(self, banks: ExpertBanks, num_experts: int):
+        arrays = (banks.gate_up, banks.down) + tuple(banks.scales or ())
+        layers = banks.gate_up.shape[0] // num_experts
+        self.num_experts = num_experts
+        self._pieces = _LayerPieces(arrays, num_experts, layers, eager=True)
+        self.dtypes = self._pieces.dtypes
+        self.layer_bytes = sum(v[:num_experts].nbytes for v in self._pieces.views)
+
+    @property
+    def path(self) -> str:
+        """"pinned_alias" (async copies that overlap compute) or "numpy_view" (copies that wait)."""
+        return self._pieces.path
+
+    def spec(self) -> tuple:
+        """Shapes of :meth:`put`'s outputs (for compiling ahead)."""
+        return tuple(jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=memory.device_sharding())
+                     for p in self._pieces.pieces(0))
+
+    def put(self, layer: int) -> tuple:
+        """(gate_up [E, D, 2F], down [E, F, D], *scales) of ``layer`` on the device (possibly as
+        unsigned integers of the same width: see :func:`pinned_alias`)."""
+        with jax.named_scope("stream_prefetch"):
+            return self._pieces.put(layer)
+
+
+_CHUNK_PIECES: dict[int, _LayerPieces] = {}
+
+
+def _chunk_pieces(chunk: jax.Array) -> _LayerPieces:
+    """The per-layer pieces of one stored KV chunk, made once per chunk (making a pinned alias costs
+    ~0.4 ms; a 16k-token prefix has 62 chunks x 48 layers of them) and dropped with the chunk."""
+    key = id(chunk)
+    pieces = _CHUNK_PIECES.get(key)
+    if pieces is None or pieces.arrays[0] is not chunk:
+        pieces = _LayerPieces([chunk], 1, chunk.shape[0], eager=False)
+        _CHUNK_PIECES[key] = pieces
+        try:
+            weakref.finalize(chunk, _CHUNK_PIECES.pop, key, None)
+        except TypeError:  # not weak-referenceable: keep no cache entry (it would outlive the chunk)
+            del _CHUNK_PIECES[key]
+    return pieces
+
+
+class PrefixLayerSource:
+    """Per-layer pieces of a reused prefix: ``n`` stored chunks, each ``[L, 2, C, Hkv, hd]`` in host
+    memory (``ftjax.kv.host_store``); :meth:`put` copies layer l's rows of every chunk to the device
+    (n arrays ``[2, C, Hkv, hd]``), written into the cache by the KV hook (``variant`` "xs")."""
+
+    def __init__(self, chunks: Sequence[jax.Array]):
+        self.chunks = tuple(chunks)
+        self._pieces = [_chunk_pieces(c) for c in self.chunks]  # padding repeats the last chunk: same pieces
+        self.layer_bytes = sum(int(np.prod(c.shape[1:])) * np.dtype(c.dtype).itemsize for c in self.chunks)
+
+    def put(self, layer: int) -> tuple:
+        with jax.named_scope("kv_prefix_load"):
+            return tuple(jax.device_put([p.pieces(layer)[0] for p in self._pieces], memory.device_sharding()))
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerOptions:
+    """Static options of one layer program (hashable). step: the call's ``engine.StepOptions``
+    (its ``stream`` means: experts from the given buffer); has_prefix: the call hands the layer
+    its slices of a reused prefix."""
+
+    step: Any
+    has_prefix: bool = False
+
+
+def _hook(opts: LayerOptions) -> LayerwiseKV | None:
+    kv = opts.step.kv
+    if kv is None:
+        return None
+    # prefix slices arrive as the layer's xs (already on the device); new chunks stay on the device
+    # and the driver moves them to host memory after stacking them over layers
+    return LayerwiseKV((), "xs", kv.store_chunks, kv.chunk_tokens, store_to_host=False)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "opts"), donate_argnames=("ck", "cv", "state"))
+def layer_program(params, banks, state, h, ck, cv, inputs, layer, expert_buffer, prefix_slices, *, cfg,
+                  opts: LayerOptions):
+    """One decoder layer as its own program: the family's layer function (``model.LAYER_FNS``) on
+    layer ``layer`` (int32 []) of ``params["layers"]``. expert_buffer: the layer's E experts on the
+    device (streamed calls) or ``()``; prefix_slices: the layer's reused-prefix rows of each chunk
+    ([1, 2, C, Hkv, hd] each) or ``()``.
+    Returns (h, ck, cv, state, stats, kv_out) as one scan iteration would."""
+    step = opts.step
+    # copies of pinned_alias arrays arrive as unsigned integers of the same width: bitcast back (free)
+    expert_buffer = _as_dtypes(expert_buffer, (banks.gate_up.dtype, banks.down.dtype)
+                               + tuple(x.dtype for x in banks.scales or ()))
+    prefix_slices = tuple(x[0] for x in _as_dtypes(prefix_slices, [ck.dtype] * len(prefix_slices)))
+    with jax.default_matmul_precision(step.precision):
+        if step.stream:
+            expert_fn = offload.make_layer_buffer_expert_fn(cfg.num_experts, expert_buffer, banks.fmt)
+        else:
+            expert_fn = offload.make_expert_fn(step.mode, cfg.num_experts, banks, step.policy, step.miss)
+        lp = jax.tree.map(lambda a: a[layer], params["layers"])
+        carry = model_lib.LayerCarry(h, ck, cv, state, None)
+        carry, (stats, kv_out) = model_lib.LAYER_FNS[cfg.model_type](
+            cfg, lp, layer, carry, inputs, expert_fn, _hook(opts), prefix_slices or None)
+    return carry.h, carry.k, carry.v, carry.expert_state, stats, kv_out
+
+
+@jax.jit
+def embed_program(params, tokens, start, valid_len):
+    """``model.embed_inputs`` as its own program: (h, LayerInputs)."""
+    return model_lib.embed_inputs(params, tokens, start, valid_len)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "all_logits"))
+def head_program(params, h, valid_len, *, cfg, all_logits):
+    """``model.final_logits`` as its own program."""
+    return model_lib.final_logits(params, cfg, h, valid_len, all_logits)
+
+
+@functools.cache
+def _layer_index(l: int) -> jax.Array:
+    """int32 [] device scalar ``l``, made once: a fresh ``jnp.int32(l)`` per layer is a small host
+    copy that blocks Python until the compute already queued is done, which would stop the driver
+    from running ahead of the GPU."""
+    return memory.to_device(np.int32(l))
+
+
+@jax.jit
+def _stack(xs):
+    return jax.tree.map(lambda *a: jnp.stack(a), *xs)
+
+
+def _device_spec(x) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=memory.device_sharding())
+
+
+def precompile(compiled: Callable, params, banks, state, cache: model_lib.KVCache, tokens: jax.Array,
+               start: jax.Array, valid_len: jax.Array, *, cfg, step, all_logits: bool,
+               experts: ExpertLayerSource | None = None, prefix_spec: Sequence[jax.ShapeDtypeStruct] = ()) -> None:
+    """Compiles the embed, layer and head programs that :func:`run` will call with these arguments
+    (nothing runs, nothing is donated). prefix_spec: shapes of the reused prefix's chunks
+    ([L, 2, C, Hkv, hd] each), or () without a prefix."""
+    opts = LayerOptions(step, bool(prefix_spec))
+    compiled(embed_program, (params, tokens, start, valid_len))
+    h, inputs = jax.tree.map(_device_spec, jax.eval_shape(model_lib.embed_inputs, params, tokens, start, valid_len))
+    buffer = experts.spec() if experts is not None else ()
+    alias = memory.backend() == "gpu"  # host prefix chunks arrive as pinned aliases there (uint dtypes)
+    slices = tuple(jax.ShapeDtypeStruct((1,) + tuple(c.shape[1:]), _UINT[np.dtype(c.dtype).itemsize] if alias
+                                        else c.dtype, sharding=memory.device_sharding()) for c in prefix_spec)
+    layer = jax.ShapeDtypeStruct((), jnp.int32, sharding=memory.device_sharding())
+    compiled(layer_program, (params, banks, state, h, cache.k, cache.v, inputs, layer, buffer, slices), cfg=cfg,
+             opts=opts)
+    compiled(head_program, (params, h, valid_len), cfg=cfg, all_logits=all_logits)
+
+
+def run(compiled: Callable, params, banks, state, cache: model_lib.KVCache, tokens: jax.Array, start: jax.Array,
+        valid_len: jax.Array, *, cfg, step, all_logits: bool, experts: ExpertLayerSource | None = None,
+        prefix: PrefixLayerSource | None = None, overlap: bool = True) -> model_lib.ForwardOut:
+    """Runs one prefill call layer by layer; the same result as ``model.forward`` of the call.
+
+    compiled(fn, args, **static): returns ``fn`` compiled for these arguments (the engine's compile
+    cache, so compile time stays out of timings). experts: the banks' per-layer views when the call
+    streams (``step.stream``); prefix: the reused prefix's per-layer views or None. overlap: issue
+    layer l+1's copies after dispatching layer l (False: each layer's copies before its own program,
+    the serial ablation). The KV cache and ``state`` are consumed (donated).
+    Returns a ``model.ForwardOut`` (stats stacked over layers; kv_out: the new chunks, each
+    [L, 2, C, Hkv, hd], in host memory when ``step.kv.store_to_host``).
+    """
+    opts = LayerOptions(step, prefix is not None)
+    h, inputs = compiled(embed_program, (params, tokens, start, valid_len))(params, tokens, start, valid_len)
+    ck, cv = cache.k, cache.v
+
+    def copies(l):
+        return (experts.put(l) if experts is not None else (), prefix.put(l) if prefix is not None else ())
+
+    stats, kv_outs = [], []
+    nxt = copies(0)
+    for l in range(cfg.num_layers):
+        cur = nxt if overlap else copies(l)
+        if overlap and l + 1 < cfg.num_layers:
+            # Issued *before* layer l's program: a host-to-device copy starts once the compute already
+            # queued is done (here layer l-1), so it runs while layer l computes. Issued after layer l,
+            # it would wait for layer l and hide nothing (measured: docs/OVERLAP.md).
+            nxt = copies(l + 1)
+        args = (params, banks, state, h, ck, cv, inputs, _layer_index(l), *cur)
+        h, ck, cv, state, st, kv = compiled(layer_program, args, cfg=cfg, opts=opts)(*args)
+        stats.append(st)
+        kv_outs.append(kv)
+        del cur, args
+    logits = compiled(head_program, (params, h, valid_len), cfg=cfg, all_logits=all_logits)(params, h, valid_len)
+    kv_out = None
+    if step.kv is not None and step.kv.store_chunks:
+        kv_out = _stack(kv_outs)
+        if step.kv.store_to_host:
+            kv_out = jax.device_put(kv_out, memory.host_sharding())
+    return model_lib.ForwardOut(logits, model_lib.KVCache(ck, cv), state, _stack(stats), kv_out)

@@ -1,0 +1,248 @@
+"""Pallas kernels (ftjax.kernels) against their jnp references, in Pallas interpret mode on the CPU,
+plus the trace-time switch and a check that each kernel lowers for CUDA (Triton backend) here.
+
+Tolerances: the kernels accumulate in float32 like the references but in another order, and
+round intermediate products differently (unnormalised softmax probabilities, per-column int8
+scales applied after the sum), so float32 results agree to ~1e-6 and bf16 to one or two ulps of
+the output (values of magnitude ~3: ulp 1/64).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ftjax import model as model_lib
+from ftjax.experts import compute, quant
+from ftjax.kernels import decode_attention as da
+from ftjax.kernels import flash_prefill as fp
+from ftjax.kernels import moe_decode as md
+from ftjax.kernels import select
+
+
+def _maxdiff(a, b) -> float:
+    return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+
+
+# ------------------------------------------------------------------ fused MoE decode
+def _pool(rng, s=10, d=256, f=128, dtype=jnp.bfloat16):
+    gu = jnp.asarray(rng.standard_normal((s, d, 2 * f)) / 16, dtype)
+    dn = jnp.asarray(rng.standard_normal((s, f, d)) / 11, dtype)
+    return gu, dn
+
+
+@pytest.mark.parametrize("fmt", ["dense", "int8", "fp8", "int4"])
+def test_moe_decode_matches_gather_reference(fmt):
+    rng = np.random.default_rng(0)
+    gu, dn = _pool(rng)
+    x = jnp.asarray(rng.standard_normal((2, 256)), jnp.bfloat16)
+    slots = jnp.asarray([[3, 9, 0], [3, 7, 1]], jnp.int32)
+    if fmt == "dense":
+        pool, sc = (gu, dn), None
+    else:
+        qg, sg = quant.quantize(fmt, gu, 2)
+        qd, sd = quant.quantize(fmt, dn, 1)
+        pool, sc = (qg, qd), (sg, sd)
+    ref = compute.gather_outputs(x, slots, *pool, sc, fmt)
+    got = md.moe_decode_pairs(x, slots, *pool, sc, fmt, interpret=True)
+    assert got.shape == (2, 3, 256) and got.dtype == jnp.bfloat16
+    assert float(jnp.max(jnp.abs(ref.astype(jnp.float32)))) > 1.0  # a real signal, not zeros
+    assert _maxdiff(got, ref) <= 2 / 64
+
+
+@pytest.mark.parametrize("block_d,block_f,d_split", [(64, 64, 1), (32, 128, 4), (128, 32, 2)])
+def test_moe_decode_float32_tiles_and_negative_slots(block_d, block_f, d_split):
+    rng = np.random.default_rng(1)
+    gu, dn = _pool(rng, dtype=jnp.float32)
+    x = jnp.asarray(rng.standard_normal((3, 256)), jnp.float32)
+    slots = jnp.asarray([[-1, 2], [5, 5], [0, 9]], jnp.int32)  # -1 wraps to slot 9, as jnp indexing does
+    ref = compute.gather_outputs(x, slots, gu, dn)
+    got = md.moe_decode_pairs(x, slots, gu, dn, interpret=True, block_d=block_d, block_f=block_f, d_split=d_split)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    wrapped = md.moe_decode_pairs(x[:1], jnp.asarray([[9]]), gu, dn, interpret=True, block_d=block_d,
+                                  block_f=block_f, d_split=d_split)
+    np.testing.assert_array_equal(np.asarray(got[0, 0]), np.asarray(wrapped[0, 0]))
+
+
+def test_moe_decode_supported():
+    x = jnp.zeros((1, 2048), jnp.bfloat16)
+    gu, dn = jnp.zeros((4, 2048, 1536), jnp.bfloat16), jnp.zeros((4, 768, 2048), jnp.bfloat16)
+    assert md.supported(x, gu, dn, "dense") and md.supported(x, gu, dn, "fp8")
+    assert not md.supported(x, gu, dn, "int4")  # int4 pools are packed: [S, D, F] and [S, F, D/2]
+    assert md.supported(x, gu[..., :768], dn[..., :1024], "int4")
+    assert md.supported(x, gu, dn, "dense", 64, 64, d_split=32) and not md.supported(x, gu, dn, "dense", 64, 64, 64)
+    assert not md.supported(x, jnp.zeros((4, 2048, 1200), jnp.bfloat16), jnp.zeros((4, 600, 2048)), "dense")
+
+
+def test_moe_decode_tiles_env(monkeypatch):
+    monkeypatch.delenv(md.TILES_ENV, raising=False)
+    assert md.tiles() == {"block_d": md.BLOCK_D, "block_f": md.BLOCK_F, "num_warps": None, "d_split": md.D_SPLIT}
+    monkeypatch.setenv(md.TILES_ENV, "128,32,8,4")
+    assert md.tiles() == {"block_d": 128, "block_f": 32, "num_warps": 8, "d_split": 4}
+    # batch 1 of qwen3-30b-a3b: 8 pairs x 12 column tiles = 96 programs -> split D in 4 (384)
+    assert md.auto_d_split(8, 2048, 768, 64, 64, "dense") == 4
+    assert md.auto_d_split(32, 2048, 768, 64, 64, "dense") == 1
+    assert md.auto_d_split(8, 2048, 768, 64, 64, "int4") == 1
+    assert md.auto_d_split(1, 128, 768, 64, 64, "dense") == 2  # D = 128 allows no more
+    monkeypatch.setenv(md.TILES_ENV, "128,32")
+    with pytest.raises(ValueError, match="block_d,block_f,num_warps,d_split"):
+        md.tiles()
+
+
+def test_experts_gather_uses_kernel_only_when_selected(monkeypatch):
+    rng = np.random.default_rng(2)
+    gu, dn = _pool(rng, dtype=jnp.float32)
+    x = jnp.asarray(rng.standard_normal((2, 256)), jnp.float32)
+    slots = jnp.asarray([[1, 2], [3, 4]], jnp.int32)
+    w = jnp.asarray([[0.75, 0.25], [0.5, 0.5]], jnp.float32)
+    monkeypatch.setenv(select.ENV, "xla")
+    ref = compute.experts_gather(x, slots, w, gu, dn)
+    monkeypatch.setenv(select.ENV, "moe_decode")  # a name list: interpreted on the CPU
+    jax.clear_caches()
+    jaxpr = str(jax.make_jaxpr(compute.experts_gather)(x, slots, w, gu, dn))
+    assert "pallas_call" in jaxpr
+    got = compute.experts_gather(x, slots, w, gu, dn)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    monkeypatch.setenv(select.ENV, "auto")  # CPU default: the jnp code, no kernel
+    jax.clear_caches()  # traces keep the choice made when they were traced
+    assert "pallas_call" not in str(jax.make_jaxpr(compute.experts_gather)(x, slots, w, gu, dn))
+
+
+# ------------------------------------------------------------------ decode attention
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2 / 256)])
+@pytest.mark.parametrize("n_split", [1, 4, 16])
+def test_decode_attention_matches_reference(dtype, tol, n_split):
+    rng = np.random.default_rng(3)
+    L, B, S, hkv, g, hd = 2, 3, 256, 2, 4, 32
+    kc = jnp.asarray(rng.standard_normal((L, B, S, hkv, hd)), dtype)
+    vc = jnp.asarray(rng.standard_normal((L, B, S, hkv, hd)), dtype)
+    q = jnp.asarray(rng.standard_normal((B, 1, hkv * g, hd)), dtype)
+    pos = jnp.asarray([[0], [77], [255]], jnp.int32)  # one filled position, a partial block, all
+    ref = model_lib.attention(q, kc[1], vc[1], pos)
+    got = da.decode_attention(q, kc, vc, jnp.int32(1), pos[:, 0] + 1, interpret=True, block_k=16, n_split=n_split)
+    assert got.shape == q.shape and got.dtype == dtype
+    assert _maxdiff(got, ref) <= tol
+
+
+def test_decode_attention_ignores_unfilled_positions():
+    rng = np.random.default_rng(4)
+    kc = jnp.asarray(rng.standard_normal((1, 1, 64, 1, 16)), jnp.float32)
+    vc = jnp.asarray(rng.standard_normal((1, 1, 64, 1, 16)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((1, 1, 2, 16)), jnp.float32)
+    a = da.decode_attention(q, kc, vc, 0, jnp.asarray([20]), interpret=True, block_k=16, n_split=2)
+    stale = kc.at[:, :, 20:].set(1e4), vc.at[:, :, 20:].set(-1e4)  # finite junk, as stale rows are
+    b = da.decode_attention(q, *stale, 0, jnp.asarray([20]), interpret=True, block_k=16, n_split=2)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ------------------------------------------------------------------ flash prefill
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2 / 128)])
+def test_flash_prefill_matches_reference_with_offsets(dtype, tol):
+    rng = np.random.default_rng(5)
+    B, T, S, hkv, g, hd = 3, 64, 128, 2, 2, 16
+    k = jnp.asarray(rng.standard_normal((B, S, hkv, hd)), dtype)
+    v = jnp.asarray(rng.standard_normal((B, S, hkv, hd)), dtype)
+    q = jnp.asarray(rng.standard_normal((B, T, hkv * g, hd)), dtype)
+    start = jnp.asarray([0, 37, 64], jnp.int32)  # fresh prefill, unaligned and aligned prefix reuse
+    pos = start[:, None] + jnp.arange(T)[None]
+    ref = model_lib.attention(q, k, v, pos)
+    got = fp.flash_attention(q, k, v, start, interpret=True, block_q=16, block_k=32)
+    assert got.shape == q.shape and got.dtype == dtype
+    assert _maxdiff(got, ref) <= tol
+
+
+def test_flash_prefill_supported_and_impl_env(monkeypatch):
+    q, k = jnp.zeros((1, 8192, 32, 128), jnp.bfloat16), jnp.zeros((1, 8192, 4, 128), jnp.bfloat16)
+    assert fp.supported(q, k) and fp.mgpu_supported(q, k)
+    assert not fp.supported(jnp.zeros((1, 24, 32, 128)), jnp.zeros((1, 8192, 4, 128)))
+    monkeypatch.setenv(fp.IMPL_ENV, "nope")
+    with pytest.raises(ValueError, match="FTJAX_FLASH_PREFILL"):
+        fp.maybe(q, k, k, jnp.zeros((1, 8192), jnp.int32), model_lib.attention)
+
+
+# ------------------------------------------------------------------ the switch
+def test_select_modes(monkeypatch):
+    monkeypatch.delenv(select.ENV, raising=False)
+    assert select.mode("moe_decode") == ("gpu" if jax.default_backend() == "gpu" else "xla")
+    monkeypatch.setenv(select.ENV, "interpret")
+    assert select.mode("decode_attention") == "interpret"
+    assert select.mode("decode_attention", supported=False) == "xla"
+    monkeypatch.setenv(select.ENV, "xla")
+    assert select.mode("flash_prefill") == "xla"
+    monkeypatch.setenv(select.ENV, "moe_decode, flash_prefill")
+    assert select.mode("decode_attention") == "xla" and select.mode("flash_prefill") != "xla"
+    monkeypatch.setenv(select.ENV, "moe_decode,bogus")
+    with pytest.raises(ValueError, match="bogus"):
+        select.mode("moe_decode")
+    with pytest.raises(ValueError, match="unknown kernel"):
+        select.mode("nope")
+
+
+# ------------------------------------------------------------------ lowering for the GPU, on this machine
+def _lower_cuda(fn, *shapes) -> str:
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+    dev = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=dev)
+    with use_abstract_mesh(mesh), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the Triton backend's deprecation warning
+        return jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_kernels_lower_for_cuda_at_real_shapes():
+    """qwen3-30b-a3b shapes lower to Triton custom calls (the GPU compile itself is not run here)."""
+    sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    S, D, F = 6144, 2048, 768
+    txt = _lower_cuda(lambda x, s, g, d: md.moe_decode_pairs(x, s, g, d, d_split=4), sd((1, D), bf),
+                      sd((1, 8), jnp.int32), sd((S, D, 2 * F), bf), sd((S, F, D), bf))
+    assert txt.count("__gpu$xla.gpu.triton") == 2
+    fp8 = jnp.float8_e4m3fn
+    txt = _lower_cuda(lambda x, s, g, d, a, b: md.moe_decode_pairs(x, s, g, d, (a, b), "fp8"), sd((4, D), bf),
+                      sd((4, 8), jnp.int32), sd((S, D, 2 * F), fp8), sd((S, F, D), fp8),
+                      sd((S, D // 128, 2 * F // 128), jnp.float32), sd((S, F // 128, D // 128), jnp.float32))
+    assert txt.count("__gpu$xla.gpu.triton") == 2
+    u8, f32 = jnp.uint8, jnp.float32
+    txt = _lower_cuda(lambda x, s, g, d, a, b: md.moe_decode_pairs(x, s, g, d, (a, b), "int4"), sd((1, D), bf),
+                      sd((1, 8), jnp.int32), sd((S, D, F), u8), sd((S, F, D // 2), u8), sd((S, D // 64, 2 * F), f32),
+                      sd((S, F // 64, D), f32))
+    assert txt.count("__gpu$xla.gpu.triton") == 2
+    cache = sd((48, 1, 8192, 4, 128), bf)
+    txt = _lower_cuda(lambda q, k, v, n: da.decode_attention(q, k, v, 3, n), sd((1, 1, 32, 128), bf), cache, cache,
+                      sd((1,), jnp.int32))
+    assert txt.count("__gpu$xla.gpu.triton") == 1
+    row = sd((1, 8192, 4, 128), bf)
+    txt = _lower_cuda(lambda q, k, v, s: fp.flash_attention(q, k, v, s), sd((1, 8192, 32, 128), bf), row, row,
+                      sd((1,), jnp.int32))
+    assert txt.count("__gpu$xla.gpu.triton") == 1
+
+
+# ------------------------------------------------------------------ the model, every kernel interpreted
+def _tiny_engine_run(mode, slots, monkeypatch, kernels):
+    from ftjax import engine as engine_lib
+    from ftjax.checkpoint import random_model
+    from ftjax.config import EngineConfig, preset
+    monkeypatch.setenv(select.ENV, kernels)
+    engine_lib._COMPILED.clear()
+    jax.clear_caches()
+    cfg = dataclasses.replace(preset("tiny"), num_layers=2)
+    model = random_model(cfg, "float32")
+    # chunks of 16: the second prefill chunk starts at position 16 (flash prefill with an offset)
+    eng = engine_lib.Engine(model, EngineConfig(mode, num_slots=slots, max_seq_len=64, prefill_chunk=16))
+    res = eng.generate([list(range(1, 20))], max_new_tokens=4, keep_logits=True)
+    return res
+
+
+def test_model_with_interpreted_kernels_matches_xla_and_cached_is_bit_identical(monkeypatch):
+    ref = _tiny_engine_run("resident", None, monkeypatch, "xla")
+    res = _tiny_engine_run("resident", None, monkeypatch, "interpret")
+    cached = _tiny_engine_run("cached", 16, monkeypatch, "interpret")
+    assert res.generated_ids == ref.generated_ids
+    np.testing.assert_allclose(res.step_logits, ref.step_logits, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(cached.step_logits, res.step_logits)
+    from ftjax import engine as engine_lib
+    engine_lib._COMPILED.clear()
+    jax.clear_caches()

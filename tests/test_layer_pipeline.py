@@ -1,0 +1,139 @@
+"""The layer-pipelined prefill driver (``ftjax.layer_pipeline``, issue 12) runs the same layer function
+as the scan, so every prefill it runs is bit-identical to the scan's: logits, KV cache, expert
+counters and stored KV chunks. On the CPU the host copies are identities; the overlap itself is
+measured on the GPU (``experiments/bench_prefill.py``, ``experiments/profile_overlap.py``)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import load_fixture
+from ftjax import memory
+from ftjax.config import EngineConfig, KVOffloadConfig
+from ftjax.engine import Engine
+from ftjax.kv.host_store import HostKVStore
+from ftjax.kv.prefix_cache import PrefixCache
+from ftjax.layer_pipeline import ExpertLayerSource, host_view
+
+S = 384
+C = 16
+
+
+def _prefill(model, prompt, driver, mode="cached", **kw):
+    slots = None if mode == "resident" else 2 * model.cfg.num_experts
+    eng = Engine(model, EngineConfig(mode, num_slots=slots, max_seq_len=S, prefill_chunk=64, prefill_driver=driver,
+                                     **kw))
+    logits, cache, _, stats = eng.prefill([prompt], eng.new_cache(1), all_logits=True)
+    return np.asarray(logits)[0, : len(prompt)], np.asarray(cache.k), np.asarray(cache.v), eng
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe_fp32", "qwen3_moe_bf16", "olmoe_fp32", "mixtral_fp32"])
+@pytest.mark.parametrize("mode,kw", [("cached", {"prefill": "stream"}),
+                                     ("cached", {"prefill": "stream", "prefill_overlap": False}),
+                                     ("cached", {"prefill": "on_demand"}), ("resident", {})])
+def test_pipelined_prefill_bit_identical_to_scan(name, mode, kw):
+    model, exp = load_fixture(name)
+    prompt = exp["long_prompt_ids"].tolist()
+    want, wk, wv, ref = _prefill(model, prompt, "scan", mode, **kw)
+    got, gk, gv, eng = _prefill(model, prompt, "pipelined", mode, **kw)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(gk, wk)
+    np.testing.assert_array_equal(gv, wv)
+    g, r = eng.counters["prefill"], ref.counters["prefill"]
+    np.testing.assert_array_equal(np.asarray(g.misses), np.asarray(r.misses))
+    np.testing.assert_array_equal(np.asarray(g.hits), np.asarray(r.hits))
+    if kw.get("prefill") == "stream":
+        # every layer's E experts once per chunk; the scan's clamped prefetch of one extra layer is gone
+        n_calls = -(-len(prompt) // 64)
+        assert g.extra_copies == 0 and r.extra_copies == (n_calls * model.cfg.num_experts if
+                                                          kw.get("prefill_overlap", True) else 0)
+        assert int(np.asarray(g.fetched).sum()) == n_calls * model.cfg.num_layers * model.cfg.num_experts
+
+
+def test_pipelined_stream_keeps_the_slot_cache_and_decodes_the_same_tokens():
+    """Streaming through the driver's own buffers leaves the slot cache as it was (the scan
+    borrows and forgets 2E slots); the generated tokens equal the resident run's."""
+    model, exp = load_fixture("olmoe_fp32")
+    prompt = exp["long_prompt_ids"].tolist()
+    e = model.cfg.num_experts
+    ref = Engine(model, EngineConfig("resident", max_seq_len=S, prefill_chunk=128)).generate(
+        [prompt], 24, keep_logits=True)
+    eng = Engine(model, EngineConfig("cached", num_slots=2 * e, max_seq_len=S, prefill="stream", prefill_chunk=128,
+                                     prefill_driver="pipelined"))
+    eng.generate([prompt[:5]], 3)  # a short request fills some slots by on-demand loading
+    filled = eng.resident_experts_per_layer()
+    assert sum(filled) > 0
+    got = eng.generate([prompt], 24, keep_logits=True)
+    assert got.generated_ids == ref.generated_ids
+    np.testing.assert_array_equal(got.step_logits[0], ref.step_logits[0])
+
+
+@pytest.mark.parametrize("route", ["scan", "after"])
+def test_pipelined_prefix_reuse_equals_scan(route):
+    """A request that reuses a stored prefix (loaded layer by layer by the driver) gives the same
+    logits and cache as the scan driver, and the chunks it stores are the same bytes."""
+    model, exp = load_fixture("qwen3_moe_fp32")
+    prompt = exp["long_prompt_ids"].tolist()[:98]
+    cfg = model.cfg
+    entry = cfg.num_layers * 2 * C * cfg.num_kv_heads * cfg.head_dim * 4
+    runs = {}
+    for driver in ("scan", "pipelined"):
+        mgr = PrefixCache(HostKVStore(100 * entry), KVOffloadConfig(chunk_tokens=C, store_route=route))
+        eng = Engine(model, EngineConfig("cached", num_slots=2 * cfg.num_experts, max_seq_len=S,
+                                         prefill_driver=driver))
+        first = eng.generate([prompt[:64]], 1, kv_manager=mgr)
+        res = eng.generate([prompt], 4, keep_logits=True, kv_manager=mgr)
+        assert first.kv["chunks_stored"] == 4 and res.kv["reused_tokens"] == 64
+        keys = mgr.keys(eng, prompt)
+        runs[driver] = (res.step_logits, [np.asarray(a) for a in mgr.store.get([k for k in keys if k in mgr.store])])
+    np.testing.assert_array_equal(runs["pipelined"][0], runs["scan"][0])
+    assert len(runs["pipelined"][1]) == len(runs["scan"][1]) == 6
+    for a, b in zip(runs["pipelined"][1], runs["scan"][1]):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_driver_choice():
+    model, _ = load_fixture("qwen3_moe_fp32")
+    e = model.cfg.num_experts
+    host = jax.device_put(jnp.zeros((2, 3)), memory.host_sharding())
+    dev = memory.to_device(jnp.zeros((2, 3)))
+    auto = Engine(model, EngineConfig("cached", num_slots=2 * e))
+    # on the CPU, auto keeps the scan (there is nothing to overlap); on a GPU it pipelines host copies
+    assert auto.pipelines(True, ()) == (memory.backend() == "gpu")
+    forced = Engine(model, EngineConfig("cached", num_slots=2 * e, prefill_driver="pipelined"))
+    assert forced.pipelines(False, ()) and forced.pipelines(True, (host,))
+    assert not forced.pipelines(False, (dev,))  # a prefix already on the device: the load-all-first ablation
+    scan = Engine(model, EngineConfig("cached", num_slots=2 * e, prefill_driver="scan"))
+    assert not scan.pipelines(True, (host,))
+    with pytest.raises(ValueError, match="prefill driver 'layers'"):
+        EngineConfig(prefill_driver="layers")
+
+
+def test_host_view_is_the_array_without_a_copy():
+    model, _ = load_fixture("qwen3_moe_bf16")
+    banks = model.banks
+    view = host_view(banks.gate_up)
+    assert view.shape == banks.gate_up.shape and view.dtype == np.dtype(banks.gate_up.dtype)
+    np.testing.assert_array_equal(view, np.asarray(banks.gate_up))
+    assert view.ctypes.data == banks.gate_up.addressable_data(0).unsafe_buffer_pointer()
+    src = ExpertLayerSource(banks, model.cfg.num_experts)
+    gu, dn = src.put(1)
+    e = model.cfg.num_experts
+    np.testing.assert_array_equal(np.asarray(gu), np.asarray(banks.gate_up)[e:2 * e])
+    np.testing.assert_array_equal(np.asarray(dn), np.asarray(banks.down)[e:2 * e])
+    assert src.layer_bytes == e * model.expert_bytes
+
+
+def test_hybrid_family_stays_on_its_block_scan():
+    """qwen3_5_moe scans blocks of two layer kinds: the pipelined driver is refused, auto keeps the scan."""
+    model, exp = load_fixture("qwen3_5_moe_fp32")
+    e = model.cfg.num_experts
+    with pytest.raises(ValueError, match="prefill_driver 'pipelined'"):
+        Engine(model, EngineConfig("cached", num_slots=2 * e, prefill_driver="pipelined"))
+    eng = Engine(model, EngineConfig("cached", num_slots=2 * e, max_seq_len=S, prefill="stream"))
+    assert not eng.pipelines(True) and not eng.config.pipelines_streams(model.cfg)
+    eng.prefill([exp["long_prompt_ids"].tolist()[:40]], eng.new_cache(1))
+    assert eng.prefill_driver_calls == {"scan": 1, "pipelined": 0}

@@ -77,7 +77,9 @@ def main(argv):
         from ftjax.kv.prefix_cache import PrefixCache
         n = FLAGS.prefix_tokens + FLAGS.suffix_tokens
         prompt = rng.integers(0, cfg.vocab_size, n).tolist()
-        eng = Engine(model, EngineConfig("resident", max_seq_len=n + 256, prefill_chunk=8192))
+        # the pipelined driver, forced: under "auto" a prefix-only call stays on the scan (docs/OVERLAP.md)
+        eng = Engine(model, EngineConfig("resident", max_seq_len=n + 256, prefill_chunk=8192,
+                                         prefill_driver="pipelined"))
         mgr = PrefixCache(HostKVStore(int(8e9)), KVOffloadConfig(chunk_tokens=256, prefill_chunk=8192))
         eng.generate([prompt[: FLAGS.prefix_tokens]], 1, kv_manager=mgr)  # stores the prefix
         eng.generate([prompt], 1, kv_manager=mgr)  # compiles the reuse programs

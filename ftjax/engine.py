@@ -322,6 +322,24 @@ class Engine:
             self._expert_views = layer_pipeline.ExpertLayerSource(self.model.banks, self.cfg.num_experts)
         return self._expert_views
 
+    def call_drivers(self, valid_tokens: int, prefix=()) -> tuple[bool, bool]:
+        """(streams, pipelined) of one prefill call. A call that would stream but runs on the scan
+        (a prefix already on the device: the load-all-first ablation) with fewer than the 2E slots
+        the scan borrows loads its experts on demand instead (``prefill="stream"``: refused).
+
+        Raises:
+          ValueError: ``prefill="stream"`` for such a call.
+        """
+        stream = self.streams(valid_tokens)
+        pipelined = self.pipelines(stream, prefix)
+        if stream and not pipelined and self.num_slots < 2 * self.cfg.num_experts:
+            if self.config.prefill == "stream":
+                raise ValueError(f"this call streams on the layer scan, which borrows 2E={2 * self.cfg.num_experts} "
+                                 f"slots, but the engine has {self.num_slots} (a reused prefix already on the "
+                                 f"device runs on the scan); use prefill='auto' or more slots")
+            stream, pipelined = False, self.pipelines(False, prefix)
+        return stream, pipelined
+
     @property
     def stream_copy_path(self) -> str | None:
         """How the pipelined driver copies streamed layers: "pinned_alias" (asynchronous, overlaps
@@ -407,10 +425,9 @@ class Engine:
                 tokens = np.zeros((b, call.bucket), np.int32)
                 for i, p in enumerate(prompts):
                     tokens[i, : call.valid[i]] = p[call.start: call.start + call.valid[i]]
-                stream = self.streams(call.tokens)
                 kv = kv_manager.step_options(call) if request is not None else None
                 pfx = prefix if call.with_prefix else ()
-                pipelined = self.pipelines(stream, pfx)
+                stream, pipelined = self.call_drivers(call.tokens, pfx)
                 out = self._step(tokens, np.full(b, call.start, np.int32), np.asarray(call.valid, np.int32), cache,
                                  self._options(all_logits, stream, kv), pfx, pipelined)
                 cache = out.cache
@@ -555,9 +572,8 @@ class Engine:
         for call in calls:
             kv = kv_manager.step_options(call) if request is not None else None
             prefix = kv_manager.prefix_spec(self, request) if request is not None and call.with_prefix else ()
-            stream = self.streams(call.tokens)
-            shapes.add(((batch, call.bucket), self._options(stream=stream, kv=kv), prefix,
-                        self.pipelines(stream, prefix)))
+            stream, pipelined = self.call_drivers(call.tokens, prefix)
+            shapes.add(((batch, call.bucket), self._options(stream=stream, kv=kv), prefix, pipelined))
         for shape, opts, prefix, pipelined in shapes:
             args = self._args(np.zeros(shape, np.int32), np.zeros(batch, np.int32), np.ones(batch, np.int32), cache,
                               prefix)

@@ -73,7 +73,8 @@ flags.DEFINE_string("logits_npy", None, "Write float32 [steps, vocab] logits of 
 flags.DEFINE_string("trace_routing", None, "Write routed expert ids per step and layer (.npz).")
 flags.DEFINE_boolean("progress", True, "Show a progress bar while loading.")
 flags.DEFINE_enum("prefill", "auto", list(PREFILL_MODES),
-                  "Prefill expert loading: stream whole layers through two E-slot buffers (needs 2E slots), "
+                  "Prefill expert loading: stream whole layers through two full-layer buffers (on the scan "
+                  "driver: 2E borrowed slots; on the pipelined driver: two buffers of its own), "
                   "only the routed experts through the cache, or auto (stream when it fits and pays).")
 flags.DEFINE_integer("prefill_chunk", 8192, "Prompts longer than this many tokens are prefilled in chunks.")
 flags.DEFINE_enum("prefill_driver", "auto", list(PREFILL_DRIVERS),
@@ -302,14 +303,15 @@ def _plan(model, batch: int, max_seq_len: int, prompts: list[list[int]]):
             return "resident", None
         # Demo default: a cache of 2E slots, smaller than the pool, so the mechanism shows.
         slots = min(2 * cfg.num_experts, cfg.num_layers * cfg.num_experts)
-        plan = plan_memory(cfg, itemsize, slots=slots, batch=batch, max_seq_len=max_seq_len, expert_bytes=eb)
+        plan = plan_memory(cfg, itemsize, slots=slots, batch=batch, max_seq_len=max_seq_len, expert_bytes=eb,
+                           pipelined=_pipelined_streams(cfg))
     elif FLAGS.expert_slots is not None:
         if mode == "resident":
             print(f"note: --experts=resident keeps all {cfg.num_layers * cfg.num_experts} experts on the device; "
                   f"--expert_slots={FLAGS.expert_slots} ignored")
             return "resident", None
         plan = plan_memory(cfg, itemsize, slots=FLAGS.expert_slots, batch=batch, max_seq_len=max_seq_len,
-                           expert_bytes=eb)
+                           expert_bytes=eb, pipelined=_pipelined_streams(cfg))
     else:
         base = _engine_config("cached", min(2 * cfg.num_experts, cfg.num_layers * cfg.num_experts), max_seq_len)
         config, plan = plan_engine(model, int(FLAGS.vram_budget_gb * GB), prompts, base, mode=mode)
@@ -317,6 +319,11 @@ def _plan(model, batch: int, max_seq_len: int, prompts: list[list[int]]):
     if mode == "auto":
         mode = "resident" if plan.fits_resident else "cached"
     return mode, plan
+
+
+def _pipelined_streams(cfg) -> bool:
+    """Whether streamed prefill will run on the pipelined driver (its two buffers are then planned)."""
+    return EngineConfig(prefill_driver=FLAGS.prefill_driver).pipelines_streams(cfg) and FLAGS.prefill != "on_demand"
 
 
 def _engine_config(mode: str, slots: int | None, max_seq_len: int) -> EngineConfig:

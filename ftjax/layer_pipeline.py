@@ -118,13 +118,15 @@ class _LayerPieces:
     """Per-layer pieces of host arrays whose leading axis is ``layers x rows``: each piece is
     either a zero-copy pinned JAX alias (the fast path on a GPU) or a numpy view."""
 
-    def __init__(self, arrays: Sequence[jax.Array], rows: int, layers: int, eager: bool):
-        self.arrays = tuple(arrays)  # keeps the viewed arrays alive
-        self.dtypes = tuple(a.dtype for a in self.arrays)
-        self.views = [host_view(a) for a in self.arrays]
+    def __init__(self, arrays: Sequence[jax.Array], rows: int, layers: int, eager: bool, keep: bool = True):
+        # keep: hold the viewed arrays alive (the banks' source); False: the owner keeps them (a cache
+        # entry that must die with its chunk)
+        self.arrays = tuple(arrays) if keep else ()
+        self.dtypes = tuple(a.dtype for a in arrays)
+        self.views = [host_view(a) for a in arrays]
         self.rows, self.layers = rows, layers
         self._alias: dict[tuple[int, int], jax.Array | None] = {}
-        self.path = "numpy_view"
+        self.path: str | None = None
         if eager:
             for l in range(layers):
                 self.pieces(l)
@@ -134,10 +136,9 @@ class _LayerPieces:
         if key not in self._alias:
             self._alias[key] = pinned_alias(self.views[i][l * self.rows:(l + 1) * self.rows])
         alias = self._alias[key]
-        if alias is not None:
-            self.path = "pinned_alias"
-            return alias
-        return self.views[i][l * self.rows:(l + 1) * self.rows]
+        paths = {self.path, "pinned_alias" if alias is not None else "numpy_view"} - {None}
+        self.path = paths.pop() if len(paths) == 1 else "mixed"
+        return alias if alias is not None else self.views[i][l * self.rows:(l + 1) * self.rows]
 
     def pieces(self, l: int) -> list:
         return [self._piece(i, l) for i in range(len(self.views))]
@@ -160,7 +161,8 @@ class ExpertLayerSource:
 
     @property
     def path(self) -> str:
-        """"pinned_alias" (async copies that overlap compute) or "numpy_view" (copies that wait)."""
+        """"pinned_alias" (async copies that overlap compute), "numpy_view" (copies that wait), or
+        "mixed" (some layers fell back to numpy views)."""
         return self._pieces.path
 
     def spec(self) -> tuple:
@@ -175,21 +177,22 @@ class ExpertLayerSource:
             return self._pieces.put(layer)
 
 
-_CHUNK_PIECES: dict[int, _LayerPieces] = {}
+_CHUNK_PIECES: dict[int, tuple[weakref.ref, _LayerPieces]] = {}
 
 
 def _chunk_pieces(chunk: jax.Array) -> _LayerPieces:
     """The per-layer pieces of one stored KV chunk, made once per chunk (making a pinned alias costs
     ~0.4 ms; a 16k-token prefix has 62 chunks x 48 layers of them) and dropped with the chunk."""
     key = id(chunk)
-    pieces = _CHUNK_PIECES.get(key)
-    if pieces is None or pieces.arrays[0] is not chunk:
-        pieces = _LayerPieces([chunk], 1, chunk.shape[0], eager=False)
-        _CHUNK_PIECES[key] = pieces
-        try:
-            weakref.finalize(chunk, _CHUNK_PIECES.pop, key, None)
-        except TypeError:  # not weak-referenceable: keep no cache entry (it would outlive the chunk)
-            del _CHUNK_PIECES[key]
+    entry = _CHUNK_PIECES.get(key)
+    if entry is not None and entry[0]() is chunk:
+        return entry[1]
+    pieces = _LayerPieces([chunk], 1, chunk.shape[0], eager=False, keep=False)  # the entry must not keep it
+    try:
+        _CHUNK_PIECES[key] = (weakref.ref(chunk), pieces)
+        weakref.finalize(chunk, _CHUNK_PIECES.pop, key, None)
+    except TypeError:  # not weak-referenceable: no cache entry
+        _CHUNK_PIECES.pop(key, None)
     return pieces
 
 
@@ -295,9 +298,17 @@ def precompile(compiled: Callable, params, banks, state, cache: model_lib.KVCach
     slices = tuple(jax.ShapeDtypeStruct((1,) + tuple(c.shape[1:]), _UINT[np.dtype(c.dtype).itemsize] if alias
                                         else c.dtype, sharding=memory.device_sharding()) for c in prefix_spec)
     layer = jax.ShapeDtypeStruct((), jnp.int32, sharding=memory.device_sharding())
-    compiled(layer_program, (params, banks, state, h, cache.k, cache.v, inputs, layer, buffer, slices), cfg=cfg,
-             opts=opts)
+    args = (params, banks, state, h, cache.k, cache.v, inputs, layer, buffer, slices)
+    compiled(layer_program, args, cfg=cfg, opts=opts)
     compiled(head_program, (params, h, valid_len), cfg=cfg, all_logits=all_logits)
+    # what run() does after the layers, and the layer-index scalars, made here, outside any timing
+    out = jax.tree.map(_device_spec, jax.eval_shape(functools.partial(layer_program, cfg=cfg, opts=opts), *args))
+    stats, kv_out = out[4], out[5]
+    compiled(_stack, ([stats] * cfg.num_layers,))
+    if kv_out is not None:
+        compiled(_stack, ([kv_out] * cfg.num_layers,))
+    for l in range(cfg.num_layers):
+        _layer_index(l)
 
 
 def run(compiled: Callable, params, banks, state, cache: model_lib.KVCache, tokens: jax.Array, start: jax.Array,
@@ -308,8 +319,8 @@ def run(compiled: Callable, params, banks, state, cache: model_lib.KVCache, toke
     compiled(fn, args, **static): returns ``fn`` compiled for these arguments (the engine's compile
     cache, so compile time stays out of timings). experts: the banks' per-layer views when the call
     streams (``step.stream``); prefix: the reused prefix's per-layer views or None. overlap: issue
-    layer l+1's copies after dispatching layer l (False: each layer's copies before its own program,
-    the serial ablation). The KV cache and ``state`` are consumed (donated).
+    layer l+1's copies before dispatching layer l, so they run while layer l computes (False: each
+    layer's copies just before its own program, the serial ablation). The KV cache and ``state`` are consumed (donated).
     Returns a ``model.ForwardOut`` (stats stacked over layers; kv_out: the new chunks, each
     [L, 2, C, Hkv, hd], in host memory when ``step.kv.store_to_host``).
     """
@@ -321,7 +332,7 @@ def run(compiled: Callable, params, banks, state, cache: model_lib.KVCache, toke
         return (experts.put(l) if experts is not None else (), prefix.put(l) if prefix is not None else ())
 
     stats, kv_outs = [], []
-    nxt = copies(0)
+    nxt = copies(0) if overlap else None
     for l in range(cfg.num_layers):
         cur = nxt if overlap else copies(l)
         if overlap and l + 1 < cfg.num_layers:
@@ -337,7 +348,7 @@ def run(compiled: Callable, params, banks, state, cache: model_lib.KVCache, toke
     logits = compiled(head_program, (params, h, valid_len), cfg=cfg, all_logits=all_logits)(params, h, valid_len)
     kv_out = None
     if step.kv is not None and step.kv.store_chunks:
-        kv_out = _stack(kv_outs)
+        kv_out = compiled(_stack, (kv_outs,))(kv_outs)
         if step.kv.store_to_host:
             kv_out = jax.device_put(kv_out, memory.host_sharding())
-    return model_lib.ForwardOut(logits, model_lib.KVCache(ck, cv), state, _stack(stats), kv_out)
+    return model_lib.ForwardOut(logits, model_lib.KVCache(ck, cv), state, compiled(_stack, (stats,))(stats), kv_out)

@@ -137,3 +137,59 @@ def test_hybrid_family_stays_on_its_block_scan():
     assert not eng.pipelines(True) and not eng.config.pipelines_streams(model.cfg)
     eng.prefill([exp["long_prompt_ids"].tolist()[:40]], eng.new_cache(1))
     assert eng.prefill_driver_calls == {"scan": 1, "pipelined": 0}
+
+
+def test_load_all_first_prefix_with_fewer_than_2e_slots_loads_on_demand():
+    """A reused prefix already on the device runs on the scan, which borrows 2E slots to stream: with
+    only E slots the call loads its experts on demand instead (and prefill='stream' is refused)."""
+    model, exp = load_fixture("qwen3_moe_fp32")
+    cfg = model.cfg
+    prompt = exp["long_prompt_ids"].tolist()[:98]
+    entry = cfg.num_layers * 2 * C * cfg.num_kv_heads * cfg.head_dim * 4
+    logits = {}
+    for mode, slots, prefill in [("resident", None, "auto"), ("cached", cfg.num_experts, "auto")]:
+        mgr = PrefixCache(HostKVStore(100 * entry), KVOffloadConfig(chunk_tokens=C, load="all_first"))
+        eng = Engine(model, EngineConfig(mode, num_slots=slots, max_seq_len=S, prefill=prefill,
+                                         prefill_driver="pipelined"))
+        eng.generate([prompt[:64]], 1, kv_manager=mgr)
+        res = eng.generate([prompt], 3, keep_logits=True, kv_manager=mgr)
+        assert res.kv["reused_tokens"] == 64
+        logits[mode] = res.step_logits
+    np.testing.assert_array_equal(logits["cached"], logits["resident"])
+    eng = Engine(model, EngineConfig("cached", num_slots=cfg.num_experts, max_seq_len=S, prefill="stream",
+                                     prefill_driver="pipelined"))
+    with pytest.raises(ValueError, match="borrows 2E"):
+        eng.call_drivers(64, (memory.to_device(jnp.zeros((2, 2))),))
+
+
+def test_serial_ablation_copies_each_layer_once_and_timed_prefill_compiles_nothing(monkeypatch):
+    model, exp = load_fixture("qwen3_moe_fp32")
+    prompt = exp["long_prompt_ids"].tolist()[:100]
+    e = model.cfg.num_experts
+    for overlap in (True, False):
+        eng = Engine(model, EngineConfig("cached", num_slots=2 * e, max_seq_len=S, prefill="stream",
+                                         prefill_overlap=overlap, prefill_driver="pipelined"))
+        cache = eng.new_cache(1)
+        eng.prepare_prefill([prompt], cache)
+        copied = []
+        src = eng._expert_source()
+        real_put = type(src).put
+        monkeypatch.setattr(type(src), "put", lambda self, l: copied.append(l) or real_put(self, l))
+        before = eng.compile_s
+        eng.prefill([prompt], cache)
+        assert eng.compile_s == before  # every program of the call, _stack included, compiled ahead
+        assert copied == list(range(model.cfg.num_layers)), (overlap, copied)
+        monkeypatch.undo()
+
+
+def test_prefix_chunk_pieces_die_with_their_chunk():
+    import gc
+    from ftjax import layer_pipeline
+    chunk = jax.device_put(jnp.ones((4, 2, C, 2, 8)), memory.host_sharding())
+    src = layer_pipeline.PrefixLayerSource([chunk, chunk])
+    np.testing.assert_array_equal(np.asarray(src.put(3)[0]), np.ones((1, 2, C, 2, 8)))
+    key = id(chunk)
+    assert key in layer_pipeline._CHUNK_PIECES
+    del src, chunk
+    gc.collect()
+    assert key not in layer_pipeline._CHUNK_PIECES

@@ -269,7 +269,7 @@ def test_plan_for_a_budget_that_fits_everything_is_resident_even_with_prefill_st
     assert config.experts == "resident" and config.prefill == "auto" and plan.fits_resident
     assert plan.workspace_temp_bytes is not None and plan.planned_bytes <= 10**10
     budget = plan.planned_bytes - plan.all_slots_bytes + 10 * plan.expert_bytes  # 10 slots: E < 10 < 2E
-    with pytest.raises(ValueError, match="prefill=stream needs at least 2E=16 slots"):
+    with pytest.raises(ValueError, match="prefill=stream on the layer scan needs at least 2E=16 slots"):
         plan_engine(model, budget, [exp["short_prompt_ids"].tolist()], base)
     small, plan2 = plan_engine(model, budget, [exp["short_prompt_ids"].tolist()],
                                dataclasses.replace(base, prefill="auto"))

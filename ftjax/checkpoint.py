@@ -322,15 +322,23 @@ def load_checkpoint(ckpt_dir: str, dtype: str | None = None, progress: bool = Tr
     if not cfg.tie_word_embeddings:
         params["lm_head"] = get("lm_head.weight", (cfg.vocab_size, D), True)
     bar.close()
-    params = jax.tree.map(memory.to_device, params)
     if stored:
         banks = ExpertBanks(memory.to_host(gate_up), memory.to_host(down), (memory.to_host(sg), memory.to_host(sd)),
                             stored)
     else:
         banks = ExpertBanks(memory.to_host(gate_up), memory.to_host(down))
-        del gate_up, down
-        if expert_dtype is not None:
-            banks = quant.quantize_banks(banks, expert_dtype)
+    del gate_up, down  # the numpy copies go before any quantization allocates more host memory
+    return _loaded_model(cfg, params, banks, dtype, ckpt_dir, expert_dtype)
+
+
+def _loaded_model(cfg: ModelConfig, params: dict, banks: ExpertBanks, dtype: str, ckpt_dir: str,
+                  expert_dtype: str | None) -> "LoadedModel":
+    """The end of every loader: params moved to the device, dense host banks quantized to
+    ``expert_dtype`` when one is asked (banks stored quantized are kept as they are), the tokenizer
+    and EOS ids of ``ckpt_dir``."""
+    params = jax.tree.map(memory.to_device, params)
+    if expert_dtype is not None and banks.fmt == "dense":
+        banks = quant.quantize_banks(banks, expert_dtype)
     return LoadedModel(cfg, params, banks, dtype, load_tokenizer(ckpt_dir), name=ckpt_dir,
                        eos_token_ids=eos_token_ids(ckpt_dir))
 
@@ -408,13 +416,9 @@ def _load_hybrid(cfg: ModelConfig, idx: _TensorIndex, ckpt_dir: str, dtype: str,
     if not cfg.tie_word_embeddings:
         params["lm_head"] = mat("lm_head.weight", (D, cfg.vocab_size))
     bar.close()
-    params = jax.tree.map(memory.to_device, params)
     banks = ExpertBanks(memory.to_host(gate_up), memory.to_host(down))
     del gate_up, down
-    if expert_dtype is not None:
-        banks = quant.quantize_banks(banks, expert_dtype)
-    return LoadedModel(cfg, params, banks, dtype, load_tokenizer(ckpt_dir), name=ckpt_dir,
-                       eos_token_ids=eos_token_ids(ckpt_dir))
+    return _loaded_model(cfg, params, banks, dtype, ckpt_dir, expert_dtype)
 
 
 def _read_layer_experts(cfg: ModelConfig, idx: _TensorIndex, prefix: str, layer: int, gate_up: np.ndarray,

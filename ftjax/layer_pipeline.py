@@ -122,9 +122,8 @@ class _LayerPieces:
         # keep: hold the viewed arrays alive (the banks' source); False: the owner keeps them (a cache
         # entry that must die with its chunk)
         self.arrays = tuple(arrays) if keep else ()
-        self.dtypes = tuple(a.dtype for a in arrays)
         self.views = [host_view(a) for a in arrays]
-        self.rows, self.layers = rows, layers
+        self.rows = rows
         self._alias: dict[tuple[int, int], jax.Array | None] = {}
         self.path: str | None = None
         if eager:
@@ -132,13 +131,13 @@ class _LayerPieces:
                 self.pieces(l)
 
     def _piece(self, i: int, l: int):
-        key = (i, l)
-        if key not in self._alias:
-            self._alias[key] = pinned_alias(self.views[i][l * self.rows:(l + 1) * self.rows])
-        alias = self._alias[key]
+        view = self.views[i][l * self.rows:(l + 1) * self.rows]
+        if (i, l) not in self._alias:
+            self._alias[i, l] = pinned_alias(view)
+        alias = self._alias[i, l]
         paths = {self.path, "pinned_alias" if alias is not None else "numpy_view"} - {None}
         self.path = paths.pop() if len(paths) == 1 else "mixed"
-        return alias if alias is not None else self.views[i][l * self.rows:(l + 1) * self.rows]
+        return alias if alias is not None else view
 
     def pieces(self, l: int) -> list:
         return [self._piece(i, l) for i in range(len(self.views))]
@@ -156,7 +155,6 @@ class ExpertLayerSource:
         layers = banks.gate_up.shape[0] // num_experts
         self.num_experts = num_experts
         self._pieces = _LayerPieces(arrays, num_experts, layers, eager=True)
-        self.dtypes = self._pieces.dtypes
         self.layer_bytes = sum(v[:num_experts].nbytes for v in self._pieces.views)
 
     @property
@@ -202,9 +200,8 @@ class PrefixLayerSource:
     (n arrays ``[2, C, Hkv, hd]``), written into the cache by the KV hook (``variant`` "xs")."""
 
     def __init__(self, chunks: Sequence[jax.Array]):
-        self.chunks = tuple(chunks)
+        self.chunks = tuple(chunks)  # keeps the viewed chunks alive: the cached pieces do not
         self._pieces = [_chunk_pieces(c) for c in self.chunks]  # padding repeats the last chunk: same pieces
-        self.layer_bytes = sum(int(np.prod(c.shape[1:])) * np.dtype(c.dtype).itemsize for c in self.chunks)
 
     def put(self, layer: int) -> tuple:
         with jax.named_scope("kv_prefix_load"):

@@ -114,6 +114,11 @@ _keep_rows = jax.jit(lambda mask, new, old: jnp.where(mask[:, None], new, old))
 # shapes/dtypes/memory kinds.
 _COMPILED: dict[tuple, Any] = {}
 
+#: Whether ``prefill_driver="auto"`` runs a call that loads a reused prefix from host memory on the
+#: layer-pipelined driver on a GPU (layer l+1's KV chunks copied while layer l computes; measured:
+#: docs/OVERLAP.md, "The layerwise KV load").
+PIPELINE_PREFIX = True
+
 
 def compiled_programs(fn_name: str | None = None):
     """Yields (step name, static options dict, argument signatures, compiled executable) of every
@@ -309,13 +314,20 @@ class Engine:
         are 62 pieces of 512 KB per layer at 16k tokens, and issuing them from Python (~0.3 ms
         each) costs more than the 31 ms load it would hide (docs/OVERLAP.md). A prefix already on
         the device (the load-all-first ablation) always runs on the scan."""
-        driver = self.config.prefill_driver
         if self.cfg.is_hybrid:  # its block scan is the only driver (refused with "pipelined" by the config)
             return False
         on_host = bool(prefix) and memory.memory_kind(prefix[0]) in ("pinned_host", "unpinned_host")
-        if driver == "scan" or (prefix and not on_host):
+        return not (prefix and not on_host) and self._driver_pipelines(stream, on_host)
+
+    def _driver_pipelines(self, stream: bool, host_prefix: bool) -> bool:
+        driver = self.config.prefill_driver
+        if self.cfg.is_hybrid or driver == "scan":
             return False
-        return driver == "pipelined" or (memory.backend() == "gpu" and stream)
+        return driver == "pipelined" or (memory.backend() == "gpu" and (stream or (host_prefix and PIPELINE_PREFIX)))
+
+    def pipelines_prefix(self) -> bool:
+        """Whether a call that loads a reused prefix from host memory runs on the pipelined driver."""
+        return self._driver_pipelines(False, True)
 
     def _expert_source(self):
         if self._expert_views is None:
@@ -447,7 +459,10 @@ class Engine:
                     logits = _keep_rows(ends, out.logits, logits)
         finally:
             if request is not None:
-                kv_manager.finish(request, kv_outs if len(kv_outs) == len(calls) else None)
+                # on the pipelined driver the new chunks' per-layer aliases are made as they are stored,
+                # not inside the TTFT of a later request that reuses them
+                kv_manager.finish(request, kv_outs if len(kv_outs) == len(calls) else None,
+                                  prepare=layer_pipeline.warm_prefix_chunks if self.pipelines_prefix() else None)
         if all_logits:
             logits = jnp.concatenate(pieces, axis=1)
         return logits, cache, lengths, stats

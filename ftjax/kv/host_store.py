@@ -354,6 +354,19 @@ class HostKVStore:
             self._c["bytes_loaded"] += sum(entry_nbytes(a) for a in out)
             return out
 
+    def peek(self, keys: Iterable[bytes]) -> list[Any]:
+        """The stored entries of ``keys`` (in order), without counting them as loaded or changing
+        their recency (for preparing entries, not for reuse: use :meth:`get`).
+
+        Raises:
+          KeyError: a key is not stored.
+        """
+        with self._lock:
+            try:
+                return [self._entries[k] for k in keys]
+            except KeyError as e:
+                raise KeyError(f"KV chunk {bytes(e.args[0]).hex()[:16]}... not in store") from None
+
     def record_loaded(self, nbytes: int) -> None:
         """Add ``nbytes`` to ``bytes_loaded`` (for loads done outside :meth:`get`)."""
         with self._lock:

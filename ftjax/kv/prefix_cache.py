@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import numpy as np
@@ -56,7 +56,8 @@ class PrefixRequest:
 
     Times in seconds, sizes in bytes. ``prefix_chunks`` is the padded count passed to the step
     (>= ``len(hit)``); ``load_s`` is the host-to-device copy time of the ``all_first`` ablation
-    (0 for the layerwise loads, whose copies are inside the step).
+    (0 for the layerwise loads, whose copies are inside the step); ``prepare_s`` the time
+    :meth:`PrefixCache.finish` spent preparing the stored chunks for later loads.
     """
 
     prompt: list[int]
@@ -68,6 +69,7 @@ class PrefixRequest:
     load: str
     lookup_s: float = 0.0
     load_s: float = 0.0
+    prepare_s: float = 0.0
     bytes_loaded: int = 0
     bytes_padding: int = 0
     chunks_stored: int = 0
@@ -79,8 +81,9 @@ class PrefixRequest:
         return {"prompt_tokens": len(self.prompt), "full_chunks": len(self.keys), "hit_chunks": len(self.hit),
                 "reused_tokens": self.reused_tokens, "prefix_chunks_passed": self.prefix_chunks,
                 "prefill_calls": len(self.calls), "load": self.load, "lookup_s": self.lookup_s,
-                "load_s": self.load_s, "bytes_loaded": self.bytes_loaded, "bytes_padding": self.bytes_padding,
-                "chunks_stored": self.chunks_stored, "chunks_skipped": self.chunks_skipped}
+                "load_s": self.load_s, "prepare_s": self.prepare_s, "bytes_loaded": self.bytes_loaded,
+                "bytes_padding": self.bytes_padding, "chunks_stored": self.chunks_stored,
+                "chunks_skipped": self.chunks_skipped}
 
 
 class PrefixCache:
@@ -218,17 +221,21 @@ class PrefixCache:
             req.load_s = time.perf_counter() - t0
         return tuple(prefix)
 
-    def finish(self, req: PrefixRequest, kv_outs: Sequence | None) -> None:
+    def finish(self, req: PrefixRequest, kv_outs: Sequence | None,
+               prepare: Callable[[list], float] | None = None) -> None:
         """Ends the request: stores its new full chunks (``kv_outs``: the KV-hook outputs of each
         call, in call order; None when the prefill failed: nothing is stored) and unpins the hit
         chunks. Storing is best effort and never raises for the store. A second call is a no-op
-        (the hit chunks were unpinned by the first)."""
+        (the hit chunks were unpinned by the first). prepare: called with the stored entries' KV
+        arrays (e.g. ``layer_pipeline.warm_prefix_chunks``), returning seconds (``prepare_s``)."""
         if req.finished:
             return
         req.finished = True
         try:
             if kv_outs is not None:
-                self._store_new(req, kv_outs)
+                stored = self._store_new(req, kv_outs)
+                if prepare is not None and stored:
+                    req.prepare_s = prepare(stored)
                 self.requests.append(req.record())
         finally:
             self.store.unpin(req.hit)
@@ -239,8 +246,9 @@ class PrefixCache:
         shape, dtype = _shape_dtype(self._entry_spec(engine))
         return self.store.entry_shape in (None, shape) and self.store.entry_dtype in (None, dtype)
 
-    def _store_new(self, req: PrefixRequest, kv_outs: Sequence) -> None:
-        """Best-effort insert of the new full chunks, last first."""
+    def _store_new(self, req: PrefixRequest, kv_outs: Sequence) -> list:
+        """Best-effort insert of the new full chunks, last first. Returns the KV arrays of the
+        entries now held for them (a hybrid entry's KV part)."""
         items = []
         for call, out in zip(req.calls, kv_outs):
             for j in range(call.store_chunks):
@@ -248,18 +256,19 @@ class PrefixCache:
                 if ci < len(req.keys) and (j + 1) * self.chunk_tokens <= call.valid[0]:
                     items.append((req.keys[ci], out[j]))
         if not items:
-            return
+            return []
         shape, dtype = _shape_dtype(items[0][1])
         if self.store.entry_shape not in (None, shape) or self.store.entry_dtype not in (None, dtype):
             self.store_errors += len(items)
             req.chunks_skipped += len(items)
-            return
+            return []
         before = self.store.stats
-        for key, kv in reversed(items):
-            self.store.put(key, kv, copy=self.config.store_route != "scan")
+        stored = [key for key, kv in reversed(items) if self.store.put(key, kv, copy=self.config.store_route != "scan")]
         after = self.store.stats
         req.chunks_stored = after.chunks_stored - before.chunks_stored
         req.chunks_skipped = after.stores_skipped - before.stores_skipped
+        entries = self.store.peek([k for k in stored if k in self.store])
+        return [e[0] if isinstance(e, tuple) else e for e in entries]
 
     # ---- metrics ----------------------------------------------------------------------------
     def metrics(self) -> dict:

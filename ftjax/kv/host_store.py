@@ -354,6 +354,13 @@ class HostKVStore:
             self._c["bytes_loaded"] += sum(entry_nbytes(a) for a in out)
             return out
 
+    def peek(self, key: bytes) -> Any:
+        """The entry stored under ``key`` (its array, or its ``(kv, *states)`` tuple), or None when
+        it is not stored.  Unlike :meth:`get`, changes neither recency nor any counter: for
+        inspecting entries (their layout and bytes) without counting a load."""
+        with self._lock:
+            return self._entries.get(bytes(key))
+
     def record_loaded(self, nbytes: int) -> None:
         """Add ``nbytes`` to ``bytes_loaded`` (for loads done outside :meth:`get`)."""
         with self._lock:

@@ -1,9 +1,13 @@
 r"""TTFT with layerwise KV prefix reuse vs load-all-first vs full recompute (DESIGN.md 1.4).
 
   PYTHONPATH=. python3 experiments/bench_kv_reuse.py --out_dir=$OUT               # GPU (H200)
+  PYTHONPATH=. python3 experiments/bench_kv_reuse.py --preset=qwen3.5-35b-a3b --out_dir=$OUT   # hybrid
   .venv/bin/python experiments/bench_kv_reuse.py --preset=tiny --dtype=float32 \
       --prefix_tokens=192 --suffix_tokens=64 --chunk_tokens=32 --prefill_chunk=128 \
       --expert_slots=32 --kv_host_gb=0.1 --h2d_mb=16 --out_dir=/tmp/kvb             # CPU smoke
+  .venv/bin/python experiments/bench_kv_reuse.py --preset=tiny-hybrid --dtype=float32 \
+      --prefix_tokens=192 --suffix_tokens=64 --chunk_tokens=64 --prefill_chunk=128 \
+      --expert_slots=32 --kv_host_gb=0.1 --h2d_mb=16 --noprobe --out_dir=/tmp/kvb    # CPU smoke, hybrid
 
 Scenario (the issue's): preset qwen3-30b-a3b with random weights, bf16. An earlier request of
 ``prefix_tokens`` (15,872 = 62 chunks of 256) is prefilled and its chunks stored in host memory
@@ -15,17 +19,44 @@ TTFT (prefill + first greedy token; compilation excluded; lookup included) is me
 * ``prefetch``: layerwise reuse, layer l+1's prefix KV copied inside the scan while layer l
   computes (``ftjax.kv.layerwise``, variant "prefetch"); only the suffix is computed.
 * ``xs``: layerwise reuse with the chunk arrays as scan xs (the JAX docs' streaming pattern).
+* ``pipelined``: layerwise reuse on the layer-pipelined driver (``ftjax.layer_pipeline``: one
+  program per layer, layer l+1's prefix rows copied from Python while layer l computes), run by an
+  engine of its own with ``EngineConfig.prefill_driver="pipelined"`` (after the other loads; the
+  first engine is freed first) and the KV load "xs" (the driver hands each layer its slices).
 * ``all_first``: the ablation: every hit chunk is ``device_put`` to the device (timed:
   ``load_s``), then the suffix prefill runs with no host copies.
 
 for the expert modes ``cached`` (expert offload, slots planned from ``--vram_budget_gb``) and
-``resident`` (whole model on the device). Each reuse repetition uses a fresh random suffix (so it
-hits exactly the 62 stored chunks; its own new chunk is stored, as in serving). Derived figures:
-speedup = TTFT recompute / TTFT reuse (target >= 10); hidden = (TTFT all_first - TTFT layerwise)
-/ load_s of all_first (target >= 0.8: layerwise hides >= 80% of the load time); achieved GB/s of
-the all-first load; the in-scan copy alone (no model math, ``load_prefix_only``) and its GB/s;
-``B_P``, whole-array pinned_host -> device ``device_put`` bandwidth measured in this run; and op
-counts of the compiled reuse programs (copy-start/copy-done show asynchronous copies).
+``resident`` (whole model on the device). ``--prefill_driver`` is the engine's driver for the
+recompute and the scan loads (under "auto" a GPU runs the calls that stream experts on the
+pipelined driver; each load records its calls per driver, ``driver_calls``). Each reuse
+repetition uses a fresh random suffix (so it hits exactly the 62 stored chunks; its own new
+chunk is stored, as in serving). Before them, one untimed warm-up request per load runs the
+first recompute's prompt against a copy of the store's prefix entries (the same arrays, its own
+LRU, so nothing it stores reaches the timed store): its first greedy token must equal the
+recompute's (``first_token_equals_recompute``; the logits differ by rounding only, since the
+calls cut the sequence elsewhere: ``max_abs_logit_diff_vs_recompute``).
+
+Derived figures: speedup = TTFT recompute / TTFT reuse (target >= 10); hidden = (TTFT all_first -
+TTFT layerwise) / load_s of all_first, for each layerwise load including ``pipelined`` (target
+>= 0.8: layerwise hides >= 80% of the load time); achieved GB/s of the all-first load; the in-scan
+copy alone (no model math, ``load_prefix_only``) and its GB/s; ``B_P``, whole-array pinned_host ->
+device ``device_put`` bandwidth measured in this run; and op counts of the compiled reuse programs
+(copy-start/copy-done show asynchronous copies; for ``pipelined``, one layer's program).
+
+Chunk sizes are read from the entries the earlier request stored (``chunk_layout`` of each mode;
+top level: ``chunk_bytes`` = ``chunk_kv_bytes`` + ``chunk_state_bytes``). The hybrid family
+(``qwen3_5_moe``, e.g. ``--preset=qwen3.5-35b-a3b``; ``ftjax.hybrid``) has K/V only in its
+full-attention layers (1 in 4), and each stored chunk is ``(kv [L_att, 2, C, Hkv, hd], conv
+[G, Nl, K-1, conv_dim], rec [G, Nl, Hv, dk, dv] float32)``: the linear layers' state at the
+chunk's end (~63 MB per chunk for the 35B-A3B, beside 5 MB of K/V). A layerwise load copies the
+K/V of every hit chunk but only the last chunk's state (``layerwise_copy_bytes``); the all-first
+ablation copies whole entries. For this family the chunk must be a multiple of 64 tokens, and two
+parts are skipped with the reason in ``in_scan_copy_only`` / ``loads_skipped``: the in-scan copy
+alone (``load_prefix_only`` scans K/V layers only, not the block scan that loads the state) and
+``pipelined`` (``EngineConfig`` refuses that driver for a model that scans blocks of two layer
+kinds).
+
 Writes ONE JSON (``bench_kv_reuse_<preset>.json``), plus HLO text of the reuse programs of the
 first mode, and prints a table last. Sizes in bytes, times in seconds, GB = 1e9 bytes.
 """
@@ -50,13 +81,16 @@ import numpy as np  # noqa: E402
 
 from experiments.common import hlo_ops, measure_h2d, meta, spread, table, write_json  # noqa: E402
 from ftjax.checkpoint import DTYPES, random_model  # noqa: E402
-from ftjax.config import preset  # noqa: E402
+from ftjax.config import KV_LOADS, PREFILL_DRIVERS, EngineConfig, KVOffloadConfig, ModelConfig, preset  # noqa: E402
 from ftjax.engine import Engine, compiled_programs  # noqa: E402
-from ftjax.config import EngineConfig, KVOffloadConfig  # noqa: E402
 from ftjax.experts.planner import GB, plan_memory  # noqa: E402
+from ftjax.gated_deltanet import DELTA_CHUNK  # noqa: E402
 from ftjax.kv import prefix_cache as pc_lib  # noqa: E402
-from ftjax.kv.host_store import HostKVStore  # noqa: E402
+from ftjax.kv.host_store import HostKVStore, entry_nbytes  # noqa: E402
 from ftjax.kv.layerwise import bucket_chunks, load_prefix_only  # noqa: E402
+
+#: Loads of ``--loads``: the KV offload config's loads, and layerwise reuse on the pipelined driver.
+LOADS = KV_LOADS + ("pipelined",)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("preset", "qwen3-30b-a3b", "Model shape (random weights).")
@@ -64,12 +98,16 @@ flags.DEFINE_string("dtype", "bfloat16", "Compute, expert bank and KV dtype.")
 flags.DEFINE_float("vram_budget_gb", 8.0, "Device budget (GB) that sizes the expert cache of mode 'cached'.")
 flags.DEFINE_integer("expert_slots", None, "Slots of mode 'cached' instead of --vram_budget_gb.")
 flags.DEFINE_list("modes", ["cached", "resident"], "Expert modes (offloading first: resident needs the pool).")
-flags.DEFINE_list("loads", ["prefetch", "xs", "all_first"], "Prefix loads to compare.")
+flags.DEFINE_list("loads", ["prefetch", "xs", "all_first"], f"Prefix loads to compare, of {', '.join(LOADS)} "
+                  "(pipelined: layerwise reuse on the layer-pipelined driver, run last, by an engine of its own).")
+flags.DEFINE_enum("prefill_driver", "auto", list(PREFILL_DRIVERS), "EngineConfig.prefill_driver of the runs "
+                  "(recompute and the loads other than 'pipelined', which always runs on the pipelined driver).")
 flags.DEFINE_integer("prefix_tokens", 15872, "Tokens stored by the earlier request (a multiple of chunk_tokens).")
 flags.DEFINE_integer("suffix_tokens", 256, "New tokens after the stored prefix.")
-flags.DEFINE_integer("chunk_tokens", 256, "Tokens per stored KV chunk.")
+flags.DEFINE_integer("chunk_tokens", 256, "Tokens per stored KV chunk (hybrid family: a multiple of 64).")
 flags.DEFINE_integer("prefill_chunk", 8192, "Most tokens per prefill call (a multiple of chunk_tokens).")
-flags.DEFINE_float("kv_host_gb", 4.0, "Host KV store capacity, GB.")
+flags.DEFINE_float("kv_host_gb", None, "Host KV store capacity, GB (default: room for the prefix's chunks and "
+                   "4 more, at least 4 GB).")
 flags.DEFINE_enum("store_route", "scan", ["scan", "after"], "Where new chunks go to host memory "
                   "(falls back to 'after' if 'scan' fails to compile).")
 flags.DEFINE_integer("reps", 3, "Timed repetitions of each reuse load (after one warm-up).")
@@ -77,38 +115,79 @@ flags.DEFINE_integer("recompute_reps", 1, "Timed repetitions of the recompute (w
 flags.DEFINE_integer("h2d_mb", 512, "Size of the B_P device_put measurement, MiB.")
 flags.DEFINE_boolean("hlo", True, "Write the compiled reuse programs' HLO (first mode) and count their ops.")
 flags.DEFINE_integer("seed", 0, "Prompt seed.")
-flags.DEFINE_boolean("probe", True, "First run each variant on the tiny preset in a child process (XLA can abort "
-                     "the process on unsupported host-memory ops); drop the variants that fail.")
+flags.DEFINE_boolean("probe", True, "First run each variant on the tiny preset of the family (tiny, or "
+                     "tiny-hybrid) in a child process (XLA can abort the process on unsupported host-memory ops); "
+                     "drop the variants that fail.")
 flags.DEFINE_string("probe_only", None, "Internal: run the probe of this variant and print one JSON line.")
 flags.DEFINE_float("time_budget_s", 400.0, "Skip the modes not yet started once this many seconds have passed "
                    "(the JSON is rewritten after every mode).")
 flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
 
 
+# ---- the family's limits -----------------------------------------------------------------------
+def pipelined_refusal(cfg: ModelConfig) -> str | None:
+    """Why the layer-pipelined driver cannot run ``cfg`` (the message of ``EngineConfig.for_model``),
+    or None when it can. Asked with an offloading config, the one the config checks it for."""
+    try:
+        EngineConfig("cached", num_slots=cfg.num_experts, max_seq_len=min(512, cfg.max_position_embeddings),
+                     prefill_driver="pipelined").for_model(cfg)
+    except ValueError as e:
+        return f"EngineConfig refuses prefill_driver='pipelined' for {cfg.model_type}: {e}"
+    if cfg.is_hybrid:  # Engine.pipelines keeps a hybrid model on its block scan in every mode
+        return f"{cfg.model_type} runs on its block scan only (Engine.pipelines)"
+    return None
+
+
+SCAN_COPY_HYBRID = ("load_prefix_only copies K/V chunks [L, 2, C, Hkv, hd] through a scan over K/V layers; a "
+                    "hybrid chunk is (kv, conv, rec) whose linear state loads block by block inside the model's "
+                    "block scan, which that measurement does not model")
+
+
+def chunk_layout(entry) -> dict:
+    """Bytes and shapes of one stored chunk: its K/V array, and for a hybrid model the linear
+    states after it (``(kv, conv, rec)``). Sizes in bytes."""
+    parts = entry if isinstance(entry, tuple) else (entry,)
+    kv, states = parts[0], parts[1:]
+    return {"bytes": entry_nbytes(entry), "kv_bytes": entry_nbytes(kv), "state_bytes": entry_nbytes(states),
+            "kv_shape": list(kv.shape), "state_shapes": [list(a.shape) for a in states],
+            "dtypes": [str(a.dtype) for a in parts]}
+
+
 # ---- probes ---------------------------------------------------------------------------------
-PROBES = ("prefetch", "xs", "all_first", "store_scan")
+PROBES = ("prefetch", "xs", "all_first", "pipelined", "store_scan")
+
+
+def probe_variants(cfg: ModelConfig, loads, route: str) -> list[str]:
+    """The probes a run needs: one per requested load the family can run, and the in-scan store
+    route when it is asked for."""
+    out = [v for v in PROBES[:-1] if v in loads and not (v == "pipelined" and pipelined_refusal(cfg))]
+    return out + (["store_scan"] if route == "scan" else [])
 
 
 def probe(variant: str) -> dict:
-    """Child process: a reuse request on the tiny preset (bf16) with this variant. ``ok`` means it
-    compiled and ran; the logit difference to a full recompute (the miss path, other call shapes,
-    so not bit-equal) is recorded, not judged."""
-    model = random_model(preset("tiny"), "bfloat16")
-    load = "all_first" if variant == "store_scan" else variant
+    """Child process: a reuse request on the tiny preset of ``--preset``'s family (bf16) with this
+    variant. ``ok`` means it compiled and ran; the logit difference to a full recompute (the miss
+    path, other call shapes, so not bit-equal) is recorded, not judged."""
+    hybrid = preset(FLAGS.preset).is_hybrid
+    model = random_model(preset("tiny-hybrid" if hybrid else "tiny"), "bfloat16")
+    c, n, first_n = (64, 200, 136) if hybrid else (32, 136, 96)  # hybrid chunks sit on 64-token delta-rule chunks
+    load = {"store_scan": "all_first", "pipelined": "xs"}.get(variant, variant)
     route = "scan" if variant == "store_scan" else "after"
-    engine = Engine(model, EngineConfig("resident", max_seq_len=256))
-    mgr = pc_lib.PrefixCache(HostKVStore(10**8), KVOffloadConfig(chunk_tokens=32, load=load, store_route=route,
+    driver = "pipelined" if variant == "pipelined" else "scan"
+    engine = Engine(model, EngineConfig("resident", max_seq_len=256, prefill_driver=driver))
+    mgr = pc_lib.PrefixCache(HostKVStore(10**8), KVOffloadConfig(chunk_tokens=c, load=load, store_route=route,
                                                                  prefill_chunk=128))
     rng = np.random.default_rng(0)
-    prompt = rng.integers(0, model.cfg.vocab_size, 136).tolist()
-    first = timed_request(engine, mgr, prompt[:96])
+    prompt = rng.integers(0, model.cfg.vocab_size, n).tolist()
+    first = timed_request(engine, mgr, prompt[:first_n])
     cache = engine.new_cache(1)
     req = engine.prepare_prefill([prompt], cache, mgr)
     logits, cache, _, _ = engine.prefill([prompt], cache, kv_manager=mgr, request=req)
-    out = {"variant": variant, "ok": True, "stored": first["chunks_stored"], "reused": req.reused_tokens,
-           "finite": bool(jnp.all(jnp.isfinite(logits)))}
+    out = {"variant": variant, "ok": True, "model_type": model.cfg.model_type, "stored": first["chunks_stored"],
+           "reused": req.reused_tokens, "finite": bool(jnp.all(jnp.isfinite(logits))),
+           "driver_calls": dict(engine.prefill_driver_calls)}
     try:
-        ref_mgr = pc_lib.PrefixCache(HostKVStore(0), KVOffloadConfig(chunk_tokens=32, store_route="after",
+        ref_mgr = pc_lib.PrefixCache(HostKVStore(0), KVOffloadConfig(chunk_tokens=c, store_route="after",
                                                                      prefill_chunk=128))
         c2 = engine.new_cache(1)
         r = engine.prepare_prefill([prompt], c2, ref_mgr)
@@ -120,12 +199,13 @@ def probe(variant: str) -> dict:
     return out
 
 
-def run_probes() -> dict:
-    """Runs every probe in its own child process at once (no GPU memory preallocation)."""
+def run_probes(variants) -> dict:
+    """Runs each probe in its own child process at once (no GPU memory preallocation)."""
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONPATH=os.pathsep.join(
         [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")]))
-    procs = {v: subprocess.Popen([sys.executable, os.path.abspath(__file__), f"--probe_only={v}"], env=env,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for v in PROBES}
+    procs = {v: subprocess.Popen([sys.executable, os.path.abspath(__file__), f"--probe_only={v}",
+                                  f"--preset={FLAGS.preset}"], env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for v in variants}
     out = {}
     for v, p in procs.items():
         try:
@@ -145,20 +225,32 @@ def run_probes() -> dict:
 _greedy = jax.jit(lambda logits: jnp.argmax(logits, axis=-1))
 
 
-def timed_request(engine, mgr, prompt) -> dict:
-    """Lookup and compile (``prepare_prefill``), then the timed prefill and first greedy token."""
+def timed_request(engine, mgr, prompt, keep_logits: bool = False) -> dict:
+    """Lookup and compile (``prepare_prefill``), then the timed prefill and first greedy token.
+
+    Returns the request's record (``PrefixRequest.record``) with ``ttft_s`` (seconds, lookup
+    included), ``first_token`` (the greedy id) and, with ``keep_logits``, ``logits`` (float32
+    numpy [V], the last prompt token's)."""
     cache = engine.new_cache(1)
     req = engine.prepare_prefill([prompt], cache, mgr)
     t0 = time.perf_counter()
     logits, cache, _, _ = engine.prefill([prompt], cache, kv_manager=mgr, request=req)
-    _greedy(logits).block_until_ready()
+    tok = _greedy(logits)
+    tok.block_until_ready()
     ttft = time.perf_counter() - t0 + req.lookup_s
+    out = dict(req.record(), ttft_s=ttft, first_token=int(tok[0]))
+    if keep_logits:
+        out["logits"] = np.asarray(logits[0], np.float32)
     del cache, logits
-    return dict(req.record(), ttft_s=ttft)
+    return out
 
 
 def reuse_executables(mode: str, load: str) -> list:
-    """Compiled reuse programs (with a prefix) of this mode and load, from the engine's AOT cache."""
+    """Compiled reuse programs (with a prefix) of this mode and load, from the engine's AOT cache;
+    for ``pipelined``, its layer program that takes a prefix."""
+    if load == "pipelined":
+        return [exe for _, statics, _, exe in compiled_programs("layer_program")
+                if statics["opts"].has_prefix and statics["opts"].step.mode == mode]
     variant = "xs" if load == "all_first" else load
     kind = "device" if load == "all_first" else None
     found = []
@@ -174,7 +266,8 @@ def reuse_executables(mode: str, load: str) -> list:
 
 
 def load_only(store_sharding, cfg, dtype, n_chunks: int, max_seq_len: int, reps: int) -> dict:
-    """The in-scan prefix copy alone (no model math): ``load_prefix_only`` per variant."""
+    """The in-scan prefix copy alone (no model math): ``load_prefix_only`` per variant. K/V chunks
+    only (every layer with K/V: the families other than the hybrid one)."""
     shape = (cfg.num_layers, 2, FLAGS.chunk_tokens, cfg.num_kv_heads, cfg.head_dim)
     make = jax.jit(lambda k: jax.random.normal(k, shape, jnp.float32).astype(dtype), out_shardings=store_sharding)
     chunks = tuple(make(k) for k in jax.random.split(jax.random.key(1), n_chunks))
@@ -203,20 +296,32 @@ def load_only(store_sharding, cfg, dtype, n_chunks: int, max_seq_len: int, reps:
 
 
 # ---- one expert mode -----------------------------------------------------------------------
+def _calls_since(engine, before: dict) -> dict:
+    return {k: engine.prefill_driver_calls[k] - before.get(k, 0) for k in engine.prefill_driver_calls}
+
+
 def run_mode(model, mode: str, slots, max_seq_len: int, prefix: list[int], rng, write_hlo: bool,
-             deadline: float) -> dict:
+             deadline: float, store_bytes: int) -> dict:
+    """The earlier request, the recompute and every load of ``FLAGS.loads`` for one expert mode.
+    Returns the mode's row (see the module docstring)."""
     cfg = model.cfg
     c = FLAGS.chunk_tokens
-    engine = Engine(model, EngineConfig(mode, num_slots=slots, max_seq_len=max_seq_len))
-    store = HostKVStore(int(FLAGS.kv_host_gb * GB))
+
+    def new_engine(driver):
+        return Engine(model, EngineConfig(mode, num_slots=slots, max_seq_len=max_seq_len, prefill_driver=driver))
+
+    engine = new_engine(FLAGS.prefill_driver)
+    store = HostKVStore(store_bytes)
     route = FLAGS.store_route
-    row: dict = {"mode": mode, "slots": engine.num_slots}
+    row: dict = {"mode": mode, "slots": engine.num_slots, "prefill_driver": FLAGS.prefill_driver}
 
     chunk = FLAGS.prefill_chunk
 
     def manager(load, st=None):
+        kv_load = "xs" if load == "pipelined" else load  # the driver hands each layer its prefix slices
         return pc_lib.PrefixCache(st if st is not None else store,
-                                  KVOffloadConfig(chunk_tokens=c, load=load, store_route=route, prefill_chunk=chunk))
+                                  KVOffloadConfig(chunk_tokens=c, load=kv_load, store_route=route,
+                                                  prefill_chunk=chunk))
 
     # the earlier request: stores the prefix's chunks (also warms the long prefill program). Falls
     # back to the 'after' store route if host-memory scan outputs fail, and halves the prefill
@@ -236,52 +341,91 @@ def run_mode(model, mode: str, slots, max_seq_len: int, prefix: list[int], rng, 
                 route = "after"
             else:
                 raise
-            store = HostKVStore(int(FLAGS.kv_host_gb * GB))
+            store = HostKVStore(store_bytes)
             del engine
             gc.collect()
-            engine = Engine(model, EngineConfig(mode, num_slots=slots, max_seq_len=max_seq_len))
+            engine = new_engine(FLAGS.prefill_driver)
     row["prefill_chunk_used"] = chunk
     row["store_route"] = route
     row["store_request"] = first
-    print(f"[{mode}] earlier request: {len(prefix)} tokens, {first['chunks_stored']} chunks stored, "
-          f"TTFT {first['ttft_s']:.3f} s", flush=True)
+    # the prefix's stored entries: their real layout and bytes, and the warm-up requests' store
+    prefix_keys = manager("prefetch").keys(engine, prefix)
+    entries = [store.peek(k) for k in prefix_keys]
+    entries = entries[: next((i for i, e in enumerate(entries) if e is None), len(entries))]
+    if entries:
+        row["chunk_layout"] = dict(chunk_layout(entries[0]), bytes_expected=manager("prefetch").entry_bytes(engine))
+    print(f"[{mode}] earlier request: {len(prefix)} tokens, {first['chunks_stored']} chunks stored"
+          + (f" ({row['chunk_layout']['kv_bytes']} B K/V + {row['chunk_layout']['state_bytes']} B state each)"
+             if entries else "") + f", TTFT {first['ttft_s']:.3f} s", flush=True)
+
+    def check_store():
+        """A store holding the prefix's entries (the same host arrays, adopted, no copy) and nothing
+        else: the warm-up request's, so that the chunk it stores stays out of the timed store."""
+        st = HostKVStore(store_bytes)
+        for k, e in zip(prefix_keys, entries):
+            st.put(k, e, copy=False)
+        return st
 
     def new_prompt():
         return prefix + rng.integers(0, cfg.vocab_size, FLAGS.suffix_tokens).tolist()
 
     # full recompute: the miss path on an empty store (nothing kept)
-    rec = [timed_request(engine, manager("prefetch", HostKVStore(0)), new_prompt())
-           for _ in range(FLAGS.recompute_reps)]
-    row["recompute"] = {"ttft_s": spread([r["ttft_s"] for r in rec]), "prefill_calls": rec[0]["prefill_calls"]}
+    rec_prompts = [new_prompt() for _ in range(FLAGS.recompute_reps)]
+    before = dict(engine.prefill_driver_calls)
+    rec = [timed_request(engine, manager("prefetch", HostKVStore(0)), p, keep_logits=i == 0)
+           for i, p in enumerate(rec_prompts)]
+    ref_logits, ref_token = rec[0].pop("logits"), rec[0]["first_token"]
+    row["recompute"] = {"ttft_s": spread([r["ttft_s"] for r in rec]), "prefill_calls": rec[0]["prefill_calls"],
+                        "first_token": ref_token, "driver_calls": _calls_since(engine, before)}
     print(f"[{mode}] recompute {len(prefix) + FLAGS.suffix_tokens} tokens: TTFT "
           f"{row['recompute']['ttft_s']['median']:.3f} s", flush=True)
 
-    for load in FLAGS.loads:
+    compile_s = 0.0
+    # pipelined last: it needs an engine of its own (two resident engines would hold two expert pools)
+    for load in sorted(FLAGS.loads, key=lambda x: x == "pipelined"):
         if time.perf_counter() > deadline:
             row.setdefault("skipped_loads", []).append(load)
             continue
-        mgr = manager(load)
-        runs = [timed_request(engine, mgr, new_prompt()) for _ in range(FLAGS.reps + 1)][1:]
-        r0 = runs[0]
-        res = {"ttft_s": spread([r["ttft_s"] for r in runs]), "reused_tokens": r0["reused_tokens"],
-               "hit_chunks": r0["hit_chunks"], "prefix_chunks_passed": r0["prefix_chunks_passed"],
-               "bytes_loaded": r0["bytes_loaded"], "bytes_padding": r0["bytes_padding"],
-               "lookup_s": spread([r["lookup_s"] for r in runs])}
-        if load == "all_first":
-            res["load_s"] = spread([r["load_s"] for r in runs])
-            res["compute_s"] = spread([r["ttft_s"] - r["load_s"] for r in runs])
-            res["load_GBps"] = (r0["bytes_loaded"] + r0["bytes_padding"]) / res["load_s"]["median"] / 1e9
-        exes = reuse_executables(mode, load)
-        if exes:
-            text = exes[0].as_text()
-            res["hlo_ops"] = hlo_ops(text)
-            if write_hlo:
-                with open(os.path.join(FLAGS.out_dir, f"hlo_kv_reuse_{load}.txt"), "w") as f:
-                    f.write(text)
-        row[load] = res
-        print(f"[{mode}] {load}: TTFT {res['ttft_s']['median']:.4f} s, reused {res['reused_tokens']} tokens"
-              + (f", load {res['load_s']['median']:.4f} s ({res['load_GBps']:.1f} GB/s)" if "load_s" in res else ""),
-              flush=True)
+        try:  # a failing load (a device OOM, say) must not lose the mode's other loads
+            if load == "pipelined" and engine.config.prefill_driver != "pipelined":
+                compile_s += engine.compile_s
+                engine = None  # freed before the next one is built
+                gc.collect()
+                engine = new_engine("pipelined")
+            mgr = manager(load)
+            check = timed_request(engine, manager(load, check_store()), rec_prompts[0], keep_logits=True)  # warm-up
+            before = dict(engine.prefill_driver_calls)
+            runs = [timed_request(engine, mgr, new_prompt()) for _ in range(FLAGS.reps)]
+            r0 = runs[0]
+            res = {"ttft_s": spread([r["ttft_s"] for r in runs]), "reused_tokens": r0["reused_tokens"],
+                   "hit_chunks": r0["hit_chunks"], "prefix_chunks_passed": r0["prefix_chunks_passed"],
+                   "bytes_loaded": r0["bytes_loaded"], "bytes_padding": r0["bytes_padding"],
+                   "lookup_s": spread([r["lookup_s"] for r in runs]), "prefill_driver": engine.config.prefill_driver,
+                   "driver_calls": _calls_since(engine, before),
+                   "check_reused_tokens": check["reused_tokens"], "first_token": check["first_token"],
+                   "first_token_equals_recompute": check["first_token"] == ref_token,
+                   "max_abs_logit_diff_vs_recompute": float(np.max(np.abs(check["logits"] - ref_logits))),
+                   "max_abs_logit_recompute": float(np.max(np.abs(ref_logits)))}
+            if load == "all_first":
+                res["load_s"] = spread([r["load_s"] for r in runs])
+                res["compute_s"] = spread([r["ttft_s"] - r["load_s"] for r in runs])
+                res["load_GBps"] = (r0["bytes_loaded"] + r0["bytes_padding"]) / res["load_s"]["median"] / 1e9
+            exes = reuse_executables(mode, load)
+            if exes:
+                text = exes[0].as_text()
+                res["hlo_ops"] = hlo_ops(text)
+                if write_hlo:
+                    with open(os.path.join(FLAGS.out_dir, f"hlo_kv_reuse_{load}.txt"), "w") as f:
+                        f.write(text)
+            row[load] = res
+            print(f"[{mode}] {load}: TTFT {res['ttft_s']['median']:.4f} s, reused {res['reused_tokens']} tokens"
+                  + (f", load {res['load_s']['median']:.4f} s ({res['load_GBps']:.1f} GB/s)" if "load_s" in res else "")
+                  + f", first token {'=' if res['first_token_equals_recompute'] else '!='} recompute's", flush=True)
+        except Exception as e:  # noqa: BLE001
+            row.setdefault("load_errors", {})[load] = f"{type(e).__name__}: {e}"[:3000]
+            print(f"[{mode}] {load} failed: {row['load_errors'][load]}", flush=True)
+            if engine is None:  # the pipelined engine could not be built
+                break
 
     # derived figures
     t_rec = row["recompute"]["ttft_s"]["median"]
@@ -293,9 +437,10 @@ def run_mode(model, mode: str, slots, max_seq_len: int, prefix: list[int], rng, 
             row[load]["hidden_fraction"] = (af["ttft_s"]["median"] - t) / af["load_s"]["median"]
             row[load]["exposed_load_s"] = t - af["compute_s"]["median"]
     row["kv_store"] = store.stats_dict()
-    row["compile_s"] = engine.compile_s
+    row["compile_s"] = compile_s + (engine.compile_s if engine is not None else 0.0)
     del engine
-    store = None  # frees the host KV store before the next mode
+    entries.clear()
+    store = None  # frees the host KV store (and the entries' host arrays) before the next mode
     gc.collect()
     return row
 
@@ -305,23 +450,41 @@ def main(argv):
     if FLAGS.probe_only:
         print(json.dumps(probe(FLAGS.probe_only)), flush=True)
         return
-    probes, loads, route = None, list(FLAGS.loads), FLAGS.store_route
-    if FLAGS.probe:  # before this process touches the accelerator
-        t = time.perf_counter()
-        probes = run_probes()
-        for v, r in probes.items():
-            print(f"probe {v}: {'ok' if r['ok'] else 'FAILED'} "
-                  + (f"(max logit diff vs recompute {r.get('max_abs_logit_diff_vs_recompute')})" if r["ok"] else
-                     r["stderr_tail"][-300:]), flush=True)
-        loads = [x for x in loads if probes[x]["ok"]]
-        if route == "scan" and not probes["store_scan"]["ok"]:
-            route = "after"
-        probes["elapsed_s"] = time.perf_counter() - t
-    FLAGS.loads, FLAGS.store_route = loads, route
     cfg = preset(FLAGS.preset)
     c = FLAGS.chunk_tokens
     if FLAGS.prefix_tokens % c or FLAGS.prefix_tokens <= 0 or FLAGS.suffix_tokens < 1:
         raise app.UsageError("--prefix_tokens must be a positive multiple of --chunk_tokens; --suffix_tokens >= 1")
+    if cfg.is_hybrid and c % DELTA_CHUNK:
+        raise app.UsageError(f"--chunk_tokens must be a multiple of {DELTA_CHUNK} for {cfg.model_type} (stored "
+                             f"linear states sit on the delta rule's chunk boundaries)")
+    unknown = [x for x in FLAGS.loads if x not in LOADS]
+    if unknown:
+        raise app.UsageError(f"unknown --loads {unknown}; expected some of {', '.join(LOADS)}")
+    refusal = pipelined_refusal(cfg)
+    if FLAGS.prefill_driver == "pipelined" and refusal:
+        raise app.UsageError(f"--prefill_driver=pipelined: {refusal}")
+    loads_skipped = {}
+    if "pipelined" in FLAGS.loads and refusal:
+        loads_skipped["pipelined"] = refusal
+    loads = [x for x in FLAGS.loads if x not in loads_skipped]
+    probes, route = None, FLAGS.store_route
+    if FLAGS.probe:  # before this process touches the accelerator
+        t = time.perf_counter()
+        probes = run_probes(probe_variants(cfg, loads, route))
+        for v, r in probes.items():
+            print(f"probe {v}: {'ok' if r['ok'] else 'FAILED'} "
+                  + (f"(max logit diff vs recompute {r.get('max_abs_logit_diff_vs_recompute')})" if r["ok"] else
+                     r["stderr_tail"][-300:]), flush=True)
+        for x in loads:
+            if not probes.get(x, {"ok": True})["ok"]:
+                loads_skipped[x] = "its probe failed (see probes)"
+        loads = [x for x in loads if x not in loads_skipped]
+        if route == "scan" and not probes["store_scan"]["ok"]:
+            route = "after"
+        probes["elapsed_s"] = time.perf_counter() - t
+    for x, why in loads_skipped.items():
+        print(f"load {x} skipped: {why}", flush=True)
+    FLAGS.loads, FLAGS.store_route = loads, route
     info = meta()
     os.makedirs(FLAGS.out_dir, exist_ok=True)
     t0 = time.perf_counter()
@@ -342,28 +505,47 @@ def main(argv):
         else:
             plan = plan_memory(cfg, itemsize, budget_bytes=int(FLAGS.vram_budget_gb * GB), max_seq_len=max_seq_len)
         print(plan.describe(), flush=True)
-    entry = cfg.num_layers * 2 * c * cfg.num_kv_heads * cfg.head_dim * itemsize
+    # store capacity only: one chunk's K/V and linear state are the cache bytes of C tokens of one
+    # sequence (the JSON's chunk bytes are read from the stored entries)
+    if FLAGS.kv_host_gb is not None:
+        store_bytes = int(FLAGS.kv_host_gb * GB)
+    else:
+        store_bytes = max(int(4 * GB), (n_chunks + 4) * cfg.kv_cache_bytes(1, c, itemsize))
     rng = np.random.default_rng(FLAGS.seed)
     prefix = rng.integers(0, cfg.vocab_size, FLAGS.prefix_tokens).tolist()
 
-    scan_copy = None
-    try:
-        scan_copy = load_only(HostKVStore(0).sharding, cfg, jnp.dtype(DTYPES[FLAGS.dtype]),
-                              bucket_chunks(n_chunks), max_seq_len, FLAGS.reps)
-        print(f"in-scan copy alone ({scan_copy['bytes'] / 1e9:.3f} GB): "
-              + ", ".join(f"{v} {scan_copy[v]['s']['median'] * 1e3:.1f} ms = {scan_copy[v]['GBps']:.1f} GB/s"
-                          for v in ("prefetch", "xs")), flush=True)
-    except Exception as e:  # noqa: BLE001 -- record and go on
-        scan_copy = {"error": f"{type(e).__name__}: {e}"[:2000]}
+    if cfg.is_hybrid:
+        scan_copy = {"skipped": SCAN_COPY_HYBRID}
+    else:
+        try:
+            scan_copy = load_only(HostKVStore(0).sharding, cfg, jnp.dtype(DTYPES[FLAGS.dtype]),
+                                  bucket_chunks(n_chunks), max_seq_len, FLAGS.reps)
+            print(f"in-scan copy alone ({scan_copy['bytes'] / 1e9:.3f} GB): "
+                  + ", ".join(f"{v} {scan_copy[v]['s']['median'] * 1e3:.1f} ms = {scan_copy[v]['GBps']:.1f} GB/s"
+                              for v in ("prefetch", "xs")), flush=True)
+        except Exception as e:  # noqa: BLE001 -- record and go on
+            scan_copy = {"error": f"{type(e).__name__}: {e}"[:2000]}
 
     name = f"bench_kv_reuse_{FLAGS.preset}.json"
     path = os.path.join(FLAGS.out_dir, name)
 
+    def layout(rows):
+        return next((r["chunk_layout"] for r in rows if "chunk_layout" in r), None)
+
     def write(rows):
-        payload = {"meta": info, "script": "experiments/bench_kv_reuse.py",
-                   "model_build_s": build_s, "B_P": bp, "max_seq_len": max_seq_len,
-                   "chunk_bytes": entry, "prefix_chunks": n_chunks, "prefix_bytes": n_chunks * entry,
+        lay = layout(rows)
+        sizes = {"chunk_bytes": None, "chunk_kv_bytes": None, "chunk_state_bytes": None, "prefix_bytes": None,
+                 "prefix_kv_bytes": None, "prefix_state_bytes": None, "layerwise_copy_bytes": None}
+        if lay:
+            sizes = {"chunk_bytes": lay["bytes"], "chunk_kv_bytes": lay["kv_bytes"],
+                     "chunk_state_bytes": lay["state_bytes"], "prefix_bytes": n_chunks * lay["bytes"],
+                     "prefix_kv_bytes": n_chunks * lay["kv_bytes"], "prefix_state_bytes": n_chunks * lay["state_bytes"],
+                     "layerwise_copy_bytes": n_chunks * lay["kv_bytes"] + lay["state_bytes"]}
+        payload = {"meta": info, "script": "experiments/bench_kv_reuse.py", "model_type": cfg.model_type,
+                   "model_build_s": build_s, "B_P": bp, "max_seq_len": max_seq_len, "kv_store_capacity": store_bytes,
+                   **sizes, "prefix_chunks": n_chunks,
                    "memory_plan": plan.as_dict() if plan else None, "in_scan_copy_only": scan_copy,
+                   "loads_skipped": loads_skipped,
                    "targets": {"speedup_vs_recompute": ">= 10", "hidden_fraction": ">= 0.8"}, "probes": probes,
                    "elapsed_s": time.perf_counter() - t0, "results": rows}
         write_json(FLAGS.out_dir, name, payload)
@@ -375,7 +557,8 @@ def main(argv):
             continue
         try:
             row = run_mode(model, mode, plan.slots if mode != "resident" else None, max_seq_len, prefix, rng,
-                           write_hlo=FLAGS.hlo and i == 0, deadline=t0 + FLAGS.time_budget_s)
+                           write_hlo=FLAGS.hlo and i == 0, deadline=t0 + FLAGS.time_budget_s,
+                           store_bytes=store_bytes)
         except Exception as e:  # noqa: BLE001 -- one failing mode must not lose the others
             row = {"mode": mode, "error": f"{type(e).__name__}: {e}"[:3000]}
             print(f"[{mode}] failed: {row['error']}", flush=True)
@@ -397,16 +580,24 @@ def main(argv):
                          "MB_loaded": x["bytes_loaded"] / 1e6,
                          "load_ms": x["load_s"]["median"] * 1e3 if "load_s" in x else None,
                          "load_GBps": x.get("load_GBps"), "hidden": x.get("hidden_fraction"),
-                         "exposed_ms": x["exposed_load_s"] * 1e3 if "exposed_load_s" in x else None})
+                         "exposed_ms": x["exposed_load_s"] * 1e3 if "exposed_load_s" in x else None,
+                         "tok_eq": x["first_token_equals_recompute"]})
+    lay = layout(rows)
     print(f"B_P (whole-array device_put, {FLAGS.h2d_mb} MiB) = {bp['h2d_GBps']['median']:.1f} GB/s; "
-          f"prefix {n_chunks} chunks = {n_chunks * entry / 1e9:.3f} GB")
-    if scan_copy and "error" not in scan_copy:
+          + (f"prefix {n_chunks} chunks = {n_chunks * lay['bytes'] / 1e9:.3f} GB "
+             f"(K/V {n_chunks * lay['kv_bytes'] / 1e9:.3f} GB, state {n_chunks * lay['state_bytes'] / 1e9:.3f} GB)"
+             if lay else f"prefix {n_chunks} chunks (none stored)"))
+    if scan_copy and "error" not in scan_copy and "skipped" not in scan_copy:
         print(f"in-scan copy alone ({scan_copy['chunks']} chunks, {scan_copy['bytes'] / 1e9:.3f} GB): "
               + ", ".join(f"{v} {scan_copy[v]['s']['median'] * 1e3:.1f} ms = {scan_copy[v]['GBps']:.1f} GB/s"
                           for v in ("prefetch", "xs")))
+    elif scan_copy and "skipped" in scan_copy:
+        print(f"in-scan copy alone: skipped ({scan_copy['skipped']})")
+    for x, why in loads_skipped.items():
+        print(f"load {x} skipped: {why}")
     print("wrote", path)
     print(table(flat, ["mode", "load", "ttft_ms", "speedup", "reused", "MB_loaded", "load_ms", "load_GBps",
-                       "hidden", "exposed_ms"]))
+                       "hidden", "exposed_ms", "tok_eq"]))
 
 
 if __name__ == "__main__":

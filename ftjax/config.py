@@ -397,6 +397,16 @@ PRESETS: dict[str, ModelConfig] = {
         num_kv_heads=2, head_dim=32, num_experts=16, top_k=4, expert_ffn=128, norm_topk_prob=True,
         qk_norm="per_head", rms_norm_eps=1e-6, rope_theta=1e4, tie_word_embeddings=False,
         max_position_embeddings=2048, dtype="float32"),
+    # The hybrid family at demo size: one block of 3 Gated DeltaNet layers + 1 gated attention
+    # layer (CPU smoke runs of prefix reuse, whose chunks must be multiples of 64 tokens).
+    "tiny-hybrid": ModelConfig(
+        model_type="qwen3_5_moe", vocab_size=512, hidden_size=128, num_layers=4, num_heads=4,
+        num_kv_heads=2, head_dim=32, num_experts=16, top_k=4, expert_ffn=128, norm_topk_prob=True,
+        qk_norm="per_head", rms_norm_eps=1e-6, rope_theta=1e4, tie_word_embeddings=False,
+        max_position_embeddings=2048, dtype="float32",
+        layer_types=("linear_attention",) * 3 + ("full_attention",), partial_rotary_factor=0.25,
+        attn_output_gate=True, norm_offset=True, shared_expert_ffn=128, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel=4),
 }
 
 

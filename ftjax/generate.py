@@ -44,7 +44,7 @@ flags.DEFINE_string("checkpoint", None, "HF checkpoint directory (config.json + 
                     "Absent: the trained demo model ftjax/assets/stdlib_moe if present, else random "
                     "weights at preset 'tiny'.")
 flags.DEFINE_string("preset", None, "Random weights at a preset's real shape instead of a checkpoint "
-                    "(qwen3-30b-a3b, olmoe-1b-7b, mixtral-8x7b, qwen3.5-35b-a3b, tiny).")
+                    "(qwen3-30b-a3b, olmoe-1b-7b, mixtral-8x7b, qwen3.5-35b-a3b, tiny, tiny-hybrid).")
 flags.DEFINE_string("prompt", None, "Prompt text (needs tokenizer.json in the checkpoint).")
 flags.DEFINE_list("prompt_ids", None, "Prompt token ids, comma separated.")
 flags.DEFINE_integer("prompt_len", None, "With --preset: a random prompt of this many tokens.")

@@ -97,6 +97,9 @@ def test_presets_sizes():
     q = preset("qwen3-30b-a3b")
     assert abs(q.expert_bytes(2) / 1e6 - 9.44) < 0.01  # DESIGN.md section 4
     assert abs(q.pool_bytes(2) / 1e9 - 58.0) < 0.1
+    h = preset("tiny-hybrid")  # one block: 3 Gated DeltaNet layers, 1 gated attention layer
+    assert h.is_hybrid and (h.num_blocks, h.num_attention_layers, h.num_linear_layers) == (1, 1, 3)
+    assert h.dtype == "float32" and h.rotary_dim == 8
     with pytest.raises(ConfigError, match="unknown preset"):
         preset("nope")
 

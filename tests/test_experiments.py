@@ -85,13 +85,51 @@ def test_bench_prefill_smoke(tmp_path):
 def test_bench_kv_reuse_smoke(tmp_path):
     d = _run("bench_kv_reuse", tmp_path, "--preset=tiny", "--dtype=float32", "--prefix_tokens=192",
              "--suffix_tokens=64", "--chunk_tokens=32", "--prefill_chunk=128", "--expert_slots=32",
-             "--kv_host_gb=0.1", "--h2d_mb=16")
+             "--kv_host_gb=0.1", "--h2d_mb=16", "--loads=prefetch,xs,all_first,pipelined")
     assert _meta(d)["device"] and _meta(d)["jax"]
+    assert d["loads_skipped"] == {} and d["probes"]["pipelined"]["ok"]
+    assert d["chunk_bytes"] == d["chunk_kv_bytes"] == 4 * 2 * 32 * 2 * 32 * 4 and d["chunk_state_bytes"] == 0
     for r in d["results"]:
+        assert "error" not in r, r
         assert r["store_request"]["chunks_stored"] == 192 // 32
-        for load in ("prefetch", "all_first"):
+        for load in ("prefetch", "xs", "all_first", "pipelined"):
             assert r[load]["reused_tokens"] == 192 and r[load]["hit_chunks"] == 192 // 32
-            assert r[load]["bytes_loaded"] > 0
+            assert r[load]["bytes_loaded"] == 6 * d["chunk_bytes"]
+            assert r[load]["first_token_equals_recompute"] and r[load]["check_reused_tokens"] == 192
+        # the layer-pipelined driver ran the pipelined load's calls (one per request), the scan the others'
+        assert r["pipelined"]["driver_calls"] == {"scan": 0, "pipelined": 3}
+        assert r["prefetch"]["driver_calls"] == {"scan": 3, "pipelined": 0}
+        assert isinstance(r["pipelined"]["hidden_fraction"], float) and r["pipelined"]["speedup_vs_recompute"] > 0
+
+
+def test_bench_kv_reuse_hybrid_smoke(tmp_path):
+    """The hybrid family: K/V in 1 layer of 4 and the linear layers' state in every stored chunk;
+    the in-scan copy alone and the pipelined driver are skipped with their reasons."""
+    from ftjax.config import preset
+    cfg = preset("tiny-hybrid")
+    d = _run("bench_kv_reuse", tmp_path, "--preset=tiny-hybrid", "--dtype=float32", "--prefix_tokens=192",
+             "--suffix_tokens=64", "--chunk_tokens=64", "--prefill_chunk=128", "--expert_slots=32",
+             "--kv_host_gb=0.1", "--h2d_mb=16", "--noprobe", "--modes=cached", "--reps=2",
+             "--loads=prefetch,all_first,pipelined")
+    _meta(d)
+    assert d["model_type"] == "qwen3_5_moe" and "layer kind" in d["loads_skipped"]["pipelined"]
+    assert "block scan" in d["in_scan_copy_only"]["skipped"]
+    kv = cfg.num_attention_layers * 2 * 64 * cfg.num_kv_heads * cfg.head_dim * 4  # one full-attention layer
+    state = cfg.linear_state_bytes(1, 4)
+    assert (d["chunk_kv_bytes"], d["chunk_state_bytes"], d["chunk_bytes"]) == (kv, state, kv + state) == (
+        32768, 58368, 91136)
+    assert d["prefix_bytes"] == 3 * (kv + state) and d["layerwise_copy_bytes"] == 3 * kv + state
+    (r,) = d["results"]
+    assert "error" not in r and "pipelined" not in r, r
+    assert r["chunk_layout"]["bytes_expected"] == kv + state and r["chunk_layout"]["kv_shape"] == [1, 2, 64, 2, 32]
+    assert r["store_request"]["chunks_stored"] == 3 and r["recompute"]["prefill_calls"] == 2
+    for load in ("prefetch", "all_first"):
+        x = r[load]
+        assert x["reused_tokens"] == 192 and x["hit_chunks"] == 3 and x["bytes_loaded"] == 3 * (kv + state)
+        assert x["first_token_equals_recompute"] and x["first_token"] == r["recompute"]["first_token"]
+        assert x["max_abs_logit_diff_vs_recompute"] < 1e-4 * x["max_abs_logit_recompute"]
+        assert x["speedup_vs_recompute"] > 0
+    assert isinstance(r["prefetch"]["hidden_fraction"], float) and r["all_first"]["load_s"]["median"] > 0
 
 
 def test_bench_miss_policy_smoke(tmp_path):

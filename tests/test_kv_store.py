@@ -140,6 +140,16 @@ class TestHostStore:
         y.delete()
         np.testing.assert_array_equal(np.asarray(store2.get([k(0)])[0]).shape, SHAPE)
 
+    def test_peek_reads_an_entry_without_counting_or_touching(self):
+        store = HostKVStore(10 * ENTRY)
+        keys = [k(0), k(1)]
+        for i, key in enumerate(keys):
+            store.put(key, kv(i))
+        before = store.stats
+        np.testing.assert_array_equal(np.asarray(store.peek(k(0))), kv(0))
+        assert store.peek(k(9)) is None
+        assert store.stats == before and store.keys_lru() == keys  # no load counted, LRU order kept
+
     def test_host_sharding_fallback(self):
         assert host_sharding("pinned_host").memory_kind in HOST_KINDS
         default = jax.devices()[0].default_memory().kind

@@ -354,18 +354,12 @@ class HostKVStore:
             self._c["bytes_loaded"] += sum(entry_nbytes(a) for a in out)
             return out
 
-    def peek(self, keys: Iterable[bytes]) -> list[Any]:
-        """The stored entries of ``keys`` (in order), without counting them as loaded or changing
-        their recency (for preparing entries, not for reuse: use :meth:`get`).
-
-        Raises:
-          KeyError: a key is not stored.
-        """
+    def peek(self, key: bytes) -> Any:
+        """The entry stored under ``key`` (its array, or its ``(kv, *states)`` tuple), or None when
+        it is not stored.  Unlike :meth:`get`, changes neither recency nor any counter: for
+        inspecting entries (their layout and bytes) without counting a load."""
         with self._lock:
-            try:
-                return [self._entries[k] for k in keys]
-            except KeyError as e:
-                raise KeyError(f"KV chunk {bytes(e.args[0]).hex()[:16]}... not in store") from None
+            return self._entries.get(bytes(key))
 
     def record_loaded(self, nbytes: int) -> None:
         """Add ``nbytes`` to ``bytes_loaded`` (for loads done outside :meth:`get`)."""

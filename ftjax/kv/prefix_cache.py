@@ -267,7 +267,7 @@ class PrefixCache:
         after = self.store.stats
         req.chunks_stored = after.chunks_stored - before.chunks_stored
         req.chunks_skipped = after.stores_skipped - before.stores_skipped
-        entries = self.store.peek([k for k in stored if k in self.store])
+        entries = [e for e in (self.store.peek(k) for k in stored) if e is not None]
         return [e[0] if isinstance(e, tuple) else e for e in entries]
 
     # ---- metrics ----------------------------------------------------------------------------

@@ -193,3 +193,29 @@ def test_prefix_chunk_pieces_die_with_their_chunk():
     del src, chunk
     gc.collect()
     assert key not in layer_pipeline._CHUNK_PIECES
+
+
+def test_stored_chunks_get_their_layer_pieces_when_prefix_loads_pipeline():
+    """With prefix loads on the pipelined driver, the chunks a request stores get every layer's piece
+    made as they are stored (timed as prepare_s), so a later reuse makes none inside its TTFT; on
+    the scan nothing is prepared."""
+    from ftjax import layer_pipeline
+    model, exp = load_fixture("qwen3_moe_fp32")
+    prompt = exp["long_prompt_ids"].tolist()[:70]
+    cfg = model.cfg
+    entry = cfg.num_layers * 2 * C * cfg.num_kv_heads * cfg.head_dim * 4
+    for driver in ("pipelined", "scan"):
+        mgr = PrefixCache(HostKVStore(100 * entry), KVOffloadConfig(chunk_tokens=C))
+        eng = Engine(model, EngineConfig("resident", max_seq_len=S, prefill_driver=driver))
+        assert eng.pipelines_prefix() == (driver == "pipelined")
+        eng.generate([prompt], 1, kv_manager=mgr)
+        stored = [mgr.store.peek(k) for k in mgr.keys(eng, prompt)]
+        assert len(stored) == 4 and all(a is not None for a in stored)
+        entries = [layer_pipeline._CHUNK_PIECES.get(id(a)) for a in stored]
+        if driver == "pipelined":
+            assert mgr.requests[-1]["prepare_s"] > 0
+            for a, entry_ in zip(stored, entries):
+                assert entry_ is not None and entry_[0]() is a
+                assert sorted(entry_[1]._alias) == [(0, l) for l in range(cfg.num_layers)]
+        else:
+            assert mgr.requests[-1]["prepare_s"] == 0 and entries == [None] * 4

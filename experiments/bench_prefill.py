@@ -5,10 +5,15 @@ r"""Prefill with expert offload: full-layer streaming (overlap on/off) vs on_dem
       --prefill_chunk=128 --vram_budget_gb=1.02 --out_dir=/tmp/bench_smoke       # CPU smoke
 
 Per prompt length and variant: TTFT (prefill + first token, median of --repeats, each from an
-empty expert cache), tokens/s, seconds per --prefill_chunk chunk, H2D bytes and achieved GB/s, and
+empty expert cache, or for the stream_warm variants from the cache a short request leaves), tokens/s,
+seconds per --prefill_chunk chunk, H2D bytes and achieved GB/s, device-to-device bytes (cached experts
+copied into streamed layers: stream_d2d_hits), and
   bound = all expert bytes / B_P  per chunk  (DESIGN.md 1.3),
 with B_P measured in the same run. Also times the grouped expert matmul (Mosaic GPU kernel vs
 jax.lax.ragged_dot) on one layer's 8192-token routing, and counts async-copy ops in the HLO.
+
+  PYTHONPATH=. python3 experiments/bench_prefill.py --vram_budget_gb=24 --lengths=8192 \
+      --variants=stream_warm,stream_warm_no_d2d,resident     # D2D copies of cache hits on / off
 """
 
 from __future__ import annotations
@@ -35,11 +40,19 @@ from ftjax.config import EngineConfig  # noqa: E402
 from ftjax.experts.planner import GB, plan_memory  # noqa: E402
 from ftjax.kernels.grouped_matmul import grouped_matmul, mgpu_supported  # noqa: E402
 
-# variant: (experts mode, prefill, overlap, prefill driver); "auto" is the layer-pipelined driver on a GPU
-VARIANTS = {"stream": ("cached", "stream", True, "auto"), "stream_no_overlap": ("cached", "stream", False, "auto"),
-            "stream_scan": ("cached", "stream", True, "scan"),
-            "stream_scan_no_overlap": ("cached", "stream", False, "scan"),
-            "on_demand": ("cached", "on_demand", True, "auto"), "resident": ("resident", "auto", True, "auto")}
+# variant: (experts mode, prefill, overlap, prefill driver, stream_d2d_hits, warm); "auto" is the layer-pipelined
+# driver on a GPU. warm: before each timed prefill, a short request (loaded on demand, then --warm_decode_tokens
+# decode steps) fills the slot cache, as earlier requests would; the stream_warm pair compares copying those cached
+# experts device to device (the default) with copying every expert over PCIe. Cold variants start from an empty
+# cache, so they have nothing to copy device to device.
+VARIANTS = {"stream": ("cached", "stream", True, "auto", True, False),
+            "stream_no_overlap": ("cached", "stream", False, "auto", True, False),
+            "stream_scan": ("cached", "stream", True, "scan", True, False),
+            "stream_scan_no_overlap": ("cached", "stream", False, "scan", True, False),
+            "stream_warm": ("cached", "auto", True, "pipelined", True, True),
+            "stream_warm_no_d2d": ("cached", "auto", True, "pipelined", False, True),
+            "on_demand": ("cached", "on_demand", True, "auto", True, False),
+            "resident": ("resident", "auto", True, "auto", True, False)}
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("preset", "qwen3-30b-a3b", "Model shape (random weights).")
@@ -50,6 +63,8 @@ flags.DEFINE_list("variants", ["stream", "stream_no_overlap", "stream_scan", "re
                   f"What to compare: {', '.join(VARIANTS)}.")
 flags.DEFINE_integer("prefill_chunk", 8192, "Prefill chunk in tokens.")
 flags.DEFINE_integer("repeats", 2, "Timed prefills per (length, variant).")
+flags.DEFINE_integer("warm_decode_tokens", 32, "stream_warm variants: decode steps of the request that fills the slot "
+                     "cache before each timed prefill.")
 flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
 
 
@@ -127,20 +142,28 @@ def main(argv):
             print(plan.describe(), flush=True)
         prompt = rng.integers(0, cfg.vocab_size, n).tolist()
         for variant in sorted(FLAGS.variants, key=lambda v: v == "resident"):
-            mode, prefill, overlap, driver = VARIANTS[variant]
+            mode, prefill, overlap, driver, d2d, warm = VARIANTS[variant]
             print(f"-- {variant} at {n} tokens", flush=True)
             try:
                 config = EngineConfig(mode, num_slots=1, max_seq_len=max_seq_len, prefill=prefill,
-                                      prefill_chunk=FLAGS.prefill_chunk, prefill_overlap=overlap, prefill_driver=driver)
+                                      prefill_chunk=FLAGS.prefill_chunk, prefill_overlap=overlap, prefill_driver=driver,
+                                      stream_d2d_hits=d2d)
                 plan = plan_of[config.pipelines_streams(cfg)]
                 eng = Engine(model, dataclasses.replace(config, num_slots=plan.slots))
-                ttfts = []
+                # fewer (token, expert) pairs than E: the warm-up request loads its experts on demand
+                warm_prompt = prompt[: max(1, (cfg.num_experts - 1) // cfg.top_k)]
+                ttfts, cached = [], 0
                 for _ in range(FLAGS.repeats):
-                    eng.reset_expert_cache()  # every timed prefill starts cold, from the same state
-                    before = eng.expert_cache_metrics()["prefill"]["bytes_h2d"]
+                    eng.reset_expert_cache()  # every timed prefill starts from the same state
+                    if warm:
+                        eng.generate([warm_prompt], FLAGS.warm_decode_tokens)
+                        cached = sum(eng.resident_experts_per_layer())
+                    before = eng.expert_cache_metrics()["prefill"]
                     res = eng.generate([prompt], 1, keep_logits=n == lengths[0])
                     ttfts.append(res.ttft_s)
-                    moved = eng.expert_cache_metrics()["prefill"]["bytes_h2d"] - before
+                    after = eng.expert_cache_metrics()["prefill"]
+                    moved = after["bytes_h2d"] - before["bytes_h2d"]
+                    d2d_bytes, d2d_copies = (after[k] - before[k] for k in ("bytes_d2d", "d2d_copies"))
                 if n == lengths[0]:
                     first_logits[variant] = res.step_logits[0, 0]
                 chunks = -(-n // FLAGS.prefill_chunk)
@@ -149,6 +172,9 @@ def main(argv):
                        "tokens_per_s": n / ttft, "chunks": chunks, "s_per_chunk": ttft / chunks,
                        "streamed": eng.streams(min(n, FLAGS.prefill_chunk)), "h2d_bytes": moved,
                        "achieved_h2d_GBps": moved / ttft / 1e9, "compile_s": eng.compile_s,
+                       "stream_d2d_hits": d2d, "warm_decode_tokens": FLAGS.warm_decode_tokens if warm else 0,
+                       "cached_experts_before": cached, "d2d_bytes": d2d_bytes, "d2d_copies": d2d_copies,
+                       "h2d_bound_s": moved / (bp_gbps * 1e9),
                        "driver_calls": dict(eng.prefill_driver_calls),
                        "copy_path": eng.stream_copy_path,
                        "workspace_bytes": eng.workspace_bytes(), "planned_bytes": plan.planned_bytes,
@@ -183,6 +209,11 @@ def main(argv):
                         and "ttft_s" in x), None)
             if off:
                 r["overlap_speedup"] = off["ttft_s"]["median"] / r["ttft_s"]["median"]
+        if r.get("variant") == "stream_warm" and "ttft_s" in r:
+            off = next((x for x in rows if x.get("variant") == "stream_warm_no_d2d" and x.get("tokens") == r["tokens"]
+                        and "ttft_s" in x), None)
+            if off:
+                r["d2d_speedup"] = off["ttft_s"]["median"] / r["ttft_s"]["median"]
         if r.get("variant") == "stream_scan" and "ttft_s" in r:
             off = next((x for x in rows if x.get("variant") == "stream_scan_no_overlap"
                         and x.get("tokens") == r["tokens"] and "ttft_s" in x), None)
@@ -195,7 +226,7 @@ def main(argv):
     path = common.write_json(FLAGS.out_dir, f"bench_prefill_{FLAGS.preset}.json", payload)
     flat = [dict(r, ttft=r["ttft_s"]["median"] if "ttft_s" in r else None) for r in rows]
     print(common.table(flat, ["variant", "tokens", "slots", "ttft", "s_per_chunk", "achieved_h2d_GBps",
-                              "ratio_to_bound", "overlap_speedup", "workspace_bytes"]))
+                              "ratio_to_bound", "overlap_speedup", "d2d_bytes", "d2d_speedup", "workspace_bytes"]))
     print("wrote", path)
 
 

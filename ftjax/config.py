@@ -438,6 +438,11 @@ def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
         raise ValueError(f"unknown {name} {value!r}; expected one of {', '.join(choices)}")
 
 
+def _boolean(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
 def _at_least(name: str, value: int, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -459,6 +464,9 @@ class EngineConfig:
       prefill_chunk: prompts longer than this many tokens are prefilled in chunks.
       prefill_overlap: copy layer l+1's experts while layer l computes (False: the ablation).
       prefill_driver: one of :data:`PREFILL_DRIVERS`.
+      stream_d2d_hits: a streamed call on the pipelined driver copies the experts of a layer that
+        sit in the slot cache device to device into the layer's buffer, and only the others over
+        PCIe (same bytes, same logits; docs/OVERLAP.md). False: every expert over PCIe.
       cache_policy: slot eviction policy (``ftjax.experts.slot_table.POLICIES``).
       matmul_precision: one of :data:`MATMUL_PRECISIONS`.
     Raises:
@@ -473,6 +481,7 @@ class EngineConfig:
     prefill_chunk: int = 8192
     prefill_overlap: bool = True
     prefill_driver: str = "auto"
+    stream_d2d_hits: bool = True
     cache_policy: str = "lru"
     matmul_precision: str = "auto"
 
@@ -486,6 +495,7 @@ class EngineConfig:
         _choice("matmul precision", self.matmul_precision, MATMUL_PRECISIONS)
         for name in ("max_seq_len", "batch", "prefill_chunk"):
             _at_least(name, getattr(self, name), 1)
+        _boolean("stream_d2d_hits", self.stream_d2d_hits)
         if self.num_slots is not None:
             _at_least("num_slots", self.num_slots, 1)
         if self.experts != "resident" and self.num_slots is None:

@@ -365,7 +365,12 @@ class Engine:
             jnp.asarray(start, jnp.int32), jnp.asarray(valid_len, jnp.int32), cfg=self.cfg, step=opts,
             all_logits=opts.all_logits, experts=self._expert_source() if opts.stream else None,
             prefix=layer_pipeline.PrefixLayerSource(prefix) if prefix else None,
-            overlap=self.config.prefill_overlap)
+            overlap=self.config.prefill_overlap, d2d=self._d2d(opts))
+
+    def _d2d(self, opts: StepOptions) -> bool:
+        """Whether a pipelined call copies its streamed layers' cached experts device to device
+        (``EngineConfig.stream_d2d_hits``; needs a slot table: not resident mode)."""
+        return opts.stream and self.config.stream_d2d_hits and self.state.table is not None
 
     def new_cache(self, batch: int) -> model_lib.KVCache:
         return model_lib.init_kv_cache(self.cfg, batch, self.max_seq_len, self.dtype)
@@ -598,7 +603,8 @@ class Engine:
             m = self.model
             layer_pipeline.precompile(self.compiled, m.params, m.banks, self.state, cache, *args[4:7], cfg=self.cfg,
                                       step=opts, all_logits=opts.all_logits,
-                                      experts=self._expert_source() if opts.stream else None, prefix_spec=prefix)
+                                      experts=self._expert_source() if opts.stream else None, prefix_spec=prefix,
+                                      d2d=self._d2d(opts))
 
     def _warm_sampling(self, batch: int, temperature: float, top_p: float) -> None:
         """Compiles the sampler and the key split outside the timed region. The dummy logits are

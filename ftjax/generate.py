@@ -82,6 +82,9 @@ flags.DEFINE_enum("prefill_driver", "auto", list(PREFILL_DRIVERS),
                   "layer's host copies issued from Python (auto: pipelined for streamed calls on a GPU).")
 flags.DEFINE_boolean("prefill_overlap", True, "Copy layer l+1's experts while layer l computes; "
                      "--noprefill_overlap (alias --no_prefill_overlap) is the serial ablation.")
+flags.DEFINE_boolean("stream_d2d_hits", True, "A streamed prefill layer on the pipelined driver copies its experts "
+                     "that sit in the slot cache device to device and only the others over PCIe (same logits); "
+                     "--nostream_d2d_hits copies every expert over PCIe.")
 flags.DEFINE_string("prompts_file", None, "JSON lines, each {\"prompt_ids\": [...]} or {\"prompt\": \"...\"}: "
                     "requests run in order in this process (batch 1).")
 flags.DEFINE_boolean("kv_offload", False, "Keep full chunks of prompt KV in host memory and reuse a stored "
@@ -335,7 +338,7 @@ def _engine_config(mode: str, slots: int | None, max_seq_len: int) -> EngineConf
         prefill = "auto"
     return EngineConfig(mode, num_slots=slots, max_seq_len=max_seq_len, batch=FLAGS.batch, prefill=prefill,
                         prefill_chunk=FLAGS.prefill_chunk, prefill_overlap=FLAGS.prefill_overlap,
-                        prefill_driver=FLAGS.prefill_driver,
+                        prefill_driver=FLAGS.prefill_driver, stream_d2d_hits=FLAGS.stream_d2d_hits,
                         cache_policy=FLAGS.cache_policy, matmul_precision=FLAGS.matmul_precision)
 
 
@@ -458,7 +461,9 @@ def run() -> dict:
           f"decode {res.decode_tokens_per_s:.2f} tokens/s | compile {res.compile_s:.1f} s (excluded)")
     print(f"expert cache: {ec['slots']} slots, hit rate {ec['hit_rate']:.3f} "
           f"(decode {ec['decode']['hit_rate']:.3f}), {ec['misses']} misses, "
-          f"{ec['bytes_h2d'] / 1e6:.1f} MB host-to-device")
+          f"{ec['bytes_h2d'] / 1e6:.1f} MB host-to-device"
+          + (f", {ec['bytes_d2d'] / 1e6:.1f} MB device-to-device ({ec['d2d_copies']} cached experts into streamed "
+             f"layers)" if ec["d2d_copies"] else ""))
     if miss is not None:
         print(f"misses: {ec['fetched']} fetched, {ec['cpu_computed']} computed on the CPU "
               f"({ec['miss_policy']}, split {ec['split']['rule']})")

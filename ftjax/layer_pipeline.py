@@ -23,7 +23,9 @@ layer l reads and the one being filled for l+1.
 
 The KV cache and the expert state are donated to each layer program, so they are updated in place
 exactly as in the scan. Streamed layers compute from their buffer directly
-(``offload.make_layer_buffer_expert_fn``): no slot of the pool is borrowed and nothing is gathered.
+(``offload.make_layer_buffer_expert_fn``): no slot of the pool is borrowed and the slot cache is left
+as it was. With ``EngineConfig.stream_d2d_hits`` a layer's experts that sit in the slot cache are
+gathered into its buffer device to device and only the others cross PCIe (:class:`ExpertCopies`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import dataclasses
 import functools
 import time
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -147,22 +149,78 @@ class _LayerPieces:
         return tuple(jax.device_put(self.pieces(l), memory.device_sharding()))
 
 
+def miss_blocks(slots: np.ndarray) -> list[tuple[int, int]]:
+    """The experts of one layer that are not in the slot cache, as aligned power-of-two blocks.
+
+    slots: int [E], the slot of each of the layer's experts, -1 where it is not resident (a row of
+    the slot table's ``slot_of``). Returns (offset, size) pairs in ascending offset that cover
+    exactly the experts with slot -1: each maximal run of them is cut into blocks whose size is a
+    power of two dividing their offset (nodes of a segment tree over [0, E)). So a layer has at
+    most 2E - 1 distinct blocks whatever the pattern (their pinned aliases are made once and
+    cached), a run of n experts is at most 2 log2(n) blocks, and one program per block size places
+    them (:func:`place_block`).
+    """
+    miss = np.asarray(slots) < 0
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], miss.astype(np.int8), [0]))))
+    blocks = []
+    for start, stop in zip(edges[0::2].tolist(), edges[1::2].tolist()):
+        while start < stop:
+            size = 1 << ((stop - start).bit_length() - 1)  # the largest power of two that fits ...
+            if start:
+                size = min(size, start & -start)  # ... and divides the offset
+            blocks.append((start, size))
+            start += size
+    return blocks
+
+
 class ExpertLayerSource:
     """Per-layer pieces of the routed-expert banks: :meth:`put` copies layer l's E experts (weights
-    and scales) to the device as whole contiguous slices. banks: ``ExpertBanks`` [L*E, ...]."""
+    and scales) to the device as whole contiguous slices; :meth:`put_blocks` copies blocks of
+    experts of one layer (the ones missing from the slot cache, :func:`miss_blocks`). banks:
+    ``ExpertBanks`` [L*E, ...]."""
 
     def __init__(self, banks: ExpertBanks, num_experts: int):
         arrays = (banks.gate_up, banks.down) + tuple(banks.scales or ())
         layers = banks.gate_up.shape[0] // num_experts
         self.num_experts = num_experts
+        self.num_layers = layers
         self._pieces = _LayerPieces(arrays, num_experts, layers, eager=True)
         self.layer_bytes = sum(v[:num_experts].nbytes for v in self._pieces.views)
+        # (layer, offset, size) -> that block's host piece of every array, made on first use (a pinned
+        # alias costs ~0.1-0.4 ms to make; at most 2E - 1 blocks per layer, see miss_blocks)
+        self._blocks: dict[tuple[int, int, int], list] = {}
+        self._block_paths: set[str] = set()
 
     @property
     def path(self) -> str:
         """"pinned_alias" (async copies that overlap compute), "numpy_view" (copies that wait), or
-        "mixed" (some layers fell back to numpy views)."""
-        return self._pieces.path
+        "mixed" (some layers or blocks fell back to numpy views)."""
+        paths = ({self._pieces.path} | self._block_paths) - {None}
+        return paths.pop() if len(paths) == 1 else "mixed"
+
+    def block_pieces(self, layer: int, offset: int, size: int) -> list:
+        """Host pieces of experts [offset, offset + size) of ``layer`` (rows ``layer*E + offset`` on)
+        of every bank array, weights then scales: pinned aliases on a GPU (unsigned integers of
+        the same width, see :func:`pinned_alias`), else numpy views. Made once per block."""
+        key = (layer, offset, size)
+        pieces = self._blocks.get(key)
+        if pieces is None:
+            lo = layer * self.num_experts + offset
+            views = [v[lo:lo + size] for v in self._pieces.views]
+            aliases = [pinned_alias(v) for v in views]
+            pieces = [v if a is None else a for a, v in zip(aliases, views)]
+            self._block_paths.update("numpy_view" if a is None else "pinned_alias" for a in aliases)
+            self._blocks[key] = pieces
+        return pieces
+
+    def put_blocks(self, layer: int, blocks: Sequence[tuple[int, int]]) -> list[tuple]:
+        """Copies ``blocks`` ((offset, size) of :func:`miss_blocks`) of ``layer`` to the device in
+        one ``device_put``: per block, (gate_up [size, D, 2F], down [size, F, D], *scales)."""
+        flat = [p for off, size in blocks for p in self.block_pieces(layer, off, size)]
+        with jax.named_scope("stream_prefetch"):
+            out = jax.device_put(flat, memory.device_sharding())
+        n = len(self._pieces.views)
+        return [tuple(out[i * n:(i + 1) * n]) for i in range(len(blocks))]
 
     def spec(self) -> tuple:
         """Shapes of :meth:`put`'s outputs (for compiling ahead)."""
@@ -174,6 +232,135 @@ class ExpertLayerSource:
         unsigned integers of the same width: see :func:`pinned_alias`)."""
         with jax.named_scope("stream_prefetch"):
             return self._pieces.put(layer)
+
+
+@functools.partial(jax.jit, static_argnames=("num_experts", "dtypes"))
+def gather_resident(pools, slot_of, layer, *, num_experts: int, dtypes: tuple[str, ...]):
+    """A new full-layer buffer whose rows of resident experts are gathered from the slot pools:
+    the device-to-device part of a streamed layer with hits (``EngineConfig.stream_d2d_hits``).
+
+    pools: the expert state's (gate_up [S, D, 2F], down [S, F, D], *scales [S, ...]); slot_of:
+    int32 [L*E], the slot table's; layer: int32 []; dtypes: the buffer's dtype names, one per pool
+    (those of :meth:`ExpertLayerSource.spec`: the banks' or, on a GPU, unsigned integers of the
+    same width). Returns one [E, ...] array per pool: row e is the pool row
+    ``slot_of[layer*E + e]`` (bitcast, bit for bit), where that is >= 0; the other rows hold pool
+    row 0 until :func:`place_block` writes the PCIe copies over them. All E rows are gathered (one
+    program for every pattern; ~2.4 GB of HBM traffic per qwen3-30b-a3b layer, on the compute
+    stream, whose streamed layers wait for PCIe).
+    """
+    slots = jax.lax.dynamic_slice(slot_of, (layer * num_experts,), (num_experts,))
+    rows = jnp.maximum(slots, 0)
+    return _as_dtypes([p[rows] for p in pools], [jnp.dtype(d) for d in dtypes])
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def place_block(buffer, block, offset):
+    """``buffer`` (a full-layer buffer, donated: updated in place) with rows [offset, offset + n)
+    replaced by ``block``, n experts copied over PCIe (:meth:`ExpertLayerSource.put_blocks`,
+    bitcast to the buffer's dtypes). offset: int32 []. One program per block size n."""
+    return tuple(jax.lax.dynamic_update_slice_in_dim(b, _as_dtypes([p], [b.dtype])[0], offset, 0)
+                 for b, p in zip(buffer, block))
+
+
+class _PendingLayer(NamedTuple):
+    """A streamed layer with hits whose PCIe blocks are in flight: (offset, size) and the device
+    arrays of each block (:meth:`ExpertLayerSource.put_blocks`)."""
+
+    blocks: list
+    arrays: list
+
+
+class ExpertCopies:
+    """One streamed call's expert copies on the layer-pipelined driver (:func:`run`).
+
+    Without ``slot_of``, and for a layer none of whose experts is in the slot cache, a layer's E
+    experts are one whole copy per bank array (:meth:`ExpertLayerSource.put`). With ``slot_of``
+    (``stream_d2d_hits``), a layer with hits is made in two steps: :meth:`issue` copies only its
+    missing experts over PCIe (aligned blocks, :func:`miss_blocks`); :meth:`ready`, dispatched
+    after the previous layer's program, gathers the resident experts from the slot pools into a new
+    buffer (:func:`gather_resident`, device to device) and places the blocks over the other rows
+    (:func:`place_block`). The buffer holds the same bytes as the whole copy, so the layer computes
+    the same logits. The stream does not change the slot table, so one host copy of it serves the
+    whole call.
+
+    compiled: the engine's compile cache (``Engine.compiled``); source: the banks' pieces;
+    slot_of: int [L, E] host copy of the slot table's ``slot_of`` (-1 = not resident), or None.
+    """
+
+    def __init__(self, compiled: Callable, source: ExpertLayerSource, slot_of: np.ndarray | None = None):
+        self.compiled, self.source, self.slot_of = compiled, source, slot_of
+        self._dtypes = tuple(str(x.dtype) for x in source.spec())
+        self._exe: dict[tuple, Any] = {}
+
+    @staticmethod
+    def host_slots(state, num_layers: int, num_experts: int) -> np.ndarray:
+        """int32 [L, E]: the slot of every expert in ``state.table`` (-1: not resident); one small
+        device-to-host copy (it waits for the work that produces the table)."""
+        return np.asarray(state.table.slot_of).reshape(num_layers, num_experts)
+
+    def blocks(self, layer: int) -> list[tuple[int, int]] | None:
+        """The PCIe blocks of ``layer`` when it has hits to copy device to device, else None."""
+        if self.slot_of is None:
+            return None
+        row = self.slot_of[layer]
+        return miss_blocks(row) if (row >= 0).any() else None
+
+    def issue(self, layer: int):
+        """Starts ``layer``'s host-to-device copies: the buffer tuple of a whole-layer copy, or a
+        :class:`_PendingLayer` that :meth:`ready` completes."""
+        blocks = self.blocks(layer)
+        if blocks is None:
+            return self.source.put(layer)
+        return _PendingLayer(blocks, self.source.put_blocks(layer, blocks) if blocks else [])
+
+    def _program(self, key: tuple, fn, args, **static):
+        """``fn`` compiled for ``args`` (through the engine's cache once per ``key``: the dispatch of
+        many small programs per layer skips the engine's key building)."""
+        exe = self._exe.get(key)
+        if exe is None:
+            exe = self._exe[key] = self.compiled(fn, args, **static)
+        return exe
+
+    def _gather(self, args):
+        return self._program(("gather",), gather_resident, args, num_experts=self.source.num_experts,
+                             dtypes=self._dtypes)
+
+    def _place(self, args):
+        return self._program(("place",) + tuple((x.shape, x.dtype) for x in args[1]), place_block, args)
+
+    def ready(self, part, layer: int, state):
+        """The layer's buffer (gate_up [E, D, 2F], down [E, F, D], *scales, in :meth:`ExpertLayerSource.spec`'s
+        dtypes) from what :meth:`issue` returned; state: the expert state the layer program will
+        get (its pools hold the hits)."""
+        if not isinstance(part, _PendingLayer):
+            return part
+        pools = (state.gate_up, state.down) + tuple(state.scales or ())
+        args = (pools, state.table.slot_of, _layer_index(layer))
+        buf = self._gather(args)(*args)
+        for (off, _), block in zip(part.blocks, part.arrays):
+            args = (buf, block, _layer_index(off))
+            buf = self._place(args)(*args)
+        return buf
+
+    def precompile(self, state) -> None:
+        """Compiles :func:`gather_resident` and :func:`place_block` for every block size a layer with
+        hits can have (powers of two below E; nothing runs) and makes the block pieces of this slot
+        table's pattern (outside any timing)."""
+        e = self.source.num_experts
+        spec = self.source.spec()
+        pools = (state.gate_up, state.down) + tuple(state.scales or ())
+        index = jax.ShapeDtypeStruct((), jnp.int32, sharding=memory.device_sharding())
+        self._gather((pools, state.table.slot_of, index))
+        size = 1
+        while size < e:
+            block = tuple(jax.ShapeDtypeStruct((size,) + x.shape[1:], x.dtype, sharding=x.sharding) for x in spec)
+            self._place((spec, block, index))
+            size *= 2
+        for l in range(self.source.num_layers):
+            for off, n in self.blocks(l) or ():
+                self.source.block_pieces(l, off, n)
+        for i in range(e):
+            _layer_index(i)
 
 
 _CHUNK_PIECES: dict[int, tuple[weakref.ref, _LayerPieces]] = {}
@@ -226,10 +413,12 @@ class PrefixLayerSource:
 class LayerOptions:
     """Static options of one layer program (hashable). step: the call's ``engine.StepOptions``
     (its ``stream`` means: experts from the given buffer); has_prefix: the call hands the layer
-    its slices of a reused prefix."""
+    its slices of a reused prefix; d2d: the buffer's experts that the slot table maps were copied
+    device to device (``ExpertCopies``; the stats count them)."""
 
     step: Any
     has_prefix: bool = False
+    d2d: bool = False
 
 
 def _hook(opts: LayerOptions) -> LayerwiseKV | None:
@@ -256,7 +445,7 @@ def layer_program(params, banks, state, h, ck, cv, inputs, layer, expert_buffer,
     prefix_slices = tuple(x[0] for x in _as_dtypes(prefix_slices, [ck.dtype] * len(prefix_slices)))
     with jax.default_matmul_precision(step.precision):
         if step.stream:
-            expert_fn = offload.make_layer_buffer_expert_fn(cfg.num_experts, expert_buffer, banks.fmt)
+            expert_fn = offload.make_layer_buffer_expert_fn(cfg.num_experts, expert_buffer, banks.fmt, opts.d2d)
         else:
             expert_fn = offload.make_expert_fn(step.mode, cfg.num_experts, banks, step.policy, step.miss)
         lp = jax.tree.map(lambda a: a[layer], params["layers"])
@@ -297,11 +486,15 @@ def _device_spec(x) -> jax.ShapeDtypeStruct:
 
 def precompile(compiled: Callable, params, banks, state, cache: model_lib.KVCache, tokens: jax.Array,
                start: jax.Array, valid_len: jax.Array, *, cfg, step, all_logits: bool,
-               experts: ExpertLayerSource | None = None, prefix_spec: Sequence[jax.ShapeDtypeStruct] = ()) -> None:
+               experts: ExpertLayerSource | None = None, prefix_spec: Sequence[jax.ShapeDtypeStruct] = (),
+               d2d: bool = False) -> None:
     """Compiles the embed, layer and head programs that :func:`run` will call with these arguments
     (nothing runs, nothing is donated). prefix_spec: shapes of the reused prefix's chunks
-    ([L, 2, C, Hkv, hd] each), or () without a prefix."""
-    opts = LayerOptions(step, bool(prefix_spec))
+    ([L, 2, C, Hkv, hd] each), or () without a prefix. d2d: as :func:`run`; then also the
+    device-to-device programs, and the block pieces of the slot table as it is now (one small
+    device-to-host read of the table)."""
+    d2d = d2d and experts is not None and state.table is not None
+    opts = LayerOptions(step, bool(prefix_spec), d2d)
     compiled(embed_program, (params, tokens, start, valid_len))
     h, inputs = jax.tree.map(_device_spec, jax.eval_shape(model_lib.embed_inputs, params, tokens, start, valid_len))
     buffer = experts.spec() if experts is not None else ()
@@ -320,32 +513,44 @@ def precompile(compiled: Callable, params, banks, state, cache: model_lib.KVCach
         compiled(_stack, ([kv_out] * cfg.num_layers,))
     for l in range(cfg.num_layers):
         _layer_index(l)
+    if d2d:
+        slot_of = ExpertCopies.host_slots(state, cfg.num_layers, cfg.num_experts)
+        ExpertCopies(compiled, experts, slot_of).precompile(state)
 
 
 def run(compiled: Callable, params, banks, state, cache: model_lib.KVCache, tokens: jax.Array, start: jax.Array,
         valid_len: jax.Array, *, cfg, step, all_logits: bool, experts: ExpertLayerSource | None = None,
-        prefix: PrefixLayerSource | None = None, overlap: bool = True) -> model_lib.ForwardOut:
+        prefix: PrefixLayerSource | None = None, overlap: bool = True, d2d: bool = False) -> model_lib.ForwardOut:
     """Runs one prefill call layer by layer; the same result as ``model.forward`` of the call.
 
     compiled(fn, args, **static): returns ``fn`` compiled for these arguments (the engine's compile
     cache, so compile time stays out of timings). experts: the banks' per-layer views when the call
     streams (``step.stream``); prefix: the reused prefix's per-layer views or None. overlap: issue
     layer l+1's copies before dispatching layer l, so they run while layer l computes (False: each
-    layer's copies just before its own program, the serial ablation). The KV cache and ``state`` are consumed (donated).
+    layer's copies just before its own program, the serial ablation). d2d: a streamed layer's
+    experts that sit in the slot cache are copied device to device into its buffer, the others
+    over PCIe (:class:`ExpertCopies`; needs ``state.table``; reads it to the host once, before any
+    layer). The KV cache and ``state`` are consumed (donated).
     Returns a ``model.ForwardOut`` (stats stacked over layers; kv_out: the new chunks, each
     [L, 2, C, Hkv, hd], in host memory when ``step.kv.store_to_host``).
     """
-    opts = LayerOptions(step, prefix is not None)
+    d2d = d2d and experts is not None and state.table is not None
+    opts = LayerOptions(step, prefix is not None, d2d)
+    slot_of = ExpertCopies.host_slots(state, cfg.num_layers, cfg.num_experts) if d2d else None
+    expert_copies = ExpertCopies(compiled, experts, slot_of) if experts is not None else None
     h, inputs = compiled(embed_program, (params, tokens, start, valid_len))(params, tokens, start, valid_len)
     ck, cv = cache.k, cache.v
 
     def copies(l):
-        return (experts.put(l) if experts is not None else (), prefix.put(l) if prefix is not None else ())
+        return (expert_copies.issue(l) if experts is not None else (), prefix.put(l) if prefix is not None else ())
+
+    def ready(part, l, state):  # a layer with device-to-device hits is assembled on the compute stream
+        return (expert_copies.ready(part[0], l, state) if experts is not None else part[0], part[1])
 
     stats, kv_outs = [], []
-    nxt = copies(0) if overlap else None
+    nxt = ready(copies(0), 0, state) if overlap else None
     for l in range(cfg.num_layers):
-        cur = nxt if overlap else copies(l)
+        cur = nxt if overlap else ready(copies(l), l, state)
         if overlap and l + 1 < cfg.num_layers:
             # Issued *before* layer l's program: a host-to-device copy starts once the compute already
             # queued is done (here layer l-1), so it runs while layer l computes. Issued after layer l,
@@ -356,6 +561,10 @@ def run(compiled: Callable, params, banks, state, cache: model_lib.KVCache, toke
         stats.append(st)
         kv_outs.append(kv)
         del cur, args
+        if overlap and l + 1 < cfg.num_layers:
+            # Dispatched *after* layer l: assembling layer l+1's buffer waits for its PCIe blocks on
+            # the compute stream, which must not hold layer l up (an identity for whole-layer copies).
+            nxt = ready(nxt, l + 1, state)
     logits = compiled(head_program, (params, h, valid_len), cfg=cfg, all_logits=all_logits)(params, h, valid_len)
     kv_out = None
     if step.kv is not None and step.kv.store_chunks:

@@ -73,13 +73,19 @@ def test_bench_decode_expert_dtypes_smoke(tmp_path):
 
 def test_bench_prefill_smoke(tmp_path):
     d = _run("bench_prefill", tmp_path, "--preset=tiny", "--dtype=float32", "--lengths=64,256", "--prefill_chunk=128",
-             "--vram_budget_gb=1.02")
+             "--vram_budget_gb=1.02", "--variants=stream,stream_no_overlap,stream_scan,stream_warm,stream_warm_no_d2d,"
+             "resident", "--warm_decode_tokens=4")
     assert d["logits_max_abs_diff_vs_resident"] == {"stream": 0.0, "stream_no_overlap": 0.0, "stream_scan": 0.0,
-                                                    "resident": 0.0}
+                                                    "stream_warm": 0.0, "stream_warm_no_d2d": 0.0, "resident": 0.0}
     for r in d["results"]:
         assert "error" not in r, r
         assert r["streamed"] == r["variant"].startswith("stream")
         assert (r["h2d_bytes"] > 0) == (r["variant"] != "resident")
+        assert (r["d2d_bytes"] > 0) == (r["variant"] == "stream_warm")
+    for n in (64, 256):  # the same expert bytes reach the streamed layers, D2D or over PCIe
+        on, off = ({r["variant"]: r for r in d["results"] if r["tokens"] == n}[v] for v in ("stream_warm",
+                                                                                         "stream_warm_no_d2d"))
+        assert on["h2d_bytes"] + on["d2d_bytes"] == off["h2d_bytes"] and "d2d_speedup" in on
 
 
 def test_bench_kv_reuse_smoke(tmp_path):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import load_fixture
-from ftjax import memory
+from ftjax import layer_pipeline, memory
 from ftjax.config import EngineConfig, KVOffloadConfig
 from ftjax.engine import Engine
 from ftjax.kv.host_store import HostKVStore
@@ -219,3 +219,110 @@ def test_stored_chunks_get_their_layer_pieces_when_prefix_loads_pipeline():
                 assert sorted(entry_[1]._alias) == [(0, l) for l in range(cfg.num_layers)]
         else:
             assert mgr.requests[-1]["prepare_s"] == 0 and entries == [None] * 4
+
+
+def test_miss_blocks_cover_the_misses_with_aligned_powers_of_two():
+    rng = np.random.default_rng(0)
+    cases = [np.full(8, -1), np.arange(8), np.array([0, -1, -1, -1, 4, -1, -1, 7]), np.full(6, -1),
+             np.full(128, -1)] + [np.where(rng.random(n) < p, 1, -1) for n in (6, 8, 128) for p in (0.1, 0.5, 0.9)]
+    for slots in cases:
+        covered = np.zeros(len(slots), bool)
+        for off, size in layer_pipeline.miss_blocks(slots):
+            assert size & (size - 1) == 0 and off % size == 0
+            assert not covered[off:off + size].any()
+            covered[off:off + size] = True
+        np.testing.assert_array_equal(covered, slots < 0)
+    assert layer_pipeline.miss_blocks(np.full(8, -1)) == [(0, 8)]
+    assert layer_pipeline.miss_blocks(np.full(6, -1)) == [(0, 4), (4, 2)]
+    assert layer_pipeline.miss_blocks(np.arange(8)) == []
+    assert layer_pipeline.miss_blocks(np.array([0, -1, -1, -1, 4, -1, -1, 7])) == [(1, 1), (2, 2), (5, 1), (6, 1)]
+    with pytest.raises(ValueError, match="stream_d2d_hits must be True or False"):
+        EngineConfig(stream_d2d_hits="yes")
+
+
+def _table(eng) -> dict:
+    t, st = eng.state.table, eng.state
+    arrays = {"slot_of": t.slot_of, "id_of_slot": t.id_of_slot, "last_use": t.last_use, "clock": t.clock,
+              "crf_log2": t.crf_log2, "crf_time": t.crf_time, "gate_up": st.gate_up, "down": st.down}
+    arrays.update({f"scales{i}": s for i, s in enumerate(st.scales or ())})
+    return {k: np.asarray(v) for k, v in arrays.items()}
+
+
+@pytest.mark.parametrize("name,expert_dtype,slots,overlap", [
+    ("olmoe_fp32", None, 19, True), ("olmoe_fp32", None, 19, False), ("qwen3_moe_bf16", None, 24, True),
+    ("qwen3_moe_fp32", "int8", 19, True)])
+def test_stream_d2d_hits_same_logits_pcie_bytes_only_and_slot_cache_kept(name, expert_dtype, slots, overlap):
+    """A streamed pipelined prefill after a warm-up (some experts in the slot cache): with
+    stream_d2d_hits the cached experts of every streamed layer are copied device to device; the
+    logits equal those of stream_d2d_hits off and of the resident model bit for bit; bytes_h2d
+    counts only the PCIe experts, bytes_d2d the rest, d2d per layer equals the layer's cached
+    experts (read from the slot table) per call; the call leaves the slot cache as it was."""
+    from conftest import fixture_path
+    from ftjax.checkpoint import load_checkpoint
+    model, exp = load_fixture(name)
+    if expert_dtype is not None:
+        model = load_checkpoint(fixture_path(name), "float32", progress=False, expert_dtype=expert_dtype)
+    cfg = model.cfg
+    e, nl, eb = cfg.num_experts, cfg.num_layers, model.expert_bytes
+    prompt = exp["long_prompt_ids"].tolist()
+    ref = Engine(model, EngineConfig("resident", max_seq_len=S, prefill_chunk=64))
+    want = np.asarray(ref.prefill([prompt], ref.new_cache(1), all_logits=True)[0])
+    got = {}
+    for d2d in (True, False):
+        eng = Engine(model, EngineConfig("cached", num_slots=slots, max_seq_len=S, prefill_chunk=64,
+                                         prefill_overlap=overlap, prefill_driver="pipelined", stream_d2d_hits=d2d))
+        eng.generate([prompt[:3]], 8)  # 6 (token, expert) pairs < E: loaded on demand, into the cache
+        calls = eng.plan_prefill([prompt])
+        assert all(eng.streams(c.tokens) for c in calls)
+        table = _table(eng)
+        cached = (table["slot_of"].reshape(nl, e) >= 0).sum(axis=1)  # independently of the driver
+        assert cached.sum() > 0 and (cached < e).any()
+        cache = eng.new_cache(1)
+        eng.prepare_prefill([prompt], cache)
+        compile_s = eng.compile_s
+        blocks = dict(eng._expert_source()._blocks)
+        eng.prefill([prompt], cache)
+        assert eng.compile_s == compile_s  # the D2D programs too were compiled by prepare_prefill
+        assert eng._expert_source()._blocks == blocks  # and the block pieces made there
+        before = eng.counters["prefill"].copy()
+        logits, _, _, stats = eng.prefill([prompt], eng.new_cache(1), all_logits=True)
+        got[d2d] = np.asarray(logits)
+        after = _table(eng)
+        for k, v in table.items():  # neither call changed the slot cache
+            np.testing.assert_array_equal(after[k], v, err_msg=k)
+        c = eng.counters["prefill"] - before
+        m = c.summary(eb)
+        streamed = len(calls) * nl * e
+        if d2d:
+            np.testing.assert_array_equal(c.d2d, len(calls) * cached)
+            np.testing.assert_array_equal(c.hits, c.d2d)
+            np.testing.assert_array_equal(c.fetched, len(calls) * (e - cached))
+            assert m["d2d_copies"] == len(calls) * int(cached.sum()) > 0
+            assert [int(x) for x in np.asarray(stats[0].d2d)] == cached.tolist()
+        else:
+            assert m["d2d_copies"] == 0 and m["hits"] == 0 and stats[0].d2d is None
+        assert m["bytes_h2d"] + m["bytes_d2d"] == streamed * eb
+        assert m["bytes_h2d"] == int(c.fetched.sum()) * eb
+        metrics = eng.expert_cache_metrics()
+        assert {"d2d_copies", "bytes_d2d"} <= set(metrics) and {"d2d_copies", "bytes_d2d"} <= set(metrics["prefill"])
+    np.testing.assert_array_equal(got[True], got[False])
+    np.testing.assert_array_equal(got[True], want)
+
+
+def test_stream_d2d_hits_with_every_expert_cached():
+    """A full slot cache: every streamed layer is gathered from the pool, nothing over PCIe."""
+    model, exp = load_fixture("mixtral_fp32")
+    cfg = model.cfg
+    e, nl = cfg.num_experts, cfg.num_layers
+    prompt = exp["long_prompt_ids"].tolist()[:128]
+    ref = Engine(model, EngineConfig("resident", max_seq_len=S, prefill_chunk=64))
+    want = np.asarray(ref.prefill([prompt], ref.new_cache(1), all_logits=True)[0])
+    eng = Engine(model, EngineConfig("cached", num_slots=nl * e, max_seq_len=S, prefill_chunk=64,
+                                     prefill_driver="pipelined"))
+    eng.generate([prompt[:3]], 40)  # on demand, then decode: every expert routed at least once
+    assert eng.resident_experts_per_layer() == [e] * nl
+    before = eng.counters["prefill"].copy()
+    got = np.asarray(eng.prefill([prompt], eng.new_cache(1), all_logits=True)[0])
+    np.testing.assert_array_equal(got, want)
+    m = (eng.counters["prefill"] - before).summary(model.expert_bytes)
+    assert m["bytes_h2d"] == 0 and m["d2d_copies"] == 2 * nl * e and m["hit_rate"] == 1.0

@@ -134,18 +134,27 @@ def make_stream_expert_fn(num_experts: int, num_layers: int, banks: ExpertBanks,
     return expert_fn
 
 
-def make_layer_buffer_expert_fn(num_experts: int, buffer: tuple, fmt: str = "dense"):
+def make_layer_buffer_expert_fn(num_experts: int, buffer: tuple, fmt: str = "dense", d2d_hits: bool = False):
     """Expert function of one streamed layer whose E experts were copied as a whole into device
     arrays ``buffer`` = (gate_up [E, D, 2F], down [E, F, D], *scales) by the layer-pipelined driver
-    (``ftjax.layer_pipeline``): computes straight from them (no slot table, no pool, no gather copy)
-    and leaves the expert state as it is. Stats as :func:`make_stream_expert_fn`: E fetched, 0 hits.
+    (``ftjax.layer_pipeline``): computes straight from them (no pool read, no gather copy) and
+    leaves the expert state as it is.
+
+    Stats: without ``d2d_hits`` as :func:`make_stream_expert_fn` (E fetched, 0 hits). With it, the
+    driver copied every expert of the layer that the slot table maps (``state.table``, which a
+    streamed call does not change) device to device from its slot, and the rest over PCIe: hits =
+    d2d = those resident experts (int32 []), misses = fetched = E - hits.
     """
     gate_up, down, *scales = buffer
 
     def expert_fn(state: ExpertState, layer: jax.Array, r: LayerRouting):
-        del layer
         y = experts_from_layer(r.x, r.ids, r.weights, gate_up, down, tuple(scales) or None, fmt)
-        return y, state, LayerStats.fetch_only(jnp.int32(0), jnp.int32(num_experts), _trace_ids(r))
+        if not d2d_hits:
+            return y, state, LayerStats.fetch_only(jnp.int32(0), jnp.int32(num_experts), _trace_ids(r))
+        slots = jax.lax.dynamic_slice(state.table.slot_of, (layer * num_experts,), (num_experts,))
+        hits = jnp.sum(slots >= 0, dtype=jnp.int32)
+        pcie = jnp.int32(num_experts) - hits
+        return y, state, LayerStats(hits, pcie, pcie, jnp.int32(0), _trace_ids(r), d2d=hits)
 
     return expert_fn
 

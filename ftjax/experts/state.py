@@ -83,10 +83,14 @@ class ExpertState:
 class LayerStats(NamedTuple):
     """Per-layer counters of one forward call (stacked over layers by the scan).
 
-    hits, misses: int32 [] distinct routed experts found resident / not resident (a streamed
-    layer counts all E experts as misses). fetched, cpu: int32 [], misses copied over PCIe /
-    computed on the CPU (``fetched + cpu == misses``). routed_ids: int32 [N, k] routed expert
-    ids, -1 for padding tokens (routing traces).
+    hits, misses: int32 [] distinct routed experts found resident / not resident. A streamed
+    layer copies all E experts into its buffer: the ones copied device to device from the slot
+    cache are its hits (only with ``EngineConfig.stream_d2d_hits`` on the pipelined driver, else
+    0), the rest its misses (``hits + misses == E``). fetched, cpu: int32 [], misses copied over
+    PCIe / computed on the CPU (``fetched + cpu == misses``). routed_ids: int32 [N, k] routed
+    expert ids, -1 for padding tokens (routing traces). d2d: int32 [], experts copied device to
+    device (a streamed layer's hits), or None where a call makes no such copies (every program
+    but the pipelined driver's streamed layers with ``stream_d2d_hits``).
     """
 
     hits: jax.Array
@@ -94,6 +98,7 @@ class LayerStats(NamedTuple):
     fetched: jax.Array
     cpu: jax.Array
     routed_ids: jax.Array
+    d2d: jax.Array | None = None
 
     @classmethod
     def fetch_only(cls, hits: jax.Array, misses: jax.Array, routed_ids: jax.Array) -> "LayerStats":
@@ -134,7 +139,8 @@ class ExpertCounters:
     hits / misses / fetched / cpu as in :class:`LayerStats`; hist[M, F]: number of (layer, call)
     with M misses of which F were fetched (the miss split's histogram); extra_copies: experts
     copied outside any layer's misses (a streamed prefill's prologue and its last, wasted
-    prefetch).
+    prefetch); d2d: experts copied device to device (slot cache -> a streamed layer's buffer;
+    :attr:`LayerStats.d2d`), int64 [L].
     """
 
     hits: np.ndarray
@@ -143,11 +149,16 @@ class ExpertCounters:
     cpu: np.ndarray
     hist: np.ndarray
     extra_copies: int = 0
+    d2d: np.ndarray | None = None
+
+    def __post_init__(self):
+        if self.d2d is None:
+            self.d2d = np.zeros_like(self.hits)
 
     @classmethod
     def zeros(cls, num_layers: int, num_experts: int) -> "ExpertCounters":
         z = lambda: np.zeros(num_layers, np.int64)  # noqa: E731
-        return cls(z(), z(), z(), z(), np.zeros((num_experts + 1, num_experts + 1), np.int64))
+        return cls(z(), z(), z(), z(), np.zeros((num_experts + 1, num_experts + 1), np.int64), d2d=z())
 
     def add(self, stats: LayerStats) -> None:
         """Adds one call's stacked stats (leaves of shape [L])."""
@@ -156,10 +167,13 @@ class ExpertCounters:
         self.misses += misses
         self.fetched += fetched
         self.cpu += np.asarray(stats.cpu, np.int64)
+        if stats.d2d is not None:
+            self.d2d += np.asarray(stats.d2d, np.int64)
         np.add.at(self.hist, (misses, fetched), 1)
 
     def _combine(self, other: "ExpertCounters", op) -> "ExpertCounters":
-        arrays = {f: op(getattr(self, f), getattr(other, f)) for f in ("hits", "misses", "fetched", "cpu", "hist")}
+        arrays = {f: op(getattr(self, f), getattr(other, f))
+                  for f in ("hits", "misses", "fetched", "cpu", "hist", "d2d")}
         return ExpertCounters(**arrays, extra_copies=op(self.extra_copies, other.extra_copies))
 
     def __add__(self, other: "ExpertCounters") -> "ExpertCounters":
@@ -174,9 +188,12 @@ class ExpertCounters:
 
     def summary(self, expert_bytes: int) -> dict:
         """JSON-ready: hits, misses, hit_rate, hit_rate_per_layer, fetched, cpu_computed,
-        fetch_fraction, bytes_h2d (every expert byte copied over PCIe), split_histogram."""
+        fetch_fraction, bytes_h2d (every expert byte copied over PCIe; ``expert_bytes`` is one
+        expert's bytes), d2d_copies (experts copied device to device from the slot cache into a
+        streamed layer's buffer), bytes_d2d (their bytes, not in bytes_h2d), split_histogram."""
         h, m = int(self.hits.sum()), int(self.misses.sum())
         f, c = int(self.fetched.sum()), int(self.cpu.sum())
+        d2d = int(self.d2d.sum())
         seen = self.hits + self.misses
         per_layer = np.where(seen > 0, self.hits / np.maximum(seen, 1), 0.0)
         ms, fs = np.nonzero(self.hist)
@@ -184,5 +201,6 @@ class ExpertCounters:
                 "hit_rate_per_layer": [round(float(x), 6) for x in per_layer],
                 "fetched": f, "cpu_computed": c, "fetch_fraction": f / (f + c) if f + c else None,
                 "bytes_h2d": (f + self.extra_copies) * expert_bytes,
+                "d2d_copies": d2d, "bytes_d2d": d2d * expert_bytes,
                 "split_histogram": [{"misses": int(a), "fetched": int(b), "layers": int(self.hist[a, b])}
                                     for a, b in zip(ms, fs) if a > 0]}

@@ -1,16 +1,24 @@
-r"""Prefill with expert offload: full-layer streaming (overlap on/off) vs on_demand vs resident.
+r"""Prefill with expert offload: full-layer streaming (overlap on/off) vs on_demand vs resident,
+per expert storage format (--expert_dtypes: bfloat16, int8, int4, fp8; ftjax.experts.quant).
 
   PYTHONPATH=. python3 experiments/bench_prefill.py --out_dir=experiments/results
   .venv/bin/python experiments/bench_prefill.py --preset=tiny --dtype=float32 --lengths=64,256 \
       --prefill_chunk=128 --vram_budget_gb=1.02 --out_dir=/tmp/bench_smoke       # CPU smoke
+  .venv/bin/python experiments/bench_prefill.py --preset=tiny --dtype=float32 --lengths=256 \
+      --prefill_chunk=128 --vram_budget_gb=1.02 --variants=stream,resident --repeats=1 \
+      --expert_dtypes=bfloat16,int8,int4,fp8 --out_dir=/tmp/bench_smoke          # CPU smoke, formats
 
-Per prompt length and variant: TTFT (prefill + first token, median of --repeats, each from an
-empty expert cache, or for the stream_warm variants from the cache a short request leaves), tokens/s,
-seconds per --prefill_chunk chunk, H2D bytes and achieved GB/s, device-to-device bytes (cached experts
-copied into streamed layers: stream_d2d_hits), and
-  bound = all expert bytes / B_P  per chunk  (DESIGN.md 1.3),
-with B_P measured in the same run. Also times the grouped expert matmul (Mosaic GPU kernel vs
-jax.lax.ragged_dot) on one layer's 8192-token routing, and counts async-copy ops in the HLO.
+Per expert format, prompt length and variant: TTFT (prefill + first token, median of --repeats,
+each from an empty expert cache, or for the stream_warm variants from the cache a short request
+leaves), tokens/s, seconds per --prefill_chunk chunk, H2D bytes and achieved GB/s, device-to-device
+bytes (cached experts copied into streamed layers: stream_d2d_hits), and
+  bound = max(chunks x pool bytes / B_P, resident TTFT of the same format and length)
+(DESIGN.md 1.3), with B_P measured in the same run and pool bytes = L x E x bytes per expert as
+stored (quantized weights and their float32 scales: ``ExpertBanks.expert_bytes``). Each format
+quantizes the random banks once (round to nearest) and plans its slots by its own bytes per
+expert; every row names its format (``expert_dtype``), its ``expert_bytes`` and ``pool_bytes``.
+Also times the grouped expert matmul (Mosaic GPU kernel vs jax.lax.ragged_dot, dense) on one
+layer's 8192-token routing, and counts async-copy ops in the HLO.
 
   PYTHONPATH=. python3 experiments/bench_prefill.py --vram_budget_gb=24 --lengths=8192 \
       --variants=stream_warm,stream_warm_no_d2d,resident     # D2D copies of cache hits on / off
@@ -37,6 +45,7 @@ from ftjax import engine as engine_lib  # noqa: E402
 from ftjax.checkpoint import DTYPES  # noqa: E402
 from ftjax.engine import Engine  # noqa: E402
 from ftjax.config import EngineConfig  # noqa: E402
+from ftjax.experts import quant  # noqa: E402
 from ftjax.experts.planner import GB, plan_memory  # noqa: E402
 from ftjax.kernels.grouped_matmul import grouped_matmul, mgpu_supported  # noqa: E402
 
@@ -65,6 +74,8 @@ flags.DEFINE_integer("prefill_chunk", 8192, "Prefill chunk in tokens.")
 flags.DEFINE_integer("repeats", 2, "Timed prefills per (length, variant).")
 flags.DEFINE_integer("warm_decode_tokens", 32, "stream_warm variants: decode steps of the request that fills the slot "
                      "cache before each timed prefill.")
+flags.DEFINE_list("expert_dtypes", None, "Expert storage formats to compare (bfloat16, int8, int4, fp8); "
+                  "default: the banks as built (--dtype).")
 flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
 
 
@@ -113,7 +124,7 @@ def main(argv):
     cfg, model, build_s, bp = common.build_random_model(FLAGS.preset, FLAGS.dtype)
     bp_gbps = bp["h2d_GBps"]["median"]
     itemsize = np.dtype(DTYPES[FLAGS.dtype]).itemsize
-    pool_bytes = cfg.pool_bytes(itemsize)
+    pool_bytes = cfg.pool_bytes(itemsize)  # the banks as built (dense at --dtype)
     print(f"{info['device']}: B_P = {bp_gbps:.1f} GB/s; pool {pool_bytes / 1e9:.1f} GB; "
           f"bound per chunk {pool_bytes / bp_gbps / 1e9:.3f} s", flush=True)
     kernel = bench_grouped_matmul(cfg, jnp.dtype(DTYPES[FLAGS.dtype]))
@@ -122,111 +133,130 @@ def main(argv):
         os.environ["FTJAX_GROUPED_MATMUL"] = "xla"
     kernel["used"] = os.environ.get("FTJAX_GROUPED_MATMUL", "auto")
     lengths = [int(x) for x in FLAGS.lengths]
-    rng = np.random.default_rng(0)
-    rows, hlo, plans, first_logits = [], {}, {}, {}
-    for n in lengths:
-        # the KV cache is sized for this prompt, so shorter prompts leave more room for slots
-        max_seq_len = -(-(n + 1) // 128) * 128
-        plan_of = {}
-        for pipelined in (True, False):  # the layer buffers differ by driver (ftjax.experts.planner)
-            name = f"{n}/{'pipelined' if pipelined else 'scan'}"
-            try:
-                plan = plan_memory(cfg, itemsize, budget_bytes=int(FLAGS.vram_budget_gb * GB),
-                                   max_seq_len=max_seq_len, pipelined=pipelined)
-            except ValueError as ex:  # the budget does not hold this driver's buffers: its variants are skipped
-                plans[name] = {"error": str(ex)}
-                print(name, ex, flush=True)
-                continue
-            plan_of[pipelined] = plan
-            plans[name] = plan.as_dict()
-            print(plan.describe(), flush=True)
-        prompt = rng.integers(0, cfg.vocab_size, n).tolist()
-        for variant in sorted(FLAGS.variants, key=lambda v: v == "resident"):
-            mode, prefill, overlap, driver, d2d, warm = VARIANTS[variant]
-            print(f"-- {variant} at {n} tokens", flush=True)
-            try:
-                config = EngineConfig(mode, num_slots=1, max_seq_len=max_seq_len, prefill=prefill,
-                                      prefill_chunk=FLAGS.prefill_chunk, prefill_overlap=overlap, prefill_driver=driver,
-                                      stream_d2d_hits=d2d)
-                plan = plan_of[config.pipelines_streams(cfg)]
-                eng = Engine(model, dataclasses.replace(config, num_slots=plan.slots))
-                # fewer (token, expert) pairs than E: the warm-up request loads its experts on demand
-                warm_prompt = prompt[: max(1, (cfg.num_experts - 1) // cfg.top_k)]
-                ttfts, cached = [], 0
-                for _ in range(FLAGS.repeats):
-                    eng.reset_expert_cache()  # every timed prefill starts from the same state
-                    if warm:
-                        eng.generate([warm_prompt], FLAGS.warm_decode_tokens)
-                        cached = sum(eng.resident_experts_per_layer())
-                    before = eng.expert_cache_metrics()["prefill"]
-                    res = eng.generate([prompt], 1, keep_logits=n == lengths[0])
-                    ttfts.append(res.ttft_s)
-                    after = eng.expert_cache_metrics()["prefill"]
-                    moved = after["bytes_h2d"] - before["bytes_h2d"]
-                    d2d_bytes, d2d_copies = (after[k] - before[k] for k in ("bytes_d2d", "d2d_copies"))
-                if n == lengths[0]:
-                    first_logits[variant] = res.step_logits[0, 0]
-                chunks = -(-n // FLAGS.prefill_chunk)
-                ttft = float(np.median(ttfts))
-                row = {"variant": variant, "tokens": n, "slots": plan.slots, "ttft_s": common.spread(ttfts),
-                       "tokens_per_s": n / ttft, "chunks": chunks, "s_per_chunk": ttft / chunks,
-                       "streamed": eng.streams(min(n, FLAGS.prefill_chunk)), "h2d_bytes": moved,
-                       "achieved_h2d_GBps": moved / ttft / 1e9, "compile_s": eng.compile_s,
-                       "stream_d2d_hits": d2d, "warm_decode_tokens": FLAGS.warm_decode_tokens if warm else 0,
-                       "cached_experts_before": cached, "d2d_bytes": d2d_bytes, "d2d_copies": d2d_copies,
-                       "h2d_bound_s": moved / (bp_gbps * 1e9),
-                       "driver_calls": dict(eng.prefill_driver_calls),
-                       "copy_path": eng.stream_copy_path,
-                       "workspace_bytes": eng.workspace_bytes(), "planned_bytes": plan.planned_bytes,
-                       "engine": eng.describe()}
-                if variant != "resident":
-                    row["copy_bound_s"] = chunks * pool_bytes / (bp_gbps * 1e9)
-                if variant.startswith("stream") and variant not in hlo:
-                    hlo[variant] = hlo_counts(True)
-                del eng
-            except Exception as ex:
-                row = {"variant": variant, "tokens": n, "error": f"{type(ex).__name__}: {ex}"[:2000]}
-            gc.collect()
-            rows.append(row)
-            print({k: v for k, v in row.items() if k not in ("ttft_s", "engine")}, flush=True)
-            common.write_json(FLAGS.out_dir, f"bench_prefill_{FLAGS.preset}.json",  # partial, in case of a cut
-                              {"meta": info, "partial": True, "B_P": bp, "memory_plans": plans, "results": rows})
-    # same math whatever the expert source: first-token logits of the first length vs resident
-    logits_check = {}
-    if "resident" in first_logits:
-        for v, lg in first_logits.items():
-            logits_check[v] = float(np.abs(np.asarray(lg) - np.asarray(first_logits["resident"])).max())
-    print("max |logits - resident| at", lengths[0], "tokens:", logits_check, flush=True)
-    for r in rows:  # bound = max(copy bytes / B_P, resident compute of the same prompt), both from this run
+    rows, hlo, plans, first_logits, pools = [], {}, {}, {}, {}
+    for fmt in FLAGS.expert_dtypes or [None]:
+        fmodel = model if fmt is None else dataclasses.replace(model, banks=quant.quantize_banks(model.banks, fmt))
+        label = fmt or model.banks.fmt
+        fpool = cfg.num_layers * cfg.num_experts * fmodel.expert_bytes  # weights and scales as stored
+        pools[label] = fpool
+        print(f"experts stored {label}: {fmodel.banks.fmt} {fmodel.banks.gate_up.dtype}, "
+              f"{fmodel.expert_bytes / 1e6:.3f} MB per expert, pool {fpool / 1e9:.2f} GB, "
+              f"bound per chunk {fpool / bp_gbps / 1e9:.3f} s", flush=True)
+        rng = np.random.default_rng(0)  # the same prompts for every format
+        for n in lengths:
+            # the KV cache is sized for this prompt, so shorter prompts leave more room for slots
+            max_seq_len = -(-(n + 1) // 128) * 128
+            plan_of = {}
+            for pipelined in (True, False):  # the layer buffers differ by driver (ftjax.experts.planner)
+                name = f"{n}/{'pipelined' if pipelined else 'scan'}"
+                if FLAGS.expert_dtypes:
+                    name = f"{label}/{name}"
+                try:
+                    plan = plan_memory(cfg, itemsize, budget_bytes=int(FLAGS.vram_budget_gb * GB),
+                                       max_seq_len=max_seq_len, pipelined=pipelined, expert_bytes=fmodel.expert_bytes)
+                except ValueError as ex:  # the budget does not hold this driver's buffers: its variants are skipped
+                    plans[name] = {"error": str(ex)}
+                    print(name, ex, flush=True)
+                    continue
+                plan_of[pipelined] = plan
+                plans[name] = plan.as_dict()
+                print(plan.describe(), flush=True)
+            prompt = rng.integers(0, cfg.vocab_size, n).tolist()
+            for variant in sorted(FLAGS.variants, key=lambda v: v == "resident"):
+                mode, prefill, overlap, driver, d2d, warm = VARIANTS[variant]
+                print(f"-- {label} {variant} at {n} tokens", flush=True)
+                try:
+                    config = EngineConfig(mode, num_slots=1, max_seq_len=max_seq_len, prefill=prefill,
+                                          prefill_chunk=FLAGS.prefill_chunk, prefill_overlap=overlap,
+                                          prefill_driver=driver, stream_d2d_hits=d2d)
+                    plan = plan_of[config.pipelines_streams(cfg)]
+                    eng = Engine(fmodel, dataclasses.replace(config, num_slots=plan.slots))
+                    # fewer (token, expert) pairs than E: the warm-up request loads its experts on demand
+                    warm_prompt = prompt[: max(1, (cfg.num_experts - 1) // cfg.top_k)]
+                    ttfts, cached = [], 0
+                    for _ in range(FLAGS.repeats):
+                        eng.reset_expert_cache()  # every timed prefill starts from the same state
+                        if warm:
+                            eng.generate([warm_prompt], FLAGS.warm_decode_tokens)
+                            cached = sum(eng.resident_experts_per_layer())
+                        before = eng.expert_cache_metrics()["prefill"]
+                        res = eng.generate([prompt], 1, keep_logits=n == lengths[0])
+                        ttfts.append(res.ttft_s)
+                        after = eng.expert_cache_metrics()["prefill"]
+                        moved = after["bytes_h2d"] - before["bytes_h2d"]
+                        d2d_bytes, d2d_copies = (after[k] - before[k] for k in ("bytes_d2d", "d2d_copies"))
+                    if n == lengths[0]:
+                        first_logits[(label, variant)] = res.step_logits[0, 0]
+                    chunks = -(-n // FLAGS.prefill_chunk)
+                    ttft = float(np.median(ttfts))
+                    row = {"variant": variant, "tokens": n, "slots": plan.slots, "ttft_s": common.spread(ttfts),
+                           "tokens_per_s": n / ttft, "chunks": chunks, "s_per_chunk": ttft / chunks,
+                           "streamed": eng.streams(min(n, FLAGS.prefill_chunk)), "h2d_bytes": moved,
+                           "achieved_h2d_GBps": moved / ttft / 1e9, "compile_s": eng.compile_s,
+                           "stream_d2d_hits": d2d, "warm_decode_tokens": FLAGS.warm_decode_tokens if warm else 0,
+                           "cached_experts_before": cached, "d2d_bytes": d2d_bytes, "d2d_copies": d2d_copies,
+                           "h2d_bound_s": moved / (bp_gbps * 1e9),
+                           "driver_calls": dict(eng.prefill_driver_calls),
+                           "copy_path": eng.stream_copy_path,
+                           "workspace_bytes": eng.workspace_bytes(), "planned_bytes": plan.planned_bytes,
+                           "engine": eng.describe()}
+                    if variant != "resident":
+                        row["copy_bound_s"] = chunks * fpool / (bp_gbps * 1e9)
+                    if variant.startswith("stream") and variant not in hlo:
+                        hlo[variant] = hlo_counts(True)
+                    del eng
+                except Exception as ex:
+                    row = {"variant": variant, "tokens": n, "error": f"{type(ex).__name__}: {ex}"[:2000]}
+                row.update(expert_dtype=label, expert_bytes=fmodel.expert_bytes, pool_bytes=fpool)
+                gc.collect()
+                rows.append(row)
+                print({k: v for k, v in row.items() if k not in ("ttft_s", "engine")}, flush=True)
+                common.write_json(FLAGS.out_dir, f"bench_prefill_{FLAGS.preset}.json",  # partial, in case of a cut
+                                  {"meta": info, "partial": True, "B_P": bp, "memory_plans": plans, "results": rows})
+        del fmodel
+        gc.collect()
+    # same math whatever the expert source: first-token logits of the first length vs resident of the same format
+    by_format: dict[str, dict[str, float]] = {}
+    for (label, v), lg in first_logits.items():
+        ref = first_logits.get((label, "resident"))
+        if ref is not None:
+            by_format.setdefault(label, {})[v] = float(np.abs(np.asarray(lg) - np.asarray(ref)).max())
+    logits_check = next(iter(by_format.values()), {})  # the first format's, as before --expert_dtypes
+    print("max |logits - resident| at", lengths[0], "tokens:", by_format, flush=True)
+    for r in rows:  # bound = max(copy bytes / B_P, resident compute of the same prompt and format), both from this run
         res = next((x for x in rows if x.get("variant") == "resident" and x.get("tokens") == r.get("tokens")
-                    and "ttft_s" in x), None)
+                    and x["expert_dtype"] == r["expert_dtype"] and "ttft_s" in x), None)
         if "copy_bound_s" in r and "ttft_s" in r:
             r["bound_s"] = max(r["copy_bound_s"], res["ttft_s"]["median"] if res else 0.0)
             r["ratio_to_bound"] = r["ttft_s"]["median"] / r["bound_s"]
-    for r in rows:  # overlap speed-up at the same length and driver
-        if r.get("variant") == "stream" and "ttft_s" in r:
-            off = next((x for x in rows if x.get("variant") == "stream_no_overlap" and x.get("tokens") == r["tokens"]
-                        and "ttft_s" in x), None)
+    for r in rows:  # overlap speed-up at the same length, driver and format
+        off_variant = {"stream": "stream_no_overlap", "stream_scan": "stream_scan_no_overlap"}.get(r.get("variant"))
+        if off_variant and "ttft_s" in r:
+            off = next((x for x in rows if x.get("variant") == off_variant and x.get("tokens") == r["tokens"]
+                        and x["expert_dtype"] == r["expert_dtype"] and "ttft_s" in x), None)
             if off:
                 r["overlap_speedup"] = off["ttft_s"]["median"] / r["ttft_s"]["median"]
         if r.get("variant") == "stream_warm" and "ttft_s" in r:
             off = next((x for x in rows if x.get("variant") == "stream_warm_no_d2d" and x.get("tokens") == r["tokens"]
-                        and "ttft_s" in x), None)
+                        and x["expert_dtype"] == r["expert_dtype"] and "ttft_s" in x), None)
             if off:
                 r["d2d_speedup"] = off["ttft_s"]["median"] / r["ttft_s"]["median"]
-        if r.get("variant") == "stream_scan" and "ttft_s" in r:
-            off = next((x for x in rows if x.get("variant") == "stream_scan_no_overlap"
-                        and x.get("tokens") == r["tokens"] and "ttft_s" in x), None)
-            if off:
-                r["overlap_speedup"] = off["ttft_s"]["median"] / r["ttft_s"]["median"]
-    payload = {"meta": info, "script": "experiments/bench_prefill.py",
-               "model_build_s": build_s, "B_P": bp, "pool_bytes": pool_bytes, "memory_plans": plans,
-               "logits_max_abs_diff_vs_resident": logits_check,
+    for r in rows:  # speed-up of each format over the first format's same variant and length
+        ref = next((x for x in rows if x["expert_dtype"] == rows[0]["expert_dtype"] and x.get("variant") == r["variant"]
+                    and x.get("tokens") == r["tokens"] and "ttft_s" in x), None)
+        if ref and "ttft_s" in r:
+            r["speedup_vs_first_format"] = ref["ttft_s"]["median"] / r["ttft_s"]["median"]
+    payload = {"meta": info, "script": "experiments/bench_prefill.py", "expert_dtypes": FLAGS.expert_dtypes,
+               "model_build_s": build_s, "B_P": bp, "pool_bytes": pool_bytes, "pool_bytes_by_format": pools,
+               "memory_plans": plans, "logits_max_abs_diff_vs_resident": logits_check,
+               "logits_max_abs_diff_vs_resident_by_format": by_format,
                "grouped_matmul": kernel, "hlo_stream_step": hlo, "results": rows}
     path = common.write_json(FLAGS.out_dir, f"bench_prefill_{FLAGS.preset}.json", payload)
-    flat = [dict(r, ttft=r["ttft_s"]["median"] if "ttft_s" in r else None) for r in rows]
-    print(common.table(flat, ["variant", "tokens", "slots", "ttft", "s_per_chunk", "achieved_h2d_GBps",
-                              "ratio_to_bound", "overlap_speedup", "d2d_bytes", "d2d_speedup", "workspace_bytes"]))
+    flat = [dict(r, ttft=r["ttft_s"]["median"] if "ttft_s" in r else None, pool_GB=r["pool_bytes"] / 1e9)
+            for r in rows]
+    print(common.table(flat, ["expert_dtype", "pool_GB", "variant", "tokens", "slots", "ttft", "s_per_chunk",
+                              "achieved_h2d_GBps", "ratio_to_bound", "overlap_speedup", "speedup_vs_first_format",
+                              "d2d_bytes", "d2d_speedup", "workspace_bytes"]))
     print("wrote", path)
 
 

@@ -476,11 +476,7 @@ def section_e2e_prefill():
 def hbm_bandwidth() -> dict:
     """Device memory bandwidth of a large elementwise op (negate: reads and writes every byte once),
     in GB/s of bytes read + written: the speed the kernels' GBps figures compare against."""
-    n = (256 << 20) if FLAGS.smoke else (2 << 30)  # bytes of the bf16 array
-    x = jnp.ones((n // 2,), jnp.bfloat16)
-    fn = jax.jit(lambda a: -a)
-    t = median_us(fn, x)
-    return {"bytes": 2 * n, "us": t, "GBps": 2 * n / (t["median"] * 1e-6) / 1e9}
+    return common.measure_hbm((256 << 20) if FLAGS.smoke else (2 << 30), FLAGS.repeats)
 
 
 SECTIONS = {"moe": section_moe, "decode_attention": section_decode_attention, "flash_prefill": section_flash_prefill,

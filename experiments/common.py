@@ -79,6 +79,25 @@ def measure_h2d(nbytes: int = 512 * 2**20, repeats: int = 7) -> dict:
     return {"bytes": nbytes, "h2d_GBps": spread(h2d[1:]), "d2h_GBps": spread(d2h[1:])}
 
 
+def measure_hbm(nbytes: int = 2 << 30, repeats: int = 10) -> dict:
+    """Device memory bandwidth of a large elementwise op (negate of an ``nbytes`` bfloat16 array:
+    reads and writes every byte once), in GB/s (1e9 bytes/s) of bytes read + written, from the
+    median of ``repeats`` timed calls after two warm-ups. Returns {bytes (read + written), us
+    (spread of the call time, microseconds), GBps}."""
+    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+    fn = jax.jit(lambda a: -a)
+    for _ in range(2):
+        fn(x).block_until_ready()
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn(x).block_until_ready()
+        ts.append((time.perf_counter() - t) * 1e6)
+    us = spread(ts)
+    del x
+    return {"bytes": 2 * nbytes, "us": us, "GBps": 2 * nbytes / (us["median"] * 1e-6) / 1e9}
+
+
 def hlo_ops(text: str) -> dict:
     """Counts of the HLO ops that tell whether host copies are asynchronous."""
     ops: dict[str, int] = {}

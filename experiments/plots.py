@@ -21,8 +21,8 @@ import os
 import sys
 
 #: Fields that identify a row (its label), in the order they are printed.
-LABEL_KEYS = ("preset", "mode", "variant", "policy", "impl", "load", "fixture", "prompt", "dtype", "batch",
-              "budget_gb", "tokens", "prompt_len", "slots", "case")
+LABEL_KEYS = ("preset", "mode", "variant", "policy", "impl", "load", "fixture", "prompt", "dtype", "expert_dtype",
+              "batch", "budget_gb", "tokens", "prompt_len", "slots", "case")
 #: Metrics drawn when a row has them (name in the JSON, axis label).
 METRICS = (
     ("decode_tokens_per_s", "decode tokens/s"), ("tokens_per_s", "tokens/s"), ("tpot_s", "TPOT (s)"),

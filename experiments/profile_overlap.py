@@ -13,9 +13,6 @@ in ``--trace_dir``).
 
 from __future__ import annotations
 
-import glob
-import gzip
-import json
 import os
 import sys
 import tempfile
@@ -28,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 
 from experiments import common  # noqa: E402
-from experiments.timeline import summarize_trace  # noqa: E402
+from experiments.timeline import summarize_trace, trace_events  # noqa: E402
 from ftjax.config import EngineConfig, KVOffloadConfig  # noqa: E402
 from ftjax.engine import Engine  # noqa: E402
 
@@ -45,14 +42,7 @@ flags.DEFINE_list("runs", ["stream", "kv_reuse"], "Which prefills to trace.")
 flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
 
 def _trace(fn, log_dir: str) -> list[dict]:
-    with jax.profiler.trace(log_dir, create_perfetto_trace=True):
-        jax.block_until_ready(fn())
-    files = sorted(glob.glob(os.path.join(log_dir, "**", "*perfetto_trace.json.gz"), recursive=True),
-                   key=os.path.getmtime)
-    if not files:
-        raise RuntimeError(f"no perfetto trace under {log_dir}")
-    with gzip.open(files[-1], "rt") as f:
-        return json.load(f)["traceEvents"]
+    return trace_events(lambda: jax.block_until_ready(fn()), log_dir)[1]
 
 
 def main(argv):

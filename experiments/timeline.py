@@ -1,9 +1,19 @@
-"""Reduction of a ``jax.profiler`` timeline (perfetto / chrome trace JSON) to copy vs compute on the
-GPU: how much of the host-to-device copy time runs while kernels run (issue 12, item 5). No flags
-here, so tests and notebooks import it freely (``experiments/profile_overlap.py`` is the script).
+"""Reductions of a ``jax.profiler`` timeline (perfetto / chrome trace JSON). No flags here, so tests
+and notebooks import it freely.
+
+* :func:`summarize_trace`: copy vs compute on the GPU: how much of the host-to-device copy time
+  runs while kernels run (issue 12, item 5; the script is ``experiments/profile_overlap.py``).
+* :func:`step_breakdown`: where a step's device time goes, by op category (attention, router,
+  slot table, experts, norms, ...) and idle gaps (issue 13; ``experiments/profile_step.py``).
+  Events are classified by kernel name and by the ``op_name`` metadata (the ``jax.named_scope``
+  path) of their HLO instruction (:func:`hlo_op_names`), on GPU kernels or, on the CPU backend,
+  on the host events that execute each HLO instruction.
+* :func:`trace_events`: runs a function under the profiler and reads the trace back.
 """
 
 from __future__ import annotations
+
+import re
 
 
 COPY_WORDS = ("memcpyh2d", "memcpyhtod", "copy-start")  # host-to-device copies (D2D / D2H are compute-side)
@@ -72,3 +82,298 @@ def summarize_trace(events: list[dict], gap_us: float = 500.0) -> dict:
             "compute_s": sum(e - s for s, e in ku) / 1e6, "span_s": span,
             "copy_overlapped_fraction": _overlap(cu, ku) / copy_t if copy_t else 0.0,
             "bursts": bursts, "top_gpu_events_s": {k: v / 1e6 for k, v in top.items()}}
+
+
+# --------------------------------------------------------------------------------------------
+# Trace capture
+# --------------------------------------------------------------------------------------------
+def trace_events(fn, log_dir: str, python_tracer: bool = True):
+    """Runs ``fn()`` under ``jax.profiler.trace`` (perfetto output in ``log_dir``) and returns
+    (fn's value, the trace's ``traceEvents``). ``fn`` must wait for its device work itself
+    (``jax.block_until_ready``). ``python_tracer=False`` leaves Python function events out (a
+    smaller trace; ``jax.profiler.TraceAnnotation`` events stay).
+
+    Raises:
+      RuntimeError: no perfetto trace was written under ``log_dir``.
+    """
+    import glob
+    import gzip
+    import json
+    import os
+
+    import jax
+    opts = jax.profiler.ProfileOptions()
+    if not python_tracer:
+        opts.python_tracer_level = 0
+    with jax.profiler.trace(log_dir, create_perfetto_trace=True, profiler_options=opts):
+        value = fn()
+    files = sorted(glob.glob(os.path.join(log_dir, "**", "*perfetto_trace.json.gz"), recursive=True),
+                   key=os.path.getmtime)
+    if not files:
+        raise RuntimeError(f"no perfetto trace under {log_dir}")
+    with gzip.open(files[-1], "rt") as f:
+        return value, json.load(f)["traceEvents"]
+
+
+# --------------------------------------------------------------------------------------------
+# Where a step's device time goes (experiments/profile_step.py, issue 13)
+# --------------------------------------------------------------------------------------------
+#: Categories of device time, in table order. attention: the attention block (QKV / output
+#: projections, RoPE, KV cache writes, the attention itself, Pallas decode_attention /
+#: flash_prefill); router: router matmul, softmax, top-k; slot_table: slot-table lookup and
+#: the routed-expert mask; experts: expert gather and matmuls (Pallas moe_decode, grouped matmul);
+#: norm: RMSNorms; head: what runs outside the layer loop (embedding rows, last-token select, LM
+#: head); h2d_copy: host-to-device copies and the device side of expert / layer / KV loads;
+#: loop: the layer loop's own work (per-layer slicing of the stacked weights and cache, loop
+#: condition, device-to-host copies of the loop predicate); other: everything else (residual
+#: adds, stats, memsets, ops the profile could not name). Idle device time inside a step is
+#: ``gap`` (reported beside these).
+CATEGORIES = ("attention", "router", "slot_table", "experts", "norm", "head", "h2d_copy", "loop", "other")
+
+#: jax.named_scope names set in ftjax (grep named_scope ftjax/) -> category; the innermost wins.
+SCOPE_CATEGORY = {"attention": "attention", "gated_deltanet": "attention", "router": "router",
+                  "slot_lookup": "slot_table", "experts": "experts", "shared_expert": "experts",
+                  "cpu_experts": "experts", "norm": "norm", "expert_fetch": "h2d_copy", "stream_prefetch": "h2d_copy",
+                  "kv_prefix_load": "h2d_copy", "kv_prefix_state_load": "h2d_copy",
+                  "moe": "other", "kv_store": "other"}  # the rest of the MoE block: residual add, reshapes
+
+_H2D_WORDS = ("memcpyh2d", "memcpyhtod", "memcpy htod")
+_D2H_WORDS = ("memcpyd2h", "memcpydtoh", "memcpy dtoh")
+#: Derived rows of a GPU process in the trace (not kernels: they repeat the kernels' time).
+_DERIVED_LINES = ("xla modules", "xla ops", "steps", "tensorflow ops", "framework", "source", "launch stats",
+                  "scope range", "xla tracemes")
+_CONTAINER = re.compile(r"^(while|conditional|call)(\.\d+)?$")  # host events that hold other ops' events
+_INSTR = re.compile(r"^\s*(ROOT\s+)?%?([A-Za-z_][\w.\-]*)\s*=\s*(.+)$")
+_HEADER = re.compile(r"^\s*(?:ENTRY\s+)?%?([A-Za-z_][\w.\-]*)\s*\(.*\{\s*$")
+
+
+def _norm_name(name: str) -> str:
+    """An HLO instruction name as XLA spells a GPU kernel after it ("fusion.19" -> "fusion_19")."""
+    return re.sub(r"\W", "_", name.lstrip("%"))
+
+
+def hlo_op_names(hlo_text: str) -> dict[str, str]:
+    """Instruction name -> ``op_name`` metadata (the jax name stack: ``jit(f)/while/body/moe/experts/
+    dot_general``) of a compiled program's HLO text (``compiled.as_text()``).
+
+    An instruction without metadata (XLA drops it in some rewrites: the CPU backend's dots) takes
+    its called computation's root op_name (fusions), else that of its first user that has one,
+    else of its first operand that has one; a matmul (dot, convolution) borrowing a name inside a
+    ``norm`` scope takes the scope around it (a norm has no matmul: it is the projection after
+    one). Every name is also keyed as a GPU kernel would be named after it (``.`` and ``-`` ->
+    ``_``). Returns {} for text with no metadata.
+    """
+    instrs = []  # (computation, is root, name, opcode, op_name or None, called computation, refs)
+    users: dict[str, list[str]] = {}
+    comp = None
+    for line in hlo_text.splitlines():
+        m = _INSTR.match(line)
+        if m is None:
+            h = _HEADER.match(line)
+            if h:
+                comp = h.group(1)
+            continue
+        root, name, rest = m.groups()
+        meta = re.search(r'op_name="([^"]*)"', rest)
+        opcode = re.search(r"(?:^|[\s)])([a-z][a-z0-9\-]*)\(", rest)
+        called = re.search(r"\b(?:calls|to_apply|body)=%?([\w.\-]+)", rest)
+        refs = re.findall(r"%([\w.\-]+)", rest)
+        instrs.append((comp, bool(root), name, opcode.group(1) if opcode else "", meta.group(1) if meta else None,
+                       called.group(1) if called else None, refs))
+        for r in refs:
+            users.setdefault(r, []).append(name)
+    own = {name: op for _, _, name, _, op, _, _ in instrs if op is not None}
+    names: dict[str, str] = {}
+    comp_root: dict[str, str] = {}
+    for comp, root, name, opcode, op, called, refs in instrs:  # callees are printed before their callers
+        if op is None and called is not None:
+            op = comp_root.get(called)
+        if op is None:
+            op = next((own[u] for u in users.get(name, ()) if u in own), None)
+        if op is None:
+            op = next((names[r] for r in refs if r in names), None)
+        if op is None:
+            continue
+        if name not in own and opcode in ("dot", "convolution") and "norm" in op.split("/")[:-1]:
+            op = "/".join(op.split("/")[: op.split("/").index("norm")] + ["dot_general"])
+        names[name] = op
+        if root and comp is not None:
+            comp_root[comp] = op
+    for name, op in list(names.items()):
+        names.setdefault(_norm_name(name), op)
+    return names
+
+
+def classify_op(name: str, op_name: str = "") -> str:
+    """The :data:`CATEGORIES` entry of one device event.
+
+    name: the kernel or op event's name (a GPU kernel, ``MemcpyH2D``, a CPU thunk such as
+    ``dot.39``); op_name: its HLO instruction's ``op_name`` metadata ("" when unknown; see
+    :func:`hlo_op_names`). Copies are classified by name; then the innermost ftjax named scope in
+    op_name decides (:data:`SCOPE_CATEGORY`); an op in the layer loop outside every named scope is
+    ``loop``, one outside the loop ``head``; with no op_name, the Pallas kernels' names
+    (moe_decode, decode_attention, flash_prefill) still name their category; else ``other``.
+    """
+    low = name.lower()
+    if any(w in low for w in _H2D_WORDS):
+        return "h2d_copy"
+    if any(w in low for w in _D2H_WORDS):
+        return "loop"
+    if "memset" in low or "memcpy" in low:
+        return "other"
+    parts = [p for p in op_name.split("/") if p]
+    for p in reversed(parts[:-1]):  # the last part is the primitive
+        if p in SCOPE_CATEGORY:
+            return SCOPE_CATEGORY[p]
+    if parts:
+        return "loop" if "while" in parts else "head"
+    if "moe_decode" in low or "grouped" in low:
+        return "experts"
+    if "attention" in low or "flash" in low:
+        return "attention"
+    return "other"
+
+
+def device_events(events: list[dict]) -> tuple[list[dict], str]:
+    """The device work of a trace: (events, source).
+
+    On a GPU trace (a process whose name mentions a GPU; source "gpu"): its complete ("X") events
+    (kernels, memcpys, memsets), less derived rows such as "XLA Ops" that repeat them. Without
+    one (the CPU backend; source "host"): the host events that execute one HLO instruction
+    (``args.hlo_op``), less control-flow containers (while / conditional / call) whose time is
+    their body ops'. Each returned event: {ts, end (microseconds), tid, name, hlo_op, hlo_module}.
+    """
+    pname, tname = {}, {}
+    for ev in events:
+        if ev.get("ph") == "M" and ev.get("name") == "process_name":
+            pname[ev.get("pid")] = str(ev.get("args", {}).get("name", ""))
+        if ev.get("ph") == "M" and ev.get("name") == "thread_name":
+            tname[(ev.get("pid"), ev.get("tid"))] = str(ev.get("args", {}).get("name", "")).lower()
+    gpu = {p for p, n in pname.items() if "gpu" in n.lower()}
+    out = []
+    for ev in events:
+        if ev.get("ph") != "X" or "dur" not in ev:
+            continue
+        args = ev.get("args") or {}
+        name, hlo = str(ev.get("name", "")), str(args.get("hlo_op", ""))
+        if gpu:
+            if ev.get("pid") not in gpu or any(w in tname.get((ev.get("pid"), ev.get("tid")), "")
+                                               for w in _DERIVED_LINES):
+                continue
+        elif not hlo or name.startswith("end: ") or _CONTAINER.match(hlo):
+            continue
+        s = float(ev["ts"])
+        out.append({"ts": s, "end": s + float(ev["dur"]), "tid": (ev.get("pid"), ev.get("tid")), "name": name,
+                    "hlo_op": hlo, "hlo_module": str(args.get("hlo_module", ""))})
+    return out, "gpu" if gpu else "host"
+
+
+def step_windows(events: list[dict], prefix: str) -> list[tuple[float, float]]:
+    """[start, end) in microseconds of the host annotations named ``prefix#<i>``
+    (``jax.profiler.TraceAnnotation(f"{prefix}#{i}")``), in order of i."""
+    found = []
+    for ev in events:
+        name = str(ev.get("name", ""))
+        if ev.get("ph") == "X" and "dur" in ev and name.startswith(prefix + "#") and name[len(prefix) + 1:].isdigit():
+            found.append((int(name[len(prefix) + 1:]), float(ev["ts"]), float(ev["ts"]) + float(ev["dur"])))
+    return [(s, e) for _, s, e in sorted(found)]
+
+
+def _attribute(items: list[tuple[float, float, object, str]]) -> dict[str, float]:
+    """Busy time per category of (start, end, tid, category) intervals: every moment with work is
+    split equally among the threads (GPU streams, CPU threads) busy then, each thread's share to
+    its innermost (latest started) event. The values sum to the union of the intervals."""
+    items = sorted(items, key=lambda x: (x[0], x[1]))
+    bounds = sorted({t for s, e, _, _ in items for t in (s, e)})
+    out: dict[str, float] = {}
+    active, j = [], 0
+    for a, b in zip(bounds, bounds[1:]):
+        while j < len(items) and items[j][0] <= a:
+            active.append(items[j])
+            j += 1
+        active = [x for x in active if x[1] > a]
+        if not active:
+            continue
+        inner: dict = {}
+        for x in active:
+            cur = inner.get(x[2])
+            if cur is None or (x[0], -x[1]) > (cur[0], -cur[1]):
+                inner[x[2]] = x
+        share = (b - a) / len(inner)
+        for x in inner.values():
+            out[x[3]] = out.get(x[3], 0.0) + share
+    return out
+
+
+def step_breakdown(events: list[dict], op_names: dict[str, str] | None = None, prefix: str = "profile_step",
+                   module: str | None = None, top: int = 5) -> dict:
+    """Where the device time of each traced step goes, by :data:`CATEGORIES`.
+
+    events: a trace's ``traceEvents``; op_names: :func:`hlo_op_names` of the traced program (an
+    event's instruction is its ``hlo_op``, else its name); prefix: the steps are the host
+    annotations ``prefix#<i>`` (:func:`step_windows`; without any, the whole trace is one step),
+    a device event belonging to the step it starts in; module: if given, events of other programs
+    (an ``args.hlo_module`` without this text) are left out.
+
+    Per step, in seconds: ``span_s`` (first device event's start to last one's end), ``busy_s``
+    (union of device events), ``gap_s`` = span - busy (idle device time inside the step; with it,
+    the categories sum to the span), ``idle_intervals`` (how many idle stretches) and ``idle_max_s``,
+    ``window_s`` (the host annotation: dispatch + device + sync). Returns the mean over steps of
+    these, ``categories`` {name: {s (busy time, overlaps split; sums to busy_s), fraction (of
+    span_s), kernel_s (summed event durations), count (events per step)}}, ``top_ops`` (per
+    category the ``top`` event names by kernel_s), ``unnamed_kernel_s`` / ``unnamed_count`` (events
+    per step whose instruction had no op_name: classified by name alone), ``steps`` (their count),
+    ``per_step`` (span, busy, gap of each) and ``source`` ("gpu" or "host", :func:`device_events`).
+
+    Raises:
+      ValueError: no device event inside any step.
+    """
+    op_names = op_names or {}
+    dev, source = device_events(events)
+    if module:
+        dev = [e for e in dev if not e["hlo_module"] or module in e["hlo_module"]]
+    windows = step_windows(events, prefix) or ([(min(e["ts"] for e in dev), max(e["end"] for e in dev) + 1.0)]
+                                                if dev else [])
+    per_step, cats, names = [], {c: {"s": 0.0, "kernel_s": 0.0, "count": 0} for c in CATEGORIES}, {}
+    unnamed = [0.0, 0]  # summed durations and count of the events with no HLO op_name found
+    for w0, w1 in windows:
+        evs = [e for e in dev if w0 <= e["ts"] < w1]
+        if not evs:
+            continue
+        items = []
+        for e in evs:
+            op = next((op_names[k] for k in (e["hlo_op"], _norm_name(e["hlo_op"]), e["name"], _norm_name(e["name"]))
+                       if k and k in op_names), "")
+            cat = classify_op(e["name"], op)
+            items.append((e["ts"], e["end"], e["tid"], cat))
+            if not op:
+                unnamed[0] += (e["end"] - e["ts"]) / 1e6
+                unnamed[1] += 1
+            cats[cat]["kernel_s"] += (e["end"] - e["ts"]) / 1e6
+            cats[cat]["count"] += 1
+            key = (cat, e["name"][:80])
+            names[key] = names.get(key, 0.0) + (e["end"] - e["ts"]) / 1e6
+        busy = _merge([(s, e) for s, e, _, _ in items])
+        idle = [b[0] - a[1] for a, b in zip(busy, busy[1:])]
+        span = busy[-1][1] - busy[0][0]
+        busy_t = sum(e - s for s, e in busy)
+        for cat, t in _attribute(items).items():
+            cats[cat]["s"] += t / 1e6
+        per_step.append({"span_s": span / 1e6, "busy_s": busy_t / 1e6, "gap_s": (span - busy_t) / 1e6,
+                         "idle_intervals": len(idle), "idle_max_s": max(idle, default=0.0) / 1e6,
+                         "window_s": (w1 - w0) / 1e6, "events": len(evs)})
+    if not per_step:
+        raise ValueError(f"no device event inside the {len(windows)} step window(s) ({len(dev)} device events)")
+    n = len(per_step)
+    mean = {k: sum(p[k] for p in per_step) / n for k in per_step[0]}
+    for c in cats.values():
+        c["s"] /= n
+        c["kernel_s"] /= n
+        c["count"] /= n
+        c["fraction"] = c["s"] / mean["span_s"] if mean["span_s"] else 0.0
+    top_ops = {c: dict(sorted(((nm, t / n) for (cc, nm), t in names.items() if cc == c), key=lambda kv: -kv[1])[:top])
+               for c in CATEGORIES}
+    gap_fraction = mean["gap_s"] / mean["span_s"] if mean["span_s"] else 0.0
+    return {"source": source, "steps": n, **mean, "gap_fraction": gap_fraction, "unnamed_kernel_s": unnamed[0] / n,
+            "unnamed_count": unnamed[1] / n, "categories": cats,
+            "top_ops": {c: v for c, v in top_ops.items() if v}, "per_step": per_step}

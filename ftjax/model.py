@@ -95,17 +95,19 @@ def init_kv_cache(cfg: ModelConfig, batch: int, max_seq_len: int, dtype) -> KVCa
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     """RMSNorm computed in float32, scaled by ``w`` in the input dtype (as transformers does)."""
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return w * y.astype(x.dtype)
+    with jax.named_scope("norm"):  # names the ops for profiles (experiments/profile_step.py)
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+        return w * y.astype(x.dtype)
 
 
 def rms_norm_offset(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     """RMSNorm with zero-centred weights (Qwen3.5 / Qwen3-Next): the float32 normalised x times
     ``1 + w`` in float32, then cast to x's dtype (transformers' ``Qwen3_5MoeRMSNorm``)."""
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
+    with jax.named_scope("norm"):
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+        return (y * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
 
 
 def norm_fn(cfg: ModelConfig) -> Callable[[jax.Array, jax.Array, float], jax.Array]:
@@ -186,12 +188,13 @@ def route(cfg: ModelConfig, x: jax.Array, w_router: jax.Array) -> tuple[jax.Arra
     x: [N, D]; w_router: [D, E]. Returns (expert ids int32 [N, k], weights [N, k] in x's dtype).
     Probabilities in float32; renormalised over the top k when ``cfg.norm_topk_prob``.
     """
-    logits = (x @ w_router).astype(jnp.float32)
-    probs = jax.nn.softmax(logits, axis=-1)
-    w, ids = jax.lax.top_k(probs, cfg.top_k)
-    if cfg.norm_topk_prob:
-        w = w / jnp.sum(w, axis=-1, keepdims=True)
-    return ids.astype(jnp.int32), w.astype(x.dtype)
+    with jax.named_scope("router"):
+        logits = (x @ w_router).astype(jnp.float32)
+        probs = jax.nn.softmax(logits, axis=-1)
+        w, ids = jax.lax.top_k(probs, cfg.top_k)
+        if cfg.norm_topk_prob:
+            w = w / jnp.sum(w, axis=-1, keepdims=True)
+        return ids.astype(jnp.int32), w.astype(x.dtype)
 
 
 class LayerRouting(NamedTuple):

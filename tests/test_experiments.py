@@ -82,10 +82,44 @@ def test_bench_prefill_smoke(tmp_path):
         assert r["streamed"] == r["variant"].startswith("stream")
         assert (r["h2d_bytes"] > 0) == (r["variant"] != "resident")
         assert (r["d2d_bytes"] > 0) == (r["variant"] == "stream_warm")
+        assert r["expert_dtype"] == "dense" and r["pool_bytes"] == d["pool_bytes"] == 4 * 16 * 3 * 128 * 128 * 4
     for n in (64, 256):  # the same expert bytes reach the streamed layers, D2D or over PCIe
         on, off = ({r["variant"]: r for r in d["results"] if r["tokens"] == n}[v] for v in ("stream_warm",
                                                                                          "stream_warm_no_d2d"))
         assert on["h2d_bytes"] + on["d2d_bytes"] == off["h2d_bytes"] and "d2d_speedup" in on
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import plots
+    assert plots.plot(str(tmp_path / "bench_prefill_tiny.json"), str(tmp_path / "p.png"))
+
+
+def test_bench_prefill_expert_dtypes_smoke(tmp_path):
+    """Per format: its own pool bytes (quantized weights + float32 scales), its own copy bound
+    from them and its own resident time; a quantized stream computes what its resident run does."""
+    from ftjax.experts import quant
+    d = _run("bench_prefill", tmp_path, "--preset=tiny", "--dtype=float32", "--lengths=256", "--prefill_chunk=128",
+             "--vram_budget_gb=1.02", "--variants=stream,resident", "--repeats=1", "--expert_dtypes=bfloat16,int8")
+    rows = {(r["expert_dtype"], r["variant"]): r for r in d["results"]}
+    assert set(rows) == {(f, v) for f in ("bfloat16", "int8") for v in ("stream", "resident")}
+    bp = d["B_P"]["h2d_GBps"]["median"] * 1e9
+    for (fmt, variant), r in rows.items():
+        assert "error" not in r, r
+        assert r["expert_bytes"] == quant.expert_bytes("dense" if fmt == "bfloat16" else fmt, 128, 128, 2)
+        assert r["pool_bytes"] == 4 * 16 * r["expert_bytes"] == d["pool_bytes_by_format"][fmt]
+        assert r["h2d_bytes"] % r["expert_bytes"] == 0 and (r["h2d_bytes"] > 0) == (variant == "stream")
+        if variant == "stream":
+            assert r["copy_bound_s"] == pytest.approx(r["chunks"] * r["pool_bytes"] / bp)
+            res = rows[(fmt, "resident")]["ttft_s"]["median"]
+            assert r["bound_s"] == pytest.approx(max(r["copy_bound_s"], res))
+            assert r["ratio_to_bound"] == pytest.approx(r["ttft_s"]["median"] / r["bound_s"])
+    # int8: 1 byte per weight plus its scales, still well under half of bf16's 2 bytes
+    assert 3 * 128 * 128 < rows[("int8", "stream")]["expert_bytes"] < rows[("bfloat16", "stream")]["expert_bytes"] / 1.5
+    assert rows[("int8", "stream")]["copy_bound_s"] < rows[("bfloat16", "stream")]["copy_bound_s"]
+    assert d["logits_max_abs_diff_vs_resident_by_format"]["int8"]["stream"] == 0.0
+    assert d["logits_max_abs_diff_vs_resident"] == d["logits_max_abs_diff_vs_resident_by_format"]["bfloat16"]
+    assert d["memory_plans"]["int8/256/scan"]["expert_bytes"] == rows[("int8", "stream")]["expert_bytes"]
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import plots
+    assert plots.plot(str(tmp_path / "bench_prefill_tiny.json"), str(tmp_path / "p.png"))
 
 
 def test_bench_kv_reuse_smoke(tmp_path):
@@ -276,3 +310,41 @@ def test_profile_overlap_smoke(tmp_path):
     assert set(d["runs"]) == {"stream", "kv_reuse"}
     assert d["runs"]["kv_reuse"]["reused_tokens"] == 256
     assert sum(d["runs"]["stream"]["driver_calls"].values()) == 2  # the warm-up prefill and the traced one
+
+
+def test_profile_step_smoke(tmp_path):
+    """Every run profiled on the CPU backend (host events per HLO instruction): the categories
+    account for the busy time, the named blocks all show up, bytes and floor as documented."""
+    d = _run("profile_step", tmp_path, "--preset=tiny", "--dtype=float32", "--vram_budget_gb=1.02", "--prompt_len=32",
+             "--prefill_tokens=256", "--warm_steps=2", "--timed_steps=3", "--trace_steps=2", "--hbm_gb=0.0625")
+    _meta(d)
+    assert d["hbm"]["GBps"] > 0 and d["hbm"]["bytes"] == 2 * 2**26
+    runs = {(r["run"], r["batch"]): r for r in d["runs"]}
+    assert set(runs) == {("cached_decode", 1), ("cached_decode", 4), ("resident_decode", 1), ("resident_decode", 4),
+                         ("resident_prefill", 1)}
+    eb = 3 * 128 * 128 * 4  # one tiny float32 expert
+    for key, r in runs.items():
+        assert "error" not in r, r
+        p, cats, b = r["profile"], r["profile"]["categories"], r["bytes"]
+        assert p["source"] == "host" and p["steps"] == r["traced_steps"] == (1 if key[0] == "resident_prefill" else 2)
+        assert 0 < r["step_s"]["min"] <= r["step_s"]["median"] <= r["step_s"]["max"]
+        assert sum(c["s"] for c in cats.values()) == pytest.approx(p["busy_s"], rel=1e-6)
+        assert p["busy_s"] + p["gap_s"] == pytest.approx(p["span_s"])
+        assert 0 < p["busy_s"] <= p["span_s"] <= p["window_s"]
+        for c in ("attention", "router", "experts", "norm", "head"):  # classified from the named scopes
+            assert cats[c]["s"] > 0 and cats[c]["count"] > 0, (key, c)
+        assert cats["slot_table"]["count"] > 0  # the routed-expert mask, in every mode
+        assert (cats["h2d_copy"]["count"] > 0) == (key[0] == "cached_decode")  # the fetch loop
+        assert b["hbm_total"] == sum(b["hbm"].values()) and b["h2d_link"] == b["hbm"]["h2d_copy"]
+        assert b["hbm"]["experts"] == r["routing"]["distinct_experts_per_step"] * eb
+        assert b["h2d_link"] == r["routing"]["fetched_experts_per_step"] * eb
+        assert r["floor"]["hbm_s"] == pytest.approx(b["hbm_total"] / (d["hbm"]["GBps"] * 1e9))
+        assert r["floor"]["s"] == max(r["floor"]["hbm_s"], r["floor"]["h2d_s"])
+        assert r["ratio_to_floor"] == pytest.approx(r["step_s"]["median"] / r["floor"]["s"])
+        assert cats["experts"]["bytes"] == b["hbm"]["experts"] and r["flops"] > 0 and r["xla_cost"]["flops"] > 0
+    assert runs[("resident_decode", 1)]["routing"]["distinct_experts_per_step"] == 4 * 4  # L layers x top-k
+    assert runs[("resident_decode", 4)]["routing"]["fetched_experts_per_step"] == 0
+    assert runs[("resident_prefill", 1)]["tokens"] == 256
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import plots
+    assert plots.plot(str(tmp_path / "profile_step_tiny.json"), str(tmp_path / "p.png"))

@@ -105,9 +105,10 @@ def experts_from_layer(x: jax.Array, ids: jax.Array, weights: jax.Array, gate_up
     with no gather copy (issue 12, item 2). ids: int32 [N, k] expert ids. Same arithmetic, and the
     same formulation choice by N*k, as :func:`experts_from_pool` with slot = expert id.
     """
-    if ids.size <= GATHER_MAX_PAIRS:
-        return experts_gather(x, ids, weights, gate_up, down, scales, fmt)
-    return experts_grouped(x, ids, weights, gate_up, down, scales, fmt)
+    with jax.named_scope("experts"):  # names the ops for profiles (experiments/profile_step.py)
+        if ids.size <= GATHER_MAX_PAIRS:
+            return experts_gather(x, ids, weights, gate_up, down, scales, fmt)
+        return experts_grouped(x, ids, weights, gate_up, down, scales, fmt)
 
 
 def experts_from_pool(x: jax.Array, ids: jax.Array, weights: jax.Array, slot_of_expert: jax.Array,
@@ -128,9 +129,10 @@ def experts_from_pool(x: jax.Array, ids: jax.Array, weights: jax.Array, slot_of_
     cuda), and on the H200 a 24 GB cached engine (2109 slots) compiled for 160 to 194 s, with a
     10 s TTFT for a 16-token prompt (docs/MISS_POLICY.md, "Open").
     """
-    slots = slot_of_expert[ids]
-    if ids.size <= GATHER_MAX_PAIRS:
-        return experts_gather(x, slots, weights, gate_up, down, scales, fmt)
-    safe = jnp.maximum(slot_of_expert, 0)
-    layer_scales = None if scales is None else tuple(s[safe] for s in scales)
-    return experts_grouped(x, ids, weights, gate_up[safe], down[safe], layer_scales, fmt)
+    with jax.named_scope("experts"):
+        slots = slot_of_expert[ids]
+        if ids.size <= GATHER_MAX_PAIRS:
+            return experts_gather(x, slots, weights, gate_up, down, scales, fmt)
+        safe = jnp.maximum(slot_of_expert, 0)
+        layer_scales = None if scales is None else tuple(s[safe] for s in scales)
+        return experts_grouped(x, ids, weights, gate_up[safe], down[safe], layer_scales, fmt)

@@ -68,7 +68,8 @@ def make_expert_fn(mode: str, num_experts: int, banks: ExpertBanks | None = None
     e = num_experts
 
     def expert_fn(state: ExpertState, layer: jax.Array, r: LayerRouting):
-        routed = routed_mask(r.ids, r.valid, e)
+        with jax.named_scope("slot_lookup"):
+            routed = routed_mask(r.ids, r.valid, e)
         if mode == "resident":
             slot_of_expert = layer * e + jnp.arange(e, dtype=jnp.int32)
             stats = LayerStats.fetch_only(jnp.sum(routed, dtype=jnp.int32), jnp.int32(0), _trace_ids(r))

@@ -115,9 +115,11 @@ _keep_rows = jax.jit(lambda mask, new, old: jnp.where(mask[:, None], new, old))
 _COMPILED: dict[tuple, Any] = {}
 
 #: Whether ``prefill_driver="auto"`` runs a call that loads a reused prefix from host memory on the
-#: layer-pipelined driver on a GPU (layer l+1's KV chunks copied while layer l computes; measured:
-#: docs/OVERLAP.md, "The layerwise KV load").
-PIPELINE_PREFIX = True
+#: layer-pipelined driver on a GPU. Off: with today's store layout (one host array per chunk) a 16k
+#: prefix is 64 copies of 512 KB per layer issued from Python, and the H200 measured the pipelined
+#: reuse at 277 ms against 141 ms for the scan's in-program copies (docs/OVERLAP.md, "The layerwise
+#: KV load"). A layout with one host array per layer would make it one copy per layer.
+PIPELINE_PREFIX = False
 
 
 def compiled_programs(fn_name: str | None = None):
@@ -310,10 +312,9 @@ class Engine:
     def pipelines(self, stream: bool, prefix=()) -> bool:
         """Whether a prefill call runs on the layer-pipelined driver (``ftjax.layer_pipeline``):
         ``prefill_driver`` "pipelined", or "auto" on a GPU for a call that streams whole layers of
-        experts. A call that only reuses a prefix stays on the scan under "auto": its layer copies
-        are 62 pieces of 512 KB per layer at 16k tokens, and issuing them from Python (~0.3 ms
-        each) costs more than the 31 ms load it would hide (docs/OVERLAP.md). A prefix already on
-        the device (the load-all-first ablation) always runs on the scan."""
+        experts. A call that only reuses a prefix stays on the scan under "auto" (see
+        :data:`PIPELINE_PREFIX` for the measurement). A prefix already on the device (the
+        load-all-first ablation) always runs on the scan."""
         if self.cfg.is_hybrid:  # its block scan is the only driver (refused with "pipelined" by the config)
             return False
         on_host = bool(prefix) and memory.memory_kind(prefix[0]) in ("pinned_host", "unpinned_host")

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import load_fixture
+from ftjax import engine as engine_lib
 from ftjax import layer_pipeline, memory
 from ftjax.config import EngineConfig, KVOffloadConfig
 from ftjax.engine import Engine
@@ -103,6 +104,9 @@ def test_driver_choice():
     auto = Engine(model, EngineConfig("cached", num_slots=2 * e))
     # on the CPU, auto keeps the scan (there is nothing to overlap); on a GPU it pipelines host copies
     assert auto.pipelines(True, ()) == (memory.backend() == "gpu")
+    # a prefix-only call stays on the scan under auto (engine.PIPELINE_PREFIX: measured slower on the H200)
+    assert auto.pipelines(False, (host,)) == auto.pipelines_prefix() == (
+        memory.backend() == "gpu" and engine_lib.PIPELINE_PREFIX)
     forced = Engine(model, EngineConfig("cached", num_slots=2 * e, prefill_driver="pipelined"))
     assert forced.pipelines(False, ()) and forced.pipelines(True, (host,))
     assert not forced.pipelines(False, (dev,))  # a prefix already on the device: the load-all-first ablation

@@ -169,13 +169,16 @@ def test_flash_prefill_supported_and_impl_env(monkeypatch):
 def test_select_modes(monkeypatch):
     monkeypatch.delenv(select.ENV, raising=False)
     assert select.mode("moe_decode") == ("gpu" if jax.default_backend() == "gpu" else "xla")
+    assert select.mode("moe_decode", auto=False) == "xla"  # auto skips a kernel measured slower than XLA
     monkeypatch.setenv(select.ENV, "interpret")
     assert select.mode("decode_attention") == "interpret"
     assert select.mode("decode_attention", supported=False) == "xla"
+    assert select.mode("moe_decode", auto=False) == "interpret"  # tests still run it
     monkeypatch.setenv(select.ENV, "xla")
     assert select.mode("flash_prefill") == "xla"
     monkeypatch.setenv(select.ENV, "moe_decode, flash_prefill")
     assert select.mode("decode_attention") == "xla" and select.mode("flash_prefill") != "xla"
+    assert select.mode("moe_decode", auto=False) != "xla"  # named: runs even where auto would not
     monkeypatch.setenv(select.ENV, "moe_decode,bogus")
     with pytest.raises(ValueError, match="bogus"):
         select.mode("moe_decode")

@@ -324,7 +324,10 @@ def maybe_pairs(x: jax.Array, slots: jax.Array, gate_up: jax.Array, down: jax.Ar
         t["d_split"] = 1
     elif t["d_split"] == 0:
         t["d_split"] = auto_d_split(slots.size, x.shape[-1], down.shape[1], t["block_d"], t["block_f"], fmt)
-    how = select.mode("moe_decode", supported(x, gate_up, down, fmt, t["block_d"], t["block_f"], t["d_split"]))
+    # int4 under auto: XLA. With this kernel the int4 cached decode step at 8 GB got slower (62.0 -> 51.3
+    # tok/s on the H200, while int8 went 59.3 -> 68.0), so its unpacking is not yet worth it.
+    how = select.mode("moe_decode", supported(x, gate_up, down, fmt, t["block_d"], t["block_f"], t["d_split"]),
+                      auto=fmt != "int4")
     if how == "xla":
         return None
     return moe_decode_pairs(x, slots, gate_up, down, scales, fmt, interpret=how == "interpret", **t)

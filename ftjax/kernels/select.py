@@ -48,12 +48,14 @@ KERNELS = ("moe_decode", "decode_attention", "flash_prefill")
 ENV = "FTJAX_KERNELS"
 
 
-def mode(name: str, supported: bool = True) -> str:
+def mode(name: str, supported: bool = True, auto: bool = True) -> str:
     """How op ``name`` runs in the function being traced: "xla", "gpu" or "interpret".
 
     supported: whether the kernel handles these operands on a GPU (shapes, dtypes); an
     unsupported case falls back to "xla" under ``auto`` and a name list, and stays "interpret"
     under ``interpret`` only when the kernel's own checks pass (the caller passes the same flag).
+    auto: whether ``auto`` picks the kernel for these operands on a GPU (False where it was measured
+    slower than XLA; a name list still runs it).
     Raises:
       ValueError: unknown kernel name, or an unknown name in the variable.
     """
@@ -66,7 +68,7 @@ def mode(name: str, supported: bool = True) -> str:
     if value == "interpret":
         return "interpret"
     if value == "auto":
-        return "gpu" if on_gpu else "xla"
+        return "gpu" if on_gpu and auto else "xla"
     names = [v.strip() for v in value.split(",") if v.strip()]
     bad = [n for n in names if n not in KERNELS]
     if bad:

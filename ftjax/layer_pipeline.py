@@ -52,8 +52,8 @@ def host_view(x: jax.Array) -> np.ndarray:
     """A numpy array of ``x``'s shape and dtype over ``x``'s own buffer (no copy).
 
     x: a single-device array in host memory (``pinned_host`` / ``unpinned_host``, or any array
-    on the CPU backend). The view is valid while ``x`` is alive and not donated; the caller keeps
-    ``x``.
+    on the CPU backend); waited for (``block_until_ready``) first. The view is valid while ``x`` is
+    alive and not donated; the caller keeps ``x``.
     Raises:
       ValueError: ``x`` lives in device memory of an accelerator, or spans several devices.
     """
@@ -62,6 +62,9 @@ def host_view(x: jax.Array) -> np.ndarray:
     kind = x.sharding.memory_kind
     if memory.backend() != "cpu" and kind not in ("pinned_host", "unpinned_host"):
         raise ValueError(f"host_view needs an array in host memory, got memory kind {kind!r}")
+    # the pointer is read directly: wait for the copy or computation that fills x (an asynchronous
+    # device_put, a step's output moved to host memory), or the view would see the bytes before it
+    x.block_until_ready()
     buf = x.addressable_data(0)
     dtype = np.dtype(x.dtype)
     raw = (ctypes.c_uint8 * (x.size * dtype.itemsize)).from_address(buf.unsafe_buffer_pointer())

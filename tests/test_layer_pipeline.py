@@ -186,6 +186,18 @@ def test_serial_ablation_copies_each_layer_once_and_timed_prefill_compiles_nothi
         monkeypatch.undo()
 
 
+def test_host_view_waits_for_the_array_it_views():
+    """A host array still being filled (an asynchronous copy of a step's output, as stored KV chunks
+    are) is viewed only once it is ready: the view once read stale bytes (a flaky prefix load)."""
+    f = jax.jit(lambda a: jax.lax.fori_loop(0, 300, lambda i, b: b * 0.5 + 1.0, a))
+    x = jnp.zeros((1 << 22,), jnp.float32)
+    f(x).block_until_ready()  # compiled: the timed part below is only the computation
+    for _ in range(3):
+        y = jax.device_put(f(x), memory.host_sharding())
+        view = host_view(y).copy()
+        np.testing.assert_array_equal(view, np.asarray(y))
+
+
 def test_prefix_chunk_pieces_die_with_their_chunk():
     import gc
     from ftjax import layer_pipeline

@@ -53,7 +53,11 @@ def host_view(x: jax.Array) -> np.ndarray:
 
     x: a single-device array in host memory (``pinned_host`` / ``unpinned_host``, or any array
     on the CPU backend). The view is valid while ``x`` is alive and not donated; the caller keeps
-    ``x``.
+    ``x``. It does not wait for ``x``: while the work that writes ``x`` (a device-to-host copy, a
+    computation) is still running, the view's memory holds whatever was there before, and so
+    does a copy or :func:`pinned_alias` read through it (no dependency on that work). Whoever reads
+    it first waits for ``x`` (``x.block_until_ready()``; :class:`ExpertLayerSource` and
+    :class:`PrefixLayerSource` do); taking the view, or an alias of it, needs no wait.
     Raises:
       ValueError: ``x`` lives in device memory of an accelerator, or spans several devices.
     """
@@ -181,6 +185,7 @@ class ExpertLayerSource:
 
     def __init__(self, banks: ExpertBanks, num_experts: int):
         arrays = (banks.gate_up, banks.down) + tuple(banks.scales or ())
+        jax.block_until_ready(arrays)  # the views' copies read the bytes: they must be there (host_view)
         layers = banks.gate_up.shape[0] // num_experts
         self.num_experts = num_experts
         self.num_layers = layers
@@ -376,11 +381,19 @@ def _chunk_pieces(chunk: jax.Array, eager: bool = False) -> _LayerPieces:
         return entry[1]
     pieces = _LayerPieces([chunk], 1, chunk.shape[0], eager=eager, keep=False)  # the entry must not keep it
     try:
-        _CHUNK_PIECES[key] = (weakref.ref(chunk), pieces)
-        weakref.finalize(chunk, _CHUNK_PIECES.pop, key, None)
+        ref = weakref.ref(chunk)
     except TypeError:  # not weak-referenceable: no cache entry
-        _CHUNK_PIECES.pop(key, None)
+        return pieces
+    _CHUNK_PIECES[key] = (ref, pieces)
+    weakref.finalize(chunk, _drop_chunk_pieces, key, ref)
     return pieces
+
+
+def _drop_chunk_pieces(key: int, ref: weakref.ref) -> None:
+    """Finalizer of a chunk: drops its entry, and only its own (a later chunk may reuse the id)."""
+    entry = _CHUNK_PIECES.get(key)
+    if entry is not None and entry[0] is ref:
+        del _CHUNK_PIECES[key]
 
 
 def warm_prefix_chunks(chunks: Sequence[jax.Array]) -> float:
@@ -402,6 +415,10 @@ class PrefixLayerSource:
 
     def __init__(self, chunks: Sequence[jax.Array]):
         self.chunks = tuple(chunks)  # keeps the viewed chunks alive: the cached pieces do not
+        # The copies read the chunks' bytes through views and aliases that do not wait for the work
+        # writing them (host_view): a chunk stored by an earlier request is normally long written
+        # (then this costs nothing), one still being copied to host memory must be waited for here.
+        jax.block_until_ready(self.chunks)
         self._pieces = [_chunk_pieces(c) for c in self.chunks]  # padding repeats the last chunk: same pieces
 
     def put(self, layer: int) -> tuple:

@@ -330,3 +330,47 @@ def test_stream_d2d_hits_with_every_expert_cached():
     np.testing.assert_array_equal(got, want)
     m = (eng.counters["prefill"] - before).summary(model.expert_bytes)
     assert m["bytes_h2d"] == 0 and m["d2d_copies"] == 2 * nl * e and m["hit_rate"] == 1.0
+
+
+def _not_yet_written(shape, value):
+    """A host-memory array of ``value`` whose producing work is still running when this returns: a
+    chain of matmuls (~1 s on a CPU core) feeds it, and the host copy waits for that chain."""
+    x = jnp.eye(768, dtype=jnp.float32)
+    slow = jax.jit(lambda x: jax.lax.fori_loop(0, 40, lambda i, a: a @ x, x))
+    one = slow(x)[0, 0]  # exactly 1, known only once the chain has run
+    return jax.device_put(jnp.full(shape, value, jnp.float32) * one, memory.host_sharding())
+
+
+def test_prefix_and_expert_copies_wait_for_arrays_still_being_written():
+    """host_view takes a buffer's pointer without waiting for the work that writes it, so a copy read
+    through it straight away saw stale bytes (seen as garbage from PrefixLayerSource.put in a loaded
+    test run). The sources wait for their arrays before their first copy."""
+    chunk = _not_yet_written((4, 2, C, 2, 8), 3.25)
+    src = layer_pipeline.PrefixLayerSource([chunk])
+    np.testing.assert_array_equal(np.asarray(src.put(2)[0]), np.full((1, 2, C, 2, 8), 3.25, np.float32))
+    e, d, f = 4, 8, 16
+    gate_up, down = _not_yet_written((2 * e, d, 2 * f), 1.5), _not_yet_written((2 * e, f, d), -2.0)
+    from ftjax.experts.state import ExpertBanks
+    got = ExpertLayerSource(ExpertBanks(gate_up, down), e).put(1)
+    np.testing.assert_array_equal(np.asarray(got[0]).view(np.float32), np.full((e, d, 2 * f), 1.5, np.float32))
+    np.testing.assert_array_equal(np.asarray(got[1]).view(np.float32), np.full((e, f, d), -2.0, np.float32))
+
+
+def test_a_dead_chunks_finalizer_leaves_a_new_chunk_with_its_id_alone():
+    """_CHUNK_PIECES is keyed by id(chunk): a finalizer drops only the entry it was made for, never
+    the entry of a later chunk that got the same id."""
+    import weakref
+    chunk = jax.device_put(jnp.ones((2, 2, C, 2, 8)), memory.host_sharding())
+    pieces = layer_pipeline._chunk_pieces(chunk)
+    key = id(chunk)
+    stale = weakref.ref(_Weak())  # a reference of another (dead) object, as a dead chunk's finalizer holds
+    layer_pipeline._drop_chunk_pieces(key, stale)
+    assert layer_pipeline._CHUNK_PIECES[key][1] is pieces and layer_pipeline._chunk_pieces(chunk) is pieces
+    del chunk
+    import gc
+    gc.collect()
+    assert key not in layer_pipeline._CHUNK_PIECES
+
+
+class _Weak:
+    pass

@@ -258,6 +258,16 @@ def gather_resident(pools, slot_of, layer, *, num_experts: int, dtypes: tuple[st
     return _as_dtypes([p[rows] for p in pools], [jnp.dtype(d) for d in dtypes])
 
 
+@functools.partial(jax.jit, static_argnames=("num_experts", "dtypes"), donate_argnums=(0,), keep_unused=True)
+def gather_resident_into(spare, pools, slot_of, layer, *, num_experts: int, dtypes: tuple[str, ...]):
+    """:func:`gather_resident` written over ``spare``: the previous layer's buffer (of the same
+    shapes and dtypes), donated. Dispatched after that layer's program, it reuses its memory, so a
+    layer with hits needs no third full-layer buffer next to the one in use and its PCIe blocks
+    (the planner counts two: ``ftjax.experts.planner``)."""
+    del spare  # only its memory: the output aliases it
+    return gather_resident(pools, slot_of, layer, num_experts=num_experts, dtypes=dtypes)
+
+
 @functools.partial(jax.jit, donate_argnums=(0,))
 def place_block(buffer, block, offset):
     """``buffer`` (a full-layer buffer, donated: updated in place) with rows [offset, offset + n)
@@ -282,9 +292,11 @@ class ExpertCopies:
     experts are one whole copy per bank array (:meth:`ExpertLayerSource.put`). With ``slot_of``
     (``stream_d2d_hits``), a layer with hits is made in two steps: :meth:`issue` copies only its
     missing experts over PCIe (aligned blocks, :func:`miss_blocks`); :meth:`ready`, dispatched
-    after the previous layer's program, gathers the resident experts from the slot pools into a new
-    buffer (:func:`gather_resident`, device to device) and places the blocks over the other rows
-    (:func:`place_block`). The buffer holds the same bytes as the whole copy, so the layer computes
+    after the previous layer's program, gathers the resident experts from the slot pools into the
+    previous layer's buffer, donated (:func:`gather_resident_into`; a new buffer for a call's first
+    layer: :func:`gather_resident`), device to device, and places the blocks over the other rows
+    (:func:`place_block`). So the blocks in flight and the buffers stay within the two full-layer
+    buffers the planner counts. The buffer holds the same bytes as the whole copy, so the layer computes
     the same logits. The stream does not change the slot table, so one host copy of it serves the
     whole call.
 
@@ -330,18 +342,34 @@ class ExpertCopies:
         return self._program(("gather",), gather_resident, args, num_experts=self.source.num_experts,
                              dtypes=self._dtypes)
 
+    def _gather_into(self, args):
+        return self._program(("gather_into",), gather_resident_into, args, num_experts=self.source.num_experts,
+                             dtypes=self._dtypes)
+
+    def _fits(self, spare) -> bool:
+        """Whether ``spare`` (a layer buffer) has the shapes and dtypes of the buffers this call builds."""
+        spec = self.source.spec()
+        return spare is not None and len(spare) == len(spec) and all(
+            a.shape == b.shape and a.dtype == b.dtype for a, b in zip(spare, spec))
+
     def _place(self, args):
         return self._program(("place",) + tuple((x.shape, x.dtype) for x in args[1]), place_block, args)
 
-    def ready(self, part, layer: int, state):
+    def ready(self, part, layer: int, state, spare=None):
         """The layer's buffer (gate_up [E, D, 2F], down [E, F, D], *scales, in :meth:`ExpertLayerSource.spec`'s
         dtypes) from what :meth:`issue` returned; state: the expert state the layer program will
-        get (its pools hold the hits)."""
+        get (its pools hold the hits). spare: the buffer of a layer whose program is already
+        dispatched, or None: a layer with hits is gathered into it (donated: the caller drops it),
+        not into new memory (:func:`gather_resident_into`)."""
         if not isinstance(part, _PendingLayer):
             return part
         pools = (state.gate_up, state.down) + tuple(state.scales or ())
         args = (pools, state.table.slot_of, _layer_index(layer))
-        buf = self._gather(args)(*args)
+        if self._fits(spare):
+            args = (tuple(spare),) + args
+            buf = self._gather_into(args)(*args)
+        else:
+            buf = self._gather(args)(*args)
         for (off, _), block in zip(part.blocks, part.arrays):
             args = (buf, block, _layer_index(off))
             buf = self._place(args)(*args)
@@ -356,6 +384,7 @@ class ExpertCopies:
         pools = (state.gate_up, state.down) + tuple(state.scales or ())
         index = jax.ShapeDtypeStruct((), jnp.int32, sharding=memory.device_sharding())
         self._gather((pools, state.table.slot_of, index))
+        self._gather_into((spec, pools, state.table.slot_of, index))
         size = 1
         while size < e:
             block = tuple(jax.ShapeDtypeStruct((size,) + x.shape[1:], x.dtype, sharding=x.sharding) for x in spec)
@@ -561,13 +590,15 @@ def run(compiled: Callable, params, banks, state, cache: model_lib.KVCache, toke
     def copies(l):
         return (expert_copies.issue(l) if experts is not None else (), prefix.put(l) if prefix is not None else ())
 
-    def ready(part, l, state):  # a layer with device-to-device hits is assembled on the compute stream
-        return (expert_copies.ready(part[0], l, state) if experts is not None else part[0], part[1])
+    def ready(part, l, state, spare=None):  # a layer with device-to-device hits is assembled on the compute stream
+        return (expert_copies.ready(part[0], l, state, spare) if experts is not None else part[0], part[1])
 
     stats, kv_outs = [], []
     nxt = ready(copies(0), 0, state) if overlap else None
+    spare = None  # the expert buffer of the layer dispatched last: a layer with hits is gathered into it
     for l in range(cfg.num_layers):
-        cur = nxt if overlap else ready(copies(l), l, state)
+        cur = nxt if overlap else ready(copies(l), l, state, spare)
+        spare = None
         if overlap and l + 1 < cfg.num_layers:
             # Issued *before* layer l's program: a host-to-device copy starts once the compute already
             # queued is done (here layer l-1), so it runs while layer l computes. Issued after layer l,
@@ -577,11 +608,14 @@ def run(compiled: Callable, params, banks, state, cache: model_lib.KVCache, toke
         h, ck, cv, state, st, kv = compiled(layer_program, args, cfg=cfg, opts=opts)(*args)
         stats.append(st)
         kv_outs.append(kv)
+        spare = cur[0] if experts is not None else None
         del cur, args
         if overlap and l + 1 < cfg.num_layers:
             # Dispatched *after* layer l: assembling layer l+1's buffer waits for its PCIe blocks on
-            # the compute stream, which must not hold layer l up (an identity for whole-layer copies).
-            nxt = ready(nxt, l + 1, state)
+            # the compute stream, which must not hold layer l up (an identity for whole-layer copies),
+            # and can write over layer l's buffer once layer l has read it.
+            nxt = ready(nxt, l + 1, state, spare)
+            spare = None
     logits = compiled(head_program, (params, h, valid_len), cfg=cfg, all_logits=all_logits)(params, h, valid_len)
     kv_out = None
     if step.kv is not None and step.kv.store_chunks:

@@ -374,3 +374,34 @@ def test_a_dead_chunks_finalizer_leaves_a_new_chunk_with_its_id_alone():
 
 class _Weak:
     pass
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_stream_d2d_hits_gather_into_the_previous_layers_buffer(overlap, monkeypatch):
+    """A layer with hits is assembled in the memory of the layer dispatched before it (donated),
+    not in a third full-layer buffer beside the one in use and the PCIe blocks: the planner counts
+    two. Logits stay those of the resident model."""
+    model, exp = load_fixture("mixtral_fp32")
+    cfg = model.cfg
+    prompt = exp["long_prompt_ids"].tolist()[:64]
+    ref = Engine(model, EngineConfig("resident", max_seq_len=S, prefill_chunk=64))
+    want = np.asarray(ref.prefill([prompt], ref.new_cache(1), all_logits=True)[0])
+    eng = Engine(model, EngineConfig("cached", num_slots=cfg.num_layers * cfg.num_experts - 3, max_seq_len=S,
+                                     prefill_chunk=64, prefill_overlap=overlap, prefill_driver="pipelined"))
+    eng.generate([prompt[:3]], 40)  # nearly every expert cached: every layer has hits
+    assert all(n > 0 for n in eng.resident_experts_per_layer())
+    seen, real = [], layer_pipeline.ExpertCopies.ready
+
+    def spy(self, part, layer, state, spare=None):
+        pending = isinstance(part, layer_pipeline._PendingLayer) and self._fits(spare)
+        before = spare[0].unsafe_buffer_pointer() if pending else None
+        out = real(self, part, layer, state, spare)
+        if pending:
+            seen.append((layer, out[0].unsafe_buffer_pointer() == before, spare[0].is_deleted()))
+        return out
+
+    monkeypatch.setattr(layer_pipeline.ExpertCopies, "ready", spy)
+    got = np.asarray(eng.prefill([prompt], eng.new_cache(1), all_logits=True)[0])
+    np.testing.assert_array_equal(got, want)
+    assert [x[0] for x in seen] == list(range(1, cfg.num_layers)), seen
+    assert all(same and gone for _, same, gone in seen), seen

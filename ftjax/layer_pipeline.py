@@ -195,6 +195,7 @@ class ExpertLayerSource:
         # alias costs ~0.1-0.4 ms to make; at most 2E - 1 blocks per layer, see miss_blocks)
         self._blocks: dict[tuple[int, int, int], list] = {}
         self._block_paths: set[str] = set()
+        self._host_slots = None  # (weakref to a slot table's slot_of, its host copy): ExpertCopies.host_slots
 
     @property
     def path(self) -> str:
@@ -277,6 +278,11 @@ def place_block(buffer, block, offset):
                  for b, p in zip(buffer, block))
 
 
+def _read_slots(slot_of: jax.Array) -> np.ndarray:
+    """The device-to-host copy of a slot table's ``slot_of`` (a copy, not a view of the buffer)."""
+    return np.array(slot_of, np.int32)
+
+
 class _PendingLayer(NamedTuple):
     """A streamed layer with hits whose PCIe blocks are in flight: (offset, size) and the device
     arrays of each block (:meth:`ExpertLayerSource.put_blocks`)."""
@@ -310,10 +316,28 @@ class ExpertCopies:
         self._exe: dict[tuple, Any] = {}
 
     @staticmethod
-    def host_slots(state, num_layers: int, num_experts: int) -> np.ndarray:
-        """int32 [L, E]: the slot of every expert in ``state.table`` (-1: not resident); one small
-        device-to-host copy (it waits for the work that produces the table)."""
-        return np.asarray(state.table.slot_of).reshape(num_layers, num_experts)
+    def host_slots(state, num_layers: int, num_experts: int, source: ExpertLayerSource | None = None) -> np.ndarray:
+        """int32 [L, E]: the slot of every expert in ``state.table`` (-1: not resident). One small
+        device-to-host copy, which waits for the work that produces the table, unless ``source``
+        remembers this very table array (:meth:`remember_slots`): then no copy and no wait, so a
+        streamed call that follows another (the chunks of a long prompt) or ``prepare_prefill``
+        does not wait for the work queued before it."""
+        arr = state.table.slot_of
+        known = getattr(source, "_host_slots", None)
+        if known is not None and known[0]() is arr:
+            return known[1]
+        host = _read_slots(arr).reshape(num_layers, num_experts)
+        ExpertCopies.remember_slots(source, arr, host)
+        return host
+
+    @staticmethod
+    def remember_slots(source: ExpertLayerSource | None, table_slot_of: jax.Array, host: np.ndarray) -> None:
+        """Records ``host`` as the host copy of the (immutable) array ``table_slot_of`` on ``source``."""
+        if source is not None:
+            try:
+                source._host_slots = (weakref.ref(table_slot_of), host)
+            except TypeError:  # not weak-referenceable: nothing remembered
+                source._host_slots = None
 
     def blocks(self, layer: int) -> list[tuple[int, int]] | None:
         """The PCIe blocks of ``layer`` when it has hits to copy device to device, else None."""
@@ -560,7 +584,7 @@ def precompile(compiled: Callable, params, banks, state, cache: model_lib.KVCach
     for l in range(cfg.num_layers):
         _layer_index(l)
     if d2d:
-        slot_of = ExpertCopies.host_slots(state, cfg.num_layers, cfg.num_experts)
+        slot_of = ExpertCopies.host_slots(state, cfg.num_layers, cfg.num_experts, experts)
         ExpertCopies(compiled, experts, slot_of).precompile(state)
 
 
@@ -576,13 +600,14 @@ def run(compiled: Callable, params, banks, state, cache: model_lib.KVCache, toke
     layer's copies just before its own program, the serial ablation). d2d: a streamed layer's
     experts that sit in the slot cache are copied device to device into its buffer, the others
     over PCIe (:class:`ExpertCopies`; needs ``state.table``; reads it to the host once, before any
-    layer). The KV cache and ``state`` are consumed (donated).
+    layer, unless ``experts`` remembers it from ``precompile`` or the previous streamed call). The
+    KV cache and ``state`` are consumed (donated).
     Returns a ``model.ForwardOut`` (stats stacked over layers; kv_out: the new chunks, each
     [L, 2, C, Hkv, hd], in host memory when ``step.kv.store_to_host``).
     """
     d2d = d2d and experts is not None and state.table is not None
     opts = LayerOptions(step, prefix is not None, d2d)
-    slot_of = ExpertCopies.host_slots(state, cfg.num_layers, cfg.num_experts) if d2d else None
+    slot_of = ExpertCopies.host_slots(state, cfg.num_layers, cfg.num_experts, experts) if d2d else None
     expert_copies = ExpertCopies(compiled, experts, slot_of) if experts is not None else None
     h, inputs = compiled(embed_program, (params, tokens, start, valid_len))(params, tokens, start, valid_len)
     ck, cv = cache.k, cache.v
@@ -616,6 +641,8 @@ def run(compiled: Callable, params, banks, state, cache: model_lib.KVCache, toke
             # and can write over layer l's buffer once layer l has read it.
             nxt = ready(nxt, l + 1, state, spare)
             spare = None
+    if d2d:  # the streamed layers left the table as it was: the output state's is known on the host too
+        ExpertCopies.remember_slots(experts, state.table.slot_of, slot_of)
     logits = compiled(head_program, (params, h, valid_len), cfg=cfg, all_logits=all_logits)(params, h, valid_len)
     kv_out = None
     if step.kv is not None and step.kv.store_chunks:

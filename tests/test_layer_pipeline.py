@@ -405,3 +405,31 @@ def test_stream_d2d_hits_gather_into_the_previous_layers_buffer(overlap, monkeyp
     np.testing.assert_array_equal(got, want)
     assert [x[0] for x in seen] == list(range(1, cfg.num_layers)), seen
     assert all(same and gone for _, same, gone in seen), seen
+
+
+def test_stream_d2d_hits_reads_the_slot_table_once_per_table(monkeypatch):
+    """The host copy of the slot table that prepare_prefill read serves the timed prefill, and one
+    streamed call's serves the next (the chunks of a long prompt): no device-to-host read that
+    waits for the queued work. After a decode step (a new table) it is read again."""
+    model, exp = load_fixture("olmoe_fp32")
+    prompt = exp["long_prompt_ids"].tolist()
+    ref = Engine(model, EngineConfig("resident", max_seq_len=S, prefill_chunk=64))
+    want = np.asarray(ref.prefill([prompt], ref.new_cache(1), all_logits=True)[0])
+    eng = Engine(model, EngineConfig("cached", num_slots=19, max_seq_len=S, prefill_chunk=64,
+                                     prefill_driver="pipelined"))
+    eng.generate([prompt[:3]], 8)
+    assert len(eng.plan_prefill([prompt])) > 1 and sum(eng.resident_experts_per_layer()) > 0
+    reads, real = [], layer_pipeline._read_slots
+    monkeypatch.setattr(layer_pipeline, "_read_slots", lambda a: reads.append(1) or real(a))
+    cache = eng.new_cache(1)
+    eng.prepare_prefill([prompt], cache)
+    assert len(reads) == 1
+    eng.prefill([prompt], cache)
+    got = np.asarray(eng.prefill([prompt], eng.new_cache(1), all_logits=True)[0])
+    assert len(reads) == 1  # neither prefill nor any of its calls read the table again
+    np.testing.assert_array_equal(got, want)
+    eng.generate([prompt[:3]], 2)  # decode steps make a new table: read again, once
+    n = len(reads)
+    got = np.asarray(eng.prefill([prompt], eng.new_cache(1), all_logits=True)[0])
+    assert len(reads) == n + 1
+    np.testing.assert_array_equal(got, want)

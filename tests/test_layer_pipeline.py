@@ -433,3 +433,25 @@ def test_stream_d2d_hits_reads_the_slot_table_once_per_table(monkeypatch):
     got = np.asarray(eng.prefill([prompt], eng.new_cache(1), all_logits=True)[0])
     assert len(reads) == n + 1
     np.testing.assert_array_equal(got, want)
+
+
+def test_a_failing_chunk_preparation_does_not_fail_the_request(monkeypatch):
+    """PrefixCache.finish(prepare=...) is best effort like the store: an error is recorded, the
+    chunks stay stored and the next request reuses them."""
+    model, exp = load_fixture("qwen3_moe_fp32")
+    prompt = exp["long_prompt_ids"].tolist()[:70]
+    cfg = model.cfg
+    entry = cfg.num_layers * 2 * C * cfg.num_kv_heads * cfg.head_dim * 4
+    mgr = PrefixCache(HostKVStore(100 * entry), KVOffloadConfig(chunk_tokens=C))
+    eng = Engine(model, EngineConfig("resident", max_seq_len=S, prefill_driver="pipelined"))
+
+    def broken(chunks):
+        raise RuntimeError("no aliases today")
+
+    monkeypatch.setattr(layer_pipeline, "warm_prefix_chunks", broken)
+    first = eng.generate([prompt], 1, kv_manager=mgr)
+    assert first.kv["prepare_error"] == "RuntimeError: no aliases today" and first.kv["chunks_stored"] == 4
+    monkeypatch.undo()
+    again = eng.generate([prompt], 1, kv_manager=mgr)
+    assert again.kv["reused_tokens"] == 64 and again.kv["prepare_error"] is None
+    assert again.generated_ids == first.generated_ids

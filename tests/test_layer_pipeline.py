@@ -96,7 +96,7 @@ def test_pipelined_prefix_reuse_equals_scan(route):
         np.testing.assert_array_equal(a, b)
 
 
-def test_driver_choice():
+def test_driver_choice(monkeypatch):
     model, _ = load_fixture("qwen3_moe_fp32")
     e = model.cfg.num_experts
     host = jax.device_put(jnp.zeros((2, 3)), memory.host_sharding())
@@ -105,8 +105,17 @@ def test_driver_choice():
     # on the CPU, auto keeps the scan (there is nothing to overlap); on a GPU it pipelines host copies
     assert auto.pipelines(True, ()) == (memory.backend() == "gpu")
     # a prefix-only call stays on the scan under auto (engine.PIPELINE_PREFIX: measured slower on the H200)
-    assert auto.pipelines(False, (host,)) == auto.pipelines_prefix() == (
-        memory.backend() == "gpu" and engine_lib.PIPELINE_PREFIX)
+    assert auto.pipelines(False, (host,)) == (memory.backend() == "gpu" and engine_lib.PIPELINE_PREFIX)
+    resident = Engine(model, EngineConfig("resident"))
+    on_demand = Engine(model, EngineConfig("cached", num_slots=2 * e, prefill="on_demand"))
+    with monkeypatch.context() as m:  # the decision on a GPU, whatever runs the tests
+        m.setattr(memory, "backend", lambda: "gpu")
+        assert auto.pipelines(True, (host,))  # a call that streams pipelines, with its prefix
+        # so the chunks an offloading engine stores are prepared for it, a resident one's only with PIPELINE_PREFIX
+        assert auto.pipelines_prefix()
+        assert resident.pipelines_prefix() == on_demand.pipelines_prefix() == engine_lib.PIPELINE_PREFIX
+    if memory.backend() != "gpu":
+        assert not auto.pipelines_prefix()  # the CPU: every call on the scan
     forced = Engine(model, EngineConfig("cached", num_slots=2 * e, prefill_driver="pipelined"))
     assert forced.pipelines(False, ()) and forced.pipelines(True, (host,))
     assert not forced.pipelines(False, (dev,))  # a prefix already on the device: the load-all-first ablation

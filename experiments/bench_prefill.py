@@ -222,7 +222,13 @@ def main(argv):
         if ref is not None:
             by_format.setdefault(label, {})[v] = float(np.abs(np.asarray(lg) - np.asarray(ref)).max())
     logits_check = next(iter(by_format.values()), {})  # the first format's, as before --expert_dtypes
+    # D2D copies of cache hits must not change the logits: stream_warm vs stream_warm_no_d2d (needs no resident run)
+    d2d_check = {label: float(np.abs(np.asarray(lg) - np.asarray(first_logits[(label, "stream_warm_no_d2d")])).max())
+                 for (label, v), lg in first_logits.items()
+                 if v == "stream_warm" and (label, "stream_warm_no_d2d") in first_logits}
     print("max |logits - resident| at", lengths[0], "tokens:", by_format, flush=True)
+    if d2d_check:
+        print("max |logits D2D on - off| at", lengths[0], "tokens:", d2d_check, flush=True)
     for r in rows:  # bound = max(copy bytes / B_P, resident compute of the same prompt and format), both from this run
         res = next((x for x in rows if x.get("variant") == "resident" and x.get("tokens") == r.get("tokens")
                     and x["expert_dtype"] == r["expert_dtype"] and "ttft_s" in x), None)
@@ -250,6 +256,7 @@ def main(argv):
                "model_build_s": build_s, "B_P": bp, "pool_bytes": pool_bytes, "pool_bytes_by_format": pools,
                "memory_plans": plans, "logits_max_abs_diff_vs_resident": logits_check,
                "logits_max_abs_diff_vs_resident_by_format": by_format,
+               "logits_max_abs_diff_d2d_on_vs_off": d2d_check,
                "grouped_matmul": kernel, "hlo_stream_step": hlo, "results": rows}
     path = common.write_json(FLAGS.out_dir, f"bench_prefill_{FLAGS.preset}.json", payload)
     flat = [dict(r, ttft=r["ttft_s"]["median"] if "ttft_s" in r else None, pool_GB=r["pool_bytes"] / 1e9)

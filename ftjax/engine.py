@@ -327,8 +327,12 @@ class Engine:
         return driver == "pipelined" or (memory.backend() == "gpu" and (stream or (host_prefix and PIPELINE_PREFIX)))
 
     def pipelines_prefix(self) -> bool:
-        """Whether a call that loads a reused prefix from host memory runs on the pipelined driver."""
-        return self._driver_pipelines(False, True)
+        """Whether a call that loads a reused prefix from host memory can run on the pipelined driver:
+        a prefix-only call (see :data:`PIPELINE_PREFIX`), or, where this engine streams prefill
+        calls, one that also streams its experts (under "auto" on a GPU those pipeline whatever
+        their prefix). The stored chunks are then prepared for it (``warm_prefix_chunks``)."""
+        can_stream = self.mode != "resident" and self.config.prefill != "on_demand"
+        return self._driver_pipelines(can_stream, True)
 
     def _expert_source(self):
         if self._expert_views is None:

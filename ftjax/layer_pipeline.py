@@ -52,8 +52,12 @@ def host_view(x: jax.Array) -> np.ndarray:
     """A numpy array of ``x``'s shape and dtype over ``x``'s own buffer (no copy).
 
     x: a single-device array in host memory (``pinned_host`` / ``unpinned_host``, or any array
-    on the CPU backend); waited for (``block_until_ready``) first. The view is valid while ``x`` is
-    alive and not donated; the caller keeps ``x``.
+    on the CPU backend). The view is valid while ``x`` is alive and not donated; the caller keeps
+    ``x``. It does not wait for ``x``: while the work that writes ``x`` (a device-to-host copy, a
+    computation) is still running, the view's memory holds whatever was there before, and so
+    does a copy or :func:`pinned_alias` read through it (no dependency on that work). Whoever reads
+    it first waits for ``x`` (``x.block_until_ready()``; :class:`ExpertLayerSource` and
+    :class:`PrefixLayerSource` do); taking the view, or an alias of it, needs no wait.
     Raises:
       ValueError: ``x`` lives in device memory of an accelerator, or spans several devices.
     """
@@ -62,9 +66,6 @@ def host_view(x: jax.Array) -> np.ndarray:
     kind = x.sharding.memory_kind
     if memory.backend() != "cpu" and kind not in ("pinned_host", "unpinned_host"):
         raise ValueError(f"host_view needs an array in host memory, got memory kind {kind!r}")
-    # the pointer is read directly: wait for the copy or computation that fills x (an asynchronous
-    # device_put, a step's output moved to host memory), or the view would see the bytes before it
-    x.block_until_ready()
     buf = x.addressable_data(0)
     dtype = np.dtype(x.dtype)
     raw = (ctypes.c_uint8 * (x.size * dtype.itemsize)).from_address(buf.unsafe_buffer_pointer())
@@ -184,6 +185,7 @@ class ExpertLayerSource:
 
     def __init__(self, banks: ExpertBanks, num_experts: int):
         arrays = (banks.gate_up, banks.down) + tuple(banks.scales or ())
+        jax.block_until_ready(arrays)  # the views' copies read the bytes: they must be there (host_view)
         layers = banks.gate_up.shape[0] // num_experts
         self.num_experts = num_experts
         self.num_layers = layers
@@ -193,6 +195,7 @@ class ExpertLayerSource:
         # alias costs ~0.1-0.4 ms to make; at most 2E - 1 blocks per layer, see miss_blocks)
         self._blocks: dict[tuple[int, int, int], list] = {}
         self._block_paths: set[str] = set()
+        self._host_slots = None  # (weakref to a slot table's slot_of, its host copy): ExpertCopies.host_slots
 
     @property
     def path(self) -> str:
@@ -256,6 +259,16 @@ def gather_resident(pools, slot_of, layer, *, num_experts: int, dtypes: tuple[st
     return _as_dtypes([p[rows] for p in pools], [jnp.dtype(d) for d in dtypes])
 
 
+@functools.partial(jax.jit, static_argnames=("num_experts", "dtypes"), donate_argnums=(0,), keep_unused=True)
+def gather_resident_into(spare, pools, slot_of, layer, *, num_experts: int, dtypes: tuple[str, ...]):
+    """:func:`gather_resident` written over ``spare``: the previous layer's buffer (of the same
+    shapes and dtypes), donated. Dispatched after that layer's program, it reuses its memory, so a
+    layer with hits needs no third full-layer buffer next to the one in use and its PCIe blocks
+    (the planner counts two: ``ftjax.experts.planner``)."""
+    del spare  # only its memory: the output aliases it
+    return gather_resident(pools, slot_of, layer, num_experts=num_experts, dtypes=dtypes)
+
+
 @functools.partial(jax.jit, donate_argnums=(0,))
 def place_block(buffer, block, offset):
     """``buffer`` (a full-layer buffer, donated: updated in place) with rows [offset, offset + n)
@@ -263,6 +276,11 @@ def place_block(buffer, block, offset):
     bitcast to the buffer's dtypes). offset: int32 []. One program per block size n."""
     return tuple(jax.lax.dynamic_update_slice_in_dim(b, _as_dtypes([p], [b.dtype])[0], offset, 0)
                  for b, p in zip(buffer, block))
+
+
+def _read_slots(slot_of: jax.Array) -> np.ndarray:
+    """The device-to-host copy of a slot table's ``slot_of`` (a copy, not a view of the buffer)."""
+    return np.array(slot_of, np.int32)
 
 
 class _PendingLayer(NamedTuple):
@@ -280,9 +298,11 @@ class ExpertCopies:
     experts are one whole copy per bank array (:meth:`ExpertLayerSource.put`). With ``slot_of``
     (``stream_d2d_hits``), a layer with hits is made in two steps: :meth:`issue` copies only its
     missing experts over PCIe (aligned blocks, :func:`miss_blocks`); :meth:`ready`, dispatched
-    after the previous layer's program, gathers the resident experts from the slot pools into a new
-    buffer (:func:`gather_resident`, device to device) and places the blocks over the other rows
-    (:func:`place_block`). The buffer holds the same bytes as the whole copy, so the layer computes
+    after the previous layer's program, gathers the resident experts from the slot pools into the
+    previous layer's buffer, donated (:func:`gather_resident_into`; a new buffer for a call's first
+    layer: :func:`gather_resident`), device to device, and places the blocks over the other rows
+    (:func:`place_block`). So the blocks in flight and the buffers stay within the two full-layer
+    buffers the planner counts. The buffer holds the same bytes as the whole copy, so the layer computes
     the same logits. The stream does not change the slot table, so one host copy of it serves the
     whole call.
 
@@ -296,10 +316,28 @@ class ExpertCopies:
         self._exe: dict[tuple, Any] = {}
 
     @staticmethod
-    def host_slots(state, num_layers: int, num_experts: int) -> np.ndarray:
-        """int32 [L, E]: the slot of every expert in ``state.table`` (-1: not resident); one small
-        device-to-host copy (it waits for the work that produces the table)."""
-        return np.asarray(state.table.slot_of).reshape(num_layers, num_experts)
+    def host_slots(state, num_layers: int, num_experts: int, source: ExpertLayerSource | None = None) -> np.ndarray:
+        """int32 [L, E]: the slot of every expert in ``state.table`` (-1: not resident). One small
+        device-to-host copy, which waits for the work that produces the table, unless ``source``
+        remembers this very table array (:meth:`remember_slots`): then no copy and no wait, so a
+        streamed call that follows another (the chunks of a long prompt) or ``prepare_prefill``
+        does not wait for the work queued before it."""
+        arr = state.table.slot_of
+        known = getattr(source, "_host_slots", None)
+        if known is not None and known[0]() is arr:
+            return known[1]
+        host = _read_slots(arr).reshape(num_layers, num_experts)
+        ExpertCopies.remember_slots(source, arr, host)
+        return host
+
+    @staticmethod
+    def remember_slots(source: ExpertLayerSource | None, table_slot_of: jax.Array, host: np.ndarray) -> None:
+        """Records ``host`` as the host copy of the (immutable) array ``table_slot_of`` on ``source``."""
+        if source is not None:
+            try:
+                source._host_slots = (weakref.ref(table_slot_of), host)
+            except TypeError:  # not weak-referenceable: nothing remembered
+                source._host_slots = None
 
     def blocks(self, layer: int) -> list[tuple[int, int]] | None:
         """The PCIe blocks of ``layer`` when it has hits to copy device to device, else None."""
@@ -328,18 +366,34 @@ class ExpertCopies:
         return self._program(("gather",), gather_resident, args, num_experts=self.source.num_experts,
                              dtypes=self._dtypes)
 
+    def _gather_into(self, args):
+        return self._program(("gather_into",), gather_resident_into, args, num_experts=self.source.num_experts,
+                             dtypes=self._dtypes)
+
+    def _fits(self, spare) -> bool:
+        """Whether ``spare`` (a layer buffer) has the shapes and dtypes of the buffers this call builds."""
+        spec = self.source.spec()
+        return spare is not None and len(spare) == len(spec) and all(
+            a.shape == b.shape and a.dtype == b.dtype for a, b in zip(spare, spec))
+
     def _place(self, args):
         return self._program(("place",) + tuple((x.shape, x.dtype) for x in args[1]), place_block, args)
 
-    def ready(self, part, layer: int, state):
+    def ready(self, part, layer: int, state, spare=None):
         """The layer's buffer (gate_up [E, D, 2F], down [E, F, D], *scales, in :meth:`ExpertLayerSource.spec`'s
         dtypes) from what :meth:`issue` returned; state: the expert state the layer program will
-        get (its pools hold the hits)."""
+        get (its pools hold the hits). spare: the buffer of a layer whose program is already
+        dispatched, or None: a layer with hits is gathered into it (donated: the caller drops it),
+        not into new memory (:func:`gather_resident_into`)."""
         if not isinstance(part, _PendingLayer):
             return part
         pools = (state.gate_up, state.down) + tuple(state.scales or ())
         args = (pools, state.table.slot_of, _layer_index(layer))
-        buf = self._gather(args)(*args)
+        if self._fits(spare):
+            args = (tuple(spare),) + args
+            buf = self._gather_into(args)(*args)
+        else:
+            buf = self._gather(args)(*args)
         for (off, _), block in zip(part.blocks, part.arrays):
             args = (buf, block, _layer_index(off))
             buf = self._place(args)(*args)
@@ -354,6 +408,7 @@ class ExpertCopies:
         pools = (state.gate_up, state.down) + tuple(state.scales or ())
         index = jax.ShapeDtypeStruct((), jnp.int32, sharding=memory.device_sharding())
         self._gather((pools, state.table.slot_of, index))
+        self._gather_into((spec, pools, state.table.slot_of, index))
         size = 1
         while size < e:
             block = tuple(jax.ShapeDtypeStruct((size,) + x.shape[1:], x.dtype, sharding=x.sharding) for x in spec)
@@ -379,11 +434,19 @@ def _chunk_pieces(chunk: jax.Array, eager: bool = False) -> _LayerPieces:
         return entry[1]
     pieces = _LayerPieces([chunk], 1, chunk.shape[0], eager=eager, keep=False)  # the entry must not keep it
     try:
-        _CHUNK_PIECES[key] = (weakref.ref(chunk), pieces)
-        weakref.finalize(chunk, _CHUNK_PIECES.pop, key, None)
+        ref = weakref.ref(chunk)
     except TypeError:  # not weak-referenceable: no cache entry
-        _CHUNK_PIECES.pop(key, None)
+        return pieces
+    _CHUNK_PIECES[key] = (ref, pieces)
+    weakref.finalize(chunk, _drop_chunk_pieces, key, ref)
     return pieces
+
+
+def _drop_chunk_pieces(key: int, ref: weakref.ref) -> None:
+    """Finalizer of a chunk: drops its entry, and only its own (a later chunk may reuse the id)."""
+    entry = _CHUNK_PIECES.get(key)
+    if entry is not None and entry[0] is ref:
+        del _CHUNK_PIECES[key]
 
 
 def warm_prefix_chunks(chunks: Sequence[jax.Array]) -> float:
@@ -405,6 +468,10 @@ class PrefixLayerSource:
 
     def __init__(self, chunks: Sequence[jax.Array]):
         self.chunks = tuple(chunks)  # keeps the viewed chunks alive: the cached pieces do not
+        # The copies read the chunks' bytes through views and aliases that do not wait for the work
+        # writing them (host_view): a chunk stored by an earlier request is normally long written
+        # (then this costs nothing), one still being copied to host memory must be waited for here.
+        jax.block_until_ready(self.chunks)
         self._pieces = [_chunk_pieces(c) for c in self.chunks]  # padding repeats the last chunk: same pieces
 
     def put(self, layer: int) -> tuple:
@@ -517,7 +584,7 @@ def precompile(compiled: Callable, params, banks, state, cache: model_lib.KVCach
     for l in range(cfg.num_layers):
         _layer_index(l)
     if d2d:
-        slot_of = ExpertCopies.host_slots(state, cfg.num_layers, cfg.num_experts)
+        slot_of = ExpertCopies.host_slots(state, cfg.num_layers, cfg.num_experts, experts)
         ExpertCopies(compiled, experts, slot_of).precompile(state)
 
 
@@ -533,13 +600,14 @@ def run(compiled: Callable, params, banks, state, cache: model_lib.KVCache, toke
     layer's copies just before its own program, the serial ablation). d2d: a streamed layer's
     experts that sit in the slot cache are copied device to device into its buffer, the others
     over PCIe (:class:`ExpertCopies`; needs ``state.table``; reads it to the host once, before any
-    layer). The KV cache and ``state`` are consumed (donated).
+    layer, unless ``experts`` remembers it from ``precompile`` or the previous streamed call). The
+    KV cache and ``state`` are consumed (donated).
     Returns a ``model.ForwardOut`` (stats stacked over layers; kv_out: the new chunks, each
     [L, 2, C, Hkv, hd], in host memory when ``step.kv.store_to_host``).
     """
     d2d = d2d and experts is not None and state.table is not None
     opts = LayerOptions(step, prefix is not None, d2d)
-    slot_of = ExpertCopies.host_slots(state, cfg.num_layers, cfg.num_experts) if d2d else None
+    slot_of = ExpertCopies.host_slots(state, cfg.num_layers, cfg.num_experts, experts) if d2d else None
     expert_copies = ExpertCopies(compiled, experts, slot_of) if experts is not None else None
     h, inputs = compiled(embed_program, (params, tokens, start, valid_len))(params, tokens, start, valid_len)
     ck, cv = cache.k, cache.v
@@ -547,13 +615,15 @@ def run(compiled: Callable, params, banks, state, cache: model_lib.KVCache, toke
     def copies(l):
         return (expert_copies.issue(l) if experts is not None else (), prefix.put(l) if prefix is not None else ())
 
-    def ready(part, l, state):  # a layer with device-to-device hits is assembled on the compute stream
-        return (expert_copies.ready(part[0], l, state) if experts is not None else part[0], part[1])
+    def ready(part, l, state, spare=None):  # a layer with device-to-device hits is assembled on the compute stream
+        return (expert_copies.ready(part[0], l, state, spare) if experts is not None else part[0], part[1])
 
     stats, kv_outs = [], []
     nxt = ready(copies(0), 0, state) if overlap else None
+    spare = None  # the expert buffer of the layer dispatched last: a layer with hits is gathered into it
     for l in range(cfg.num_layers):
-        cur = nxt if overlap else ready(copies(l), l, state)
+        cur = nxt if overlap else ready(copies(l), l, state, spare)
+        spare = None
         if overlap and l + 1 < cfg.num_layers:
             # Issued *before* layer l's program: a host-to-device copy starts once the compute already
             # queued is done (here layer l-1), so it runs while layer l computes. Issued after layer l,
@@ -563,11 +633,16 @@ def run(compiled: Callable, params, banks, state, cache: model_lib.KVCache, toke
         h, ck, cv, state, st, kv = compiled(layer_program, args, cfg=cfg, opts=opts)(*args)
         stats.append(st)
         kv_outs.append(kv)
+        spare = cur[0] if experts is not None else None
         del cur, args
         if overlap and l + 1 < cfg.num_layers:
             # Dispatched *after* layer l: assembling layer l+1's buffer waits for its PCIe blocks on
-            # the compute stream, which must not hold layer l up (an identity for whole-layer copies).
-            nxt = ready(nxt, l + 1, state)
+            # the compute stream, which must not hold layer l up (an identity for whole-layer copies),
+            # and can write over layer l's buffer once layer l has read it.
+            nxt = ready(nxt, l + 1, state, spare)
+            spare = None
+    if d2d:  # the streamed layers left the table as it was: the output state's is known on the host too
+        ExpertCopies.remember_slots(experts, state.table.slot_of, slot_of)
     logits = compiled(head_program, (params, h, valid_len), cfg=cfg, all_logits=all_logits)(params, h, valid_len)
     kv_out = None
     if step.kv is not None and step.kv.store_chunks:

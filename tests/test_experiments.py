@@ -77,6 +77,7 @@ def test_bench_prefill_smoke(tmp_path):
              "resident", "--warm_decode_tokens=4")
     assert d["logits_max_abs_diff_vs_resident"] == {"stream": 0.0, "stream_no_overlap": 0.0, "stream_scan": 0.0,
                                                     "stream_warm": 0.0, "stream_warm_no_d2d": 0.0, "resident": 0.0}
+    assert d["logits_max_abs_diff_d2d_on_vs_off"] == {"dense": 0.0}
     for r in d["results"]:
         assert "error" not in r, r
         assert r["streamed"] == r["variant"].startswith("stream")

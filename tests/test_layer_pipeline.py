@@ -96,7 +96,7 @@ def test_pipelined_prefix_reuse_equals_scan(route):
         np.testing.assert_array_equal(a, b)
 
 
-def test_driver_choice():
+def test_driver_choice(monkeypatch):
     model, _ = load_fixture("qwen3_moe_fp32")
     e = model.cfg.num_experts
     host = jax.device_put(jnp.zeros((2, 3)), memory.host_sharding())
@@ -105,8 +105,17 @@ def test_driver_choice():
     # on the CPU, auto keeps the scan (there is nothing to overlap); on a GPU it pipelines host copies
     assert auto.pipelines(True, ()) == (memory.backend() == "gpu")
     # a prefix-only call stays on the scan under auto (engine.PIPELINE_PREFIX: measured slower on the H200)
-    assert auto.pipelines(False, (host,)) == auto.pipelines_prefix() == (
-        memory.backend() == "gpu" and engine_lib.PIPELINE_PREFIX)
+    assert auto.pipelines(False, (host,)) == (memory.backend() == "gpu" and engine_lib.PIPELINE_PREFIX)
+    resident = Engine(model, EngineConfig("resident"))
+    on_demand = Engine(model, EngineConfig("cached", num_slots=2 * e, prefill="on_demand"))
+    with monkeypatch.context() as m:  # the decision on a GPU, whatever runs the tests
+        m.setattr(memory, "backend", lambda: "gpu")
+        assert auto.pipelines(True, (host,))  # a call that streams pipelines, with its prefix
+        # so the chunks an offloading engine stores are prepared for it, a resident one's only with PIPELINE_PREFIX
+        assert auto.pipelines_prefix()
+        assert resident.pipelines_prefix() == on_demand.pipelines_prefix() == engine_lib.PIPELINE_PREFIX
+    if memory.backend() != "gpu":
+        assert not auto.pipelines_prefix()  # the CPU: every call on the scan
     forced = Engine(model, EngineConfig("cached", num_slots=2 * e, prefill_driver="pipelined"))
     assert forced.pipelines(False, ()) and forced.pipelines(True, (host,))
     assert not forced.pipelines(False, (dev,))  # a prefix already on the device: the load-all-first ablation
@@ -184,18 +193,6 @@ def test_serial_ablation_copies_each_layer_once_and_timed_prefill_compiles_nothi
         assert eng.compile_s == before  # every program of the call, _stack included, compiled ahead
         assert copied == list(range(model.cfg.num_layers)), (overlap, copied)
         monkeypatch.undo()
-
-
-def test_host_view_waits_for_the_array_it_views():
-    """A host array still being filled (an asynchronous copy of a step's output, as stored KV chunks
-    are) is viewed only once it is ready: the view once read stale bytes (a flaky prefix load)."""
-    f = jax.jit(lambda a: jax.lax.fori_loop(0, 300, lambda i, b: b * 0.5 + 1.0, a))
-    x = jnp.zeros((1 << 22,), jnp.float32)
-    f(x).block_until_ready()  # compiled: the timed part below is only the computation
-    for _ in range(3):
-        y = jax.device_put(f(x), memory.host_sharding())
-        view = host_view(y).copy()
-        np.testing.assert_array_equal(view, np.asarray(y))
 
 
 def test_prefix_chunk_pieces_die_with_their_chunk():
@@ -342,3 +339,128 @@ def test_stream_d2d_hits_with_every_expert_cached():
     np.testing.assert_array_equal(got, want)
     m = (eng.counters["prefill"] - before).summary(model.expert_bytes)
     assert m["bytes_h2d"] == 0 and m["d2d_copies"] == 2 * nl * e and m["hit_rate"] == 1.0
+
+
+def _not_yet_written(shape, value):
+    """A host-memory array of ``value`` whose producing work is still running when this returns: a
+    chain of matmuls (~1 s on a CPU core) feeds it, and the host copy waits for that chain."""
+    x = jnp.eye(768, dtype=jnp.float32)
+    slow = jax.jit(lambda x: jax.lax.fori_loop(0, 40, lambda i, a: a @ x, x))
+    one = slow(x)[0, 0]  # exactly 1, known only once the chain has run
+    return jax.device_put(jnp.full(shape, value, jnp.float32) * one, memory.host_sharding())
+
+
+def test_prefix_and_expert_copies_wait_for_arrays_still_being_written():
+    """host_view takes a buffer's pointer without waiting for the work that writes it, so a copy read
+    through it straight away saw stale bytes (seen as garbage from PrefixLayerSource.put in a loaded
+    test run). The sources wait for their arrays before their first copy."""
+    chunk = _not_yet_written((4, 2, C, 2, 8), 3.25)
+    src = layer_pipeline.PrefixLayerSource([chunk])
+    np.testing.assert_array_equal(np.asarray(src.put(2)[0]), np.full((1, 2, C, 2, 8), 3.25, np.float32))
+    e, d, f = 4, 8, 16
+    gate_up, down = _not_yet_written((2 * e, d, 2 * f), 1.5), _not_yet_written((2 * e, f, d), -2.0)
+    from ftjax.experts.state import ExpertBanks
+    got = ExpertLayerSource(ExpertBanks(gate_up, down), e).put(1)
+    np.testing.assert_array_equal(np.asarray(got[0]).view(np.float32), np.full((e, d, 2 * f), 1.5, np.float32))
+    np.testing.assert_array_equal(np.asarray(got[1]).view(np.float32), np.full((e, f, d), -2.0, np.float32))
+
+
+def test_a_dead_chunks_finalizer_leaves_a_new_chunk_with_its_id_alone():
+    """_CHUNK_PIECES is keyed by id(chunk): a finalizer drops only the entry it was made for, never
+    the entry of a later chunk that got the same id."""
+    import weakref
+    chunk = jax.device_put(jnp.ones((2, 2, C, 2, 8)), memory.host_sharding())
+    pieces = layer_pipeline._chunk_pieces(chunk)
+    key = id(chunk)
+    stale = weakref.ref(_Weak())  # a reference of another (dead) object, as a dead chunk's finalizer holds
+    layer_pipeline._drop_chunk_pieces(key, stale)
+    assert layer_pipeline._CHUNK_PIECES[key][1] is pieces and layer_pipeline._chunk_pieces(chunk) is pieces
+    del chunk
+    import gc
+    gc.collect()
+    assert key not in layer_pipeline._CHUNK_PIECES
+
+
+class _Weak:
+    pass
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_stream_d2d_hits_gather_into_the_previous_layers_buffer(overlap, monkeypatch):
+    """A layer with hits is assembled in the memory of the layer dispatched before it (donated),
+    not in a third full-layer buffer beside the one in use and the PCIe blocks: the planner counts
+    two. Logits stay those of the resident model."""
+    model, exp = load_fixture("mixtral_fp32")
+    cfg = model.cfg
+    prompt = exp["long_prompt_ids"].tolist()[:64]
+    ref = Engine(model, EngineConfig("resident", max_seq_len=S, prefill_chunk=64))
+    want = np.asarray(ref.prefill([prompt], ref.new_cache(1), all_logits=True)[0])
+    eng = Engine(model, EngineConfig("cached", num_slots=cfg.num_layers * cfg.num_experts - 3, max_seq_len=S,
+                                     prefill_chunk=64, prefill_overlap=overlap, prefill_driver="pipelined"))
+    eng.generate([prompt[:3]], 40)  # nearly every expert cached: every layer has hits
+    assert all(n > 0 for n in eng.resident_experts_per_layer())
+    seen, real = [], layer_pipeline.ExpertCopies.ready
+
+    def spy(self, part, layer, state, spare=None):
+        pending = isinstance(part, layer_pipeline._PendingLayer) and self._fits(spare)
+        before = spare[0].unsafe_buffer_pointer() if pending else None
+        out = real(self, part, layer, state, spare)
+        if pending:
+            seen.append((layer, out[0].unsafe_buffer_pointer() == before, spare[0].is_deleted()))
+        return out
+
+    monkeypatch.setattr(layer_pipeline.ExpertCopies, "ready", spy)
+    got = np.asarray(eng.prefill([prompt], eng.new_cache(1), all_logits=True)[0])
+    np.testing.assert_array_equal(got, want)
+    assert [x[0] for x in seen] == list(range(1, cfg.num_layers)), seen
+    assert all(same and gone for _, same, gone in seen), seen
+
+
+def test_stream_d2d_hits_reads_the_slot_table_once_per_table(monkeypatch):
+    """The host copy of the slot table that prepare_prefill read serves the timed prefill, and one
+    streamed call's serves the next (the chunks of a long prompt): no device-to-host read that
+    waits for the queued work. After a decode step (a new table) it is read again."""
+    model, exp = load_fixture("olmoe_fp32")
+    prompt = exp["long_prompt_ids"].tolist()
+    ref = Engine(model, EngineConfig("resident", max_seq_len=S, prefill_chunk=64))
+    want = np.asarray(ref.prefill([prompt], ref.new_cache(1), all_logits=True)[0])
+    eng = Engine(model, EngineConfig("cached", num_slots=19, max_seq_len=S, prefill_chunk=64,
+                                     prefill_driver="pipelined"))
+    eng.generate([prompt[:3]], 8)
+    assert len(eng.plan_prefill([prompt])) > 1 and sum(eng.resident_experts_per_layer()) > 0
+    reads, real = [], layer_pipeline._read_slots
+    monkeypatch.setattr(layer_pipeline, "_read_slots", lambda a: reads.append(1) or real(a))
+    cache = eng.new_cache(1)
+    eng.prepare_prefill([prompt], cache)
+    assert len(reads) == 1
+    eng.prefill([prompt], cache)
+    got = np.asarray(eng.prefill([prompt], eng.new_cache(1), all_logits=True)[0])
+    assert len(reads) == 1  # neither prefill nor any of its calls read the table again
+    np.testing.assert_array_equal(got, want)
+    eng.generate([prompt[:3]], 2)  # decode steps make a new table: read again, once
+    n = len(reads)
+    got = np.asarray(eng.prefill([prompt], eng.new_cache(1), all_logits=True)[0])
+    assert len(reads) == n + 1
+    np.testing.assert_array_equal(got, want)
+
+
+def test_a_failing_chunk_preparation_does_not_fail_the_request(monkeypatch):
+    """PrefixCache.finish(prepare=...) is best effort like the store: an error is recorded, the
+    chunks stay stored and the next request reuses them."""
+    model, exp = load_fixture("qwen3_moe_fp32")
+    prompt = exp["long_prompt_ids"].tolist()[:70]
+    cfg = model.cfg
+    entry = cfg.num_layers * 2 * C * cfg.num_kv_heads * cfg.head_dim * 4
+    mgr = PrefixCache(HostKVStore(100 * entry), KVOffloadConfig(chunk_tokens=C))
+    eng = Engine(model, EngineConfig("resident", max_seq_len=S, prefill_driver="pipelined"))
+
+    def broken(chunks):
+        raise RuntimeError("no aliases today")
+
+    monkeypatch.setattr(layer_pipeline, "warm_prefix_chunks", broken)
+    first = eng.generate([prompt], 1, kv_manager=mgr)
+    assert first.kv["prepare_error"] == "RuntimeError: no aliases today" and first.kv["chunks_stored"] == 4
+    monkeypatch.undo()
+    again = eng.generate([prompt], 1, kv_manager=mgr)
+    assert again.kv["reused_tokens"] == 64 and again.kv["prepare_error"] is None
+    assert again.generated_ids == first.generated_ids

@@ -70,6 +70,7 @@ class PrefixRequest:
     lookup_s: float = 0.0
     load_s: float = 0.0
     prepare_s: float = 0.0
+    prepare_error: str | None = None
     bytes_loaded: int = 0
     bytes_padding: int = 0
     chunks_stored: int = 0
@@ -81,7 +82,8 @@ class PrefixRequest:
         return {"prompt_tokens": len(self.prompt), "full_chunks": len(self.keys), "hit_chunks": len(self.hit),
                 "reused_tokens": self.reused_tokens, "prefix_chunks_passed": self.prefix_chunks,
                 "prefill_calls": len(self.calls), "load": self.load, "lookup_s": self.lookup_s,
-                "load_s": self.load_s, "prepare_s": self.prepare_s, "bytes_loaded": self.bytes_loaded,
+                "load_s": self.load_s, "prepare_s": self.prepare_s, "prepare_error": self.prepare_error,
+                "bytes_loaded": self.bytes_loaded,
                 "bytes_padding": self.bytes_padding, "chunks_stored": self.chunks_stored,
                 "chunks_skipped": self.chunks_skipped}
 
@@ -227,7 +229,8 @@ class PrefixCache:
         call, in call order; None when the prefill failed: nothing is stored) and unpins the hit
         chunks. Storing is best effort and never raises for the store. A second call is a no-op
         (the hit chunks were unpinned by the first). prepare: called with the stored entries' KV
-        arrays (e.g. ``layer_pipeline.warm_prefix_chunks``), returning seconds (``prepare_s``)."""
+        arrays (e.g. ``layer_pipeline.warm_prefix_chunks``), returning seconds (``prepare_s``); best
+        effort too: an error is recorded (``prepare_error``), not raised, and the chunks stay stored."""
         if req.finished:
             return
         req.finished = True
@@ -235,7 +238,10 @@ class PrefixCache:
             if kv_outs is not None:
                 stored = self._store_new(req, kv_outs)
                 if prepare is not None and stored:
-                    req.prepare_s = prepare(stored)
+                    try:
+                        req.prepare_s = prepare(stored)
+                    except Exception as e:  # noqa: BLE001 - an optimisation: a reuse makes what it needs later
+                        req.prepare_error = f"{type(e).__name__}: {e}"[:500]
                 self.requests.append(req.record())
         finally:
             self.store.unpin(req.hit)

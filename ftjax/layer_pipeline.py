@@ -132,19 +132,27 @@ class _LayerPieces:
         self.views = [host_view(a) for a in arrays]
         self.rows = rows
         self._alias: dict[tuple[int, int], jax.Array | None] = {}
-        self.path: str | None = None
+        self._paths: set[str] = set()
         if eager:
             for l in range(layers):
                 self.pieces(l)
+
+    @property
+    def path(self) -> str | None:
+        """"pinned_alias", "numpy_view", "mixed" (both), or None before any piece was made."""
+        return (next(iter(self._paths)) if len(self._paths) == 1 else "mixed") if self._paths else None
+
+    def piece_of(self, view: np.ndarray, alias: jax.Array | None):
+        """The piece to copy for ``view`` (a contiguous slice of one of :attr:`views`) given its
+        :func:`pinned_alias` (None: the view itself), recorded in :attr:`path`."""
+        self._paths.add("numpy_view" if alias is None else "pinned_alias")
+        return view if alias is None else alias
 
     def _piece(self, i: int, l: int):
         view = self.views[i][l * self.rows:(l + 1) * self.rows]
         if (i, l) not in self._alias:
             self._alias[i, l] = pinned_alias(view)
-        alias = self._alias[i, l]
-        paths = {self.path, "pinned_alias" if alias is not None else "numpy_view"} - {None}
-        self.path = paths.pop() if len(paths) == 1 else "mixed"
-        return alias if alias is not None else view
+        return self.piece_of(view, self._alias[i, l])
 
     def pieces(self, l: int) -> list:
         return [self._piece(i, l) for i in range(len(self.views))]
@@ -194,15 +202,33 @@ class ExpertLayerSource:
         # (layer, offset, size) -> that block's host piece of every array, made on first use (a pinned
         # alias costs ~0.1-0.4 ms to make; at most 2E - 1 blocks per layer, see miss_blocks)
         self._blocks: dict[tuple[int, int, int], list] = {}
-        self._block_paths: set[str] = set()
-        self._host_slots = None  # (weakref to a slot table's slot_of, its host copy): ExpertCopies.host_slots
+        self._host_slots = None  # (weakref to a slot table's slot_of, its host copy): host_slots
 
     @property
     def path(self) -> str:
         """"pinned_alias" (async copies that overlap compute), "numpy_view" (copies that wait), or
         "mixed" (some layers or blocks fell back to numpy views)."""
-        paths = ({self._pieces.path} | self._block_paths) - {None}
-        return paths.pop() if len(paths) == 1 else "mixed"
+        return self._pieces.path
+
+    def host_slots(self, slot_of: jax.Array) -> np.ndarray:
+        """int32 [L, E] host copy of a slot table's ``slot_of`` (-1: not resident). One small
+        device-to-host copy, which waits for the work that produces the table, unless this source
+        remembers this very (immutable) array (:meth:`remember_slots`): then no copy and no wait, so
+        a streamed call that follows another (the chunks of a long prompt) or ``prepare_prefill``
+        does not wait for the work queued before it."""
+        known = self._host_slots
+        if known is not None and known[0]() is slot_of:
+            return known[1]
+        host = _read_slots(slot_of).reshape(self.num_layers, self.num_experts)
+        self.remember_slots(slot_of, host)
+        return host
+
+    def remember_slots(self, slot_of: jax.Array, host: np.ndarray) -> None:
+        """Records ``host`` as the host copy of the table array ``slot_of``."""
+        try:
+            self._host_slots = (weakref.ref(slot_of), host)
+        except TypeError:  # not weak-referenceable: nothing remembered
+            self._host_slots = None
 
     def block_pieces(self, layer: int, offset: int, size: int) -> list:
         """Host pieces of experts [offset, offset + size) of ``layer`` (rows ``layer*E + offset`` on)
@@ -213,10 +239,7 @@ class ExpertLayerSource:
         if pieces is None:
             lo = layer * self.num_experts + offset
             views = [v[lo:lo + size] for v in self._pieces.views]
-            aliases = [pinned_alias(v) for v in views]
-            pieces = [v if a is None else a for a, v in zip(aliases, views)]
-            self._block_paths.update("numpy_view" if a is None else "pinned_alias" for a in aliases)
-            self._blocks[key] = pieces
+            pieces = self._blocks[key] = [self._pieces.piece_of(v, pinned_alias(v)) for v in views]
         return pieces
 
     def put_blocks(self, layer: int, blocks: Sequence[tuple[int, int]]) -> list[tuple]:
@@ -314,30 +337,6 @@ class ExpertCopies:
         self.compiled, self.source, self.slot_of = compiled, source, slot_of
         self._dtypes = tuple(str(x.dtype) for x in source.spec())
         self._exe: dict[tuple, Any] = {}
-
-    @staticmethod
-    def host_slots(state, num_layers: int, num_experts: int, source: ExpertLayerSource | None = None) -> np.ndarray:
-        """int32 [L, E]: the slot of every expert in ``state.table`` (-1: not resident). One small
-        device-to-host copy, which waits for the work that produces the table, unless ``source``
-        remembers this very table array (:meth:`remember_slots`): then no copy and no wait, so a
-        streamed call that follows another (the chunks of a long prompt) or ``prepare_prefill``
-        does not wait for the work queued before it."""
-        arr = state.table.slot_of
-        known = getattr(source, "_host_slots", None)
-        if known is not None and known[0]() is arr:
-            return known[1]
-        host = _read_slots(arr).reshape(num_layers, num_experts)
-        ExpertCopies.remember_slots(source, arr, host)
-        return host
-
-    @staticmethod
-    def remember_slots(source: ExpertLayerSource | None, table_slot_of: jax.Array, host: np.ndarray) -> None:
-        """Records ``host`` as the host copy of the (immutable) array ``table_slot_of`` on ``source``."""
-        if source is not None:
-            try:
-                source._host_slots = (weakref.ref(table_slot_of), host)
-            except TypeError:  # not weak-referenceable: nothing remembered
-                source._host_slots = None
 
     def blocks(self, layer: int) -> list[tuple[int, int]] | None:
         """The PCIe blocks of ``layer`` when it has hits to copy device to device, else None."""
@@ -584,8 +583,7 @@ def precompile(compiled: Callable, params, banks, state, cache: model_lib.KVCach
     for l in range(cfg.num_layers):
         _layer_index(l)
     if d2d:
-        slot_of = ExpertCopies.host_slots(state, cfg.num_layers, cfg.num_experts, experts)
-        ExpertCopies(compiled, experts, slot_of).precompile(state)
+        ExpertCopies(compiled, experts, experts.host_slots(state.table.slot_of)).precompile(state)
 
 
 def run(compiled: Callable, params, banks, state, cache: model_lib.KVCache, tokens: jax.Array, start: jax.Array,
@@ -607,7 +605,7 @@ def run(compiled: Callable, params, banks, state, cache: model_lib.KVCache, toke
     """
     d2d = d2d and experts is not None and state.table is not None
     opts = LayerOptions(step, prefix is not None, d2d)
-    slot_of = ExpertCopies.host_slots(state, cfg.num_layers, cfg.num_experts, experts) if d2d else None
+    slot_of = experts.host_slots(state.table.slot_of) if d2d else None
     expert_copies = ExpertCopies(compiled, experts, slot_of) if experts is not None else None
     h, inputs = compiled(embed_program, (params, tokens, start, valid_len))(params, tokens, start, valid_len)
     ck, cv = cache.k, cache.v
@@ -642,7 +640,7 @@ def run(compiled: Callable, params, banks, state, cache: model_lib.KVCache, toke
             nxt = ready(nxt, l + 1, state, spare)
             spare = None
     if d2d:  # the streamed layers left the table as it was: the output state's is known on the host too
-        ExpertCopies.remember_slots(experts, state.table.slot_of, slot_of)
+        experts.remember_slots(state.table.slot_of, slot_of)
     logits = compiled(head_program, (params, h, valid_len), cfg=cfg, all_logits=all_logits)(params, h, valid_len)
     kv_out = None
     if step.kv is not None and step.kv.store_chunks:

@@ -301,9 +301,10 @@ def _calls_since(engine, before: dict) -> dict:
 
 
 def run_mode(model, mode: str, slots, max_seq_len: int, prefix: list[int], rng, write_hlo: bool,
-             deadline: float, store_bytes: int) -> dict:
+             deadline: float, store_bytes: int, progress=lambda row: None) -> dict:
     """The earlier request, the recompute and every load of ``FLAGS.loads`` for one expert mode.
-    Returns the mode's row (see the module docstring)."""
+    Returns the mode's row (see the module docstring); ``progress(row)`` gets the row so far after the
+    recompute and after each load, so that a run cut by a time limit keeps what it measured."""
     cfg = model.cfg
     c = FLAGS.chunk_tokens
 
@@ -379,6 +380,7 @@ def run_mode(model, mode: str, slots, max_seq_len: int, prefix: list[int], rng, 
                         "first_token": ref_token, "driver_calls": _calls_since(engine, before)}
     print(f"[{mode}] recompute {len(prefix) + FLAGS.suffix_tokens} tokens: TTFT "
           f"{row['recompute']['ttft_s']['median']:.3f} s", flush=True)
+    progress(row)
 
     compile_s = 0.0
     # pipelined last: it needs an engine of its own (two resident engines would hold two expert pools)
@@ -424,6 +426,8 @@ def run_mode(model, mode: str, slots, max_seq_len: int, prefix: list[int], rng, 
         except Exception as e:  # noqa: BLE001
             row.setdefault("load_errors", {})[load] = f"{type(e).__name__}: {e}"[:3000]
             print(f"[{mode}] {load} failed: {row['load_errors'][load]}", flush=True)
+        progress(row)
+        if load in row.get("load_errors", {}):
             if engine is None:  # the pipelined engine could not be built
                 break
 
@@ -558,7 +562,8 @@ def main(argv):
         try:
             row = run_mode(model, mode, plan.slots if mode != "resident" else None, max_seq_len, prefix, rng,
                            write_hlo=FLAGS.hlo and i == 0, deadline=t0 + FLAGS.time_budget_s,
-                           store_bytes=store_bytes)
+                           store_bytes=store_bytes,
+                           progress=lambda r: write(rows + [dict(r, partial="the mode had not finished")]))
         except Exception as e:  # noqa: BLE001 -- one failing mode must not lose the others
             row = {"mode": mode, "error": f"{type(e).__name__}: {e}"[:3000]}
             print(f"[{mode}] failed: {row['error']}", flush=True)

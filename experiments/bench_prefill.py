@@ -72,6 +72,8 @@ flags.DEFINE_list("variants", ["stream", "stream_no_overlap", "stream_scan", "re
                   f"What to compare: {', '.join(VARIANTS)}.")
 flags.DEFINE_integer("prefill_chunk", 8192, "Prefill chunk in tokens.")
 flags.DEFINE_integer("repeats", 2, "Timed prefills per (length, variant).")
+flags.DEFINE_integer("warmups", 1, "Untimed prefills per (length, variant) before the timed ones (their TTFTs are "
+                     "recorded as first_calls_s: the first call of an engine can pay one-time work).")
 flags.DEFINE_integer("warm_decode_tokens", 32, "stream_warm variants: decode steps of the request that fills the slot "
                      "cache before each timed prefill.")
 flags.DEFINE_list("expert_dtypes", None, "Expert storage formats to compare (bfloat16, int8, int4, fp8); "
@@ -135,7 +137,10 @@ def main(argv):
     lengths = [int(x) for x in FLAGS.lengths]
     rows, hlo, plans, first_logits, pools = [], {}, {}, {}, {}
     for fmt in FLAGS.expert_dtypes or [None]:
+        t_q = time.perf_counter()
         fmodel = model if fmt is None else dataclasses.replace(model, banks=quant.quantize_banks(model.banks, fmt))
+        jax.block_until_ready(fmodel.banks)  # quantizing runs asynchronously: not inside a timed call
+        quantize_s = time.perf_counter() - t_q if fmt is not None else 0.0
         label = fmt or model.banks.fmt
         fpool = cfg.num_layers * cfg.num_experts * fmodel.expert_bytes  # weights and scales as stored
         pools[label] = fpool
@@ -174,7 +179,7 @@ def main(argv):
                     # fewer (token, expert) pairs than E: the warm-up request loads its experts on demand
                     warm_prompt = prompt[: max(1, (cfg.num_experts - 1) // cfg.top_k)]
                     ttfts, cached = [], 0
-                    for _ in range(FLAGS.repeats):
+                    for _ in range(FLAGS.warmups + FLAGS.repeats):
                         eng.reset_expert_cache()  # every timed prefill starts from the same state
                         if warm:
                             eng.generate([warm_prompt], FLAGS.warm_decode_tokens)
@@ -187,9 +192,11 @@ def main(argv):
                         d2d_bytes, d2d_copies = (after[k] - before[k] for k in ("bytes_d2d", "d2d_copies"))
                     if n == lengths[0]:
                         first_logits[(label, variant)] = res.step_logits[0, 0]
+                    first_calls, ttfts = ttfts[:FLAGS.warmups], ttfts[FLAGS.warmups:]
                     chunks = -(-n // FLAGS.prefill_chunk)
                     ttft = float(np.median(ttfts))
                     row = {"variant": variant, "tokens": n, "slots": plan.slots, "ttft_s": common.spread(ttfts),
+                           "first_calls_s": first_calls,
                            "tokens_per_s": n / ttft, "chunks": chunks, "s_per_chunk": ttft / chunks,
                            "streamed": eng.streams(min(n, FLAGS.prefill_chunk)), "h2d_bytes": moved,
                            "achieved_h2d_GBps": moved / ttft / 1e9, "compile_s": eng.compile_s,
@@ -207,7 +214,8 @@ def main(argv):
                     del eng
                 except Exception as ex:
                     row = {"variant": variant, "tokens": n, "error": f"{type(ex).__name__}: {ex}"[:2000]}
-                row.update(expert_dtype=label, expert_bytes=fmodel.expert_bytes, pool_bytes=fpool)
+                row.update(expert_dtype=label, expert_bytes=fmodel.expert_bytes, pool_bytes=fpool,
+                           quantize_s=quantize_s)
                 gc.collect()
                 rows.append(row)
                 print({k: v for k, v in row.items() if k not in ("ttft_s", "engine")}, flush=True)

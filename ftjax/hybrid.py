@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from ftjax import gated_deltanet as gdn
 from ftjax.config import ModelConfig
 from ftjax.model import (ExpertFn, ForwardOut, KVCache, KVHook, LayerCarry, LayerInputs, LayerRouting, Params,
-                         attention, embed_inputs, final_logits, rms_norm_offset, rope, route)
+                         attention, embed_inputs, final_logits, project, rms_norm_offset, rope, route)
 
 
 def _counts(cfg: ModelConfig) -> tuple[int, int, int]:
@@ -107,11 +107,11 @@ def gated_attention_qkv(cfg: ModelConfig, lp: Params, x: jax.Array, positions: j
     """
     b, t, _ = x.shape
     hd, rd, eps = cfg.head_dim, cfg.rotary_dim, cfg.rms_norm_eps
-    qg = (x @ lp["wq"]).reshape(b, t, cfg.num_heads, 2 * hd)
+    qg = project(x, lp["wq"]).reshape(b, t, cfg.num_heads, 2 * hd)
     q, gate = qg[..., :hd], qg[..., hd:].reshape(b, t, -1)
     q = rms_norm_offset(q, lp["q_norm"], eps)
-    k = rms_norm_offset((x @ lp["wk"]).reshape(b, t, cfg.num_kv_heads, hd), lp["k_norm"], eps)
-    v = (x @ lp["wv"]).reshape(b, t, cfg.num_kv_heads, hd)
+    k = rms_norm_offset(project(x, lp["wk"]).reshape(b, t, cfg.num_kv_heads, hd), lp["k_norm"], eps)
+    v = project(x, lp["wv"]).reshape(b, t, cfg.num_kv_heads, hd)
 
     def partial_rope(a):
         return jnp.concatenate([rope(a[..., :rd], positions, cfg.rope_theta), a[..., rd:]], axis=-1)
@@ -144,15 +144,15 @@ def gated_deltanet(cfg: ModelConfig, lp: Params, x: jax.Array, conv_state: jax.A
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     valid_len = jnp.sum(valid, axis=1, dtype=jnp.int32)
-    qkv_in = x @ lp["w_qkv"]
-    z = (x @ lp["w_z"]).reshape(b, t, hv, dv)
+    qkv_in = project(x, lp["w_qkv"])
+    z = project(x, lp["w_z"]).reshape(b, t, hv, dv)
     qkv, new_conv = gdn.causal_conv(qkv_in, lp["conv"], conv_state, valid_len)
     q = qkv[..., :hk * dk].reshape(b, t, hk, dk)
     k = qkv[..., hk * dk:2 * hk * dk].reshape(b, t, hk, dk)
     v = qkv[..., 2 * hk * dk:].reshape(b, t, hv, dv)
-    beta = jax.nn.sigmoid(x @ lp["w_b"])
+    beta = jax.nn.sigmoid(project(x, lp["w_b"]))
     g = -jnp.exp(lp["A_log"].astype(jnp.float32)) * jax.nn.softplus(
-        (x @ lp["w_a"]).astype(jnp.float32) + lp["dt_bias"].astype(jnp.float32))
+        project(x, lp["w_a"]).astype(jnp.float32) + lp["dt_bias"].astype(jnp.float32))
     beta = jnp.where(valid[..., None], beta, 0)  # padding leaves the state exactly as it is
     g = jnp.where(valid[..., None], g, 0.0)
     q = gdn.l2_normalize(jnp.repeat(q, hv // hk, axis=2))
@@ -167,15 +167,15 @@ def gated_deltanet(cfg: ModelConfig, lp: Params, x: jax.Array, conv_state: jax.A
             km1 = cfg.linear_conv_kernel - 1
             points = tuple((conv_in[p:p + km1], ends[p // gdn.DELTA_CHUNK - 1, 0]) for p in state_points)
     y = gated_rms_norm(o.astype(x.dtype), z, lp["norm"], cfg.rms_norm_eps, x.dtype)
-    return y.reshape(b, t, hv * dv) @ lp["w_out"], new_conv, rec, points
+    return project(y.reshape(b, t, hv * dv), lp["w_out"]), new_conv, rec, points
 
 
 def shared_expert(lp: Params, x: jax.Array) -> jax.Array:
     """The always-on expert, scaled by its sigmoid gate. x: [N, D] -> [N, D]."""
     fs = lp["shared_down"].shape[0]
-    gu = x @ lp["shared_gate_up"]
-    y = (jax.nn.silu(gu[:, :fs]) * gu[:, fs:]) @ lp["shared_down"]
-    return jax.nn.sigmoid(x @ lp["shared_gate"]) * y
+    gu = project(x, lp["shared_gate_up"])
+    y = project(jax.nn.silu(gu[:, :fs]) * gu[:, fs:], lp["shared_down"])
+    return jax.nn.sigmoid(project(x, lp["shared_gate"])) * y
 
 
 # ---- one block ---------------------------------------------------------------------------------
@@ -214,7 +214,7 @@ def decoder_block(cfg: ModelConfig, lp: Params, block: jax.Array, carry: LayerCa
                 if kv_hook is not None:
                     hook_out = kv_hook.layer_output(ck, cv, a, inputs.start)
                 o = attention(q, ck[a], cv[a], positions).reshape(b, t, -1)
-                h = h + (o * jax.nn.sigmoid(gate)) @ ap["wo"]
+                h = h + project(o * jax.nn.sigmoid(gate), ap["wo"])
         else:
             with jax.named_scope("gated_deltanet"):
                 y, c_new, r_new, pts = gated_deltanet(cfg, _take(lp["linear"], j), x, conv[j], rec[j], inputs.valid,

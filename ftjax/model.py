@@ -27,6 +27,7 @@ recurrent state; :func:`forward` hands it to ``ftjax.hybrid.forward_blocks``.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, NamedTuple, Protocol
 
 import jax
@@ -189,7 +190,7 @@ def route(cfg: ModelConfig, x: jax.Array, w_router: jax.Array) -> tuple[jax.Arra
     Probabilities in float32; renormalised over the top k when ``cfg.norm_topk_prob``.
     """
     with jax.named_scope("router"):
-        logits = (x @ w_router).astype(jnp.float32)
+        logits = project(x, w_router).astype(jnp.float32)
         probs = jax.nn.softmax(logits, axis=-1)
         w, ids = jax.lax.top_k(probs, cfg.top_k)
         if cfg.norm_topk_prob:
@@ -215,10 +216,48 @@ class LayerRouting(NamedTuple):
 ExpertFn = Callable[[Any, jax.Array, LayerRouting], tuple[jax.Array, Any, Any]]
 
 
+#: Environment variable: the fewest rows a dense projection hands the GPU's matmul (read at trace
+#: time; 0 turns the padding off). Default 4 on a GPU, 0 elsewhere.
+MIN_DOT_ROWS_ENV = "FTJAX_MIN_DOT_ROWS"
+
+
+def min_dot_rows() -> int:
+    """Rows :func:`project` pads a smaller matmul to: ``FTJAX_MIN_DOT_ROWS``, default 4 on a GPU
+    and 0 (no padding) on other backends.
+    Raises:
+      ValueError: the variable is not a non-negative integer."""
+    value = os.environ.get(MIN_DOT_ROWS_ENV, "").strip()
+    if not value:
+        return 4 if jax.default_backend() == "gpu" else 0
+    if not value.isdigit():
+        raise ValueError(f"{MIN_DOT_ROWS_ENV}={value!r}: expected a non-negative integer")
+    return int(value)
+
+
+def project(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x @ w`` for a dense weight: x [..., K], w [K, N] -> [..., N] in the promoted dtype.
+
+    A batch-1 decode step has one row. The H200 profile (experiments/profile_step.py, issue 13)
+    showed XLA lowering those [1, K] x [K, N] products of the layer scan to multiply and reduce
+    fusions at ~20% of the HBM bandwidth, while the same products with 4 rows (batch 4) ran as
+    GEMMs at about a quarter of the time per row. So fewer than :func:`min_dot_rows` rows are
+    padded with zero rows behind optimization barriers (XLA would otherwise slice the padding
+    back off); each row's result is the same product, and the padding reads no extra weights.
+    """
+    m = min_dot_rows()
+    rows = x.size // x.shape[-1]
+    if rows >= m:
+        return x @ w
+    flat = x.reshape(rows, x.shape[-1])
+    padded = jax.lax.optimization_barrier(jnp.pad(flat, ((0, m - rows), (0, 0))))
+    out = jax.lax.optimization_barrier(padded @ w)
+    return out[:rows].reshape(*x.shape[:-1], w.shape[-1])
+
+
 def _qk(cfg: ModelConfig, lp: Params, x: jax.Array, positions: jax.Array):
     b, t, _ = x.shape
     hd = cfg.head_dim
-    q, k, v = x @ lp["wq"], x @ lp["wk"], x @ lp["wv"]
+    q, k, v = project(x, lp["wq"]), project(x, lp["wk"]), project(x, lp["wv"])
     if cfg.qk_norm == "full":
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
@@ -317,7 +356,7 @@ def decoder_layer(cfg: ModelConfig, lp: Params, layer: jax.Array, carry: LayerCa
         if kv_hook is not None:
             hy = kv_hook.layer_output(ck, cv, layer, inputs.start)
         o = cached_attention(q, ck, cv, layer, positions)
-        h = h + o.reshape(b, t, -1) @ lp["wo"]
+        h = h + project(o.reshape(b, t, -1), lp["wo"])
     with jax.named_scope("moe"):
         x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps).reshape(b * t, -1)
         ids, w = route(cfg, x, lp["router"])

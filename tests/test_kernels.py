@@ -249,3 +249,39 @@ def test_model_with_interpreted_kernels_matches_xla_and_cached_is_bit_identical(
     from ftjax import engine as engine_lib
     engine_lib._COMPILED.clear()
     jax.clear_caches()
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 48), (2, 1, 48), (1, 3, 48), (5, 48)])
+def test_project_pads_few_rows_to_the_same_product(shape, monkeypatch):
+    """``model.project``: with fewer rows than FTJAX_MIN_DOT_ROWS the rows are padded (behind
+    optimization barriers) and sliced back: same shape and values as ``x @ w``."""
+    from ftjax import model as model_lib
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((48, 40)), jnp.float32)
+    want = np.asarray(x @ w)
+    monkeypatch.setenv(model_lib.MIN_DOT_ROWS_ENV, "4")
+    assert model_lib.min_dot_rows() == 4
+    got = model_lib.project(x, w)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-5)
+    def lowered():  # a new function each time: a jitted one keeps the trace made under the old value
+        return jax.jit(lambda a, b: model_lib.project(a, b)).lower(x, w).as_text()
+
+    text = lowered()
+    padded = np.prod(shape[:-1]) < 4
+    assert ("optimization_barrier" in text) == padded  # padded exactly when there are fewer rows than 4
+    monkeypatch.setenv(model_lib.MIN_DOT_ROWS_ENV, "0")
+    assert "optimization_barrier" not in lowered()
+    np.testing.assert_array_equal(np.asarray(model_lib.project(x, w)), want)
+
+
+def test_min_dot_rows_default_and_bad_value(monkeypatch):
+    from ftjax import model as model_lib
+
+    monkeypatch.delenv(model_lib.MIN_DOT_ROWS_ENV, raising=False)
+    assert model_lib.min_dot_rows() == (4 if jax.default_backend() == "gpu" else 0)
+    monkeypatch.setenv(model_lib.MIN_DOT_ROWS_ENV, "four")
+    with pytest.raises(ValueError, match="FTJAX_MIN_DOT_ROWS='four'"):
+        model_lib.min_dot_rows()

@@ -77,3 +77,27 @@ def test_bf16_compute_close_to_float32():
     # bf16 has 8 bits of mantissa: relative error ~4e-3 per op, a few ops deep.
     assert np.abs(got - want).max() < 0.1 * np.abs(want).max()
     assert res.generated_ids[0][0] == int(exp["short_generated_ids"][0])
+
+
+@pytest.mark.parametrize("fixture_name", [FIXTURE_NAMES[0], HYBRID_FIXTURE_NAMES[0]])
+def test_greedy_matches_transformers_with_padded_projections(fixture_name, monkeypatch):
+    """The GPU default pads one-row projections to 4 rows (``ftjax.model.project``); forced on
+    here, a batch-1 decode (one row per step) still matches the oracle token for token."""
+    import jax
+
+    from ftjax import engine as engine_lib
+    from ftjax import model as model_lib
+
+    monkeypatch.setenv(model_lib.MIN_DOT_ROWS_ENV, "4")
+    engine_lib._COMPILED.clear()  # programs keep the choice made when they were traced
+    jax.clear_caches()
+    try:
+        model, exp = load_fixture(fixture_name)
+        engine = Engine(model, EngineConfig("resident", max_seq_len=384))
+        res = engine.generate([exp["short_prompt_ids"].tolist()], max_new_tokens=16, keep_logits=True)
+        assert res.generated_ids[0] == exp["short_generated_ids"].tolist()
+        want = exp["short_step_logits"]
+        np.testing.assert_allclose(res.step_logits[:, 0], want, rtol=0, atol=oracle_tol(want, fixture_name))
+    finally:
+        engine_lib._COMPILED.clear()
+        jax.clear_caches()

@@ -13,7 +13,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from conftest import load_fixture
+from conftest import FIXTURE_NAMES, HYBRID_FIXTURE_NAMES, load_fixture
 from ftjax.engine import Engine
 from ftjax.config import EngineConfig
 from ftjax.experts.planner import plan_memory
@@ -39,8 +39,15 @@ def _resident(cache, name):
     return cache[name]
 
 
+@pytest.fixture(params=FIXTURE_NAMES + HYBRID_FIXTURE_NAMES)
+def any_family(request):
+    """Every fixture, the hybrid family's too (its slots serve Gated DeltaNet and attention layers alike)."""
+    return request.param
+
+
 @pytest.mark.parametrize("slots_rule", ["E", "E+1", "2E", "L*E"])
-def test_cached_decode_bit_identical(fixture_name, slots_rule, resident_runs):
+def test_cached_decode_bit_identical(any_family, slots_rule, resident_runs):
+    fixture_name = any_family
     model, exp = load_fixture(fixture_name)
     e, le = model.cfg.num_experts, model.cfg.num_layers * model.cfg.num_experts
     slots = {"E": e, "E+1": e + 1, "2E": 2 * e, "L*E": le}[slots_rule]

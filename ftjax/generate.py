@@ -47,7 +47,8 @@ flags.DEFINE_string("preset", None, "Random weights at a preset's real shape ins
                     "(qwen3-30b-a3b, olmoe-1b-7b, mixtral-8x7b, qwen3.5-35b-a3b, tiny, tiny-hybrid).")
 flags.DEFINE_string("prompt", None, "Prompt text (needs tokenizer.json in the checkpoint).")
 flags.DEFINE_list("prompt_ids", None, "Prompt token ids, comma separated.")
-flags.DEFINE_integer("prompt_len", None, "With --preset: a random prompt of this many tokens.")
+flags.DEFINE_integer("prompt_len", None, "A random prompt of this many tokens (any model; without a prompt flag the "
+                     "demo model continues its built-in prompt, any other gets 16 random tokens).")
 flags.DEFINE_integer("batch", 1, "Decode this many copies of the prompt together.")
 flags.DEFINE_integer("max_new_tokens", 32, "Tokens to generate per sequence.")
 flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 = greedy.")

@@ -14,7 +14,7 @@ head stay in the source dtype. The quantization is ``ftjax.experts.quant.quantiz
 ``--expert_dtype=fp8`` on the source checkpoint, so without ``--attention`` the fp8 checkpoint
 loads into banks identical to the source's quantized at load.
 
-    PYTHONPATH=. .venv/bin/python scripts/make_fp8_checkpoint.py SRC_DIR OUT_DIR [--attention]
+    .venv/bin/python scripts/make_fp8_checkpoint.py SRC_DIR OUT_DIR [--attention]
 
 Writes OUT_DIR/model.safetensors and config.json, and copies the tokenizer and generation
 config files (not the source's expected.npz oracle outputs).
@@ -48,6 +48,8 @@ def quantize_fp8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def read_tensors(src: str) -> dict[str, np.ndarray]:
+    """Every tensor of a checkpoint directory (one file or a sharded index) as numpy arrays."""
+    import ml_dtypes  # noqa: F401 -- registers bfloat16 with numpy: safetensors' numpy reader needs it
     from safetensors import safe_open
     index = os.path.join(src, "model.safetensors.index.json")
     if os.path.exists(index):

@@ -339,6 +339,29 @@ def test_fp8_checkpoint_loads_as_is_and_equals_load_time_fp8(tmp_path, name):
     np.testing.assert_array_equal(rd.step_logits, ra.step_logits)  # the same arithmetic
 
 
+def test_fp8_script_converts_a_bf16_checkpoint_in_a_fresh_process(tmp_path):
+    """The script as a user runs it (its own interpreter, where nothing imported ml_dtypes before
+    safetensors reads bf16 tensors) on a bf16 checkpoint: the fp8 banks equal the bf16 source's
+    quantized at load."""
+    import subprocess
+    import sys
+
+    src = fixture_path("qwen3_moe_bf16")
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
+                          "make_fp8_checkpoint.py")
+    out = subprocess.run([sys.executable, script, src, str(tmp_path)], capture_output=True, text=True, timeout=300,
+                         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "tensors in fp8" in out.stdout
+    fp8 = load_checkpoint(str(tmp_path), "bfloat16", progress=False)
+    twin = load_checkpoint(src, "bfloat16", progress=False, expert_dtype="fp8")
+    for a, b in zip(jax.tree.leaves(fp8.banks), jax.tree.leaves(twin.banks)):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+    for a, b in zip(jax.tree.leaves(fp8.params), jax.tree.leaves(twin.params)):  # bf16 tensors kept as they were
+        assert a.dtype == b.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_fp8_checkpoint_with_quantized_attention_and_errors(tmp_path):
     src = fixture_path("qwen3_moe_fp32")
     make_fp8_checkpoint.main([src, str(tmp_path), "--attention"])

@@ -93,6 +93,21 @@ def test_bench_prefill_smoke(tmp_path):
     assert plots.plot(str(tmp_path / "bench_prefill_tiny.json"), str(tmp_path / "p.png"))
 
 
+@pytest.mark.parametrize("flag", ["--repeats=0", "--warmups=-1"])
+def test_bench_prefill_refuses_no_timed_call(tmp_path, flag):
+    """No timed call (--repeats=0, or a negative --warmups eating one) is refused when the flags
+    are parsed, before any model is built: it used to measure for minutes, then write rows with
+    an empty ``ttft_s`` (NaN throughput) and die in the bound computation (KeyError 'median')."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench_prefill.py"), f"--out_dir={tmp_path}",
+                           "--preset=tiny", "--dtype=float32", "--lengths=64", "--prefill_chunk=128",
+                           "--vram_budget_gb=1.02", "--variants=resident", flag],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    assert "Flags parsing error" in proc.stderr and flag.split("=")[0] in proc.stderr, proc.stderr[-2000:]
+    assert not list(tmp_path.glob("*.json"))
+
+
 def test_bench_prefill_expert_dtypes_smoke(tmp_path):
     """Per format: its own pool bytes (quantized weights + float32 scales), its own copy bound
     from them and its own resident time; a quantized stream computes what its resident run does."""

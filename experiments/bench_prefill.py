@@ -71,9 +71,9 @@ flags.DEFINE_list("lengths", ["1024", "4096", "8192", "16384"], "Prompt lengths 
 flags.DEFINE_list("variants", ["stream", "stream_no_overlap", "stream_scan", "resident"],
                   f"What to compare: {', '.join(VARIANTS)}.")
 flags.DEFINE_integer("prefill_chunk", 8192, "Prefill chunk in tokens.")
-flags.DEFINE_integer("repeats", 2, "Timed prefills per (length, variant).")
+flags.DEFINE_integer("repeats", 2, "Timed prefills per (length, variant).", lower_bound=1)
 flags.DEFINE_integer("warmups", 1, "Untimed prefills per (length, variant) before the timed ones (their TTFTs are "
-                     "recorded as first_calls_s: the first call of an engine can pay one-time work).")
+                     "recorded as first_calls_s: the first call of an engine can pay one-time work).", lower_bound=0)
 flags.DEFINE_integer("warm_decode_tokens", 32, "stream_warm variants: decode steps of the request that fills the slot "
                      "cache before each timed prefill.")
 flags.DEFINE_list("expert_dtypes", None, "Expert storage formats to compare (bfloat16, int8, int4, fp8); "

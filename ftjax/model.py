@@ -27,6 +27,7 @@ recurrent state; :func:`forward` hands it to ``ftjax.hybrid.forward_blocks``.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Callable, NamedTuple, Protocol
 
@@ -248,7 +249,7 @@ def project(x: jax.Array, w: jax.Array) -> jax.Array:
     projection (~1.1 ms per step of ``memcpy`` kernels; a barrier on the output too cost more).
     """
     m = min_dot_rows()
-    rows = x.size // x.shape[-1]
+    rows = math.prod(x.shape[:-1])  # not x.size // K: K may be 0 (then x @ w is zeros)
     if rows >= m:
         return x @ w
     flat = x.reshape(rows, x.shape[-1])

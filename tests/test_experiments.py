@@ -93,6 +93,21 @@ def test_bench_prefill_smoke(tmp_path):
     assert plots.plot(str(tmp_path / "bench_prefill_tiny.json"), str(tmp_path / "p.png"))
 
 
+@pytest.mark.parametrize("flag", ["--repeats=0", "--warmups=-1"])
+def test_bench_prefill_refuses_no_timed_call(tmp_path, flag):
+    """No timed call (--repeats=0, or a negative --warmups eating one) is refused when the flags
+    are parsed, before any model is built: it used to measure for minutes, then write rows with
+    an empty ``ttft_s`` (NaN throughput) and die in the bound computation (KeyError 'median')."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench_prefill.py"), f"--out_dir={tmp_path}",
+                           "--preset=tiny", "--dtype=float32", "--lengths=64", "--prefill_chunk=128",
+                           "--vram_budget_gb=1.02", "--variants=resident", flag],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    assert "Flags parsing error" in proc.stderr and flag.split("=")[0] in proc.stderr, proc.stderr[-2000:]
+    assert not list(tmp_path.glob("*.json"))
+
+
 def test_bench_prefill_expert_dtypes_smoke(tmp_path):
     """Per format: its own pool bytes (quantized weights + float32 scales), its own copy bound
     from them and its own resident time; a quantized stream computes what its resident run does."""
@@ -161,7 +176,7 @@ def test_bench_kv_reuse_hybrid_smoke(tmp_path):
         32768, 58368, 91136)
     assert d["prefix_bytes"] == 3 * (kv + state) and d["layerwise_copy_bytes"] == 3 * kv + state
     (r,) = d["results"]
-    assert "error" not in r and "pipelined" not in r, r
+    assert "error" not in r and "pipelined" not in r and "partial" not in r, r  # the mode's last write is whole
     assert r["chunk_layout"]["bytes_expected"] == kv + state and r["chunk_layout"]["kv_shape"] == [1, 2, 64, 2, 32]
     assert r["store_request"]["chunks_stored"] == 3 and r["recompute"]["prefill_calls"] == 2
     for load in ("prefetch", "all_first"):
@@ -171,6 +186,50 @@ def test_bench_kv_reuse_hybrid_smoke(tmp_path):
         assert x["max_abs_logit_diff_vs_recompute"] < 1e-4 * x["max_abs_logit_recompute"]
         assert x["speedup_vs_recompute"] > 0
     assert isinstance(r["prefetch"]["hidden_fraction"], float) and r["all_first"]["load_s"]["median"] > 0
+
+
+_KV_REUSE_PIPELINED_FAILS = """
+import json, sys
+from absl import app
+from experiments import bench_kv_reuse as b
+writes, real_write, real_engine = [], b.write_json, b.Engine
+def write_json(out_dir, name, payload):
+    writes.append([dict(r) for r in payload["results"]])
+    return real_write(out_dir, name, payload)
+def engine(model, config):
+    if config.prefill_driver == "pipelined":
+        raise RuntimeError("no pipelined engine here")
+    return real_engine(model, config)
+b.write_json, b.Engine = write_json, engine
+def main(argv):
+    b.main(argv)
+    print("WRITES " + json.dumps(writes, default=str))
+app.run(main, argv=sys.argv)
+"""
+
+
+def test_bench_kv_reuse_writes_partial_rows_and_survives_a_failed_pipelined_engine(tmp_path):
+    """``run_mode``'s progress: the JSON is rewritten after the recompute and after each load with
+    the mode's row marked ``partial``; the pipelined load's engine failing to build is recorded in
+    ``load_errors`` and ends the mode's loads; the last write holds the whole row, unmarked."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", _KV_REUSE_PIPELINED_FAILS, f"--out_dir={tmp_path}", "--preset=tiny",
+                           "--dtype=float32", "--prefix_tokens=192", "--suffix_tokens=64", "--chunk_tokens=32",
+                           "--prefill_chunk=128", "--expert_slots=32", "--kv_host_gb=0.1", "--h2d_mb=16", "--noprobe",
+                           "--modes=cached", "--reps=1", "--loads=pipelined,prefetch"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    writes = json.loads(proc.stdout.split("WRITES ", 1)[1])
+    loads = ("recompute", "prefetch", "load_errors")
+    seen = [([k for k in loads if k in r], r.get("partial")) for (r,) in writes]
+    partial = "the mode had not finished"
+    assert seen[:3] == [(["recompute"], partial), (["recompute", "prefetch"], partial),
+                        (["recompute", "prefetch", "load_errors"], partial)]
+    assert seen[3:] and all(x == (list(loads), None) for x in seen[3:]), seen  # pipelined last, then the mode's row
+    (r,) = json.loads((tmp_path / "bench_kv_reuse_tiny.json").read_text())["results"]
+    assert r["load_errors"] == {"pipelined": "RuntimeError: no pipelined engine here"} and "partial" not in r
+    assert r["prefetch"]["reused_tokens"] == 192 and r["prefetch"]["first_token_equals_recompute"]
+    assert r["prefetch"]["speedup_vs_recompute"] > 0 and r["compile_s"] > 0 and "pipelined" not in r
 
 
 def test_bench_miss_policy_smoke(tmp_path):

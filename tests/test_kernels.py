@@ -285,3 +285,17 @@ def test_min_dot_rows_default_and_bad_value(monkeypatch):
     monkeypatch.setenv(model_lib.MIN_DOT_ROWS_ENV, "four")
     with pytest.raises(ValueError, match="FTJAX_MIN_DOT_ROWS='four'"):
         model_lib.min_dot_rows()
+
+
+@pytest.mark.parametrize("shape", [(1, 0), (2, 1, 0), (0, 0)])
+def test_project_with_an_empty_contraction_is_x_at_w(shape, monkeypatch):
+    """K = 0 (x [..., 0], w [0, N]): ``x @ w`` is zeros [..., N]; ``project`` used to divide by K
+    to count the rows (ZeroDivisionError), with the padding on or off."""
+    from ftjax import model as model_lib
+
+    x, w = jnp.zeros(shape, jnp.bfloat16), jnp.zeros((0, 5), jnp.float32)
+    for rows in ("4", "0"):
+        monkeypatch.setenv(model_lib.MIN_DOT_ROWS_ENV, rows)
+        got = model_lib.project(x, w)
+        assert got.shape == shape[:-1] + (5,) and got.dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(got), np.zeros(shape[:-1] + (5,), np.float32))

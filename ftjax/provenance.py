@@ -25,9 +25,30 @@ def git_commit() -> str | None:
     return sha.stdout.strip() + ("+dirty" if dirty else "")
 
 
+#: Environment variables that change what the compiled programs do (read at trace time) or how
+#: much host memory they may use: recorded with every result.
+ENV_PREFIXES = ("FTJAX_", "XLA_FLAGS", "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "XLA_PYTHON_CLIENT_")
+
+
+def run_env() -> dict:
+    """The set variables of :data:`ENV_PREFIXES` (name -> value) and ``min_dot_rows``, the one-row
+    projection padding they resolve to on this backend (``ftjax.model.min_dot_rows``; None when the
+    value is invalid)."""
+    from ftjax.model import min_dot_rows  # lazy: the model imports the kernels
+
+    env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)}
+    try:
+        rows = min_dot_rows()
+    except ValueError:
+        rows = None
+    return {"variables": env, "min_dot_rows": rows}
+
+
 def run_meta() -> dict:
-    """Device name, backend, jax version, UTC date, host CPU count, Python version, git commit."""
+    """Device name, backend, jax version, UTC date, host CPU count, Python version, git commit, and
+    the environment that changes the compiled programs (:func:`run_env`)."""
     d = jax.devices()[0]
     return {"device": getattr(d, "device_kind", str(d)), "backend": d.platform, "jax": jax.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "host_cpus": os.cpu_count(), "python": platform.python_version(), "git_commit": git_commit()}
+            "host_cpus": os.cpu_count(), "python": platform.python_version(), "git_commit": git_commit(),
+            "env": run_env()}

@@ -20,8 +20,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _run(script: str, out_dir: pathlib.Path, *flags: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+def _run(script: str, out_dir: pathlib.Path, *flags: str, env_extra: dict | None = None) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", **(env_extra or {}))
     proc = subprocess.run([sys.executable, str(ROOT / "experiments" / f"{script}.py"), f"--out_dir={out_dir}", *flags],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -37,9 +37,12 @@ def _meta(d: dict) -> dict:
 
 
 def test_bench_decode_smoke(tmp_path):
+    # one-row projections padded to 2 rows (the GPU default is 4, the CPU's 0): the engine runs the
+    # padded path end to end, and the result records the setting
     d = _run("bench_decode", tmp_path, "--preset=tiny", "--dtype=float32", "--steps=8", "--prompt_len=32",
-             "--vram_budget_gb=1.02")
+             "--vram_budget_gb=1.02", env_extra={"FTJAX_MIN_DOT_ROWS": "2"})
     assert _meta(d)["device"] and _meta(d)["jax"]
+    assert _meta(d)["env"]["variables"]["FTJAX_MIN_DOT_ROWS"] == "2" and _meta(d)["env"]["min_dot_rows"] == 2
     rows = {(r["mode"], r["batch"]): r for r in d["results"]}
     assert set(rows) == {(m, b) for m in ("cached", "on_demand", "resident") for b in (1, 4)}
     for (mode, _), r in rows.items():

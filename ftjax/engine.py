@@ -609,7 +609,7 @@ class Engine:
             layer_pipeline.precompile(self.compiled, m.params, m.banks, self.state, cache, *args[4:7], cfg=self.cfg,
                                       step=opts, all_logits=opts.all_logits,
                                       experts=self._expert_source() if opts.stream else None, prefix_spec=prefix,
-                                      d2d=self._d2d(opts))
+                                      d2d=self._d2d(opts), overlap=self.config.prefill_overlap)
 
     def _warm_sampling(self, batch: int, temperature: float, top_p: float) -> None:
         """Compiles the sampler and the key split outside the timed region. The dummy logits are

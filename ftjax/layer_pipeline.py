@@ -33,6 +33,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import os
 import time
 import weakref
 from typing import Any, Callable, NamedTuple, Sequence
@@ -460,6 +461,27 @@ def warm_prefix_chunks(chunks: Sequence[jax.Array]) -> float:
     return time.perf_counter() - t0
 
 
+#: Environment variable: how the pipelined driver copies a reused prefix's rows of layer l+1 while
+#: layer l computes. "put" (default): one ``device_put`` of the layer's n chunk slices issued from
+#: Python before layer l's program (measured on the H200: ~3 ms of Python per layer for 62 slices,
+#: more than the layer's GPU time; docs/OVERLAP.md). "in_program": layer l's program takes the
+#: slices (host memory) as arguments and copies them itself, as XLA overlaps whole-array copies
+#: inside one program with its compute (DESIGN.md section 3); one dispatch per layer instead of n
+#: copies. Read at each call; recorded in result metadata (``ftjax.provenance``).
+PREFIX_COPY_ENV = "FTJAX_PREFIX_COPY"
+PREFIX_COPIES = ("put", "in_program")
+
+
+def prefix_copy() -> str:
+    """``FTJAX_PREFIX_COPY`` (:data:`PREFIX_COPIES`; default "put").
+    Raises:
+      ValueError: another value."""
+    value = os.environ.get(PREFIX_COPY_ENV, "").strip() or "put"
+    if value not in PREFIX_COPIES:
+        raise ValueError(f"{PREFIX_COPY_ENV}={value!r}: expected one of {', '.join(PREFIX_COPIES)}")
+    return value
+
+
 class PrefixLayerSource:
     """Per-layer pieces of a reused prefix: ``n`` stored chunks, each ``[L, 2, C, Hkv, hd]`` in host
     memory (``ftjax.kv.host_store``); :meth:`put` copies layer l's rows of every chunk to the device
@@ -477,17 +499,34 @@ class PrefixLayerSource:
         with jax.named_scope("kv_prefix_load"):
             return tuple(jax.device_put([p.pieces(layer)[0] for p in self._pieces], memory.device_sharding()))
 
+    def host_pieces(self, layer: int) -> tuple:
+        """Layer ``layer``'s rows of every chunk as JAX arrays in host memory ([1, 2, C, Hkv, hd]
+        each), for a layer program that copies them itself (:data:`PREFIX_COPY_IN_PROGRAM`): the
+        pinned aliases on a GPU; elsewhere (the CPU backend, or an alias that could not be made) a
+        host-memory copy of the numpy view."""
+        return tuple(p if isinstance(p, jax.Array) else jax.device_put(p, memory.host_sharding())
+                     for p in (c.pieces(layer)[0] for c in self._pieces))
+
 
 @dataclasses.dataclass(frozen=True)
 class LayerOptions:
     """Static options of one layer program (hashable). step: the call's ``engine.StepOptions``
     (its ``stream`` means: experts from the given buffer); has_prefix: the call hands the layer
     its slices of a reused prefix; d2d: the buffer's experts that the slot table maps were copied
-    device to device (``ExpertCopies``; the stats count them)."""
+    device to device (``ExpertCopies``; the stats count them); prefix_next: the program also copies
+    the next layer's prefix slices from host memory (:data:`PREFIX_COPY_IN_PROGRAM`)."""
 
     step: Any
     has_prefix: bool = False
     d2d: bool = False
+    prefix_next: bool = False
+
+
+def _prefix_next(has_prefix: bool, overlap: bool) -> bool:
+    """Whether layer programs copy the next layer's prefix slices themselves: a prefix, copies
+    overlapped with compute (``overlap``; the serial ablation keeps ``put``), and
+    ``FTJAX_PREFIX_COPY=in_program``."""
+    return has_prefix and overlap and prefix_copy() == "in_program"
 
 
 def _hook(opts: LayerOptions) -> LayerwiseKV | None:
@@ -500,13 +539,18 @@ def _hook(opts: LayerOptions) -> LayerwiseKV | None:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "opts"), donate_argnames=("ck", "cv", "state"))
-def layer_program(params, banks, state, h, ck, cv, inputs, layer, expert_buffer, prefix_slices, *, cfg,
-                  opts: LayerOptions):
+def layer_program(params, banks, state, h, ck, cv, inputs, layer, expert_buffer, prefix_slices, next_prefix=(),
+                  *, cfg, opts: LayerOptions):
     """One decoder layer as its own program: the family's layer function (``model.LAYER_FNS``) on
     layer ``layer`` (int32 []) of ``params["layers"]``. expert_buffer: the layer's E experts on the
     device (streamed calls) or ``()``; prefix_slices: the layer's reused-prefix rows of each chunk
-    ([1, 2, C, Hkv, hd] each) or ``()``.
-    Returns (h, ck, cv, state, stats, kv_out) as one scan iteration would."""
+    ([1, 2, C, Hkv, hd] each, on the device) or ``()``; next_prefix: the next layer's rows in host
+    memory (``opts.prefix_next``) or ``()``, copied to the device by this program.
+    Returns (h, ck, cv, state, stats, kv_out, next_prefix on the device) as one scan iteration would,
+    plus the copies."""
+    # whole host arrays moved inside one program get asynchronous copies (copy-start / copy-done)
+    # that XLA overlaps with the layer's compute (DESIGN.md section 3)
+    next_prefix = tuple(jax.device_put(x, jax.memory.Space.Device) for x in next_prefix)
     step = opts.step
     # copies of pinned_alias arrays arrive as unsigned integers of the same width: bitcast back (free)
     expert_buffer = _as_dtypes(expert_buffer, (banks.gate_up.dtype, banks.down.dtype)
@@ -521,7 +565,7 @@ def layer_program(params, banks, state, h, ck, cv, inputs, layer, expert_buffer,
         carry = model_lib.LayerCarry(h, ck, cv, state, None)
         carry, (stats, kv_out) = model_lib.LAYER_FNS[cfg.model_type](
             cfg, lp, layer, carry, inputs, expert_fn, _hook(opts), prefix_slices or None)
-    return carry.h, carry.k, carry.v, carry.expert_state, stats, kv_out
+    return carry.h, carry.k, carry.v, carry.expert_state, stats, kv_out, next_prefix
 
 
 @jax.jit
@@ -556,14 +600,14 @@ def _device_spec(x) -> jax.ShapeDtypeStruct:
 def precompile(compiled: Callable, params, banks, state, cache: model_lib.KVCache, tokens: jax.Array,
                start: jax.Array, valid_len: jax.Array, *, cfg, step, all_logits: bool,
                experts: ExpertLayerSource | None = None, prefix_spec: Sequence[jax.ShapeDtypeStruct] = (),
-               d2d: bool = False) -> None:
+               d2d: bool = False, overlap: bool = True) -> None:
     """Compiles the embed, layer and head programs that :func:`run` will call with these arguments
     (nothing runs, nothing is donated). prefix_spec: shapes of the reused prefix's chunks
-    ([L, 2, C, Hkv, hd] each), or () without a prefix. d2d: as :func:`run`; then also the
-    device-to-device programs, and the block pieces of the slot table as it is now (one small
+    ([L, 2, C, Hkv, hd] each), or () without a prefix. d2d, overlap: as :func:`run`; with d2d also
+    the device-to-device programs, and the block pieces of the slot table as it is now (one small
     device-to-host read of the table)."""
     d2d = d2d and experts is not None and state.table is not None
-    opts = LayerOptions(step, bool(prefix_spec), d2d)
+    opts = LayerOptions(step, bool(prefix_spec), d2d, _prefix_next(bool(prefix_spec), overlap))
     compiled(embed_program, (params, tokens, start, valid_len))
     h, inputs = jax.tree.map(_device_spec, jax.eval_shape(model_lib.embed_inputs, params, tokens, start, valid_len))
     buffer = experts.spec() if experts is not None else ()
@@ -571,8 +615,11 @@ def precompile(compiled: Callable, params, banks, state, cache: model_lib.KVCach
     slices = tuple(jax.ShapeDtypeStruct((1,) + tuple(c.shape[1:]), _UINT[np.dtype(c.dtype).itemsize] if alias
                                         else c.dtype, sharding=memory.device_sharding()) for c in prefix_spec)
     layer = jax.ShapeDtypeStruct((), jnp.int32, sharding=memory.device_sharding())
-    args = (params, banks, state, h, cache.k, cache.v, inputs, layer, buffer, slices)
-    compiled(layer_program, args, cfg=cfg, opts=opts)
+    args = (params, banks, state, h, cache.k, cache.v, inputs, layer, buffer, slices, ())
+    compiled(layer_program, args, cfg=cfg, opts=opts)  # without a next layer: the last one
+    if opts.prefix_next:  # the others also copy the next layer's slices, from host memory
+        host = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=memory.host_sharding()) for x in slices)
+        compiled(layer_program, args[:-1] + (host,), cfg=cfg, opts=opts)
     compiled(head_program, (params, h, valid_len), cfg=cfg, all_logits=all_logits)
     # what run() does after the layers, and the layer-index scalars, made here, outside any timing
     out = jax.tree.map(_device_spec, jax.eval_shape(functools.partial(layer_program, cfg=cfg, opts=opts), *args))
@@ -604,14 +651,20 @@ def run(compiled: Callable, params, banks, state, cache: model_lib.KVCache, toke
     [L, 2, C, Hkv, hd], in host memory when ``step.kv.store_to_host``).
     """
     d2d = d2d and experts is not None and state.table is not None
-    opts = LayerOptions(step, prefix is not None, d2d)
+    in_program = _prefix_next(prefix is not None, overlap)
+    opts = LayerOptions(step, prefix is not None, d2d, in_program)
     slot_of = experts.host_slots(state.table.slot_of) if d2d else None
     expert_copies = ExpertCopies(compiled, experts, slot_of) if experts is not None else None
     h, inputs = compiled(embed_program, (params, tokens, start, valid_len))(params, tokens, start, valid_len)
     ck, cv = cache.k, cache.v
 
     def copies(l):
-        return (expert_copies.issue(l) if experts is not None else (), prefix.put(l) if prefix is not None else ())
+        # in_program: layer 0's slices are put here, layer l's (l > 0) come from layer l-1's program
+        if prefix is None or (in_program and l > 0):
+            pre = ()
+        else:
+            pre = prefix.put(l)
+        return (expert_copies.issue(l) if experts is not None else (), pre)
 
     def ready(part, l, state, spare=None):  # a layer with device-to-device hits is assembled on the compute stream
         return (expert_copies.ready(part[0], l, state, spare) if experts is not None else part[0], part[1])
@@ -619,16 +672,20 @@ def run(compiled: Callable, params, banks, state, cache: model_lib.KVCache, toke
     stats, kv_outs = [], []
     nxt = ready(copies(0), 0, state) if overlap else None
     spare = None  # the expert buffer of the layer dispatched last: a layer with hits is gathered into it
+    copied = ()  # in_program: the previous program's copies of this layer's prefix slices
     for l in range(cfg.num_layers):
         cur = nxt if overlap else ready(copies(l), l, state, spare)
+        if in_program and l > 0:
+            cur = (cur[0], copied)
+        next_host = prefix.host_pieces(l + 1) if in_program and l + 1 < cfg.num_layers else ()
         spare = None
         if overlap and l + 1 < cfg.num_layers:
             # Issued *before* layer l's program: a host-to-device copy starts once the compute already
             # queued is done (here layer l-1), so it runs while layer l computes. Issued after layer l,
             # it would wait for layer l and hide nothing (measured: docs/OVERLAP.md).
             nxt = copies(l + 1)
-        args = (params, banks, state, h, ck, cv, inputs, _layer_index(l), *cur)
-        h, ck, cv, state, st, kv = compiled(layer_program, args, cfg=cfg, opts=opts)(*args)
+        args = (params, banks, state, h, ck, cv, inputs, _layer_index(l), *cur, next_host)
+        h, ck, cv, state, st, kv, copied = compiled(layer_program, args, cfg=cfg, opts=opts)(*args)
         stats.append(st)
         kv_outs.append(kv)
         spare = cur[0] if experts is not None else None

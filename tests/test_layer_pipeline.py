@@ -72,10 +72,16 @@ def test_pipelined_stream_keeps_the_slot_cache_and_decodes_the_same_tokens():
     np.testing.assert_array_equal(got.step_logits[0], ref.step_logits[0])
 
 
-@pytest.mark.parametrize("route", ["scan", "after"])
-def test_pipelined_prefix_reuse_equals_scan(route):
+@pytest.mark.parametrize("route,copy", [("scan", "put"), ("after", "put"), ("scan", "in_program")])
+def test_pipelined_prefix_reuse_equals_scan(route, copy, monkeypatch):
     """A request that reuses a stored prefix (loaded layer by layer by the driver) gives the same
-    logits and cache as the scan driver, and the chunks it stores are the same bytes."""
+    logits and cache as the scan driver, and the chunks it stores are the same bytes; with
+    FTJAX_PREFIX_COPY=in_program only layer 0's slices are put from Python, the other layers' are
+    copied by the previous layer's program."""
+    monkeypatch.setenv(layer_pipeline.PREFIX_COPY_ENV, copy)
+    puts = []
+    real_put = layer_pipeline.PrefixLayerSource.put
+    monkeypatch.setattr(layer_pipeline.PrefixLayerSource, "put", lambda self, l: puts.append(l) or real_put(self, l))
     model, exp = load_fixture("qwen3_moe_fp32")
     prompt = exp["long_prompt_ids"].tolist()[:98]
     cfg = model.cfg
@@ -91,9 +97,22 @@ def test_pipelined_prefix_reuse_equals_scan(route):
         keys = mgr.keys(eng, prompt)
         runs[driver] = (res.step_logits, [np.asarray(a) for a in mgr.store.get([k for k in keys if k in mgr.store])])
     np.testing.assert_array_equal(runs["pipelined"][0], runs["scan"][0])
+    assert puts == ([0] if copy == "in_program" else list(range(model.cfg.num_layers)))  # the one reuse call
     assert len(runs["pipelined"][1]) == len(runs["scan"][1]) == 6
     for a, b in zip(runs["pipelined"][1], runs["scan"][1]):
         np.testing.assert_array_equal(a, b)
+
+
+def test_prefix_copy_setting(monkeypatch):
+    monkeypatch.delenv(layer_pipeline.PREFIX_COPY_ENV, raising=False)
+    assert layer_pipeline.prefix_copy() == "put"
+    monkeypatch.setenv(layer_pipeline.PREFIX_COPY_ENV, "in_program")
+    assert layer_pipeline.prefix_copy() == "in_program"
+    assert layer_pipeline._prefix_next(True, True) and not layer_pipeline._prefix_next(True, False)
+    assert not layer_pipeline._prefix_next(False, True)
+    monkeypatch.setenv(layer_pipeline.PREFIX_COPY_ENV, "dma")
+    with pytest.raises(ValueError, match="FTJAX_PREFIX_COPY='dma': expected one of put, in_program"):
+        layer_pipeline.prefix_copy()
 
 
 def test_driver_choice(monkeypatch):

@@ -22,7 +22,9 @@ TTFT (prefill + first greedy token; compilation excluded; lookup included) is me
 * ``pipelined``: layerwise reuse on the layer-pipelined driver (``ftjax.layer_pipeline``: one
   program per layer, layer l+1's prefix rows copied from Python while layer l computes), run by an
   engine of its own with ``EngineConfig.prefill_driver="pipelined"`` (after the other loads; the
-  first engine is freed first) and the KV load "xs" (the driver hands each layer its slices).
+  first engine is freed first) and the KV load "xs" (the driver hands each layer its slices); once
+  per ``--prefix_copies`` value (``FTJAX_PREFIX_COPY``: ``put`` from Python, row ``pipelined``;
+  ``in_program``, row ``pipelined_in_program``: each layer's program copies the next layer's slices).
 * ``all_first``: the ablation: every hit chunk is ``device_put`` to the device (timed:
   ``load_s``), then the suffix prefill runs with no host copies.
 
@@ -80,6 +82,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from experiments.common import hlo_ops, measure_h2d, meta, spread, table, write_json  # noqa: E402
+from ftjax import layer_pipeline  # noqa: E402
 from ftjax.checkpoint import DTYPES, random_model  # noqa: E402
 from ftjax.config import KV_LOADS, PREFILL_DRIVERS, EngineConfig, KVOffloadConfig, ModelConfig, preset  # noqa: E402
 from ftjax.engine import Engine, compiled_programs  # noqa: E402
@@ -100,6 +103,9 @@ flags.DEFINE_integer("expert_slots", None, "Slots of mode 'cached' instead of --
 flags.DEFINE_list("modes", ["cached", "resident"], "Expert modes (offloading first: resident needs the pool).")
 flags.DEFINE_list("loads", ["prefetch", "xs", "all_first"], f"Prefix loads to compare, of {', '.join(LOADS)} "
                   "(pipelined: layerwise reuse on the layer-pipelined driver, run last, by an engine of its own).")
+flags.DEFINE_list("prefix_copies", ["put"], "How the 'pipelined' load copies each layer's prefix slices "
+                  f"(FTJAX_PREFIX_COPY, one run of the load per value): {', '.join(layer_pipeline.PREFIX_COPIES)}; "
+                  "rows 'pipelined' (put) and 'pipelined_<copy>'.")
 flags.DEFINE_enum("prefill_driver", "auto", list(PREFILL_DRIVERS), "EngineConfig.prefill_driver of the runs "
                   "(recompute and the loads other than 'pipelined', which always runs on the pipelined driver).")
 flags.DEFINE_integer("prefix_tokens", 15872, "Tokens stored by the earlier request (a multiple of chunk_tokens).")
@@ -383,11 +389,20 @@ def run_mode(model, mode: str, slots, max_seq_len: int, prefix: list[int], rng, 
     progress(row)
 
     compile_s = 0.0
-    # pipelined last: it needs an engine of its own (two resident engines would hold two expert pools)
-    for load in sorted(FLAGS.loads, key=lambda x: x == "pipelined"):
+    # pipelined last: it needs an engine of its own (two resident engines would hold two expert pools);
+    # it runs once per --prefix_copies value (FTJAX_PREFIX_COPY), named "pipelined" for "put" and
+    # "pipelined_<copy>" otherwise
+    variants = [(load, load if load != "pipelined" or copy == "put" else f"pipelined_{copy}", copy)
+                for load in sorted(FLAGS.loads, key=lambda x: x == "pipelined")
+                for copy in (FLAGS.prefix_copies if load == "pipelined" else [None])]
+    row["loads_measured"] = []
+    for load, name, copy in variants:
         if time.perf_counter() > deadline:
-            row.setdefault("skipped_loads", []).append(load)
+            row.setdefault("skipped_loads", []).append(name)
             continue
+        saved = os.environ.get(layer_pipeline.PREFIX_COPY_ENV)
+        if copy is not None:
+            os.environ[layer_pipeline.PREFIX_COPY_ENV] = copy
         try:  # a failing load (a device OOM, say) must not lose the mode's other loads
             if load == "pipelined" and engine.config.prefill_driver != "pipelined":
                 compile_s += engine.compile_s
@@ -408,6 +423,8 @@ def run_mode(model, mode: str, slots, max_seq_len: int, prefix: list[int], rng, 
                    "first_token_equals_recompute": check["first_token"] == ref_token,
                    "max_abs_logit_diff_vs_recompute": float(np.max(np.abs(check["logits"] - ref_logits))),
                    "max_abs_logit_recompute": float(np.max(np.abs(ref_logits)))}
+            if copy is not None:
+                res["prefix_copy"] = copy
             if load == "all_first":
                 res["load_s"] = spread([r["load_s"] for r in runs])
                 res["compute_s"] = spread([r["ttft_s"] - r["load_s"] for r in runs])
@@ -419,22 +436,29 @@ def run_mode(model, mode: str, slots, max_seq_len: int, prefix: list[int], rng, 
                 if write_hlo:
                     with open(os.path.join(FLAGS.out_dir, f"hlo_kv_reuse_{load}.txt"), "w") as f:
                         f.write(text)
-            row[load] = res
-            print(f"[{mode}] {load}: TTFT {res['ttft_s']['median']:.4f} s, reused {res['reused_tokens']} tokens"
+            row[name] = res
+            row["loads_measured"].append(name)
+            print(f"[{mode}] {name}: TTFT {res['ttft_s']['median']:.4f} s, reused {res['reused_tokens']} tokens"
                   + (f", load {res['load_s']['median']:.4f} s ({res['load_GBps']:.1f} GB/s)" if "load_s" in res else "")
                   + f", first token {'=' if res['first_token_equals_recompute'] else '!='} recompute's", flush=True)
         except Exception as e:  # noqa: BLE001
-            row.setdefault("load_errors", {})[load] = f"{type(e).__name__}: {e}"[:3000]
-            print(f"[{mode}] {load} failed: {row['load_errors'][load]}", flush=True)
+            row.setdefault("load_errors", {})[name] = f"{type(e).__name__}: {e}"[:3000]
+            print(f"[{mode}] {name} failed: {row['load_errors'][name]}", flush=True)
+        finally:
+            if copy is not None:
+                if saved is None:
+                    os.environ.pop(layer_pipeline.PREFIX_COPY_ENV, None)
+                else:
+                    os.environ[layer_pipeline.PREFIX_COPY_ENV] = saved
         progress(row)
-        if load in row.get("load_errors", {}):
+        if name in row.get("load_errors", {}):
             if engine is None:  # the pipelined engine could not be built
                 break
 
     # derived figures
     t_rec = row["recompute"]["ttft_s"]["median"]
     af = row.get("all_first")
-    for load in [x for x in FLAGS.loads if x in row]:
+    for load in row["loads_measured"]:
         t = row[load]["ttft_s"]["median"]
         row[load]["speedup_vs_recompute"] = t_rec / t
         if af and load != "all_first" and af["load_s"]["median"] > 0:
@@ -461,6 +485,10 @@ def main(argv):
     if cfg.is_hybrid and c % DELTA_CHUNK:
         raise app.UsageError(f"--chunk_tokens must be a multiple of {DELTA_CHUNK} for {cfg.model_type} (stored "
                              f"linear states sit on the delta rule's chunk boundaries)")
+    bad = [x for x in FLAGS.prefix_copies if x not in layer_pipeline.PREFIX_COPIES]
+    if bad or not FLAGS.prefix_copies:
+        raise app.UsageError(f"--prefix_copies {FLAGS.prefix_copies}: expected some of "
+                             f"{', '.join(layer_pipeline.PREFIX_COPIES)}")
     unknown = [x for x in FLAGS.loads if x not in LOADS]
     if unknown:
         raise app.UsageError(f"unknown --loads {unknown}; expected some of {', '.join(LOADS)}")
@@ -578,7 +606,7 @@ def main(argv):
             flat.append({"mode": r["mode"], "load": "error"})
             continue
         flat.append({"mode": r["mode"], "load": "recompute", "ttft_ms": r["recompute"]["ttft_s"]["median"] * 1e3})
-        for load in [x for x in FLAGS.loads if x in r]:
+        for load in r.get("loads_measured", []):
             x = r[load]
             flat.append({"mode": r["mode"], "load": load, "ttft_ms": x["ttft_s"]["median"] * 1e3,
                          "speedup": x["speedup_vs_recompute"], "reused": x["reused_tokens"],

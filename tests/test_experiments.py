@@ -144,21 +144,27 @@ def test_bench_prefill_expert_dtypes_smoke(tmp_path):
 def test_bench_kv_reuse_smoke(tmp_path):
     d = _run("bench_kv_reuse", tmp_path, "--preset=tiny", "--dtype=float32", "--prefix_tokens=192",
              "--suffix_tokens=64", "--chunk_tokens=32", "--prefill_chunk=128", "--expert_slots=32",
-             "--kv_host_gb=0.1", "--h2d_mb=16", "--loads=prefetch,xs,all_first,pipelined")
+             "--kv_host_gb=0.1", "--h2d_mb=16", "--loads=prefetch,xs,all_first,pipelined",
+             "--prefix_copies=put,in_program")
     assert _meta(d)["device"] and _meta(d)["jax"]
     assert d["loads_skipped"] == {} and d["probes"]["pipelined"]["ok"]
+    assert "FTJAX_PREFIX_COPY" not in _meta(d)["env"]["variables"]  # set per load only, then restored
     assert d["chunk_bytes"] == d["chunk_kv_bytes"] == 4 * 2 * 32 * 2 * 32 * 4 and d["chunk_state_bytes"] == 0
     for r in d["results"]:
         assert "error" not in r, r
         assert r["store_request"]["chunks_stored"] == 192 // 32
-        for load in ("prefetch", "xs", "all_first", "pipelined"):
+        assert r["loads_measured"] == ["prefetch", "xs", "all_first", "pipelined", "pipelined_in_program"]
+        assert r["pipelined"]["prefix_copy"] == "put" and r["pipelined_in_program"]["prefix_copy"] == "in_program"
+        for load in r["loads_measured"]:
             assert r[load]["reused_tokens"] == 192 and r[load]["hit_chunks"] == 192 // 32
             assert r[load]["bytes_loaded"] == 6 * d["chunk_bytes"]
             assert r[load]["first_token_equals_recompute"] and r[load]["check_reused_tokens"] == 192
         # the layer-pipelined driver ran the pipelined load's calls (one per request), the scan the others'
-        assert r["pipelined"]["driver_calls"] == {"scan": 0, "pipelined": 3}
+        for load in ("pipelined", "pipelined_in_program"):
+            assert r[load]["driver_calls"] == {"scan": 0, "pipelined": 3}
         assert r["prefetch"]["driver_calls"] == {"scan": 3, "pipelined": 0}
-        assert isinstance(r["pipelined"]["hidden_fraction"], float) and r["pipelined"]["speedup_vs_recompute"] > 0
+        for load in ("pipelined", "pipelined_in_program"):
+            assert isinstance(r[load]["hidden_fraction"], float) and r[load]["speedup_vs_recompute"] > 0
 
 
 def test_bench_kv_reuse_hybrid_smoke(tmp_path):

@@ -251,12 +251,17 @@ def timed_request(engine, mgr, prompt, keep_logits: bool = False) -> dict:
     return out
 
 
-def reuse_executables(mode: str, load: str) -> list:
+def reuse_executables(mode: str, load: str, copy: str | None = None) -> list:
     """Compiled reuse programs (with a prefix) of this mode and load, from the engine's AOT cache;
-    for ``pipelined``, its layer program that takes a prefix."""
+    for ``pipelined``, its layer programs that take a prefix, of prefix copy ``copy``
+    (``FTJAX_PREFIX_COPY``; None: "put"): with "in_program", the ones that also copy the next
+    layer's slices (more arguments) first, not the last layer's."""
     if load == "pipelined":
-        return [exe for _, statics, _, exe in compiled_programs("layer_program")
-                if statics["opts"].has_prefix and statics["opts"].step.mode == mode]
+        next_copies = (copy or "put") == "in_program"
+        found = [(len(signature), exe) for _, statics, signature, exe in compiled_programs("layer_program")
+                 if statics["opts"].has_prefix and statics["opts"].step.mode == mode
+                 and statics["opts"].prefix_next == next_copies]
+        return [exe for _, exe in sorted(found, key=lambda x: -x[0])]
     variant = "xs" if load == "all_first" else load
     kind = "device" if load == "all_first" else None
     found = []
@@ -429,12 +434,12 @@ def run_mode(model, mode: str, slots, max_seq_len: int, prefix: list[int], rng, 
                 res["load_s"] = spread([r["load_s"] for r in runs])
                 res["compute_s"] = spread([r["ttft_s"] - r["load_s"] for r in runs])
                 res["load_GBps"] = (r0["bytes_loaded"] + r0["bytes_padding"]) / res["load_s"]["median"] / 1e9
-            exes = reuse_executables(mode, load)
+            exes = reuse_executables(mode, load, copy)
             if exes:
                 text = exes[0].as_text()
                 res["hlo_ops"] = hlo_ops(text)
                 if write_hlo:
-                    with open(os.path.join(FLAGS.out_dir, f"hlo_kv_reuse_{load}.txt"), "w") as f:
+                    with open(os.path.join(FLAGS.out_dir, f"hlo_kv_reuse_{name}.txt"), "w") as f:
                         f.write(text)
             row[name] = res
             row["loads_measured"].append(name)

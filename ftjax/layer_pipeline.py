@@ -525,8 +525,13 @@ class LayerOptions:
 def _prefix_next(has_prefix: bool, overlap: bool) -> bool:
     """Whether layer programs copy the next layer's prefix slices themselves: a prefix, copies
     overlapped with compute (``overlap``; the serial ablation keeps ``put``), and
-    ``FTJAX_PREFIX_COPY=in_program``."""
-    return has_prefix and overlap and prefix_copy() == "in_program"
+    ``FTJAX_PREFIX_COPY=in_program``. The variable is checked for every call, also one that does
+    not use it (no prefix, or overlap off), so a wrong value fails when the programs are compiled
+    (``precompile``, before any timing), not silently.
+    Raises:
+      ValueError: ``FTJAX_PREFIX_COPY`` is not one of :data:`PREFIX_COPIES`."""
+    copy = prefix_copy()
+    return has_prefix and overlap and copy == "in_program"
 
 
 def _hook(opts: LayerOptions) -> LayerwiseKV | None:

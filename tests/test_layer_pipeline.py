@@ -115,6 +115,28 @@ def test_prefix_copy_setting(monkeypatch):
         layer_pipeline.prefix_copy()
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_prefix_copy_invalid_value_fails_before_the_call(overlap, monkeypatch):
+    """A wrong FTJAX_PREFIX_COPY fails the pipelined request while its programs are compiled
+    (``prepare_prefill``, before the timed prefill), also where the setting is not used (overlap
+    off falls back to put): not silently ignored. The hit chunks are unpinned again."""
+    model, exp = load_fixture("qwen3_moe_fp32")
+    prompt = exp["long_prompt_ids"].tolist()[:80]
+    cfg = model.cfg
+    mgr = PrefixCache(HostKVStore(1 << 24), KVOffloadConfig(chunk_tokens=C))
+    eng = Engine(model, EngineConfig("resident", max_seq_len=S, prefill_driver="pipelined", prefill_overlap=overlap))
+    monkeypatch.setenv(layer_pipeline.PREFIX_COPY_ENV, "put")
+    assert eng.generate([prompt[:64]], 1, kv_manager=mgr).kv["chunks_stored"] == 4
+    monkeypatch.setenv(layer_pipeline.PREFIX_COPY_ENV, "in-program")
+    calls = dict(eng.prefill_driver_calls)
+    with pytest.raises(ValueError, match="FTJAX_PREFIX_COPY='in-program': expected one of put, in_program"):
+        eng.generate([prompt], 1, kv_manager=mgr)
+    assert eng.prefill_driver_calls == calls and mgr.store.stats.num_pinned == 0  # no call ran
+    monkeypatch.setenv(layer_pipeline.PREFIX_COPY_ENV, "in_program")
+    res = eng.generate([prompt], 1, kv_manager=mgr)
+    assert res.kv["reused_tokens"] == 64 and cfg.num_layers > 1
+
+
 def test_driver_choice(monkeypatch):
     model, _ = load_fixture("qwen3_moe_fp32")
     e = model.cfg.num_experts

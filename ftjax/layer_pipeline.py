@@ -502,8 +502,11 @@ class PrefixLayerSource:
     def host_pieces(self, layer: int) -> tuple:
         """Layer ``layer``'s rows of every chunk as JAX arrays in host memory ([1, 2, C, Hkv, hd]
         each), for a layer program that copies them itself (:data:`PREFIX_COPY_IN_PROGRAM`): the
-        pinned aliases on a GPU; elsewhere (the CPU backend, or an alias that could not be made) a
-        host-memory copy of the numpy view."""
+        pinned aliases on a GPU; elsewhere (the CPU backend, or an alias that could not be made)
+        ``device_put`` of the numpy view to host memory, which on the CPU backend is zero-copy too
+        (the same buffer as the chunk). Either way the arrays read the chunks' memory without
+        keeping the chunks alive: the chunks must outlive the programs that read them (this source
+        holds them during :func:`run`; the store pins a request's hit chunks until it finishes)."""
         return tuple(p if isinstance(p, jax.Array) else jax.device_put(p, memory.host_sharding())
                      for p in (c.pieces(layer)[0] for c in self._pieces))
 

@@ -160,13 +160,15 @@ def chunk_layout(entry) -> dict:
 
 
 # ---- probes ---------------------------------------------------------------------------------
-PROBES = ("prefetch", "xs", "all_first", "pipelined", "store_scan")
+PROBES = ("prefetch", "xs", "all_first", "pipelined", "pipelined_in_program", "store_scan")
 
 
 def probe_variants(cfg: ModelConfig, loads, route: str) -> list[str]:
     """The probes a run needs: one per requested load the family can run, and the in-scan store
     route when it is asked for."""
-    out = [v for v in PROBES[:-1] if v in loads and not (v == "pipelined" and pipelined_refusal(cfg))]
+    pipelined = "pipelined" in loads and not pipelined_refusal(cfg)
+    out = [v for v in PROBES[:-2] if v in loads and (v != "pipelined" or pipelined)]
+    out += ["pipelined_in_program"] if pipelined and "in_program" in FLAGS.prefix_copies else []
     return out + (["store_scan"] if route == "scan" else [])
 
 
@@ -177,9 +179,11 @@ def probe(variant: str) -> dict:
     hybrid = preset(FLAGS.preset).is_hybrid
     model = random_model(preset("tiny-hybrid" if hybrid else "tiny"), "bfloat16")
     c, n, first_n = (64, 200, 136) if hybrid else (32, 136, 96)  # hybrid chunks sit on 64-token delta-rule chunks
-    load = {"store_scan": "all_first", "pipelined": "xs"}.get(variant, variant)
+    load = {"store_scan": "all_first", "pipelined": "xs", "pipelined_in_program": "xs"}.get(variant, variant)
     route = "scan" if variant == "store_scan" else "after"
-    driver = "pipelined" if variant == "pipelined" else "scan"
+    driver = "pipelined" if variant.startswith("pipelined") else "scan"
+    if variant.startswith("pipelined"):  # the copy mode this probe stands for (a child process: no restore)
+        os.environ[layer_pipeline.PREFIX_COPY_ENV] = "in_program" if variant == "pipelined_in_program" else "put"
     engine = Engine(model, EngineConfig("resident", max_seq_len=256, prefill_driver=driver))
     mgr = pc_lib.PrefixCache(HostKVStore(10**8), KVOffloadConfig(chunk_tokens=c, load=load, store_route=route,
                                                                  prefill_chunk=128))
@@ -516,6 +520,11 @@ def main(argv):
             if not probes.get(x, {"ok": True})["ok"]:
                 loads_skipped[x] = "its probe failed (see probes)"
         loads = [x for x in loads if x not in loads_skipped]
+        if not probes.get("pipelined_in_program", {"ok": True})["ok"]:
+            loads_skipped["pipelined_in_program"] = "its probe failed (see probes)"
+            FLAGS.prefix_copies = [x for x in FLAGS.prefix_copies if x != "in_program"]
+            if not FLAGS.prefix_copies:  # nothing left to run the pipelined load with
+                loads = [x for x in loads if x != "pipelined"]
         if route == "scan" and not probes["store_scan"]["ok"]:
             route = "after"
         probes["elapsed_s"] = time.perf_counter() - t

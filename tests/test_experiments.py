@@ -147,7 +147,7 @@ def test_bench_kv_reuse_smoke(tmp_path):
              "--kv_host_gb=0.1", "--h2d_mb=16", "--loads=prefetch,xs,all_first,pipelined",
              "--prefix_copies=put,in_program")
     assert _meta(d)["device"] and _meta(d)["jax"]
-    assert d["loads_skipped"] == {} and d["probes"]["pipelined"]["ok"]
+    assert d["loads_skipped"] == {} and d["probes"]["pipelined"]["ok"] and d["probes"]["pipelined_in_program"]["ok"]
     assert "FTJAX_PREFIX_COPY" not in _meta(d)["env"]["variables"]  # set per load only, then restored
     assert d["chunk_bytes"] == d["chunk_kv_bytes"] == 4 * 2 * 32 * 2 * 32 * 4 and d["chunk_state_bytes"] == 0
     for r in d["results"]:

@@ -419,36 +419,48 @@ def test_profile_step_smoke(tmp_path):
     assert plots.plot(str(tmp_path / "profile_step_tiny.json"), str(tmp_path / "p.png"))
 
 
-def test_bench_kv_reuse_hlo_of_each_prefix_copy(monkeypatch):
+_KV_REUSE_HLO_OF_EACH_COPY = """
+import os
+import numpy as np
+from experiments import bench_kv_reuse as b
+from ftjax import layer_pipeline
+from ftjax.checkpoint import random_model
+from ftjax.config import EngineConfig, KVOffloadConfig, preset
+from ftjax.engine import Engine, compiled_programs
+from ftjax.kv.host_store import HostKVStore
+from ftjax.kv.prefix_cache import PrefixCache
+
+model = random_model(preset("tiny"), "float32")
+prompt = np.random.default_rng(0).integers(0, model.cfg.vocab_size, 100).tolist()
+for copy in ("put", "in_program"):
+    os.environ[layer_pipeline.PREFIX_COPY_ENV] = copy
+    mgr = PrefixCache(HostKVStore(1 << 26), KVOffloadConfig(chunk_tokens=32))
+    eng = Engine(model, EngineConfig("resident", max_seq_len=256, prefill_driver="pipelined"))
+    eng.generate([prompt[:64]], 1, kv_manager=mgr)
+    assert eng.generate([prompt], 1, kv_manager=mgr).kv["reused_tokens"] == 64
+progs = [(s["opts"].prefix_next, len(sig), exe) for _, s, sig, exe in compiled_programs("layer_program")
+         if s["opts"].has_prefix and s["opts"].step.mode == "resident"]
+put = [exe for nxt, _, exe in progs if not nxt]
+in_program = sorted([(n, exe) for nxt, n, exe in progs if nxt], key=lambda x: -x[0])
+assert len(put) == 1 and len(in_program) == 2 and in_program[0][0] > in_program[1][0]
+assert b.reuse_executables("resident", "pipelined", "put") == put
+assert b.reuse_executables("resident", "pipelined") == put
+got = b.reuse_executables("resident", "pipelined", "in_program")
+assert got == [exe for _, exe in in_program]
+# the program with the next layer's slices has more host-memory (S(5)) arguments than put's
+ops = {k: b.hlo_ops(v[0].as_text())["host_memory_space_S(5)"] for k, v in (("put", put), ("in", got))}
+assert ops["in"] > ops["put"], ops
+print("OK", ops)
+"""
+
+
+def test_bench_kv_reuse_hlo_of_each_prefix_copy():
     """``reuse_executables`` of the pipelined load picks the layer program of the row's prefix copy:
     the ``pipelined_in_program`` row's ``hlo_ops`` (and HLO file) are those of a program that copies
-    the next layer's slices (host-memory arguments), not the ``put`` program compiled before it."""
-    import numpy as np
-    from experiments import bench_kv_reuse as b
-    from ftjax import layer_pipeline
-    from ftjax.checkpoint import random_model
-    from ftjax.config import EngineConfig, KVOffloadConfig, preset
-    from ftjax.engine import Engine, compiled_programs
-    from ftjax.kv.host_store import HostKVStore
-    from ftjax.kv.prefix_cache import PrefixCache
-
-    model = random_model(preset("tiny"), "float32")
-    prompt = np.random.default_rng(0).integers(0, model.cfg.vocab_size, 100).tolist()
-    for copy in ("put", "in_program"):
-        monkeypatch.setenv(layer_pipeline.PREFIX_COPY_ENV, copy)
-        mgr = PrefixCache(HostKVStore(1 << 26), KVOffloadConfig(chunk_tokens=32))
-        eng = Engine(model, EngineConfig("resident", max_seq_len=256, prefill_driver="pipelined"))
-        eng.generate([prompt[:64]], 1, kv_manager=mgr)
-        assert eng.generate([prompt], 1, kv_manager=mgr).kv["reused_tokens"] == 64
-    progs = [(s["opts"].prefix_next, len(sig), exe) for _, s, sig, exe in compiled_programs("layer_program")
-             if s["opts"].has_prefix and s["opts"].step.mode == "resident"]
-    put = [exe for nxt, _, exe in progs if not nxt]
-    in_program = sorted([(n, exe) for nxt, n, exe in progs if nxt], key=lambda x: -x[0])
-    assert len(put) == 1 and len(in_program) == 2 and in_program[0][0] > in_program[1][0]
-    assert b.reuse_executables("resident", "pipelined", "put") == put
-    assert b.reuse_executables("resident", "pipelined") == put
-    got = b.reuse_executables("resident", "pipelined", "in_program")
-    assert got == [exe for _, exe in in_program]
-    # the program with the next layer's slices has more host-memory (S(5)) arguments than put's
-    ops = {k: b.hlo_ops(v[0].as_text())["host_memory_space_S(5)"] for k, v in (("put", put), ("in", got))}
-    assert ops["in"] > ops["put"], ops
+    the next layer's slices (host-memory arguments), not the ``put`` program compiled before it.
+    In a child process: importing the bench defines its absl flags, which would clash with
+    ``ftjax.generate``'s in this one."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", _KV_REUSE_HLO_OF_EACH_COPY], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]

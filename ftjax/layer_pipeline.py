@@ -501,12 +501,13 @@ class PrefixLayerSource:
 
     def host_pieces(self, layer: int) -> tuple:
         """Layer ``layer``'s rows of every chunk as JAX arrays in host memory ([1, 2, C, Hkv, hd]
-        each), for a layer program that copies them itself (:data:`PREFIX_COPY_IN_PROGRAM`): the
-        pinned aliases on a GPU; elsewhere (the CPU backend, or an alias that could not be made)
-        ``device_put`` of the numpy view to host memory, which on the CPU backend is zero-copy too
-        (the same buffer as the chunk). Either way the arrays read the chunks' memory without
-        keeping the chunks alive: the chunks must outlive the programs that read them (this source
-        holds them during :func:`run`; the store pins a request's hit chunks until it finishes)."""
+        each), for a layer program that copies them itself (``FTJAX_PREFIX_COPY=in_program``,
+        :data:`PREFIX_COPY_ENV`): the pinned aliases on a GPU; elsewhere (the CPU backend, or an
+        alias that could not be made) ``device_put`` of the numpy view to host memory, zero-copy
+        on the CPU backend too (the chunk's own buffer). Either way the arrays read the chunks'
+        memory without keeping the chunks alive: the chunks must outlive the programs that read
+        them (this source holds them during :func:`run`; the store pins a request's hit chunks
+        until it finishes)."""
         return tuple(p if isinstance(p, jax.Array) else jax.device_put(p, memory.host_sharding())
                      for p in (c.pieces(layer)[0] for c in self._pieces))
 
@@ -517,7 +518,7 @@ class LayerOptions:
     (its ``stream`` means: experts from the given buffer); has_prefix: the call hands the layer
     its slices of a reused prefix; d2d: the buffer's experts that the slot table maps were copied
     device to device (``ExpertCopies``; the stats count them); prefix_next: the program also copies
-    the next layer's prefix slices from host memory (:data:`PREFIX_COPY_IN_PROGRAM`)."""
+    the next layer's prefix slices from host memory (``FTJAX_PREFIX_COPY=in_program``, :data:`PREFIX_COPY_ENV`)."""
 
     step: Any
     has_prefix: bool = False
@@ -554,8 +555,8 @@ def layer_program(params, banks, state, h, ck, cv, inputs, layer, expert_buffer,
     device (streamed calls) or ``()``; prefix_slices: the layer's reused-prefix rows of each chunk
     ([1, 2, C, Hkv, hd] each, on the device) or ``()``; next_prefix: the next layer's rows in host
     memory (``opts.prefix_next``) or ``()``, copied to the device by this program.
-    Returns (h, ck, cv, state, stats, kv_out, next_prefix on the device) as one scan iteration would,
-    plus the copies."""
+    Returns (h, ck, cv, state, stats, kv_out) as one scan iteration would, then the device copies
+    of ``next_prefix`` (a tuple, empty without it)."""
     # whole host arrays moved inside one program get asynchronous copies (copy-start / copy-done)
     # that XLA overlaps with the layer's compute (DESIGN.md section 3)
     next_prefix = tuple(jax.device_put(x, jax.memory.Space.Device) for x in next_prefix)

@@ -678,6 +678,17 @@ def run(compiled: Callable, params, banks, state, cache: model_lib.KVCache, toke
     def ready(part, l, state, spare=None):  # a layer with device-to-device hits is assembled on the compute stream
         return (expert_copies.ready(part[0], l, state, spare) if experts is not None else part[0], part[1])
 
+    programs = {}
+
+    def layer_exe(args):
+        # The layers of one call differ only in which argument groups are empty (layer 0's prefix
+        # slices, the last layer's next ones): look each structure up once, not the engine's cache
+        # (its key walks every argument) per layer, which is Python time the GPU waits for.
+        structure = tuple(len(a) for a in args[8:])
+        if structure not in programs:
+            programs[structure] = compiled(layer_program, args, cfg=cfg, opts=opts)
+        return programs[structure]
+
     stats, kv_outs = [], []
     nxt = ready(copies(0), 0, state) if overlap else None
     spare = None  # the expert buffer of the layer dispatched last: a layer with hits is gathered into it
@@ -694,7 +705,7 @@ def run(compiled: Callable, params, banks, state, cache: model_lib.KVCache, toke
             # it would wait for layer l and hide nothing (measured: docs/OVERLAP.md).
             nxt = copies(l + 1)
         args = (params, banks, state, h, ck, cv, inputs, _layer_index(l), *cur, next_host)
-        h, ck, cv, state, st, kv, copied = compiled(layer_program, args, cfg=cfg, opts=opts)(*args)
+        h, ck, cv, state, st, kv, copied = layer_exe(args)(*args)
         stats.append(st)
         kv_outs.append(kv)
         spare = cur[0] if experts is not None else None

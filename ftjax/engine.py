@@ -370,7 +370,7 @@ class Engine:
             jnp.asarray(start, jnp.int32), jnp.asarray(valid_len, jnp.int32), cfg=self.cfg, step=opts,
             all_logits=opts.all_logits, experts=self._expert_source() if opts.stream else None,
             prefix=layer_pipeline.PrefixLayerSource(prefix) if prefix else None,
-            overlap=self.config.prefill_overlap, d2d=self._d2d(opts))
+            overlap=self.config.prefill_overlap, d2d=self._d2d(opts), prefix_copy=self.config.prefix_copy)
 
     def _d2d(self, opts: StepOptions) -> bool:
         """Whether a pipelined call copies its streamed layers' cached experts device to device
@@ -609,7 +609,8 @@ class Engine:
             layer_pipeline.precompile(self.compiled, m.params, m.banks, self.state, cache, *args[4:7], cfg=self.cfg,
                                       step=opts, all_logits=opts.all_logits,
                                       experts=self._expert_source() if opts.stream else None, prefix_spec=prefix,
-                                      d2d=self._d2d(opts), overlap=self.config.prefill_overlap)
+                                      d2d=self._d2d(opts), overlap=self.config.prefill_overlap,
+                                      prefix_copy=self.config.prefix_copy)
 
     def _warm_sampling(self, batch: int, temperature: float, top_p: float) -> None:
         """Compiles the sampler and the key split outside the timed region. The dummy logits are

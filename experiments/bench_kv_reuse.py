@@ -162,14 +162,18 @@ def chunk_layout(entry) -> dict:
 
 
 # ---- probes ---------------------------------------------------------------------------------
-PROBES = ("prefetch", "xs", "all_first", "pipelined", "pipelined_in_program", "store_scan")
+#: Probes of a load of ``--loads`` (the variant is the load's name), in the order they are run.
+LOAD_PROBES = ("prefetch", "xs", "all_first", "pipelined")
+#: Every probe: the loads', the pipelined load's in-program prefix copy, and the in-scan store route.
+PROBES = LOAD_PROBES + ("pipelined_in_program", "store_scan")
 
 
 def probe_variants(cfg: ModelConfig, loads, route: str) -> list[str]:
-    """The probes a run needs: one per requested load the family can run, and the in-scan store
-    route when it is asked for."""
+    """The probes a run needs: one per requested load the family can run (:data:`LOAD_PROBES`),
+    ``pipelined_in_program`` with ``--prefix_copies`` in_program, and the in-scan store route when
+    it is asked for."""
     pipelined = "pipelined" in loads and not pipelined_refusal(cfg)
-    out = [v for v in PROBES[:-2] if v in loads and (v != "pipelined" or pipelined)]
+    out = [v for v in LOAD_PROBES if v in loads and (v != "pipelined" or pipelined)]
     out += ["pipelined_in_program"] if pipelined and "in_program" in FLAGS.prefix_copies else []
     return out + (["store_scan"] if route == "scan" else [])
 

@@ -546,7 +546,7 @@ def layer_program(params, banks, state, h, ck, cv, inputs, layer, expert_buffer,
     expert_buffer = _as_dtypes(expert_buffer, (banks.gate_up.dtype, banks.down.dtype)
                                + tuple(x.dtype for x in banks.scales or ()))
     prefix_slices = tuple(x[0] for x in _as_dtypes(prefix_slices, [ck.dtype] * len(prefix_slices)))
-    with jax.default_matmul_precision(step.precision):
+    with jax.default_matmul_precision(step.precision), model_lib.dot_rows(step.min_dot_rows):
         if step.stream:
             expert_fn = offload.make_layer_buffer_expert_fn(cfg.num_experts, expert_buffer, banks.fmt, opts.d2d)
         else:

@@ -23,8 +23,10 @@ TTFT (prefill + first greedy token; compilation excluded; lookup included) is me
   program per layer, layer l+1's prefix rows copied from Python while layer l computes), run by an
   engine of its own with ``EngineConfig.prefill_driver="pipelined"`` (after the other loads; the
   first engine is freed first) and the KV load "xs" (the driver hands each layer its slices); once
-  per ``--prefix_copies`` value (``FTJAX_PREFIX_COPY``: ``put`` from Python, row ``pipelined``;
-  ``in_program``, row ``pipelined_in_program``: each layer's program copies the next layer's slices).
+  per ``--prefix_copies`` value, each by an engine of its own with that ``EngineConfig.prefix_copy``
+  (``put`` from Python, row ``pipelined``; ``in_program``, row ``pipelined_in_program``: each
+  layer's program copies the next layer's slices). Every load's row records its engine's config
+  (``engine``: ``Engine.describe()``, ``prefix_copy`` included).
 * ``all_first``: the ablation: every hit chunk is ``device_put`` to the device (timed:
   ``load_s``), then the suffix prefill runs with no host copies.
 
@@ -82,9 +84,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from experiments.common import hlo_ops, measure_h2d, meta, spread, table, write_json  # noqa: E402
-from ftjax import layer_pipeline  # noqa: E402
 from ftjax.checkpoint import DTYPES, random_model  # noqa: E402
-from ftjax.config import KV_LOADS, PREFILL_DRIVERS, EngineConfig, KVOffloadConfig, ModelConfig, preset  # noqa: E402
+from ftjax.config import (KV_LOADS, PREFILL_DRIVERS, PREFIX_COPIES, EngineConfig, KVOffloadConfig,  # noqa: E402
+                          ModelConfig, preset)
 from ftjax.engine import Engine, compiled_programs  # noqa: E402
 from ftjax.experts.planner import GB, plan_memory  # noqa: E402
 from ftjax.gated_deltanet import DELTA_CHUNK  # noqa: E402
@@ -104,7 +106,7 @@ flags.DEFINE_list("modes", ["cached", "resident"], "Expert modes (offloading fir
 flags.DEFINE_list("loads", ["prefetch", "xs", "all_first"], f"Prefix loads to compare, of {', '.join(LOADS)} "
                   "(pipelined: layerwise reuse on the layer-pipelined driver, run last, by an engine of its own).")
 flags.DEFINE_list("prefix_copies", ["put"], "How the 'pipelined' load copies each layer's prefix slices "
-                  f"(FTJAX_PREFIX_COPY, one run of the load per value): {', '.join(layer_pipeline.PREFIX_COPIES)}; "
+                  f"(EngineConfig.prefix_copy, one engine and run of the load per value): {', '.join(PREFIX_COPIES)}; "
                   "rows 'pipelined' (put) and 'pipelined_<copy>'.")
 flags.DEFINE_enum("prefill_driver", "auto", list(PREFILL_DRIVERS), "EngineConfig.prefill_driver of the runs "
                   "(recompute and the loads other than 'pipelined', which always runs on the pipelined driver).")
@@ -160,14 +162,18 @@ def chunk_layout(entry) -> dict:
 
 
 # ---- probes ---------------------------------------------------------------------------------
-PROBES = ("prefetch", "xs", "all_first", "pipelined", "pipelined_in_program", "store_scan")
+#: Probes of a load of ``--loads`` (the variant is the load's name), in the order they are run.
+LOAD_PROBES = ("prefetch", "xs", "all_first", "pipelined")
+#: Every probe: the loads', the pipelined load's in-program prefix copy, and the in-scan store route.
+PROBES = LOAD_PROBES + ("pipelined_in_program", "store_scan")
 
 
 def probe_variants(cfg: ModelConfig, loads, route: str) -> list[str]:
-    """The probes a run needs: one per requested load the family can run, and the in-scan store
-    route when it is asked for."""
+    """The probes a run needs: one per requested load the family can run (:data:`LOAD_PROBES`),
+    ``pipelined_in_program`` with ``--prefix_copies`` in_program, and the in-scan store route when
+    it is asked for."""
     pipelined = "pipelined" in loads and not pipelined_refusal(cfg)
-    out = [v for v in PROBES[:-2] if v in loads and (v != "pipelined" or pipelined)]
+    out = [v for v in LOAD_PROBES if v in loads and (v != "pipelined" or pipelined)]
     out += ["pipelined_in_program"] if pipelined and "in_program" in FLAGS.prefix_copies else []
     return out + (["store_scan"] if route == "scan" else [])
 
@@ -182,9 +188,8 @@ def probe(variant: str) -> dict:
     load = {"store_scan": "all_first", "pipelined": "xs", "pipelined_in_program": "xs"}.get(variant, variant)
     route = "scan" if variant == "store_scan" else "after"
     driver = "pipelined" if variant.startswith("pipelined") else "scan"
-    if variant.startswith("pipelined"):  # the copy mode this probe stands for (a child process: no restore)
-        os.environ[layer_pipeline.PREFIX_COPY_ENV] = "in_program" if variant == "pipelined_in_program" else "put"
-    engine = Engine(model, EngineConfig("resident", max_seq_len=256, prefill_driver=driver))
+    copy = "in_program" if variant == "pipelined_in_program" else "put"  # the prefix copy this probe stands for
+    engine = Engine(model, EngineConfig("resident", max_seq_len=256, prefill_driver=driver, prefix_copy=copy))
     mgr = pc_lib.PrefixCache(HostKVStore(10**8), KVOffloadConfig(chunk_tokens=c, load=load, store_route=route,
                                                                  prefill_chunk=128))
     rng = np.random.default_rng(0)
@@ -258,8 +263,8 @@ def timed_request(engine, mgr, prompt, keep_logits: bool = False) -> dict:
 def reuse_executables(mode: str, load: str, copy: str | None = None) -> list:
     """Compiled reuse programs (with a prefix) of this mode and load, from the engine's AOT cache;
     for ``pipelined``, its layer programs that take a prefix, of prefix copy ``copy``
-    (``FTJAX_PREFIX_COPY``; None: "put"): with "in_program", the ones that also copy the next
-    layer's slices (more arguments) first, not the last layer's."""
+    (``EngineConfig.prefix_copy``; None: "put"): with "in_program", the ones that also copy the
+    next layer's slices (more arguments) first, not the last layer's."""
     if load == "pipelined":
         next_copies = (copy or "put") == "in_program"
         found = [(len(signature), exe) for _, statics, signature, exe in compiled_programs("layer_program")
@@ -323,8 +328,9 @@ def run_mode(model, mode: str, slots, max_seq_len: int, prefix: list[int], rng, 
     cfg = model.cfg
     c = FLAGS.chunk_tokens
 
-    def new_engine(driver):
-        return Engine(model, EngineConfig(mode, num_slots=slots, max_seq_len=max_seq_len, prefill_driver=driver))
+    def new_engine(driver, prefix_copy="put"):
+        return Engine(model, EngineConfig(mode, num_slots=slots, max_seq_len=max_seq_len, prefill_driver=driver,
+                                          prefix_copy=prefix_copy))
 
     engine = new_engine(FLAGS.prefill_driver)
     store = HostKVStore(store_bytes)
@@ -399,8 +405,8 @@ def run_mode(model, mode: str, slots, max_seq_len: int, prefix: list[int], rng, 
 
     compile_s = 0.0
     # pipelined last: it needs an engine of its own (two resident engines would hold two expert pools);
-    # it runs once per --prefix_copies value (FTJAX_PREFIX_COPY), named "pipelined" for "put" and
-    # "pipelined_<copy>" otherwise
+    # it runs once per --prefix_copies value, each by an engine built with that EngineConfig.prefix_copy
+    # (the one before it freed first), named "pipelined" for "put" and "pipelined_<copy>" otherwise
     variants = [(load, load if load != "pipelined" or copy == "put" else f"pipelined_{copy}", copy)
                 for load in sorted(FLAGS.loads, key=lambda x: x == "pipelined")
                 for copy in (FLAGS.prefix_copies if load == "pipelined" else [None])]
@@ -409,15 +415,13 @@ def run_mode(model, mode: str, slots, max_seq_len: int, prefix: list[int], rng, 
         if time.perf_counter() > deadline:
             row.setdefault("skipped_loads", []).append(name)
             continue
-        saved = os.environ.get(layer_pipeline.PREFIX_COPY_ENV)
-        if copy is not None:
-            os.environ[layer_pipeline.PREFIX_COPY_ENV] = copy
         try:  # a failing load (a device OOM, say) must not lose the mode's other loads
-            if load == "pipelined" and engine.config.prefill_driver != "pipelined":
+            if load == "pipelined" and (engine.config.prefill_driver != "pipelined"
+                                        or engine.config.prefix_copy != copy):
                 compile_s += engine.compile_s
                 engine = None  # freed before the next one is built
                 gc.collect()
-                engine = new_engine("pipelined")
+                engine = new_engine("pipelined", copy)
             mgr = manager(load)
             check = timed_request(engine, manager(load, check_store()), rec_prompts[0], keep_logits=True)  # warm-up
             before = dict(engine.prefill_driver_calls)
@@ -431,7 +435,7 @@ def run_mode(model, mode: str, slots, max_seq_len: int, prefix: list[int], rng, 
                    "check_reused_tokens": check["reused_tokens"], "first_token": check["first_token"],
                    "first_token_equals_recompute": check["first_token"] == ref_token,
                    "max_abs_logit_diff_vs_recompute": float(np.max(np.abs(check["logits"] - ref_logits))),
-                   "max_abs_logit_recompute": float(np.max(np.abs(ref_logits)))}
+                   "max_abs_logit_recompute": float(np.max(np.abs(ref_logits))), "engine": engine.describe()}
             if copy is not None:
                 res["prefix_copy"] = copy
             if load == "all_first":
@@ -453,12 +457,6 @@ def run_mode(model, mode: str, slots, max_seq_len: int, prefix: list[int], rng, 
         except Exception as e:  # noqa: BLE001
             row.setdefault("load_errors", {})[name] = f"{type(e).__name__}: {e}"[:3000]
             print(f"[{mode}] {name} failed: {row['load_errors'][name]}", flush=True)
-        finally:
-            if copy is not None:
-                if saved is None:
-                    os.environ.pop(layer_pipeline.PREFIX_COPY_ENV, None)
-                else:
-                    os.environ[layer_pipeline.PREFIX_COPY_ENV] = saved
         progress(row)
         if name in row.get("load_errors", {}):
             if engine is None:  # the pipelined engine could not be built
@@ -494,10 +492,9 @@ def main(argv):
     if cfg.is_hybrid and c % DELTA_CHUNK:
         raise app.UsageError(f"--chunk_tokens must be a multiple of {DELTA_CHUNK} for {cfg.model_type} (stored "
                              f"linear states sit on the delta rule's chunk boundaries)")
-    bad = [x for x in FLAGS.prefix_copies if x not in layer_pipeline.PREFIX_COPIES]
+    bad = [x for x in FLAGS.prefix_copies if x not in PREFIX_COPIES]
     if bad or not FLAGS.prefix_copies:
-        raise app.UsageError(f"--prefix_copies {FLAGS.prefix_copies}: expected some of "
-                             f"{', '.join(layer_pipeline.PREFIX_COPIES)}")
+        raise app.UsageError(f"--prefix_copies {FLAGS.prefix_copies}: expected some of {', '.join(PREFIX_COPIES)}")
     unknown = [x for x in FLAGS.loads if x not in LOADS]
     if unknown:
         raise app.UsageError(f"unknown --loads {unknown}; expected some of {', '.join(LOADS)}")

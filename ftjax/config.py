@@ -431,6 +431,15 @@ PREFILL_DRIVERS = ("auto", "scan", "pipelined")
 #: Matmul precision of the step's dots: "auto" = full float32 ("highest") when the compute dtype
 #: is float32, the backend's fast default otherwise (on GPUs, TF32 for float32 dots).
 MATMUL_PRECISIONS = ("auto", "default", "high", "highest")
+#: How the layer-pipelined driver copies a reused prefix's rows of layer l+1 (one [1, 2, C, Hkv, hd]
+#: slice of each of the n stored chunks) to the device while layer l computes:
+#: "put" (default): one ``jax.device_put`` of the layer's n chunk slices issued from Python before
+#: layer l's program; simple, but its cost is Python time on the critical path (measured on the
+#: H200: ~3 ms of Python per layer for 62 slices, more than the layer's GPU time; docs/OVERLAP.md).
+#: "in_program": layer l's program takes the slices (host memory) as arguments and copies them
+#: itself, as XLA overlaps whole-array host copies inside one program with its compute (DESIGN.md
+#: section 3): one dispatch per layer instead of n copies; only layer 0's slices are put from Python.
+PREFIX_COPIES = ("put", "in_program")
 
 
 def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -467,6 +476,15 @@ class EngineConfig:
       stream_d2d_hits: a streamed call on the pipelined driver copies the experts of a layer that
         sit in the slot cache device to device into the layer's buffer, and only the others over
         PCIe (same bytes, same logits; docs/OVERLAP.md). False: every expert over PCIe.
+      prefix_copy: one of :data:`PREFIX_COPIES`: how a prefill call on the pipelined driver copies
+        the next layer's rows of a reused prefix from host memory while the current layer
+        computes. "put": one ``device_put`` of the layer's n chunk slices issued from Python before
+        layer l's program (~3 ms of Python per layer measured for 62 slices on the H200, more than
+        the layer's GPU time); "in_program": layer l's program takes layer l+1's slices (host
+        memory) as arguments and copies them itself, which XLA overlaps with the program's compute
+        (docs/OVERLAP.md; DESIGN.md section 3), one dispatch per layer instead of n copies. Used
+        only by calls with a prefix and ``prefill_overlap`` (the serial ablation puts); the scan
+        driver copies inside its scan either way. Same logits both ways.
       cache_policy: slot eviction policy (``ftjax.experts.slot_table.POLICIES``).
       matmul_precision: one of :data:`MATMUL_PRECISIONS`.
     Raises:
@@ -482,6 +500,7 @@ class EngineConfig:
     prefill_overlap: bool = True
     prefill_driver: str = "auto"
     stream_d2d_hits: bool = True
+    prefix_copy: str = "put"
     cache_policy: str = "lru"
     matmul_precision: str = "auto"
 
@@ -493,6 +512,7 @@ class EngineConfig:
         _choice("prefill driver", self.prefill_driver, PREFILL_DRIVERS)
         _choice("cache policy", self.cache_policy, POLICIES)
         _choice("matmul precision", self.matmul_precision, MATMUL_PRECISIONS)
+        _choice("prefix_copy", self.prefix_copy, PREFIX_COPIES)
         for name in ("max_seq_len", "batch", "prefill_chunk"):
             _at_least(name, getattr(self, name), 1)
         _boolean("stream_d2d_hits", self.stream_d2d_hits)

@@ -58,7 +58,11 @@ class StepOptions:
     mode: experts mode; all_logits: logits of every position; stream: full-layer streaming of
     this call's experts; overlap: prefetch layer l+1 while layer l computes (streaming);
     policy: slot eviction policy; miss: a cpu / adaptive ``MissConfig`` or None; kv: the KV
-    hook's options (``ftjax.kv.layerwise.KVStep``) or None; precision: matmul precision.
+    hook's options (``ftjax.kv.layerwise.KVStep``) or None; precision: matmul precision;
+    min_dot_rows: rows the dense projections pad a smaller matmul to (``model.dot_rows``; the
+    engine resolves ``FTJAX_MIN_DOT_ROWS`` into it for each call, so a changed variable compiles
+    new programs instead of reusing those traced under the old value), None: read the variable
+    at trace time.
     """
 
     mode: str
@@ -69,13 +73,14 @@ class StepOptions:
     miss: miss_policy.MissConfig | None = None
     kv: KVStep | None = None
     precision: str = "default"
+    min_dot_rows: int | None = None
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "opts"), donate_argnames=("cache", "state"))
 def _forward_step(params, banks, cache, state, tokens, start, valid_len, prefix, *, cfg, opts: StepOptions):
     """One forward call of the decoder (prefill chunk or decode step): the engine's only jitted
     step. prefix: the reused KV chunks of a prefix-reuse call (``()`` otherwise)."""
-    with jax.default_matmul_precision(opts.precision):
+    with jax.default_matmul_precision(opts.precision), model_lib.dot_rows(opts.min_dot_rows):
         state, expert_fn = offload.step_expert_fn(cfg.num_layers, cfg.num_experts, opts.mode, banks, state,
                                                   opts.stream, opts.overlap, opts.policy, opts.miss)
         hook = opts.kv.hook(prefix) if opts.kv is not None else None
@@ -258,8 +263,12 @@ class Engine:
 
     # ---- one forward call --------------------------------------------------------------------
     def _options(self, all_logits: bool = False, stream: bool = False, kv: KVStep | None = None) -> StepOptions:
+        """The static options of one step. ``FTJAX_MIN_DOT_ROWS`` is read here, at every call,
+        so that its value keys the compiled programs (``StepOptions.min_dot_rows``).
+        Raises:
+          ValueError: ``FTJAX_MIN_DOT_ROWS`` is not a non-negative integer."""
         return StepOptions(self.mode, all_logits, stream, self.config.prefill_overlap and stream, self.cache_policy,
-                           self.miss.jit_config, kv, self.precision)
+                           self.miss.jit_config, kv, self.precision, model_lib.min_dot_rows())
 
     def _args(self, tokens, start, valid_len, cache, prefix=()):
         m = self.model
@@ -372,7 +381,7 @@ class Engine:
             jnp.asarray(start, jnp.int32), jnp.asarray(valid_len, jnp.int32), cfg=self.cfg, step=opts,
             all_logits=opts.all_logits, experts=self._expert_source() if opts.stream else None,
             prefix=layer_pipeline.PrefixLayerSource(prefix) if prefix else None,
-            overlap=self.config.prefill_overlap, d2d=self._d2d(opts))
+            overlap=self.config.prefill_overlap, d2d=self._d2d(opts), prefix_copy=self.config.prefix_copy)
 
     def _d2d(self, opts: StepOptions) -> bool:
         """Whether a pipelined call copies its streamed layers' cached experts device to device
@@ -611,7 +620,8 @@ class Engine:
             layer_pipeline.precompile(self.compiled, m.params, m.banks, self.state, cache, *args[4:7], cfg=self.cfg,
                                       step=opts, all_logits=opts.all_logits,
                                       experts=self._expert_source() if opts.stream else None, prefix_spec=prefix,
-                                      d2d=self._d2d(opts), overlap=self.config.prefill_overlap)
+                                      d2d=self._d2d(opts), overlap=self.config.prefill_overlap,
+                                      prefix_copy=self.config.prefix_copy)
 
     def _warm_sampling(self, batch: int, temperature: float, top_p: float) -> None:
         """Compiles the sampler and the key split outside the timed region. The dummy logits are

@@ -32,7 +32,8 @@ import tempfile
 from absl import app, flags, logging
 
 # Flag choices come from the code's own registries (importing them does not start a JAX backend).
-from ftjax.config import KV_LOADS, MATMUL_PRECISIONS, PREFILL_DRIVERS, PREFILL_MODES, EngineConfig, KVOffloadConfig
+from ftjax.config import (KV_LOADS, MATMUL_PRECISIONS, PREFILL_DRIVERS, PREFILL_MODES, PREFIX_COPIES, EngineConfig,
+                          KVOffloadConfig)
 from ftjax.experts.cpu_experts import IMPLS as CPU_EXPERT_IMPLS
 from ftjax.experts.miss_policy import POLICIES as MISS_POLICIES
 from ftjax.experts.offload import MODES as EXPERT_MODES
@@ -86,6 +87,11 @@ flags.DEFINE_boolean("prefill_overlap", True, "Copy layer l+1's experts while la
 flags.DEFINE_boolean("stream_d2d_hits", True, "A streamed prefill layer on the pipelined driver copies its experts "
                      "that sit in the slot cache device to device and only the others over PCIe (same logits); "
                      "--nostream_d2d_hits copies every expert over PCIe.")
+flags.DEFINE_enum("prefix_copy", "put", list(PREFIX_COPIES),
+                  "How a prefill call on the pipelined driver copies a reused prefix's next layer to the device "
+                  "(--kv_offload): put = one device_put of the layer's chunk slices from Python before each layer's "
+                  "program; in_program = each layer's program copies the next layer's slices itself "
+                  "(EngineConfig.prefix_copy; docs/OVERLAP.md).")
 flags.DEFINE_string("prompts_file", None, "JSON lines, each {\"prompt_ids\": [...]} or {\"prompt\": \"...\"}: "
                     "requests run in order in this process (batch 1).")
 flags.DEFINE_boolean("kv_offload", False, "Keep full chunks of prompt KV in host memory and reuse a stored "
@@ -340,6 +346,7 @@ def _engine_config(mode: str, slots: int | None, max_seq_len: int) -> EngineConf
     return EngineConfig(mode, num_slots=slots, max_seq_len=max_seq_len, batch=FLAGS.batch, prefill=prefill,
                         prefill_chunk=FLAGS.prefill_chunk, prefill_overlap=FLAGS.prefill_overlap,
                         prefill_driver=FLAGS.prefill_driver, stream_d2d_hits=FLAGS.stream_d2d_hits,
+                        prefix_copy=FLAGS.prefix_copy,
                         cache_policy=FLAGS.cache_policy, matmul_precision=FLAGS.matmul_precision)
 
 

@@ -26,6 +26,8 @@ exactly as in the scan. Streamed layers compute from their buffer directly
 (``offload.make_layer_buffer_expert_fn``): no slot of the pool is borrowed and the slot cache is left
 as it was. With ``EngineConfig.stream_d2d_hits`` a layer's experts that sit in the slot cache are
 gathered into its buffer device to device and only the others cross PCIe (:class:`ExpertCopies`).
+With ``EngineConfig.prefix_copy="in_program"`` a reused prefix's slices of layer l+1 are copied by
+layer l's program instead of a ``device_put`` from Python (:func:`run`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
-import os
 import time
 import weakref
 from typing import Any, Callable, NamedTuple, Sequence
@@ -44,6 +45,7 @@ import numpy as np
 
 from ftjax import memory
 from ftjax import model as model_lib
+from ftjax.config import PREFIX_COPIES
 from ftjax.experts import offload
 from ftjax.experts.state import ExpertBanks
 from ftjax.kv.layerwise import LayerwiseKV
@@ -461,27 +463,6 @@ def warm_prefix_chunks(chunks: Sequence[jax.Array]) -> float:
     return time.perf_counter() - t0
 
 
-#: Environment variable: how the pipelined driver copies a reused prefix's rows of layer l+1 while
-#: layer l computes. "put" (default): one ``device_put`` of the layer's n chunk slices issued from
-#: Python before layer l's program (measured on the H200: ~3 ms of Python per layer for 62 slices,
-#: more than the layer's GPU time; docs/OVERLAP.md). "in_program": layer l's program takes the
-#: slices (host memory) as arguments and copies them itself, as XLA overlaps whole-array copies
-#: inside one program with its compute (DESIGN.md section 3); one dispatch per layer instead of n
-#: copies. Read at each call; recorded in result metadata (``ftjax.provenance``).
-PREFIX_COPY_ENV = "FTJAX_PREFIX_COPY"
-PREFIX_COPIES = ("put", "in_program")
-
-
-def prefix_copy() -> str:
-    """``FTJAX_PREFIX_COPY`` (:data:`PREFIX_COPIES`; default "put").
-    Raises:
-      ValueError: another value."""
-    value = os.environ.get(PREFIX_COPY_ENV, "").strip() or "put"
-    if value not in PREFIX_COPIES:
-        raise ValueError(f"{PREFIX_COPY_ENV}={value!r}: expected one of {', '.join(PREFIX_COPIES)}")
-    return value
-
-
 class PrefixLayerSource:
     """Per-layer pieces of a reused prefix: ``n`` stored chunks, each ``[L, 2, C, Hkv, hd]`` in host
     memory (``ftjax.kv.host_store``); :meth:`put` copies layer l's rows of every chunk to the device
@@ -501,8 +482,8 @@ class PrefixLayerSource:
 
     def host_pieces(self, layer: int) -> tuple:
         """Layer ``layer``'s rows of every chunk as JAX arrays in host memory ([1, 2, C, Hkv, hd]
-        each), for a layer program that copies them itself (``FTJAX_PREFIX_COPY=in_program``,
-        :data:`PREFIX_COPY_ENV`): the pinned aliases on a GPU; elsewhere (the CPU backend, or an
+        each), for a layer program that copies them itself (``EngineConfig.prefix_copy``
+        "in_program"): the pinned aliases on a GPU; elsewhere (the CPU backend, or an
         alias that could not be made) ``device_put`` of the numpy view to host memory, zero-copy
         on the CPU backend too (the chunk's own buffer). Either way the arrays read the chunks'
         memory without keeping the chunks alive: the chunks must outlive the programs that read
@@ -518,7 +499,7 @@ class LayerOptions:
     (its ``stream`` means: experts from the given buffer); has_prefix: the call hands the layer
     its slices of a reused prefix; d2d: the buffer's experts that the slot table maps were copied
     device to device (``ExpertCopies``; the stats count them); prefix_next: the program also copies
-    the next layer's prefix slices from host memory (``FTJAX_PREFIX_COPY=in_program``, :data:`PREFIX_COPY_ENV`)."""
+    the next layer's prefix slices from host memory (``EngineConfig.prefix_copy`` "in_program")."""
 
     step: Any
     has_prefix: bool = False
@@ -526,16 +507,16 @@ class LayerOptions:
     prefix_next: bool = False
 
 
-def _prefix_next(has_prefix: bool, overlap: bool) -> bool:
+def _prefix_next(has_prefix: bool, overlap: bool, prefix_copy: str) -> bool:
     """Whether layer programs copy the next layer's prefix slices themselves: a prefix, copies
-    overlapped with compute (``overlap``; the serial ablation keeps ``put``), and
-    ``FTJAX_PREFIX_COPY=in_program``. The variable is checked for every call, also one that does
-    not use it (no prefix, or overlap off), so a wrong value fails when the programs are compiled
-    (``precompile``, before any timing), not silently.
+    overlapped with compute (``overlap``; the serial ablation keeps "put"), and ``prefix_copy``
+    (``EngineConfig.prefix_copy``) "in_program". The value is checked for every call, also one
+    that does not use it (no prefix, or overlap off), so a wrong one fails, not silently.
     Raises:
-      ValueError: ``FTJAX_PREFIX_COPY`` is not one of :data:`PREFIX_COPIES`."""
-    copy = prefix_copy()
-    return has_prefix and overlap and copy == "in_program"
+      ValueError: ``prefix_copy`` is not one of ``config.PREFIX_COPIES``."""
+    if prefix_copy not in PREFIX_COPIES:
+        raise ValueError(f"prefix_copy {prefix_copy!r}: expected one of {', '.join(PREFIX_COPIES)}")
+    return has_prefix and overlap and prefix_copy == "in_program"
 
 
 def _hook(opts: LayerOptions) -> LayerwiseKV | None:
@@ -565,7 +546,7 @@ def layer_program(params, banks, state, h, ck, cv, inputs, layer, expert_buffer,
     expert_buffer = _as_dtypes(expert_buffer, (banks.gate_up.dtype, banks.down.dtype)
                                + tuple(x.dtype for x in banks.scales or ()))
     prefix_slices = tuple(x[0] for x in _as_dtypes(prefix_slices, [ck.dtype] * len(prefix_slices)))
-    with jax.default_matmul_precision(step.precision):
+    with jax.default_matmul_precision(step.precision), model_lib.dot_rows(step.min_dot_rows):
         if step.stream:
             expert_fn = offload.make_layer_buffer_expert_fn(cfg.num_experts, expert_buffer, banks.fmt, opts.d2d)
         else:
@@ -609,14 +590,16 @@ def _device_spec(x) -> jax.ShapeDtypeStruct:
 def precompile(compiled: Callable, params, banks, state, cache: model_lib.KVCache, tokens: jax.Array,
                start: jax.Array, valid_len: jax.Array, *, cfg, step, all_logits: bool,
                experts: ExpertLayerSource | None = None, prefix_spec: Sequence[jax.ShapeDtypeStruct] = (),
-               d2d: bool = False, overlap: bool = True) -> None:
+               d2d: bool = False, overlap: bool = True, prefix_copy: str = "put") -> None:
     """Compiles the embed, layer and head programs that :func:`run` will call with these arguments
     (nothing runs, nothing is donated). prefix_spec: shapes of the reused prefix's chunks
-    ([L, 2, C, Hkv, hd] each), or () without a prefix. d2d, overlap: as :func:`run`; with d2d also
-    the device-to-device programs, and the block pieces of the slot table as it is now (one small
-    device-to-host read of the table)."""
+    ([L, 2, C, Hkv, hd] each), or () without a prefix. d2d, overlap, prefix_copy: as :func:`run`;
+    with d2d also the device-to-device programs, and the block pieces of the slot table as it is
+    now (one small device-to-host read of the table).
+    Raises:
+      ValueError: ``prefix_copy`` is not one of ``config.PREFIX_COPIES``."""
     d2d = d2d and experts is not None and state.table is not None
-    opts = LayerOptions(step, bool(prefix_spec), d2d, _prefix_next(bool(prefix_spec), overlap))
+    opts = LayerOptions(step, bool(prefix_spec), d2d, _prefix_next(bool(prefix_spec), overlap, prefix_copy))
     compiled(embed_program, (params, tokens, start, valid_len))
     h, inputs = jax.tree.map(_device_spec, jax.eval_shape(model_lib.embed_inputs, params, tokens, start, valid_len))
     buffer = experts.spec() if experts is not None else ()
@@ -644,7 +627,8 @@ def precompile(compiled: Callable, params, banks, state, cache: model_lib.KVCach
 
 def run(compiled: Callable, params, banks, state, cache: model_lib.KVCache, tokens: jax.Array, start: jax.Array,
         valid_len: jax.Array, *, cfg, step, all_logits: bool, experts: ExpertLayerSource | None = None,
-        prefix: PrefixLayerSource | None = None, overlap: bool = True, d2d: bool = False) -> model_lib.ForwardOut:
+        prefix: PrefixLayerSource | None = None, overlap: bool = True, d2d: bool = False,
+        prefix_copy: str = "put") -> model_lib.ForwardOut:
     """Runs one prefill call layer by layer; the same result as ``model.forward`` of the call.
 
     compiled(fn, args, **static): returns ``fn`` compiled for these arguments (the engine's compile
@@ -654,13 +638,18 @@ def run(compiled: Callable, params, banks, state, cache: model_lib.KVCache, toke
     layer's copies just before its own program, the serial ablation). d2d: a streamed layer's
     experts that sit in the slot cache are copied device to device into its buffer, the others
     over PCIe (:class:`ExpertCopies`; needs ``state.table``; reads it to the host once, before any
-    layer, unless ``experts`` remembers it from ``precompile`` or the previous streamed call). The
-    KV cache and ``state`` are consumed (donated).
+    layer, unless ``experts`` remembers it from ``precompile`` or the previous streamed call).
+    prefix_copy: how layer l+1's prefix slices reach the device with ``overlap``
+    (``EngineConfig.prefix_copy``, one of ``config.PREFIX_COPIES``): "put" from Python before
+    layer l's program, or "in_program": layer l's program copies them from host memory (layer 0's
+    are put). The KV cache and ``state`` are consumed (donated).
     Returns a ``model.ForwardOut`` (stats stacked over layers; kv_out: the new chunks, each
     [L, 2, C, Hkv, hd], in host memory when ``step.kv.store_to_host``).
+    Raises:
+      ValueError: ``prefix_copy`` is not one of ``config.PREFIX_COPIES`` (before anything runs).
     """
     d2d = d2d and experts is not None and state.table is not None
-    in_program = _prefix_next(prefix is not None, overlap)
+    in_program = _prefix_next(prefix is not None, overlap, prefix_copy)
     opts = LayerOptions(step, prefix is not None, d2d, in_program)
     slot_of = experts.host_slots(state.table.slot_of) if d2d else None
     expert_copies = ExpertCopies(compiled, experts, slot_of) if experts is not None else None

@@ -27,6 +27,8 @@ recurrent state; :func:`forward` hands it to ``ftjax.hybrid.forward_blocks``.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import os
 from typing import Any, Callable, NamedTuple, Protocol
@@ -217,9 +219,14 @@ class LayerRouting(NamedTuple):
 ExpertFn = Callable[[Any, jax.Array, LayerRouting], tuple[jax.Array, Any, Any]]
 
 
-#: Environment variable: the fewest rows a dense projection hands the GPU's matmul (read at trace
-#: time; 0 turns the padding off). Default 4 on a GPU, 0 elsewhere.
+#: Environment variable: the fewest rows a dense projection hands the GPU's matmul (0 turns the
+#: padding off). Default 4 on a GPU, 0 elsewhere. The engine reads it when it builds a step's
+#: static options (``engine.StepOptions.min_dot_rows``), so a changed value compiles new programs;
+#: a bare :func:`project` outside :func:`dot_rows` reads it at trace time.
 MIN_DOT_ROWS_ENV = "FTJAX_MIN_DOT_ROWS"
+
+# the rows set by dot_rows() for the trace in progress; None: read the variable
+_DOT_ROWS: contextvars.ContextVar[int | None] = contextvars.ContextVar("ftjax_dot_rows", default=None)
 
 
 def min_dot_rows() -> int:
@@ -235,20 +242,41 @@ def min_dot_rows() -> int:
     return int(value)
 
 
+@contextlib.contextmanager
+def dot_rows(rows: int | None):
+    """Within it (while a step is traced), :func:`project` pads to ``rows`` rows instead of reading
+    ``FTJAX_MIN_DOT_ROWS``; None keeps the variable. A jitted step takes ``rows`` from its static
+    options (``engine.StepOptions.min_dot_rows``), so that the value is part of the key of its
+    compiled programs (jax's trace cache and the engine's): a value read from the environment
+    at trace time is not, and a changed variable would reuse the programs traced under the old one.
+    Raises:
+      ValueError: ``rows`` is neither None nor a non-negative integer."""
+    if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 0):
+        raise ValueError(f"dot_rows: expected None or a non-negative integer, got {rows!r}")
+    token = _DOT_ROWS.set(rows)
+    try:
+        yield
+    finally:
+        _DOT_ROWS.reset(token)
+
+
 def project(x: jax.Array, w: jax.Array) -> jax.Array:
     """``x @ w`` for a dense weight: x [..., K], w [K, N] -> [..., N] in the promoted dtype.
 
     A batch-1 decode step has one row. The H200 profile (experiments/profile_step.py, issue 13)
     showed XLA lowering those [1, K] x [K, N] products of the layer scan to multiply and reduce
     fusions at ~20% of the HBM bandwidth, while the same products with 4 rows (batch 4) ran as
-    GEMMs in less than half the time of the one row. So fewer than :func:`min_dot_rows` rows are
-    padded with zero rows behind an optimization barrier (XLA would otherwise see through the
-    padding); each row's result is the same product, and the padding reads no extra weights.
-    Measured there (resident batch-1 decode, 48 layers): the attention scope went from 3.67 to
-    1.63 ms per step and the step from 8.87 to 7.35 ms, although the barrier adds a small copy per
-    projection (~1.1 ms per step of ``memcpy`` kernels; a barrier on the output too cost more).
+    GEMMs in less than half the time of the one row. So fewer than :func:`min_dot_rows` rows (the
+    rows of an enclosing :func:`dot_rows`, where a step sets them) are padded with zero rows behind
+    an optimization barrier (XLA would otherwise see through the padding); each row's result is
+    the same product, and the padding reads no extra weights. Measured there (resident batch-1
+    decode, 48 layers): the attention scope went from 3.67 to 1.63 ms per step and the step from
+    8.87 to 7.35 ms, although the barrier adds a small copy per projection (~1.1 ms per step of
+    ``memcpy`` kernels; a barrier on the output too cost more).
     """
-    m = min_dot_rows()
+    m = _DOT_ROWS.get()
+    if m is None:
+        m = min_dot_rows()
     rows = math.prod(x.shape[:-1])  # not x.size // K: K may be 0 (then x @ w is zeros)
     if rows >= m:
         return x @ w

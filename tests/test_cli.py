@@ -50,13 +50,14 @@ def test_generate_text_prompt_prints_text():
 
 
 def test_default_demo_runs_with_cache_smaller_than_pool(tmp_path):
-    r = _run("--max_new_tokens=8", "--nostream_d2d_hits", f"--metrics_json={tmp_path / 'm.json'}")
+    r = _run("--max_new_tokens=8", "--nostream_d2d_hits", "--prefix_copy=in_program",
+             f"--metrics_json={tmp_path / 'm.json'}")
     assert r.returncode == 0, r.stderr
     m = json.loads((tmp_path / "m.json").read_text())
     plan = m["memory_plan"]
     assert m["experts_mode"] == "cached" and plan["slots"] < plan["pool_slots"]
     assert m["expert_cache"]["bytes_h2d"] > 0
-    assert m["engine"]["stream_d2d_hits"] is False
+    assert m["engine"]["stream_d2d_hits"] is False and m["engine"]["prefix_copy"] == "in_program"
     for phase in (m["expert_cache"], m["expert_cache"]["prefill"], m["expert_cache"]["decode"]):
         assert phase["d2d_copies"] == phase["bytes_d2d"] == 0
 

@@ -148,13 +148,15 @@ def test_bench_kv_reuse_smoke(tmp_path):
              "--prefix_copies=put,in_program")
     assert _meta(d)["device"] and _meta(d)["jax"]
     assert d["loads_skipped"] == {} and d["probes"]["pipelined"]["ok"] and d["probes"]["pipelined_in_program"]["ok"]
-    assert "FTJAX_PREFIX_COPY" not in _meta(d)["env"]["variables"]  # set per load only, then restored
     assert d["chunk_bytes"] == d["chunk_kv_bytes"] == 4 * 2 * 32 * 2 * 32 * 4 and d["chunk_state_bytes"] == 0
     for r in d["results"]:
         assert "error" not in r, r
         assert r["store_request"]["chunks_stored"] == 192 // 32
         assert r["loads_measured"] == ["prefetch", "xs", "all_first", "pipelined", "pipelined_in_program"]
         assert r["pipelined"]["prefix_copy"] == "put" and r["pipelined_in_program"]["prefix_copy"] == "in_program"
+        # each copy ran on an engine of its own, whose config the row records
+        for load, copy in (("pipelined", "put"), ("pipelined_in_program", "in_program")):
+            assert r[load]["engine"]["prefix_copy"] == copy and r[load]["engine"]["prefill_driver"] == "pipelined"
         for load in r["loads_measured"]:
             assert r[load]["reused_tokens"] == 192 and r[load]["hit_chunks"] == 192 // 32
             assert r[load]["bytes_loaded"] == 6 * d["chunk_bytes"]
@@ -420,10 +422,8 @@ def test_profile_step_smoke(tmp_path):
 
 
 _KV_REUSE_HLO_OF_EACH_COPY = """
-import os
 import numpy as np
 from experiments import bench_kv_reuse as b
-from ftjax import layer_pipeline
 from ftjax.checkpoint import random_model
 from ftjax.config import EngineConfig, KVOffloadConfig, preset
 from ftjax.engine import Engine, compiled_programs
@@ -433,9 +433,8 @@ from ftjax.kv.prefix_cache import PrefixCache
 model = random_model(preset("tiny"), "float32")
 prompt = np.random.default_rng(0).integers(0, model.cfg.vocab_size, 100).tolist()
 for copy in ("put", "in_program"):
-    os.environ[layer_pipeline.PREFIX_COPY_ENV] = copy
     mgr = PrefixCache(HostKVStore(1 << 26), KVOffloadConfig(chunk_tokens=32))
-    eng = Engine(model, EngineConfig("resident", max_seq_len=256, prefill_driver="pipelined"))
+    eng = Engine(model, EngineConfig("resident", max_seq_len=256, prefill_driver="pipelined", prefix_copy=copy))
     eng.generate([prompt[:64]], 1, kv_manager=mgr)
     assert eng.generate([prompt], 1, kv_manager=mgr).kv["reused_tokens"] == 64
 progs = [(s["opts"].prefix_next, len(sig), exe) for _, s, sig, exe in compiled_programs("layer_program")

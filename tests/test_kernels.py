@@ -287,6 +287,47 @@ def test_min_dot_rows_default_and_bad_value(monkeypatch):
         model_lib.min_dot_rows()
 
 
+@pytest.mark.parametrize("driver", ["scan", "pipelined"])
+def test_min_dot_rows_keys_the_engines_programs(driver, monkeypatch):
+    """FTJAX_MIN_DOT_ROWS changed between two requests of one engine in one process: the second
+    compiles programs of its own (the value is in their static options,
+    ``StepOptions.min_dot_rows``), padded as the variable now says, instead of reusing the
+    programs traced under the old value (jax's trace cache keys on static arguments, not on the
+    environment); set back, the first programs are reused. The CPU's compiled HLO shows the
+    padding as ``pad`` ops (its optimization barriers are gone by then). The padding changes no
+    logit."""
+    from ftjax import engine as engine_lib
+    from ftjax import model as model_lib
+    from ftjax.checkpoint import random_model
+    from ftjax.config import EngineConfig, preset
+
+    eng = engine_lib.Engine(random_model(preset("tiny"), "float32"),
+                            EngineConfig("resident", max_seq_len=64, prefill_driver=driver))
+    prefill_fn = "_forward_step" if driver == "scan" else "layer_program"
+
+    def request(rows: str):
+        monkeypatch.setenv(model_lib.MIN_DOT_ROWS_ENV, rows)
+        before = set(eng._programs)
+        res = eng.generate([list(range(1, 10))], 2, keep_logits=True)  # one prefill call (bucket 16), one decode
+        return res, {k: engine_lib._COMPILED[k] for k in eng._programs - before}
+
+    def rows_of(key):
+        opts = dict(key[1])["opts"]
+        return getattr(opts, "step", opts).min_dot_rows
+
+    plain, first = request("0")
+    padded, second = request("32")  # more than the prefill's 16 rows and the decode step's 1
+    assert {k[0] for k in second} == {prefill_fn, "_forward_step"}  # the prefill's layers and the decode step
+    for progs, rows in ((first, 0), (second, 32)):
+        steps = {k: exe for k, exe in progs.items() if k[0] in (prefill_fn, "_forward_step")}
+        assert steps and all(rows_of(k) == rows for k in steps)
+        assert all(("pad(" in exe.as_text()) == (rows == 32) for exe in steps.values())
+    again, third = request("0")
+    assert third == {}  # the programs of the first request
+    np.testing.assert_allclose(padded.step_logits, plain.step_logits, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(again.step_logits, plain.step_logits)
+
+
 @pytest.mark.parametrize("shape", [(1, 0), (2, 1, 0), (0, 0)])
 def test_project_with_an_empty_contraction_is_x_at_w(shape, monkeypatch):
     """K = 0 (x [..., 0], w [0, N]): ``x @ w`` is zeros [..., N]; ``project`` used to divide by K

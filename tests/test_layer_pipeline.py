@@ -76,9 +76,8 @@ def test_pipelined_stream_keeps_the_slot_cache_and_decodes_the_same_tokens():
 def test_pipelined_prefix_reuse_equals_scan(route, copy, monkeypatch):
     """A request that reuses a stored prefix (loaded layer by layer by the driver) gives the same
     logits and cache as the scan driver, and the chunks it stores are the same bytes; with
-    FTJAX_PREFIX_COPY=in_program only layer 0's slices are put from Python, the other layers' are
-    copied by the previous layer's program."""
-    monkeypatch.setenv(layer_pipeline.PREFIX_COPY_ENV, copy)
+    ``EngineConfig.prefix_copy="in_program"`` only layer 0's slices are put from Python, the other
+    layers' are copied by the previous layer's program."""
     puts = []
     real_put = layer_pipeline.PrefixLayerSource.put
     monkeypatch.setattr(layer_pipeline.PrefixLayerSource, "put", lambda self, l: puts.append(l) or real_put(self, l))
@@ -90,7 +89,7 @@ def test_pipelined_prefix_reuse_equals_scan(route, copy, monkeypatch):
     for driver in ("scan", "pipelined"):
         mgr = PrefixCache(HostKVStore(100 * entry), KVOffloadConfig(chunk_tokens=C, store_route=route))
         eng = Engine(model, EngineConfig("cached", num_slots=2 * cfg.num_experts, max_seq_len=S,
-                                         prefill_driver=driver))
+                                         prefill_driver=driver, prefix_copy=copy))
         first = eng.generate([prompt[:64]], 1, kv_manager=mgr)
         res = eng.generate([prompt], 4, keep_logits=True, kv_manager=mgr)
         assert first.kv["chunks_stored"] == 4 and res.kv["reused_tokens"] == 64
@@ -103,38 +102,51 @@ def test_pipelined_prefix_reuse_equals_scan(route, copy, monkeypatch):
         np.testing.assert_array_equal(a, b)
 
 
-def test_prefix_copy_setting(monkeypatch):
-    monkeypatch.delenv(layer_pipeline.PREFIX_COPY_ENV, raising=False)
-    assert layer_pipeline.prefix_copy() == "put"
-    monkeypatch.setenv(layer_pipeline.PREFIX_COPY_ENV, "in_program")
-    assert layer_pipeline.prefix_copy() == "in_program"
-    assert layer_pipeline._prefix_next(True, True) and not layer_pipeline._prefix_next(True, False)
-    assert not layer_pipeline._prefix_next(False, True)
-    monkeypatch.setenv(layer_pipeline.PREFIX_COPY_ENV, "dma")
-    with pytest.raises(ValueError, match="FTJAX_PREFIX_COPY='dma': expected one of put, in_program"):
-        layer_pipeline.prefix_copy()
+def test_prefix_copy_setting():
+    """``EngineConfig.prefix_copy``: "put" by default; another value than put / in_program is
+    refused when the config is made, naming the field; the driver copies in its programs only for
+    a prefix with overlap (the serial ablation puts) and refuses a wrong value too."""
+    assert EngineConfig().prefix_copy == "put"
+    assert EngineConfig(prefix_copy="in_program").prefix_copy == "in_program"
+    nxt = layer_pipeline._prefix_next
+    assert nxt(True, True, "in_program")
+    assert not nxt(True, False, "in_program") and not nxt(False, True, "in_program") and not nxt(True, True, "put")
+    for bad in ("dma", "in-program", None):
+        with pytest.raises(ValueError, match=f"unknown prefix_copy {bad!r}; expected one of put, in_program"):
+            EngineConfig(prefix_copy=bad)
+    with pytest.raises(ValueError, match="prefix_copy 'dma': expected one of put, in_program"):
+        layer_pipeline._prefix_next(False, False, "dma")
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_prefix_copy_invalid_value_fails_before_the_call(overlap, monkeypatch):
-    """A wrong FTJAX_PREFIX_COPY fails the pipelined request while its programs are compiled
-    (``prepare_prefill``, before the timed prefill), also where the setting is not used (overlap
-    off falls back to put): not silently ignored. The hit chunks are unpinned again."""
+def test_prefix_copy_is_resolved_once_per_engine(overlap, monkeypatch):
+    """The prefix copy is the engine's (``EngineConfig.prefix_copy``), fixed when it is built: a
+    wrong value fails at ``EngineConfig``, before any engine or request exists, also where the
+    setting would not be used (overlap off falls back to put); the former environment variable
+    changes nothing (no program is compiled inside the timed prefill); an engine with
+    "in_program" reuses the chunks stored by one with "put" (the same store)."""
     model, exp = load_fixture("qwen3_moe_fp32")
     prompt = exp["long_prompt_ids"].tolist()[:80]
     cfg = model.cfg
     mgr = PrefixCache(HostKVStore(1 << 24), KVOffloadConfig(chunk_tokens=C))
+    with pytest.raises(ValueError, match="unknown prefix_copy 'in-program'; expected one of put, in_program"):
+        EngineConfig("resident", max_seq_len=S, prefill_driver="pipelined", prefill_overlap=overlap,
+                     prefix_copy="in-program")
     eng = Engine(model, EngineConfig("resident", max_seq_len=S, prefill_driver="pipelined", prefill_overlap=overlap))
-    monkeypatch.setenv(layer_pipeline.PREFIX_COPY_ENV, "put")
     assert eng.generate([prompt[:64]], 1, kv_manager=mgr).kv["chunks_stored"] == 4
-    monkeypatch.setenv(layer_pipeline.PREFIX_COPY_ENV, "in-program")
-    calls = dict(eng.prefill_driver_calls)
-    with pytest.raises(ValueError, match="FTJAX_PREFIX_COPY='in-program': expected one of put, in_program"):
-        eng.generate([prompt], 1, kv_manager=mgr)
-    assert eng.prefill_driver_calls == calls and mgr.store.stats.num_pinned == 0  # no call ran
-    monkeypatch.setenv(layer_pipeline.PREFIX_COPY_ENV, "in_program")
-    res = eng.generate([prompt], 1, kv_manager=mgr)
-    assert res.kv["reused_tokens"] == 64 and cfg.num_layers > 1
+    cache = eng.new_cache(1)
+    req = eng.prepare_prefill([prompt], cache, mgr)
+    before = eng.compile_s
+    # set between the compile and the timed call, a variable of the old name is no setting: the
+    # prefill runs the programs prepare_prefill compiled
+    monkeypatch.setenv("FTJAX_PREFIX_COPY", "in_program")
+    eng.prefill([prompt], cache, kv_manager=mgr, request=req)
+    assert eng.compile_s == before and req.reused_tokens == 64
+    eng2 = Engine(model, EngineConfig("resident", max_seq_len=S, prefill_driver="pipelined", prefill_overlap=overlap,
+                                      prefix_copy="in_program"))
+    res = eng2.generate([prompt], 1, kv_manager=mgr)
+    # the request before stored all 5 chunks of the prompt; its last token is computed again
+    assert res.kv["reused_tokens"] == len(prompt) - 1 and cfg.num_layers > 1
 
 
 def test_driver_choice(monkeypatch):

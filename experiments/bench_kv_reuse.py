@@ -25,8 +25,10 @@ TTFT (prefill + first greedy token; compilation excluded; lookup included) is me
   first engine is freed first) and the KV load "xs" (the driver hands each layer its slices); once
   per ``--prefix_copies`` value, each by an engine of its own with that ``EngineConfig.prefix_copy``
   (``put`` from Python, row ``pipelined``; ``in_program``, row ``pipelined_in_program``: each
-  layer's program copies the next layer's slices). Every load's row records its engine's config
-  (``engine``: ``Engine.describe()``, ``prefix_copy`` included).
+  layer's program copies the next layer's slices), and for ``put`` once per ``--prefix_copy_layers``
+  value (``EngineConfig.prefix_copy_layers``: one put per group of that many layers, a group
+  ahead; rows ``pipelined_g<n>`` for n > 1). Every load's row records its engine's config
+  (``engine``: ``Engine.describe()``, ``prefix_copy`` and the resolved group included).
 * ``all_first``: the ablation: every hit chunk is ``device_put`` to the device (timed:
   ``load_s``), then the suffix prefill runs with no host copies.
 
@@ -108,6 +110,9 @@ flags.DEFINE_list("loads", ["prefetch", "xs", "all_first"], f"Prefix loads to co
 flags.DEFINE_list("prefix_copies", ["put"], "How the 'pipelined' load copies each layer's prefix slices "
                   f"(EngineConfig.prefix_copy, one engine and run of the load per value): {', '.join(PREFIX_COPIES)}; "
                   "rows 'pipelined' (put) and 'pipelined_<copy>'.")
+flags.DEFINE_list("prefix_copy_layers", ["1"], "With the put copy: layers of prefix rows per device_put "
+                  "(EngineConfig.prefix_copy_layers), one engine and run per value; rows 'pipelined' (1) and "
+                  "'pipelined_g<n>'.")
 flags.DEFINE_enum("prefill_driver", "auto", list(PREFILL_DRIVERS), "EngineConfig.prefill_driver of the runs "
                   "(recompute and the loads other than 'pipelined', which always runs on the pipelined driver).")
 flags.DEFINE_integer("prefix_tokens", 15872, "Tokens stored by the earlier request (a multiple of chunk_tokens).")
@@ -260,16 +265,31 @@ def timed_request(engine, mgr, prompt, keep_logits: bool = False) -> dict:
     return out
 
 
-def reuse_executables(mode: str, load: str, copy: str | None = None) -> list:
+def _copy_layers() -> list[int]:
+    """``--prefix_copy_layers`` as integers.
+    Raises:
+      app.UsageError: a value that is not an integer >= 1."""
+    try:
+        values = [int(x) for x in FLAGS.prefix_copy_layers]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise app.UsageError(f"--prefix_copy_layers {FLAGS.prefix_copy_layers}: expected integers >= 1")
+    return values
+
+
+def reuse_executables(mode: str, load: str, copy: str | None = None, rows: int = 1) -> list:
     """Compiled reuse programs (with a prefix) of this mode and load, from the engine's AOT cache;
     for ``pipelined``, its layer programs that take a prefix, of prefix copy ``copy``
-    (``EngineConfig.prefix_copy``; None: "put"): with "in_program", the ones that also copy the
-    next layer's slices (more arguments) first, not the last layer's."""
+    (``EngineConfig.prefix_copy``; None: "put") and ``rows`` layers per copy group: with
+    "in_program", the ones that also copy the next layer's slices (more arguments) first, not the
+    last layer's."""
     if load == "pipelined":
         next_copies = (copy or "put") == "in_program"
         found = [(len(signature), exe) for _, statics, signature, exe in compiled_programs("layer_program")
                  if statics["opts"].has_prefix and statics["opts"].step.mode == mode
-                 and statics["opts"].prefix_next == next_copies]
+                 and statics["opts"].prefix_next == next_copies
+                 and any(len(s[0]) == 5 and s[0][0] == rows and s[0][1] == 2 for s in signature)]
         return [exe for _, exe in sorted(found, key=lambda x: -x[0])]
     variant = "xs" if load == "all_first" else load
     kind = "device" if load == "all_first" else None
@@ -328,9 +348,9 @@ def run_mode(model, mode: str, slots, max_seq_len: int, prefix: list[int], rng, 
     cfg = model.cfg
     c = FLAGS.chunk_tokens
 
-    def new_engine(driver, prefix_copy="put"):
+    def new_engine(driver, prefix_copy="put", copy_layers=1):
         return Engine(model, EngineConfig(mode, num_slots=slots, max_seq_len=max_seq_len, prefill_driver=driver,
-                                          prefix_copy=prefix_copy))
+                                          prefix_copy=prefix_copy, prefix_copy_layers=copy_layers))
 
     engine = new_engine(FLAGS.prefill_driver)
     store = HostKVStore(store_bytes)
@@ -407,21 +427,28 @@ def run_mode(model, mode: str, slots, max_seq_len: int, prefix: list[int], rng, 
     # pipelined last: it needs an engine of its own (two resident engines would hold two expert pools);
     # it runs once per --prefix_copies value, each by an engine built with that EngineConfig.prefix_copy
     # (the one before it freed first), named "pipelined" for "put" and "pipelined_<copy>" otherwise
-    variants = [(load, load if load != "pipelined" or copy == "put" else f"pipelined_{copy}", copy)
+    def name_of(load, copy, layers):
+        if load != "pipelined":
+            return load
+        return f"pipelined_{copy}" if copy != "put" else ("pipelined" if layers == 1 else f"pipelined_g{layers}")
+
+    variants = [(load, name_of(load, copy, layers), copy, layers)
                 for load in sorted(FLAGS.loads, key=lambda x: x == "pipelined")
-                for copy in (FLAGS.prefix_copies if load == "pipelined" else [None])]
+                for copy in (FLAGS.prefix_copies if load == "pipelined" else [None])
+                for layers in (_copy_layers() if copy == "put" else [1])]
     row["loads_measured"] = []
-    for load, name, copy in variants:
+    for load, name, copy, layers in variants:
         if time.perf_counter() > deadline:
             row.setdefault("skipped_loads", []).append(name)
             continue
         try:  # a failing load (a device OOM, say) must not lose the mode's other loads
             if load == "pipelined" and (engine.config.prefill_driver != "pipelined"
-                                        or engine.config.prefix_copy != copy):
+                                        or engine.config.prefix_copy != copy
+                                        or engine.config.prefix_copy_layers != layers):
                 compile_s += engine.compile_s
                 engine = None  # freed before the next one is built
                 gc.collect()
-                engine = new_engine("pipelined", copy)
+                engine = new_engine("pipelined", copy, layers)
             mgr = manager(load)
             check = timed_request(engine, manager(load, check_store()), rec_prompts[0], keep_logits=True)  # warm-up
             before = dict(engine.prefill_driver_calls)
@@ -438,11 +465,12 @@ def run_mode(model, mode: str, slots, max_seq_len: int, prefix: list[int], rng, 
                    "max_abs_logit_recompute": float(np.max(np.abs(ref_logits))), "engine": engine.describe()}
             if copy is not None:
                 res["prefix_copy"] = copy
+                res["prefix_copy_layers"] = engine.prefix_copy_rows()
             if load == "all_first":
                 res["load_s"] = spread([r["load_s"] for r in runs])
                 res["compute_s"] = spread([r["ttft_s"] - r["load_s"] for r in runs])
                 res["load_GBps"] = (r0["bytes_loaded"] + r0["bytes_padding"]) / res["load_s"]["median"] / 1e9
-            exes = reuse_executables(mode, load, copy)
+            exes = reuse_executables(mode, load, copy, engine.prefix_copy_rows() if load == "pipelined" else 1)
             if exes:
                 text = exes[0].as_text()
                 res["hlo_ops"] = hlo_ops(text)
@@ -495,6 +523,7 @@ def main(argv):
     bad = [x for x in FLAGS.prefix_copies if x not in PREFIX_COPIES]
     if bad or not FLAGS.prefix_copies:
         raise app.UsageError(f"--prefix_copies {FLAGS.prefix_copies}: expected some of {', '.join(PREFIX_COPIES)}")
+    _copy_layers()  # a bad value fails before the GPU is touched
     unknown = [x for x in FLAGS.loads if x not in LOADS]
     if unknown:
         raise app.UsageError(f"unknown --loads {unknown}; expected some of {', '.join(LOADS)}")

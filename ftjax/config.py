@@ -485,6 +485,11 @@ class EngineConfig:
         (docs/OVERLAP.md; DESIGN.md section 3), one dispatch per layer instead of n copies. Used
         only by calls with a prefix and ``prefill_overlap`` (the serial ablation puts); the scan
         driver copies inside its scan either way. Same logits both ways.
+      prefix_copy_layers: with ``prefix_copy`` "put": one ``device_put`` copies the rows of this
+        many consecutive layers of every chunk (a chunk is layer-major, so they are one contiguous
+        host span), issued a whole group ahead: the Python cost of the n copies is paid once per
+        group instead of once per layer. The largest divisor of the model's layer count not above
+        this value is used (:func:`ftjax.layer_pipeline.copy_group_layers`). 1: a put per layer.
       cache_policy: slot eviction policy (``ftjax.experts.slot_table.POLICIES``).
       matmul_precision: one of :data:`MATMUL_PRECISIONS`.
     Raises:
@@ -501,6 +506,7 @@ class EngineConfig:
     prefill_driver: str = "auto"
     stream_d2d_hits: bool = True
     prefix_copy: str = "put"
+    prefix_copy_layers: int = 1
     cache_policy: str = "lru"
     matmul_precision: str = "auto"
 
@@ -513,7 +519,7 @@ class EngineConfig:
         _choice("cache policy", self.cache_policy, POLICIES)
         _choice("matmul precision", self.matmul_precision, MATMUL_PRECISIONS)
         _choice("prefix_copy", self.prefix_copy, PREFIX_COPIES)
-        for name in ("max_seq_len", "batch", "prefill_chunk"):
+        for name in ("max_seq_len", "batch", "prefill_chunk", "prefix_copy_layers"):
             _at_least(name, getattr(self, name), 1)
         _boolean("stream_d2d_hits", self.stream_d2d_hits)
         if self.num_slots is not None:

@@ -232,7 +232,8 @@ class Engine:
     def describe(self) -> dict:
         """JSON-ready run configuration: the engine config, resolved precision, miss policy."""
         return {**self.config.as_dict(), "matmul_precision_resolved": self.precision,
-                "miss_policy": self.miss.policy, "compute_dtype": self.dtype.name}
+                "miss_policy": self.miss.policy, "compute_dtype": self.dtype.name,
+                "prefix_copy_layers_resolved": self.prefix_copy_rows()}
 
     # ---- expert state ----------------------------------------------------------------------
     def _fresh_state(self) -> ExpertState:
@@ -380,8 +381,17 @@ class Engine:
             self.compiled, m.params, m.banks, self.state, cache, jnp.asarray(tokens, jnp.int32),
             jnp.asarray(start, jnp.int32), jnp.asarray(valid_len, jnp.int32), cfg=self.cfg, step=opts,
             all_logits=opts.all_logits, experts=self._expert_source() if opts.stream else None,
-            prefix=layer_pipeline.PrefixLayerSource(prefix) if prefix else None,
+            prefix=layer_pipeline.PrefixLayerSource(prefix, self.prefix_copy_rows(), self.config.prefill_overlap
+                                                    and self.prefix_copy_rows() > 1) if prefix else None,
             overlap=self.config.prefill_overlap, d2d=self._d2d(opts), prefix_copy=self.config.prefix_copy)
+
+    def prefix_copy_rows(self) -> int:
+        """Layers whose reused-prefix rows one copy moves on the pipelined driver: the group of
+        ``EngineConfig.prefix_copy_layers`` (:func:`layer_pipeline.copy_group_layers`) with
+        ``prefix_copy`` "put", 1 with "in_program" (each layer's program copies the next one's)."""
+        if self.config.prefix_copy != "put":
+            return 1
+        return layer_pipeline.copy_group_layers(self.cfg.num_layers, self.config.prefix_copy_layers)
 
     def _d2d(self, opts: StepOptions) -> bool:
         """Whether a pipelined call copies its streamed layers' cached experts device to device
@@ -482,8 +492,9 @@ class Engine:
             if request is not None:
                 # on the pipelined driver the new chunks' per-layer aliases are made as they are stored,
                 # not inside the TTFT of a later request that reuses them
+                warm = functools.partial(layer_pipeline.warm_prefix_chunks, rows=self.prefix_copy_rows())
                 kv_manager.finish(request, kv_outs if len(kv_outs) == len(calls) else None,
-                                  prepare=layer_pipeline.warm_prefix_chunks if self.pipelines_prefix() else None)
+                                  prepare=warm if self.pipelines_prefix() else None)
         if all_logits:
             logits = jnp.concatenate(pieces, axis=1)
         return logits, cache, lengths, stats
@@ -621,7 +632,7 @@ class Engine:
                                       step=opts, all_logits=opts.all_logits,
                                       experts=self._expert_source() if opts.stream else None, prefix_spec=prefix,
                                       d2d=self._d2d(opts), overlap=self.config.prefill_overlap,
-                                      prefix_copy=self.config.prefix_copy)
+                                      prefix_copy=self.config.prefix_copy, prefix_rows=self.prefix_copy_rows())
 
     def _warm_sampling(self, batch: int, temperature: float, top_p: float) -> None:
         """Compiles the sampler and the key split outside the timed region. The dummy logits are

@@ -92,6 +92,9 @@ flags.DEFINE_enum("prefix_copy", "put", list(PREFIX_COPIES),
                   "(--kv_offload): put = one device_put of the layer's chunk slices from Python before each layer's "
                   "program; in_program = each layer's program copies the next layer's slices itself "
                   "(EngineConfig.prefix_copy; docs/OVERLAP.md).")
+flags.DEFINE_integer("prefix_copy_layers", 1, "With --prefix_copy=put: layers whose prefix rows one device_put moves, "
+                     "a group ahead (the largest divisor of the layer count not above it; "
+                     "EngineConfig.prefix_copy_layers).", lower_bound=1)
 flags.DEFINE_string("prompts_file", None, "JSON lines, each {\"prompt_ids\": [...]} or {\"prompt\": \"...\"}: "
                     "requests run in order in this process (batch 1).")
 flags.DEFINE_boolean("kv_offload", False, "Keep full chunks of prompt KV in host memory and reuse a stored "
@@ -346,7 +349,7 @@ def _engine_config(mode: str, slots: int | None, max_seq_len: int) -> EngineConf
     return EngineConfig(mode, num_slots=slots, max_seq_len=max_seq_len, batch=FLAGS.batch, prefill=prefill,
                         prefill_chunk=FLAGS.prefill_chunk, prefill_overlap=FLAGS.prefill_overlap,
                         prefill_driver=FLAGS.prefill_driver, stream_d2d_hits=FLAGS.stream_d2d_hits,
-                        prefix_copy=FLAGS.prefix_copy,
+                        prefix_copy=FLAGS.prefix_copy, prefix_copy_layers=FLAGS.prefix_copy_layers,
                         cache_policy=FLAGS.cache_policy, matmul_precision=FLAGS.matmul_precision)
 
 

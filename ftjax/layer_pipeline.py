@@ -423,18 +423,30 @@ class ExpertCopies:
             _layer_index(i)
 
 
-_CHUNK_PIECES: dict[int, tuple[weakref.ref, _LayerPieces]] = {}
+_CHUNK_PIECES: dict[tuple[int, int], tuple[weakref.ref, _LayerPieces]] = {}
 
 
-def _chunk_pieces(chunk: jax.Array, eager: bool = False) -> _LayerPieces:
-    """The per-layer pieces of one stored KV chunk, made once per chunk (making a pinned alias costs
-    ~0.4 ms; a 16k-token prefix has 62 chunks x 48 layers of them) and dropped with the chunk.
-    eager: make every layer's alias now (:func:`warm_prefix_chunks`), not at its first copy."""
-    key = id(chunk)
+def copy_group_layers(num_layers: int, requested: int) -> int:
+    """Layers per prefix copy (``EngineConfig.prefix_copy_layers``): the largest divisor of
+    ``num_layers`` not above ``requested`` (so every group has the same shape: one program).
+    Raises:
+      ValueError: ``requested`` < 1."""
+    if requested < 1:
+        raise ValueError(f"prefix_copy_layers must be >= 1, got {requested}")
+    return max(d for d in range(1, min(requested, num_layers) + 1) if num_layers % d == 0)
+
+
+def _chunk_pieces(chunk: jax.Array, eager: bool = False, rows: int = 1) -> _LayerPieces:
+    """The pieces of one stored KV chunk, ``rows`` consecutive layers each (piece g: layers
+    g*rows .. g*rows+rows-1, contiguous in the layer-major chunk), made once per chunk and group
+    size (making a pinned alias costs ~0.4 ms; a 16k-token prefix has 62 chunks x 48 layers of
+    them per layer) and dropped with the chunk. eager: make every piece's alias now
+    (:func:`warm_prefix_chunks`), not at its first copy."""
+    key = (id(chunk), rows)
     entry = _CHUNK_PIECES.get(key)
     if entry is not None and entry[0]() is chunk:
         return entry[1]
-    pieces = _LayerPieces([chunk], 1, chunk.shape[0], eager=eager, keep=False)  # the entry must not keep it
+    pieces = _LayerPieces([chunk], rows, chunk.shape[0] // rows, eager=eager, keep=False)  # must not keep it
     try:
         ref = weakref.ref(chunk)
     except TypeError:  # not weak-referenceable: no cache entry
@@ -444,41 +456,65 @@ def _chunk_pieces(chunk: jax.Array, eager: bool = False) -> _LayerPieces:
     return pieces
 
 
-def _drop_chunk_pieces(key: int, ref: weakref.ref) -> None:
+def _drop_chunk_pieces(key: tuple[int, int], ref: weakref.ref) -> None:
     """Finalizer of a chunk: drops its entry, and only its own (a later chunk may reuse the id)."""
     entry = _CHUNK_PIECES.get(key)
     if entry is not None and entry[0] is ref:
         del _CHUNK_PIECES[key]
 
 
-def warm_prefix_chunks(chunks: Sequence[jax.Array]) -> float:
-    """Makes the per-layer pinned aliases of stored KV chunks (each ``[L, 2, C, Hkv, hd]`` in host
-    memory) now, so that a later request reusing them pays no alias making inside its TTFT (62
-    chunks x 48 layers x ~0.4 ms = ~1.2 s at 16k tokens otherwise). The engine calls it for the
-    chunks a prefill stores when prefix loads run on this driver. Returns the seconds spent."""
+def warm_prefix_chunks(chunks: Sequence[jax.Array], rows: int = 1) -> float:
+    """Makes the pinned aliases of stored KV chunks (each ``[L, 2, C, Hkv, hd]`` in host memory),
+    ``rows`` layers each (:func:`copy_group_layers`), now, so that a later request reusing them pays
+    no alias making inside its TTFT (62 chunks x 48 layers x ~0.4 ms = ~1.2 s at 16k tokens
+    otherwise). The engine calls it for the chunks a prefill stores when prefix loads run on this
+    driver. Returns the seconds spent."""
     t0 = time.perf_counter()
     for c in chunks:
         if memory.memory_kind(c) in ("pinned_host", "unpinned_host"):
-            _chunk_pieces(c, eager=True)
+            _chunk_pieces(c, eager=True, rows=rows)
     return time.perf_counter() - t0
 
 
 class PrefixLayerSource:
     """Per-layer pieces of a reused prefix: ``n`` stored chunks, each ``[L, 2, C, Hkv, hd]`` in host
-    memory (``ftjax.kv.host_store``); :meth:`put` copies layer l's rows of every chunk to the device
-    (n arrays ``[2, C, Hkv, hd]``), written into the cache by the KV hook (``variant`` "xs")."""
+    memory (``ftjax.kv.host_store``); :meth:`put` copies the rows of every chunk for a group of
+    ``rows`` consecutive layers (:func:`copy_group_layers`) to the device (n arrays
+    ``[rows, 2, C, Hkv, hd]``); the layer program picks its own row, and the KV hook writes it into
+    the cache (``variant`` "xs"). prefetch: a put of group g also issues group g+1's, so that its
+    copy runs while group g computes (the overlapped driver); at most two groups are held."""
 
-    def __init__(self, chunks: Sequence[jax.Array]):
+    def __init__(self, chunks: Sequence[jax.Array], rows: int = 1, prefetch: bool = False):
         self.chunks = tuple(chunks)  # keeps the viewed chunks alive: the cached pieces do not
         # The copies read the chunks' bytes through views and aliases that do not wait for the work
         # writing them (host_view): a chunk stored by an earlier request is normally long written
         # (then this costs nothing), one still being copied to host memory must be waited for here.
         jax.block_until_ready(self.chunks)
-        self._pieces = [_chunk_pieces(c) for c in self.chunks]  # padding repeats the last chunk: same pieces
+        self.rows, self.prefetch = rows, prefetch
+        num_layers = self.chunks[0].shape[0] if self.chunks else 0
+        if num_layers % rows:
+            raise ValueError(f"prefix copy groups of {rows} layers do not divide the chunks' {num_layers} layers")
+        self.num_groups = num_layers // rows
+        # padding repeats the last chunk: same pieces
+        self._pieces = [_chunk_pieces(c, rows=rows) for c in self.chunks]
+        self._singles = self._pieces if rows == 1 else None  # per-layer pieces, made if host_pieces asks
+        self._groups: dict[int, tuple] = {}
+
+    def _put_group(self, g: int) -> tuple:
+        with jax.named_scope("kv_prefix_load"):
+            return tuple(jax.device_put([p.pieces(g)[0] for p in self._pieces], memory.device_sharding()))
 
     def put(self, layer: int) -> tuple:
-        with jax.named_scope("kv_prefix_load"):
-            return tuple(jax.device_put([p.pieces(layer)[0] for p in self._pieces], memory.device_sharding()))
+        """The device copies of layer ``layer``'s group (n arrays [rows, 2, C, Hkv, hd]): put now
+        unless already put, with the next group's put issued after it under ``prefetch``."""
+        g = layer // self.rows
+        if g not in self._groups:
+            self._groups[g] = self._put_group(g)
+        if self.prefetch and g + 1 < self.num_groups and g + 1 not in self._groups:
+            self._groups[g + 1] = self._put_group(g + 1)
+        for old in [k for k in self._groups if k < g]:  # done with: its device memory goes
+            del self._groups[old]
+        return self._groups[g]
 
     def host_pieces(self, layer: int) -> tuple:
         """Layer ``layer``'s rows of every chunk as JAX arrays in host memory ([1, 2, C, Hkv, hd]
@@ -489,8 +525,10 @@ class PrefixLayerSource:
         memory without keeping the chunks alive: the chunks must outlive the programs that read
         them (this source holds them during :func:`run`; the store pins a request's hit chunks
         until it finishes)."""
+        if self._singles is None:
+            self._singles = [_chunk_pieces(c) for c in self.chunks]
         return tuple(p if isinstance(p, jax.Array) else jax.device_put(p, memory.host_sharding())
-                     for p in (c.pieces(layer)[0] for c in self._pieces))
+                     for p in (c.pieces(layer)[0] for c in self._singles))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -528,13 +566,21 @@ def _hook(opts: LayerOptions) -> LayerwiseKV | None:
     return LayerwiseKV((), "xs", kv.store_chunks, kv.chunk_tokens, store_to_host=False)
 
 
+def _group_row(x: jax.Array, layer: jax.Array) -> jax.Array:
+    """Layer ``layer``'s row of a prefix copy group ``x`` [G, ...] (groups start at multiples of G)."""
+    if x.shape[0] == 1:
+        return x[0]
+    return jax.lax.dynamic_index_in_dim(x, layer % x.shape[0], 0, keepdims=False)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "opts"), donate_argnames=("ck", "cv", "state"))
 def layer_program(params, banks, state, h, ck, cv, inputs, layer, expert_buffer, prefix_slices, next_prefix=(),
                   *, cfg, opts: LayerOptions):
     """One decoder layer as its own program: the family's layer function (``model.LAYER_FNS``) on
     layer ``layer`` (int32 []) of ``params["layers"]``. expert_buffer: the layer's E experts on the
-    device (streamed calls) or ``()``; prefix_slices: the layer's reused-prefix rows of each chunk
-    ([1, 2, C, Hkv, hd] each, on the device) or ``()``; next_prefix: the next layer's rows in host
+    device (streamed calls) or ``()``; prefix_slices: the reused-prefix rows of each chunk for the
+    layer's copy group ([G, 2, C, Hkv, hd] each, on the device; the layer's row is ``layer % G``)
+    or ``()``; next_prefix: the next layer's rows in host
     memory (``opts.prefix_next``) or ``()``, copied to the device by this program.
     Returns (h, ck, cv, state, stats, kv_out) as one scan iteration would, then the device copies
     of ``next_prefix`` (a tuple, empty without it)."""
@@ -545,7 +591,7 @@ def layer_program(params, banks, state, h, ck, cv, inputs, layer, expert_buffer,
     # copies of pinned_alias arrays arrive as unsigned integers of the same width: bitcast back (free)
     expert_buffer = _as_dtypes(expert_buffer, (banks.gate_up.dtype, banks.down.dtype)
                                + tuple(x.dtype for x in banks.scales or ()))
-    prefix_slices = tuple(x[0] for x in _as_dtypes(prefix_slices, [ck.dtype] * len(prefix_slices)))
+    prefix_slices = tuple(_group_row(x, layer) for x in _as_dtypes(prefix_slices, [ck.dtype] * len(prefix_slices)))
     with jax.default_matmul_precision(step.precision), model_lib.dot_rows(step.min_dot_rows):
         if step.stream:
             expert_fn = offload.make_layer_buffer_expert_fn(cfg.num_experts, expert_buffer, banks.fmt, opts.d2d)
@@ -590,10 +636,11 @@ def _device_spec(x) -> jax.ShapeDtypeStruct:
 def precompile(compiled: Callable, params, banks, state, cache: model_lib.KVCache, tokens: jax.Array,
                start: jax.Array, valid_len: jax.Array, *, cfg, step, all_logits: bool,
                experts: ExpertLayerSource | None = None, prefix_spec: Sequence[jax.ShapeDtypeStruct] = (),
-               d2d: bool = False, overlap: bool = True, prefix_copy: str = "put") -> None:
+               d2d: bool = False, overlap: bool = True, prefix_copy: str = "put", prefix_rows: int = 1) -> None:
     """Compiles the embed, layer and head programs that :func:`run` will call with these arguments
     (nothing runs, nothing is donated). prefix_spec: shapes of the reused prefix's chunks
     ([L, 2, C, Hkv, hd] each), or () without a prefix. d2d, overlap, prefix_copy: as :func:`run`;
+    prefix_rows: layers per prefix copy group (``PrefixLayerSource.rows``; 1 with "in_program");
     with d2d also the device-to-device programs, and the block pieces of the slot table as it is
     now (one small device-to-host read of the table).
     Raises:
@@ -604,7 +651,8 @@ def precompile(compiled: Callable, params, banks, state, cache: model_lib.KVCach
     h, inputs = jax.tree.map(_device_spec, jax.eval_shape(model_lib.embed_inputs, params, tokens, start, valid_len))
     buffer = experts.spec() if experts is not None else ()
     alias = memory.backend() == "gpu"  # host prefix chunks arrive as pinned aliases there (uint dtypes)
-    slices = tuple(jax.ShapeDtypeStruct((1,) + tuple(c.shape[1:]), _UINT[np.dtype(c.dtype).itemsize] if alias
+    rows = 1 if opts.prefix_next else prefix_rows
+    slices = tuple(jax.ShapeDtypeStruct((rows,) + tuple(c.shape[1:]), _UINT[np.dtype(c.dtype).itemsize] if alias
                                         else c.dtype, sharding=memory.device_sharding()) for c in prefix_spec)
     layer = jax.ShapeDtypeStruct((), jnp.int32, sharding=memory.device_sharding())
     args = (params, banks, state, h, cache.k, cache.v, inputs, layer, buffer, slices, ())

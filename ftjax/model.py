@@ -266,13 +266,14 @@ def project(x: jax.Array, w: jax.Array) -> jax.Array:
     A batch-1 decode step has one row. The H200 profile (experiments/profile_step.py, issue 13)
     showed XLA lowering those [1, K] x [K, N] products of the layer scan to multiply and reduce
     fusions at ~20% of the HBM bandwidth, while the same products with 4 rows (batch 4) ran as
-    GEMMs in less than half the time of the one row. So fewer than :func:`min_dot_rows` rows (the
-    rows of an enclosing :func:`dot_rows`, where a step sets them) are padded with zero rows behind
-    an optimization barrier (XLA would otherwise see through the padding); each row's result is
-    the same product, and the padding reads no extra weights. Measured there (resident batch-1
-    decode, 48 layers): the attention scope went from 3.67 to 1.63 ms per step and the step from
-    8.87 to 7.35 ms, although the barrier adds a small copy per projection (~1.1 ms per step of
-    ``memcpy`` kernels; a barrier on the output too cost more).
+    GEMMs in less than half the time of the one row (XLA's ``dot-strength-reduction`` pass turns a
+    matrix-vector product with (N + 1) * K < 10M into multiply + reduce). So fewer than
+    :func:`min_dot_rows` rows (the rows of an enclosing :func:`dot_rows`, where a step sets them)
+    are padded with zero rows and sliced back; each row's result is the same product, and the
+    padding reads no extra weights. A/B in one H200 session (resident batch-1 decode, 48 layers,
+    ``experiments/ab_project.py``): step 8.74 ms plain, 7.88 ms with that pass disabled, 7.84 ms
+    padded behind an optimization barrier (the first version: one small ``memcpy`` per
+    projection), **7.37 ms padded without it** (XLA does not fold the padding back here).
     """
     m = _DOT_ROWS.get()
     if m is None:
@@ -280,8 +281,7 @@ def project(x: jax.Array, w: jax.Array) -> jax.Array:
     rows = math.prod(x.shape[:-1])  # not x.size // K: K may be 0 (then x @ w is zeros)
     if rows >= m:
         return x @ w
-    flat = x.reshape(rows, x.shape[-1])
-    padded = jax.lax.optimization_barrier(jnp.pad(flat, ((0, m - rows), (0, 0))))
+    padded = jnp.pad(x.reshape(rows, x.shape[-1]), ((0, m - rows), (0, 0)))
     return (padded @ w)[:rows].reshape(*x.shape[:-1], w.shape[-1])
 
 

@@ -145,27 +145,30 @@ def test_bench_kv_reuse_smoke(tmp_path):
     d = _run("bench_kv_reuse", tmp_path, "--preset=tiny", "--dtype=float32", "--prefix_tokens=192",
              "--suffix_tokens=64", "--chunk_tokens=32", "--prefill_chunk=128", "--expert_slots=32",
              "--kv_host_gb=0.1", "--h2d_mb=16", "--loads=prefetch,xs,all_first,pipelined",
-             "--prefix_copies=put,in_program")
+             "--prefix_copies=put,in_program", "--prefix_copy_layers=1,2")
     assert _meta(d)["device"] and _meta(d)["jax"]
     assert d["loads_skipped"] == {} and d["probes"]["pipelined"]["ok"] and d["probes"]["pipelined_in_program"]["ok"]
     assert d["chunk_bytes"] == d["chunk_kv_bytes"] == 4 * 2 * 32 * 2 * 32 * 4 and d["chunk_state_bytes"] == 0
     for r in d["results"]:
         assert "error" not in r, r
         assert r["store_request"]["chunks_stored"] == 192 // 32
-        assert r["loads_measured"] == ["prefetch", "xs", "all_first", "pipelined", "pipelined_in_program"]
+        assert r["loads_measured"] == ["prefetch", "xs", "all_first", "pipelined", "pipelined_g2",
+                                       "pipelined_in_program"]
         assert r["pipelined"]["prefix_copy"] == "put" and r["pipelined_in_program"]["prefix_copy"] == "in_program"
         # each copy ran on an engine of its own, whose config the row records
-        for load, copy in (("pipelined", "put"), ("pipelined_in_program", "in_program")):
+        for load, copy, rows in (("pipelined", "put", 1), ("pipelined_g2", "put", 2),
+                                 ("pipelined_in_program", "in_program", 1)):
             assert r[load]["engine"]["prefix_copy"] == copy and r[load]["engine"]["prefill_driver"] == "pipelined"
+            assert r[load]["prefix_copy_layers"] == r[load]["engine"]["prefix_copy_layers_resolved"] == rows
         for load in r["loads_measured"]:
             assert r[load]["reused_tokens"] == 192 and r[load]["hit_chunks"] == 192 // 32
             assert r[load]["bytes_loaded"] == 6 * d["chunk_bytes"]
             assert r[load]["first_token_equals_recompute"] and r[load]["check_reused_tokens"] == 192
         # the layer-pipelined driver ran the pipelined load's calls (one per request), the scan the others'
-        for load in ("pipelined", "pipelined_in_program"):
+        for load in ("pipelined", "pipelined_g2", "pipelined_in_program"):
             assert r[load]["driver_calls"] == {"scan": 0, "pipelined": 3}
         assert r["prefetch"]["driver_calls"] == {"scan": 3, "pipelined": 0}
-        for load in ("pipelined", "pipelined_in_program"):
+        for load in ("pipelined", "pipelined_g2", "pipelined_in_program"):
             assert isinstance(r[load]["hidden_fraction"], float) and r[load]["speedup_vs_recompute"] > 0
 
 

@@ -254,7 +254,7 @@ def test_model_with_interpreted_kernels_matches_xla_and_cached_is_bit_identical(
 @pytest.mark.parametrize("shape", [(1, 1, 48), (2, 1, 48), (1, 3, 48), (5, 48)])
 def test_project_pads_few_rows_to_the_same_product(shape, monkeypatch):
     """``model.project``: with fewer rows than FTJAX_MIN_DOT_ROWS the rows are padded (behind
-    optimization barriers) and sliced back: same shape and values as ``x @ w``."""
+    ``pad`` ops) and sliced back: same shape and values as ``x @ w``."""
     from ftjax import model as model_lib
 
     rng = np.random.default_rng(0)
@@ -271,9 +271,9 @@ def test_project_pads_few_rows_to_the_same_product(shape, monkeypatch):
 
     text = lowered()
     padded = np.prod(shape[:-1]) < 4
-    assert ("optimization_barrier" in text) == padded  # padded exactly when there are fewer rows than 4
+    assert ("stablehlo.pad" in text) == padded  # padded exactly when there are fewer rows than 4
     monkeypatch.setenv(model_lib.MIN_DOT_ROWS_ENV, "0")
-    assert "optimization_barrier" not in lowered()
+    assert "stablehlo.pad" not in lowered()
     np.testing.assert_array_equal(np.asarray(model_lib.project(x, w)), want)
 
 
@@ -294,7 +294,7 @@ def test_min_dot_rows_keys_the_engines_programs(driver, monkeypatch):
     ``StepOptions.min_dot_rows``), padded as the variable now says, instead of reusing the
     programs traced under the old value (jax's trace cache keys on static arguments, not on the
     environment); set back, the first programs are reused. The CPU's compiled HLO shows the
-    padding as ``pad`` ops (its optimization barriers are gone by then). The padding changes no
+    padding as ``pad`` ops. The padding changes no
     logit."""
     from ftjax import engine as engine_lib
     from ftjax import model as model_lib

@@ -102,6 +102,58 @@ def test_pipelined_prefix_reuse_equals_scan(route, copy, monkeypatch):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("copy_layers,overlap", [(2, True), (4, True), (3, True), (2, False)])
+def test_grouped_prefix_puts_equal_scan(copy_layers, overlap, monkeypatch):
+    """``EngineConfig.prefix_copy_layers``: one put moves the prefix rows of a group of layers (the
+    largest divisor of L = 4 not above the value: 3 -> 2), a group ahead with overlap; the logits
+    and the chunks stored equal the scan driver's; each group is put once, as arrays
+    [G, 2, C, Hkv, hd]."""
+    from ftjax.checkpoint import random_model
+    from ftjax.config import preset
+
+    model = random_model(preset("tiny"), "float32")
+    cfg = model.cfg
+    assert cfg.num_layers == 4
+    groups = []
+    real = layer_pipeline.PrefixLayerSource._put_group
+
+    def spy(self, g):
+        out = real(self, g)
+        groups.append((g, out[0].shape[0]))
+        return out
+
+    monkeypatch.setattr(layer_pipeline.PrefixLayerSource, "_put_group", spy)
+    prompt = np.random.default_rng(1).integers(0, cfg.vocab_size, 90).tolist()
+    runs = {}
+    for driver in ("scan", "pipelined"):
+        mgr = PrefixCache(HostKVStore(1 << 26), KVOffloadConfig(chunk_tokens=C))
+        eng = Engine(model, EngineConfig("resident", max_seq_len=S, prefill_driver=driver, prefill_overlap=overlap,
+                                         prefix_copy_layers=copy_layers))
+        eng.generate([prompt[:64]], 1, kv_manager=mgr)
+        groups.clear()
+        res = eng.generate([prompt], 3, keep_logits=True, kv_manager=mgr)
+        assert res.kv["reused_tokens"] == 64
+        keys = [k for k in mgr.keys(eng, prompt) if k in mgr.store]
+        runs[driver] = (res.step_logits, [np.asarray(a) for a in mgr.store.get(keys)], list(groups))
+    g = 2 if copy_layers in (2, 3) else 4
+    assert eng.prefix_copy_rows() == g and eng.describe()["prefix_copy_layers_resolved"] == g
+    np.testing.assert_array_equal(runs["pipelined"][0], runs["scan"][0])
+    assert len(runs["pipelined"][1]) == len(runs["scan"][1]) == 5
+    for a, b in zip(runs["pipelined"][1], runs["scan"][1]):
+        np.testing.assert_array_equal(a, b)
+    assert runs["scan"][2] == []  # the scan copies inside its program
+    assert runs["pipelined"][2] == [(i, g) for i in range(cfg.num_layers // g)]  # each group once, in order
+
+
+def test_copy_group_layers():
+    assert [layer_pipeline.copy_group_layers(48, n) for n in (1, 4, 5, 7, 8, 100)] == [1, 4, 4, 6, 8, 48]
+    assert layer_pipeline.copy_group_layers(3, 2) == 1
+    with pytest.raises(ValueError, match="prefix_copy_layers must be >= 1, got 0"):
+        layer_pipeline.copy_group_layers(48, 0)
+    with pytest.raises(ValueError, match="prefix_copy_layers must be an integer >= 1, got 0"):
+        EngineConfig(prefix_copy_layers=0)
+
+
 def test_prefix_copy_setting():
     """``EngineConfig.prefix_copy``: "put" by default; another value than put / in_program is
     refused when the config is made, naming the field; the driver copies in its programs only for

@@ -110,9 +110,9 @@ flags.DEFINE_list("loads", ["prefetch", "xs", "all_first"], f"Prefix loads to co
 flags.DEFINE_list("prefix_copies", ["put"], "How the 'pipelined' load copies each layer's prefix slices "
                   f"(EngineConfig.prefix_copy, one engine and run of the load per value): {', '.join(PREFIX_COPIES)}; "
                   "rows 'pipelined' (put) and 'pipelined_<copy>'.")
-flags.DEFINE_list("prefix_copy_layers", ["1"], "With the put copy: layers of prefix rows per device_put "
-                  "(EngineConfig.prefix_copy_layers), one engine and run per value; rows 'pipelined' (1) and "
-                  "'pipelined_g<n>'.")
+flags.DEFINE_list("prefix_copy_layers", ["4"], "With the put copy: layers of prefix rows per device_put "
+                  "(EngineConfig.prefix_copy_layers; default 4 as the engine's), one engine and run per value; rows "
+                  "'pipelined' (1) and 'pipelined_g<n>'.")
 flags.DEFINE_enum("prefill_driver", "auto", list(PREFILL_DRIVERS), "EngineConfig.prefill_driver of the runs "
                   "(recompute and the loads other than 'pipelined', which always runs on the pipelined driver).")
 flags.DEFINE_integer("prefix_tokens", 15872, "Tokens stored by the earlier request (a multiple of chunk_tokens).")

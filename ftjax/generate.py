@@ -92,7 +92,7 @@ flags.DEFINE_enum("prefix_copy", "put", list(PREFIX_COPIES),
                   "(--kv_offload): put = one device_put of the layer's chunk slices from Python before each layer's "
                   "program; in_program = each layer's program copies the next layer's slices itself "
                   "(EngineConfig.prefix_copy; docs/OVERLAP.md).")
-flags.DEFINE_integer("prefix_copy_layers", 1, "With --prefix_copy=put: layers whose prefix rows one device_put moves, "
+flags.DEFINE_integer("prefix_copy_layers", 4, "With --prefix_copy=put: layers whose prefix rows one device_put moves, "
                      "a group ahead (the largest divisor of the layer count not above it; "
                      "EngineConfig.prefix_copy_layers).", lower_bound=1)
 flags.DEFINE_string("prompts_file", None, "JSON lines, each {\"prompt_ids\": [...]} or {\"prompt\": \"...\"}: "

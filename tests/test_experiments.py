@@ -241,9 +241,9 @@ def test_bench_kv_reuse_writes_partial_rows_and_survives_a_failed_pipelined_engi
                         (["recompute", "prefetch", "load_errors"], partial)]
     assert seen[3:] and all(x == (list(loads), None) for x in seen[3:]), seen  # pipelined last, then the mode's row
     (r,) = json.loads((tmp_path / "bench_kv_reuse_tiny.json").read_text())["results"]
-    assert r["load_errors"] == {"pipelined": "RuntimeError: no pipelined engine here"} and "partial" not in r
+    assert r["load_errors"] == {"pipelined_g4": "RuntimeError: no pipelined engine here"} and "partial" not in r
     assert r["prefetch"]["reused_tokens"] == 192 and r["prefetch"]["first_token_equals_recompute"]
-    assert r["prefetch"]["speedup_vs_recompute"] > 0 and r["compile_s"] > 0 and "pipelined" not in r
+    assert r["prefetch"]["speedup_vs_recompute"] > 0 and r["compile_s"] > 0 and "pipelined_g4" not in r
 
 
 def test_bench_miss_policy_smoke(tmp_path):

@@ -673,8 +673,9 @@ def plan_engine(model: LoadedModel, budget_bytes: int, prompts: Sequence[Sequenc
     cached) or an experts mode to keep. Returns (EngineConfig for the run, MemoryPlan).
 
     Raises:
-      ValueError: the budget leaves fewer than E slots (the message gives the minimum budget), or
-        fewer than the 2E that ``prefill="stream"`` needs.
+      ValueError: the budget leaves fewer than E slots (the message gives the minimum budget),
+        fewer than the 2E that ``prefill="stream"`` needs, or, with ``mode="resident"``, fewer
+        than the whole pool (the message gives the budget it needs).
     """
     from ftjax.checkpoint import DTYPES
     from ftjax.experts.planner import plan_memory
@@ -690,6 +691,12 @@ def plan_engine(model: LoadedModel, budget_bytes: int, prompts: Sequence[Sequenc
                        pipelined=config.pipelines_streams(cfg) and config.prefill != "on_demand")
     if mode == "auto":
         mode = "resident" if plan.fits_resident else "cached"
+    if mode == "resident" and not plan.fits_resident:
+        need = plan.planned_bytes - plan.layer_gather_bytes + (plan.pool_slots - plan.slots) * plan.expert_bytes
+        raise ValueError(f"experts mode 'resident' keeps all {plan.pool_slots} experts "
+                         f"({plan.pool_slots * plan.expert_bytes / 1e9:.3f} GB) on the device, but a budget of "
+                         f"{budget_bytes / 1e9:.3f} GB leaves room for {plan.slots}; give at least "
+                         f"{need / 1e9:.3f} GB, or experts mode 'cached' or 'auto'")
     if mode == "resident":  # every expert on the device: nothing to stream
         return dataclasses.replace(config, experts=mode, num_slots=None,
                                    prefill="auto" if config.prefill == "stream" else config.prefill), plan

@@ -89,9 +89,9 @@ flags.DEFINE_boolean("stream_d2d_hits", True, "A streamed prefill layer on the p
                      "--nostream_d2d_hits copies every expert over PCIe.")
 flags.DEFINE_enum("prefix_copy", "put", list(PREFIX_COPIES),
                   "How a prefill call on the pipelined driver copies a reused prefix's next layer to the device "
-                  "(--kv_offload): put = one device_put of the layer's chunk slices from Python before each layer's "
-                  "program; in_program = each layer's program copies the next layer's slices itself "
-                  "(EngineConfig.prefix_copy; docs/OVERLAP.md).")
+                  "(--kv_offload): put = one device_put from Python of the chunks' rows of --prefix_copy_layers "
+                  "layers, a group ahead; in_program = each layer's program copies the next layer's slices itself "
+                  "(slower on the H200) (EngineConfig.prefix_copy; docs/OVERLAP.md).")
 flags.DEFINE_integer("prefix_copy_layers", 4, "With --prefix_copy=put: layers whose prefix rows one device_put moves, "
                      "a group ahead (the largest divisor of the layer count not above it; "
                      "EngineConfig.prefix_copy_layers).", lower_bound=1)
@@ -250,7 +250,10 @@ def _run_metrics(model, engine, plan) -> dict:
     return {"model": model.name, "config": model.cfg.identity(), "dtype": model.dtype,
             "experts": {"format": model.banks.fmt, "expert_dtype": FLAGS.expert_dtype,
                         "storage_dtype": str(model.banks.gate_up.dtype), "expert_bytes": model.expert_bytes},
-            "experts_mode": engine.mode, "engine": engine.describe(), "memory_plan": plan.as_dict() if plan else None,
+            "experts_mode": engine.mode, "engine": engine.describe(),
+            # what "auto" chose: prefill calls run by each driver (the prefix copy settings apply to pipelined ones)
+            "prefill_driver_calls": dict(engine.prefill_driver_calls),
+            "memory_plan": plan.as_dict() if plan else None,
             "expert_cache": engine.expert_cache_metrics(), "meta": run_meta(),
             "flags": {f.name: f.value for f in FLAGS.get_key_flags_for_module(sys.modules[__name__])}}
 

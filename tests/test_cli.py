@@ -41,6 +41,7 @@ def test_generate_fixture_writes_metrics_and_logits(tmp_path):
     assert got.dtype == np.float32 and got.shape == (16, 384)
     assert np.abs(got - exp["short_step_logits"]).max() < 1e-3
     assert "memory plan" in r.stdout and "TTFT" in r.stdout
+    assert m["prefill_driver_calls"] == {"scan": 1, "pipelined": 0}  # "auto" on the CPU: the scan
 
 
 def test_generate_text_prompt_prints_text():

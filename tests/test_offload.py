@@ -281,3 +281,11 @@ def test_plan_for_a_budget_that_fits_everything_is_resident_even_with_prefill_st
     small, plan2 = plan_engine(model, budget, [exp["short_prompt_ids"].tolist()],
                                dataclasses.replace(base, prefill="auto"))
     assert small.experts == "cached" and small.num_slots == 10 and plan2.slots == 10
+    # resident asked for with a budget that holds 10 of the pool's experts: refused, naming the budget it needs
+    need = (plan2.planned_bytes - plan2.layer_gather_bytes + (plan2.pool_slots - 10) * plan2.expert_bytes) / 1e9
+    with pytest.raises(ValueError, match=rf"experts mode 'resident' keeps all {plan2.pool_slots} experts .* "
+                                         rf"leaves room for 10; give at least {need:.3f} GB"):
+        plan_engine(model, budget, [exp["short_prompt_ids"].tolist()], dataclasses.replace(base, prefill="auto"),
+                    mode="resident")
+    full, _ = plan_engine(model, 10**10, [exp["short_prompt_ids"].tolist()], base, mode="resident")
+    assert full.experts == "resident"

@@ -145,6 +145,51 @@ def test_grouped_prefix_puts_equal_scan(copy_layers, overlap, monkeypatch):
     assert runs["pipelined"][2] == [(i, g) for i in range(cfg.num_layers // g)]  # each group once, in order
 
 
+def test_grouped_prefix_puts_hold_at_most_two_groups(monkeypatch):
+    """With overlap, group g+1's put is issued once group g has started (a group ahead: it copies
+    while group g computes), not while the last layer of group g-1 still waits for its dispatch:
+    at most two groups' device copies exist at any put (PrefixLayerSource's docstring,
+    docs/OVERLAP.md). 6 layers in groups of 2: three groups, so a third one would show. The logits
+    stay the scan's."""
+    import dataclasses
+    import weakref
+
+    from ftjax.checkpoint import random_model
+    from ftjax.config import preset
+
+    model = random_model(dataclasses.replace(preset("tiny"), num_layers=6), "float32")
+    cfg = model.cfg
+    events, alive = [], []
+    real_put, real_index = layer_pipeline.PrefixLayerSource._put_group, layer_pipeline._layer_index
+
+    def put_spy(self, g):
+        out = real_put(self, g)
+        alive.append(weakref.ref(out[0]))
+        events.append(("put", g, sum(r() is not None for r in alive)))
+        return out
+
+    prompt = np.random.default_rng(2).integers(0, cfg.vocab_size, 90).tolist()
+    logits = {}
+    for driver in ("scan", "pipelined"):
+        mgr = PrefixCache(HostKVStore(1 << 26), KVOffloadConfig(chunk_tokens=C))
+        eng = Engine(model, EngineConfig("resident", max_seq_len=S, prefill_driver=driver, prefix_copy_layers=2))
+        eng.generate([prompt[:64]], 1, kv_manager=mgr)
+        cache = eng.new_cache(1)
+        req = eng.prepare_prefill([prompt], cache, mgr)
+        with monkeypatch.context() as m:
+            m.setattr(layer_pipeline.PrefixLayerSource, "_put_group", put_spy)
+            m.setattr(layer_pipeline, "_layer_index", lambda l: events.append(("layer", l)) or real_index(l))
+            logits[driver] = np.asarray(eng.prefill([prompt], cache, kv_manager=mgr, request=req)[0])
+        assert req.reused_tokens == 64
+    np.testing.assert_array_equal(logits["pipelined"], logits["scan"])
+    assert eng.prefix_copy_rows() == 2
+    puts = [e for e in events if e[0] == "put"]
+    assert [g for _, g, _ in puts] == [0, 1, 2]  # each group once, in order
+    assert max(n for _, _, n in puts) <= 2, events  # never three groups on the device
+    order = [e[:2] for e in events]
+    for g in (1, 2):  # still a group ahead: put before the first layer of the group before it runs
+        assert order.index(("put", g)) < order.index(("layer", 2 * (g - 1))), events
+
 def test_copy_group_layers():
     assert [layer_pipeline.copy_group_layers(48, n) for n in (1, 4, 5, 7, 8, 100)] == [1, 4, 4, 6, 8, 48]
     assert layer_pipeline.copy_group_layers(3, 2) == 1

@@ -254,7 +254,7 @@ def test_driver_choice(monkeypatch):
     auto = Engine(model, EngineConfig("cached", num_slots=2 * e))
     # on the CPU, auto keeps the scan (there is nothing to overlap); on a GPU it pipelines host copies
     assert auto.pipelines(True, ()) == (memory.backend() == "gpu")
-    # a prefix-only call stays on the scan under auto (engine.PIPELINE_PREFIX: measured slower on the H200)
+    # a prefix-only call pipelines under auto on a GPU only with engine.PIPELINE_PREFIX (grouped puts, docs/OVERLAP.md)
     assert auto.pipelines(False, (host,)) == (memory.backend() == "gpu" and engine_lib.PIPELINE_PREFIX)
     resident = Engine(model, EngineConfig("resident"))
     on_demand = Engine(model, EngineConfig("cached", num_slots=2 * e, prefill="on_demand"))
@@ -351,7 +351,7 @@ def test_prefix_chunk_pieces_die_with_their_chunk():
     chunk = jax.device_put(jnp.ones((4, 2, C, 2, 8)), memory.host_sharding())
     src = layer_pipeline.PrefixLayerSource([chunk, chunk])
     np.testing.assert_array_equal(np.asarray(src.put(3)[0]), np.ones((1, 2, C, 2, 8)))
-    key = id(chunk)
+    key = (id(chunk), 1)  # (chunk, layers per piece)
     assert key in layer_pipeline._CHUNK_PIECES
     del src, chunk
     gc.collect()
@@ -374,12 +374,13 @@ def test_stored_chunks_get_their_layer_pieces_when_prefix_loads_pipeline():
         eng.generate([prompt], 1, kv_manager=mgr)
         stored = [mgr.store.peek(k) for k in mgr.keys(eng, prompt)]
         assert len(stored) == 4 and all(a is not None for a in stored)
-        entries = [layer_pipeline._CHUNK_PIECES.get(id(a)) for a in stored]
+        g = eng.prefix_copy_rows()  # the pieces are those of the engine's copy groups
+        entries = [layer_pipeline._CHUNK_PIECES.get((id(a), g)) for a in stored]
         if driver == "pipelined":
             assert mgr.requests[-1]["prepare_s"] > 0
             for a, entry_ in zip(stored, entries):
                 assert entry_ is not None and entry_[0]() is a
-                assert sorted(entry_[1]._alias) == [(0, l) for l in range(cfg.num_layers)]
+                assert sorted(entry_[1]._alias) == [(0, i) for i in range(cfg.num_layers // g)]
         else:
             assert mgr.requests[-1]["prepare_s"] == 0 and entries == [None] * 4
 
@@ -516,12 +517,12 @@ def test_prefix_and_expert_copies_wait_for_arrays_still_being_written():
 
 
 def test_a_dead_chunks_finalizer_leaves_a_new_chunk_with_its_id_alone():
-    """_CHUNK_PIECES is keyed by id(chunk): a finalizer drops only the entry it was made for, never
+    """_CHUNK_PIECES is keyed by (id(chunk), rows): a finalizer drops only the entry it was made for, never
     the entry of a later chunk that got the same id."""
     import weakref
     chunk = jax.device_put(jnp.ones((2, 2, C, 2, 8)), memory.host_sharding())
     pieces = layer_pipeline._chunk_pieces(chunk)
-    key = id(chunk)
+    key = (id(chunk), 1)
     stale = weakref.ref(_Weak())  # a reference of another (dead) object, as a dead chunk's finalizer holds
     layer_pipeline._drop_chunk_pieces(key, stale)
     assert layer_pipeline._CHUNK_PIECES[key][1] is pieces and layer_pipeline._chunk_pieces(chunk) is pieces
@@ -604,7 +605,7 @@ def test_a_failing_chunk_preparation_does_not_fail_the_request(monkeypatch):
     mgr = PrefixCache(HostKVStore(100 * entry), KVOffloadConfig(chunk_tokens=C))
     eng = Engine(model, EngineConfig("resident", max_seq_len=S, prefill_driver="pipelined"))
 
-    def broken(chunks):
+    def broken(chunks, rows=1):
         raise RuntimeError("no aliases today")
 
     monkeypatch.setattr(layer_pipeline, "warm_prefix_chunks", broken)

@@ -747,7 +747,14 @@ def run(compiled: Callable, params, banks, state, cache: model_lib.KVCache, toke
             # it would wait for layer l and hide nothing (measured: docs/OVERLAP.md).
             nxt = copies(l + 1)
         args = (params, banks, state, h, ck, cv, inputs, _layer_index(l), *cur, next_host)
-        h, ck, cv, state, st, kv, copied = layer_exe(args)(*args)
+        try:
+            out = layer_exe(args)(*args)
+        except TypeError:
+            # The argument types differ from the structure's program: a piece whose pinned alias
+            # could not be made (path "mixed") arrives in its real dtype, not the unsigned one.
+            # The check fails before anything runs or is donated: take the program of these types.
+            out = compiled(layer_program, args, cfg=cfg, opts=opts)(*args)
+        h, ck, cv, state, st, kv, copied = out
         stats.append(st)
         kv_outs.append(kv)
         spare = cur[0] if experts is not None else None

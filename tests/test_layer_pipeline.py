@@ -190,6 +190,47 @@ def test_grouped_prefix_puts_hold_at_most_two_groups(monkeypatch):
     for g in (1, 2):  # still a group ahead: put before the first layer of the group before it runs
         assert order.index(("put", g)) < order.index(("layer", 2 * (g - 1))), events
 
+def test_a_prefix_group_whose_alias_fell_back_runs_its_own_program(monkeypatch):
+    """A pinned alias arrives on the device as unsigned integers; a piece whose alias could not be
+    made (``pinned_alias`` None: the numpy view, path "mixed") arrives in its real dtype. The
+    driver looks the layer program up once per argument structure (the lengths of the argument
+    groups), so a later group with the other dtypes was handed the first group's program, which
+    refused its arguments (TypeError) and failed the request. Simulated on the CPU: the aliases
+    of each chunk's first group work, the others fall back. The logits stay the scan's."""
+    from ftjax.checkpoint import random_model
+    from ftjax.config import preset
+
+    model = random_model(preset("tiny"), "float32")
+    starts, real_view = set(), layer_pipeline.host_view
+
+    def view_spy(x):
+        view = real_view(x)
+        starts.add(view.ctypes.data)
+        return view
+
+    def alias(view):  # a host array of the unsigned dtype over the bytes, as a GPU alias is
+        if view.ctypes.data not in starts:
+            return None
+        return jax.device_put(np.ascontiguousarray(view).view(layer_pipeline._UINT[view.dtype.itemsize]),
+                              memory.host_sharding())
+
+    prompt = np.random.default_rng(3).integers(0, model.cfg.vocab_size, 90).tolist()
+    logits = {}
+    for driver in ("scan", "pipelined"):
+        mgr = PrefixCache(HostKVStore(1 << 26), KVOffloadConfig(chunk_tokens=C))
+        eng = Engine(model, EngineConfig("resident", max_seq_len=S, prefill_driver=driver, prefix_copy_layers=2))
+        with monkeypatch.context() as m:
+            m.setattr(layer_pipeline, "host_view", view_spy)
+            m.setattr(layer_pipeline, "pinned_alias", alias)
+            eng.generate([prompt[:64]], 1, kv_manager=mgr)
+            res = eng.generate([prompt], 3, keep_logits=True, kv_manager=mgr)
+        assert res.kv["reused_tokens"] == 64
+        logits[driver] = res.step_logits
+    paths = {e[1].path for e in layer_pipeline._CHUNK_PIECES.values() if e[1].rows == 2}
+    assert "mixed" in paths  # the situation simulated: aliases for some groups only
+    np.testing.assert_array_equal(logits["pipelined"], logits["scan"])
+
+
 def test_copy_group_layers():
     assert [layer_pipeline.copy_group_layers(48, n) for n in (1, 4, 5, 7, 8, 100)] == [1, 4, 4, 6, 8, 48]
     assert layer_pipeline.copy_group_layers(3, 2) == 1

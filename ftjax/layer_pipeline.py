@@ -481,8 +481,9 @@ class PrefixLayerSource:
     memory (``ftjax.kv.host_store``); :meth:`put` copies the rows of every chunk for a group of
     ``rows`` consecutive layers (:func:`copy_group_layers`) to the device (n arrays
     ``[rows, 2, C, Hkv, hd]``); the layer program picks its own row, and the KV hook writes it into
-    the cache (``variant`` "xs"). prefetch: a put of group g also issues group g+1's, so that its
-    copy runs while group g computes (the overlapped driver); at most two groups are held."""
+    the cache (``variant`` "xs"). prefetch: once group g has started, a put also issues group
+    g+1's, so that its copy runs while group g computes (the overlapped driver); at most two
+    groups are held (:meth:`put`)."""
 
     def __init__(self, chunks: Sequence[jax.Array], rows: int = 1, prefetch: bool = False):
         self.chunks = tuple(chunks)  # keeps the viewed chunks alive: the cached pieces do not
@@ -506,14 +507,18 @@ class PrefixLayerSource:
 
     def put(self, layer: int) -> tuple:
         """The device copies of layer ``layer``'s group (n arrays [rows, 2, C, Hkv, hd]): put now
-        unless already put, with the next group's put issued after it under ``prefetch``."""
+        unless already put. Under ``prefetch`` the next group's put is issued by the put of a
+        later layer than the first of group g: :func:`run` asks for layer l+1 before dispatching
+        layer l, so that is once group g has started and group g-1 is no longer held (issued on
+        the put of group g's first layer, it would be a third group on the device, beside group
+        g-1 that the last layer before it still reads)."""
         g = layer // self.rows
         if g not in self._groups:
             self._groups[g] = self._put_group(g)
-        if self.prefetch and g + 1 < self.num_groups and g + 1 not in self._groups:
-            self._groups[g + 1] = self._put_group(g + 1)
         for old in [k for k in self._groups if k < g]:  # done with: its device memory goes
             del self._groups[old]
+        if self.prefetch and layer % self.rows and g + 1 < self.num_groups and g + 1 not in self._groups:
+            self._groups[g + 1] = self._put_group(g + 1)
         return self._groups[g]
 
     def host_pieces(self, layer: int) -> tuple:
@@ -742,7 +747,14 @@ def run(compiled: Callable, params, banks, state, cache: model_lib.KVCache, toke
             # it would wait for layer l and hide nothing (measured: docs/OVERLAP.md).
             nxt = copies(l + 1)
         args = (params, banks, state, h, ck, cv, inputs, _layer_index(l), *cur, next_host)
-        h, ck, cv, state, st, kv, copied = layer_exe(args)(*args)
+        try:
+            out = layer_exe(args)(*args)
+        except TypeError:
+            # The argument types differ from the structure's program: a piece whose pinned alias
+            # could not be made (path "mixed") arrives in its real dtype, not the unsigned one.
+            # The check fails before anything runs or is donated: take the program of these types.
+            out = compiled(layer_program, args, cfg=cfg, opts=opts)(*args)
+        h, ck, cv, state, st, kv, copied = out
         stats.append(st)
         kv_outs.append(kv)
         spare = cur[0] if experts is not None else None

@@ -145,6 +145,92 @@ def test_grouped_prefix_puts_equal_scan(copy_layers, overlap, monkeypatch):
     assert runs["pipelined"][2] == [(i, g) for i in range(cfg.num_layers // g)]  # each group once, in order
 
 
+def test_grouped_prefix_puts_hold_at_most_two_groups(monkeypatch):
+    """With overlap, group g+1's put is issued once group g has started (a group ahead: it copies
+    while group g computes), not while the last layer of group g-1 still waits for its dispatch:
+    at most two groups' device copies exist at any put (PrefixLayerSource's docstring,
+    docs/OVERLAP.md). 6 layers in groups of 2: three groups, so a third one would show. The logits
+    stay the scan's."""
+    import dataclasses
+    import weakref
+
+    from ftjax.checkpoint import random_model
+    from ftjax.config import preset
+
+    model = random_model(dataclasses.replace(preset("tiny"), num_layers=6), "float32")
+    cfg = model.cfg
+    events, alive = [], []
+    real_put, real_index = layer_pipeline.PrefixLayerSource._put_group, layer_pipeline._layer_index
+
+    def put_spy(self, g):
+        out = real_put(self, g)
+        alive.append(weakref.ref(out[0]))
+        events.append(("put", g, sum(r() is not None for r in alive)))
+        return out
+
+    prompt = np.random.default_rng(2).integers(0, cfg.vocab_size, 90).tolist()
+    logits = {}
+    for driver in ("scan", "pipelined"):
+        mgr = PrefixCache(HostKVStore(1 << 26), KVOffloadConfig(chunk_tokens=C))
+        eng = Engine(model, EngineConfig("resident", max_seq_len=S, prefill_driver=driver, prefix_copy_layers=2))
+        eng.generate([prompt[:64]], 1, kv_manager=mgr)
+        cache = eng.new_cache(1)
+        req = eng.prepare_prefill([prompt], cache, mgr)
+        with monkeypatch.context() as m:
+            m.setattr(layer_pipeline.PrefixLayerSource, "_put_group", put_spy)
+            m.setattr(layer_pipeline, "_layer_index", lambda l: events.append(("layer", l)) or real_index(l))
+            logits[driver] = np.asarray(eng.prefill([prompt], cache, kv_manager=mgr, request=req)[0])
+        assert req.reused_tokens == 64
+    np.testing.assert_array_equal(logits["pipelined"], logits["scan"])
+    assert eng.prefix_copy_rows() == 2
+    puts = [e for e in events if e[0] == "put"]
+    assert [g for _, g, _ in puts] == [0, 1, 2]  # each group once, in order
+    assert max(n for _, _, n in puts) <= 2, events  # never three groups on the device
+    order = [e[:2] for e in events]
+    for g in (1, 2):  # still a group ahead: put before the first layer of the group before it runs
+        assert order.index(("put", g)) < order.index(("layer", 2 * (g - 1))), events
+
+def test_a_prefix_group_whose_alias_fell_back_runs_its_own_program(monkeypatch):
+    """A pinned alias arrives on the device as unsigned integers; a piece whose alias could not be
+    made (``pinned_alias`` None: the numpy view, path "mixed") arrives in its real dtype. The
+    driver looks the layer program up once per argument structure (the lengths of the argument
+    groups), so a later group with the other dtypes was handed the first group's program, which
+    refused its arguments (TypeError) and failed the request. Simulated on the CPU: the aliases
+    of each chunk's first group work, the others fall back. The logits stay the scan's."""
+    from ftjax.checkpoint import random_model
+    from ftjax.config import preset
+
+    model = random_model(preset("tiny"), "float32")
+    starts, real_view = set(), layer_pipeline.host_view
+
+    def view_spy(x):
+        view = real_view(x)
+        starts.add(view.ctypes.data)
+        return view
+
+    def alias(view):  # a host array of the unsigned dtype over the bytes, as a GPU alias is
+        if view.ctypes.data not in starts:
+            return None
+        return jax.device_put(np.ascontiguousarray(view).view(layer_pipeline._UINT[view.dtype.itemsize]),
+                              memory.host_sharding())
+
+    prompt = np.random.default_rng(3).integers(0, model.cfg.vocab_size, 90).tolist()
+    logits = {}
+    for driver in ("scan", "pipelined"):
+        mgr = PrefixCache(HostKVStore(1 << 26), KVOffloadConfig(chunk_tokens=C))
+        eng = Engine(model, EngineConfig("resident", max_seq_len=S, prefill_driver=driver, prefix_copy_layers=2))
+        with monkeypatch.context() as m:
+            m.setattr(layer_pipeline, "host_view", view_spy)
+            m.setattr(layer_pipeline, "pinned_alias", alias)
+            eng.generate([prompt[:64]], 1, kv_manager=mgr)
+            res = eng.generate([prompt], 3, keep_logits=True, kv_manager=mgr)
+        assert res.kv["reused_tokens"] == 64
+        logits[driver] = res.step_logits
+    paths = {e[1].path for e in layer_pipeline._CHUNK_PIECES.values() if e[1].rows == 2}
+    assert "mixed" in paths  # the situation simulated: aliases for some groups only
+    np.testing.assert_array_equal(logits["pipelined"], logits["scan"])
+
+
 def test_copy_group_layers():
     assert [layer_pipeline.copy_group_layers(48, n) for n in (1, 4, 5, 7, 8, 100)] == [1, 4, 4, 6, 8, 48]
     assert layer_pipeline.copy_group_layers(3, 2) == 1
@@ -209,7 +295,7 @@ def test_driver_choice(monkeypatch):
     auto = Engine(model, EngineConfig("cached", num_slots=2 * e))
     # on the CPU, auto keeps the scan (there is nothing to overlap); on a GPU it pipelines host copies
     assert auto.pipelines(True, ()) == (memory.backend() == "gpu")
-    # a prefix-only call stays on the scan under auto (engine.PIPELINE_PREFIX: measured slower on the H200)
+    # a prefix-only call pipelines under auto on a GPU only with engine.PIPELINE_PREFIX (grouped puts, docs/OVERLAP.md)
     assert auto.pipelines(False, (host,)) == (memory.backend() == "gpu" and engine_lib.PIPELINE_PREFIX)
     resident = Engine(model, EngineConfig("resident"))
     on_demand = Engine(model, EngineConfig("cached", num_slots=2 * e, prefill="on_demand"))
@@ -306,7 +392,7 @@ def test_prefix_chunk_pieces_die_with_their_chunk():
     chunk = jax.device_put(jnp.ones((4, 2, C, 2, 8)), memory.host_sharding())
     src = layer_pipeline.PrefixLayerSource([chunk, chunk])
     np.testing.assert_array_equal(np.asarray(src.put(3)[0]), np.ones((1, 2, C, 2, 8)))
-    key = id(chunk)
+    key = (id(chunk), 1)  # (chunk, layers per piece)
     assert key in layer_pipeline._CHUNK_PIECES
     del src, chunk
     gc.collect()
@@ -329,12 +415,13 @@ def test_stored_chunks_get_their_layer_pieces_when_prefix_loads_pipeline():
         eng.generate([prompt], 1, kv_manager=mgr)
         stored = [mgr.store.peek(k) for k in mgr.keys(eng, prompt)]
         assert len(stored) == 4 and all(a is not None for a in stored)
-        entries = [layer_pipeline._CHUNK_PIECES.get(id(a)) for a in stored]
+        g = eng.prefix_copy_rows()  # the pieces are those of the engine's copy groups
+        entries = [layer_pipeline._CHUNK_PIECES.get((id(a), g)) for a in stored]
         if driver == "pipelined":
             assert mgr.requests[-1]["prepare_s"] > 0
             for a, entry_ in zip(stored, entries):
                 assert entry_ is not None and entry_[0]() is a
-                assert sorted(entry_[1]._alias) == [(0, l) for l in range(cfg.num_layers)]
+                assert sorted(entry_[1]._alias) == [(0, i) for i in range(cfg.num_layers // g)]
         else:
             assert mgr.requests[-1]["prepare_s"] == 0 and entries == [None] * 4
 
@@ -471,12 +558,12 @@ def test_prefix_and_expert_copies_wait_for_arrays_still_being_written():
 
 
 def test_a_dead_chunks_finalizer_leaves_a_new_chunk_with_its_id_alone():
-    """_CHUNK_PIECES is keyed by id(chunk): a finalizer drops only the entry it was made for, never
+    """_CHUNK_PIECES is keyed by (id(chunk), rows): a finalizer drops only the entry it was made for, never
     the entry of a later chunk that got the same id."""
     import weakref
     chunk = jax.device_put(jnp.ones((2, 2, C, 2, 8)), memory.host_sharding())
     pieces = layer_pipeline._chunk_pieces(chunk)
-    key = id(chunk)
+    key = (id(chunk), 1)
     stale = weakref.ref(_Weak())  # a reference of another (dead) object, as a dead chunk's finalizer holds
     layer_pipeline._drop_chunk_pieces(key, stale)
     assert layer_pipeline._CHUNK_PIECES[key][1] is pieces and layer_pipeline._chunk_pieces(chunk) is pieces
@@ -559,7 +646,7 @@ def test_a_failing_chunk_preparation_does_not_fail_the_request(monkeypatch):
     mgr = PrefixCache(HostKVStore(100 * entry), KVOffloadConfig(chunk_tokens=C))
     eng = Engine(model, EngineConfig("resident", max_seq_len=S, prefill_driver="pipelined"))
 
-    def broken(chunks):
+    def broken(chunks, rows=1):
         raise RuntimeError("no aliases today")
 
     monkeypatch.setattr(layer_pipeline, "warm_prefix_chunks", broken)

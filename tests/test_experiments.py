@@ -440,13 +440,16 @@ for copy in ("put", "in_program"):
     eng = Engine(model, EngineConfig("resident", max_seq_len=256, prefill_driver="pipelined", prefix_copy=copy))
     eng.generate([prompt[:64]], 1, kv_manager=mgr)
     assert eng.generate([prompt], 1, kv_manager=mgr).kv["reused_tokens"] == 64
+    rows = eng.prefix_copy_rows() if copy == "put" else rows  # put: the default copy groups (4 layers)
+assert rows == 4
 progs = [(s["opts"].prefix_next, len(sig), exe) for _, s, sig, exe in compiled_programs("layer_program")
          if s["opts"].has_prefix and s["opts"].step.mode == "resident"]
 put = [exe for nxt, _, exe in progs if not nxt]
 in_program = sorted([(n, exe) for nxt, n, exe in progs if nxt], key=lambda x: -x[0])
 assert len(put) == 1 and len(in_program) == 2 and in_program[0][0] > in_program[1][0]
-assert b.reuse_executables("resident", "pipelined", "put") == put
-assert b.reuse_executables("resident", "pipelined") == put
+assert b.reuse_executables("resident", "pipelined", "put", rows) == put
+assert b.reuse_executables("resident", "pipelined", rows=rows) == put
+assert b.reuse_executables("resident", "pipelined", "put") == []  # no put program of 1-layer groups ran
 got = b.reuse_executables("resident", "pipelined", "in_program")
 assert got == [exe for _, exe in in_program]
 # the program with the next layer's slices has more host-memory (S(5)) arguments than put's

@@ -440,8 +440,8 @@ def _chunk_pieces(chunk: jax.Array, eager: bool = False, rows: int = 1) -> _Laye
     """The pieces of one stored KV chunk, ``rows`` consecutive layers each (piece g: layers
     g*rows .. g*rows+rows-1, contiguous in the layer-major chunk), made once per chunk and group
     size (making a pinned alias costs ~0.4 ms; a 16k-token prefix has 62 chunks x 48 layers of
-    them per layer) and dropped with the chunk. eager: make every piece's alias now
-    (:func:`warm_prefix_chunks`), not at its first copy."""
+    them at one layer per piece, a quarter of that at four) and dropped with the chunk. eager:
+    make every piece's alias now (:func:`warm_prefix_chunks`), not at its first copy."""
     key = (id(chunk), rows)
     entry = _CHUNK_PIECES.get(key)
     if entry is not None and entry[0]() is chunk:

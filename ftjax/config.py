@@ -431,14 +431,14 @@ PREFILL_DRIVERS = ("auto", "scan", "pipelined")
 #: Matmul precision of the step's dots: "auto" = full float32 ("highest") when the compute dtype
 #: is float32, the backend's fast default otherwise (on GPUs, TF32 for float32 dots).
 MATMUL_PRECISIONS = ("auto", "default", "high", "highest")
-#: How the layer-pipelined driver copies a reused prefix's rows of layer l+1 (one [1, 2, C, Hkv, hd]
-#: slice of each of the n stored chunks) to the device while layer l computes:
-#: "put" (default): one ``jax.device_put`` of the layer's n chunk slices issued from Python before
-#: layer l's program; simple, but its cost is Python time on the critical path (measured on the
-#: H200: ~3 ms of Python per layer for 62 slices, more than the layer's GPU time; docs/OVERLAP.md).
-#: "in_program": layer l's program takes the slices (host memory) as arguments and copies them
-#: itself, as XLA overlaps whole-array host copies inside one program with its compute (DESIGN.md
-#: section 3): one dispatch per layer instead of n copies; only layer 0's slices are put from Python.
+#: How the layer-pipelined driver copies a reused prefix's rows to the device while earlier layers
+#: compute (docs/OVERLAP.md, "The layerwise KV load"):
+#: "put" (default): ``jax.device_put`` from Python of the rows of ``EngineConfig.prefix_copy_layers``
+#: layers of each of the n stored chunks, one group ahead (on the H200: 80% of a 16k prefix's load
+#: hidden with 4 layers per put; a put per layer was Python-bound, ~3 ms for 62 slices).
+#: "in_program": layer l's program takes layer l+1's slices (host memory) as arguments and copies them
+#: itself; one dispatch per layer, but XLA schedules those copies before the program's compute, so on
+#: the H200 they did not overlap (TTFT 137 ms against 97 ms for "put").
 PREFIX_COPIES = ("put", "in_program")
 
 
@@ -477,12 +477,10 @@ class EngineConfig:
         sit in the slot cache device to device into the layer's buffer, and only the others over
         PCIe (same bytes, same logits; docs/OVERLAP.md). False: every expert over PCIe.
       prefix_copy: one of :data:`PREFIX_COPIES`: how a prefill call on the pipelined driver copies
-        the next layer's rows of a reused prefix from host memory while the current layer
-        computes. "put": one ``device_put`` of the layer's n chunk slices issued from Python before
-        layer l's program (~3 ms of Python per layer measured for 62 slices on the H200, more than
-        the layer's GPU time); "in_program": layer l's program takes layer l+1's slices (host
-        memory) as arguments and copies them itself, which XLA overlaps with the program's compute
-        (docs/OVERLAP.md; DESIGN.md section 3), one dispatch per layer instead of n copies. Used
+        a reused prefix's rows from host memory while earlier layers compute. "put": a
+        ``device_put`` from Python per group of ``prefix_copy_layers`` layers, a group ahead;
+        "in_program": layer l's program copies layer l+1's slices itself (measured slower on the
+        H200: XLA schedules those copies before the program's compute; docs/OVERLAP.md). Used
         only by calls with a prefix and ``prefill_overlap`` (the serial ablation puts); the scan
         driver copies inside its scan either way. Same logits both ways.
       prefix_copy_layers: with ``prefix_copy`` "put": one ``device_put`` copies the rows of this

@@ -381,8 +381,8 @@ class Engine:
             self.compiled, m.params, m.banks, self.state, cache, jnp.asarray(tokens, jnp.int32),
             jnp.asarray(start, jnp.int32), jnp.asarray(valid_len, jnp.int32), cfg=self.cfg, step=opts,
             all_logits=opts.all_logits, experts=self._expert_source() if opts.stream else None,
-            prefix=layer_pipeline.PrefixLayerSource(prefix, self.prefix_copy_rows(), self.config.prefill_overlap
-                                                    and self.prefix_copy_rows() > 1) if prefix else None,
+            prefix=layer_pipeline.PrefixLayerSource(prefix, self.prefix_copy_rows(), self.config.prefill_overlap)
+            if prefix else None,
             overlap=self.config.prefill_overlap, d2d=self._d2d(opts), prefix_copy=self.config.prefix_copy)
 
     def prefix_copy_rows(self) -> int:

@@ -482,8 +482,9 @@ class PrefixLayerSource:
     ``rows`` consecutive layers (:func:`copy_group_layers`) to the device (n arrays
     ``[rows, 2, C, Hkv, hd]``); the layer program picks its own row, and the KV hook writes it into
     the cache (``variant`` "xs"). prefetch: once group g has started, a put also issues group
-    g+1's, so that its copy runs while group g computes (the overlapped driver); at most two
-    groups are held (:meth:`put`)."""
+    g+1's, so that its copy runs while group g computes (the overlapped driver; with one layer per
+    group nothing is prefetched: :func:`run`'s one-layer-ahead put does that); at most two groups
+    are held (:meth:`put`)."""
 
     def __init__(self, chunks: Sequence[jax.Array], rows: int = 1, prefetch: bool = False):
         self.chunks = tuple(chunks)  # keeps the viewed chunks alive: the cached pieces do not

@@ -47,6 +47,10 @@ def test_bench_decode_smoke(tmp_path):
     assert set(rows) == {(m, b) for m in ("cached", "on_demand", "resident") for b in (1, 4)}
     for (mode, _), r in rows.items():
         assert "error" not in r and r["decode_tokens_per_s"] > 0
+        assert r["decode_tokens_per_s_median_tpot"] == pytest.approx(r["batch"] / r["tpot_s"]["median"])
+        slow = r["slowest_steps_ms"]  # [step index, ms], slowest first; the slowest is the max
+        assert len(slow) == 3 and slow[0][1] == pytest.approx(r["tpot_s"]["max"] * 1e3, abs=1e-3)
+        assert slow[0][1] >= slow[1][1] >= slow[2][1] and all(0 <= i < 8 for i, _ in slow)
         if mode == "resident":
             assert r["hit_rate_decode"] == 1.0
         elif mode == "on_demand":
@@ -72,6 +76,9 @@ def test_bench_decode_expert_dtypes_smoke(tmp_path):
         assert r["h2d_bytes_per_step"] * 4 == pytest.approx(r["misses_per_step"] * 4 * r["expert_bytes"])
         assert d["memory_plans"][f"{fmt}/b1"]["expert_bytes"] == r["expert_bytes"]
         assert r["speedup_vs_first_format"] > 0
+        ref = rows[("bfloat16", mode)]
+        assert r["speedup_vs_first_format_median_tpot"] == pytest.approx(
+            ref["tpot_s"]["median"] / r["tpot_s"]["median"])
 
 
 def test_bench_prefill_smoke(tmp_path):

@@ -144,3 +144,30 @@ def test_grouped_kernel_sees_the_layers_experts_not_the_pool(monkeypatch, mode, 
     assert cfg.num_layers * cfg.num_experts > cfg.num_experts  # the pool is larger than a layer
     want, _, _ = _prefill_logits(model, prompt)
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("n,k,e", [(37, 2, 5), (64, 8, 16), (9, 4, 64)])
+def test_grouped_experts_unpermute_by_gather_equals_row_scatter(n, k, e):
+    """experts_grouped returns the grouped matmul's rows to pair order by gathering with the
+    inverse permutation; the values are those of the scatter it replaced, bit for bit."""
+    import jax.numpy as jnp
+    from ftjax.experts import compute
+    rng = np.random.default_rng(n * k + e)
+    d, f = 16, 8
+    x = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, e, (n, k)), jnp.int32)  # repeats and empty groups
+    w = jnp.asarray(rng.random((n, k)), jnp.float32)
+    gu = jnp.asarray(rng.standard_normal((e, d, 2 * f)), jnp.float32)
+    dn = jnp.asarray(rng.standard_normal((e, f, d)), jnp.float32)
+    got = compute.experts_grouped(x, ids, w, gu, dn)
+
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+    h = compute.grouped_matmul(x[order // k], gu, sizes)
+    y = compute.grouped_matmul(compute._swiglu(h), dn, sizes)
+    y = jnp.zeros_like(y).at[order].set(y).reshape(n, k, -1)  # the former row scatter
+    want = jnp.einsum("nkd,nk->nd", y, w)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(compute.experts_gather(x, ids, w, gu, dn)),
+                               rtol=1e-5, atol=1e-5)

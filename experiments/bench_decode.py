@@ -154,7 +154,8 @@ def main(argv):
     flat = [dict(r, tpot_ms=r["tpot_s"]["median"] * 1e3 if "tpot_s" in r else None,
                  MB_per_step=r.get("h2d_bytes_per_step", 0) / 1e6) for r in rows]
     print(common.table(flat, ["expert_dtype", "mode", "batch", "decode_tokens_per_s", "speedup_vs_first_format",
-                              "speedup_vs_first_format_median_tpot", "tpot_ms", "hit_rate_decode", "MB_per_step", "achieved_h2d_GBps", "ratio_to_bound"]))
+                              "speedup_vs_first_format_median_tpot", "tpot_ms", "hit_rate_decode", "MB_per_step",
+                              "achieved_h2d_GBps", "ratio_to_bound"]))
     print("wrote", path)
 
 

@@ -270,6 +270,24 @@ def test_bench_miss_policy_smoke(tmp_path):
     assert d["summary"][0]["fetch"]["tokens_per_s_median_tpot"] > 0
 
 
+def test_ab_slot_table_smoke(tmp_path):
+    """Every slot table implementation on a small warmed table: outputs identical to 'sort', timed, and the
+    compiled scan body counted (the reference has the sort and the scatters, 'rank' neither sort)."""
+    d = _run("ab_slot_table", tmp_path, "--num_layers=4", "--num_experts=8", "--num_slots=20", "--top_k=3",
+             "--repeats=2", "--warmup=1", "--policies=lru,lookahead,lfru", "--hit_rates=0.9,0.3")
+    assert _meta(d)["device"] and d["all_identical_to_sort"] and not d["mismatches"]
+    rows = {(r["case"], r["policy"], r["impl"]): r for r in d["results"]}
+    for case in ("hit0.9", "hit0.3"):
+        assert rows[(case, "-", "noop")]["us_per_layer"] > 0
+        for policy in ("lru", "lookahead", "lfru"):
+            for impl in ("sort", "lexsort", "top_k", "rank"):
+                r = rows[(case, policy, impl)]
+                assert r["identical_to_sort"] and r["us_per_layer"] > 0 and 0 < r["hit_rate"] <= 1
+    ops = d["hlo_body_ops"]
+    assert ops["lru/sort"]["by_kind"].get("sort", 0) >= 1 and ops["lru/sort"]["by_kind"]["fusion:scatter"] >= 2
+    assert "sort" not in ops["lru/rank"]["by_kind"] and ops["lru/rank"]["total"] < ops["lru/sort"]["total"]
+
+
 def test_check_oracle_gpu_smoke(tmp_path):
     """Every expert mode of the oracle script passes on the CPU (one fixture, the short prompt)."""
     d = _run("check_oracle_gpu", tmp_path, "--smoke")

@@ -24,8 +24,11 @@ from hypothesis import strategies as st
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from experiments.policy_study import replay_sim  # noqa: E402
+from ftjax.experts import slot_table  # noqa: E402
 from ftjax.experts.slot_table import (  # noqa: E402
     LFRU_HALF_LIFE_TOKENS,
+    ORDER_IMPL,
+    ORDER_IMPLS,
     LayerLookup,
     SlotTable,
     forget_slots,
@@ -39,6 +42,7 @@ from ftjax.experts.slot_table import (  # noqa: E402
 # One compiled program per shape: layer is passed as an int32 array, so it is traced.
 _lookup = jax.jit(lookup_layer, static_argnums=(3, 4))
 _lookup_hl = jax.jit(lookup_layer, static_argnums=(3, 4, 5))  # half-life given
+_lookup_impl = jax.jit(lookup_layer, static_argnames=("num_experts", "policy", "half_life_tokens", "impl"))
 _lookup_no_reuse = jax.jit(lookup_layer_no_reuse, static_argnums=3)
 _forget = jax.jit(forget_slots)
 _reset = jax.jit(reset_table)
@@ -725,3 +729,137 @@ def test_inside_lax_scan_over_layers():
     assert_table_equals_ref(final, ref)
     assert_table_invariants(final)
     assert int(final.clock) == steps * L
+
+
+# --------------------------------------------------------------------------------------------
+# Implementations (slot_table.ORDER_IMPLS): bit-identical to the reference "sort" path
+# --------------------------------------------------------------------------------------------
+_I32 = np.iinfo(np.int32)
+# A few shapes (compiles are the cost): S == E, S == L*E, and S in between, E == 1 included.
+_SHAPES = [(1, 1, 1), (1, 4, 4), (2, 3, 3), (2, 3, 5), (3, 2, 6), (3, 4, 7), (2, 5, 9)]
+
+
+@st.composite
+def valid_tables(draw):
+    """A table that keeps SlotTable's invariant (slot_of / id_of_slot mutually inverse) but is
+    otherwise arbitrary: any set of resident ids in any slots, free slots, last_use with ties and
+    int32 extremes (INT32_MAX ties the protected slots' key), an arbitrary clock, LRFU history with
+    ties, -inf, -0.0 and NaN; then 1-3 lookups (layer, routed mask)."""
+    L, E, S = draw(st.sampled_from(_SHAPES))
+    n_used = draw(st.integers(0, S))
+    held = draw(st.permutations(range(L * E)))[:n_used]
+    where = draw(st.permutations(range(S)))[:n_used]
+    slot_of = np.full(L * E, -1, np.int32)
+    id_of_slot = np.full(S, -1, np.int32)
+    slot_of[held], id_of_slot[where] = where, held
+    pool = [-1, 0, 1, 2, 5, _I32.max - 1, _I32.max, _I32.min]
+    last_use = np.asarray(draw(st.lists(st.sampled_from(pool), min_size=S, max_size=S)), np.int32)
+    if draw(st.booleans()):
+        last_use[id_of_slot < 0] = -1  # as the table keeps it
+    clock = draw(st.sampled_from([0, 3, 6, 1000]))
+    crf_log2 = draw(st.lists(st.sampled_from([-np.inf, 0.0, -0.0, 0.5, 1.0, np.nan]), min_size=L * E, max_size=L * E))
+    crf_time = draw(st.lists(st.sampled_from([-1, 0, 2, clock]), min_size=L * E, max_size=L * E))
+    table = SlotTable(slot_of=jnp.asarray(slot_of), id_of_slot=jnp.asarray(id_of_slot),
+                      last_use=jnp.asarray(last_use), clock=jnp.int32(clock),
+                      crf_log2=jnp.asarray(crf_log2, jnp.float32), crf_time=jnp.asarray(crf_time, jnp.int32))
+    calls = draw(st.lists(st.tuples(st.integers(0, L - 1), st.integers(0, (1 << E) - 1)), min_size=1, max_size=3))
+    return table, E, [(layer, _mask(bits, E)) for layer, bits in calls]
+
+
+def _assert_bit_identical(got, want, what):
+    got, want = jax.tree.leaves(got), jax.tree.leaves(want)
+    assert len(got) == len(want), what
+    for i, (a, b) in enumerate(zip(got, want)):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.dtype == b.dtype and a.shape == b.shape, (what, i)
+        a, b = a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8)  # bits: -0.0 / NaN payloads too
+        np.testing.assert_array_equal(a, b, err_msg=f"{what} leaf {i}")
+
+
+@settings(
+    max_examples=80,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(valid_tables(), st.sampled_from(["lru", "lookahead", "lfru"]), st.sampled_from([LFRU_HALF_LIFE_TOKENS, 0.05]))
+def test_impls_bit_identical_to_sort(case, policy, half_life):
+    """Every ORDER_IMPLS entry returns the reference ("sort": full argsort, one scatter per
+    update) LayerLookup bit for bit, call after call, on arbitrary valid tables."""
+    table, E, calls = case
+    tables = {impl: table for impl in ORDER_IMPLS}
+    for step, (layer, routed) in enumerate(calls):
+        outs = {impl: _lookup_impl(t, jnp.int32(layer), jnp.asarray(routed), num_experts=E, policy=policy,
+                                   half_life_tokens=half_life, impl=impl) for impl, t in tables.items()}
+        for impl in ORDER_IMPLS:
+            _assert_bit_identical(outs[impl], outs["sort"], (impl, policy, step))
+        tables = {impl: o.table for impl, o in outs.items()}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_candidates_match_a_stable_lexicographic_sort(data):
+    """_candidates on raw keys (int32 extremes and ties; float32 -inf, -0.0 / 0.0, NaN): the E
+    first slots and every slot's position agree with numpy's stable lexicographic sort."""
+    S = data.draw(st.sampled_from([1, 2, 3, 7, 33]))
+    E = data.draw(st.integers(1, S))
+    n_keys = data.draw(st.integers(1, 3))
+    ints = st.sampled_from([_I32.min, _I32.min + 1, -2, -1, 0, 1, 2, _I32.max - 1, _I32.max])
+    floats = st.sampled_from([-np.inf, -1.5, -0.0, 0.0, 1e-30, 2.0, np.inf, np.nan, -np.nan])  # no denormals (FTZ)
+    keys = []
+    for _ in range(n_keys):
+        if data.draw(st.booleans()):
+            keys.append(np.asarray(data.draw(st.lists(floats, min_size=S, max_size=S)), np.float32))
+        else:
+            keys.append(np.asarray(data.draw(st.lists(ints, min_size=S, max_size=S)), np.int32))
+
+    def np_key(k):  # lax.sort's order: -0 == 0, every NaN equal and last
+        if k.dtype != np.float32:
+            return k.astype(np.float64)
+        k = np.where(k == 0, 0.0, k).astype(np.float64)
+        return np.where(np.isnan(k), np.inf, np.where(np.isinf(k) & (k > 0), np.finfo(np.float64).max, k))
+
+    order = np.lexsort([np.arange(S)] + [np_key(k) for k in keys[::-1]])
+    pos = np.empty(S, np.int64)
+    pos[order] = np.arange(S)
+    for impl in ORDER_IMPLS[1:]:
+        cand, got_pos = slot_table._candidates(tuple(jnp.asarray(k) for k in keys), E, impl)  # eager: no compiles
+        np.testing.assert_array_equal(np.asarray(cand), order[:E], err_msg=impl)
+        got_pos = np.asarray(got_pos)
+        np.testing.assert_array_equal(np.minimum(got_pos, E), np.minimum(pos, E), err_msg=impl)
+
+
+def test_rank_index_bits_at_power_of_two_slot_counts():
+    """_rank packs the slot index into the last key's low bits: S = 2048 (11 bits) and 2049 (12)."""
+    rng = np.random.default_rng(5)
+    for S in (2048, 2049):
+        key = rng.choice(np.array([_I32.min, -1, 0, 7, _I32.max], np.int32), S)
+        got = np.asarray(jax.jit(slot_table._rank)((jnp.asarray(key),)))
+        want = np.empty(S, np.int64)
+        want[np.argsort(key, kind="stable")] = np.arange(S)
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lookahead", "lfru"])
+def test_impls_bit_identical_inside_lax_scan(policy):
+    """Decode steps (a layer scan per step, layer traced): every impl matches "sort" exactly."""
+    L, E, S, steps = 4, 6, 9, 10
+    rng = np.random.default_rng(7)
+    routed = jnp.asarray(rng.random((steps, L, E)) < 0.4)
+
+    def run(impl):
+        def step(t, r):
+            def body(t, xs):
+                out = lookup_layer(t, xs[0], xs[1], E, policy, impl=impl)
+                return out.table, out._replace(table=None)
+            return jax.lax.scan(body, t, (jnp.arange(L, dtype=jnp.int32), r))
+        return jax.jit(lambda t, r: jax.lax.scan(step, t, r))(init_slot_table(L, E, S), routed)
+
+    want = run("sort")
+    for impl in ORDER_IMPLS:
+        _assert_bit_identical(run(impl), want, impl)
+
+
+def test_order_impl_default_and_unknown_impl():
+    assert ORDER_IMPL in ORDER_IMPLS and ORDER_IMPLS[0] == "sort"
+    with pytest.raises(ValueError, match="unknown slot table impl"):
+        lookup_layer(init_slot_table(2, 4, 4), 0, jnp.ones(4, bool), 4, impl="bogus")

@@ -25,6 +25,10 @@ Policy of :func:`lookup_layer` (for one layer of one step):
 3. ``clock`` advances by one (once per call, even when nothing was routed), so recency is
    global across layers.
 
+Only the first ``E`` candidates are ever taken; :data:`ORDER_IMPL` picks how they are found (a full
+stable sort, the reference; or a counting rank, with fewer kernels and no sort) and how the table is
+updated. Every implementation returns bit-identical results.
+
 ``S >= E`` is required (all ``E`` experts of a layer may be routed at once) and is enough:
 the candidates exclude only the ``n_hit`` hit slots, leaving ``S - n_hit >= n_miss`` slots.
 ``S <= L * E`` is also required (more slots than experts is a configuration error; use
@@ -66,6 +70,8 @@ __all__ = [
     "reset_table",
     "eviction_order",
     "POLICIES",
+    "ORDER_IMPLS",
+    "ORDER_IMPL",
     "LFRU_HALF_LIFE_TOKENS",
     "lfru_lambda",
 ]
@@ -281,9 +287,108 @@ def eviction_order(table: SlotTable, layer: jax.Array, protected: jax.Array, num
     return by_recency[jnp.argsort(primary[by_recency], stable=True)].astype(jnp.int32)
 
 
+ORDER_IMPLS = ("sort", "lexsort", "top_k", "rank")
+
+ORDER_IMPL = "rank"
+"""How :func:`lookup_layer` finds the slots misses take and updates the table when its ``impl`` is
+None (the default): one of :data:`ORDER_IMPLS`. Read when the call is traced, so set it before the
+first trace of a jitted caller (a compiled program keeps the implementation it was traced with).
+Every implementation returns a bit-identical :class:`LayerLookup` for every policy on every table
+that keeps :class:`SlotTable`'s invariant (tests/test_slot_table.py); they differ only in kernels
+and time (``experiments/ab_slot_table.py`` measures them). The default is chosen for the GPU: on
+the CPU, XLA materializes the [S, S] count of ``"rank"`` and a sort is faster.
+
+* ``"sort"``: the reference: :func:`eviction_order` (a full stable argsort of the S slots, two for
+  ``lookahead``), then one scatter per table update (seven in all).
+* ``"lexsort"``: one stable ``lax.sort`` on the policy's keys (slot index last), then the fused
+  bookkeeping below.
+* ``"top_k"``: ``lru``: ``lax.top_k`` (only the E first slots are ever used); ``lookahead`` and
+  ``lfru`` (two and four keys, no exact single key): as ``"lexsort"``.
+* ``"rank"``: no sort: each slot's position in the order is counted (one compare-and-count over
+  [S, S]) and the E first slots are read off those positions ([E, S]).
+
+The fused bookkeeping (all but ``"sort"``) derives the hit slots, ``id_of_slot`` and ``last_use``
+elementwise from each slot's position in the order, and updates ``slot_of`` in one scatter.
+"""
+
+
+def _order_keys(table: SlotTable, layer: jax.Array, protected: jax.Array, num_experts: int, policy: str,
+                half_life_tokens: float) -> tuple[jax.Array, ...]:
+    """The keys [S] of :func:`eviction_order`: its order is lexicographic on them, then on slot index."""
+    if policy == "lru":
+        return (jnp.where(protected, _INT32_MAX, table.last_use),)
+    num_layers = table.num_flat_ids // num_experts
+    ids = table.id_of_slot
+    free = ids < 0
+    if policy == "lfru":
+        lam = lfru_lambda(num_layers, half_life_tokens)
+        value = jnp.where(free | protected, 0.0, _crf_now(table, jnp.maximum(ids, 0), lam))
+        group = jnp.where(free, 0, jnp.where(protected, 2, 1)).astype(jnp.int32)
+        return group, value, table.last_use, ids
+    distance = jnp.mod(ids // num_experts - layer, num_layers)
+    distance = jnp.where(distance == 0, num_layers, distance)
+    return jnp.where(free, -(num_layers + 1), jnp.where(protected, num_layers + 1, -distance)), table.last_use
+
+
+def _sort_key_int(key: jax.Array) -> jax.Array:
+    """int32 key ordered as ``lax.sort`` orders ``key``: int32 as is; float32 in the sort's total order
+    (-0 equal to 0, every NaN equal and after +inf), by its bits with the negatives' magnitude flipped."""
+    if key.dtype == jnp.int32:
+        return key
+    if key.dtype != jnp.float32:
+        raise TypeError(f"sort key dtype {key.dtype} not supported")
+    x = jnp.where(key == 0, jnp.zeros_like(key), key)
+    x = jnp.where(jnp.isnan(x), jnp.full_like(x, jnp.nan), x)
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+
+
+def _rank(keys: tuple[jax.Array, ...]) -> jax.Array:
+    """int32 [S]: each slot's position in the order lexicographic on ``keys`` [S], then slot index."""
+    S = keys[0].shape[0]
+    slots = jnp.arange(S, dtype=jnp.int32)
+    # The slot index rides in the last key's low bits: (last, slot) has the order of (last >> low,
+    # (last's low bits << bits) | slot), both int32 (low + bits = 31). A separate slot-index compare
+    # would be an [S, S] array that depends on nothing: XLA hoists such an array out of the layer
+    # scan (the CPU compiler does) and reads it back every layer.
+    bits = max(1, (S - 1).bit_length())
+    low = 31 - bits
+    last = _sort_key_int(keys[-1])
+    ints = [_sort_key_int(k) for k in keys[:-1]] + [last >> low, ((last & ((1 << low) - 1)) << bits) | slots]
+    before = None                                   # [i, j]: slot j comes before slot i
+    for k in reversed(ints):
+        lt = k[None, :] < k[:, None]
+        before = lt if before is None else lt | ((k[None, :] == k[:, None]) & before)
+    return before.sum(axis=1, dtype=jnp.int32)
+
+
+def _candidates(keys: tuple[jax.Array, ...], num_experts: int, impl: str) -> tuple[jax.Array, jax.Array]:
+    """(cand int32 [E]: the E first slots of the order, pos int32 [S]: each slot's position in it,
+    ``>= E`` for the others) of the order lexicographic on ``keys`` then slot index."""
+    E = num_experts
+    slots = jnp.arange(keys[0].shape[0], dtype=jnp.int32)
+    experts = jnp.arange(E, dtype=jnp.int32)
+    if impl == "rank":
+        pos = _rank(keys)
+        # pos is a permutation of 0..S-1 (S >= E): exactly one slot has pos == p for each p < E
+        cand = jnp.sum(jnp.where(pos[None, :] == experts[:, None], slots[None, :], 0), axis=1, dtype=jnp.int32)
+        return cand, pos
+    if impl == "top_k" and len(keys) == 1:
+        # ~k = -1 - k reverses the int32 order without overflow (INT32_MAX -> INT32_MIN); top_k is
+        # stable (equal values keep index order): the E smallest keys, ties to the lowest slot
+        cand = jax.lax.top_k(~_sort_key_int(keys[0]), E)[1].astype(jnp.int32)
+    else:
+        # stable sort with the slot index as payload: lexicographic (keys, slot), as the argsort of
+        # lru, the two stable argsorts of lookahead and the 4-key sort of lfru in eviction_order
+        cand = jax.lax.sort((*keys, slots), num_keys=len(keys), is_stable=True)[-1][:E]
+    # cand holds distinct slots: each slot matches at most one position
+    pos = jnp.min(jnp.where(cand[None, :] == slots[:, None], experts[None, :], E), axis=1)
+    return cand, pos
+
+
 def lookup_layer(
     table: SlotTable, layer: jax.Array | int, routed: jax.Array, num_experts: int, policy: str = "lru",
-    half_life_tokens: float = LFRU_HALF_LIFE_TOKENS,
+    half_life_tokens: float = LFRU_HALF_LIFE_TOKENS, impl: str | None = None,
 ) -> LayerLookup:
     """Look up (and fill) the slots of one layer's routed experts; advance the clock.
 
@@ -295,6 +400,8 @@ def lookup_layer(
       num_experts: ``E`` (static Python int).
       policy: which non-hit slots misses take, one of :data:`POLICIES` (:func:`eviction_order`).
       half_life_tokens: ``lfru`` only (static): decode steps after which a reference counts half.
+      impl: static, one of :data:`ORDER_IMPLS`; None (default): :data:`ORDER_IMPL` at trace time.
+        Every implementation gives the same result; only the kernels differ.
 
     Returns:
       :class:`LayerLookup`. See the module docstring for the exact policy (hits refresh,
@@ -310,6 +417,11 @@ def lookup_layer(
         raise ValueError(f"num_slots={S} < num_experts={E}: the table cannot serve a layer")
     if LE % E != 0:
         raise ValueError(f"table has {LE} flat ids, not a multiple of num_experts={E}")
+    if policy not in POLICIES:
+        raise ValueError(f"unknown cache policy {policy!r}; expected one of {POLICIES}")
+    impl = ORDER_IMPL if impl is None else impl
+    if impl not in ORDER_IMPLS:
+        raise ValueError(f"unknown slot table impl {impl!r}; expected one of {ORDER_IMPLS}")
     routed = jnp.asarray(routed)
     if routed.shape != (E,):
         raise ValueError(f"routed must have shape ({E},), got {routed.shape}")
@@ -317,15 +429,50 @@ def lookup_layer(
     layer = jnp.asarray(layer, jnp.int32)
     clock = table.clock
 
-    experts = jnp.arange(E, dtype=jnp.int32)
     base = layer * E
     cur_slot = jax.lax.dynamic_slice(table.slot_of, (base,), (E,))  # [E]
     resident = cur_slot >= 0
     hit = routed & resident
     miss = routed & ~resident
+
+    update = _update_sorted if impl == "sort" else _update_fused
+    slot_of, id_of_slot, last_use, miss_experts, miss_slots, evicted_ids, n_miss, n_hit = update(
+        table, layer, routed, cur_slot, hit, miss, E, policy, half_life_tokens, impl)
+
+    crf_log2, crf_time = table.crf_log2, table.crf_time
+    if policy == "lfru":  # every routed expert (hit or fill) is referenced now: CRF = 1 + decayed CRF
+        lam = jnp.float32(lfru_lambda(LE // E, half_life_tokens))
+        old_log2 = jax.lax.dynamic_slice(crf_log2, (base,), (E,))
+        old_time = jax.lax.dynamic_slice(crf_time, (base,), (E,))
+        ref = jnp.logaddexp2(old_log2 - lam * (clock - old_time).astype(jnp.float32), jnp.float32(0.0))
+        crf_log2 = jax.lax.dynamic_update_slice(crf_log2, jnp.where(routed, ref, old_log2), (base,))
+        crf_time = jax.lax.dynamic_update_slice(crf_time, jnp.where(routed, clock, old_time), (base,))
+
+    new_table = SlotTable(
+        slot_of=slot_of, id_of_slot=id_of_slot, last_use=last_use, clock=clock + 1,
+        crf_log2=crf_log2, crf_time=crf_time,
+    )
+    slot_of_expert = jax.lax.dynamic_slice(slot_of, (base,), (E,))
+    return LayerLookup(
+        table=new_table,
+        slot_of_expert=slot_of_expert,
+        miss_experts=miss_experts,
+        miss_slots=miss_slots,
+        evicted_ids=evicted_ids,
+        n_miss=n_miss,
+        n_hit=n_hit,
+    )
+
+
+def _update_sorted(table, layer, routed, cur_slot, hit, miss, E, policy, half_life_tokens, impl):
+    """impl "sort" (the reference): the full :func:`eviction_order` and one scatter per update.
+    Returns (slot_of, id_of_slot, last_use, miss_experts, miss_slots, evicted_ids, n_miss, n_hit)."""
+    del routed, impl
+    S, LE, clock = table.num_slots, table.num_flat_ids, table.clock
     n_hit = hit.sum(dtype=jnp.int32)
     n_miss = miss.sum(dtype=jnp.int32)
-
+    experts = jnp.arange(E, dtype=jnp.int32)
+    base = layer * E
     # Slots holding a hit of this step are protected from eviction.
     hit_slot_idx = jnp.where(hit, cur_slot, S)                      # S = dropped
     protected = jnp.zeros((S,), jnp.bool_).at[hit_slot_idx].set(True, mode="drop")
@@ -355,30 +502,45 @@ def lookup_layer(
     # Recency: hits and new fills are used now.
     last_use = table.last_use.at[hit_slot_idx].set(clock, mode="drop")
     last_use = last_use.at[fill_idx].set(clock, mode="drop")
+    return slot_of, id_of_slot, last_use, miss_experts, miss_slots, evicted_ids, n_miss, n_hit
 
-    crf_log2, crf_time = table.crf_log2, table.crf_time
-    if policy == "lfru":  # every routed expert (hit or fill) is referenced now: CRF = 1 + decayed CRF
-        lam = jnp.float32(lfru_lambda(LE // E, half_life_tokens))
-        old_log2 = jax.lax.dynamic_slice(crf_log2, (base,), (E,))
-        old_time = jax.lax.dynamic_slice(crf_time, (base,), (E,))
-        ref = jnp.logaddexp2(old_log2 - lam * (clock - old_time).astype(jnp.float32), jnp.float32(0.0))
-        crf_log2 = jax.lax.dynamic_update_slice(crf_log2, jnp.where(routed, ref, old_log2), (base,))
-        crf_time = jax.lax.dynamic_update_slice(crf_time, jnp.where(routed, clock, old_time), (base,))
 
-    new_table = SlotTable(
-        slot_of=slot_of, id_of_slot=id_of_slot, last_use=last_use, clock=clock + 1,
-        crf_log2=crf_log2, crf_time=crf_time,
-    )
-    slot_of_expert = jax.lax.dynamic_slice(slot_of, (base,), (E,))
-    return LayerLookup(
-        table=new_table,
-        slot_of_expert=slot_of_expert,
-        miss_experts=miss_experts,
-        miss_slots=miss_slots,
-        evicted_ids=evicted_ids,
-        n_miss=n_miss,
-        n_hit=n_hit,
-    )
+def _update_fused(table, layer, routed, cur_slot, hit, miss, E, policy, half_life_tokens, impl):
+    """impls "lexsort", "top_k", "rank": the E first slots of the order only, and the updates as
+    elementwise selects (one scatter, for ``slot_of``). Same returns as :func:`_update_sorted`."""
+    S, LE = table.num_slots, table.num_flat_ids
+    experts = jnp.arange(E, dtype=jnp.int32)
+    slots = jnp.arange(S, dtype=jnp.int32)
+    base = layer * E
+    ids = table.id_of_slot
+    # Hit slots without a scatter: slot j holds a hit iff its id is base + e, e routed, at slot j.
+    # Same set as the scatter of cur_slot[hit]: a resident id's slot holds that id (the invariant).
+    e_of = jnp.clip(ids - base, 0, E - 1)
+    protected = (ids >= base) & (ids < base + E) & routed[e_of] & (cur_slot[e_of] == slots)
+    cand, pos = _candidates(_order_keys(table, layer, protected, E, policy, half_life_tokens), E, impl)
+
+    # Misses and hits up to each expert (one [2, E, E] count, no cumsum): a miss's rank among the
+    # misses (ascending expert id) is its count - 1; the counts up to E - 1 are n_miss and n_hit.
+    upto = jnp.sum(jnp.stack([miss, hit])[:, None, :] & (experts[None, :] <= experts[:, None]), axis=2,
+                   dtype=jnp.int32)
+    rank, n_miss, n_hit = upto[0] - 1, upto[0, E - 1], upto[1, E - 1]
+    valid = experts < n_miss
+    one_hot = miss[None, :] & (rank[None, :] == experts[:, None])    # [p, e]: miss e has rank p (no scatter)
+    miss_experts = jnp.where(valid, jnp.sum(jnp.where(one_hot, experts[None, :], 0), axis=1, dtype=jnp.int32), -1)
+    miss_slots = jnp.where(valid, cand, -1)
+    evicted_ids = jnp.where(valid, ids[cand], -1)
+
+    # The slot at position p < n_miss takes miss p: the scatters at cand[:n_miss] as selects on pos;
+    # last_use: hits and fills both get the clock (the two scatters wrote the same value).
+    filled = pos < n_miss
+    id_of_slot = jnp.where(filled, base + miss_experts[jnp.minimum(pos, E - 1)], ids)
+    last_use = jnp.where(protected | filled, table.clock, table.last_use)
+    # Evict and map in one scatter: evicted ids are resident, misses are not (the invariant): no index is both
+    # (and repeated evicted ids all write -1): the order of the two old scatters cannot matter.
+    idx = jnp.concatenate([jnp.where(evicted_ids >= 0, evicted_ids, LE), jnp.where(valid, base + miss_experts, LE)])
+    val = jnp.concatenate([jnp.full((E,), -1, jnp.int32), cand])
+    slot_of = table.slot_of.at[idx].set(val, mode="drop")
+    return slot_of, id_of_slot, last_use, miss_experts, miss_slots, evicted_ids, n_miss, n_hit
 
 
 def forget_slots(table: SlotTable, slots: jax.Array) -> SlotTable:

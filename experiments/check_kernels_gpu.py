@@ -12,8 +12,13 @@ failure or a timeout keeps what ran before it):
 * ``moe``: ``ftjax.kernels.moe_decode`` vs ``compute.gather_outputs_reference`` (qwen3-30b-a3b:
   D=2048, F=768, k=8; pools of --moe_slots slots; batch 1 and 4; dense bf16 at every pool size,
   int8 / fp8 / int4 at the largest): max abs diff, median time of the per-pair outputs and of the
-  whole ``experts_gather`` (kernel + weighted sum vs the jnp path), weight bytes read / time, for a
-  sweep of tiles and warps (dense; two tiles for the quantized formats).
+  whole ``experts_gather`` (kernel + weighted sum vs the jnp path; int4 with FTJAX_KERNELS=moe_decode,
+  since ``auto`` keeps int4 on XLA), weight bytes read / time, for a sweep of tiles and warps
+  (``MOE_TILES``: dense; ``MOE_TILES_INT4``: int4's d_split 1, 2, 4, 8 and a few column / down
+  tiles; ``MOE_TILES_QUANT``: int8 and fp8; ``--moe_tiles`` replaces them all), e.g.
+
+    PYTHONPATH=. python experiments/check_kernels_gpu.py --out_dir=/tmp/k --sections=moe \
+        --moe_formats=int4,int8 --time_budget_s=120
 * ``decode_attention``: ``ftjax.kernels.decode_attention`` vs ``model.attention`` (T=1) on a
   4-layer stacked cache, 32/4 heads, hd 128, S_max 1024 and 8192, 600 filled, batch 1 and 4.
 * ``flash_prefill``: ``flash_prefill.flash_attention`` (Triton backend) and the shipped Mosaic GPU
@@ -59,6 +64,8 @@ flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
 flags.DEFINE_list("sections", ["moe", "decode_attention", "flash_prefill", "e2e", "e2e_prefill"], "What to run.")
 flags.DEFINE_list("moe_slots", ["280", "6144"], "Pool sizes for the MoE kernel.")
 flags.DEFINE_list("moe_formats", ["dense", "int8", "fp8", "int4"], "Pool formats for the MoE kernel.")
+flags.DEFINE_list("moe_tiles", [], "MoE kernel tiles to time in every format instead of the built-in lists: "
+                  "block_d:block_f:num_warps:d_split[:down_cols:down_rows] each (down_* 0 = the gate/up tile).")
 flags.DEFINE_list("batches", ["1", "4"], "Tokens per decode step.")
 flags.DEFINE_integer("repeats", 10, "Timed calls per measurement (after two warm-up calls).")
 flags.DEFINE_integer("e2e_layers", 16, "Layers of the cut qwen3-30b-a3b preset for the end-to-end runs.")
@@ -112,9 +119,9 @@ def _summary(row: dict) -> str:
     """One short line per check for the log (the JSON has everything)."""
     keep = ("slots", "fmt", "batch", "s_max", "T", "start", "max_abs_diff", "speedup_vs_xla", "speedup", "GBps",
             "TFLOPs", "tpot_ms", "ttft_s", "bit_identical_to_resident", "greedy_ids_equal_xla",
-            "max_abs_logit_diff_vs_xla", "skipped")
+            "max_abs_logit_diff_vs_xla", "unsupported", "skipped")
     parts = [f"{row['section']}: {row.get('name', '')}"]
-    for key in ("xla_us", "kernel_us", "auto_us"):
+    for key in ("xla_us", "kernel_us", "auto_us", "moe_decode_us"):
         if key in row:
             parts.append(f"{key}={row[key]['median']:.1f}")
     parts += [f"{k}={row[k]:.4g}" if isinstance(row[k], float) else f"{k}={row[k]}" for k in keep if k in row]
@@ -182,11 +189,24 @@ def _random_pool(s: int, fmt: str):
     return (out[0], out[1], None) if fmt == "dense" else (out[0], out[1], (out[2], out[3]))
 
 
-# (block_d, block_f, num_warps, d_split) of ftjax.kernels.moe_decode; its defaults are the first two
-# (d_split 4 at batch 1, 1 at batch 4: moe_decode.auto_d_split)
+# (block_d, block_f, num_warps, d_split[, down_cols, down_rows]) of ftjax.kernels.moe_decode (down_* left out
+# or 0: the gate/up tile transposed); its defaults are the first two (d_split 4 at batch 1, 1 at batch 4:
+# moe_decode.auto_d_split)
 MOE_TILES = [(64, 64, 4, 1), (64, 64, 4, 4), (32, 128, 4, 4), (128, 64, 8, 4), (64, 128, 8, 8), (256, 64, 8, 2),
              (128, 32, 4, 1), (32, 64, 4, 8)]
 MOE_TILES_QUANT = [(64, 64, 4, 1), (64, 64, 4, 4), (32, 128, 4, 1)]
+# int4: the gate/up d_split first (1, 2, 4, 8; 96 gate/up programs at batch 1 unsplit), then wider column
+# tiles, 32-row steps (the scales still read once per 64-row group), and the down stage's tile: 128 columns
+# (64-byte rows, 128 programs at batch 1) or 32 (16-byte rows, 512 programs) instead of 64 (256 programs)
+MOE_TILES_INT4 = [(64, 64, 4, 1), (64, 64, 4, 2), (64, 64, 4, 4), (64, 64, 4, 8), (64, 128, 4, 8), (32, 64, 4, 4),
+                  (64, 64, 8, 4), (64, 64, 4, 4, 128, 64), (64, 64, 4, 4, 32, 64)]
+
+
+def moe_tiles(fmt: str) -> list[tuple]:
+    """The tiles the moe section times for ``fmt`` (``--moe_tiles`` when given)."""
+    if FLAGS.moe_tiles:
+        return [tuple(int(v) for v in t.split(":")) for t in FLAGS.moe_tiles]
+    return {"dense": MOE_TILES, "int4": MOE_TILES_INT4}.get(fmt, MOE_TILES_QUANT)
 
 
 def section_moe():
@@ -217,13 +237,15 @@ def section_moe():
                     return {"xla_us": median_us(ref_fn, x, slots, gu, dn, sc)}
                 ref = check("moe", "xla gather_outputs", ref_row, **info)
                 want = ref_fn(x, slots, gu, dn, sc)
-                for bd, bf, nw, ds in (MOE_TILES if fmt == "dense" else MOE_TILES_QUANT):
-                    def kern_row(bd=bd, bf=bf, nw=nw, ds=ds):
-                        if not md.supported(x, gu, dn, fmt, bd, bf, ds):
+                for tile in moe_tiles(fmt):
+                    bd, bf, nw, ds, dc, dr = tuple(tile) + (0, 0)[len(tile) - 4:]
+
+                    def kern_row(bd=bd, bf=bf, nw=nw, ds=ds, dc=dc, dr=dr):
+                        if not md.supported(x, gu, dn, fmt, bd, bf, ds, dc, dr):
                             return {"unsupported": True}
                         fn = jax.jit(lambda x, sl, g, d, c: md.moe_decode_pairs(
-                            x, sl, g, d, c, fmt, block_d=bd, block_f=bf, num_warps=nw, d_split=ds,
-                            interpret=INTERPRET))
+                            x, sl, g, d, c, fmt, block_d=bd, block_f=bf, num_warps=nw or None, d_split=ds,
+                            down_cols=dc, down_rows=dr, interpret=INTERPRET))
                         got = fn(x, slots, gu, dn, sc)
                         t = median_us(fn, x, slots, gu, dn, sc)
                         row = {"max_abs_diff": maxdiff(got, want), "max_abs_ref": float(jnp.max(jnp.abs(
@@ -232,21 +254,25 @@ def section_moe():
                         if "xla_us" in ref:
                             row["speedup_vs_xla"] = ref["xla_us"]["median"] / t["median"]
                         return row
-                    check("moe", f"kernel bd={bd} bf={bf} warps={nw} d_split={ds}", kern_row, tiles=[bd, bf, nw, ds],
-                          **info)
+                    down = f" down_cols={dc} down_rows={dr}" if dc or dr else ""
+                    check("moe", f"kernel bd={bd} bf={bf} warps={nw} d_split={ds}{down}", kern_row,
+                          tiles=[bd, bf, nw, ds] + ([dc, dr] if down else []), **info)
 
-                def whole_op():  # experts_gather as the model calls it, kernels off vs default
+                # experts_gather as the model calls it (default tiles: auto_d_split), kernels off vs on; on is
+                # auto, except for int4, which auto keeps on XLA (moe_decode.maybe_pairs): there the kernel by name
+                on = "interpret" if INTERPRET else ("moe_decode" if fmt == "int4" else "auto")
+
+                def whole_op(on=on):
                     res = {}
-                    for value in ("xla", "interpret" if INTERPRET else "auto"):
+                    for value in ("xla", on):
                         with kernels(value):
                             fn = jax.jit(lambda x, sl, ww, g, d, c: compute.experts_gather(x, sl, ww, g, d, c, fmt))
                             res[f"{value}_out"] = fn(x, slots, w, gu, dn, sc)
                             res[f"{value}_us"] = median_us(fn, x, slots, w, gu, dn, sc)
-                    on = "interpret" if INTERPRET else "auto"
                     res["max_abs_diff"] = maxdiff(res.pop(f"{on}_out"), res.pop("xla_out"))
                     res["speedup"] = res["xla_us"]["median"] / res[f"{on}_us"]["median"]
                     return res
-                check("moe", "experts_gather xla vs auto", whole_op, **info)
+                check("moe", f"experts_gather xla vs {on}", whole_op, kernels=on, **info)
             gu = dn = sc = None  # free the pool before the next one
             gc.collect()
 
@@ -491,6 +517,7 @@ def _smoke():
     FLAGS.prefill_len, FLAGS.e2e_slots = 100, 16
     MOE_TILES[:] = MOE_TILES[:2]
     MOE_TILES_QUANT[:] = MOE_TILES_QUANT[:1]
+    MOE_TILES_INT4[:] = MOE_TILES_INT4[:4]  # d_split 1, 2, 4, 8 (8 is unsupported at D = 256: 32-row parts)
 
 
 def main(argv):

@@ -69,6 +69,30 @@ def test_moe_decode_float32_tiles_and_negative_slots(block_d, block_f, d_split):
     np.testing.assert_array_equal(np.asarray(got[0, 0]), np.asarray(wrapped[0, 0]))
 
 
+@pytest.mark.parametrize("block_d,block_f,d_split,down", [(64, 64, 1, (0, 0)), (64, 64, 2, (0, 0)),
+                                                          (64, 64, 4, (0, 0)), (32, 128, 2, (128, 32))])
+def test_moe_decode_int4_d_split_matches_reference(block_d, block_f, d_split, down):
+    """int4 with the gate/up stage split over D (parts of whole 64-row scale groups; D = 256 is four
+    groups, so d_split 4 gives one group per part) and other tiles: bf16 within the tolerance of
+    the unsplit test above, float32 to ~1e-6 (the float32 sums only change order: the partial sums
+    are added in float32 before the gating, as in the other formats)."""
+    rng = np.random.default_rng(6)
+    gu, dn = _pool(rng, dtype=jnp.float32)
+    qg, sg = quant.quantize("int4", gu, 2)
+    qd, sd = quant.quantize("int4", dn, 1)
+    slots = jnp.asarray([[3, 9, 0], [3, 7, 1]], jnp.int32)
+    tiles = dict(block_d=block_d, block_f=block_f, d_split=d_split, down_cols=down[0], down_rows=down[1])
+    for dtype, tol in ((jnp.bfloat16, 2 / 64), (jnp.float32, 1e-5)):
+        x = jnp.asarray(rng.standard_normal((2, 256)), dtype)
+        ref = compute.gather_outputs_reference(x, slots, qg, qd, (sg, sd), "int4")
+        got = md.moe_decode_pairs(x, slots, qg, qd, (sg, sd), "int4", interpret=True, **tiles)
+        assert got.shape == (2, 3, 256) and got.dtype == dtype
+        assert float(jnp.max(jnp.abs(ref.astype(jnp.float32)))) > 1.0
+        assert _maxdiff(got, ref) <= tol
+    with pytest.raises(ValueError, match="unsupported int4"):  # parts of half a scale group
+        md.moe_decode_pairs(x, slots, qg, qd, (sg, sd), "int4", interpret=True, block_d=32, d_split=8)
+
+
 def test_moe_decode_supported():
     x = jnp.zeros((1, 2048), jnp.bfloat16)
     gu, dn = jnp.zeros((4, 2048, 1536), jnp.bfloat16), jnp.zeros((4, 768, 2048), jnp.bfloat16)
@@ -77,21 +101,74 @@ def test_moe_decode_supported():
     assert md.supported(x, gu[..., :768], dn[..., :1024], "int4")
     assert md.supported(x, gu, dn, "dense", 64, 64, d_split=32) and not md.supported(x, gu, dn, "dense", 64, 64, 64)
     assert not md.supported(x, jnp.zeros((4, 2048, 1200), jnp.bfloat16), jnp.zeros((4, 600, 2048)), "dense")
+    g4, d4 = gu[..., :768], dn[..., :1024]  # int4: d_split parts of whole 64-row scale groups (D = 32 groups)
+    assert all(md.supported(x, g4, d4, "int4", 64, 64, d_split=s) for s in (1, 2, 4, 8, 32))
+    assert not md.supported(x, g4, d4, "int4", 32, 64, d_split=64)  # 32-row parts
+    assert md.supported(x, gu, dn, "dense", 32, 64, d_split=64) and not md.supported(x, gu, dn, "dense", d_split=0)
+    # the down stage's own tile: columns of D per program, rows of F per step (int4: inside a scale group)
+    assert md.supported(x, g4, d4, "int4", down_cols=256, down_rows=32)
+    assert not md.supported(x, g4, d4, "int4", down_rows=128) and md.supported(x, gu, dn, "dense", down_rows=128)
+    assert not md.supported(x, gu, dn, "dense", down_cols=96) and not md.supported(x, g4, d4, "int4", down_cols=1)
 
 
 def test_moe_decode_tiles_env(monkeypatch):
     monkeypatch.delenv(md.TILES_ENV, raising=False)
-    assert md.tiles() == {"block_d": md.BLOCK_D, "block_f": md.BLOCK_F, "num_warps": None, "d_split": md.D_SPLIT}
+    assert md.tiles() == {"block_d": md.BLOCK_D, "block_f": md.BLOCK_F, "num_warps": None, "d_split": md.D_SPLIT,
+                          "down_cols": 0, "down_rows": 0}
     monkeypatch.setenv(md.TILES_ENV, "128,32,8,4")
-    assert md.tiles() == {"block_d": 128, "block_f": 32, "num_warps": 8, "d_split": 4}
+    assert md.tiles() == {"block_d": 128, "block_f": 32, "num_warps": 8, "d_split": 4, "down_cols": 0,
+                          "down_rows": 0}
+    monkeypatch.setenv(md.TILES_ENV, "64,64,0,8,128,32")
+    assert md.tiles() == {"block_d": 64, "block_f": 64, "num_warps": None, "d_split": 8, "down_cols": 128,
+                          "down_rows": 32}
     # batch 1 of qwen3-30b-a3b: 8 pairs x 12 column tiles = 96 programs -> split D in 4 (384)
     assert md.auto_d_split(8, 2048, 768, 64, 64, "dense") == 4
     assert md.auto_d_split(32, 2048, 768, 64, 64, "dense") == 1
-    assert md.auto_d_split(8, 2048, 768, 64, 64, "int4") == 1
     assert md.auto_d_split(1, 128, 768, 64, 64, "dense") == 2  # D = 128 allows no more
-    monkeypatch.setenv(md.TILES_ENV, "128,32")
-    with pytest.raises(ValueError, match="block_d,block_f,num_warps,d_split"):
-        md.tiles()
+    for fmt in ("int8", "fp8", "int4"):
+        assert md.auto_d_split(8, 2048, 768, 64, 64, fmt) == 4 and md.auto_d_split(32, 2048, 768, 64, 64, fmt) == 1
+    assert md.auto_d_split(8, 2048, 768, 32, 64, "int4") == 4
+    assert md.auto_d_split(1, 2048, 768, 64, 128, "int4") == 8  # 6 column tiles: 48 programs -> 8 parts, 384
+    # D = 192: 32-row steps split it in 2 (96 rows each), int4 not (parts of whole 64-row scale groups)
+    assert md.auto_d_split(1, 192, 768, 32, 64, "dense") == 2 and md.auto_d_split(1, 192, 768, 32, 64, "int4") == 1
+    for bad in ("128,32", "64,64,4,4,128"):
+        monkeypatch.setenv(md.TILES_ENV, bad)
+        with pytest.raises(ValueError, match=r"block_d,block_f,num_warps,d_split\[,down_cols,down_rows\]"):
+            md.tiles()
+
+
+def test_moe_decode_maybe_pairs_splits_int4(monkeypatch):
+    """maybe_pairs hands int4 the tiles of FTJAX_MOE_DECODE_TILES and auto_d_split's split like the other
+    formats (it used to force d_split 1); under auto it still keeps int4 on XLA (no GPU here anyway)."""
+    rng = np.random.default_rng(7)
+    gu, dn = _pool(rng, dtype=jnp.float32)
+    qg, sg = quant.quantize("int4", gu, 2)
+    qd, sd = quant.quantize("int4", dn, 1)
+    x = jnp.asarray(rng.standard_normal((1, 256)), jnp.float32)
+    slots = jnp.asarray([[3, 9]], jnp.int32)
+    calls = []
+    real = md.moe_decode_pairs
+
+    def spy(*args, **kw):
+        calls.append(kw)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(md, "moe_decode_pairs", spy)
+    monkeypatch.setenv(select.ENV, "moe_decode")  # named: interpreted on the CPU
+    monkeypatch.delenv(md.TILES_ENV, raising=False)
+    ref = compute.gather_outputs_reference(x, slots, qg, qd, (sg, sd), "int4")
+    got = md.maybe_pairs(x, slots, qg, qd, (sg, sd), "int4")  # 2 pairs x 2 column tiles: D = 256 in 4 parts
+    assert calls[-1]["d_split"] == 4 and calls[-1]["interpret"]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    monkeypatch.setenv(md.TILES_ENV, "64,64,0,2,128,32")
+    md.maybe_pairs(x, slots, qg, qd, (sg, sd), "int4")
+    assert {k: calls[-1][k] for k in ("d_split", "down_cols", "down_rows")} == {"d_split": 2, "down_cols": 128,
+                                                                               "down_rows": 32}
+    monkeypatch.setenv(md.TILES_ENV, "32,64,0,8")  # 32-row parts: not supported for int4 -> the reference
+    assert md.maybe_pairs(x, slots, qg, qd, (sg, sd), "int4") is None and len(calls) == 2
+    monkeypatch.setenv(select.ENV, "auto")
+    monkeypatch.delenv(md.TILES_ENV)
+    assert md.maybe_pairs(x, slots, qg, qd, (sg, sd), "int4") is None and len(calls) == 2
 
 
 def test_experts_gather_uses_kernel_only_when_selected(monkeypatch):
@@ -213,6 +290,11 @@ def test_kernels_lower_for_cuda_at_real_shapes():
                       sd((1, 8), jnp.int32), sd((S, D, F), u8), sd((S, F, D // 2), u8), sd((S, D // 64, 2 * F), f32),
                       sd((S, F // 64, D), f32))
     assert txt.count("__gpu$xla.gpu.triton") == 2
+    for tiles in ({"d_split": 4}, {"d_split": 8, "block_f": 128, "down_cols": 128, "down_rows": 32}):
+        txt = _lower_cuda(lambda x, s, g, d, a, b, t=tiles: md.moe_decode_pairs(x, s, g, d, (a, b), "int4", **t),
+                          sd((1, D), bf), sd((1, 8), jnp.int32), sd((S, D, F), u8), sd((S, F, D // 2), u8),
+                          sd((S, D // 64, 2 * F), f32), sd((S, F // 64, D), f32))
+        assert txt.count("__gpu$xla.gpu.triton") == 2
     cache = sd((48, 1, 8192, 4, 128), bf)
     txt = _lower_cuda(lambda q, k, v, n: da.decode_attention(q, k, v, 3, n), sd((1, 1, 32, 128), bf), cache, cache,
                       sd((1,), jnp.int32))

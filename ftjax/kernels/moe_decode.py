@@ -11,15 +11,19 @@ elementwise multiply + reduce fusions. Here two Pallas kernels compute the same 
    ``block_d`` input rows, accumulates in float32 the gate columns ``[j*bf, (j+1)*bf)`` and the
    matching up columns ``F + ...`` of ``gate_up[slot]`` against token ``p // k``; then
    ``h = silu(gate) * up`` ([P, F], the input dtype).
-2. down: grid (P, D / block_d). Program (p, j) accumulates ``h[p] @ down[slot][:, j*bd:(j+1)*bd]``
-   over F in steps of ``block_f``.
+2. down: grid (P, D / block_f). Program (p, j) accumulates ``h[p] @ down[slot][:, j*bf:(j+1)*bf]``
+   over F in steps of ``block_d`` rows (the gate/up tile transposed; ``down_cols`` / ``down_rows``
+   set the down tile apart).
 
 With ``d_split > 1`` the gate/up stage also splits the D input rows over that many programs
-(grid (P, F / block_f, d_split)) and adds their float32 partial sums before the gating: at batch
-1 there are only 8 pairs, and more programs keep more loads in flight. The model's calls take
-their tiles from ``FTJAX_MOE_DECODE_TILES="block_d,block_f,num_warps,d_split"`` (trace time;
-:func:`tiles`), else the module defaults, whose d_split gives the gate/up stage at least 256
-programs (:func:`auto_d_split`: 4 at batch 1 of qwen3-30b-a3b, 1 from batch 4);
+(grid (P, F / block_f, d_split)) and writes their float32 partial sums of gate and up; outside
+the kernel they are added up in float32 and then gated (``_silu_mul``, the same roundings to the
+input dtype as with one part), in every format including int4, so a split changes only the
+float32 summation order. At batch 1 there are only 8 pairs, and more programs keep more loads in
+flight. The model's calls take their tiles from
+``FTJAX_MOE_DECODE_TILES="block_d,block_f,num_warps,d_split[,down_cols,down_rows]"`` (trace
+time; :func:`tiles`), else the module defaults, whose d_split gives the gate/up stage at least
+256 programs (:func:`auto_d_split`: 4 at batch 1 of qwen3-30b-a3b, 1 from batch 4; for int4 too);
 ``experiments/check_kernels_gpu.py`` sweeps them.
 
 Each weight byte is read once (decode is a batched GEMV, bandwidth-bound: the matrix-vector
@@ -32,7 +36,10 @@ multiplies each column's float32 accumulator by its per-column scale at the end;
 multiplies each tile's partial sum by its 128x128 block scale (tiles must not straddle blocks).
 ``int4`` unpacks each byte's two nibbles (even, odd column) and accumulates even and odd
 columns apart, with their scales read through a free reshape of the scales ``[..., 2F]`` ->
-``[..., F, 2]`` (row steps stay inside one 64-row scale group), so no interleave is needed.
+``[..., F, 2]``, so no interleave is needed. Its loops run over the 64-row scale groups (a
+d_split part is whole groups): the row steps of a group (64 / block_d of them) are summed unscaled
+and the group's scales read and multiplied once per column (with block_d = 64, the default, a step
+is a group).
 
 Backend choice: the kernels use only generic Pallas primitives (whole-array refs indexed with
 ``pl.ds`` and a slot id read from a ref, ``lax.fori_loop``), so they run on the CPU in interpret
@@ -69,27 +76,27 @@ FORMATS = ("dense", "int8", "fp8", "int4")
 
 
 def supported(x: jax.Array, gate_up: jax.Array, down: jax.Array, fmt: str, block_d: int = BLOCK_D,
-              block_f: int = BLOCK_F, d_split: int = 1) -> bool:
+              block_f: int = BLOCK_F, d_split: int = 1, down_cols: int = 0, down_rows: int = 0) -> bool:
     """True when the kernels handle these operands: format in :data:`FORMATS`, float x, power-of-two
     tiles dividing D (times d_split) and F, fp8 tiles inside its 128x128 blocks, int4 row steps inside
-    its 64-row groups."""
+    its 64-row groups and each of its d_split parts whole groups. down_cols / down_rows: the down
+    stage's tile (0: block_f, block_d; see :func:`moe_decode_pairs`)."""
     d, f = x.shape[-1], down.shape[1]
-    if fmt not in FORMATS or not jnp.issubdtype(x.dtype, jnp.floating):
+    if fmt not in FORMATS or not jnp.issubdtype(x.dtype, jnp.floating) or d_split < 1:
         return False
     packed = 2 if fmt == "int4" else 1  # int4: two columns per byte
     if gate_up.shape[1:] != (d, 2 * f // packed) or down.shape[2] != d // packed:
         return False
-    tiles = [min(block_d, d), min(block_f, f), min(block_d, f), min(block_f, d)]
-    if any(t & (t - 1) for t in tiles) or d % (tiles[0] * d_split) or f % tiles[1] or f % tiles[2] or d % tiles[3]:
-        return False
-    if fmt == "int4" and d_split != 1:
+    tiles = [min(block_d, d), min(block_f, f), min(down_rows or block_d, f), min(down_cols or block_f, d)]
+    if (any(t < 1 or t & (t - 1) for t in tiles) or d % (tiles[0] * d_split) or f % tiles[1] or f % tiles[2]
+            or d % tiles[3]):
         return False
     if fmt == "fp8":
         return d % FP8_BLOCK == 0 and f % FP8_BLOCK == 0 and all(FP8_BLOCK % t == 0 for t in tiles)
-    if fmt == "int4":  # input-row steps inside one scale group; output tiles of whole column pairs
-        g = quant.INT4_GROUP
-        return (d % g == 0 and f % g == 0 and g % tiles[0] == 0 and g % tiles[2] == 0 and tiles[1] >= 2
-                and tiles[3] >= 2)
+    if fmt == "int4":  # input-row steps inside one scale group, d_split parts of whole groups; output tiles
+        g = quant.INT4_GROUP  # of whole column pairs
+        return (d % (g * d_split) == 0 and f % g == 0 and g % tiles[0] == 0 and g % tiles[2] == 0
+                and tiles[1] >= 2 and tiles[3] >= 2)
     return True
 
 
@@ -162,55 +169,80 @@ def _nibbles(q: jax.Array) -> tuple[jax.Array, jax.Array]:
     return ((q & 0xF) - 8).astype(jnp.float32), ((q >> 4) - 8).astype(jnp.float32)
 
 
-def _gate_up_kernel_int4(slots_ref, x_ref, gu_ref, s_ref, h_ref, *, k, f, bd, bf):
+def _gate_up_kernel_int4(slots_ref, x_ref, gu_ref, s_ref, *outs, k, f, bd, bf, split):
     """int4: gu_ref uint8 [S, D, F] (two columns per byte), s_ref [S, D/64, F, 2] (the scales
-    [S, D/64, 2F] with each column pair split into (even, odd)), h_ref [P, F/2, 2] (h with its
-    column pairs split the same way). Even and odd columns are accumulated apart, so no
-    interleaving (and no strided access) is needed."""
-    p, j = pl.program_id(0), pl.program_id(1)
+    [S, D/64, 2F] with each column pair split into (even, odd)). Even and odd columns are
+    accumulated apart, so no interleaving (and no strided access) is needed.
+
+    The loop runs over 64-row scale groups (program ``part`` of ``split`` takes groups
+    ``[part * D/64/split, (part+1) * D/64/split)``); a group's ``64 / bd`` row steps are summed
+    unscaled and multiplied by the group's scales once (one scale read per group and column,
+    whatever bd; with bd = 64 a step is a group). Output: split 1: h_ref [P, F/2, 2] (h with its
+    column pairs split the same way); split > 1: float32 partial sums of gate and up, each
+    [split, P, 2, F/2] (even columns, then odd), added up and gated outside."""
+    p, j, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     slot = slots_ref[p]
     n = p // k
     half = bf // 2
     c0 = j * half  # first column pair of the tile
-    d_steps = x_ref.shape[1] // bd
-
-    def part(xb, d0, pair0):
-        lo, hi = _nibbles(gu_ref[slot, pl.ds(d0, bd), pl.ds(pair0, half)])
-        g = d0 // quant.INT4_GROUP
-        return (jnp.sum(xb * lo, axis=0) * s_ref[slot, g, pl.ds(pair0, half), 0],
-                jnp.sum(xb * hi, axis=0) * s_ref[slot, g, pl.ds(pair0, half), 1])
+    grp_rows = quant.INT4_GROUP
+    groups = x_ref.shape[1] // (grp_rows * split)  # scale groups of this program
 
     def body(i, carry):
-        d0 = i * bd
-        xb = x_ref[n, pl.ds(d0, bd)].astype(jnp.float32)[:, None]
-        ge, go = part(xb, d0, c0)
-        ue, uo = part(xb, d0, f // 2 + c0)
-        return carry[0] + ge, carry[1] + go, carry[2] + ue, carry[3] + uo
+        grp = part * groups + i
+        acc = None
+        for sub in range(grp_rows // bd):  # the group's row steps, unscaled
+            d0 = grp * grp_rows + sub * bd
+            xb = x_ref[n, pl.ds(d0, bd)].astype(jnp.float32)[:, None]
+            sums = []
+            for pair0 in (c0, f // 2 + c0):  # gate, up
+                lo, hi = _nibbles(gu_ref[slot, pl.ds(d0, bd), pl.ds(pair0, half)])
+                sums += [jnp.sum(xb * lo, axis=0), jnp.sum(xb * hi, axis=0)]
+            acc = sums if acc is None else [a + b for a, b in zip(acc, sums)]
+        ge, go, ue, uo = acc
+        return (carry[0] + ge * s_ref[slot, grp, pl.ds(c0, half), 0],
+                carry[1] + go * s_ref[slot, grp, pl.ds(c0, half), 1],
+                carry[2] + ue * s_ref[slot, grp, pl.ds(f // 2 + c0, half), 0],
+                carry[3] + uo * s_ref[slot, grp, pl.ds(f // 2 + c0, half), 1])
 
     zeros = jnp.zeros((half,), jnp.float32)
-    ge, go, ue, uo = lax.fori_loop(0, d_steps, body, (zeros,) * 4)
-    h_ref[p, pl.ds(c0, half), 0] = _silu_mul(ge, ue, h_ref.dtype)
-    h_ref[p, pl.ds(c0, half), 1] = _silu_mul(go, uo, h_ref.dtype)
+    ge, go, ue, uo = lax.fori_loop(0, groups, body, (zeros,) * 4)
+    if split == 1:
+        h_ref = outs[0]
+        h_ref[p, pl.ds(c0, half), 0] = _silu_mul(ge, ue, h_ref.dtype)
+        h_ref[p, pl.ds(c0, half), 1] = _silu_mul(go, uo, h_ref.dtype)
+    else:  # partial sums, added up (and gated) outside; even and odd columns in contiguous rows
+        g_ref, u_ref = outs
+        g_ref[part, p, 0, pl.ds(c0, half)] = ge
+        g_ref[part, p, 1, pl.ds(c0, half)] = go
+        u_ref[part, p, 0, pl.ds(c0, half)] = ue
+        u_ref[part, p, 1, pl.ds(c0, half)] = uo
 
 
 def _down_kernel_int4(slots_ref, h_ref, dn_ref, s_ref, y_ref, *, bd, bf):
-    """int4: dn_ref uint8 [S, F, D/2], s_ref [S, F/64, D/2, 2], y_ref [P, D/2, 2]."""
+    """int4: dn_ref uint8 [S, F, D/2], s_ref [S, F/64, D/2, 2], y_ref [P, D/2, 2]. Like the gate/up
+    kernel, the loop runs over 64-row scale groups of F and scales each group's unscaled sum of its
+    ``64 / bf`` row steps once."""
     p, j = pl.program_id(0), pl.program_id(1)
     slot = slots_ref[p]
     half = bd // 2
     c0 = j * half
-    f_steps = h_ref.shape[1] // bf
+    grp_rows = quant.INT4_GROUP
+    groups = h_ref.shape[1] // grp_rows
 
-    def body(i, carry):
-        f0 = i * bf
-        hb = h_ref[p, pl.ds(f0, bf)].astype(jnp.float32)[:, None]
-        lo, hi = _nibbles(dn_ref[slot, pl.ds(f0, bf), pl.ds(c0, half)])
-        g = f0 // quant.INT4_GROUP
-        return (carry[0] + jnp.sum(hb * lo, axis=0) * s_ref[slot, g, pl.ds(c0, half), 0],
-                carry[1] + jnp.sum(hb * hi, axis=0) * s_ref[slot, g, pl.ds(c0, half), 1])
+    def body(grp, carry):
+        acc = None
+        for sub in range(grp_rows // bf):
+            f0 = grp * grp_rows + sub * bf
+            hb = h_ref[p, pl.ds(f0, bf)].astype(jnp.float32)[:, None]
+            lo, hi = _nibbles(dn_ref[slot, pl.ds(f0, bf), pl.ds(c0, half)])
+            sums = (jnp.sum(hb * lo, axis=0), jnp.sum(hb * hi, axis=0))
+            acc = sums if acc is None else (acc[0] + sums[0], acc[1] + sums[1])
+        return (carry[0] + acc[0] * s_ref[slot, grp, pl.ds(c0, half), 0],
+                carry[1] + acc[1] * s_ref[slot, grp, pl.ds(c0, half), 1])
 
     zeros = jnp.zeros((half,), jnp.float32)
-    ye, yo = lax.fori_loop(0, f_steps, body, (zeros, zeros))
+    ye, yo = lax.fori_loop(0, groups, body, (zeros, zeros))
     y_ref[p, pl.ds(c0, half), 0] = ye.astype(y_ref.dtype)
     y_ref[p, pl.ds(c0, half), 1] = yo.astype(y_ref.dtype)
 
@@ -221,11 +253,12 @@ def _compiler_params(num_warps: int | None, num_stages: int | None):
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "interpret", "block_d", "block_f", "num_warps", "num_stages",
-                                             "d_split"))
+                                             "d_split", "down_cols", "down_rows"))
 def moe_decode_pairs(x: jax.Array, slots: jax.Array, gate_up: jax.Array, down: jax.Array,
                      scales: tuple | None = None, fmt: str = "dense", *, interpret: bool = False,
                      block_d: int = BLOCK_D, block_f: int = BLOCK_F, num_warps: int | None = None,
-                     num_stages: int | None = None, d_split: int = 1) -> jax.Array:
+                     num_stages: int | None = None, d_split: int = 1, down_cols: int = 0,
+                     down_rows: int = 0) -> jax.Array:
     """Per-(token, k) expert outputs [N, k, D] in x's dtype, weights read from the pool by slot.
 
     x: [N, D] float; slots: int32 [N, k] pool slots (negative ids wrap and out-of-range ids clamp,
@@ -233,15 +266,22 @@ def moe_decode_pairs(x: jax.Array, slots: jax.Array, gate_up: jax.Array, down: j
     scales: the pool's (gate_up, down) float32 scales for a quantized ``fmt`` (int8: [S, 1, 2F]
     and [S, 1, D]; fp8: [S, D/128, 2F/128] and [S, F/128, D/128]; int4: uint8 pools [S, D, F] and
     [S, F, D/2] with scales [S, D/64, 2F] and [S, F/64, D]). interpret: run the kernels in
-    Pallas interpret mode (CPU). block_d / block_f: tile sizes (powers of two); num_warps /
-    num_stages: Triton compiler parameters on the GPU (None: its defaults); d_split: the gate/up
-    stage splits the D input rows over this many programs (more parallelism at batch 1), whose
-    float32 partial sums are added up before the gating (int4: 1 only).
+    Pallas interpret mode (CPU). block_d / block_f: the gate/up stage's tile (block_d input rows
+    per step, block_f output columns per program; powers of two); down_cols / down_rows: the down
+    stage's tile (output columns of D per program, rows of F per step; 0 = block_f / block_d, the
+    same tile transposed); num_warps / num_stages: Triton compiler parameters on the GPU (None: its
+    defaults), for both stages; d_split: the gate/up stage splits the D input rows over this many
+    programs (more parallelism at batch 1; int4: parts of whole 64-row scale groups), whose float32
+    partial sums are added up in float32 before the gating, in every format (so a split changes
+    only the float32 summation order of gate and up, not where they are rounded to x's dtype).
+
     Raises:
-      ValueError: int4 with d_split > 1.
+      ValueError: operands or tiles that :func:`supported` rejects.
     """
-    if fmt == "int4" and d_split != 1:
-        raise ValueError("the int4 kernel has no d_split")
+    if not supported(x, gate_up, down, fmt, block_d, block_f, d_split, down_cols, down_rows):
+        raise ValueError(f"moe_decode: unsupported {fmt} operands or tiles (x {x.shape}, gate_up {gate_up.shape}, "
+                         f"down {down.shape}, block_d={block_d} block_f={block_f} d_split={d_split} "
+                         f"down_cols={down_cols} down_rows={down_rows})")
     n, k = slots.shape
     d, f = x.shape[1], down.shape[1]
     s_pool = gate_up.shape[0]
@@ -253,14 +293,21 @@ def moe_decode_pairs(x: jax.Array, slots: jax.Array, gate_up: jax.Array, down: j
     extra_d = () if fmt == "dense" else (sd.astype(jnp.float32),)
     params = None if interpret else _compiler_params(num_warps, num_stages)
     bf1, bd1 = min(block_f, f), min(block_d, d)
-    bd2, bf2 = min(block_f, d), min(block_d, f)
+    bd2, bf2 = min(down_cols or block_f, d), min(down_rows or block_d, f)
     if fmt == "int4":
         s_pool4 = lambda a: a.astype(jnp.float32).reshape(a.shape[:-1] + (a.shape[-1] // 2, 2))  # noqa: E731
+        part4 = jax.ShapeDtypeStruct((d_split, pairs, 2, f // 2), jnp.float32)
         h = pl.pallas_call(
-            functools.partial(_gate_up_kernel_int4, k=k, f=f, bd=bd1, bf=bf1),
-            out_shape=jax.ShapeDtypeStruct((pairs, f // 2, 2), x.dtype), grid=(pairs, f // bf1),
-            interpret=interpret, compiler_params=params, name="moe_decode_gate_up_int4",
-        )(flat, x, gate_up, s_pool4(sg)).reshape(pairs, f)
+            functools.partial(_gate_up_kernel_int4, k=k, f=f, bd=bd1, bf=bf1, split=d_split),
+            out_shape=jax.ShapeDtypeStruct((pairs, f // 2, 2), x.dtype) if d_split == 1 else (part4, part4),
+            grid=(pairs, f // bf1, d_split), interpret=interpret, compiler_params=params,
+            name="moe_decode_gate_up_int4",
+        )(flat, x, gate_up, s_pool4(sg))
+        if d_split == 1:
+            h = h.reshape(pairs, f)
+        else:  # [split, P, 2, F/2] -> [P, F] (columns 2c, 2c + 1 = even, odd of pair c), then as split 1
+            g, u = (jnp.swapaxes(jnp.sum(a, axis=0), 1, 2).reshape(pairs, f) for a in h)
+            h = _silu_mul(g, u, x.dtype)
         y = pl.pallas_call(
             functools.partial(_down_kernel_int4, bd=bd2, bf=bf2),
             out_shape=jax.ShapeDtypeStruct((pairs, d // 2, 2), x.dtype), grid=(pairs, d // bd2),
@@ -287,30 +334,39 @@ TILES_ENV = "FTJAX_MOE_DECODE_TILES"
 
 
 def tiles() -> dict:
-    """The tiles the model's calls use: ``FTJAX_MOE_DECODE_TILES="block_d,block_f,num_warps,d_split"``
-    (read at trace time; num_warps 0 = Triton's default, d_split 0 = :func:`auto_d_split`), else
-    the module defaults.
+    """The tiles the model's calls use:
+    ``FTJAX_MOE_DECODE_TILES="block_d,block_f,num_warps,d_split[,down_cols,down_rows]"`` (read at
+    trace time; num_warps 0 = Triton's default, d_split 0 = :func:`auto_d_split`, down_cols /
+    down_rows 0 or left out = the gate/up tile transposed), else the module defaults.
 
     Raises:
       ValueError: a malformed value.
     """
     v = os.environ.get(TILES_ENV, "")
     if not v:
-        return {"block_d": BLOCK_D, "block_f": BLOCK_F, "num_warps": None, "d_split": D_SPLIT}
+        return {"block_d": BLOCK_D, "block_f": BLOCK_F, "num_warps": None, "d_split": D_SPLIT, "down_cols": 0,
+                "down_rows": 0}
     try:
-        bd, bf, nw, ds = (int(a) for a in v.split(","))
+        vals = [int(a) for a in v.split(",")]
+        if len(vals) not in (4, 6):
+            raise ValueError
     except ValueError:
-        raise ValueError(f"{TILES_ENV}={v!r}: expected block_d,block_f,num_warps,d_split") from None
-    return {"block_d": bd, "block_f": bf, "num_warps": nw or None, "d_split": ds}
+        raise ValueError(f"{TILES_ENV}={v!r}: expected block_d,block_f,num_warps,d_split[,down_cols,down_rows]"
+                         ) from None
+    bd, bf, nw, ds, dc, dr = vals + [0] * (6 - len(vals))
+    return {"block_d": bd, "block_f": bf, "num_warps": nw or None, "d_split": ds, "down_cols": dc, "down_rows": dr}
 
 
 def auto_d_split(pairs: int, d: int, f: int, block_d: int, block_f: int, fmt: str) -> int:
     """The smallest power-of-two d_split (at most 8) that gives the gate/up stage at least
-    :data:`MIN_PROGRAMS` programs, within what D allows; 1 for int4 and when there are enough."""
+    :data:`MIN_PROGRAMS` programs, within what D allows (parts of whole block_d steps; int4: of
+    whole 64-row scale groups); 1 when there are enough."""
     programs = pairs * (f // min(block_f, f))
+    rows = min(block_d, d)
+    if fmt == "int4":
+        rows = max(rows, quant.INT4_GROUP)
     split = 1
-    while (fmt != "int4" and programs * split < MIN_PROGRAMS and split < 8
-           and d % (min(block_d, d) * split * 2) == 0):
+    while programs * split < MIN_PROGRAMS and split < 8 and d % (rows * split * 2) == 0:
         split *= 2
     return split
 
@@ -320,14 +376,13 @@ def maybe_pairs(x: jax.Array, slots: jax.Array, gate_up: jax.Array, down: jax.Ar
     """The kernel's per-pair outputs [N, k, D] when ``FTJAX_KERNELS`` selects it for these operands
     (``ftjax.kernels.select``), else None (the caller runs its jnp reference)."""
     t = tiles()
-    if fmt == "int4":
-        t["d_split"] = 1
-    elif t["d_split"] == 0:
+    if t["d_split"] == 0:
         t["d_split"] = auto_d_split(slots.size, x.shape[-1], down.shape[1], t["block_d"], t["block_f"], fmt)
-    # int4 under auto: XLA. With this kernel the int4 cached decode step at 8 GB got slower (62.0 -> 51.3
-    # tok/s on the H200, while int8 went 59.3 -> 68.0), so its unpacking is not yet worth it.
-    how = select.mode("moe_decode", supported(x, gate_up, down, fmt, t["block_d"], t["block_f"], t["d_split"]),
-                      auto=fmt != "int4")
+    ok = supported(x, gate_up, down, fmt, t["block_d"], t["block_f"], t["d_split"], t["down_cols"], t["down_rows"])
+    # int4 under auto: XLA. With the kernel of before its d_split (96 gate/up programs at batch 1) the int4
+    # cached decode step at 8 GB got slower (62.0 -> 51.3 tok/s on the H200, while int8 went 59.3 -> 68.0).
+    # Once experiments/check_kernels_gpu.py shows the split kernel faster, this line becomes auto=True.
+    how = select.mode("moe_decode", ok, auto=fmt != "int4")
     if how == "xla":
         return None
     return moe_decode_pairs(x, slots, gate_up, down, scales, fmt, interpret=how == "interpret", **t)

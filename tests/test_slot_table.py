@@ -859,7 +859,18 @@ def test_impls_bit_identical_inside_lax_scan(policy):
         _assert_bit_identical(run(impl), want, impl)
 
 
-def test_order_impl_default_and_unknown_impl():
-    assert ORDER_IMPL in ORDER_IMPLS and ORDER_IMPLS[0] == "sort"
+def test_order_impl_default_and_unknown_impl(monkeypatch):
+    """The default "auto" is the sort on the CPU (rank writes an [S, S] count to memory there) and
+    rank on an accelerator (ab_slot_table on the H200); both give the reference's result."""
+    assert ORDER_IMPL == "auto" and ORDER_IMPLS[0] == "sort"
+    table, routed = init_slot_table(2, 4, 6), jnp.array([1, 0, 1, 1], bool)
+    seen = []
+    for backend, impl in (("cpu", "sort"), ("gpu", "rank")):
+        monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
+        got = lookup_layer(table, 1, routed, 4)
+        _assert_bit_identical(got, lookup_layer(table, 1, routed, 4, impl=impl), f"auto on {backend}")
+        seen.append(jax.make_jaxpr(lambda t: lookup_layer(t, 1, routed, 4))(table))
+    # the two defaults trace different programs: the CPU's has a sort, the accelerator's none
+    assert " sort[" in str(seen[0]) and " sort[" not in str(seen[1])
     with pytest.raises(ValueError, match="unknown slot table impl"):
         lookup_layer(init_slot_table(2, 4, 4), 0, jnp.ones(4, bool), 4, impl="bogus")

@@ -289,14 +289,18 @@ def eviction_order(table: SlotTable, layer: jax.Array, protected: jax.Array, num
 
 ORDER_IMPLS = ("sort", "lexsort", "top_k", "rank")
 
-ORDER_IMPL = "rank"
+ORDER_IMPL = "auto"
 """How :func:`lookup_layer` finds the slots misses take and updates the table when its ``impl`` is
-None (the default): one of :data:`ORDER_IMPLS`. Read when the call is traced, so set it before the
-first trace of a jitted caller (a compiled program keeps the implementation it was traced with).
-Every implementation returns a bit-identical :class:`LayerLookup` for every policy on every table
-that keeps :class:`SlotTable`'s invariant (tests/test_slot_table.py); they differ only in kernels
-and time (``experiments/ab_slot_table.py`` measures them). The default is chosen for the GPU: on
-the CPU, XLA materializes the [S, S] count of ``"rank"`` and a sort is faster.
+None (the default): one of :data:`ORDER_IMPLS`, or ``"auto"``: ``"rank"`` on an accelerator,
+``"sort"`` on the CPU (the backend jax uses by default when the call is traced). Read when the call
+is traced, so set it before the first trace of a jitted caller (a compiled program keeps the
+implementation it was traced with). Every implementation returns a bit-identical
+:class:`LayerLookup` for every policy on every table that keeps :class:`SlotTable`'s invariant
+(tests/test_slot_table.py); they differ only in kernels and time (``experiments/ab_slot_table.py``;
+``experiments/results/ab_slot_table_qwen3-30b-a3b_h200_2026-12-01.json``, S=1975, E=128, us per
+layer on an H200, LRU / lookahead: sort 50.2 / 69.3, lexsort 47.9 / 54.0, top_k 45.4 / 55.8, rank
+30.6 / 32.9; on this project's 2-core CPU: sort 75 / 253, rank 3479 / 2538, since XLA:CPU writes the
+[S, S] count of ``"rank"`` to memory).
 
 * ``"sort"``: the reference: :func:`eviction_order` (a full stable argsort of the S slots, two for
   ``lookahead``), then one scatter per table update (seven in all).
@@ -420,6 +424,8 @@ def lookup_layer(
     if policy not in POLICIES:
         raise ValueError(f"unknown cache policy {policy!r}; expected one of {POLICIES}")
     impl = ORDER_IMPL if impl is None else impl
+    if impl == "auto":
+        impl = "sort" if jax.default_backend() == "cpu" else "rank"
     if impl not in ORDER_IMPLS:
         raise ValueError(f"unknown slot table impl {impl!r}; expected one of {ORDER_IMPLS}")
     routed = jnp.asarray(routed)

@@ -311,6 +311,31 @@ def test_check_oracle_gpu_smoke(tmp_path):
     assert bf["generated_ids"][0] == bf["expected_ids"][0] and 1e-3 < bf["max_abs_err"] < 0.1 * bf["max_abs_logit"]
 
 
+def test_check_reuse_gpu_smoke(tmp_path):
+    """The reuse check at tiny-hybrid size (15 chunks of 64 stored in calls of 512 + 448, passed as
+    16): on the CPU the reuse is bit-identical to the recompute cut where it cuts (bfloat16 too:
+    tests/test_hybrid_reuse_scale.py), and the stored entries equal the recomputed state; the planted
+    stale state moves the logits in the slow-decay case."""
+    d = _run("check_reuse_gpu", tmp_path, "--preset=tiny-hybrid", "--num_layers=0", "--prefix_tokens=960",
+             "--prompt_tokens=1024", "--chunk_tokens=64", "--prefill_chunk=512", "--expert_slots=40",
+             "--cases=preset_float32,preset_float32_slow", "--other_cuts=before")
+    assert _meta(d)["device"] and "partial" not in d
+    rows = {r["case"]: r for r in d["results"]}
+    assert set(rows) == {"preset_float32", "preset_float32_slow"}
+    for r in rows.values():
+        assert "error" not in r, r
+        assert r["reuse_request"]["prefix_chunks_passed"] == 16 and r["reuse_request"]["reused_tokens"] == 960
+        assert r["calls"]["store"] == [0, 512] and r["calls"]["cut_recompute"] == [0, 512, 960]
+        assert r["vs_cut_recompute"]["max_abs_diff"] == 0 and r["cut_recompute_repeat"]["max_abs_diff"] == 0
+        assert r["vs_recompute"]["max_abs_diff"] == r["cut_recompute_vs_recompute"]["max_abs_diff"]
+        assert [s["end"] for s in r["stored_state"]] == [512, 960]
+        assert all(s["kv_max_abs_diff"] == s["conv_max_abs_diff"] == s["rec_max_abs_diff"] == 0
+                   for s in r["stored_state"])
+    assert rows["preset_float32"]["vs_recompute"]["max_abs_diff"] < 1e-4
+    assert rows["preset_float32_slow"]["control_stale_state"]["max_abs_diff"] > 0.05
+    assert d["summary"]["verdict"].startswith("(b)")
+
+
 def test_check_oracle_gpu_exits_nonzero_on_a_float32_failure(tmp_path):
     """A float32 case outside the tolerance fails the run (exit 1, case named): a copy of the
     fixture whose expected logit at one step is moved by 1e-3 (the tolerance there is 1.7e-4)."""

@@ -473,8 +473,10 @@ def run() -> dict:
     ec = engine.expert_cache_metrics()
     print(f"TTFT {res.ttft_s * 1e3:.1f} ms | prefill {res.prefill_tokens_per_s:.1f} tokens/s | "
           f"decode {res.decode_tokens_per_s:.2f} tokens/s | compile {res.compile_s:.1f} s (excluded)")
-    print(f"expert cache: {ec['slots']} slots, hit rate {ec['hit_rate']:.3f} "
-          f"(decode {ec['decode']['hit_rate']:.3f}), {ec['misses']} misses, "
+    # on_demand keeps no cache between steps: a hit rate of 0 would read as a cache that never hits
+    cache = ("experts on demand (no cache kept between steps)" if ec["mode"] == "on_demand" else
+             f"expert cache: {ec['slots']} slots, hit rate {ec['hit_rate']:.3f} (decode {ec['decode']['hit_rate']:.3f})")
+    print(f"{cache}, {ec['misses']} misses, "
           f"{ec['bytes_h2d'] / 1e6:.1f} MB host-to-device"
           + (f", {ec['bytes_d2d'] / 1e6:.1f} MB device-to-device ({ec['d2d_copies']} cached experts into streamed "
              f"layers)" if ec["d2d_copies"] else ""))
@@ -498,8 +500,10 @@ def run() -> dict:
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    if len(argv) > 1:  # one line, not absl's whole usage text
+        print(f"ftjax.generate: error: unexpected arguments: {' '.join(argv[1:])} (flags take the form "
+              "--name=value; --helpshort lists them)", file=sys.stderr)
+        sys.exit(1)
     if logging.get_verbosity() == logging.INFO:  # absl's default: hide JAX's backend probing notes
         logging.set_verbosity(logging.WARNING)
     from ftjax.experts.cpu_experts import CALLBACK_IMPLS, HostViewError, use_sync_cpu_dispatch

@@ -76,6 +76,7 @@ def test_default_demo_runs_with_cache_smaller_than_pool(tmp_path):
     (["--prompt_len=0"], "--prompt_len must be >= 1"),
     (["--seed=99999999999999999999"], "--seed must be in"),
     (["--logits_npy=/nonexistent/l.npy"], "not a writable file path"),
+    (["stray"], "unexpected arguments: stray"),
 ])
 def test_bad_input_one_line_error(args, message, tmp_path):
     metrics = tmp_path / "m.json"
@@ -83,6 +84,7 @@ def test_bad_input_one_line_error(args, message, tmp_path):
     assert r.returncode == 1
     assert message in r.stderr
     assert "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) <= 3  # the error, not a usage text
     assert not metrics.exists()  # nothing half-written
 
 
@@ -117,3 +119,9 @@ def test_sharded_checkpoint_same_weights_as_single():
     np.testing.assert_array_equal(np.asarray(single.host_gate_up), np.asarray(sharded.host_gate_up))
     np.testing.assert_array_equal(np.asarray(single.params["lm_head"]), np.asarray(sharded.params["lm_head"]))
     assert sharded.host_gate_up.sharding.memory_kind in ("pinned_host", "unpinned_host")
+
+
+def test_on_demand_run_reports_no_cache_instead_of_a_zero_hit_rate():
+    r = _run("--preset=tiny", "--experts=on_demand", "--max_new_tokens=3", "--prompt_len=8")
+    assert r.returncode == 0, r.stderr
+    assert "experts on demand (no cache kept between steps)" in r.stdout and "hit rate" not in r.stdout

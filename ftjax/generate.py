@@ -475,7 +475,8 @@ def run() -> dict:
           f"decode {res.decode_tokens_per_s:.2f} tokens/s | compile {res.compile_s:.1f} s (excluded)")
     # on_demand keeps no cache between steps: a hit rate of 0 would read as a cache that never hits
     cache = ("experts on demand (no cache kept between steps)" if ec["mode"] == "on_demand" else
-             f"expert cache: {ec['slots']} slots, hit rate {ec['hit_rate']:.3f} (decode {ec['decode']['hit_rate']:.3f})")
+             f"expert cache: {ec['slots']} slots, hit rate {ec['hit_rate']:.3f} "
+             f"(decode {ec['decode']['hit_rate']:.3f})")
     print(f"{cache}, {ec['misses']} misses, "
           f"{ec['bytes_h2d'] / 1e6:.1f} MB host-to-device"
           + (f", {ec['bytes_d2d'] / 1e6:.1f} MB device-to-device ({ec['d2d_copies']} cached experts into streamed "

@@ -410,6 +410,13 @@ def run_cases(cases: list[str], progress=lambda rows, partial: None) -> list[dic
     start = time.perf_counter()
     for name in cases:
         t0 = time.perf_counter()
+        last: dict = {}  # the case's row as of its last finished stage (kept if a later stage raises)
+
+        def stage_done(r, last=last):
+            last.clear()
+            last.update(r)
+            progress(rows + [r], True)
+
         if t0 - start > FLAGS.time_budget_s:
             rows.append({"case": name, "error": f"skipped: time budget {FLAGS.time_budget_s} s spent"})
             print(case_line(rows[-1]), flush=True)
@@ -421,7 +428,7 @@ def run_cases(cases: list[str], progress=lambda rows, partial: None) -> list[dic
                 with jax.default_matmul_precision("highest"):
                     row = check_case(name, model, prompt, FLAGS.fixture_prefix_tokens, FLAGS.fixture_chunk_tokens,
                                      FLAGS.fixture_prefill_chunk, 2 * model.cfg.num_experts + 1,
-                                     progress=lambda r: progress(rows + [r], True))
+                                     progress=stage_done)
                 del model
             elif name.startswith("preset_"):
                 dtype, _, slow = name[len("preset_"):].partition("_")
@@ -445,7 +452,7 @@ def run_cases(cases: list[str], progress=lambda rows, partial: None) -> list[dic
                 with jax.default_matmul_precision("highest" if dtype == "float32" else None):
                     row = check_case(name, model, prompt, FLAGS.prefix_tokens, FLAGS.chunk_tokens,
                                      FLAGS.prefill_chunk, FLAGS.expert_slots,
-                                     progress=lambda r: progress(rows + [r], True))
+                                     progress=stage_done)
                 row["preset"] = FLAGS.preset
                 if slow:
                     row["a_log"] = FLAGS.slow_a_log
@@ -453,7 +460,7 @@ def run_cases(cases: list[str], progress=lambda rows, partial: None) -> list[dic
             else:
                 raise ValueError(f"unknown case {name!r}; expected {', '.join(FIXTURE_CASES)}, preset_<dtype>[_slow]")
         except Exception as e:  # noqa: BLE001 -- one failing case must not lose the others
-            row = {"case": name, "error": f"{type(e).__name__}: {e}"[:3000], "wall_s": time.perf_counter() - t0}
+            row = {**last, "case": name, "error": f"{type(e).__name__}: {e}"[:3000], "wall_s": time.perf_counter() - t0}
         rows.append(row)
         print(case_line(row), flush=True)
         progress(rows, False)

@@ -336,6 +336,32 @@ def test_check_reuse_gpu_smoke(tmp_path):
     assert d["summary"]["verdict"].startswith("(b)")
 
 
+_REUSE_CASE_FAILS = """
+import sys
+from absl import app
+from experiments import check_reuse_gpu as c
+def check_case(name, model, prompt, *args, progress, **kw):
+    row = {"case": name, "dtype": "float32", "vs_recompute": {"max_abs_diff": 0.25}}
+    progress(dict(row, partial="the case had not finished (last stage: recompute)"))
+    raise RuntimeError("RESOURCE_EXHAUSTED in the cut recompute")
+c.check_case = check_case
+app.run(c.main, argv=sys.argv)
+"""
+
+
+def test_check_reuse_gpu_keeps_the_stages_of_a_case_that_fails(tmp_path):
+    """A case that raises after some stages (an out-of-memory in a later prefill) keeps in the JSON what
+    those stages wrote, beside the error (a time-limit kill keeps it too: the last progress write)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", _REUSE_CASE_FAILS, f"--out_dir={tmp_path}", "--cases=qwen3_moe_fp32"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    d = json.loads((tmp_path / "check_reuse_gpu.json").read_text())
+    (row,) = d["results"]
+    assert "RESOURCE_EXHAUSTED" in row["error"] and row["vs_recompute"] == {"max_abs_diff": 0.25}, row
+    assert "last stage: recompute" in row["partial"] and d["summary"]["cases"]["qwen3_moe_fp32"].startswith("error")
+
+
 def test_check_oracle_gpu_exits_nonzero_on_a_float32_failure(tmp_path):
     """A float32 case outside the tolerance fails the run (exit 1, case named): a copy of the
     fixture whose expected logit at one step is moved by 1e-3 (the tolerance there is 1.7e-4)."""

@@ -137,6 +137,20 @@ def test_moe_decode_tiles_env(monkeypatch):
             md.tiles()
 
 
+def test_moe_decode_tiles_env_rejects_zero_and_negative_values(monkeypatch):
+    """A zero block (or a negative field) is malformed: tiles() says so, instead of a ZeroDivisionError in
+    auto_d_split at trace time (block_d / block_f 0) or a silent fall back to XLA (negative d_split / down tile)."""
+    x, slots = jnp.zeros((1, 256), jnp.float32), jnp.zeros((1, 2), jnp.int32)
+    gu, dn = jnp.zeros((4, 256, 256), jnp.float32), jnp.zeros((4, 128, 256), jnp.float32)
+    monkeypatch.setenv(select.ENV, "moe_decode")
+    for bad in ("0,64,0,0", "64,0,0,0", "-64,64,0,1", "64,64,-1,0", "64,64,0,-2", "64,64,0,1,-1,0", "64,64,0,1,0,-32"):
+        monkeypatch.setenv(md.TILES_ENV, bad)
+        with pytest.raises(ValueError, match=md.TILES_ENV):
+            md.tiles()
+        with pytest.raises(ValueError, match=md.TILES_ENV):
+            md.maybe_pairs(x, slots, gu, dn, None, "dense")
+
+
 def test_moe_decode_maybe_pairs_splits_int4(monkeypatch):
     """maybe_pairs hands int4 the tiles of FTJAX_MOE_DECODE_TILES and auto_d_split's split like the other
     formats (it used to force d_split 1); under auto it still keeps int4 on XLA (no GPU here anyway)."""

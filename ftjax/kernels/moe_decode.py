@@ -354,6 +354,9 @@ def tiles() -> dict:
         raise ValueError(f"{TILES_ENV}={v!r}: expected block_d,block_f,num_warps,d_split[,down_cols,down_rows]"
                          ) from None
     bd, bf, nw, ds, dc, dr = vals + [0] * (6 - len(vals))
+    if bd < 1 or bf < 1 or min(nw, ds, dc, dr) < 0:
+        raise ValueError(f"{TILES_ENV}={v!r}: block_d and block_f must be >= 1, num_warps, d_split, down_cols and "
+                         "down_rows >= 0 (0: the default)")
     return {"block_d": bd, "block_f": bf, "num_warps": nw or None, "d_split": ds, "down_cols": dc, "down_rows": dr}
 
 

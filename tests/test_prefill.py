@@ -4,6 +4,8 @@ within the oracle tolerance of transformers."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -171,3 +173,65 @@ def test_grouped_experts_unpermute_by_gather_equals_row_scatter(n, k, e):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     np.testing.assert_allclose(np.asarray(got), np.asarray(compute.experts_gather(x, ids, w, gu, dn)),
                                rtol=1e-5, atol=1e-5)
+
+
+def _sorted_groups(rng, m, g):
+    """int32 [g] sizes of m rows sorted into g groups, some empty (the grouped matmul's operand)."""
+    import jax.numpy as jnp
+    ids = np.sort(rng.choice(g, m, p=rng.dirichlet(np.full(g, 0.3))))
+    return jnp.asarray(np.bincount(ids, minlength=g), jnp.int32)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("m,k,n,g,rows", [(300, 64, 96, 8, 64), (1000, 128, 64, 16, 192), (520, 32, 128, 5, 256),
+                                          (4096, 256, 128, 32, 512)])
+def test_ragged_dot_tiled_is_bit_identical(dtype, m, k, n, g, rows):
+    """ragged_dot's dense expansion run on tiles of rows (a multiple of 64; the last tile padded,
+    groups cut by the tile edges, empty groups) equals the whole ragged_dot bit for bit on the CPU."""
+    import jax.numpy as jnp
+    from ftjax.kernels import grouped_matmul as gm
+    rng = np.random.default_rng(m + g)
+    lhs = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    rhs = jnp.asarray(rng.standard_normal((g, k, n)) / k ** 0.5, dtype)
+    sizes = _sorted_groups(rng, m, g)
+    want = jax.jit(jax.lax.ragged_dot)(lhs, rhs, sizes)
+    got = jax.jit(gm.ragged_dot_tiled, static_argnames="rows")(lhs, rhs, sizes, rows=rows)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+
+
+def test_tile_rows():
+    from ftjax.kernels import grouped_matmul as gm
+    assert gm.tile_rows(1000, 16, 128, 4, max_bytes=1000 * 16 * 128 * 4) is None  # fits: no tiles
+    assert gm.tile_rows(1000, 16, 128, 4, max_bytes=1 << 20) == 128  # 1 MiB / 8 KiB a row, a multiple of 64
+    assert gm.tile_rows(1000, 16, 128, 4, max_bytes=1) == gm.TILE_ROW_MULTIPLE  # at least one multiple
+    # qwen3.5-35b-a3b, one 8192-token prefill layer in float32 (top-8): gate_up and down
+    assert gm.tile_rows(65536, 256, 2048, 4) == gm.XLA_EXPAND_BYTES // (256 * 2048 * 4)
+    assert gm.tile_rows(65536, 256, 512, 4) == gm.XLA_EXPAND_BYTES // (256 * 512 * 4)
+
+
+def test_grouped_matmul_workspace_does_not_grow_with_groups_times_rows(monkeypatch):
+    """Pins the memory of the XLA grouped matmul (the CPU, and float32 on a GPU): the compiled
+    workspace of an expert layer is one tile's expansion plus terms linear in the rows, not the
+    [G, M, K] expansion of the whole ragged_dot (qwen3.5-35b-a3b, 8192 tokens, float32: 137 GB, the
+    H200's RESOURCE_EXHAUSTED). M and 4M rows: the workspace grows at most ~linearly in M."""
+    import jax.numpy as jnp
+    from ftjax.experts import compute
+    from ftjax.kernels import grouped_matmul as gm
+    g, d, f, k = 64, 256, 128, 8
+    budget = 1 << 20
+    monkeypatch.setattr(gm, "XLA_EXPAND_BYTES", budget)
+
+    def temp(n):
+        sds = jax.ShapeDtypeStruct
+        args = (sds((n, d), jnp.float32), sds((n, k), jnp.int32), sds((n, k), jnp.float32),
+                sds((g, d, 2 * f), jnp.float32), sds((g, f, d), jnp.float32))
+        exe = jax.jit(functools.partial(compute.experts_grouped, fmt="dense")).lower(*args).compile()
+        return exe.memory_analysis().temp_size_in_bytes
+
+    n = 1024
+    whole = n * k * g * d * 4  # the untiled gate_up expansion alone: 512 MiB
+    small, large = temp(n), temp(4 * n)
+    linear = n * k * (d + 2 * f) * 4  # one [M, D] + [M, 2F] float32 per pair row: 16 MiB
+    assert small < 4 * budget + 4 * linear < whole / 4, (small, whole)
+    assert large <= 4.5 * small, (small, large)

@@ -4,6 +4,14 @@
 at 5 TFLOP/s (DESIGN.md section 3), which would make 8192-token prefill compute-bound. On GPUs the
 Mosaic GPU Pallas kernel shipped with JAX (``jax.experimental.pallas.ops.gpu.ragged_dot_mgpu``,
 measured 233 TFLOP/s on the same shapes) is used instead when the shapes fit its tiles.
+
+Where ``ragged_dot`` runs (the CPU; float32 on a GPU, which the kernel does not take) XLA expands it
+into one dense matmul (jax's ``_ragged_dot_general_impl`` on the CPU, XLA's ``RaggedDotRewriter`` on
+a GPU): the lhs is broadcast to [G, M, K], masked to each row's group and contracted over G*K
+against rhs [G*K, N]. That operand grows as M*G*K: 137 GB in float32 for one 8192-token prefill
+layer of qwen3.5-35b-a3b (M = 8192 * top-8 rows, G = 256, K = 2048), the RESOURCE_EXHAUSTED
+"146.47GiB" of its float32 prefill on the H200. :func:`ragged_dot_tiled` runs the same expansion on
+tiles of rows, one at a time, once the whole one would exceed :data:`XLA_EXPAND_BYTES`.
 """
 
 from __future__ import annotations
@@ -13,6 +21,14 @@ import os
 
 import jax
 import jax.numpy as jnp
+
+#: Largest dense operand [G, M, K] of ragged_dot's expansion built at once (bytes); above it the
+#: rows go through the expansion in tiles (:func:`ragged_dot_tiled`).
+XLA_EXPAND_BYTES = 1 << 29
+#: Row tiles are a multiple of this many rows. On the CPU (XLA's YNNPACK dot, jax 0.11) tiles of
+#: 64 rows or more gave results bit-identical to the untiled matmul, tiles of 8 to 48 rows did not
+#: (tests/test_prefill.py).
+TILE_ROW_MULTIPLE = 64
 
 # Tile shape of the Mosaic GPU kernel (DESIGN.md section 3: 128x128x64, 4 stages).
 BLOCK_M, BLOCK_N, BLOCK_K, STAGES = 128, 128, 64, 4
@@ -52,4 +68,44 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, impl:
             raise ValueError(f"mgpu grouped matmul cannot run here (backend {jax.default_backend()}, "
                              f"dtype {lhs.dtype}, K={rhs.shape[1]}, N={rhs.shape[2]})")
         return _mgpu_kernel()(lhs, rhs, group_sizes=group_sizes)
-    return jax.lax.ragged_dot(lhs, rhs, group_sizes)
+    return ragged_dot_tiled(lhs, rhs, group_sizes)
+
+
+def tile_rows(m: int, g: int, k: int, itemsize: int, max_bytes: int | None = None) -> int | None:
+    """Rows per tile of :func:`ragged_dot_tiled` for lhs [m, k] and g groups, or None when the whole
+    expansion ([g, m, k] of ``itemsize`` bytes) fits ``max_bytes`` (default :data:`XLA_EXPAND_BYTES`):
+    the largest multiple of :data:`TILE_ROW_MULTIPLE` whose expansion fits, at least one multiple."""
+    max_bytes = XLA_EXPAND_BYTES if max_bytes is None else max_bytes
+    per_row = g * k * itemsize
+    if m * per_row <= max_bytes:
+        return None
+    return max(TILE_ROW_MULTIPLE, max_bytes // per_row // TILE_ROW_MULTIPLE * TILE_ROW_MULTIPLE)
+
+
+def ragged_dot_tiled(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rows: int | None = None) -> jax.Array:
+    """``jax.lax.ragged_dot(lhs, rhs, group_sizes)`` (groups contiguous, sum(group_sizes) = M), its
+    dense expansion built ``rows`` rows at a time.
+
+    Tile i holds rows [i*rows, (i+1)*rows) of lhs (the last one zero-padded) with each group's size
+    clipped to them, and is one ragged_dot inside a ``lax.scan``: every row is multiplied by its
+    group's matrix exactly as in the whole expansion (the other groups' blocks are zeros in both), so
+    only the matmul's row count changes, not its operands: bit-identical on the CPU for tiles of
+    :data:`TILE_ROW_MULTIPLE` rows or more (tests/test_prefill.py). Workspace: one tile's [G, rows, K]
+    instead of [G, M, K]. rows: default :func:`tile_rows` (None there: one plain ragged_dot).
+    """
+    m, k = lhs.shape
+    rows = rows or tile_rows(m, rhs.shape[0], k, jnp.dtype(lhs.dtype).itemsize)
+    if rows is None or rows >= m:
+        return jax.lax.ragged_dot(lhs, rhs, group_sizes)
+    tiles = -(-m // rows)
+    x = jnp.pad(lhs, ((0, tiles * rows - m), (0, 0))).reshape(tiles, rows, k)
+    ends = jnp.cumsum(group_sizes)
+    starts = ends - group_sizes
+
+    def tile(_, xs):
+        x_t, lo = xs
+        sizes = jnp.clip(ends, lo, lo + rows) - jnp.clip(starts, lo, lo + rows)
+        return None, jax.lax.ragged_dot(x_t, rhs, sizes.astype(group_sizes.dtype))
+
+    _, out = jax.lax.scan(tile, None, (x, jnp.arange(tiles, dtype=ends.dtype) * rows))
+    return out.reshape(tiles * rows, -1)[:m]

@@ -872,5 +872,10 @@ def test_order_impl_default_and_unknown_impl(monkeypatch):
         seen.append(jax.make_jaxpr(lambda t: lookup_layer(t, 1, routed, 4))(table))
     # the two defaults trace different programs: the CPU's has a sort, the accelerator's none
     assert " sort[" in str(seen[0]) and " sort[" not in str(seen[1])
+    # above RANK_MAX_SLOTS the accelerator's default is top_k (the count grows as S^2)
+    from ftjax.experts import slot_table
+    monkeypatch.setattr(slot_table, "RANK_MAX_SLOTS", 5)
+    big = jax.make_jaxpr(lambda t: lookup_layer(t, 1, routed, 4))(table)
+    assert " top_k[" in str(big)
     with pytest.raises(ValueError, match="unknown slot table impl"):
         lookup_layer(init_slot_table(2, 4, 4), 0, jnp.ones(4, bool), 4, impl="bogus")

@@ -78,6 +78,7 @@ flags.DEFINE_integer("prefill_tokens", 8192, "Tokens of the resident prefill chu
 flags.DEFINE_integer("prefill_repeats", 3, "Timed prefill calls (after one warm-up).")
 flags.DEFINE_float("hbm_gb", 2.0, "GiB of the bfloat16 array whose negate measures the HBM bandwidth.")
 flags.DEFINE_integer("hbm_repeats", 10, "Timed calls of the HBM measurement.")
+flags.DEFINE_string("hlo_dir", None, "Where the compiled decode steps' HLO text goes (none: not written).")
 flags.DEFINE_string("trace_dir", None, "Where the raw traces go (default: a temporary folder).")
 flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
 
@@ -202,6 +203,10 @@ def decode_run(model, mode: str, batch: int, slots: int | None, trace_dir: str) 
         state["tok"].block_until_ready()
 
     exe = eng._executable(eng._args(np.zeros((batch, 1), np.int32), state["pos"], ones, state["cache"]), opts)
+    if FLAGS.hlo_dir:  # what XLA made of the step: the copies it inserted (e.g. weight slices) show here
+        os.makedirs(FLAGS.hlo_dir, exist_ok=True)
+        with open(os.path.join(FLAGS.hlo_dir, f"{mode}_decode_b{batch}.hlo.txt"), "w") as f:
+            f.write(exe.as_text())
     for _ in range(FLAGS.warm_steps):
         advance(step())
     times = []

@@ -441,6 +441,16 @@ MATMUL_PRECISIONS = ("auto", "default", "high", "highest")
 #: the H200 they did not overlap (TTFT 137 ms against 97 ms for "put").
 PREFIX_COPIES = ("put", "in_program")
 
+#: How XLA compiles the dense GEMMs of a decode program (one token per sequence) on a GPU
+#: (``EngineConfig.decode_gemm``; resolved by :func:`ftjax.engine.decode_compiler_options`).
+#: "xla": XLA's defaults: Triton GEMM fusions, which on the H200 first copy each layer's weight
+#: slice out of the stacked [L, ...] weights (``memcpy`` kernels, 1.38 ms of a 10.4 ms batch-1 step
+#: of qwen3-30b-a3b), and the dot merger, which fuses the q/k/v products by concatenating their weight
+#: slices (another copy per step). "cublas": decode programs compile with Triton GEMMs and the dot
+#: merger off, so cuBLAS reads each slice in place (docs/PROFILE.md, session 9). "auto": "cublas" on a
+#: GPU, "xla" elsewhere. Same math: each product is the same dot, computed by another library.
+DECODE_GEMMS = ("auto", "xla", "cublas")
+
 
 def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
@@ -492,6 +502,7 @@ class EngineConfig:
         prefix's load hidden; 2 layers per put is still Python-bound, 16 hides less behind compute).
       cache_policy: slot eviction policy (``ftjax.experts.slot_table.POLICIES``).
       matmul_precision: one of :data:`MATMUL_PRECISIONS`.
+      decode_gemm: one of :data:`DECODE_GEMMS`: which GEMMs XLA uses in decode programs on a GPU.
     Raises:
       ValueError: a choice outside its registry or a size out of range (the message names the field).
     """
@@ -509,6 +520,7 @@ class EngineConfig:
     prefix_copy_layers: int = 4
     cache_policy: str = "lru"
     matmul_precision: str = "auto"
+    decode_gemm: str = "auto"
 
     def __post_init__(self):
         from ftjax.experts.offload import MODES  # late imports: these modules import this one
@@ -519,6 +531,7 @@ class EngineConfig:
         _choice("cache policy", self.cache_policy, POLICIES)
         _choice("matmul precision", self.matmul_precision, MATMUL_PRECISIONS)
         _choice("prefix_copy", self.prefix_copy, PREFIX_COPIES)
+        _choice("decode_gemm", self.decode_gemm, DECODE_GEMMS)
         for name in ("max_seq_len", "batch", "prefill_chunk", "prefix_copy_layers"):
             _at_least(name, getattr(self, name), 1)
         _boolean("stream_d2d_hits", self.stream_d2d_hits)

@@ -127,6 +127,33 @@ _COMPILED: dict[tuple, Any] = {}
 PIPELINE_PREFIX = True
 
 
+#: The XLA options of a decode program under ``EngineConfig.decode_gemm`` "cublas" (issue 13): no
+#: Triton GEMM fusions (their operands are copies of each layer's weight slices), no dot merger (it
+#: fuses the q/k/v products by concatenating their weight slices every step).
+CUBLAS_DECODE_OPTIONS = (("xla_disable_hlo_passes", "dot-merger"), ("xla_gpu_enable_triton_gemm", False))
+
+
+def decode_compiler_options(decode_gemm: str, tokens_per_row: int, backend: str | None = None) -> tuple:
+    """XLA compiler options (sorted ``(name, value)`` pairs, hashable) of one call of the step.
+
+    decode_gemm: ``EngineConfig.decode_gemm`` (``config.DECODE_GEMMS``); tokens_per_row: T of the
+    call's int32 [B, T] tokens (1: a decode step, the only call given options); backend: the jax
+    backend (default: ``jax.default_backend()``). "auto" gives :data:`CUBLAS_DECODE_OPTIONS` to a
+    decode step on a GPU; "cublas" gives them to a decode step on any backend (off the GPU only the
+    dot merger's absence acts: the CPU tests check that the logits stay the same); "xla": none.
+    Measured on the H200 (resident qwen3-30b-a3b, batch 1, GEMM autotuning off; docs/PROFILE.md,
+    session 9): 10.39 ms per step with XLA's defaults, 7.25 ms without Triton GEMMs.
+    Raises:
+      ValueError: ``decode_gemm`` is not one of ``config.DECODE_GEMMS``."""
+    from ftjax.config import DECODE_GEMMS
+    if decode_gemm not in DECODE_GEMMS:
+        raise ValueError(f"unknown decode_gemm {decode_gemm!r}; expected one of {', '.join(DECODE_GEMMS)}")
+    on_gpu = (backend or jax.default_backend()) == "gpu"
+    if tokens_per_row != 1 or decode_gemm == "xla" or (decode_gemm == "auto" and not on_gpu):
+        return ()
+    return CUBLAS_DECODE_OPTIONS
+
+
 def compiled_programs(fn_name: str | None = None):
     """Yields (step name, static options dict, argument signatures, compiled executable) of every
     compiled step (e.g. to read its HLO with ``exe.as_text()``); ``fn_name`` filters by step."""
@@ -230,8 +257,10 @@ class Engine:
         return self.config.precision(self.dtype.name)
 
     def describe(self) -> dict:
-        """JSON-ready run configuration: the engine config, resolved precision, miss policy."""
+        """JSON-ready run configuration: the engine config, resolved precision, miss policy, the XLA
+        options of its decode programs."""
         return {**self.config.as_dict(), "matmul_precision_resolved": self.precision,
+                "decode_compiler_options": dict(decode_compiler_options(self.config.decode_gemm, 1)),
                 "miss_policy": self.miss.policy, "compute_dtype": self.dtype.name,
                 "prefix_copy_layers_resolved": self.prefix_copy_rows()}
 
@@ -591,14 +620,15 @@ class Engine:
             kv=req.record() if req is not None else None)
 
     # ---- compilation --------------------------------------------------------------------------
-    def compiled(self, fn, args, **static):
+    def compiled(self, fn, args, compiler_options: tuple = (), **static):
         """``fn`` (a jitted step) compiled for these arguments and static options, from the shared
-        cache (compiled once per fn, shapes, dtypes, memory kinds and options); compile seconds
-        are added to ``compile_s`` so timings can exclude them."""
-        key = (fn.__name__,) + _compile_key(args, **static)
+        cache (compiled once per fn, shapes, dtypes, memory kinds, options and XLA
+        ``compiler_options``, ``(name, value)`` pairs); compile seconds are added to ``compile_s``
+        so timings can exclude them."""
+        key = (fn.__name__,) + _compile_key(args, **static) + (tuple(compiler_options),)
         if key not in _COMPILED:
             t0 = time.perf_counter()
-            _COMPILED[key] = fn.lower(*args, **static).compile()
+            _COMPILED[key] = fn.lower(*args, **static).compile(compiler_options=dict(compiler_options) or None)
             self.compile_s += time.perf_counter() - t0
         self._programs.add(key)
         return _COMPILED[key]
@@ -610,7 +640,8 @@ class Engine:
         return int(max(sizes, default=0))
 
     def _executable(self, args, opts: StepOptions):
-        return self.compiled(_forward_step, args, cfg=self.cfg, opts=opts)
+        options = decode_compiler_options(self.config.decode_gemm, args[4].shape[1])  # args[4]: tokens [B, T]
+        return self.compiled(_forward_step, args, compiler_options=options, cfg=self.cfg, opts=opts)
 
     def _ensure_compiled(self, calls: Sequence[PrefillCall], batch: int, cache, kv_manager=None,
                          request=None) -> None:

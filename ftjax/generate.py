@@ -32,8 +32,8 @@ import tempfile
 from absl import app, flags, logging
 
 # Flag choices come from the code's own registries (importing them does not start a JAX backend).
-from ftjax.config import (KV_LOADS, MATMUL_PRECISIONS, PREFILL_DRIVERS, PREFILL_MODES, PREFIX_COPIES, EngineConfig,
-                          KVOffloadConfig)
+from ftjax.config import (DECODE_GEMMS, KV_LOADS, MATMUL_PRECISIONS, PREFILL_DRIVERS, PREFILL_MODES, PREFIX_COPIES,
+                          EngineConfig, KVOffloadConfig)
 from ftjax.experts.cpu_experts import IMPLS as CPU_EXPERT_IMPLS
 from ftjax.experts.miss_policy import POLICIES as MISS_POLICIES
 from ftjax.experts.offload import MODES as EXPERT_MODES
@@ -117,6 +117,10 @@ flags.DEFINE_string("calibration_profile", None, "Calibration profile JSON (ftja
 flags.DEFINE_enum("matmul_precision", "auto", list(MATMUL_PRECISIONS),
                   "Precision of the step's matmuls: auto = full float32 ('highest') for --dtype=float32 and the "
                   "backend's fast default for 16-bit dtypes (on GPUs float32 dots otherwise run as TF32).")
+flags.DEFINE_enum("decode_gemm", "auto", list(DECODE_GEMMS),
+                  "GEMMs of the decode programs on a GPU: xla = XLA's Triton GEMM fusions (they copy each layer's "
+                  "weight slices first); cublas = cuBLAS reading them in place, dot merger off; auto = cublas on a GPU "
+                  "(EngineConfig.decode_gemm; docs/PROFILE.md).")
 flags.DEFINE_boolean("ignore_eos", False, "Generate --max_new_tokens tokens even past the checkpoint's EOS id(s) "
                      "(benchmarks).")
 flags.DEFINE_integer("fixed_fetch", None, "Adaptive: fetch min(N, misses) per layer instead of the calibrated split.")
@@ -353,7 +357,8 @@ def _engine_config(mode: str, slots: int | None, max_seq_len: int) -> EngineConf
                         prefill_chunk=FLAGS.prefill_chunk, prefill_overlap=FLAGS.prefill_overlap,
                         prefill_driver=FLAGS.prefill_driver, stream_d2d_hits=FLAGS.stream_d2d_hits,
                         prefix_copy=FLAGS.prefix_copy, prefix_copy_layers=FLAGS.prefix_copy_layers,
-                        cache_policy=FLAGS.cache_policy, matmul_precision=FLAGS.matmul_precision)
+                        cache_policy=FLAGS.cache_policy, matmul_precision=FLAGS.matmul_precision,
+                        decode_gemm=FLAGS.decode_gemm)
 
 
 def _check_flags() -> None:

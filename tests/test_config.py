@@ -125,3 +125,18 @@ def test_matmul_precision_follows_the_dtype_and_reaches_the_step():
         text = engine_lib._forward_step.lower(*args, cfg=eng.cfg, opts=eng._options()).as_text()
         assert ("HIGHEST" in text) == want, dtype
         assert eng.describe()["matmul_precision_resolved"] == ("highest" if want else "default")
+
+
+def test_decode_gemm_choices_and_resolution():
+    from ftjax.config import EngineConfig
+    from ftjax.engine import CUBLAS_DECODE_OPTIONS, decode_compiler_options
+    with pytest.raises(ValueError, match="decode_gemm 'triton'"):
+        EngineConfig(decode_gemm="triton")
+    with pytest.raises(ValueError, match="unknown decode_gemm"):
+        decode_compiler_options("cuBLAS", 1, "gpu")
+    assert decode_compiler_options("auto", 1, "gpu") == CUBLAS_DECODE_OPTIONS
+    assert dict(CUBLAS_DECODE_OPTIONS) == {"xla_gpu_enable_triton_gemm": False, "xla_disable_hlo_passes": "dot-merger"}
+    assert decode_compiler_options("auto", 1, "cpu") == ()  # CPU programs stay as the oracle tests saw them
+    assert decode_compiler_options("cublas", 1, "cpu") == CUBLAS_DECODE_OPTIONS
+    assert decode_compiler_options("auto", 16, "gpu") == ()  # a prefill call keeps XLA's GEMMs
+    assert decode_compiler_options("xla", 1, "gpu") == ()

@@ -289,3 +289,19 @@ def test_plan_for_a_budget_that_fits_everything_is_resident_even_with_prefill_st
                     mode="resident")
     full, _ = plan_engine(model, 10**10, [exp["short_prompt_ids"].tolist()], base, mode="resident")
     assert full.experts == "resident"
+
+
+def test_decode_gemm_cublas_keeps_logits():
+    """The decode programs compiled with Triton GEMMs and the dot merger off (the GPU default,
+    ``EngineConfig.decode_gemm``) compute the same logits; on the CPU only the merger's absence acts."""
+    from ftjax import engine as engine_lib
+    model, exp = load_fixture("qwen3_moe_fp32")
+    prompt = exp["short_prompt_ids"].tolist()
+    runs = {}
+    for gemm in ("xla", "cublas"):
+        eng = Engine(model, EngineConfig("cached", num_slots=12, max_seq_len=64, decode_gemm=gemm))
+        runs[gemm] = eng.generate([prompt], max_new_tokens=4, keep_logits=True)
+        assert eng.describe()["decode_compiler_options"] == dict(engine_lib.decode_compiler_options(gemm, 1))
+    assert any(key[-1] == engine_lib.CUBLAS_DECODE_OPTIONS for key in engine_lib._COMPILED)
+    np.testing.assert_allclose(runs["cublas"].step_logits, runs["xla"].step_logits, rtol=1e-6, atol=1e-6)
+    assert runs["cublas"].generated_ids == runs["xla"].generated_ids

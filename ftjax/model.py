@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from ftjax.config import ModelConfig
-from ftjax.kernels import decode_attention, flash_prefill
+from ftjax.kernels import decode_attention, dense_decode, flash_prefill, select
 
 Params = dict[str, Any]
 
@@ -260,8 +260,28 @@ def dot_rows(rows: int | None):
         _DOT_ROWS.reset(token)
 
 
-def project(x: jax.Array, w: jax.Array) -> jax.Array:
+class StackedWeight(NamedTuple):
+    """Layer ``layer`` (int32 []) of a dense weight ``w`` [L, K, N] stacked over layers, not sliced:
+    what :func:`forward`'s decode steps hand the layer function in place of ``w[layer]`` where the
+    dense decode kernel runs (``ftjax.kernels.dense_decode``), so that :func:`project` reads the
+    layer's matrix in place instead of XLA copying the slice out of the scan's xs first."""
+
+    w: jax.Array
+    layer: jax.Array
+
+
+#: The dense weights of a layer that :func:`forward` may pass as :class:`StackedWeight` (every
+#: family of :data:`LAYER_FNS` uses them only through :func:`project` / :func:`route`).
+STACKED_NAMES = ("wq", "wk", "wv", "wo", "router")
+
+
+def project(x: jax.Array, w: jax.Array | StackedWeight) -> jax.Array:
     """``x @ w`` for a dense weight: x [..., K], w [K, N] -> [..., N] in the promoted dtype.
+
+    w may be a :class:`StackedWeight` (``w.w [L, K, N]``, ``w.layer``): where ``FTJAX_KERNELS``
+    selects ``dense_decode`` for these operands (at most 16 rows; default: on GPUs) the kernel
+    computes ``x @ w.w[w.layer]`` reading the stacked weight in place; otherwise the layer's
+    matrix is sliced and the product below runs on it.
 
     A batch-1 decode step has one row. The H200 profile (experiments/profile_step.py, issue 13)
     showed XLA lowering those [1, K] x [K, N] products of the layer scan to multiply and reduce
@@ -275,6 +295,11 @@ def project(x: jax.Array, w: jax.Array) -> jax.Array:
     padded behind an optimization barrier (the first version: one small ``memcpy`` per
     projection), **7.37 ms padded without it** (XLA does not fold the padding back here).
     """
+    if isinstance(w, StackedWeight):
+        y = dense_decode.maybe(x, w.w, w.layer)
+        if y is not None:
+            return y
+        w = w.w[w.layer]
     m = _DOT_ROWS.get()
     if m is None:
         m = min_dot_rows()
@@ -425,6 +450,18 @@ def final_logits(params: Params, cfg: ModelConfig, h: jax.Array, valid_len: jax.
     return (h @ head).astype(jnp.float32)
 
 
+def stacked_dense(layers: Params, token_shape: tuple[int, ...]) -> dict[str, jax.Array]:
+    """The stacked dense weights (of :data:`STACKED_NAMES`, ``[L, K, N]`` each) that :func:`forward`
+    keeps out of its layer scan's xs and passes as :class:`StackedWeight`: all of them for a decode
+    call (tokens [B, T] with T == 1 and B <= 16) while ``FTJAX_KERNELS`` selects ``dense_decode``
+    (``ftjax.kernels.select``; by default on GPUs only), else none (the plain scan, unchanged).
+    Prefill chunks, even small ones, keep the sliced weights: the kernel is a GEMV of few rows."""
+    b, t = token_shape
+    if t != 1 or b > dense_decode.MAX_ROWS or select.mode("dense_decode") == "xla":
+        return {}
+    return {k: layers[k] for k in STACKED_NAMES if k in layers and getattr(layers[k], "ndim", 0) == 3}
+
+
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, start: jax.Array, valid_len: jax.Array,
             cache: KVCache, expert_fn: ExpertFn, expert_state: Any, all_logits: bool = False,
             kv_hook: KVHook | None = None) -> ForwardOut:
@@ -442,6 +479,10 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, start: jax.Arra
       kv_hook: optional layerwise KV hook (:class:`KVHook`; ``ftjax.kv.layerwise``): loads a
         reused prefix into the cache layer by layer and returns new K/V as scan outputs.
 
+    Decode calls (T == 1, B <= 16) with the dense decode kernel selected (:func:`stacked_dense`;
+    by default on GPUs) leave wq, wk, wv, wo and the router out of the scan's xs and hand the layer
+    function :class:`StackedWeight` holders of the stacked arrays instead.
+
     The layer-pipelined driver (``ftjax.layer_pipeline``) runs the same pieces (:func:`embed_inputs`,
     the family's layer function, :func:`final_logits`) one layer program at a time instead.
     """
@@ -451,15 +492,21 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, start: jax.Arra
                               kv_hook)
     h, inputs = embed_inputs(params, tokens, start, valid_len)
     layer_fn = LAYER_FNS[cfg.model_type]
+    # decode steps with the dense decode kernel selected: the dense weights stay out of the scan's
+    # xs (whose per-layer slices XLA copies before each GEMM) and reach the layer function whole
+    stacked = stacked_dense(params["layers"], tokens.shape)
+    layers_xs = {k: v for k, v in params["layers"].items() if k not in stacked}
 
     def body(carry, xs):
         lp, l, hx = xs
+        if stacked:
+            lp = {**lp, **{k: StackedWeight(w, l) for k, w in stacked.items()}}
         return layer_fn(cfg, lp, l, carry, inputs, expert_fn, kv_hook, hx)
 
     hook_xs = kv_hook.scan_xs() if kv_hook is not None else None
     carry = LayerCarry(h, cache.k, cache.v, expert_state, kv_hook.init_carry() if kv_hook is not None else None)
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    carry, (stats, kv_out) = jax.lax.scan(body, carry, (params["layers"], layer_ids, hook_xs))
+    carry, (stats, kv_out) = jax.lax.scan(body, carry, (layers_xs, layer_ids, hook_xs))
     logits = final_logits(params, cfg, carry.h, valid_len, all_logits)
     return ForwardOut(logits, KVCache(carry.k, carry.v), carry.expert_state, stats, kv_out)
 

@@ -43,8 +43,9 @@ import jax
 
 #: The kernel-backed ops: fused MoE decode (:mod:`ftjax.kernels.moe_decode`), decode attention
 #: over the filled length (:mod:`ftjax.kernels.decode_attention`), flash attention for prefill
-#: (:mod:`ftjax.kernels.flash_prefill`).
-KERNELS = ("moe_decode", "decode_attention", "flash_prefill")
+#: (:mod:`ftjax.kernels.flash_prefill`), the decode step's dense projections read from the weights
+#: stacked over layers (:mod:`ftjax.kernels.dense_decode`).
+KERNELS = ("moe_decode", "decode_attention", "flash_prefill", "dense_decode")
 ENV = "FTJAX_KERNELS"
 
 

@@ -1,0 +1,224 @@
+"""The dense decode kernel (ftjax.kernels.dense_decode) against its jnp reference in Pallas
+interpret mode on the CPU, its tile variable, its wiring into ``model.project`` / ``model.forward``
+(a tiny model's greedy decode with the kernel selected) and its lowering for CUDA.
+
+Tolerances: the kernel accumulates in float32 like the reference but in another order (per tile
+and per K part), so float32 results agree to ~1e-6 relative; bf16 outputs are the float32 sums
+cast once, so they equal the reference's or differ by one bf16 ulp where the two float32 sums
+straddle a rounding boundary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ftjax import model as model_lib
+from ftjax.kernels import dense_decode as dd
+from ftjax.kernels import select
+
+
+def _operands(m, k, n, dtype, layers=3, seed=0, x_dtype=None):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((m, k)), x_dtype or dtype)
+    w = jnp.asarray(rng.standard_normal((layers, k, n)) / np.sqrt(k), dtype)
+    return x, w
+
+
+def _check(got, want):
+    assert got.shape == want.shape and got.dtype == want.dtype
+    g, r = np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32))
+    if want.dtype == jnp.bfloat16:  # at most one ulp of the output (8 significant bits)
+        ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(r), 2.0 ** -126))) - 7)
+        assert np.all(np.abs(g - r) <= ulp), float(np.max(np.abs(g - r) / ulp))
+    else:
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * float(np.abs(r).max()))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("k,n", [(128, 64), (256, 384)])
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_dense_decode_matches_reference(m, k, n, dtype):
+    x, w = _operands(m, k, n, dtype)
+    for k_split in (1, 2):
+        for layer in (0, w.shape[0] - 1):
+            got = dd.dense_decode(x, w, jnp.int32(layer), interpret=True, k_split=k_split)
+            _check(got, dd.dense_decode_reference(x, w, layer))
+    if dtype == jnp.float32:  # the reference is the model's slice-then-matmul at full precision
+        want = np.asarray(x, np.float64) @ np.asarray(w[1], np.float64)
+        got = dd.dense_decode(x, w, jnp.int32(1), interpret=True, block_k=32, block_n=64, k_split=2)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_dense_decode_mixed_dtypes_and_layer_ids():
+    """bf16 rows against float32 weights give float32 (the promoted dtype, as ``x @ w[l]``);
+    negative layer ids wrap and too large ones clamp, as a jnp index does."""
+    x, w = _operands(2, 128, 128, jnp.float32, layers=4, x_dtype=jnp.bfloat16)
+    got = dd.dense_decode(x, w, jnp.int32(-1), interpret=True, block_k=32, block_n=32, k_split=4)
+    assert got.dtype == jnp.float32
+    _check(got, dd.dense_decode_reference(x, w, 3))
+    _check(dd.dense_decode(x, w, jnp.int32(9), interpret=True), dd.dense_decode_reference(x, w, 3))
+
+
+def test_dense_decode_supported_and_errors():
+    x, w = _operands(1, 128, 64, jnp.float32)
+    assert dd.supported(x, w) and dd.supported(x, w, k_split=2)
+    assert not dd.supported(x, w, k_split=4)  # 128 rows are not 4 parts of 64-row steps
+    assert not dd.supported(x, w, block_k=48)  # tiles are powers of two
+    assert not dd.supported(*_operands(1, 96, 64, jnp.float32))  # K not a multiple of its 64-row tile
+    assert not dd.supported(*_operands(1, 128, 100, jnp.float32))  # N not a multiple of its tile
+    assert dd.supported(*_operands(1, 32, 16, jnp.float32))  # tiles capped at K and N
+    assert not dd.supported(*_operands(17, 128, 64, jnp.float32))  # more than 16 rows
+    assert not dd.supported(x.astype(jnp.int32), w)
+    assert not dd.supported(x, w.astype(jnp.int8))
+    with pytest.raises(ValueError, match="dense_decode: unsupported"):
+        dd.dense_decode(*_operands(1, 96, 64, jnp.float32), jnp.int32(0), interpret=True)
+
+
+def test_auto_k_split():
+    """qwen3-30b-a3b's projections at the default tiles (64-row steps, 128 columns per program)."""
+    bk, bn = dd.BLOCK_K, dd.BLOCK_N
+    assert dd.auto_k_split(2048, 4096, bk, bn) == 8  # wq: 32 column blocks
+    assert dd.auto_k_split(4096, 2048, bk, bn) == 16  # wo
+    assert dd.auto_k_split(2048, 512, bk, bn) == 32  # wk / wv: 32 parts of one step each
+    assert dd.auto_k_split(2048, 128, bk, bn) == 32  # router
+    assert dd.auto_k_split(128, 64, bk, bn) == 2  # K allows two parts only
+    assert dd.auto_k_split(64, 1 << 16, bk, bn) == 1  # enough column blocks
+
+
+def test_tiles_env(monkeypatch):
+    monkeypatch.delenv(dd.TILES_ENV, raising=False)
+    assert dd.tiles() == {"block_k": 64, "block_n": 128, "num_warps": None, "k_split": 0}
+    monkeypatch.setenv(dd.TILES_ENV, "32,64,8,4")
+    assert dd.tiles() == {"block_k": 32, "block_n": 64, "num_warps": 8, "k_split": 4}
+    monkeypatch.setenv(dd.TILES_ENV, " 32, 64, 0, 0 ")
+    assert dd.tiles() == {"block_k": 32, "block_n": 64, "num_warps": None, "k_split": 0}
+    for bad, match in (("32,64", "four integers"), ("a,b,c,d", "four integers"), ("32,64,4,2,1", "four integers"),
+                       ("48,64,4,2", "powers of two"), ("32,0,4,2", "powers of two"), ("32,64,-1,2", "powers of two"),
+                       ("32,64,4,-2", "powers of two")):
+        monkeypatch.setenv(dd.TILES_ENV, bad)
+        with pytest.raises(ValueError, match=rf"FTJAX_DENSE_DECODE_TILES='{bad}': .*{match}"):
+            dd.tiles()
+
+
+def test_select_knows_the_kernel(monkeypatch):
+    assert "dense_decode" in select.KERNELS
+    monkeypatch.delenv(select.ENV, raising=False)
+    assert select.mode("dense_decode") == ("gpu" if jax.default_backend() == "gpu" else "xla")
+
+
+# ------------------------------------------------------------------ model.project / model.forward
+def _spy(monkeypatch):
+    calls = []
+    real = dd.dense_decode
+
+    def spy(x, w, layer, **kw):
+        calls.append((x.shape, w.shape, kw))
+        return real(x, w, layer, **kw)
+
+    monkeypatch.setattr(dd, "dense_decode", spy)
+    return calls
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 128), (3, 128), (16, 128), (17, 128)])
+def test_project_stacked_weight(shape, monkeypatch):
+    """``project(x, StackedWeight(w, l))``: default (CPU) exactly ``project(x, w[l])``; with the
+    kernel selected it runs for at most 16 rows (tiles from the variable) and falls back to the
+    slice beyond, or for shapes it does not take."""
+    calls = _spy(monkeypatch)
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((3, 128, 64)), jnp.float32)
+    sw = model_lib.StackedWeight(w, jnp.int32(2))
+    want = model_lib.project(x, w[2])
+    monkeypatch.delenv(select.ENV, raising=False)
+    np.testing.assert_array_equal(np.asarray(model_lib.project(x, sw)), np.asarray(want))
+    assert not calls
+    monkeypatch.setenv(select.ENV, "dense_decode")
+    monkeypatch.setenv(dd.TILES_ENV, "32,32,0,2")
+    got = model_lib.project(x, sw)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    rows = int(np.prod(shape[:-1]))
+    if rows <= 16:
+        assert calls == [((rows, 128), (3, 128, 64), {"interpret": True, "block_k": 32, "block_n": 32,
+                                                      "num_warps": None, "k_split": 2})]
+        _check(got, want)
+    else:
+        assert not calls
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    odd = model_lib.StackedWeight(jnp.ones((2, 96, 64), jnp.float32), jnp.int32(0))  # K 96: the slice
+    np.testing.assert_array_equal(np.asarray(model_lib.project(x[..., :96], odd)),
+                                  np.asarray(x[..., :96] @ odd.w[0]))
+    assert len(calls) == (1 if rows <= 16 else 0)
+
+
+def test_stacked_dense_only_for_decode_calls(monkeypatch):
+    from ftjax.checkpoint import random_model
+    from ftjax.config import preset
+
+    layers = random_model(preset("tiny"), "float32").params["layers"]
+    monkeypatch.delenv(select.ENV, raising=False)
+    assert model_lib.stacked_dense(layers, (1, 1)) == {}  # CPU default: the scan of before
+    monkeypatch.setenv(select.ENV, "dense_decode")
+    assert set(model_lib.stacked_dense(layers, (1, 1))) == set(model_lib.STACKED_NAMES)
+    assert set(model_lib.stacked_dense(layers, (16, 1))) == set(model_lib.STACKED_NAMES)
+    assert model_lib.stacked_dense(layers, (17, 1)) == {}  # more rows than the kernel takes
+    assert model_lib.stacked_dense(layers, (1, 4)) == {}  # a prefill chunk, however small
+    monkeypatch.setenv(select.ENV, "moe_decode")
+    assert model_lib.stacked_dense(layers, (1, 1)) == {}
+
+
+def _tiny_generate(monkeypatch, kernels, mode="resident", slots=None):
+    from ftjax import engine as engine_lib
+    from ftjax.checkpoint import random_model
+    from ftjax.config import EngineConfig, preset
+
+    monkeypatch.setenv(select.ENV, kernels)
+    engine_lib._COMPILED.clear()  # the engine's programs and jax's traces keep the choice made at trace time
+    jax.clear_caches()
+    cfg = dataclasses.replace(preset("tiny"), num_layers=3)
+    eng = engine_lib.Engine(random_model(cfg, "float32"),
+                            EngineConfig(mode, num_slots=slots, max_seq_len=64, prefill_chunk=16))
+    return eng.generate([list(range(1, 20))], max_new_tokens=5, keep_logits=True)
+
+
+def test_greedy_decode_with_the_kernel_matches_the_default_path(monkeypatch):
+    """A tiny model's greedy decode with ``FTJAX_KERNELS=dense_decode`` (interpreted on the CPU):
+    the decode steps' five dense projections per layer run in the kernel, reading the stacked
+    weights (the prefill keeps the sliced ones, so its logits are bit-identical); same ids, logits
+    within float32 tolerance of the default path. The expert cache mode too."""
+    from ftjax import engine as engine_lib
+
+    ref = _tiny_generate(monkeypatch, "xla")
+    calls = _spy(monkeypatch)
+    got = _tiny_generate(monkeypatch, "dense_decode")
+    try:
+        shapes = {w for _, w, _ in calls}
+        assert shapes == {(3, 128, 128), (3, 128, 64), (3, 128, 16)}  # wq and wo, wk and wv, router
+        assert len(calls) % 5 == 0 and all(x == (1, 128) for x, _, _ in calls)
+        assert got.generated_ids == ref.generated_ids
+        np.testing.assert_array_equal(got.step_logits[0], ref.step_logits[0])  # the prefill
+        np.testing.assert_allclose(got.step_logits, ref.step_logits, rtol=1e-5,
+                                   atol=1e-5 * float(np.abs(ref.step_logits).max()))
+        cached = _tiny_generate(monkeypatch, "dense_decode", "cached", 16)
+        assert cached.generated_ids == ref.generated_ids
+        np.testing.assert_array_equal(cached.step_logits, got.step_logits)
+    finally:
+        engine_lib._COMPILED.clear()
+        jax.clear_caches()
+
+
+def test_dense_decode_lowers_for_cuda():
+    """qwen3-30b-a3b's stacked projections (48 layers) lower to one Triton custom call each."""
+    from test_kernels import _lower_cuda
+
+    sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    for m, (k, n), k_split in ((1, (2048, 4096), 8), (1, (4096, 2048), 16), (1, (2048, 128), 32),
+                               (16, (2048, 512), 1)):
+        txt = _lower_cuda(lambda x, w, l, s=k_split: dd.dense_decode(x, w, l, k_split=s), sd((m, k), bf),
+                          sd((48, k, n), bf), sd((), jnp.int32))
+        assert txt.count("__gpu$xla.gpu.triton") == 1

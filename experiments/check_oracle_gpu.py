@@ -47,7 +47,7 @@ import numpy as np  # noqa: E402
 from experiments import common  # noqa: E402
 from ftjax.checkpoint import load_checkpoint  # noqa: E402
 from ftjax.engine import Engine  # noqa: E402
-from ftjax.config import MATMUL_PRECISIONS, EngineConfig  # noqa: E402
+from ftjax.config import DECODE_GEMMS, MATMUL_PRECISIONS, EngineConfig  # noqa: E402
 from ftjax.experts import cpu_experts, miss_policy  # noqa: E402
 
 FIXTURES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "fixtures")
@@ -81,6 +81,8 @@ flags.DEFINE_enum("bf16_precision", "auto", list(MATMUL_PRECISIONS),
                   "EngineConfig.matmul_precision of the bfloat16 pass (auto = the backend's fast default).")
 flags.DEFINE_enum("cpu_expert_impl", "compute_on", list(cpu_experts.IMPLS), "CPU mechanism of miss_cpu / "
                   "miss_adaptive (the callback ones need synchronous CPU dispatch, set at start).")
+flags.DEFINE_enum("decode_gemm", "auto", list(DECODE_GEMMS), "EngineConfig.decode_gemm of every engine (cublas: "
+                  "float32 decode programs without Triton GEMMs and the dot merger too).")
 flags.DEFINE_integer("fixed_fetch", 1, "miss_adaptive: misses fetched per layer and step (the rest on the CPU).")
 flags.DEFINE_boolean("smoke", False, f"CPU smoke: fixtures {','.join(SMOKE_FIXTURES)}, prompts "
                      f"{','.join(SMOKE_PROMPTS)}, bfloat16 modes {','.join(SMOKE_BF16_MODES)} (each unless given); "
@@ -112,7 +114,7 @@ def build_engine(model, mode: str, max_seq_len: int, precision: str = "auto") ->
                                          fixed_fetch=FLAGS.fixed_fetch if policy == "adaptive" else None)
     slots = None if slots_e is None else slots_e * cfg.num_experts
     config = EngineConfig(experts, num_slots=slots, max_seq_len=max_seq_len, prefill=prefill,
-                          matmul_precision=precision)
+                          matmul_precision=precision, decode_gemm=FLAGS.decode_gemm)
     return Engine(model, config, miss=miss)
 
 

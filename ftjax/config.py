@@ -448,7 +448,8 @@ PREFIX_COPIES = ("put", "in_program")
 #: of qwen3-30b-a3b), and the dot merger, which fuses the q/k/v products by concatenating their weight
 #: slices (another copy per step). "cublas": decode programs compile with Triton GEMMs and the dot
 #: merger off, so cuBLAS reads each slice in place (docs/PROFILE.md, session 9). "auto": "cublas" on a
-#: GPU, "xla" elsewhere. Same math: each product is the same dot, computed by another library.
+#: GPU in a 16-bit compute dtype, "xla" elsewhere (float32 runs are oracle runs). Same products,
+#: computed by another library (rounding may differ).
 DECODE_GEMMS = ("auto", "xla", "cublas")
 
 

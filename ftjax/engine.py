@@ -133,23 +133,26 @@ PIPELINE_PREFIX = True
 CUBLAS_DECODE_OPTIONS = (("xla_disable_hlo_passes", "dot-merger"), ("xla_gpu_enable_triton_gemm", False))
 
 
-def decode_compiler_options(decode_gemm: str, tokens_per_row: int, backend: str | None = None) -> tuple:
+def decode_compiler_options(decode_gemm: str, tokens_per_row: int, compute_dtype="bfloat16",
+                            backend: str | None = None) -> tuple:
     """XLA compiler options (sorted ``(name, value)`` pairs, hashable) of one call of the step.
 
     decode_gemm: ``EngineConfig.decode_gemm`` (``config.DECODE_GEMMS``); tokens_per_row: T of the
-    call's int32 [B, T] tokens (1: a decode step, the only call given options); backend: the jax
-    backend (default: ``jax.default_backend()``). "auto" gives :data:`CUBLAS_DECODE_OPTIONS` to a
-    decode step on a GPU; "cublas" gives them to a decode step on any backend (off the GPU only the
-    dot merger's absence acts: the CPU tests check that the logits stay the same); "xla": none.
-    Measured on the H200 (resident qwen3-30b-a3b, batch 1, GEMM autotuning off; docs/PROFILE.md,
-    session 9): 10.39 ms per step with XLA's defaults, 7.25 ms without Triton GEMMs.
+    call's int32 [B, T] tokens (1: a decode step, the only call given options); compute_dtype: the
+    engine's; backend: the jax backend (default: ``jax.default_backend()``). "auto" gives
+    :data:`CUBLAS_DECODE_OPTIONS` to a decode step in a 16-bit dtype on a GPU (float32 runs are the
+    oracle runs: they keep the programs of the last passing GPU oracle check; see docs/PROFILE.md,
+    session 9); "cublas" gives them to a decode step in any dtype on any backend (off the GPU only
+    the dot merger's absence acts: the CPU tests check that the logits stay the same); "xla": none.
+    Measured on the H200 (resident qwen3-30b-a3b, bf16, batch 1, GEMM autotuning off, one call):
+    9.61 ms per step with XLA's defaults, 7.53 ms with these options.
     Raises:
       ValueError: ``decode_gemm`` is not one of ``config.DECODE_GEMMS``."""
     from ftjax.config import DECODE_GEMMS
     if decode_gemm not in DECODE_GEMMS:
         raise ValueError(f"unknown decode_gemm {decode_gemm!r}; expected one of {', '.join(DECODE_GEMMS)}")
-    on_gpu = (backend or jax.default_backend()) == "gpu"
-    if tokens_per_row != 1 or decode_gemm == "xla" or (decode_gemm == "auto" and not on_gpu):
+    auto_ok = (backend or jax.default_backend()) == "gpu" and jnp.dtype(compute_dtype).itemsize == 2
+    if tokens_per_row != 1 or decode_gemm == "xla" or (decode_gemm == "auto" and not auto_ok):
         return ()
     return CUBLAS_DECODE_OPTIONS
 
@@ -260,7 +263,7 @@ class Engine:
         """JSON-ready run configuration: the engine config, resolved precision, miss policy, the XLA
         options of its decode programs."""
         return {**self.config.as_dict(), "matmul_precision_resolved": self.precision,
-                "decode_compiler_options": dict(decode_compiler_options(self.config.decode_gemm, 1)),
+                "decode_compiler_options": dict(decode_compiler_options(self.config.decode_gemm, 1, self.dtype)),
                 "miss_policy": self.miss.policy, "compute_dtype": self.dtype.name,
                 "prefix_copy_layers_resolved": self.prefix_copy_rows()}
 
@@ -640,7 +643,8 @@ class Engine:
         return int(max(sizes, default=0))
 
     def _executable(self, args, opts: StepOptions):
-        options = decode_compiler_options(self.config.decode_gemm, args[4].shape[1])  # args[4]: tokens [B, T]
+        tokens = args[4]  # int32 [B, T]
+        options = decode_compiler_options(self.config.decode_gemm, tokens.shape[1], self.dtype)
         return self.compiled(_forward_step, args, compiler_options=options, cfg=self.cfg, opts=opts)
 
     def _ensure_compiled(self, calls: Sequence[PrefillCall], batch: int, cache, kv_manager=None,

@@ -119,8 +119,8 @@ flags.DEFINE_enum("matmul_precision", "auto", list(MATMUL_PRECISIONS),
                   "backend's fast default for 16-bit dtypes (on GPUs float32 dots otherwise run as TF32).")
 flags.DEFINE_enum("decode_gemm", "auto", list(DECODE_GEMMS),
                   "GEMMs of the decode programs on a GPU: xla = XLA's Triton GEMM fusions (they copy each layer's "
-                  "weight slices first); cublas = cuBLAS reading them in place, dot merger off; auto = cublas on a GPU "
-                  "(EngineConfig.decode_gemm; docs/PROFILE.md).")
+                  "weight slices first); cublas = cuBLAS reading them in place, dot merger off; auto = cublas on a "
+                  "GPU in bf16/fp16 (EngineConfig.decode_gemm; docs/PROFILE.md).")
 flags.DEFINE_boolean("ignore_eos", False, "Generate --max_new_tokens tokens even past the checkpoint's EOS id(s) "
                      "(benchmarks).")
 flags.DEFINE_integer("fixed_fetch", None, "Adaptive: fetch min(N, misses) per layer instead of the calibrated split.")

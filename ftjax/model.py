@@ -454,10 +454,10 @@ def stacked_dense(layers: Params, token_shape: tuple[int, ...]) -> dict[str, jax
     """The stacked dense weights (of :data:`STACKED_NAMES`, ``[L, K, N]`` each) that :func:`forward`
     keeps out of its layer scan's xs and passes as :class:`StackedWeight`: all of them for a decode
     call (tokens [B, T] with T == 1 and B <= 16) while ``FTJAX_KERNELS`` selects ``dense_decode``
-    (``ftjax.kernels.select``; by default on GPUs only), else none (the plain scan, unchanged).
+    (``ftjax.kernels.select``; opt-in: ``dense_decode.AUTO``), else none (the plain scan, unchanged).
     Prefill chunks, even small ones, keep the sliced weights: the kernel is a GEMV of few rows."""
     b, t = token_shape
-    if t != 1 or b > dense_decode.MAX_ROWS or select.mode("dense_decode") == "xla":
+    if t != 1 or b > dense_decode.MAX_ROWS or select.mode("dense_decode", auto=dense_decode.AUTO) == "xla":
         return {}
     return {k: layers[k] for k in STACKED_NAMES if k in layers and getattr(layers[k], "ndim", 0) == 3}
 
@@ -480,7 +480,7 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, start: jax.Arra
         reused prefix into the cache layer by layer and returns new K/V as scan outputs.
 
     Decode calls (T == 1, B <= 16) with the dense decode kernel selected (:func:`stacked_dense`;
-    by default on GPUs) leave wq, wk, wv, wo and the router out of the scan's xs and hand the layer
+    opt-in, ``dense_decode.AUTO``) leave wq, wk, wv, wo and the router out of the scan's xs and hand the layer
     function :class:`StackedWeight` holders of the stacked arrays instead.
 
     The layer-pipelined driver (``ftjax.layer_pipeline``) runs the same pieces (:func:`embed_inputs`,

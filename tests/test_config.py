@@ -133,10 +133,11 @@ def test_decode_gemm_choices_and_resolution():
     with pytest.raises(ValueError, match="decode_gemm 'triton'"):
         EngineConfig(decode_gemm="triton")
     with pytest.raises(ValueError, match="unknown decode_gemm"):
-        decode_compiler_options("cuBLAS", 1, "gpu")
-    assert decode_compiler_options("auto", 1, "gpu") == CUBLAS_DECODE_OPTIONS
+        decode_compiler_options("cuBLAS", 1, "bfloat16", "gpu")
+    assert decode_compiler_options("auto", 1, "bfloat16", "gpu") == CUBLAS_DECODE_OPTIONS
     assert dict(CUBLAS_DECODE_OPTIONS) == {"xla_gpu_enable_triton_gemm": False, "xla_disable_hlo_passes": "dot-merger"}
-    assert decode_compiler_options("auto", 1, "cpu") == ()  # CPU programs stay as the oracle tests saw them
-    assert decode_compiler_options("cublas", 1, "cpu") == CUBLAS_DECODE_OPTIONS
-    assert decode_compiler_options("auto", 16, "gpu") == ()  # a prefill call keeps XLA's GEMMs
-    assert decode_compiler_options("xla", 1, "gpu") == ()
+    assert decode_compiler_options("auto", 1, "bfloat16", "cpu") == ()  # CPU programs as the oracle tests saw them
+    assert decode_compiler_options("auto", 1, "float32", "gpu") == ()  # the GPU oracle runs, too
+    assert decode_compiler_options("cublas", 1, "float32", "cpu") == CUBLAS_DECODE_OPTIONS
+    assert decode_compiler_options("auto", 16, "bfloat16", "gpu") == ()  # a prefill call keeps XLA's GEMMs
+    assert decode_compiler_options("xla", 1, "bfloat16", "gpu") == ()

@@ -301,7 +301,7 @@ def test_decode_gemm_cublas_keeps_logits():
     for gemm in ("xla", "cublas"):
         eng = Engine(model, EngineConfig("cached", num_slots=12, max_seq_len=64, decode_gemm=gemm))
         runs[gemm] = eng.generate([prompt], max_new_tokens=4, keep_logits=True)
-        assert eng.describe()["decode_compiler_options"] == dict(engine_lib.decode_compiler_options(gemm, 1))
+        assert eng.describe()["decode_compiler_options"] == dict(engine_lib.decode_compiler_options(gemm, 1, "float32"))
     assert any(key[-1] == engine_lib.CUBLAS_DECODE_OPTIONS for key in engine_lib._COMPILED)
     np.testing.assert_allclose(runs["cublas"].step_logits, runs["xla"].step_logits, rtol=1e-6, atol=1e-6)
     assert runs["cublas"].generated_ids == runs["xla"].generated_ids

@@ -64,6 +64,11 @@ MIN_PROGRAMS = 256
 MAX_K_SPLIT = 32
 #: Most rows the kernel takes (beyond that the GEMM of XLA / cuBLAS is the better tool).
 MAX_ROWS = 16
+#: Whether ``FTJAX_KERNELS=auto`` runs the kernel on a GPU. Off: on the H200 (session 9,
+#: docs/PROFILE.md) it took the resident batch-1 step of qwen3-30b-a3b from 7.53 to 7.06 ms, but the
+#: cached step at 24 GB measured 33.0 ms with it against 13.1 ms without (another call, other miss
+#: bytes; not traced, so not explained). Opt in with ``FTJAX_KERNELS=...,dense_decode``.
+AUTO = False
 WEIGHT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
@@ -196,7 +201,7 @@ def auto_k_split(k: int, n: int, block_k: int, block_n: int) -> int:
 def plan(x: jax.Array, w: jax.Array) -> tuple[str, dict]:
     """(mode, tiles) of a model call of ``x @ w[layer]`` with x [..., K] and w [L, K, N]: mode
     "gpu" / "interpret" when ``FTJAX_KERNELS`` selects the kernel for these operands (at most
-    :data:`MAX_ROWS` rows; ``select.mode``, on by default on a GPU only), else "xla".
+    :data:`MAX_ROWS` rows; ``select.mode``, off under ``auto``: :data:`AUTO`), else "xla".
 
     Raises:
       ValueError: a malformed ``FTJAX_DENSE_DECODE_TILES`` or ``FTJAX_KERNELS``.
@@ -206,7 +211,7 @@ def plan(x: jax.Array, w: jax.Array) -> tuple[str, dict]:
     if t["k_split"] == 0:
         t["k_split"] = auto_k_split(x.shape[-1], w.shape[-1], t["block_k"], t["block_n"])
     ok = supported(x2, w, t["block_k"], t["block_n"], t["k_split"])
-    return select.mode("dense_decode", ok, auto=True), t
+    return select.mode("dense_decode", ok, auto=AUTO), t
 
 
 def maybe(x: jax.Array, w: jax.Array, layer: jax.Array) -> jax.Array | None:

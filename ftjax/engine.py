@@ -142,8 +142,9 @@ def decode_compiler_options(decode_gemm: str, tokens_per_row: int, compute_dtype
     engine's; backend: the jax backend (default: ``jax.default_backend()``). "auto" gives
     :data:`CUBLAS_DECODE_OPTIONS` to a decode step in a 16-bit dtype on a GPU (float32 runs are the
     oracle runs: they keep the programs of the last passing GPU oracle check; see docs/PROFILE.md,
-    session 9); "cublas" gives them to a decode step in any dtype on any backend (off the GPU only
-    the dot merger's absence acts: the CPU tests check that the logits stay the same); "xla": none.
+    session 9); "cublas" gives them to a decode step in any dtype on any backend (XLA:CPU compiles the
+    same program with them: the CPU tests check the plumbing, not cuBLAS's numerics, which only a GPU
+    run checks: ``experiments/check_oracle_gpu.py --decode_gemm``); "xla": none.
     Measured on the H200 (resident qwen3-30b-a3b, bf16, batch 1, GEMM autotuning off, one call):
     9.61 ms per step with XLA's defaults, 7.53 ms with these options.
     Raises:
@@ -159,10 +160,12 @@ def decode_compiler_options(decode_gemm: str, tokens_per_row: int, compute_dtype
 
 def compiled_programs(fn_name: str | None = None):
     """Yields (step name, static options dict, argument signatures, compiled executable) of every
-    compiled step (e.g. to read its HLO with ``exe.as_text()``); ``fn_name`` filters by step."""
+    compiled step (e.g. to read its HLO with ``exe.as_text()``); ``fn_name`` filters by step. The
+    options dict also holds the XLA ``compiler_options`` (a dict; empty for XLA's defaults), so that
+    two programs of one step that differ only in them (``EngineConfig.decode_gemm``) can be told apart."""
     for key, exe in _COMPILED.items():
         if fn_name is None or key[0] == fn_name:
-            yield key[0], dict(key[1]), key[2], exe
+            yield key[0], {**dict(key[1]), "compiler_options": dict(key[3])}, key[2], exe
 
 
 def _compile_key(args, **static) -> tuple:
@@ -623,15 +626,16 @@ class Engine:
             kv=req.record() if req is not None else None)
 
     # ---- compilation --------------------------------------------------------------------------
-    def compiled(self, fn, args, compiler_options: tuple = (), **static):
+    def compiled(self, fn, args, compiler_options: tuple | dict = (), **static):
         """``fn`` (a jitted step) compiled for these arguments and static options, from the shared
         cache (compiled once per fn, shapes, dtypes, memory kinds, options and XLA
         ``compiler_options``, ``(name, value)`` pairs); compile seconds are added to ``compile_s``
         so timings can exclude them."""
-        key = (fn.__name__,) + _compile_key(args, **static) + (tuple(compiler_options),)
+        options = tuple(sorted(dict(compiler_options).items()))  # pairs or a dict; one key per set of values
+        key = (fn.__name__,) + _compile_key(args, **static) + (options,)
         if key not in _COMPILED:
             t0 = time.perf_counter()
-            _COMPILED[key] = fn.lower(*args, **static).compile(compiler_options=dict(compiler_options) or None)
+            _COMPILED[key] = fn.lower(*args, **static).compile(compiler_options=dict(options) or None)
             self.compile_s += time.perf_counter() - t0
         self._programs.add(key)
         return _COMPILED[key]

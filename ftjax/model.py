@@ -279,7 +279,7 @@ def project(x: jax.Array, w: jax.Array | StackedWeight) -> jax.Array:
     """``x @ w`` for a dense weight: x [..., K], w [K, N] -> [..., N] in the promoted dtype.
 
     w may be a :class:`StackedWeight` (``w.w [L, K, N]``, ``w.layer``): where ``FTJAX_KERNELS``
-    selects ``dense_decode`` for these operands (at most 16 rows; default: on GPUs) the kernel
+    selects ``dense_decode`` for these operands (at most 16 rows; opt-in: ``dense_decode.AUTO``) the kernel
     computes ``x @ w.w[w.layer]`` reading the stacked weight in place; otherwise the layer's
     matrix is sliced and the product below runs on it.
 

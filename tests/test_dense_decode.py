@@ -99,16 +99,35 @@ def test_tiles_env(monkeypatch):
     assert dd.tiles() == {"block_k": 32, "block_n": 64, "num_warps": None, "k_split": 0}
     for bad, match in (("32,64", "four integers"), ("a,b,c,d", "four integers"), ("32,64,4,2,1", "four integers"),
                        ("48,64,4,2", "powers of two"), ("32,0,4,2", "powers of two"), ("32,64,-1,2", "powers of two"),
-                       ("32,64,4,-2", "powers of two")):
+                       ("32,64,4,-2", "powers of two"), ("32,64,3,2", "power of two or 0")):
         monkeypatch.setenv(dd.TILES_ENV, bad)
         with pytest.raises(ValueError, match=rf"FTJAX_DENSE_DECODE_TILES='{bad}': .*{match}"):
             dd.tiles()
 
 
+def test_explicit_tiles_that_do_not_fit_raise(monkeypatch):
+    x, w = jnp.ones((1, 256)), jnp.ones((2, 256, 128))
+    monkeypatch.setenv(select.ENV, "dense_decode")
+    monkeypatch.setenv(dd.TILES_ENV, "64,128,0,8")  # K = 256 holds 4 steps of 64, not 8 parts
+    with pytest.raises(ValueError, match=r"FTJAX_DENSE_DECODE_TILES='64,128,0,8': tiles .* do not fit x \(1, 256\)"):
+        dd.plan(x, w)
+    monkeypatch.setenv(dd.TILES_ENV, "64,128,0,4")
+    assert dd.plan(x, w)[0] == "interpret" or jax.default_backend() == "gpu"
+    monkeypatch.setenv(select.ENV, "xla")  # not selected: the tiles do not matter
+    monkeypatch.setenv(dd.TILES_ENV, "64,128,0,8")
+    assert dd.plan(x, w)[0] == "xla"
+
+
 def test_select_knows_the_kernel(monkeypatch):
     assert "dense_decode" in select.KERNELS
     monkeypatch.delenv(select.ENV, raising=False)
-    assert select.mode("dense_decode") == ("gpu" if jax.default_backend() == "gpu" else "xla")
+    assert dd.AUTO is False  # opt-in (docs/PROFILE.md, session 9): auto never runs it, on any backend
+    assert select.mode("dense_decode", auto=dd.AUTO) == "xla"
+    layers = {"wq": jnp.zeros((2, 128, 64)), "wo": jnp.zeros((2, 64, 128))}
+    assert model_lib.stacked_dense(layers, (1, 1)) == {}
+    monkeypatch.setenv(select.ENV, "dense_decode")
+    assert set(model_lib.stacked_dense(layers, (1, 1))) == {"wq", "wo"}
+    assert model_lib.stacked_dense(layers, (1, 4)) == {}  # prefill chunks keep the sliced weights
 
 
 # ------------------------------------------------------------------ model.project / model.forward

@@ -292,8 +292,9 @@ def test_plan_for_a_budget_that_fits_everything_is_resident_even_with_prefill_st
 
 
 def test_decode_gemm_cublas_keeps_logits():
-    """The decode programs compiled with Triton GEMMs and the dot merger off (the GPU default,
-    ``EngineConfig.decode_gemm``) compute the same logits; on the CPU only the merger's absence acts."""
+    """The plumbing of ``EngineConfig.decode_gemm``: "cublas" compiles its own decode program with
+    :data:`CUBLAS_DECODE_OPTIONS` (told apart by ``compiled_programs``), with the same logits. XLA:CPU
+    compiles the same program either way; cuBLAS's numerics are a GPU check (check_oracle_gpu)."""
     from ftjax import engine as engine_lib
     model, exp = load_fixture("qwen3_moe_fp32")
     prompt = exp["short_prompt_ids"].tolist()
@@ -302,6 +303,27 @@ def test_decode_gemm_cublas_keeps_logits():
         eng = Engine(model, EngineConfig("cached", num_slots=12, max_seq_len=64, decode_gemm=gemm))
         runs[gemm] = eng.generate([prompt], max_new_tokens=4, keep_logits=True)
         assert eng.describe()["decode_compiler_options"] == dict(engine_lib.decode_compiler_options(gemm, 1, "float32"))
-    assert any(key[-1] == engine_lib.CUBLAS_DECODE_OPTIONS for key in engine_lib._COMPILED)
+    def is_decode(sig):  # the tokens int32 [1, 1] among the argument leaves
+        return any(shape == (1, 1) and dtype == np.int32 for shape, dtype, _ in sig)
+    decode = [static["compiler_options"] for _, static, sig, _ in engine_lib.compiled_programs("_forward_step")
+              if static["opts"].mode == "cached" and is_decode(sig)]
+    assert sorted(map(len, decode)) == [0, 2] and dict(engine_lib.CUBLAS_DECODE_OPTIONS) in decode
     np.testing.assert_allclose(runs["cublas"].step_logits, runs["xla"].step_logits, rtol=1e-6, atol=1e-6)
     assert runs["cublas"].generated_ids == runs["xla"].generated_ids
+
+
+def test_compiled_key_normalises_compiler_options():
+    """A dict and pairs in any order name one program; other values another."""
+    import jax
+    import jax.numpy as jnp
+    from ftjax import engine as engine_lib
+    model, _ = load_fixture("qwen3_moe_fp32")
+    eng = Engine(model, EngineConfig("resident", max_seq_len=64))
+    fn = jax.jit(lambda x: x * 2)
+    x = jnp.ones(3)
+    a = eng.compiled(fn, (x,), compiler_options={"xla_gpu_enable_triton_gemm": False, "xla_disable_hlo_passes": "x"})
+    pairs = (("xla_disable_hlo_passes", "x"), ("xla_gpu_enable_triton_gemm", False))
+    b = eng.compiled(fn, (x,), compiler_options=pairs)
+    c = eng.compiled(fn, (x,), compiler_options={"xla_gpu_enable_triton_gemm": True, "xla_disable_hlo_passes": "x"})
+    assert a is b and c is not a
+    assert sum(1 for name, *_ in engine_lib.compiled_programs() if name == fn.__name__) == 2

@@ -168,7 +168,7 @@ def tiles() -> dict:
 
     Raises:
       ValueError: a malformed value (not four integers, block_k / block_n not powers of two,
-        negative num_warps or k_split).
+        num_warps neither 0 nor a power of two, negative k_split).
     """
     v = os.environ.get(TILES_ENV, "").strip()
     if not v:
@@ -180,9 +180,9 @@ def tiles() -> dict:
     except ValueError:
         raise ValueError(f"{TILES_ENV}={v!r}: expected four integers block_k,block_n,num_warps,k_split") from None
     bk, bn, nw, ks = vals
-    if not (_pow2(bk) and _pow2(bn)) or min(nw, ks) < 0:
-        raise ValueError(f"{TILES_ENV}={v!r}: block_k and block_n must be powers of two >= 1, num_warps and "
-                         "k_split >= 0 (0: the default)")
+    if not (_pow2(bk) and _pow2(bn)) or min(nw, ks) < 0 or (nw and not _pow2(nw)):
+        raise ValueError(f"{TILES_ENV}={v!r}: block_k and block_n must be powers of two >= 1, num_warps a power "
+                         "of two or 0, k_split >= 0 (0: the default)")
     return {"block_k": bk, "block_n": bn, "num_warps": nw or None, "k_split": ks}
 
 
@@ -204,13 +204,20 @@ def plan(x: jax.Array, w: jax.Array) -> tuple[str, dict]:
     :data:`MAX_ROWS` rows; ``select.mode``, off under ``auto``: :data:`AUTO`), else "xla".
 
     Raises:
-      ValueError: a malformed ``FTJAX_DENSE_DECODE_TILES`` or ``FTJAX_KERNELS``.
+      ValueError: a malformed ``FTJAX_DENSE_DECODE_TILES`` or ``FTJAX_KERNELS``; tiles set in the
+        variable that do not fit operands the default tiles fit, while the kernel is selected.
     """
     t = tiles()
     x2 = jax.ShapeDtypeStruct((math.prod(x.shape[:-1]), x.shape[-1]), x.dtype)
     if t["k_split"] == 0:
         t["k_split"] = auto_k_split(x.shape[-1], w.shape[-1], t["block_k"], t["block_n"])
     ok = supported(x2, w, t["block_k"], t["block_n"], t["k_split"])
+    if not ok and os.environ.get(TILES_ENV, "").strip() and supported(x2, w, BLOCK_K, BLOCK_N, 1) \
+            and select.mode("dense_decode", True, auto=AUTO) != "xla":
+        # a tile sweep must not time XLA's GEMMs under the kernel's name
+        raise ValueError(f"{TILES_ENV}={os.environ[TILES_ENV]!r}: tiles {t} do not fit x {x2.shape} @ w "
+                         f"{tuple(w.shape)} (K must be a multiple of min(block_k, K) * k_split, N of "
+                         "min(block_n, N))")
     return select.mode("dense_decode", ok, auto=AUTO), t
 
 

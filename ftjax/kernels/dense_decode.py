@@ -170,19 +170,13 @@ def tiles() -> dict:
       ValueError: a malformed value (not four integers, block_k / block_n not powers of two,
         num_warps neither 0 nor a power of two, negative k_split).
     """
-    v = os.environ.get(TILES_ENV, "").strip()
-    if not v:
+    vals = select.tile_ints(TILES_ENV, (4,), "four integers block_k,block_n,num_warps,k_split")
+    if vals is None:
         return {"block_k": BLOCK_K, "block_n": BLOCK_N, "num_warps": None, "k_split": K_SPLIT}
-    try:
-        vals = [int(a) for a in v.split(",")]
-        if len(vals) != 4:
-            raise ValueError
-    except ValueError:
-        raise ValueError(f"{TILES_ENV}={v!r}: expected four integers block_k,block_n,num_warps,k_split") from None
     bk, bn, nw, ks = vals
     if not (_pow2(bk) and _pow2(bn)) or min(nw, ks) < 0 or (nw and not _pow2(nw)):
-        raise ValueError(f"{TILES_ENV}={v!r}: block_k and block_n must be powers of two >= 1, num_warps a power "
-                         "of two or 0, k_split >= 0 (0: the default)")
+        raise ValueError(f"{TILES_ENV}={os.environ[TILES_ENV]!r}: block_k and block_n must be powers of two >= 1, "
+                         "num_warps a power of two or 0, k_split >= 0 (0: the default)")
     return {"block_k": bk, "block_n": bn, "num_warps": nw or None, "k_split": ks}
 
 

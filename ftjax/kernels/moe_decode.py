@@ -342,21 +342,14 @@ def tiles() -> dict:
     Raises:
       ValueError: a malformed value.
     """
-    v = os.environ.get(TILES_ENV, "")
-    if not v:
+    vals = select.tile_ints(TILES_ENV, (4, 6), "block_d,block_f,num_warps,d_split[,down_cols,down_rows]")
+    if vals is None:
         return {"block_d": BLOCK_D, "block_f": BLOCK_F, "num_warps": None, "d_split": D_SPLIT, "down_cols": 0,
                 "down_rows": 0}
-    try:
-        vals = [int(a) for a in v.split(",")]
-        if len(vals) not in (4, 6):
-            raise ValueError
-    except ValueError:
-        raise ValueError(f"{TILES_ENV}={v!r}: expected block_d,block_f,num_warps,d_split[,down_cols,down_rows]"
-                         ) from None
     bd, bf, nw, ds, dc, dr = vals + [0] * (6 - len(vals))
     if bd < 1 or bf < 1 or min(nw, ds, dc, dr) < 0:
-        raise ValueError(f"{TILES_ENV}={v!r}: block_d and block_f must be >= 1, num_warps, d_split, down_cols and "
-                         "down_rows >= 0 (0: the default)")
+        raise ValueError(f"{TILES_ENV}={os.environ[TILES_ENV]!r}: block_d and block_f must be >= 1, num_warps, "
+                         "d_split, down_cols and down_rows >= 0 (0: the default)")
     return {"block_d": bd, "block_f": bf, "num_warps": nw or None, "d_split": ds, "down_cols": dc, "down_rows": dr}
 
 

@@ -86,3 +86,23 @@ def dot_dtype_ok(dtype) -> bool:
     float32 dot as TF32 whatever ``jax.default_matmul_precision`` says, and the float32 oracle
     runs (DESIGN.md section 3) need full float32, so float32 attention keeps the XLA path."""
     return jax.numpy.dtype(dtype).itemsize == 2 or jax.default_backend() != "gpu"
+
+
+def tile_ints(env: str, counts: tuple[int, ...], expected: str) -> list[int] | None:
+    """The integers of a kernel's tile variable ``env`` (comma separated; read when called, i.e. at
+    trace time), or None when it is unset or blank (as ``FTJAX_KERNELS``: the module defaults).
+
+    counts: the numbers of values accepted; expected: what the message says is expected.
+    Raises:
+      ValueError: not integers, or another count (the message names the variable and its value)."""
+    v = os.environ.get(env, "")
+    if not v.strip():
+        return None
+    try:
+        vals = [int(a) for a in v.split(",")]
+        if len(vals) not in counts:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"{env}={v!r}: expected {expected}") from None
+    return vals
+

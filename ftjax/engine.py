@@ -20,7 +20,7 @@ import numpy as np
 from ftjax import layer_pipeline, memory
 from ftjax import model as model_lib
 from ftjax.checkpoint import LoadedModel
-from ftjax.config import EngineConfig
+from ftjax.config import DECODE_GEMMS, EngineConfig
 from ftjax.experts import miss_policy, offload
 from ftjax.experts.slot_table import reset_table
 from ftjax.experts.state import ExpertCounters, ExpertState, init_expert_state
@@ -149,7 +149,6 @@ def decode_compiler_options(decode_gemm: str, tokens_per_row: int, compute_dtype
     9.61 ms per step with XLA's defaults, 7.53 ms with these options.
     Raises:
       ValueError: ``decode_gemm`` is not one of ``config.DECODE_GEMMS``."""
-    from ftjax.config import DECODE_GEMMS
     if decode_gemm not in DECODE_GEMMS:
         raise ValueError(f"unknown decode_gemm {decode_gemm!r}; expected one of {', '.join(DECODE_GEMMS)}")
     auto_ok = (backend or jax.default_backend()) == "gpu" and jnp.dtype(compute_dtype).itemsize == 2

@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 from experiments import common  # noqa: E402
 from ftjax.checkpoint import DTYPES  # noqa: E402
 from ftjax.engine import Engine  # noqa: E402
-from ftjax.config import EngineConfig  # noqa: E402
+from ftjax.config import DECODE_GRAPHS, EngineConfig  # noqa: E402
 from ftjax.experts import quant  # noqa: E402
 from ftjax.experts.planner import GB, plan_memory  # noqa: E402
 
@@ -48,12 +48,13 @@ flags.DEFINE_list("expert_dtypes", None, "Expert storage formats to compare (bfl
 flags.DEFINE_integer("prompt_len", 512, "Prompt tokens.")
 flags.DEFINE_integer("steps", 128, "Decode steps timed.")
 flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
+flags.DEFINE_enum("decode_graphs", "auto", list(DECODE_GRAPHS), "EngineConfig.decode_graphs of every engine.")
 flags.DEFINE_string("hlo_dir", None, "If set, write the compiled cached decode step's HLO text here.")
 
 
 def run_mode(model, mode, slots, batch, max_seq_len, prompts, policy="lru"):
     engine = Engine(model, EngineConfig(mode, num_slots=slots, max_seq_len=max_seq_len, batch=batch,
-                                        cache_policy=policy))
+                                        cache_policy=policy, decode_graphs=FLAGS.decode_graphs))
     res = engine.generate(prompts, FLAGS.steps + 1, time_steps=True)
     ec = engine.expert_cache_metrics()
     steps = np.array(res.step_s)

@@ -58,7 +58,7 @@ import numpy as np  # noqa: E402
 from experiments import common  # noqa: E402
 from experiments.timeline import CATEGORIES, hlo_op_names, step_breakdown, trace_events  # noqa: E402
 from ftjax.checkpoint import DTYPES  # noqa: E402
-from ftjax.config import DECODE_GEMMS, EngineConfig  # noqa: E402
+from ftjax.config import DECODE_GEMMS, DECODE_GRAPHS, EngineConfig  # noqa: E402
 from ftjax.engine import Engine  # noqa: E402
 from ftjax.experts.planner import GB, plan_memory  # noqa: E402
 
@@ -79,6 +79,7 @@ flags.DEFINE_integer("prefill_repeats", 3, "Timed prefill calls (after one warm-
 flags.DEFINE_float("hbm_gb", 2.0, "GiB of the bfloat16 array whose negate measures the HBM bandwidth.")
 flags.DEFINE_integer("hbm_repeats", 10, "Timed calls of the HBM measurement.")
 flags.DEFINE_enum("decode_gemm", "auto", list(DECODE_GEMMS), "EngineConfig.decode_gemm of the decode runs.")
+flags.DEFINE_enum("decode_graphs", "auto", list(DECODE_GRAPHS), "EngineConfig.decode_graphs of the decode runs.")
 flags.DEFINE_string("hlo_dir", None, "Where the compiled decode steps' HLO text goes (none: not written).")
 flags.DEFINE_string("trace_dir", None, "Where the raw traces go (default: a temporary folder).")
 flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
@@ -185,7 +186,7 @@ def decode_run(model, mode: str, batch: int, slots: int | None, trace_dir: str) 
     n_steps = FLAGS.warm_steps + FLAGS.timed_steps + FLAGS.trace_steps
     max_seq_len = -(-(FLAGS.prompt_len + n_steps + 2) // 128) * 128
     eng = Engine(model, EngineConfig(mode, num_slots=slots, max_seq_len=max_seq_len, batch=batch,
-                                     decode_gemm=FLAGS.decode_gemm))
+                                     decode_gemm=FLAGS.decode_gemm, decode_graphs=FLAGS.decode_graphs))
     rng = np.random.default_rng(batch)
     prompts = [rng.integers(0, cfg.vocab_size, FLAGS.prompt_len).tolist() for _ in range(batch)]
     cache = eng.new_cache(batch)

@@ -452,6 +452,17 @@ PREFIX_COPIES = ("put", "in_program")
 #: computed by another library (rounding may differ).
 DECODE_GEMMS = ("auto", "xla", "cublas")
 
+#: Whether decode programs on a GPU run as CUDA graphs whose loops stay on the device
+#: (``EngineConfig.decode_graphs``; resolved by :func:`ftjax.engine.decode_graphs_on`). A decode step
+#: of an offloading mode copies its misses in a loop whose trip count is data (``fetch_experts``):
+#: XLA runs such a loop from the host, copying its predicate to the host and waiting on the stream
+#: at every iteration (a ``MemcpyD2H`` and a drained GPU per layer). With XLA's command buffers for
+#: WHILE and CONDITIONAL the loop runs as a CUDA graph conditional node instead. "on": every decode
+#: program on a GPU; "off": XLA's defaults; "auto": on for the cached and on_demand modes under the
+#: fetch miss policy (the runs it was measured on; docs/PROFILE.md, session 10). Same kernels, same
+#: logits.
+DECODE_GRAPHS = ("auto", "on", "off")
+
 
 def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
@@ -504,6 +515,8 @@ class EngineConfig:
       cache_policy: slot eviction policy (``ftjax.experts.slot_table.POLICIES``).
       matmul_precision: one of :data:`MATMUL_PRECISIONS`.
       decode_gemm: one of :data:`DECODE_GEMMS`: which GEMMs XLA uses in decode programs on a GPU.
+      decode_graphs: one of :data:`DECODE_GRAPHS`: whether decode programs on a GPU keep their loops
+        on the device (CUDA graphs) instead of waiting on the host at every iteration.
     Raises:
       ValueError: a choice outside its registry or a size out of range (the message names the field).
     """
@@ -522,6 +535,7 @@ class EngineConfig:
     cache_policy: str = "lru"
     matmul_precision: str = "auto"
     decode_gemm: str = "auto"
+    decode_graphs: str = "auto"
 
     def __post_init__(self):
         from ftjax.experts.offload import MODES  # late imports: these modules import this one
@@ -533,6 +547,7 @@ class EngineConfig:
         _choice("matmul precision", self.matmul_precision, MATMUL_PRECISIONS)
         _choice("prefix_copy", self.prefix_copy, PREFIX_COPIES)
         _choice("decode_gemm", self.decode_gemm, DECODE_GEMMS)
+        _choice("decode_graphs", self.decode_graphs, DECODE_GRAPHS)
         for name in ("max_seq_len", "batch", "prefill_chunk", "prefix_copy_layers"):
             _at_least(name, getattr(self, name), 1)
         _boolean("stream_d2d_hits", self.stream_d2d_hits)

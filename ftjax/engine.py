@@ -20,7 +20,7 @@ import numpy as np
 from ftjax import layer_pipeline, memory
 from ftjax import model as model_lib
 from ftjax.checkpoint import LoadedModel
-from ftjax.config import DECODE_GEMMS, EngineConfig
+from ftjax.config import DECODE_GEMMS, DECODE_GRAPHS, EngineConfig
 from ftjax.experts import miss_policy, offload
 from ftjax.experts.slot_table import reset_table
 from ftjax.experts.state import ExpertCounters, ExpertState, init_expert_state
@@ -133,16 +133,45 @@ PIPELINE_PREFIX = True
 CUBLAS_DECODE_OPTIONS = (("xla_disable_hlo_passes", "dot-merger"), ("xla_gpu_enable_triton_gemm", False))
 
 
+#: XLA's default command buffer kinds (jax 0.11's XLA) plus WHILE and CONDITIONAL: what a decode program
+#: compiles with under ``EngineConfig.decode_graphs`` (the option replaces the list, so the defaults
+#: are repeated).
+GRAPH_DECODE_OPTIONS = (("xla_gpu_enable_command_buffer",
+                         "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"),)
+
+
+def decode_graphs_on(decode_graphs: str, experts: str, miss_policy: str, backend: str | None = None) -> bool:
+    """Whether decode programs compile with :data:`GRAPH_DECODE_OPTIONS`.
+
+    decode_graphs: ``EngineConfig.decode_graphs`` (``config.DECODE_GRAPHS``); experts: the experts
+    mode; miss_policy: the engine's miss policy; backend: the jax backend (default:
+    ``jax.default_backend()``). "on" and "auto" apply on a GPU only (command buffers are XLA:GPU's);
+    "auto" only to the cached and on_demand modes under the fetch miss policy: their steps copy misses
+    in a loop of data-dependent trip count, which XLA otherwise drives from the host (a predicate copied
+    back and a drained stream per iteration). Measured on the H200 (qwen3-30b-a3b, bf16, batch 1, 24 GB
+    cached, 99.6% hits; docs/PROFILE.md, session 10): 10.74 / 14.05 ms per step without, 9.84 / 9.69 ms
+    with (two device calls); a resident step was not faster (7.71 ms against 7.53-7.82 ms).
+    Raises:
+      ValueError: ``decode_graphs`` is not one of ``config.DECODE_GRAPHS``."""
+    if decode_graphs not in DECODE_GRAPHS:
+        raise ValueError(f"unknown decode_graphs {decode_graphs!r}; expected one of {', '.join(DECODE_GRAPHS)}")
+    if decode_graphs == "off" or (backend or jax.default_backend()) != "gpu":
+        return False
+    return decode_graphs == "on" or (experts != "resident" and miss_policy == "fetch")
+
+
 def decode_compiler_options(decode_gemm: str, tokens_per_row: int, compute_dtype="bfloat16",
-                            backend: str | None = None) -> tuple:
+                            backend: str | None = None, graphs: bool = False) -> tuple:
     """XLA compiler options (sorted ``(name, value)`` pairs, hashable) of one call of the step.
 
     decode_gemm: ``EngineConfig.decode_gemm`` (``config.DECODE_GEMMS``); tokens_per_row: T of the
     call's int32 [B, T] tokens (1: a decode step, the only call given options); compute_dtype: the
-    engine's; backend: the jax backend (default: ``jax.default_backend()``). "auto" gives
+    engine's; backend: the jax backend (default: ``jax.default_backend()``); graphs: add
+    :data:`GRAPH_DECODE_OPTIONS` (:func:`decode_graphs_on`, resolved by the caller). "auto" gives
     :data:`CUBLAS_DECODE_OPTIONS` to a decode step in a 16-bit dtype on a GPU (float32 runs are the
-    oracle runs: they keep the programs of the last passing GPU oracle check; see docs/PROFILE.md,
-    session 9); "cublas" gives them to a decode step in any dtype on any backend (XLA:CPU compiles the
+    oracle runs: they keep XLA's GEMMs, which pass the GPU oracle check, while cuBLAS's float32 products
+    put the hybrid fixture's long prompt 7.1e-4 off against a tolerance of 3.7e-4; docs/PROFILE.md,
+    session 10); "cublas" gives them to a decode step in any dtype on any backend (XLA:CPU compiles the
     same program with them: the CPU tests check the plumbing, not cuBLAS's numerics, which only a GPU
     run checks: ``experiments/check_oracle_gpu.py --decode_gemm``); "xla": none.
     Measured on the H200 (resident qwen3-30b-a3b, bf16, batch 1, GEMM autotuning off, one call):
@@ -151,10 +180,11 @@ def decode_compiler_options(decode_gemm: str, tokens_per_row: int, compute_dtype
       ValueError: ``decode_gemm`` is not one of ``config.DECODE_GEMMS``."""
     if decode_gemm not in DECODE_GEMMS:
         raise ValueError(f"unknown decode_gemm {decode_gemm!r}; expected one of {', '.join(DECODE_GEMMS)}")
-    auto_ok = (backend or jax.default_backend()) == "gpu" and jnp.dtype(compute_dtype).itemsize == 2
-    if tokens_per_row != 1 or decode_gemm == "xla" or (decode_gemm == "auto" and not auto_ok):
+    if tokens_per_row != 1:
         return ()
-    return CUBLAS_DECODE_OPTIONS
+    auto_ok = (backend or jax.default_backend()) == "gpu" and jnp.dtype(compute_dtype).itemsize == 2
+    gemm = () if decode_gemm == "xla" or (decode_gemm == "auto" and not auto_ok) else CUBLAS_DECODE_OPTIONS
+    return tuple(sorted(gemm + (GRAPH_DECODE_OPTIONS if graphs else ())))
 
 
 def compiled_programs(fn_name: str | None = None):
@@ -261,11 +291,17 @@ class Engine:
         """Matmul precision of every step (``EngineConfig.precision`` for the compute dtype)."""
         return self.config.precision(self.dtype.name)
 
+    def decode_options(self, tokens_per_row: int) -> tuple:
+        """The XLA ``compiler_options`` of a call with int32 [B, tokens_per_row] tokens
+        (:func:`decode_compiler_options` under ``EngineConfig.decode_gemm`` and ``decode_graphs``)."""
+        graphs = decode_graphs_on(self.config.decode_graphs, self.mode, self.miss.policy)
+        return decode_compiler_options(self.config.decode_gemm, tokens_per_row, self.dtype, graphs=graphs)
+
     def describe(self) -> dict:
         """JSON-ready run configuration: the engine config, resolved precision, miss policy, the XLA
         options of its decode programs."""
         return {**self.config.as_dict(), "matmul_precision_resolved": self.precision,
-                "decode_compiler_options": dict(decode_compiler_options(self.config.decode_gemm, 1, self.dtype)),
+                "decode_compiler_options": dict(self.decode_options(1)),
                 "miss_policy": self.miss.policy, "compute_dtype": self.dtype.name,
                 "prefix_copy_layers_resolved": self.prefix_copy_rows()}
 
@@ -647,7 +683,7 @@ class Engine:
 
     def _executable(self, args, opts: StepOptions):
         tokens = args[4]  # int32 [B, T]
-        options = decode_compiler_options(self.config.decode_gemm, tokens.shape[1], self.dtype)
+        options = self.decode_options(tokens.shape[1])
         return self.compiled(_forward_step, args, compiler_options=options, cfg=self.cfg, opts=opts)
 
     def _ensure_compiled(self, calls: Sequence[PrefillCall], batch: int, cache, kv_manager=None,

@@ -32,8 +32,8 @@ import tempfile
 from absl import app, flags, logging
 
 # Flag choices come from the code's own registries (importing them does not start a JAX backend).
-from ftjax.config import (DECODE_GEMMS, KV_LOADS, MATMUL_PRECISIONS, PREFILL_DRIVERS, PREFILL_MODES, PREFIX_COPIES,
-                          EngineConfig, KVOffloadConfig)
+from ftjax.config import (DECODE_GEMMS, DECODE_GRAPHS, KV_LOADS, MATMUL_PRECISIONS, PREFILL_DRIVERS, PREFILL_MODES,
+                          PREFIX_COPIES, EngineConfig, KVOffloadConfig)
 from ftjax.experts.cpu_experts import IMPLS as CPU_EXPERT_IMPLS
 from ftjax.experts.miss_policy import POLICIES as MISS_POLICIES
 from ftjax.experts.offload import MODES as EXPERT_MODES
@@ -121,6 +121,11 @@ flags.DEFINE_enum("decode_gemm", "auto", list(DECODE_GEMMS),
                   "GEMMs of the decode programs on a GPU: xla = XLA's Triton GEMM fusions (they copy each layer's "
                   "weight slices first); cublas = cuBLAS reading them in place, dot merger off; auto = cublas on a "
                   "GPU in bf16/fp16 (EngineConfig.decode_gemm; docs/PROFILE.md).")
+flags.DEFINE_enum("decode_graphs", "auto", list(DECODE_GRAPHS),
+                  "Decode programs on a GPU as CUDA graphs whose loops stay on the device (XLA command buffers "
+                  "with WHILE and CONDITIONAL): on, off, or auto = on for --experts cached/on_demand under the "
+                  "fetch miss policy, whose miss copies loop a data-dependent number of times "
+                  "(EngineConfig.decode_graphs; docs/PROFILE.md).")
 flags.DEFINE_boolean("ignore_eos", False, "Generate --max_new_tokens tokens even past the checkpoint's EOS id(s) "
                      "(benchmarks).")
 flags.DEFINE_integer("fixed_fetch", None, "Adaptive: fetch min(N, misses) per layer instead of the calibrated split.")
@@ -358,7 +363,7 @@ def _engine_config(mode: str, slots: int | None, max_seq_len: int) -> EngineConf
                         prefill_driver=FLAGS.prefill_driver, stream_d2d_hits=FLAGS.stream_d2d_hits,
                         prefix_copy=FLAGS.prefix_copy, prefix_copy_layers=FLAGS.prefix_copy_layers,
                         cache_policy=FLAGS.cache_policy, matmul_precision=FLAGS.matmul_precision,
-                        decode_gemm=FLAGS.decode_gemm)
+                        decode_gemm=FLAGS.decode_gemm, decode_graphs=FLAGS.decode_graphs)
 
 
 def _check_flags() -> None:

@@ -141,3 +141,27 @@ def test_decode_gemm_choices_and_resolution():
     assert decode_compiler_options("cublas", 1, "float32", "cpu") == CUBLAS_DECODE_OPTIONS
     assert decode_compiler_options("auto", 16, "bfloat16", "gpu") == ()  # a prefill call keeps XLA's GEMMs
     assert decode_compiler_options("xla", 1, "bfloat16", "gpu") == ()
+
+
+def test_decode_graphs_choices_and_resolution():
+    """EngineConfig.decode_graphs: "auto" puts the decode programs of offloading modes under the fetch
+    miss policy on a GPU into command buffers with WHILE and CONDITIONAL (their miss loop otherwise
+    waits on the host every iteration); never a prefill call, never off a GPU."""
+    from ftjax.config import EngineConfig
+    from ftjax.engine import CUBLAS_DECODE_OPTIONS, GRAPH_DECODE_OPTIONS, decode_compiler_options, decode_graphs_on
+    with pytest.raises(ValueError, match="decode_graphs 'yes'"):
+        EngineConfig(decode_graphs="yes")
+    with pytest.raises(ValueError, match="unknown decode_graphs"):
+        decode_graphs_on("ON", "cached", "fetch", "gpu")
+    kinds = dict(GRAPH_DECODE_OPTIONS)["xla_gpu_enable_command_buffer"].split(",")
+    assert {"WHILE", "CONDITIONAL", "FUSION", "CUBLAS"} <= set(kinds)
+    assert decode_graphs_on("auto", "cached", "fetch", "gpu") and decode_graphs_on("auto", "on_demand", "fetch", "gpu")
+    assert not decode_graphs_on("auto", "resident", "fetch", "gpu")
+    assert not decode_graphs_on("auto", "cached", "adaptive", "gpu")  # host compute inside: not measured
+    assert decode_graphs_on("on", "resident", "cpu", "gpu")
+    assert not decode_graphs_on("on", "cached", "fetch", "cpu")
+    assert not decode_graphs_on("off", "cached", "fetch", "gpu")
+    both = decode_compiler_options("auto", 1, "bfloat16", "gpu", graphs=True)
+    assert dict(both) == {**dict(CUBLAS_DECODE_OPTIONS), **dict(GRAPH_DECODE_OPTIONS)} and both == tuple(sorted(both))
+    assert decode_compiler_options("xla", 1, "bfloat16", "gpu", graphs=True) == GRAPH_DECODE_OPTIONS
+    assert decode_compiler_options("auto", 16, "bfloat16", "gpu", graphs=True) == ()  # prefill: XLA's defaults

@@ -327,3 +327,24 @@ def test_compiled_key_normalises_compiler_options():
     c = eng.compiled(fn, (x,), compiler_options={"xla_gpu_enable_triton_gemm": True, "xla_disable_hlo_passes": "x"})
     assert a is b and c is not a
     assert sum(1 for name, *_ in engine_lib.compiled_programs() if name == fn.__name__) == 2
+
+
+def test_decode_step_skips_the_eviction_order_behind_a_cond_prefill_does_not():
+    """``ftjax.experts.offload`` asks the slot table for its all-hit fast path (a cond around the
+    candidate slots) only where a layer routes fewer (token, expert) pairs than E: a cached decode
+    step; a prefill call with more pairs, and resident steps, have no such cond. (The fast path's
+    results are the full update's: tests/test_slot_table.py, and the cached = resident tests above.)"""
+    from ftjax import engine as engine_lib
+    from ftjax.checkpoint import random_model
+    from ftjax.config import preset
+
+    cfg = preset("tiny")
+    prefill_tokens = -(-cfg.num_experts // cfg.top_k) + 1  # N * k > E
+    for mode, tokens, want in (("cached", 1, True), ("cached", prefill_tokens, False), ("resident", 1, False)):
+        slots = None if mode == "resident" else cfg.num_experts
+        config = EngineConfig(mode, num_slots=slots, max_seq_len=32, prefill="on_demand")
+        eng = Engine(random_model(cfg, "float32"), config)
+        args = eng._args(np.zeros((1, tokens), np.int32), np.zeros(1, np.int32), np.full(1, tokens, np.int32),
+                         eng.new_cache(1))
+        text = engine_lib._forward_step.lower(*args, cfg=eng.cfg, opts=eng._options()).as_text()
+        assert ("stablehlo.case" in text) == want, (mode, tokens)

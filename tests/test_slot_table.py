@@ -859,6 +859,32 @@ def test_impls_bit_identical_inside_lax_scan(policy):
         _assert_bit_identical(run(impl), want, impl)
 
 
+@pytest.mark.parametrize("policy", ["lru", "lookahead", "lfru"])
+def test_skip_if_all_hit_bit_identical_inside_lax_scan(policy):
+    """skip_if_all_hit (the decode fast path: a cond that skips the eviction order when nothing
+    misses) gives exactly the full update, for every impl, over steps where some layers all hit
+    and others miss (both branches taken, checked)."""
+    L, E, S, steps = 4, 6, 14, 12
+    rng = np.random.default_rng(11)
+    # few routed experts per layer and a table of more than half the ids: many all-hit layers
+    routed = jnp.asarray(rng.random((steps, L, E)) < np.where(np.arange(steps) < 4, 0.5, 0.15)[:, None, None])
+
+    def run(impl, skip):
+        def step(t, r):
+            def body(t, xs):
+                out = lookup_layer(t, xs[0], xs[1], E, policy, impl=impl, skip_if_all_hit=skip)
+                return out.table, out._replace(table=None)
+            return jax.lax.scan(body, t, (jnp.arange(L, dtype=jnp.int32), r))
+        return jax.jit(lambda t, r: jax.lax.scan(step, t, r))(init_slot_table(L, E, S), routed)
+
+    want = run("sort", False)
+    n_miss = np.asarray(want[1].n_miss)
+    any_routed = np.asarray(routed).any(axis=2)
+    assert (any_routed & (n_miss == 0)).sum() >= 5 and (n_miss > 0).sum() >= 5, "both branches must run"
+    for impl in ORDER_IMPLS:
+        _assert_bit_identical(run(impl, True), want, f"{impl} with skip_if_all_hit")
+
+
 def test_order_impl_default_and_unknown_impl(monkeypatch):
     """The default "auto" is the sort on the CPU (rank writes an [S, S] count to memory there) and
     rank on an accelerator (ab_slot_table on the H200); both give the reference's result."""

@@ -397,7 +397,7 @@ def _candidates(keys: tuple[jax.Array, ...], num_experts: int, impl: str) -> tup
 
 def lookup_layer(
     table: SlotTable, layer: jax.Array | int, routed: jax.Array, num_experts: int, policy: str = "lru",
-    half_life_tokens: float = LFRU_HALF_LIFE_TOKENS, impl: str | None = None,
+    half_life_tokens: float = LFRU_HALF_LIFE_TOKENS, impl: str | None = None, skip_if_all_hit: bool = False,
 ) -> LayerLookup:
     """Look up (and fill) the slots of one layer's routed experts; advance the clock.
 
@@ -411,6 +411,12 @@ def lookup_layer(
       half_life_tokens: ``lfru`` only (static): decode steps after which a reference counts half.
       impl: static, one of :data:`ORDER_IMPLS`; None (default): :data:`ORDER_IMPL` at trace time.
         Every implementation gives the same result; only the kernels differ.
+      skip_if_all_hit: static. When no routed expert misses, skip the eviction order (a ``lax.cond``
+        on the misses around the candidate slots; the fills they would feed are all masked then), so
+        the result is the same as without it. Worth it where most layers hit everything (a decode step of a few
+        tokens: ``ftjax.experts.offload`` sets it when a layer routes fewer (token, expert) pairs
+        than E). On a GPU the cond's predicate goes to the host unless the program runs as a
+        command buffer with CONDITIONAL (``EngineConfig.decode_graphs``, on for such decode steps).
 
     Returns:
       :class:`LayerLookup`. See the module docstring for the exact policy (hits refresh,
@@ -448,7 +454,7 @@ def lookup_layer(
 
     update = _update_sorted if impl == "sort" else _update_fused
     slot_of, id_of_slot, last_use, miss_experts, miss_slots, evicted_ids, n_miss, n_hit = update(
-        table, layer, routed, cur_slot, hit, miss, E, policy, half_life_tokens, impl)
+        table, layer, routed, cur_slot, hit, miss, E, policy, half_life_tokens, impl, skip_if_all_hit)
 
     crf_log2, crf_time = table.crf_log2, table.crf_time
     if policy == "lfru":  # every routed expert (hit or fill) is referenced now: CRF = 1 + decayed CRF
@@ -475,7 +481,7 @@ def lookup_layer(
     )
 
 
-def _update_sorted(table, layer, routed, cur_slot, hit, miss, E, policy, half_life_tokens, impl):
+def _update_sorted(table, layer, routed, cur_slot, hit, miss, E, policy, half_life_tokens, impl, skip=False):
     """impl "sort" (the reference): the full :func:`eviction_order` and one scatter per update.
     Returns (slot_of, id_of_slot, last_use, miss_experts, miss_slots, evicted_ids, n_miss, n_hit)."""
     del routed, impl
@@ -488,8 +494,8 @@ def _update_sorted(table, layer, routed, cur_slot, hit, miss, E, policy, half_li
     hit_slot_idx = jnp.where(hit, cur_slot, S)                      # S = dropped
     protected = jnp.zeros((S,), jnp.bool_).at[hit_slot_idx].set(True, mode="drop")
 
-    order = eviction_order(table, layer, protected, E, policy, half_life_tokens)
-    cand = order[:E]                                                # [E], S >= E
+    cand = _unless_all_hit(skip, miss, lambda: eviction_order(table, layer, protected, E, policy, half_life_tokens)[:E],
+                           lambda: jnp.zeros((E,), jnp.int32))      # [E], S >= E
 
     # Compact list of misses in ascending expert id, and their slots.
     rank = jnp.cumsum(miss.astype(jnp.int32)) - 1                   # rank of each miss
@@ -516,19 +522,36 @@ def _update_sorted(table, layer, routed, cur_slot, hit, miss, E, policy, half_li
     return slot_of, id_of_slot, last_use, miss_experts, miss_slots, evicted_ids, n_miss, n_hit
 
 
-def _update_fused(table, layer, routed, cur_slot, hit, miss, E, policy, half_life_tokens, impl):
+def _hit_slots(table: SlotTable, base: jax.Array, routed: jax.Array, cur_slot: jax.Array, E: int) -> jax.Array:
+    """bool [S]: the slots holding a routed expert of the layer whose flat ids start at ``base``, without
+    a scatter: slot j holds a hit iff its id is base + e, e routed, at slot j. Same set as the scatter of
+    ``cur_slot[hit]``: a resident id's slot holds that id (the table's invariant)."""
+    ids = table.id_of_slot
+    e_of = jnp.clip(ids - base, 0, E - 1)
+    slots = jnp.arange(table.num_slots, dtype=jnp.int32)
+    return (ids >= base) & (ids < base + E) & routed[e_of] & (cur_slot[e_of] == slots)
+
+
+def _unless_all_hit(skip: bool, miss: jax.Array, candidates, no_candidates):
+    """``candidates()``, or (with ``skip``) a ``lax.cond`` that returns ``no_candidates()`` instead when
+    nothing misses: the candidates are then unused (every fill is masked by ``n_miss`` = 0). Only the
+    candidates sit in the cond, so its outputs are fresh arrays, not copies of the carried table."""
+    if not skip:
+        return candidates()
+    return jax.lax.cond(jnp.any(miss), candidates, no_candidates)
+
+
+def _update_fused(table, layer, routed, cur_slot, hit, miss, E, policy, half_life_tokens, impl, skip=False):
     """impls "lexsort", "top_k", "rank": the E first slots of the order only, and the updates as
     elementwise selects (one scatter, for ``slot_of``). Same returns as :func:`_update_sorted`."""
-    S, LE = table.num_slots, table.num_flat_ids
+    LE = table.num_flat_ids
     experts = jnp.arange(E, dtype=jnp.int32)
-    slots = jnp.arange(S, dtype=jnp.int32)
     base = layer * E
     ids = table.id_of_slot
-    # Hit slots without a scatter: slot j holds a hit iff its id is base + e, e routed, at slot j.
-    # Same set as the scatter of cur_slot[hit]: a resident id's slot holds that id (the invariant).
-    e_of = jnp.clip(ids - base, 0, E - 1)
-    protected = (ids >= base) & (ids < base + E) & routed[e_of] & (cur_slot[e_of] == slots)
-    cand, pos = _candidates(_order_keys(table, layer, protected, E, policy, half_life_tokens), E, impl)
+    protected = _hit_slots(table, base, routed, cur_slot, E)
+    cand, pos = _unless_all_hit(
+        skip, miss, lambda: _candidates(_order_keys(table, layer, protected, E, policy, half_life_tokens), E, impl),
+        lambda: (jnp.zeros((E,), jnp.int32), jnp.full((table.num_slots,), E, jnp.int32)))
 
     # Misses and hits up to each expert (one [2, E, E] count, no cumsum): a miss's rank among the
     # misses (ascending expert id) is its count - 1; the counts up to E - 1 are n_miss and n_hit.

@@ -332,7 +332,8 @@ def test_compiled_key_normalises_compiler_options():
 def test_decode_step_skips_the_eviction_order_behind_a_cond_prefill_does_not():
     """``ftjax.experts.offload`` asks the slot table for its all-hit fast path (a cond around the
     candidate slots) only where a layer routes fewer (token, expert) pairs than E: a cached decode
-    step; a prefill call with more pairs, and resident steps, have no such cond. (The fast path's
+    step; a prefill call with more pairs, resident steps and on_demand steps (a reset table: every
+    routed expert misses, the cond could only cost) have no such cond. (The fast path's
     results are the full update's: tests/test_slot_table.py, and the cached = resident tests above.)"""
     from ftjax import engine as engine_lib
     from ftjax.checkpoint import random_model
@@ -340,7 +341,8 @@ def test_decode_step_skips_the_eviction_order_behind_a_cond_prefill_does_not():
 
     cfg = preset("tiny")
     prefill_tokens = -(-cfg.num_experts // cfg.top_k) + 1  # N * k > E
-    for mode, tokens, want in (("cached", 1, True), ("cached", prefill_tokens, False), ("resident", 1, False)):
+    for mode, tokens, want in (("cached", 1, True), ("cached", prefill_tokens, False), ("resident", 1, False),
+                               ("on_demand", 1, False)):
         slots = None if mode == "resident" else cfg.num_experts
         config = EngineConfig(mode, num_slots=slots, max_seq_len=32, prefill="on_demand")
         eng = Engine(random_model(cfg, "float32"), config)

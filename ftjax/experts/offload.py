@@ -85,8 +85,9 @@ def make_expert_fn(mode: str, num_experts: int, banks: ExpertBanks | None = None
             y, state, stats = miss_policy.split_layer(miss, banks, state, table, layer, routed, r, policy)
             return y, state.replace(last_routed=recency), stats
         with jax.named_scope("slot_lookup"):
-            # few (token, expert) pairs (decode): most layers hit everything, skip their eviction order
-            look = lookup_layer(table, layer, routed, e, policy, skip_if_all_hit=r.ids.size < e)
+            # few (token, expert) pairs (a cached decode step): most layers hit everything, skip their eviction
+            # order; never on_demand, whose table was just reset (every routed expert misses: the cond would only cost)
+            look = lookup_layer(table, layer, routed, e, policy, skip_if_all_hit=mode == "cached" and r.ids.size < e)
         state = fetch_experts(banks, state.replace(table=look.table, last_routed=recency),
                               layer * e + look.miss_experts,
                               look.miss_slots, look.n_miss)

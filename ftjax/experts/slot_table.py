@@ -414,8 +414,8 @@ def lookup_layer(
       skip_if_all_hit: static. When no routed expert misses, skip the eviction order (a ``lax.cond``
         on the misses around the candidate slots; the fills they would feed are all masked then), so
         the result is the same as without it. Worth it where most layers hit everything (a decode step of a few
-        tokens: ``ftjax.experts.offload`` sets it when a layer routes fewer (token, expert) pairs
-        than E). On a GPU the cond's predicate goes to the host unless the program runs as a
+        tokens: ``ftjax.experts.offload`` sets it when a layer of the cached mode routes fewer
+        (token, expert) pairs than E). On a GPU the cond's predicate goes to the host unless the program runs as a
         command buffer with CONDITIONAL (``EngineConfig.decode_graphs``, on for such decode steps).
 
     Returns:

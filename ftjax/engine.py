@@ -62,7 +62,8 @@ class StepOptions:
     min_dot_rows: rows the dense projections pad a smaller matmul to (``model.dot_rows``; the
     engine resolves ``FTJAX_MIN_DOT_ROWS`` into it for each call, so a changed variable compiles
     new programs instead of reusing those traced under the old value), None: read the variable
-    at trace time.
+    at trace time; cheap_conds: a ``lax.cond`` costs this program no host round trip
+    (``offload.make_expert_fn``; the engine sets it per call: :meth:`Engine.call_options`).
     """
 
     mode: str
@@ -74,6 +75,7 @@ class StepOptions:
     kv: KVStep | None = None
     precision: str = "default"
     min_dot_rows: int | None = None
+    cheap_conds: bool = False
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "opts"), donate_argnames=("cache", "state"))
@@ -82,7 +84,7 @@ def _forward_step(params, banks, cache, state, tokens, start, valid_len, prefix,
     step. prefix: the reused KV chunks of a prefix-reuse call (``()`` otherwise)."""
     with jax.default_matmul_precision(opts.precision), model_lib.dot_rows(opts.min_dot_rows):
         state, expert_fn = offload.step_expert_fn(cfg.num_layers, cfg.num_experts, opts.mode, banks, state,
-                                                  opts.stream, opts.overlap, opts.policy, opts.miss)
+                                                  opts.stream, opts.overlap, opts.policy, opts.miss, opts.cheap_conds)
         hook = opts.kv.hook(prefix) if opts.kv is not None else None
         return model_lib.forward(params, cfg, tokens, start, valid_len, cache, expert_fn, state, opts.all_logits,
                                  kv_hook=hook)
@@ -681,9 +683,18 @@ class Engine:
         sizes = [_COMPILED[k].memory_analysis().temp_size_in_bytes for k in self._programs]
         return int(max(sizes, default=0))
 
+    def call_options(self, opts: StepOptions, tokens_per_row: int) -> tuple[StepOptions, tuple]:
+        """(step options, XLA ``compiler_options``) of a call with int32 [B, tokens_per_row] tokens:
+        :meth:`decode_options`, and ``opts`` with ``cheap_conds`` set where a cond costs no host round
+        trip (on the CPU, or in a program compiled as a command buffer with CONDITIONAL)."""
+        options = self.decode_options(tokens_per_row)
+        graphs = "CONDITIONAL" in str(dict(options).get("xla_gpu_enable_command_buffer", "")).split(",")
+        cheap = graphs or jax.default_backend() == "cpu"
+        return dataclasses.replace(opts, cheap_conds=cheap), options
+
     def _executable(self, args, opts: StepOptions):
         tokens = args[4]  # int32 [B, T]
-        options = self.decode_options(tokens.shape[1])
+        opts, options = self.call_options(opts, tokens.shape[1])
         return self.compiled(_forward_step, args, compiler_options=options, cfg=self.cfg, opts=opts)
 
     def _ensure_compiled(self, calls: Sequence[PrefillCall], batch: int, cache, kv_manager=None,

@@ -333,20 +333,51 @@ def test_decode_step_skips_the_eviction_order_behind_a_cond_prefill_does_not():
     """``ftjax.experts.offload`` asks the slot table for its all-hit fast path (a cond around the
     candidate slots) only where a layer routes fewer (token, expert) pairs than E: a cached decode
     step; a prefill call with more pairs, resident steps and on_demand steps (a reset table: every
-    routed expert misses, the cond could only cost) have no such cond. (The fast path's
-    results are the full update's: tests/test_slot_table.py, and the cached = resident tests above.)"""
+    routed expert misses, the cond could only cost) have no such cond; nor a program whose conds would
+    send their predicate to the host (``StepOptions.cheap_conds`` False: a GPU program that is not a
+    command buffer with CONDITIONAL; ``Engine.call_options`` sets it True on the CPU). (The fast
+    path's results are the full update's: tests/test_slot_table.py, and the cached = resident tests above.)"""
+    import dataclasses
+
     from ftjax import engine as engine_lib
     from ftjax.checkpoint import random_model
     from ftjax.config import preset
 
     cfg = preset("tiny")
     prefill_tokens = -(-cfg.num_experts // cfg.top_k) + 1  # N * k > E
-    for mode, tokens, want in (("cached", 1, True), ("cached", prefill_tokens, False), ("resident", 1, False),
-                               ("on_demand", 1, False)):
+    for mode, tokens, cheap, want in (("cached", 1, None, True), ("cached", prefill_tokens, None, False),
+                                      ("resident", 1, None, False), ("on_demand", 1, None, False),
+                                      ("cached", 1, False, False)):
         slots = None if mode == "resident" else cfg.num_experts
         config = EngineConfig(mode, num_slots=slots, max_seq_len=32, prefill="on_demand")
         eng = Engine(random_model(cfg, "float32"), config)
         args = eng._args(np.zeros((1, tokens), np.int32), np.zeros(1, np.int32), np.full(1, tokens, np.int32),
                          eng.new_cache(1))
-        text = engine_lib._forward_step.lower(*args, cfg=eng.cfg, opts=eng._options()).as_text()
-        assert ("stablehlo.case" in text) == want, (mode, tokens)
+        opts, _ = eng.call_options(eng._options(), tokens)
+        assert opts.cheap_conds  # on the CPU
+        if cheap is not None:
+            opts = dataclasses.replace(opts, cheap_conds=cheap)
+        text = engine_lib._forward_step.lower(*args, cfg=eng.cfg, opts=opts).as_text()
+        assert ("stablehlo.case" in text) == want, (mode, tokens, cheap)
+
+
+def test_call_options_cheap_conds_follow_the_command_buffers(monkeypatch):
+    """On a GPU a call's conds are cheap only in a program compiled as a command buffer with
+    CONDITIONAL: a cached decode step under ``decode_graphs`` auto / on; not with "off", not a
+    prefill call, not a resident step under auto. On the CPU always."""
+    import jax
+    from ftjax.checkpoint import random_model
+    from ftjax.config import preset
+
+    model = random_model(preset("tiny"), "bfloat16")
+    cases = (("cached", "auto", 1, True), ("cached", "on", 1, True), ("cached", "off", 1, False),
+             ("cached", "auto", 16, False), ("resident", "auto", 1, False), ("resident", "on", 1, True))
+    for mode, graphs, tokens, want in cases:
+        slots = None if mode == "resident" else model.cfg.num_experts
+        eng = Engine(model, EngineConfig(mode, num_slots=slots, max_seq_len=32, decode_graphs=graphs))
+        monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+        opts, options = eng.call_options(eng._options(), tokens)
+        monkeypatch.undo()
+        assert opts.cheap_conds == want, (mode, graphs, tokens)
+        assert ("xla_gpu_enable_command_buffer" in dict(options)) == want
+        assert eng.call_options(eng._options(), tokens)[0].cheap_conds  # the CPU

@@ -42,7 +42,7 @@ def _trace_ids(r: LayerRouting) -> jax.Array:
 
 
 def make_expert_fn(mode: str, num_experts: int, banks: ExpertBanks | None = None, policy: str = "lru",
-                   miss: miss_policy.MissConfig | None = None):
+                   miss: miss_policy.MissConfig | None = None, cheap_conds: bool = False):
     """Builds the expert function (``ftjax.model.ExpertFn``) of an experts mode.
 
     Call it inside the jitted step, with the host banks an argument of that jit (memory kind
@@ -55,6 +55,10 @@ def make_expert_fn(mode: str, num_experts: int, banks: ExpertBanks | None = None
       policy: the slot table's eviction policy (``ftjax.experts.slot_table.POLICIES``).
       miss: the miss policy (None or fetch: every miss is fetched). cpu / adaptive need
         ``state.last_routed``.
+      cheap_conds: a ``lax.cond`` in this program costs no host round trip (the CPU, or a GPU program
+        run as a command buffer with CONDITIONAL: ``EngineConfig.decode_graphs``). Then a cached layer
+        that routes fewer (token, expert) pairs than E takes the slot table's all-hit fast path
+        (``lookup_layer(skip_if_all_hit=True)``; same results).
     Raises:
       ValueError: unknown mode, host banks missing for an offloading mode, or a cpu / adaptive
         miss policy with resident experts.
@@ -86,8 +90,10 @@ def make_expert_fn(mode: str, num_experts: int, banks: ExpertBanks | None = None
             return y, state.replace(last_routed=recency), stats
         with jax.named_scope("slot_lookup"):
             # few (token, expert) pairs (a cached decode step): most layers hit everything, skip their eviction
-            # order; never on_demand, whose table was just reset (every routed expert misses: the cond would only cost)
-            look = lookup_layer(table, layer, routed, e, policy, skip_if_all_hit=mode == "cached" and r.ids.size < e)
+            # order; never on_demand, whose table was just reset (every routed expert misses: the cond would only
+            # cost), nor where a cond's predicate would go to the host (cheap_conds False)
+            skip = cheap_conds and mode == "cached" and r.ids.size < e
+            look = lookup_layer(table, layer, routed, e, policy, skip_if_all_hit=skip)
         state = fetch_experts(banks, state.replace(table=look.table, last_routed=recency),
                               layer * e + look.miss_experts,
                               look.miss_slots, look.n_miss)
@@ -164,11 +170,11 @@ def make_layer_buffer_expert_fn(num_experts: int, buffer: tuple, fmt: str = "den
 
 def step_expert_fn(num_layers: int, num_experts: int, mode: str, banks: ExpertBanks, state: ExpertState,
                    stream: bool = False, overlap: bool = True, policy: str = "lru",
-                   miss: miss_policy.MissConfig | None = None):
+                   miss: miss_policy.MissConfig | None = None, cheap_conds: bool = False):
     """(state, expert function) of one jitted step, inside the jit: full-layer streaming for a
     long prefill chunk (every expert fetched, whatever the miss policy), else the experts mode
-    with the cache ``policy`` and the ``miss`` policy."""
+    with the cache ``policy``, the ``miss`` policy and ``cheap_conds`` (:func:`make_expert_fn`)."""
     if stream:
         state = stream_prologue(banks, state, num_experts, overlap)
         return state, make_stream_expert_fn(num_experts, num_layers, banks, overlap)
-    return state, make_expert_fn(mode, num_experts, banks, policy, miss)
+    return state, make_expert_fn(mode, num_experts, banks, policy, miss, cheap_conds)

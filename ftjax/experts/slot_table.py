@@ -413,10 +413,12 @@ def lookup_layer(
         Every implementation gives the same result; only the kernels differ.
       skip_if_all_hit: static. When no routed expert misses, skip the eviction order (a ``lax.cond``
         on the misses around the candidate slots; the fills they would feed are all masked then), so
-        the result is the same as without it. Worth it where most layers hit everything (a decode step of a few
-        tokens: ``ftjax.experts.offload`` sets it when a layer of the cached mode routes fewer
-        (token, expert) pairs than E). On a GPU the cond's predicate goes to the host unless the program runs as a
-        command buffer with CONDITIONAL (``EngineConfig.decode_graphs``, on for such decode steps).
+        the result is the same as without it. Worth it where most layers hit everything (a decode step of a
+        few tokens) and a cond costs no host round trip: on a GPU its predicate goes to the host unless the
+        program runs as a command buffer with CONDITIONAL (``EngineConfig.decode_graphs``).
+        ``ftjax.experts.offload`` sets it for a layer of the cached mode that routes fewer (token, expert)
+        pairs than E, in programs where conds are cheap (``StepOptions.cheap_conds``: the CPU, or such a
+        command buffer).
 
     Returns:
       :class:`LayerLookup`. See the module docstring for the exact policy (hits refresh,

@@ -458,8 +458,9 @@ DECODE_GEMMS = ("auto", "xla", "cublas")
 #: XLA runs such a loop from the host, copying its predicate to the host and waiting on the stream
 #: at every iteration (a ``MemcpyD2H`` and a drained GPU per layer). With XLA's command buffers for
 #: WHILE and CONDITIONAL the loop runs as a CUDA graph conditional node instead. "on": every decode
-#: program on a GPU; "off": XLA's defaults; "auto": on for the cached and on_demand modes under the
-#: fetch miss policy (the runs it was measured on; docs/PROFILE.md, session 10). Same kernels, same
+#: program on a GPU; "off": XLA's defaults; "auto": on for the cached and on_demand modes when the step
+#: fetches every miss (the fetch miss policy, or a cpu / adaptive split that uses no CPU at that batch;
+#: the runs it was measured on; docs/PROFILE.md, session 10). Same kernels, same
 #: logits.
 DECODE_GRAPHS = ("auto", "on", "off")
 

@@ -142,24 +142,27 @@ GRAPH_DECODE_OPTIONS = (("xla_gpu_enable_command_buffer",
                          "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"),)
 
 
-def decode_graphs_on(decode_graphs: str, experts: str, miss_policy: str, backend: str | None = None) -> bool:
-    """Whether decode programs compile with :data:`GRAPH_DECODE_OPTIONS`.
+def decode_graphs_on(decode_graphs: str, experts: str, fetches_all: bool, backend: str | None = None) -> bool:
+    """Whether a decode program compiles with :data:`GRAPH_DECODE_OPTIONS`.
 
     decode_graphs: ``EngineConfig.decode_graphs`` (``config.DECODE_GRAPHS``); experts: the experts
-    mode; miss_policy: the engine's miss policy; backend: the jax backend (default:
-    ``jax.default_backend()``). "on" and "auto" apply on a GPU only (command buffers are XLA:GPU's);
-    "auto" only to the cached and on_demand modes under the fetch miss policy: their steps copy misses
-    in a loop of data-dependent trip count, which XLA otherwise drives from the host (a predicate copied
-    back and a drained stream per iteration). Measured on the H200 (qwen3-30b-a3b, bf16, batch 1, 24 GB
-    cached, 99.6% hits; docs/PROFILE.md, session 10): 10.74 / 14.05 ms per step without, 9.84 / 9.69 ms
-    with (two device calls); a resident step was not faster (7.71 ms against 7.53-7.82 ms).
+    mode; fetches_all: the program fetches every miss (the fetch miss policy, or a cpu / adaptive split
+    that uses no CPU for this call's (token, expert) pairs: ``MissConfig.fetches_all``, the same program);
+    backend: the jax backend (default: ``jax.default_backend()``). "on" and "auto" apply on a GPU only
+    (command buffers are XLA:GPU's); "auto" only to the cached and on_demand modes when the program fetches
+    every miss: their steps copy misses in a loop of data-dependent trip count, which XLA otherwise drives
+    from the host (a predicate copied back and a drained stream per iteration); steps with CPU experts
+    (host compute inside) were not measured under command buffers. Measured on the H200 (qwen3-30b-a3b,
+    bf16, batch 1, 24 GB cached, 99.6% hits; docs/PROFILE.md, session 10): 10.74 / 14.05 ms per step
+    without, 9.84 / 9.69 ms with (two device calls); a resident step was not faster (7.71 ms against
+    7.53-7.82 ms).
     Raises:
       ValueError: ``decode_graphs`` is not one of ``config.DECODE_GRAPHS``."""
     if decode_graphs not in DECODE_GRAPHS:
         raise ValueError(f"unknown decode_graphs {decode_graphs!r}; expected one of {', '.join(DECODE_GRAPHS)}")
     if decode_graphs == "off" or (backend or jax.default_backend()) != "gpu":
         return False
-    return decode_graphs == "on" or (experts != "resident" and miss_policy == "fetch")
+    return decode_graphs == "on" or (experts != "resident" and fetches_all)
 
 
 def decode_compiler_options(decode_gemm: str, tokens_per_row: int, compute_dtype="bfloat16",
@@ -293,10 +296,13 @@ class Engine:
         """Matmul precision of every step (``EngineConfig.precision`` for the compute dtype)."""
         return self.config.precision(self.dtype.name)
 
-    def decode_options(self, tokens_per_row: int) -> tuple:
-        """The XLA ``compiler_options`` of a call with int32 [B, tokens_per_row] tokens
-        (:func:`decode_compiler_options` under ``EngineConfig.decode_gemm`` and ``decode_graphs``)."""
-        graphs = decode_graphs_on(self.config.decode_graphs, self.mode, self.miss.policy)
+    def decode_options(self, tokens_per_row: int, batch: int | None = None) -> tuple:
+        """The XLA ``compiler_options`` of a call with int32 [batch, tokens_per_row] tokens (batch
+        default ``EngineConfig.batch``): :func:`decode_compiler_options` under ``EngineConfig.decode_gemm``
+        and ``decode_graphs``."""
+        pairs = (self.config.batch if batch is None else batch) * tokens_per_row * self.cfg.top_k
+        fetches_all = self.miss.config.fetches_all(pairs, self.cfg.num_experts)
+        graphs = decode_graphs_on(self.config.decode_graphs, self.mode, fetches_all)
         return decode_compiler_options(self.config.decode_gemm, tokens_per_row, self.dtype, graphs=graphs)
 
     def describe(self) -> dict:
@@ -683,18 +689,19 @@ class Engine:
         sizes = [_COMPILED[k].memory_analysis().temp_size_in_bytes for k in self._programs]
         return int(max(sizes, default=0))
 
-    def call_options(self, opts: StepOptions, tokens_per_row: int) -> tuple[StepOptions, tuple]:
-        """(step options, XLA ``compiler_options``) of a call with int32 [B, tokens_per_row] tokens:
+    def call_options(self, opts: StepOptions, tokens_per_row: int, batch: int | None = None
+                     ) -> tuple[StepOptions, tuple]:
+        """(step options, XLA ``compiler_options``) of a call with int32 [batch, tokens_per_row] tokens:
         :meth:`decode_options`, and ``opts`` with ``cheap_conds`` set where a cond costs no host round
         trip (on the CPU, or in a program compiled as a command buffer with CONDITIONAL)."""
-        options = self.decode_options(tokens_per_row)
+        options = self.decode_options(tokens_per_row, batch)
         graphs = "CONDITIONAL" in str(dict(options).get("xla_gpu_enable_command_buffer", "")).split(",")
         cheap = graphs or jax.default_backend() == "cpu"
         return dataclasses.replace(opts, cheap_conds=cheap), options
 
     def _executable(self, args, opts: StepOptions):
         tokens = args[4]  # int32 [B, T]
-        opts, options = self.call_options(opts, tokens.shape[1])
+        opts, options = self.call_options(opts, tokens.shape[1], tokens.shape[0])
         return self.compiled(_forward_step, args, compiler_options=options, cfg=self.cfg, opts=opts)
 
     def _ensure_compiled(self, calls: Sequence[PrefillCall], batch: int, cache, kv_manager=None,

@@ -123,8 +123,8 @@ flags.DEFINE_enum("decode_gemm", "auto", list(DECODE_GEMMS),
                   "GPU in bf16/fp16 (EngineConfig.decode_gemm; docs/PROFILE.md).")
 flags.DEFINE_enum("decode_graphs", "auto", list(DECODE_GRAPHS),
                   "Decode programs on a GPU as CUDA graphs whose loops stay on the device (XLA command buffers "
-                  "with WHILE and CONDITIONAL): on, off, or auto = on for --experts cached/on_demand under the "
-                  "fetch miss policy, whose miss copies loop a data-dependent number of times "
+                  "with WHILE and CONDITIONAL): on, off, or auto = on for --experts cached/on_demand when a step "
+                  "fetches every miss (its miss copies loop a data-dependent number of times; not with CPU experts) "
                   "(EngineConfig.decode_graphs; docs/PROFILE.md).")
 flags.DEFINE_boolean("ignore_eos", False, "Generate --max_new_tokens tokens even past the checkpoint's EOS id(s) "
                      "(benchmarks).")

@@ -152,15 +152,15 @@ def test_decode_graphs_choices_and_resolution():
     with pytest.raises(ValueError, match="decode_graphs 'yes'"):
         EngineConfig(decode_graphs="yes")
     with pytest.raises(ValueError, match="unknown decode_graphs"):
-        decode_graphs_on("ON", "cached", "fetch", "gpu")
+        decode_graphs_on("ON", "cached", True, "gpu")
     kinds = dict(GRAPH_DECODE_OPTIONS)["xla_gpu_enable_command_buffer"].split(",")
     assert {"WHILE", "CONDITIONAL", "FUSION", "CUBLAS"} <= set(kinds)
-    assert decode_graphs_on("auto", "cached", "fetch", "gpu") and decode_graphs_on("auto", "on_demand", "fetch", "gpu")
-    assert not decode_graphs_on("auto", "resident", "fetch", "gpu")
-    assert not decode_graphs_on("auto", "cached", "adaptive", "gpu")  # host compute inside: not measured
-    assert decode_graphs_on("on", "resident", "cpu", "gpu")
-    assert not decode_graphs_on("on", "cached", "fetch", "cpu")
-    assert not decode_graphs_on("off", "cached", "fetch", "gpu")
+    assert decode_graphs_on("auto", "cached", True, "gpu") and decode_graphs_on("auto", "on_demand", True, "gpu")
+    assert not decode_graphs_on("auto", "resident", True, "gpu")
+    assert not decode_graphs_on("auto", "cached", False, "gpu")  # CPU experts (host compute) inside: not measured
+    assert decode_graphs_on("on", "resident", False, "gpu")
+    assert not decode_graphs_on("on", "cached", True, "cpu")
+    assert not decode_graphs_on("off", "cached", True, "gpu")
     both = decode_compiler_options("auto", 1, "bfloat16", "gpu", graphs=True)
     assert dict(both) == {**dict(CUBLAS_DECODE_OPTIONS), **dict(GRAPH_DECODE_OPTIONS)} and both == tuple(sorted(both))
     assert decode_compiler_options("xla", 1, "bfloat16", "gpu", graphs=True) == GRAPH_DECODE_OPTIONS

@@ -381,3 +381,16 @@ def test_call_options_cheap_conds_follow_the_command_buffers(monkeypatch):
         assert opts.cheap_conds == want, (mode, graphs, tokens)
         assert ("xla_gpu_enable_command_buffer" in dict(options)) == want
         assert eng.call_options(eng._options(), tokens)[0].cheap_conds  # the CPU
+    # a miss policy whose split fetches every miss of the call compiles the fetch program: graphs under auto;
+    # one that computes misses on the CPU (host compute in the step) does not
+    from ftjax.experts import cpu_experts, miss_policy
+    cpu = cpu_experts.make_cpu_experts("compute_on", model.host_gate_up, model.host_down)
+    e, k = model.cfg.num_experts, model.cfg.top_k
+    for fixed, want in ((e, True), (0, False)):
+        miss = miss_policy.build_runtime("adaptive", e, cpu, fixed_fetch=fixed)
+        eng = Engine(model, EngineConfig("cached", num_slots=e, max_seq_len=32), miss=miss)
+        assert miss.config.fetches_all(k, e) == want
+        monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+        opts, options = eng.call_options(eng._options(), 1, 1)
+        monkeypatch.undo()
+        assert opts.cheap_conds == want and ("xla_gpu_enable_command_buffer" in dict(options)) == want, fixed

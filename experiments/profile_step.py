@@ -309,6 +309,25 @@ def tables(rows: list[dict]) -> str:
     return "\n\n".join(out + errors)
 
 
+def targets(rows: list[dict], bp_gbps: float) -> dict:
+    """Issue 13's decode targets from the finished rows of one run (same process, same machine):
+    per batch B, ``resident_bB_over_floor`` (the resident step / its floor; target <= 2.5 at B = 1) and,
+    where the cached run of that batch finished too, ``cached_bB_over_resident_plus_misses``: the
+    cached step / (the resident step + the cached step's H2D bytes / B_P in GB/s) (target <= 1.15 at
+    24 GB). Steps are medians, in seconds in the inputs; the dict holds plain ratios."""
+    done = {(r["run"], r["batch"]): r for r in rows if "profile" in r and r.get("variant") == "decode"}
+    out = {}
+    for (run, batch), r in sorted(done.items()):
+        if run != "resident_decode":
+            continue
+        out[f"resident_b{batch}_over_floor"] = r["ratio_to_floor"]
+        cached = done.get(("cached_decode", batch))
+        if cached is not None:
+            bound = r["step_s"]["median"] + cached["bytes"]["h2d_link"] / (bp_gbps * 1e9)
+            out[f"cached_b{batch}_over_resident_plus_misses"] = cached["step_s"]["median"] / bound
+    return out
+
+
 def main(argv):
     del argv
     unknown = set(FLAGS.runs) - set(RUNS)
@@ -353,9 +372,10 @@ def main(argv):
                                                 "memory_plans": plans, "runs": rows})
     payload = {"meta": info, "script": "experiments/profile_step.py", "model_build_s": build_s, "B_P": bp,
                "hbm": hbm, "categories": list(CATEGORIES), "memory_plans": plans, "trace_dir": trace_dir,
-               "runs": rows}
+               "runs": rows, "targets": targets(rows, bp_gbps)}
     path = common.write_json(FLAGS.out_dir, name, payload)
     print(tables(rows))
+    print("issue 13 targets (same run):", {k: round(v, 3) for k, v in payload["targets"].items()})
     print("wrote", path)
 
 

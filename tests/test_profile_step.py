@@ -144,3 +144,21 @@ def test_step_breakdown_host_trace_without_windows():
     assert r["categories"]["slot_table"]["s"] == pytest.approx(65e-6)
     with pytest.raises(ValueError, match="no device event"):
         step_breakdown([_meta(1, "/host:CPU")])
+
+
+def test_targets_same_run_ratios():
+    """profile_step.targets: resident step / floor per batch, and the cached step / (resident step +
+    the cached step's H2D bytes / B_P) where both runs of a batch finished (a failed run is skipped)."""
+    from experiments.profile_step import targets
+
+    def row(run, batch, step_s, ratio=None, h2d=0):
+        return {"run": run, "batch": batch, "variant": "decode", "profile": {}, "step_s": {"median": step_s},
+                "ratio_to_floor": ratio, "bytes": {"h2d_link": h2d}}
+
+    rows = [row("cached_decode", 1, 9.46e-3, 4.1, h2d=15.5e6), row("resident_decode", 1, 7.48e-3, 3.15),
+            row("resident_decode", 4, 12.6e-3, 2.25), {"run": "cached_decode", "batch": 4, "error": "OOM"}]
+    got = targets(rows, bp_gbps=51.7)
+    assert set(got) == {"resident_b1_over_floor", "cached_b1_over_resident_plus_misses", "resident_b4_over_floor"}
+    assert got["resident_b1_over_floor"] == 3.15 and got["resident_b4_over_floor"] == 2.25
+    assert got["cached_b1_over_resident_plus_misses"] == pytest.approx(9.46e-3 / (7.48e-3 + 15.5e6 / 51.7e9))
+    assert targets([], 51.7) == {}

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Issue 13's whole GPU check in one device call (~8 minutes on an H200): every target of the issue, each
+# figure beside its baseline in the same process where the issue asks for a ratio. Writes under $OUT
+# (the device tool's output folder; default experiments/results):
+#   profile_step_<preset>.json    resident and cached (24 GB) decode, batch 1 and 4, one process: its
+#                                 "targets" hold resident step / HBM floor and cached / (resident + misses / B_P)
+#   bench_decode_<preset>.json    decode tokens/s at 8 GB with --cache_policy=lookahead, batch 1
+#   check_identity_gpu.json       resident vs cached logits bit for bit (bf16 fixtures)
+#   check_kernels_gpu.json        the 16-layer resident 8192-token prefill (XLA vs the flash kernels)
+# and a log per script. Usage (from the repository root):  bash experiments/check_issue13_gpu.sh
+# XLA_FLAGS defaults to GEMM autotuning off (the big prefill programs need it; the session 9-10 tables used it).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-experiments/results}"
+mkdir -p "$out"
+export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_FLAGS="${XLA_FLAGS:---xla_gpu_autotune_level=0}"
+step() {  # name timeout_s script args...
+  local name=$1 limit=$2; shift 2
+  echo "== $name"
+  timeout "$limit" python3 "$@" --out_dir="$out" > "$out/$name.log" 2>&1
+  echo "$name rc=$?"
+  grep -v -E "^[IWE][0-9]{4} " "$out/$name.log" | tail -4
+}
+step profile_step 240 experiments/profile_step.py --prefill_repeats=0 --runs=resident_decode,cached_decode --batches=1,4
+step bench_decode 130 experiments/bench_decode.py --modes=cached --cache_policies=lookahead --batches=1 --steps=64 \
+  --vram_budget_gb=8
+step check_identity_gpu 80 experiments/check_identity_gpu.py --variants=cached_S=E,cached_S=2E
+step check_kernels_gpu 110 experiments/check_kernels_gpu.py --sections=e2e_prefill --time_budget_s=100

@@ -56,7 +56,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from experiments import common  # noqa: E402
-from experiments.timeline import CATEGORIES, hlo_op_names, step_breakdown, trace_events  # noqa: E402
+from experiments.timeline import CATEGORIES, hlo_op_names, step_breakdown, targets, trace_events  # noqa: E402
 from ftjax.checkpoint import DTYPES  # noqa: E402
 from ftjax.config import DECODE_GEMMS, DECODE_GRAPHS, EngineConfig  # noqa: E402
 from ftjax.engine import Engine  # noqa: E402
@@ -307,25 +307,6 @@ def tables(rows: list[dict]) -> str:
     if cats:
         out.append("device ms per step by category:\n" + common.table(cats, ["run", *CATEGORIES, "gap"]))
     return "\n\n".join(out + errors)
-
-
-def targets(rows: list[dict], bp_gbps: float) -> dict:
-    """Issue 13's decode targets from the finished rows of one run (same process, same machine):
-    per batch B, ``resident_bB_over_floor`` (the resident step / its floor; target <= 2.5 at B = 1) and,
-    where the cached run of that batch finished too, ``cached_bB_over_resident_plus_misses``: the
-    cached step / (the resident step + the cached step's H2D bytes / B_P in GB/s) (target <= 1.15 at
-    24 GB). Steps are medians, in seconds in the inputs; the dict holds plain ratios."""
-    done = {(r["run"], r["batch"]): r for r in rows if "profile" in r and r.get("variant") == "decode"}
-    out = {}
-    for (run, batch), r in sorted(done.items()):
-        if run != "resident_decode":
-            continue
-        out[f"resident_b{batch}_over_floor"] = r["ratio_to_floor"]
-        cached = done.get(("cached_decode", batch))
-        if cached is not None:
-            bound = r["step_s"]["median"] + cached["bytes"]["h2d_link"] / (bp_gbps * 1e9)
-            out[f"cached_b{batch}_over_resident_plus_misses"] = cached["step_s"]["median"] / bound
-    return out
 
 
 def main(argv):

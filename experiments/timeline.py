@@ -9,6 +9,7 @@ and notebooks import it freely.
   path) of their HLO instruction (:func:`hlo_op_names`), on GPU kernels or, on the CPU backend,
   on the host events that execute each HLO instruction.
 * :func:`trace_events`: runs a function under the profiler and reads the trace back.
+* :func:`targets`: issue 13's decode targets as same-run ratios of ``profile_step``'s finished rows.
 """
 
 from __future__ import annotations
@@ -377,3 +378,22 @@ def step_breakdown(events: list[dict], op_names: dict[str, str] | None = None, p
     return {"source": source, "steps": n, **mean, "gap_fraction": gap_fraction, "unnamed_kernel_s": unnamed[0] / n,
             "unnamed_count": unnamed[1] / n, "categories": cats,
             "top_ops": {c: v for c, v in top_ops.items() if v}, "per_step": per_step}
+
+
+def targets(rows: list[dict], bp_gbps: float) -> dict:
+    """Issue 13's decode targets from the finished rows of one run (same process, same machine):
+    per batch B, ``resident_bB_over_floor`` (the resident step / its floor; target <= 2.5 at B = 1) and,
+    where the cached run of that batch finished too, ``cached_bB_over_resident_plus_misses``: the
+    cached step / (the resident step + the cached step's H2D bytes / B_P in GB/s) (target <= 1.15 at
+    24 GB). Steps are medians, in seconds in the inputs; the dict holds plain ratios."""
+    done = {(r["run"], r["batch"]): r for r in rows if "profile" in r and r.get("variant") == "decode"}
+    out = {}
+    for (run, batch), r in sorted(done.items()):
+        if run != "resident_decode":
+            continue
+        out[f"resident_b{batch}_over_floor"] = r["ratio_to_floor"]
+        cached = done.get(("cached_decode", batch))
+        if cached is not None:
+            bound = r["step_s"]["median"] + cached["bytes"]["h2d_link"] / (bp_gbps * 1e9)
+            out[f"cached_b{batch}_over_resident_plus_misses"] = cached["step_s"]["median"] / bound
+    return out

@@ -149,7 +149,7 @@ def test_step_breakdown_host_trace_without_windows():
 def test_targets_same_run_ratios():
     """profile_step.targets: resident step / floor per batch, and the cached step / (resident step +
     the cached step's H2D bytes / B_P) where both runs of a batch finished (a failed run is skipped)."""
-    from experiments.profile_step import targets
+    from experiments.timeline import targets
 
     def row(run, batch, step_s, ratio=None, h2d=0):
         return {"run": run, "batch": batch, "variant": "decode", "profile": {}, "step_s": {"median": step_s},

@@ -296,13 +296,20 @@ class Engine:
         """Matmul precision of every step (``EngineConfig.precision`` for the compute dtype)."""
         return self.config.precision(self.dtype.name)
 
+    def _decode_graphs(self, tokens_per_row: int, batch: int | None) -> bool:
+        """Whether a call with int32 [batch, tokens_per_row] tokens (batch default ``EngineConfig.batch``)
+        compiles as a command buffer with WHILE and CONDITIONAL (:func:`decode_graphs_on`; decode calls only)."""
+        if tokens_per_row != 1:
+            return False
+        pairs = (self.config.batch if batch is None else batch) * tokens_per_row * self.cfg.top_k
+        fetches_all = self.miss.config.fetches_all(pairs, self.cfg.num_experts)
+        return decode_graphs_on(self.config.decode_graphs, self.mode, fetches_all)
+
     def decode_options(self, tokens_per_row: int, batch: int | None = None) -> tuple:
         """The XLA ``compiler_options`` of a call with int32 [batch, tokens_per_row] tokens (batch
         default ``EngineConfig.batch``): :func:`decode_compiler_options` under ``EngineConfig.decode_gemm``
         and ``decode_graphs``."""
-        pairs = (self.config.batch if batch is None else batch) * tokens_per_row * self.cfg.top_k
-        fetches_all = self.miss.config.fetches_all(pairs, self.cfg.num_experts)
-        graphs = decode_graphs_on(self.config.decode_graphs, self.mode, fetches_all)
+        graphs = self._decode_graphs(tokens_per_row, batch)
         return decode_compiler_options(self.config.decode_gemm, tokens_per_row, self.dtype, graphs=graphs)
 
     def describe(self) -> dict:
@@ -694,10 +701,9 @@ class Engine:
         """(step options, XLA ``compiler_options``) of a call with int32 [batch, tokens_per_row] tokens:
         :meth:`decode_options`, and ``opts`` with ``cheap_conds`` set where a cond costs no host round
         trip (on the CPU, or in a program compiled as a command buffer with CONDITIONAL)."""
-        options = self.decode_options(tokens_per_row, batch)
-        graphs = "CONDITIONAL" in str(dict(options).get("xla_gpu_enable_command_buffer", "")).split(",")
-        cheap = graphs or jax.default_backend() == "cpu"
-        return dataclasses.replace(opts, cheap_conds=cheap), options
+        graphs = self._decode_graphs(tokens_per_row, batch)
+        options = decode_compiler_options(self.config.decode_gemm, tokens_per_row, self.dtype, graphs=graphs)
+        return dataclasses.replace(opts, cheap_conds=graphs or jax.default_backend() == "cpu"), options
 
     def _executable(self, args, opts: StepOptions):
         tokens = args[4]  # int32 [B, T]

@@ -524,16 +524,6 @@ def _update_sorted(table, layer, routed, cur_slot, hit, miss, E, policy, half_li
     return slot_of, id_of_slot, last_use, miss_experts, miss_slots, evicted_ids, n_miss, n_hit
 
 
-def _hit_slots(table: SlotTable, base: jax.Array, routed: jax.Array, cur_slot: jax.Array, E: int) -> jax.Array:
-    """bool [S]: the slots holding a routed expert of the layer whose flat ids start at ``base``, without
-    a scatter: slot j holds a hit iff its id is base + e, e routed, at slot j. Same set as the scatter of
-    ``cur_slot[hit]``: a resident id's slot holds that id (the table's invariant)."""
-    ids = table.id_of_slot
-    e_of = jnp.clip(ids - base, 0, E - 1)
-    slots = jnp.arange(table.num_slots, dtype=jnp.int32)
-    return (ids >= base) & (ids < base + E) & routed[e_of] & (cur_slot[e_of] == slots)
-
-
 def _unless_all_hit(skip: bool, miss: jax.Array, candidates, no_candidates):
     """``candidates()``, or (with ``skip``) a ``lax.cond`` that returns ``no_candidates()`` instead when
     nothing misses: the candidates are then unused (every fill is masked by ``n_miss`` = 0). Only the
@@ -546,11 +536,15 @@ def _unless_all_hit(skip: bool, miss: jax.Array, candidates, no_candidates):
 def _update_fused(table, layer, routed, cur_slot, hit, miss, E, policy, half_life_tokens, impl, skip=False):
     """impls "lexsort", "top_k", "rank": the E first slots of the order only, and the updates as
     elementwise selects (one scatter, for ``slot_of``). Same returns as :func:`_update_sorted`."""
-    LE = table.num_flat_ids
+    S, LE = table.num_slots, table.num_flat_ids
     experts = jnp.arange(E, dtype=jnp.int32)
+    slots = jnp.arange(S, dtype=jnp.int32)
     base = layer * E
     ids = table.id_of_slot
-    protected = _hit_slots(table, base, routed, cur_slot, E)
+    # Hit slots without a scatter: slot j holds a hit iff its id is base + e, e routed, at slot j.
+    # Same set as the scatter of cur_slot[hit]: a resident id's slot holds that id (the invariant).
+    e_of = jnp.clip(ids - base, 0, E - 1)
+    protected = (ids >= base) & (ids < base + E) & routed[e_of] & (cur_slot[e_of] == slots)
     cand, pos = _unless_all_hit(
         skip, miss, lambda: _candidates(_order_keys(table, layer, protected, E, policy, half_life_tokens), E, impl),
         lambda: (jnp.zeros((E,), jnp.int32), jnp.full((table.num_slots,), E, jnp.int32)))

@@ -30,7 +30,6 @@ from ftjax.checkpoint import load_checkpoint  # noqa: E402
 from ftjax.config import EngineConfig  # noqa: E402
 from ftjax.engine import Engine  # noqa: E402
 
-FIXTURES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "fixtures")
 # name -> (slots in units of E, EngineConfig.decode_graphs)
 VARIANTS = {"cached_S=E": (1, "auto"), "cached_S=2E": (2, "auto"), "cached_S=E_graphs_off": (1, "off")}
 
@@ -54,7 +53,7 @@ def main(argv):
     del argv
     rows = []
     for fixture in FLAGS.fixtures:
-        path = os.path.join(FIXTURES_DIR, fixture)
+        path = os.path.join(common.FIXTURES_DIR, fixture)
         model = load_checkpoint(path, FLAGS.dtype, progress=False)
         e = model.cfg.num_experts
         with np.load(os.path.join(path, "expected.npz")) as z:

@@ -50,7 +50,6 @@ from ftjax.engine import Engine  # noqa: E402
 from ftjax.config import DECODE_GEMMS, MATMUL_PRECISIONS, EngineConfig  # noqa: E402
 from ftjax.experts import cpu_experts, miss_policy  # noqa: E402
 
-FIXTURES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "fixtures")
 PROMPTS = ("short", "long")
 
 # name -> (experts mode, slots in units of E (None: resident), prefill mode, miss policy or None)
@@ -69,7 +68,7 @@ SMOKE_PROMPTS = ("short",)
 SMOKE_BF16_MODES = ("resident",)
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("fixtures_dir", FIXTURES_DIR, "Folder of fixture folders (each with expected.npz).")
+flags.DEFINE_string("fixtures_dir", common.FIXTURES_DIR, "Folder of fixture folders (each with expected.npz).")
 flags.DEFINE_list("fixtures", None, "Fixture folders under tests/fixtures/ (default: every one with expected.npz).")
 flags.DEFINE_list("modes", list(MODES), f"Expert modes, of {list(MODES)}.")
 flags.DEFINE_list("bf16_modes", None, "Modes of the bfloat16 pass (default: --modes; empty: no bfloat16 pass).")

@@ -103,7 +103,6 @@ from ftjax.kv.host_store import HostKVStore  # noqa: E402
 from ftjax.kv.layerwise import bucket_chunks  # noqa: E402
 from ftjax.kv.prefix_cache import PrefixCache  # noqa: E402
 
-FIXTURES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "fixtures")
 FIXTURE_CASES = ("qwen3_5_moe_fp32", "qwen3_moe_fp32")
 DEFAULT_CASES = FIXTURE_CASES + ("preset_bfloat16", "preset_float32", "preset_float32_slow")
 
@@ -423,7 +422,7 @@ def run_cases(cases: list[str], progress=lambda rows, partial: None) -> list[dic
             continue
         try:
             if name in FIXTURE_CASES:
-                model = load_checkpoint(os.path.join(FIXTURES_DIR, name), "float32", progress=False)
+                model = load_checkpoint(os.path.join(common.FIXTURES_DIR, name), "float32", progress=False)
                 prompt = rng.integers(0, model.cfg.vocab_size, FLAGS.fixture_prompt_tokens).tolist()
                 with jax.default_matmul_precision("highest"):
                     row = check_case(name, model, prompt, FLAGS.fixture_prefix_tokens, FLAGS.fixture_chunk_tokens,

@@ -25,6 +25,9 @@ import numpy as np
 from ftjax import memory
 from ftjax.provenance import run_meta
 
+#: The transformers-made test fixtures (tests/fixtures/, each with expected.npz), read by the GPU checks.
+FIXTURES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "fixtures")
+
 
 def meta() -> dict:
     """Git commit, device name, backend, jax version, UTC date, host CPU count, Python version."""

@@ -22,7 +22,7 @@ import sys
 
 #: Fields that identify a row (its label), in the order they are printed.
 LABEL_KEYS = ("preset", "mode", "variant", "policy", "impl", "load", "fixture", "prompt", "dtype", "expert_dtype",
-              "batch", "budget_gb", "tokens", "prompt_len", "slots", "case")
+              "batch", "budget_gb", "tokens", "prompt_len", "slots", "case", "kernels")
 #: Metrics drawn when a row has them (name in the JSON, axis label).
 METRICS = (
     ("decode_tokens_per_s", "decode tokens/s"), ("tokens_per_s", "tokens/s"), ("tpot_s", "TPOT (s)"),

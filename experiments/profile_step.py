@@ -59,8 +59,10 @@ from experiments import common  # noqa: E402
 from experiments.timeline import CATEGORIES, hlo_op_names, step_breakdown, targets, trace_events  # noqa: E402
 from ftjax.checkpoint import DTYPES  # noqa: E402
 from ftjax.config import DECODE_GEMMS, DECODE_GRAPHS, EngineConfig  # noqa: E402
+from ftjax import engine as engine_lib  # noqa: E402
 from ftjax.engine import Engine  # noqa: E402
 from ftjax.experts.planner import GB, plan_memory  # noqa: E402
+from ftjax.kernels import select  # noqa: E402
 
 RUNS = ("cached_decode", "resident_decode", "resident_prefill")
 
@@ -80,6 +82,9 @@ flags.DEFINE_float("hbm_gb", 2.0, "GiB of the bfloat16 array whose negate measur
 flags.DEFINE_integer("hbm_repeats", 10, "Timed calls of the HBM measurement.")
 flags.DEFINE_enum("decode_gemm", "auto", list(DECODE_GEMMS), "EngineConfig.decode_gemm of the decode runs.")
 flags.DEFINE_enum("decode_graphs", "auto", list(DECODE_GRAPHS), "EngineConfig.decode_graphs of the decode runs.")
+flags.DEFINE_multi_string("kernels", [], "FTJAX_KERNELS values to run every run under, one after another in this "
+                          "process (same model, same bandwidth figures: an A/B of kernel choices); repeat the flag. "
+                          "None: the environment's value.")
 flags.DEFINE_string("hlo_dir", None, "Where the compiled decode steps' HLO text goes (none: not written).")
 flags.DEFINE_string("trace_dir", None, "Where the raw traces go (default: a temporary folder).")
 flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
@@ -212,11 +217,12 @@ def decode_run(model, mode: str, batch: int, slots: int | None, trace_dir: str) 
             f.write(exe.as_text())
     for _ in range(FLAGS.warm_steps):
         advance(step())
-    times = []
+    times, fetched_timed = [], []
     for _ in range(FLAGS.timed_steps):
         t = time.perf_counter()
         out = step()
         times.append(time.perf_counter() - t)
+        fetched_timed.append(_stats([out.layer_stats])[1])  # this step's misses (the routing varies by step)
         advance(out)
     pos0 = state["pos"].copy()
     outs, events = _trace_steps(step, FLAGS.trace_steps, os.path.join(trace_dir, f"{mode}_decode_b{batch}"), advance)
@@ -225,6 +231,7 @@ def decode_run(model, mode: str, batch: int, slots: int | None, trace_dir: str) 
     key_pairs = int(round(rows_read))
     row = {"run": f"{mode}_decode", "variant": "decode", "mode": mode, "batch": batch, "tokens": batch,
            "slots": eng.num_slots, "prompt_len": FLAGS.prompt_len, "step_s": common.spread(times),
+           "timed_steps": {"s": times, "h2d_bytes": [int(f * model.expert_bytes) for f in fetched_timed]},
            "traced_steps": FLAGS.trace_steps, "routing": {"distinct_experts_per_step": distinct,
                                                            "fetched_experts_per_step": fetched,
                                                            "hit_rate": 1.0 - fetched / distinct if distinct else None},
@@ -288,7 +295,8 @@ def finish_row(row: dict, hbm_gbps: float, bp_gbps: float) -> dict:
 
 
 def _label(r: dict) -> str:
-    return f"{r['run']} b{r['batch']}" if r.get("variant") == "decode" else f"{r['run']} {r.get('tokens')}"
+    label = f"{r['run']} b{r['batch']}" if r.get("variant") == "decode" else f"{r['run']} {r.get('tokens')}"
+    return label + (f" [{r['kernels']}]" if "kernels" in r else "")
 
 
 def tables(rows: list[dict]) -> str:
@@ -328,8 +336,13 @@ def main(argv):
             todo += [(run, b) for b in map(int, FLAGS.batches)] if run.endswith("decode") else [(run, 1)]
     rows, plans = [], {}
     name = f"profile_step_{FLAGS.preset}.json"
-    for run, batch in todo:
-        print(f"-- {run} batch {batch}", flush=True)
+    kernel_sets = FLAGS.kernels or [None]
+    for kernels, run, batch in [(k, r, b) for k in kernel_sets for r, b in todo]:
+        if kernels is not None and os.environ.get(select.ENV) != kernels:
+            os.environ[select.ENV] = kernels  # read at trace time: drop what was traced under the last value
+            engine_lib._COMPILED.clear()
+            jax.clear_caches()
+        print(f"-- {run} batch {batch}" + (f" {select.ENV}={kernels}" if kernels is not None else ""), flush=True)
         try:
             if run == "resident_prefill":
                 row = prefill_run(model, trace_dir)
@@ -341,11 +354,14 @@ def main(argv):
                                        max_seq_len=-(-(FLAGS.prompt_len + n_steps + 2) // 128) * 128,
                                        expert_bytes=model.expert_bytes)
                     plans[f"b{batch}"], slots = plan.as_dict(), plan.slots
-                row = decode_run(model, run.split("_")[0], batch, slots, trace_dir)
+                row = decode_run(model, run.split("_")[0], batch, slots,
+                                 trace_dir if kernels is None else os.path.join(trace_dir, kernels.replace(",", "+")))
             row = finish_row(row, hbm["GBps"], bp_gbps)
         except Exception as e:  # record and go on: one failing run must not lose the others
             row = {"run": run, "batch": batch, "variant": "prefill" if run.endswith("prefill") else "decode",
                    "error": f"{type(e).__name__}: {e}"[:2000]}
+        if kernels is not None:
+            row["kernels"] = kernels
         gc.collect()
         rows.append(row)
         print(tables([row]), flush=True)
@@ -353,10 +369,16 @@ def main(argv):
                                                 "memory_plans": plans, "runs": rows})
     payload = {"meta": info, "script": "experiments/profile_step.py", "model_build_s": build_s, "B_P": bp,
                "hbm": hbm, "categories": list(CATEGORIES), "memory_plans": plans, "trace_dir": trace_dir,
-               "runs": rows, "targets": targets(rows, bp_gbps)}
+               "runs": rows, "targets": targets([r for r in rows if r.get("kernels") in (kernel_sets[0], None)]
+                                                or rows, bp_gbps)}
+    if len(kernel_sets) > 1:  # the targets under each kernel choice; "targets" holds the first one's
+        payload["targets_by_kernels"] = {k: targets([r for r in rows if r.get("kernels") == k], bp_gbps)
+                                         for k in kernel_sets}
     path = common.write_json(FLAGS.out_dir, name, payload)
     print(tables(rows))
-    print("issue 13 targets (same run):", {k: round(v, 3) for k, v in payload["targets"].items()})
+    for k, t in payload.get("targets_by_kernels", {None: payload["targets"]}).items():
+        print("issue 13 targets (same run)" + (f", {select.ENV}={k}" if k else "") + ":",
+              {n: v if isinstance(v, list) else round(v, 3) for n, v in t.items()})
     print("wrote", path)
 
 

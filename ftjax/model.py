@@ -193,12 +193,18 @@ def route(cfg: ModelConfig, x: jax.Array, w_router: jax.Array) -> tuple[jax.Arra
     Probabilities in float32; renormalised over the top k when ``cfg.norm_topk_prob``.
     """
     with jax.named_scope("router"):
-        logits = project(x, w_router).astype(jnp.float32)
-        probs = jax.nn.softmax(logits, axis=-1)
+        return top_k_route(cfg, project(x, w_router), x.dtype)
+
+
+def top_k_route(cfg: ModelConfig, logits: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """:func:`route` from the router's logits [N, E]: (expert ids int32 [N, k], weights [N, k] in
+    ``dtype``)."""
+    with jax.named_scope("router"):
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
         w, ids = jax.lax.top_k(probs, cfg.top_k)
         if cfg.norm_topk_prob:
             w = w / jnp.sum(w, axis=-1, keepdims=True)
-        return ids.astype(jnp.int32), w.astype(x.dtype)
+        return ids.astype(jnp.int32), w.astype(dtype)
 
 
 class LayerRouting(NamedTuple):
@@ -273,13 +279,17 @@ class StackedWeight(NamedTuple):
 #: The dense weights of a layer that :func:`forward` may pass as :class:`StackedWeight` (every
 #: family of :data:`LAYER_FNS` uses them only through :func:`project` / :func:`route`).
 STACKED_NAMES = ("wq", "wk", "wv", "wo", "router")
+#: The norm weights ([L, K]) :func:`forward` passes stacked where ``norm_dense_decode`` runs (read by
+#: that kernel only, through :func:`norm_project`): a layer scan copies each layer's row of its xs
+#: out first (a ``memcpy`` kernel per norm and layer in the H200 trace of a decode step).
+STACKED_NORMS = ("attn_norm", "mlp_norm")
 
 
 def project(x: jax.Array, w: jax.Array | StackedWeight) -> jax.Array:
     """``x @ w`` for a dense weight: x [..., K], w [K, N] -> [..., N] in the promoted dtype.
 
     w may be a :class:`StackedWeight` (``w.w [L, K, N]``, ``w.layer``): where ``FTJAX_KERNELS``
-    selects ``dense_decode`` for these operands (at most 16 rows; opt-in: ``dense_decode.AUTO``) the kernel
+    selects ``dense_decode`` for these operands (at most 16 rows; ``auto``: GPU, 16-bit weights) the kernel
     computes ``x @ w.w[w.layer]`` reading the stacked weight in place; otherwise the layer's
     matrix is sliced and the product below runs on it.
 
@@ -310,10 +320,31 @@ def project(x: jax.Array, w: jax.Array | StackedWeight) -> jax.Array:
     return (padded @ w)[:rows].reshape(*x.shape[:-1], w.shape[-1])
 
 
-def _qk(cfg: ModelConfig, lp: Params, x: jax.Array, positions: jax.Array):
+def norm_project(cfg: ModelConfig, h: jax.Array, norm_w: jax.Array, ws: tuple, write_x: bool = False):
+    """``rms_norm(h)`` and its products with ``ws`` ([..., N_i] each), the normalised rows too
+    when ``write_x`` (else None). Where every weight is a :class:`StackedWeight` of one layer and
+    ``FTJAX_KERNELS`` selects ``norm_dense_decode`` (decode steps; ``ftjax.kernels.dense_decode``),
+    one kernel launch does all of it; otherwise :func:`rms_norm` and :func:`project` per weight.
+    h: [..., K]; norm_w: [K], or a :class:`StackedWeight` of the norm weights [L, K] (the kernel
+    reads the layer's row in place)."""
+    layers = {id(w.layer) for w in (*ws, norm_w) if isinstance(w, StackedWeight)}
+    if all(isinstance(w, StackedWeight) for w in ws) and len(layers) == 1:
+        g = norm_w.w if isinstance(norm_w, StackedWeight) else norm_w
+        got = dense_decode.maybe_norm(h, g, cfg.rms_norm_eps, [w.w for w in ws], ws[0].layer, write_x)
+        if got is not None:
+            return got
+    if isinstance(norm_w, StackedWeight):
+        norm_w = norm_w.w[norm_w.layer]
+    x = rms_norm(h, norm_w, cfg.rms_norm_eps)
+    return [project(x, w) for w in ws], (x if write_x else None)
+
+
+def _qk(cfg: ModelConfig, lp: Params, x: jax.Array, positions: jax.Array, qkv: list | None = None):
+    """q, k (normed where the family norms them, rotated) and v [B, T, H, hd] of the normalised
+    attention input x [B, T, D], or of its projections ``qkv`` when the caller made them."""
     b, t, _ = x.shape
     hd = cfg.head_dim
-    q, k, v = project(x, lp["wq"]), project(x, lp["wk"]), project(x, lp["wv"])
+    q, k, v = qkv if qkv is not None else (project(x, lp["wq"]), project(x, lp["wk"]), project(x, lp["wv"]))
     if cfg.qk_norm == "full":
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
@@ -405,8 +436,8 @@ def decoder_layer(cfg: ModelConfig, lp: Params, layer: jax.Array, carry: LayerCa
     with jax.named_scope("attention"):
         if kv_hook is not None:
             ck, cv, hc = kv_hook.before_attention(ck, cv, layer, hook_xs, hc)
-        x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = _qk(cfg, lp, x, positions)
+        qkv, _ = norm_project(cfg, h, lp["attn_norm"], (lp["wq"], lp["wk"], lp["wv"]))
+        q, k, v = _qk(cfg, lp, h, positions, qkv)
         ck = ck.at[layer, inputs.bidx, positions].set(k.astype(ck.dtype), mode="drop")
         cv = cv.at[layer, inputs.bidx, positions].set(v.astype(cv.dtype), mode="drop")
         if kv_hook is not None:
@@ -414,8 +445,10 @@ def decoder_layer(cfg: ModelConfig, lp: Params, layer: jax.Array, carry: LayerCa
         o = cached_attention(q, ck, cv, layer, positions)
         h = h + project(o.reshape(b, t, -1), lp["wo"])
     with jax.named_scope("moe"):
-        x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps).reshape(b * t, -1)
-        ids, w = route(cfg, x, lp["router"])
+        with jax.named_scope("router"):
+            (logits,), x = norm_project(cfg, h, lp["mlp_norm"], (lp["router"],), write_x=True)
+        x = x.reshape(b * t, -1)
+        ids, w = top_k_route(cfg, logits.reshape(b * t, -1), x.dtype)
         y, state, stats = expert_fn(state, layer, LayerRouting(x, ids, w, inputs.valid.reshape(-1)))
         h = h + y.reshape(b, t, -1).astype(h.dtype)
     return LayerCarry(h, ck, cv, state, hc), (stats, hy)
@@ -453,13 +486,21 @@ def final_logits(params: Params, cfg: ModelConfig, h: jax.Array, valid_len: jax.
 def stacked_dense(layers: Params, token_shape: tuple[int, ...]) -> dict[str, jax.Array]:
     """The stacked dense weights (of :data:`STACKED_NAMES`, ``[L, K, N]`` each) that :func:`forward`
     keeps out of its layer scan's xs and passes as :class:`StackedWeight`: all of them for a decode
-    call (tokens [B, T] with T == 1 and B <= 16) while ``FTJAX_KERNELS`` selects ``dense_decode``
-    (``ftjax.kernels.select``; opt-in: ``dense_decode.AUTO``), else none (the plain scan, unchanged).
-    Prefill chunks, even small ones, keep the sliced weights: the kernel is a GEMV of few rows."""
+    call (tokens [B, T] with T == 1 and B <= 16) while ``FTJAX_KERNELS`` selects ``dense_decode`` or
+    ``norm_dense_decode`` (``ftjax.kernels.select``; under ``auto``: on a GPU for 16-bit weights,
+    ``dense_decode.auto_for``), plus the norms of :data:`STACKED_NORMS` ([L, K]) with ``norm_dense_decode``; else
+    none (the plain scan, unchanged). Prefill chunks, even small ones, keep the sliced weights: the
+    kernels are GEMVs of few rows."""
     b, t = token_shape
-    if t != 1 or b > dense_decode.MAX_ROWS or select.mode("dense_decode", auto=dense_decode.AUTO) == "xla":
+    wq = layers.get("wq")
+    auto = wq is not None and dense_decode.auto_for(wq.dtype)
+    if t != 1 or b > dense_decode.MAX_ROWS or (select.mode("dense_decode", auto=auto) == "xla" and
+                                               select.mode("norm_dense_decode", auto=auto) == "xla"):
         return {}
-    return {k: layers[k] for k in STACKED_NAMES if k in layers and getattr(layers[k], "ndim", 0) == 3}
+    out = {k: layers[k] for k in STACKED_NAMES if k in layers and getattr(layers[k], "ndim", 0) == 3}
+    if select.mode("norm_dense_decode", auto=auto) != "xla":
+        out.update({k: layers[k] for k in STACKED_NORMS if k in layers and getattr(layers[k], "ndim", 0) == 2})
+    return out
 
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, start: jax.Array, valid_len: jax.Array,
@@ -480,7 +521,7 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, start: jax.Arra
         reused prefix into the cache layer by layer and returns new K/V as scan outputs.
 
     Decode calls (T == 1, B <= 16) with the dense decode kernel selected (:func:`stacked_dense`;
-    opt-in, ``dense_decode.AUTO``) leave wq, wk, wv, wo and the router out of the scan's xs and hand the layer
+    ``dense_decode.auto_for``) leave wq, wk, wv, wo and the router out of the scan's xs and hand the layer
     function :class:`StackedWeight` holders of the stacked arrays instead.
 
     The layer-pipelined driver (``ftjax.layer_pipeline``) runs the same pieces (:func:`embed_inputs`,

@@ -121,10 +121,17 @@ def test_explicit_tiles_that_do_not_fit_raise(monkeypatch):
 def test_select_knows_the_kernel(monkeypatch):
     assert "dense_decode" in select.KERNELS
     monkeypatch.delenv(select.ENV, raising=False)
-    assert dd.AUTO is False  # opt-in (docs/PROFILE.md, session 9): auto never runs it, on any backend
-    assert select.mode("dense_decode", auto=dd.AUTO) == "xla"
+    # auto: on a GPU for 16-bit weights only (float32 programs keep XLA's GEMMs); never on the CPU
+    assert dd.auto_for(jnp.bfloat16) and dd.auto_for(jnp.float16) and not dd.auto_for(jnp.float32)
+    assert select.mode("dense_decode", auto=dd.auto_for(jnp.bfloat16)) == "xla"  # this CPU
     layers = {"wq": jnp.zeros((2, 128, 64)), "wo": jnp.zeros((2, 64, 128))}
     assert model_lib.stacked_dense(layers, (1, 1)) == {}
+    bf_layers = {k: v.astype(jnp.bfloat16) for k, v in layers.items()}
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # what auto decides on a GPU
+    assert set(model_lib.stacked_dense(bf_layers, (1, 1))) == {"wq", "wo"}
+    assert model_lib.stacked_dense(layers, (1, 1)) == {}  # float32
+    monkeypatch.undo()
+    monkeypatch.delenv(select.ENV, raising=False)
     monkeypatch.setenv(select.ENV, "dense_decode")
     assert set(model_lib.stacked_dense(layers, (1, 1))) == {"wq", "wo"}
     assert model_lib.stacked_dense(layers, (1, 4)) == {}  # prefill chunks keep the sliced weights
@@ -187,6 +194,10 @@ def test_stacked_dense_only_for_decode_calls(monkeypatch):
     assert set(model_lib.stacked_dense(layers, (16, 1))) == set(model_lib.STACKED_NAMES)
     assert model_lib.stacked_dense(layers, (17, 1)) == {}  # more rows than the kernel takes
     assert model_lib.stacked_dense(layers, (1, 4)) == {}  # a prefill chunk, however small
+    monkeypatch.setenv(select.ENV, "dense_decode,norm_dense_decode")  # the norms too, [L, K]
+    got = model_lib.stacked_dense(layers, (1, 1))
+    assert set(got) == set(model_lib.STACKED_NAMES + model_lib.STACKED_NORMS)
+    assert got["attn_norm"].shape == (layers["attn_norm"].shape[0], 128)
     monkeypatch.setenv(select.ENV, "moe_decode")
     assert model_lib.stacked_dense(layers, (1, 1)) == {}
 
@@ -240,4 +251,105 @@ def test_dense_decode_lowers_for_cuda():
                                (16, (2048, 512), 1)):
         txt = _lower_cuda(lambda x, w, l, s=k_split: dd.dense_decode(x, w, l, k_split=s), sd((m, k), bf),
                           sd((48, k, n), bf), sd((), jnp.int32))
+        assert txt.count("__gpu$xla.gpu.triton") == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# norm_dense_decode: the RMSNorm and several weights' products in one launch
+# ---------------------------------------------------------------------------------------------
+def _norm_operands(m, k, ns, dtype, layers=3, seed=1):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(3.0 * rng.standard_normal((m, k)), dtype)
+    g = jnp.asarray(1.0 + 0.1 * rng.standard_normal(k), dtype)
+    ws = tuple(jnp.asarray(rng.standard_normal((layers, k, n)) / np.sqrt(k), dtype) for n in ns)
+    return x, g, ws
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("m", [1, 3])
+def test_norm_dense_decode_matches_reference(m, dtype):
+    """Three weights of different widths (wq, wk, wv's shape) in one launch, with and without the
+    K split and the normalised rows written: each product within the tolerance of
+    ``dense_decode_reference`` of the model's ``rms_norm``, the rows within one bf16 ulp of it."""
+    x, g, ws = _norm_operands(m, 256, (128, 64, 64), dtype)
+    want_ys, want_x = dd.norm_dense_decode_reference(x, g, ws, 2, 1e-6)
+    np.testing.assert_array_equal(np.asarray(want_x), np.asarray(model_lib.rms_norm(x, g, 1e-6)))
+    stacked_g = jnp.stack([g * 0.5, g * 2.0, g])  # [L, K]: the kernel reads row ``layer`` (2)
+    for k_split, write_x, norm_w in ((1, False, g), (1, True, stacked_g), (4, False, stacked_g), (4, True, g)):
+        ys, xn = dd.norm_dense_decode(x, norm_w, ws, jnp.int32(2), eps=1e-6, write_x=write_x, interpret=True,
+                                      block_k=32, k_split=k_split)
+        assert [y.shape for y in ys] == [(m, 128), (m, 64), (m, 64)]
+        for got, want in zip(ys, want_ys):
+            _check(got, want)
+        assert (xn is None) == (not write_x)
+        if write_x:
+            _check(xn, want_x)
+
+
+def test_norm_dense_decode_one_weight_differs_from_unnormed():
+    """The router's shape ([K, E], one weight): the rows are normalised before the product (a
+    kernel that skipped the norm would give x @ w, far from the reference)."""
+    x, g, ws = _norm_operands(1, 128, (16,), jnp.float32)
+    (y,), xn = dd.norm_dense_decode(x, g, ws, jnp.int32(0), eps=1e-5, write_x=True, interpret=True, block_k=32)
+    (want,), want_x = dd.norm_dense_decode_reference(x, g, ws, 0, 1e-5)
+    _check(y, want)
+    _check(xn, want_x)
+    assert float(jnp.max(jnp.abs(y - x @ ws[0][0]))) > 0.1
+
+
+def test_norm_dense_decode_errors():
+    x, g, ws = _norm_operands(1, 128, (64, 32), jnp.float32)
+    with pytest.raises(ValueError, match="norm_dense_decode: unsupported"):  # norm weight of another width
+        dd.norm_dense_decode(x, g[:64], ws, jnp.int32(0), eps=1e-6, interpret=True)
+    with pytest.raises(ValueError, match="norm_dense_decode: unsupported"):  # stacked over another layer count
+        dd.norm_dense_decode(x, jnp.stack([g, g]), ws, jnp.int32(0), eps=1e-6, interpret=True)
+    with pytest.raises(ValueError, match="norm_dense_decode: unsupported"):  # weights of two dtypes
+        dd.norm_dense_decode(x, g, (ws[0], ws[1].astype(jnp.bfloat16)), jnp.int32(0), eps=1e-6, interpret=True)
+    assert not dd.supported_all(x, ())
+    assert not dd.supported_all(x, (ws[0], ws[1][:2]))  # another layer count
+    assert dd.supported_all(x, ws, block_n=128)  # the column tile is capped at the narrowest weight (32)
+
+
+def test_greedy_decode_with_the_norm_kernel_matches_the_default_path(monkeypatch):
+    """``FTJAX_KERNELS=dense_decode,norm_dense_decode`` (interpreted on the CPU): each decode layer
+    runs its attention input norm + wq/wk/wv and its MoE norm + router as two launches of the fused
+    kernel; same ids and logits within float32 tolerance of the default path; cached mode with
+    the kernel bit-identical to resident with it."""
+    from ftjax import engine as engine_lib
+
+    ref = _tiny_generate(monkeypatch, "xla")
+    calls = []
+    real = dd.norm_dense_decode
+
+    def spy(x, g, ws, layer, **kw):
+        calls.append((x.shape, g.shape, tuple(w.shape for w in ws), kw["write_x"]))
+        return real(x, g, ws, layer, **kw)
+
+    monkeypatch.setattr(dd, "norm_dense_decode", spy)
+    got = _tiny_generate(monkeypatch, "dense_decode,norm_dense_decode")
+    try:
+        assert set(calls) == {((1, 128), (3, 128), ((3, 128, 128), (3, 128, 64), (3, 128, 64)), False),
+                              ((1, 128), (3, 128), ((3, 128, 16),), True)}  # the norms read stacked, in place
+        assert got.generated_ids == ref.generated_ids
+        np.testing.assert_array_equal(got.step_logits[0], ref.step_logits[0])  # the prefill
+        np.testing.assert_allclose(got.step_logits, ref.step_logits, rtol=1e-5,
+                                   atol=1e-5 * float(np.abs(ref.step_logits).max()))
+        cached = _tiny_generate(monkeypatch, "dense_decode,norm_dense_decode", "cached", 16)
+        assert cached.generated_ids == ref.generated_ids
+        np.testing.assert_array_equal(cached.step_logits, got.step_logits)
+    finally:
+        engine_lib._COMPILED.clear()
+        jax.clear_caches()
+
+
+def test_norm_dense_decode_lowers_for_cuda():
+    """qwen3-30b-a3b's attention input (wq, wk, wv) and router launches lower to one Triton call each."""
+    from test_kernels import _lower_cuda
+
+    sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    for shapes, k_split, write_x, g in ((((2048, 4096), (2048, 512), (2048, 512)), 8, False, (48, 2048)),
+                                        (((2048, 128),), 32, True, (2048,))):
+        txt = _lower_cuda(lambda x, g, l, *w, s=k_split, wx=write_x: dd.norm_dense_decode(
+            x, g, tuple(w), l, eps=1e-6, write_x=wx, k_split=s), sd((1, 2048), bf), sd(g, bf),
+            sd((), jnp.int32), *[sd((48, *s), bf) for s in shapes])
         assert txt.count("__gpu$xla.gpu.triton") == 1

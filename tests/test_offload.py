@@ -394,3 +394,25 @@ def test_call_options_cheap_conds_follow_the_command_buffers(monkeypatch):
         opts, options = eng.call_options(eng._options(), 1, 1)
         monkeypatch.undo()
         assert opts.cheap_conds == want and ("xla_gpu_enable_command_buffer" in dict(options)) == want, fixed
+
+
+def test_routed_count_equals_the_mask_sum():
+    """offload.routed_count: the pairwise count of decode-sized routings (repeats, padding tokens,
+    every token invalid) equals the routed mask's sum; larger routings take the mask."""
+    import jax.numpy as jnp
+
+    from ftjax.experts.offload import PAIRWISE_MAX_PAIRS, routed_count, routed_mask
+
+    rng = np.random.default_rng(0)
+    for n, k, e in ((1, 8, 128), (4, 8, 16), (8, 8, 8), (3, 2, 4), (16, 8, 128)):
+        for _ in range(20):
+            ids = jnp.asarray(rng.integers(0, e, (n, k)), jnp.int32)
+            valid = jnp.asarray(rng.random(n) < 0.7)
+            want = int(jnp.sum(routed_mask(ids, valid, e)))
+            assert int(routed_count(ids, valid, e)) == want, (n, k, e)
+        assert int(routed_count(ids, jnp.zeros(n, bool), e)) == 0
+    ids = jnp.asarray([[3, 3], [3, 1]], jnp.int32)
+    assert int(routed_count(ids, jnp.asarray([True, True]), 4)) == 2
+    assert int(routed_count(ids, jnp.asarray([False, True]), 4)) == 2  # the second token alone routes 3 and 1
+    assert int(routed_count(ids[:1], jnp.asarray([True]), 4)) == 1
+    assert 16 * 8 > PAIRWISE_MAX_PAIRS  # the last case above went through the mask

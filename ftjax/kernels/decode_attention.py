@@ -52,10 +52,10 @@ def supported(q: jax.Array, k_cache: jax.Array, block_k: int = BLOCK_K) -> bool:
             and s % bk == 0 and jnp.issubdtype(q.dtype, jnp.floating))
 
 
-def _kernel(len_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, bk, n_split, scale):
+def _kernel(len_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, bk, n_split, scale, offset):
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
-    length = len_ref[b]
+    length = jnp.clip(len_ref[b] + offset, 1, k_ref.shape[2])  # here, not as one more XLA kernel per layer
     chunk = pl.cdiv(pl.cdiv(length, n_split), bk) * bk
     lo = s * chunk
     hi = jnp.minimum(lo + chunk, length)
@@ -80,15 +80,16 @@ def _kernel(len_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, bk,
     l_ref[b, h, s, :] = l
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "block_k", "n_split", "num_warps", "num_stages"))
+@functools.partial(jax.jit, static_argnames=("interpret", "block_k", "n_split", "num_warps", "num_stages", "offset"))
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, lengths: jax.Array,
-                     *, interpret: bool = False, block_k: int = BLOCK_K, n_split: int = N_SPLIT,
+                     *, offset: int = 0, interpret: bool = False, block_k: int = BLOCK_K, n_split: int = N_SPLIT,
                      num_warps: int | None = None, num_stages: int | None = None) -> jax.Array:
     """GQA attention of one query per row over the first ``lengths[b]`` cache positions.
 
     q: [B, 1, Hq, hd]; k_cache, v_cache: [L, B, S_max, Hkv, hd] (the whole stacked cache, or
     [B, S_max, Hkv, hd] for one layer); layer: int32 [] layer index; lengths: int32 [B], filled
-    positions of each row, 1 <= lengths <= S_max (clipped to that range). Scores scaled by
+    positions of each row less ``offset`` (static; the model passes the query positions and 1),
+    1 <= lengths + offset <= S_max (clipped to that range). Scores scaled by
     hd**-0.5, softmax in float32. Returns [B, 1, Hq, hd] in q's dtype. interpret: Pallas interpret
     mode (CPU). block_k: keys per step; n_split: programs per (row, KV head); num_warps /
     num_stages: Triton compiler parameters on the GPU.
@@ -101,7 +102,7 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer
     rows = max(MIN_ROWS, pl.next_power_of_2(g))
     bk = min(block_k, s_max)
     qg = jnp.pad(q.reshape(b, hkv, g, hd), ((0, 0), (0, 0), (0, rows - g), (0, 0)))
-    lengths = jnp.clip(lengths.astype(jnp.int32), 1, s_max)
+    lengths = lengths.astype(jnp.int32)  # + offset, clipped to [1, S_max] inside the kernel
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     params = None
     if not interpret:
@@ -111,7 +112,7 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer
     out_shape = (jax.ShapeDtypeStruct((b, hkv, n_split, rows, hd), f32),
                  jax.ShapeDtypeStruct((b, hkv, n_split, rows), f32), jax.ShapeDtypeStruct((b, hkv, n_split, rows), f32))
     o, m, l = pl.pallas_call(
-        functools.partial(_kernel, bk=bk, n_split=n_split, scale=hd ** -0.5), out_shape=out_shape,
+        functools.partial(_kernel, bk=bk, n_split=n_split, scale=hd ** -0.5, offset=offset), out_shape=out_shape,
         grid=(b, hkv, n_split), interpret=interpret, compiler_params=params, name="decode_attention",
     )(lengths, layer, qg, k_cache, v_cache)
     # merge the splits by log-sum-exp: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s
@@ -126,4 +127,4 @@ def maybe(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array
     how = select.mode("decode_attention", supported(q, k_cache) and select.dot_dtype_ok(q.dtype))
     if how == "xla":
         return None
-    return decode_attention(q, k_cache, v_cache, layer, q_pos[:, 0] + 1, interpret=how == "interpret")
+    return decode_attention(q, k_cache, v_cache, layer, q_pos.reshape(-1), offset=1, interpret=how == "interpret")

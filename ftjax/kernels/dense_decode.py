@@ -64,12 +64,22 @@ MIN_PROGRAMS = 256
 MAX_K_SPLIT = 32
 #: Most rows the kernel takes (beyond that the GEMM of XLA / cuBLAS is the better tool).
 MAX_ROWS = 16
-#: Whether ``FTJAX_KERNELS=auto`` runs the kernel on a GPU. Off: on the H200 (session 9,
-#: docs/PROFILE.md) it took the resident batch-1 step of qwen3-30b-a3b from 7.53 to 7.06 ms, but the
-#: cached step at 24 GB measured 33.0 ms with it against 13.1 ms without (another call, other miss
-#: bytes; not traced, so not explained). Opt in with ``FTJAX_KERNELS=...,dense_decode``.
-AUTO = False
+#: Weight dtypes for which ``FTJAX_KERNELS=auto`` runs both kernels (:func:`dense_decode` and
+#: :func:`norm_dense_decode`) on a GPU (:func:`auto_for`): the 16-bit ones. Session 9 left the
+#: kernel opt-in (resident b1 7.53 -> 7.06 ms, but a cached step of 33 ms beside 13 ms without it);
+#: session 11 (H200, one process, ``profile_step --kernels``) showed that step copying ~1 GB of
+#: misses (the random model's greedy tokens, so its routing, change with the kernel's rounding;
+#: held against its own misses it is 1.14x, docs/PROFILE.md), and with the norm fused in the
+#: resident step went 7.30 -> 6.87 ms. Float32 programs keep XLA's GEMMs, as ``decode_gemm`` does
+#: (the float32 oracle runs on the GPU were settled on them).
+AUTO_DTYPES = ("bfloat16", "float16")
 WEIGHT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+def auto_for(dtype) -> bool:
+    """Whether ``FTJAX_KERNELS=auto`` picks the kernels for weights of ``dtype`` on a GPU
+    (:data:`AUTO_DTYPES`; ``select.mode``'s ``auto``)."""
+    return jnp.dtype(dtype).name in AUTO_DTYPES
 
 
 def _pow2(v: int) -> bool:
@@ -92,26 +102,102 @@ def supported(x: jax.Array, w: jax.Array, block_k: int = BLOCK_K, block_n: int =
     return _pow2(bk) and _pow2(bn) and k % (bk * k_split) == 0 and n % bn == 0
 
 
-def _kernel(layer_ref, x_ref, w_ref, o_ref, *, bk, bn, split):
+def _kernel(layer_ref, x_ref, *refs, bk, bn, split, cols, eps, xn_dtype, write_x):
+    """cols: per weight (its first column block on grid axis 0, its column blocks, its first output
+    column). eps None: x is used as is; else the rows are RMS-normalised first (refs[0]: the norm
+    weight [K]) exactly as ``model.rms_norm``: float32 statistics, cast to x's dtype, times the weight
+    in ``xn_dtype``; write_x: the programs of column block 0 also write those rows (the last ref)."""
+    norm = eps is not None
+    g_ref = refs[0] if norm else None
+    w_refs = refs[int(norm):int(norm) + len(cols)]
+    o_ref = refs[int(norm) + len(cols)]
     j, part = pl.program_id(0), pl.program_id(1)
-    layer = layer_ref[0]
-    m = x_ref.shape[0]
-    n0 = j * bn
-    k_steps = x_ref.shape[1] // (bk * split)
+    layer = select.wrap_clamp(layer_ref[0], w_refs[0].shape[0])
+    m, k = x_ref.shape
+    k_steps = k // (bk * split)
     base = part * (k_steps * bk)  # this program's share of the input rows
+    f32 = jnp.float32
 
-    def body(i, acc):
-        k0 = base + i * bk
-        tile = w_ref[layer, pl.ds(k0, bk), pl.ds(n0, bn)].astype(jnp.float32)  # read once, used by every row
-        return tuple(a + jnp.sum(x_ref[r, pl.ds(k0, bk)].astype(jnp.float32)[:, None] * tile, axis=0)
-                     for r, a in enumerate(acc))
+    if norm:  # every program needs the whole rows' mean square (K elements each: cheap next to the weights)
+        def squares(i, acc):
+            return tuple(a + jnp.square(x_ref[r, pl.ds(i * bk, bk)].astype(f32)) for r, a in enumerate(acc))
+        sums = lax.fori_loop(0, k // bk, squares, (jnp.zeros((bk,), f32),) * m)
+        inv = [lax.rsqrt(jnp.sum(s) / k + eps) for s in sums]
 
-    acc = lax.fori_loop(0, k_steps, body, (jnp.zeros((bn,), jnp.float32),) * m)
-    for r, a in enumerate(acc):
-        if split == 1:
-            o_ref[r, pl.ds(n0, bn)] = a.astype(o_ref.dtype)
-        else:
-            o_ref[part, r, pl.ds(n0, bn)] = a
+    def rows(k0):  # the m input rows at [k0, k0 + bk), in the dtype the product takes
+        if not norm:
+            return [x_ref[r, pl.ds(k0, bk)] for r in range(m)]
+        g = (g_ref[layer, pl.ds(k0, bk)] if len(g_ref.shape) == 2 else g_ref[pl.ds(k0, bk)]).astype(f32)
+        return [(g * (x_ref[r, pl.ds(k0, bk)].astype(f32) * inv[r]).astype(x_ref.dtype).astype(f32)).astype(xn_dtype)
+                for r in range(m)]
+
+    def product(w_ref, b0, off):
+        n0 = (j - b0) * bn
+
+        def body(i, acc):
+            k0 = base + i * bk
+            tile = w_ref[layer, pl.ds(k0, bk), pl.ds(n0, bn)].astype(f32)  # read once, used by every row
+            return tuple(a + jnp.sum(xr.astype(f32)[:, None] * tile, axis=0) for xr, a in zip(rows(k0), acc))
+
+        acc = lax.fori_loop(0, k_steps, body, (jnp.zeros((bn,), f32),) * m)
+        for r, a in enumerate(acc):
+            if split == 1:
+                o_ref[r, pl.ds(off + n0, bn)] = a.astype(o_ref.dtype)
+            else:
+                o_ref[part, r, pl.ds(off + n0, bn)] = a
+
+    if len(cols) == 1:
+        product(w_refs[0], 0, 0)
+    else:  # each column block belongs to one weight
+        for w_ref, (b0, nb, off) in zip(w_refs, cols):
+            pl.when((j >= b0) & (j < b0 + nb))(functools.partial(product, w_ref, b0, off))
+
+    if write_x:
+        xo_ref = refs[-1]
+
+        @pl.when(j == 0)
+        def _():
+            def store(i, c):
+                k0 = base + i * bk
+                for r, xr in enumerate(rows(k0)):
+                    xo_ref[r, pl.ds(k0, bk)] = xr
+                return c
+            lax.fori_loop(0, k_steps, store, 0)
+
+
+def _call(x, ws, layer, norm_w, eps, write_x, interpret, block_k, block_n, num_warps, k_split):
+    """One kernel launch for ``[x' @ w[layer] for w in ws]`` (x' = x, or RMSNorm(x) when eps is set);
+    returns (the products, in ``jnp.result_type(x', w)``, the normalised rows or None)."""
+    m, k = x.shape
+    xn_dtype = x.dtype if eps is None else jnp.result_type(norm_w.dtype, x.dtype)
+    out_dtype = jnp.result_type(xn_dtype, ws[0].dtype)
+    lid = jnp.asarray(layer, jnp.int32).reshape(1)  # wrapped and clamped inside the kernel
+    bk, bn = min(block_k, k), min(block_n, *(w.shape[2] for w in ws))
+    cols, b0, off = [], 0, 0
+    for w in ws:
+        cols.append((b0, w.shape[2] // bn, off))
+        b0, off = b0 + w.shape[2] // bn, off + w.shape[2]
+    params = None
+    if not interpret:
+        from jax.experimental.pallas import triton as pltriton
+        params = pltriton.CompilerParams(num_warps=num_warps)
+    out_shape = [jax.ShapeDtypeStruct((m, off), out_dtype) if k_split == 1
+                 else jax.ShapeDtypeStruct((k_split, m, off), jnp.float32)]
+    if write_x:
+        out_shape.append(jax.ShapeDtypeStruct((m, k), xn_dtype))
+    operands = (lid, x) + ((norm_w,) if eps is not None else ()) + tuple(ws)
+    outs = pl.pallas_call(
+        functools.partial(_kernel, bk=bk, bn=bn, split=k_split, cols=tuple(cols), eps=eps, xn_dtype=xn_dtype,
+                          write_x=write_x),
+        out_shape=tuple(out_shape), grid=(b0, k_split), interpret=interpret, compiler_params=params,
+        name="dense_decode" if eps is None else "norm_dense_decode",
+    )(*operands)
+    y = outs[0] if k_split == 1 else jnp.sum(outs[0], axis=0).astype(out_dtype)
+    ys, at = [], 0
+    for w in ws:
+        ys.append(y[:, at:at + w.shape[2]])
+        at += w.shape[2]
+    return ys, (outs[1] if write_x else None)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_k", "block_n", "num_warps", "k_split"))
@@ -132,22 +218,8 @@ def dense_decode(x: jax.Array, w: jax.Array, layer: jax.Array, *, interpret: boo
     if not supported(x, w, block_k, block_n, k_split):
         raise ValueError(f"dense_decode: unsupported operands or tiles (x {x.shape} {x.dtype}, w {w.shape} {w.dtype}, "
                          f"block_k={block_k} block_n={block_n} k_split={k_split})")
-    (m, k), (nl, _, n) = x.shape, w.shape
-    out_dtype = jnp.result_type(x.dtype, w.dtype)
-    lid = jnp.asarray(layer, jnp.int32).reshape(1)
-    lid = jnp.clip(jnp.where(lid < 0, lid + nl, lid), 0, nl - 1)
-    bk, bn = min(block_k, k), min(block_n, n)
-    params = None
-    if not interpret:
-        from jax.experimental.pallas import triton as pltriton
-        params = pltriton.CompilerParams(num_warps=num_warps)
-    out_shape = (jax.ShapeDtypeStruct((m, n), out_dtype) if k_split == 1
-                 else jax.ShapeDtypeStruct((k_split, m, n), jnp.float32))
-    y = pl.pallas_call(
-        functools.partial(_kernel, bk=bk, bn=bn, split=k_split), out_shape=out_shape, grid=(n // bn, k_split),
-        interpret=interpret, compiler_params=params, name="dense_decode",
-    )(lid, x, w)
-    return y if k_split == 1 else jnp.sum(y, axis=0).astype(out_dtype)
+    (y,), _ = _call(x, (w,), layer, None, None, False, interpret, block_k, block_n, num_warps, k_split)
+    return y
 
 
 def dense_decode_reference(x: jax.Array, w: jax.Array, layer: jax.Array) -> jax.Array:
@@ -156,6 +228,55 @@ def dense_decode_reference(x: jax.Array, w: jax.Array, layer: jax.Array) -> jax.
     out = jnp.result_type(x.dtype, w.dtype)
     y = jnp.matmul(x.astype(jnp.float32), w[layer].astype(jnp.float32), precision=lax.Precision.HIGHEST)
     return y.astype(out)
+
+
+def _norm_shape_ok(norm_w, x, ws) -> bool:
+    k = x.shape[-1]
+    return tuple(norm_w.shape) in ((k,), (ws[0].shape[0], k)) if ws else False
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "write_x", "interpret", "block_k", "block_n", "num_warps",
+                                             "k_split"))
+def norm_dense_decode(x: jax.Array, norm_w: jax.Array, ws: tuple[jax.Array, ...], layer: jax.Array, *, eps: float,
+                      write_x: bool = False, interpret: bool = False, block_k: int = BLOCK_K, block_n: int = BLOCK_N,
+                      num_warps: int | None = None, k_split: int = 1) -> tuple[list[jax.Array], jax.Array | None]:
+    """RMSNorm of the rows, then their products with several stacked weights, in one launch:
+    ``[rms_norm(x) @ w[layer] for w in ws]``.
+
+    What a decoder layer of a decode step starts its attention block (the input norm, then wq, wk,
+    wv) and its MoE block (the norm, then the router) with: one kernel instead of a norm's reduce
+    and multiply, one launch per weight and one float32 sum per weight (H200 profile, 48 layers,
+    batch 1: each of those ~1-3 us kernels costs as much as 2-8 MB of weight reads). Each program
+    recomputes the rows' mean square (K elements per row) before its share of the product.
+
+    x: [M, K] float, 1 <= M <= 16; norm_w: [K], or [L, K] stacked over layers (read at ``layer`` in
+    the kernel: no per-layer slice copied out of a layer scan's xs first); ws: weights [L, K, N_i]
+    of one dtype, L and K;
+    layer: int32 []; eps: the norm's epsilon. The normalised rows are ``model.rms_norm``'s:
+    float32 x times rsqrt(mean(x^2) + eps), cast to x's dtype, times norm_w, in
+    ``jnp.result_type(norm_w, x)`` (the mean's float32 sum in another order, so one bf16 ulp at
+    most apart). Returns ([M, N_i] in ``jnp.result_type(x', w)`` per weight, the normalised rows
+    [M, K] when ``write_x`` (written by the programs of the first column block), else None).
+    Tiles as :func:`dense_decode` (block_n capped at the smallest N_i; k_split over K).
+
+    Raises:
+      ValueError: operands or tiles that :func:`supported_all` rejects, or norm_w neither [K] nor [L, K].
+    """
+    ws = tuple(ws)
+    if not supported_all(x, ws, block_k, block_n, k_split) or not _norm_shape_ok(norm_w, x, ws):
+        raise ValueError(f"norm_dense_decode: unsupported operands or tiles (x {x.shape} {x.dtype}, norm_w "
+                         f"{norm_w.shape}, ws {[(w.shape, str(w.dtype)) for w in ws]}, block_k={block_k} "
+                         f"block_n={block_n} k_split={k_split})")
+    return _call(x, ws, layer, norm_w, eps, write_x, interpret, block_k, block_n, num_warps, k_split)
+
+
+def norm_dense_decode_reference(x: jax.Array, norm_w: jax.Array, ws, layer: jax.Array,
+                                eps: float) -> tuple[list[jax.Array], jax.Array]:
+    """The jnp reference of :func:`norm_dense_decode`: ``model.rms_norm``'s arithmetic, then
+    :func:`dense_decode_reference` per weight. Returns (the products, the normalised rows)."""
+    x32 = x.astype(jnp.float32)
+    xn = norm_w * (x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    return [dense_decode_reference(xn, w, layer) for w in ws], xn
 
 
 TILES_ENV = "FTJAX_DENSE_DECODE_TILES"
@@ -192,27 +313,44 @@ def auto_k_split(k: int, n: int, block_k: int, block_n: int) -> int:
     return split
 
 
-def plan(x: jax.Array, w: jax.Array) -> tuple[str, dict]:
-    """(mode, tiles) of a model call of ``x @ w[layer]`` with x [..., K] and w [L, K, N]: mode
-    "gpu" / "interpret" when ``FTJAX_KERNELS`` selects the kernel for these operands (at most
-    :data:`MAX_ROWS` rows; ``select.mode``, off under ``auto``: :data:`AUTO`), else "xla".
+def supported_all(x: jax.Array, ws, block_k: int = BLOCK_K, block_n: int = BLOCK_N, k_split: int = 1) -> bool:
+    """:func:`supported` for one launch over several weights ``ws`` (each [L, K, N_i], one L, K and
+    dtype), with the column tile ``min(block_n, min N_i)`` shared by all of them."""
+    ws = tuple(ws)
+    if not ws or any(getattr(w, "ndim", 0) != 3 for w in ws):
+        return False
+    if len({(w.shape[0], w.shape[1], jnp.dtype(w.dtype)) for w in ws}) != 1:
+        return False
+    bn = min(block_n, *(w.shape[2] for w in ws))
+    return all(supported(x, w, block_k, bn, k_split) for w in ws)
+
+
+def plan(x: jax.Array, w, name: str = "dense_decode", auto: bool | None = None) -> tuple[str, dict]:
+    """(mode, tiles) of a model call of ``x @ w[layer]`` with x [..., K] and w [L, K, N] (or a tuple
+    of such weights, one launch for all: :func:`norm_dense_decode`): mode "gpu" / "interpret" when
+    ``FTJAX_KERNELS`` selects kernel ``name`` for these operands (at most :data:`MAX_ROWS` rows;
+    ``select.mode``; under ``auto`` only where ``auto`` says, default :func:`auto_for` the weights' dtype),
+    else "xla".
+    The default k_split is :func:`auto_k_split` of the weights' summed N.
 
     Raises:
       ValueError: a malformed ``FTJAX_DENSE_DECODE_TILES`` or ``FTJAX_KERNELS``; tiles set in the
         variable that do not fit operands the default tiles fit, while the kernel is selected.
     """
+    ws = tuple(w) if isinstance(w, (tuple, list)) else (w,)
+    auto = auto_for(ws[0].dtype) if auto is None else auto
     t = tiles()
     x2 = jax.ShapeDtypeStruct((math.prod(x.shape[:-1]), x.shape[-1]), x.dtype)
     if t["k_split"] == 0:
-        t["k_split"] = auto_k_split(x.shape[-1], w.shape[-1], t["block_k"], t["block_n"])
-    ok = supported(x2, w, t["block_k"], t["block_n"], t["k_split"])
-    if not ok and os.environ.get(TILES_ENV, "").strip() and supported(x2, w, BLOCK_K, BLOCK_N, 1) \
-            and select.mode("dense_decode", True, auto=AUTO) != "xla":
+        t["k_split"] = auto_k_split(x.shape[-1], sum(v.shape[-1] for v in ws), t["block_k"], t["block_n"])
+    ok = supported_all(x2, ws, t["block_k"], t["block_n"], t["k_split"])
+    if not ok and os.environ.get(TILES_ENV, "").strip() and supported_all(x2, ws, BLOCK_K, BLOCK_N, 1) \
+            and select.mode(name, True, auto=auto) != "xla":
         # a tile sweep must not time XLA's GEMMs under the kernel's name
         raise ValueError(f"{TILES_ENV}={os.environ[TILES_ENV]!r}: tiles {t} do not fit x {x2.shape} @ w "
-                         f"{tuple(w.shape)} (K must be a multiple of min(block_k, K) * k_split, N of "
-                         "min(block_n, N))")
-    return select.mode("dense_decode", ok, auto=AUTO), t
+                         f"{[tuple(v.shape) for v in ws]} (K must be a multiple of min(block_k, K) * k_split, "
+                         "each N of min(block_n, N))")
+    return select.mode(name, ok, auto=auto), t
 
 
 def maybe(x: jax.Array, w: jax.Array, layer: jax.Array) -> jax.Array | None:
@@ -224,3 +362,19 @@ def maybe(x: jax.Array, w: jax.Array, layer: jax.Array) -> jax.Array | None:
     rows = x.reshape(-1, x.shape[-1])
     y = dense_decode(rows, w, layer, interpret=how == "interpret", **t)
     return y.reshape(*x.shape[:-1], w.shape[-1])
+
+
+def maybe_norm(x: jax.Array, norm_w: jax.Array, eps: float, ws, layer: jax.Array,
+               write_x: bool = False) -> tuple[list[jax.Array], jax.Array | None] | None:
+    """:func:`norm_dense_decode` of a model call when ``FTJAX_KERNELS`` selects ``norm_dense_decode``
+    for these operands (:func:`plan`; under ``auto``: :func:`auto_for`), else None (the caller
+    runs ``model.rms_norm`` and its projections). x: [..., K] with at most 16 rows; norm_w: [K] or [L, K];
+    ws: weights [L, K, N_i]; layer: int32 []. Returns ([..., N_i] per weight, the normalised rows
+    [..., K] when ``write_x``, else None)."""
+    how, t = plan(x, tuple(ws), "norm_dense_decode")
+    if how == "xla" or not _norm_shape_ok(norm_w, x, tuple(ws)):
+        return None
+    lead = x.shape[:-1]
+    ys, xn = norm_dense_decode(x.reshape(-1, x.shape[-1]), norm_w, tuple(ws), layer, eps=float(eps), write_x=write_x,
+                               interpret=how == "interpret", **t)
+    return [y.reshape(*lead, y.shape[-1]) for y in ys], (None if xn is None else xn.reshape(x.shape))

@@ -19,8 +19,10 @@ With ``d_split > 1`` the gate/up stage also splits the D input rows over that ma
 (grid (P, F / block_f, d_split)) and writes their float32 partial sums of gate and up; outside
 the kernel they are added up in float32 and then gated (``_silu_mul``, the same roundings to the
 input dtype as with one part), in every format including int4, so a split changes only the
-float32 summation order. At batch 1 there are only 8 pairs, and more programs keep more loads in
-flight. The model's calls take their tiles from
+float32 summation order. (Summing and gating them in the down stage's programs instead, as they
+read h, saves that one small XLA kernel per layer but made the down stage 1.8x slower on the
+H200: 25.3 against 13.7 us per layer, session 11.) At batch 1 there are only 8 pairs, and more
+programs keep more loads in flight. The model's calls take their tiles from
 ``FTJAX_MOE_DECODE_TILES="block_d,block_f,num_warps,d_split[,down_cols,down_rows]"`` (trace
 time; :func:`tiles`), else the module defaults, whose d_split gives the gate/up stage at least
 256 programs (:func:`auto_d_split`: 4 at batch 1 of qwen3-30b-a3b, 1 from batch 4; for int4 too);
@@ -112,7 +114,7 @@ def _gate_up_kernel(slots_ref, x_ref, gu_ref, *rest, k, f, bd, bf, fmt, split):
     s_ref = rest[0] if fmt != "dense" else None
     outs = rest[1:] if fmt != "dense" else rest
     p, j, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    slot = slots_ref[p]
+    slot = select.wrap_clamp(slots_ref[p], gu_ref.shape[0])
     n = p // k
     f0 = j * bf
     d_steps = x_ref.shape[1] // (bd * split)
@@ -145,7 +147,7 @@ def _gate_up_kernel(slots_ref, x_ref, gu_ref, *rest, k, f, bd, bf, fmt, split):
 def _down_kernel(slots_ref, h_ref, dn_ref, *rest, bd, bf, fmt):
     s_ref, y_ref = (rest[0], rest[1]) if fmt != "dense" else (None, rest[0])
     p, j = pl.program_id(0), pl.program_id(1)
-    slot = slots_ref[p]
+    slot = select.wrap_clamp(slots_ref[p], dn_ref.shape[0])
     d0 = j * bd
     f_steps = h_ref.shape[1] // bf
 
@@ -181,7 +183,7 @@ def _gate_up_kernel_int4(slots_ref, x_ref, gu_ref, s_ref, *outs, k, f, bd, bf, s
     column pairs split the same way); split > 1: float32 partial sums of gate and up, each
     [split, P, 2, F/2] (even columns, then odd), added up and gated outside."""
     p, j, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    slot = slots_ref[p]
+    slot = select.wrap_clamp(slots_ref[p], gu_ref.shape[0])
     n = p // k
     half = bf // 2
     c0 = j * half  # first column pair of the tile
@@ -224,7 +226,7 @@ def _down_kernel_int4(slots_ref, h_ref, dn_ref, s_ref, y_ref, *, bd, bf):
     kernel, the loop runs over 64-row scale groups of F and scales each group's unscaled sum of its
     ``64 / bf`` row steps once."""
     p, j = pl.program_id(0), pl.program_id(1)
-    slot = slots_ref[p]
+    slot = select.wrap_clamp(slots_ref[p], dn_ref.shape[0])
     half = bd // 2
     c0 = j * half
     grp_rows = quant.INT4_GROUP
@@ -284,10 +286,8 @@ def moe_decode_pairs(x: jax.Array, slots: jax.Array, gate_up: jax.Array, down: j
                          f"down_cols={down_cols} down_rows={down_rows})")
     n, k = slots.shape
     d, f = x.shape[1], down.shape[1]
-    s_pool = gate_up.shape[0]
     pairs = n * k
-    flat = slots.reshape(-1).astype(jnp.int32)
-    flat = jnp.clip(jnp.where(flat < 0, flat + s_pool, flat), 0, s_pool - 1)
+    flat = slots.reshape(-1).astype(jnp.int32)  # wrapped and clamped to the pool inside the kernels
     sg, sd = scales if scales is not None else (None, None)
     extra_g = () if fmt == "dense" else (sg.astype(jnp.float32),)
     extra_d = () if fmt == "dense" else (sd.astype(jnp.float32),)

@@ -44,8 +44,9 @@ import jax
 #: The kernel-backed ops: fused MoE decode (:mod:`ftjax.kernels.moe_decode`), decode attention
 #: over the filled length (:mod:`ftjax.kernels.decode_attention`), flash attention for prefill
 #: (:mod:`ftjax.kernels.flash_prefill`), the decode step's dense projections read from the weights
-#: stacked over layers (:mod:`ftjax.kernels.dense_decode`).
-KERNELS = ("moe_decode", "decode_attention", "flash_prefill", "dense_decode")
+#: stacked over layers (:mod:`ftjax.kernels.dense_decode`), and the same kernel with the RMSNorm before
+#: them in one launch (``norm_dense_decode``, in that module; needs ``dense_decode`` selected too).
+KERNELS = ("moe_decode", "decode_attention", "flash_prefill", "dense_decode", "norm_dense_decode")
 ENV = "FTJAX_KERNELS"
 
 
@@ -105,4 +106,12 @@ def tile_ints(env: str, counts: tuple[int, ...], expected: str) -> list[int] | N
     except ValueError:
         raise ValueError(f"{env}={v!r}: expected {expected}") from None
     return vals
+
+
+def wrap_clamp(i: jax.Array, n: int) -> jax.Array:
+    """An index as a jnp gather reads it: negative ids wrap once (``i + n``), then out-of-range
+    ids clamp to ``[0, n)``. The decode kernels apply it to the int32 scalar they read from a ref
+    (a layer or slot id) instead of to the array before the call: done outside, it was one more
+    tiny XLA kernel per layer of a decode step (H200 trace, ~1.5 us each plus the launch gap)."""
+    return jax.numpy.clip(jax.numpy.where(i < 0, i + n, i), 0, n - 1)
 

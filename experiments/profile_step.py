@@ -213,7 +213,9 @@ def decode_run(model, mode: str, batch: int, slots: int | None, trace_dir: str) 
     exe = eng._executable(eng._args(np.zeros((batch, 1), np.int32), state["pos"], ones, state["cache"]), opts)
     if FLAGS.hlo_dir:  # what XLA made of the step: the copies it inserted (e.g. weight slices) show here
         os.makedirs(FLAGS.hlo_dir, exist_ok=True)
-        with open(os.path.join(FLAGS.hlo_dir, f"{mode}_decode_b{batch}.hlo.txt"), "w") as f:
+        kernels = os.environ.get(select.ENV, "") if FLAGS.kernels else ""  # one file per kernel set under --kernels
+        tag = f"_{kernels.replace(',', '+')}" if kernels else ""
+        with open(os.path.join(FLAGS.hlo_dir, f"{mode}_decode_b{batch}{tag}.hlo.txt"), "w") as f:
             f.write(exe.as_text())
     for _ in range(FLAGS.warm_steps):
         advance(step())

@@ -401,8 +401,11 @@ def targets(rows: list[dict], bp_gbps: float) -> dict:
         if cached is None:
             continue
         res = r["step_s"]["median"]
-        timed = cached.get("timed_steps")
-        if timed:  # each timed step against its own misses: the routing, and so the misses, vary by step
+        timed = cached.get("timed_steps") or {}
+        if timed.get("s"):  # each timed step against its own misses: the routing, and so the misses, vary by step
+            if len(timed["s"]) != len(timed.get("h2d_bytes", ())):
+                raise ValueError(f"cached_decode b{batch}: {len(timed['s'])} timed steps but "
+                                 f"{len(timed.get('h2d_bytes', ()))} H2D byte counts")
             ratios = [t / (res + b / (bp_gbps * 1e9)) for t, b in zip(timed["s"], timed["h2d_bytes"])]
             out[f"cached_b{batch}_over_resident_plus_misses"] = float(np.median(ratios))
             out[f"cached_b{batch}_over_resident_plus_misses_p10_p90"] = [float(np.percentile(ratios, 10)),

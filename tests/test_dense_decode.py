@@ -353,3 +353,16 @@ def test_norm_dense_decode_lowers_for_cuda():
             x, g, tuple(w), l, eps=1e-6, write_x=wx, k_split=s), sd((1, 2048), bf), sd(g, bf),
             sd((), jnp.int32), *[sd((48, *s), bf) for s in shapes])
         assert txt.count("__gpu$xla.gpu.triton") == 1
+
+
+def test_norm_reference_reads_a_stacked_norm_at_the_layer():
+    """``norm_dense_decode_reference`` with the norm weight stacked [L, K] uses row ``layer``, as
+    the kernel does (M == L must not broadcast one layer's norm per row)."""
+    x, g, ws = _norm_operands(3, 128, (64,), jnp.float32)
+    stacked = jnp.stack([g * 0.5, g, g * 3.0])
+    (want,), want_x = dd.norm_dense_decode_reference(x, g * 3.0, ws, 2, 1e-6)
+    (got,), got_x = dd.norm_dense_decode_reference(x, stacked, ws, 2, 1e-6)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(got_x), np.asarray(want_x))
+    (y,), _ = dd.norm_dense_decode(x, stacked, ws, jnp.int32(2), eps=1e-6, interpret=True, block_k=32)
+    _check(y, want)

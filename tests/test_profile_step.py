@@ -181,3 +181,19 @@ def test_targets_per_timed_step_misses():
     assert got["cached_b1_over_resident_plus_misses"] == pytest.approx(want[1])
     assert got["cached_b1_over_resident_plus_misses_p10_p90"][0] == pytest.approx(want[0] + 0.2 * (want[1] - want[0]))
     assert got["cached_b1_over_resident_plus_misses"] < 1.2  # against the traced steps' 1 MB it would be 4.4
+
+
+def test_targets_timed_steps_edge_cases():
+    """No timed steps: the traced steps' misses (as rows written before ``timed_steps``); unequal
+    lists of step times and H2D bytes: a clear error, not a silently shorter median."""
+    from experiments.timeline import targets
+
+    res = {"run": "resident_decode", "batch": 1, "variant": "decode", "profile": {}, "step_s": {"median": 7e-3},
+           "ratio_to_floor": 3.0, "bytes": {"h2d_link": 0}}
+    cached = {"run": "cached_decode", "batch": 1, "variant": "decode", "profile": {}, "step_s": {"median": 9e-3},
+              "bytes": {"h2d_link": 1e8}, "timed_steps": {"s": [], "h2d_bytes": []}}
+    got = targets([res, cached], bp_gbps=50.0)
+    assert got["cached_b1_over_resident_plus_misses"] == pytest.approx(9e-3 / (7e-3 + 1e8 / 50e9))
+    cached["timed_steps"] = {"s": [9e-3, 9e-3], "h2d_bytes": [0]}
+    with pytest.raises(ValueError, match="2 timed steps but 1 H2D byte counts"):
+        targets([res, cached], bp_gbps=50.0)

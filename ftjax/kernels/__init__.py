@@ -8,7 +8,11 @@
   (reference: ``ftjax.model.attention``, T = 1).
 * ``flash_prefill``: causal GQA flash attention with per-row start offsets, or jax's Mosaic GPU
   attention for calls starting at 0 (reference: ``ftjax.model.attention``).
+* ``dense_decode``: the decode step's dense projections (wq, wk, wv, wo, router) as a GEMV that
+  reads the weights stacked over layers in place; ``norm_dense_decode`` in the same module: the
+  RMSNorm and several of those projections in one launch (reference: ``model.rms_norm`` then
+  ``x @ w[layer]``).
 
-The last three are chosen at trace time by ``FTJAX_KERNELS`` (``select``): kernels on GPUs by
-default, the jnp references on the CPU.
+All but ``grouped_matmul`` are chosen at trace time by ``FTJAX_KERNELS`` (``select``): kernels on
+GPUs by default (the dense ones for 16-bit weights), the jnp references on the CPU.
 """

@@ -273,7 +273,10 @@ def norm_dense_decode(x: jax.Array, norm_w: jax.Array, ws: tuple[jax.Array, ...]
 def norm_dense_decode_reference(x: jax.Array, norm_w: jax.Array, ws, layer: jax.Array,
                                 eps: float) -> tuple[list[jax.Array], jax.Array]:
     """The jnp reference of :func:`norm_dense_decode`: ``model.rms_norm``'s arithmetic, then
-    :func:`dense_decode_reference` per weight. Returns (the products, the normalised rows)."""
+    :func:`dense_decode_reference` per weight; a stacked norm weight [L, K] is read at ``layer``.
+    Returns (the products, the normalised rows)."""
+    if norm_w.ndim == 2:
+        norm_w = norm_w[layer]
     x32 = x.astype(jnp.float32)
     xn = norm_w * (x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
     return [dense_decode_reference(xn, w, layer) for w in ws], xn

@@ -45,7 +45,8 @@ import jax
 #: over the filled length (:mod:`ftjax.kernels.decode_attention`), flash attention for prefill
 #: (:mod:`ftjax.kernels.flash_prefill`), the decode step's dense projections read from the weights
 #: stacked over layers (:mod:`ftjax.kernels.dense_decode`), and the same kernel with the RMSNorm before
-#: them in one launch (``norm_dense_decode``, in that module; needs ``dense_decode`` selected too).
+#: them in one launch (``norm_dense_decode``, in that module: the input norm + wq/wk/wv, the MoE norm +
+#: router; selected alone, the other projections take the sliced weights).
 KERNELS = ("moe_decode", "decode_attention", "flash_prefill", "dense_decode", "norm_dense_decode")
 ENV = "FTJAX_KERNELS"
 

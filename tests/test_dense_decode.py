@@ -216,6 +216,19 @@ def _tiny_generate(monkeypatch, kernels, mode="resident", slots=None):
     return eng.generate([list(range(1, 20))], max_new_tokens=5, keep_logits=True)
 
 
+def _assert_like_default(monkeypatch, kernels, ref, got):
+    """``got`` (a greedy decode under ``kernels``) against ``ref`` (the default path): same ids, the
+    prefill bit-identical (no kernel runs there), decode logits within float32 tolerance; and the
+    cached mode under ``kernels`` bit-identical to ``got``."""
+    assert got.generated_ids == ref.generated_ids
+    np.testing.assert_array_equal(got.step_logits[0], ref.step_logits[0])  # the prefill
+    np.testing.assert_allclose(got.step_logits, ref.step_logits, rtol=1e-5,
+                               atol=1e-5 * float(np.abs(ref.step_logits).max()))
+    cached = _tiny_generate(monkeypatch, kernels, "cached", 16)
+    assert cached.generated_ids == ref.generated_ids
+    np.testing.assert_array_equal(cached.step_logits, got.step_logits)
+
+
 def test_greedy_decode_with_the_kernel_matches_the_default_path(monkeypatch):
     """A tiny model's greedy decode with ``FTJAX_KERNELS=dense_decode`` (interpreted on the CPU):
     the decode steps' five dense projections per layer run in the kernel, reading the stacked
@@ -230,13 +243,7 @@ def test_greedy_decode_with_the_kernel_matches_the_default_path(monkeypatch):
         shapes = {w for _, w, _ in calls}
         assert shapes == {(3, 128, 128), (3, 128, 64), (3, 128, 16)}  # wq and wo, wk and wv, router
         assert len(calls) % 5 == 0 and all(x == (1, 128) for x, _, _ in calls)
-        assert got.generated_ids == ref.generated_ids
-        np.testing.assert_array_equal(got.step_logits[0], ref.step_logits[0])  # the prefill
-        np.testing.assert_allclose(got.step_logits, ref.step_logits, rtol=1e-5,
-                                   atol=1e-5 * float(np.abs(ref.step_logits).max()))
-        cached = _tiny_generate(monkeypatch, "dense_decode", "cached", 16)
-        assert cached.generated_ids == ref.generated_ids
-        np.testing.assert_array_equal(cached.step_logits, got.step_logits)
+        _assert_like_default(monkeypatch, "dense_decode", ref, got)
     finally:
         engine_lib._COMPILED.clear()
         jax.clear_caches()
@@ -330,13 +337,7 @@ def test_greedy_decode_with_the_norm_kernel_matches_the_default_path(monkeypatch
     try:
         assert set(calls) == {((1, 128), (3, 128), ((3, 128, 128), (3, 128, 64), (3, 128, 64)), False),
                               ((1, 128), (3, 128), ((3, 128, 16),), True)}  # the norms read stacked, in place
-        assert got.generated_ids == ref.generated_ids
-        np.testing.assert_array_equal(got.step_logits[0], ref.step_logits[0])  # the prefill
-        np.testing.assert_allclose(got.step_logits, ref.step_logits, rtol=1e-5,
-                                   atol=1e-5 * float(np.abs(ref.step_logits).max()))
-        cached = _tiny_generate(monkeypatch, "dense_decode,norm_dense_decode", "cached", 16)
-        assert cached.generated_ids == ref.generated_ids
-        np.testing.assert_array_equal(cached.step_logits, got.step_logits)
+        _assert_like_default(monkeypatch, "dense_decode,norm_dense_decode", ref, got)
     finally:
         engine_lib._COMPILED.clear()
         jax.clear_caches()

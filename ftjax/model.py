@@ -494,11 +494,12 @@ def stacked_dense(layers: Params, token_shape: tuple[int, ...]) -> dict[str, jax
     b, t = token_shape
     wq = layers.get("wq")
     auto = wq is not None and dense_decode.auto_for(wq.dtype)
-    if t != 1 or b > dense_decode.MAX_ROWS or (select.mode("dense_decode", auto=auto) == "xla" and
-                                               select.mode("norm_dense_decode", auto=auto) == "xla"):
+    dense_on = select.mode("dense_decode", auto=auto) != "xla"
+    norm_on = select.mode("norm_dense_decode", auto=auto) != "xla"
+    if t != 1 or b > dense_decode.MAX_ROWS or not (dense_on or norm_on):
         return {}
     out = {k: layers[k] for k in STACKED_NAMES if k in layers and getattr(layers[k], "ndim", 0) == 3}
-    if select.mode("norm_dense_decode", auto=auto) != "xla":
+    if norm_on:
         out.update({k: layers[k] for k in STACKED_NORMS if k in layers and getattr(layers[k], "ndim", 0) == 2})
     return out
 

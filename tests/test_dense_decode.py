@@ -202,6 +202,17 @@ def test_stacked_dense_only_for_decode_calls(monkeypatch):
     assert model_lib.stacked_dense(layers, (1, 1)) == {}
 
 
+@pytest.fixture
+def fresh_programs():
+    """Drops the engine's compiled programs and jax's traces after the test: they keep the kernel
+    choice made at trace time."""
+    from ftjax import engine as engine_lib
+
+    yield
+    engine_lib._COMPILED.clear()
+    jax.clear_caches()
+
+
 def _tiny_generate(monkeypatch, kernels, mode="resident", slots=None):
     from ftjax import engine as engine_lib
     from ftjax.checkpoint import random_model
@@ -229,24 +240,18 @@ def _assert_like_default(monkeypatch, kernels, ref, got):
     np.testing.assert_array_equal(cached.step_logits, got.step_logits)
 
 
-def test_greedy_decode_with_the_kernel_matches_the_default_path(monkeypatch):
+def test_greedy_decode_with_the_kernel_matches_the_default_path(monkeypatch, fresh_programs):
     """A tiny model's greedy decode with ``FTJAX_KERNELS=dense_decode`` (interpreted on the CPU):
     the decode steps' five dense projections per layer run in the kernel, reading the stacked
     weights (the prefill keeps the sliced ones, so its logits are bit-identical); same ids, logits
     within float32 tolerance of the default path. The expert cache mode too."""
-    from ftjax import engine as engine_lib
-
     ref = _tiny_generate(monkeypatch, "xla")
     calls = _spy(monkeypatch)
     got = _tiny_generate(monkeypatch, "dense_decode")
-    try:
-        shapes = {w for _, w, _ in calls}
-        assert shapes == {(3, 128, 128), (3, 128, 64), (3, 128, 16)}  # wq and wo, wk and wv, router
-        assert len(calls) % 5 == 0 and all(x == (1, 128) for x, _, _ in calls)
-        _assert_like_default(monkeypatch, "dense_decode", ref, got)
-    finally:
-        engine_lib._COMPILED.clear()
-        jax.clear_caches()
+    shapes = {w for _, w, _ in calls}
+    assert shapes == {(3, 128, 128), (3, 128, 64), (3, 128, 16)}  # wq and wo, wk and wv, router
+    assert len(calls) % 5 == 0 and all(x == (1, 128) for x, _, _ in calls)
+    _assert_like_default(monkeypatch, "dense_decode", ref, got)
 
 
 def test_dense_decode_lowers_for_cuda():
@@ -317,13 +322,11 @@ def test_norm_dense_decode_errors():
     assert dd.supported_all(x, ws, block_n=128)  # the column tile is capped at the narrowest weight (32)
 
 
-def test_greedy_decode_with_the_norm_kernel_matches_the_default_path(monkeypatch):
+def test_greedy_decode_with_the_norm_kernel_matches_the_default_path(monkeypatch, fresh_programs):
     """``FTJAX_KERNELS=dense_decode,norm_dense_decode`` (interpreted on the CPU): each decode layer
     runs its attention input norm + wq/wk/wv and its MoE norm + router as two launches of the fused
     kernel; same ids and logits within float32 tolerance of the default path; cached mode with
     the kernel bit-identical to resident with it."""
-    from ftjax import engine as engine_lib
-
     ref = _tiny_generate(monkeypatch, "xla")
     calls = []
     real = dd.norm_dense_decode
@@ -334,13 +337,9 @@ def test_greedy_decode_with_the_norm_kernel_matches_the_default_path(monkeypatch
 
     monkeypatch.setattr(dd, "norm_dense_decode", spy)
     got = _tiny_generate(monkeypatch, "dense_decode,norm_dense_decode")
-    try:
-        assert set(calls) == {((1, 128), (3, 128), ((3, 128, 128), (3, 128, 64), (3, 128, 64)), False),
-                              ((1, 128), (3, 128), ((3, 128, 16),), True)}  # the norms read stacked, in place
-        _assert_like_default(monkeypatch, "dense_decode,norm_dense_decode", ref, got)
-    finally:
-        engine_lib._COMPILED.clear()
-        jax.clear_caches()
+    assert set(calls) == {((1, 128), (3, 128), ((3, 128, 128), (3, 128, 64), (3, 128, 64)), False),
+                          ((1, 128), (3, 128), ((3, 128, 16),), True)}  # the norms read stacked, in place
+    _assert_like_default(monkeypatch, "dense_decode,norm_dense_decode", ref, got)
 
 
 def test_norm_dense_decode_lowers_for_cuda():

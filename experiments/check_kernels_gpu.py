@@ -5,7 +5,7 @@ kernel vs XLA time, and the resident decode step / prefill with the kernels on a
   PYTHONPATH=. python experiments/check_kernels_gpu.py --sections=moe --moe_slots=280 --out_dir=/tmp/k
   PYTHONPATH=. python experiments/check_kernels_gpu.py --smoke --out_dir=/tmp/k   # CPU: tiny shapes, interpreted
 
-Sections (--sections; by default in the order moe, decode_attention, flash_prefill, e2e,
+Sections (--sections; by default in the order moe, decode_attention, rope_cache, flash_prefill, e2e,
 e2e_prefill; each check in its own try/except, the JSON rewritten after every check, so a
 failure or a timeout keeps what ran before it):
 
@@ -21,6 +21,8 @@ failure or a timeout keeps what ran before it):
         --moe_formats=int4,int8 --time_budget_s=120
 * ``decode_attention``: ``ftjax.kernels.decode_attention`` vs ``model.attention`` (T=1) on a
   4-layer stacked cache, 32/4 heads, hd 128, S_max 1024 and 8192, 600 filled, batch 1 and 4.
+* ``rope_cache``: ``ftjax.kernels.rope_cache`` (the decode attention's prologue: q/k norms, RoPE, K/V
+  written into the cache) vs the model's jnp path; 48 layers, S_max 4096, batch 1 and 4.
 * ``flash_prefill``: ``flash_prefill.flash_attention`` (Triton backend) and the shipped Mosaic GPU
   kernel (``mgpu_attention``) vs ``model.attention``: T=8192 from position 0 in an 8192 row, and
   (Triton kernel only) T=1024 from position 4096.
@@ -61,7 +63,8 @@ from experiments import common  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
-flags.DEFINE_list("sections", ["moe", "decode_attention", "flash_prefill", "e2e", "e2e_prefill"], "What to run.")
+flags.DEFINE_list("sections", ["moe", "decode_attention", "rope_cache", "flash_prefill", "e2e", "e2e_prefill"],
+                  "What to run.")
 flags.DEFINE_list("moe_slots", ["280", "6144"], "Pool sizes for the MoE kernel.")
 flags.DEFINE_list("moe_formats", ["dense", "int8", "fp8", "int4"], "Pool formats for the MoE kernel.")
 flags.DEFINE_list("moe_tiles", [], "MoE kernel tiles to time in every format instead of the built-in lists: "
@@ -311,6 +314,43 @@ def section_decode_attention():
             gc.collect()
 
 
+def section_rope_cache():
+    """``ftjax.kernels.rope_cache`` compiled vs the model's jnp path (the parts' sum, ``model._qk``, the
+    cache scatter) at qwen3-30b-a3b's decode shapes: 48 layers, K split 8, S_max 4096."""
+    import types
+
+    from ftjax import model as model_lib
+    from ftjax.kernels import rope_cache as rc
+    L, layer, s_max, parts, bf = (48, 7, 4096, 8, jnp.bfloat16) if not INTERPRET else (4, 3, 128, 2, jnp.bfloat16)
+    cfg = types.SimpleNamespace(head_dim=HD, qk_norm="per_head", num_heads=HQ, num_kv_heads=HKV, rms_norm_eps=1e-6,
+                                rope_theta=1e6)
+    for batch in map(int, FLAGS.batches):
+        def row(batch=batch):
+            rng = np.random.default_rng(batch)
+            qkv = jnp.asarray(rng.standard_normal((parts, batch, (HQ + 2 * HKV) * HD)), jnp.float32)
+            qn, kn = (jnp.asarray(1 + 0.1 * rng.standard_normal((L, HD)), bf) for _ in range(2))
+            kc, vc = (jnp.asarray(rng.standard_normal((L, batch, s_max, HKV, HD)), bf) for _ in range(2))
+            pos = jnp.asarray(rng.integers(0, s_max, batch), jnp.int32)
+
+            def ref(qkv, kc, vc, pos):
+                y = jnp.sum(qkv, axis=0).astype(bf)[:, None]
+                q, k, v = jnp.split(y, [HQ * HD, (HQ + HKV) * HD], axis=-1)
+                q, k, v = model_lib._qk(cfg, {"q_norm": qn[layer], "k_norm": kn[layer]}, y, pos[:, None], [q, k, v])
+                rows = jnp.arange(batch)[:, None]
+                return (q.reshape(batch, HKV, HQ // HKV, HD), kc.at[layer, rows, pos[:, None]].set(k)[layer],
+                        vc.at[layer, rows, pos[:, None]].set(v)[layer])
+
+            want = jax.jit(ref)(qkv, kc, vc, pos)
+            got = jax.jit(lambda p, k, v, i: rc.rope_cache(p, qn, kn, k, v, layer, i, hq=HQ, hkv=HKV, eps=1e-6,
+                                                           theta=1e6, dtype=bf, interpret=INTERPRET))(qkv, kc, vc, pos)
+            got = (got[0][:, :, :HQ // HKV], got[1][layer], got[2][layer])
+            return {"max_abs_diff": max(maxdiff(a, b) for a, b in zip(got, want)),
+                    "max_abs_diff_q_k_v": [maxdiff(a, b) for a, b in zip(got, want)],
+                    "differing_elements": [int(jnp.sum(a != b)) for a, b in zip(got, want)],
+                    "max_abs": max(float(jnp.max(jnp.abs(b.astype(jnp.float32)))) for b in want)}
+        check("rope_cache", "kernel vs jnp path", row, batch=batch, s_max=s_max, parts=parts)
+
+
 def section_flash_prefill():
     from ftjax import model as model_lib
     from ftjax.kernels import flash_prefill as fp
@@ -505,8 +545,8 @@ def hbm_bandwidth() -> dict:
     return common.measure_hbm((256 << 20) if FLAGS.smoke else (2 << 30), FLAGS.repeats)
 
 
-SECTIONS = {"moe": section_moe, "decode_attention": section_decode_attention, "flash_prefill": section_flash_prefill,
-            "e2e": section_e2e, "e2e_prefill": section_e2e_prefill}
+SECTIONS = {"moe": section_moe, "decode_attention": section_decode_attention, "rope_cache": section_rope_cache,
+            "flash_prefill": section_flash_prefill, "e2e": section_e2e, "e2e_prefill": section_e2e_prefill}
 
 
 def _smoke():

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from ftjax.config import ModelConfig
-from ftjax.kernels import decode_attention, dense_decode, flash_prefill, select
+from ftjax.kernels import decode_attention, dense_decode, flash_prefill, rope_cache, select
 
 Params = dict[str, Any]
 
@@ -178,6 +178,9 @@ def cached_attention(q: jax.Array, ck: jax.Array, cv: jax.Array, layer: jax.Arra
     from any start position; its Mosaic GPU variant only for calls whose rows all start at 0).
     Otherwise, and as the reference, the blocked jnp :func:`attention` over the whole cache row.
     """
+    if isinstance(q, GroupedQuery):
+        return decode_attention.grouped(q.qg, ck, cv, layer, q_pos.reshape(-1), g=q.g, offset=1,
+                                        interpret=q.interpret)
     if q.shape[1] == 1:
         o = decode_attention.maybe(q, ck, cv, layer, q_pos)
         return attention(q, ck[layer], cv[layer], q_pos) if o is None else o
@@ -283,6 +286,14 @@ STACKED_NAMES = ("wq", "wk", "wv", "wo", "router")
 #: that kernel only, through :func:`norm_project`): a layer scan copies each layer's row of its xs
 #: out first (a ``memcpy`` kernel per norm and layer in the H200 trace of a decode step).
 STACKED_NORMS = ("attn_norm", "mlp_norm")
+#: The per-head q/k norm weights ([L, hd]) :func:`forward` passes stacked where ``rope_cache`` runs too
+#: (read in place by that kernel; :func:`attention_inputs`).
+STACKED_QK_NORMS = ("q_norm", "k_norm")
+
+
+def layer_weight(w: jax.Array | StackedWeight) -> jax.Array:
+    """The layer's own array of a weight that may be a :class:`StackedWeight` (sliced at its layer)."""
+    return w.w[w.layer] if isinstance(w, StackedWeight) else w
 
 
 def project(x: jax.Array, w: jax.Array | StackedWeight) -> jax.Array:
@@ -333,9 +344,7 @@ def norm_project(cfg: ModelConfig, h: jax.Array, norm_w: jax.Array, ws: tuple, w
         got = dense_decode.maybe_norm(h, g, cfg.rms_norm_eps, [w.w for w in ws], ws[0].layer, write_x)
         if got is not None:
             return got
-    if isinstance(norm_w, StackedWeight):
-        norm_w = norm_w.w[norm_w.layer]
-    x = rms_norm(h, norm_w, cfg.rms_norm_eps)
+    x = rms_norm(h, layer_weight(norm_w), cfg.rms_norm_eps)
     return [project(x, w) for w in ws], (x if write_x else None)
 
 
@@ -352,9 +361,71 @@ def _qk(cfg: ModelConfig, lp: Params, x: jax.Array, positions: jax.Array, qkv: l
     k = k.reshape(b, t, cfg.num_kv_heads, hd)
     v = v.reshape(b, t, cfg.num_kv_heads, hd)
     if cfg.qk_norm == "per_head":
-        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+        q = rms_norm(q, layer_weight(lp["q_norm"]), cfg.rms_norm_eps)
+        k = rms_norm(k, layer_weight(lp["k_norm"]), cfg.rms_norm_eps)
     return rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta), v
+
+
+class GroupedQuery(NamedTuple):
+    """A decode step's queries as ``ftjax.kernels.rope_cache`` lays them out for the decode
+    attention kernel: qg [B, Hkv, rows, hd] (row r < g of KV head h is query head h * g + r);
+    g: query heads per KV head; interpret: whether the kernels run in Pallas interpret mode."""
+
+    qg: jax.Array
+    g: int
+    interpret: bool
+
+
+def _rope_cache_inputs(cfg: ModelConfig, lp: Params, h: jax.Array, layer: jax.Array, ck: jax.Array, cv: jax.Array,
+                       positions: jax.Array):
+    """:func:`attention_inputs` through ``ftjax.kernels.rope_cache`` when ``FTJAX_KERNELS`` selects it
+    and ``decode_attention`` for a decode call whose projections read stacked weights; else None."""
+    ws = (lp["wq"], lp["wk"], lp["wv"])
+    b, t, _ = h.shape
+    if t != 1 or cfg.qk_norm not in ("per_head", "none") or not all(isinstance(w, StackedWeight) for w in ws):
+        return None
+    norm_w = getattr(lp["attn_norm"], "w", lp["attn_norm"])
+    dtype = jnp.result_type(norm_w.dtype, h.dtype, ws[0].w.dtype)  # the projections' (norm_dense_decode's)
+    norms = (lp["q_norm"], lp["k_norm"]) if cfg.qk_norm == "per_head" else (None, None)
+    q_dtype = jnp.result_type(getattr(norms[0], "w", norms[0]).dtype, dtype) if norms[0] is not None else dtype
+    parts_shape = jax.ShapeDtypeStruct((1, b, sum(w.w.shape[-1] for w in ws)), dtype)
+    ok = rope_cache.supported(parts_shape, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, ck, q_dtype) and \
+        select.dot_dtype_ok(q_dtype)
+    auto = dense_decode.auto_for(ws[0].w.dtype)
+    how = select.mode("rope_cache", ok, auto=auto)
+    if how == "xla" or select.mode("decode_attention", ok) == "xla":
+        return None
+    parts = dense_decode.maybe_norm(h, norm_w, cfg.rms_norm_eps, [w.w for w in ws], ws[0].layer, sum_parts=False)
+    if parts is not None:
+        qkv = parts[0][0]  # [k_split, B, N] float32 partials, or [1, B, N]
+    else:  # the norm kernel is not selected: the projections as the jnp path makes them, as one part
+        (q, k, v), _ = norm_project(cfg, h, lp["attn_norm"], ws)
+        qkv = jnp.concatenate([q, k, v], axis=-1).reshape(1, b, -1)
+    qn, kn = (getattr(n, "w", n) for n in norms) if norms[0] is not None else (None, None)
+    qg, ck, cv = rope_cache.rope_cache(qkv, qn, kn, ck, cv, layer,
+                                       positions.reshape(b), hq=cfg.num_heads, hkv=cfg.num_kv_heads,
+                                       eps=float(cfg.rms_norm_eps), theta=float(cfg.rope_theta), dtype=dtype,
+                                       interpret=how == "interpret")
+    return GroupedQuery(qg, cfg.num_heads // cfg.num_kv_heads, how == "interpret"), ck, cv
+
+
+def attention_inputs(cfg: ModelConfig, lp: Params, h: jax.Array, layer: jax.Array, ck: jax.Array, cv: jax.Array,
+                     inputs: LayerInputs):
+    """The layer's queries and the caches with this call's K/V written at its positions.
+
+    h: the residual stream [B, T, D]; ck, cv: [L, B, S_max, Hkv, hd]. Returns (q, ck, cv): q
+    [B, T, Hq, hd] (input norm, projections, q/k norms, RoPE: :func:`norm_project`, :func:`_qk`),
+    or, for a decode call where ``FTJAX_KERNELS`` selects ``rope_cache`` and ``decode_attention``,
+    a :class:`GroupedQuery` from one ``ftjax.kernels.rope_cache`` launch that also writes K/V
+    (same arithmetic; :func:`cached_attention` takes either)."""
+    got = _rope_cache_inputs(cfg, lp, h, layer, ck, cv, inputs.positions)
+    if got is not None:
+        return got
+    qkv, _ = norm_project(cfg, h, lp["attn_norm"], (lp["wq"], lp["wk"], lp["wv"]))
+    q, k, v = _qk(cfg, lp, h, inputs.positions, qkv)
+    ck = ck.at[layer, inputs.bidx, inputs.positions].set(k.astype(ck.dtype), mode="drop")
+    cv = cv.at[layer, inputs.bidx, inputs.positions].set(v.astype(cv.dtype), mode="drop")
+    return q, ck, cv
 
 
 class KVHook(Protocol):
@@ -436,10 +507,7 @@ def decoder_layer(cfg: ModelConfig, lp: Params, layer: jax.Array, carry: LayerCa
     with jax.named_scope("attention"):
         if kv_hook is not None:
             ck, cv, hc = kv_hook.before_attention(ck, cv, layer, hook_xs, hc)
-        qkv, _ = norm_project(cfg, h, lp["attn_norm"], (lp["wq"], lp["wk"], lp["wv"]))
-        q, k, v = _qk(cfg, lp, h, positions, qkv)
-        ck = ck.at[layer, inputs.bidx, positions].set(k.astype(ck.dtype), mode="drop")
-        cv = cv.at[layer, inputs.bidx, positions].set(v.astype(cv.dtype), mode="drop")
+        q, ck, cv = attention_inputs(cfg, lp, h, layer, ck, cv, inputs)
         if kv_hook is not None:
             hy = kv_hook.layer_output(ck, cv, layer, inputs.start)
         o = cached_attention(q, ck, cv, layer, positions)
@@ -483,12 +551,14 @@ def final_logits(params: Params, cfg: ModelConfig, h: jax.Array, valid_len: jax.
     return (h @ head).astype(jnp.float32)
 
 
-def stacked_dense(layers: Params, token_shape: tuple[int, ...]) -> dict[str, jax.Array]:
+def stacked_dense(layers: Params, token_shape: tuple[int, ...], qk_norm: str = "none") -> dict[str, jax.Array]:
     """The stacked dense weights (of :data:`STACKED_NAMES`, ``[L, K, N]`` each) that :func:`forward`
     keeps out of its layer scan's xs and passes as :class:`StackedWeight`: all of them for a decode
     call (tokens [B, T] with T == 1 and B <= 16) while ``FTJAX_KERNELS`` selects ``dense_decode`` or
     ``norm_dense_decode`` (``ftjax.kernels.select``; under ``auto``: on a GPU for 16-bit weights,
-    ``dense_decode.auto_for``), plus the norms of :data:`STACKED_NORMS` ([L, K]) with ``norm_dense_decode``; else
+    ``dense_decode.auto_for``), plus the norms of :data:`STACKED_NORMS` ([L, K]) with ``norm_dense_decode``
+    and the per-head q/k norms of :data:`STACKED_QK_NORMS` ([L, hd]; ``qk_norm``: the family's
+    ``ModelConfig.qk_norm``) with ``rope_cache``; else
     none (the plain scan, unchanged). Prefill chunks, even small ones, keep the sliced weights: the
     kernels are GEMVs of few rows."""
     b, t = token_shape
@@ -501,6 +571,8 @@ def stacked_dense(layers: Params, token_shape: tuple[int, ...]) -> dict[str, jax
     out = {k: layers[k] for k in STACKED_NAMES if k in layers and getattr(layers[k], "ndim", 0) == 3}
     if norm_on:
         out.update({k: layers[k] for k in STACKED_NORMS if k in layers and getattr(layers[k], "ndim", 0) == 2})
+    if qk_norm == "per_head" and select.mode("rope_cache", auto=auto) != "xla":
+        out.update({k: layers[k] for k in STACKED_QK_NORMS if k in layers and getattr(layers[k], "ndim", 0) == 2})
     return out
 
 
@@ -536,7 +608,7 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, start: jax.Arra
     layer_fn = LAYER_FNS[cfg.model_type]
     # decode steps with the dense decode kernel selected: the dense weights stay out of the scan's
     # xs (whose per-layer slices XLA copies before each GEMM) and reach the layer function whole
-    stacked = stacked_dense(params["layers"], tokens.shape)
+    stacked = stacked_dense(params["layers"], tokens.shape, cfg.qk_norm)
     layers_xs = {k: v for k, v in params["layers"].items() if k not in stacked}
 
     def body(carry, xs):

@@ -1,4 +1,5 @@
-"""Shared test fixtures: the transformers-made checkpoints under tests/fixtures/."""
+"""Shared test fixtures: the transformers-made checkpoints under tests/fixtures/, and a fresh
+program cache for tests that change the kernel selection."""
 
 from __future__ import annotations
 
@@ -55,3 +56,16 @@ def _fresh_compile_caches():
     load_fixture.cache_clear()
     jax.clear_caches()
     gc.collect()
+
+
+@pytest.fixture
+def fresh_programs():
+    """Drops the engine's compiled programs and jax's traces after the test: they keep the kernel
+    choice (``FTJAX_KERNELS``) made at trace time."""
+    import jax
+
+    from ftjax import engine as engine_lib
+
+    yield
+    engine_lib._COMPILED.clear()
+    jax.clear_caches()

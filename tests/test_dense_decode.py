@@ -202,17 +202,6 @@ def test_stacked_dense_only_for_decode_calls(monkeypatch):
     assert model_lib.stacked_dense(layers, (1, 1)) == {}
 
 
-@pytest.fixture
-def fresh_programs():
-    """Drops the engine's compiled programs and jax's traces after the test: they keep the kernel
-    choice made at trace time."""
-    from ftjax import engine as engine_lib
-
-    yield
-    engine_lib._COMPILED.clear()
-    jax.clear_caches()
-
-
 def _tiny_generate(monkeypatch, kernels, mode="resident", slots=None):
     from ftjax import engine as engine_lib
     from ftjax.checkpoint import random_model

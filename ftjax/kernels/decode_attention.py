@@ -80,7 +80,6 @@ def _kernel(len_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, bk,
     l_ref[b, h, s, :] = l
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "block_k", "n_split", "num_warps", "num_stages", "offset"))
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, lengths: jax.Array,
                      *, offset: int = 0, interpret: bool = False, block_k: int = BLOCK_K, n_split: int = N_SPLIT,
                      num_warps: int | None = None, num_stages: int | None = None) -> jax.Array:
@@ -97,11 +96,27 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer
     if k_cache.ndim == 4:
         k_cache, v_cache = k_cache[None], v_cache[None]
     b, _, hq, hd = q.shape
-    s_max, hkv = k_cache.shape[2], k_cache.shape[3]
+    hkv = k_cache.shape[3]
     g = hq // hkv
     rows = max(MIN_ROWS, pl.next_power_of_2(g))
-    bk = min(block_k, s_max)
     qg = jnp.pad(q.reshape(b, hkv, g, hd), ((0, 0), (0, 0), (0, rows - g), (0, 0)))
+    return grouped(qg, k_cache, v_cache, layer, lengths, g=g, offset=offset, interpret=interpret, block_k=block_k,
+                   n_split=n_split, num_warps=num_warps, num_stages=num_stages)
+
+
+@functools.partial(jax.jit, static_argnames=("g", "interpret", "block_k", "n_split", "num_warps", "num_stages",
+                                             "offset"))
+def grouped(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, lengths: jax.Array, *, g: int,
+            offset: int = 0, interpret: bool = False, block_k: int = BLOCK_K, n_split: int = N_SPLIT,
+            num_warps: int | None = None, num_stages: int | None = None) -> jax.Array:
+    """:func:`decode_attention` of queries already in the kernel's tile layout: qg [B, Hkv, rows, hd]
+    (row r < g of KV head h is query head h * g + r; rows a power of two >= 16, the pad rows any
+    value: their outputs are dropped), as ``ftjax.kernels.rope_cache`` writes them; k_cache,
+    v_cache [L, B, S_max, Hkv, hd]. Other arguments and the result [B, 1, Hkv * g, hd] as
+    :func:`decode_attention`."""
+    b, hkv, rows, hd = qg.shape
+    s_max = k_cache.shape[2]
+    bk = min(block_k, s_max)
     lengths = lengths.astype(jnp.int32)  # + offset, clipped to [1, S_max] inside the kernel
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     params = None
@@ -118,7 +133,7 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer
     # merge the splits by log-sum-exp: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s
     w = jnp.exp(m - jnp.max(m, axis=2, keepdims=True))
     out = jnp.sum(w[..., None] * o, axis=2) / jnp.sum(w * l, axis=2)[..., None]
-    return out[:, :, :g].reshape(b, 1, hq, hd).astype(q.dtype)
+    return out[:, :, :g].reshape(b, 1, hkv * g, hd).astype(qg.dtype)
 
 
 def maybe(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, q_pos: jax.Array) -> jax.Array | None:

@@ -165,9 +165,10 @@ def _kernel(layer_ref, x_ref, *refs, bk, bn, split, cols, eps, xn_dtype, write_x
             lax.fori_loop(0, k_steps, store, 0)
 
 
-def _call(x, ws, layer, norm_w, eps, write_x, interpret, block_k, block_n, num_warps, k_split):
+def _call(x, ws, layer, norm_w, eps, write_x, interpret, block_k, block_n, num_warps, k_split, sum_parts=True):
     """One kernel launch for ``[x' @ w[layer] for w in ws]`` (x' = x, or RMSNorm(x) when eps is set);
-    returns (the products, in ``jnp.result_type(x', w)``, the normalised rows or None)."""
+    returns (the products, in ``jnp.result_type(x', w)``, the normalised rows or None). sum_parts
+    False: the products are one array of the K-split parts instead (:func:`norm_dense_decode`)."""
     m, k = x.shape
     xn_dtype = x.dtype if eps is None else jnp.result_type(norm_w.dtype, x.dtype)
     out_dtype = jnp.result_type(xn_dtype, ws[0].dtype)
@@ -192,6 +193,8 @@ def _call(x, ws, layer, norm_w, eps, write_x, interpret, block_k, block_n, num_w
         out_shape=tuple(out_shape), grid=(b0, k_split), interpret=interpret, compiler_params=params,
         name="dense_decode" if eps is None else "norm_dense_decode",
     )(*operands)
+    if not sum_parts:
+        return [outs[0] if k_split > 1 else outs[0][None]], (outs[1] if write_x else None)
     y = outs[0] if k_split == 1 else jnp.sum(outs[0], axis=0).astype(out_dtype)
     ys, at = [], 0
     for w in ws:
@@ -236,10 +239,11 @@ def _norm_shape_ok(norm_w, x, ws) -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "write_x", "interpret", "block_k", "block_n", "num_warps",
-                                             "k_split"))
+                                             "k_split", "sum_parts"))
 def norm_dense_decode(x: jax.Array, norm_w: jax.Array, ws: tuple[jax.Array, ...], layer: jax.Array, *, eps: float,
                       write_x: bool = False, interpret: bool = False, block_k: int = BLOCK_K, block_n: int = BLOCK_N,
-                      num_warps: int | None = None, k_split: int = 1) -> tuple[list[jax.Array], jax.Array | None]:
+                      num_warps: int | None = None, k_split: int = 1,
+                      sum_parts: bool = True) -> tuple[list[jax.Array], jax.Array | None]:
     """RMSNorm of the rows, then their products with several stacked weights, in one launch:
     ``[rms_norm(x) @ w[layer] for w in ws]``.
 
@@ -258,6 +262,9 @@ def norm_dense_decode(x: jax.Array, norm_w: jax.Array, ws: tuple[jax.Array, ...]
     most apart). Returns ([M, N_i] in ``jnp.result_type(x', w)`` per weight, the normalised rows
     [M, K] when ``write_x`` (written by the programs of the first column block), else None).
     Tiles as :func:`dense_decode` (block_n capped at the smallest N_i; k_split over K).
+    sum_parts False: the products come back unsummed, as one array [k_split, M, sum N_i] of float32
+    partial sums (k_split > 1) or [1, M, sum N_i] in the products' dtype (the columns of ws in order),
+    for a consumer that adds them up itself (``ftjax.kernels.rope_cache``: one XLA kernel less).
 
     Raises:
       ValueError: operands or tiles that :func:`supported_all` rejects, or norm_w neither [K] nor [L, K].
@@ -267,7 +274,7 @@ def norm_dense_decode(x: jax.Array, norm_w: jax.Array, ws: tuple[jax.Array, ...]
         raise ValueError(f"norm_dense_decode: unsupported operands or tiles (x {x.shape} {x.dtype}, norm_w "
                          f"{norm_w.shape}, ws {[(w.shape, str(w.dtype)) for w in ws]}, block_k={block_k} "
                          f"block_n={block_n} k_split={k_split})")
-    return _call(x, ws, layer, norm_w, eps, write_x, interpret, block_k, block_n, num_warps, k_split)
+    return _call(x, ws, layer, norm_w, eps, write_x, interpret, block_k, block_n, num_warps, k_split, sum_parts)
 
 
 def norm_dense_decode_reference(x: jax.Array, norm_w: jax.Array, ws, layer: jax.Array,
@@ -367,17 +374,20 @@ def maybe(x: jax.Array, w: jax.Array, layer: jax.Array) -> jax.Array | None:
     return y.reshape(*x.shape[:-1], w.shape[-1])
 
 
-def maybe_norm(x: jax.Array, norm_w: jax.Array, eps: float, ws, layer: jax.Array,
-               write_x: bool = False) -> tuple[list[jax.Array], jax.Array | None] | None:
+def maybe_norm(x: jax.Array, norm_w: jax.Array, eps: float, ws, layer: jax.Array, write_x: bool = False,
+               sum_parts: bool = True) -> tuple[list[jax.Array], jax.Array | None] | None:
     """:func:`norm_dense_decode` of a model call when ``FTJAX_KERNELS`` selects ``norm_dense_decode``
     for these operands (:func:`plan`; under ``auto``: :func:`auto_for`), else None (the caller
     runs ``model.rms_norm`` and its projections). x: [..., K] with at most 16 rows; norm_w: [K] or [L, K];
     ws: weights [L, K, N_i]; layer: int32 []. Returns ([..., N_i] per weight, the normalised rows
-    [..., K] when ``write_x``, else None)."""
+    [..., K] when ``write_x``, else None); with ``sum_parts`` False the products are
+    :func:`norm_dense_decode`'s unsummed parts, [parts, rows, sum N_i] (rows = x's rows flattened)."""
     how, t = plan(x, tuple(ws), "norm_dense_decode")
     if how == "xla" or not _norm_shape_ok(norm_w, x, tuple(ws)):
         return None
     lead = x.shape[:-1]
     ys, xn = norm_dense_decode(x.reshape(-1, x.shape[-1]), norm_w, tuple(ws), layer, eps=float(eps), write_x=write_x,
-                               interpret=how == "interpret", **t)
+                               interpret=how == "interpret", sum_parts=sum_parts, **t)
+    if not sum_parts:
+        return ys, (None if xn is None else xn.reshape(x.shape))
     return [y.reshape(*lead, y.shape[-1]) for y in ys], (None if xn is None else xn.reshape(x.shape))

@@ -46,8 +46,9 @@ import jax
 #: (:mod:`ftjax.kernels.flash_prefill`), the decode step's dense projections read from the weights
 #: stacked over layers (:mod:`ftjax.kernels.dense_decode`), and the same kernel with the RMSNorm before
 #: them in one launch (``norm_dense_decode``, in that module: the input norm + wq/wk/wv, the MoE norm +
-#: router; selected alone, the other projections take the sliced weights).
-KERNELS = ("moe_decode", "decode_attention", "flash_prefill", "dense_decode", "norm_dense_decode")
+#: router; selected alone, the other projections take the sliced weights), and the decode attention's
+#: prologue (:mod:`ftjax.kernels.rope_cache`: q/k norms, RoPE, the K/V cache write; with ``decode_attention``).
+KERNELS = ("moe_decode", "decode_attention", "flash_prefill", "dense_decode", "norm_dense_decode", "rope_cache")
 ENV = "FTJAX_KERNELS"
 
 

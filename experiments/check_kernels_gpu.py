@@ -22,7 +22,9 @@ failure or a timeout keeps what ran before it):
 * ``decode_attention``: ``ftjax.kernels.decode_attention`` vs ``model.attention`` (T=1) on a
   4-layer stacked cache, 32/4 heads, hd 128, S_max 1024 and 8192, 600 filled, batch 1 and 4.
 * ``rope_cache``: ``ftjax.kernels.rope_cache`` (the decode attention's prologue: q/k norms, RoPE, K/V
-  written into the cache) vs the model's jnp path; 48 layers, S_max 4096, batch 1 and 4.
+  written into the cache) vs the model's jnp path; 48 layers, S_max 4096, batch 1 and 4; and its
+  epilogue ``dense_decode.merge_dense_decode`` (16 key splits merged in the wo product) vs
+  ``decode_attention.merge_splits`` then the reference product.
 * ``flash_prefill``: ``flash_prefill.flash_attention`` (Triton backend) and the shipped Mosaic GPU
   kernel (``mgpu_attention``) vs ``model.attention``: T=8192 from position 0 in an 8192 row, and
   (Triton kernel only) T=1024 from position 4096.
@@ -349,6 +351,25 @@ def section_rope_cache():
                     "differing_elements": [int(jnp.sum(a != b)) for a, b in zip(got, want)],
                     "max_abs": max(float(jnp.max(jnp.abs(b.astype(jnp.float32)))) for b in want)}
         check("rope_cache", "kernel vs jnp path", row, batch=batch, s_max=s_max, parts=parts)
+
+        def merge_row(batch=batch):  # the epilogue: the key splits' merge in the wo product's prologue
+            from ftjax.kernels import decode_attention as da
+            from ftjax.kernels import dense_decode as dd
+            rng = np.random.default_rng(batch + 7)
+            ns, rows, g = 16, 16, HQ // HKV
+            o = jnp.asarray(rng.standard_normal((batch, HKV, ns, rows, HD)), jnp.float32)
+            m = jnp.asarray(3 * rng.standard_normal((batch, HKV, ns, rows)), jnp.float32)
+            l = jnp.asarray(rng.uniform(0.5, 4.0, (batch, HKV, ns, rows)), jnp.float32)
+            w = jnp.asarray(rng.standard_normal((L, HQ * HD, 2048)) / np.sqrt(HQ * HD), bf)
+            want = jax.jit(lambda o, m, l, w: dd.dense_decode_reference(
+                da.merge_splits(o, m, l, g, bf).reshape(batch, -1), w, layer))(o, m, l, w)
+            got = jax.jit(lambda o, m, l, w: dd.merge_dense_decode(o, m, l, w, layer, g=g, dtype=bf,
+                                                                   k_split=2 if INTERPRET else 16,
+                                                                   block_k=min(64, HD),
+                                                                   interpret=INTERPRET))(o, m, l, w)
+            return {"max_abs_diff": maxdiff(got, want), "max_abs": float(jnp.max(jnp.abs(want.astype(jnp.float32)))),
+                    "differing_elements": int(jnp.sum(got != want))}
+        check("rope_cache", "merge_dense_decode vs merge then product", merge_row, batch=batch)
 
 
 def section_flash_prefill():

@@ -177,10 +177,13 @@ def cached_attention(q: jax.Array, ck: jax.Array, cv: jax.Array, layer: jax.Arra
     ``[0, q_pos + 1)`` of each row. Prefill: ``ftjax.kernels.flash_prefill`` (flash attention
     from any start position; its Mosaic GPU variant only for calls whose rows all start at 0).
     Otherwise, and as the reference, the blocked jnp :func:`attention` over the whole cache row.
+    q may be a :class:`GroupedQuery` (``ftjax.kernels.rope_cache``'s layout): then the result is the
+    decode kernel's :class:`SplitAttention`, its key splits not merged yet (:func:`attention_output`).
     """
     if isinstance(q, GroupedQuery):
-        return decode_attention.grouped(q.qg, ck, cv, layer, q_pos.reshape(-1), g=q.g, offset=1,
-                                        interpret=q.interpret)
+        o, m, l = decode_attention.grouped(q.qg, ck, cv, layer, q_pos.reshape(-1), g=q.g, offset=1,
+                                           interpret=q.interpret, merged=False)
+        return SplitAttention(o, m, l, q.g, q.qg.dtype)
     if q.shape[1] == 1:
         o = decode_attention.maybe(q, ck, cv, layer, q_pos)
         return attention(q, ck[layer], cv[layer], q_pos) if o is None else o
@@ -376,6 +379,33 @@ class GroupedQuery(NamedTuple):
     interpret: bool
 
 
+class SplitAttention(NamedTuple):
+    """Decode attention's per-split results before their merge (``decode_attention.grouped`` with
+    ``merged=False``): o float32 [B, Hkv, n_split, rows, hd], m, l float32 [B, Hkv, n_split, rows];
+    g: query heads per KV head; dtype: the attention output's dtype."""
+
+    o: jax.Array
+    m: jax.Array
+    l: jax.Array
+    g: int
+    dtype: Any
+
+
+def attention_output(o: jax.Array | SplitAttention, wo: jax.Array | StackedWeight) -> jax.Array:
+    """The attention block's output projection ``o @ wo`` [B, T, D] of o [B, T, Hq, hd] or of a
+    :class:`SplitAttention` (T = 1): where ``FTJAX_KERNELS`` selects ``merge_dense_decode`` for a stacked
+    wo, one launch merges the splits and projects (``dense_decode.merge_dense_decode``); otherwise
+    the merge (``decode_attention.merge_splits``) and then :func:`project`."""
+    if isinstance(o, SplitAttention):
+        if isinstance(wo, StackedWeight):
+            y = dense_decode.maybe_merge(o.o, o.m, o.l, o.g, o.dtype, wo.w, wo.layer)
+            if y is not None:
+                return y[:, None]
+        o = decode_attention.merge_splits(o.o, o.m, o.l, o.g, o.dtype)
+    b, t = o.shape[:2]
+    return project(o.reshape(b, t, -1), wo)
+
+
 def _rope_cache_inputs(cfg: ModelConfig, lp: Params, h: jax.Array, layer: jax.Array, ck: jax.Array, cv: jax.Array,
                        positions: jax.Array):
     """:func:`attention_inputs` through ``ftjax.kernels.rope_cache`` when ``FTJAX_KERNELS`` selects it
@@ -511,7 +541,7 @@ def decoder_layer(cfg: ModelConfig, lp: Params, layer: jax.Array, carry: LayerCa
         if kv_hook is not None:
             hy = kv_hook.layer_output(ck, cv, layer, inputs.start)
         o = cached_attention(q, ck, cv, layer, positions)
-        h = h + project(o.reshape(b, t, -1), lp["wo"])
+        h = h + attention_output(o, lp["wo"])
     with jax.named_scope("moe"):
         with jax.named_scope("router"):
             (logits,), x = norm_project(cfg, h, lp["mlp_norm"], (lp["router"],), write_x=True)

@@ -355,3 +355,50 @@ def test_norm_reference_reads_a_stacked_norm_at_the_layer():
     np.testing.assert_array_equal(np.asarray(got_x), np.asarray(want_x))
     (y,), _ = dd.norm_dense_decode(x, stacked, ws, jnp.int32(2), eps=1e-6, interpret=True, block_k=32)
     _check(y, want)
+
+
+# ---------------------------------------------------------------------------------------------
+# merge_dense_decode: decode attention's split merge in the prologue of the wo product
+# ---------------------------------------------------------------------------------------------
+def _splits(b, hkv=2, ns=4, rows=16, hd=32, seed=2):
+    rng = np.random.default_rng(seed)
+    o = rng.standard_normal((b, hkv, ns, rows, hd)).astype(np.float32)
+    m = (3.0 * rng.standard_normal((b, hkv, ns, rows))).astype(np.float32)
+    l = rng.uniform(0.5, 4.0, (b, hkv, ns, rows)).astype(np.float32)
+    o[:, :, -1], m[:, :, -1], l[:, :, -1] = 0.0, -1e30, 0.0  # a split with no keys, as the attention kernel leaves it
+    return jnp.asarray(o), jnp.asarray(m), jnp.asarray(l)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("b", [1, 3])
+def test_merge_dense_decode_matches_merge_then_product(b, dtype):
+    """The fused kernel against ``decode_attention.merge_splits`` then the reference product; g = 3
+    query heads per KV head of 16 rows (the pad rows hold junk the kernel must not read)."""
+    from ftjax.kernels import decode_attention as da
+
+    o, m, l = _splits(b)
+    g, k = 3, 2 * 3 * 32
+    o = o.at[:, :, :, g:].set(jnp.nan)  # pad rows
+    w = jnp.asarray(np.random.default_rng(3).standard_normal((3, k, 64)) / np.sqrt(k), dtype)
+    for layer, k_split in ((0, 1), (2, 2), (-1, 3)):
+        want = dd.dense_decode_reference(da.merge_splits(o, m, l, g, dtype).reshape(b, k), w, layer)
+        got = dd.merge_dense_decode(o, m, l, w, jnp.int32(layer), g=g, dtype=dtype, interpret=True, block_k=32,
+                                    k_split=k_split)
+        assert got.shape == (b, 64) and got.dtype == want.dtype and bool(jnp.all(jnp.isfinite(got)))
+        tol = 1e-5 if dtype == jnp.float32 else 2e-2  # bf16: a merged row may round to the next bf16
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol,
+                                   atol=tol * float(np.abs(np.asarray(want, np.float32)).max()))
+
+
+def test_merge_dense_decode_supported_and_errors():
+    o, m, l = _splits(1)
+    w = jnp.zeros((3, 192, 64), jnp.bfloat16)
+    assert dd.supported_merge(o, m, l, w, 3, jnp.bfloat16, block_k=32)
+    assert not dd.supported_merge(o, m, l, w, 3, jnp.bfloat16, block_k=64)  # a K tile over two heads of 32
+    assert not dd.supported_merge(o, m, l, w, 17, jnp.bfloat16, block_k=32)  # more heads than rows
+    assert not dd.supported_merge(o, m[:, :, :2], l, w, 3, jnp.bfloat16, block_k=32)  # m of other splits
+    assert not dd.supported_merge(o.astype(jnp.bfloat16), m, l, w, 3, jnp.bfloat16, block_k=32)  # o not float32
+    assert not dd.supported_merge(o[:, :, :3], m[:, :, :3], l[:, :, :3], w, 3, jnp.bfloat16, block_k=32)  # 3 splits
+    assert not dd.supported_merge(o, m, l, w, 2, jnp.bfloat16, block_k=32)  # K 128 is not w's 192
+    with pytest.raises(ValueError, match="merge_dense_decode: unsupported"):
+        dd.merge_dense_decode(o, m, l, w, jnp.int32(0), g=3, dtype=jnp.bfloat16, interpret=True)  # block_k 64

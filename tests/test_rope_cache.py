@@ -19,6 +19,7 @@ from test_dense_decode import _assert_like_default, _tiny_generate
 
 from ftjax import model as model_lib
 from ftjax.kernels import decode_attention as da
+from ftjax.kernels import dense_decode as dd
 from ftjax.kernels import rope_cache as rc
 from ftjax.kernels import select
 
@@ -134,7 +135,8 @@ def test_stacked_dense_passes_the_qk_norms_only_with_the_kernel(monkeypatch):
 
 
 @pytest.mark.parametrize("kernels", ["dense_decode,norm_dense_decode,rope_cache,decode_attention",
-                                     "dense_decode,rope_cache,decode_attention"])
+                                     "dense_decode,rope_cache,decode_attention",
+                                     "dense_decode,norm_dense_decode,rope_cache,decode_attention,merge_dense_decode"])
 def test_greedy_decode_with_the_kernel_matches_the_default_path(kernels, monkeypatch, fresh_programs):
     """A tiny model's greedy decode (float32, interpreted on the CPU) with the prologue kernel: after
     the fused norm + wq/wk/wv kernel it takes that kernel's K-split parts (two here); without it, the
@@ -148,10 +150,20 @@ def test_greedy_decode_with_the_kernel_matches_the_default_path(kernels, monkeyp
         calls.append((qkv.shape, str(qkv.dtype), None if qn is None else qn.shape))
         return real(qkv, qn, kn, ck, cv, layer, pos, **kw)
 
+    merges = []
+    real_merge = dd.merge_dense_decode
+
+    def spy_merge(o, m, l, w, layer, **kw):
+        merges.append((o.shape, w.shape, kw["g"], kw["block_k"]))
+        return real_merge(o, m, l, w, layer, **kw)
+
     monkeypatch.setattr(rc, "rope_cache", spy)
+    monkeypatch.setattr(dd, "merge_dense_decode", spy_merge)
     got = _tiny_generate(monkeypatch, kernels)
     parts = 2 if "norm_dense" in kernels else 1
     assert set(calls) == {((parts, 1, 256), "float32", (3, 32))}  # the q/k norms read stacked, in place
+    # tiny: 2 KV heads of 2 query heads of 32; 16 key splits; K tiles capped at one head
+    assert set(merges) == ({((1, 2, 16, 16, 32), (3, 128, 128), 2, 32)} if "merge" in kernels else set())
     _assert_like_default(monkeypatch, kernels, ref, got)
 
 
@@ -168,3 +180,15 @@ def test_rope_cache_lowers_for_cuda_with_the_caches_aliased():
                       sd((), jnp.int32), sd((1,), jnp.int32))
     assert txt.count("__gpu$xla.gpu.triton") == 1
     assert "output_operand_aliases" in txt
+
+
+def test_merge_dense_decode_lowers_for_cuda():
+    """qwen3-30b-a3b's wo product (4096 -> 2048, 48 layers, K split 16) with the merge of 16 key
+    splits of 4 KV heads x 8 query heads in its prologue: one Triton call."""
+    from test_kernels import _lower_cuda
+
+    sd, f32 = jax.ShapeDtypeStruct, jnp.float32
+    txt = _lower_cuda(lambda o, m, l, w, i: dd.merge_dense_decode(o, m, l, w, i, g=8, dtype=jnp.bfloat16, k_split=16),
+                      sd((1, 4, 16, 16, 128), f32), sd((1, 4, 16, 16), f32), sd((1, 4, 16, 16), f32),
+                      sd((48, 4096, 2048), jnp.bfloat16), sd((), jnp.int32))
+    assert txt.count("__gpu$xla.gpu.triton") == 1

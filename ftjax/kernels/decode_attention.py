@@ -105,15 +105,17 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer
 
 
 @functools.partial(jax.jit, static_argnames=("g", "interpret", "block_k", "n_split", "num_warps", "num_stages",
-                                             "offset"))
+                                             "offset", "merged"))
 def grouped(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, lengths: jax.Array, *, g: int,
             offset: int = 0, interpret: bool = False, block_k: int = BLOCK_K, n_split: int = N_SPLIT,
-            num_warps: int | None = None, num_stages: int | None = None) -> jax.Array:
+            num_warps: int | None = None, num_stages: int | None = None, merged: bool = True):
     """:func:`decode_attention` of queries already in the kernel's tile layout: qg [B, Hkv, rows, hd]
     (row r < g of KV head h is query head h * g + r; rows a power of two >= 16, the pad rows any
     value: their outputs are dropped), as ``ftjax.kernels.rope_cache`` writes them; k_cache,
     v_cache [L, B, S_max, Hkv, hd]. Other arguments and the result [B, 1, Hkv * g, hd] as
-    :func:`decode_attention`."""
+    :func:`decode_attention`. merged False: the splits' results (o [B, Hkv, n_split, rows, hd],
+    m, l [B, Hkv, n_split, rows], float32) unmerged, for a consumer that merges them itself
+    (:func:`merge_splits`; ``ftjax.kernels.dense_decode.merge_dense_decode``)."""
     b, hkv, rows, hd = qg.shape
     s_max = k_cache.shape[2]
     bk = min(block_k, s_max)
@@ -130,10 +132,20 @@ def grouped(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Ar
         functools.partial(_kernel, bk=bk, n_split=n_split, scale=hd ** -0.5, offset=offset), out_shape=out_shape,
         grid=(b, hkv, n_split), interpret=interpret, compiler_params=params, name="decode_attention",
     )(lengths, layer, qg, k_cache, v_cache)
-    # merge the splits by log-sum-exp: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s
+    if not merged:
+        return o, m, l
+    return merge_splits(o, m, l, g, qg.dtype)
+
+
+def merge_splits(o: jax.Array, m: jax.Array, l: jax.Array, g: int, dtype) -> jax.Array:
+    """The attention output [B, 1, Hkv * g, hd] in ``dtype`` from the kernel's per-split results
+    (o float32 [B, Hkv, n_split, rows, hd]: unnormalised outputs; m, l [B, Hkv, n_split, rows]:
+    running max and sum) merged by their log-sum-exp: ``sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s``
+    with M the largest m_s (FlashDecoding's reduction)."""
+    b, hkv, _, _, hd = o.shape
     w = jnp.exp(m - jnp.max(m, axis=2, keepdims=True))
     out = jnp.sum(w[..., None] * o, axis=2) / jnp.sum(w * l, axis=2)[..., None]
-    return out[:, :, :g].reshape(b, 1, hkv * g, hd).astype(qg.dtype)
+    return out[:, :, :g].reshape(b, 1, hkv * g, hd).astype(dtype)
 
 
 def maybe(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, q_pos: jax.Array) -> jax.Array | None:

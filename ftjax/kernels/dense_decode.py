@@ -102,18 +102,23 @@ def supported(x: jax.Array, w: jax.Array, block_k: int = BLOCK_K, block_n: int =
     return _pow2(bk) and _pow2(bn) and k % (bk * k_split) == 0 and n % bn == 0
 
 
-def _kernel(layer_ref, x_ref, *refs, bk, bn, split, cols, eps, xn_dtype, write_x):
+def _kernel(layer_ref, x_ref, *refs, bk, bn, split, cols, eps, xn_dtype, write_x, merge):
     """cols: per weight (its first column block on grid axis 0, its column blocks, its first output
     column). eps None: x is used as is; else the rows are RMS-normalised first (refs[0]: the norm
     weight [K]) exactly as ``model.rms_norm``: float32 statistics, cast to x's dtype, times the weight
-    in ``xn_dtype``; write_x: the programs of column block 0 also write those rows (the last ref)."""
+    in ``xn_dtype``; write_x: the programs of column block 0 also write those rows (the last ref).
+    merge (g, hd): x_ref holds decode attention's unmerged splits (o [M, Hkv, n_split, rows, hd]) and
+    the first two refs their m, l; the input rows are the splits merged by log-sum-exp as
+    ``decode_attention.merge_splits`` does, cast to ``xn_dtype`` (a K block lies within one head)."""
+    if merge is not None:
+        ms_ref, ls_ref, *refs = refs
     norm = eps is not None
     g_ref = refs[0] if norm else None
     w_refs = refs[int(norm):int(norm) + len(cols)]
     o_ref = refs[int(norm) + len(cols)]
     j, part = pl.program_id(0), pl.program_id(1)
     layer = select.wrap_clamp(layer_ref[0], w_refs[0].shape[0])
-    m, k = x_ref.shape
+    m, k = x_ref.shape if merge is None else (x_ref.shape[0], x_ref.shape[1] * merge[0] * merge[1])
     k_steps = k // (bk * split)
     base = part * (k_steps * bk)  # this program's share of the input rows
     f32 = jnp.float32
@@ -124,7 +129,22 @@ def _kernel(layer_ref, x_ref, *refs, bk, bn, split, cols, eps, xn_dtype, write_x
         sums = lax.fori_loop(0, k // bk, squares, (jnp.zeros((bk,), f32),) * m)
         inv = [lax.rsqrt(jnp.sum(s) / k + eps) for s in sums]
 
+    def merged_rows(k0):  # query head k0 // hd, its columns [k0 % hd, + bk), every split folded in
+        g, hd = merge
+        ns = x_ref.shape[2]
+        qh = k0 // hd
+        kv, r, d0 = qh // g, qh % g, k0 % hd
+        out = []
+        for b in range(m):
+            mx = ms_ref[b, kv, pl.ds(0, ns), r]
+            w = jnp.exp(mx - jnp.max(mx))
+            num = jnp.sum(w[:, None] * x_ref[b, kv, pl.ds(0, ns), r, pl.ds(d0, bk)], axis=0)
+            out.append((num / jnp.sum(w * ls_ref[b, kv, pl.ds(0, ns), r])).astype(xn_dtype))
+        return out
+
     def rows(k0):  # the m input rows at [k0, k0 + bk), in the dtype the product takes
+        if merge is not None:
+            return merged_rows(k0)
         if not norm:
             return [x_ref[r, pl.ds(k0, bk)] for r in range(m)]
         g = (g_ref[layer, pl.ds(k0, bk)] if len(g_ref.shape) == 2 else g_ref[pl.ds(k0, bk)]).astype(f32)
@@ -165,12 +185,18 @@ def _kernel(layer_ref, x_ref, *refs, bk, bn, split, cols, eps, xn_dtype, write_x
             lax.fori_loop(0, k_steps, store, 0)
 
 
-def _call(x, ws, layer, norm_w, eps, write_x, interpret, block_k, block_n, num_warps, k_split, sum_parts=True):
+def _call(x, ws, layer, norm_w, eps, write_x, interpret, block_k, block_n, num_warps, k_split, sum_parts=True,
+          splits=None):
     """One kernel launch for ``[x' @ w[layer] for w in ws]`` (x' = x, or RMSNorm(x) when eps is set);
     returns (the products, in ``jnp.result_type(x', w)``, the normalised rows or None). sum_parts
-    False: the products are one array of the K-split parts instead (:func:`norm_dense_decode`)."""
-    m, k = x.shape
-    xn_dtype = x.dtype if eps is None else jnp.result_type(norm_w.dtype, x.dtype)
+    False: the products are one array of the K-split parts instead (:func:`norm_dense_decode`).
+    splits (m, l, g, dtype): x is decode attention's unmerged o, x' its merge (:func:`merge_dense_decode`)."""
+    if splits is None:
+        m, k = x.shape
+        xn_dtype = x.dtype if eps is None else jnp.result_type(norm_w.dtype, x.dtype)
+    else:
+        m, k = x.shape[0], x.shape[1] * splits[2] * x.shape[4]
+        xn_dtype = jnp.dtype(splits[3])
     out_dtype = jnp.result_type(xn_dtype, ws[0].dtype)
     lid = jnp.asarray(layer, jnp.int32).reshape(1)  # wrapped and clamped inside the kernel
     bk, bn = min(block_k, k), min(block_n, *(w.shape[2] for w in ws))
@@ -186,12 +212,13 @@ def _call(x, ws, layer, norm_w, eps, write_x, interpret, block_k, block_n, num_w
                  else jax.ShapeDtypeStruct((k_split, m, off), jnp.float32)]
     if write_x:
         out_shape.append(jax.ShapeDtypeStruct((m, k), xn_dtype))
-    operands = (lid, x) + ((norm_w,) if eps is not None else ()) + tuple(ws)
+    operands = (lid, x) + (tuple(splits[:2]) if splits else ()) + ((norm_w,) if eps is not None else ()) + tuple(ws)
+    merge = None if splits is None else (splits[2], x.shape[4])
     outs = pl.pallas_call(
         functools.partial(_kernel, bk=bk, bn=bn, split=k_split, cols=tuple(cols), eps=eps, xn_dtype=xn_dtype,
-                          write_x=write_x),
+                          write_x=write_x, merge=merge),
         out_shape=tuple(out_shape), grid=(b0, k_split), interpret=interpret, compiler_params=params,
-        name="dense_decode" if eps is None else "norm_dense_decode",
+        name="norm_dense_decode" if eps is not None else "merge_dense_decode" if splits else "dense_decode",
     )(*operands)
     if not sum_parts:
         return [outs[0] if k_split > 1 else outs[0][None]], (outs[1] if write_x else None)
@@ -287,6 +314,54 @@ def norm_dense_decode_reference(x: jax.Array, norm_w: jax.Array, ws, layer: jax.
     x32 = x.astype(jnp.float32)
     xn = norm_w * (x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
     return [dense_decode_reference(xn, w, layer) for w in ws], xn
+
+
+def supported_merge(o: jax.Array, m: jax.Array, l: jax.Array, w: jax.Array, g: int, dtype, block_k: int = BLOCK_K,
+                    block_n: int = BLOCK_N, k_split: int = 1) -> bool:
+    """:func:`supported` for :func:`merge_dense_decode`: o float32 [B, Hkv, n_split, rows, hd], m and l
+    float32 [B, Hkv, n_split, rows], 1 <= g <= rows, n_split a power of two, the K tile
+    ``min(block_k, K)`` (K = Hkv * g * hd) dividing hd (a tile lies within one head), and the product
+    of [B, K] rows of ``dtype`` with w as :func:`supported` takes it."""
+    f32 = jnp.dtype(jnp.float32)
+    if getattr(o, "ndim", 0) != 5 or any(a.dtype != f32 for a in (o, m, l)):
+        return False
+    b, hkv, ns, rows, hd = o.shape
+    if m.shape != (b, hkv, ns, rows) or l.shape != m.shape or not (1 <= g <= rows) or not _pow2(ns):
+        return False
+    k = hkv * g * hd
+    x = jax.ShapeDtypeStruct((b, k), dtype)
+    return hd % min(block_k, k) == 0 and supported(x, w, block_k, block_n, k_split)
+
+
+@functools.partial(jax.jit, static_argnames=("g", "dtype", "interpret", "block_k", "block_n", "num_warps", "k_split"))
+def merge_dense_decode(o: jax.Array, m: jax.Array, l: jax.Array, w: jax.Array, layer: jax.Array, *, g: int, dtype,
+                       interpret: bool = False, block_k: int = BLOCK_K, block_n: int = BLOCK_N,
+                       num_warps: int | None = None, k_split: int = 1) -> jax.Array:
+    """Decode attention's output projection with the attention's split merge in its prologue:
+    ``decode_attention.merge_splits(o, m, l, g, dtype).reshape(B, -1) @ w[layer]`` in one launch.
+
+    Why: FlashDecoding's merge of the key splits ran as three small XLA kernels per layer between
+    the attention kernel and the wo kernel (H200 trace, issue 13: each ~1-2 us plus a launch gap,
+    for ~0.5 MB of float32 partials). Here each program of the wo product merges the heads its K
+    rows belong to (exp(m_s - max m), weighted sums over the splits, in float32) before its share of
+    the GEMV; the merged rows are never written out.
+
+    o: float32 [B, Hkv, n_split, rows, hd] (unnormalised split outputs; B <= 16); m, l: float32
+    [B, Hkv, n_split, rows] (``decode_attention.grouped(..., merged=False)``); w: [L, Hkv * g * hd, N];
+    layer: int32 []; g: query heads per KV head (rows >= g; the pad rows are not read); dtype: the
+    attention output's dtype (the merge is cast to it before the product, as the model's path does).
+    Returns [B, N] in ``jnp.result_type(dtype, w)``. Tiles as :func:`dense_decode`.
+
+    Raises:
+      ValueError: operands or tiles that :func:`supported_merge` rejects.
+    """
+    if not supported_merge(o, m, l, w, g, dtype, block_k, block_n, k_split):
+        raise ValueError(f"merge_dense_decode: unsupported operands or tiles (o {o.shape} {o.dtype}, m {m.shape}, "
+                         f"l {l.shape}, w {w.shape} {w.dtype}, g={g}, block_k={block_k} block_n={block_n} "
+                         f"k_split={k_split})")
+    (y,), _ = _call(o, (w,), layer, None, None, False, interpret, block_k, block_n, num_warps, k_split,
+                    splits=(m, l, g, dtype))
+    return y
 
 
 TILES_ENV = "FTJAX_DENSE_DECODE_TILES"
@@ -391,3 +466,17 @@ def maybe_norm(x: jax.Array, norm_w: jax.Array, eps: float, ws, layer: jax.Array
     if not sum_parts:
         return ys, (None if xn is None else xn.reshape(x.shape))
     return [y.reshape(*lead, y.shape[-1]) for y in ys], (None if xn is None else xn.reshape(x.shape))
+
+
+def maybe_merge(o: jax.Array, m: jax.Array, l: jax.Array, g: int, dtype, w: jax.Array,
+                layer: jax.Array) -> jax.Array | None:
+    """:func:`merge_dense_decode` ([B, N]) of a model call when ``FTJAX_KERNELS`` selects
+    ``merge_dense_decode`` for these operands (:func:`plan`, the rows [B, Hkv * g * hd] of ``dtype``;
+    under ``auto``: :func:`auto_for`) and :func:`supported_merge` takes them, else None (the caller
+    merges with ``decode_attention.merge_splits`` and projects)."""
+    x = jax.ShapeDtypeStruct((o.shape[0], o.shape[1] * g * o.shape[4]), dtype)
+    how, t = plan(x, w, "merge_dense_decode")
+    t["block_k"] = min(t["block_k"], o.shape[4])  # a K tile within one head (halving keeps k_split's fit)
+    if how == "xla" or not supported_merge(o, m, l, w, g, dtype, t["block_k"], t["block_n"], t["k_split"]):
+        return None
+    return merge_dense_decode(o, m, l, w, layer, g=g, dtype=jnp.dtype(dtype), interpret=how == "interpret", **t)

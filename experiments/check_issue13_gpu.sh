@@ -6,23 +6,28 @@
 #                                 "targets" hold resident step / HBM floor and cached / (resident + misses / B_P)
 #   bench_decode_<preset>.json    decode tokens/s at 8 GB with --cache_policy=lookahead, batch 1
 #   check_identity_gpu.json       resident vs cached logits bit for bit (bf16 fixtures)
-#   check_kernels_gpu.json        the 16-layer resident 8192-token prefill (XLA vs the flash kernels)
+#   check_kernels_gpu.json        the decode attention's prologue / epilogue kernels vs their jnp paths, and the
+#                                 16-layer resident 8192-token prefill (XLA vs the flash kernels)
 # and a log per script. Usage (from the repository root):  bash experiments/check_issue13_gpu.sh
-# XLA_FLAGS defaults to GEMM autotuning off (the big prefill programs need it; the session 9-10 tables used it).
+# The decode steps run with GEMM autotuning off (DECODE_XLA_FLAGS; the session 9-12 tables used it), the prefill
+# with XLA's defaults: autotuning off made the 8192-token prefill 3.9x slower (0.363 s vs 0.092 s, session 12).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-experiments/results}"
 mkdir -p "$out"
-export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_FLAGS="${XLA_FLAGS:---xla_gpu_autotune_level=0}"
-step() {  # name timeout_s script args...
-  local name=$1 limit=$2; shift 2
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+decode_flags="${DECODE_XLA_FLAGS:---xla_gpu_autotune_level=0}"
+step() {  # name timeout_s xla_flags script args...
+  local name=$1 limit=$2 flags=$3; shift 3
   echo "== $name"
-  timeout "$limit" python3 "$@" --out_dir="$out" > "$out/$name.log" 2>&1
+  XLA_FLAGS="$flags" timeout "$limit" python3 "$@" --out_dir="$out" > "$out/$name.log" 2>&1
   echo "$name rc=$?"
   grep -v -E "^[IWE][0-9]{4} " "$out/$name.log" | tail -4
 }
-step profile_step 240 experiments/profile_step.py --prefill_repeats=0 --runs=resident_decode,cached_decode --batches=1,4
-step bench_decode 130 experiments/bench_decode.py --modes=cached --cache_policies=lookahead --batches=1 --steps=64 \
-  --vram_budget_gb=8
-step check_identity_gpu 80 experiments/check_identity_gpu.py --variants=cached_S=E,cached_S=2E
-step check_kernels_gpu 110 experiments/check_kernels_gpu.py --sections=e2e_prefill --time_budget_s=100
+step profile_step 240 "$decode_flags" experiments/profile_step.py --prefill_repeats=0 --runs=resident_decode,cached_decode \
+  --batches=1,4
+step bench_decode 130 "$decode_flags" experiments/bench_decode.py --modes=cached --cache_policies=lookahead --batches=1 \
+  --steps=64 --vram_budget_gb=8
+step check_identity_gpu 80 "$decode_flags" experiments/check_identity_gpu.py --variants=cached_S=E,cached_S=2E
+step check_kernels_gpu 110 "${XLA_FLAGS:-}" experiments/check_kernels_gpu.py --sections=rope_cache,e2e_prefill \
+  --time_budget_s=100

@@ -25,8 +25,9 @@ import jax.numpy as jnp
 from ftjax.experts import miss_policy
 from ftjax.experts.compute import experts_from_layer, experts_from_pool
 from ftjax.experts.fetch import fetch_experts, fetch_layer
-from ftjax.experts.slot_table import forget_slots, lookup_layer, reset_table
+from ftjax.experts.slot_table import LayerLookup, forget_slots, lookup_layer, reset_table
 from ftjax.experts.state import ExpertBanks, ExpertState, LayerStats
+from ftjax.kernels import slot_lookup
 from ftjax.model import LayerRouting
 
 MODES = ("resident", "cached", "on_demand")
@@ -71,7 +72,9 @@ def make_expert_fn(mode: str, num_experts: int, banks: ExpertBanks | None = None
       mode: one of :data:`MODES`.
       num_experts: E.
       banks: the host expert banks (needed by cached / on_demand).
-      policy: the slot table's eviction policy (``ftjax.experts.slot_table.POLICIES``).
+      policy: the slot table's eviction policy (``ftjax.experts.slot_table.POLICIES``). With ``lru``, every
+        miss fetched and ``FTJAX_KERNELS`` selecting ``slot_lookup``, a cached decode layer's lookup is one
+        launch of ``ftjax.kernels.slot_lookup`` (same table, misses and slots as ``lookup_layer``).
       miss: the miss policy (None or fetch: every miss is fetched). cpu / adaptive need
         ``state.last_routed``.
       cheap_conds: a ``lax.cond`` in this program costs no host round trip (the CPU, or a GPU program
@@ -98,6 +101,12 @@ def make_expert_fn(mode: str, num_experts: int, banks: ExpertBanks | None = None
             stats = LayerStats.fetch_only(hits, jnp.int32(0), _trace_ids(r))
             return experts_from_pool(r.x, r.ids, r.weights, slot_of_expert, state.gate_up, state.down, state.scales,
                                      state.fmt), state, stats
+        if mode == "cached" and policy == "lru" and state.last_routed is None and (
+                miss is None or miss.fetches_all(r.ids.size, e)):
+            with jax.named_scope("slot_lookup"):
+                look = _kernel_lookup(state.table, layer, r, e)
+            if look is not None:  # one launch for the lookup (ftjax.kernels.slot_lookup); same results
+                return _fetch_and_compute(banks, state.replace(table=look.table), layer, look, r, e)
         with jax.named_scope("slot_lookup"):
             routed = routed_mask(r.ids, r.valid, e)
         table = reset_table(state.table) if mode == "on_demand" else state.table
@@ -115,14 +124,30 @@ def make_expert_fn(mode: str, num_experts: int, banks: ExpertBanks | None = None
             # cost), nor where a cond's predicate would go to the host (cheap_conds False)
             skip = cheap_conds and mode == "cached" and r.ids.size < e
             look = lookup_layer(table, layer, routed, e, policy, skip_if_all_hit=skip)
-        state = fetch_experts(banks, state.replace(table=look.table, last_routed=recency),
-                              layer * e + look.miss_experts,
-                              look.miss_slots, look.n_miss)
-        y = experts_from_pool(r.x, r.ids, r.weights, look.slot_of_expert, state.gate_up, state.down, state.scales,
-                              state.fmt)
-        return y, state, LayerStats.fetch_only(look.n_hit, look.n_miss, _trace_ids(r))
+        return _fetch_and_compute(banks, state.replace(table=look.table, last_routed=recency), layer, look, r, e)
 
     return expert_fn
+
+
+def _kernel_lookup(table, layer: jax.Array, r: LayerRouting, e: int) -> LayerLookup | None:
+    """``lookup_layer(table, layer, routed_mask(r.ids, r.valid, e), e, "lru")`` through the slot lookup
+    kernel where ``FTJAX_KERNELS`` selects it for this layer (a decode layer: fewer pairs than E), else None."""
+    got = slot_lookup.maybe(r.ids, r.valid, table.slot_of, table.id_of_slot, table.last_use, table.clock, layer, e)
+    if got is None:
+        return None
+    slot_of, id_of_slot, last_use, slot_of_expert, miss_experts, miss_slots, evicted_ids, n_miss, n_hit = got
+    table = table.replace(slot_of=slot_of, id_of_slot=id_of_slot, last_use=last_use, clock=table.clock + 1)
+    return LayerLookup(table, slot_of_expert, miss_experts, miss_slots, evicted_ids, n_miss, n_hit)
+
+
+def _fetch_and_compute(banks: ExpertBanks, state: ExpertState, layer: jax.Array, look: LayerLookup,
+                       r: LayerRouting, e: int):
+    """The misses of a lookup copied into their slots, then the layer's experts from the pool:
+    (y, state, stats) of a cached / on_demand layer."""
+    state = fetch_experts(banks, state, layer * e + look.miss_experts, look.miss_slots, look.n_miss)
+    y = experts_from_pool(r.x, r.ids, r.weights, look.slot_of_expert, state.gate_up, state.down, state.scales,
+                          state.fmt)
+    return y, state, LayerStats.fetch_only(look.n_hit, look.n_miss, _trace_ids(r))
 
 
 def stream_prologue(banks: ExpertBanks, state: ExpertState, num_experts: int, overlap: bool) -> ExpertState:

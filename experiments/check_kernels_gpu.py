@@ -5,7 +5,7 @@ kernel vs XLA time, and the resident decode step / prefill with the kernels on a
   PYTHONPATH=. python experiments/check_kernels_gpu.py --sections=moe --moe_slots=280 --out_dir=/tmp/k
   PYTHONPATH=. python experiments/check_kernels_gpu.py --smoke --out_dir=/tmp/k   # CPU: tiny shapes, interpreted
 
-Sections (--sections; by default in the order moe, decode_attention, rope_cache, flash_prefill, e2e,
+Sections (--sections; by default in the order moe, decode_attention, rope_cache, slot_lookup, flash_prefill, e2e,
 e2e_prefill; each check in its own try/except, the JSON rewritten after every check, so a
 failure or a timeout keeps what ran before it):
 
@@ -25,6 +25,8 @@ failure or a timeout keeps what ran before it):
   written into the cache) vs the model's jnp path; 48 layers, S_max 4096, batch 1 and 4; and its
   epilogue ``dense_decode.merge_dense_decode`` (16 key splits merged in the wo product) vs
   ``decode_attention.merge_splits`` then the reference product.
+* ``slot_lookup``: ``ftjax.kernels.slot_lookup`` vs ``slot_table.lookup_layer`` (lru) over a random decode
+  of qwen3-30b-a3b's 24 GB table (1975 slots), batch 1 and 4: outputs bit for bit, time per lookup.
 * ``flash_prefill``: ``flash_prefill.flash_attention`` (Triton backend) and the shipped Mosaic GPU
   kernel (``mgpu_attention``) vs ``model.attention``: T=8192 from position 0 in an 8192 row, and
   (Triton kernel only) T=1024 from position 4096.
@@ -65,7 +67,8 @@ from experiments import common  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
-flags.DEFINE_list("sections", ["moe", "decode_attention", "rope_cache", "flash_prefill", "e2e", "e2e_prefill"],
+flags.DEFINE_list("sections", ["moe", "decode_attention", "rope_cache", "slot_lookup", "flash_prefill", "e2e",
+                              "e2e_prefill"],
                   "What to run.")
 flags.DEFINE_list("moe_slots", ["280", "6144"], "Pool sizes for the MoE kernel.")
 flags.DEFINE_list("moe_formats", ["dense", "int8", "fp8", "int4"], "Pool formats for the MoE kernel.")
@@ -124,7 +127,7 @@ def _summary(row: dict) -> str:
     """One short line per check for the log (the JSON has everything)."""
     keep = ("slots", "fmt", "batch", "s_max", "T", "start", "max_abs_diff", "speedup_vs_xla", "speedup", "GBps",
             "TFLOPs", "tpot_ms", "ttft_s", "bit_identical_to_resident", "greedy_ids_equal_xla",
-            "max_abs_logit_diff_vs_xla", "unsupported", "skipped")
+            "max_abs_logit_diff_vs_xla", "outputs_differing", "misses", "unsupported", "skipped")
     parts = [f"{row['section']}: {row.get('name', '')}"]
     for key in ("xla_us", "kernel_us", "auto_us", "moe_decode_us"):
         if key in row:
@@ -372,6 +375,39 @@ def section_rope_cache():
         check("rope_cache", "merge_dense_decode vs merge then product", merge_row, batch=batch)
 
 
+def section_slot_lookup():
+    """``ftjax.kernels.slot_lookup`` compiled vs ``slot_table.lookup_layer`` (lru) on the GPU: a random
+    decode of qwen3-30b-a3b's table at 24 GB (48 x 128 experts, 1975 slots), batch 1 and 4, every
+    output compared bit for bit at each lookup; and the time of one lookup each way."""
+    from ftjax.experts import slot_table as st
+    from ftjax.experts.offload import routed_mask
+    from ftjax.kernels import slot_lookup as sl
+    layers, e, s, k = (48, 128, 1975, 8) if not INTERPRET else (3, 16, 37, 2)
+    for batch in map(int, FLAGS.batches):
+        def row(batch=batch):
+            ref_fn = jax.jit(lambda t, l, ids, v: st.lookup_layer(t, l, routed_mask(ids, v, e), e, "lru"))
+            ker_fn = jax.jit(lambda t, l, ids, v: sl.lookup_lru(ids, v, t.slot_of, t.id_of_slot, t.last_use, t.clock, l,
+                                                                num_experts=e, interpret=INTERPRET))
+            rng = np.random.default_rng(batch)
+            table, bad, misses = st.init_slot_table(layers, e, s), 0, 0
+            valid = jnp.ones((batch,), bool)
+            for step in range(4 * layers):
+                layer = jnp.int32(step % layers)
+                ids = jnp.asarray(rng.integers(0, e, (batch, k)), jnp.int32)
+                ref = ref_fn(table, layer, ids, valid)
+                got = ker_fn(table, layer, ids, valid)
+                want = (ref.table.slot_of, ref.table.id_of_slot, ref.table.last_use, ref.slot_of_expert,
+                        ref.miss_experts, ref.miss_slots, ref.evicted_ids, ref.n_miss, ref.n_hit)
+                bad += sum(int(not jnp.array_equal(a, b)) for a, b in zip(got, want))
+                misses += int(ref.n_miss)
+                table = ref.table
+            ids = jnp.asarray(rng.integers(0, e, (batch, k)), jnp.int32)
+            return {"lookups": 4 * layers, "outputs_differing": bad, "misses": misses,
+                    "xla_us": median_us(ref_fn, table, jnp.int32(0), ids, valid),
+                    "kernel_us": median_us(ker_fn, table, jnp.int32(0), ids, valid)}
+        check("slot_lookup", "kernel vs lookup_layer", row, batch=batch, slots=s)
+
+
 def section_flash_prefill():
     from ftjax import model as model_lib
     from ftjax.kernels import flash_prefill as fp
@@ -567,6 +603,7 @@ def hbm_bandwidth() -> dict:
 
 
 SECTIONS = {"moe": section_moe, "decode_attention": section_decode_attention, "rope_cache": section_rope_cache,
+            "slot_lookup": section_slot_lookup,
             "flash_prefill": section_flash_prefill, "e2e": section_e2e, "e2e_prefill": section_e2e_prefill}
 
 

@@ -192,3 +192,36 @@ def test_merge_dense_decode_lowers_for_cuda():
                       sd((1, 4, 16, 16, 128), f32), sd((1, 4, 16, 16), f32), sd((1, 4, 16, 16), f32),
                       sd((48, 4096, 2048), jnp.bfloat16), sd((), jnp.int32))
     assert txt.count("__gpu$xla.gpu.triton") == 1
+
+
+def test_rope_matches_the_jitted_model_path_at_far_positions():
+    """The model runs ``model.rope`` inside a jitted step, where XLA computes its frequencies
+    ``1 / theta ** (i / hd)`` from the constant theta (not as an eager ``pow`` does): the kernel's
+    frequencies must be those, or the angle ``pos * inv_freq`` drifts with the position (float32
+    K off by ~3e-4 relative at position 8000 for hd 128, theta 1e6)."""
+    hq, hkv, hd, s, theta = 2, 1, 128, 64, 1e6
+    rng = np.random.default_rng(7)
+    qkv = jnp.asarray(rng.standard_normal((1, 2, (hq + 2 * hkv) * hd)), jnp.float32)
+    ck = cv = jnp.zeros((1, 2, s, hkv, hd), jnp.float32)
+    pos = jnp.asarray([8000, 32000], jnp.int32)  # q rotated at any position (K/V beyond the cache dropped)
+    cfg = types.SimpleNamespace(head_dim=hd, qk_norm="none", num_heads=hq, num_kv_heads=hkv, rms_norm_eps=1e-6,
+                                rope_theta=theta)
+
+    @jax.jit
+    def model_path(qkv, pos):
+        y = qkv[0][:, None]
+        q, k, v = jnp.split(y, [hq * hd, (hq + hkv) * hd], axis=-1)
+        return model_lib._qk(cfg, {}, y, pos[:, None], [q, k, v])
+
+    for p in (jnp.asarray([s - 1, 5], jnp.int32), pos):
+        want_q, want_k, _ = model_path(qkv, p)
+        qg, ck2, _ = rc.rope_cache(qkv, None, None, ck, cv, jnp.int32(0), p, hq=hq, hkv=hkv, eps=1e-6, theta=theta,
+                                   dtype=jnp.float32, interpret=True)
+        _close(qg[:, :, :hq // hkv], want_q.reshape(2, hkv, hq // hkv, hd))
+    # K at a far position, written into a cache that long
+    big = jnp.zeros((1, 1, 8192, hkv, hd), jnp.float32)
+    p = jnp.asarray([8000], jnp.int32)
+    _, want_k, _ = model_path(qkv[:, :1], p)
+    _, ck2, _ = rc.rope_cache(qkv[:, :1], None, None, big, big, jnp.int32(0), p, hq=hq, hkv=hkv, eps=1e-6,
+                              theta=theta, dtype=jnp.float32, interpret=True)
+    _close(ck2[0, 0, 8000], want_k[0, 0])

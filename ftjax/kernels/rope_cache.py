@@ -35,6 +35,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -64,17 +65,31 @@ def query_rows(hq: int, hkv: int) -> int:
 
 
 def _inv_freq(theta: float, hd: int) -> jax.Array:
-    """``model.rope``'s frequencies [hd / 2] (float32, by XLA's pow on the default device), evaluated
-    at trace time so that they are a constant of the program, not a pow kernel in every layer of a
-    decode step (H200 trace: 1.4 us plus a launch gap). Where nothing can be evaluated at trace
-    time (lowering for an abstract device, as the lowering tests do) they stay traced ops."""
-    def freqs():
-        return 1.0 / (theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
+    """``model.rope``'s frequencies [hd / 2] (float32), evaluated at trace time so that they are a
+    constant of the program, not a pow kernel in every layer of a decode step (H200 trace: 1.4 us
+    plus a launch gap). They are evaluated by a compiled program of their own on the default device
+    (:func:`_program_inv_freq`), as the model's jitted step computes them: there theta is a
+    constant of the program, and XLA's ``pow`` of a constant base rounds unlike an eager ``pow``
+    (or ``ensure_compile_time_eval``'s op-by-op evaluation) of two arrays: 1 ulp apart in a
+    quarter of the frequencies, so float32 angles ``pos * inv_freq`` ~3e-4 apart at position 8000.
+    Where nothing can be compiled at trace time (lowering for an abstract device, as the lowering
+    tests do) they stay traced ops."""
     try:
-        with jax.ensure_compile_time_eval():
-            return freqs()
-    except ValueError:  # "lowering_platforms ... required when only AbstractMesh exists"
-        return freqs()
+        return jnp.asarray(_program_inv_freq(float(theta), hd, jax.default_backend()))
+    except (ValueError, RuntimeError):  # under an abstract device: "Unknown backend: 'gpu' requested"
+        return _freqs(theta, hd)
+
+
+def _freqs(theta: float, hd: int) -> jax.Array:
+    """``model.rope``'s expression of the frequencies, op for op (keep the two the same)."""
+    return 1.0 / (theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
+
+
+@functools.lru_cache(maxsize=None)
+def _program_inv_freq(theta: float, hd: int, backend: str) -> np.ndarray:
+    """:func:`_freqs` run as a compiled program on the default backend (``backend``: its name, a key
+    of the cache only), as numpy."""
+    return np.asarray(jax.jit(functools.partial(_freqs, theta, hd)).lower().compile()())
 
 
 def _kernel(pos_ref, layer_ref, inv_ref, qkv_ref, *refs, hq, hkv, hd, eps, dtype, q_dtype, norm):

@@ -227,9 +227,10 @@ def test_rope_matches_the_jitted_model_path_at_far_positions():
     _close(ck2[0, 0, 8000], want_k[0, 0])
 
 
-def test_norm_weights_of_another_shape_or_dtype_are_rejected():
+def test_norm_weights_or_caches_of_another_shape_or_dtype_are_rejected():
     """q/k norm weights other than [hd] or [L, hd] (e.g. the [H * hd] of a "full" family, or a stack
-    over other layers than the cache's) or of two dtypes raise instead of being read wrongly."""
+    over other layers than the cache's) or of two dtypes, and a V cache of another dtype than the K
+    cache, raise instead of being read wrongly."""
     qkv, qn, kn, ck, cv = _operands(jnp.float32)
     kw = dict(hq=HQ, hkv=HKV, eps=1e-6, theta=1e4, dtype=jnp.float32, interpret=True)
     pos = jnp.zeros(B, jnp.int32)
@@ -238,3 +239,5 @@ def test_norm_weights_of_another_shape_or_dtype_are_rejected():
         with pytest.raises(ValueError, match="rope_cache: q_norm / k_norm"):
             rc.rope_cache(qkv, bad_q, bad_k, ck, cv, jnp.int32(0), pos, **kw)
     rc.rope_cache(qkv, qn[1], kn, ck, cv, jnp.int32(1), pos, **kw)  # [hd] and [L, hd] mixed: fine
+    with pytest.raises(ValueError, match="rope_cache: unsupported operands"):  # V stored in another dtype than K
+        rc.rope_cache(qkv, qn, kn, ck, cv.astype(jnp.bfloat16), jnp.int32(0), pos, **kw)

@@ -177,21 +177,22 @@ def rope_cache(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | Non
     aliased to these outputs, so donate or drop them).
 
     Raises:
-      ValueError: operands that :func:`supported` rejects, only one of q_norm / k_norm, or norm
-        weights of another shape than [hd] / [L, hd] or of two dtypes.
+      ValueError: operands that :func:`supported` rejects, caches of two shapes or dtypes, only
+        one of q_norm / k_norm, or norm weights of another shape than [hd] / [L, hd] or of two dtypes.
     """
     hd = k_cache.shape[-1]
     norm = q_norm is not None
     if norm != (k_norm is not None):
         raise ValueError("rope_cache: q_norm and k_norm must both be given or both be None")
+    q_dtype = jnp.result_type(q_norm.dtype, dtype) if norm else jnp.dtype(dtype)
+    if not supported(qkv, hq, hkv, hd, k_cache, q_dtype) or v_cache.shape != k_cache.shape \
+            or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"rope_cache: unsupported operands (qkv {qkv.shape} {qkv.dtype}, hq={hq} hkv={hkv}, caches "
+                         f"{k_cache.shape} {k_cache.dtype} / {v_cache.shape} {v_cache.dtype}, q dtype {q_dtype})")
     if norm and (any(tuple(w.shape) not in ((hd,), (k_cache.shape[0], hd)) for w in (q_norm, k_norm))
                  or q_norm.dtype != k_norm.dtype):
         raise ValueError(f"rope_cache: q_norm / k_norm must be [hd] or [L, hd] (hd {hd}, L {k_cache.shape[0]}) of "
                          f"one dtype, got {q_norm.shape} {q_norm.dtype} / {k_norm.shape} {k_norm.dtype}")
-    q_dtype = jnp.result_type(q_norm.dtype, dtype) if norm else jnp.dtype(dtype)
-    if not supported(qkv, hq, hkv, hd, k_cache, q_dtype) or v_cache.shape != k_cache.shape:
-        raise ValueError(f"rope_cache: unsupported operands (qkv {qkv.shape} {qkv.dtype}, hq={hq} hkv={hkv}, "
-                         f"caches {k_cache.shape} {k_cache.dtype} / {v_cache.shape}, q dtype {q_dtype})")
     b = qkv.shape[1]
     rows = query_rows(hq, hkv)
     inv_freq = _inv_freq(theta, hd)

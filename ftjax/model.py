@@ -283,7 +283,8 @@ class StackedWeight(NamedTuple):
 
 
 #: The dense weights of a layer that :func:`forward` may pass as :class:`StackedWeight` (every
-#: family of :data:`LAYER_FNS` uses them only through :func:`project` / :func:`route`).
+#: family of :data:`LAYER_FNS` uses them only through :func:`project`, :func:`norm_project`,
+#: :func:`attention_inputs` and :func:`attention_output`).
 STACKED_NAMES = ("wq", "wk", "wv", "wo", "router")
 #: The norm weights ([L, K]) :func:`forward` passes stacked where ``norm_dense_decode`` runs (read by
 #: that kernel only, through :func:`norm_project`): a layer scan copies each layer's row of its xs
@@ -624,8 +625,9 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, start: jax.Arra
         reused prefix into the cache layer by layer and returns new K/V as scan outputs.
 
     Decode calls (T == 1, B <= 16) with the dense decode kernel selected (:func:`stacked_dense`;
-    ``dense_decode.auto_for``) leave wq, wk, wv, wo and the router out of the scan's xs and hand the layer
-    function :class:`StackedWeight` holders of the stacked arrays instead.
+    ``dense_decode.auto_for``) leave wq, wk, wv, wo and the router (and, with the kernels that read
+    them in place, the norms of :data:`STACKED_NORMS` and :data:`STACKED_QK_NORMS`) out of the scan's
+    xs and hand the layer function :class:`StackedWeight` holders of the stacked arrays instead.
 
     The layer-pipelined driver (``ftjax.layer_pipeline``) runs the same pieces (:func:`embed_inputs`,
     the family's layer function, :func:`final_logits`) one layer program at a time instead.

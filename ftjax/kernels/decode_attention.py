@@ -10,7 +10,8 @@ its share of the filled positions, ``chunk = ceil(ceil(length / n_split) / block
 keys starting at ``s * chunk``, in blocks of ``block_k`` with an online softmax in float32 (running
 max m, running sum l, unnormalised output; FlashAttention, Dao et al. 2022). Splitting the keys
 over ``n_split`` programs keeps the GPU busy at batch 1, where B * Hkv is only 4 programs
-(FlashDecoding, Dao et al. 2023); the split results are merged in jnp by their log-sum-exp.
+(FlashDecoding, Dao et al. 2023); the split results are merged by their log-sum-exp, in jnp
+(:func:`merge_splits`) or in the prologue of the wo product (``dense_decode.merge_dense_decode``).
 Splits are sized by the filled length, not by S_max, so every split does work and none reads an
 unfilled position. The cache is passed whole ([L, B, S_max, Hkv, hd]) with the layer index, so
 the layer's slice is never copied out of the scan carry.
@@ -50,6 +51,11 @@ def supported(q: jax.Array, k_cache: jax.Array, block_k: int = BLOCK_K) -> bool:
     bk = min(block_k, s)
     return (hq % hkv == 0 and hd >= 16 and hd & (hd - 1) == 0 and bk >= 16 and bk & (bk - 1) == 0
             and s % bk == 0 and jnp.issubdtype(q.dtype, jnp.floating))
+
+
+def query_rows(g: int) -> int:
+    """Rows of the query tile of a KV head's g query heads: :data:`MIN_ROWS`, or g's next power of two."""
+    return max(MIN_ROWS, pl.next_power_of_2(g))
 
 
 def _kernel(len_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, bk, n_split, scale, offset):
@@ -98,7 +104,7 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer
     b, _, hq, hd = q.shape
     hkv = k_cache.shape[3]
     g = hq // hkv
-    rows = max(MIN_ROWS, pl.next_power_of_2(g))
+    rows = query_rows(g)
     qg = jnp.pad(q.reshape(b, hkv, g, hd), ((0, 0), (0, 0), (0, rows - g), (0, 0)))
     return grouped(qg, k_cache, v_cache, layer, lengths, g=g, offset=offset, interpret=interpret, block_k=block_k,
                    n_split=n_split, num_warps=num_warps, num_stages=num_stages)

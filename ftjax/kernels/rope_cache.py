@@ -59,9 +59,8 @@ def supported(qkv: jax.Array, hq: int, hkv: int, hd: int, k_cache: jax.Array, q_
 
 
 def query_rows(hq: int, hkv: int) -> int:
-    """Rows of the query tile per KV head (``decode_attention.MIN_ROWS`` or the GQA group's next
-    power of two)."""
-    return max(decode_attention.MIN_ROWS, pl.next_power_of_2(hq // hkv))
+    """Rows of the query tile per KV head (``decode_attention.query_rows`` of the GQA group)."""
+    return decode_attention.query_rows(hq // hkv)
 
 
 def _inv_freq(theta: float, hd: int) -> jax.Array:

@@ -47,7 +47,8 @@ import jax
 #: stacked over layers (:mod:`ftjax.kernels.dense_decode`), and the same kernel with the RMSNorm before
 #: them in one launch (``norm_dense_decode``, in that module: the input norm + wq/wk/wv, the MoE norm +
 #: router; selected alone, the other projections take the sliced weights), and the decode attention's
-#: prologue (:mod:`ftjax.kernels.rope_cache`: q/k norms, RoPE, the K/V cache write; with ``decode_attention``)
+#: prologue (:mod:`ftjax.kernels.rope_cache`: q/k norms, RoPE, the K/V cache write; with ``decode_attention`` and
+#: ``dense_decode`` or ``norm_dense_decode``, whose stacked weights it needs)
 #: and its epilogue (``merge_dense_decode`` in :mod:`ftjax.kernels.dense_decode`: the key splits' merge in the
 #: prologue of the wo product; after ``rope_cache``), and the cached mode's LRU slot-table lookup of a decode
 #: layer (:mod:`ftjax.kernels.slot_lookup`).

@@ -602,7 +602,8 @@ def stacked_dense(layers: Params, token_shape: tuple[int, ...], qk_norm: str = "
     out = {k: layers[k] for k in STACKED_NAMES if k in layers and getattr(layers[k], "ndim", 0) == 3}
     if norm_on:
         out.update({k: layers[k] for k in STACKED_NORMS if k in layers and getattr(layers[k], "ndim", 0) == 2})
-    if qk_norm == "per_head" and select.mode("rope_cache", auto=auto) != "xla":
+    if qk_norm == "per_head" and select.mode("rope_cache", auto=auto) != "xla" \
+            and select.mode("decode_attention") != "xla":  # rope_cache runs only with it
         out.update({k: layers[k] for k in STACKED_QK_NORMS if k in layers and getattr(layers[k], "ndim", 0) == 2})
     return out
 

@@ -132,6 +132,8 @@ def test_stacked_dense_passes_the_qk_norms_only_with_the_kernel(monkeypatch):
     assert set(model_lib.stacked_dense(layers, (1, 1), "full")) == {"wq", "attn_norm"}  # [L, H * hd]: the jnp path
     monkeypatch.setenv(select.ENV, "norm_dense_decode,decode_attention")
     assert set(model_lib.stacked_dense(layers, (1, 1), "per_head")) == {"wq", "attn_norm"}
+    monkeypatch.setenv(select.ENV, "norm_dense_decode,rope_cache")  # the kernel runs only with decode_attention
+    assert set(model_lib.stacked_dense(layers, (1, 1), "per_head")) == {"wq", "attn_norm"}
 
 
 @pytest.mark.parametrize("kernels", ["dense_decode,norm_dense_decode,rope_cache,decode_attention",

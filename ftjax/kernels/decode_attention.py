@@ -60,7 +60,7 @@ def query_rows(g: int) -> int:
 
 def _kernel(len_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, bk, n_split, scale, offset):
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    layer = layer_ref[0]
+    layer = select.wrap_clamp(layer_ref[0], k_ref.shape[0])  # as a jnp index: negative ids wrap, others clamp
     length = jnp.clip(len_ref[b] + offset, 1, k_ref.shape[2])  # here, not as one more XLA kernel per layer
     chunk = pl.cdiv(pl.cdiv(length, n_split), bk) * bk
     lo = s * chunk

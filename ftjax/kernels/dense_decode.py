@@ -468,14 +468,22 @@ def maybe_norm(x: jax.Array, norm_w: jax.Array, eps: float, ws, layer: jax.Array
     return [y.reshape(*lead, y.shape[-1]) for y in ys], (None if xn is None else xn.reshape(x.shape))
 
 
+#: Whether ``FTJAX_KERNELS=auto`` runs :func:`merge_dense_decode` on a GPU (16-bit weights). Not yet: in two
+#: H200 processes (issue 13, session 12) it took 0.21-0.37 ms off a resident batch-1 step (5.96 -> 5.75,
+#: 6.04 -> 5.67 ms) but added 0.6-1.2 ms to the cached step's fixed cost over resident + misses / B_P (1.25 ->
+#: 2.49, 1.08 -> 1.71 ms; the cached 24 GB ratio 1.144 -> 1.228), for reasons not found yet. Both modes must run
+#: the same kernels (cached = resident bit for bit), so it stays selectable by name only.
+MERGE_AUTO = False
+
+
 def maybe_merge(o: jax.Array, m: jax.Array, l: jax.Array, g: int, dtype, w: jax.Array,
                 layer: jax.Array) -> jax.Array | None:
     """:func:`merge_dense_decode` ([B, N]) of a model call when ``FTJAX_KERNELS`` selects
     ``merge_dense_decode`` for these operands (:func:`plan`, the rows [B, Hkv * g * hd] of ``dtype``;
-    under ``auto``: :func:`auto_for`) and :func:`supported_merge` takes them, else None (the caller
-    merges with ``decode_attention.merge_splits`` and projects)."""
+    not under ``auto``: :data:`MERGE_AUTO`) and :func:`supported_merge` takes them, else None (the
+    caller merges with ``decode_attention.merge_splits`` and projects)."""
     x = jax.ShapeDtypeStruct((o.shape[0], o.shape[1] * g * o.shape[4]), dtype)
-    how, t = plan(x, w, "merge_dense_decode")
+    how, t = plan(x, w, "merge_dense_decode", auto=MERGE_AUTO and auto_for(w.dtype))
     t["block_k"] = min(t["block_k"], o.shape[4])  # a K tile within one head (halving keeps k_split's fit)
     if how == "xla" or not supported_merge(o, m, l, w, g, dtype, t["block_k"], t["block_n"], t["k_split"]):
         return None

@@ -50,8 +50,8 @@ import jax
 #: prologue (:mod:`ftjax.kernels.rope_cache`: q/k norms, RoPE, the K/V cache write; with ``decode_attention`` and
 #: ``dense_decode`` or ``norm_dense_decode``, whose stacked weights it needs)
 #: and its epilogue (``merge_dense_decode`` in :mod:`ftjax.kernels.dense_decode`: the key splits' merge in the
-#: prologue of the wo product; after ``rope_cache``), and the cached mode's LRU slot-table lookup of a decode
-#: layer (:mod:`ftjax.kernels.slot_lookup`).
+#: prologue of the wo product; after ``rope_cache``; by name only, not under ``auto``), and the cached mode's LRU
+#: slot-table lookup of a decode layer (:mod:`ftjax.kernels.slot_lookup`).
 KERNELS = ("moe_decode", "decode_attention", "flash_prefill", "dense_decode", "norm_dense_decode", "rope_cache",
            "merge_dense_decode", "slot_lookup")
 ENV = "FTJAX_KERNELS"

@@ -11,8 +11,14 @@
 * ``dense_decode``: the decode step's dense projections (wq, wk, wv, wo, router) as a GEMV that
   reads the weights stacked over layers in place; ``norm_dense_decode`` in the same module: the
   RMSNorm and several of those projections in one launch (reference: ``model.rms_norm`` then
-  ``x @ w[layer]``).
+  ``x @ w[layer]``); ``merge_dense_decode``: the wo projection with decode attention's split merge in
+  its prologue (reference: ``decode_attention.merge_splits`` then the product; by name only).
+* ``rope_cache``: decode attention's prologue, the q/k norms, RoPE and the K/V cache write in one
+  launch (reference: ``model._qk`` and the cache scatter of ``model.attention_inputs``).
+* ``slot_lookup``: the cached mode's LRU slot-table lookup of a decode layer (reference:
+  ``ftjax.experts.slot_table.lookup_layer``).
 
 All but ``grouped_matmul`` are chosen at trace time by ``FTJAX_KERNELS`` (``select``): kernels on
-GPUs by default (the dense ones for 16-bit weights), the jnp references on the CPU.
+GPUs by default (the dense ones and ``rope_cache`` for 16-bit weights; ``merge_dense_decode`` only
+when named), the jnp references on the CPU.
 """

@@ -418,7 +418,7 @@ def _rope_cache_inputs(cfg: ModelConfig, lp: Params, h: jax.Array, layer: jax.Ar
     norm_w = getattr(lp["attn_norm"], "w", lp["attn_norm"])
     dtype = jnp.result_type(norm_w.dtype, h.dtype, ws[0].w.dtype)  # the projections' (norm_dense_decode's)
     norms = (lp["q_norm"], lp["k_norm"]) if cfg.qk_norm == "per_head" else (None, None)
-    q_dtype = jnp.result_type(getattr(norms[0], "w", norms[0]).dtype, dtype) if norms[0] is not None else dtype
+    q_dtype = rope_cache.query_dtype(getattr(norms[0], "w", norms[0]).dtype if norms[0] is not None else None, dtype)
     parts_shape = jax.ShapeDtypeStruct((1, b, sum(w.w.shape[-1] for w in ws)), dtype)
     ok = rope_cache.supported(parts_shape, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, ck, q_dtype) and \
         select.dot_dtype_ok(q_dtype)

@@ -127,10 +127,7 @@ def grouped(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Ar
     bk = min(block_k, s_max)
     lengths = lengths.astype(jnp.int32)  # + offset, clipped to [1, S_max] inside the kernel
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    params = None
-    if not interpret:
-        from jax.experimental.pallas import triton as pltriton
-        params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    params = select.triton_params(interpret, num_warps, num_stages)
     f32 = jnp.float32
     out_shape = (jax.ShapeDtypeStruct((b, hkv, n_split, rows, hd), f32),
                  jax.ShapeDtypeStruct((b, hkv, n_split, rows), f32), jax.ShapeDtypeStruct((b, hkv, n_split, rows), f32))

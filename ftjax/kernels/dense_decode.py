@@ -204,10 +204,7 @@ def _call(x, ws, layer, norm_w, eps, write_x, interpret, block_k, block_n, num_w
     for w in ws:
         cols.append((b0, w.shape[2] // bn, off))
         b0, off = b0 + w.shape[2] // bn, off + w.shape[2]
-    params = None
-    if not interpret:
-        from jax.experimental.pallas import triton as pltriton
-        params = pltriton.CompilerParams(num_warps=num_warps)
+    params = select.triton_params(interpret, num_warps)
     out_shape = [jax.ShapeDtypeStruct((m, off), out_dtype) if k_split == 1
                  else jax.ShapeDtypeStruct((k_split, m, off), jnp.float32)]
     if write_x:

@@ -96,10 +96,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array, 
     b, t, hq, hd = q.shape
     s_max, hkv = k.shape[1], k.shape[2]
     bq, bk = min(block_q, t), min(block_k, s_max)
-    params = None
-    if not interpret:
-        from jax.experimental.pallas import triton as pltriton
-        params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    params = select.triton_params(interpret, num_warps, num_stages)
     return pl.pallas_call(
         functools.partial(_kernel, bq=bq, bk=bk, group=hq // hkv, scale=hd ** -0.5),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), grid=(b, hq, t // bq),

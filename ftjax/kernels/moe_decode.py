@@ -249,11 +249,6 @@ def _down_kernel_int4(slots_ref, h_ref, dn_ref, s_ref, y_ref, *, bd, bf):
     y_ref[p, pl.ds(c0, half), 1] = yo.astype(y_ref.dtype)
 
 
-def _compiler_params(num_warps: int | None, num_stages: int | None):
-    from jax.experimental.pallas import triton as pltriton
-    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-
-
 @functools.partial(jax.jit, static_argnames=("fmt", "interpret", "block_d", "block_f", "num_warps", "num_stages",
                                              "d_split", "down_cols", "down_rows"))
 def moe_decode_pairs(x: jax.Array, slots: jax.Array, gate_up: jax.Array, down: jax.Array,
@@ -291,7 +286,7 @@ def moe_decode_pairs(x: jax.Array, slots: jax.Array, gate_up: jax.Array, down: j
     sg, sd = scales if scales is not None else (None, None)
     extra_g = () if fmt == "dense" else (sg.astype(jnp.float32),)
     extra_d = () if fmt == "dense" else (sd.astype(jnp.float32),)
-    params = None if interpret else _compiler_params(num_warps, num_stages)
+    params = select.triton_params(interpret, num_warps, num_stages)
     bf1, bd1 = min(block_f, f), min(block_d, d)
     bd2, bf2 = min(down_cols or block_f, d), min(down_rows or block_d, f)
     if fmt == "int4":

@@ -58,6 +58,12 @@ def supported(qkv: jax.Array, hq: int, hkv: int, hd: int, k_cache: jax.Array, q_
     return decode_attention.supported(q, k_cache)
 
 
+def query_dtype(q_norm_dtype, dtype) -> jnp.dtype:
+    """The normed, rotated q's dtype: ``jnp.result_type(q_norm, dtype)`` as ``model.rms_norm`` gives it,
+    or the projection's ``dtype`` for a family without q/k norms (``q_norm_dtype`` None)."""
+    return jnp.dtype(dtype) if q_norm_dtype is None else jnp.result_type(q_norm_dtype, dtype)
+
+
 def query_rows(hq: int, hkv: int) -> int:
     """Rows of the query tile per KV head (``decode_attention.query_rows`` of the GQA group)."""
     return decode_attention.query_rows(hq // hkv)
@@ -183,7 +189,7 @@ def rope_cache(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | Non
     norm = q_norm is not None
     if norm != (k_norm is not None):
         raise ValueError("rope_cache: q_norm and k_norm must both be given or both be None")
-    q_dtype = jnp.result_type(q_norm.dtype, dtype) if norm else jnp.dtype(dtype)
+    q_dtype = query_dtype(q_norm.dtype if norm else None, dtype)
     if not supported(qkv, hq, hkv, hd, k_cache, q_dtype) or v_cache.shape != k_cache.shape \
             or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"rope_cache: unsupported operands (qkv {qkv.shape} {qkv.dtype}, hq={hq} hkv={hkv}, caches "
@@ -199,10 +205,7 @@ def rope_cache(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | Non
     lid = jnp.asarray(layer, jnp.int32).reshape(1)
     norms = (q_norm, k_norm) if norm else ()
     operands = (pos, lid, inv_freq, qkv) + norms + (k_cache, v_cache)
-    params = None
-    if not interpret:
-        from jax.experimental.pallas import triton as pltriton
-        params = pltriton.CompilerParams(num_warps=num_warps)
+    params = select.triton_params(interpret, num_warps)
     out_shape = (jax.ShapeDtypeStruct((b, hkv, rows, hd), q_dtype),
                  jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
     n_in = len(operands)

@@ -122,3 +122,12 @@ def wrap_clamp(i: jax.Array, n: int) -> jax.Array:
     tiny XLA kernel per layer of a decode step (H200 trace, ~1.5 us each plus the launch gap)."""
     return jax.numpy.clip(jax.numpy.where(i < 0, i + n, i), 0, n - 1)
 
+
+def triton_params(interpret: bool, num_warps: int | None = None, num_stages: int | None = None):
+    """The ``compiler_params`` of a decode / prefill kernel's ``pallas_call``: None in interpret mode,
+    else the Triton backend's ``CompilerParams`` (None fields: Triton's defaults). Imported here, at
+    trace time, so the CPU-only paths never load the Triton module."""
+    if interpret:
+        return None
+    from jax.experimental.pallas import triton as pltriton
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)

@@ -101,7 +101,6 @@ def _kernel(layer_ref, clock_ref, ids_ref, valid_ref, slot_in, id_in, lu_in,
     n_ref[1] = n_hit
 
 
-
 @functools.partial(jax.jit, static_argnames=("num_experts", "interpret", "num_warps"))
 def lookup_lru(ids: jax.Array, valid: jax.Array, slot_of: jax.Array, id_of_slot: jax.Array, last_use: jax.Array,
                clock: jax.Array, layer: jax.Array, *, num_experts: int, interpret: bool = False,
@@ -129,9 +128,7 @@ def lookup_lru(ids: jax.Array, valid: jax.Array, slot_of: jax.Array, id_of_slot:
                          f"last_use {last_use.shape}, valid {valid.shape})")
     s_pad = pl.next_power_of_2(s)
     i32 = jnp.int32
-    params = None
-    if not interpret:
-        params = plt.CompilerParams(num_warps=num_warps)
+    params = select.triton_params(interpret, num_warps)
     out_shape = (jax.ShapeDtypeStruct(slot_of.shape, i32), jax.ShapeDtypeStruct((s,), i32),
                  jax.ShapeDtypeStruct((s,), i32)) + (jax.ShapeDtypeStruct((e,), i32),) * 4 + (
                      jax.ShapeDtypeStruct((2,), i32),)

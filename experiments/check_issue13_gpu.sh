@@ -6,9 +6,11 @@
 #                                 "targets" hold resident step / HBM floor and cached / (resident + misses / B_P)
 #   bench_decode_<preset>.json    decode tokens/s at 8 GB with --cache_policy=lookahead, batch 1
 #   check_identity_gpu.json       resident vs cached logits bit for bit (bf16 fixtures)
-#   check_kernels_gpu.json        the decode attention's prologue / epilogue kernels vs their jnp paths, and the
+#   check_kernels_gpu.json        the decode attention's prologue / epilogue kernels and the slot lookup vs their jnp paths, and the
 #                                 16-layer resident 8192-token prefill (XLA vs the flash kernels)
-# and a log per script. Usage (from the repository root):  bash experiments/check_issue13_gpu.sh
+# and one log of all four scripts, check_issue13_gpu.log (the device tool brings back at most 8 files: a log per script
+# made 9 with the JSONs, and the profile JSON was the one left behind). Usage (from the repository root):
+#   bash experiments/check_issue13_gpu.sh
 # The decode steps run with GEMM autotuning off (DECODE_XLA_FLAGS; the session 9-12 tables used it), the prefill
 # with XLA's defaults: autotuning off made the 8192-token prefill 3.9x slower (0.363 s vs 0.092 s, session 12).
 set -uo pipefail
@@ -20,14 +22,19 @@ decode_flags="${DECODE_XLA_FLAGS:---xla_gpu_autotune_level=0}"
 step() {  # name timeout_s xla_flags script args...
   local name=$1 limit=$2 flags=$3; shift 3
   echo "== $name"
-  XLA_FLAGS="$flags" timeout "$limit" python3 "$@" --out_dir="$out" > "$out/$name.log" 2>&1
-  echo "$name rc=$?"
-  grep -v -E "^[IWE][0-9]{4} " "$out/$name.log" | tail -4
+  local log="$TMPDIR_LOGS/$name.log"
+  XLA_FLAGS="$flags" timeout "$limit" python3 "$@" --out_dir="$out" > "$log" 2>&1
+  local rc=$?
+  { echo "== $name rc=$rc"; cat "$log"; } >> "$out/check_issue13_gpu.log"
+  echo "$name rc=$rc"
+  grep -v -E "^[IWE][0-9]{4} " "$log" | tail -4
 }
+TMPDIR_LOGS=$(mktemp -d)
+: > "$out/check_issue13_gpu.log"
 step profile_step 240 "$decode_flags" experiments/profile_step.py --prefill_repeats=0 --runs=resident_decode,cached_decode \
   --batches=1,4
 step bench_decode 130 "$decode_flags" experiments/bench_decode.py --modes=cached --cache_policies=lookahead --batches=1 \
   --steps=64 --vram_budget_gb=8
 step check_identity_gpu 80 "$decode_flags" experiments/check_identity_gpu.py --variants=cached_S=E,cached_S=2E
-step check_kernels_gpu 110 "${XLA_FLAGS:-}" experiments/check_kernels_gpu.py --sections=rope_cache,e2e_prefill \
-  --time_budget_s=100
+step check_kernels_gpu 150 "${XLA_FLAGS:-}" experiments/check_kernels_gpu.py --sections=rope_cache,slot_lookup,e2e_prefill \
+  --time_budget_s=140

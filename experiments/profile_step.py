@@ -14,7 +14,10 @@ Random weights at --preset (``ftjax.checkpoint.random_model``). Runs (--runs):
 
 For each: a prompt of --prompt_len tokens is prefilled, --warm_steps decode steps run untimed,
 --timed_steps are timed one by one (``step_s``: median / p10 / p90 / min / max, seconds; each step
-waits for its logits), then --trace_steps steps run under ``jax.profiler`` (perfetto trace in
+waits for its logits), then --pipelined_steps run back to back with one wait at the end, as
+``Engine.generate`` decodes (``pipelined_step_s``: their mean, seconds: the host's dispatch of a step
+overlaps the device's work on the one before, so this is the TPOT a generation sees; the timed steps
+add each step's dispatch and wake-up to it), then --trace_steps steps run under ``jax.profiler`` (perfetto trace in
 --trace_dir), each inside a host annotation ``profile_step#<i>``. The prefill run times
 --prefill_repeats calls after one warm-up and traces one. Each trace is reduced by
 ``experiments.timeline.step_breakdown``: per step, device time per op category (attention, router,
@@ -75,6 +78,8 @@ flags.DEFINE_list("runs", list(RUNS), f"What to profile: {', '.join(RUNS)}.")
 flags.DEFINE_integer("prompt_len", 512, "Prompt tokens before the decode steps.")
 flags.DEFINE_integer("warm_steps", 8, "Untimed decode steps before the timed ones.")
 flags.DEFINE_integer("timed_steps", 16, "Decode steps timed one by one.")
+flags.DEFINE_integer("pipelined_steps", 16, "Decode steps run back to back (one wait at the end), after the "
+                     "timed ones: pipelined_step_s.")
 flags.DEFINE_integer("trace_steps", 3, "Decode steps traced.")
 flags.DEFINE_integer("prefill_tokens", 8192, "Tokens of the resident prefill chunk.")
 flags.DEFINE_integer("prefill_repeats", 3, "Timed prefill calls (after one warm-up).")
@@ -89,7 +94,8 @@ flags.DEFINE_string("hlo_dir", None, "Where the compiled decode steps' HLO text 
 flags.DEFINE_string("trace_dir", None, "Where the raw traces go (default: a temporary folder).")
 flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
 
-_next_token = jax.jit(lambda logits: jnp.argmax(logits, axis=-1).astype(jnp.int32))
+# int32 [B, 1]: the greedy next tokens, shaped as the decode step's input (no reshape dispatch per step)
+_next_token = jax.jit(lambda logits: jnp.argmax(logits, axis=-1).astype(jnp.int32)[:, None])
 
 
 # --------------------------------------------------------------------------------------------
@@ -188,7 +194,7 @@ def _stats(outs) -> tuple[float, float]:
 def decode_run(model, mode: str, batch: int, slots: int | None, trace_dir: str) -> dict:
     """Profile of --trace_steps decode steps at ``batch`` after a --prompt_len prefill (module docstring)."""
     cfg = model.cfg
-    n_steps = FLAGS.warm_steps + FLAGS.timed_steps + FLAGS.trace_steps
+    n_steps = FLAGS.warm_steps + FLAGS.timed_steps + FLAGS.pipelined_steps + FLAGS.trace_steps
     max_seq_len = -(-(FLAGS.prompt_len + n_steps + 2) // 128) * 128
     eng = Engine(model, EngineConfig(mode, num_slots=slots, max_seq_len=max_seq_len, batch=batch,
                                      decode_gemm=FLAGS.decode_gemm, decode_graphs=FLAGS.decode_graphs))
@@ -201,7 +207,7 @@ def decode_run(model, mode: str, batch: int, slots: int | None, trace_dir: str) 
     opts, ones = eng._options(), np.ones(batch, np.int32)
 
     def step():
-        out = eng._step(state["tok"][:, None], state["pos"], ones, state["cache"], opts)
+        out = eng._step(state["tok"], state["pos"], ones, state["cache"], opts)
         out.logits.block_until_ready()
         state["cache"] = out.cache
         return out
@@ -226,6 +232,15 @@ def decode_run(model, mode: str, batch: int, slots: int | None, trace_dir: str) 
         times.append(time.perf_counter() - t)
         fetched_timed.append(_stats([out.layer_stats])[1])  # this step's misses (the routing varies by step)
         advance(out)
+    pipelined = None
+    if FLAGS.pipelined_steps:
+        t = time.perf_counter()
+        for _ in range(FLAGS.pipelined_steps):  # as Engine.generate: no wait between steps
+            out = eng._step(state["tok"], state["pos"], ones, state["cache"], opts)
+            state["cache"] = out.cache
+            state["tok"], state["pos"] = _next_token(out.logits), state["pos"] + 1
+        state["tok"].block_until_ready()
+        pipelined = (time.perf_counter() - t) / FLAGS.pipelined_steps
     pos0 = state["pos"].copy()
     outs, events = _trace_steps(step, FLAGS.trace_steps, os.path.join(trace_dir, f"{mode}_decode_b{batch}"), advance)
     distinct, fetched = _stats([o.layer_stats for o in outs])
@@ -233,6 +248,7 @@ def decode_run(model, mode: str, batch: int, slots: int | None, trace_dir: str) 
     key_pairs = int(round(rows_read))
     row = {"run": f"{mode}_decode", "variant": "decode", "mode": mode, "batch": batch, "tokens": batch,
            "slots": eng.num_slots, "prompt_len": FLAGS.prompt_len, "step_s": common.spread(times),
+           "pipelined_step_s": pipelined, "pipelined_steps": FLAGS.pipelined_steps,
            "timed_steps": {"s": times, "h2d_bytes": [int(f * model.expert_bytes) for f in fetched_timed]},
            "traced_steps": FLAGS.trace_steps, "routing": {"distinct_experts_per_step": distinct,
                                                            "fetched_experts_per_step": fetched,
@@ -304,7 +320,9 @@ def _label(r: dict) -> str:
 def tables(rows: list[dict]) -> str:
     """The summary table and the per-category milliseconds table of the finished rows."""
     ok = [r for r in rows if "profile" in r]
-    summary = [{"run": _label(r), "step_ms": r["step_s"]["median"] * 1e3, "span_ms": r["profile"]["span_s"] * 1e3,
+    summary = [{"run": _label(r), "step_ms": r["step_s"]["median"] * 1e3,
+                "pipelined_ms": (r.get("pipelined_step_s") or float("nan")) * 1e3,
+                "span_ms": r["profile"]["span_s"] * 1e3,
                 "gap_ms": r["profile"]["gap_s"] * 1e3, "floor_ms": r["floor"]["s"] * 1e3,
                 "step/floor": r["ratio_to_floor"], "HBM_MB": r["bytes"]["hbm_total"] / 1e6,
                 "H2D_MB": r["bytes"]["h2d_link"] / 1e6, "GBps": r["achieved_hbm_GBps"],
@@ -351,7 +369,7 @@ def main(argv):
             else:
                 slots = None
                 if run == "cached_decode":
-                    n_steps = FLAGS.warm_steps + FLAGS.timed_steps + FLAGS.trace_steps
+                    n_steps = FLAGS.warm_steps + FLAGS.timed_steps + FLAGS.pipelined_steps + FLAGS.trace_steps
                     plan = plan_memory(cfg, itemsize, budget_bytes=int(FLAGS.vram_budget_gb * GB), batch=batch,
                                        max_seq_len=-(-(FLAGS.prompt_len + n_steps + 2) // 128) * 128,
                                        expert_bytes=model.expert_bytes)

@@ -384,7 +384,9 @@ def step_breakdown(events: list[dict], op_names: dict[str, str] | None = None, p
 
 def targets(rows: list[dict], bp_gbps: float) -> dict:
     """Issue 13's decode targets from the finished rows of one run (same process, same machine):
-    per batch B, ``resident_bB_over_floor`` (the resident step / its floor; target <= 2.5 at B = 1) and,
+    per batch B, ``resident_bB_over_floor`` (the resident step / its floor; target <= 2.5 at B = 1), where the
+    row has ``pipelined_step_s`` ``resident_bB_pipelined_over_floor`` (the mean of steps run back to back / the
+    floor), and,
     where the cached run of that batch finished too, ``cached_bB_over_resident_plus_misses``: the
     cached step / (the resident step + the cached step's H2D bytes / B_P in GB/s) (target <= 1.15 at
     24 GB): where the cached row has ``timed_steps`` (each timed step's seconds and H2D bytes), the
@@ -397,6 +399,8 @@ def targets(rows: list[dict], bp_gbps: float) -> dict:
         if run != "resident_decode":
             continue
         out[f"resident_b{batch}_over_floor"] = r["ratio_to_floor"]
+        if r.get("pipelined_step_s"):  # the steps run back to back, as a generation decodes
+            out[f"resident_b{batch}_pipelined_over_floor"] = r["pipelined_step_s"] / r["floor"]["s"]
         cached = done.get(("cached_decode", batch))
         if cached is None:
             continue

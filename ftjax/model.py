@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from ftjax.config import ModelConfig
+from ftjax.experts.state import LayerStats
 from ftjax.kernels import decode_attention, dense_decode, flash_prefill, rope_cache, select
 
 Params = dict[str, Any]
@@ -644,16 +645,24 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, start: jax.Arra
     stacked = stacked_dense(params["layers"], tokens.shape, cfg.qk_norm)
     layers_xs = {k: v for k, v in params["layers"].items() if k not in stacked}
 
+    packed = []  # set while the scan traces the body: its LayerStats went out as LayerStats.packed's pair
+
     def body(carry, xs):
         lp, l, hx = xs
         if stacked:
             lp = {**lp, **{k: StackedWeight(w, l) for k, w in stacked.items()}}
-        return layer_fn(cfg, lp, l, carry, inputs, expert_fn, kv_hook, hx)
+        carry, (stats, hy) = layer_fn(cfg, lp, l, carry, inputs, expert_fn, kv_hook, hx)
+        if isinstance(stats, LayerStats):
+            packed.append(True)
+            stats = stats.packed()
+        return carry, (stats, hy)
 
     hook_xs = kv_hook.scan_xs() if kv_hook is not None else None
     carry = LayerCarry(h, cache.k, cache.v, expert_state, kv_hook.init_carry() if kv_hook is not None else None)
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     carry, (stats, kv_out) = jax.lax.scan(body, carry, (layers_xs, layer_ids, hook_xs))
+    if packed:
+        stats = LayerStats.unpacked(*stats)
     logits = final_logits(params, cfg, carry.h, valid_len, all_logits)
     return ForwardOut(logits, KVCache(carry.k, carry.v), carry.expert_state, stats, kv_out)
 

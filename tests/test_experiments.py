@@ -466,7 +466,8 @@ def test_profile_step_smoke(tmp_path):
     """Every run profiled on the CPU backend (host events per HLO instruction): the categories
     account for the busy time, the named blocks all show up, bytes and floor as documented."""
     d = _run("profile_step", tmp_path, "--preset=tiny", "--dtype=float32", "--vram_budget_gb=1.02", "--prompt_len=32",
-             "--prefill_tokens=256", "--warm_steps=2", "--timed_steps=3", "--trace_steps=2", "--hbm_gb=0.0625")
+             "--prefill_tokens=256", "--warm_steps=2", "--timed_steps=3", "--pipelined_steps=4", "--trace_steps=2",
+             "--hbm_gb=0.0625")
     _meta(d)
     assert d["hbm"]["GBps"] > 0 and d["hbm"]["bytes"] == 2 * 2**26
     runs = {(r["run"], r["batch"]): r for r in d["runs"]}
@@ -491,10 +492,16 @@ def test_profile_step_smoke(tmp_path):
         assert r["floor"]["hbm_s"] == pytest.approx(b["hbm_total"] / (d["hbm"]["GBps"] * 1e9))
         assert r["floor"]["s"] == max(r["floor"]["hbm_s"], r["floor"]["h2d_s"])
         assert r["ratio_to_floor"] == pytest.approx(r["step_s"]["median"] / r["floor"]["s"])
+        if key[0] != "resident_prefill":  # 4 steps back to back: a positive mean, each step its own result
+            assert r["pipelined_steps"] == 4 and 0 < r["pipelined_step_s"] < 4 * r["step_s"]["max"]
         assert cats["experts"]["bytes"] == b["hbm"]["experts"] and r["flops"] > 0 and r["xla_cost"]["flops"] > 0
     assert runs[("resident_decode", 1)]["routing"]["distinct_experts_per_step"] == 4 * 4  # L layers x top-k
     assert runs[("resident_decode", 4)]["routing"]["fetched_experts_per_step"] == 0
     assert runs[("resident_prefill", 1)]["tokens"] == 256
+    for b in (1, 4):
+        r = runs[("resident_decode", b)]
+        assert d["targets"][f"resident_b{b}_pipelined_over_floor"] == pytest.approx(
+            r["pipelined_step_s"] / r["floor"]["s"])
     sys.path.insert(0, str(ROOT / "experiments"))
     import plots
     assert plots.plot(str(tmp_path / "profile_step_tiny.json"), str(tmp_path / "p.png"))

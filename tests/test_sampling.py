@@ -22,7 +22,7 @@ from ftjax.config import EngineConfig
 from ftjax.sampling import GREEDY_BELOW, check_sampling, sample
 
 N = 20000
-_sample = jax.jit(sample, static_argnames=("temperature", "top_p"))  # as in ftjax/engine.py
+_sample = jax.jit(sample, static_argnames=("temperature", "top_p"))  # as ftjax/engine.py's _sample_next draws
 NEG = -np.inf
 
 

@@ -105,6 +105,18 @@ class LayerStats(NamedTuple):
         """Stats of a layer whose every miss was fetched."""
         return cls(hits, misses, misses, jnp.int32(0), routed_ids)
 
+    def packed(self) -> tuple[jax.Array, jax.Array]:
+        """(int32 [4] or [5]: hits, misses, fetched, cpu[, d2d]; routed_ids): one layer's stats as a layer scan
+        stacks them. One counter vector is one write per layer into the scan's output; five scalars were one
+        each, and XLA makes each a copy kernel inside the decode step's layer loop (H200 trace, issue 13)."""
+        counts = [self.hits, self.misses, self.fetched, self.cpu] + ([self.d2d] if self.d2d is not None else [])
+        return jnp.stack([jnp.asarray(c, jnp.int32) for c in counts]), self.routed_ids
+
+    @classmethod
+    def unpacked(cls, counts: jax.Array, routed_ids: jax.Array) -> "LayerStats":
+        """The inverse of :meth:`packed` over a leading axis: counts int32 [..., 4 or 5] -> fields [...]."""
+        return cls(*(counts[..., i] for i in range(4)), routed_ids, counts[..., 4] if counts.shape[-1] == 5 else None)
+
 
 def init_expert_state(mode: str, num_layers: int, num_experts: int, num_slots: int, banks: ExpertBanks,
                       dtype, track_recency: bool = False) -> ExpertState:

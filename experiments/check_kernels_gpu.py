@@ -5,7 +5,8 @@ kernel vs XLA time, and the resident decode step / prefill with the kernels on a
   PYTHONPATH=. python experiments/check_kernels_gpu.py --sections=moe --moe_slots=280 --out_dir=/tmp/k
   PYTHONPATH=. python experiments/check_kernels_gpu.py --smoke --out_dir=/tmp/k   # CPU: tiny shapes, interpreted
 
-Sections (--sections; by default in the order moe, decode_attention, rope_cache, slot_lookup, flash_prefill, e2e,
+Sections (--sections; by default in the order moe, decode_attention, rope_cache, slot_lookup, route_decode,
+flash_prefill, e2e,
 e2e_prefill; each check in its own try/except, the JSON rewritten after every check, so a
 failure or a timeout keeps what ran before it):
 
@@ -27,6 +28,9 @@ failure or a timeout keeps what ran before it):
   ``decode_attention.merge_splits`` then the reference product.
 * ``slot_lookup``: ``ftjax.kernels.slot_lookup`` vs ``slot_table.lookup_layer`` (lru) over a random decode
   of qwen3-30b-a3b's 24 GB table (1975 slots), batch 1 and 4: outputs bit for bit, time per lookup.
+* ``route_decode``: ``ftjax.kernels.route_decode`` vs ``model.top_k_route`` on the summed partial logits
+  (qwen3-30b-a3b's router: 32 K-split parts of 128 logits, top-8, bf16), batch 1 and 4: ids differing over
+  200 random draws, the largest weight difference, time per call.
 * ``flash_prefill``: ``flash_prefill.flash_attention`` (Triton backend) and the shipped Mosaic GPU
   kernel (``mgpu_attention``) vs ``model.attention``: T=8192 from position 0 in an 8192 row, and
   (Triton kernel only) T=1024 from position 4096.
@@ -67,8 +71,8 @@ from experiments import common  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
-flags.DEFINE_list("sections", ["moe", "decode_attention", "rope_cache", "slot_lookup", "flash_prefill", "e2e",
-                              "e2e_prefill"],
+flags.DEFINE_list("sections", ["moe", "decode_attention", "rope_cache", "slot_lookup", "route_decode", "flash_prefill",
+                               "e2e", "e2e_prefill"],
                   "What to run.")
 flags.DEFINE_list("moe_slots", ["280", "6144"], "Pool sizes for the MoE kernel.")
 flags.DEFINE_list("moe_formats", ["dense", "int8", "fp8", "int4"], "Pool formats for the MoE kernel.")
@@ -127,7 +131,7 @@ def _summary(row: dict) -> str:
     """One short line per check for the log (the JSON has everything)."""
     keep = ("slots", "fmt", "batch", "s_max", "T", "start", "max_abs_diff", "speedup_vs_xla", "speedup", "GBps",
             "TFLOPs", "tpot_ms", "ttft_s", "bit_identical_to_resident", "greedy_ids_equal_xla",
-            "max_abs_logit_diff_vs_xla", "outputs_differing", "misses", "unsupported", "skipped")
+            "max_abs_logit_diff_vs_xla", "outputs_differing", "misses", "ids_differing", "unsupported", "skipped")
     parts = [f"{row['section']}: {row.get('name', '')}"]
     for key in ("xla_us", "kernel_us", "auto_us", "moe_decode_us"):
         if key in row:
@@ -397,7 +401,8 @@ def section_slot_lookup():
                 ref = ref_fn(table, layer, ids, valid)
                 got = ker_fn(table, layer, ids, valid)
                 want = (ref.table.slot_of, ref.table.id_of_slot, ref.table.last_use, ref.slot_of_expert,
-                        ref.miss_experts, ref.miss_slots, ref.evicted_ids, ref.n_miss, ref.n_hit)
+                        ref.miss_experts, ref.miss_slots, ref.evicted_ids, ref.n_miss, ref.n_hit,
+                        jnp.where(ref.miss_experts >= 0, layer * e + ref.miss_experts, -1), ref.slot_of_expert[ids])
                 bad += sum(int(not jnp.array_equal(a, b)) for a, b in zip(got, want))
                 misses += int(ref.n_miss)
                 table = ref.table
@@ -406,6 +411,38 @@ def section_slot_lookup():
                     "xla_us": median_us(ref_fn, table, jnp.int32(0), ids, valid),
                     "kernel_us": median_us(ker_fn, table, jnp.int32(0), ids, valid)}
         check("slot_lookup", "kernel vs lookup_layer", row, batch=batch, slots=s)
+
+
+def section_route_decode():
+    """``ftjax.kernels.route_decode`` compiled vs ``model.top_k_route`` on the summed partial logits on the GPU:
+    qwen3-30b-a3b's router (32 K-split parts of 128 logits, top-8, renormalised, bf16), batch 1 and 4, 200
+    random draws each: ids differing, largest weight difference; and the time of one call each way."""
+    from ftjax import model as model_lib
+    from ftjax.config import preset
+    from ftjax.kernels import route_decode as rd
+    cfg = preset("qwen3-30b-a3b") if not INTERPRET else dataclasses.replace(preset("tiny"), top_k=4)
+    p, e, k = (32 if not INTERPRET else 2), cfg.num_experts, cfg.top_k
+    bf = jnp.bfloat16
+    ref_fn = jax.jit(lambda parts: model_lib.top_k_route(cfg, jnp.sum(parts, axis=0).astype(bf), bf))
+    ker_fn = jax.jit(lambda parts: rd.route_decode(parts, top_k=k, norm_topk_prob=cfg.norm_topk_prob,
+                                                   logits_dtype=bf, dtype=bf, interpret=INTERPRET))
+    for batch in map(int, FLAGS.batches):
+        def row(batch=batch):
+            rng = np.random.default_rng(batch)
+            ids_bad = rows_bad = 0
+            wdiff = 0.0
+            for _ in range(200 if not INTERPRET else 5):
+                parts = jnp.asarray(rng.standard_normal((p, batch, e)) * 0.5, jnp.float32)
+                (ri, rw), (gi, gw) = ref_fn(parts), ker_fn(parts)
+                ids_bad += int(jnp.sum(ri != gi))
+                rows_bad += int(jnp.sum(jnp.any(ri != gi, axis=-1)))
+                same = jnp.all(ri == gi, axis=-1, keepdims=True)  # weights compared where the rows route alike
+                diff = jnp.abs(rw.astype(jnp.float32) - gw.astype(jnp.float32))
+                wdiff = max(wdiff, float(jnp.max(jnp.where(same, diff, 0.0))))
+            parts = jnp.asarray(rng.standard_normal((p, batch, e)), jnp.float32)
+            return {"draws": 200 if not INTERPRET else 5, "ids_differing": ids_bad, "rows_differing": rows_bad,
+                    "max_abs_diff": wdiff, "xla_us": median_us(ref_fn, parts), "kernel_us": median_us(ker_fn, parts)}
+        check("route_decode", "kernel vs top_k_route", row, batch=batch, parts=p)
 
 
 def section_flash_prefill():
@@ -603,7 +640,7 @@ def hbm_bandwidth() -> dict:
 
 
 SECTIONS = {"moe": section_moe, "decode_attention": section_decode_attention, "rope_cache": section_rope_cache,
-            "slot_lookup": section_slot_lookup,
+            "slot_lookup": section_slot_lookup, "route_decode": section_route_decode,
             "flash_prefill": section_flash_prefill, "e2e": section_e2e, "e2e_prefill": section_e2e_prefill}
 
 

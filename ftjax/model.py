@@ -38,7 +38,7 @@ import jax.numpy as jnp
 
 from ftjax.config import ModelConfig
 from ftjax.experts.state import LayerStats
-from ftjax.kernels import decode_attention, dense_decode, flash_prefill, rope_cache, select
+from ftjax.kernels import decode_attention, dense_decode, flash_prefill, rope_cache, route_decode, select
 
 Params = dict[str, Any]
 
@@ -524,6 +524,34 @@ class LayerCarry(NamedTuple):
     hook: Any
 
 
+def _route_decode(cfg: ModelConfig, lp: Params, h: jax.Array):
+    """(ids int32 [N, k], weights [N, k], the normed MLP input x [N, D]) of a decode call's router through
+    ``ftjax.kernels.route_decode`` on ``norm_dense_decode``'s partial logits, when ``FTJAX_KERNELS`` selects both
+    for a router read from the stacked weights; else None (:func:`norm_project` then :func:`top_k_route`).
+    Same arithmetic as that path (the summed logits rounded to the projection's dtype, softmax, top-k,
+    renormalisation, weights in x's dtype)."""
+    router, norm_w = lp["router"], lp["mlp_norm"]
+    if not isinstance(router, StackedWeight):
+        return None
+    g = norm_w.w if isinstance(norm_w, StackedWeight) else norm_w
+    b, t, _ = h.shape
+    x_dtype = jnp.result_type(g.dtype, h.dtype)  # norm_dense_decode's normed rows
+    normed = []
+
+    def parts():
+        got = dense_decode.maybe_norm(h, g, cfg.rms_norm_eps, [router.w], router.layer, write_x=True, sum_parts=False)
+        if got is None:
+            return None
+        (p,), x = got
+        normed.append(x)
+        return p, jnp.result_type(x_dtype, router.w.dtype)
+
+    got = route_decode.maybe(parts, b * t, cfg.num_experts, cfg.top_k, cfg.norm_topk_prob, x_dtype)
+    if got is None:
+        return None
+    return (*got, normed[0].reshape(b * t, -1))
+
+
 def decoder_layer(cfg: ModelConfig, lp: Params, layer: jax.Array, carry: LayerCarry, inputs: LayerInputs,
                   expert_fn: ExpertFn, kv_hook: KVHook | None = None, hook_xs: Any = None):
     """One decoder layer: attention (K/V written into the cache) then the routed-expert MLP.
@@ -546,9 +574,14 @@ def decoder_layer(cfg: ModelConfig, lp: Params, layer: jax.Array, carry: LayerCa
         h = h + attention_output(o, lp["wo"])
     with jax.named_scope("moe"):
         with jax.named_scope("router"):
-            (logits,), x = norm_project(cfg, h, lp["mlp_norm"], (lp["router"],), write_x=True)
-        x = x.reshape(b * t, -1)
-        ids, w = top_k_route(cfg, logits.reshape(b * t, -1), x.dtype)
+            routed = _route_decode(cfg, lp, h)
+            if routed is None:
+                (logits,), x = norm_project(cfg, h, lp["mlp_norm"], (lp["router"],), write_x=True)
+        if routed is None:
+            x = x.reshape(b * t, -1)
+            ids, w = top_k_route(cfg, logits.reshape(b * t, -1), x.dtype)
+        else:
+            ids, w, x = routed
         y, state, stats = expert_fn(state, layer, LayerRouting(x, ids, w, inputs.valid.reshape(-1)))
         h = h + y.reshape(b, t, -1).astype(h.dtype)
     return LayerCarry(h, ck, cv, state, hc), (stats, hy)

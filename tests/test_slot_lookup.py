@@ -19,13 +19,14 @@ from ftjax.kernels import select
 from ftjax.kernels import slot_lookup as sl
 
 NAMES = ("slot_of", "id_of_slot", "last_use", "slot_of_expert", "miss_experts", "miss_slots", "evicted_ids",
-         "n_miss", "n_hit")
+         "n_miss", "n_hit", "flat_miss", "pair_slots")
 
 
 def _reference(table, layer, ids, valid, e):
     ref = st.lookup_layer(table, layer, routed_mask(ids, valid, e), e, "lru")
+    flat = jnp.where(ref.miss_experts >= 0, layer * e + ref.miss_experts, -1)  # what the cached layer fetches
     return ref, (ref.table.slot_of, ref.table.id_of_slot, ref.table.last_use, ref.slot_of_expert, ref.miss_experts,
-                 ref.miss_slots, ref.evicted_ids, ref.n_miss, ref.n_hit)
+                 ref.miss_slots, ref.evicted_ids, ref.n_miss, ref.n_hit, flat, ref.slot_of_expert[ids])
 
 
 @pytest.mark.parametrize("layers,e,s,n,k", [(3, 16, 37, 2, 4), (2, 8, 8, 1, 2), (6, 16, 64, 3, 5), (3, 32, 40, 1, 8)])
@@ -42,6 +43,7 @@ def test_lookup_matches_lookup_layer_over_a_random_decode(layers, e, s, n, k):
         ref, want = _reference(table, layer, ids, valid, e)
         got = sl.lookup_lru(ids, valid, table.slot_of, table.id_of_slot, table.last_use, table.clock,
                             jnp.int32(layer), num_experts=e, interpret=True)
+        assert len(got) == len(want) == len(NAMES)
         for name, a, b in zip(NAMES, got, want):
             assert a.dtype == jnp.int32 and a.shape == b.shape, name
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"step {step}: {name}")

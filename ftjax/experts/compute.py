@@ -117,11 +117,12 @@ def experts_from_layer(x: jax.Array, ids: jax.Array, weights: jax.Array, gate_up
 
 def experts_from_pool(x: jax.Array, ids: jax.Array, weights: jax.Array, slot_of_expert: jax.Array,
                       gate_up: jax.Array, down: jax.Array, scales: tuple | None = None,
-                      fmt: str = "dense") -> jax.Array:
+                      fmt: str = "dense", pair_slots: jax.Array | None = None) -> jax.Array:
     """Expert FFN of one layer, weights read from pool slots (format ``fmt``, pool ``scales``).
 
     slot_of_expert: int32 [E], the pool slot of each of the layer's experts (only routed
-    experts need a valid slot). Picks the formulation from the static size N*k.
+    experts need a valid slot). Picks the formulation from the static size N*k. pair_slots:
+    ``slot_of_expert[ids]`` int32 [N, k] where the caller has it (the slot lookup kernel makes it), or None.
 
     Grouped: the layer's E experts are gathered from the pool in expert order (one device copy,
     1.2 GB for qwen3-30b-a3b, an estimated 0.5 ms of HBM traffic on an H200; a quantized format
@@ -134,7 +135,7 @@ def experts_from_pool(x: jax.Array, ids: jax.Array, weights: jax.Array, slot_of_
     10 s TTFT for a 16-token prompt (docs/MISS_POLICY.md, "Open").
     """
     with jax.named_scope("experts"):
-        slots = slot_of_expert[ids]
+        slots = slot_of_expert[ids] if pair_slots is None else pair_slots
         if ids.size <= GATHER_MAX_PAIRS:
             return experts_gather(x, slots, weights, gate_up, down, scales, fmt)
         safe = jnp.maximum(slot_of_expert, 0)

@@ -104,9 +104,11 @@ def make_expert_fn(mode: str, num_experts: int, banks: ExpertBanks | None = None
         if mode == "cached" and policy == "lru" and state.last_routed is None and (
                 miss is None or miss.fetches_all(r.ids.size, e)):
             with jax.named_scope("slot_lookup"):
-                look = _kernel_lookup(state.table, layer, r, e)
-            if look is not None:  # one launch for the lookup (ftjax.kernels.slot_lookup); same results
-                return _fetch_and_compute(banks, state.replace(table=look.table), layer, look, r, e)
+                got = _kernel_lookup(state.table, layer, r, e)
+            if got is not None:  # one launch for the lookup (ftjax.kernels.slot_lookup); same results
+                look, flat_miss, pair_slots = got
+                return _fetch_and_compute(banks, state.replace(table=look.table), layer, look, r, e, flat_miss,
+                                          pair_slots)
         with jax.named_scope("slot_lookup"):
             routed = routed_mask(r.ids, r.valid, e)
         table = reset_table(state.table) if mode == "on_demand" else state.table
@@ -129,24 +131,30 @@ def make_expert_fn(mode: str, num_experts: int, banks: ExpertBanks | None = None
     return expert_fn
 
 
-def _kernel_lookup(table, layer: jax.Array, r: LayerRouting, e: int) -> LayerLookup | None:
+def _kernel_lookup(table, layer: jax.Array, r: LayerRouting, e: int):
     """``lookup_layer(table, layer, routed_mask(r.ids, r.valid, e), e, "lru")`` through the slot lookup
-    kernel where ``FTJAX_KERNELS`` selects it for this layer (a decode layer: fewer pairs than E), else None."""
+    kernel where ``FTJAX_KERNELS`` selects it for this layer (a decode layer: fewer pairs than E), else None:
+    (the :class:`LayerLookup`, the misses' flat ids int32 [E], each pair's slot int32 [N, k])."""
     got = slot_lookup.maybe(r.ids, r.valid, table.slot_of, table.id_of_slot, table.last_use, table.clock, layer, e)
     if got is None:
         return None
-    slot_of, id_of_slot, last_use, slot_of_expert, miss_experts, miss_slots, evicted_ids, n_miss, n_hit = got
+    (slot_of, id_of_slot, last_use, slot_of_expert, miss_experts, miss_slots, evicted_ids, n_miss, n_hit, flat_miss,
+     pair_slots) = got
     table = table.replace(slot_of=slot_of, id_of_slot=id_of_slot, last_use=last_use, clock=table.clock + 1)
-    return LayerLookup(table, slot_of_expert, miss_experts, miss_slots, evicted_ids, n_miss, n_hit)
+    look = LayerLookup(table, slot_of_expert, miss_experts, miss_slots, evicted_ids, n_miss, n_hit)
+    return look, flat_miss, pair_slots
 
 
 def _fetch_and_compute(banks: ExpertBanks, state: ExpertState, layer: jax.Array, look: LayerLookup,
-                       r: LayerRouting, e: int):
+                       r: LayerRouting, e: int, flat_miss: jax.Array | None = None,
+                       pair_slots: jax.Array | None = None):
     """The misses of a lookup copied into their slots, then the layer's experts from the pool:
-    (y, state, stats) of a cached / on_demand layer."""
-    state = fetch_experts(banks, state, layer * e + look.miss_experts, look.miss_slots, look.n_miss)
+    (y, state, stats) of a cached / on_demand layer. flat_miss (``layer * E + look.miss_experts``) and
+    pair_slots (``look.slot_of_expert[r.ids]``): the same values where the slot lookup kernel made them."""
+    flat = layer * e + look.miss_experts if flat_miss is None else flat_miss
+    state = fetch_experts(banks, state, flat, look.miss_slots, look.n_miss)
     y = experts_from_pool(r.x, r.ids, r.weights, look.slot_of_expert, state.gate_up, state.down, state.scales,
-                          state.fmt)
+                          state.fmt, pair_slots)
     return y, state, LayerStats.fetch_only(look.n_hit, look.n_miss, _trace_ids(r))
 
 

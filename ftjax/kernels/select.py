@@ -51,9 +51,11 @@ import jax
 #: ``dense_decode`` or ``norm_dense_decode``, whose stacked weights it needs)
 #: and its epilogue (``merge_dense_decode`` in :mod:`ftjax.kernels.dense_decode`: the key splits' merge in the
 #: prologue of the wo product; after ``rope_cache``; by name only, not under ``auto``), and the cached mode's LRU
-#: slot-table lookup of a decode layer (:mod:`ftjax.kernels.slot_lookup`).
+#: slot-table lookup of a decode layer (:mod:`ftjax.kernels.slot_lookup`), and a decode layer's router after its
+#: logits product (:mod:`ftjax.kernels.route_decode`: softmax, top-k; with ``norm_dense_decode``, whose partial
+#: logits it reads; by name only so far).
 KERNELS = ("moe_decode", "decode_attention", "flash_prefill", "dense_decode", "norm_dense_decode", "rope_cache",
-           "merge_dense_decode", "slot_lookup")
+           "merge_dense_decode", "slot_lookup", "route_decode")
 ENV = "FTJAX_KERNELS"
 
 

@@ -47,7 +47,7 @@ def supported(num_experts: int, num_slots: int, pairs: int) -> bool:
 
 
 def _kernel(layer_ref, clock_ref, ids_ref, valid_ref, slot_in, id_in, lu_in,
-            slot_ref, id_ref, lu_ref, soe_ref, me_ref, ms_ref, ev_ref, n_ref, *, e, k, s, s_pad):
+            slot_ref, id_ref, lu_ref, soe_ref, me_ref, ms_ref, ev_ref, n_ref, flat_ref, pair_ref, *, e, k, s, s_pad):
     iota_e = lax.broadcasted_iota(jnp.int32, (e,), 0)
     iota_s = lax.broadcasted_iota(jnp.int32, (s_pad,), 0)
     in_s = iota_s < s
@@ -99,6 +99,14 @@ def _kernel(layer_ref, clock_ref, ids_ref, valid_ref, slot_in, id_in, lu_in,
     ev_ref[...] = ev
     n_ref[0] = n_miss
     n_ref[1] = n_hit
+    flat_ref[...] = jnp.where(me >= 0, base + me, -1)
+
+    def pair_slot(p, carry):  # slot_of_expert[ids] as the MoE computation gathers it
+        ex = select.wrap_clamp(ids_ref[p], e)
+        pair_ref[p] = jnp.sum(jnp.where(iota_e == ex, cur, 0))
+        return carry
+
+    lax.fori_loop(0, ids_ref.shape[0], pair_slot, 0)
 
 
 @functools.partial(jax.jit, static_argnames=("num_experts", "interpret", "num_warps"))
@@ -115,7 +123,9 @@ def lookup_lru(ids: jax.Array, valid: jax.Array, slot_of: jax.Array, id_of_slot:
 
     Returns (slot_of, id_of_slot, last_use, slot_of_expert [E], miss_experts [E], miss_slots [E],
     evicted_ids [E], n_miss [], n_hit []), int32, as ``lookup_layer``'s :class:`LayerLookup`
-    (the clock is not advanced here).
+    (the clock is not advanced here), then two results the cached layer needs next, made here rather
+    than by a small XLA kernel each inside the decode step's layer loop: the misses' flat ids
+    ``layer * E + miss_experts`` [E] (-1 past n_miss) and each pair's slot ``slot_of_expert[ids]`` [N, k].
 
     Raises:
       ValueError: sizes :func:`supported` rejects.
@@ -129,15 +139,15 @@ def lookup_lru(ids: jax.Array, valid: jax.Array, slot_of: jax.Array, id_of_slot:
     s_pad = pl.next_power_of_2(s)
     i32 = jnp.int32
     params = select.triton_params(interpret, num_warps)
-    out_shape = (jax.ShapeDtypeStruct(slot_of.shape, i32), jax.ShapeDtypeStruct((s,), i32),
-                 jax.ShapeDtypeStruct((s,), i32)) + (jax.ShapeDtypeStruct((e,), i32),) * 4 + (
-                     jax.ShapeDtypeStruct((2,), i32),)
+    sd = jax.ShapeDtypeStruct
+    out_shape = (sd(slot_of.shape, i32), sd((s,), i32), sd((s,), i32)) + (sd((e,), i32),) * 4 + (
+        sd((2,), i32), sd((e,), i32), sd((n * k,), i32))
     outs = pl.pallas_call(
         functools.partial(_kernel, e=e, k=k, s=s, s_pad=s_pad), out_shape=out_shape, grid=(1,),
         input_output_aliases={4: 0, 5: 1, 6: 2}, interpret=interpret, compiler_params=params, name="slot_lookup",
     )(jnp.asarray(layer, i32).reshape(1), jnp.asarray(clock, i32).reshape(1), ids.reshape(-1).astype(i32),
       valid.astype(i32), slot_of, id_of_slot, last_use)
-    return (*outs[:7], outs[7][0], outs[7][1])
+    return (*outs[:7], outs[7][0], outs[7][1], outs[8], outs[9].reshape(n, k))
 
 
 def maybe(ids: jax.Array, valid: jax.Array, slot_of: jax.Array, id_of_slot: jax.Array, last_use: jax.Array,

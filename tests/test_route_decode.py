@@ -1,0 +1,116 @@
+"""The decode router kernel (ftjax.kernels.route_decode) against the model's jnp router
+(``model.top_k_route`` on the summed logits) in Pallas interpret mode on the CPU: ids bit for bit and
+weights to one rounding over random partial logits (float32 and bf16, with and without the top-k
+renormalisation, ties), its errors, its wiring into a greedy decode (same ids and logits within float32
+tolerance as the default path; cached bit-identical to resident), and its lowering for CUDA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_dense_decode import _assert_like_default, _tiny_generate
+
+from ftjax import model as model_lib
+from ftjax.config import preset
+from ftjax.kernels import route_decode as rd
+from ftjax.kernels import select
+
+
+def _reference(parts, k, norm, logits_dtype, dtype):
+    cfg = dataclasses.replace(preset("tiny"), num_experts=parts.shape[-1], top_k=k, norm_topk_prob=norm)
+    logits = jnp.sum(parts.astype(jnp.float32), axis=0).astype(logits_dtype)
+    return model_lib.top_k_route(cfg, logits, dtype)
+
+
+@pytest.mark.parametrize("p,n,e,k,norm,logits_dtype,dtype", [
+    (8, 1, 128, 8, True, jnp.bfloat16, jnp.bfloat16),   # qwen3-30b-a3b at batch 1
+    (8, 4, 128, 8, True, jnp.bfloat16, jnp.bfloat16),   # batch 4
+    (4, 2, 64, 8, False, jnp.float32, jnp.float32),     # olmoe: no renormalisation
+    (1, 3, 8, 2, True, jnp.float32, jnp.float32),       # mixtral, one part
+    (2, 1, 16, 4, True, jnp.float32, jnp.bfloat16)])
+def test_route_matches_top_k_route(p, n, e, k, norm, logits_dtype, dtype):
+    rng = np.random.default_rng(p * 131 + e)
+    for trial in range(5):
+        parts = jnp.asarray(rng.standard_normal((p, n, e)) * 2.0, jnp.float32)
+        if p == 1:
+            parts = parts.astype(logits_dtype)
+        ids, w = rd.route_decode(parts, top_k=k, norm_topk_prob=norm, logits_dtype=logits_dtype, dtype=dtype,
+                                 interpret=True)
+        ref_ids, ref_w = _reference(parts, k, norm, logits_dtype, dtype)
+        assert ids.dtype == jnp.int32 and ids.shape == (n, k) and w.dtype == jnp.dtype(dtype) and w.shape == (n, k)
+        np.testing.assert_array_equal(np.asarray(ids), np.asarray(ref_ids))
+        np.testing.assert_allclose(np.asarray(w, np.float32), np.asarray(ref_w, np.float32),
+                                   rtol=2 * float(jnp.finfo(dtype).eps), atol=1e-7)
+        if norm:  # the k weights of each row sum to 1
+            np.testing.assert_allclose(np.asarray(w, np.float32).sum(-1), 1.0, rtol=k * float(jnp.finfo(dtype).eps))
+
+
+def test_ties_go_to_the_lowest_expert_id_as_lax_top_k():
+    """bf16 logits tie often: equal logits are taken in ascending expert id, as ``lax.top_k``."""
+    parts = jnp.zeros((2, 2, 16), jnp.float32).at[:, 0, jnp.array([3, 9, 12])].set(1.0).at[:, 1, 5].set(-1.0)
+    ids, w = rd.route_decode(parts, top_k=4, norm_topk_prob=True, logits_dtype=jnp.bfloat16, dtype=jnp.float32,
+                             interpret=True)
+    ref_ids, ref_w = _reference(parts, 4, True, jnp.bfloat16, jnp.float32)
+    assert np.asarray(ids).tolist() == [[3, 9, 12, 0], [0, 1, 2, 3]] == np.asarray(ref_ids).tolist()
+    np.testing.assert_allclose(np.asarray(w), np.asarray(ref_w), rtol=1e-6)
+
+
+def test_supported_and_errors():
+    assert rd.supported(8, 128, 8, 1) and rd.supported(1, 8, 2, 64)
+    assert not rd.supported(8, 128, 8, 65)  # more rows than a decode call
+    assert not rd.supported(8, 96, 8, 1)  # E not a power of two
+    assert not rd.supported(8, 128, 6, 1)  # k not a power of two
+    assert not rd.supported(8, 4, 8, 1)  # k > E
+    assert not rd.supported(256, 128, 8, 1)  # too many parts x experts
+    with pytest.raises(ValueError, match=r"parts must be \[P, N, E\]"):
+        rd.route_decode(jnp.zeros((4, 128)), top_k=8, norm_topk_prob=True, logits_dtype=jnp.float32,
+                        dtype=jnp.float32, interpret=True)
+    with pytest.raises(ValueError, match="unsupported sizes"):
+        rd.route_decode(jnp.zeros((8, 1, 96)), top_k=8, norm_topk_prob=True, logits_dtype=jnp.float32,
+                        dtype=jnp.float32, interpret=True)
+
+
+def test_greedy_decode_with_the_kernel_matches_the_default_path(monkeypatch, fresh_programs):
+    """A tiny model's greedy decode (float32, interpreted on the CPU) with the router kernel after the fused
+    norm + router kernel: it takes that kernel's two K-split parts at each decode layer (the prefill keeps
+    the jnp router). Same ids and logits within float32 tolerance of the default path; the cached mode
+    bit-identical to resident."""
+    ref = _tiny_generate(monkeypatch, "xla")
+    calls = []
+    real = rd.route_decode
+
+    def spy(parts, **kw):
+        calls.append((parts.shape, str(parts.dtype), kw["top_k"]))
+        return real(parts, **kw)
+
+    monkeypatch.setattr(rd, "route_decode", spy)
+    kernels = "dense_decode,norm_dense_decode,route_decode"
+    got = _tiny_generate(monkeypatch, kernels)
+    assert set(calls) == {((2, 1, 16), "float32", 4)}  # tiny: 16 experts, top-4
+    _assert_like_default(monkeypatch, kernels, ref, got)
+
+
+def test_without_the_norm_kernel_the_router_stays_jnp(monkeypatch, fresh_programs):
+    """The kernel reads norm_dense_decode's partial logits: selected alone it never runs."""
+    calls = []
+    monkeypatch.setattr(rd, "route_decode", lambda *a, **kw: calls.append(1))
+    _tiny_generate(monkeypatch, "dense_decode,route_decode")
+    assert calls == []
+    monkeypatch.setenv(select.ENV, "auto")  # off the GPU, auto keeps the jnp router
+    assert rd.maybe(lambda: pytest.fail("parts asked for"), 1, 128, 8, True, jnp.bfloat16) is None
+
+
+def test_route_decode_lowers_for_cuda():
+    """qwen3-30b-a3b's router at batch 1 (32 K-split parts of 128 logits, as the H200 step has them; top-8): one
+    Triton call."""
+    from test_kernels import _lower_cuda
+
+    sd = jax.ShapeDtypeStruct
+    txt = _lower_cuda(lambda p: rd.route_decode(p, top_k=8, norm_topk_prob=True, logits_dtype=jnp.bfloat16,
+                                                dtype=jnp.bfloat16), sd((32, 1, 128), jnp.float32))
+    assert txt.count("__gpu$xla.gpu.triton") == 1

@@ -390,9 +390,10 @@ def targets(rows: list[dict], bp_gbps: float) -> dict:
     where the cached run of that batch finished too, ``cached_bB_over_resident_plus_misses``: the
     cached step / (the resident step + the cached step's H2D bytes / B_P in GB/s) (target <= 1.15 at
     24 GB): where the cached row has ``timed_steps`` (each timed step's seconds and H2D bytes), the
-    median over those steps of each step against its own misses (plus ``..._p10_p90``), else its
-    median step against the traced steps' mean misses. The resident step is its median, in seconds
-    in the inputs; the dict holds plain ratios."""
+    median over those steps of each step against its own misses (plus ``..._p10_p90``, and
+    ``cached_bB_misses_in_step_over_B_P``: the median over the steps that copied of their miss bytes /
+    (step - resident step) / B_P; target >= 0.9), else its median step against the traced steps' mean
+    misses. The resident step is its median, in seconds in the inputs; the dict holds plain ratios."""
     done = {(r["run"], r["batch"]): r for r in rows if "profile" in r and r.get("variant") == "decode"}
     out = {}
     for (run, batch), r in sorted(done.items()):
@@ -414,6 +415,11 @@ def targets(rows: list[dict], bp_gbps: float) -> dict:
             out[f"cached_b{batch}_over_resident_plus_misses"] = float(np.median(ratios))
             out[f"cached_b{batch}_over_resident_plus_misses_p10_p90"] = [float(np.percentile(ratios, 10)),
                                                                          float(np.percentile(ratios, 90))]
+            # issue 13's "misses copied inside the step at >= 90% of B_P": a step's miss bytes over the time it
+            # took beyond the resident step (everything the cached mode adds is charged to its copies)
+            rates = [b / (t - res) / (bp_gbps * 1e9) for t, b in zip(timed["s"], timed["h2d_bytes"]) if b and t > res]
+            if rates:
+                out[f"cached_b{batch}_misses_in_step_over_B_P"] = float(np.median(rates))
         else:  # rows written before the timed steps' misses were recorded: the traced steps' misses
             bound = res + cached["bytes"]["h2d_link"] / (bp_gbps * 1e9)
             out[f"cached_b{batch}_over_resident_plus_misses"] = cached["step_s"]["median"] / bound

@@ -181,6 +181,9 @@ def test_targets_per_timed_step_misses():
     assert got["cached_b1_over_resident_plus_misses"] == pytest.approx(want[1])
     assert got["cached_b1_over_resident_plus_misses_p10_p90"][0] == pytest.approx(want[0] + 0.2 * (want[1] - want[0]))
     assert got["cached_b1_over_resident_plus_misses"] < 1.2  # against the traced steps' 1 MB it would be 4.4
+    # the steps that copied: 1 GB in 24 ms, 1.1 GB in 25 ms beyond the resident 7 ms (the step without misses
+    # does not count)
+    assert got["cached_b1_misses_in_step_over_B_P"] == pytest.approx((1.0e9 / 24e-3 + 1.1e9 / 25e-3) / 2 / 50e9)
 
 
 def test_targets_timed_steps_edge_cases():

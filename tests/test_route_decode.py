@@ -51,7 +51,7 @@ def test_route_matches_top_k_route(p, n, e, k, norm, logits_dtype, dtype):
 
 
 def test_ties_go_to_the_lowest_expert_id_as_lax_top_k():
-    """bf16 logits tie often: equal logits are taken in ascending expert id, as ``lax.top_k``."""
+    """bf16 logits tie often: equal logits are taken in ascending expert id, as ``lax.top_k`` on the CPU."""
     parts = jnp.zeros((2, 2, 16), jnp.float32).at[:, 0, jnp.array([3, 9, 12])].set(1.0).at[:, 1, 5].set(-1.0)
     ids, w = rd.route_decode(parts, top_k=4, norm_topk_prob=True, logits_dtype=jnp.bfloat16, dtype=jnp.float32,
                              interpret=True)

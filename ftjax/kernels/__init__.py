@@ -17,8 +17,10 @@
   launch (reference: ``model._qk`` and the cache scatter of ``model.attention_inputs``).
 * ``slot_lookup``: the cached mode's LRU slot-table lookup of a decode layer (reference:
   ``ftjax.experts.slot_table.lookup_layer``).
+* ``route_decode``: a decode layer's router after ``norm_dense_decode``'s partial logits, softmax and
+  top-k in one launch (reference: ``model.top_k_route``; by name only).
 
 All but ``grouped_matmul`` are chosen at trace time by ``FTJAX_KERNELS`` (``select``): kernels on
-GPUs by default (the dense ones and ``rope_cache`` for 16-bit weights; ``merge_dense_decode`` only
-when named), the jnp references on the CPU.
+GPUs by default (the dense ones and ``rope_cache`` for 16-bit weights; ``merge_dense_decode`` and
+``route_decode`` only when named), the jnp references on the CPU.
 """

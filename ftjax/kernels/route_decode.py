@@ -11,10 +11,11 @@ sum of its K-split parts fused into a softmax (1.6 us), the top-k as a sort of t
 Kernel: one program per token row. It sums the row's partial logits over the K splits in float32,
 rounds them to the projection's dtype as the jnp path does (``norm_dense_decode``'s summed output),
 computes the softmax in float32 (``exp(x - max) / sum``, as ``jax.nn.softmax``), takes the k largest
-probabilities one at a time (ties to the lowest expert id, as ``lax.top_k``), renormalises them when
+probabilities one at a time (ties to the lowest expert id, as ``lax.top_k`` on the CPU), renormalises them when
 the model does (``norm_topk_prob``) and casts the weights. The float32 sums run in another order than
-XLA's fused reduce, so a logit can differ by one ulp of its dtype from the jnp path; both expert modes
-run this same kernel, so cached and resident stay bit-identical.
+XLA's fused reduce, so a logit can differ by one ulp of its dtype from the jnp path, and tied
+probabilities (frequent with bf16 logits) may be ordered differently from XLA's GPU top-k (:data:`AUTO`);
+both expert modes run this same kernel, so cached and resident stay bit-identical.
 
 Backend: generic Pallas primitives for the Triton backend (``ftjax.kernels.select``); interpret mode
 on the CPU.
@@ -120,5 +121,10 @@ def maybe(parts_fn, rows: int, num_experts: int, top_k: int, norm_topk_prob: boo
                         interpret=how == "interpret")
 
 
-#: Whether ``FTJAX_KERNELS=auto`` runs the kernel on a GPU: not before an H200 A/B shows it faster.
+#: Whether ``FTJAX_KERNELS=auto`` runs the kernel on a GPU. Not: in one H200 process (issue 13, session 13) it
+#: took 48 kernels off a resident batch-1 step (976 -> 928) but the step moved by less than its spread (4.84 ->
+#: 4.76 ms timed one by one, 4.06 -> 4.20 ms run back to back); the cached = resident identity held (8/8) with it.
+#: Against XLA's top-k on the GPU the ids differed in 35 of 200 random rows (batch 1): bf16 logits tie often
+#: (65 of those rows have a tie in or at the edge of their top 8) and XLA's GPU top-k does not always break ties
+#: to the lowest id, as this kernel and the CPU do.
 AUTO = False

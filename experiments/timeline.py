@@ -164,7 +164,8 @@ def hlo_op_names(hlo_text: str) -> dict[str, str]:
     else of its first operand that has one; a matmul (dot, convolution) borrowing a name inside a
     ``norm`` scope takes the scope around it (a norm has no matmul: it is the projection after
     one). Every name is also keyed as a GPU kernel would be named after it (``.`` and ``-`` ->
-    ``_``). Returns {} for text with no metadata.
+    ``_``), and an async ``fusion-start`` also by its called computation's name without
+    ``_computation``, as XLA names that kernel. Returns {} for text with no metadata.
     """
     instrs = []  # (computation, is root, name, opcode, op_name or None, called computation, refs)
     users: dict[str, list[str]] = {}
@@ -202,6 +203,11 @@ def hlo_op_names(hlo_text: str) -> dict[str, str]:
         names[name] = op
         if root and comp is not None:
             comp_root[comp] = op
+        if opcode == "fusion-start" and called is not None:
+            # an async fusion's kernel is named after its computation, not the instruction: a host-memory read of
+            # the miss loop, fusion-start(..., calls=%wrapped_dynamic-slice_computation.1), runs as the kernel
+            # wrapped_dynamic_slice_1 (H200 traces, session 13)
+            names.setdefault(_norm_name(called.replace("_computation", "")), op)
     for name, op in list(names.items()):
         names.setdefault(_norm_name(name), op)
     return names

@@ -72,6 +72,32 @@ def test_hlo_op_names():
     assert hlo_op_names("no metadata here") == {}
 
 
+def test_an_async_fusion_is_keyed_by_its_kernel_name():
+    """XLA names the kernel of an async fusion (a host-memory read of the miss loop) after the called
+    computation: ``wrapped_dynamic-slice_computation.1`` runs as ``wrapped_dynamic_slice_1``, which must
+    take the fetch's scope (h2d), not fall to "other"."""
+    from experiments.timeline import classify_op
+    fetch = f"{BODY}/moe/expert_fetch/while/body/jit(dynamic_index_in_dim)/dynamic_slice"
+    text = "\n".join([
+        "%wrapped_dynamic-slice_computation.1 (p0: bf16[8,4], p1: s32[]) -> bf16[1,4] {",
+        "  %p0 = bf16[8,4]{1,0:S(5)} parameter(0)",
+        "  %p1 = s32[] parameter(1)",
+        "  ROOT %ds = bf16[1,4]{1,0} dynamic-slice(%p0, %p1, %p1), dynamic_slice_sizes={1,4}",
+        "}",
+        "",
+        "ENTRY %main (a: bf16[8,4], i: s32[]) -> bf16[1,4] {",
+        "  %a = bf16[8,4]{1,0:S(5)} parameter(0)",
+        "  %i = s32[] parameter(1)",
+        f'  %dynamic-slice-start.2 = ((bf16[8,4]{{1,0:S(5)}}, s32[]), bf16[1,4]{{1,0}}, u32[]) fusion-start(%a, %i), '
+        f'kind=kLoop, calls=%wrapped_dynamic-slice_computation.1, metadata={{op_name="{fetch}"}}',
+        f'  ROOT %dynamic-slice-done.2 = bf16[1,4]{{1,0}} fusion-done(%dynamic-slice-start.2), '
+        f'metadata={{op_name="{fetch}"}}',
+        "}"])
+    names = hlo_op_names(text)
+    assert names["wrapped_dynamic_slice_1"] == fetch
+    assert classify_op("wrapped_dynamic_slice_1", names["wrapped_dynamic_slice_1"]) == "h2d_copy"
+
+
 def _meta(pid, name, tid=None):
     if tid is None:
         return {"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}}

@@ -60,6 +60,22 @@ def test_ties_go_to_the_lowest_expert_id_as_lax_top_k():
     np.testing.assert_allclose(np.asarray(w), np.asarray(ref_w), rtol=1e-6)
 
 
+def test_nan_and_inf_logits_route_as_lax_top_k():
+    """A row with a NaN or +inf logit (or all -inf) has NaN probabilities: ``lax.top_k`` takes NaN as the
+    largest value (ties to the lowest id), so the ids stay in [0, E) as the expert computation needs them;
+    the kernel's ``max`` / ``==`` search must not fall through to id E."""
+    nan, inf = np.nan, np.inf
+    rows = [[1, 2, 3, 4, 5, 6, 7, 8], [1, nan, 3, 4, 5, nan, 7, 8], [-inf] * 8, [1, 2, inf, 4, 5, 6, 7, 8],
+            [-inf, -inf, 3, 4, 5, -inf, 7, 8]]
+    parts = jnp.asarray(rows, jnp.float32)[None]
+    for k in (2, 8):
+        ids, w = rd.route_decode(parts, top_k=k, norm_topk_prob=True, logits_dtype=jnp.float32, dtype=jnp.float32,
+                                 interpret=True)
+        ref_ids, ref_w = _reference(parts, k, True, jnp.float32, jnp.float32)
+        np.testing.assert_array_equal(np.asarray(ids), np.asarray(ref_ids))
+        np.testing.assert_allclose(np.asarray(w), np.asarray(ref_w), rtol=1e-6)  # NaN where the reference has NaN
+
+
 def test_supported_and_errors():
     assert rd.supported(8, 128, 8, 1) and rd.supported(1, 8, 2, 64)
     assert not rd.supported(8, 128, 8, 65)  # more rows than a decode call

@@ -11,7 +11,8 @@ sum of its K-split parts fused into a softmax (1.6 us), the top-k as a sort of t
 Kernel: one program per token row. It sums the row's partial logits over the K splits in float32,
 rounds them to the projection's dtype as the jnp path does (``norm_dense_decode``'s summed output),
 computes the softmax in float32 (``exp(x - max) / sum``, as ``jax.nn.softmax``), takes the k largest
-probabilities one at a time (ties to the lowest expert id, as ``lax.top_k`` on the CPU), renormalises them when
+probabilities one at a time (ties to the lowest expert id as ``lax.top_k`` on the CPU, and NaN the largest as
+``lax.top_k``: ids stay in [0, E)), renormalises them when
 the model does (``norm_topk_prob``) and casts the weights. The float32 sums run in another order than
 XLA's fused reduce, so a logit can differ by one ulp of its dtype from the jnp path, and tied
 probabilities (frequent with bf16 logits) may be ordered differently from XLA's GPU top-k (:data:`AUTO`);
@@ -54,12 +55,14 @@ def _kernel(parts_ref, ids_ref, w_ref, *, k: int, e: int, norm: bool, logits_dty
     probs = unnormalized / jnp.sum(unnormalized)
     iota_e = lax.broadcasted_iota(jnp.int32, (e,), 0)
     iota_k = lax.broadcasted_iota(jnp.int32, (k,), 0)
-    ids, w, left = jnp.zeros((k,), jnp.int32), jnp.zeros((k,), f32), probs
+    # NaN probabilities (a NaN or +inf logit, or all -inf) rank as the largest, as in ``lax.top_k``: as +inf here
+    # (a probability is at most 1), else max / == would find no expert and write id E
+    ids, w, left = jnp.zeros((k,), jnp.int32), jnp.zeros((k,), f32), jnp.where(probs != probs, jnp.inf, probs)
     for j in range(k):  # k is small (2 to 8): unrolled
         top = jnp.max(left)
         at = jnp.min(jnp.where(left == top, iota_e, e))  # ties to the lowest id
         ids = jnp.where(iota_k == j, at, ids)
-        w = jnp.where(iota_k == j, top, w)
+        w = jnp.where(iota_k == j, jnp.where(top == jnp.inf, jnp.nan, top), w)
         left = jnp.where(iota_e == at, -jnp.inf, left)
     if norm:
         w = w / jnp.sum(w)

@@ -191,11 +191,17 @@ def _stats(outs) -> tuple[float, float]:
     return float(np.mean(distinct)), float(np.mean(fetched))
 
 
+def _decode_max_seq_len() -> int:
+    """Cache rows a decode run needs: the prompt, every warm / timed / pipelined / traced step and two spare,
+    rounded up to 128."""
+    n_steps = FLAGS.warm_steps + FLAGS.timed_steps + FLAGS.pipelined_steps + FLAGS.trace_steps
+    return -(-(FLAGS.prompt_len + n_steps + 2) // 128) * 128
+
+
 def decode_run(model, mode: str, batch: int, slots: int | None, trace_dir: str) -> dict:
     """Profile of --trace_steps decode steps at ``batch`` after a --prompt_len prefill (module docstring)."""
     cfg = model.cfg
-    n_steps = FLAGS.warm_steps + FLAGS.timed_steps + FLAGS.pipelined_steps + FLAGS.trace_steps
-    max_seq_len = -(-(FLAGS.prompt_len + n_steps + 2) // 128) * 128
+    max_seq_len = _decode_max_seq_len()
     eng = Engine(model, EngineConfig(mode, num_slots=slots, max_seq_len=max_seq_len, batch=batch,
                                      decode_gemm=FLAGS.decode_gemm, decode_graphs=FLAGS.decode_graphs))
     rng = np.random.default_rng(batch)
@@ -206,15 +212,17 @@ def decode_run(model, mode: str, batch: int, slots: int | None, trace_dir: str) 
     state = {"tok": _next_token(logits), "pos": lengths.astype(np.int32), "cache": cache}
     opts, ones = eng._options(), np.ones(batch, np.int32)
 
-    def step():
+    def step(wait: bool = True):
         out = eng._step(state["tok"], state["pos"], ones, state["cache"], opts)
-        out.logits.block_until_ready()
+        if wait:
+            out.logits.block_until_ready()
         state["cache"] = out.cache
         return out
 
-    def advance(out):  # the next greedy token, outside the timed / traced step
+    def advance(out, wait: bool = True):  # the next greedy token, outside the timed / traced step
         state["tok"], state["pos"] = _next_token(out.logits), state["pos"] + 1
-        state["tok"].block_until_ready()
+        if wait:
+            state["tok"].block_until_ready()
 
     exe = eng._executable(eng._args(np.zeros((batch, 1), np.int32), state["pos"], ones, state["cache"]), opts)
     if FLAGS.hlo_dir:  # what XLA made of the step: the copies it inserted (e.g. weight slices) show here
@@ -236,9 +244,7 @@ def decode_run(model, mode: str, batch: int, slots: int | None, trace_dir: str) 
     if FLAGS.pipelined_steps:
         t = time.perf_counter()
         for _ in range(FLAGS.pipelined_steps):  # as Engine.generate: no wait between steps
-            out = eng._step(state["tok"], state["pos"], ones, state["cache"], opts)
-            state["cache"] = out.cache
-            state["tok"], state["pos"] = _next_token(out.logits), state["pos"] + 1
+            advance(step(wait=False), wait=False)
         state["tok"].block_until_ready()
         pipelined = (time.perf_counter() - t) / FLAGS.pipelined_steps
     pos0 = state["pos"].copy()
@@ -369,9 +375,8 @@ def main(argv):
             else:
                 slots = None
                 if run == "cached_decode":
-                    n_steps = FLAGS.warm_steps + FLAGS.timed_steps + FLAGS.pipelined_steps + FLAGS.trace_steps
                     plan = plan_memory(cfg, itemsize, budget_bytes=int(FLAGS.vram_budget_gb * GB), batch=batch,
-                                       max_seq_len=-(-(FLAGS.prompt_len + n_steps + 2) // 128) * 128,
+                                       max_seq_len=_decode_max_seq_len(),
                                        expert_bytes=model.expert_bytes)
                     plans[f"b{batch}"], slots = plan.as_dict(), plan.slots
                 row = decode_run(model, run.split("_")[0], batch, slots,

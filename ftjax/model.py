@@ -531,25 +531,17 @@ def _route_decode(cfg: ModelConfig, lp: Params, h: jax.Array):
     Same arithmetic as that path (the summed logits rounded to the projection's dtype, softmax, top-k,
     renormalisation, weights in x's dtype)."""
     router, norm_w = lp["router"], lp["mlp_norm"]
-    if not isinstance(router, StackedWeight):
+    b, t, _ = h.shape
+    if not isinstance(router, StackedWeight) or not route_decode.selected(b * t, cfg.num_experts, cfg.top_k):
         return None
     g = norm_w.w if isinstance(norm_w, StackedWeight) else norm_w
-    b, t, _ = h.shape
-    x_dtype = jnp.result_type(g.dtype, h.dtype)  # norm_dense_decode's normed rows
-    normed = []
-
-    def parts():
-        got = dense_decode.maybe_norm(h, g, cfg.rms_norm_eps, [router.w], router.layer, write_x=True, sum_parts=False)
-        if got is None:
-            return None
-        (p,), x = got
-        normed.append(x)
-        return p, jnp.result_type(x_dtype, router.w.dtype)
-
-    got = route_decode.maybe(parts, b * t, cfg.num_experts, cfg.top_k, cfg.norm_topk_prob, x_dtype)
+    got = dense_decode.maybe_norm(h, g, cfg.rms_norm_eps, [router.w], router.layer, write_x=True, sum_parts=False)
     if got is None:
         return None
-    return (*got, normed[0].reshape(b * t, -1))
+    (parts,), x = got
+    routed = route_decode.maybe(parts, jnp.result_type(x.dtype, router.w.dtype), cfg.top_k, cfg.norm_topk_prob,
+                                x.dtype)
+    return None if routed is None else (*routed, x.reshape(b * t, -1))
 
 
 def decoder_layer(cfg: ModelConfig, lp: Params, layer: jax.Array, carry: LayerCarry, inputs: LayerInputs,

@@ -118,7 +118,7 @@ def test_without_the_norm_kernel_the_router_stays_jnp(monkeypatch, fresh_program
     _tiny_generate(monkeypatch, "dense_decode,route_decode")
     assert calls == []
     monkeypatch.setenv(select.ENV, "auto")  # off the GPU, auto keeps the jnp router
-    assert rd.maybe(lambda: pytest.fail("parts asked for"), 1, 128, 8, True, jnp.bfloat16) is None
+    assert not rd.selected(1, 128, 8)
 
 
 def test_route_decode_lowers_for_cuda():

@@ -82,10 +82,6 @@ def auto_for(dtype) -> bool:
     return jnp.dtype(dtype).name in AUTO_DTYPES
 
 
-def _pow2(v: int) -> bool:
-    return v >= 1 and not v & (v - 1)
-
-
 def supported(x: jax.Array, w: jax.Array, block_k: int = BLOCK_K, block_n: int = BLOCK_N, k_split: int = 1) -> bool:
     """True when the kernel handles these operands: x [M, K] float with 1 <= M <= :data:`MAX_ROWS`,
     w [L, K, N] of a dtype in :data:`WEIGHT_DTYPES` with L >= 1, power-of-two tiles
@@ -99,7 +95,7 @@ def supported(x: jax.Array, w: jax.Array, block_k: int = BLOCK_K, block_n: int =
     if not (1 <= m <= MAX_ROWS) or nl < 1 or kw != k or k < 1 or n < 1:
         return False
     bk, bn = min(block_k, k), min(block_n, n)
-    return _pow2(bk) and _pow2(bn) and k % (bk * k_split) == 0 and n % bn == 0
+    return select.pow2(bk) and select.pow2(bn) and k % (bk * k_split) == 0 and n % bn == 0
 
 
 def _kernel(layer_ref, x_ref, *refs, bk, bn, split, cols, eps, xn_dtype, write_x, merge):
@@ -323,7 +319,7 @@ def supported_merge(o: jax.Array, m: jax.Array, l: jax.Array, w: jax.Array, g: i
     if getattr(o, "ndim", 0) != 5 or any(a.dtype != f32 for a in (o, m, l)):
         return False
     b, hkv, ns, rows, hd = o.shape
-    if m.shape != (b, hkv, ns, rows) or l.shape != m.shape or not (1 <= g <= rows) or not _pow2(ns):
+    if m.shape != (b, hkv, ns, rows) or l.shape != m.shape or not (1 <= g <= rows) or not select.pow2(ns):
         return False
     k = hkv * g * hd
     x = jax.ShapeDtypeStruct((b, k), dtype)
@@ -377,7 +373,7 @@ def tiles() -> dict:
     if vals is None:
         return {"block_k": BLOCK_K, "block_n": BLOCK_N, "num_warps": None, "k_split": K_SPLIT}
     bk, bn, nw, ks = vals
-    if not (_pow2(bk) and _pow2(bn)) or min(nw, ks) < 0 or (nw and not _pow2(nw)):
+    if not (select.pow2(bk) and select.pow2(bn)) or min(nw, ks) < 0 or (nw and not select.pow2(nw)):
         raise ValueError(f"{TILES_ENV}={os.environ[TILES_ENV]!r}: block_k and block_n must be powers of two >= 1, "
                          "num_warps a power of two or 0, k_split >= 0 (0: the default)")
     return {"block_k": bk, "block_n": bn, "num_warps": nw or None, "k_split": ks}

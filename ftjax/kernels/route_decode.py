@@ -37,14 +37,10 @@ from ftjax.kernels import select
 MAX_PARTS_X_EXPERTS = 64 * 256
 
 
-def _pow2(n: int) -> bool:
-    return n >= 1 and not n & (n - 1)
-
-
 def supported(parts: int, num_experts: int, top_k: int, rows: int) -> bool:
     """True for powers of two parts, E and k with k <= E, parts x E <= :data:`MAX_PARTS_X_EXPERTS`, and
     1 to 64 token rows (a decode step)."""
-    return (_pow2(parts) and _pow2(num_experts) and _pow2(top_k) and top_k <= num_experts
+    return (select.pow2(parts) and select.pow2(num_experts) and select.pow2(top_k) and top_k <= num_experts
             and parts * num_experts <= MAX_PARTS_X_EXPERTS and 1 <= rows <= 64)
 
 
@@ -104,20 +100,18 @@ def route_decode(parts: jax.Array, *, top_k: int, norm_topk_prob: bool, logits_d
     )(parts)
 
 
-def maybe(parts_fn, rows: int, num_experts: int, top_k: int, norm_topk_prob: bool, dtype):
-    """``route_decode`` of ``parts_fn()``'s partial logits when ``FTJAX_KERNELS`` selects ``route_decode`` for a
-    decode call of ``rows`` token rows (``select.mode``; under ``auto`` on a GPU: :data:`AUTO`), else None (the
-    caller runs ``model.top_k_route``). parts_fn: returns (parts [P, rows, E], logits_dtype), or None where
-    the partial logits cannot be had (then None too); called only when the kernel is selected. dtype: the
-    weights' dtype. Returns (ids int32 [rows, k], weights [rows, k])."""
-    # the parts count is known only once the projection is planned: check what it can be first
-    if select.mode("route_decode", supported(1, num_experts, top_k, rows), auto=AUTO) == "xla":
-        return None
-    got = parts_fn()
-    if got is None:
-        return None
-    parts, logits_dtype = got
-    how = select.mode("route_decode", supported(parts.shape[0], num_experts, top_k, rows), auto=AUTO)
+def selected(rows: int, num_experts: int, top_k: int) -> bool:
+    """Whether ``FTJAX_KERNELS`` selects ``route_decode`` for a decode call of ``rows`` token rows (``select.mode``;
+    under ``auto`` on a GPU: :data:`AUTO`), before its partial logits exist (their parts count unknown: one)."""
+    return select.mode("route_decode", supported(1, num_experts, top_k, rows), auto=AUTO) != "xla"
+
+
+def maybe(parts: jax.Array, logits_dtype, top_k: int, norm_topk_prob: bool, dtype):
+    """:func:`route_decode` of ``parts`` [P, rows, E] when ``FTJAX_KERNELS`` selects it for these sizes, else None
+    (the caller runs ``model.top_k_route``). dtype: the weights' dtype. Returns (ids int32 [rows, k], weights
+    [rows, k])."""
+    p, rows, e = parts.shape
+    how = select.mode("route_decode", supported(p, e, top_k, rows), auto=AUTO)
     if how == "xla":
         return None
     return route_decode(parts, top_k=top_k, norm_topk_prob=norm_topk_prob, logits_dtype=logits_dtype, dtype=dtype,

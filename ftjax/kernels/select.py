@@ -117,6 +117,11 @@ def tile_ints(env: str, counts: tuple[int, ...], expected: str) -> list[int] | N
     return vals
 
 
+def pow2(n: int) -> bool:
+    """Whether the Python int n is a power of two (>= 1): the block and size rule of the Triton kernels."""
+    return n >= 1 and not n & (n - 1)
+
+
 def wrap_clamp(i: jax.Array, n: int) -> jax.Array:
     """An index as a jnp gather reads it: negative ids wrap once (``i + n``), then out-of-range
     ids clamp to ``[0, n)``. The decode kernels apply it to the int32 scalar they read from a ref

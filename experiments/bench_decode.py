@@ -34,7 +34,7 @@ from ftjax.checkpoint import DTYPES  # noqa: E402
 from ftjax.engine import Engine  # noqa: E402
 from ftjax.config import DECODE_GRAPHS, EngineConfig  # noqa: E402
 from ftjax.experts import quant  # noqa: E402
-from ftjax.experts.planner import GB, plan_memory  # noqa: E402
+from ftjax.runtime.planner import GB, plan_memory  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("preset", "qwen3-30b-a3b", "Model shape (random weights).")

@@ -90,7 +90,7 @@ from ftjax.checkpoint import DTYPES, random_model  # noqa: E402
 from ftjax.config import (KV_LOADS, PREFILL_DRIVERS, PREFIX_COPIES, EngineConfig, KVOffloadConfig,  # noqa: E402
                           ModelConfig, preset)
 from ftjax.engine import Engine, compiled_programs  # noqa: E402
-from ftjax.experts.planner import GB, plan_memory  # noqa: E402
+from ftjax.runtime.planner import GB, plan_memory  # noqa: E402
 from ftjax.gated_deltanet import DELTA_CHUNK  # noqa: E402
 from ftjax.kv import prefix_cache as pc_lib  # noqa: E402
 from ftjax.kv.host_store import HostKVStore, entry_nbytes  # noqa: E402

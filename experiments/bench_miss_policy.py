@@ -100,7 +100,7 @@ def main(argv):
     from ftjax.engine import Engine
     from ftjax.experts import miss_policy
     from ftjax.experts.miss_split import SplitModel
-    from ftjax.experts.planner import GB, plan_memory
+    from ftjax.runtime.planner import GB, plan_memory
 
     dev = jax.local_devices()[0]
     slug = re.sub(r"[^A-Za-z0-9]+", "_", dev.device_kind).strip("_").lower()

@@ -46,7 +46,7 @@ from ftjax.checkpoint import DTYPES  # noqa: E402
 from ftjax.engine import Engine  # noqa: E402
 from ftjax.config import EngineConfig  # noqa: E402
 from ftjax.experts import quant  # noqa: E402
-from ftjax.experts.planner import GB, plan_memory  # noqa: E402
+from ftjax.runtime.planner import GB, plan_memory  # noqa: E402
 from ftjax.kernels.grouped_matmul import grouped_matmul, mgpu_supported  # noqa: E402
 
 # variant: (experts mode, prefill, overlap, prefill driver, stream_d2d_hits, warm); "auto" is the layer-pipelined
@@ -152,7 +152,7 @@ def main(argv):
             # the KV cache is sized for this prompt, so shorter prompts leave more room for slots
             max_seq_len = -(-(n + 1) // 128) * 128
             plan_of = {}
-            for pipelined in (True, False):  # the layer buffers differ by driver (ftjax.experts.planner)
+            for pipelined in (True, False):  # the layer buffers differ by driver (ftjax.runtime.planner)
                 name = f"{n}/{'pipelined' if pipelined else 'scan'}"
                 if FLAGS.expert_dtypes:
                     name = f"{label}/{name}"

@@ -94,7 +94,7 @@ def plan_case(model, budget_gb: float, prompt: list[int], steps: int):
     Raises ValueError where the planner refuses the budget."""
     from ftjax.config import EngineConfig
     from ftjax.engine import plan_engine
-    from ftjax.experts.planner import GB
+    from ftjax.runtime.planner import GB
     cfg = model.cfg
     need = len(prompt) + steps + 1
     max_seq_len = min(-(-need // 128) * 128, cfg.max_position_embeddings)

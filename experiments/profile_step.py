@@ -8,7 +8,7 @@ r"""Profile first (issue 13, item 1): where the device time of one decode step /
 Random weights at --preset (``ftjax.checkpoint.random_model``). Runs (--runs):
 
 * ``cached_decode``: decode steps with an expert cache of the slots --vram_budget_gb leaves
-  (``ftjax.experts.planner``), at each of --batches;
+  (``ftjax.runtime.planner``), at each of --batches;
 * ``resident_decode``: the same with every expert on the device;
 * ``resident_prefill``: one prefill chunk of --prefill_tokens tokens (one jitted call).
 
@@ -64,7 +64,7 @@ from ftjax.checkpoint import DTYPES  # noqa: E402
 from ftjax.config import DECODE_GEMMS, DECODE_GRAPHS, EngineConfig  # noqa: E402
 from ftjax import engine as engine_lib  # noqa: E402
 from ftjax.engine import Engine  # noqa: E402
-from ftjax.experts.planner import GB, plan_memory  # noqa: E402
+from ftjax.runtime.planner import GB, plan_memory  # noqa: E402
 from ftjax.kernels import select  # noqa: E402
 
 RUNS = ("cached_decode", "resident_decode", "resident_prefill")

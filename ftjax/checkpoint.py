@@ -33,11 +33,12 @@ import numpy as np
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from ftjax import memory
-from ftjax.config import ModelConfig, load_hf_config
+from ftjax import families, memory
+from ftjax import model as model_lib
+from ftjax.config import ModelConfig
 from ftjax.experts import quant
 from ftjax.experts.state import ExpertBanks
-from ftjax.model import layer_param_shapes, param_shapes
+from ftjax.families import load_hf_config
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
@@ -78,32 +79,6 @@ class LoadedModel:
     def host_down(self) -> jax.Array:
         """The down bank [L*E, F, D] (``banks.down``)."""
         return self.banks.down
-
-
-def _hf_names(cfg: ModelConfig, i: int) -> dict[str, str]:
-    p = f"model.layers.{i}."
-    names = {"attn_norm": p + "input_layernorm.weight", "mlp_norm": p + "post_attention_layernorm.weight",
-             "wq": p + "self_attn.q_proj.weight", "wk": p + "self_attn.k_proj.weight",
-             "wv": p + "self_attn.v_proj.weight", "wo": p + "self_attn.o_proj.weight"}
-    if cfg.qk_norm != "none":
-        names["q_norm"] = p + "self_attn.q_norm.weight"
-        names["k_norm"] = p + "self_attn.k_norm.weight"
-    names["router"] = p + ("block_sparse_moe.gate.weight" if cfg.model_type == "mixtral" else "mlp.gate.weight")
-    return names
-
-
-def _expert_names(cfg: ModelConfig, i: int, j: int) -> tuple[str, str, str]:
-    """HF names of (gate, up, down) of expert j in layer i."""
-    if cfg.model_type == "mixtral":
-        p = f"model.layers.{i}.block_sparse_moe.experts.{j}."
-        return p + "w1.weight", p + "w3.weight", p + "w2.weight"
-    p = f"model.layers.{i}.mlp.experts.{j}."
-    return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
-
-
-def _layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Expected HF (torch [out, in]) shapes of the per-layer tensors: ftjax's table, transposed."""
-    return {k: v[::-1] for k, v in layer_param_shapes(cfg).items()}
 
 
 class _TensorIndex:
@@ -228,12 +203,13 @@ def load_tokenizer(ckpt_dir: str):
 
 def load_checkpoint(ckpt_dir: str, dtype: str | None = None, progress: bool = True,
                     expert_dtype: str | None = None) -> LoadedModel:
-    """Loads an HF MoE checkpoint directory.
+    """Loads an HF MoE checkpoint directory of a registered family (``ftjax.families``: the family says
+    where each weight sits).
 
     Args:
       ckpt_dir: directory with config.json and model.safetensors (or an index + shards).
       dtype: compute dtype ("float32" | "bfloat16" | "float16"); default: the checkpoint's.
-      progress: show a tqdm progress bar over tensors.
+      progress: show a tqdm progress bar over layers.
       expert_dtype: format of the expert banks (``ftjax.experts.quant.FORMATS``): a plain
         checkpoint's experts are quantized after loading (round to nearest); an fp8 checkpoint's
         experts load as they are ("fp8" or None only). None: the compute dtype (plain) / fp8.
@@ -261,11 +237,10 @@ def load_checkpoint(ckpt_dir: str, dtype: str | None = None, progress: bool = Tr
         raise CheckpointError(f"{ckpt_dir}: fp8 checkpoints of the {cfg.model_type} family are not supported")
     check_host_memory(L * E * quant.expert_bytes(stored or "dense", D, F, np.dtype(np_dtype).itemsize), ckpt_dir)
     idx = _TensorIndex(ckpt_dir)
-    if cfg.is_hybrid:
-        return _load_hybrid(cfg, idx, ckpt_dir, dtype, progress, expert_dtype)
-    shapes = _layer_shapes(cfg)
-    total = 2 + (0 if cfg.tie_word_embeddings else 1) + L * (len(shapes) + 3 * E)
-    bar = tqdm(total=total, desc=f"loading {os.path.basename(os.path.normpath(ckpt_dir))}", unit="tensor",
+    fam = families.get(cfg.model_type)
+    prefix = fam.tensor_prefix(idx.has)
+    _note_skipped(idx, prefix, ckpt_dir)
+    bar = tqdm(total=L, desc=f"loading {os.path.basename(os.path.normpath(ckpt_dir))}", unit="layer",
                disable=not progress, leave=False)
 
     def scale_of(name, shape):
@@ -275,13 +250,13 @@ def load_checkpoint(ckpt_dir: str, dtype: str | None = None, progress: bool = Tr
             return None
         return idx.get(sname, tuple(math.ceil(n / b) for n, b in zip(shape, quant.FP8_BLOCK)))
 
-    def get(name, shape, transpose=False):
-        t = idx.get(name, shape)
+    def get(name, shape):
+        """A non-expert tensor as stored, in the compute dtype (an fp8 one dequantized)."""
+        t = idx.get(name, tuple(shape))
         s = scale_of(name, shape) if len(shape) == 2 else None
-        if s is not None:  # a quantized non-expert weight: dequantized to the compute dtype here
+        if s is not None:
             t = dequantize_fp8_block(t, s)
-        bar.update(1)
-        return (t.T if transpose else t).astype(np_dtype)
+        return t.astype(np_dtype)
 
     def get_expert(name, shape):
         """fp8 checkpoint: the stored fp8 weight [in, out] and its scales [nbi, nbo] as they are."""
@@ -289,10 +264,11 @@ def load_checkpoint(ckpt_dir: str, dtype: str | None = None, progress: bool = Tr
         if s is None or t.dtype != quant.STORAGE["fp8"]:
             raise CheckpointError(f"{ckpt_dir}: fp8 checkpoint expert tensor '{name}' is not float8_e4m3fn with a "
                                   f"weight_scale_inv")
-        bar.update(1)
         return t.T, s.T
 
-    layers: dict[str, list[np.ndarray]] = {k: [] for k in shapes}
+    st = model_lib.structure(cfg)
+    shapes = model_lib.param_shapes(cfg)["layers"]
+    layers = {k: np.empty(sh, np_dtype) for k, sh in shapes.items()}
     bank_dtype = quant.STORAGE[stored] if stored else np_dtype
     gate_up = np.empty((L * E, D, 2 * F), bank_dtype)
     down = np.empty((L * E, F, D), bank_dtype)
@@ -301,26 +277,37 @@ def load_checkpoint(ckpt_dir: str, dtype: str | None = None, progress: bool = Tr
         sd = np.empty((L * E,) + quant.scale_shape(stored, F, D, 1), np.float32)
         nbf = sg.shape[-1] // 2
     for i in range(L):
-        for key, name in _hf_names(cfg, i).items():
-            layers[key].append(get(name, shapes[key], transpose=len(shapes[key]) == 2))
-        for j in range(E):
-            g, u, dn = _expert_names(cfg, i, j)
-            r = i * E + j
-            if stored:
-                gate_up[r, :, :F], sg[r, :, :nbf] = get_expert(g, (F, D))
-                gate_up[r, :, F:], sg[r, :, nbf:] = get_expert(u, (F, D))
-                down[r], sd[r] = get_expert(dn, (D, F))
+        kind = st.kinds[i]
+        tensors = fam.layer_tensors(cfg, get, prefix, i, kind)
+        for key in layers:
+            owner = st.owner_of(key)
+            if owner not in ("", kind):
                 continue
-            gate_up[r, :, :F] = get(g, (F, D), True)
-            gate_up[r, :, F:] = get(u, (F, D), True)
-            down[r] = get(dn, (D, F), True)
-    params: dict[str, Any] = {
-        "embed": get("model.embed_tokens.weight", (cfg.vocab_size, D)),
-        "final_norm": get("model.norm.weight", (D,)),
-        "layers": {k: np.stack(v) for k, v in layers.items()},
-    }
+            if key not in tensors:
+                raise CheckpointError(f"{ckpt_dir}: the {cfg.model_type} family gave no '{key}' for layer {i}")
+            layers[key][i if owner == "" else st.kind_index[i]] = tensors[key]
+        fused = fam.fused_expert_tensors(cfg, prefix, i)
+        rows = slice(i * E, (i + 1) * E)
+        if fused is not None and idx.has(fused[0]):
+            gate_up[rows] = idx.get(fused[0], (E, 2 * F, D)).astype(np_dtype).transpose(0, 2, 1)
+            down[rows] = idx.get(fused[1], (E, D, F)).astype(np_dtype).transpose(0, 2, 1)
+        else:
+            for j in range(E):
+                g, u, dn = fam.expert_tensors(cfg, prefix, i, j)
+                r = i * E + j
+                if stored:
+                    gate_up[r, :, :F], sg[r, :, :nbf] = get_expert(g, (F, D))
+                    gate_up[r, :, F:], sg[r, :, nbf:] = get_expert(u, (F, D))
+                    down[r], sd[r] = get_expert(dn, (D, F))
+                    continue
+                gate_up[r, :, :F] = idx.get(g, (F, D)).astype(np_dtype).T
+                gate_up[r, :, F:] = idx.get(u, (F, D)).astype(np_dtype).T
+                down[r] = idx.get(dn, (D, F)).astype(np_dtype).T
+        bar.update(1)
+    params: dict[str, Any] = {"embed": get(prefix + "embed_tokens.weight", (cfg.vocab_size, D)),
+                              "final_norm": get(prefix + "norm.weight", (D,)), "layers": layers}
     if not cfg.tie_word_embeddings:
-        params["lm_head"] = get("lm_head.weight", (cfg.vocab_size, D), True)
+        params["lm_head"] = get("lm_head.weight", (cfg.vocab_size, D)).T
     bar.close()
     if stored:
         banks = ExpertBanks(memory.to_host(gate_up), memory.to_host(down), (memory.to_host(sg), memory.to_host(sd)),
@@ -328,14 +315,6 @@ def load_checkpoint(ckpt_dir: str, dtype: str | None = None, progress: bool = Tr
     else:
         banks = ExpertBanks(memory.to_host(gate_up), memory.to_host(down))
     del gate_up, down  # the numpy copies go before any quantization allocates more host memory
-    return _loaded_model(cfg, params, banks, dtype, ckpt_dir, expert_dtype)
-
-
-def _loaded_model(cfg: ModelConfig, params: dict, banks: ExpertBanks, dtype: str, ckpt_dir: str,
-                  expert_dtype: str | None) -> "LoadedModel":
-    """The end of every loader: params moved to the device, dense host banks quantized to
-    ``expert_dtype`` when one is asked (banks stored quantized are kept as they are), the tokenizer
-    and EOS ids of ``ckpt_dir``."""
     params = jax.tree.map(memory.to_device, params)
     if expert_dtype is not None and banks.fmt == "dense":
         banks = quant.quantize_banks(banks, expert_dtype)
@@ -343,99 +322,15 @@ def _loaded_model(cfg: ModelConfig, params: dict, banks: ExpertBanks, dtype: str
                        eos_token_ids=eos_token_ids(ckpt_dir))
 
 
-def _hybrid_prefix(idx: _TensorIndex, ckpt_dir: str) -> str:
-    """The text model's tensor prefix: "model." (ForCausalLM) or "model.language_model."
-    (ForConditionalGeneration, whose vision tower and MTP head are skipped with a note)."""
-    if idx.has("model.language_model.embed_tokens.weight"):
-        skipped = {k.split(".")[1] if k.startswith("model.") else k.split(".")[0] for k in idx.where
-                   if k.startswith(("model.visual.", "mtp."))}
-        if skipped:
-            print(f"note: {ckpt_dir}: text model only; skipping the tensors of {', '.join(sorted(skipped))} "
-                  f"(vision tower / multi-token-prediction head)", file=sys.stderr)
-        return "model.language_model."
-    return "model."
-
-
-def _load_hybrid(cfg: ModelConfig, idx: _TensorIndex, ckpt_dir: str, dtype: str, progress: bool,
-                 expert_dtype: str | None) -> LoadedModel:
-    """Loads a hybrid (qwen3_5_moe) checkpoint: non-expert weights in the block layout of
-    ``ftjax.hybrid``, routed experts into the host banks. Experts may be stored per expert
-    (``mlp.experts.{j}.gate_proj.weight`` ...) or fused (``mlp.experts.gate_up_proj`` [E, 2F, D],
-    ``mlp.experts.down_proj`` [E, D, F]), the two layouts transformers reads."""
-    from ftjax.hybrid import block_position, block_param_shapes, layer_kind_shapes
-    np_dtype = DTYPES[dtype]
-    L, E, D, F = cfg.num_layers, cfg.num_experts, cfg.hidden_size, cfg.expert_ffn
-    pre = _hybrid_prefix(idx, ckpt_dir)
-    kinds = layer_kind_shapes(cfg)
-    bar = tqdm(total=L, desc=f"loading {os.path.basename(os.path.normpath(ckpt_dir))}", unit="layer",
-               disable=not progress, leave=False)
-
-    def get(name, shape):  # a tensor as stored
-        return idx.get(name, tuple(shape)).astype(np_dtype)
-
-    def mat(name, shape):  # shape: ftjax's [in, out]; stored transposed ([out, in])
-        return get(name, shape[::-1]).T
-
-    layers = jax.tree.map(lambda sh: np.zeros(sh, np_dtype), block_param_shapes(cfg), is_leaf=lambda x: isinstance(
-        x, tuple))
-    gate_up = np.empty((L * E, D, 2 * F), np_dtype)
-    down = np.empty((L * E, F, D), np_dtype)
-    for i in range(L):
-        p = f"{pre}layers.{i}."
-        blk, pos, kind, j = block_position(cfg, i)
-        common = {"attn_norm": get(p + "input_layernorm.weight", (D,)),
-                  "mlp_norm": get(p + "post_attention_layernorm.weight", (D,)),
-                  "router": mat(p + "mlp.gate.weight", kinds["common"]["router"]),
-                  "shared_gate_up": np.concatenate([mat(p + f"mlp.shared_expert.{n}_proj.weight",
-                                                        (D, cfg.shared_expert_ffn)) for n in ("gate", "up")], axis=1),
-                  "shared_down": mat(p + "mlp.shared_expert.down_proj.weight", kinds["common"]["shared_down"]),
-                  "shared_gate": mat(p + "mlp.shared_expert_gate.weight", (D, 1))}
-        for k, v in common.items():
-            layers[k][blk, pos] = v
-        if kind == "full_attention":
-            a, sh = p + "self_attn.", kinds["attn"]
-            part = {"wq": mat(a + "q_proj.weight", sh["wq"]), "wk": mat(a + "k_proj.weight", sh["wk"]),
-                    "wv": mat(a + "v_proj.weight", sh["wv"]), "wo": mat(a + "o_proj.weight", sh["wo"]),
-                    "q_norm": get(a + "q_norm.weight", sh["q_norm"]), "k_norm": get(a + "k_norm.weight", sh["k_norm"])}
-            group = layers["attn"]
-        else:
-            a, sh = p + "linear_attn.", kinds["linear"]
-            conv = get(a + "conv1d.weight", (cfg.linear_conv_dim, 1, cfg.linear_conv_kernel))
-            part = {"w_qkv": mat(a + "in_proj_qkv.weight", sh["w_qkv"]), "w_z": mat(a + "in_proj_z.weight", sh["w_z"]),
-                    "w_b": mat(a + "in_proj_b.weight", sh["w_b"]), "w_a": mat(a + "in_proj_a.weight", sh["w_a"]),
-                    "conv": conv[:, 0, :].T, "dt_bias": get(a + "dt_bias", sh["dt_bias"]),
-                    "A_log": get(a + "A_log", sh["A_log"]), "norm": get(a + "norm.weight", sh["norm"]),
-                    "w_out": mat(a + "out_proj.weight", sh["w_out"])}
-            group = layers["linear"]
-        for k, v in part.items():
-            group[k][blk, j] = v
-        _read_layer_experts(cfg, idx, p + "mlp.experts.", i, gate_up, down, np_dtype)
-        bar.update(1)
-    params: dict[str, Any] = {"embed": get(pre + "embed_tokens.weight", (cfg.vocab_size, D)),
-                              "final_norm": get(pre + "norm.weight", (D,)), "layers": layers}
-    if not cfg.tie_word_embeddings:
-        params["lm_head"] = mat("lm_head.weight", (D, cfg.vocab_size))
-    bar.close()
-    banks = ExpertBanks(memory.to_host(gate_up), memory.to_host(down))
-    del gate_up, down
-    return _loaded_model(cfg, params, banks, dtype, ckpt_dir, expert_dtype)
-
-
-def _read_layer_experts(cfg: ModelConfig, idx: _TensorIndex, prefix: str, layer: int, gate_up: np.ndarray,
-                        down: np.ndarray, np_dtype) -> None:
-    """Fills rows [layer*E, (layer+1)*E) of the banks from fused or per-expert tensors."""
-    E, D, F = cfg.num_experts, cfg.hidden_size, cfg.expert_ffn
-    rows = slice(layer * E, (layer + 1) * E)
-    if idx.has(prefix + "gate_up_proj"):
-        gate_up[rows] = idx.get(prefix + "gate_up_proj", (E, 2 * F, D)).astype(np_dtype).transpose(0, 2, 1)
-        down[rows] = idx.get(prefix + "down_proj", (E, D, F)).astype(np_dtype).transpose(0, 2, 1)
+def _note_skipped(idx: "_TensorIndex", prefix: str, ckpt_dir: str) -> None:
+    """Says (on stderr) which tensor groups of a multimodal checkpoint are not read (the text model only)."""
+    if prefix == "model.":
         return
-    for j in range(E):
-        p = f"{prefix}{j}."
-        r = layer * E + j
-        gate_up[r, :, :F] = idx.get(p + "gate_proj.weight", (F, D)).astype(np_dtype).T
-        gate_up[r, :, F:] = idx.get(p + "up_proj.weight", (F, D)).astype(np_dtype).T
-        down[r] = idx.get(p + "down_proj.weight", (D, F)).astype(np_dtype).T
+    skipped = {k.split(".")[1] if k.startswith("model.") else k.split(".")[0] for k in idx.where
+               if not k.startswith(prefix) and k != "lm_head.weight"}
+    if skipped:
+        print(f"note: {ckpt_dir}: text model only; skipping the tensors of {', '.join(sorted(skipped))} "
+              f"(vision tower / multi-token-prediction head)", file=sys.stderr)
 
 
 EOS_FILES = ("generation_config.json", "config.json")
@@ -522,7 +417,7 @@ def random_model(cfg: ModelConfig, dtype: str | None = None, seed: int = 0, scal
     jdt = jnp.dtype(DTYPES[dtype])
     check_host_memory(cfg.pool_bytes(jdt.itemsize), f"random {cfg.model_type} weights")
     L, E, D, F = cfg.num_layers, cfg.num_experts, cfg.hidden_size, cfg.expert_ffn
-    shapes = param_shapes(cfg)
+    shapes = model_lib.param_shapes(cfg)
     keys = iter(jax.random.split(jax.random.key(seed), 64 if cfg.is_hybrid else 16))
 
     def w(name, shape):
@@ -531,11 +426,8 @@ def random_model(cfg: ModelConfig, dtype: str | None = None, seed: int = 0, scal
         fan_in = 1.0 if name == "embed" else shape[-2]
         return (jax.random.normal(next(keys), shape, jnp.float32) * (scale / fan_in ** 0.5)).astype(jdt)
 
-    # layers first, then embed and head: the order the random keys were always drawn in
-    def tree(shapes_):  # a hybrid family's layers nest one level (ftjax.hybrid)
-        return {n: tree(sh) if isinstance(sh, dict) else w(n, sh) for n, sh in shapes_.items()}
-
-    layers = tree(shapes.pop("layers"))
+    # layers first (in param_shapes' order), then embed and head: the order the random keys are drawn in
+    layers = {n: w(n, sh) for n, sh in shapes.pop("layers").items()}
     params = {"layers": layers, **{k: w(k, v) for k, v in shapes.items()}}
     params = jax.tree.map(memory.to_device, params)
 

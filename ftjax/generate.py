@@ -32,13 +32,12 @@ import tempfile
 from absl import app, flags, logging
 
 # Flag choices come from the code's own registries (importing them does not start a JAX backend).
-from ftjax.config import (DECODE_GEMMS, DECODE_GRAPHS, KV_LOADS, MATMUL_PRECISIONS, PREFILL_DRIVERS, PREFILL_MODES,
-                          PREFIX_COPIES, EngineConfig, KVOffloadConfig)
-from ftjax.experts.cpu_experts import IMPLS as CPU_EXPERT_IMPLS
-from ftjax.experts.miss_policy import POLICIES as MISS_POLICIES
-from ftjax.experts.offload import MODES as EXPERT_MODES
+from ftjax.config import (CACHE_POLICIES, CPU_EXPERT_IMPLS, EXPERT_MODES, KV_LOADS, MATMUL_PRECISIONS, MISS_POLICIES,
+                          PREFILL_DRIVERS, PREFILL_MODES, PREFIX_COPIES, EngineConfig, KVOffloadConfig,
+                          MissPolicyConfig)
 from ftjax.experts.quant import FORMATS as EXPERT_FORMATS
-from ftjax.experts.slot_table import POLICIES as CACHE_POLICIES
+from ftjax.kernels.registry import (DECODE_GEMMS, DECODE_GRAPHS, FLASH_PREFILLS, GROUPED_MATMULS, SLOT_ORDERS,
+                                    KernelConfig)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", None, "HF checkpoint directory (config.json + safetensors). "
@@ -120,12 +119,26 @@ flags.DEFINE_enum("matmul_precision", "auto", list(MATMUL_PRECISIONS),
 flags.DEFINE_enum("decode_gemm", "auto", list(DECODE_GEMMS),
                   "GEMMs of the decode programs on a GPU: xla = XLA's Triton GEMM fusions (they copy each layer's "
                   "weight slices first); cublas = cuBLAS reading them in place, dot merger off; auto = cublas on a "
-                  "GPU in bf16/fp16 (EngineConfig.decode_gemm; docs/PROFILE.md).")
+                  "GPU in bf16/fp16 (KernelConfig.decode_gemm; docs/PROFILE.md).")
 flags.DEFINE_enum("decode_graphs", "auto", list(DECODE_GRAPHS),
                   "Decode programs on a GPU as CUDA graphs whose loops stay on the device (XLA command buffers "
                   "with WHILE and CONDITIONAL): on, off, or auto = on for --experts cached/on_demand when a step "
                   "fetches every miss (its miss copies loop a data-dependent number of times; not with CPU experts) "
-                  "(EngineConfig.decode_graphs; docs/PROFILE.md).")
+                  "(KernelConfig.decode_graphs; docs/PROFILE.md).")
+flags.DEFINE_string("kernels", "auto", "Pallas kernels to run: auto (each where it applies and was measured faster: "
+                    "on a GPU), xla (the plain-JAX references everywhere), interpret (every kernel in Pallas interpret "
+                    "mode), or a comma list of kernel names (ftjax.kernels.registry; a kernel asked for by name that "
+                    "applies to no program is reported).")
+flags.DEFINE_list("kernel_tiles", [], "Tile overrides, name:ints with the ints separated by '/', e.g. "
+                  "dense_decode:64/128/0/0,moe_decode:64/64/0/0 (KernelConfig.tiles).")
+flags.DEFINE_enum("grouped_matmul", "auto", list(GROUPED_MATMULS), "The prefill expert matmul: the Mosaic GPU kernel "
+                  "where it runs (auto), always (mgpu), or ragged_dot (xla).")
+flags.DEFINE_enum("flash_prefill", "pallas", list(FLASH_PREFILLS), "Flash attention of prefill: the Pallas kernel, "
+                  "or jax's Mosaic GPU attention for calls starting at 0.")
+flags.DEFINE_enum("slot_order", "auto", list(SLOT_ORDERS), "How the slot table finds the slots misses take (every "
+                  "one gives the same table; auto: rank on an accelerator, sort on the CPU).")
+flags.DEFINE_integer("min_dot_rows", None, "Rows a one-row dense projection is padded to (default 4 on a GPU, 0 "
+                     "elsewhere).", lower_bound=0)
 flags.DEFINE_boolean("ignore_eos", False, "Generate --max_new_tokens tokens even past the checkpoint's EOS id(s) "
                      "(benchmarks).")
 flags.DEFINE_integer("fixed_fetch", None, "Adaptive: fetch min(N, misses) per layer instead of the calibrated split.")
@@ -214,7 +227,7 @@ def _read_prompts_file(path: str, model, max_new_tokens: int) -> list[list[int]]
         ``max_new_tokens`` beyond max_position_embeddings, or no requests; the message starts
         with ``PATH:LINE:`` where a line is at fault.
     """
-    from ftjax.engine import prompt_error
+    from ftjax.runtime.plan import prompt_error
     v, tok = model.cfg.vocab_size, model.tokenizer
     try:
         with open(path, encoding="utf-8") as f:
@@ -269,7 +282,7 @@ def _run_metrics(model, engine, plan) -> dict:
 
 def _run_requests(model, engine, plan, prompts: list[list[int]], eos) -> dict:
     """Runs the requests one after another (batch 1), with prefix reuse when --kv_offload."""
-    from ftjax.experts.planner import GB
+    from ftjax.runtime.planner import GB
     from ftjax.kv.host_store import HostKVStore
     from ftjax.kv.prefix_cache import PrefixCache
     manager = None
@@ -292,6 +305,8 @@ def _run_requests(model, engine, plan, prompts: list[list[int]], eos) -> dict:
         print(f"request {i}: {len(p)} prompt tokens, {reused} reused | TTFT {res.ttft_s * 1e3:.1f} ms | "
               f"decode {res.decode_tokens_per_s:.2f} tokens/s{text}")
         print(f"request {i} generated ids:", ",".join(map(str, res.generated_ids[0])))
+    for note in engine.kernel_notes():
+        print(f"note: {note}")
     kv_store = manager.metrics() if manager else None
     if kv_store:
         print(f"kv store: {kv_store['chunks_hit']} chunks hit, {kv_store['chunks_stored']} stored, "
@@ -309,61 +324,70 @@ def _run_requests(model, engine, plan, prompts: list[list[int]], eos) -> dict:
     return metrics
 
 
-def _plan(model, batch: int, max_seq_len: int, prompts: list[list[int]]):
-    """Chooses the experts mode and slot count; returns (mode, plan or None). With
-    --vram_budget_gb the workspace is measured on the compiled steps of these ``prompts``
-    (``ftjax.engine.plan_engine``), so that the plan is never below the run's peak."""
-    import numpy as np
-    from ftjax.checkpoint import DTYPES
-    from ftjax.engine import plan_engine
-    from ftjax.experts.planner import GB, plan_memory
+def _plan(model, max_seq_len: int, prompts: list[list[int]]):
+    """Chooses the experts mode and slot count (``ftjax.runtime.planner.plan_run``); returns (mode, plan or
+    None). With --vram_budget_gb the workspace is measured on the compiled steps of these ``prompts``, so
+    that the plan is never below the run's peak. Without a budget or slots, a checkpoint runs resident and
+    the demo or a preset keeps a cache of 2E slots, smaller than its pool, so that the mechanism shows."""
+    from ftjax.runtime.planner import GB, plan_run
     cfg = model.cfg
-    itemsize = np.dtype(DTYPES[model.dtype]).itemsize
-    eb = model.expert_bytes
-    mode = FLAGS.experts
     if FLAGS.expert_slots is not None and FLAGS.vram_budget_gb is not None:
         raise UserError("give --expert_slots or --vram_budget_gb, not both")
-    if FLAGS.expert_slots is None and FLAGS.vram_budget_gb is None:
-        if mode == "resident" or (mode == "auto" and FLAGS.checkpoint):
-            return "resident", None
-        # Demo default: a cache of 2E slots, smaller than the pool, so the mechanism shows.
+    mode, slots = FLAGS.experts, FLAGS.expert_slots
+    if mode == "resident" and slots is not None:
+        print(f"note: --experts=resident keeps all {cfg.num_layers * cfg.num_experts} experts on the device; "
+              f"--expert_slots={slots} ignored")
+        slots = None
+    if slots is None and FLAGS.vram_budget_gb is None and not (mode == "resident" or
+                                                                (mode == "auto" and FLAGS.checkpoint)):
         slots = min(2 * cfg.num_experts, cfg.num_layers * cfg.num_experts)
-        plan = plan_memory(cfg, itemsize, slots=slots, batch=batch, max_seq_len=max_seq_len, expert_bytes=eb,
-                           pipelined=_pipelined_streams(cfg))
-    elif FLAGS.expert_slots is not None:
-        if mode == "resident":
-            print(f"note: --experts=resident keeps all {cfg.num_layers * cfg.num_experts} experts on the device; "
-                  f"--expert_slots={FLAGS.expert_slots} ignored")
-            return "resident", None
-        plan = plan_memory(cfg, itemsize, slots=FLAGS.expert_slots, batch=batch, max_seq_len=max_seq_len,
-                           expert_bytes=eb, pipelined=_pipelined_streams(cfg))
-    else:
-        base = _engine_config("cached", min(2 * cfg.num_experts, cfg.num_layers * cfg.num_experts), max_seq_len)
-        config, plan = plan_engine(model, int(FLAGS.vram_budget_gb * GB), prompts, base, mode=mode)
-        return config.experts, plan
-    if mode == "auto":
-        mode = "resident" if plan.fits_resident else "cached"
-    return mode, plan
+    budget = int(FLAGS.vram_budget_gb * GB) if FLAGS.vram_budget_gb is not None else None
+    base = _engine_config("cached", min(2 * cfg.num_experts, cfg.num_layers * cfg.num_experts), max_seq_len,
+                          note=False)
+    config, plan = plan_run(model, base, prompts, budget_bytes=budget, slots=slots, mode=mode)
+    return config.experts, plan
 
 
-def _pipelined_streams(cfg) -> bool:
-    """Whether streamed prefill will run on the pipelined driver (its two buffers are then planned)."""
-    return EngineConfig(prefill_driver=FLAGS.prefill_driver).pipelines_streams(cfg) and FLAGS.prefill != "on_demand"
+def _kernel_config() -> KernelConfig:
+    """The run's KernelConfig from the kernel flags.
+    Raises:
+      UserError: a malformed --kernel_tiles entry."""
+    tiles = {}
+    for entry in FLAGS.kernel_tiles:
+        name, _, ints = entry.partition(":")
+        try:
+            tiles[name.strip()] = tuple(int(v) for v in ints.split("/"))
+        except ValueError:
+            raise UserError(f"--kernel_tiles entry {entry!r}: expected name:int/int/...") from None
+    return KernelConfig(use=FLAGS.kernels, tiles=tiles, grouped_matmul=FLAGS.grouped_matmul,
+                        flash_prefill=FLAGS.flash_prefill, slot_order=FLAGS.slot_order, min_dot_rows=FLAGS.min_dot_rows,
+                        decode_gemm=FLAGS.decode_gemm, decode_graphs=FLAGS.decode_graphs)
 
 
-def _engine_config(mode: str, slots: int | None, max_seq_len: int) -> EngineConfig:
+def _miss_config(mode: str) -> MissPolicyConfig:
+    """The run's MissPolicyConfig from the flags (a resident run has no misses: the policy is then
+    fetch, with a note)."""
+    if FLAGS.miss_policy != "fetch" and mode == "resident":
+        print(f"note: all experts are resident, so there are no misses; --miss_policy={FLAGS.miss_policy} ignored")
+        return MissPolicyConfig()
+    return MissPolicyConfig(FLAGS.miss_policy, FLAGS.cpu_expert_impl, FLAGS.cpu_threads, FLAGS.fixed_fetch,
+                            calibration_profile=FLAGS.calibration_profile)
+
+
+def _engine_config(mode: str, slots: int | None, max_seq_len: int, note: bool = True) -> EngineConfig:
     """The run's EngineConfig from the flags (a resident run has nothing to stream: --prefill=stream
     then prefills as auto does, with a note)."""
     prefill = FLAGS.prefill
     if mode == "resident" and prefill == "stream":
-        print("note: all experts are resident, so there is nothing to stream; --prefill=stream ignored")
+        if note:
+            print("note: all experts are resident, so there is nothing to stream; --prefill=stream ignored")
         prefill = "auto"
     return EngineConfig(mode, num_slots=slots, max_seq_len=max_seq_len, batch=FLAGS.batch, prefill=prefill,
                         prefill_chunk=FLAGS.prefill_chunk, prefill_overlap=FLAGS.prefill_overlap,
                         prefill_driver=FLAGS.prefill_driver, stream_d2d_hits=FLAGS.stream_d2d_hits,
                         prefix_copy=FLAGS.prefix_copy, prefix_copy_layers=FLAGS.prefix_copy_layers,
                         cache_policy=FLAGS.cache_policy, matmul_precision=FLAGS.matmul_precision,
-                        decode_gemm=FLAGS.decode_gemm, decode_graphs=FLAGS.decode_graphs)
+                        kernels=_kernel_config(), miss=_miss_config(mode) if note else MissPolicyConfig())
 
 
 def _check_flags() -> None:
@@ -393,43 +417,23 @@ def _check_flags() -> None:
         folder = os.path.dirname(os.path.abspath(path))
         if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
             raise UserError(f"--{name}={path}: not a writable file path (folder must exist)")
-def _miss_runtime(model, mode: str, batch: int):
-    """The engine's miss runtime for --miss_policy (None: fetch every miss)."""
-    if FLAGS.miss_policy == "fetch":
-        return None
-    if mode == "resident":
-        print(f"note: all experts are resident, so there are no misses; --miss_policy={FLAGS.miss_policy} ignored")
-        return None
+def _describe_miss(miss, max_misses: int) -> None:
+    """Prints the miss policy, and where its calibration came from."""
     from ftjax import calibrate
-    from ftjax.experts import cpu_experts, miss_policy
-    impl, threads = FLAGS.cpu_expert_impl, FLAGS.cpu_threads or None
-    if impl not in cpu_experts.CALLBACK_IMPLS:  # compute_on reads the banks in-graph: they must be host-typed
-        b = model.banks
-        model.banks = b.replace(gate_up=cpu_experts.ensure_host_typed(b.gate_up),
-                                down=cpu_experts.ensure_host_typed(b.down),
-                                scales=None if b.scales is None else tuple(map(cpu_experts.ensure_host_typed,
-                                                                               b.scales)))
-    calibration = split_model = None
-    if FLAGS.miss_policy == "adaptive" and FLAGS.fixed_fetch is None:  # only the model split reads a profile
-        path = FLAGS.calibration_profile or calibrate.default_profile_path()
-        entry, key, path, fresh = calibrate.profile_for(model, impl, batch, path, threads)
-        split_model = calibrate.split_model_from(entry["impls"][impl])
-        threads = threads or entry["impls"][impl].get("mechanism", {}).get("threads")
-        print(f"calibration profile: {path} [{key}]{' (calibrated now)' if fresh else ''}")
-        if not fresh:
-            print(calibrate.describe_impl(impl, entry["impls"][impl]))
-        calibration = {"path": path, "key": key, "calibrated_now": fresh, "entry": entry}
-    cpu = cpu_experts.make_cpu_experts(impl, model.host_gate_up, model.host_down, threads, scales=model.banks.scales,
-                                       fmt=model.banks.fmt)
-    return miss_policy.build_runtime(FLAGS.miss_policy, model.cfg.num_experts, cpu,
-                                     split_model=split_model, fixed_fetch=FLAGS.fixed_fetch,
-                                     calibration=calibration)
+    cal = miss.calibration
+    if cal is not None:
+        fresh = " (calibrated now)" if cal["calibrated_now"] else ""
+        print(f"calibration profile: {cal['path']} [{cal['key']}]{fresh}")
+        if not cal["calibrated_now"]:
+            impl = miss.config.cpu.impl
+            print(calibrate.describe_impl(impl, cal["entry"]["impls"][impl]))
+    print(miss.describe(max_misses))
 
 
 def run() -> dict:
     """Runs the command; returns the metrics dict."""
     import numpy as np
-    from ftjax.engine import Engine
+    from ftjax import Engine
     if FLAGS.max_new_tokens < 1:
         raise UserError(f"--max_new_tokens must be >= 1, got {FLAGS.max_new_tokens}")
     if FLAGS.batch < 1:
@@ -458,17 +462,16 @@ def run() -> dict:
         raise UserError(f"prompt of {longest} tokens + {FLAGS.max_new_tokens} new exceeds the model's "
                         f"max_position_embeddings {cfg.max_position_embeddings}")
     probe_prompts = [max(prompts, key=len)] if prompts else [prompt] * FLAGS.batch
-    mode, plan = _plan(model, FLAGS.batch, max_seq_len, probe_prompts)
+    mode, plan = _plan(model, max_seq_len, probe_prompts)
     print(f"model: {model.name} ({cfg.model_type}, L={cfg.num_layers}, E={cfg.num_experts}, "
           f"top-k={cfg.top_k}, {model.dtype}); experts: {mode}, stored {model.banks.fmt} "
           f"({model.banks.gate_up.dtype}, {model.expert_bytes / 1e6:.3f} MB per expert)")
     if plan is not None:
         print(plan.describe())
-    miss = _miss_runtime(model, mode, FLAGS.batch)
+    engine = Engine(model, _engine_config(mode, plan.slots if plan and mode != "resident" else None, max_seq_len))
+    miss = engine.miss if engine.miss.policy != "fetch" else None
     if miss is not None:
-        print(miss.describe(min(cfg.num_experts, FLAGS.batch * cfg.top_k)))
-    engine = Engine(model, _engine_config(mode, plan.slots if plan and mode != "resident" else None, max_seq_len),
-                    miss=miss)
+        _describe_miss(miss, min(cfg.num_experts, FLAGS.batch * cfg.top_k))
     eos = () if FLAGS.ignore_eos else model.eos_token_ids
     if requests_mode:
         return _run_requests(model, engine, plan, prompts or [prompt], eos)
@@ -494,6 +497,8 @@ def run() -> dict:
     if miss is not None:
         print(f"misses: {ec['fetched']} fetched, {ec['cpu_computed']} computed on the CPU "
               f"({ec['miss_policy']}, split {ec['split']['rule']})")
+    for note in engine.kernel_notes():
+        print(f"note: {note}")
     metrics = {**_run_metrics(model, engine, plan), "prompt_ids": prompt,
                "generated_ids": gen, "batch_generated_ids": res.generated_ids, "stop_reasons": res.stop_reasons,
                "ttft_s": res.ttft_s, "decode_s": res.decode_s, "prefill_tokens_per_s": res.prefill_tokens_per_s,

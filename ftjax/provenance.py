@@ -25,23 +25,14 @@ def git_commit() -> str | None:
     return sha.stdout.strip() + ("+dirty" if dirty else "")
 
 
-#: Environment variables that change what the compiled programs do (read at trace time) or how
-#: much host memory they may use: recorded with every result.
-ENV_PREFIXES = ("FTJAX_", "XLA_FLAGS", "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "XLA_PYTHON_CLIENT_")
+#: Environment variables that change what XLA compiles or how much host memory it may use: recorded with
+#: every result (ftjax's own choices are in the engine config each result also records).
+ENV_PREFIXES = ("XLA_FLAGS", "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "XLA_PYTHON_CLIENT_", "JAX_")
 
 
 def run_env() -> dict:
-    """The set variables of :data:`ENV_PREFIXES` (name -> value) and ``min_dot_rows``, the one-row
-    projection padding they resolve to on this backend (``ftjax.model.min_dot_rows``; None when the
-    value is invalid)."""
-    from ftjax.model import min_dot_rows  # lazy: the model imports the kernels
-
-    env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)}
-    try:
-        rows = min_dot_rows()
-    except ValueError:
-        rows = None
-    return {"variables": env, "min_dot_rows": rows}
+    """The set variables of :data:`ENV_PREFIXES` (name -> value)."""
+    return {"variables": {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)}}
 
 
 def run_meta() -> dict:

@@ -388,7 +388,7 @@ def test_plan_vs_peak_smoke(tmp_path):
     from ftjax.checkpoint import random_model
     from ftjax.config import EngineConfig, preset
     from ftjax.engine import plan_engine
-    from ftjax.experts.planner import plan_memory
+    from ftjax.runtime.planner import plan_memory
     cfg = preset("tiny")
     # budgets that leave 24 (no streaming) and 40 (streaming) slots at the measured workspace
     _, probe = plan_engine(random_model(cfg, "bfloat16"), 10**9, [[1] * 256],

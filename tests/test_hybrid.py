@@ -141,7 +141,7 @@ def test_batch_of_different_lengths_matches_single():
 # ---- the preset and the memory planner ---------------------------------------------------------
 def test_preset_35b_a3b_shape_and_state_bytes():
     from ftjax.config import preset
-    from ftjax.experts.planner import plan_memory
+    from ftjax.runtime.planner import plan_memory
 
     cfg = preset("qwen3.5-35b-a3b")
     assert (cfg.num_layers, cfg.num_experts, cfg.top_k, cfg.hidden_size, cfg.expert_ffn) == (40, 256, 8, 2048, 512)

@@ -16,7 +16,7 @@ import pytest
 from conftest import FIXTURE_NAMES, HYBRID_FIXTURE_NAMES, load_fixture
 from ftjax.engine import Engine
 from ftjax.config import EngineConfig
-from ftjax.experts.planner import plan_memory
+from ftjax.runtime.planner import plan_memory
 
 STEPS = 200
 

@@ -25,7 +25,7 @@ from ftjax.config import EngineConfig
 from ftjax.engine import Engine
 from ftjax.experts import cpu_experts, miss_policy, quant
 from ftjax.experts.compute import experts_gather, experts_grouped
-from ftjax.experts.planner import plan_memory
+from ftjax.runtime.planner import plan_memory
 from ftjax.experts.state import ExpertBanks
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))

@@ -44,7 +44,7 @@ def gather_outputs(x: jax.Array, slots: jax.Array, gate_up: jax.Array, down: jax
                    scales: tuple | None = None, fmt: str = "dense") -> jax.Array:
     """Per-(token, k) expert outputs [N, k, D]. x: [N, D]; slots: int32 [N, k].
 
-    Where ``FTJAX_KERNELS`` selects it (``ftjax.kernels.select``; default: on GPUs), the fused
+    Where the kernel config selects it (``ftjax.kernels.registry``; default: on GPUs), the fused
     Pallas kernel ``ftjax.kernels.moe_decode`` reads each pair's weights from the pool in place;
     otherwise (the reference, and the CPU default) each pair gathers (and dequantizes) its
     expert's weights from the pool. Every expert mode calls this one function, so cached and

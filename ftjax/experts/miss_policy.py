@@ -51,8 +51,8 @@ from ftjax.experts.cpu_experts import CALLBACK_IMPLS, CpuExperts
 from ftjax.experts.fetch import fetch_experts
 from ftjax.experts.miss_split import SplitModel, fixed_split_table, most_recent_misses, split_table
 from ftjax.experts.slot_table import SlotTable, lookup_layer
-from ftjax.experts.state import ExpertBanks, ExpertState, LayerStats
-from ftjax.model import LayerRouting
+from ftjax.experts.state import ExpertBanks, ExpertState
+from ftjax.seams import LayerRouting, LayerStats
 
 POLICIES = ("fetch", "cpu", "adaptive")
 

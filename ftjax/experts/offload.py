@@ -22,15 +22,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ftjax.config import EXPERT_MODES
 from ftjax.experts import miss_policy
 from ftjax.experts.compute import experts_from_layer, experts_from_pool
 from ftjax.experts.fetch import fetch_experts, fetch_layer
 from ftjax.experts.slot_table import LayerLookup, forget_slots, lookup_layer, reset_table
-from ftjax.experts.state import ExpertBanks, ExpertState, LayerStats
+from ftjax.experts.state import ExpertBanks, ExpertState
 from ftjax.kernels import slot_lookup
-from ftjax.model import LayerRouting
+from ftjax.seams import LayerRouting, LayerStats
 
-MODES = ("resident", "cached", "on_demand")
+MODES = EXPERT_MODES
 
 
 def routed_mask(ids: jax.Array, valid: jax.Array, num_experts: int) -> jax.Array:
@@ -47,7 +48,7 @@ def routed_count(ids: jax.Array, valid: jax.Array, num_experts: int) -> jax.Arra
     ids: int32 [N, k] in [0, E); valid: bool [N]. A decode step's few pairs (at most
     :data:`PAIRWISE_MAX_PAIRS`) are compared pairwise (a valid pair counts unless an earlier valid
     pair routed the same expert): elementwise work XLA fuses into one kernel, where the mask's
-    scatter was two per layer of the resident decode step (H200 trace, session 11)."""
+    scatter was two per layer of the resident decode step (H200 trace)."""
     if ids.size > PAIRWISE_MAX_PAIRS:
         return jnp.sum(routed_mask(ids, valid, num_experts), dtype=jnp.int32)
     flat = ids.reshape(-1)
@@ -73,7 +74,7 @@ def make_expert_fn(mode: str, num_experts: int, banks: ExpertBanks | None = None
       num_experts: E.
       banks: the host expert banks (needed by cached / on_demand).
       policy: the slot table's eviction policy (``ftjax.experts.slot_table.POLICIES``). With ``lru``, every
-        miss fetched and ``FTJAX_KERNELS`` selecting ``slot_lookup``, a cached decode layer's lookup is one
+        miss fetched and the kernel config selecting ``slot_lookup``, a cached decode layer's lookup is one
         launch of ``ftjax.kernels.slot_lookup`` (same table, misses and slots as ``lookup_layer``).
       miss: the miss policy (None or fetch: every miss is fetched). cpu / adaptive need
         ``state.last_routed``.
@@ -133,7 +134,7 @@ def make_expert_fn(mode: str, num_experts: int, banks: ExpertBanks | None = None
 
 def _kernel_lookup(table, layer: jax.Array, r: LayerRouting, e: int):
     """``lookup_layer(table, layer, routed_mask(r.ids, r.valid, e), e, "lru")`` through the slot lookup
-    kernel where ``FTJAX_KERNELS`` selects it for this layer (a decode layer: fewer pairs than E), else None:
+    kernel where the kernel config selects it for this layer (a decode layer: fewer pairs than E), else None:
     (the :class:`LayerLookup`, the misses' flat ids int32 [E], each pair's slot int32 [N, k])."""
     got = slot_lookup.maybe(r.ids, r.valid, table.slot_of, table.id_of_slot, table.last_use, table.clock, layer, e)
     if got is None:

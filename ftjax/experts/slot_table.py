@@ -59,6 +59,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from ftjax.kernels import registry
+
 __all__ = [
     "SlotTable",
     "LayerLookup",
@@ -436,7 +438,7 @@ def lookup_layer(
         raise ValueError(f"table has {LE} flat ids, not a multiple of num_experts={E}")
     if policy not in POLICIES:
         raise ValueError(f"unknown cache policy {policy!r}; expected one of {POLICIES}")
-    impl = ORDER_IMPL if impl is None else impl
+    impl = registry.active().slot_order if impl is None else impl
     if impl == "auto":
         impl = "sort" if jax.default_backend() == "cpu" else "rank" if S <= RANK_MAX_SLOTS else "top_k"
     if impl not in ORDER_IMPLS:

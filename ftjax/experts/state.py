@@ -8,14 +8,12 @@ offload; DESIGN.md 1.1-1.3):
   format tag.
 * :class:`ExpertState`: what the jitted step carries through the layer scan: slot pools, the
   slot table, and the routing recency the cpu / adaptive miss policies read.
-* :class:`LayerStats`: one layer's counters of one forward call (stacked over layers by the scan).
 * :class:`ExpertCounters`: host totals per layer, summed over calls, and the metrics built from them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
 
 import flax.struct
 import jax
@@ -23,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ftjax.experts.slot_table import SlotTable, init_slot_table
+from ftjax.seams import LayerStats
 
 #: Storage formats of the routed-expert banks (``ftjax.experts.quant``): dense (the compute dtype,
 #: or bfloat16), and the quantized formats, whose scales sit in :attr:`ExpertBanks.scales`.
@@ -78,44 +77,6 @@ class ExpertState:
     last_routed: jax.Array | None = None
     scales: tuple | None = None
     fmt: str = flax.struct.field(pytree_node=False, default="dense")
-
-
-class LayerStats(NamedTuple):
-    """Per-layer counters of one forward call (stacked over layers by the scan).
-
-    hits, misses: int32 [] distinct routed experts found resident / not resident. A streamed
-    layer copies all E experts into its buffer: the ones copied device to device from the slot
-    cache are its hits (only with ``EngineConfig.stream_d2d_hits`` on the pipelined driver, else
-    0), the rest its misses (``hits + misses == E``). fetched, cpu: int32 [], misses copied over
-    PCIe / computed on the CPU (``fetched + cpu == misses``). routed_ids: int32 [N, k] routed
-    expert ids, -1 for padding tokens (routing traces). d2d: int32 [], experts copied device to
-    device (a streamed layer's hits), or None where a call makes no such copies (every program
-    but the pipelined driver's streamed layers with ``stream_d2d_hits``).
-    """
-
-    hits: jax.Array
-    misses: jax.Array
-    fetched: jax.Array
-    cpu: jax.Array
-    routed_ids: jax.Array
-    d2d: jax.Array | None = None
-
-    @classmethod
-    def fetch_only(cls, hits: jax.Array, misses: jax.Array, routed_ids: jax.Array) -> "LayerStats":
-        """Stats of a layer whose every miss was fetched."""
-        return cls(hits, misses, misses, jnp.int32(0), routed_ids)
-
-    def packed(self) -> tuple[jax.Array, jax.Array]:
-        """(int32 [4] or [5]: hits, misses, fetched, cpu[, d2d]; routed_ids): one layer's stats as a layer scan
-        stacks them. One counter vector is one write per layer into the scan's output; five scalars were one
-        each, and XLA makes each a copy kernel inside the decode step's layer loop (H200 trace, issue 13)."""
-        counts = [self.hits, self.misses, self.fetched, self.cpu] + ([self.d2d] if self.d2d is not None else [])
-        return jnp.stack([jnp.asarray(c, jnp.int32) for c in counts]), self.routed_ids
-
-    @classmethod
-    def unpacked(cls, counts: jax.Array, routed_ids: jax.Array) -> "LayerStats":
-        """The inverse of :meth:`packed` over a leading axis: counts int32 [..., 4 or 5] -> fields [...]."""
-        return cls(*(counts[..., i] for i in range(4)), routed_ids, counts[..., 4] if counts.shape[-1] == 5 else None)
 
 
 def init_expert_state(mode: str, num_layers: int, num_experts: int, num_slots: int, banks: ExpertBanks,

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ftjax.kernels import select
+from ftjax.kernels import common, registry
 from ftjax.kernels.online_softmax import NEG, fold_block
 
 BLOCK_K, N_SPLIT = 64, 16
@@ -60,7 +60,7 @@ def query_rows(g: int) -> int:
 
 def _kernel(len_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, bk, n_split, scale, offset):
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    layer = select.wrap_clamp(layer_ref[0], k_ref.shape[0])  # as a jnp index: negative ids wrap, others clamp
+    layer = common.wrap_clamp(layer_ref[0], k_ref.shape[0])  # as a jnp index: negative ids wrap, others clamp
     length = jnp.clip(len_ref[b] + offset, 1, k_ref.shape[2])  # here, not as one more XLA kernel per layer
     chunk = pl.cdiv(pl.cdiv(length, n_split), bk) * bk
     lo = s * chunk
@@ -127,7 +127,7 @@ def grouped(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Ar
     bk = min(block_k, s_max)
     lengths = lengths.astype(jnp.int32)  # + offset, clipped to [1, S_max] inside the kernel
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    params = select.triton_params(interpret, num_warps, num_stages)
+    params = common.triton_params(interpret, num_warps, num_stages)
     f32 = jnp.float32
     out_shape = (jax.ShapeDtypeStruct((b, hkv, n_split, rows, hd), f32),
                  jax.ShapeDtypeStruct((b, hkv, n_split, rows), f32), jax.ShapeDtypeStruct((b, hkv, n_split, rows), f32))
@@ -152,9 +152,14 @@ def merge_splits(o: jax.Array, m: jax.Array, l: jax.Array, g: int, dtype) -> jax
 
 
 def maybe(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, q_pos: jax.Array) -> jax.Array | None:
-    """The kernel's output for a decode call (T = 1; q_pos int32 [B, 1]) when ``FTJAX_KERNELS``
-    selects it for these operands (``ftjax.kernels.select``), else None."""
-    how = select.mode("decode_attention", supported(q, k_cache) and select.dot_dtype_ok(q.dtype))
+    """The kernel's output for a decode call (T = 1; q_pos int32 [B, 1]) when the kernel config
+    selects it for these operands (``registry.mode``), else None."""
+    how = registry.mode("decode_attention", supported(q, k_cache) and common.dot_dtype_ok(q.dtype))
     if how == "xla":
         return None
     return decode_attention(q, k_cache, v_cache, layer, q_pos.reshape(-1), offset=1, interpret=how == "interpret")
+
+
+registry.register(registry.Kernel(
+    "decode_attention", "ftjax.layers.attention.attention",
+    "decode attention (T = 1) over the filled cache positions only, 16-bit operands on a GPU; auto: GPU"))

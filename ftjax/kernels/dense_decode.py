@@ -16,8 +16,8 @@ Kernel: grid (N / block_n, k_split). Program (j, part) owns output columns
 (<= 16) rows of x, accumulates ``sum(x[m, rows, None] * tile, axis=0)`` in float32. With
 ``k_split == 1`` it writes the result in the output dtype; otherwise each part writes float32
 partial sums ``[k_split, M, N]`` that are added up in float32 outside the kernel and then cast
-(so a split changes only the float32 summation order). Tiles come from
-``FTJAX_DENSE_DECODE_TILES="block_k,block_n,num_warps,k_split"`` (trace time; :func:`tiles`),
+(so a split changes only the float32 summation order). Tiles come from the engine's kernel config
+(``KernelConfig.tiles``, entry ``dense_decode``: block_k, block_n, num_warps, k_split; :func:`tiles`),
 else the module defaults: block_k 64, block_n 128, Triton's default warps, and k_split
 :func:`auto_k_split` (the smallest power of two giving at least :data:`MIN_PROGRAMS` programs:
 8 for wq [2048, 4096] of qwen3-30b-a3b, 16 for wo [4096, 2048], 32 for wk / wv [2048, 512] and the
@@ -27,7 +27,7 @@ GEMV form: broadcast-multiply + column reductions, one x row at a time against t
 tile, not ``dot``. Decode at batch 1 is bandwidth-bound (each weight element is used M times), so
 the multiply unit hardly matters; Triton's ``dot`` needs 16 rows (x would be padded with zero
 rows) and on the GPU runs float32 operands as TF32 whatever the matmul precision says, while the
-float32 oracle runs need full float32 (``select.dot_dtype_ok``). The per-row form is exact float32
+float32 oracle runs need full float32 (``common.dot_dtype_ok``). The per-row form is exact float32
 arithmetic in every dtype and keeps the register tile at ``block_k * block_n`` whatever M is. Its
 cost grows with M (M FMAs per weight element on the CUDA cores), so at 16 rows it nears the
 compute bound; a ``dot`` variant for bf16 at 8-16 rows is left to measurement.
@@ -36,7 +36,7 @@ Backend choice: generic Pallas primitives only (whole-array refs indexed with ``
 id read from a ref, ``lax.fori_loop``), so the kernel runs on the CPU in interpret mode
 (``interpret=True``; the tests) and lowers on the GPU through Pallas' Triton backend (the default
 GPU lowering of a ``pallas_call`` without Mosaic GPU compiler params in jax 0.11.2; deprecated but
-shipped), as the other decode kernels do (``ftjax.kernels.select`` says more). Mosaic GPU's
+shipped), as the other decode kernels do (``ftjax.kernels.common`` says more). Mosaic GPU's
 TMA / warpgroup-matmul model wants 64-row tiles; this is a 1-to-16-row GEMV. Idea: the batched
 GEMV ("skinny GEMM") decode kernels of LLM runtimes, here combined with the slot-id addressing of
 the fused-MoE kernels (vLLM / SGLang): the weight chosen by an index inside the kernel instead of
@@ -47,14 +47,13 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ftjax.kernels import select
+from ftjax.kernels import common, registry
 
 #: Default tiles (input rows per step, output columns per program); k_split 0 = :func:`auto_k_split`.
 BLOCK_K, BLOCK_N, K_SPLIT = 64, 128, 0
@@ -64,21 +63,17 @@ MIN_PROGRAMS = 256
 MAX_K_SPLIT = 32
 #: Most rows the kernel takes (beyond that the GEMM of XLA / cuBLAS is the better tool).
 MAX_ROWS = 16
-#: Weight dtypes for which ``FTJAX_KERNELS=auto`` runs both kernels (:func:`dense_decode` and
-#: :func:`norm_dense_decode`) on a GPU (:func:`auto_for`): the 16-bit ones. Session 9 left the
-#: kernel opt-in (resident b1 7.53 -> 7.06 ms, but a cached step of 33 ms beside 13 ms without it);
-#: session 11 (H200, one process, ``profile_step --kernels``) showed that step copying ~1 GB of
-#: misses (the random model's greedy tokens, so its routing, change with the kernel's rounding;
-#: held against its own misses it is 1.14x, docs/PROFILE.md), and with the norm fused in the
-#: resident step went 7.30 -> 6.87 ms. Float32 programs keep XLA's GEMMs, as ``decode_gemm`` does
-#: (the float32 oracle runs on the GPU were settled on them).
+#: Weight dtypes for which ``use="auto"`` runs both kernels (:func:`dense_decode` and
+#: :func:`norm_dense_decode`) on a GPU (:func:`auto_for`): the 16-bit ones, where they were measured
+#: faster (docs/PROFILE.md). Float32 programs keep XLA's GEMMs, as ``decode_gemm`` does (the float32
+#: oracle runs on the GPU were settled on them).
 AUTO_DTYPES = ("bfloat16", "float16")
 WEIGHT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
 def auto_for(dtype) -> bool:
-    """Whether ``FTJAX_KERNELS=auto`` picks the kernels for weights of ``dtype`` on a GPU
-    (:data:`AUTO_DTYPES`; ``select.mode``'s ``auto``)."""
+    """Whether ``use="auto"`` picks the kernels for weights of ``dtype`` on a GPU
+    (:data:`AUTO_DTYPES`; ``registry.mode``'s ``auto``)."""
     return jnp.dtype(dtype).name in AUTO_DTYPES
 
 
@@ -95,7 +90,7 @@ def supported(x: jax.Array, w: jax.Array, block_k: int = BLOCK_K, block_n: int =
     if not (1 <= m <= MAX_ROWS) or nl < 1 or kw != k or k < 1 or n < 1:
         return False
     bk, bn = min(block_k, k), min(block_n, n)
-    return select.pow2(bk) and select.pow2(bn) and k % (bk * k_split) == 0 and n % bn == 0
+    return common.pow2(bk) and common.pow2(bn) and k % (bk * k_split) == 0 and n % bn == 0
 
 
 def _kernel(layer_ref, x_ref, *refs, bk, bn, split, cols, eps, xn_dtype, write_x, merge):
@@ -113,7 +108,7 @@ def _kernel(layer_ref, x_ref, *refs, bk, bn, split, cols, eps, xn_dtype, write_x
     w_refs = refs[int(norm):int(norm) + len(cols)]
     o_ref = refs[int(norm) + len(cols)]
     j, part = pl.program_id(0), pl.program_id(1)
-    layer = select.wrap_clamp(layer_ref[0], w_refs[0].shape[0])
+    layer = common.wrap_clamp(layer_ref[0], w_refs[0].shape[0])
     m, k = x_ref.shape if merge is None else (x_ref.shape[0], x_ref.shape[1] * merge[0] * merge[1])
     k_steps = k // (bk * split)
     base = part * (k_steps * bk)  # this program's share of the input rows
@@ -200,7 +195,7 @@ def _call(x, ws, layer, norm_w, eps, write_x, interpret, block_k, block_n, num_w
     for w in ws:
         cols.append((b0, w.shape[2] // bn, off))
         b0, off = b0 + w.shape[2] // bn, off + w.shape[2]
-    params = select.triton_params(interpret, num_warps)
+    params = common.triton_params(interpret, num_warps)
     out_shape = [jax.ShapeDtypeStruct((m, off), out_dtype) if k_split == 1
                  else jax.ShapeDtypeStruct((k_split, m, off), jnp.float32)]
     if write_x:
@@ -319,7 +314,7 @@ def supported_merge(o: jax.Array, m: jax.Array, l: jax.Array, w: jax.Array, g: i
     if getattr(o, "ndim", 0) != 5 or any(a.dtype != f32 for a in (o, m, l)):
         return False
     b, hkv, ns, rows, hd = o.shape
-    if m.shape != (b, hkv, ns, rows) or l.shape != m.shape or not (1 <= g <= rows) or not select.pow2(ns):
+    if m.shape != (b, hkv, ns, rows) or l.shape != m.shape or not (1 <= g <= rows) or not common.pow2(ns):
         return False
     k = hkv * g * hd
     x = jax.ShapeDtypeStruct((b, k), dtype)
@@ -357,26 +352,24 @@ def merge_dense_decode(o: jax.Array, m: jax.Array, l: jax.Array, w: jax.Array, l
     return y
 
 
-TILES_ENV = "FTJAX_DENSE_DECODE_TILES"
+def parse_tiles(vals: tuple[int, ...]) -> dict:
+    """A ``KernelConfig.tiles`` override of these kernels, (block_k, block_n, num_warps, k_split), as keyword
+    arguments (num_warps 0 = Triton's default, k_split 0 = :func:`auto_k_split`).
+    Raises:
+      ValueError: not four integers, block_k / block_n not powers of two, num_warps neither 0 nor a power
+        of two, negative k_split."""
+    bk, bn, nw, ks = common.tile_values("dense_decode", vals, (4,), "four integers block_k,block_n,num_warps,k_split")
+    if not (common.pow2(bk) and common.pow2(bn)) or min(nw, ks) < 0 or (nw and not common.pow2(nw)):
+        raise ValueError(f"tiles of kernel 'dense_decode' {tuple(vals)}: block_k and block_n must be powers of two "
+                         ">= 1, num_warps a power of two or 0, k_split >= 0 (0: the default)")
+    return {"block_k": bk, "block_n": bn, "num_warps": nw or None, "k_split": ks}
 
 
 def tiles() -> dict:
-    """The tiles the model's calls use: ``FTJAX_DENSE_DECODE_TILES="block_k,block_n,num_warps,k_split"``
-    (read at trace time; num_warps 0 = Triton's default, k_split 0 = :func:`auto_k_split`), else the
-    module defaults.
-
-    Raises:
-      ValueError: a malformed value (not four integers, block_k / block_n not powers of two,
-        num_warps neither 0 nor a power of two, negative k_split).
-    """
-    vals = select.tile_ints(TILES_ENV, (4,), "four integers block_k,block_n,num_warps,k_split")
-    if vals is None:
-        return {"block_k": BLOCK_K, "block_n": BLOCK_N, "num_warps": None, "k_split": K_SPLIT}
-    bk, bn, nw, ks = vals
-    if not (select.pow2(bk) and select.pow2(bn)) or min(nw, ks) < 0 or (nw and not select.pow2(nw)):
-        raise ValueError(f"{TILES_ENV}={os.environ[TILES_ENV]!r}: block_k and block_n must be powers of two >= 1, "
-                         "num_warps a power of two or 0, k_split >= 0 (0: the default)")
-    return {"block_k": bk, "block_n": bn, "num_warps": nw or None, "k_split": ks}
+    """The tiles the model's calls use: the active kernel config's ``dense_decode`` override
+    (:func:`parse_tiles`), else the module defaults."""
+    return registry.tiles("dense_decode", {"block_k": BLOCK_K, "block_n": BLOCK_N, "num_warps": None,
+                                           "k_split": K_SPLIT})
 
 
 def auto_k_split(k: int, n: int, block_k: int, block_n: int) -> int:
@@ -406,14 +399,14 @@ def supported_all(x: jax.Array, ws, block_k: int = BLOCK_K, block_n: int = BLOCK
 def plan(x: jax.Array, w, name: str = "dense_decode", auto: bool | None = None) -> tuple[str, dict]:
     """(mode, tiles) of a model call of ``x @ w[layer]`` with x [..., K] and w [L, K, N] (or a tuple
     of such weights, one launch for all: :func:`norm_dense_decode`): mode "gpu" / "interpret" when
-    ``FTJAX_KERNELS`` selects kernel ``name`` for these operands (at most :data:`MAX_ROWS` rows;
-    ``select.mode``; under ``auto`` only where ``auto`` says, default :func:`auto_for` the weights' dtype),
+    the kernel config selects kernel ``name`` for these operands (at most :data:`MAX_ROWS` rows;
+    ``registry.mode``; under ``auto`` only where ``auto`` says, default :func:`auto_for` the weights' dtype),
     else "xla".
     The default k_split is :func:`auto_k_split` of the weights' summed N.
 
     Raises:
-      ValueError: a malformed ``FTJAX_DENSE_DECODE_TILES`` or ``FTJAX_KERNELS``; tiles set in the
-        variable that do not fit operands the default tiles fit, while the kernel is selected.
+      ValueError: tiles set in the kernel config that do not fit operands the default tiles fit, while the
+        kernel is selected.
     """
     ws = tuple(w) if isinstance(w, (tuple, list)) else (w,)
     auto = auto_for(ws[0].dtype) if auto is None else auto
@@ -422,13 +415,13 @@ def plan(x: jax.Array, w, name: str = "dense_decode", auto: bool | None = None) 
     if t["k_split"] == 0:
         t["k_split"] = auto_k_split(x.shape[-1], sum(v.shape[-1] for v in ws), t["block_k"], t["block_n"])
     ok = supported_all(x2, ws, t["block_k"], t["block_n"], t["k_split"])
-    if not ok and os.environ.get(TILES_ENV, "").strip() and supported_all(x2, ws, BLOCK_K, BLOCK_N, 1) \
-            and select.mode(name, True, auto=auto) != "xla":
+    if not ok and registry.tiles_overridden("dense_decode") and supported_all(x2, ws, BLOCK_K, BLOCK_N, 1) \
+            and registry.mode(name, True, auto=auto) != "xla":
         # a tile sweep must not time XLA's GEMMs under the kernel's name
-        raise ValueError(f"{TILES_ENV}={os.environ[TILES_ENV]!r}: tiles {t} do not fit x {x2.shape} @ w "
+        raise ValueError(f"dense_decode tiles {t} do not fit x {x2.shape} @ w "
                          f"{[tuple(v.shape) for v in ws]} (K must be a multiple of min(block_k, K) * k_split, "
                          "each N of min(block_n, N))")
-    return select.mode(name, ok, auto=auto), t
+    return registry.mode(name, ok, auto=auto), t
 
 
 def maybe(x: jax.Array, w: jax.Array, layer: jax.Array) -> jax.Array | None:
@@ -444,7 +437,7 @@ def maybe(x: jax.Array, w: jax.Array, layer: jax.Array) -> jax.Array | None:
 
 def maybe_norm(x: jax.Array, norm_w: jax.Array, eps: float, ws, layer: jax.Array, write_x: bool = False,
                sum_parts: bool = True) -> tuple[list[jax.Array], jax.Array | None] | None:
-    """:func:`norm_dense_decode` of a model call when ``FTJAX_KERNELS`` selects ``norm_dense_decode``
+    """:func:`norm_dense_decode` of a model call when the kernel config selects ``norm_dense_decode``
     for these operands (:func:`plan`; under ``auto``: :func:`auto_for`), else None (the caller
     runs ``model.rms_norm`` and its projections). x: [..., K] with at most 16 rows; norm_w: [K] or [L, K];
     ws: weights [L, K, N_i]; layer: int32 []. Returns ([..., N_i] per weight, the normalised rows
@@ -461,17 +454,15 @@ def maybe_norm(x: jax.Array, norm_w: jax.Array, eps: float, ws, layer: jax.Array
     return [y.reshape(*lead, y.shape[-1]) for y in ys], (None if xn is None else xn.reshape(x.shape))
 
 
-#: Whether ``FTJAX_KERNELS=auto`` runs :func:`merge_dense_decode` on a GPU (16-bit weights). Not yet: in two
-#: H200 processes (issue 13, session 12) it took 0.21-0.37 ms off a resident batch-1 step (5.96 -> 5.75,
-#: 6.04 -> 5.67 ms) but added 0.6-1.2 ms to the cached step's fixed cost over resident + misses / B_P (1.25 ->
-#: 2.49, 1.08 -> 1.71 ms; the cached 24 GB ratio 1.144 -> 1.228), for reasons not found yet. Both modes must run
-#: the same kernels (cached = resident bit for bit), so it stays selectable by name only.
+#: Whether ``use="auto"`` runs :func:`merge_dense_decode` on a GPU (16-bit weights). Not: it was measured
+#: faster for resident steps but slower for cached ones (docs/PROFILE.md), and both modes must run the same
+#: kernels (cached = resident bit for bit), so it stays selectable by name only.
 MERGE_AUTO = False
 
 
 def maybe_merge(o: jax.Array, m: jax.Array, l: jax.Array, g: int, dtype, w: jax.Array,
                 layer: jax.Array) -> jax.Array | None:
-    """:func:`merge_dense_decode` ([B, N]) of a model call when ``FTJAX_KERNELS`` selects
+    """:func:`merge_dense_decode` ([B, N]) of a model call when the kernel config selects
     ``merge_dense_decode`` for these operands (:func:`plan`, the rows [B, Hkv * g * hd] of ``dtype``;
     not under ``auto``: :data:`MERGE_AUTO`) and :func:`supported_merge` takes them, else None (the
     caller merges with ``decode_attention.merge_splits`` and projects)."""
@@ -481,3 +472,17 @@ def maybe_merge(o: jax.Array, m: jax.Array, l: jax.Array, g: int, dtype, w: jax.
     if how == "xla" or not supported_merge(o, m, l, w, g, dtype, t["block_k"], t["block_n"], t["k_split"]):
         return None
     return merge_dense_decode(o, m, l, w, layer, g=g, dtype=jnp.dtype(dtype), interpret=how == "interpret", **t)
+
+
+registry.register(registry.Kernel(
+    "dense_decode", "ftjax.kernels.dense_decode.dense_decode_reference",
+    "a decode step's dense projections (wq, wk, wv, wo, router) read from weights stacked over layers, "
+    f"at most {MAX_ROWS} rows; auto: GPU, 16-bit weights", tiles=parse_tiles))
+registry.register(registry.Kernel(
+    "norm_dense_decode", "ftjax.kernels.dense_decode.norm_dense_decode_reference",
+    "a decode step's RMSNorm (plain weights, not zero-centred) and the projections after it (input norm + "
+    "wq/wk/wv, MoE norm + router) in one launch; auto: GPU, 16-bit weights", tiles=parse_tiles))
+registry.register(registry.Kernel(
+    "merge_dense_decode", "ftjax.kernels.decode_attention.merge_splits then x @ wo[layer]",
+    "the wo projection with decode attention's key-split merge in its prologue, after rope_cache; by name only",
+    auto=MERGE_AUTO, needs=("rope_cache", "decode_attention"), tiles=parse_tiles))

@@ -23,14 +23,13 @@ Two implementations:
   shared-memory buffers are float16, so bf16 operands are cast to float16 (exact in mantissa,
   but values beyond +-65504 would overflow) and the output cast back. It cannot run on the CPU.
 
-``FTJAX_FLASH_PREFILL=pallas|mgpu`` (read at trace time) picks one when ``FTJAX_KERNELS``
-selects the ``flash_prefill`` kernel (``ftjax.kernels.select``).
+``KernelConfig.flash_prefill`` (``pallas`` | ``mgpu``) picks one where the kernel config selects the
+``flash_prefill`` kernel (``ftjax.kernels.registry``).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from typing import Callable
 
 import jax
@@ -38,11 +37,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ftjax.kernels import select
+from ftjax.kernels import common, registry
 from ftjax.kernels.online_softmax import NEG, fold_block
 
 BLOCK_Q, BLOCK_K = 64, 64
-IMPL_ENV = "FTJAX_FLASH_PREFILL"
 
 
 def supported(q: jax.Array, k: jax.Array, block_q: int = BLOCK_Q, block_k: int = BLOCK_K) -> bool:
@@ -96,7 +94,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array, 
     b, t, hq, hd = q.shape
     s_max, hkv = k.shape[1], k.shape[2]
     bq, bk = min(block_q, t), min(block_k, s_max)
-    params = select.triton_params(interpret, num_warps, num_stages)
+    params = common.triton_params(interpret, num_warps, num_stages)
     return pl.pallas_call(
         functools.partial(_kernel, bq=bq, bk=bk, group=hq // hkv, scale=hd ** -0.5),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), grid=(b, hq, t // bq),
@@ -128,23 +126,24 @@ def mgpu_attention(q: jax.Array, k: jax.Array, v: jax.Array, block_q: int = 64, 
 
 def maybe(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
           reference: Callable[..., jax.Array]) -> jax.Array | None:
-    """Flash attention for a prefill call (q_pos int32 [B, T] = start + t) when ``FTJAX_KERNELS``
+    """Flash attention for a prefill call (q_pos int32 [B, T] = start + t) when the kernel config
     selects it for these operands, else None. ``reference(q, k, v, q_pos)``: the jnp attention,
-    taken by the ``mgpu`` implementation for calls with a row that does not start at 0.
-
-    Raises:
-      ValueError: unknown ``FTJAX_FLASH_PREFILL`` value.
-    """
-    impl = os.environ.get(IMPL_ENV, "pallas")
-    if impl not in ("pallas", "mgpu"):
-        raise ValueError(f"{IMPL_ENV}={impl!r}; expected pallas or mgpu")
+    taken by the ``mgpu`` implementation (``KernelConfig.flash_prefill``) for calls with a row that
+    does not start at 0."""
+    impl = registry.active().flash_prefill
     start = q_pos[:, 0]
     if impl == "mgpu":
-        how = select.mode("flash_prefill", mgpu_supported(q, k))
+        how = registry.mode("flash_prefill", mgpu_supported(q, k))
         if how != "gpu":  # the Mosaic GPU kernel does not interpret on the CPU
             return None
         return lax.cond(jnp.all(start == 0), lambda: mgpu_attention(q, k, v), lambda: reference(q, k, v, q_pos))
-    how = select.mode("flash_prefill", supported(q, k) and select.dot_dtype_ok(q.dtype))
+    how = registry.mode("flash_prefill", supported(q, k) and common.dot_dtype_ok(q.dtype))
     if how == "xla":
         return None
     return flash_attention(q, k, v, start, interpret=how == "interpret")
+
+
+registry.register(registry.Kernel(
+    "flash_prefill", "ftjax.layers.attention.attention",
+    "prefill attention (T > 1) from any start position, 16-bit operands on a GPU (float32 interpreted only); "
+    "auto: GPU"))

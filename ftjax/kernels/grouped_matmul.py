@@ -17,10 +17,11 @@ tiles of rows, one at a time, once the whole one would exceed :data:`XLA_EXPAND_
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
+
+from ftjax.kernels import registry
 
 #: Largest dense operand [G, M, K] of ragged_dot's expansion built at once (bytes); above it the
 #: rows go through the expansion in tiles (:func:`ragged_dot_tiled`).
@@ -55,11 +56,11 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, impl:
 
     lhs: [M, K]; rhs: [G, K, N]; group_sizes: int32 [G] with sum == M. Returns [M, N] in lhs's dtype.
     impl: "auto" (Mosaic GPU kernel where supported, else ragged_dot), "mgpu", or "xla";
-      default: the environment variable FTJAX_GROUPED_MATMUL, else "auto" (read at trace time).
+      default: the active kernel config's ``grouped_matmul`` (``ftjax.kernels.registry``).
     Raises:
       ValueError: unknown impl, or "mgpu" asked for where it cannot run.
     """
-    impl = impl or os.environ.get("FTJAX_GROUPED_MATMUL", "auto")
+    impl = impl or registry.active().grouped_matmul
     if impl not in ("auto", "mgpu", "xla"):
         raise ValueError(f"unknown grouped matmul impl {impl!r}")
     use_mgpu = impl == "mgpu" or (impl == "auto" and mgpu_supported(lhs, rhs))

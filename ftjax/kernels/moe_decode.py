@@ -21,11 +21,11 @@ the kernel they are added up in float32 and then gated (``_silu_mul``, the same 
 input dtype as with one part), in every format including int4, so a split changes only the
 float32 summation order. (Summing and gating them in the down stage's programs instead, as they
 read h, saves that one small XLA kernel per layer but made the down stage 1.8x slower on the
-H200: 25.3 against 13.7 us per layer, session 11.) At batch 1 there are only 8 pairs, and more
-programs keep more loads in flight. The model's calls take their tiles from
-``FTJAX_MOE_DECODE_TILES="block_d,block_f,num_warps,d_split[,down_cols,down_rows]"`` (trace
-time; :func:`tiles`), else the module defaults, whose d_split gives the gate/up stage at least
-256 programs (:func:`auto_d_split`: 4 at batch 1 of qwen3-30b-a3b, 1 from batch 4; for int4 too);
+H200; docs/PROFILE.md.) At batch 1 there are only 8 pairs, and more
+programs keep more loads in flight. The model's calls take their tiles from the engine's
+kernel config (``KernelConfig.tiles``, entry ``moe_decode``: block_d, block_f, num_warps, d_split[,
+down_cols, down_rows]; :func:`tiles`), else the module defaults, whose d_split gives the gate/up stage
+at least 256 programs (:func:`auto_d_split`: 4 at batch 1 of qwen3-30b-a3b, 1 from batch 4; for int4 too);
 ``experiments/check_kernels_gpu.py`` sweeps them.
 
 Each weight byte is read once (decode is a batched GEMV, bandwidth-bound: the matrix-vector
@@ -58,7 +58,6 @@ as jax's Triton lowering does by itself). Idea: the fused-MoE kernels of vLLM / 
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -66,7 +65,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ftjax.experts import quant
-from ftjax.kernels import select
+from ftjax.kernels import common, registry
 
 #: Default tiles (input rows per step, output columns per program); the GPU script sweeps others.
 #: d_split 0 = :func:`auto_d_split`.
@@ -114,7 +113,7 @@ def _gate_up_kernel(slots_ref, x_ref, gu_ref, *rest, k, f, bd, bf, fmt, split):
     s_ref = rest[0] if fmt != "dense" else None
     outs = rest[1:] if fmt != "dense" else rest
     p, j, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    slot = select.wrap_clamp(slots_ref[p], gu_ref.shape[0])
+    slot = common.wrap_clamp(slots_ref[p], gu_ref.shape[0])
     n = p // k
     f0 = j * bf
     d_steps = x_ref.shape[1] // (bd * split)
@@ -147,7 +146,7 @@ def _gate_up_kernel(slots_ref, x_ref, gu_ref, *rest, k, f, bd, bf, fmt, split):
 def _down_kernel(slots_ref, h_ref, dn_ref, *rest, bd, bf, fmt):
     s_ref, y_ref = (rest[0], rest[1]) if fmt != "dense" else (None, rest[0])
     p, j = pl.program_id(0), pl.program_id(1)
-    slot = select.wrap_clamp(slots_ref[p], dn_ref.shape[0])
+    slot = common.wrap_clamp(slots_ref[p], dn_ref.shape[0])
     d0 = j * bd
     f_steps = h_ref.shape[1] // bf
 
@@ -183,7 +182,7 @@ def _gate_up_kernel_int4(slots_ref, x_ref, gu_ref, s_ref, *outs, k, f, bd, bf, s
     column pairs split the same way); split > 1: float32 partial sums of gate and up, each
     [split, P, 2, F/2] (even columns, then odd), added up and gated outside."""
     p, j, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    slot = select.wrap_clamp(slots_ref[p], gu_ref.shape[0])
+    slot = common.wrap_clamp(slots_ref[p], gu_ref.shape[0])
     n = p // k
     half = bf // 2
     c0 = j * half  # first column pair of the tile
@@ -226,7 +225,7 @@ def _down_kernel_int4(slots_ref, h_ref, dn_ref, s_ref, y_ref, *, bd, bf):
     kernel, the loop runs over 64-row scale groups of F and scales each group's unscaled sum of its
     ``64 / bf`` row steps once."""
     p, j = pl.program_id(0), pl.program_id(1)
-    slot = select.wrap_clamp(slots_ref[p], dn_ref.shape[0])
+    slot = common.wrap_clamp(slots_ref[p], dn_ref.shape[0])
     half = bd // 2
     c0 = j * half
     grp_rows = quant.INT4_GROUP
@@ -286,7 +285,7 @@ def moe_decode_pairs(x: jax.Array, slots: jax.Array, gate_up: jax.Array, down: j
     sg, sd = scales if scales is not None else (None, None)
     extra_g = () if fmt == "dense" else (sg.astype(jnp.float32),)
     extra_d = () if fmt == "dense" else (sd.astype(jnp.float32),)
-    params = select.triton_params(interpret, num_warps, num_stages)
+    params = common.triton_params(interpret, num_warps, num_stages)
     bf1, bd1 = min(block_f, f), min(block_d, d)
     bd2, bf2 = min(down_cols or block_f, d), min(down_rows or block_d, f)
     if fmt == "int4":
@@ -325,27 +324,25 @@ def moe_decode_pairs(x: jax.Array, slots: jax.Array, gate_up: jax.Array, down: j
     return y.reshape(n, k, d)
 
 
-TILES_ENV = "FTJAX_MOE_DECODE_TILES"
+def parse_tiles(vals: tuple[int, ...]) -> dict:
+    """A ``KernelConfig.tiles`` override, (block_d, block_f, num_warps, d_split[, down_cols, down_rows]), as
+    keyword arguments (num_warps 0 = Triton's default, d_split 0 = :func:`auto_d_split`, down_cols /
+    down_rows 0 or left out = the gate/up tile transposed).
+    Raises:
+      ValueError: not 4 or 6 integers, block_d or block_f < 1, a negative value."""
+    vals = common.tile_values("moe_decode", vals, (4, 6), "block_d,block_f,num_warps,d_split[,down_cols,down_rows]")
+    bd, bf, nw, ds, dc, dr = vals + (0,) * (6 - len(vals))
+    if bd < 1 or bf < 1 or min(nw, ds, dc, dr) < 0:
+        raise ValueError(f"tiles of kernel 'moe_decode' {vals}: block_d and block_f must be >= 1, num_warps, "
+                         "d_split, down_cols and down_rows >= 0 (0: the default)")
+    return {"block_d": bd, "block_f": bf, "num_warps": nw or None, "d_split": ds, "down_cols": dc, "down_rows": dr}
 
 
 def tiles() -> dict:
-    """The tiles the model's calls use:
-    ``FTJAX_MOE_DECODE_TILES="block_d,block_f,num_warps,d_split[,down_cols,down_rows]"`` (read at
-    trace time; num_warps 0 = Triton's default, d_split 0 = :func:`auto_d_split`, down_cols /
-    down_rows 0 or left out = the gate/up tile transposed), else the module defaults.
-
-    Raises:
-      ValueError: a malformed value.
-    """
-    vals = select.tile_ints(TILES_ENV, (4, 6), "block_d,block_f,num_warps,d_split[,down_cols,down_rows]")
-    if vals is None:
-        return {"block_d": BLOCK_D, "block_f": BLOCK_F, "num_warps": None, "d_split": D_SPLIT, "down_cols": 0,
-                "down_rows": 0}
-    bd, bf, nw, ds, dc, dr = vals + [0] * (6 - len(vals))
-    if bd < 1 or bf < 1 or min(nw, ds, dc, dr) < 0:
-        raise ValueError(f"{TILES_ENV}={os.environ[TILES_ENV]!r}: block_d and block_f must be >= 1, num_warps, "
-                         "d_split, down_cols and down_rows >= 0 (0: the default)")
-    return {"block_d": bd, "block_f": bf, "num_warps": nw or None, "d_split": ds, "down_cols": dc, "down_rows": dr}
+    """The tiles the model's calls use: the active kernel config's ``moe_decode`` override
+    (:func:`parse_tiles`), else the module defaults."""
+    return registry.tiles("moe_decode", {"block_d": BLOCK_D, "block_f": BLOCK_F, "num_warps": None,
+                                         "d_split": D_SPLIT, "down_cols": 0, "down_rows": 0})
 
 
 def auto_d_split(pairs: int, d: int, f: int, block_d: int, block_f: int, fmt: str) -> int:
@@ -364,16 +361,20 @@ def auto_d_split(pairs: int, d: int, f: int, block_d: int, block_f: int, fmt: st
 
 def maybe_pairs(x: jax.Array, slots: jax.Array, gate_up: jax.Array, down: jax.Array, scales: tuple | None,
                 fmt: str) -> jax.Array | None:
-    """The kernel's per-pair outputs [N, k, D] when ``FTJAX_KERNELS`` selects it for these operands
-    (``ftjax.kernels.select``), else None (the caller runs its jnp reference)."""
+    """The kernel's per-pair outputs [N, k, D] when the kernel config selects it for these operands
+    (``registry.mode``), else None (the caller runs its jnp reference)."""
     t = tiles()
     if t["d_split"] == 0:
         t["d_split"] = auto_d_split(slots.size, x.shape[-1], down.shape[1], t["block_d"], t["block_f"], fmt)
     ok = supported(x, gate_up, down, fmt, t["block_d"], t["block_f"], t["d_split"], t["down_cols"], t["down_rows"])
-    # int4 under auto: XLA. With the kernel of before its d_split (96 gate/up programs at batch 1) the int4
-    # cached decode step at 8 GB got slower (62.0 -> 51.3 tok/s on the H200, while int8 went 59.3 -> 68.0).
-    # Once experiments/check_kernels_gpu.py shows the split kernel faster, this line becomes auto=True.
-    how = select.mode("moe_decode", ok, auto=fmt != "int4")
+    # int4 under auto: XLA, where the kernel was measured slower (docs/QUANTIZATION.md); by name it runs
+    how = registry.mode("moe_decode", ok, auto=fmt != "int4")
     if how == "xla":
         return None
     return moe_decode_pairs(x, slots, gate_up, down, scales, fmt, interpret=how == "interpret", **t)
+
+
+registry.register(registry.Kernel(
+    "moe_decode", "ftjax.experts.compute.gather_outputs_reference",
+    "a decode step's routed experts read from the slot pool by slot id (at most 64 pairs), dense / int8 / fp8 "
+    "pools (int4 by name only); auto: GPU", tiles=parse_tiles))

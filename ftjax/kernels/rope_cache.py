@@ -2,7 +2,7 @@
 up, the per-head q/k RMSNorm, the rotary embedding, K and V written into the stacked KV cache at
 each row's position, and q laid out as :mod:`ftjax.kernels.decode_attention` tiles it.
 
-Why: in the H200 trace of a batch-1 resident decode step (issue 13, session 11) a layer ran,
+Why: in the H200 trace of a batch-1 resident decode step a layer ran,
 between the fused input-norm + wq/wk/wv kernel (``dense_decode.norm_dense_decode``) and the
 decode attention kernel, seven to nine small XLA kernels of 1-2 us plus a launch gap each: the
 float32 sum of the projection's K-split partials, the q and k norms, RoPE, two cache writes
@@ -24,7 +24,7 @@ nothing, as the jnp path's ``mode="drop"`` scatter.
 
 Backend: generic Pallas primitives (whole-array refs, ``pl.ds``, ``pl.when``) for the Triton
 backend on the GPU and interpret mode on the CPU, as the other decode kernels
-(``ftjax.kernels.select``). Idea: the fused "QK-norm + RoPE + KV-cache write" prologue kernels of
+(``ftjax.kernels.common``). Idea: the fused "QK-norm + RoPE + KV-cache write" prologue kernels of
 LLM serving runtimes (e.g. vLLM's fused rotary-embedding-and-cache kernels), here for the stacked
 cache of a layer scan.
 """
@@ -39,7 +39,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ftjax.kernels import decode_attention, select
+from ftjax.kernels import common, decode_attention, registry
 
 
 def supported(qkv: jax.Array, hq: int, hkv: int, hd: int, k_cache: jax.Array, q_dtype) -> bool:
@@ -107,7 +107,7 @@ def _kernel(pos_ref, layer_ref, inv_ref, qkv_ref, *refs, hq, hkv, hd, eps, dtype
     g, rows, half = hq // hkv, qg_ref.shape[2], hd // 2
     f32 = jnp.float32
     n_layers, s_max = ck_ref.shape[0], ck_ref.shape[2]
-    layer = select.wrap_clamp(layer_ref[0], n_layers)
+    layer = common.wrap_clamp(layer_ref[0], n_layers)
     pos = pos_ref[b]
     slot = jnp.where(pos < 0, pos + s_max, pos)  # one wrap, then out of range writes nothing
 
@@ -205,7 +205,7 @@ def rope_cache(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | Non
     lid = jnp.asarray(layer, jnp.int32).reshape(1)
     norms = (q_norm, k_norm) if norm else ()
     operands = (pos, lid, inv_freq, qkv) + norms + (k_cache, v_cache)
-    params = select.triton_params(interpret, num_warps)
+    params = common.triton_params(interpret, num_warps)
     out_shape = (jax.ShapeDtypeStruct((b, hkv, rows, hd), q_dtype),
                  jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
     n_in = len(operands)
@@ -214,3 +214,10 @@ def rope_cache(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | Non
         out_shape=out_shape, grid=(b, hkv, rows + 2), input_output_aliases={n_in - 2: 1, n_in - 1: 2},
         interpret=interpret, compiler_params=params, name="rope_cache",
     )(*operands)
+
+
+registry.register(registry.Kernel(
+    "rope_cache", "ftjax.layers.attention.qk (then the cache scatter)",
+    "a decode step's attention prologue (plain per-head q/k norms or none, full RoPE, the K/V cache write) where the "
+    "q/k/v projections read stacked weights (dense_decode or norm_dense_decode); auto: GPU, 16-bit weights",
+    needs=("decode_attention",)))

@@ -1,8 +1,8 @@
 """A decode layer's router after its logits GEMV in one Pallas launch: the K-split partial logits summed,
 softmax, top-k and the top-k renormalisation (``model.top_k_route`` on ``model.norm_project``'s logits,
-same arithmetic). ``FTJAX_KERNELS`` selects it by name (``route_decode``); see :data:`AUTO`.
+same arithmetic). The kernel config selects it by name (``route_decode``); see :data:`AUTO`.
 
-Why: in the H200 trace of a resident batch-1 decode step (issue 13, session 12) the router was four
+Why: in the H200 trace of a resident batch-1 decode step the router was four
 kernels per layer after the norm + router GEMV kernel (``dense_decode.norm_dense_decode``): the float32
 sum of its K-split parts fused into a softmax (1.6 us), the top-k as a sort of the E probabilities
 (3.2 us), a slice, and the gather that renormalises the k weights, with a gap before each: ~7 us of
@@ -18,7 +18,7 @@ XLA's fused reduce, so a logit can differ by one ulp of its dtype from the jnp p
 probabilities (frequent with bf16 logits) may be ordered differently from XLA's GPU top-k (:data:`AUTO`);
 both expert modes run this same kernel, so cached and resident stay bit-identical.
 
-Backend: generic Pallas primitives for the Triton backend (``ftjax.kernels.select``); interpret mode
+Backend: generic Pallas primitives for the Triton backend (``ftjax.kernels.common``); interpret mode
 on the CPU.
 """
 
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ftjax.kernels import select
+from ftjax.kernels import common, registry
 
 #: Most K-split parts and experts a program holds ([parts, E] float32 in registers).
 MAX_PARTS_X_EXPERTS = 64 * 256
@@ -40,7 +40,7 @@ MAX_PARTS_X_EXPERTS = 64 * 256
 def supported(parts: int, num_experts: int, top_k: int, rows: int) -> bool:
     """True for powers of two parts, E and k with k <= E, parts x E <= :data:`MAX_PARTS_X_EXPERTS`, and
     1 to 64 token rows (a decode step)."""
-    return (select.pow2(parts) and select.pow2(num_experts) and select.pow2(top_k) and top_k <= num_experts
+    return (common.pow2(parts) and common.pow2(num_experts) and common.pow2(top_k) and top_k <= num_experts
             and parts * num_experts <= MAX_PARTS_X_EXPERTS and 1 <= rows <= 64)
 
 
@@ -96,32 +96,34 @@ def route_decode(parts: jax.Array, *, top_k: int, norm_topk_prob: bool, logits_d
         in_specs=[pl.BlockSpec((p, None, e), lambda i: (0, i, 0))],
         out_specs=(pl.BlockSpec((None, k), lambda i: (i, 0)), pl.BlockSpec((None, k), lambda i: (i, 0))),
         out_shape=(jax.ShapeDtypeStruct((n, k), jnp.int32), jax.ShapeDtypeStruct((n, k), jnp.dtype(dtype))),
-        interpret=interpret, compiler_params=select.triton_params(interpret, num_warps), name="route_decode",
+        interpret=interpret, compiler_params=common.triton_params(interpret, num_warps), name="route_decode",
     )(parts)
 
 
 def selected(rows: int, num_experts: int, top_k: int) -> bool:
-    """Whether ``FTJAX_KERNELS`` selects ``route_decode`` for a decode call of ``rows`` token rows (``select.mode``;
+    """Whether the kernel config selects ``route_decode`` for a decode call of ``rows`` token rows (``registry.mode``;
     under ``auto`` on a GPU: :data:`AUTO`), before its partial logits exist (their parts count unknown: one)."""
-    return select.mode("route_decode", supported(1, num_experts, top_k, rows), auto=AUTO) != "xla"
+    return registry.mode("route_decode", supported(1, num_experts, top_k, rows), auto=AUTO) != "xla"
 
 
 def maybe(parts: jax.Array, logits_dtype, top_k: int, norm_topk_prob: bool, dtype):
-    """:func:`route_decode` of ``parts`` [P, rows, E] when ``FTJAX_KERNELS`` selects it for these sizes, else None
+    """:func:`route_decode` of ``parts`` [P, rows, E] when the kernel config selects it for these sizes, else None
     (the caller runs ``model.top_k_route``). dtype: the weights' dtype. Returns (ids int32 [rows, k], weights
     [rows, k])."""
     p, rows, e = parts.shape
-    how = select.mode("route_decode", supported(p, e, top_k, rows), auto=AUTO)
+    how = registry.mode("route_decode", supported(p, e, top_k, rows), auto=AUTO)
     if how == "xla":
         return None
     return route_decode(parts, top_k=top_k, norm_topk_prob=norm_topk_prob, logits_dtype=logits_dtype, dtype=dtype,
                         interpret=how == "interpret")
 
 
-#: Whether ``FTJAX_KERNELS=auto`` runs the kernel on a GPU. Not: in one H200 process (issue 13, session 13) it
-#: took 48 kernels off a resident batch-1 step (976 -> 928) but the step moved by less than its spread (4.84 ->
-#: 4.76 ms timed one by one, 4.06 -> 4.20 ms run back to back); the cached = resident identity held (8/8) with it.
-#: Against XLA's top-k on the GPU the ids differed in 35 of 200 random rows (batch 1): bf16 logits tie often
-#: (65 of those rows have a tie in or at the edge of their top 8) and XLA's GPU top-k does not always break ties
-#: to the lowest id, as this kernel and the CPU do.
+#: Whether ``use="auto"`` runs the kernel on a GPU. Not: it was measured no faster than the jnp router
+#: (docs/PROFILE.md), and on a GPU XLA's top-k breaks bf16 ties differently, so it runs by name only.
 AUTO = False
+
+
+registry.register(registry.Kernel(
+    "route_decode", "ftjax.layers.moe.top_k_route",
+    "a decode step's router after norm_dense_decode's partial logits (sum, softmax, top-k, renormalisation); "
+    "by name only", auto=AUTO, needs=("norm_dense_decode",)))

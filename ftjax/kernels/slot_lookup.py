@@ -1,7 +1,7 @@
 """The slot table's LRU lookup of one decode layer in one Pallas launch (``slot_table.lookup_layer``
-with ``policy="lru"``, same results); ``FTJAX_KERNELS=auto`` runs it on a GPU.
+with ``policy="lru"``, same results); ``use="auto"`` runs it on a GPU.
 
-Why: in the H200 trace of a cached batch-1 decode step (issue 13, session 12) each layer spent ~40 us
+Why: in the H200 trace of a cached batch-1 decode step each layer spent ~40 us
 more than the resident layer, of which the misses' copies are a small part when most experts hit:
 the routed mask's scatter, the hit / miss counts, the protected-slot mask over the S slots, the
 all-hit ``lax.cond`` (its predicate kernel, a graph conditional node and its two branch kernels:
@@ -19,7 +19,7 @@ outputs (``input_output_aliases``): only the touched entries are written. A deco
 n_miss <= N * k < E, so the loop is a few reductions over S; prefill calls keep the jnp path.
 
 Backend: generic Pallas primitives plus the Triton backend's masked ``load`` / ``store`` (S need not
-be a power of two), as the other decode kernels (``ftjax.kernels.select``); interpret mode on the CPU.
+be a power of two), as the other decode kernels (``ftjax.kernels.common``); interpret mode on the CPU.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from ftjax.kernels import select
+from ftjax.kernels import common, registry
 
 #: Most slots the kernel holds in one program's registers (four int32 / bool vectors of that size).
 MAX_SLOTS = 8192
@@ -102,7 +102,7 @@ def _kernel(layer_ref, clock_ref, ids_ref, valid_ref, slot_in, id_in, lu_in,
     flat_ref[...] = jnp.where(me >= 0, base + me, -1)
 
     def pair_slot(p, carry):  # slot_of_expert[ids] as the MoE computation gathers it
-        ex = select.wrap_clamp(ids_ref[p], e)
+        ex = common.wrap_clamp(ids_ref[p], e)
         pair_ref[p] = jnp.sum(jnp.where(iota_e == ex, cur, 0))
         return carry
 
@@ -138,7 +138,7 @@ def lookup_lru(ids: jax.Array, valid: jax.Array, slot_of: jax.Array, id_of_slot:
                          f"last_use {last_use.shape}, valid {valid.shape})")
     s_pad = pl.next_power_of_2(s)
     i32 = jnp.int32
-    params = select.triton_params(interpret, num_warps)
+    params = common.triton_params(interpret, num_warps)
     sd = jax.ShapeDtypeStruct
     out_shape = (sd(slot_of.shape, i32), sd((s,), i32), sd((s,), i32)) + (sd((e,), i32),) * 4 + (
         sd((2,), i32), sd((e,), i32), sd((n * k,), i32))
@@ -152,17 +152,21 @@ def lookup_lru(ids: jax.Array, valid: jax.Array, slot_of: jax.Array, id_of_slot:
 
 def maybe(ids: jax.Array, valid: jax.Array, slot_of: jax.Array, id_of_slot: jax.Array, last_use: jax.Array,
           clock: jax.Array, layer: jax.Array, num_experts: int):
-    """:func:`lookup_lru` when ``FTJAX_KERNELS`` selects ``slot_lookup`` for these sizes (``select.mode``;
+    """:func:`lookup_lru` when the kernel config selects ``slot_lookup`` for these sizes (``registry.mode``;
     under ``auto`` on a GPU: :data:`AUTO`), else None (the caller runs ``slot_table.lookup_layer``)."""
-    how = select.mode("slot_lookup", supported(num_experts, id_of_slot.shape[0], ids.size), auto=AUTO)
+    how = registry.mode("slot_lookup", supported(num_experts, id_of_slot.shape[0], ids.size), auto=AUTO)
     if how == "xla":
         return None
     return lookup_lru(ids, valid, slot_of, id_of_slot, last_use, clock, layer, num_experts=num_experts,
                       interpret=how == "interpret")
 
 
-#: Whether ``FTJAX_KERNELS=auto`` runs the kernel on a GPU. Measured (H200, issue 13 session 12, one process,
-#: the same routing with and without it): a cached 24 GB batch-1 step's fixed cost over resident + misses / B_P
-#: 2.49 -> 1.68 ms, slot-table device time 0.69 -> 0.10 ms per step, 0 of 9 outputs differing from
-#: ``lookup_layer`` over 192 lookups at batch 1 and 4, cached = resident logits 8/8 with it.
+#: Whether ``use="auto"`` runs the kernel on a GPU: yes, measured faster with the same table and misses as
+#: ``lookup_layer`` (docs/PROFILE.md).
 AUTO = True
+
+
+registry.register(registry.Kernel(
+    "slot_lookup", "ftjax.experts.slot_table.lookup_layer",
+    "the cached mode's LRU slot-table lookup of a decode layer (fewer (token, expert) pairs than E, every miss "
+    "fetched); auto: GPU", auto=AUTO))

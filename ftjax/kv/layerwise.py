@@ -1,6 +1,6 @@
 """Layerwise KV load/store inside the prefill layer scan (DESIGN.md 1.4, after LMCache).
 
-:class:`LayerwiseKV` implements the ``ftjax.model.KVHook`` seam of ``model.forward``:
+:class:`LayerwiseKV` implements the ``ftjax.seams.KVHook`` seam of the decoder (``model.forward``):
 
 * **Load (retrieve).** The reused prefix arrives as a tuple of ``n`` chunk arrays, each
   ``[L, 2, C, Hkv, hd]`` (axis 1: K, V) in host memory (``pinned_host``), exactly as
@@ -35,15 +35,13 @@
   ``HostKVStore.put``. With ``store_to_host=False`` they stay on the device and the caller
   moves them after the step.
 
-Hybrid models (``ftjax.hybrid``): an entry is ``(kv, conv, rec)``, the KV of the full-attention
+Models with Gated DeltaNet layers (Qwen3.5): an entry is ``(kv, conv, rec)``, the KV of the attention
 layers and the Gated DeltaNet layers' conv and recurrent state (by block, ``[G, Nl, ...]``) at
 the chunk's end. The prefix is then a tuple of such entries; the last one's state (the state where
-the reused prefix ends; padding repeats that chunk) is scan ``xs`` over blocks
-(:meth:`LayerwiseKV.state_xs`), and :meth:`LayerwiseKV.load_state` copies each block's slice to
-the device inside the block body and writes it into batch row 0's linear states (the "xs"
-pattern, block by block; ~63 MB per chunk for the 35B-A3B, 6 MB per block). When storing,
-:meth:`state_points` tells the layers where the call's new chunks end and :meth:`state_output`
-moves their states to host memory inside the scan body, beside the KV.
+the reused prefix ends; padding repeats that chunk) is copied to the device and written into batch
+row 0's linear states before the first layer (:meth:`LayerwiseKV.load_state`; ~63 MB per chunk for
+the 35B-A3B). When storing, :meth:`state_points` tells the layers where the call's new chunks end and
+:meth:`state_output` moves their states to host memory inside the scan body, beside the KV.
 
 Prefix padding: to bound recompiles the caller may pass more chunk arrays than were hit
 (:func:`bucket_chunks`), repeating the last hit chunk. The padded rows ``[n_hit*C, n_pad*C)``
@@ -192,21 +190,17 @@ class LayerwiseKV:
         with jax.named_scope("kv_store"):
             return jax.tree.map(lambda a: jax.device_put(a, jax.memory.Space.Host), states)
 
-    def state_xs(self) -> Any:
-        """The prefix's stored linear state (conv [G, Nl, K-1, cd], rec [G, Nl, Hv, dk, dv], host
-        memory) as scan ``xs`` over blocks, or None without a prefix."""
-        return self.state or None
-
-    def load_state(self, conv: jax.Array, rec: jax.Array, xs: Any) -> tuple[jax.Array, jax.Array]:
-        """One block's linear states, conv [Nl, B, K-1, cd] and rec [Nl, B, Hv, dk, dv], with batch
-        row 0 set to the prefix's stored state (``xs``: this block's slice of :meth:`state_xs`, copied
-        to the device here, so the state loads block by block inside the scan); unchanged without a
-        prefix."""
-        if xs is None:
-            return conv, rec
+    def load_state(self, cache):
+        """``cache`` (``ftjax.seams.KVCache``) with batch row 0's linear states set to the reused prefix's
+        stored state (copied to the device here); unchanged without a stored state."""
+        if not self.state:
+            return cache
         with jax.named_scope("kv_prefix_state_load"):
-            s_conv, s_rec = (_to_device(a) for a in xs)
-            return conv.at[:, 0].set(s_conv.astype(conv.dtype)), rec.at[:, 0].set(s_rec.astype(rec.dtype))
+            s_conv, s_rec = (_to_device(a) for a in self.state)
+            s_conv = s_conv.reshape((-1,) + s_conv.shape[2:])  # [G, Nl, ...] -> [L_lin, ...]
+            s_rec = s_rec.reshape((-1,) + s_rec.shape[2:])
+            return cache._replace(conv=cache.conv.at[:, 0].set(s_conv.astype(cache.conv.dtype)),
+                                  rec=cache.rec.at[:, 0].set(s_rec.astype(cache.rec.dtype)))
 
     # ---- helpers --------------------------------------------------------------------------
     def _fetch_layer(self, layer: jax.Array) -> jax.Array:

@@ -19,7 +19,7 @@ Reuse rules: a trailing partial chunk is never stored; at most ``len(prompt) - 1
 reused, so a prompt whose chunks all hit loads them all and recomputes its last token (its K/V
 row is rewritten by the same value) to produce logits. Requests run one at a time, batch 1.
 
-Hybrid models (Gated DeltaNet layers, ``ftjax.hybrid``): each stored chunk also holds the linear
+Models with Gated DeltaNet layers (``ftjax.layers.gated_deltanet``): each stored chunk also holds the linear
 layers' conv and recurrent state at its end, and a request resumes from the state of the last
 chunk it reuses. A recurrent state cannot rewind, so only whole chunks are reused (a prompt whose
 chunks all hit reuses all but the last one and recomputes that), and the chunk size must be a
@@ -38,14 +38,16 @@ import jax
 import numpy as np
 
 from ftjax import memory
+from ftjax import model as model_lib
 from ftjax.config import KV_LOADS as LOADS
 from ftjax.config import KV_STORE_ROUTES as STORE_ROUTES
 from ftjax.config import KVOffloadConfig
-from ftjax.engine import PrefillCall, bucket
 from ftjax.kv.chunk_keys import chunk_keys, model_identity
-from ftjax.gated_deltanet import DELTA_CHUNK
 from ftjax.kv.host_store import HostKVStore, entry_nbytes
 from ftjax.kv.layerwise import KVStep, bucket_chunks
+from ftjax.layers import gated_deltanet
+from ftjax.layers.gated_deltanet import DELTA_CHUNK
+from ftjax.runtime.plan import PrefillCall, bucket
 
 __all__ = ["LOADS", "STORE_ROUTES", "PrefixCache", "PrefixRequest"]
 
@@ -143,11 +145,11 @@ class PrefixCache:
                                   engine.dtype, sharding=sharding)
         if not cfg.is_hybrid:
             return kv
-        from ftjax.hybrid import linear_state_shapes
-        conv, rec = linear_state_shapes(cfg, 1)
-        drop_batch = lambda sh: sh[:2] + sh[3:]  # noqa: E731
-        return (kv, jax.ShapeDtypeStruct(drop_batch(conv), engine.dtype, sharding=sharding),
-                jax.ShapeDtypeStruct(drop_batch(rec), np.float32, sharding=sharding))
+        conv, rec = gated_deltanet.state_shapes(cfg, cfg.num_linear_layers, 1)
+        g = model_lib.structure(cfg).num_blocks
+        by_block = lambda sh: (g, sh[0] // g) + sh[2:]  # noqa: E731  [L_lin, 1, ...] -> [G, Nl, ...]
+        return (kv, jax.ShapeDtypeStruct(by_block(conv), engine.dtype, sharding=sharding),
+                jax.ShapeDtypeStruct(by_block(rec), np.float32, sharding=sharding))
 
     # ---- one request ------------------------------------------------------------------------
     def begin(self, engine, prompts: Sequence[Sequence[int]]) -> PrefixRequest:

@@ -1,15 +1,16 @@
-"""Device-memory plan: how many expert slots fit a VRAM budget (DESIGN.md 1.1, 1.3).
+"""Device-memory plan: how many expert slots fit a VRAM budget, and the experts mode of a run (DESIGN.md 1.1,
+1.3). The one planner: :func:`plan_memory` is the arithmetic, :func:`plan_run` the decision a run makes.
 
 budget = non-expert weights + KV cache + workspace + layer buffers + S * expert_bytes, with S
 clamped to [E, L*E]. The layer buffers depend on the prefill driver (``EngineConfig.prefill_driver``):
 the layer scan streams through 2E slots borrowed from the pool and copies one layer's E experts for the
 grouped (prefill) expert matmul (the "layer gather", ``ftjax.experts.compute.experts_from_pool``; 1.2 GB
-for qwen3-30b-a3b in bf16); the layer-pipelined driver (``ftjax.layer_pipeline``) gathers nothing
+for qwen3-30b-a3b in bf16); the layer-pipelined driver (``ftjax.runtime.drivers``) gathers nothing
 and borrows no slot, but holds two full-layer buffers of its own (2.4 GB), so it streams with S >= E.
 
 The workspace (activations and every other temporary of the compiled steps) is either
 *measured*: the largest ``temp_size_in_bytes`` of the XLA programs the run will execute, plus a
-margin for the allocator (``ftjax.engine.plan_engine`` compiles them first; the gather is part of
+margin for the allocator (:func:`plan_run` compiles them first; the gather is part of
 that temp, so it is not added again), or, without a measurement, a *stated* WORKSPACE_BYTES
 (1 GB). The stated margin is too small for long prefills: on the H200 an 8192-token chunk of
 qwen3-30b-a3b peaked 6.9 GB above such a plan at 8 GB (experiments/results/plan_vs_peak_*.json).
@@ -19,8 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Sequence
 
-from ftjax.config import ModelConfig
+import numpy as np
+
+from ftjax import model as model_lib
+from ftjax.config import EngineConfig, MissPolicyConfig, ModelConfig
+from ftjax.runtime.engine import Engine
 
 GB = 1e9
 WORKSPACE_BYTES = int(1.0 * GB)
@@ -99,6 +105,14 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
+def non_expert_params(cfg: ModelConfig) -> int:
+    """Number of parameters outside the routed experts (embeddings, mixers, norms, routers, shared experts,
+    head): every leaf of ``ftjax.model.param_shapes``."""
+    shapes = model_lib.param_shapes(cfg)
+    leaves = [s for k, s in shapes.items() if k != "layers"] + list(shapes["layers"].values())
+    return sum(math.prod(s) for s in leaves)
+
+
 def plan_memory(cfg: ModelConfig, itemsize: int, budget_bytes: int | None = None, slots: int | None = None,
                 batch: int = 1, max_seq_len: int = 512, workspace_bytes: int | None = None,
                 expert_bytes: int | None = None, pipelined: bool = False) -> MemoryPlan:
@@ -125,7 +139,7 @@ def plan_memory(cfg: ModelConfig, itemsize: int, budget_bytes: int | None = None
     e, pool = cfg.num_experts, cfg.num_layers * cfg.num_experts
     dense_eb = cfg.expert_bytes(itemsize)
     eb = int(expert_bytes) if expert_bytes is not None else dense_eb
-    non_expert = cfg.non_expert_param_count() * itemsize
+    non_expert = non_expert_params(cfg) * itemsize
     kv = cfg.kv_cache_bytes(batch, max_seq_len, itemsize)
     if workspace_bytes is None:
         workspace = WORKSPACE_BYTES
@@ -151,3 +165,64 @@ def plan_memory(cfg: ModelConfig, itemsize: int, budget_bytes: int | None = None
     budget = budget_bytes if budget_bytes is not None else fixed + slots * eb
     return MemoryPlan(int(budget), int(non_expert), int(kv), int(workspace), int(gather), int(eb), int(slots), pool, e,
                       None if workspace_bytes is None else int(workspace_bytes), pipelined)
+
+
+def plan_run(model, config: EngineConfig, prompts: Sequence[Sequence[int]], budget_bytes: int | None = None,
+             slots: int | None = None, mode: str = "auto") -> tuple[EngineConfig, MemoryPlan | None]:
+    """The experts mode and slot count of a run of ``prompts`` with ``config`` (its mode and slots are
+    replaced): (EngineConfig for the run, MemoryPlan or None for a resident run with no budget).
+
+    * ``budget_bytes``: the slots that fit it, with the workspace *measured*: a probe engine at
+      min(2E, L*E) slots (so that the streamed prefill programs are compiled where streaming can happen)
+      compiles every prefill call and the decode step, and the largest temporary buffer of those
+      programs is the plan's workspace.
+    * ``slots``: that many slots (the workspace stated); a resident mode ignores them.
+    * neither: resident for ``mode`` "auto" or "resident"; for an offloading mode a cache of min(2E, L*E)
+      slots, smaller than the pool, so that the mechanism shows (the demo's default).
+    ``mode``: "auto" (resident when the whole pool fits, else cached) or an experts mode to keep.
+
+    Raises:
+      ValueError: both budget and slots; the budget leaves fewer than E slots (the message gives the
+        minimum budget), fewer than the 2E that ``prefill="stream"`` needs, or, with ``mode="resident"``,
+        fewer than the whole pool (the message gives the budget it needs).
+    """
+    cfg = model.cfg
+    if budget_bytes is not None and slots is not None:
+        raise ValueError("give a VRAM budget or a slot count, not both")
+    itemsize = np.dtype(model.params["embed"].dtype).itemsize
+    demo_slots = min(2 * cfg.num_experts, cfg.num_layers * cfg.num_experts)
+    pipelined = config.pipelines_streams() and config.prefill != "on_demand"
+    if budget_bytes is None:
+        if mode == "resident" or (slots is None and mode == "auto"):
+            return _resident(config), None
+        plan = plan_memory(cfg, itemsize, slots=slots or demo_slots, batch=config.batch,
+                           max_seq_len=config.max_seq_len, expert_bytes=model.expert_bytes, pipelined=pipelined)
+    else:
+        # fetch misses in the probe: its programs are what the run compiles, without the CPU mechanism's
+        # calibration (a measured workspace of a cpu / adaptive step would only add the CPU outputs)
+        probe = Engine(model, dataclasses.replace(config, experts="cached", num_slots=demo_slots,
+                                                  miss=MissPolicyConfig()))
+        probe.prepare_prefill(prompts, probe.new_cache(len(prompts)))
+        workspace = probe.programs.workspace_bytes()
+        del probe
+        plan = plan_memory(cfg, itemsize, budget_bytes=budget_bytes, batch=config.batch,
+                           max_seq_len=config.max_seq_len, workspace_bytes=workspace,
+                           expert_bytes=model.expert_bytes, pipelined=pipelined)
+    if mode == "auto":
+        mode = "resident" if plan.fits_resident else "cached"
+    if mode == "resident" and not plan.fits_resident:
+        need = plan.planned_bytes - plan.layer_gather_bytes + (plan.pool_slots - plan.slots) * plan.expert_bytes
+        raise ValueError(f"experts mode 'resident' keeps all {plan.pool_slots} experts "
+                         f"({plan.pool_slots * plan.expert_bytes / 1e9:.3f} GB) on the device, but a budget of "
+                         f"{plan.budget_bytes / 1e9:.3f} GB leaves room for {plan.slots}; give at least "
+                         f"{need / 1e9:.3f} GB, or experts mode 'cached' or 'auto'")
+    if mode == "resident":
+        return _resident(config), plan
+    # validated against the model here: e.g. prefill=stream with fewer than 2E slots is refused
+    return dataclasses.replace(config, experts=mode, num_slots=plan.slots).for_model(cfg), plan
+
+
+def _resident(config: EngineConfig) -> EngineConfig:
+    """``config`` with every expert on the device: nothing to stream."""
+    return dataclasses.replace(config, experts="resident", num_slots=None,
+                               prefill="auto" if config.prefill == "stream" else config.prefill)

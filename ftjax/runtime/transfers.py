@@ -1,39 +1,24 @@
-"""The layer-pipelined driver: one program per layer, the next layer's host copies issued from Python
-while the current layer computes (issue 12; docs/OVERLAP.md has the measurements that chose it).
+"""Host transfers of the runtime: zero-copy views of pinned host arrays, and the per-layer pieces the
+layer-pipelined driver copies while earlier layers compute (docs/OVERLAP.md has the measurements that
+chose them).
 
 Inside one compiled program, XLA (jax 0.11.2) lowers every copy of a slice of a host array to a
-synchronous ``dynamic-slice`` on the compute stream, so the layer scan of ``model.forward`` cannot
-hide its host copies behind compute (DESIGN.md section 3, ``experiments/results/hlo/``). Copies that
-the runtime makes on its own transfer stream do overlap: a ``jax.device_put`` issued from Python. This
-driver therefore runs a prefill call as
+synchronous ``dynamic-slice`` on the compute stream, so a layer scan cannot hide its host copies
+behind compute (DESIGN.md section 3). Copies that the runtime makes on its own transfer stream do
+overlap: a ``jax.device_put`` of a whole pinned JAX array issued from Python. So the pieces here are
+whole contiguous slices of the host arrays, read through zero-copy numpy views of their pinned
+buffers (:func:`host_view`) and presented to JAX as whole ``pinned_host`` arrays aliasing that memory
+(:func:`pinned_alias`, through DLPack, no copy):
 
-    embed program -> [layer program l, issued before layer l+1's host copy] x L -> head program
-
-where every layer program runs the family's one layer function (``model.LAYER_FNS``, the same
-function the scan runs; no second copy of the math) and the host copies are whole contiguous slices
-of the host arrays, read through zero-copy numpy views of their pinned buffers (:func:`host_view`):
-a streamed layer's E experts (``flat_id`` rows ``[l*E, (l+1)*E)`` of each bank, scales too) and a
-reused prefix's rows of layer l in every stored KV chunk. Each slice is presented to JAX as a whole
-``pinned_host`` array aliasing the bank's memory (:func:`pinned_alias`, through DLPack, no copy),
-because ``device_put`` of a whole pinned JAX array is asynchronous and runs on the transfer stream,
-while ``device_put`` of a numpy array blocks and waits for the queued compute. The order is: issue
-layer l+1's copies, then dispatch layer l; the GPU copies l+1 while it computes l. The two full-layer
-buffers of FreeToken's double buffering (DESIGN.md 1.3) are the driver's carried state: the buffer
-layer l reads and the one being filled for l+1.
-
-The KV cache and the expert state are donated to each layer program, so they are updated in place
-exactly as in the scan. Streamed layers compute from their buffer directly
-(``offload.make_layer_buffer_expert_fn``): no slot of the pool is borrowed and the slot cache is left
-as it was. With ``EngineConfig.stream_d2d_hits`` a layer's experts that sit in the slot cache are
-gathered into its buffer device to device and only the others cross PCIe (:class:`ExpertCopies`).
-With ``EngineConfig.prefix_copy="in_program"`` a reused prefix's slices of layer l+1 are copied by
-layer l's program instead of a ``device_put`` from Python (:func:`run`).
+* :class:`ExpertLayerSource`: a streamed layer's E experts (``flat_id`` rows ``[l*E, (l+1)*E)`` of each
+  bank, scales too), or blocks of the experts missing from the slot cache; :class:`ExpertCopies`
+  assembles a layer's buffer from PCIe blocks and device-to-device copies of the cached experts.
+* :class:`PrefixLayerSource`: a reused prefix's rows of a group of layers in every stored KV chunk.
 """
 
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import functools
 import time
 import weakref
@@ -44,12 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ftjax import memory
-from ftjax import model as model_lib
-from ftjax.config import PREFIX_COPIES
-from ftjax.experts import offload
 from ftjax.experts.state import ExpertBanks
-from ftjax.kv.layerwise import LayerwiseKV
-
 
 def host_view(x: jax.Array) -> np.ndarray:
     """A numpy array of ``x``'s shape and dtype over ``x``'s own buffer (no copy).
@@ -290,7 +270,7 @@ def gather_resident_into(spare, pools, slot_of, layer, *, num_experts: int, dtyp
     """:func:`gather_resident` written over ``spare``: the previous layer's buffer (of the same
     shapes and dtypes), donated. Dispatched after that layer's program, it reuses its memory, so a
     layer with hits needs no third full-layer buffer next to the one in use and its PCIe blocks
-    (the planner counts two: ``ftjax.experts.planner``)."""
+    (the planner counts two: ``ftjax.runtime.planner``)."""
     del spare  # only its memory: the output aliases it
     return gather_resident(pools, slot_of, layer, num_experts=num_experts, dtypes=dtypes)
 
@@ -390,14 +370,14 @@ class ExpertCopies:
         if not isinstance(part, _PendingLayer):
             return part
         pools = (state.gate_up, state.down) + tuple(state.scales or ())
-        args = (pools, state.table.slot_of, _layer_index(layer))
+        args = (pools, state.table.slot_of, layer_index(layer))
         if self._fits(spare):
             args = (tuple(spare),) + args
             buf = self._gather_into(args)(*args)
         else:
             buf = self._gather(args)(*args)
         for (off, _), block in zip(part.blocks, part.arrays):
-            args = (buf, block, _layer_index(off))
+            args = (buf, block, layer_index(off))
             buf = self._place(args)(*args)
         return buf
 
@@ -420,7 +400,7 @@ class ExpertCopies:
             for off, n in self.blocks(l) or ():
                 self.source.block_pieces(l, off, n)
         for i in range(e):
-            _layer_index(i)
+            layer_index(i)
 
 
 _CHUNK_PIECES: dict[tuple[int, int], tuple[weakref.ref, _LayerPieces]] = {}
@@ -537,241 +517,10 @@ class PrefixLayerSource:
                      for p in (c.pieces(layer)[0] for c in self._singles))
 
 
-@dataclasses.dataclass(frozen=True)
-class LayerOptions:
-    """Static options of one layer program (hashable). step: the call's ``engine.StepOptions``
-    (its ``stream`` means: experts from the given buffer); has_prefix: the call hands the layer
-    its slices of a reused prefix; d2d: the buffer's experts that the slot table maps were copied
-    device to device (``ExpertCopies``; the stats count them); prefix_next: the program also copies
-    the next layer's prefix slices from host memory (``EngineConfig.prefix_copy`` "in_program")."""
-
-    step: Any
-    has_prefix: bool = False
-    d2d: bool = False
-    prefix_next: bool = False
-
-
-def _prefix_next(has_prefix: bool, overlap: bool, prefix_copy: str) -> bool:
-    """Whether layer programs copy the next layer's prefix slices themselves: a prefix, copies
-    overlapped with compute (``overlap``; the serial ablation keeps "put"), and ``prefix_copy``
-    (``EngineConfig.prefix_copy``) "in_program". The value is checked for every call, also one
-    that does not use it (no prefix, or overlap off), so a wrong one fails, not silently.
-    Raises:
-      ValueError: ``prefix_copy`` is not one of ``config.PREFIX_COPIES``."""
-    if prefix_copy not in PREFIX_COPIES:
-        raise ValueError(f"prefix_copy {prefix_copy!r}: expected one of {', '.join(PREFIX_COPIES)}")
-    return has_prefix and overlap and prefix_copy == "in_program"
-
-
-def _hook(opts: LayerOptions) -> LayerwiseKV | None:
-    kv = opts.step.kv
-    if kv is None:
-        return None
-    # prefix slices arrive as the layer's xs (already on the device); new chunks stay on the device
-    # and the driver moves them to host memory after stacking them over layers
-    return LayerwiseKV((), "xs", kv.store_chunks, kv.chunk_tokens, store_to_host=False)
-
-
-def _group_row(x: jax.Array, layer: jax.Array) -> jax.Array:
-    """Layer ``layer``'s row of a prefix copy group ``x`` [G, ...] (groups start at multiples of G)."""
-    if x.shape[0] == 1:
-        return x[0]
-    return jax.lax.dynamic_index_in_dim(x, layer % x.shape[0], 0, keepdims=False)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "opts"), donate_argnames=("ck", "cv", "state"))
-def layer_program(params, banks, state, h, ck, cv, inputs, layer, expert_buffer, prefix_slices, next_prefix=(),
-                  *, cfg, opts: LayerOptions):
-    """One decoder layer as its own program: the family's layer function (``model.LAYER_FNS``) on
-    layer ``layer`` (int32 []) of ``params["layers"]``. expert_buffer: the layer's E experts on the
-    device (streamed calls) or ``()``; prefix_slices: the reused-prefix rows of each chunk for the
-    layer's copy group ([G, 2, C, Hkv, hd] each, on the device; the layer's row is ``layer % G``)
-    or ``()``; next_prefix: the next layer's rows in host
-    memory (``opts.prefix_next``) or ``()``, copied to the device by this program.
-    Returns (h, ck, cv, state, stats, kv_out) as one scan iteration would, then the device copies
-    of ``next_prefix`` (a tuple, empty without it)."""
-    # whole host arrays moved inside one program get asynchronous copies (copy-start / copy-done)
-    # that XLA overlaps with the layer's compute (DESIGN.md section 3)
-    next_prefix = tuple(jax.device_put(x, jax.memory.Space.Device) for x in next_prefix)
-    step = opts.step
-    # copies of pinned_alias arrays arrive as unsigned integers of the same width: bitcast back (free)
-    expert_buffer = _as_dtypes(expert_buffer, (banks.gate_up.dtype, banks.down.dtype)
-                               + tuple(x.dtype for x in banks.scales or ()))
-    prefix_slices = tuple(_group_row(x, layer) for x in _as_dtypes(prefix_slices, [ck.dtype] * len(prefix_slices)))
-    with jax.default_matmul_precision(step.precision), model_lib.dot_rows(step.min_dot_rows):
-        if step.stream:
-            expert_fn = offload.make_layer_buffer_expert_fn(cfg.num_experts, expert_buffer, banks.fmt, opts.d2d)
-        else:
-            expert_fn = offload.make_expert_fn(step.mode, cfg.num_experts, banks, step.policy, step.miss)
-        lp = jax.tree.map(lambda a: a[layer], params["layers"])
-        carry = model_lib.LayerCarry(h, ck, cv, state, None)
-        carry, (stats, kv_out) = model_lib.LAYER_FNS[cfg.model_type](
-            cfg, lp, layer, carry, inputs, expert_fn, _hook(opts), prefix_slices or None)
-    return carry.h, carry.k, carry.v, carry.expert_state, stats, kv_out, next_prefix
-
-
-@jax.jit
-def embed_program(params, tokens, start, valid_len):
-    """``model.embed_inputs`` as its own program: (h, LayerInputs)."""
-    return model_lib.embed_inputs(params, tokens, start, valid_len)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "all_logits"))
-def head_program(params, h, valid_len, *, cfg, all_logits):
-    """``model.final_logits`` as its own program."""
-    return model_lib.final_logits(params, cfg, h, valid_len, all_logits)
-
 
 @functools.cache
-def _layer_index(l: int) -> jax.Array:
+def layer_index(l: int) -> jax.Array:
     """int32 [] device scalar ``l``, made once: a fresh ``jnp.int32(l)`` per layer is a small host
-    copy that blocks Python until the compute already queued is done, which would stop the driver
+    copy that blocks Python until the compute already queued is done, which would stop a driver
     from running ahead of the GPU."""
     return memory.to_device(np.int32(l))
-
-
-@jax.jit
-def _stack(xs):
-    return jax.tree.map(lambda *a: jnp.stack(a), *xs)
-
-
-def _device_spec(x) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=memory.device_sharding())
-
-
-def precompile(compiled: Callable, params, banks, state, cache: model_lib.KVCache, tokens: jax.Array,
-               start: jax.Array, valid_len: jax.Array, *, cfg, step, all_logits: bool,
-               experts: ExpertLayerSource | None = None, prefix_spec: Sequence[jax.ShapeDtypeStruct] = (),
-               d2d: bool = False, overlap: bool = True, prefix_copy: str = "put", prefix_rows: int = 1) -> None:
-    """Compiles the embed, layer and head programs that :func:`run` will call with these arguments
-    (nothing runs, nothing is donated). prefix_spec: shapes of the reused prefix's chunks
-    ([L, 2, C, Hkv, hd] each), or () without a prefix. d2d, overlap, prefix_copy: as :func:`run`;
-    prefix_rows: layers per prefix copy group (``PrefixLayerSource.rows``; 1 with "in_program");
-    with d2d also the device-to-device programs, and the block pieces of the slot table as it is
-    now (one small device-to-host read of the table).
-    Raises:
-      ValueError: ``prefix_copy`` is not one of ``config.PREFIX_COPIES``."""
-    d2d = d2d and experts is not None and state.table is not None
-    opts = LayerOptions(step, bool(prefix_spec), d2d, _prefix_next(bool(prefix_spec), overlap, prefix_copy))
-    compiled(embed_program, (params, tokens, start, valid_len))
-    h, inputs = jax.tree.map(_device_spec, jax.eval_shape(model_lib.embed_inputs, params, tokens, start, valid_len))
-    buffer = experts.spec() if experts is not None else ()
-    alias = memory.backend() == "gpu"  # host prefix chunks arrive as pinned aliases there (uint dtypes)
-    rows = 1 if opts.prefix_next else prefix_rows
-    slices = tuple(jax.ShapeDtypeStruct((rows,) + tuple(c.shape[1:]), _UINT[np.dtype(c.dtype).itemsize] if alias
-                                        else c.dtype, sharding=memory.device_sharding()) for c in prefix_spec)
-    layer = jax.ShapeDtypeStruct((), jnp.int32, sharding=memory.device_sharding())
-    args = (params, banks, state, h, cache.k, cache.v, inputs, layer, buffer, slices, ())
-    compiled(layer_program, args, cfg=cfg, opts=opts)  # without a next layer: the last one
-    if opts.prefix_next:  # the others also copy the next layer's slices, from host memory
-        host = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=memory.host_sharding()) for x in slices)
-        compiled(layer_program, args[:-1] + (host,), cfg=cfg, opts=opts)
-    compiled(head_program, (params, h, valid_len), cfg=cfg, all_logits=all_logits)
-    # what run() does after the layers, and the layer-index scalars, made here, outside any timing
-    out = jax.tree.map(_device_spec, jax.eval_shape(functools.partial(layer_program, cfg=cfg, opts=opts), *args))
-    stats, kv_out = out[4], out[5]
-    compiled(_stack, ([stats] * cfg.num_layers,))
-    if kv_out is not None:
-        compiled(_stack, ([kv_out] * cfg.num_layers,))
-    for l in range(cfg.num_layers):
-        _layer_index(l)
-    if d2d:
-        ExpertCopies(compiled, experts, experts.host_slots(state.table.slot_of)).precompile(state)
-
-
-def run(compiled: Callable, params, banks, state, cache: model_lib.KVCache, tokens: jax.Array, start: jax.Array,
-        valid_len: jax.Array, *, cfg, step, all_logits: bool, experts: ExpertLayerSource | None = None,
-        prefix: PrefixLayerSource | None = None, overlap: bool = True, d2d: bool = False,
-        prefix_copy: str = "put") -> model_lib.ForwardOut:
-    """Runs one prefill call layer by layer; the same result as ``model.forward`` of the call.
-
-    compiled(fn, args, **static): returns ``fn`` compiled for these arguments (the engine's compile
-    cache, so compile time stays out of timings). experts: the banks' per-layer views when the call
-    streams (``step.stream``); prefix: the reused prefix's per-layer views or None. overlap: issue
-    layer l+1's copies before dispatching layer l, so they run while layer l computes (False: each
-    layer's copies just before its own program, the serial ablation). d2d: a streamed layer's
-    experts that sit in the slot cache are copied device to device into its buffer, the others
-    over PCIe (:class:`ExpertCopies`; needs ``state.table``; reads it to the host once, before any
-    layer, unless ``experts`` remembers it from ``precompile`` or the previous streamed call).
-    prefix_copy: how layer l+1's prefix slices reach the device with ``overlap``
-    (``EngineConfig.prefix_copy``, one of ``config.PREFIX_COPIES``): "put" from Python before
-    layer l's program, or "in_program": layer l's program copies them from host memory (layer 0's
-    are put). The KV cache and ``state`` are consumed (donated).
-    Returns a ``model.ForwardOut`` (stats stacked over layers; kv_out: the new chunks, each
-    [L, 2, C, Hkv, hd], in host memory when ``step.kv.store_to_host``).
-    Raises:
-      ValueError: ``prefix_copy`` is not one of ``config.PREFIX_COPIES`` (before anything runs).
-    """
-    d2d = d2d and experts is not None and state.table is not None
-    in_program = _prefix_next(prefix is not None, overlap, prefix_copy)
-    opts = LayerOptions(step, prefix is not None, d2d, in_program)
-    slot_of = experts.host_slots(state.table.slot_of) if d2d else None
-    expert_copies = ExpertCopies(compiled, experts, slot_of) if experts is not None else None
-    h, inputs = compiled(embed_program, (params, tokens, start, valid_len))(params, tokens, start, valid_len)
-    ck, cv = cache.k, cache.v
-
-    def copies(l):
-        # in_program: layer 0's slices are put here, layer l's (l > 0) come from layer l-1's program
-        if prefix is None or (in_program and l > 0):
-            pre = ()
-        else:
-            pre = prefix.put(l)
-        return (expert_copies.issue(l) if experts is not None else (), pre)
-
-    def ready(part, l, state, spare=None):  # a layer with device-to-device hits is assembled on the compute stream
-        return (expert_copies.ready(part[0], l, state, spare) if experts is not None else part[0], part[1])
-
-    programs = {}
-
-    def layer_exe(args):
-        # The layers of one call differ only in which argument groups are empty (layer 0's prefix
-        # slices, the last layer's next ones): look each structure up once, not the engine's cache
-        # (its key walks every argument) per layer, which is Python time the GPU waits for.
-        structure = tuple(len(a) for a in args[8:])
-        if structure not in programs:
-            programs[structure] = compiled(layer_program, args, cfg=cfg, opts=opts)
-        return programs[structure]
-
-    stats, kv_outs = [], []
-    nxt = ready(copies(0), 0, state) if overlap else None
-    spare = None  # the expert buffer of the layer dispatched last: a layer with hits is gathered into it
-    copied = ()  # in_program: the previous program's copies of this layer's prefix slices
-    for l in range(cfg.num_layers):
-        cur = nxt if overlap else ready(copies(l), l, state, spare)
-        if in_program and l > 0:
-            cur = (cur[0], copied)
-        next_host = prefix.host_pieces(l + 1) if in_program and l + 1 < cfg.num_layers else ()
-        spare = None
-        if overlap and l + 1 < cfg.num_layers:
-            # Issued *before* layer l's program: a host-to-device copy starts once the compute already
-            # queued is done (here layer l-1), so it runs while layer l computes. Issued after layer l,
-            # it would wait for layer l and hide nothing (measured: docs/OVERLAP.md).
-            nxt = copies(l + 1)
-        args = (params, banks, state, h, ck, cv, inputs, _layer_index(l), *cur, next_host)
-        try:
-            out = layer_exe(args)(*args)
-        except TypeError:
-            # The argument types differ from the structure's program: a piece whose pinned alias
-            # could not be made (path "mixed") arrives in its real dtype, not the unsigned one.
-            # The check fails before anything runs or is donated: take the program of these types.
-            out = compiled(layer_program, args, cfg=cfg, opts=opts)(*args)
-        h, ck, cv, state, st, kv, copied = out
-        stats.append(st)
-        kv_outs.append(kv)
-        spare = cur[0] if experts is not None else None
-        del cur, args
-        if overlap and l + 1 < cfg.num_layers:
-            # Dispatched *after* layer l: assembling layer l+1's buffer waits for its PCIe blocks on
-            # the compute stream, which must not hold layer l up (an identity for whole-layer copies),
-            # and can write over layer l's buffer once layer l has read it.
-            nxt = ready(nxt, l + 1, state, spare)
-            spare = None
-    if d2d:  # the streamed layers left the table as it was: the output state's is known on the host too
-        experts.remember_slots(state.table.slot_of, slot_of)
-    logits = compiled(head_program, (params, h, valid_len), cfg=cfg, all_logits=all_logits)(params, h, valid_len)
-    kv_out = None
-    if step.kv is not None and step.kv.store_chunks:
-        kv_out = compiled(_stack, (kv_outs,))(kv_outs)
-        if step.kv.store_to_host:
-            kv_out = jax.device_put(kv_out, memory.host_sharding())
-    return model_lib.ForwardOut(logits, model_lib.KVCache(ck, cv), state, compiled(_stack, (stats,))(stats), kv_out)

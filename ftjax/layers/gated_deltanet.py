@@ -1,6 +1,6 @@
-"""The gated delta rule (Gated DeltaNet; Yang, Kautz, Hatamizadeh, "Gated Delta Networks:
-Improving Mamba2 with Delta Rule", 2024) and the short causal conv in front of it, as pure
-functions.
+"""The Gated DeltaNet token mixer (layer kind ``gated_deltanet``; Yang, Kautz, Hatamizadeh, "Gated
+Delta Networks: Improving Mamba2 with Delta Rule", 2024): the gated delta rule, the short causal
+conv in front of it, and the layer around them (transformers ``Qwen3_5MoeGatedDeltaNet``).
 
 Per value head, a state ``S`` [dk, dv] is decayed and corrected once per token t:
 
@@ -22,14 +22,25 @@ sequences padded at the end to a multiple of the chunk. Padding tokens (``valid`
 beta = 0 and g = 0, so they leave S exactly as it was: the state after a padded call is the
 state after its last real token.
 
-No Pallas kernel: XLA's batched matmuls and triangular solve compute the chunked form, and
-whether they are slow on a GPU has not been measured (no GPU was used to write this).
+No Pallas kernel yet: XLA's batched matmuls and triangular solve compute the chunked form.
+
+Weights of one layer (matrices ``[in, out]``; stacked over the kind's layers in ``params["layers"]``):
+``w_qkv [D, 2*Hk*dk + Hv*dv]``, ``w_z [D, Hv*dv]``, ``w_b``, ``w_a [D, Hv]``, ``conv [K, 2*Hk*dk + Hv*dv]``,
+``dt_bias``, ``A_log [Hv]``, ``norm [dv]`` (gated RMSNorm, plain weights), ``w_out [Hv*dv, D]``. State per
+layer and sequence: the conv state (last K-1 conv inputs, compute dtype) and the recurrent state
+``[Hv, dk, dv]`` (float32): ``KVCache.conv`` / ``.rec`` stacked over the kind's layers.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+
+from ftjax.config import ModelConfig
+from ftjax.layers.common import layer_weight, norm_fn, project
+from ftjax.seams import KVCache, KVHook, LayerIndex, LayerInputs
 
 #: Tokens per chunk of the chunked form (transformers' and FLA's default). KV prefix chunks of a
 #: hybrid model must be a multiple of it, so a stored state sits on a chunk boundary.
@@ -135,3 +146,87 @@ def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int = DELTA_CHUNK, 
     state, (o, ends) = jax.lax.scan(step, state.astype(jnp.float32), xs)
     o = jnp.moveaxis(o, 0, 2).reshape(b, h, n * chunk, dv)[:, :, :t]
     return jnp.swapaxes(o, 1, 2), state, ends
+
+
+# ---- the layer ----------------------------------------------------------------------------------
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shapes of one Gated DeltaNet layer's weights (module docstring), by name."""
+    d, hv, cd = cfg.hidden_size, cfg.linear_num_value_heads, cfg.linear_conv_dim
+    vd = hv * cfg.linear_value_head_dim
+    return {"w_qkv": (d, cd), "w_z": (d, vd), "w_b": (d, hv), "w_a": (d, hv), "conv": (cfg.linear_conv_kernel, cd),
+            "dt_bias": (hv,), "A_log": (hv,), "norm": (cfg.linear_value_head_dim,), "w_out": (vd, d)}
+
+
+def state_shapes(cfg: ModelConfig, num_layers: int, batch: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of the conv state [L_lin, B, K-1, conv_dim] and recurrent state [L_lin, B, Hv, dk, dv] of
+    ``num_layers`` such layers."""
+    return ((num_layers, batch, cfg.linear_conv_kernel - 1, cfg.linear_conv_dim),
+            (num_layers, batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim))
+
+
+def gated_rms_norm(o: jax.Array, z: jax.Array, w: jax.Array, eps: float, dtype) -> jax.Array:
+    """The DeltaNet output norm: RMSNorm of o (float32) times w in ``dtype``, times silu(z) in
+    float32, cast to ``dtype`` (transformers' ``Qwen3_5MoeRMSNormGated``). o, z: [..., dv]."""
+    o32 = o.astype(jnp.float32)
+    y = o32 * jax.lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + eps)
+    y = (w * y.astype(dtype)).astype(jnp.float32)
+    return (y * jax.nn.silu(z.astype(jnp.float32))).astype(dtype)
+
+
+def gated_deltanet(cfg: ModelConfig, lp: dict, x: jax.Array, conv_state: jax.Array, rec_state: jax.Array,
+                   valid: jax.Array, state_points: tuple[int, ...] = ()):
+    """One Gated DeltaNet token mixer.
+
+    x: [B, T, D] normed input (right-padded); conv_state [B, K-1, conv_dim]; rec_state float32
+    [B, Hv, dk, dv]; valid: bool [B, T]. T = 1 runs the recurrent form (decode), longer calls the
+    chunked form. state_points: call-relative token counts (multiples of :data:`DELTA_CHUNK`) at
+    which batch row 0's state is wanted (prefix reuse stores it with each new KV chunk).
+    Returns (y [B, T, D], conv state, recurrent state, a tuple over the state points of (conv
+    [K-1, conv_dim], rec [Hv, dk, dv]), or None when there are none).
+    """
+    b, t, _ = x.shape
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    valid_len = jnp.sum(valid, axis=1, dtype=jnp.int32)
+    qkv_in = project(x, lp["w_qkv"])
+    z = project(x, lp["w_z"]).reshape(b, t, hv, dv)
+    qkv, new_conv = causal_conv(qkv_in, layer_weight(lp["conv"]), conv_state, valid_len)
+    q = qkv[..., :hk * dk].reshape(b, t, hk, dk)
+    k = qkv[..., hk * dk:2 * hk * dk].reshape(b, t, hk, dk)
+    v = qkv[..., 2 * hk * dk:].reshape(b, t, hv, dv)
+    beta = jax.nn.sigmoid(project(x, lp["w_b"]))
+    g = -jnp.exp(layer_weight(lp["A_log"]).astype(jnp.float32)) * jax.nn.softplus(
+        project(x, lp["w_a"]).astype(jnp.float32) + layer_weight(lp["dt_bias"]).astype(jnp.float32))
+    beta = jnp.where(valid[..., None], beta, 0)  # padding leaves the state exactly as it is
+    g = jnp.where(valid[..., None], g, 0.0)
+    q = l2_normalize(jnp.repeat(q, hv // hk, axis=2))
+    k = l2_normalize(jnp.repeat(k, hv // hk, axis=2))
+    points = None
+    if t == 1:
+        o, rec = recurrent_gated_delta_rule(q, k, v, g, beta, rec_state)
+    else:
+        o, rec, ends = chunked_gated_delta_rule(q, k, v, g, beta, rec_state, chunk_states=bool(state_points))
+        if state_points:
+            conv_in = jnp.concatenate([conv_state.astype(qkv_in.dtype), qkv_in], axis=1)[0]
+            km1 = cfg.linear_conv_kernel - 1
+            points = tuple((conv_in[p:p + km1], ends[p // DELTA_CHUNK - 1, 0]) for p in state_points)
+    y = gated_rms_norm(o.astype(x.dtype), z, layer_weight(lp["norm"]), cfg.rms_norm_eps, x.dtype)
+    return project(y.reshape(b, t, hv * dv), lp["w_out"]), new_conv, rec, points
+
+
+def mix(cfg: ModelConfig, lp: dict, h: jax.Array, idx: LayerIndex, cache: KVCache, inputs: LayerInputs,
+        kv_hook: KVHook | None, hook_xs: Any, hook_carry: Any):
+    """One Gated DeltaNet layer's token mixing: h [B, T, D] -> h + the mixer's output, its conv and
+    recurrent state (``cache.conv[idx.kind]``, ``cache.rec[idx.kind]``) advanced over the call's
+    valid tokens. With a KV hook that stores chunks, also the states where they end.
+    Returns (h, cache, hook carry, the states at the hook's state points or None)."""
+    del hook_xs
+    gi = idx.kind
+    with jax.named_scope("gated_deltanet"):
+        x = norm_fn(cfg.norm_offset)(h, layer_weight(lp["attn_norm"]), cfg.rms_norm_eps)
+        points = kv_hook.state_points() if kv_hook is not None else ()
+        y, conv, rec, pts = gated_deltanet(cfg, lp, x, cache.conv[gi], cache.rec[gi], inputs.valid, points)
+        cache = cache._replace(conv=jax.lax.dynamic_update_index_in_dim(cache.conv, conv.astype(cache.conv.dtype),
+                                                                         gi, 0),
+                               rec=jax.lax.dynamic_update_index_in_dim(cache.rec, rec.astype(cache.rec.dtype), gi, 0))
+    return h + y, cache, hook_carry, pts

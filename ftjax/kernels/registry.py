@@ -1,0 +1,294 @@
+"""Which implementation each kernel-backed op runs: the kernel registry and the kernel config.
+
+**Registry.** Every Pallas kernel module registers its kernel here (:func:`register`, at import)
+with the plain-JAX reference it must match, where it applies, whether ``auto`` picks it on a GPU
+and which other kernels it needs. The modules of this package are imported on the first look-up
+(:func:`kernels`), so a new kernel is one new module plus its call site.
+
+**Config.** Which kernels run is a :class:`KernelConfig`: a frozen field of ``EngineConfig``
+(``EngineConfig.kernels``), carried in the static options of every compiled step, so it is part
+of every program's key: two configs never share a program. While a step is traced, the step makes
+its config the active one (:func:`using`); the ops ask :func:`mode` for their choice. Nothing here
+reads the environment. Outside any step (a test tracing ``model.forward`` itself) the default
+config applies: ``auto``.
+
+``KernelConfig.use``:
+
+* ``"auto"`` (default): the Pallas kernel on a GPU where it supports the operands and its entry
+  says ``auto``; the jnp reference everywhere else (on the CPU every op keeps its jnp code, so the
+  exactness tests of the model are unchanged).
+* ``"xla"``: the jnp reference everywhere.
+* ``"interpret"``: every kernel in Pallas interpret mode (any backend; CPU tests of the wiring).
+* a tuple of kernel names: only those kernels, compiled on a GPU and interpreted elsewhere.
+
+What ran is recorded per trace (:func:`recording`): the engine reports a named kernel that applied
+to none of its programs (:meth:`KernelConfig.check_applied`), so a run that asks for a kernel that
+cannot apply says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import importlib
+import pkgutil
+from typing import Callable
+
+import jax
+
+#: Values of ``KernelConfig.use`` besides a tuple of kernel names.
+USES = ("auto", "xla", "interpret")
+#: ``KernelConfig.grouped_matmul``: the prefill expert matmul (``ftjax.kernels.grouped_matmul``).
+GROUPED_MATMULS = ("auto", "mgpu", "xla")
+#: ``KernelConfig.flash_prefill``: the flash attention of prefill (``ftjax.kernels.flash_prefill``).
+FLASH_PREFILLS = ("pallas", "mgpu")
+#: ``KernelConfig.slot_order``: how the slot table finds the slots misses take
+#: (``ftjax.experts.slot_table``; every one gives the same table).
+SLOT_ORDERS = ("auto", "sort", "lexsort", "top_k", "rank")
+#: ``KernelConfig.decode_gemm``: which GEMMs XLA uses in decode programs on a GPU
+#: (``ftjax.runtime.programs.decode_compiler_options``).
+DECODE_GEMMS = ("auto", "xla", "cublas")
+#: ``KernelConfig.decode_graphs``: decode programs on a GPU as CUDA graphs whose loops stay on the
+#: device (``ftjax.runtime.programs.decode_graphs_on``).
+DECODE_GRAPHS = ("auto", "on", "off")
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One registered kernel.
+
+    name: the name ``KernelConfig.use`` lists; reference: the dotted name of the plain-JAX function
+    it must match (tests compare them); applies: where it runs (op, shapes, dtypes); auto: whether
+    ``use="auto"`` picks it on a GPU (False: measured no faster, by name only); needs: kernels that
+    must be selected with it (it reads their outputs or layouts); tiles: parses a tile override
+    (a tuple of ints) into the keyword arguments of the kernel, raising ValueError for a bad one,
+    or None when the kernel has no tiles.
+    """
+
+    name: str
+    reference: str
+    applies: str
+    auto: bool = True
+    needs: tuple[str, ...] = ()
+    tiles: Callable[[tuple[int, ...]], dict] | None = None
+
+
+_KERNELS: dict[str, Kernel] = {}
+_DISCOVERED = False
+
+
+def register(kernel: Kernel) -> Kernel:
+    """Adds ``kernel`` to the registry (called by each kernel module at import); returns it.
+    Raises:
+      ValueError: another kernel of that name is registered."""
+    old = _KERNELS.get(kernel.name)
+    if old is not None and old != kernel:
+        raise ValueError(f"kernel {kernel.name!r} is registered twice")
+    _KERNELS[kernel.name] = kernel
+    return kernel
+
+
+def kernels() -> dict[str, Kernel]:
+    """Every registered kernel by name (imports this package's modules on the first call)."""
+    global _DISCOVERED
+    if not _DISCOVERED:
+        import ftjax.kernels as pkg
+        for info in pkgutil.iter_modules(pkg.__path__):
+            importlib.import_module(f"{pkg.__name__}.{info.name}")
+        _DISCOVERED = True
+    return dict(_KERNELS)
+
+
+def names() -> tuple[str, ...]:
+    """Names of the registered kernels, sorted."""
+    return tuple(sorted(kernels()))
+
+
+def get(name: str) -> Kernel:
+    """The registered kernel ``name``.
+    Raises:
+      ValueError: no such kernel (the message lists the known ones)."""
+    known = kernels()
+    if name not in known:
+        raise ValueError(f"unknown kernel {name!r}; expected one of {', '.join(sorted(known))}")
+    return known[name]
+
+
+def _choice(field: str, value, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"KernelConfig.{field}: unknown value {value!r}; expected one of {', '.join(choices)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Kernel and program choices of an engine (``EngineConfig.kernels``). Frozen and hashable: it
+    keys every compiled program. Validated on creation.
+
+    Attributes:
+      use: "auto" | "xla" | "interpret" | a tuple of kernel names (:func:`names`; a comma-separated
+        string is accepted and stored as a tuple): which kernels run (module docstring).
+      tiles: tile overrides, ``((kernel name, (ints...)), ...)`` (a dict is accepted); each kernel's
+        entry parses its own (e.g. dense_decode: block_k, block_n, num_warps, k_split). Tiles that do
+        not fit a call's operands where the kernel is selected raise ValueError at trace time.
+      grouped_matmul: one of :data:`GROUPED_MATMULS`: the Mosaic GPU kernel where it runs ("auto"),
+        always ("mgpu"; an error where it cannot run) or ``ragged_dot`` ("xla").
+      flash_prefill: one of :data:`FLASH_PREFILLS`: the Pallas flash kernel, or jax's Mosaic GPU
+        attention for calls whose rows all start at 0.
+      slot_order: one of :data:`SLOT_ORDERS`: the slot table's eviction-order implementation
+        ("auto": "rank" on an accelerator up to ``slot_table.RANK_MAX_SLOTS`` slots, "top_k" above,
+        "sort" on the CPU).
+      min_dot_rows: rows a dense projection pads a smaller matmul to (``ftjax.layers.common.project``);
+        None: 4 on a GPU, 0 (no padding) elsewhere.
+      decode_gemm: one of :data:`DECODE_GEMMS`.
+      decode_graphs: one of :data:`DECODE_GRAPHS`.
+    Raises:
+      ValueError: an unknown choice or kernel name, a malformed tile override, or a named kernel
+        without the kernels it needs (the message names the field).
+    """
+
+    use: str | tuple[str, ...] = "auto"
+    tiles: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    grouped_matmul: str = "auto"
+    flash_prefill: str = "pallas"
+    slot_order: str = "auto"
+    min_dot_rows: int | None = None
+    decode_gemm: str = "auto"
+    decode_graphs: str = "auto"
+
+    def __post_init__(self):
+        use = self.use
+        if isinstance(use, str) and use not in USES:
+            use = tuple(n.strip() for n in use.split(",") if n.strip())
+        if isinstance(use, (list, tuple)):
+            use = tuple(sorted(set(use)))
+            for n in use:
+                get(n)
+            for n in use:
+                missing = [m for m in get(n).needs if m not in use]
+                if missing:
+                    raise ValueError(f"KernelConfig.use: kernel {n!r} needs {', '.join(missing)} selected too "
+                                     f"(got {', '.join(use)})")
+        elif use not in USES:
+            raise ValueError(f"KernelConfig.use: expected one of {', '.join(USES)} or kernel names, got {use!r}")
+        object.__setattr__(self, "use", use)
+        tiles = self.tiles.items() if isinstance(self.tiles, dict) else self.tiles
+        tiles = tuple(sorted((str(n), tuple(int(v) for v in t)) for n, t in tiles))
+        for n, t in tiles:
+            parse = get(n).tiles
+            if parse is None:
+                raise ValueError(f"KernelConfig.tiles: kernel {n!r} has no tiles")
+            parse(t)
+        object.__setattr__(self, "tiles", tiles)
+        _choice("grouped_matmul", self.grouped_matmul, GROUPED_MATMULS)
+        _choice("flash_prefill", self.flash_prefill, FLASH_PREFILLS)
+        _choice("slot_order", self.slot_order, SLOT_ORDERS)
+        _choice("decode_gemm", self.decode_gemm, DECODE_GEMMS)
+        _choice("decode_graphs", self.decode_graphs, DECODE_GRAPHS)
+        rows = self.min_dot_rows
+        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 0):
+            raise ValueError(f"KernelConfig.min_dot_rows: expected None or an integer >= 0, got {rows!r}")
+
+    @property
+    def named(self) -> tuple[str, ...]:
+        """The kernels asked for by name (empty under auto / xla / interpret)."""
+        return self.use if isinstance(self.use, tuple) else ()
+
+    def tile_args(self, name: str) -> dict | None:
+        """The kernel's parsed tile override, or None for its defaults."""
+        for n, t in self.tiles:
+            if n == name:
+                return get(name).tiles(t)
+        return None
+
+    def dot_rows(self, backend: str | None = None) -> int:
+        """:attr:`min_dot_rows` resolved for ``backend`` (default: jax's)."""
+        if self.min_dot_rows is not None:
+            return self.min_dot_rows
+        return 4 if (backend or jax.default_backend()) == "gpu" else 0
+
+    def check_applied(self, applied: set[str]) -> list[str]:
+        """Notes for the kernels asked for by name that ran in none of the programs (``applied``: the
+        names that ran, :func:`recording`), each saying why it could not apply."""
+        return [f"kernel {n!r} was asked for but applied to no program ({get(n).applies})"
+                for n in self.named if n not in applied]
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["tiles"] = {n: list(t) for n, t in self.tiles}
+        d["use"] = self.use if isinstance(self.use, str) else list(self.use)
+        return d
+
+
+_ACTIVE: contextvars.ContextVar[KernelConfig | None] = contextvars.ContextVar("ftjax_kernels", default=None)
+_RECORD: contextvars.ContextVar[set | None] = contextvars.ContextVar("ftjax_kernels_applied", default=None)
+
+
+def active() -> KernelConfig:
+    """The config of the step being traced (:func:`using`), else the default one."""
+    cfg = _ACTIVE.get()
+    return KernelConfig() if cfg is None else cfg
+
+
+@contextlib.contextmanager
+def using(config: KernelConfig):
+    """Within it, :func:`mode` and the other readers answer for ``config``. A jitted step enters it
+    with the config from its static options, so the choice is part of the program's key.
+    Raises:
+      TypeError: ``config`` is not a :class:`KernelConfig`."""
+    if not isinstance(config, KernelConfig):
+        raise TypeError(f"expected a KernelConfig, got {type(config).__name__}")
+    token = _ACTIVE.set(config)
+    try:
+        yield config
+    finally:
+        _ACTIVE.reset(token)
+
+
+@contextlib.contextmanager
+def recording():
+    """Collects the names of the kernels that :func:`mode` selected (not "xla") while traced inside
+    it: yields the set, filled as tracing goes."""
+    seen: set[str] = set()
+    token = _RECORD.set(seen)
+    try:
+        yield seen
+    finally:
+        _RECORD.reset(token)
+
+
+def mode(name: str, supported: bool = True, auto: bool | None = None) -> str:
+    """How op ``name`` runs in the function being traced: "xla", "gpu" or "interpret".
+
+    supported: whether the kernel handles these operands (shapes, dtypes); an unsupported case
+    runs the reference, except under "interpret" where the caller's own check decides. auto:
+    whether ``use="auto"`` picks it for these operands on a GPU (default: the registry entry's).
+    Raises:
+      ValueError: unknown kernel name.
+    """
+    entry = get(name)
+    use = active().use
+    on_gpu = jax.default_backend() == "gpu"
+    if use == "xla" or not supported:
+        how = "xla"
+    elif use == "interpret":
+        how = "interpret"
+    elif use == "auto":
+        how = "gpu" if on_gpu and (entry.auto if auto is None else auto) else "xla"
+    else:
+        how = ("gpu" if on_gpu else "interpret") if name in use else "xla"
+    seen = _RECORD.get()
+    if seen is not None and how != "xla":
+        seen.add(name)
+    return how
+
+
+def tiles(name: str, defaults: dict) -> dict:
+    """``defaults`` updated with the active config's tile override of kernel ``name`` (a new dict)."""
+    got = active().tile_args(name)
+    return {**defaults, **(got or {})}
+
+
+def tiles_overridden(name: str) -> bool:
+    """Whether the active config overrides kernel ``name``'s tiles."""
+    return active().tile_args(name) is not None

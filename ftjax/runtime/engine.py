@@ -1,0 +1,687 @@
+"""The engine: the owner of a model's runtime state, with a request-level API.
+
+An :class:`Engine` holds what outlives one call: the expert state (slot pools + slot table), the batch
+rows and their KV cache, the expert-cache counters, and its view of the program cache. Every call it
+makes is planned once (``ftjax.runtime.plan``) and run by a driver (``ftjax.runtime.drivers``).
+
+Request-level API (what a scheduler drives):
+
+* :meth:`Engine.open_rows` -- a fresh state of n batch rows, all free;
+* :meth:`Engine.admit` -- a prompt into a free row (its prefill calls planned; with a prefix cache,
+  its reused chunks looked up and pinned);
+* :meth:`Engine.advance` -- one step: the next prefill chunk of every row still prefilling, or else one
+  decode step of every decoding row; returns the logits of the rows that have a next token;
+* :meth:`Engine.release` -- frees a row (its pins too).
+
+:meth:`Engine.generate` is a short loop over them; :meth:`Engine.prefill` runs a batch of prompts'
+prefill into a given cache (the oracle tests read its logits of every position).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ftjax import memory
+from ftjax import model as model_lib
+from ftjax.checkpoint import LoadedModel
+from ftjax.config import EngineConfig
+from ftjax.experts.slot_table import reset_table
+from ftjax.experts.state import ExpertCounters, ExpertState, init_expert_state
+from ftjax.runtime import drivers, programs, transfers
+from ftjax.runtime.drivers import CallArgs, RunContext
+from ftjax.runtime.misses import build_miss_runtime
+from ftjax.runtime.plan import CallPlan, CallPlanner, PrefillCall, chunk_calls, prompt_error
+from ftjax.runtime.step import keep_rows, sample_next
+from ftjax.seams import ForwardOut, KVCache
+
+
+def _int32(x):
+    """x as an int32 step argument without a dispatch of its own: an int32 device array as it is, anything else
+    as a numpy array, which the compiled call copies to the device with its other arguments."""
+    if isinstance(x, jax.Array) and x.dtype == jnp.int32:
+        return x
+    return np.asarray(x, np.int32)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _clear_row(cache: KVCache, row):
+    """``cache`` with batch row ``row``'s recurrent states zeroed (a new sequence there; its K/V rows need no
+    clearing: a sequence only reads positions it wrote)."""
+    if cache.conv is None:
+        return cache
+    return cache._replace(conv=cache.conv.at[:, row].set(0), rec=cache.rec.at[:, row].set(0))
+
+
+@dataclasses.dataclass
+class Row:
+    """One batch row's request.
+
+    prompt: its token ids; pending: the prefill calls not run yet (``PrefillCall``, one row each);
+    pos: tokens in the cache; kv_request: its prefix-reuse request (``ftjax.kv.prefix_cache``) until
+    finished; kv_outs: the new chunks of its calls so far; stats: LayerStats of its prefill calls.
+    """
+
+    prompt: list[int]
+    pending: collections.deque
+    pos: int = 0
+    kv_manager: Any = None
+    kv_request: Any = None
+    kv_outs: list = dataclasses.field(default_factory=list)
+
+    @property
+    def prefilling(self) -> bool:
+        return bool(self.pending)
+
+
+@dataclasses.dataclass
+class Advance:
+    """What one :meth:`Engine.advance` did.
+
+    kind: "prefill" or "decode"; logits: float32 [B, V] on the device (all positions [B, T, V] for a
+    prefill with ``all_logits``), valid for ``rows``: the rows whose next-token distribution it is (rows
+    that finished their prefill, or every decoding row); stats: the call's LayerStats (leaves [L, ...]).
+    """
+
+    kind: str
+    logits: jax.Array
+    rows: list[int]
+    stats: Any
+    tokens: int = 0
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """Output of :meth:`Engine.generate`.
+
+    generated_ids: int [B][n_b] (each sequence up to and including its EOS, if it stopped there);
+    step_logits: float32 [n, B, V] (when kept); ttft_s, decode_s: seconds; prefill_tokens_per_s,
+    decode_tokens_per_s: tokens/s summed over the batch (tokens after a sequence's EOS are not
+    counted); compile_s: seconds spent compiling in this call (not part of the timings); routing:
+    int32 [steps][L, N, k] when traced; step_s: seconds of each decode step (TPOT) when timed step
+    by step; stop_reasons: per sequence, "eos" or "length"; expert_cache: this call's own expert
+    cache figures (hits, misses, bytes_h2d, ...; ``ExpertCounters.summary``); kv: the prefix-reuse
+    record of the request.
+    """
+
+    prompt_ids: list[list[int]]
+    generated_ids: list[list[int]]
+    step_logits: np.ndarray | None
+    ttft_s: float
+    decode_s: float
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    compile_s: float
+    routing: list[np.ndarray] | None = None
+    step_s: list[float] | None = None
+    stop_reasons: list[str] | None = None
+    expert_cache: dict | None = None
+    kv: dict | None = None
+
+
+class Engine:
+    """Runs a :class:`LoadedModel` as an :class:`EngineConfig` says.
+
+    Args:
+      model: weights (device params + host expert banks).
+      config: how to run it (experts mode, slots, cache length, batch, prefill, cache policy,
+        kernels, miss policy); default: resident, 512 tokens, batch 1.
+    Raises:
+      ValueError: a config that does not fit the model (``EngineConfig.for_model``).
+    """
+
+    def __init__(self, model: LoadedModel, config: EngineConfig | None = None):
+        cfg = model.cfg
+        self.config = (config or EngineConfig()).for_model(cfg)
+        self.model, self.cfg = model, cfg
+        self.dtype = jnp.dtype(model.params["embed"].dtype)
+        self.miss = build_miss_runtime(model, self.config.miss, self.config.batch)
+        self.programs = programs.Programs()
+        self.planner = CallPlanner(cfg, self.config, self.miss, self.dtype)
+        self.state = self._fresh_state()
+        self.counters = {p: ExpertCounters.zeros(cfg.num_layers, cfg.num_experts) for p in ("prefill", "decode")}
+        self.failed_steps = 0
+        self.prefill_driver_calls = {"scan": 0, "pipelined": 0}  # prefill calls run by each driver
+        self._expert_views: transfers.ExpertLayerSource | None = None  # made on the first pipelined stream
+        self.rows: list[Row | None] = []
+        self.cache: KVCache | None = None
+        self._used_rows: set[int] = set()
+
+    # ---- configuration, read-only views -------------------------------------------------------
+    @property
+    def mode(self) -> str:
+        return self.config.experts
+
+    @property
+    def num_slots(self) -> int:
+        return self.config.num_slots
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.config.max_seq_len
+
+    @property
+    def batch(self) -> int:
+        return self.config.batch
+
+    @property
+    def cache_policy(self) -> str:
+        return self.config.cache_policy
+
+    @property
+    def precision(self) -> str:
+        """Matmul precision of every step (``EngineConfig.precision`` for the compute dtype)."""
+        return self.config.precision(self.dtype.name)
+
+    @property
+    def compile_s(self) -> float:
+        """Seconds this engine spent compiling (timings exclude them)."""
+        return self.programs.compile_s
+
+    def describe(self) -> dict:
+        """JSON-ready run configuration: the engine config, resolved precision, miss policy, the XLA
+        options of its decode programs, the kernels that applied to its programs."""
+        return {**self.config.as_dict(), "matmul_precision_resolved": self.precision,
+                "decode_compiler_options": dict(self.planner.decode_options(self.batch)),
+                "miss_policy": self.miss.policy, "compute_dtype": self.dtype.name,
+                "prefix_copy_layers_resolved": self.prefix_copy_rows(),
+                "kernels_applied": sorted(self.programs.kernels_applied())}
+
+    def kernel_notes(self) -> list[str]:
+        """One line for each kernel asked for by name that applied to none of this engine's programs."""
+        return self.config.kernels.check_applied(self.programs.kernels_applied())
+
+    def prefix_copy_rows(self) -> int:
+        """Layers whose reused-prefix rows one copy moves on the pipelined driver: the group of
+        ``EngineConfig.prefix_copy_layers`` (``transfers.copy_group_layers``) with ``prefix_copy`` "put",
+        1 with "in_program" (each layer's program copies the next one's)."""
+        if self.config.prefix_copy != "put":
+            return 1
+        return transfers.copy_group_layers(self.cfg.num_layers, self.config.prefix_copy_layers)
+
+    @property
+    def stream_copy_path(self) -> str | None:
+        """How the pipelined driver copies streamed layers: "pinned_alias" (asynchronous, overlaps
+        compute), "numpy_view" (waits for queued compute; the CPU backend), None: not used yet."""
+        return self._expert_views.path if self._expert_views is not None else None
+
+    # ---- expert state ----------------------------------------------------------------------
+    def _fresh_state(self) -> ExpertState:
+        cfg = self.cfg
+        return init_expert_state(self.mode, cfg.num_layers, cfg.num_experts, self.num_slots, self.model.banks,
+                                 self.dtype, track_recency=self.miss.track_recency)
+
+    def reset_expert_cache(self) -> None:
+        """Empties the expert cache: every slot freed (nothing resident), as in a new engine.
+
+        For cold-start measurements (each timed request from the same state) without rebuilding
+        the engine or recompiling. The slot pools keep their bytes (no copy, no reallocation);
+        routing recency starts over; the counters keep counting. No-op in resident mode (no table).
+        """
+        if self.state.table is None:
+            return
+        recency = self.state.last_routed
+        self.state = self.state.replace(table=reset_table(self.state.table),
+                                        last_routed=None if recency is None else jnp.full_like(recency, -1))
+
+    def resident_experts_per_layer(self) -> list[int]:
+        """How many experts of each layer sit in the slot cache now (all E when resident)."""
+        cfg = self.cfg
+        if self.state.table is None:
+            return [cfg.num_experts] * cfg.num_layers
+        slot_of = np.asarray(self.state.table.slot_of).reshape(cfg.num_layers, cfg.num_experts)
+        return (slot_of >= 0).sum(axis=1).tolist()
+
+    # ---- one call ------------------------------------------------------------------------------
+    def _context(self) -> RunContext:
+        m = self.model
+        return RunContext(self.programs.compile, self.cfg, m.params, m.banks, self.config, self._expert_source,
+                          self.prefix_copy_rows())
+
+    def _expert_source(self) -> transfers.ExpertLayerSource:
+        if self._expert_views is None:
+            self._expert_views = transfers.ExpertLayerSource(self.model.banks, self.cfg.num_experts)
+        return self._expert_views
+
+    def _run(self, plan: CallPlan, tokens, start, valid, cache: KVCache, prefix=()) -> ForwardOut:
+        """Runs one planned call; the expert state and ``cache`` are donated to it.
+
+        If the call raises (a device OOM, say) after its donated expert state was consumed, the
+        engine starts again from an empty expert cache (counted in ``failed_steps``) so that it
+        stays usable, or, when even that fails, says so on every later call (RuntimeError) rather
+        than crashing on deleted buffers; the KV cache passed in is consumed either way. The error
+        is re-raised. An error that the device reports only later, when an output is read, is
+        not seen here.
+        """
+        if self.state is None:
+            raise RuntimeError("this engine lost its expert state in a failed step and could not rebuild it "
+                               "(see the earlier error); build a new Engine")
+        args = CallArgs(_int32(tokens), _int32(start), _int32(valid), cache, self.state, tuple(prefix))
+        try:
+            out = drivers.driver(plan).run(self._context(), plan, args)
+        except Exception as err:
+            self.failed_steps += 1
+            if any(x.is_deleted() for x in jax.tree.leaves(self.state)):
+                self.state = None
+                try:  # resident mode copies the whole bank again: that can fail too (after an OOM)
+                    self.state = self._fresh_state()
+                except Exception as again:
+                    raise RuntimeError(f"a step failed ({err!r}) and the expert state could not be rebuilt "
+                                       f"({again!r}); this engine is unusable, build a new one") from err
+            raise
+        self.state = out.expert_state
+        return out
+
+    def new_cache(self, batch: int) -> KVCache:
+        """A fresh state (KV cache, and the linear layers' states) for ``batch`` sequences."""
+        return model_lib.init_kv_cache(self.cfg, batch, self.max_seq_len, self.dtype)
+
+    def check_prompts(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+        """Raises ValueError for no new tokens, more prompts than the config's batch, empty prompts,
+        ids outside [0, V) or sequences longer than the cache."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if len(prompts) > self.batch:
+            raise ValueError(f"{len(prompts)} prompts exceed the engine's batch {self.batch} (EngineConfig.batch "
+                             f"sizes the KV cache plan)")
+        for i, p in enumerate(prompts):
+            problem = prompt_error(p, self.cfg.vocab_size, max_new_tokens, self.max_seq_len, "max_seq_len")
+            if problem:
+                raise ValueError(f"prompt {i}: {problem}")
+
+    # ---- prefill calls of a set of rows ------------------------------------------------------------
+    def _row(self, prompt: Sequence[int], kv_manager=None) -> Row:
+        """A row for ``prompt``: its prefill calls (a prefix-reuse request's, or plain chunks)."""
+        prompt = [int(t) for t in prompt]
+        row = Row(prompt, collections.deque())
+        if kv_manager is not None:
+            row.kv_manager, row.kv_request = kv_manager, kv_manager.begin(self, [prompt])
+            row.pending.extend(row.kv_request.calls)
+        else:
+            row.pending.extend(chunk_calls(len(prompt), self.config.prefill_chunk))
+        return row
+
+    def _next_call(self, rows: Sequence[Row | None], all_logits: bool, spec: bool = False):
+        """The merged prefill call of the head calls of ``rows`` (one per batch row; None or done rows take
+        no token): (plan, tokens int32 [B, T], start, valid int32 [B], the prefix (its shapes with
+        ``spec``), the rows whose prefill ends in it)."""
+        heads = [r.pending[0] if r is not None and r.pending else None for r in rows]
+        width = max(h.bucket for h in heads if h is not None)
+        b = len(rows)
+        tokens = np.zeros((b, width), np.int32)
+        start = np.array([h.start if h else (r.pos if r else 0) for h, r in zip(heads, rows)], np.int32)
+        valid = np.array([h.valid[0] if h else 0 for h in heads], np.int32)
+        kv, prefix = None, ()
+        for i, (h, r) in enumerate(zip(heads, rows)):
+            if h is None:
+                continue
+            tokens[i, :valid[i]] = r.prompt[h.start:h.start + valid[i]]
+            if r.kv_request is not None:
+                kv = r.kv_manager.step_options(h)
+                if h.with_prefix:
+                    prefix = r.kv_manager.prefix_spec(self, r.kv_request) if spec else \
+                        r.kv_manager.load_prefix(r.kv_request)
+        plan = self.planner.plan(b, width, int(valid.sum()), prefix, kv, all_logits)
+        done = [i for i, h in enumerate(heads) if h is not None and len(rows[i].pending) == 1]
+        return plan, tokens, start, valid, prefix, done
+
+    def _prefill_step(self, rows: Sequence[Row | None], cache: KVCache, all_logits: bool):
+        """Runs the next merged prefill call of ``rows`` (:meth:`_next_call`) on ``cache``; advances them.
+        Returns (the call's ForwardOut, its valid int32 [B], the rows whose prefill ended)."""
+        plan, tokens, start, valid, prefix, done = self._next_call(rows, all_logits)
+        out = self._run(plan, tokens, start, valid, cache, prefix)
+        self.prefill_driver_calls[plan.driver] += 1
+        self.counters["prefill"].add(out.layer_stats)
+        self.counters["prefill"].extra_copies += plan.extra_copies
+        for i, r in enumerate(rows):
+            if r is not None and r.pending:
+                call = r.pending.popleft()
+                r.pos = call.start + call.valid[0]
+                if r.kv_request is not None:
+                    r.kv_outs.append(out.kv_out)  # only the KV hook's new chunks outlive the call
+        return out, valid, done
+
+    def _finish_kv(self, row: Row, failed: bool = False) -> None:
+        """Ends a row's prefix-reuse request: stores its new chunks (none after a failure), unpins its hits."""
+        if row.kv_request is None:
+            return
+        req, manager = row.kv_request, row.kv_manager
+        row.kv_request = None
+        # on the pipelined driver the new chunks' per-layer aliases are made as they are stored, not inside
+        # the TTFT of a later request that reuses them
+        warm = functools.partial(transfers.warm_prefix_chunks, rows=self.prefix_copy_rows())
+        complete = not failed and len(row.kv_outs) == len(req.calls)
+        manager.finish(req, row.kv_outs if complete else None,
+                       prepare=warm if self.planner.pipelines_prefix() else None)
+
+    def _precompile(self, rows: Sequence[Row | None], cache: KVCache, decode: bool = True) -> None:
+        """Compiles every program the pending prefill calls of ``rows`` and (with ``decode``) the decode step
+        after them will run, so that timings exclude compilation (nothing runs)."""
+        sim = [None if r is None else dataclasses.replace(r, pending=collections.deque(r.pending)) for r in rows]
+        seen = set()
+        ctx = self._context()
+        while any(r is not None and r.pending for r in sim):
+            plan, tokens, start, valid, prefix, _ = self._next_call(sim, False, spec=True)
+            key = (tokens.shape, plan, tuple(jax.tree.map(lambda x: (x.shape, x.dtype, str(x.sharding)), prefix)))
+            if key not in seen:
+                seen.add(key)
+                args = CallArgs(tokens, start, valid, cache, self.state, prefix)
+                drivers.driver(plan).precompile(ctx, plan, args)
+            for r in sim:
+                if r is not None and r.pending:
+                    call = r.pending.popleft()
+                    r.pos = call.start + call.valid[0]
+        if decode:
+            b = len(rows)
+            plan = self.planner.plan(b, 1, b)
+            args = CallArgs(np.zeros((b, 1), np.int32), np.zeros(b, np.int32), np.ones(b, np.int32), cache,
+                            self.state)
+            drivers.driver(plan).precompile(ctx, plan, args)
+
+    # ---- the request-level API -----------------------------------------------------------------------
+    def open_rows(self, n: int | None = None) -> None:
+        """A fresh state of ``n`` batch rows (default ``EngineConfig.batch``), all free; rows of an earlier
+        state are dropped (their prefix-reuse pins released).
+        Raises:
+          ValueError: n outside [1, EngineConfig.batch]."""
+        n = self.batch if n is None else n
+        if not 1 <= n <= self.batch:
+            raise ValueError(f"rows must be in [1, {self.batch}] (EngineConfig.batch), got {n}")
+        for i, r in enumerate(self.rows):
+            if r is not None:
+                self.release(i)
+        self.rows = [None] * n
+        self.cache = self.new_cache(n)
+        self._used_rows = set()
+
+    def admit(self, prompt: Sequence[int], max_new_tokens: int = 1, kv_manager=None) -> int:
+        """Puts a request into a free row; returns the row. Its prefill runs in the coming :meth:`advance`
+        calls. With ``kv_manager`` (``ftjax.kv.prefix_cache.PrefixCache``) its stored prefix is looked up and
+        pinned now, loaded layer by layer during its first prefill call, and its new chunks stored when its
+        prefill ends; such a request takes row 0 (the layerwise KV hook's row).
+
+        Raises:
+          ValueError: a bad prompt (empty, ids outside the vocabulary, longer than the cache with
+            ``max_new_tokens``); RuntimeError: no free row (or row 0 busy for a prefix-reuse request); no
+            rows opened (:meth:`open_rows`)."""
+        if not self.rows:
+            raise RuntimeError("no batch rows: call open_rows() first")
+        problem = prompt_error(prompt, self.cfg.vocab_size, max_new_tokens, self.max_seq_len, "max_seq_len")
+        if problem:
+            raise ValueError(problem)
+        free = [i for i, r in enumerate(self.rows) if r is None]
+        if kv_manager is not None:
+            free = [i for i in free if i == 0]
+        if not free:
+            raise RuntimeError("no free batch row" + (" (a prefix-reuse request takes row 0)" if kv_manager else ""))
+        i = free[0]
+        self.rows[i] = self._row(prompt, kv_manager)
+        if i in self._used_rows:  # a new sequence in a used row: its recurrent states start from zero
+            self.cache = _clear_row(self.cache, i)
+        self._used_rows.add(i)
+        return i
+
+    def prefilling(self) -> bool:
+        """Whether any row has prefill calls left."""
+        return any(r is not None and r.pending for r in self.rows)
+
+    def precompile(self) -> None:
+        """Compiles what the admitted rows' prefill and the decode step after it will run (outside any
+        timing; releases prefix-reuse pins if compiling fails)."""
+        try:
+            self._precompile(self.rows, self.cache)
+        except BaseException:
+            for r in self.rows:
+                if r is not None:
+                    self._finish_kv(r, failed=True)
+            raise
+
+    def advance(self, tokens=None, all_logits: bool = False) -> Advance:
+        """One step of the running rows: the next prefill call of every row still prefilling (merged into
+        one call), or, when none is, one decode step of every decoding row with ``tokens`` (int32 [B, 1],
+        a device array or numpy: each row's last token; entries of other rows are ignored). Returns the
+        :class:`Advance` (its logits on the device; nothing waits for them).
+        Raises:
+          ValueError: a decode step without ``tokens``."""
+        rows = self.rows
+        if self.prefilling():
+            try:
+                out, valid, done = self._prefill_step(rows, self.cache, all_logits)
+            except BaseException:
+                for r in rows:
+                    if r is not None and r.kv_request is not None:
+                        self._finish_kv(r, failed=True)
+                raise
+            self.cache = out.cache
+            for i in done:
+                self._finish_kv(rows[i])
+            return Advance("prefill", out.logits, done, out.layer_stats, int(valid.sum()))
+        if tokens is None:
+            raise ValueError("a decode step needs the rows' last tokens")
+        live = np.array([r is not None for r in rows])
+        pos = np.array([r.pos if r is not None else 0 for r in rows], np.int32)
+        plan = self.planner.plan(len(rows), 1, int(live.sum()))
+        out = self._run(plan, tokens, pos, live.astype(np.int32), self.cache)
+        self.cache = out.cache
+        for r in rows:
+            if r is not None:
+                r.pos += 1
+        return Advance("decode", out.logits, [i for i, r in enumerate(rows) if r is not None], out.layer_stats,
+                       int(live.sum()))
+
+    def release(self, row: int) -> None:
+        """Frees ``row`` (an unfinished prefix-reuse request's pins are released, nothing stored)."""
+        r = self.rows[row]
+        if r is not None:
+            self._finish_kv(r, failed=True)
+        self.rows[row] = None
+
+    # ---- a batch prefill into a given cache -----------------------------------------------------------
+    def prepare_prefill(self, prompts: Sequence[Sequence[int]], cache, kv_manager=None):
+        """Compiles every program a prefill of ``prompts`` and the decode after it need (so that timings
+        exclude compilation). With ``kv_manager``, first plans the prefix-reuse request
+        (``kv_manager.begin``: lookup, pin) and returns it for :meth:`prefill`; else None."""
+        rows = self._rows_for(prompts, kv_manager)
+        try:
+            self._precompile(rows, cache)
+        except BaseException:
+            self._finish_kv(rows[0], failed=True)
+            raise
+        return rows[0].kv_request
+
+    def _rows_for(self, prompts, kv_manager=None, request=None) -> list[Row]:
+        if kv_manager is not None and len(prompts) != 1:
+            raise ValueError(f"KV prefix reuse runs one request at a time (batch 1), got {len(prompts)} prompts")
+        if request is None:
+            return [self._row(p, kv_manager) for p in prompts]
+        row = Row([int(t) for t in prompts[0]], collections.deque(request.calls), kv_manager=kv_manager,
+                  kv_request=request)
+        return [row]
+
+    def plan_prefill(self, prompts: Sequence[Sequence[int]]) -> list[PrefillCall]:
+        """The merged calls of a plain prefill of ``prompts``: chunks of at most ``prefill_chunk`` tokens,
+        each right-padded to a bucket (a sequence already complete has 0 valid tokens in later calls)."""
+        rows = self._rows_for(prompts)
+        calls = []
+        while any(r.pending for r in rows):
+            heads = [r.pending.popleft() if r.pending else None for r in rows]
+            start = next(h.start for h in heads if h is not None)
+            calls.append(PrefillCall(start, tuple(h.valid[0] if h else 0 for h in heads),
+                                     max(h.bucket for h in heads if h is not None)))
+        return calls
+
+    def prefill(self, prompts: Sequence[Sequence[int]], cache, all_logits: bool = False, kv_manager=None,
+                request=None):
+        """Prefills a batch of prompts into ``cache`` (consumed) through merged calls of their chunks, or,
+        with a prefix-reuse ``request`` of ``kv_manager`` (batch 1), through the request's calls: the reused
+        prefix loads layer by layer inside the first call and new full chunks are stored at the end.
+
+        Returns (logits, cache, lengths, stats): logits float32 [B, V] of each prompt's last token
+        ([B, T, V] with all_logits: T the tokens computed, the longest prompt less any reused prefix);
+        stats: one LayerStats per call.
+        Raises:
+          ValueError: a request without its manager (or the reverse), or prompts that differ from the
+            request's.
+        """
+        if (kv_manager is None) != (request is None):
+            raise ValueError("prefix reuse needs both kv_manager and the request that "
+                             "prepare_prefill(prompts, cache, kv_manager) returned")
+        if request is not None and [list(map(int, p)) for p in prompts] != [request.prompt]:
+            raise ValueError("the prompts differ from the ones the prefix-reuse request was planned for")
+        if request is not None and request.finished:
+            raise RuntimeError("this request's prefill already ran")
+        rows = self._rows_for(prompts, kv_manager, request)
+        lengths = np.array([len(p) for p in prompts], np.int32)
+        logits, stats, pieces = None, [], []
+        try:
+            while any(r.pending for r in rows):
+                out, valid, done = self._prefill_step(rows, cache, all_logits)
+                cache = out.cache
+                stats.append(out.layer_stats)
+                if all_logits:
+                    pieces.append(out.logits[:, : int(valid.max())])
+                elif logits is None:
+                    logits = out.logits
+                else:  # keep each sequence's logits from the call its prompt ends in
+                    ends = np.zeros(len(rows), bool)
+                    ends[done] = True
+                    logits = keep_rows(ends, out.logits, logits)
+        except BaseException:
+            self._finish_kv(rows[0], failed=True)
+            raise
+        self._finish_kv(rows[0])
+        if all_logits:
+            logits = jnp.concatenate(pieces, axis=1)
+        return logits, cache, lengths, stats
+
+    # ---- generation ---------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int = 0, keep_logits: bool = False,
+                 trace_routing: bool = False, time_steps: bool = False, kv_manager=None,
+                 eos_ids: Sequence[int] = ()) -> GenerationResult:
+        """Prefill + decode up to ``max_new_tokens`` tokens for each prompt: every prompt admitted into a
+        row of a fresh state, then :meth:`advance` until done.
+
+        TTFT is measured from the prefill's dispatch to the first sampled token being ready;
+        decode time from then to the last token. Compilation is excluded and reported apart.
+        ``time_steps`` waits for every decode step to finish and records its duration (adds one
+        host sync per step; without it steps are dispatched asynchronously).
+        With ``kv_manager`` (``ftjax.kv.prefix_cache.PrefixCache``, batch 1) the prefill reuses
+        stored prefix KV and stores new chunks; its key lookup time is added to TTFT.
+        ``eos_ids``: a sequence stops after generating one of these ids (its stop reason is
+        "eos"; what it generates after it is dropped and not counted); decoding ends when every
+        sequence stopped. The check reads the token before the one just dispatched, so decode
+        stays asynchronous; at most one step runs after the last sequence stopped.
+        """
+        self.check_prompts(prompts, max_new_tokens)
+        if kv_manager is not None and len(prompts) != 1:
+            raise ValueError(f"KV prefix reuse runs one request at a time (batch 1), got {len(prompts)} prompts")
+        b = len(prompts)
+        compile_before = self.compile_s
+        before = {p: c.copy() for p, c in self.counters.items()}
+        self.open_rows(b)
+        for p in prompts:
+            self.admit(p, max_new_tokens, kv_manager)
+        req = self.rows[0].kv_request
+        self.precompile()
+        try:
+            self._warm_sampling(b, temperature, top_p)
+        except BaseException:
+            self.release(0)
+            raise
+        key = jax.random.key(seed)
+        t0 = time.perf_counter()
+        logits, stats, lengths = None, [], np.array([len(p) for p in prompts])
+        while self.prefilling():
+            adv = self.advance()
+            stats.append(adv.stats)
+            ends = np.zeros(b, bool)
+            ends[adv.rows] = True
+            logits = adv.logits if logits is None else keep_rows(ends, adv.logits, logits)
+        tok, key = sample_next(logits, key, temperature, top_p)  # int32 [B, 1]
+        tok.block_until_ready()
+        t_first = time.perf_counter()
+        ttft = t_first - t0 + (req.lookup_s if req is not None else 0.0)
+        routing = [np.concatenate([np.asarray(st.routed_ids) for st in stats], axis=1)] if trace_routing else None
+        toks, all_logits, decode_stats = [tok], [logits] if keep_logits else None, []
+        eos = np.asarray(list(eos_ids), np.int64)
+        stopped = np.zeros(b, bool)  # sequences known (one step late) to have generated an EOS
+        step_s = [] if time_steps else None
+        try:
+            for _ in range(max_new_tokens - 1):
+                if eos.size and len(toks) >= 2:
+                    # The token before the one just dispatched: its step has finished, so reading
+                    # it does not stall the device queue (decode stays asynchronous).
+                    stopped |= np.isin(np.asarray(toks[-2])[:, 0], eos)
+                    if stopped.all():
+                        break
+                ts = time.perf_counter()
+                adv = self.advance(tok)
+                tok, key = sample_next(adv.logits, key, temperature, top_p)
+                toks.append(tok)
+                decode_stats.append(adv.stats)
+                if keep_logits:
+                    all_logits.append(adv.logits)
+                if time_steps:
+                    tok.block_until_ready()
+                    step_s.append(time.perf_counter() - ts)
+            jax.block_until_ready(toks)
+        finally:  # the steps that ran moved the slot table: count them even if a later one failed
+            for s in decode_stats:
+                self.counters["decode"].add(s)
+            for i in range(b):
+                self.release(i)
+        decode_s = time.perf_counter() - t_first
+        if trace_routing:
+            routing += [np.asarray(s.routed_ids) for s in decode_stats]
+        gen = np.concatenate([np.asarray(t) for t in toks], axis=1)
+        is_eos = np.isin(gen, eos) if eos.size else np.zeros(gen.shape, bool)
+        done_at = np.where(is_eos.any(axis=1), is_eos.argmax(axis=1), -1)  # each sequence's first EOS
+        ends = np.where(done_at >= 0, done_at + 1, gen.shape[1])
+        generated = [gen[i, : ends[i]].tolist() for i in range(b)]
+        n_dec = int(sum(max(e - 1, 0) for e in ends))
+        eb = self.model.expert_bytes
+        own = sum((self.counters[p] - before[p] for p in self.counters), ExpertCounters.zeros(
+            self.cfg.num_layers, self.cfg.num_experts))
+        return GenerationResult(
+            prompt_ids=[list(map(int, p)) for p in prompts], generated_ids=generated,
+            step_logits=np.stack([np.asarray(x) for x in all_logits]) if keep_logits else None,
+            ttft_s=ttft, decode_s=decode_s, prefill_tokens_per_s=float(lengths.sum()) / ttft,
+            decode_tokens_per_s=n_dec / decode_s if n_dec and decode_s > 0 else 0.0,
+            compile_s=self.compile_s - compile_before, routing=routing, step_s=step_s,
+            stop_reasons=["eos" if d >= 0 else "length" for d in done_at], expert_cache=own.summary(eb),
+            kv=req.record() if req is not None else None)
+
+    def _warm_sampling(self, batch: int, temperature: float, top_p: float) -> None:
+        """Compiles the sampler and the key split outside the timed region. The dummy logits are
+        committed to device memory like the step's output: an uncommitted argument is another
+        jit cache entry, and the real call would compile again inside TTFT."""
+        t0 = time.perf_counter()
+        logits = memory.to_device(np.zeros((batch, self.cfg.vocab_size), np.float32))
+        key = jax.random.key(0)
+        for _ in range(2):  # a fresh key (the first draw), then a key the program returned (committed: its own entry)
+            tok, key = sample_next(logits, key, temperature, top_p)
+        tok.block_until_ready()
+        keep_rows(np.ones(batch, bool), logits, logits).block_until_ready()  # multi-chunk prefill
+        self.programs.compile_s += time.perf_counter() - t0
+
+    # ---- metrics ------------------------------------------------------------------------------
+    def expert_cache_metrics(self) -> dict:
+        """The ``expert_cache`` metrics object: slots, hits, misses, hit rates, fetched / CPU
+        misses, H2D bytes (per phase too), what the cache holds per layer, the miss policy."""
+        eb = self.model.expert_bytes
+        total = self.counters["prefill"] + self.counters["decode"]
+        m = {"mode": self.mode, "slots": self.num_slots, "policy": self.cache_policy, "expert_bytes": eb,
+             "expert_format": self.model.banks.fmt, "expert_storage_dtype": str(self.model.banks.gate_up.dtype),
+             **total.summary(eb),
+             "prefill": self.counters["prefill"].summary(eb), "decode": self.counters["decode"].summary(eb),
+             "resident_per_layer": self.resident_experts_per_layer()}
+        m.update(self.miss.metrics(min(self.cfg.num_experts, self.batch * self.cfg.top_k)))
+        return m

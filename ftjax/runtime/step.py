@@ -1,0 +1,81 @@
+"""The one jitted step of the layer scan, its static options, and the small programs around it.
+
+:func:`forward_step` serves every call the scan driver runs: prefill chunks, prefix-reuse prefills
+(with the layerwise KV hook) and decode steps; its static :class:`StepOptions` and the argument
+shapes pick the compiled program (``ftjax.runtime.programs``). The KV cache and the expert state (slot
+pools + slot table) are donated, so they are updated in place rather than copied. The kernel config
+in the options is made the active one while the step is traced (``ftjax.kernels.registry.using``), so
+it is part of the program's key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from ftjax import model as model_lib
+from ftjax.experts import miss_policy, offload
+from ftjax.kernels import registry
+from ftjax.kernels.registry import KernelConfig
+from ftjax.kv.layerwise import KVStep
+from ftjax.sampling import sample
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """Static options of one step (hashable: they key its compiled programs).
+
+    mode: experts mode; all_logits: logits of every position; stream: full-layer streaming of
+    this call's experts; overlap: prefetch layer l+1 while layer l computes (streaming);
+    policy: slot eviction policy; miss: a cpu / adaptive ``MissConfig`` or None; kv: the KV
+    hook's options (``ftjax.kv.layerwise.KVStep``) or None; precision: matmul precision;
+    kernels: the kernel config (``EngineConfig.kernels``); cheap_conds: a ``lax.cond`` costs this
+    program no host round trip (``offload.make_expert_fn``; set per call by the plan).
+    """
+
+    mode: str
+    all_logits: bool = False
+    stream: bool = False
+    overlap: bool = True
+    policy: str = "lru"
+    miss: miss_policy.MissConfig | None = None
+    kv: KVStep | None = None
+    precision: str = "default"
+    kernels: KernelConfig = KernelConfig()
+    cheap_conds: bool = False
+
+    @contextlib.contextmanager
+    def tracing(self):
+        """Within it, a step traces under these options' matmul precision and kernel config."""
+        with jax.default_matmul_precision(self.precision), registry.using(self.kernels):
+            yield
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "opts"), donate_argnames=("cache", "state"))
+def forward_step(params, banks, cache, state, tokens, start, valid_len, prefix, *, cfg, opts: StepOptions):
+    """One forward call of the decoder on the layer scan (a prefill chunk or a decode step).
+    prefix: the reused KV chunks of a prefix-reuse call (``()`` otherwise). Returns ``model.forward``'s
+    ``ForwardOut``."""
+    with opts.tracing():
+        state, expert_fn = offload.step_expert_fn(cfg.num_layers, cfg.num_experts, opts.mode, banks, state,
+                                                  opts.stream, opts.overlap, opts.policy, opts.miss, opts.cheap_conds)
+        hook = opts.kv.hook(prefix) if opts.kv is not None else None
+        return model_lib.forward(params, cfg, tokens, start, valid_len, cache, expert_fn, state, opts.all_logits,
+                                 kv_hook=hook)
+
+
+@functools.partial(jax.jit, static_argnames=("temperature", "top_p"))
+def sample_next(logits, key, temperature: float, top_p: float):
+    """(int32 [B, 1] the next tokens, shaped as the decode step's input; the next key): the key split, the
+    draw (``ftjax.sampling.sample`` with a subkey) and the reshape in one program, one dispatch per decode
+    step instead of three."""
+    key, sub = jax.random.split(key)
+    return sample(logits, sub, temperature, top_p)[:, None], key
+
+
+#: rows of ``new`` where ``mask`` [B] (numpy bool) is set, else of ``old`` ([B, V] logits)
+keep_rows = jax.jit(lambda mask, new, old: jnp.where(mask[:, None], new, old))

@@ -1,0 +1,166 @@
+"""The types every layer, expert function, KV hook and driver share (the decoder's seams).
+
+Offload plugs into the decoder at two seams, so the model's math never mentions it:
+
+* the **expert function** (:data:`ExpertFn`): a layer hands its routing (:class:`LayerRouting`) to
+  it and gets the routed experts' output back, whatever the experts mode, cache policy or miss
+  policy (``ftjax.experts.offload`` builds it; FreeToken, DESIGN.md 1.1-1.3);
+* the **KV hook** (:class:`KVHook`): loads a reused prefix's K/V into the cache layer by layer and
+  emits the new chunks (``ftjax.kv.layerwise``; LMCache, DESIGN.md 1.4).
+
+This module imports nothing of ftjax: every other module may import it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Protocol
+
+import jax
+import jax.numpy as jnp
+
+
+class LayerRouting(NamedTuple):
+    """What one layer's router chose, handed to the expert function.
+
+    x: normed MLP input [N, D]; ids: int32 [N, k] expert ids in [0, E); weights: [N, k];
+    valid: bool [N], False for padding tokens (their output is discarded and they must not
+    cause expert loads).
+    """
+
+    x: jax.Array
+    ids: jax.Array
+    weights: jax.Array
+    valid: jax.Array
+
+
+class LayerStats(NamedTuple):
+    """Per-layer counters of one forward call (stacked over layers by the drivers).
+
+    hits, misses: int32 [] distinct routed experts found resident / not resident. A streamed
+    layer copies all E experts into its buffer: the ones copied device to device from the slot
+    cache are its hits (only with ``EngineConfig.stream_d2d_hits`` on the pipelined driver, else
+    0), the rest its misses (``hits + misses == E``). fetched, cpu: int32 [], misses copied over
+    PCIe / computed on the CPU (``fetched + cpu == misses``). routed_ids: int32 [N, k] routed
+    expert ids, -1 for padding tokens (routing traces). d2d: int32 [], experts copied device to
+    device (a streamed layer's hits), or None where a call makes no such copies.
+    """
+
+    hits: jax.Array
+    misses: jax.Array
+    fetched: jax.Array
+    cpu: jax.Array
+    routed_ids: jax.Array
+    d2d: jax.Array | None = None
+
+    @classmethod
+    def fetch_only(cls, hits: jax.Array, misses: jax.Array, routed_ids: jax.Array) -> "LayerStats":
+        """Stats of a layer whose every miss was fetched."""
+        return cls(hits, misses, misses, jnp.int32(0), routed_ids)
+
+    def packed(self) -> tuple[jax.Array, jax.Array]:
+        """(int32 [4] or [5]: hits, misses, fetched, cpu[, d2d]; routed_ids): one layer's stats as a layer scan
+        stacks them. One counter vector is one write per layer into the scan's output, where five scalars were
+        five copy kernels inside a decode step's layer loop."""
+        counts = [self.hits, self.misses, self.fetched, self.cpu] + ([self.d2d] if self.d2d is not None else [])
+        return jnp.stack([jnp.asarray(c, jnp.int32) for c in counts]), self.routed_ids
+
+    @classmethod
+    def unpacked(cls, counts: jax.Array, routed_ids: jax.Array) -> "LayerStats":
+        """The inverse of :meth:`packed` over leading axes: counts int32 [..., 4 or 5] -> fields [...]."""
+        return cls(*(counts[..., i] for i in range(4)), routed_ids, counts[..., 4] if counts.shape[-1] == 5 else None)
+
+
+#: expert_fn(expert state, layer int32 [], routing) -> (y [N, D], new expert state, LayerStats)
+ExpertFn = Callable[[Any, jax.Array, LayerRouting], tuple[jax.Array, Any, LayerStats]]
+
+
+class KVCache(NamedTuple):
+    """Device state of the sequences, each part stacked over the layers of the kind that owns it.
+
+    k, v: [L_att, B, S_max, Hkv, hd] (compute dtype), the K/V cache of the attention layers
+    (L_att = L outside the hybrid families). conv: [L_lin, B, K-1, conv_dim] (compute dtype) and
+    rec: [L_lin, B, Hv, dk, dv] (float32), the Gated DeltaNet layers' conv and recurrent state;
+    None for families without such layers.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    conv: jax.Array | None = None
+    rec: jax.Array | None = None
+
+
+class LayerIndex(NamedTuple):
+    """Where a layer sits: layer, its index in the whole stack (int32 []); kind, its index among the
+    layers of its kind (int32 []: the leading index of its kind's weights and state)."""
+
+    layer: jax.Array
+    kind: jax.Array
+
+
+class LayerInputs(NamedTuple):
+    """What every layer of one forward call shares (built once per call).
+
+    positions: int32 [B, T] absolute positions; bidx: int32 [B, 1] batch row ids; valid: bool
+    [B, T], False for padding; start: int32 [B], first position of the call.
+    """
+
+    positions: jax.Array
+    bidx: jax.Array
+    valid: jax.Array
+    start: jax.Array
+
+
+class LayerCarry(NamedTuple):
+    """What one layer hands the next: the residual stream h [B, T, D], the cache (:class:`KVCache`),
+    the expert state and the KV hook's carry."""
+
+    h: jax.Array
+    cache: KVCache
+    expert_state: Any
+    hook: Any
+
+
+class ForwardOut(NamedTuple):
+    """One forward call's results: logits float32 [B, V] (last valid token) or [B, T, V] (all);
+    cache; expert state; stats stacked over layers (leading axis L); kv_out: the KV hook's new
+    chunks (None without a hook that stores)."""
+
+    logits: jax.Array
+    cache: KVCache
+    expert_state: Any
+    layer_stats: Any
+    kv_out: Any = None
+
+
+class KVHook(Protocol):
+    """Optional hook of the decoder for layerwise KV offload (DESIGN.md 1.4); implemented by
+    ``ftjax.kv.layerwise.LayerwiseKV``. With no hook the decoder is unchanged.
+
+    Attention layers (``layer``: the layer's index among the attention layers, the KV cache's):
+    ``scan_xs()``: pytree with leading axis L_att sliced by the layer scan (may live in host
+    memory), or None. ``init_carry()``: pytree carried through the scan (e.g. the next layer's
+    prefetched KV), or None. ``before_attention(ck, cv, layer, xs_l, carry) -> (ck, cv, carry)``:
+    may write rows of layer ``layer`` of the cache before this call's K/V are written.
+    ``layer_output(ck, cv, layer, start)``: the layer's new chunks, called after this call's K/V
+    were written (start: int32 [B]); stacked over the attention layers into ``ForwardOut.kv_out``.
+
+    Gated DeltaNet layers (hybrid families): ``load_state(cache) -> cache`` writes the reused
+    prefix's stored linear state into batch row 0 before the first layer; ``state_points()``: the
+    call-relative token counts where the new chunks end (their states are stored);
+    ``state_output(states)``: those states, moved down for storing.
+    """
+
+    def scan_xs(self) -> Any: ...
+
+    def init_carry(self) -> Any: ...
+
+    def before_attention(self, ck: jax.Array, cv: jax.Array, layer: jax.Array, xs: Any,
+                         carry: Any) -> tuple[jax.Array, jax.Array, Any]: ...
+
+    def layer_output(self, ck: jax.Array, cv: jax.Array, layer: jax.Array, start: jax.Array) -> Any: ...
+
+    def load_state(self, cache: KVCache) -> KVCache: ...
+
+    def state_points(self) -> tuple[int, ...]: ...
+
+    def state_output(self, states: Any) -> Any: ...

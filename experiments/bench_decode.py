@@ -1,5 +1,5 @@
 r"""Decode with expert offload: resident vs cached (global LRU) vs on_demand, batch 1 and 4, per
-expert storage format (--expert_dtypes: bfloat16, int8, int4, fp8; ftjax.experts.quant).
+expert storage format (--expert_dtypes: bfloat16, int8, int4, fp8, ...: the ftjax.experts.formats registry).
 
   PYTHONPATH=. python3 experiments/bench_decode.py --out_dir=experiments/results
   .venv/bin/python experiments/bench_decode.py --preset=tiny --dtype=float32 --steps=8 --prompt_len=32 \
@@ -43,8 +43,7 @@ flags.DEFINE_float("vram_budget_gb", 8.0, "Device budget that sizes the expert c
 flags.DEFINE_list("batches", ["1", "4"], "Batch sizes.")
 flags.DEFINE_list("modes", ["resident", "cached", "on_demand"], "Expert modes to compare.")
 flags.DEFINE_list("cache_policies", ["lru"], "Slot eviction policies for mode cached (lru, lookahead).")
-flags.DEFINE_list("expert_dtypes", None, "Expert storage formats to compare (bfloat16, int8, int4, fp8); "
-                  "default: the banks as built (--dtype).")
+common.define_expert_dtypes()
 flags.DEFINE_integer("prompt_len", 512, "Prompt tokens.")
 flags.DEFINE_integer("steps", 128, "Decode steps timed.")
 flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")

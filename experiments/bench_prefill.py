@@ -1,5 +1,5 @@
 r"""Prefill with expert offload: full-layer streaming (overlap on/off) vs on_demand vs resident,
-per expert storage format (--expert_dtypes: bfloat16, int8, int4, fp8; ftjax.experts.quant).
+per expert storage format (--expert_dtypes: bfloat16, int8, int4, fp8, ...: the ftjax.experts.formats registry).
 
   PYTHONPATH=. python3 experiments/bench_prefill.py --out_dir=experiments/results
   .venv/bin/python experiments/bench_prefill.py --preset=tiny --dtype=float32 --lengths=64,256 \
@@ -76,8 +76,7 @@ flags.DEFINE_integer("warmups", 1, "Untimed prefills per (length, variant) befor
                      "recorded as first_calls_s: the first call of an engine can pay one-time work).", lower_bound=0)
 flags.DEFINE_integer("warm_decode_tokens", 32, "stream_warm variants: decode steps of the request that fills the slot "
                      "cache before each timed prefill.")
-flags.DEFINE_list("expert_dtypes", None, "Expert storage formats to compare (bfloat16, int8, int4, fp8); "
-                  "default: the banks as built (--dtype).")
+common.define_expert_dtypes()
 flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
 
 

@@ -68,6 +68,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from experiments import common  # noqa: E402
+from ftjax.experts import formats  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
@@ -75,7 +76,8 @@ flags.DEFINE_list("sections", ["moe", "decode_attention", "rope_cache", "slot_lo
                                "e2e", "e2e_prefill"],
                   "What to run.")
 flags.DEFINE_list("moe_slots", ["280", "6144"], "Pool sizes for the MoE kernel.")
-flags.DEFINE_list("moe_formats", ["dense", "int8", "fp8", "int4"], "Pool formats for the MoE kernel.")
+flags.DEFINE_list("moe_formats", [f.name for f in formats.all_formats() if f.fused_decode],
+                  "Pool formats for the MoE kernel (default: every registered format it supports).")
 flags.DEFINE_list("moe_tiles", [], "MoE kernel tiles to time in every format instead of the built-in lists: "
                   "block_d:block_f:num_warps:d_split[:down_cols:down_rows] each (down_* 0 = the gate/up tile).")
 flags.DEFINE_list("batches", ["1", "4"], "Tokens per decode step.")
@@ -189,7 +191,7 @@ def _random_pool(s: int, fmt: str):
         kg, kd = jax.random.split(key)
         gu = (jax.random.normal(kg, (D, 2 * F), jnp.float32) * (0.5 / D ** 0.5)).astype(jnp.bfloat16)
         dn = (jax.random.normal(kd, (F, D), jnp.float32) * (0.5 / F ** 0.5)).astype(jnp.bfloat16)
-        if fmt == "dense":
+        if not formats.get(fmt).has_scales:
             return gu, dn
         qg, sg = quant.quantize(fmt, gu, 2)
         qd, sd = quant.quantize(fmt, dn, 1)
@@ -198,7 +200,7 @@ def _random_pool(s: int, fmt: str):
     keys = jax.random.split(jax.random.key(1), s)
     out = jax.jit(lambda k: jax.lax.map(one, k, batch_size=64))(keys)
     jax.block_until_ready(out)
-    return (out[0], out[1], None) if fmt == "dense" else (out[0], out[1], (out[2], out[3]))
+    return (out[0], out[1], (out[2], out[3])) if formats.get(fmt).has_scales else (out[0], out[1], None)
 
 
 # (block_d, block_f, num_warps, d_split[, down_cols, down_rows]) of ftjax.kernels.moe_decode (down_* left out

@@ -54,6 +54,18 @@ def script_flags() -> dict:
         return {}
 
 
+def define_expert_dtypes() -> None:
+    """Defines ``--expert_dtypes``: a comma list of expert storage formats to compare, checked against
+    the ``ftjax.experts.formats`` registry (so a new format file is a valid choice at once)."""
+    from absl import flags
+
+    from ftjax.experts import quant
+    flags.DEFINE_list("expert_dtypes", None, f"Expert storage formats to compare ({', '.join(quant.FORMATS)}); "
+                      "default: the banks as built (--dtype).")
+    flags.register_validator("expert_dtypes", lambda v: v is None or set(v) <= set(quant.FORMATS),
+                             f"--expert_dtypes: each must be one of {', '.join(quant.FORMATS)}")
+
+
 def build_random_model(preset_name: str, dtype: str):
     """Random weights at a preset's shape; returns (cfg, model, build seconds, B_P dict)."""
     from ftjax.checkpoint import random_model

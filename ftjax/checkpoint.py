@@ -36,7 +36,8 @@ from tqdm.auto import tqdm
 from ftjax import families, memory
 from ftjax import model as model_lib
 from ftjax.config import ModelConfig
-from ftjax.experts import quant
+from ftjax.experts import formats, quant
+from ftjax.experts.formats import fp8 as fp8_format
 from ftjax.experts.state import ExpertBanks
 from ftjax.families import load_hf_config
 
@@ -172,16 +173,16 @@ def checkpoint_quantization(ckpt_dir: str) -> str | None:
     method = q.get("quant_method") if isinstance(q, dict) else None
     if method != "fp8":
         raise CheckpointError(f"{ckpt_dir}: unsupported quantization_config quant_method {method!r} (only fp8)")
-    if list(q.get("weight_block_size") or []) != list(quant.FP8_BLOCK):
+    if list(q.get("weight_block_size") or []) != list(fp8_format.BLOCK):
         raise CheckpointError(f"{ckpt_dir}: fp8 weight_block_size {q.get('weight_block_size')!r} is not supported "
-                              f"(only {list(quant.FP8_BLOCK)})")
+                              f"(only {list(fp8_format.BLOCK)})")
     fmt = q.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise CheckpointError(f"{ckpt_dir}: fp8 fmt {fmt!r} is not supported (only e4m3)")
-    return "fp8"
+    return fp8_format.FORMAT.name
 
 
-def dequantize_fp8_block(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int] = quant.FP8_BLOCK) -> np.ndarray:
+def dequantize_fp8_block(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int] = fp8_format.BLOCK) -> np.ndarray:
     """float32 ``w * scale_inv`` per block of a [out, in] fp8 weight with scales [ceil(out/bo), ceil(in/bi)]."""
     out, inp = w.shape
     bo, bi = block
@@ -210,7 +211,7 @@ def load_checkpoint(ckpt_dir: str, dtype: str | None = None, progress: bool = Tr
       ckpt_dir: directory with config.json and model.safetensors (or an index + shards).
       dtype: compute dtype ("float32" | "bfloat16" | "float16"); default: the checkpoint's.
       progress: show a tqdm progress bar over layers.
-      expert_dtype: format of the expert banks (``ftjax.experts.quant.FORMATS``): a plain
+      expert_dtype: format of the expert banks (``ftjax.experts.formats`` registry): a plain
         checkpoint's experts are quantized after loading (round to nearest); an fp8 checkpoint's
         experts load as they are ("fp8" or None only). None: the compute dtype (plain) / fp8.
     Returns:
@@ -248,7 +249,7 @@ def load_checkpoint(ckpt_dir: str, dtype: str | None = None, progress: bool = Tr
         sname = name + "_scale_inv"
         if stored is None or not idx.has(sname):
             return None
-        return idx.get(sname, tuple(math.ceil(n / b) for n, b in zip(shape, quant.FP8_BLOCK)))
+        return idx.get(sname, tuple(math.ceil(n / b) for n, b in zip(shape, fp8_format.BLOCK)))
 
     def get(name, shape):
         """A non-expert tensor as stored, in the compute dtype (an fp8 one dequantized)."""
@@ -261,7 +262,7 @@ def load_checkpoint(ckpt_dir: str, dtype: str | None = None, progress: bool = Tr
     def get_expert(name, shape):
         """fp8 checkpoint: the stored fp8 weight [in, out] and its scales [nbi, nbo] as they are."""
         t, s = idx.get(name, shape), scale_of(name, shape)
-        if s is None or t.dtype != quant.STORAGE["fp8"]:
+        if s is None or t.dtype != fp8_format.FORMAT.storage:
             raise CheckpointError(f"{ckpt_dir}: fp8 checkpoint expert tensor '{name}' is not float8_e4m3fn with a "
                                   f"weight_scale_inv")
         return t.T, s.T
@@ -269,12 +270,13 @@ def load_checkpoint(ckpt_dir: str, dtype: str | None = None, progress: bool = Tr
     st = model_lib.structure(cfg)
     shapes = model_lib.param_shapes(cfg)["layers"]
     layers = {k: np.empty(sh, np_dtype) for k, sh in shapes.items()}
-    bank_dtype = quant.STORAGE[stored] if stored else np_dtype
+    sfmt = formats.get(stored) if stored else None  # the registry entry of the stored format
+    bank_dtype = sfmt.storage if stored else np_dtype
     gate_up = np.empty((L * E, D, 2 * F), bank_dtype)
     down = np.empty((L * E, F, D), bank_dtype)
     if stored:
-        sg = np.empty((L * E,) + quant.scale_shape(stored, D, 2 * F, 2), np.float32)
-        sd = np.empty((L * E,) + quant.scale_shape(stored, F, D, 1), np.float32)
+        sg = np.empty((L * E,) + sfmt.scale_shape(D, 2 * F, 2), sfmt.scale_dtype)
+        sd = np.empty((L * E,) + sfmt.scale_shape(F, D, 1), sfmt.scale_dtype)
         nbf = sg.shape[-1] // 2
     for i in range(L):
         kind = st.kinds[i]

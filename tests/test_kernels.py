@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from ftjax import model as model_lib
-from ftjax.experts import compute, quant
+from ftjax.experts import compute, formats, quant
 from ftjax.kernels import decode_attention as da
 from ftjax.kernels import flash_prefill as fp
 from ftjax.kernels import moe_decode as md
@@ -36,13 +36,13 @@ def _pool(rng, s=10, d=256, f=128, dtype=jnp.bfloat16):
     return gu, dn
 
 
-@pytest.mark.parametrize("fmt", ["dense", "int8", "fp8", "int4"])
+@pytest.mark.parametrize("fmt", md.FORMATS)  # the registered formats that claim the kernel
 def test_moe_decode_matches_gather_reference(fmt):
     rng = np.random.default_rng(0)
     gu, dn = _pool(rng)
     x = jnp.asarray(rng.standard_normal((2, 256)), jnp.bfloat16)
     slots = jnp.asarray([[3, 9, 0], [3, 7, 1]], jnp.int32)
-    if fmt == "dense":
+    if not formats.get(fmt).has_scales:
         pool, sc = (gu, dn), None
     else:
         qg, sg = quant.quantize(fmt, gu, 2)

@@ -20,12 +20,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ftjax.experts import formats
 from ftjax.experts.slot_table import SlotTable, init_slot_table
 from ftjax.seams import LayerStats
 
-#: Storage formats of the routed-expert banks (``ftjax.experts.quant``): dense (the compute dtype,
-#: or bfloat16), and the quantized formats, whose scales sit in :attr:`ExpertBanks.scales`.
-BANK_FORMATS = ("dense", "int8", "int4", "fp8")
+#: Storage formats of the routed-expert banks (the tags of the ``ftjax.experts.formats`` registry):
+#: dense (the compute dtype, or bfloat16), and the quantized formats, whose scales sit in
+#: :attr:`ExpertBanks.scales`.
+BANK_FORMATS = tuple(f.name for f in formats.all_formats())
 
 
 @flax.struct.dataclass
@@ -48,8 +50,9 @@ class ExpertBanks:
     def __post_init__(self):
         if self.fmt not in BANK_FORMATS:
             raise ValueError(f"unknown expert bank format {self.fmt!r}; expected one of {BANK_FORMATS}")
-        if (self.fmt == "dense") != (self.scales is None):
-            raise ValueError(f"expert bank format {self.fmt!r} {'takes no' if self.fmt == 'dense' else 'needs'} scales")
+        scaled = formats.get(self.fmt).has_scales
+        if scaled == (self.scales is None):
+            raise ValueError(f"expert bank format {self.fmt!r} {'needs' if scaled else 'takes no'} scales")
 
     @property
     def expert_bytes(self) -> int:

@@ -64,7 +64,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ftjax.experts import quant
+from ftjax.experts import formats, quant
 from ftjax.kernels import common, registry
 
 #: Default tiles (input rows per step, output columns per program); the GPU script sweeps others.
@@ -73,7 +73,9 @@ BLOCK_D, BLOCK_F, D_SPLIT = 64, 64, 0
 #: Programs of the gate/up stage that :func:`auto_d_split` aims for (an H200 has 132 SMs).
 MIN_PROGRAMS = 256
 FP8_BLOCK = 128
-FORMATS = ("dense", "int8", "fp8", "int4")
+#: Bank formats the kernels have code for: those whose registry entry says ``fused_decode``
+#: (``ftjax.experts.formats``); any other format decodes with the jnp reference.
+FORMATS = tuple(f.name for f in formats.all_formats() if f.fused_decode)
 
 
 def supported(x: jax.Array, gate_up: jax.Array, down: jax.Array, fmt: str, block_d: int = BLOCK_D,

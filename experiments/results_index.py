@@ -257,7 +257,8 @@ def _plan_vs_peak(d: dict) -> str:
     below, res = d.get("plan_below_peak"), d.get("results")
     if below is None or res is None:
         return "-"
-    return f"plan below peak in {len(below)} of {len(res)} cases"
+    ran = [r for r in res if r.get("verdict")] if any("verdict" in r for r in res) else res
+    return f"plan below peak in {len(below)} of {len(ran)} cases that ran"
 
 
 def _policy_study(d: dict) -> str:

@@ -5,7 +5,7 @@ Runs ``profile_step`` with ``project`` replaced as ``AB_PROJECT`` says:
   barrier    the same padding behind an optimization barrier (the first version of the fix);
   plain      ``x @ w`` as it is (with ``XLA_FLAGS=--xla_disable_hlo_passes=dot-strength-reduction``:
              the pass that lowers matrix-vector products to multiply + reduce switched off).
-The session-7 files ``profile_step_..._b1-{barrier,nobarrier,plain,plain-nopass}_...`` came from
+The 2026-12-01 files ``profile_step_..._b1-{barrier,nobarrier,plain,plain-nopass}_...`` came from
 
   for v in barrier nobarrier plain; do AB_PROJECT=$v PYTHONPATH=. python3 experiments/ab_project.py \
       --runs=resident_decode --batches=1 --prefill_repeats=0 --hbm_repeats=3 --out_dir=$OUT/$v; done

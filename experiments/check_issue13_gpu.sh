@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
-# Issue 13's whole GPU check in one device call (~8 minutes on an H200): every target of the issue, each
+# Issue 13's whole GPU check in one run (~8 minutes on an H200): every target of the issue, each
 # figure beside its baseline in the same process where the issue asks for a ratio. Writes under $OUT
-# (the device tool's output folder; default experiments/results):
+# (default experiments/results):
 #   profile_step_<preset>.json    resident and cached (24 GB) decode, batch 1 and 4, one process: its
 #                                 "targets" hold resident step / HBM floor and cached / (resident + misses / B_P)
 #   bench_decode_<preset>.json    decode tokens/s at 8 GB with --cache_policy=lookahead, batch 1
 #   check_identity_gpu.json       resident vs cached logits bit for bit (bf16 fixtures)
 #   check_kernels_gpu.json        the decode attention's prologue / epilogue kernels and the slot lookup vs their jnp paths, and the
 #                                 16-layer resident 8192-token prefill (XLA vs the flash kernels)
-# and one log of all four scripts, check_issue13_gpu.log (the device tool brings back at most 8 files: a log per script
-# made 9 with the JSONs, and the profile JSON was the one left behind). Usage (from the repository root):
+# and one log of all four scripts, check_issue13_gpu.log (one log rather than one per script keeps the output to
+# five files). Usage (from the repository root):
 #   bash experiments/check_issue13_gpu.sh
-# The decode steps run with GEMM autotuning off (DECODE_XLA_FLAGS; the session 9-12 tables used it), the prefill
-# with XLA's defaults: autotuning off made the 8192-token prefill 3.9x slower (0.363 s vs 0.092 s, session 12).
+# The decode steps run with GEMM autotuning off (DECODE_XLA_FLAGS; the 2026-12-02 decode tables used it), the prefill
+# with XLA's defaults: autotuning off made the 8192-token prefill 3.9x slower (0.363 s vs 0.092 s, 2026-12-02).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-experiments/results}"

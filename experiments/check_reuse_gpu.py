@@ -73,7 +73,7 @@ compile seconds of each stage, summary), rewritten after every stage. GPU runtim
 measured): ~2-4 min, mostly compilation: per preset dtype 6 programs (the 8192-row call with the
 store hook and without, the 256-row call with the 64-chunk prefix and without, the 512-row call of
 (iii), decode; the slow case reuses float32's), the fixtures' in about a second each; the runs take
-seconds. One risk: docs/HYBRID.md (session 6) saw the full preset's reuse program (256 rows, 64
+seconds. One risk: docs/HYBRID.md (the 2026-11-30 run) saw the full preset's reuse program (256 rows, 64
 chunks) still compiling after ~390 s; the log prints each stage's compile seconds as it goes, and if
 that stage is the slow one, ``--prefix_tokens=3840 --prompt_tokens=4096 --prefill_chunk=2048`` (15
 chunks stored in 2048 + 1792, passed as 16) tells the same story faster. CPU smoke: ~4 min on 2 cores.

@@ -1,4 +1,4 @@
-r"""Profile first (issue 13, item 1): where the device time of one decode step / prefill chunk goes.
+r"""Profile first (issue 13, item 1): where the GPU time of one decode step / prefill chunk goes.
 
   PYTHONPATH=. python3 experiments/profile_step.py --out_dir=$OUT                        # on the GPU
   .venv/bin/python experiments/profile_step.py --preset=tiny --dtype=float32 --vram_budget_gb=1.02 \
@@ -20,7 +20,7 @@ overlaps the device's work on the one before, so this is the TPOT a generation s
 add each step's dispatch and wake-up to it), then --trace_steps steps run under ``jax.profiler`` (perfetto trace in
 --trace_dir), each inside a host annotation ``profile_step#<i>``. The prefill run times
 --prefill_repeats calls after one warm-up and traces one. Each trace is reduced by
-``experiments.timeline.step_breakdown``: per step, device time per op category (attention, router,
+``experiments.timeline.step_breakdown``: per step, GPU time per op category (attention, router,
 slot_table, experts, norm, head, h2d_copy, loop, other: ``timeline.CATEGORIES``), classified by
 kernel name and the ``jax.named_scope`` path of each event's HLO instruction (read from the
 compiled program's HLO text), plus the idle gaps inside the step; categories + gap = the step's

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU check: runs the benchmark scripts named as arguments (default: bench_decode) and writes their
-# JSON (and logs) under $OUT (the device tool's output folder) or experiments/results.
+# JSON (and logs) under $OUT when it is set, else experiments/results.
 #   bash experiments/run_gpu.sh profile_step                 # where a decode step's time goes (issue 13)
 #   BENCH_ARGS="--expert_dtypes=bfloat16,int8" bash experiments/run_gpu.sh bench_prefill
 # BENCH_ARGS go to every script named: give it only flags they all take.

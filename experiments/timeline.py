@@ -3,7 +3,7 @@ and notebooks import it freely.
 
 * :func:`summarize_trace`: copy vs compute on the GPU: how much of the host-to-device copy time
   runs while kernels run (issue 12, item 5; the script is ``experiments/profile_overlap.py``).
-* :func:`step_breakdown`: where a step's device time goes, by op category (attention, router,
+* :func:`step_breakdown`: where a step's GPU time goes, by op category (attention, router,
   slot table, experts, norms, ...) and idle gaps (issue 13; ``experiments/profile_step.py``).
   Events are classified by kernel name and by the ``op_name`` metadata (the ``jax.named_scope``
   path) of their HLO instruction (:func:`hlo_op_names`), on GPU kernels or, on the CPU backend,
@@ -119,9 +119,9 @@ def trace_events(fn, log_dir: str, python_tracer: bool = True):
 
 
 # --------------------------------------------------------------------------------------------
-# Where a step's device time goes (experiments/profile_step.py, issue 13)
+# Where a step's GPU time goes (experiments/profile_step.py, issue 13)
 # --------------------------------------------------------------------------------------------
-#: Categories of device time, in table order. attention: the attention block (QKV / output
+#: Categories of GPU time, in table order. attention: the attention block (QKV / output
 #: projections, RoPE, KV cache writes, the attention itself, Pallas decode_attention /
 #: flash_prefill); router: router matmul, softmax, top-k; slot_table: slot-table lookup and
 #: the routed-expert mask; experts: expert gather and matmuls (Pallas moe_decode, grouped matmul);
@@ -129,7 +129,7 @@ def trace_events(fn, log_dir: str, python_tracer: bool = True):
 #: head); h2d_copy: host-to-device copies and the device side of expert / layer / KV loads;
 #: loop: the layer loop's own work (per-layer slicing of the stacked weights and cache, loop
 #: condition, device-to-host copies of the loop predicate); other: everything else (residual
-#: adds, stats, memsets, ops the profile could not name). Idle device time inside a step is
+#: adds, stats, memsets, ops the profile could not name). Idle GPU time inside a step is
 #: ``gap`` (reported beside these).
 CATEGORIES = ("attention", "router", "slot_table", "experts", "norm", "head", "h2d_copy", "loop", "other")
 
@@ -206,7 +206,7 @@ def hlo_op_names(hlo_text: str) -> dict[str, str]:
         if opcode == "fusion-start" and called is not None:
             # an async fusion's kernel is named after its computation, not the instruction: a host-memory read of
             # the miss loop, fusion-start(..., calls=%wrapped_dynamic-slice_computation.1), runs as the kernel
-            # wrapped_dynamic_slice_1 (H200 traces, session 13)
+            # wrapped_dynamic_slice_1 (H200 traces, 2026-12-02)
             names.setdefault(_norm_name(called.replace("_computation", "")), op)
     for name, op in list(names.items()):
         names.setdefault(_norm_name(name), op)
@@ -316,7 +316,7 @@ def _attribute(items: list[tuple[float, float, object, str]]) -> dict[str, float
 
 def step_breakdown(events: list[dict], op_names: dict[str, str] | None = None, prefix: str = "profile_step",
                    module: str | None = None, top: int = 5) -> dict:
-    """Where the device time of each traced step goes, by :data:`CATEGORIES`.
+    """Where the GPU time of each traced step goes, by :data:`CATEGORIES`.
 
     events: a trace's ``traceEvents``; op_names: :func:`hlo_op_names` of the traced program (an
     event's instruction is its ``hlo_op``, else its name); prefix: the steps are the host
@@ -325,7 +325,7 @@ def step_breakdown(events: list[dict], op_names: dict[str, str] | None = None, p
     (an ``args.hlo_module`` without this text) are left out.
 
     Per step, in seconds: ``span_s`` (first device event's start to last one's end), ``busy_s``
-    (union of device events), ``gap_s`` = span - busy (idle device time inside the step; with it,
+    (union of device events), ``gap_s`` = span - busy (idle GPU time inside the step; with it,
     the categories sum to the span), ``idle_intervals`` (how many idle stretches) and ``idle_max_s``,
     ``window_s`` (the host annotation: dispatch + device + sync). Returns the mean over steps of
     these, ``categories`` {name: {s (busy time, overlaps split; sums to busy_s), fraction (of

@@ -1,0 +1,398 @@
+r"""Index of the committed GPU results: one markdown table row per result JSON.
+
+Reads every ``*.json`` under ``experiments/results/`` (subfolders included, ``archive/`` left out) and
+prints a markdown table: file, the script that wrote it, date (UTC), commit, device, jax version and
+one headline figure where the JSON has an obvious one (decode tokens/s, prefill TTFT against its copy
+bound, KV-reuse TTFT against recompute, a profile's step time against its floor, a check's pass count).
+Fields a file lacks show as "-". The output depends only on the files: rows are sorted by path.
+
+Commit: ``meta.git_commit`` (``+dirty``: a working tree on top of that commit). For the runs listed in
+:data:`COMMIT_AS_RUN` the copy on the GPU machine carried stale git metadata; the table shows the commit
+recorded for the run when its file was added, marked ``*``.
+
+Usage (from the repository root)::
+
+  python experiments/results_index.py                      # the table for experiments/results/
+  python experiments/results_index.py --results_dir=experiments/results/archive
+
+The "Full index" section of ``experiments/results/README.md`` is this script's output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_DIR = os.path.join(ROOT, "results")
+ARCHIVE = "archive"
+
+#: Result files whose ``meta.git_commit`` is not the code the run used (the GPU machine's copy of the
+#: repository had stale git metadata), mapped to the commit recorded for the run when the file was added
+#: (experiments/results/README.md, the commit messages that added them).
+COMMIT_AS_RUN = {
+    "ab_slot_table_qwen3-30b-a3b_h200_2026-12-01.json": "a65cb21",
+    "bench_decode_qwen3-30b-a3b_8gb_int4-rank_h200_2026-12-01.json": "a65cb21",
+    "bench_decode_qwen3-30b-a3b_8gb_lookahead-session13_h200_2026-12-02.json": "c602b22",
+    "bench_kv_reuse_qwen3-30b-a3b_9gb_groups-2-3-4_h200_2026-12-01.json": "325f3d4",
+    "bench_kv_reuse_qwen3-30b-a3b_9gb_groups-4-8-16_h200_2026-12-01.json": "325f3d4",
+    "bench_kv_reuse_qwen3-30b-a3b_9gb_in-program_h200_2026-12-01.json": "86d8682",
+    "bench_prefill_qwen3-30b-a3b_24gb_d2d-rerun_h200_2026-11-30.json": "76bc8af",
+    "bench_prefill_qwen3-30b-a3b_9gb_int4-fp8_h200_2026-12-02.json": "d5f3250",
+    "check_identity_gpu_route-decode_h200_2026-12-02.json": "df6870a",
+    "check_identity_gpu_session12-kernels_h200_2026-12-02.json": "cb80241",
+    "check_identity_gpu_session13_h200_2026-12-02.json": "c602b22",
+    "check_kernels_gpu_e2e-prefill-gather_h200_2026-12-01.json": "a65cb21",
+    "check_kernels_gpu_rope-merge-slot_h200_2026-12-02.json": "cb80241",
+    "check_kernels_gpu_route-decode-nan-fix_h200_2026-12-02.json": "0e93b8f",
+    "check_kernels_gpu_session13_h200_2026-12-02.json": "c602b22",
+    "check_oracle_gpu_h200_2026-12-01.json": "86d8682",
+    "check_reuse_gpu_qwen3.5-35b-a3b_8-layers-cut_h200_2026-12-01.json": "9c79115",
+    "profile_step_qwen3-30b-a3b_ab-merge-cached_h200_2026-12-02.json": "d6cca5e",
+    "profile_step_qwen3-30b-a3b_ab-rope-cache_h200_2026-12-02.json": "7fd593d",
+    "profile_step_qwen3-30b-a3b_ab-route-decode_h200_2026-12-02.json": "df6870a",
+    "profile_step_qwen3-30b-a3b_ab-session11-defaults_h200_2026-12-02.json": "d06b014",
+    "profile_step_qwen3-30b-a3b_ab-session12-kernels_h200_2026-12-02.json": "cb80241",
+    "profile_step_qwen3-30b-a3b_b1-autotune0-cublas_h200_2026-12-02.json": "d5f3250",
+    "profile_step_qwen3-30b-a3b_b1-autotune0-dsf_h200_2026-12-02.json": "d5f3250",
+    "profile_step_qwen3-30b-a3b_b1-autotune0_h200_2026-12-02.json": "d5f3250",
+    "profile_step_qwen3-30b-a3b_b1-cublas_h200_2026-12-02.json": "69824bd",
+    "profile_step_qwen3-30b-a3b_cached-b4-h2d-class_h200_2026-12-02.json": "0e93b8f",
+    "profile_step_qwen3-30b-a3b_check13-session13_h200_2026-12-02.json": "c602b22",
+    "profile_step_qwen3-30b-a3b_h200_2026-12-01.json": "86d8682",
+    "profile_step_qwen3-30b-a3b_host-dispatch-graphs-on_h200_2026-12-02.json": "6038118",
+    "profile_step_qwen3-30b-a3b_host-dispatch_h200_2026-12-02.json": "6038118",
+    # archived runs (experiments/results/archive/README.md)
+    "bench_decode_qwen3-30b-a3b_8gb_lookahead-session12_h200_2026-12-02.json": "cb80241",
+    "bench_prefill_qwen3-30b-a3b_24gb_d2d_h200_2026-11-30.json": "52f1003",
+    "check_identity_gpu_rope-cache_h200_2026-12-02.json": "7fd593d",
+    "check_identity_gpu_session11-defaults_h200_2026-12-02.json": "d06b014",
+    "check_kernels_gpu_e2e-prefill-session12_h200_2026-12-02.json": "7fd593d",
+    "check_kernels_gpu_rope-cache_h200_2026-12-02.json": "7fd593d",
+    "check_kernels_gpu_route-slot_h200_2026-12-02.json": "df6870a",
+    "profile_step_qwen3-30b-a3b_b1-cublas-dense_h200_2026-12-02.json": "69824bd",
+    "profile_step_qwen3-30b-a3b_b1-padded-fence-in-and-out_h200_2026-11-30.json": "4c85292",
+    "profile_step_qwen3-30b-a3b_b1-padded_h200_2026-11-30.json": "4c85292",
+    "profile_step_qwen3-30b-a3b_b1-unpadded_h200_2026-11-30.json": "4c85292",
+    "profile_step_qwen3-30b-a3b_cublas-dense_h200_2026-12-02.json": "69824bd",
+    "profile_step_qwen3-30b-a3b_h200_2026-11-30.json": "ef7a0d8",
+}
+
+COLUMNS = ("file", "what", "date", "commit", "device", "jax", "headline")
+
+
+class ResultError(Exception):
+    """A result file the index cannot read (one line, with the file's path)."""
+
+
+def _scripts() -> list[str]:
+    """The experiment scripts' names, longest first (a file is named after the script that wrote it)."""
+    names = [f[:-3] for f in os.listdir(ROOT) if f.endswith(".py") and not f.startswith("_")]
+    return sorted(names, key=lambda n: (-len(n), n))
+
+
+def _median(x):
+    if isinstance(x, dict):
+        return x.get("median")
+    return x
+
+
+def _num(x, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _secs(s) -> str:
+    """Seconds as ms below 1 s, else s."""
+    if s is None:
+        return "-"
+    if s < 0.01:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.3f} s"
+
+
+def _dtype(row: dict) -> str:
+    d = row.get("expert_dtype")
+    return "" if d in (None, "dense", "bfloat16") else f" {d}"
+
+
+def _bench_decode(d: dict) -> str:
+    rows = [r for r in d.get("results") or [] if isinstance(r.get("decode_tokens_per_s"), (int, float))]
+    if not rows:
+        return "-"
+    r = max(rows, key=lambda r: (r["decode_tokens_per_s"], str(r.get("mode"))))
+    return f"{r.get('mode')} b{r.get('batch')}{_dtype(r)}, {r.get('slots')} slots: {r['decode_tokens_per_s']:.2f} tok/s"
+
+
+def _bench_prefill(d: dict) -> str:
+    for r in d.get("results") or []:
+        t = r.get("ttft_s")
+        if t is None:
+            continue
+        med, lo = _median(t), t.get("min") if isinstance(t, dict) else None
+        s = f"{r.get('variant')}{_dtype(r)} {r.get('tokens')} tok: {_secs(med)}"
+        if lo is not None and med and lo < 0.9 * med:
+            s += f" (min {_secs(lo)})"
+        if r.get("ratio_to_bound") is not None:
+            s += f" = {r['ratio_to_bound']:.2f}x bound"
+        return s
+    return "-"
+
+
+def _bench_kv_reuse(d: dict) -> str:
+    res = d.get("results") or []
+    if not res:
+        return "-"
+    r = res[0]
+    rec = _median((r.get("recompute") or {}).get("ttft_s"))
+    loads = {k: v for k, v in r.items()
+             if isinstance(v, dict) and "ttft_s" in v and k not in ("recompute", "store_request")}
+    if not loads:
+        return f"{r.get('mode')}: recompute {_secs(rec)}" if rec else "-"
+    name, best = min(loads.items(), key=lambda kv: (_median(kv[1]["ttft_s"]), kv[0]))
+    t = _median(best["ttft_s"])
+    s = f"{r.get('mode')}, {name}: {_secs(t)}"
+    if rec and t:
+        s += f" vs recompute {_secs(rec)} ({rec / t:.1f}x)"
+    return s
+
+
+def _bench_miss_policy(d: dict) -> str:
+    rows = [r for r in d.get("runs") or [] if isinstance(r.get("decode_tokens_per_s"), (int, float))]
+    if not rows:
+        return "-"
+    r = max(rows, key=lambda r: (r["decode_tokens_per_s"], str(r.get("policy"))))
+    impl = f"/{r['impl']}" if r.get("impl") else ""
+    return f"{r.get('policy')}{impl} {r.get('budget_gb'):g} GB: {r['decode_tokens_per_s']:.2f} tok/s"
+
+
+def _kernel_set(k: str) -> str:
+    """A ``--kernels`` value, short: ``auto`` / ``xla`` as they are, a list by its last name."""
+    names = k.split(",")
+    return k if len(names) == 1 else f"...,{names[-1]}"
+
+
+def _profile_step(d: dict) -> str:
+    runs = d.get("runs") or []
+    by_kernels = d.get("targets_by_kernels") or {}
+    if len(by_kernels) > 1:  # an A/B of kernel sets in one process: each set's ratios, in run order
+        parts = []
+        for k, t in by_kernels.items():
+            p = f"{_kernel_set(k)}: resident b1 {_num(t.get('resident_b1_over_floor'), '.2f')}x floor"
+            if t.get("cached_b1_over_resident_plus_misses") is not None:
+                p += f", cached b1 {t['cached_b1_over_resident_plus_misses']:.3f}x"
+            parts.append(p)
+        return "; ".join(parts)
+    parts = []
+    res = [r for r in runs if r.get("run") == "resident_decode" and r.get("batch") == 1]
+    if res:
+        r = res[0]
+        parts.append(f"resident b1 {_secs(_median(r.get('step_s')))} = {_num(r.get('ratio_to_floor'), '.2f')}x floor")
+    t = d.get("targets") or {}
+    for b in (1, 4):
+        v = t.get(f"cached_b{b}_over_resident_plus_misses")
+        if v is not None:
+            parts.append(f"cached b{b} {v:.3f}x resident + misses")
+    if not parts and runs:
+        r = runs[0]
+        parts.append(f"{r.get('run')} b{r.get('batch')} {_secs(_median(r.get('step_s')))}"
+                     f" = {_num(r.get('ratio_to_floor'), '.2f')}x floor")
+    return "; ".join(parts) or "-"
+
+
+def _profile_overlap(d: dict) -> str:
+    runs = d.get("runs") or {}
+    parts = []
+    for name in sorted(runs):
+        r = runs[name]
+        parts.append(f"{name}: copy {_secs(r.get('copy_s'))}, span {_secs(r.get('span_s'))},"
+                     f" {_num(r.get('copy_overlapped_fraction'), '.0%')} of copy under compute")
+    return "; ".join(parts) or "-"
+
+
+def _check_identity(d: dict) -> str:
+    s = d.get("summary") or {}
+    n, failed = s.get("cases"), s.get("failed")
+    if n is None or failed is None:
+        return "-"
+    return f"{n - len(failed)}/{n} cached = resident bit for bit"
+
+
+def _check_oracle(d: dict) -> str:
+    s = d.get("summary") or {}
+    n, failed = s.get("float32_cases"), s.get("float32_failed")
+    if n is None or failed is None:
+        return "-"
+    worst = _num(s.get("float32_max_err_over_tol"), ".2f")
+    out = f"float32 {n - len(failed)}/{n} within tolerance (max err / tol {worst})"
+    if s.get("bfloat16_ids_agree"):
+        out += f"; bf16 ids agree {s['bfloat16_ids_agree']}"
+    return out
+
+
+def _check_reuse(d: dict) -> str:
+    s = d.get("summary") or {}
+    cases = s.get("cases") or {}
+    if not cases:
+        return "-"
+    exact = sum(1 for v in cases.values() if isinstance(v, dict) and str(v.get("reuse", "")).startswith("exact"))
+    out = f"reuse exact in {exact}/{len(cases)} cases"
+    return out + (" (partial)" if d.get("partial") else "")
+
+
+def _check_kernels(d: dict) -> str:
+    checks = d.get("checks") or []
+    flash = [c for c in checks
+             if c.get("section") == "e2e_prefill" and c.get("name") == "resident prefill flash pallas"]
+    sections = sorted({str(c.get("section")) for c in checks if c.get("section") not in (None, "hbm")})
+    s = "sections " + ", ".join(sections) if sections else "-"
+    if flash:
+        c = flash[0]
+        s += f"; {c.get('layers')}-layer {c.get('prompt_len')}-token prefill (flash) {_secs(c.get('ttft_s'))}"
+    return s
+
+
+def _plan_vs_peak(d: dict) -> str:
+    below, res = d.get("plan_below_peak"), d.get("results")
+    if below is None or res is None:
+        return "-"
+    ran = [r for r in res if r.get("verdict")] if any("verdict" in r for r in res) else res
+    return f"plan below peak in {len(below)} of {len(ran)} cases that ran"
+
+
+def _policy_study(d: dict) -> str:
+    hr = d.get("hit_rate") or {}
+    out = []
+    for pol in ("lru", "lfru", "belady"):
+        at = [r for r in hr.get(pol) or [] if r.get("slots_over_E") == 2.0]
+        if at:
+            out.append(f"{pol.upper() if pol != 'belady' else 'Belady'} {at[0]['hit_rate']:.3f}")
+    return ("hit rate at S = 2E: " + ", ".join(out)) if out else "-"
+
+
+def _probe_h2d(d: dict) -> str:
+    v = _median((d.get("link") or {}).get("pinned_jax_whole"))
+    return "-" if v is None else f"whole pinned array H2D {v:.1f} GB/s"
+
+
+def _ab_slot_table(d: dict) -> str:
+    rows = [r for r in d.get("results") or []
+            if r.get("policy") == "lru" and str(r.get("case", "")).startswith("hit0.98")]
+    by = {r.get("impl"): r.get("us_per_layer") for r in rows}
+    if "rank" not in by:
+        return "-"
+    return f"LRU at 98% hits: rank {by['rank']:.1f} vs sort {_num(by.get('sort'), '.1f')} us per layer"
+
+
+HEADLINES = {
+    "bench_decode": _bench_decode,
+    "bench_prefill": _bench_prefill,
+    "bench_kv_reuse": _bench_kv_reuse,
+    "bench_miss_policy": _bench_miss_policy,
+    "profile_step": _profile_step,
+    "profile_overlap": _profile_overlap,
+    "check_identity_gpu": _check_identity,
+    "check_oracle_gpu": _check_oracle,
+    "check_reuse_gpu": _check_reuse,
+    "check_kernels_gpu": _check_kernels,
+    "plan_vs_peak": _plan_vs_peak,
+    "policy_study": _policy_study,
+    "probe_h2d": _probe_h2d,
+    "ab_slot_table": _ab_slot_table,
+}
+
+
+def _what(rel: str, scripts: list[str]) -> str:
+    base = os.path.basename(rel)
+    for s in scripts:
+        if base == s + ".json" or base.startswith(s + "_"):
+            return s
+    return "-"
+
+
+def _commit(base: str, meta: dict) -> str:
+    if base in COMMIT_AS_RUN:
+        return COMMIT_AS_RUN[base] + "*"
+    c = meta.get("git_commit")
+    if not c:
+        return "-"
+    sha, _, rest = str(c).partition("+")
+    return sha[:7] + ("+" + rest if rest else "")
+
+
+def row(path: str, rel: str, scripts: list[str]) -> dict:
+    """One table row for the result JSON at ``path`` (``rel``: its path relative to the results folder)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ResultError(f"{path}: not a readable JSON file ({type(e).__name__}: {e})") from None
+    if not isinstance(d, dict):
+        raise ResultError(f"{path}: the top level is a {type(d).__name__}, expected an object")
+    meta = d.get("meta") if isinstance(d.get("meta"), dict) else d  # older bench_miss_policy files: top level
+    what = _what(rel, scripts)
+    try:
+        headline = HEADLINES[what](d) if what in HEADLINES else "-"
+    except (TypeError, ValueError, KeyError, AttributeError, ZeroDivisionError) as e:
+        raise ResultError(f"{path}: unexpected layout for a {what} result ({type(e).__name__}: {e})") from None
+    date = str(meta.get("date") or "-")
+    return {
+        "file": rel,
+        "what": what,
+        "date": date[:10] + (" " + date[11:16] if len(date) >= 16 else ""),
+        "commit": _commit(os.path.basename(rel), meta),
+        "device": str(meta.get("device") or "-"),
+        "jax": str(meta.get("jax") or meta.get("jax_version") or "-"),
+        "headline": headline,
+    }
+
+
+def result_files(results_dir: str) -> list[str]:
+    """Every ``*.json`` under ``results_dir``, relative paths, sorted; ``archive/`` left out."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(results_dir):
+        dirnames[:] = sorted(n for n in dirnames if n != ARCHIVE)
+        for n in filenames:
+            if n.endswith(".json"):
+                out.append(os.path.relpath(os.path.join(dirpath, n), results_dir).replace(os.sep, "/"))
+    return sorted(out)
+
+
+def table(results_dir: str) -> str:
+    scripts = _scripts()
+    rows = [row(os.path.join(results_dir, rel), rel, scripts) for rel in result_files(results_dir)]
+    if not rows:
+        raise ResultError(f"{results_dir}: no result JSON files")
+    esc = lambda s: str(s).replace("|", "\\|")  # noqa: E731
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in rows:
+        cells = [f"`{r['file']}`"] + [esc(r[c]) for c in COLUMNS[1:]]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2
+        print(f"results_index: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def main(argv=None) -> int:
+    p = _Parser(description=__doc__.split("\n")[0])
+    p.add_argument("--results_dir", default=DEFAULT_DIR,
+                   help="folder of result JSONs (default: experiments/results; its archive/ is left out)")
+    args = p.parse_args(argv)
+    if not os.path.isdir(args.results_dir):
+        print(f"results_index: {args.results_dir}: no such folder", file=sys.stderr)
+        return 2
+    try:
+        print(table(args.results_dir))
+    except ResultError as e:
+        print(f"results_index: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

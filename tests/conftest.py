@@ -1,5 +1,5 @@
-"""Shared test fixtures: the transformers-made checkpoints under tests/fixtures/, and a fresh
-program cache for tests that change the kernel selection."""
+"""Shared test fixtures: the transformers-made checkpoints under tests/fixtures/, and fresh program
+caches per test module."""
 
 from __future__ import annotations
 
@@ -49,23 +49,7 @@ def _fresh_compile_caches():
     yield
     import gc
 
-    import jax
-
-    from ftjax import engine
-    engine._COMPILED.clear()
+    from ftjax.runtime import programs
+    programs.clear()
     load_fixture.cache_clear()
-    jax.clear_caches()
     gc.collect()
-
-
-@pytest.fixture
-def fresh_programs():
-    """Drops the engine's compiled programs and jax's traces after the test: they keep the kernel
-    choice (``FTJAX_KERNELS``) made at trace time."""
-    import jax
-
-    from ftjax import engine as engine_lib
-
-    yield
-    engine_lib._COMPILED.clear()
-    jax.clear_caches()

@@ -1,6 +1,6 @@
 """Next-token sampling: greedy, temperature, nucleus (top-p), safe at the parameters' edges.
 
-How the edges are handled (issue 11, case 1: ``--temperature=1e-38`` used to sample ids unrelated
+How the edges are handled (``--temperature=1e-38`` once sampled ids unrelated
 to greedy, because ``logits / 1e-38`` overflowed to inf and the softmax to nan):
 
 * **No overflow at any temperature.** Each row is shifted by its largest finite logit, so the

@@ -106,7 +106,7 @@ def experts_from_layer(x: jax.Array, ids: jax.Array, weights: jax.Array, gate_up
                        scales: tuple | None = None, fmt: str = "dense") -> jax.Array:
     """Expert FFN of one layer whose E experts sit in expert order in ``gate_up`` [E, D, 2F] and
     ``down`` [E, F, D] (a streamed full-layer buffer): the grouped matmul reads them as they are,
-    with no gather copy (issue 12, item 2). ids: int32 [N, k] expert ids. Same arithmetic, and the
+    with no gather copy. ids: int32 [N, k] expert ids. Same arithmetic, and the
     same formulation choice by N*k, as :func:`experts_from_pool` with slot = expert id.
     """
     with jax.named_scope("experts"):  # names the ops for profiles (experiments/profile_step.py)
@@ -124,15 +124,12 @@ def experts_from_pool(x: jax.Array, ids: jax.Array, weights: jax.Array, slot_of_
     experts need a valid slot). Picks the formulation from the static size N*k. pair_slots:
     ``slot_of_expert[ids]`` int32 [N, k] where the caller has it (the slot lookup kernel makes it), or None.
 
-    Grouped: the layer's E experts are gathered from the pool in expert order (one device copy,
-    1.2 GB for qwen3-30b-a3b, an estimated 0.5 ms of HBM traffic on an H200; a quantized format
-    gathers its stored bytes and scales and dequantizes these E experts) and the kernel sees E
-    groups whatever the pool size S, so every pool size gives the same operands. Grouping rows by
-    *slot* over the whole pool instead (G = S groups, most empty) avoids that copy but costs far
-    more: the Mosaic GPU kernel unrolls a loop over its groups. Lowering one kernel call alone took
-    1.8 / 16 / 127 s for G = 413 / 2109 / 6144 (this machine's CPU, jax 0.11.2, ``jax.export`` for
-    cuda), and on the H200 a 24 GB cached engine (2109 slots) compiled for 160 to 194 s, with a
-    10 s TTFT for a 16-token prompt (docs/MISS_POLICY.md, "Open").
+    Grouped: the layer's E experts are gathered from the pool in expert order (one device copy; a
+    quantized format gathers its stored bytes and scales and dequantizes these E experts) and the
+    kernel sees E groups whatever the pool size S, so every pool size gives the same operands.
+    Grouping rows by *slot* over the whole pool instead (G = S groups, most empty) avoids that copy
+    but the Mosaic GPU kernel unrolls a loop over its groups: its compile time grew to minutes
+    (docs/MISS_POLICY.md, "Open").
     """
     with jax.named_scope("experts"):
         slots = slot_of_expert[ids] if pair_slots is None else pair_slots

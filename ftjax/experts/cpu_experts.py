@@ -26,11 +26,7 @@ Mechanisms (``IMPLS``; selected by ``--cpu_expert_impl``):
 
 On the CPU backend (tests) every mechanism works and host memory is the same RAM; the figures
 that choose between them on the GPU come from ``ftjax.calibrate`` and
-``experiments/bench_miss_policy.py``. DESIGN.md section 3 measured, on the H200 host: compute_on
-2.3 ms for one token x one 9.4 MB expert; XLA:CPU jitted FFN 1.2 ms; torch/oneDNN 0.30 ms.
-Calibrated in the engine's step on the H200 (docs/MISS_POLICY.md): callback_async 2.5 to 2.9 ms
-fixed + 0.7 to 1.2 ms per expert with overlap 0.7 to 1.0 (chosen); callback about the same with
-overlap 0 to 0.25; compute_on 0.47 ms + 0.97 ms with overlap 0.02.
+``experiments/bench_miss_policy.py`` (DESIGN.md section 3 and docs/MISS_POLICY.md have them).
 """
 
 from __future__ import annotations

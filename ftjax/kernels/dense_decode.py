@@ -329,7 +329,7 @@ def merge_dense_decode(o: jax.Array, m: jax.Array, l: jax.Array, w: jax.Array, l
     ``decode_attention.merge_splits(o, m, l, g, dtype).reshape(B, -1) @ w[layer]`` in one launch.
 
     Why: FlashDecoding's merge of the key splits ran as three small XLA kernels per layer between
-    the attention kernel and the wo kernel (H200 trace, issue 13: each ~1-2 us plus a launch gap,
+    the attention kernel and the wo kernel (H200 trace: each ~1-2 us plus a launch gap,
     for ~0.5 MB of float32 partials). Here each program of the wo product merges the heads its K
     rows belong to (exp(m_s - max m), weighted sums over the splits, in float32) before its share of
     the GEMV; the merged rows are never written out.

@@ -234,7 +234,7 @@ def _policy(policy: str | CachePolicy, half_life_tokens: float = LFRU_HALF_LIFE_
 
 def eviction_order(table: SlotTable, layer: jax.Array, protected: jax.Array, num_experts: int,
                    policy: str | CachePolicy = "lru", half_life_tokens: float = LFRU_HALF_LIFE_TOKENS) -> jax.Array:
-    """int32 [S]: slots in the order they are given to misses: a stable sort on the policy's
+    """int32 [S]: slots in the order they are given to misses: lexicographic on the policy's
     ``order_keys``, ties to the lowest slot index (free slots first and protected last under every
     registered policy).
 
@@ -244,8 +244,13 @@ def eviction_order(table: SlotTable, layer: jax.Array, protected: jax.Array, num
     bool [S], slots holding a hit of this lookup. Raises ValueError for an unknown policy.
     """
     keys = _order_keys(table, layer, protected, num_experts, policy, half_life_tokens)
-    slots = jnp.arange(table.num_slots, dtype=jnp.int32)
-    return jax.lax.sort((*keys, slots), num_keys=len(keys), is_stable=True)[-1]
+    # One stable argsort per key, least significant first (the order of the keys, then the slot
+    # index): on the CPU, where "sort" is the default, 2.2x faster than one sort of all the keys for
+    # lookahead's two and 1.2x for lfru's four (CPU time of a 4096-lookup scan, L=8, E=32, S=48).
+    order = jnp.argsort(keys[-1], stable=True)
+    for key in reversed(keys[:-1]):
+        order = order[jnp.argsort(key[order], stable=True)]
+    return order.astype(jnp.int32)
 
 
 ORDER_IMPLS = ("sort", "lexsort", "top_k", "rank")
@@ -268,8 +273,8 @@ layer on an H200, LRU / lookahead: sort 50.2 / 69.3, lexsort 47.9 / 54.0, top_k 
 30.6 / 32.9; on this project's 2-core CPU: sort 75 / 253, rank 3479 / 2538, since XLA:CPU writes the
 [S, S] count of ``"rank"`` to memory).
 
-* ``"sort"``: the reference: :func:`eviction_order` (a full stable sort of the S slots on the policy's
-  keys), then one scatter per table update (seven in all).
+* ``"sort"``: the reference: :func:`eviction_order` (a full stable argsort of the S slots per key of
+  the policy: one for ``lru``, two for ``lookahead``), then one scatter per table update (seven in all).
 * ``"lexsort"``: one stable ``lax.sort`` on the policy's keys (slot index last), then the fused
   bookkeeping below.
 * ``"top_k"``: a policy with one int32 key (``lru``): ``lax.top_k`` (only the E first slots are ever

@@ -63,9 +63,10 @@ class CachePolicy:
           num_experts: ``E`` (static).
 
         Returns:
-          One or more int32 or float32 arrays ``[S]``. Free slots (``id_of_slot == -1``) should come
-          first. One int32 key lets ``ORDER_IMPLS`` "top_k" use ``lax.top_k``; more keys cost more.
-          Pure and jittable: no Python branch on traced values.
+          One or more int32 or float32 arrays ``[S]``. Free slots (``id_of_slot == -1``) must come first
+          (tests/test_slot_table.py checks it for every registered policy; :func:`slot_groups` is a first
+          key that does it). One int32 key lets ``ORDER_IMPLS`` "top_k" use ``lax.top_k``; more keys cost
+          more. Pure and jittable: no Python branch on traced values.
         """
         raise NotImplementedError(f"{type(self).__name__}.order_keys")
 

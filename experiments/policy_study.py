@@ -22,18 +22,12 @@ global cache of S slots serves all layers (DESIGN.md 1.1), cold at the start of 
 rate = hits / (hits + misses) over all requests of all streams. Policies (victims are always
 taken among the resident experts not requested by this same (step, layer)):
 
-* ``lru``, ``lookahead``: ftjax's own slot table (``ftjax.experts.slot_table.lookup_layer``,
-  ``eviction_order``): global LRU (FreeToken), and LRU ordered by the cyclic distance to the
-  layer's next visit.
-* ``lfu``: least frequently used, counts over the whole stream so far (perfect LFU), ties to the
-  least recently used, then the lowest flat id.
-* ``lfru``: LRU with frequency, as LRFU (Lee et al. 2001, IEEE Trans. Computers 50(12)): each
-  expert's combined recency-frequency CRF(t) = sum over its past requests t_i of
-  2^(-lambda (t - t_i)), evict the smallest; ``--lfru_half_life_tokens`` sets lambda (CRF halves
-  every that many tokens; small: LRU-like, large: LFU-like). Replayed both through ftjax's slot
-  table (``--cache_policy=lfru``; these are the rows' hits) and through the numpy simulation
-  :func:`replay_sim` (``sim_hits``); the JSON's ``lfru_slot_table_equals_sim`` says whether the
-  two agree on every (policy, S) (they should: the slot table's tests replay one against the other).
+* every registered online policy (``ftjax.experts.policies``: one module each, e.g. ``lru``: global
+  LRU as FreeToken; ``lookahead``: LRU ordered by the cyclic distance to the layer's next visit;
+  ``lfu``: perfect LFU; ``lfru``: LRFU, Lee et al. 2001, whose half-life ``--lfru_half_life_tokens``
+  sets): replayed through ftjax's own slot table (``ftjax.experts.slot_table.lookup_layer`` in a
+  jitted ``lax.scan``), the one implementation the engine runs. A new policy module is studied with
+  no edit here.
 * ``belady``: Belady's MIN (Belady 1966, IBM Systems Journal 5(2)): evict the expert whose next
   request is farthest in the future (never again first). Offline: the bound no online policy
   beats (the exchange argument holds with the co-residency constraint, because the victims are
@@ -73,11 +67,10 @@ import numpy as np  # noqa: E402
 from experiments import common, train_moe  # noqa: E402
 from ftjax.checkpoint import load_checkpoint  # noqa: E402
 from ftjax.experts.slot_table import LFRU_HALF_LIFE_TOKENS, init_slot_table, lookup_layer  # noqa: E402
+from ftjax.experts.slot_table import POLICIES as ONLINE  # noqa: E402
 from ftjax.model import rms_norm  # noqa: E402
 
-SLOT_TABLE_POLICIES = ("lru", "lookahead", "lfru")  # ftjax.experts.slot_table.POLICIES
-SIM_POLICIES = ("lfu", "lfru", "belady")  # numpy simulations (lfru: both, checked equal)
-POLICIES = ("lru", "lookahead", "lfu", "lfru", "belady")
+POLICIES = (*ONLINE, "belady")  # every registered policy (the slot table), then the offline bound (numpy)
 
 FLAGS = flags.FLAGS
 # ---------------------------------------------------------------------------------------- traces
@@ -146,10 +139,12 @@ def _slot_table_runner(num_layers: int, num_experts: int, slots: int, policy: st
 
 def replay_slot_table(ids: np.ndarray, num_experts: int, slots: int, policy: str,
                       half_life_tokens: float = LFRU_HALF_LIFE_TOKENS) -> tuple[int, int]:
-    """(hits, misses) of ftjax's slot table (``lookup_layer`` with ``policy``) over streams.
+    """(hits, misses) of ftjax's slot table (``lookup_layer`` with ``policy``, a name of
+    ``slot_table.POLICIES``) over streams.
 
     ids: int32 [B, T, L, k]; each stream starts from an empty table. One ``lax.scan`` over the
-    T*L (step, layer) lookups of a stream, in decode order. ``half_life_tokens``: lfru only.
+    T*L (step, layer) lookups of a stream, in decode order. ``half_life_tokens``: for the policies
+    that take it (lfru). Raises ValueError for an unknown policy.
     """
     b, t, num_layers, _ = ids.shape
     routed = np.zeros((b, t, num_layers, num_experts), bool)
@@ -177,32 +172,23 @@ def _next_use(flat: np.ndarray) -> np.ndarray:
     return nxt
 
 
-def replay_sim(ids: np.ndarray, num_experts: int, slots: int, policy: str,
-               half_life_tokens: float = LFRU_HALF_LIFE_TOKENS) -> tuple[int, int]:
-    """(hits, misses) of ``lfu`` / ``lfru`` / ``belady`` over streams (numpy simulation).
+def replay_belady(ids: np.ndarray, num_experts: int, slots: int) -> tuple[int, int]:
+    """(hits, misses) of Belady's MIN over streams (numpy: it reads the future, so it is no slot table policy).
 
     ids: int32 [B, T, L, k]. Same request model as :func:`replay_slot_table`: event c = t*L + l
-    asks for flat ids l*E + ids[b, t, l]; hits are refreshed; misses fill free slots first, then
-    evict, among the resident ids not requested by this event, the ones with the smallest key
-    (lfu: (count, last use, id); lfru: (log2 CRF + lambda * last use, last use, id); belady:
-    (-next use, id)). Raises ValueError for an unknown policy or slots < num_experts.
+    asks for flat ids l*E + ids[b, t, l]; hits are kept; misses fill free slots first, then
+    evict, among the resident ids not requested by this event, the ones requested farthest in the
+    future (never again first; ties to the lowest flat id). Raises ValueError if slots < num_experts.
     """
-    if policy not in SIM_POLICIES:
-        raise ValueError(f"unknown simulated policy {policy!r}; expected one of {SIM_POLICIES}")
     b, t, num_layers, k = ids.shape
     if slots < num_experts:
         raise ValueError(f"slots={slots} < num_experts={num_experts}")
-    n_ids = num_layers * num_experts
-    lam = 1.0 / (half_life_tokens * num_layers)  # per clock tick (one (step, layer))
     hits = misses = 0
     for s in range(b):
         flat = (ids[s] + (np.arange(num_layers) * num_experts)[None, :, None]).reshape(t * num_layers, k)
-        nxt = _next_use(flat) if policy == "belady" else None
-        resident = np.zeros(n_ids, bool)
-        count = np.zeros(n_ids, np.int64)
-        last = np.full(n_ids, -1, np.int64)
-        crf = np.full(n_ids, -np.inf)  # log2 CRF(t) + lam * t, constant between requests
-        nu = np.zeros(n_ids, np.int64)  # next use of resident ids (belady)
+        nxt = _next_use(flat)
+        resident = np.zeros(num_layers * num_experts, bool)
+        nu = np.zeros(num_layers * num_experts, np.int64)  # next use of resident ids
         used = 0
         for c in range(flat.shape[0]):
             req = flat[c]
@@ -214,21 +200,12 @@ def replay_sim(ids: np.ndarray, num_experts: int, slots: int, policy: str,
             if need > 0:
                 cand = np.flatnonzero(resident)
                 cand = cand[~np.isin(cand, req)]
-                if policy == "lfu":
-                    order = np.lexsort((cand, last[cand], count[cand]))
-                elif policy == "lfru":
-                    order = np.lexsort((cand, last[cand], crf[cand]))
-                else:
-                    order = np.lexsort((cand, -nu[cand]))
+                order = np.lexsort((cand, -nu[cand]))
                 resident[cand[order[:need]]] = False
                 used -= need
             resident[new] = True
             used += len(new)
-            count[req] += 1
-            last[req] = c
-            crf[req] = np.logaddexp2(lam * c, crf[req])
-            if nxt is not None:
-                nu[req] = nxt[c]
+            nu[req] = nxt[c]
     return hits, misses
 
 
@@ -348,23 +325,13 @@ def run_study(ckpt: str, streams: int, stream_len: int, max_files: int, slots: l
     ids, pred = trace(model, windows, dtype, batch)
     trace_s = time.perf_counter() - t0
     results: dict[str, list[dict]] = {}
-    lfru_equal = None
     for p in policies:
         rows = []
         for s in slots:
             t = time.perf_counter()
-            if p in SLOT_TABLE_POLICIES:
-                h, m = replay_slot_table(ids, E, s, p, half_life)
-            else:
-                h, m = replay_sim(ids, E, s, p, half_life)
+            h, m = replay_belady(ids, E, s) if p == "belady" else replay_slot_table(ids, E, s, p, half_life)
             rows.append({"slots": s, "slots_over_E": s / E, "hits": h, "misses": m, "hit_rate": h / (h + m),
                          "replay_s": time.perf_counter() - t})
-            if p in SLOT_TABLE_POLICIES and p in SIM_POLICIES:  # lfru: the simulation's figure too
-                sh, sm = replay_sim(ids, E, s, p, half_life)
-                rows[-1].update(sim_hits=sh, sim_misses=sm)
-                lfru_equal = (lfru_equal is not False) and (sh, sm) == (h, m)
-                if (sh, sm) != (h, m):
-                    print(f"WARNING: {p} at S={s}: slot table {h} hits, numpy simulation {sh}", file=sys.stderr)
         results[p] = rows
     corpus = {key: v for key, v in corpus.items() if key != "heldout_files"}
     return {
@@ -374,7 +341,6 @@ def run_study(ckpt: str, streams: int, stream_len: int, max_files: int, slots: l
         "flags": {"streams": n, "stream_len": stream_len, "max_files": max_files, "slots": slots,
                   "policies": policies, "lfru_half_life_tokens": half_life, "dtype": dtype},
         "corpus": corpus, "requests": int(ids.size), "trace_s": trace_s,
-        "lfru_slot_table_equals_sim": lfru_equal,
         "hit_rate": results, "routing_stats": routing_stats(ids, E), "next_layer_prediction":
             next_layer_prediction(ids, pred),
     }
@@ -390,8 +356,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("stream_len", 512, "Tokens per stream (decode steps).")
     flags.DEFINE_integer("max_files", 0, "Corpus subset as train_moe --max_files (0: all; --smoke: 24).")
     flags.DEFINE_list("slots", None, "Cache sizes S (default: E, 1.25E, 1.5E, 2E, 3E, 4E, 6E, ... up to L*E/2).")
-    flags.DEFINE_list("policies", list(POLICIES), "Policies to replay.")
-    flags.DEFINE_float("lfru_half_life_tokens", 4.0, "LRFU: tokens after which an access counts half.")
+    flags.DEFINE_list("policies", list(POLICIES), f"Policies to replay, of {', '.join(POLICIES)} (default: all).")
+    flags.DEFINE_float("lfru_half_life_tokens", LFRU_HALF_LIFE_TOKENS, "lfru: tokens after which a use counts half.")
     flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype of the trace forward.")
     flags.DEFINE_integer("batch", 8, "Streams per forward call.")
 

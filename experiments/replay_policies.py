@@ -5,7 +5,8 @@ r"""Replay a routing trace against expert-cache policies and slot counts, offlin
 
 The trace (``generate --trace_routing``) holds ``step{i}``: int32 [L, tokens, top_k] routed ids
 (-1 = padding). Each step's layers are looked up in order through the same
-``ftjax.experts.slot_table.lookup_layer`` that the decode scan uses, so the hit rates are exactly
+``ftjax.experts.slot_table.lookup_layer`` that the decode scan uses (every registered policy,
+``ftjax.experts.policies``, by default), so the hit rates are exactly
 what the runtime sees when every call goes through the cache (``generate --prefill=on_demand``).
 A streamed prefill (``--prefill=auto`` with S >= 2E and a long enough prompt) instead copies whole
 layers through 2E borrowed slots and frees them, which this replay does not model: the runtime's
@@ -34,7 +35,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("trace", None, "Routing trace .npz from generate --trace_routing.", required=True)
 flags.DEFINE_integer("num_experts", None, "E of the model.", required=True)
 flags.DEFINE_list("slots", None, "Slot counts S to replay (each E <= S <= L*E).", required=True)
-flags.DEFINE_list("policies", list(POLICIES), f"Policies to compare (of {', '.join(POLICIES)}).")
+flags.DEFINE_list("policies", list(POLICIES), f"Policies to compare (of {', '.join(POLICIES)}; default: all).")
 flags.DEFINE_float("lfru_half_life_tokens", LFRU_HALF_LIFE_TOKENS, "lfru: decode steps after which a use counts half.")
 flags.DEFINE_boolean("skip_prefill", True, "Leave step 0 (the prefill) out of the hit rate; it still fills the cache.")
 flags.DEFINE_string("out", None, "Write the results as JSON here.")
@@ -56,8 +57,9 @@ def routed_masks(trace: dict, num_experts: int) -> list[np.ndarray]:
 
 def replay(masks: list[np.ndarray], num_experts: int, slots: int, policy: str, skip_first: bool,
            half_life_tokens: float = LFRU_HALF_LIFE_TOKENS) -> dict:
-    """Hit rate of ``policy`` with ``slots`` slots over the routed masks (one scan per step);
-    ``half_life_tokens``: lfru only."""
+    """Hit rate of ``policy`` (a name of ``slot_table.POLICIES``) with ``slots`` slots over the routed
+    masks (bool [L, E] per step; one scan per step); ``half_life_tokens``: for the policies that take it
+    (lfru). Returns {policy, slots, hits, misses, hit_rate}. Raises ValueError for an unknown policy."""
     num_layers = masks[0].shape[0]
 
     @jax.jit

@@ -36,6 +36,7 @@ from ftjax.config import (CACHE_POLICIES, CPU_EXPERT_IMPLS, EXPERT_MODES, KV_LOA
                           PREFILL_DRIVERS, PREFILL_MODES, PREFIX_COPIES, EngineConfig, KVOffloadConfig,
                           MissPolicyConfig)
 from ftjax.experts.quant import FORMATS as EXPERT_FORMATS
+from ftjax.experts.policies import describe as describe_cache_policies
 from ftjax.kernels.registry import (DECODE_GEMMS, DECODE_GRAPHS, FLASH_PREFILLS, GROUPED_MATMULS, SLOT_ORDERS,
                                     KernelConfig)
 
@@ -65,9 +66,7 @@ flags.DEFINE_enum("experts", "auto", ["auto", *EXPERT_MODES],
                   "Where experts live: auto = resident if the pool fits the budget, else cached.")
 flags.DEFINE_integer("expert_slots", None, "Device expert slots S (E <= S <= L*E).")
 flags.DEFINE_enum("cache_policy", "lru", list(CACHE_POLICIES),
-                  "Slot eviction: global LRU, or lookahead (evict the layer that comes up last in the layer "
-                  "cycle; avoids LRU's collapse when one step's experts do not fit), or lfru (LRFU: evict the "
-                  "smallest recency-frequency value, uses decaying with a half-life of 4 tokens).")
+                  "Slot eviction policy (ftjax/experts/policies/, one module each): " + describe_cache_policies())
 flags.DEFINE_float("vram_budget_gb", None, "Device memory budget in GB (1e9 bytes) to plan slots from.")
 flags.DEFINE_string("metrics_json", None, "Write metrics (ids, TTFT, tokens/s, expert_cache) to this file.")
 flags.DEFINE_string("logits_npy", None, "Write float32 [steps, vocab] logits of every generated step.")

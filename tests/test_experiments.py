@@ -271,15 +271,17 @@ def test_bench_miss_policy_smoke(tmp_path):
 
 
 def test_ab_slot_table_smoke(tmp_path):
-    """Every slot table implementation on a small warmed table: outputs identical to 'sort', timed, and the
-    compiled scan body counted (the reference has the sort and the scatters, 'rank' neither sort)."""
+    """Every slot table implementation on a small warmed table, for every registered cache policy (the
+    default): outputs identical to 'sort', timed, and the compiled scan body counted (the reference has the
+    sort and the scatters, 'rank' neither sort)."""
+    from ftjax.experts.slot_table import POLICIES
     d = _run("ab_slot_table", tmp_path, "--num_layers=4", "--num_experts=8", "--num_slots=20", "--top_k=3",
-             "--repeats=2", "--warmup=1", "--policies=lru,lookahead,lfru", "--hit_rates=0.9,0.3")
+             "--repeats=2", "--warmup=1", "--hit_rates=0.9,0.3")
     assert _meta(d)["device"] and d["all_identical_to_sort"] and not d["mismatches"]
     rows = {(r["case"], r["policy"], r["impl"]): r for r in d["results"]}
     for case in ("hit0.9", "hit0.3"):
         assert rows[(case, "-", "noop")]["us_per_layer"] > 0
-        for policy in ("lru", "lookahead", "lfru"):
+        for policy in POLICIES:
             for impl in ("sort", "lexsort", "top_k", "rank"):
                 r = rows[(case, policy, impl)]
                 assert r["identical_to_sort"] and r["us_per_layer"] > 0 and 0 < r["hit_rate"] <= 1

@@ -1,11 +1,12 @@
-"""Global expert slot table (decode-time expert cache; LRU, lookahead or LRFU), as pure jittable JAX.
+"""Global expert slot table (decode-time expert cache; eviction policies in ``ftjax.experts.policies``), as pure
+jittable JAX.
 
 Source of the idea: FreeToken-style *global* LRU expert cache, see
 ``docs/DESIGN.md`` section 1.1. One pool of ``S`` slots (per weight kind) is shared
 by all layers; a slot holds one (layer, expert), addressed by its flat id
 ``flat_id = layer * E + expert``. The table is a small pytree of fixed-shape arrays (int32, and
-one float32 array for LRFU) that is carried
-through the ``jax.lax.scan`` over layers, so every function here:
+one float32 array of CRF history) that is carried through the ``jax.lax.scan`` over layers, so every
+function here:
 
 * is pure (returns a new table, never mutates),
 * has fixed shapes that depend only on ``(L, E, S)`` and never on routing,
@@ -21,11 +22,13 @@ Policy of :func:`lookup_layer` (for one layer of one step):
    index: the order is deterministic). Misses, in ascending expert id order, take the
    candidates in that order. The evicted flat id (if any) becomes non-resident, the missed
    flat id is mapped to the slot, and the slot's ``last_use`` becomes ``clock``.
-   (``lookahead`` and ``lfru`` order the candidates differently: :func:`eviction_order`.)
-3. ``clock`` advances by one (once per call, even when nothing was routed), so recency is
+   That order is ``lru``'s; every registered policy (:data:`POLICIES`, one module each in
+   ``ftjax.experts.policies``) gives its own, as sort keys over the slots: :func:`eviction_order`.
+3. The policy's update on reference, if any (``lfru`` and ``lfu``: the routed ids' CRF history).
+4. ``clock`` advances by one (once per call, even when nothing was routed), so recency is
    global across layers.
 
-Only the first ``E`` candidates are ever taken; :data:`ORDER_IMPL` picks how they are found (a full
+Only the first ``E`` candidates are ever taken; ``KernelConfig.slot_order`` picks how they are found (a full
 stable sort, the reference; or a counting rank, with fewer kernels and no sort) and how the table is
 updated. Every implementation returns bit-identical results.
 
@@ -37,18 +40,10 @@ the candidates exclude only the ``n_hit`` hit slots, leaving ``S - n_hit >= n_mi
 The clock is int32: it wraps after 2**31 - 1 (step, layer) calls (e.g. ~44.7M decode steps of a
 48-layer model), far beyond one serving session.
 
-LRFU (``policy="lfru"``; Lee et al. 2001, IEEE Trans. Computers 50(12)): every flat id has a
-combined recency-frequency value CRF(t) = sum over its past references t_i of
-2^(-lambda (t - t_i)), lambda = 1 / (half_life_tokens * L) per clock tick (so a reference counts
-half after ``half_life_tokens`` decode steps; default :data:`LFRU_HALF_LIFE_TOKENS` = 4). The table
-keeps, per flat id, ``log2 CRF`` at its last reference (``crf_log2``, float32) and that reference's
-clock (``crf_time``); the value now is ``crf_log2 - lambda * (clock - crf_time)``, so nothing
-grows with the clock (no overflow over long decodes). A reference (hit or fill) sets
-``crf_log2 = log2(1 + 2^(value now))``, ``crf_time = clock``. The history of an evicted id is kept
-(a re-fetched expert resumes its CRF), exactly as in the numpy simulation
-``experiments/policy_study.replay_sim(..., "lfru")`` that measured the policy (the tests replay
-the two against each other); :func:`forget_slots` and :func:`reset_table` clear it. ``lru`` and
-``lookahead`` never read or write these two arrays.
+Per-id history (``crf_log2``, ``crf_time``) is kept for the policies that read it (``lfru``: LRFU,
+Lee et al. 2001; ``lfu``), with the definitions in ``ftjax/experts/policies/lfru.py``. An evicted id
+keeps its history (a re-fetched expert resumes it); :func:`forget_slots` and :func:`reset_table` clear
+it. Other policies never read or write these two arrays.
 """
 
 from __future__ import annotations
@@ -59,6 +54,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from ftjax.experts import policies
+from ftjax.experts.policies import CachePolicy
+from ftjax.experts.policies.lfru import LFRU_HALF_LIFE_TOKENS, lfru_lambda
 from ftjax.kernels import registry
 
 __all__ = [
@@ -72,14 +70,11 @@ __all__ = [
     "reset_table",
     "eviction_order",
     "POLICIES",
+    "CachePolicy",
     "ORDER_IMPLS",
-    "ORDER_IMPL",
     "LFRU_HALF_LIFE_TOKENS",
     "lfru_lambda",
 ]
-
-_INT32_MAX = jnp.iinfo(jnp.int32).max
-
 
 @flax.struct.dataclass
 class SlotTable:
@@ -94,10 +89,10 @@ class SlotTable:
         slot never used since it was filled by :func:`init_resident_table`.
       clock: int32 ``[]``. Advances by one per :func:`lookup_layer` call, i.e. once per
         (step, layer).
-      crf_log2: float32 ``[L*E]``. LRFU only: log2 of each flat id's CRF at its last reference;
-        ``-inf`` if never referenced (or cleared). Untouched by ``lru`` / ``lookahead``.
-      crf_time: int32 ``[L*E]``. LRFU only: clock of each flat id's last reference; ``-1`` if
-        never referenced (or cleared).
+      crf_log2: float32 ``[L*E]``. ``lfru`` / ``lfu`` only: log2 of each flat id's CRF at its last
+        reference; ``-inf`` if never referenced (or cleared). Untouched by the other policies.
+      crf_time: int32 ``[L*E]``. ``lfru`` / ``lfu`` only: clock of each flat id's last reference;
+        ``-1`` if never referenced (or cleared).
 
     The shapes are static: ``L*E`` and ``S`` come from ``slot_of.shape`` and
     ``id_of_slot.shape``. ``E`` is not stored and is passed to :func:`lookup_layer`.
@@ -226,119 +221,69 @@ def init_resident_table(num_layers: int, num_experts: int) -> SlotTable:
     )
 
 
-POLICIES = ("lru", "lookahead", "lfru")
-
-LFRU_HALF_LIFE_TOKENS = 4.0
-"""Default LRFU half-life, in decode steps (tokens), as in experiments/policy_study.py (whose
-results, experiments/results/policy_study.json, were measured with it)."""
+POLICIES = policies.names()
+"""Names of the registered eviction policies (``ftjax.experts.policies``: one module each), sorted."""
 
 
-def lfru_lambda(num_layers: int, half_life_tokens: float = LFRU_HALF_LIFE_TOKENS) -> float:
-    """LRFU decay per clock tick (one (step, layer) lookup): ``1 / (half_life_tokens * L)``."""
-    if not half_life_tokens > 0:
-        raise ValueError(f"half_life_tokens must be > 0, got {half_life_tokens}")
-    return 1.0 / (float(half_life_tokens) * num_layers)
-
-
-def _crf_now(table: SlotTable, flat_ids: jax.Array, lam: float) -> jax.Array:
-    """float32: log2 CRF of ``flat_ids`` (valid ids) at the table's clock (``-inf``: no history)."""
-    age = (table.clock - table.crf_time[flat_ids]).astype(jnp.float32)
-    return table.crf_log2[flat_ids] - jnp.float32(lam) * age
+def _policy(policy: str | CachePolicy, half_life_tokens: float = LFRU_HALF_LIFE_TOKENS) -> CachePolicy:
+    """The policy instance of ``policy`` (a registered name, or an instance, used as is); a name's
+    policy gets ``half_life_tokens`` if it takes that parameter (``lfru``). Raises ValueError for an
+    unknown name (listing :data:`POLICIES`) or a bad parameter value."""
+    return policies.resolve(policy, half_life_tokens=half_life_tokens)
 
 
 def eviction_order(table: SlotTable, layer: jax.Array, protected: jax.Array, num_experts: int,
-                   policy: str = "lru", half_life_tokens: float = LFRU_HALF_LIFE_TOKENS) -> jax.Array:
-    """int32 [S]: slots in the order they are given to misses (free slots first, protected last).
+                   policy: str | CachePolicy = "lru", half_life_tokens: float = LFRU_HALF_LIFE_TOKENS) -> jax.Array:
+    """int32 [S]: slots in the order they are given to misses: lexicographic on the policy's
+    ``order_keys``, ties to the lowest slot index (free slots first and protected last under every
+    registered policy).
 
-    ``lru``: least recently used first (FreeToken's global LRU; DESIGN.md 1.1).
-    ``lookahead``: the slot whose layer comes up *last* in the layer cycle first, LRU within a
-    layer. Decode visits layers 0..L-1 every step, so a slot of layer j is next needed after
-    (j - layer) mod L layers (a full cycle, L, for the current layer's unrouted experts); evicting
-    the farthest is Belady's choice for that cyclic order. It matters when S is smaller than one
-    step's working set (L x distinct experts per layer): there plain LRU always evicts exactly
-    the experts the next layers need and its hit rate collapses to zero.
-    ``lfru``: LRFU (Lee et al. 2001; module docstring): the smallest combined recency-frequency
-    value CRF now first, ``lambda = 1 / (half_life_tokens * L)`` per tick (``half_life_tokens``
-    static, default :data:`LFRU_HALF_LIFE_TOKENS` = 4 decode steps); ties to the least recently
-    used, then the lowest flat id, as ``experiments/policy_study.replay_sim(..., "lfru")``.
-    Free slots come first and protected slots last under every policy; other ties (and, for
-    ``lru`` and ``lookahead``, all ties) break by lowest slot index (stable sorts).
+    ``policy``: a name of :data:`POLICIES` or a ``CachePolicy`` instance (the policies' docstrings,
+    ``ftjax/experts/policies/*.py``, define the orders). ``half_life_tokens`` (static): passed to a named
+    policy that takes it (``lfru``: decode steps after which a reference counts half). ``protected``:
+    bool [S], slots holding a hit of this lookup. Raises ValueError for an unknown policy.
     """
-    if policy == "lru":
-        key = jnp.where(protected, _INT32_MAX, table.last_use)
-        return jnp.argsort(key, stable=True).astype(jnp.int32)
-    if policy == "lfru":
-        S = table.num_slots
-        lam = lfru_lambda(table.num_flat_ids // num_experts, half_life_tokens)
-        ids = table.id_of_slot
-        free = ids < 0
-        value = jnp.where(free | protected, 0.0, _crf_now(table, jnp.maximum(ids, 0), lam))
-        group = jnp.where(free, 0, jnp.where(protected, 2, 1)).astype(jnp.int32)
-        *_, order = jax.lax.sort((group, value, table.last_use, ids, jnp.arange(S, dtype=jnp.int32)),
-                                 num_keys=4, is_stable=True)
-        return order
-    if policy != "lookahead":
-        raise ValueError(f"unknown cache policy {policy!r}; expected one of {POLICIES}")
-    num_layers = table.num_flat_ids // num_experts
-    owner = table.id_of_slot // num_experts
-    distance = jnp.mod(owner - layer, num_layers)
-    distance = jnp.where(distance == 0, num_layers, distance)
-    free = table.id_of_slot < 0
-    primary = jnp.where(free, -(num_layers + 1), jnp.where(protected, num_layers + 1, -distance))
-    by_recency = jnp.argsort(table.last_use, stable=True)
-    return by_recency[jnp.argsort(primary[by_recency], stable=True)].astype(jnp.int32)
+    keys = _order_keys(table, layer, protected, num_experts, policy, half_life_tokens)
+    # One stable argsort per key, least significant first (the order of the keys, then the slot
+    # index): on the CPU, where "sort" is the default, 2.2x faster than one sort of all the keys for
+    # lookahead's two and 1.2x for lfru's four (CPU time of a 4096-lookup scan, L=8, E=32, S=48).
+    order = jnp.argsort(keys[-1], stable=True)
+    for key in reversed(keys[:-1]):
+        order = order[jnp.argsort(key[order], stable=True)]
+    return order.astype(jnp.int32)
 
-
-ORDER_IMPLS = ("sort", "lexsort", "top_k", "rank")
 
 #: Largest S for which ``"auto"`` picks ``"rank"`` on an accelerator: its count grows as S^2 (measured
 #: 1.6x faster than the sort at S = 1975; at 4096 it does 4.3x that work), the sorts as S log S.
 RANK_MAX_SLOTS = 4096
 
-ORDER_IMPL = "auto"
-"""How :func:`lookup_layer` finds the slots misses take and updates the table when its ``impl`` is
-None (the default): one of :data:`ORDER_IMPLS`, or ``"auto"``: ``"rank"`` on an accelerator up to
-:data:`RANK_MAX_SLOTS` slots (``"top_k"`` above: not measured there, the quadratic count is a risk),
-``"sort"`` on the CPU (the backend jax uses by default when the call is traced). Read when the call
-is traced, so set it before the first trace of a jitted caller (a compiled program keeps the
-implementation it was traced with). Every implementation returns a bit-identical
-:class:`LayerLookup` for every policy on every table that keeps :class:`SlotTable`'s invariant
-(tests/test_slot_table.py); they differ only in kernels and time (``experiments/ab_slot_table.py``;
-``experiments/results/ab_slot_table_qwen3-30b-a3b_h200_2026-12-01.json``, S=1975, E=128, us per
-layer on an H200, LRU / lookahead: sort 50.2 / 69.3, lexsort 47.9 / 54.0, top_k 45.4 / 55.8, rank
-30.6 / 32.9; on this project's 2-core CPU: sort 75 / 253, rank 3479 / 2538, since XLA:CPU writes the
-[S, S] count of ``"rank"`` to memory).
-
-* ``"sort"``: the reference: :func:`eviction_order` (a full stable argsort of the S slots, two for
-  ``lookahead``), then one scatter per table update (seven in all).
-* ``"lexsort"``: one stable ``lax.sort`` on the policy's keys (slot index last), then the fused
-  bookkeeping below.
-* ``"top_k"``: ``lru``: ``lax.top_k`` (only the E first slots are ever used); ``lookahead`` and
-  ``lfru`` (two and four keys, no exact single key): as ``"lexsort"``.
-* ``"rank"``: no sort: each slot's position in the order is counted (one compare-and-count over
-  [S, S]) and the E first slots are read off those positions ([E, S]).
-
-The fused bookkeeping (all but ``"sort"``) derives the hit slots, ``id_of_slot`` and ``last_use``
-elementwise from each slot's position in the order, and updates ``slot_of`` in one scatter.
-"""
+#: How :func:`lookup_layer` finds the slots misses take and updates the table when its ``impl`` is None: the
+#: active kernel config's ``slot_order`` (``KernelConfig.slot_order``; "auto": ``"rank"`` on an accelerator up
+#: to :data:`RANK_MAX_SLOTS` slots, ``"top_k"`` above, ``"sort"`` on the CPU). Every implementation returns a
+#: bit-identical :class:`LayerLookup` for every policy on every table that keeps :class:`SlotTable`'s
+#: invariant (tests/test_slot_table.py); they differ only in kernels and time (``experiments/ab_slot_table.py``;
+#: docs/PROFILE.md has the H200 figures).
+#: The order implementations of :func:`lookup_layer`:
+#:
+#: * ``"sort"``: the reference: :func:`eviction_order` (a full stable argsort of the S slots per key of
+#:   the policy: one for ``lru``, two for ``lookahead``), then one scatter per table update (seven in all).
+#: * ``"lexsort"``: one stable ``lax.sort`` on the policy's keys (slot index last), then the fused
+#:   bookkeeping below.
+#: * ``"top_k"``: a policy with one int32 key (``lru``): ``lax.top_k`` (only the E first slots are ever
+#:   used); several keys (``lookahead``: two, ``lfru`` / ``lfu``: four; no exact single key): as ``"lexsort"``.
+#: * ``"rank"``: no sort: each slot's position in the order is counted (one compare-and-count over
+#:   [S, S]) and the E first slots are read off those positions ([E, S]).
+#:
+#: The fused bookkeeping (all but ``"sort"``) derives the hit slots, ``id_of_slot`` and ``last_use``
+#: elementwise from each slot's position in the order, and updates ``slot_of`` in one scatter.
+ORDER_IMPLS = ("sort", "lexsort", "top_k", "rank")
 
 
-def _order_keys(table: SlotTable, layer: jax.Array, protected: jax.Array, num_experts: int, policy: str,
-                half_life_tokens: float) -> tuple[jax.Array, ...]:
-    """The keys [S] of :func:`eviction_order`: its order is lexicographic on them, then on slot index."""
-    if policy == "lru":
-        return (jnp.where(protected, _INT32_MAX, table.last_use),)
-    num_layers = table.num_flat_ids // num_experts
-    ids = table.id_of_slot
-    free = ids < 0
-    if policy == "lfru":
-        lam = lfru_lambda(num_layers, half_life_tokens)
-        value = jnp.where(free | protected, 0.0, _crf_now(table, jnp.maximum(ids, 0), lam))
-        group = jnp.where(free, 0, jnp.where(protected, 2, 1)).astype(jnp.int32)
-        return group, value, table.last_use, ids
-    distance = jnp.mod(ids // num_experts - layer, num_layers)
-    distance = jnp.where(distance == 0, num_layers, distance)
-    return jnp.where(free, -(num_layers + 1), jnp.where(protected, num_layers + 1, -distance)), table.last_use
+def _order_keys(table: SlotTable, layer: jax.Array, protected: jax.Array, num_experts: int,
+                policy: str | CachePolicy, half_life_tokens: float = LFRU_HALF_LIFE_TOKENS) -> tuple[jax.Array, ...]:
+    """The keys [S] of :func:`eviction_order` (the policy's ``order_keys``): its order is lexicographic
+    on them, then on slot index. Raises ValueError for an unknown policy."""
+    return _policy(policy, half_life_tokens).order_keys(table, layer, protected, num_experts)
 
 
 def _sort_key_int(key: jax.Array) -> jax.Array:
@@ -389,8 +334,7 @@ def _candidates(keys: tuple[jax.Array, ...], num_experts: int, impl: str) -> tup
         # stable (equal values keep index order): the E smallest keys, ties to the lowest slot
         cand = jax.lax.top_k(~_sort_key_int(keys[0]), E)[1].astype(jnp.int32)
     else:
-        # stable sort with the slot index as payload: lexicographic (keys, slot), as the argsort of
-        # lru, the two stable argsorts of lookahead and the 4-key sort of lfru in eviction_order
+        # stable sort with the slot index as payload: lexicographic (keys, slot), as eviction_order
         cand = jax.lax.sort((*keys, slots), num_keys=len(keys), is_stable=True)[-1][:E]
     # cand holds distinct slots: each slot matches at most one position
     pos = jnp.min(jnp.where(cand[None, :] == slots[:, None], experts[None, :], E), axis=1)
@@ -398,7 +342,7 @@ def _candidates(keys: tuple[jax.Array, ...], num_experts: int, impl: str) -> tup
 
 
 def lookup_layer(
-    table: SlotTable, layer: jax.Array | int, routed: jax.Array, num_experts: int, policy: str = "lru",
+    table: SlotTable, layer: jax.Array | int, routed: jax.Array, num_experts: int, policy: str | CachePolicy = "lru",
     half_life_tokens: float = LFRU_HALF_LIFE_TOKENS, impl: str | None = None, skip_if_all_hit: bool = False,
 ) -> LayerLookup:
     """Look up (and fill) the slots of one layer's routed experts; advance the clock.
@@ -409,9 +353,11 @@ def lookup_layer(
       routed: bool ``[E]`` (any integer/bool dtype accepted, nonzero = routed). True for each
         expert of this layer routed by any token of the current step (already deduplicated).
       num_experts: ``E`` (static Python int).
-      policy: which non-hit slots misses take, one of :data:`POLICIES` (:func:`eviction_order`).
-      half_life_tokens: ``lfru`` only (static): decode steps after which a reference counts half.
-      impl: static, one of :data:`ORDER_IMPLS`; None (default): :data:`ORDER_IMPL` at trace time.
+      policy: which non-hit slots misses take (:func:`eviction_order`): a name of :data:`POLICIES`, or a
+        ``CachePolicy`` instance (static: hashable; e.g. ``ftjax.experts.policies.get("lfru", half_life_tokens=8)``).
+      half_life_tokens: static; passed to a named policy that takes it (``lfru``: decode steps after which a
+        reference counts half); ignored otherwise.
+      impl: static, one of :data:`ORDER_IMPLS`; None (default): the active kernel config's ``slot_order``.
         Every implementation gives the same result; only the kernels differ.
       skip_if_all_hit: static. When no routed expert misses, skip the eviction order (a ``lax.cond``
         on the misses around the candidate slots; the fills they would feed are all masked then), so
@@ -424,8 +370,11 @@ def lookup_layer(
 
     Returns:
       :class:`LayerLookup`. See the module docstring for the exact policy (hits refresh,
-      misses in ascending expert id take the LRU non-hit slots, ties to the lowest slot index,
-      ``clock += 1``).
+      misses in ascending expert id take the non-hit slots in the policy's order, ties to the lowest
+      slot index, the policy's update on reference, ``clock += 1``).
+
+    Raises:
+      ValueError: unknown policy or impl, a bad policy parameter, ``S < E``, or ``routed`` not ``[E]``.
 
     Fixed shapes, no Python branches on values: safe under ``jax.jit`` and ``lax.scan``.
     """
@@ -436,8 +385,7 @@ def lookup_layer(
         raise ValueError(f"num_slots={S} < num_experts={E}: the table cannot serve a layer")
     if LE % E != 0:
         raise ValueError(f"table has {LE} flat ids, not a multiple of num_experts={E}")
-    if policy not in POLICIES:
-        raise ValueError(f"unknown cache policy {policy!r}; expected one of {POLICIES}")
+    pol = _policy(policy, half_life_tokens)
     impl = registry.active().slot_order if impl is None else impl
     if impl == "auto":
         impl = "sort" if jax.default_backend() == "cpu" else "rank" if S <= RANK_MAX_SLOTS else "top_k"
@@ -458,21 +406,12 @@ def lookup_layer(
 
     update = _update_sorted if impl == "sort" else _update_fused
     slot_of, id_of_slot, last_use, miss_experts, miss_slots, evicted_ids, n_miss, n_hit = update(
-        table, layer, routed, cur_slot, hit, miss, E, policy, half_life_tokens, impl, skip_if_all_hit)
+        table, layer, routed, cur_slot, hit, miss, E, pol, impl, skip_if_all_hit)
 
-    crf_log2, crf_time = table.crf_log2, table.crf_time
-    if policy == "lfru":  # every routed expert (hit or fill) is referenced now: CRF = 1 + decayed CRF
-        lam = jnp.float32(lfru_lambda(LE // E, half_life_tokens))
-        old_log2 = jax.lax.dynamic_slice(crf_log2, (base,), (E,))
-        old_time = jax.lax.dynamic_slice(crf_time, (base,), (E,))
-        ref = jnp.logaddexp2(old_log2 - lam * (clock - old_time).astype(jnp.float32), jnp.float32(0.0))
-        crf_log2 = jax.lax.dynamic_update_slice(crf_log2, jnp.where(routed, ref, old_log2), (base,))
-        crf_time = jax.lax.dynamic_update_slice(crf_time, jnp.where(routed, clock, old_time), (base,))
-
-    new_table = SlotTable(
-        slot_of=slot_of, id_of_slot=id_of_slot, last_use=last_use, clock=clock + 1,
-        crf_log2=crf_log2, crf_time=crf_time,
-    )
+    # every routed expert (hit or fill) is referenced now, at this lookup's clock; then the clock advances
+    new_table = pol.on_reference(table.replace(slot_of=slot_of, id_of_slot=id_of_slot, last_use=last_use),
+                                 layer, routed, E)
+    new_table = new_table.replace(clock=clock + 1)
     slot_of_expert = jax.lax.dynamic_slice(slot_of, (base,), (E,))
     return LayerLookup(
         table=new_table,
@@ -485,7 +424,7 @@ def lookup_layer(
     )
 
 
-def _update_sorted(table, layer, routed, cur_slot, hit, miss, E, policy, half_life_tokens, impl, skip=False):
+def _update_sorted(table, layer, routed, cur_slot, hit, miss, E, policy, impl, skip=False):
     """impl "sort" (the reference): the full :func:`eviction_order` and one scatter per update.
     Returns (slot_of, id_of_slot, last_use, miss_experts, miss_slots, evicted_ids, n_miss, n_hit)."""
     del routed, impl
@@ -498,7 +437,7 @@ def _update_sorted(table, layer, routed, cur_slot, hit, miss, E, policy, half_li
     hit_slot_idx = jnp.where(hit, cur_slot, S)                      # S = dropped
     protected = jnp.zeros((S,), jnp.bool_).at[hit_slot_idx].set(True, mode="drop")
 
-    cand = _unless_all_hit(skip, miss, lambda: eviction_order(table, layer, protected, E, policy, half_life_tokens)[:E],
+    cand = _unless_all_hit(skip, miss, lambda: eviction_order(table, layer, protected, E, policy)[:E],
                            lambda: jnp.zeros((E,), jnp.int32))      # [E], S >= E
 
     # Compact list of misses in ascending expert id, and their slots.
@@ -535,7 +474,7 @@ def _unless_all_hit(skip: bool, miss: jax.Array, candidates, no_candidates):
     return jax.lax.cond(jnp.any(miss), candidates, no_candidates)
 
 
-def _update_fused(table, layer, routed, cur_slot, hit, miss, E, policy, half_life_tokens, impl, skip=False):
+def _update_fused(table, layer, routed, cur_slot, hit, miss, E, policy, impl, skip=False):
     """impls "lexsort", "top_k", "rank": the E first slots of the order only, and the updates as
     elementwise selects (one scatter, for ``slot_of``). Same returns as :func:`_update_sorted`."""
     S, LE = table.num_slots, table.num_flat_ids
@@ -548,7 +487,7 @@ def _update_fused(table, layer, routed, cur_slot, hit, miss, E, policy, half_lif
     e_of = jnp.clip(ids - base, 0, E - 1)
     protected = (ids >= base) & (ids < base + E) & routed[e_of] & (cur_slot[e_of] == slots)
     cand, pos = _unless_all_hit(
-        skip, miss, lambda: _candidates(_order_keys(table, layer, protected, E, policy, half_life_tokens), E, impl),
+        skip, miss, lambda: _candidates(_order_keys(table, layer, protected, E, policy), E, impl),
         lambda: (jnp.zeros((E,), jnp.int32), jnp.full((table.num_slots,), E, jnp.int32)))
 
     # Misses and hits up to each expert (one [2, E, E] count, no cumsum): a miss's rank among the
@@ -577,7 +516,7 @@ def _update_fused(table, layer, routed, cur_slot, hit, miss, E, policy, half_lif
 
 def forget_slots(table: SlotTable, slots: jax.Array) -> SlotTable:
     """Mark ``slots`` free: ``id_of_slot = -1``, ``last_use = -1``, ``slot_of[old id] = -1``, and
-    clear the LRFU history of the ids they held (``crf_log2 = -inf``, ``crf_time = -1``).
+    clear the CRF history (``lfru``, ``lfu``) of the ids they held (``crf_log2 = -inf``, ``crf_time = -1``).
 
     Used when prefill borrows slots as streaming buffers (DESIGN.md 1.3): the borrowed slots
     must be invalidated first so no stale weights are ever served.

@@ -16,7 +16,7 @@ import pytest
 
 from ftjax.checkpoint import random_model
 from ftjax.config import EngineConfig, preset
-from ftjax.engine import Engine
+from ftjax import Engine
 from ftjax.experts import formats, quant
 from ftjax.experts.state import ExpertBanks
 from ftjax.kernels import moe_decode

@@ -12,7 +12,7 @@ import pytest
 
 from ftjax.checkpoint import random_model
 from ftjax.config import EngineConfig, preset
-from ftjax.engine import Engine
+from ftjax import Engine
 from ftjax.experts import policies, slot_table
 
 PROMPT = [3, 141, 59, 26, 5, 358, 97, 93, 238, 46, 264, 33]

@@ -283,6 +283,24 @@ def engine_programs(engine, fn_name: str | None = None):
                 key[2], entry.executable
 
 
+def scan_executable(engine, plan, tokens, start, valid, cache, prefix=()):
+    """The compiled layer-scan program (``ftjax.runtime.step.forward_step``) of one call of ``engine``
+    planned as ``plan`` (``engine.planner.plan(...)``, driver "scan") on these arguments: what
+    ``engine._run(plan, tokens, start, valid, cache, prefix)`` runs (compiled here if it is not yet;
+    nothing runs).
+    Raises:
+      ValueError: a plan for the layer-pipelined driver (one program per layer, not one)."""
+    from ftjax.runtime import drivers
+    from ftjax.runtime.step import forward_step
+    if plan.driver != "scan":
+        raise ValueError(f"a {plan.driver} call is not one program")
+    ctx = engine._context()
+    a = drivers.CallArgs(np.asarray(tokens, np.int32), np.asarray(start, np.int32), np.asarray(valid, np.int32),
+                         cache, engine.state, tuple(prefix))
+    args = (ctx.params, ctx.banks, a.cache, a.state, a.tokens, a.start, a.valid, a.prefix)
+    return ctx.compile(forward_step, args, compiler_options=plan.compiler_options, cfg=ctx.cfg, opts=plan.opts)
+
+
 def meta() -> dict:
     """Git commit, device name, backend, jax version, UTC date, host CPU count, Python version."""
     return run_meta()

@@ -1,5 +1,8 @@
 r"""A/B of the slot table's implementations (``ftjax.experts.slot_table.ORDER_IMPLS``) on one device.
 
+An engine picks one with its kernel config (``KernelConfig.slot_order``, ``--slot_order`` of
+``ftjax.generate``); here each is passed to ``lookup_layer`` directly (``impl=``).
+
 A cached decode step of qwen3-30b-a3b (48 layers, E = 128, S ~ 1975, batch 1) calls
 ``lookup_layer`` once per layer inside the layer scan; on the H200 its bookkeeping was 15 kernels
 per layer and the LRU ``eviction_order`` (a full argsort of the S slots) alone 0.75 ms per step.
@@ -31,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 
 from experiments import common  # noqa: E402
 from ftjax.experts.slot_table import ORDER_IMPLS, POLICIES, SlotTable, lookup_layer  # noqa: E402
@@ -49,6 +52,16 @@ flags.DEFINE_integer("top_k", 8, "Experts routed per layer (batch 1).")
 flags.DEFINE_integer("repeats", 50, "Timed calls per (case, policy, impl); the median is reported.")
 flags.DEFINE_integer("warmup", 3, "Untimed calls first.")
 flags.DEFINE_integer("seed", 0, "Seed of the routing and of the table.")
+common.check_names("impls", ORDER_IMPLS, allow_empty=True)
+common.check_names("policies", POLICIES)
+common.check_numbers("hit_rates", float, low=0, high=1)
+for _name in ("num_layers", "num_experts", "num_slots", "top_k", "repeats"):
+    flags.register_validator(_name, lambda v: v >= 1, "must be >= 1")
+flags.register_validator("warmup", lambda v: v >= 0, "must be >= 0")
+flags.register_multi_flags_validator(
+    ["num_layers", "num_experts", "num_slots", "top_k"],
+    lambda d: d["top_k"] <= d["num_experts"] <= d["num_slots"] <= d["num_layers"] * d["num_experts"],
+    "need top_k <= num_experts <= num_slots <= num_layers * num_experts")
 
 _NOT_KERNELS = {"parameter", "get-tuple-element", "constant", "tuple", "bitcast", "after-all"}
 
@@ -228,4 +241,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    common.run(main)

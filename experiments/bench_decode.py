@@ -8,8 +8,10 @@ expert storage format (--expert_dtypes: bfloat16, int8, int4, fp8, ...: the ftja
       --vram_budget_gb=1.02 --batches=1 --expert_dtypes=bfloat16,int8,int4,fp8 --out_dir=/tmp/bench_smoke
 
 For each batch and mode: a prompt of --prompt_len tokens is prefilled, then --steps tokens are
-decoded with every step timed (TPOT). Per mode it reports decode tokens/s, the median step time
-and its spread, decode hit rate, H2D bytes per step, and
+decoded with every step timed (TPOT). Every engine runs with the kernel config of the kernel flags
+(``--kernels``, ``--kernel_tiles``, ``--min_dot_rows``, ``--decode_graphs``, ... as ``ftjax.generate``;
+``EngineConfig.kernels``), which each row's ``engine`` records. Per mode it reports decode tokens/s,
+the median step time and its spread, decode hit rate, H2D bytes per step, and
   bound = resident step time + missed bytes per step / B_P
 with B_P the pinned_host -> device bandwidth measured in the same run (DESIGN.md 4). Each format
 quantizes the random banks once (round to nearest); its memory plan sizes the slots by its own
@@ -30,10 +32,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from experiments import common  # noqa: E402
+from ftjax import Engine  # noqa: E402
 from ftjax.checkpoint import DTYPES  # noqa: E402
-from ftjax.engine import Engine  # noqa: E402
-from ftjax.config import DECODE_GRAPHS, EngineConfig  # noqa: E402
+from ftjax.config import EXPERT_MODES, EngineConfig  # noqa: E402
 from ftjax.experts import quant  # noqa: E402
+from ftjax.experts.slot_table import POLICIES  # noqa: E402
 from ftjax.runtime.planner import GB, plan_memory  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -44,16 +47,22 @@ flags.DEFINE_list("batches", ["1", "4"], "Batch sizes.")
 flags.DEFINE_list("modes", ["resident", "cached", "on_demand"], "Expert modes to compare.")
 flags.DEFINE_list("cache_policies", ["lru"], "Slot eviction policies for mode cached (lru, lookahead).")
 common.define_expert_dtypes()
-flags.DEFINE_integer("prompt_len", 512, "Prompt tokens.")
-flags.DEFINE_integer("steps", 128, "Decode steps timed.")
+flags.DEFINE_integer("prompt_len", 512, "Prompt tokens.", lower_bound=1)
+flags.DEFINE_integer("steps", 128, "Decode steps timed.", lower_bound=1)
 flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
-flags.DEFINE_enum("decode_graphs", "auto", list(DECODE_GRAPHS), "EngineConfig.decode_graphs of every engine.")
 flags.DEFINE_string("hlo_dir", None, "If set, write the compiled cached decode step's HLO text here.")
+common.define_kernel_flags()  # the kernel config of every engine (EngineConfig.kernels)
+common.check_names("modes", EXPERT_MODES)
+common.check_names("cache_policies", POLICIES)
+common.check_names("expert_dtypes", quant.FORMATS)
+common.check_numbers("batches", int, low=1)
+common.check_preset()
+common.check_choice("dtype", DTYPES)
 
 
 def run_mode(model, mode, slots, batch, max_seq_len, prompts, policy="lru"):
     engine = Engine(model, EngineConfig(mode, num_slots=slots, max_seq_len=max_seq_len, batch=batch,
-                                        cache_policy=policy, decode_graphs=FLAGS.decode_graphs))
+                                        cache_policy=policy, kernels=common.kernel_config()))
     res = engine.generate(prompts, FLAGS.steps + 1, time_steps=True)
     ec = engine.expert_cache_metrics()
     steps = np.array(res.step_s)
@@ -72,18 +81,17 @@ def run_mode(model, mode, slots, batch, max_seq_len, prompts, policy="lru"):
     slow = np.argsort(-steps, kind="stable")[:3]
     row["slowest_steps_ms"] = [[int(i), round(float(steps[i]) * 1e3, 3)] for i in slow]
     if FLAGS.hlo_dir and mode == "cached" and policy == "lru":
-        row["decode_hlo"] = dump_decode_hlo(batch)
+        row["decode_hlo"] = dump_decode_hlo(engine, batch)
     del engine, res
     gc.collect()
     return row
 
 
-def dump_decode_hlo(batch: int) -> dict:
-    """Writes the compiled cached decode step's HLO and returns counts of the ops that show
-    whether expert copies are asynchronous (copy-start/copy-done) or synchronous."""
-    from ftjax.engine import compiled_programs
-    for _, static, shapes, exe in compiled_programs("_forward_step"):
-        if static["mode"] == "cached" and (batch, 1) in [s[0] for s in shapes]:
+def dump_decode_hlo(engine, batch: int) -> dict:
+    """Writes the compiled cached decode step's HLO (of ``engine``'s programs) and returns counts of the ops
+    that show whether expert copies are asynchronous (copy-start/copy-done) or synchronous."""
+    for _, static, shapes, exe in common.engine_programs(engine, "forward_step"):
+        if static["opts"].mode == "cached" and (batch, 1) in [s[0] for s in shapes]:
             text = exe.as_text()
             path = os.path.join(FLAGS.hlo_dir, f"decode_cached_b{batch}.hlo.txt")
             os.makedirs(FLAGS.hlo_dir, exist_ok=True)
@@ -111,8 +119,11 @@ def main(argv):
         print(f"experts stored {label}: {fmodel.banks.fmt} {fmodel.banks.gate_up.dtype}, "
               f"{fmodel.expert_bytes / 1e6:.3f} MB per expert", flush=True)
         for batch in map(int, FLAGS.batches):
-            plan = plan_memory(cfg, itemsize, budget_bytes=int(FLAGS.vram_budget_gb * GB), batch=batch,
-                               max_seq_len=max_seq_len, expert_bytes=fmodel.expert_bytes)
+            try:
+                plan = plan_memory(cfg, itemsize, budget_bytes=int(FLAGS.vram_budget_gb * GB), batch=batch,
+                                   max_seq_len=max_seq_len, expert_bytes=fmodel.expert_bytes)
+            except ValueError as e:  # the budget does not fit this batch / format
+                raise app.UsageError(f"--vram_budget_gb={FLAGS.vram_budget_gb} ({label}, batch {batch}): {e}") from None
             plans[f"{label}/b{batch}"] = plan.as_dict()
             print(plan.describe(), flush=True)
             # offloading modes first: resident needs the whole pool on the device
@@ -160,4 +171,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    common.run(main)

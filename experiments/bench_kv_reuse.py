@@ -19,7 +19,7 @@ TTFT (prefill + first greedy token; compilation excluded; lookup included) is me
 * ``prefetch``: layerwise reuse, layer l+1's prefix KV copied inside the scan while layer l
   computes (``ftjax.kv.layerwise``, variant "prefetch"); only the suffix is computed.
 * ``xs``: layerwise reuse with the chunk arrays as scan xs (the JAX docs' streaming pattern).
-* ``pipelined``: layerwise reuse on the layer-pipelined driver (``ftjax.layer_pipeline``: one
+* ``pipelined``: layerwise reuse on the layer-pipelined driver (``ftjax.runtime.drivers``: one
   program per layer, layer l+1's prefix rows copied from Python while layer l computes), run by an
   engine of its own with ``EngineConfig.prefill_driver="pipelined"`` (after the other loads; the
   first engine is freed first) and the KV load "xs" (the driver hands each layer its slices); once
@@ -52,7 +52,7 @@ device ``device_put`` bandwidth measured in this run; and op counts of the compi
 
 Chunk sizes are read from the entries the earlier request stored (``chunk_layout`` of each mode;
 top level: ``chunk_bytes`` = ``chunk_kv_bytes`` + ``chunk_state_bytes``). The hybrid family
-(``qwen3_5_moe``, e.g. ``--preset=qwen3.5-35b-a3b``; ``ftjax.hybrid``) has K/V only in its
+(``qwen3_5_moe``, e.g. ``--preset=qwen3.5-35b-a3b``; ``ftjax.layers.gated_deltanet``) has K/V only in its
 full-attention layers (1 in 4), and each stored chunk is ``(kv [L_att, 2, C, Hkv, hd], conv
 [G, Nl, K-1, conv_dim], rec [G, Nl, Hv, dk, dv] float32)``: the linear layers' state at the
 chunk's end (~63 MB per chunk for the 35B-A3B, beside 5 MB of K/V). A layerwise load copies the
@@ -60,8 +60,12 @@ K/V of every hit chunk but only the last chunk's state (``layerwise_copy_bytes``
 ablation copies whole entries. For this family the chunk must be a multiple of 64 tokens, and two
 parts are skipped with the reason in ``in_scan_copy_only`` / ``loads_skipped``: the in-scan copy
 alone (``load_prefix_only`` scans K/V layers only, not the block scan that loads the state) and
-``pipelined`` (``EngineConfig`` refuses that driver for a model that scans blocks of two layer
-kinds).
+``pipelined`` (a call with a KV hook on a model with a layer kind that carries a recurrent state runs
+on the layer scan only: ``CallPlanner.pipelines``).
+
+Every engine (the probes' too) runs with the kernel config of the kernel flags (``--kernels``,
+``--kernel_tiles``, ... as ``ftjax.generate``; ``EngineConfig.kernels``), recorded in each load's
+``engine``.
 
 Writes ONE JSON (``bench_kv_reuse_<preset>.json``), plus HLO text of the reuse programs of the
 first mode, and prints a table last. Sizes in bytes, times in seconds, GB = 1e9 bytes.
@@ -85,13 +89,17 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from experiments import common  # noqa: E402
 from experiments.common import hlo_ops, measure_h2d, meta, spread, table, write_json  # noqa: E402
+from ftjax import Engine  # noqa: E402
+from ftjax import layers as layer_kinds  # noqa: E402
+from ftjax import model as model_lib  # noqa: E402
 from ftjax.checkpoint import DTYPES, random_model  # noqa: E402
-from ftjax.config import (KV_LOADS, PREFILL_DRIVERS, PREFIX_COPIES, EngineConfig, KVOffloadConfig,  # noqa: E402
-                          ModelConfig, preset)
-from ftjax.engine import Engine, compiled_programs  # noqa: E402
+from ftjax.config import (EXPERT_MODES, KV_LOADS, PREFILL_DRIVERS, PREFIX_COPIES, EngineConfig,  # noqa: E402
+                          KVOffloadConfig, ModelConfig, preset)
+from ftjax.layers.gated_deltanet import DELTA_CHUNK  # noqa: E402
 from ftjax.runtime.planner import GB, plan_memory  # noqa: E402
-from ftjax.gated_deltanet import DELTA_CHUNK  # noqa: E402
+from ftjax.runtime.programs import compiled_programs  # noqa: E402
 from ftjax.kv import prefix_cache as pc_lib  # noqa: E402
 from ftjax.kv.host_store import HostKVStore, entry_nbytes  # noqa: E402
 from ftjax.kv.layerwise import bucket_chunks, load_prefix_only  # noqa: E402
@@ -135,6 +143,16 @@ flags.DEFINE_string("probe_only", None, "Internal: run the probe of this variant
 flags.DEFINE_float("time_budget_s", 400.0, "Skip the modes not yet started once this many seconds have passed "
                    "(the JSON is rewritten after every mode).")
 flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
+common.define_kernel_flags()  # the kernel config of every engine (EngineConfig.kernels)
+common.check_preset()
+common.check_choice("dtype", DTYPES)
+common.check_names("modes", EXPERT_MODES)
+common.check_names("loads", LOADS)
+common.check_names("prefix_copies", PREFIX_COPIES)
+common.check_numbers("prefix_copy_layers", int, low=1)
+for _name in ("chunk_tokens", "prefill_chunk", "reps", "recompute_reps", "h2d_mb"):
+    flags.register_validator(_name, lambda v: v >= 1, "must be >= 1")
+flags.register_validator("expert_slots", lambda v: v is None or v >= 1, "must be >= 1")
 
 
 # ---- the family's limits -----------------------------------------------------------------------
@@ -146,14 +164,16 @@ def pipelined_refusal(cfg: ModelConfig) -> str | None:
                      prefill_driver="pipelined").for_model(cfg)
     except ValueError as e:
         return f"EngineConfig refuses prefill_driver='pipelined' for {cfg.model_type}: {e}"
-    if cfg.is_hybrid:  # Engine.pipelines keeps a hybrid model on its block scan in every mode
-        return f"{cfg.model_type} runs on its block scan only (Engine.pipelines)"
+    stateful = [k for k in model_lib.structure(cfg).pattern if layer_kinds.get(k).state == ("conv", "rec")]
+    if stateful:  # CallPlanner.pipelines keeps a call with a KV hook on the scan for such a model
+        return (f"{cfg.model_type} has layer kind {', '.join(dict.fromkeys(stateful))} (a recurrent state): a "
+                "call with a KV hook runs on the layer scan only (CallPlanner.pipelines)")
     return None
 
 
 SCAN_COPY_HYBRID = ("load_prefix_only copies K/V chunks [L, 2, C, Hkv, hd] through a scan over K/V layers; a "
-                    "hybrid chunk is (kv, conv, rec) whose linear state loads block by block inside the model's "
-                    "block scan, which that measurement does not model")
+                    "hybrid chunk is (kv, conv, rec) whose linear state the KV hook loads for the model's block "
+                    "scan (LayerwiseKV.load_state), which that measurement does not model")
 
 
 def chunk_layout(entry) -> dict:
@@ -194,7 +214,8 @@ def probe(variant: str) -> dict:
     route = "scan" if variant == "store_scan" else "after"
     driver = "pipelined" if variant.startswith("pipelined") else "scan"
     copy = "in_program" if variant == "pipelined_in_program" else "put"  # the prefix copy this probe stands for
-    engine = Engine(model, EngineConfig("resident", max_seq_len=256, prefill_driver=driver, prefix_copy=copy))
+    engine = Engine(model, EngineConfig("resident", max_seq_len=256, prefill_driver=driver, prefix_copy=copy,
+                                        kernels=common.kernel_config()))
     mgr = pc_lib.PrefixCache(HostKVStore(10**8), KVOffloadConfig(chunk_tokens=c, load=load, store_route=route,
                                                                  prefill_chunk=128))
     rng = np.random.default_rng(0)
@@ -224,7 +245,7 @@ def run_probes(variants) -> dict:
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONPATH=os.pathsep.join(
         [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")]))
     procs = {v: subprocess.Popen([sys.executable, os.path.abspath(__file__), f"--probe_only={v}",
-                                  f"--preset={FLAGS.preset}"], env=env,
+                                  f"--preset={FLAGS.preset}", *common.kernel_flag_args()], env=env,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for v in variants}
     out = {}
     for v, p in procs.items():
@@ -278,26 +299,29 @@ def _copy_layers() -> list[int]:
     return values
 
 
-def reuse_executables(mode: str, load: str, copy: str | None = None, rows: int = 1) -> list:
-    """Compiled reuse programs (with a prefix) of this mode and load, from the engine's AOT cache;
-    for ``pipelined``, its layer programs that take a prefix, of prefix copy ``copy``
-    (``EngineConfig.prefix_copy``; None: "put") and ``rows`` layers per copy group: with
+def reuse_executables(mode: str, load: str, copy: str | None = None, rows: int = 1, kernels=None) -> list:
+    """Compiled reuse programs (with a prefix) of this mode and load, from the shared program cache
+    (``ftjax.runtime.programs``); for ``pipelined``, its layer programs that take a prefix, of prefix
+    copy ``copy`` (``EngineConfig.prefix_copy``; None: "put") and ``rows`` layers per copy group: with
     "in_program", the ones that also copy the next layer's slices (more arguments) first, not the
-    last layer's."""
+    last layer's. ``kernels``: only the programs of this ``KernelConfig`` (None: any)."""
     if load == "pipelined":
         next_copies = (copy or "put") == "in_program"
         found = [(len(signature), exe) for _, statics, signature, exe in compiled_programs("layer_program")
                  if statics["opts"].has_prefix and statics["opts"].step.mode == mode
+                 and (kernels is None or statics["opts"].step.kernels == kernels)
                  and statics["opts"].prefix_next == next_copies
                  and any(len(s[0]) == 5 and s[0][0] == rows and s[0][1] == 2 for s in signature)]
         return [exe for _, exe in sorted(found, key=lambda x: -x[0])]
     variant = "xs" if load == "all_first" else load
     kind = "device" if load == "all_first" else None
     found = []
-    for _, statics, signature, exe in compiled_programs("_forward_step"):
+    for _, statics, signature, exe in compiled_programs("forward_step"):
         prefix = [s for s in signature if len(s[0]) == 5 and s[0][1] == 2]
         opts = statics["opts"]
         if opts.mode != mode or opts.kv is None or opts.kv.variant != variant or not prefix:
+            continue
+        if kernels is not None and opts.kernels != kernels:
             continue
         if (kind == "device") != all(s[2] == "device" for s in prefix):
             continue
@@ -350,7 +374,8 @@ def run_mode(model, mode: str, slots, max_seq_len: int, prefix: list[int], rng, 
 
     def new_engine(driver, prefix_copy="put", copy_layers=1):
         return Engine(model, EngineConfig(mode, num_slots=slots, max_seq_len=max_seq_len, prefill_driver=driver,
-                                          prefix_copy=prefix_copy, prefix_copy_layers=copy_layers))
+                                          prefix_copy=prefix_copy, prefix_copy_layers=copy_layers,
+                                          kernels=common.kernel_config()))
 
     engine = new_engine(FLAGS.prefill_driver)
     store = HostKVStore(store_bytes)
@@ -470,7 +495,8 @@ def run_mode(model, mode: str, slots, max_seq_len: int, prefix: list[int], rng, 
                 res["load_s"] = spread([r["load_s"] for r in runs])
                 res["compute_s"] = spread([r["ttft_s"] - r["load_s"] for r in runs])
                 res["load_GBps"] = (r0["bytes_loaded"] + r0["bytes_padding"]) / res["load_s"]["median"] / 1e9
-            exes = reuse_executables(mode, load, copy, engine.prefix_copy_rows() if load == "pipelined" else 1)
+            exes = reuse_executables(mode, load, copy, engine.prefix_copy_rows() if load == "pipelined" else 1,
+                                     engine.config.kernels)
             if exes:
                 text = exes[0].as_text()
                 res["hlo_ops"] = hlo_ops(text)
@@ -674,4 +700,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    common.run(main)

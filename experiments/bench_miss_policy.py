@@ -15,6 +15,11 @@ p10/p90 spread), TTFT, hit rate, fetched / CPU-computed misses, the split histog
 model's predicted expert time per token, and the logits' difference from the fetch run (CPU and
 GPU arithmetic may round differently). Prints a table last.
 
+Each run's engine gets its miss policy as ``EngineConfig.miss`` (``MissPolicyConfig``: the policy, the
+mechanism, its calibrated thread count and, for adaptive, the calibrated split model) and the kernel
+config of the kernel flags (``--kernels``, ... as ``ftjax.generate``; ``EngineConfig.kernels``); each
+run records ``engine`` (``Engine.describe()``).
+
 DESIGN.md 1.2 (FreeToken): report fetch-only, cpu-only and adaptive side by side; a mis-calibrated
 split was slower than pure fetching in the field.
 """
@@ -25,10 +30,16 @@ import faulthandler
 import gc
 import os
 import re
+import sys
 import time
 import traceback
 
 from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from experiments import common  # noqa: E402
+from ftjax.config import MISS_POLICIES  # noqa: E402
+from ftjax.experts.cpu_experts import IMPLS  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("preset", "qwen3-30b-a3b", "Model shape (random weights).")
@@ -50,6 +61,16 @@ flags.DEFINE_float("temperature", 1.0, "Sampling temperature (same seed in every
 flags.DEFINE_integer("seed", 0, "Weights, prompt and sampling seed.")
 flags.DEFINE_float("time_budget_s", 330.0, "Skip further runs after this many seconds (the JSON says which).")
 flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
+common.define_kernel_flags()  # the kernel config of every engine (EngineConfig.kernels)
+common.check_preset()
+common.check_numbers("budgets_gb", float, low=0)
+common.check_numbers("small_model_slot_fractions", float, low=0, high=1)
+common.check_names("impls", IMPLS)
+common.check_names("policies", MISS_POLICIES)
+flags.register_validator("batch", lambda v: v >= 1, "must be >= 1")
+flags.register_validator("prompt_len", lambda v: v >= 1, "must be >= 1")
+flags.register_validator("cpu_threads", lambda v: v >= 0, "must be >= 0")
+flags.register_validator("temperature", lambda v: v >= 0, "must be >= 0")
 
 
 def _host_mem_available_gb() -> float | None:
@@ -93,12 +114,9 @@ def main(argv):
     import numpy as np
 
     from ftjax import calibrate
+    from ftjax import Engine
     from ftjax.checkpoint import DTYPES, random_model
-    from ftjax.config import preset
-    from experiments import common
-    from ftjax.config import EngineConfig
-    from ftjax.engine import Engine
-    from ftjax.experts import miss_policy
+    from ftjax.config import EngineConfig, MissPolicyConfig, preset
     from ftjax.experts.miss_split import SplitModel
     from ftjax.runtime.planner import GB, plan_memory
 
@@ -216,21 +234,22 @@ def main(argv):
         try:
             split_model = None
             if pol == "fetch":
-                rt = None
+                miss = MissPolicyConfig()
             else:
-                th = entry["impls"][impl]["mechanism"].get("threads")
-                cpu = cpu_experts.make_cpu_experts(impl, model.host_gate_up, model.host_down, th)
+                # the calibrated mechanism: its thread count and, for adaptive, its fitted split model
+                th = entry["impls"][impl]["mechanism"].get("threads") or 0
                 if pol == "adaptive":
                     split_model = calibrate.split_model_from(entry["impls"][impl])
                 elif pol == "adaptive-qstar":
                     fitted = calibrate.split_model_from(entry["impls"][impl])
                     split_model = SplitModel(beta_p=fitted.beta_p, beta_h=fitted.beta_h)
-                rt = miss_policy.build_runtime(pol.split("-")[0], cfg.num_experts, cpu,
-                                               split_model=split_model, calibration={"key": key})
-                if pol == "adaptive-qstar":
-                    rt.rule = "qstar (alone per-expert costs; no fixed costs; full overlap)"
-            eng = Engine(model, EngineConfig("cached", num_slots=s, max_seq_len=max_seq_len, batch=FLAGS.batch),
-                         miss=rt)
+                miss = MissPolicyConfig(pol.split("-")[0], cpu_impl=impl, cpu_threads=th, split_model=split_model)
+            eng = Engine(model, EngineConfig("cached", num_slots=s, max_seq_len=max_seq_len, batch=FLAGS.batch,
+                                             kernels=common.kernel_config(), miss=miss))
+            if pol != "fetch":  # provenance in the metrics, as the runtime built from a profile would have
+                eng.miss.calibration = {"key": key}
+            if pol == "adaptive-qstar":
+                eng.miss.rule = "qstar (alone per-expert costs; no fixed costs; full overlap)"
             run["host_mem_available_gb"] = _host_mem_available_gb()
             out = eng.generate(prompts, FLAGS.steps, temperature=FLAGS.temperature, seed=FLAGS.seed,
                                keep_logits=True, time_steps=True)
@@ -319,4 +338,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    common.run(main)

@@ -18,7 +18,11 @@ stored (quantized weights and their float32 scales: ``ExpertBanks.expert_bytes``
 quantizes the random banks once (round to nearest) and plans its slots by its own bytes per
 expert; every row names its format (``expert_dtype``), its ``expert_bytes`` and ``pool_bytes``.
 Also times the grouped expert matmul (Mosaic GPU kernel vs jax.lax.ragged_dot, dense) on one
-layer's 8192-token routing, and counts async-copy ops in the HLO.
+layer's 8192-token routing, and counts async-copy ops in the HLO of the streamed scan step. Every
+engine runs with the kernel config of the kernel flags (``--kernels``, ``--grouped_matmul``,
+``--flash_prefill``, ... as ``ftjax.generate``; ``EngineConfig.kernels``, recorded in each row's
+``engine``); under ``--grouped_matmul=auto`` the engines use ragged_dot ("xla") when the Mosaic GPU
+kernel failed or is unsupported in the timing above (``grouped_matmul.used``).
 
   PYTHONPATH=. python3 experiments/bench_prefill.py --vram_budget_gb=24 --lengths=8192 \
       --variants=stream_warm,stream_warm_no_d2d,resident     # D2D copies of cache hits on / off
@@ -32,7 +36,7 @@ import os
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -41,9 +45,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from experiments import common  # noqa: E402
-from ftjax import engine as engine_lib  # noqa: E402
+from ftjax import Engine  # noqa: E402
 from ftjax.checkpoint import DTYPES  # noqa: E402
-from ftjax.engine import Engine  # noqa: E402
 from ftjax.config import EngineConfig  # noqa: E402
 from ftjax.experts import quant  # noqa: E402
 from ftjax.runtime.planner import GB, plan_memory  # noqa: E402
@@ -78,6 +81,14 @@ flags.DEFINE_integer("warm_decode_tokens", 32, "stream_warm variants: decode ste
                      "cache before each timed prefill.")
 common.define_expert_dtypes()
 flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
+common.define_kernel_flags()  # the kernel config of every engine (EngineConfig.kernels)
+common.check_preset()
+common.check_choice("dtype", DTYPES)
+common.check_numbers("lengths", int, low=1)
+common.check_names("variants", VARIANTS)
+common.check_names("expert_dtypes", quant.FORMATS)
+flags.register_validator("prefill_chunk", lambda v: v >= 1, "must be >= 1")
+flags.register_validator("warm_decode_tokens", lambda v: v >= 1, "must be >= 1")
 
 
 def bench_grouped_matmul(cfg, dtype, tokens: int = 8192) -> dict:
@@ -112,9 +123,11 @@ def bench_grouped_matmul(cfg, dtype, tokens: int = 8192) -> dict:
     return out
 
 
-def hlo_counts(stream: bool) -> dict:
-    for _, static, _, exe in engine_lib.compiled_programs("_forward_step"):
-        if static.get("stream") == stream and static["mode"] == "cached":
+def hlo_counts(engine, stream: bool) -> dict:
+    """Async-copy op counts of ``engine``'s cached scan step with ``stream`` ({} when it ran none: a
+    streamed call on the layer-pipelined driver)."""
+    for _, static, _, exe in common.engine_programs(engine, "forward_step"):
+        if static["opts"].stream == stream and static["opts"].mode == "cached":
             return common.hlo_ops(exe.as_text())
     return {}
 
@@ -130,9 +143,10 @@ def main(argv):
           f"bound per chunk {pool_bytes / bp_gbps / 1e9:.3f} s", flush=True)
     kernel = bench_grouped_matmul(cfg, jnp.dtype(DTYPES[FLAGS.dtype]))
     print("grouped matmul:", kernel, flush=True)
-    if not isinstance(kernel.get("mgpu"), dict):  # the kernel failed or is unsupported: use ragged_dot
-        os.environ["FTJAX_GROUPED_MATMUL"] = "xla"
-    kernel["used"] = os.environ.get("FTJAX_GROUPED_MATMUL", "auto")
+    kernels = common.kernel_config()
+    if kernels.grouped_matmul == "auto" and not isinstance(kernel.get("mgpu"), dict):
+        kernels = dataclasses.replace(kernels, grouped_matmul="xla")  # the kernel failed or is unsupported
+    kernel["used"] = kernels.grouped_matmul
     lengths = [int(x) for x in FLAGS.lengths]
     rows, hlo, plans, first_logits, pools = [], {}, {}, {}, {}
     for fmt in FLAGS.expert_dtypes or [None]:
@@ -172,8 +186,8 @@ def main(argv):
                 try:
                     config = EngineConfig(mode, num_slots=1, max_seq_len=max_seq_len, prefill=prefill,
                                           prefill_chunk=FLAGS.prefill_chunk, prefill_overlap=overlap,
-                                          prefill_driver=driver, stream_d2d_hits=d2d)
-                    plan = plan_of[config.pipelines_streams(cfg)]
+                                          prefill_driver=driver, stream_d2d_hits=d2d, kernels=kernels)
+                    plan = plan_of[config.pipelines_streams()]
                     eng = Engine(fmodel, dataclasses.replace(config, num_slots=plan.slots))
                     # fewer (token, expert) pairs than E: the warm-up request loads its experts on demand
                     warm_prompt = prompt[: max(1, (cfg.num_experts - 1) // cfg.top_k)]
@@ -197,19 +211,19 @@ def main(argv):
                     row = {"variant": variant, "tokens": n, "slots": plan.slots, "ttft_s": common.spread(ttfts),
                            "first_calls_s": first_calls,
                            "tokens_per_s": n / ttft, "chunks": chunks, "s_per_chunk": ttft / chunks,
-                           "streamed": eng.streams(min(n, FLAGS.prefill_chunk)), "h2d_bytes": moved,
+                           "streamed": eng.planner.streams(min(n, FLAGS.prefill_chunk)), "h2d_bytes": moved,
                            "achieved_h2d_GBps": moved / ttft / 1e9, "compile_s": eng.compile_s,
                            "stream_d2d_hits": d2d, "warm_decode_tokens": FLAGS.warm_decode_tokens if warm else 0,
                            "cached_experts_before": cached, "d2d_bytes": d2d_bytes, "d2d_copies": d2d_copies,
                            "h2d_bound_s": moved / (bp_gbps * 1e9),
                            "driver_calls": dict(eng.prefill_driver_calls),
                            "copy_path": eng.stream_copy_path,
-                           "workspace_bytes": eng.workspace_bytes(), "planned_bytes": plan.planned_bytes,
+                           "workspace_bytes": eng.programs.workspace_bytes(), "planned_bytes": plan.planned_bytes,
                            "engine": eng.describe()}
                     if variant != "resident":
                         row["copy_bound_s"] = chunks * fpool / (bp_gbps * 1e9)
                     if variant.startswith("stream") and variant not in hlo:
-                        hlo[variant] = hlo_counts(True)
+                        hlo[variant] = hlo_counts(eng, True)
                     del eng
                 except Exception as ex:
                     row = {"variant": variant, "tokens": n, "error": f"{type(ex).__name__}: {ex}"[:2000]}
@@ -275,4 +289,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    common.run(main)

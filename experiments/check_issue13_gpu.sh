@@ -13,6 +13,8 @@
 #   bash experiments/check_issue13_gpu.sh
 # The decode steps run with GEMM autotuning off (DECODE_XLA_FLAGS; the 2026-12-02 decode tables used it), the prefill
 # with XLA's defaults: autotuning off made the 8192-token prefill 3.9x slower (0.363 s vs 0.092 s, 2026-12-02).
+# KERNEL_ARGS (e.g. "--kernels=xla" or "--kernel_tiles=moe_decode:64/64/4/4") go to the three scripts whose engines
+# run with the kernel flags' KernelConfig (check_kernels_gpu sets its own configs); nothing reads FTJAX_* variables.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-experiments/results}"
@@ -31,10 +33,12 @@ step() {  # name timeout_s xla_flags script args...
 }
 TMPDIR_LOGS=$(mktemp -d)
 : > "$out/check_issue13_gpu.log"
+kernel_args=(${KERNEL_ARGS:-})
 step profile_step 240 "$decode_flags" experiments/profile_step.py --prefill_repeats=0 --runs=resident_decode,cached_decode \
-  --batches=1,4
+  --batches=1,4 ${kernel_args[@]+"${kernel_args[@]}"}
 step bench_decode 130 "$decode_flags" experiments/bench_decode.py --modes=cached --cache_policies=lookahead --batches=1 \
-  --steps=64 --vram_budget_gb=8
-step check_identity_gpu 80 "$decode_flags" experiments/check_identity_gpu.py --variants=cached_S=E,cached_S=2E
+  --steps=64 --vram_budget_gb=8 ${kernel_args[@]+"${kernel_args[@]}"}
+step check_identity_gpu 80 "$decode_flags" experiments/check_identity_gpu.py --variants=cached_S=E,cached_S=2E \
+  ${kernel_args[@]+"${kernel_args[@]}"}
 step check_kernels_gpu 150 "${XLA_FLAGS:-}" experiments/check_kernels_gpu.py --sections=rope_cache,slot_lookup,e2e_prefill \
   --time_budget_s=140

@@ -13,14 +13,15 @@ failure or a timeout keeps what ran before it):
 * ``moe``: ``ftjax.kernels.moe_decode`` vs ``compute.gather_outputs_reference`` (qwen3-30b-a3b:
   D=2048, F=768, k=8; pools of --moe_slots slots; batch 1 and 4; dense bf16 at every pool size,
   int8 / fp8 / int4 at the largest): max abs diff, median time of the per-pair outputs and of the
-  whole ``experts_gather`` (kernel + weighted sum vs the jnp path; int4 with FTJAX_KERNELS=moe_decode,
-  since ``auto`` keeps int4 on XLA), weight bytes read / time, for a sweep of tiles and warps
+  whole ``experts_gather`` (kernel + weighted sum vs the jnp path, traced under
+  ``registry.using(KernelConfig(use=...))``; int4 with ``use="moe_decode"``, since ``auto`` keeps int4
+  on XLA), weight bytes read / time, for a sweep of tiles and warps
   (``MOE_TILES``: dense; ``MOE_TILES_INT4``: int4's d_split 1, 2, 4, 8 and a few column / down
   tiles; ``MOE_TILES_QUANT``: int8 and fp8; ``--moe_tiles`` replaces them all), e.g.
 
     PYTHONPATH=. python experiments/check_kernels_gpu.py --out_dir=/tmp/k --sections=moe \
         --moe_formats=int4,int8 --time_budget_s=120
-* ``decode_attention``: ``ftjax.kernels.decode_attention`` vs ``model.attention`` (T=1) on a
+* ``decode_attention``: ``ftjax.kernels.decode_attention`` vs ``layers.attention.attention`` (T=1) on a
   4-layer stacked cache, 32/4 heads, hd 128, S_max 1024 and 8192, 600 filled, batch 1 and 4.
 * ``rope_cache``: ``ftjax.kernels.rope_cache`` (the decode attention's prologue: q/k norms, RoPE, K/V
   written into the cache) vs the model's jnp path; 48 layers, S_max 4096, batch 1 and 4; and its
@@ -28,18 +29,20 @@ failure or a timeout keeps what ran before it):
   ``decode_attention.merge_splits`` then the reference product.
 * ``slot_lookup``: ``ftjax.kernels.slot_lookup`` vs ``slot_table.lookup_layer`` (lru) over a random decode
   of qwen3-30b-a3b's 24 GB table (1975 slots), batch 1 and 4: outputs bit for bit, time per lookup.
-* ``route_decode``: ``ftjax.kernels.route_decode`` vs ``model.top_k_route`` on the summed partial logits
+* ``route_decode``: ``ftjax.kernels.route_decode`` vs ``layers.moe.top_k_route`` on the summed partial logits
   (qwen3-30b-a3b's router: 32 K-split parts of 128 logits, top-8, bf16), batch 1 and 4: ids differing over
   200 random draws, the largest weight difference, time per call.
 * ``flash_prefill``: ``flash_prefill.flash_attention`` (Triton backend) and the shipped Mosaic GPU
-  kernel (``mgpu_attention``) vs ``model.attention``: T=8192 from position 0 in an 8192 row, and
+  kernel (``mgpu_attention``) vs ``layers.attention.attention``: T=8192 from position 0 in an 8192 row, and
   (Triton kernel only) T=1024 from position 4096.
 * ``e2e``: qwen3-30b-a3b cut to --e2e_layers layers, random bf16 weights, resident: decode step
-  time (median of --e2e_steps) and TTFT of a --prompt_len prompt with FTJAX_KERNELS=xla, auto,
-  auto with the fastest MoE tiles of the ``moe`` section (FTJAX_MOE_DECODE_TILES), and each kernel
-  alone; logits diff and greedy ids vs xla; a cached run (--e2e_slots) with kernels on must give
-  the resident run's logits bit for bit.
-* ``e2e_prefill``: one --prefill_len prompt, resident, kernels off / flash (Triton) / flash (mgpu).
+  time (median of --e2e_steps) and TTFT of a --prompt_len prompt with the engine's kernel config
+  (``EngineConfig.kernels``) ``KernelConfig(use=...)`` xla, auto, auto with the fastest MoE tiles of the
+  ``moe`` section (``tiles={"moe_decode": ...}``), and each kernel alone; logits diff and greedy ids vs
+  xla; a cached run (--e2e_slots) with kernels on must give the resident run's logits bit for bit.
+  Each row records its engine's config (``engine``: the kernel config and ``kernels_applied``).
+* ``e2e_prefill``: one --prefill_len prompt, resident, kernels off / flash (Triton) / flash (mgpu)
+  (``KernelConfig(use="flash_prefill", flash_prefill="pallas" | "mgpu")``).
 
 First of all, the device memory bandwidth of a large elementwise op (``hbm``), the figure the
 kernels' GBps compare against.
@@ -49,7 +52,6 @@ Medians of --repeats timed calls after two warm-up calls; times in microseconds 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import gc
@@ -59,7 +61,7 @@ import sys
 import time
 import traceback
 
-from absl import app, flags
+from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -90,13 +92,31 @@ flags.DEFINE_integer("prefill_len", 8192, "Prompt tokens of the end-to-end prefi
 flags.DEFINE_float("time_budget_s", 540, "Skip the remaining checks after this many seconds.")
 flags.DEFINE_bool("smoke", False, "Tiny shapes and the tiny preset, kernels interpreted off the GPU (CPU smoke run).")
 
+
+def _check_moe_tiles(values):
+    for t in values:
+        parts = t.split(":")
+        if len(parts) not in (4, 6) or not all(p.isdigit() for p in parts):
+            return f"tile {t!r}: expected block_d:block_f:num_warps:d_split[:down_cols:down_rows] (integers)"
+    return None
+
+
+common.check_names("sections", ("moe", "decode_attention", "rope_cache", "slot_lookup", "route_decode",
+                                "flash_prefill", "e2e", "e2e_prefill"))
+common.check_names("moe_formats", ("dense", "int8", "fp8", "int4"))
+common.check_numbers("moe_slots", int, low=1)
+common.check_numbers("batches", int, low=1)
+common.validate("moe_tiles", _check_moe_tiles)
+for _name in ("repeats", "e2e_layers", "e2e_slots", "prompt_len", "prefill_len"):
+    flags.register_validator(_name, lambda v: v >= 1, "must be >= 1")
+flags.register_validator("e2e_steps", lambda v: v >= 0, "must be >= 0")
+
 # qwen3-30b-a3b shapes (--smoke replaces them in main)
 D, F, K = 2048, 768, 8
 HQ, HKV, HD = 32, 4, 128
 S_MAX, FILLED, PREFILL = (1024, 8192), 600, ((8192, 0), (1024, 4096))
 PRESET = "qwen3-30b-a3b"
 INTERPRET = False  # kernels called directly run in Pallas interpret mode (off the GPU)
-ENV = "FTJAX_KERNELS"
 T0 = time.perf_counter()
 OUT: dict = {"script": "experiments/check_kernels_gpu.py", "checks": []}
 
@@ -163,23 +183,11 @@ def maxdiff(a, b) -> float:
     return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
 
 
-@contextlib.contextmanager
 def kernels(value: str):
-    """FTJAX_KERNELS=value for what is traced inside (caches cleared on entry and exit)."""
-    from ftjax import engine
-    old = os.environ.get(ENV)
-    os.environ[ENV] = value
-    engine._COMPILED.clear()
-    jax.clear_caches()
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(ENV, None)
-        else:
-            os.environ[ENV] = old
-        engine._COMPILED.clear()
-        jax.clear_caches()
+    """The kernel config ``use=value`` for what is traced inside (``registry.using``; a function must be
+    jitted inside it: jax caches a trace per function)."""
+    from ftjax.kernels import registry
+    return registry.using(registry.KernelConfig(use=value))
 
 
 # ------------------------------------------------------------------------------------------ moe
@@ -293,8 +301,8 @@ def section_moe():
 
 # ---------------------------------------------------------------------------------- attention
 def section_decode_attention():
-    from ftjax import model as model_lib
     from ftjax.kernels import decode_attention as da
+    from ftjax.layers import attention as attention_lib
     L, layer, filled = 4, 2, FILLED
     for s_max in S_MAX:
         for batch in map(int, FLAGS.batches):
@@ -304,7 +312,7 @@ def section_decode_attention():
             vc = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
             q = jnp.asarray(rng.standard_normal((batch, 1, HQ, HD)), jnp.bfloat16)
             pos = jnp.full((batch, 1), filled - 1, jnp.int32).at[0, 0].set(filled // 3)  # rows of other lengths
-            ref_fn = jax.jit(lambda q, k, v, p: model_lib.attention(q, k[layer], v[layer], p))
+            ref_fn = jax.jit(lambda q, k, v, p: attention_lib.attention(q, k[layer], v[layer], p))
             want = ref_fn(q, kc, vc, pos)
             info = {"s_max": s_max, "batch": batch, "filled": filled}
             ref = check("decode_attention", "xla attention", lambda: {"xla_us": median_us(ref_fn, q, kc, vc, pos)},
@@ -326,15 +334,15 @@ def section_decode_attention():
 
 
 def section_rope_cache():
-    """``ftjax.kernels.rope_cache`` compiled vs the model's jnp path (the parts' sum, ``model._qk``, the
-    cache scatter) at qwen3-30b-a3b's decode shapes: 48 layers, K split 8, S_max 4096."""
+    """``ftjax.kernels.rope_cache`` compiled vs the model's jnp path (the parts' sum, ``layers.attention.qk``,
+    the cache scatter) at qwen3-30b-a3b's decode shapes: 48 layers, K split 8, S_max 4096."""
     import types
 
-    from ftjax import model as model_lib
     from ftjax.kernels import rope_cache as rc
+    from ftjax.layers import attention as attention_lib
     L, layer, s_max, parts, bf = (48, 7, 4096, 8, jnp.bfloat16) if not INTERPRET else (4, 3, 128, 2, jnp.bfloat16)
     cfg = types.SimpleNamespace(head_dim=HD, qk_norm="per_head", num_heads=HQ, num_kv_heads=HKV, rms_norm_eps=1e-6,
-                                rope_theta=1e6)
+                                rope_theta=1e6, norm_offset=False, rotary_dim=HD)
     for batch in map(int, FLAGS.batches):
         def row(batch=batch):
             rng = np.random.default_rng(batch)
@@ -346,7 +354,8 @@ def section_rope_cache():
             def ref(qkv, kc, vc, pos):
                 y = jnp.sum(qkv, axis=0).astype(bf)[:, None]
                 q, k, v = jnp.split(y, [HQ * HD, (HQ + HKV) * HD], axis=-1)
-                q, k, v = model_lib._qk(cfg, {"q_norm": qn[layer], "k_norm": kn[layer]}, y, pos[:, None], [q, k, v])
+                q, k, v = attention_lib.qk(cfg, {"q_norm": qn[layer], "k_norm": kn[layer]}, y, pos[:, None],
+                                           [q, k, v])
                 rows = jnp.arange(batch)[:, None]
                 return (q.reshape(batch, HKV, HQ // HKV, HD), kc.at[layer, rows, pos[:, None]].set(k)[layer],
                         vc.at[layer, rows, pos[:, None]].set(v)[layer])
@@ -416,16 +425,16 @@ def section_slot_lookup():
 
 
 def section_route_decode():
-    """``ftjax.kernels.route_decode`` compiled vs ``model.top_k_route`` on the summed partial logits on the GPU:
+    """``ftjax.kernels.route_decode`` compiled vs ``layers.moe.top_k_route`` on the summed partial logits on the GPU:
     qwen3-30b-a3b's router (32 K-split parts of 128 logits, top-8, renormalised, bf16), batch 1 and 4, 200
     random draws each: ids differing, largest weight difference; and the time of one call each way."""
-    from ftjax import model as model_lib
     from ftjax.config import preset
     from ftjax.kernels import route_decode as rd
+    from ftjax.layers import moe
     cfg = preset("qwen3-30b-a3b") if not INTERPRET else dataclasses.replace(preset("tiny"), top_k=4)
     p, e, k = (32 if not INTERPRET else 2), cfg.num_experts, cfg.top_k
     bf = jnp.bfloat16
-    ref_fn = jax.jit(lambda parts: model_lib.top_k_route(cfg, jnp.sum(parts, axis=0).astype(bf), bf))
+    ref_fn = jax.jit(lambda parts: moe.top_k_route(cfg, jnp.sum(parts, axis=0).astype(bf), bf))
     ker_fn = jax.jit(lambda parts: rd.route_decode(parts, top_k=k, norm_topk_prob=cfg.norm_topk_prob,
                                                    logits_dtype=bf, dtype=bf, interpret=INTERPRET))
     for batch in map(int, FLAGS.batches):
@@ -448,8 +457,8 @@ def section_route_decode():
 
 
 def section_flash_prefill():
-    from ftjax import model as model_lib
     from ftjax.kernels import flash_prefill as fp
+    from ftjax.layers import attention as attention_lib
     s_max = S_MAX[-1]
     for t, start in PREFILL:
         rng = np.random.default_rng(t)
@@ -458,7 +467,7 @@ def section_flash_prefill():
         q = jnp.asarray(rng.standard_normal((1, t, HQ, HD)), jnp.bfloat16)
         st = jnp.asarray([start], jnp.int32)
         pos = st[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
-        ref_fn = jax.jit(model_lib.attention)
+        ref_fn = jax.jit(attention_lib.attention)
         want = ref_fn(q, k, v, pos)
         info = {"T": t, "start": start, "s_max": s_max,
                 "flops": 4 * HQ * HD * sum(min(start + i + 1, s_max) for i in range(t))}
@@ -502,13 +511,13 @@ def _shape_bytes(shape: str) -> int:
     return int(np.prod([int(d) for d in m.group(3).split(",") if d] or [1])) * bits // 8
 
 
-def decode_hlo_stats(cfg, max_seq_len: int, batch: int = 1) -> dict:
-    """Op counts of the compiled decode step (tokens [batch, 1]): Triton kernel calls, copies,
+def decode_hlo_stats(engine, max_seq_len: int, batch: int = 1) -> dict:
+    """Op counts of ``engine``'s compiled decode step (tokens [batch, 1]): Triton kernel calls, copies,
     copies of a whole KV cache ([L, B, S_max, Hkv, hd]) and the five largest copies (a kernel
     reading the carried KV cache or slot pool must not make XLA copy it every layer)."""
-    from ftjax.engine import compiled_programs
+    cfg = engine.cfg
     cache = f"[{cfg.num_layers},{batch},{max_seq_len},{cfg.num_kv_heads},{cfg.head_dim}]"
-    for _, _, shapes, exe in compiled_programs("_forward_step"):
+    for _, _, shapes, exe in common.engine_programs(engine, "forward_step"):
         if (batch, 1) in [sh[0] for sh in shapes]:
             text = exe.as_text()
             copies = re.findall(r"=\s*(\S+)\s+copy(?:-start)?\(", text)  # result shapes of copy ops
@@ -530,34 +539,33 @@ def _model():
     return _MODEL["m"]
 
 
-def _run(model, value, mode="resident", slots=None, prompt_len=None, steps=None, max_seq_len=1024, flash=None):
+def _run(model, value, mode="resident", slots=None, prompt_len=None, steps=None, max_seq_len=1024, flash=None,
+         tiles=None):
+    """A run of an engine whose kernel config is ``KernelConfig(use=value, flash_prefill=flash, tiles=tiles)``;
+    returns the GenerationResult and keeps the engine's config in ``_ENGINES[value, mode]`` and its
+    decode step's op counts in ``_HLO[value, mode]``."""
+    from ftjax import Engine
     from ftjax.config import EngineConfig
-    from ftjax.engine import Engine
+    from ftjax.kernels.registry import KernelConfig
     prompt = np.random.default_rng(0).integers(0, model.cfg.vocab_size, prompt_len or FLAGS.prompt_len).tolist()
-    old = os.environ.get("FTJAX_FLASH_PREFILL")
-    if flash:
-        os.environ["FTJAX_FLASH_PREFILL"] = flash
+    kcfg = KernelConfig(use=value, flash_prefill=flash or "pallas", tiles=tiles or {})
+    eng = Engine(model, EngineConfig(mode, num_slots=slots, max_seq_len=max_seq_len, kernels=kcfg))
     try:
-        with kernels(value):
-            eng = Engine(model, EngineConfig(mode, num_slots=slots, max_seq_len=max_seq_len))
-            n = steps if steps is not None else FLAGS.e2e_steps
-            res = eng.generate([prompt], n + 1, time_steps=True, keep_logits=True)
-            _HLO[value, mode] = decode_hlo_stats(model.cfg, max_seq_len)
-            if steps == 0:  # prefill only: a second, timed run (the first one compiled)
-                res2 = eng.generate([prompt], 1, keep_logits=True)
-                res = dataclasses.replace(res, ttft_s=min(res.ttft_s, res2.ttft_s))
+        n = steps if steps is not None else FLAGS.e2e_steps
+        res = eng.generate([prompt], n + 1, time_steps=True, keep_logits=True)
+        _HLO[value, mode] = decode_hlo_stats(eng, max_seq_len)
+        if steps == 0:  # prefill only: a second, timed run (the first one compiled)
+            res2 = eng.generate([prompt], 1, keep_logits=True)
+            res = dataclasses.replace(res, ttft_s=min(res.ttft_s, res2.ttft_s))
+        _ENGINES[value, mode] = eng.describe()
     finally:
-        if old is None:
-            os.environ.pop("FTJAX_FLASH_PREFILL", None)
-        else:
-            os.environ["FTJAX_FLASH_PREFILL"] = old
         eng = None  # the engine's device pool goes before the next run builds its own
         gc.collect()
     return res
 
 
-TILES_ENV = "FTJAX_MOE_DECODE_TILES"
 _RUNS: dict = {}
+_ENGINES: dict = {}
 
 
 def best_moe_tiles():
@@ -571,12 +579,14 @@ def best_moe_tiles():
     return min((r for r in rows if r["slots"] == big), key=lambda r: r["kernel_us"]["median"])["tiles"]
 
 
-def e2e_row(value: str, key: str) -> dict:
-    """One resident decode run with FTJAX_KERNELS=value, kept as _RUNS[key]; diffs against xla."""
-    res = _run(_model(), value)
+def e2e_row(value: str, key: str, tiles=None) -> dict:
+    """One resident decode run with kernel config use=value (and ``tiles``), kept as _RUNS[key]; diffs against
+    xla."""
+    res = _run(_model(), value, tiles=tiles)
     _RUNS[key] = res
     r = {"tpot_s": common.spread(res.step_s), "tpot_ms": float(np.median(res.step_s)) * 1e3,
-         "ttft_s": res.ttft_s, "compile_s": res.compile_s, "decode_hlo": _HLO.get((value, "resident"), {})}
+         "ttft_s": res.ttft_s, "compile_s": res.compile_s, "decode_hlo": _HLO.get((value, "resident"), {}),
+         "engine": _ENGINES.get((value, "resident"))}
     ref = _RUNS.get("xla")
     if key != "xla" and ref is not None:
         r["max_abs_logit_diff_vs_xla"] = float(np.max(np.abs(res.step_logits - ref.step_logits)))
@@ -596,24 +606,22 @@ def section_e2e():
         want = runs[on].step_logits[: n + 1]
         return {"bit_identical_to_resident": bool(np.array_equal(res.step_logits, want)),
                 "max_abs_diff": float(np.max(np.abs(res.step_logits - want))),
-                "tpot_ms": float(np.median(res.step_s)) * 1e3, "decode_hlo": _HLO.get((on, "cached"), {})}
+                "tpot_ms": float(np.median(res.step_s)) * 1e3, "decode_hlo": _HLO.get((on, "cached"), {}),
+                "engine": _ENGINES.get((on, "cached"))}
 
     best = best_moe_tiles()
     for value in ("xla", on, "cached", "best_tiles", "moe_decode", "decode_attention"):
         if value == "best_tiles":  # kernels on, with the fastest accurate MoE tiles of the moe section
             if best:
-                os.environ[TILES_ENV] = ",".join(map(str, best))
-                try:
-                    check("e2e", f"resident decode FTJAX_KERNELS={on} {TILES_ENV}={os.environ[TILES_ENV]}",
-                          functools.partial(e2e_row, on, f"{on}+best"), layers=model.cfg.num_layers, tiles=best)
-                finally:
-                    os.environ.pop(TILES_ENV, None)
+                tiles = {"moe_decode": tuple(best)}
+                check("e2e", f"resident decode kernels={on} tiles=moe_decode:{'/'.join(map(str, best))}",
+                      functools.partial(e2e_row, on, f"{on}+best", tiles), layers=model.cfg.num_layers, tiles=best)
             continue
         if value == "cached":
             check("e2e", f"cached (kernels {on}) vs resident (kernels {on})", cached_row, slots=FLAGS.e2e_slots)
             continue
 
-        check("e2e", f"resident decode FTJAX_KERNELS={value}", functools.partial(e2e_row, value, value),
+        check("e2e", f"resident decode kernels={value}", functools.partial(e2e_row, value, value),
               layers=model.cfg.num_layers, prompt_len=FLAGS.prompt_len, steps=FLAGS.e2e_steps)
 
 
@@ -627,7 +635,7 @@ def section_e2e_prefill():
         def row(name=name, value=value, flash=flash):
             res = _run(model, value, prompt_len=n, steps=0, max_seq_len=msl, flash=flash)
             runs[name] = res
-            r = {"ttft_s": res.ttft_s, "compile_s": res.compile_s}
+            r = {"ttft_s": res.ttft_s, "compile_s": res.compile_s, "engine": _ENGINES.get((value, "resident"))}
             if name != "xla" and "xla" in runs:
                 r["max_abs_logit_diff_vs_xla"] = float(np.max(np.abs(res.step_logits[0] - runs["xla"].step_logits[0])))
                 r["speedup_vs_xla"] = runs["xla"].ttft_s / res.ttft_s
@@ -684,4 +692,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    common.run(main)

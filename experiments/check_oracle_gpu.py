@@ -27,8 +27,11 @@ on_demand; streamed prefill (prefill="stream", S=2E); the miss policies fetch, c
   agree with the float32 oracle, and the max |logit error| vs its float32 logits over the steps
   whose context still equals the oracle's (after a divergence the contexts differ).
 
+Every engine runs with the kernel config of the kernel flags (``--kernels``, ``--decode_gemm``, ... as
+``ftjax.generate``; ``EngineConfig.kernels``) and the miss modes' ``MissPolicyConfig`` (``EngineConfig.miss``).
+
 Output: one JSON, ``check_oracle_gpu.json`` (``meta``, flags, the precision each pass ran
-under, tolerances, one row per case, a summary). Exit status 1 if any float32 case fails (or
+under, tolerances, one row per case with its engine's config, a summary). Exit status 1 if any float32 case fails (or
 raises); the failing cases are printed.
 """
 
@@ -45,10 +48,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from experiments import common  # noqa: E402
+from ftjax import Engine  # noqa: E402
 from ftjax.checkpoint import load_checkpoint  # noqa: E402
-from ftjax.engine import Engine  # noqa: E402
-from ftjax.config import DECODE_GEMMS, MATMUL_PRECISIONS, EngineConfig  # noqa: E402
-from ftjax.experts import cpu_experts, miss_policy  # noqa: E402
+from ftjax.config import MATMUL_PRECISIONS, EngineConfig, MissPolicyConfig  # noqa: E402
+from ftjax.experts import cpu_experts  # noqa: E402
 
 PROMPTS = ("short", "long")
 
@@ -80,13 +83,19 @@ flags.DEFINE_enum("bf16_precision", "auto", list(MATMUL_PRECISIONS),
                   "EngineConfig.matmul_precision of the bfloat16 pass (auto = the backend's fast default).")
 flags.DEFINE_enum("cpu_expert_impl", "compute_on", list(cpu_experts.IMPLS), "CPU mechanism of miss_cpu / "
                   "miss_adaptive (the callback ones need synchronous CPU dispatch, set at start).")
-flags.DEFINE_enum("decode_gemm", "auto", list(DECODE_GEMMS), "EngineConfig.decode_gemm of every engine (cublas: "
-                  "float32 decode programs without Triton GEMMs and the dot merger too).")
-flags.DEFINE_integer("fixed_fetch", 1, "miss_adaptive: misses fetched per layer and step (the rest on the CPU).")
+flags.DEFINE_integer("fixed_fetch", 1, "miss_adaptive: misses fetched per layer and step (the rest on the CPU).",
+                     lower_bound=0)
 flags.DEFINE_boolean("smoke", False, f"CPU smoke: fixtures {','.join(SMOKE_FIXTURES)}, prompts "
                      f"{','.join(SMOKE_PROMPTS)}, bfloat16 modes {','.join(SMOKE_BF16_MODES)} (each unless given); "
                      "every mode in float32.")
 flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
+# the kernel config of every engine (EngineConfig.kernels); --decode_gemm=cublas: float32 decode programs
+# without Triton GEMMs and the dot merger too
+common.define_kernel_flags()
+common.check_names("modes", MODES)
+common.check_names("bf16_modes", MODES, allow_empty=True)
+common.check_names("prompts", PROMPTS)
+flags.register_validator("steps", lambda v: 1 <= v <= 16, "must be in [1, 16] (16 steps are stored)")
 
 
 def tolerance(expected: np.ndarray, hybrid: bool = False) -> float:
@@ -104,17 +113,14 @@ def build_engine(model, mode: str, max_seq_len: int, precision: str = "auto") ->
         raise ValueError(f"unknown mode {mode!r}; expected one of {list(MODES)}")
     experts, slots_e, prefill, policy = MODES[mode]
     cfg = model.cfg
-    miss = None
+    miss = MissPolicyConfig()
     if policy is not None:
-        cpu = None
-        if policy != "fetch":
-            cpu = cpu_experts.make_cpu_experts(FLAGS.cpu_expert_impl, model.host_gate_up, model.host_down)
-        miss = miss_policy.build_runtime(policy, cfg.num_experts, cpu,
-                                         fixed_fetch=FLAGS.fixed_fetch if policy == "adaptive" else None)
+        miss = MissPolicyConfig(policy, cpu_impl=FLAGS.cpu_expert_impl,
+                                fixed_fetch=FLAGS.fixed_fetch if policy == "adaptive" else None)
     slots = None if slots_e is None else slots_e * cfg.num_experts
     config = EngineConfig(experts, num_slots=slots, max_seq_len=max_seq_len, prefill=prefill,
-                          matmul_precision=precision, decode_gemm=FLAGS.decode_gemm)
-    return Engine(model, config, miss=miss)
+                          matmul_precision=precision, kernels=common.kernel_config(), miss=miss)
+    return Engine(model, config)
 
 
 def load(name: str, dtype: str):
@@ -162,7 +168,7 @@ def run_case(model, expected, fixture: str, dtype: str, mode: str, prompt: str, 
                            expected[f"{prompt}_generated_ids"], want_logits))
         ec = eng.expert_cache_metrics()
         row.update(misses=ec["misses"], hits=ec["hits"], cpu_computed=ec.get("cpu_computed", 0),
-                   compile_s=res.compile_s)
+                   compile_s=res.compile_s, engine=eng.describe())
     except Exception as e:  # noqa: BLE001 -- a failing case is recorded, and fails the float32 pass
         row["error"] = f"{type(e).__name__}: {e}"[:2000]
     row["wall_s"] = time.perf_counter() - t0
@@ -222,8 +228,13 @@ def main(argv):
     if bad or not 1 <= FLAGS.steps <= 16 or set(FLAGS.prompts) - set(PROMPTS):
         raise app.UsageError(f"need modes of {list(MODES)} (bad: {bad}), 1 <= --steps <= 16, prompts of {PROMPTS}")
     root = FLAGS.fixtures_dir
+    if not os.path.isdir(root):
+        raise app.UsageError(f"--fixtures_dir={root}: no such folder")
     fixtures = FLAGS.fixtures or (list(SMOKE_FIXTURES) if FLAGS.smoke else sorted(
         d for d in os.listdir(root) if os.path.exists(os.path.join(root, d, "expected.npz"))))
+    missing = [f for f in fixtures if not os.path.exists(os.path.join(root, f, "expected.npz"))]
+    if missing or not fixtures:
+        raise app.UsageError(f"no expected.npz for fixtures {missing or fixtures} under {root}")
     bf16_modes = FLAGS.bf16_modes if FLAGS.bf16_modes is not None else (
         list(SMOKE_BF16_MODES) if FLAGS.smoke else FLAGS.modes)
     info = common.meta()
@@ -253,4 +264,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    common.run(main)

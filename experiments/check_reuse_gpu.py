@@ -68,6 +68,9 @@ pool in pinned host memory: ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=115`` on the H20
 Reading it (``summary``): a reuse bug shows as a float32 (i) or ``stored_state`` far above 0;
 rounding shows as (i) ~ 0 and (ii) no larger than (iii), with routing flips in bf16.
 
+Every engine runs with the kernel config of the kernel flags (``--kernels``, ``--kernel_tiles``, ... as
+``ftjax.generate``; ``EngineConfig.kernels``), recorded in each case's ``engine``.
+
 Output: one JSON, ``check_reuse_gpu.json`` (meta, flags, one row per case with the seconds and
 compile seconds of each stage, summary), rewritten after every stage. GPU runtime (estimate, not
 measured): ~2-4 min, mostly compilation: per preset dtype 6 programs (the 8192-row call with the
@@ -81,6 +84,7 @@ chunks stored in 2048 + 1792, passed as 16) tells the same story faster. CPU smo
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import gc
 import os
@@ -96,9 +100,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from experiments import common  # noqa: E402
+from ftjax import Engine  # noqa: E402
 from ftjax.checkpoint import load_checkpoint, random_model  # noqa: E402
 from ftjax.config import KV_LOADS, KV_STORE_ROUTES, EngineConfig, KVOffloadConfig, preset  # noqa: E402
-from ftjax.engine import Engine, PrefillCall, bucket  # noqa: E402
+from ftjax.runtime.engine import Row  # noqa: E402
+from ftjax.runtime.plan import PrefillCall, bucket  # noqa: E402
 from ftjax.kv.host_store import HostKVStore  # noqa: E402
 from ftjax.kv.layerwise import bucket_chunks  # noqa: E402
 from ftjax.kv.prefix_cache import PrefixCache  # noqa: E402
@@ -134,6 +140,15 @@ flags.DEFINE_integer("seed", 0, "Weights and prompt seed.")
 flags.DEFINE_float("time_budget_s", 240.0, "Skip the cases not yet started once this many seconds have passed (the "
                    "JSON is rewritten after every case).")
 flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
+common.define_kernel_flags()  # the kernel config of every engine (EngineConfig.kernels)
+common.check_preset()
+common.check_names("other_cuts", ("before", "inside", "halves"), allow_empty=True)
+common.check_names("cases", FIXTURE_CASES + tuple(f"preset_{d}{s}" for d in ("bfloat16", "float32")
+                                                   for s in ("", "_slow")))
+for _name in ("prefix_tokens", "prompt_tokens", "chunk_tokens", "prefill_chunk", "expert_slots",
+              "fixture_prefix_tokens", "fixture_prompt_tokens", "fixture_chunk_tokens", "fixture_prefill_chunk"):
+    flags.register_validator(_name, lambda v: v >= 1, "must be >= 1")
+flags.register_validator("num_layers", lambda v: v >= 0, "must be >= 0")
 
 
 # ---- prefills --------------------------------------------------------------------------------
@@ -167,13 +182,15 @@ def cut_prefill(engine: Engine, prompt: list[int], starts, buckets=None) -> Run:
         raise ValueError(f"call starts {starts} must ascend from 0 below {len(prompt)}")
     buckets = buckets or [bucket(e - s) for s, e in zip(bounds, bounds[1:])]
     calls = [PrefillCall(s, (e - s,), t) for s, e, t in zip(bounds, bounds[1:], buckets)]
-    engine.plan_prefill = lambda prompts: calls  # the instance's plan: prepare_prefill and prefill read it
+    # a row's calls come from Engine._row (plain chunks of prefill_chunk): this instance's rows get these
+    # calls instead, for the compile (prepare_prefill) and the run (prefill)
+    engine._row = lambda p, kv_manager=None: Row([int(t) for t in p], collections.deque(calls))
     try:
         cache = engine.new_cache(1)
         engine.prepare_prefill([prompt], cache)
         logits, cache, _, stats = engine.prefill([prompt], cache)
     finally:
-        del engine.plan_prefill
+        del engine._row
     return Run(np.asarray(logits[0], np.float32), cache, stats, calls)
 
 
@@ -256,9 +273,10 @@ def stored_state_check(engine: Engine, mgr: PrefixCache, prompt: list[int], stor
                                      for i, x in enumerate(kv))
         row["kv_max_abs"] = float(max(np.abs(k).max(), np.abs(v).max()))
         if isinstance(entries[-1], tuple):
-            _, conv, rec = (np.asarray(a, np.float32) for a in entries[-1])
-            ref_conv = np.asarray(ref.cache.conv[:, :, 0], np.float32)
-            ref_rec = np.asarray(ref.cache.rec[:, :, 0], np.float32)
+            # stored by block [G, Nl, ...]; the cache stacks the linear layers [L_lin, B, ...]
+            _, conv, rec = (np.asarray(a, np.float32).reshape((-1,) + a.shape[2:]) for a in entries[-1])
+            ref_conv = np.asarray(ref.cache.conv[:, 0], np.float32)
+            ref_rec = np.asarray(ref.cache.rec[:, 0], np.float32)
             row["conv_max_abs_diff"] = float(np.abs(conv - ref_conv).max())
             row["rec_max_abs_diff"] = float(np.abs(rec - ref_rec).max())
             row["rec_max_abs"] = float(np.abs(ref_rec).max())
@@ -287,7 +305,7 @@ def check_case(name: str, model, prompt: list[int], prefix_tokens: int, chunk: i
     max_seq_len = max(-(-(len(prompt) + 1) // 128) * 128, bucket_chunks(n_stored) * chunk)  # as the bench
     slots = max(2 * cfg.num_experts, min(slots, cfg.num_layers * cfg.num_experts))
     engine = Engine(model, EngineConfig("cached", num_slots=slots, max_seq_len=max_seq_len,
-                                        prefill_chunk=prefill_chunk))
+                                        prefill_chunk=prefill_chunk, kernels=common.kernel_config()))
     kv_cfg = KVOffloadConfig(chunk_tokens=chunk, load=FLAGS.load, store_route=FLAGS.store_route,
                              prefill_chunk=prefill_chunk)
     entry = PrefixCache(HostKVStore(0), kv_cfg).entry_bytes(engine)
@@ -393,10 +411,9 @@ def cut_preset(name: str, num_layers: int):
 def slow_decay(model, a_log: float):
     """The same model with every DeltaNet head's ``A_log`` set to ``a_log`` (the host banks shared)."""
     params = dict(model.params)
-    layers = dict(params["layers"])
-    linear = dict(layers["linear"])
-    linear["A_log"] = jnp.full_like(linear["A_log"], a_log)
-    layers["linear"], params["layers"] = linear, layers
+    layers = dict(params["layers"])  # the Gated DeltaNet weights stacked over its layers: A_log [L_lin, Hv]
+    layers["A_log"] = jnp.full_like(layers["A_log"], a_log)
+    params["layers"] = layers
     return dataclasses.replace(model, params=params, name=f"{model.name}:A_log={a_log}")
 
 
@@ -547,4 +564,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    common.run(main)

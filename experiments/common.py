@@ -7,6 +7,14 @@ bandwidth ``B_P`` of that run, its figures, and per run the engine config
 per-step seconds), ``tokens_per_s``, ``bytes_h2d``, ``hit_rate``. ``experiments/plots.py`` draws a
 PNG from any of these files. Absolute times on shared machines are noisy, so scripts report
 medians, spreads and ratios measured in the same run.
+
+Flags shared by the scripts: :func:`define_kernel_flags` gives a script ``ftjax.generate``'s kernel
+flags (``--kernels``, ``--kernel_tiles``, ``--grouped_matmul``, ``--flash_prefill``, ``--slot_order``,
+``--min_dot_rows``, ``--decode_gemm``, ``--decode_graphs``) and :func:`kernel_config` the
+``KernelConfig`` they say, passed into each engine (``EngineConfig.kernels``; nothing reads the
+environment). Bad user input stops a script with one line and exit status 1: parse-time checks of a
+flag (:func:`validate`, :func:`check_names`, :func:`check_numbers`: ``FATAL Flags parsing error:
+...``) or ``app.UsageError`` raised in ``main`` under :func:`run` (``error: ...``).
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import os
 import re
 import sys
 import time
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +36,269 @@ from ftjax.provenance import run_meta
 
 #: The transformers-made test fixtures (tests/fixtures/, each with expected.npz), read by the GPU checks.
 FIXTURES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "fixtures")
+
+
+# ---- flags and bad input -------------------------------------------------------------------
+def run(main) -> None:
+    """``app.run(main)`` where an ``app.UsageError`` raised by ``main`` (bad user input found after the
+    flags parsed) prints one line, ``error: <message>``, and exits with status 1 (absl would print the
+    whole module docstring and flag help)."""
+    from absl import app
+
+    def guarded(argv):
+        try:
+            return main(argv)
+        except app.UsageError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            sys.exit(1)
+    app.run(guarded)
+
+
+def validate(name: str, check: Callable[[Any], str | None]) -> None:
+    """A parse-time check of flag ``name``: ``check(value)`` returns an error message or None. A bad value
+    stops the script before anything runs, with one line (``FATAL Flags parsing error: ...``), status 1."""
+    from absl import flags
+
+    def checker(value):
+        msg = check(value)
+        if msg:
+            raise flags.ValidationError(msg)
+        return True
+    flags.register_validator(name, checker)
+
+
+def check_names(name: str, choices, allow_empty: bool = False) -> None:
+    """Parse-time check that list flag ``name`` holds only names of ``choices`` (and at least one,
+    unless ``allow_empty``); None (an unset flag without a default) passes."""
+    choices = tuple(choices)
+
+    def check(values):
+        if values is None:
+            return None
+        bad = [v for v in values if v not in choices]
+        if bad:
+            return f"unknown {', '.join(map(repr, bad))}; expected some of {', '.join(choices)}"
+        if not values and not allow_empty:
+            return f"give at least one of {', '.join(choices)}"
+        return None
+    validate(name, check)
+
+
+def check_numbers(name: str, kind: type = int, low: float | None = None, high: float | None = None,
+                  allow_empty: bool = False) -> None:
+    """Parse-time check that list flag ``name`` holds numbers of ``kind`` (int or float) in [low, high]
+    (and at least one, unless ``allow_empty``); None passes."""
+    what = "integers" if kind is int else "numbers"
+
+    def check(values):
+        if values is None:
+            return None
+        try:
+            xs = [kind(v) for v in values]
+        except ValueError:
+            return f"expected {what}, got {','.join(values)}"
+        if not xs and not allow_empty:
+            return f"give at least one value ({what})"
+        if any((low is not None and x < low) or (high is not None and x > high) for x in xs):
+            bounds = " and ".join(b for b in (f">= {low:g}" if low is not None else "",
+                                              f"<= {high:g}" if high is not None else "") if b)
+            return f"expected {what} {bounds}, got {','.join(values)}"
+        return None
+    validate(name, check)
+
+
+def check_choice(name: str, choices) -> None:
+    """Parse-time check that string flag ``name`` is one of ``choices`` (None passes)."""
+    choices = tuple(choices)
+    validate(name, lambda v: None if v is None or v in choices else
+             f"unknown {v!r}; expected one of {', '.join(choices)}")
+
+
+def check_preset(name: str = "preset") -> None:
+    """Parse-time check that flag ``name`` names a preset of ``ftjax.config.PRESETS`` (a list flag: each)."""
+    from ftjax.config import PRESETS
+
+    def check(v):
+        bad = [x for x in ([v] if isinstance(v, str) else v or []) if x not in PRESETS]
+        return f"unknown preset {', '.join(map(repr, bad))}; known: {', '.join(PRESETS)}" if bad else None
+    validate(name, check)
+
+
+#: The kernel flags of :func:`define_kernel_flags` (``ftjax.generate``'s), each a ``KernelConfig`` field
+#: (``kernels`` is ``KernelConfig.use``, ``kernel_tiles`` its ``tiles``).
+KERNEL_FLAGS = ("kernels", "kernel_tiles", "grouped_matmul", "flash_prefill", "slot_order", "min_dot_rows",
+                "decode_gemm", "decode_graphs")
+#: Environment variables that chose kernels before ``KernelConfig``: nothing reads them now.
+STALE_ENV = {"FTJAX_KERNELS": "--kernels", "FTJAX_DENSE_DECODE_TILES": "--kernel_tiles=dense_decode:...",
+             "FTJAX_MOE_DECODE_TILES": "--kernel_tiles=moe_decode:...", "FTJAX_GROUPED_MATMUL": "--grouped_matmul",
+             "FTJAX_FLASH_PREFILL": "--flash_prefill", "FTJAX_MIN_DOT_ROWS": "--min_dot_rows"}
+_DEFINED_KERNEL_FLAGS: list[str] = []
+_NOTED_ENV = False
+
+
+def _caller_module(depth: int) -> str:
+    """absl's name of the module ``depth`` frames up (the running script is keyed by its path)."""
+    name = sys._getframe(depth + 1).f_globals.get("__name__", "")
+    return sys.argv[0] if name == "__main__" else name
+
+
+def parse_tiles(entries) -> dict:
+    """``--kernel_tiles`` entries ``name:int/int/...`` as ``KernelConfig.tiles`` ({name: ints}).
+    Raises:
+      ValueError: a malformed entry."""
+    tiles = {}
+    for entry in entries or ():
+        name, sep, ints = entry.partition(":")
+        try:
+            if not sep or not name.strip():
+                raise ValueError
+            tiles[name.strip()] = tuple(int(v) for v in ints.split("/"))
+        except ValueError:
+            raise ValueError(f"--kernel_tiles entry {entry!r}: expected name:int/int/... "
+                             "(e.g. dense_decode:64/128/0/0)") from None
+    return tiles
+
+
+def define_kernel_flags(skip: tuple[str, ...] = (), multi_use: bool = False) -> None:
+    """Defines ``ftjax.generate``'s kernel flags (:data:`KERNEL_FLAGS` less ``skip``: the choices a script
+    sweeps itself) as flags of the calling script (so its JSON's ``flags`` lists them), checked when the
+    flags are parsed. ``multi_use``: ``--kernels`` may be repeated, one run of everything per value
+    (``FLAGS.kernels`` is then a list, default [] = auto). :func:`kernel_config` builds the config."""
+    from absl import flags
+
+    from ftjax.kernels.registry import DECODE_GEMMS, DECODE_GRAPHS, FLASH_PREFILLS, GROUPED_MATMULS, SLOT_ORDERS
+    unknown = set(skip) - set(KERNEL_FLAGS)
+    if unknown:
+        raise ValueError(f"unknown kernel flags {sorted(unknown)}")
+    mod = {"module_name": _caller_module(1)}
+    use_help = ("Pallas kernels to run: auto (each where it applies and was measured faster: on a GPU), xla (the "
+                "plain-JAX references everywhere), interpret (every kernel in Pallas interpret mode), or a comma "
+                "list of kernel names (ftjax.kernels.registry.names(); KernelConfig.use).")
+    defs = {
+        "kernels": lambda: (flags.DEFINE_multi_string("kernels", [], use_help + " Repeat the flag to run everything "
+                                                      "once per value, in this process (an A/B of kernel choices); "
+                                                      "none: auto.", **mod) if multi_use else
+                            flags.DEFINE_string("kernels", "auto", use_help, **mod)),
+        "kernel_tiles": lambda: flags.DEFINE_list(
+            "kernel_tiles", [], "Tile overrides, name:ints with the ints separated by '/', e.g. "
+            "dense_decode:64/128/0/0,moe_decode:64/64/0/0 (KernelConfig.tiles).", **mod),
+        "grouped_matmul": lambda: flags.DEFINE_enum(
+            "grouped_matmul", "auto", list(GROUPED_MATMULS), "The prefill expert matmul: the Mosaic GPU kernel "
+            "where it runs (auto), always (mgpu), or ragged_dot (xla) (KernelConfig.grouped_matmul).", **mod),
+        "flash_prefill": lambda: flags.DEFINE_enum(
+            "flash_prefill", "pallas", list(FLASH_PREFILLS), "Flash attention of prefill: the Pallas kernel, or "
+            "jax's Mosaic GPU attention for calls starting at 0 (KernelConfig.flash_prefill).", **mod),
+        "slot_order": lambda: flags.DEFINE_enum(
+            "slot_order", "auto", list(SLOT_ORDERS), "How the slot table finds the slots misses take (every one "
+            "gives the same table; auto: rank on an accelerator, sort on the CPU; KernelConfig.slot_order).", **mod),
+        "min_dot_rows": lambda: flags.DEFINE_integer(
+            "min_dot_rows", None, "Rows a one-row dense projection is padded to (default 4 on a GPU, 0 elsewhere; "
+            "KernelConfig.min_dot_rows).", lower_bound=0, **mod),
+        "decode_gemm": lambda: flags.DEFINE_enum(
+            "decode_gemm", "auto", list(DECODE_GEMMS), "GEMMs of the decode programs on a GPU: xla, cublas, or auto "
+            "(KernelConfig.decode_gemm).", **mod),
+        "decode_graphs": lambda: flags.DEFINE_enum(
+            "decode_graphs", "auto", list(DECODE_GRAPHS), "Decode programs on a GPU as CUDA graphs: on, off, or auto "
+            "(KernelConfig.decode_graphs).", **mod),
+    }
+    names = [n for n in KERNEL_FLAGS if n not in skip]
+    for n in names:
+        defs[n]()
+    _DEFINED_KERNEL_FLAGS[:] = names
+
+    def check_use(uses):
+        from ftjax.kernels.registry import KernelConfig
+        for use in (uses or ["auto"]) if isinstance(uses, list) else [uses]:
+            try:
+                KernelConfig(use=use)
+            except ValueError as e:
+                return str(e)
+        return None
+
+    def check_tiles(entries):
+        from ftjax.kernels.registry import KernelConfig
+        try:
+            KernelConfig(tiles=parse_tiles(entries))
+        except ValueError as e:
+            return str(e)
+        return None
+    if "kernels" in names:
+        validate("kernels", check_use)
+    if "kernel_tiles" in names:
+        validate("kernel_tiles", check_tiles)
+
+
+def _kernel_config(values: dict, use=None, **override):
+    from ftjax.kernels.registry import KernelConfig
+    fields = {"use": use if use is not None else values.get("kernels", "auto"),
+              "tiles": parse_tiles(values.get("kernel_tiles"))}
+    for n in ("grouped_matmul", "flash_prefill", "slot_order", "min_dot_rows", "decode_gemm", "decode_graphs"):
+        if n in values:
+            fields[n] = values[n]
+    if isinstance(fields["use"], list):  # the repeated flag, no value picked: auto
+        fields["use"] = "auto"
+    fields.update(override)
+    return KernelConfig(**fields)
+
+
+def kernel_config(use=None, **override):
+    """The ``KernelConfig`` of the script's kernel flags (:func:`define_kernel_flags`; a skipped flag keeps
+    its default): ``use`` replaces ``--kernels`` (one value of a repeated flag), ``override`` other fields
+    (e.g. ``decode_graphs="off"`` of a script's own variant). The first call notes on stderr any
+    ``FTJAX_*`` variable of :data:`STALE_ENV` that is set: nothing reads them any more.
+    Raises:
+      app.UsageError: an invalid config (a bad override)."""
+    global _NOTED_ENV
+    from absl import app, flags
+    if not _NOTED_ENV:
+        _NOTED_ENV = True
+        for var, flag in STALE_ENV.items():
+            if os.environ.get(var):
+                print(f"note: {var}={os.environ[var]} is ignored (nothing reads it any more); use {flag}",
+                      file=sys.stderr, flush=True)
+    values = {n: flags.FLAGS[n].value for n in _DEFINED_KERNEL_FLAGS}
+    try:
+        return _kernel_config(values, use, **override)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
+
+
+def kernel_flag_args() -> list[str]:
+    """The kernel flags given on the command line, as arguments for a child process of the script."""
+    from absl import flags
+    return [flags.FLAGS[n].serialize() for n in _DEFINED_KERNEL_FLAGS if flags.FLAGS[n].present]
+
+
+def engine_programs(engine, fn_name: str | None = None):
+    """Yields (step name, static options dict, argument signatures, executable) of the compiled programs
+    ``engine`` ran or compiled (``engine.programs.keys``), as ``ftjax.runtime.programs.compiled_programs``
+    does for all of them, in compile order; ``fn_name`` (e.g. "forward_step", "layer_program") filters.
+    The shared cache outlives engines: filtering by engine keeps another engine's programs (another
+    kernel config, say) out."""
+    from ftjax.runtime import programs
+    mine = engine.programs.keys
+    for key, entry in list(programs._COMPILED.items()):
+        if key in mine and (fn_name is None or key[0] == fn_name):
+            yield key[0], {**dict(key[1]), "compiler_options": dict(key[3]), "kernels": sorted(entry.kernels)}, \
+                key[2], entry.executable
+
+
+def scan_executable(engine, plan, tokens, start, valid, cache, prefix=()):
+    """The compiled layer-scan program (``ftjax.runtime.step.forward_step``) of one call of ``engine``
+    planned as ``plan`` (``engine.planner.plan(...)``, driver "scan") on these arguments: what
+    ``engine._run(plan, tokens, start, valid, cache, prefix)`` runs (compiled here if it is not yet;
+    nothing runs).
+    Raises:
+      ValueError: a plan for the layer-pipelined driver (one program per layer, not one)."""
+    from ftjax.runtime import drivers
+    from ftjax.runtime.step import forward_step
+    if plan.driver != "scan":
+        raise ValueError(f"a {plan.driver} call is not one program")
+    ctx = engine._context()
+    a = drivers.CallArgs(np.asarray(tokens, np.int32), np.asarray(start, np.int32), np.asarray(valid, np.int32),
+                         cache, engine.state, tuple(prefix))
+    args = (ctx.params, ctx.banks, a.cache, a.state, a.tokens, a.start, a.valid, a.prefix)
+    return ctx.compile(forward_step, args, compiler_options=plan.compiler_options, cfg=ctx.cfg, opts=plan.opts)
 
 
 def meta() -> dict:

@@ -33,6 +33,10 @@ None where the backend has no memory_stats (CPU). The peak counts XLA's allocato
 (buffers, temporaries, compile-time autotuning scratch); the CUDA context and kernels' code
 (a few hundred MB) are outside it and outside the plan.
 
+Every engine (the planner's probe too) runs with the kernel config of the kernel flags (``--kernels``,
+``--kernel_tiles``, ... as ``ftjax.generate``; ``EngineConfig.kernels``), passed on to the children;
+each row records its engine's config (``engine``).
+
 Output: one JSON, ``plan_vs_peak.json``: ``meta`` (of the first child), flags, rows, the flagged
 cases. Sizes in bytes (GB = 1e9).
 """
@@ -46,7 +50,7 @@ import subprocess
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -66,6 +70,13 @@ flags.DEFINE_float("time_budget_s", 330.0, "Start no new case after this many se
 flags.DEFINE_integer("seed", 0, "Prompt and weight seed.")
 flags.DEFINE_string("child", None, "Internal: run these cases (JSON) in this process, one JSON line each.")
 flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
+common.define_kernel_flags()  # the kernel config of every engine (EngineConfig.kernels)
+common.check_preset("presets")
+common.check_preset("preset")
+common.check_numbers("budgets_gb", float, low=0)
+common.check_numbers("lengths", int, low=1)
+common.check_choice("dtype", ("float32", "bfloat16", "float16"))
+flags.register_validator("steps", lambda v: v >= 1, "must be >= 1")
 
 
 # ---- one case, in the child ------------------------------------------------------------------
@@ -88,36 +99,34 @@ def prompt_len_for(cfg, requested: int, steps: int) -> int:
 
 
 def plan_case(model, budget_gb: float, prompt: list[int], steps: int):
-    """(experts mode, MemoryPlan, max_seq_len) as ``ftjax.generate`` chooses them for
+    """(EngineConfig, MemoryPlan, max_seq_len) as ``ftjax.generate`` chooses them for
     ``--vram_budget_gb=budget_gb`` and this prompt with ``--max_new_tokens=steps+1`` (batch 1):
-    ``ftjax.engine.plan_engine``, the workspace measured on the compiled steps.
+    ``ftjax.runtime.planner.plan_run``, the workspace measured on the compiled steps.
     Raises ValueError where the planner refuses the budget."""
     from ftjax.config import EngineConfig
-    from ftjax.engine import plan_engine
-    from ftjax.runtime.planner import GB
+    from ftjax.runtime.planner import GB, plan_run
     cfg = model.cfg
     need = len(prompt) + steps + 1
     max_seq_len = min(-(-need // 128) * 128, cfg.max_position_embeddings)
     base = EngineConfig("cached", num_slots=min(2 * cfg.num_experts, cfg.num_layers * cfg.num_experts),
-                        max_seq_len=max_seq_len)
-    config, plan = plan_engine(model, int(budget_gb * GB), [prompt], base)
-    return config.experts, plan, max_seq_len
+                        max_seq_len=max_seq_len, kernels=common.kernel_config())
+    config, plan = plan_run(model, base, [prompt], budget_bytes=int(budget_gb * GB), mode="auto")
+    return config, plan, max_seq_len
 
 
-def run_engine(model, mode: str, plan, max_seq_len: int, prompt: list[int], steps: int) -> dict:
-    """The one place the engine is built and run (adapt here when the Engine API changes): as
-    ``ftjax.generate`` builds it (default prefill options, LRU, fetch misses). Compiles first (the
-    peak after compiling is read apart: XLA:GPU's autotuning allocates scratch), then one prefill
-    and ``steps`` decode steps."""
-    from ftjax.engine import Engine
-    from ftjax.config import EngineConfig
-    engine = Engine(model, EngineConfig(mode, num_slots=plan.slots, max_seq_len=max_seq_len, batch=1))
+def run_engine(model, config, prompt: list[int], steps: int) -> dict:
+    """The one place the engine is built and run (adapt here when the Engine API changes): with the
+    planned ``config``, as ``ftjax.generate`` builds it (default prefill options, LRU, fetch misses).
+    Compiles first (the peak after compiling is read apart: XLA:GPU's autotuning allocates scratch),
+    then one prefill and ``steps`` decode steps."""
+    from ftjax import Engine
+    engine = Engine(model, config)
     engine.prepare_prefill([prompt], engine.new_cache(1))  # generate() would compile here too
     out = {"peak_after_compile": peak_bytes()}
     res = engine.generate([prompt], steps + 1)
     out.update(peak_after_run=peak_bytes(), ttft_s=res.ttft_s, decode_tokens_per_s=res.decode_tokens_per_s,
-               compile_s=res.compile_s, streamed_prefill=engine.streams(len(prompt)),
-               hit_rate=engine.expert_cache_metrics()["hit_rate"])
+               compile_s=res.compile_s, streamed_prefill=engine.planner.streams(len(prompt)),
+               hit_rate=engine.expert_cache_metrics()["hit_rate"], engine=engine.describe())
     del engine, res
     gc.collect()
     return out
@@ -139,17 +148,17 @@ def run_case(model, preset_name: str, budget_gb: float, requested_len: int, step
            "prompt_len": n, "steps": steps}
     prompt = rng.integers(0, cfg.vocab_size, n).tolist()
     try:
-        mode, plan, max_seq_len = plan_case(model, budget_gb, prompt, steps)
+        config, plan, max_seq_len = plan_case(model, budget_gb, prompt, steps)
     except ValueError as e:
         row["plan_error"] = str(e)
         return row
     planned = plan.planned_bytes
-    row.update(mode=mode, max_seq_len=max_seq_len, plan=plan.as_dict(), planned_bytes=planned)
+    row.update(mode=config.experts, max_seq_len=max_seq_len, plan=plan.as_dict(), planned_bytes=planned)
     before = peak_bytes()
     row["peak_before"], row["in_use_before"] = before, in_use_bytes()
     t0 = time.perf_counter()
     try:
-        row.update(run_engine(model, mode, plan, max_seq_len, prompt, steps))
+        row.update(run_engine(model, config, prompt, steps))
     except Exception as e:  # noqa: BLE001 -- an out-of-memory or other failure is the finding
         row["error"] = f"{type(e).__name__}: {e}"[:2000]
         row["peak_after_run"] = peak_bytes()
@@ -194,7 +203,7 @@ def run_child(preset_name: str, cases: list, deadline: float) -> list[dict]:
         [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")]))
     spec = json.dumps({"preset": preset_name, "cases": cases, "deadline": deadline})
     args = [sys.executable, os.path.abspath(__file__), f"--child={spec}", f"--dtype={FLAGS.dtype}",
-            f"--steps={FLAGS.steps}", f"--seed={FLAGS.seed}"]
+            f"--steps={FLAGS.steps}", f"--seed={FLAGS.seed}", *common.kernel_flag_args()]
     p = subprocess.run(args, env=env, capture_output=True, text=True, timeout=max(60.0, deadline - time.time() + 600))
     lines = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
     if p.returncode != 0:
@@ -244,7 +253,7 @@ def main(argv):
     flagged = [r for r in rows if r.get("verdict") == "PLAN_BELOW_PEAK" or "error" in r]
     payload = {"meta": info, "script": "experiments/plan_vs_peak.py",
                "flags": {k: FLAGS[k].value for k in ("presets", "preset", "budgets_gb", "lengths", "dtype", "steps",
-                                                      "isolate", "time_budget_s", "seed")},
+                                                      "isolate", "time_budget_s", "seed") + common.KERNEL_FLAGS},
                "builds": builds, "results": rows, "skipped": skipped, "child_errors": errors,
                "plan_below_peak": [f"{r['preset']}/{r['budget_gb']}GB/{r['prompt_len']}" for r in flagged],
                "wall_s": time.perf_counter() - t0}
@@ -258,4 +267,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    common.run(main)

@@ -11,7 +11,7 @@ float32 compute by default); in a causal model the routing of token t does not d
 tokens, so the per-layer routed ids of position t are exactly those a batch-1 decode of that
 text routes at step t (teacher forcing). The forward is ``train_moe.forward_train`` on the loaded
 weights (ftjax's inference pieces; experts computed densely, the same function); the test checks
-its routed ids against ``ftjax.engine.Engine``'s. The split is by path hash, so no held-out file
+its routed ids against ``ftjax.Engine``'s. The split is by path hash, so no held-out file
 was trained on whatever interpreter runs the study, but the held-out file set and contents are
 those of the running interpreter's stdlib (a distribution may ship more or fewer files than the
 one that trained; the JSON's ``corpus`` records which).
@@ -67,12 +67,20 @@ import numpy as np  # noqa: E402
 from experiments import common, train_moe  # noqa: E402
 from ftjax.checkpoint import load_checkpoint  # noqa: E402
 from ftjax.experts.slot_table import LFRU_HALF_LIFE_TOKENS, init_slot_table, lookup_layer  # noqa: E402
+from ftjax.checkpoint import CheckpointError  # noqa: E402
 from ftjax.experts.slot_table import POLICIES as ONLINE  # noqa: E402
-from ftjax.model import rms_norm  # noqa: E402
+from ftjax.layers.common import rms_norm  # noqa: E402
 
 POLICIES = (*ONLINE, "belady")  # every registered policy (the slot table), then the offline bound (numpy)
 
 FLAGS = flags.FLAGS
+
+
+class StudyInputError(ValueError):
+    """Bad input to :func:`run_study` (a policy, a slot count, a checkpoint without a tokenizer, a stream
+    shorter than one window): one line and exit status 1 from the script."""
+
+
 # ---------------------------------------------------------------------------------------- traces
 
 
@@ -306,7 +314,7 @@ def run_study(ckpt: str, streams: int, stream_len: int, max_files: int, slots: l
     """
     for p in policies:
         if p not in POLICIES:
-            raise ValueError(f"unknown policy {p!r}; expected some of {POLICIES}")
+            raise StudyInputError(f"unknown policy {p!r}; expected some of {POLICIES}")
     t0 = time.perf_counter()
     model = load_checkpoint(ckpt, dtype, progress=False)
     cfg = model.cfg
@@ -314,13 +322,13 @@ def run_study(ckpt: str, streams: int, stream_len: int, max_files: int, slots: l
     slots = slots or default_slots(L, E)
     for s in slots:
         if not E <= s <= L * E:
-            raise ValueError(f"slots={s} outside [E={E}, L*E={L * E}]")
+            raise StudyInputError(f"slots={s} outside [E={E}, L*E={L * E}]")
     if model.tokenizer is None:
-        raise ValueError(f"{ckpt}: no tokenizer.json")
+        raise StudyInputError(f"{ckpt}: no tokenizer.json")
     stream, corpus = heldout_stream(model.tokenizer, max_files)
     n = min(streams, len(stream) // stream_len)
     if n < 1:
-        raise ValueError(f"held-out stream has {len(stream)} tokens, fewer than --stream_len={stream_len}")
+        raise StudyInputError(f"held-out stream has {len(stream)} tokens, fewer than --stream_len={stream_len}")
     windows = stream[: n * stream_len].reshape(n, stream_len)
     ids, pred = trace(model, windows, dtype, batch)
     trace_s = time.perf_counter() - t0
@@ -360,6 +368,12 @@ def define_flags() -> None:
     flags.DEFINE_float("lfru_half_life_tokens", LFRU_HALF_LIFE_TOKENS, "lfru: tokens after which a use counts half.")
     flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype of the trace forward.")
     flags.DEFINE_integer("batch", 8, "Streams per forward call.")
+    common.check_names("policies", POLICIES)
+    common.check_numbers("slots", int, low=1)
+    for name in ("streams", "stream_len", "batch"):
+        flags.register_validator(name, lambda v: v >= 1, "must be >= 1")
+    flags.register_validator("max_files", lambda v: v >= 0, "must be >= 0")
+    flags.register_validator("lfru_half_life_tokens", lambda v: v > 0, "must be > 0")
 
 
 def main(argv):
@@ -367,8 +381,13 @@ def main(argv):
     max_files = FLAGS.max_files or (24 if FLAGS.smoke else 0)
     streams, stream_len = (4, 64) if FLAGS.smoke else (FLAGS.streams, FLAGS.stream_len)
     slots = [int(s) for s in FLAGS.slots] if FLAGS.slots else None
-    res = run_study(FLAGS.ckpt, streams, stream_len, max_files, slots, FLAGS.policies,
-                    FLAGS.lfru_half_life_tokens, FLAGS.dtype, FLAGS.batch)
+    if not os.path.isfile(os.path.join(FLAGS.ckpt, "config.json")):
+        raise app.UsageError(f"--ckpt={FLAGS.ckpt}: no config.json there (train one: experiments/train_moe.py)")
+    try:
+        res = run_study(FLAGS.ckpt, streams, stream_len, max_files, slots, FLAGS.policies,
+                        FLAGS.lfru_half_life_tokens, FLAGS.dtype, FLAGS.batch)
+    except (StudyInputError, CheckpointError) as e:
+        raise app.UsageError(str(e)) from None
     os.makedirs(FLAGS.out_dir, exist_ok=True)
     common.write_json(FLAGS.out_dir, "policy_study.json", res)
     E = res["config"]["num_experts"]
@@ -387,4 +406,4 @@ def main(argv):
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    common.run(main)

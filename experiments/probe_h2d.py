@@ -25,7 +25,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from experiments import common
 from ftjax import memory
@@ -36,6 +36,9 @@ flags.DEFINE_integer("layer_mb", 1208, "bytes per layer copy (MB, 1e6)")
 flags.DEFINE_integer("layers", 6, "layers in the overlap runs")
 flags.DEFINE_float("compute_ms", 20.0, "target compute time per layer (ms)")
 flags.DEFINE_integer("repeats", 3, "repeats of each overlap run (median reported)")
+for _name in ("layer_mb", "layers", "repeats"):
+    flags.register_validator(_name, lambda v: v >= 1, "must be >= 1")
+flags.register_validator("compute_ms", lambda v: v > 0, "must be > 0")
 
 
 def _time(fn, repeats=5):
@@ -191,4 +194,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    common.run(main)

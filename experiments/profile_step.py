@@ -38,6 +38,10 @@ left out. ``floor_hbm_s`` = HBM bytes / HBM bandwidth (measured in the same run:
 step / floor_s. XLA's own cost analysis of the compiled step (``bytes accessed``, ``flops``) is
 reported beside it as ``xla_cost``: it counts a Pallas kernel by its operands (the whole pool),
 so it is no floor. ``flops`` is the analytic matmul + attention count (2 per multiply-add).
+Every engine runs with the kernel config of the kernel flags (``--kernel_tiles``, ``--decode_gemm``,
+``--decode_graphs``, ``--min_dot_rows``, ... as ``ftjax.generate``; ``EngineConfig.kernels``, recorded
+in each run's ``engine``); ``--kernels`` may be repeated: every run once per value, in this process
+(an A/B of kernel choices; programs are keyed by their kernel config, so nothing is recompiled by hand).
 Writes ``profile_step_<preset>.json`` (after every run, ``partial`` until the end) and prints
 the tables.
 """
@@ -50,7 +54,7 @@ import sys
 import tempfile
 import time
 
-from absl import app, flags
+from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -60,12 +64,10 @@ import numpy as np  # noqa: E402
 
 from experiments import common  # noqa: E402
 from experiments.timeline import CATEGORIES, hlo_op_names, step_breakdown, targets, trace_events  # noqa: E402
+from ftjax import Engine  # noqa: E402
 from ftjax.checkpoint import DTYPES  # noqa: E402
-from ftjax.config import DECODE_GEMMS, DECODE_GRAPHS, EngineConfig  # noqa: E402
-from ftjax import engine as engine_lib  # noqa: E402
-from ftjax.engine import Engine  # noqa: E402
+from ftjax.config import EngineConfig  # noqa: E402
 from ftjax.runtime.planner import GB, plan_memory  # noqa: E402
-from ftjax.kernels import select  # noqa: E402
 
 RUNS = ("cached_decode", "resident_decode", "resident_prefill")
 
@@ -85,14 +87,23 @@ flags.DEFINE_integer("prefill_tokens", 8192, "Tokens of the resident prefill chu
 flags.DEFINE_integer("prefill_repeats", 3, "Timed prefill calls (after one warm-up).")
 flags.DEFINE_float("hbm_gb", 2.0, "GiB of the bfloat16 array whose negate measures the HBM bandwidth.")
 flags.DEFINE_integer("hbm_repeats", 10, "Timed calls of the HBM measurement.")
-flags.DEFINE_enum("decode_gemm", "auto", list(DECODE_GEMMS), "EngineConfig.decode_gemm of the decode runs.")
-flags.DEFINE_enum("decode_graphs", "auto", list(DECODE_GRAPHS), "EngineConfig.decode_graphs of the decode runs.")
-flags.DEFINE_multi_string("kernels", [], "FTJAX_KERNELS values to run every run under, one after another in this "
-                          "process (same model, same bandwidth figures: an A/B of kernel choices); repeat the flag. "
-                          "None: the environment's value.")
 flags.DEFINE_string("hlo_dir", None, "Where the compiled decode steps' HLO text goes (none: not written).")
 flags.DEFINE_string("trace_dir", None, "Where the raw traces go (default: a temporary folder).")
 flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
+# the kernel config of every engine (EngineConfig.kernels); --kernels repeated: every run once per value
+common.define_kernel_flags(multi_use=True)
+common.check_preset()
+common.check_choice("dtype", DTYPES)
+common.check_numbers("batches", int, low=1)
+common.check_names("runs", RUNS)
+for _name in ("prompt_len", "timed_steps", "trace_steps", "prefill_tokens", "hbm_repeats"):
+    flags.register_validator(_name, lambda v: v >= 1, "must be >= 1")
+flags.register_multi_flags_validator(["prefill_repeats", "runs"], lambda d: d["prefill_repeats"] >= 1 or (
+    d["prefill_repeats"] == 0 and "resident_prefill" not in d["runs"]), "--prefill_repeats must be >= 1 (0: only "
+    "without the resident_prefill run)")
+for _name in ("warm_steps", "pipelined_steps"):
+    flags.register_validator(_name, lambda v: v >= 0, "must be >= 0")
+flags.register_validator("hbm_gb", lambda v: v > 0, "must be > 0")
 
 # int32 [B, 1]: the greedy next tokens, shaped as the decode step's input (no reshape dispatch per step)
 _next_token = jax.jit(lambda logits: jnp.argmax(logits, axis=-1).astype(jnp.int32)[:, None])
@@ -180,7 +191,7 @@ def _trace_steps(step, n: int, log_dir: str, after=None):
 
 def _breakdown(exe, events) -> dict:
     """``timeline.step_breakdown`` of the traced steps of the compiled step ``exe``."""
-    return step_breakdown(events, hlo_op_names(exe.as_text()), module="_forward_step")
+    return step_breakdown(events, hlo_op_names(exe.as_text()), module="forward_step")
 
 
 def _stats(outs) -> tuple[float, float]:
@@ -198,22 +209,22 @@ def _decode_max_seq_len() -> int:
     return -(-(FLAGS.prompt_len + n_steps + 2) // 128) * 128
 
 
-def decode_run(model, mode: str, batch: int, slots: int | None, trace_dir: str) -> dict:
-    """Profile of --trace_steps decode steps at ``batch`` after a --prompt_len prefill (module docstring)."""
+def decode_run(model, mode: str, batch: int, slots: int | None, trace_dir: str, kernels, tag: str = "") -> dict:
+    """Profile of --trace_steps decode steps at ``batch`` after a --prompt_len prefill (module docstring),
+    on an engine with kernel config ``kernels``; ``tag`` names its HLO file apart."""
     cfg = model.cfg
     max_seq_len = _decode_max_seq_len()
-    eng = Engine(model, EngineConfig(mode, num_slots=slots, max_seq_len=max_seq_len, batch=batch,
-                                     decode_gemm=FLAGS.decode_gemm, decode_graphs=FLAGS.decode_graphs))
+    eng = Engine(model, EngineConfig(mode, num_slots=slots, max_seq_len=max_seq_len, batch=batch, kernels=kernels))
     rng = np.random.default_rng(batch)
     prompts = [rng.integers(0, cfg.vocab_size, FLAGS.prompt_len).tolist() for _ in range(batch)]
     cache = eng.new_cache(batch)
     eng.prepare_prefill(prompts, cache)  # compiles the prefill calls and the decode step
     logits, cache, lengths, _ = eng.prefill(prompts, cache)
     state = {"tok": _next_token(logits), "pos": lengths.astype(np.int32), "cache": cache}
-    opts, ones = eng._options(), np.ones(batch, np.int32)
+    plan, ones = eng.planner.plan(batch, 1, batch), np.ones(batch, np.int32)  # the decode step's, as generate's
 
     def step(wait: bool = True):
-        out = eng._step(state["tok"], state["pos"], ones, state["cache"], opts)
+        out = eng._run(plan, state["tok"], state["pos"], ones, state["cache"])
         if wait:
             out.logits.block_until_ready()
         state["cache"] = out.cache
@@ -224,11 +235,10 @@ def decode_run(model, mode: str, batch: int, slots: int | None, trace_dir: str) 
         if wait:
             state["tok"].block_until_ready()
 
-    exe = eng._executable(eng._args(np.zeros((batch, 1), np.int32), state["pos"], ones, state["cache"]), opts)
+    exe = common.scan_executable(eng, plan, np.zeros((batch, 1), np.int32), state["pos"], ones, state["cache"])
     if FLAGS.hlo_dir:  # what XLA made of the step: the copies it inserted (e.g. weight slices) show here
         os.makedirs(FLAGS.hlo_dir, exist_ok=True)
-        kernels = os.environ.get(select.ENV, "") if FLAGS.kernels else ""  # one file per kernel set under --kernels
-        tag = f"_{kernels.replace(',', '+')}" if kernels else ""
+        tag = f"_{tag.replace(',', '+')}" if tag else ""  # one file per kernel set under --kernels
         with open(os.path.join(FLAGS.hlo_dir, f"{mode}_decode_b{batch}{tag}.hlo.txt"), "w") as f:
             f.write(exe.as_text())
     for _ in range(FLAGS.warm_steps):
@@ -265,28 +275,29 @@ def decode_run(model, mode: str, batch: int, slots: int | None, trace_dir: str) 
     return row
 
 
-def prefill_run(model, trace_dir: str) -> dict:
-    """Profile of one resident prefill chunk of --prefill_tokens tokens (module docstring)."""
+def prefill_run(model, trace_dir: str, kernels) -> dict:
+    """Profile of one resident prefill chunk of --prefill_tokens tokens (module docstring), on an engine
+    with kernel config ``kernels``."""
     cfg, n = model.cfg, FLAGS.prefill_tokens
-    eng = Engine(model, EngineConfig("resident", max_seq_len=-(-(n + 1) // 128) * 128, prefill_chunk=n))
+    eng = Engine(model, EngineConfig("resident", max_seq_len=-(-(n + 1) // 128) * 128, prefill_chunk=n,
+                                     kernels=kernels))
     prompt = np.random.default_rng(7).integers(0, cfg.vocab_size, n).tolist()
     state = {"cache": eng.new_cache(1)}
     (call,) = eng.plan_prefill([prompt])
-    stream, pipelined = eng.call_drivers(call.tokens)
-    if pipelined:
+    plan = eng.planner.plan(1, call.bucket, call.tokens)
+    if plan.driver == "pipelined":
         raise ValueError("the resident prefill runs on the layer-pipelined driver: not one program to profile")
-    opts = eng._options(stream=stream)
     tokens = np.zeros((1, call.bucket), np.int32)
     tokens[0, :n] = prompt
     start, valid = np.zeros(1, np.int32), np.full(1, n, np.int32)
 
     def step():
-        out = eng._step(tokens, start, valid, state["cache"], opts)
+        out = eng._run(plan, tokens, start, valid, state["cache"])
         out.logits.block_until_ready()
         state["cache"] = out.cache
         return out
 
-    exe = eng._executable(eng._args(tokens, start, valid, state["cache"]), opts)  # compiles this call only
+    exe = common.scan_executable(eng, plan, tokens, start, valid, state["cache"])  # compiles this call only
     step()
     times = []
     for _ in range(FLAGS.prefill_repeats):
@@ -345,9 +356,6 @@ def tables(rows: list[dict]) -> str:
 
 def main(argv):
     del argv
-    unknown = set(FLAGS.runs) - set(RUNS)
-    if unknown:
-        raise app.UsageError(f"unknown runs {sorted(unknown)}; expected some of {RUNS}")
     info = common.meta()
     cfg, model, build_s, bp = common.build_random_model(FLAGS.preset, FLAGS.dtype)
     bp_gbps = bp["h2d_GBps"]["median"]
@@ -363,15 +371,12 @@ def main(argv):
     rows, plans = [], {}
     name = f"profile_step_{FLAGS.preset}.json"
     kernel_sets = FLAGS.kernels or [None]
+    configs = {k: common.kernel_config(use=k) for k in kernel_sets}  # each engine's (EngineConfig.kernels)
     for kernels, run, batch in [(k, r, b) for k in kernel_sets for r, b in todo]:
-        if kernels is not None and os.environ.get(select.ENV) != kernels:
-            os.environ[select.ENV] = kernels  # read at trace time: drop what was traced under the last value
-            engine_lib._COMPILED.clear()
-            jax.clear_caches()
-        print(f"-- {run} batch {batch}" + (f" {select.ENV}={kernels}" if kernels is not None else ""), flush=True)
+        print(f"-- {run} batch {batch}" + (f" --kernels={kernels}" if kernels is not None else ""), flush=True)
         try:
             if run == "resident_prefill":
-                row = prefill_run(model, trace_dir)
+                row = prefill_run(model, trace_dir, configs[kernels])
             else:
                 slots = None
                 if run == "cached_decode":
@@ -380,7 +385,8 @@ def main(argv):
                                        expert_bytes=model.expert_bytes)
                     plans[f"b{batch}"], slots = plan.as_dict(), plan.slots
                 row = decode_run(model, run.split("_")[0], batch, slots,
-                                 trace_dir if kernels is None else os.path.join(trace_dir, kernels.replace(",", "+")))
+                                 trace_dir if kernels is None else os.path.join(trace_dir, kernels.replace(",", "+")),
+                                 configs[kernels], kernels or "")
             row = finish_row(row, hbm["GBps"], bp_gbps)
         except Exception as e:  # record and go on: one failing run must not lose the others
             row = {"run": run, "batch": batch, "variant": "prefill" if run.endswith("prefill") else "decode",
@@ -402,10 +408,10 @@ def main(argv):
     path = common.write_json(FLAGS.out_dir, name, payload)
     print(tables(rows))
     for k, t in payload.get("targets_by_kernels", {None: payload["targets"]}).items():
-        print("issue 13 targets (same run)" + (f", {select.ENV}={k}" if k else "") + ":",
+        print("issue 13 targets (same run)" + (f", --kernels={k}" if k else "") + ":",
               {n: v if isinstance(v, list) else round(v, 3) for n, v in t.items()})
     print("wrote", path)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    common.run(main)

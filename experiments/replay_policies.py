@@ -39,6 +39,10 @@ flags.DEFINE_list("policies", list(POLICIES), f"Policies to compare (of {', '.jo
 flags.DEFINE_float("lfru_half_life_tokens", LFRU_HALF_LIFE_TOKENS, "lfru: decode steps after which a use counts half.")
 flags.DEFINE_boolean("skip_prefill", True, "Leave step 0 (the prefill) out of the hit rate; it still fills the cache.")
 flags.DEFINE_string("out", None, "Write the results as JSON here.")
+common.check_names("policies", POLICIES)
+common.check_numbers("slots", int, low=1)
+flags.register_validator("num_experts", lambda v: v >= 1, "must be >= 1")
+flags.register_validator("lfru_half_life_tokens", lambda v: v > 0, "must be > 0")
 
 
 def routed_masks(trace: dict, num_experts: int) -> list[np.ndarray]:
@@ -82,10 +86,21 @@ def replay(masks: list[np.ndarray], num_experts: int, slots: int, policy: str, s
 
 def main(argv):
     del argv
-    with np.load(FLAGS.trace) as z:
-        trace = {k: z[k] for k in z.files if k.startswith("step")}
+    try:
+        with np.load(FLAGS.trace) as z:
+            trace = {k: z[k] for k in z.files if k.startswith("step")}
+    except (OSError, ValueError) as e:
+        raise app.UsageError(f"--trace={FLAGS.trace}: cannot read it ({e})") from None
     if not trace:
         raise app.UsageError(f"{FLAGS.trace}: no step<i> arrays (expected a generate --trace_routing file)")
+    e = FLAGS.num_experts
+    top = max(int(v.max()) for v in trace.values())
+    if top >= e:
+        raise app.UsageError(f"--num_experts={e}: the trace routes expert id {top}")
+    layers = next(iter(trace.values())).shape[0]
+    bad = [s for s in FLAGS.slots if not e <= int(s) <= layers * e]
+    if bad:
+        raise app.UsageError(f"--slots {','.join(bad)}: each must be in [E, L*E] = [{e}, {layers * e}]")
     masks = routed_masks(trace, FLAGS.num_experts)
     rows = [replay(masks, FLAGS.num_experts, int(s), p, FLAGS.skip_prefill, FLAGS.lfru_half_life_tokens)
             for s in FLAGS.slots for p in FLAGS.policies]
@@ -96,4 +111,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    common.run(main)

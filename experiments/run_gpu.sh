@@ -3,7 +3,10 @@
 # JSON (and logs) under $OUT when it is set, else experiments/results.
 #   bash experiments/run_gpu.sh profile_step                 # where a decode step's time goes (issue 13)
 #   BENCH_ARGS="--expert_dtypes=bfloat16,int8" bash experiments/run_gpu.sh bench_prefill
-# BENCH_ARGS go to every script named: give it only flags they all take.
+# BENCH_ARGS go to every script named: give it only flags they all take. The kernel choices are flags of every
+# script that builds engines (as ftjax.generate's; nothing reads FTJAX_* variables), e.g.
+#   BENCH_ARGS="--kernels=xla" bash experiments/run_gpu.sh bench_decode bench_prefill
+#   BENCH_ARGS="--kernel_tiles=moe_decode:64/64/4/4 --min_dot_rows=4" bash experiments/run_gpu.sh profile_step
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-experiments/results}"

@@ -28,8 +28,8 @@ Tokenizer: byte-level BPE (GPT-2 style pre-tokenisation, Radford et al. 2019) tr
 (eos). Each file is encoded as ``<s> text </s>`` and the files are concatenated into one stream.
 
 Model: the transformers ``Qwen3MoeForCausalLM`` architecture (every layer a routed MoE, SwiGLU
-experts, per-head q/k RMSNorm, RoPE, GQA), written with ``ftjax.model``'s pieces (``rms_norm``,
-``_qk``/``rope``, ``attention``, ``route``) so the math is ftjax's inference math. Training
+experts, per-head q/k RMSNorm, RoPE, GQA), written with ``ftjax.layers``' pieces (``common.rms_norm``,
+``attention.qk``/``rope``, ``attention.attention``, ``moe.route``) so the math is ftjax's inference math. Training
 computes the experts densely: every token goes through all E experts as two dense matmuls
 (``[N, D] @ [D, E*2F]`` and ``[N, E*F] @ [E*F, D]``) and a combine weight that is the token's
 renormalised top-k router weight for its routed experts and 0 elsewhere, i.e.
@@ -94,7 +94,10 @@ import numpy as np  # noqa: E402
 
 from experiments import common  # noqa: E402
 from ftjax.config import ModelConfig  # noqa: E402
-from ftjax.model import _qk, attention, rms_norm, route  # noqa: E402
+from ftjax.layers.attention import attention, qk  # noqa: E402
+from ftjax.layers.common import rms_norm  # noqa: E402
+from ftjax.layers.moe import route  # noqa: E402
+from ftjax.runtime.planner import non_expert_params  # noqa: E402
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
@@ -309,7 +312,7 @@ def forward_train(params: dict, cfg: ModelConfig, tokens: jax.Array, remat: bool
 
     def layer(h, lp):
         x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = _qk(cfg, lp, x, positions)
+        q, k, v = qk(cfg, lp, x, positions)
         h = h + attention(q, k, v, positions).reshape(b, t, -1) @ lp["wo"]
         x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps).reshape(b * t, -1)
         y, ids, aux = moe_dense(cfg, x, lp)
@@ -501,7 +504,7 @@ def plot_loss(path: str, curve: list[dict], evals: list[dict], title: str, best_
 def param_counts(cfg: ModelConfig) -> dict:
     """Total, routed-expert, and active-per-token parameter counts."""
     expert = cfg.num_layers * cfg.num_experts * 3 * cfg.hidden_size * cfg.expert_ffn
-    other = cfg.non_expert_param_count()
+    other = non_expert_params(cfg)
     active = other + cfg.num_layers * cfg.top_k * 3 * cfg.hidden_size * cfg.expert_ffn
     return {"total": expert + other, "routed_experts": expert, "non_expert": other, "active_per_token": active}
 
@@ -522,7 +525,8 @@ def train(size: Size, opts: dict, out_dir: str, t0: float) -> dict:
           f"{corpus['heldout']['tokens']} tokens; vocab {cfg.vocab_size}; params {counts['total'] / 1e6:.2f}M "
           f"({counts['active_per_token'] / 1e6:.2f}M active); tokenizer {corpus['tokenizer_s']:.1f} s", flush=True)
     if train_stream.size <= seq_len + 1 or held_stream.size < seq_len + 1:
-        raise RuntimeError(f"corpus too small for seq_len {seq_len}: {train_stream.size} / {held_stream.size} tokens")
+        raise app.UsageError(f"corpus too small for --seq_len={seq_len}: {train_stream.size} train / "
+                             f"{held_stream.size} held-out tokens (more --max_files, or a shorter --seq_len)")
 
     on_gpu = jax.default_backend() != "cpu"
     compute_dtype = jnp.bfloat16 if on_gpu else jnp.float32
@@ -690,6 +694,11 @@ def resolve_opts() -> tuple[Size, dict]:
             raise app.UsageError(f"--{k} must be >= 1, got {opts[k]}")
     if opts["vocab_size"] < 260:
         raise app.UsageError(f"--vocab_size must be >= 260 (256 bytes + 3 specials), got {opts['vocab_size']}")
+    for k in ("lr", "time_budget_s", "max_shard_mib"):
+        if not opts[k] > 0:
+            raise app.UsageError(f"--{k} must be > 0, got {opts[k]}")
+    if opts["router_aux_loss_coef"] < 0 or opts["max_files"] < 0:
+        raise app.UsageError("--router_aux_loss_coef and --max_files must be >= 0")
     return size, opts
 
 
@@ -713,4 +722,4 @@ def main(argv):
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    common.run(main)

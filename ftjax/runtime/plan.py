@@ -164,9 +164,13 @@ class CallPlanner:
         A call that would stream but runs on the scan with fewer than the 2E slots the scan borrows loads
         its experts on demand instead (``prefill="stream"``: refused).
         Raises:
-          ValueError: ``prefill="stream"`` for such a call.
+          ValueError: ``prefill="stream"`` for such a call; ``prefill_driver="pipelined"`` for a prefix-reuse call
+            of a model with Gated DeltaNet layers (it runs on the scan only).
         """
         config, e = self.config, self.cfg.num_experts
+        if tokens_per_row > 1 and kv is not None and not self._hook_pipelines and config.prefill_driver == "pipelined":
+            raise ValueError(f"prefill_driver 'pipelined' cannot run a prefix-reuse call of {self.cfg.model_type}: "
+                             f"its Gated DeltaNet layers' stored states load on the layer scan; use 'auto' or 'scan'")
         stream = tokens_per_row > 1 and self.streams(valid_tokens)
         pipelined = tokens_per_row > 1 and self.pipelines(stream, prefix, kv)
         if stream and not pipelined and config.num_slots < 2 * e:

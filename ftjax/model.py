@@ -183,8 +183,9 @@ def stacked_weights(cfg: ModelConfig, layer_params: Params, token_shape: tuple[i
     runs; else none. Prefill calls keep the sliced weights: the kernels are GEMVs of few rows."""
     b, t = token_shape
     auto = dense_decode.auto_for(layer_params["router"].dtype)
-    dense_on = registry.mode("dense_decode", auto=auto) != "xla"
-    norm_on = registry.mode("norm_dense_decode", auto=auto) != "xla" and not cfg.norm_offset
+    # look-aheads (record=False): the kernels count as applied where the layers' projections run them
+    dense_on = registry.mode("dense_decode", auto=auto, record=False) != "xla"
+    norm_on = registry.mode("norm_dense_decode", auto=auto, record=False) != "xla" and not cfg.norm_offset
     if t != 1 or b > dense_decode.MAX_ROWS or not (dense_on or norm_on):
         return {}
     st = structure(cfg)
@@ -194,7 +195,8 @@ def stacked_weights(cfg: ModelConfig, layer_params: Params, token_shape: tuple[i
     out = {n: layer_params[n] for n in names if n in layer_params and layer_params[n].ndim == 3}
     if norm_on:
         out.update({n: layer_params[n] for n in ("attn_norm", "mlp_norm")})
-    rope_on = registry.mode("rope_cache", auto=auto) != "xla" and registry.mode("decode_attention") != "xla"
+    rope_on = registry.mode("rope_cache", auto=auto, record=False) != "xla" and \
+        registry.mode("decode_attention", record=False) != "xla"
     if cfg.qk_norm == "per_head" and rope_on and not cfg.norm_offset and \
             any(layers.get(k).reads_stacked_norms for k in st.pattern):
         out.update({n: layer_params[n] for n in ("q_norm", "k_norm") if n in layer_params})

@@ -287,12 +287,14 @@ def recording():
         _RECORD.reset(token)
 
 
-def mode(name: str, supported: bool = True, auto: bool | None = None) -> str:
+def mode(name: str, supported: bool = True, auto: bool | None = None, record: bool = True) -> str:
     """How op ``name`` runs in the function being traced: "xla", "gpu" or "interpret".
 
     supported: whether the kernel handles these operands (shapes, dtypes); an unsupported case
     runs the reference, except under "interpret" where the caller's own check decides. auto:
     whether ``use="auto"`` picks it for these operands on a GPU (default: the registry entry's).
+    record: count a choice other than "xla" as the kernel applying (:func:`recording`); False for a
+    look-ahead whose caller runs the kernel only later, through another call of this function, if at all.
     Raises:
       ValueError: unknown kernel name.
     """
@@ -308,7 +310,7 @@ def mode(name: str, supported: bool = True, auto: bool | None = None) -> str:
     else:
         how = ("gpu" if on_gpu else "interpret") if name in use else "xla"
     seen = _RECORD.get()
-    if seen is not None and how != "xla":
+    if record and seen is not None and how != "xla":
         seen.add(name)
     return how
 

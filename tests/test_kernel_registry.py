@@ -220,3 +220,32 @@ def test_kernel_notes_name_a_kernel_whose_operands_it_does_not_take():
     eng = _engine(even, KernelConfig(use=("slot_lookup",)), "cached", 32)
     _decode_only(eng)
     assert eng.kernel_notes() == [] and "slot_lookup" in eng.describe()["kernels_applied"]
+
+
+def test_kernel_notes_after_a_prefill_only_run_and_for_projections_the_kernel_does_not_take():
+    """dense_decode asked for by name: on a run of prefill calls only (the request API, no decode step) it
+    applied to no program, and on the decode step of a model of hidden size 96 (not a multiple of its
+    64-row tile) neither: the engine says so in both cases. (The look-ahead of ``model.stacked_weights``
+    used to count as the kernel applying.) On the tiny model's decode step it applies."""
+    from ftjax.checkpoint import random_model
+    from ftjax.config import preset
+
+    kernels = KernelConfig(use=("dense_decode",))
+    one = random_model(dataclasses.replace(preset("tiny"), num_layers=1), "float32")
+    eng = _engine(one, kernels)
+    eng.open_rows(1)
+    eng.admit(list(range(1, 10)))
+    assert eng.advance().kind == "prefill" and not eng.prefilling()
+    notes = eng.kernel_notes()
+    assert len(notes) == 1 and "'dense_decode'" in notes[0] and "applied to no program" in notes[0]
+    assert eng.describe()["kernels_applied"] == []
+
+    wide = random_model(dataclasses.replace(preset("tiny"), num_layers=1, hidden_size=96), "float32")
+    eng = _engine(wide, kernels)
+    _decode_only(eng)
+    notes = eng.kernel_notes()
+    assert len(notes) == 1 and "'dense_decode'" in notes[0] and "applied to no program" in notes[0]
+
+    eng = _engine(one, kernels)
+    _decode_only(eng)
+    assert eng.kernel_notes() == [] and eng.describe()["kernels_applied"] == ["dense_decode"]

@@ -180,21 +180,23 @@ def stacked_weights(cfg: ModelConfig, layer_params: Params, token_shape: tuple[i
     ``dense_decode`` or ``norm_dense_decode`` (under ``auto``: on a GPU for 16-bit weights), every
     projection of the layers' kinds and of the MoE block (3-D stacks), plus the plain norms where
     ``norm_dense_decode`` runs and the per-head q/k norms of ``attention`` layers where ``rope_cache``
-    runs; else none. Prefill calls keep the sliced weights: the kernels are GEMVs of few rows."""
+    runs; else none. Prefill calls keep the sliced weights: the kernels are GEMVs of few rows.
+    ``layer_params`` may hold a subset of the weights: only those present are handed over, and ``auto``
+    reads the dtype of the first projection (the router's in a model)."""
     b, t = token_shape
-    auto = dense_decode.auto_for(layer_params["router"].dtype)
-    # look-aheads (record=False): the kernels count as applied where the layers' projections run them
-    dense_on = registry.mode("dense_decode", auto=auto, record=False) != "xla"
-    norm_on = registry.mode("norm_dense_decode", auto=auto, record=False) != "xla" and not cfg.norm_offset
-    if t != 1 or b > dense_decode.MAX_ROWS or not (dense_on or norm_on):
-        return {}
     st = structure(cfg)
     names = ["router", "shared_gate_up", "shared_down", "shared_gate"]
     for k in dict.fromkeys(st.pattern):
         names += layers.get(k).projections
     out = {n: layer_params[n] for n in names if n in layer_params and layer_params[n].ndim == 3}
+    auto = bool(out) and dense_decode.auto_for(next(iter(out.values())).dtype)
+    # look-aheads (record=False): the kernels count as applied where the layers' projections run them
+    dense_on = registry.mode("dense_decode", auto=auto, record=False) != "xla"
+    norm_on = registry.mode("norm_dense_decode", auto=auto, record=False) != "xla" and not cfg.norm_offset
+    if t != 1 or b > dense_decode.MAX_ROWS or not (dense_on or norm_on):
+        return {}
     if norm_on:
-        out.update({n: layer_params[n] for n in ("attn_norm", "mlp_norm")})
+        out.update({n: layer_params[n] for n in ("attn_norm", "mlp_norm") if n in layer_params})
     rope_on = registry.mode("rope_cache", auto=auto, record=False) != "xla" and \
         registry.mode("decode_attention", record=False) != "xla"
     if cfg.qk_norm == "per_head" and rope_on and not cfg.norm_offset and \

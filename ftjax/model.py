@@ -272,7 +272,10 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, start: jax.Arra
         stats, kv, points = [], None, []
         for i, kind in enumerate(st.pattern):
             j, nk = st.pattern[:i].count(kind), st.pattern.count(kind)
-            idx = LayerIndex(blk * p + i, blk * nk + j)
+            layer = blk * p + i
+            # a kind that fills the pattern: its index is the layer's, the same array, so that weights of
+            # both (attn_norm and wq/wk/wv) read as one layer's (``norm_project`` fuses them)
+            idx = LayerIndex(layer, layer if nk == p else blk * nk + j)
             lp = {}
             for name, w in lp_block.items():
                 owner = st.owner_of(name)

@@ -180,21 +180,25 @@ def stacked_weights(cfg: ModelConfig, layer_params: Params, token_shape: tuple[i
     ``dense_decode`` or ``norm_dense_decode`` (under ``auto``: on a GPU for 16-bit weights), every
     projection of the layers' kinds and of the MoE block (3-D stacks), plus the plain norms where
     ``norm_dense_decode`` runs and the per-head q/k norms of ``attention`` layers where ``rope_cache``
-    runs; else none. Prefill calls keep the sliced weights: the kernels are GEMVs of few rows."""
+    runs; else none. Prefill calls keep the sliced weights: the kernels are GEMVs of few rows.
+    ``layer_params`` may hold a subset of the weights: only those present are handed over, and ``auto``
+    reads the dtype of the first projection (the router's in a model)."""
     b, t = token_shape
-    auto = dense_decode.auto_for(layer_params["router"].dtype)
-    dense_on = registry.mode("dense_decode", auto=auto) != "xla"
-    norm_on = registry.mode("norm_dense_decode", auto=auto) != "xla" and not cfg.norm_offset
-    if t != 1 or b > dense_decode.MAX_ROWS or not (dense_on or norm_on):
-        return {}
     st = structure(cfg)
     names = ["router", "shared_gate_up", "shared_down", "shared_gate"]
     for k in dict.fromkeys(st.pattern):
         names += layers.get(k).projections
     out = {n: layer_params[n] for n in names if n in layer_params and layer_params[n].ndim == 3}
+    auto = bool(out) and dense_decode.auto_for(next(iter(out.values())).dtype)
+    # look-aheads (record=False): the kernels count as applied where the layers' projections run them
+    dense_on = registry.mode("dense_decode", auto=auto, record=False) != "xla"
+    norm_on = registry.mode("norm_dense_decode", auto=auto, record=False) != "xla" and not cfg.norm_offset
+    if t != 1 or b > dense_decode.MAX_ROWS or not (dense_on or norm_on):
+        return {}
     if norm_on:
-        out.update({n: layer_params[n] for n in ("attn_norm", "mlp_norm")})
-    rope_on = registry.mode("rope_cache", auto=auto) != "xla" and registry.mode("decode_attention") != "xla"
+        out.update({n: layer_params[n] for n in ("attn_norm", "mlp_norm") if n in layer_params})
+    rope_on = registry.mode("rope_cache", auto=auto, record=False) != "xla" and \
+        registry.mode("decode_attention", record=False) != "xla"
     if cfg.qk_norm == "per_head" and rope_on and not cfg.norm_offset and \
             any(layers.get(k).reads_stacked_norms for k in st.pattern):
         out.update({n: layer_params[n] for n in ("q_norm", "k_norm") if n in layer_params})
@@ -268,7 +272,10 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, start: jax.Arra
         stats, kv, points = [], None, []
         for i, kind in enumerate(st.pattern):
             j, nk = st.pattern[:i].count(kind), st.pattern.count(kind)
-            idx = LayerIndex(blk * p + i, blk * nk + j)
+            layer = blk * p + i
+            # a kind that fills the pattern: its index is the layer's, the same array, so that weights of
+            # both (attn_norm and wq/wk/wv) read as one layer's (``norm_project`` fuses them)
+            idx = LayerIndex(layer, layer if nk == p else blk * nk + j)
             lp = {}
             for name, w in lp_block.items():
                 owner = st.owner_of(name)

@@ -1,5 +1,6 @@
 """The dense decode kernel (ftjax.kernels.dense_decode) against its jnp reference in Pallas
-interpret mode on the CPU, its tile variable, its wiring into ``model.project`` / ``model.forward``
+interpret mode on the CPU, its tiles in the kernel config, its wiring into ``layers.common.project`` /
+``model.forward``
 (a tiny model's greedy decode with the kernel selected) and its lowering for CUDA.
 
 Tolerances: the kernel accumulates in float32 like the reference but in another order (per tile
@@ -18,8 +19,17 @@ import numpy as np
 import pytest
 
 from ftjax import model as model_lib
+from ftjax.config import preset
 from ftjax.kernels import dense_decode as dd
-from ftjax.kernels import select
+from ftjax.kernels import registry
+from ftjax.kernels.registry import KernelConfig, using
+from ftjax.layers import common as layers_common
+
+#: The weights a decode step of the tiny model hands over stacked with dense_decode (the former
+#: ``model.STACKED_NAMES``: the attention kind's projections and the router) and, with norm_dense_decode,
+#: the norms too (the former ``model.STACKED_NORMS``).
+STACKED_NAMES = ("wq", "wk", "wv", "wo", "router")
+STACKED_NORMS = ("attn_norm", "mlp_norm")
 
 
 def _operands(m, k, n, dtype, layers=3, seed=0, x_dtype=None):
@@ -90,51 +100,53 @@ def test_auto_k_split():
     assert dd.auto_k_split(64, 1 << 16, bk, bn) == 1  # enough column blocks
 
 
-def test_tiles_env(monkeypatch):
-    monkeypatch.delenv(dd.TILES_ENV, raising=False)
+def test_tiles_config():
     assert dd.tiles() == {"block_k": 64, "block_n": 128, "num_warps": None, "k_split": 0}
-    monkeypatch.setenv(dd.TILES_ENV, "32,64,8,4")
-    assert dd.tiles() == {"block_k": 32, "block_n": 64, "num_warps": 8, "k_split": 4}
-    monkeypatch.setenv(dd.TILES_ENV, " 32, 64, 0, 0 ")
-    assert dd.tiles() == {"block_k": 32, "block_n": 64, "num_warps": None, "k_split": 0}
-    for bad, match in (("32,64", "four integers"), ("a,b,c,d", "four integers"), ("32,64,4,2,1", "four integers"),
-                       ("48,64,4,2", "powers of two"), ("32,0,4,2", "powers of two"), ("32,64,-1,2", "powers of two"),
-                       ("32,64,4,-2", "powers of two"), ("32,64,3,2", "power of two or 0")):
-        monkeypatch.setenv(dd.TILES_ENV, bad)
-        with pytest.raises(ValueError, match=rf"FTJAX_DENSE_DECODE_TILES='{bad}': .*{match}"):
-            dd.tiles()
+    with using(KernelConfig(tiles={"dense_decode": (32, 64, 8, 4)})):
+        assert dd.tiles() == {"block_k": 32, "block_n": 64, "num_warps": 8, "k_split": 4}
+    with using(KernelConfig(tiles={"dense_decode": (32, 64, 0, 0)})):
+        assert dd.tiles() == {"block_k": 32, "block_n": 64, "num_warps": None, "k_split": 0}
+    for bad, match in (((32, 64), "four integers"), (("a", "b", "c", "d"), "four integers"),
+                       ((32, 64, 4, 2, 1), "four integers"), ((48, 64, 4, 2), "powers of two"),
+                       ((32, 0, 4, 2), "powers of two"), ((32, 64, -1, 2), "powers of two"),
+                       ((32, 64, 4, -2), "powers of two"), ((32, 64, 3, 2), "power of two or 0")):
+        with pytest.raises(ValueError, match=rf"tiles of kernel 'dense_decode'.*{match}"):
+            dd.parse_tiles(bad)
+        ints = all(isinstance(v, int) for v in bad)  # strings are refused before the kernel's parser
+        with pytest.raises(ValueError, match=rf"KernelConfig\.tiles: .*{match if ints else 'integers'}"):
+            KernelConfig(tiles={"dense_decode": bad})
 
 
-def test_explicit_tiles_that_do_not_fit_raise(monkeypatch):
+def test_explicit_tiles_that_do_not_fit_raise():
     x, w = jnp.ones((1, 256)), jnp.ones((2, 256, 128))
-    monkeypatch.setenv(select.ENV, "dense_decode")
-    monkeypatch.setenv(dd.TILES_ENV, "64,128,0,8")  # K = 256 holds 4 steps of 64, not 8 parts
-    with pytest.raises(ValueError, match=r"FTJAX_DENSE_DECODE_TILES='64,128,0,8': tiles .* do not fit x \(1, 256\)"):
-        dd.plan(x, w)
-    monkeypatch.setenv(dd.TILES_ENV, "64,128,0,4")
-    assert dd.plan(x, w)[0] == "interpret" or jax.default_backend() == "gpu"
-    monkeypatch.setenv(select.ENV, "xla")  # not selected: the tiles do not matter
-    monkeypatch.setenv(dd.TILES_ENV, "64,128,0,8")
-    assert dd.plan(x, w)[0] == "xla"
+    with using(KernelConfig(use="dense_decode", tiles={"dense_decode": (64, 128, 0, 8)})):
+        # K = 256 holds 4 steps of 64, not 8 parts
+        with pytest.raises(ValueError, match=r"dense_decode tiles \{'block_k': 64, 'block_n': 128, 'num_warps': None, "
+                                             r"'k_split': 8\} do not fit x \(1, 256\)"):
+            dd.plan(x, w)
+    with using(KernelConfig(use="dense_decode", tiles={"dense_decode": (64, 128, 0, 4)})):
+        assert dd.plan(x, w)[0] == "interpret" or jax.default_backend() == "gpu"
+    # not selected: the tiles do not matter
+    with using(KernelConfig(use="xla", tiles={"dense_decode": (64, 128, 0, 8)})):
+        assert dd.plan(x, w)[0] == "xla"
 
 
-def test_select_knows_the_kernel(monkeypatch):
-    assert "dense_decode" in select.KERNELS
-    monkeypatch.delenv(select.ENV, raising=False)
+def test_registry_knows_the_kernel(monkeypatch):
+    assert "dense_decode" in registry.names()
     # auto: on a GPU for 16-bit weights only (float32 programs keep XLA's GEMMs); never on the CPU
     assert dd.auto_for(jnp.bfloat16) and dd.auto_for(jnp.float16) and not dd.auto_for(jnp.float32)
-    assert select.mode("dense_decode", auto=dd.auto_for(jnp.bfloat16)) == "xla"  # this CPU
+    assert registry.mode("dense_decode", auto=dd.auto_for(jnp.bfloat16)) == "xla"  # this CPU
+    cfg = preset("tiny")
     layers = {"wq": jnp.zeros((2, 128, 64)), "wo": jnp.zeros((2, 64, 128))}
-    assert model_lib.stacked_dense(layers, (1, 1)) == {}
+    assert model_lib.stacked_weights(cfg, layers, (1, 1)) == {}
     bf_layers = {k: v.astype(jnp.bfloat16) for k, v in layers.items()}
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # what auto decides on a GPU
-    assert set(model_lib.stacked_dense(bf_layers, (1, 1))) == {"wq", "wo"}
-    assert model_lib.stacked_dense(layers, (1, 1)) == {}  # float32
+    assert set(model_lib.stacked_weights(cfg, bf_layers, (1, 1))) == {"wq", "wo"}
+    assert model_lib.stacked_weights(cfg, layers, (1, 1)) == {}  # float32
     monkeypatch.undo()
-    monkeypatch.delenv(select.ENV, raising=False)
-    monkeypatch.setenv(select.ENV, "dense_decode")
-    assert set(model_lib.stacked_dense(layers, (1, 1))) == {"wq", "wo"}
-    assert model_lib.stacked_dense(layers, (1, 4)) == {}  # prefill chunks keep the sliced weights
+    with using(KernelConfig(use="dense_decode")):
+        assert set(model_lib.stacked_weights(cfg, layers, (1, 1))) == {"wq", "wo"}
+        assert model_lib.stacked_weights(cfg, layers, (1, 4)) == {}  # prefill chunks keep the sliced weights
 
 
 # ------------------------------------------------------------------ model.project / model.forward
@@ -153,20 +165,19 @@ def _spy(monkeypatch):
 @pytest.mark.parametrize("shape", [(1, 1, 128), (3, 128), (16, 128), (17, 128)])
 def test_project_stacked_weight(shape, monkeypatch):
     """``project(x, StackedWeight(w, l))``: default (CPU) exactly ``project(x, w[l])``; with the
-    kernel selected it runs for at most 16 rows (tiles from the variable) and falls back to the
+    kernel selected it runs for at most 16 rows (tiles from the kernel config) and falls back to the
     slice beyond, or for shapes it does not take."""
     calls = _spy(monkeypatch)
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_normal(shape), jnp.float32)
     w = jnp.asarray(rng.standard_normal((3, 128, 64)), jnp.float32)
-    sw = model_lib.StackedWeight(w, jnp.int32(2))
-    want = model_lib.project(x, w[2])
-    monkeypatch.delenv(select.ENV, raising=False)
-    np.testing.assert_array_equal(np.asarray(model_lib.project(x, sw)), np.asarray(want))
+    sw = layers_common.StackedWeight(w, jnp.int32(2))
+    want = layers_common.project(x, w[2])
+    np.testing.assert_array_equal(np.asarray(layers_common.project(x, sw)), np.asarray(want))
     assert not calls
-    monkeypatch.setenv(select.ENV, "dense_decode")
-    monkeypatch.setenv(dd.TILES_ENV, "32,32,0,2")
-    got = model_lib.project(x, sw)
+    selected = KernelConfig(use="dense_decode", tiles={"dense_decode": (32, 32, 0, 2)})
+    with using(selected):
+        got = layers_common.project(x, sw)
     assert got.shape == want.shape and got.dtype == want.dtype
     rows = int(np.prod(shape[:-1]))
     if rows <= 16:
@@ -176,47 +187,54 @@ def test_project_stacked_weight(shape, monkeypatch):
     else:
         assert not calls
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    odd = model_lib.StackedWeight(jnp.ones((2, 96, 64), jnp.float32), jnp.int32(0))  # K 96: the slice
-    np.testing.assert_array_equal(np.asarray(model_lib.project(x[..., :96], odd)),
-                                  np.asarray(x[..., :96] @ odd.w[0]))
+    odd = layers_common.StackedWeight(jnp.ones((2, 96, 64), jnp.float32), jnp.int32(0))  # K 96: the slice
+    with using(selected):
+        np.testing.assert_array_equal(np.asarray(layers_common.project(x[..., :96], odd)),
+                                      np.asarray(x[..., :96] @ odd.w[0]))
     assert len(calls) == (1 if rows <= 16 else 0)
 
 
-def test_stacked_dense_only_for_decode_calls(monkeypatch):
+def test_stacked_weights_only_for_decode_calls():
+    from ftjax import layers as layers_lib
     from ftjax.checkpoint import random_model
-    from ftjax.config import preset
 
-    layers = random_model(preset("tiny"), "float32").params["layers"]
-    monkeypatch.delenv(select.ENV, raising=False)
-    assert model_lib.stacked_dense(layers, (1, 1)) == {}  # CPU default: the scan of before
-    monkeypatch.setenv(select.ENV, "dense_decode")
-    assert set(model_lib.stacked_dense(layers, (1, 1))) == set(model_lib.STACKED_NAMES)
-    assert set(model_lib.stacked_dense(layers, (16, 1))) == set(model_lib.STACKED_NAMES)
-    assert model_lib.stacked_dense(layers, (17, 1)) == {}  # more rows than the kernel takes
-    assert model_lib.stacked_dense(layers, (1, 4)) == {}  # a prefill chunk, however small
-    monkeypatch.setenv(select.ENV, "dense_decode,norm_dense_decode")  # the norms too, [L, K]
-    got = model_lib.stacked_dense(layers, (1, 1))
-    assert set(got) == set(model_lib.STACKED_NAMES + model_lib.STACKED_NORMS)
+    cfg = preset("tiny")
+    layers = random_model(cfg, "float32").params["layers"]
+    assert set(STACKED_NAMES) == set(layers_lib.get("attention").projections) | {"router"}
+    assert model_lib.stacked_weights(cfg, layers, (1, 1)) == {}  # CPU default: the scan of before
+    with using(KernelConfig(use="dense_decode")):
+        assert set(model_lib.stacked_weights(cfg, layers, (1, 1))) == set(STACKED_NAMES)
+        assert set(model_lib.stacked_weights(cfg, layers, (16, 1))) == set(STACKED_NAMES)
+        assert model_lib.stacked_weights(cfg, layers, (17, 1)) == {}  # more rows than the kernel takes
+        assert model_lib.stacked_weights(cfg, layers, (1, 4)) == {}  # a prefill chunk, however small
+    with using(KernelConfig(use="dense_decode,norm_dense_decode")):  # the norms too, [L, K]
+        got = model_lib.stacked_weights(cfg, layers, (1, 1))
+    assert set(got) == set(STACKED_NAMES + STACKED_NORMS)
     assert got["attn_norm"].shape == (layers["attn_norm"].shape[0], 128)
-    monkeypatch.setenv(select.ENV, "moe_decode")
-    assert model_lib.stacked_dense(layers, (1, 1)) == {}
+    with using(KernelConfig(use="moe_decode")):
+        assert model_lib.stacked_weights(cfg, layers, (1, 1)) == {}
 
 
-def _tiny_generate(monkeypatch, kernels, mode="resident", slots=None):
-    from ftjax import engine as engine_lib
+def _tiny_generate(kernels, mode="resident", slots=None):
+    """A tiny model's greedy decode under ``KernelConfig(use=kernels)`` (its own programs: the kernel
+    config is part of every program's key)."""
+    from ftjax import Engine
     from ftjax.checkpoint import random_model
-    from ftjax.config import EngineConfig, preset
+    from ftjax.config import EngineConfig
 
-    monkeypatch.setenv(select.ENV, kernels)
-    engine_lib._COMPILED.clear()  # the engine's programs and jax's traces keep the choice made at trace time
-    jax.clear_caches()
     cfg = dataclasses.replace(preset("tiny"), num_layers=3)
-    eng = engine_lib.Engine(random_model(cfg, "float32"),
-                            EngineConfig(mode, num_slots=slots, max_seq_len=64, prefill_chunk=16))
+    eng = Engine(random_model(cfg, "float32"), EngineConfig(mode, num_slots=slots, max_seq_len=64, prefill_chunk=16,
+                                                            kernels=KernelConfig(use=kernels)))
     return eng.generate([list(range(1, 20))], max_new_tokens=5, keep_logits=True)
 
 
-def _assert_like_default(monkeypatch, kernels, ref, got):
+def _fresh_traces():
+    """Drops every compiled program and trace, so that a spy on a kernel sees the next run's calls."""
+    from ftjax.runtime import programs
+    programs.clear()
+
+
+def _assert_like_default(kernels, ref, got):
     """``got`` (a greedy decode under ``kernels``) against ``ref`` (the default path): same ids, the
     prefill bit-identical (no kernel runs there), decode logits within float32 tolerance; and the
     cached mode under ``kernels`` bit-identical to ``got``."""
@@ -224,23 +242,24 @@ def _assert_like_default(monkeypatch, kernels, ref, got):
     np.testing.assert_array_equal(got.step_logits[0], ref.step_logits[0])  # the prefill
     np.testing.assert_allclose(got.step_logits, ref.step_logits, rtol=1e-5,
                                atol=1e-5 * float(np.abs(ref.step_logits).max()))
-    cached = _tiny_generate(monkeypatch, kernels, "cached", 16)
+    cached = _tiny_generate(kernels, "cached", 16)
     assert cached.generated_ids == ref.generated_ids
     np.testing.assert_array_equal(cached.step_logits, got.step_logits)
 
 
-def test_greedy_decode_with_the_kernel_matches_the_default_path(monkeypatch, fresh_programs):
-    """A tiny model's greedy decode with ``FTJAX_KERNELS=dense_decode`` (interpreted on the CPU):
+def test_greedy_decode_with_the_kernel_matches_the_default_path(monkeypatch):
+    """A tiny model's greedy decode with ``KernelConfig(use="dense_decode")`` (interpreted on the CPU):
     the decode steps' five dense projections per layer run in the kernel, reading the stacked
     weights (the prefill keeps the sliced ones, so its logits are bit-identical); same ids, logits
     within float32 tolerance of the default path. The expert cache mode too."""
-    ref = _tiny_generate(monkeypatch, "xla")
+    ref = _tiny_generate("xla")
+    _fresh_traces()
     calls = _spy(monkeypatch)
-    got = _tiny_generate(monkeypatch, "dense_decode")
+    got = _tiny_generate("dense_decode")
     shapes = {w for _, w, _ in calls}
     assert shapes == {(3, 128, 128), (3, 128, 64), (3, 128, 16)}  # wq and wo, wk and wv, router
     assert len(calls) % 5 == 0 and all(x == (1, 128) for x, _, _ in calls)
-    _assert_like_default(monkeypatch, "dense_decode", ref, got)
+    _assert_like_default("dense_decode", ref, got)
 
 
 def test_dense_decode_lowers_for_cuda():
@@ -274,7 +293,7 @@ def test_norm_dense_decode_matches_reference(m, dtype):
     ``dense_decode_reference`` of the model's ``rms_norm``, the rows within one bf16 ulp of it."""
     x, g, ws = _norm_operands(m, 256, (128, 64, 64), dtype)
     want_ys, want_x = dd.norm_dense_decode_reference(x, g, ws, 2, 1e-6)
-    np.testing.assert_array_equal(np.asarray(want_x), np.asarray(model_lib.rms_norm(x, g, 1e-6)))
+    np.testing.assert_array_equal(np.asarray(want_x), np.asarray(layers_common.rms_norm(x, g, 1e-6)))
     stacked_g = jnp.stack([g * 0.5, g * 2.0, g])  # [L, K]: the kernel reads row ``layer`` (2)
     for k_split, write_x, norm_w in ((1, False, g), (1, True, stacked_g), (4, False, stacked_g), (4, True, g)):
         ys, xn = dd.norm_dense_decode(x, norm_w, ws, jnp.int32(2), eps=1e-6, write_x=write_x, interpret=True,
@@ -311,12 +330,13 @@ def test_norm_dense_decode_errors():
     assert dd.supported_all(x, ws, block_n=128)  # the column tile is capped at the narrowest weight (32)
 
 
-def test_greedy_decode_with_the_norm_kernel_matches_the_default_path(monkeypatch, fresh_programs):
-    """``FTJAX_KERNELS=dense_decode,norm_dense_decode`` (interpreted on the CPU): each decode layer
+def test_greedy_decode_with_the_norm_kernel_matches_the_default_path(monkeypatch):
+    """``KernelConfig(use="dense_decode,norm_dense_decode")`` (interpreted on the CPU): each decode layer
     runs its attention input norm + wq/wk/wv and its MoE norm + router as two launches of the fused
     kernel; same ids and logits within float32 tolerance of the default path; cached mode with
     the kernel bit-identical to resident with it."""
-    ref = _tiny_generate(monkeypatch, "xla")
+    ref = _tiny_generate("xla")
+    _fresh_traces()
     calls = []
     real = dd.norm_dense_decode
 
@@ -325,10 +345,10 @@ def test_greedy_decode_with_the_norm_kernel_matches_the_default_path(monkeypatch
         return real(x, g, ws, layer, **kw)
 
     monkeypatch.setattr(dd, "norm_dense_decode", spy)
-    got = _tiny_generate(monkeypatch, "dense_decode,norm_dense_decode")
+    got = _tiny_generate("dense_decode,norm_dense_decode")
     assert set(calls) == {((1, 128), (3, 128), ((3, 128, 128), (3, 128, 64), (3, 128, 64)), False),
                           ((1, 128), (3, 128), ((3, 128, 16),), True)}  # the norms read stacked, in place
-    _assert_like_default(monkeypatch, "dense_decode,norm_dense_decode", ref, got)
+    _assert_like_default("dense_decode,norm_dense_decode", ref, got)
 
 
 def test_norm_dense_decode_lowers_for_cuda():

@@ -1,5 +1,5 @@
 """Pallas kernels (ftjax.kernels) against their jnp references, in Pallas interpret mode on the CPU,
-plus the trace-time switch and a check that each kernel lowers for CUDA (Triton backend) here.
+plus the kernel config's choices at trace time and a check that each kernel lowers for CUDA (Triton backend) here.
 
 Tolerances: the kernels accumulate in float32 like the references but in another order, and
 round intermediate products differently (unnormalised softmax probabilities, per-column int8
@@ -17,12 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ftjax import model as model_lib
 from ftjax.experts import compute, formats, quant
 from ftjax.kernels import decode_attention as da
 from ftjax.kernels import flash_prefill as fp
 from ftjax.kernels import moe_decode as md
-from ftjax.kernels import select
+from ftjax.kernels import registry
+from ftjax.kernels.registry import KernelConfig, using
+from ftjax.layers import attention as attention_lib
+from ftjax.layers import common as layers_common
 
 
 def _maxdiff(a, b) -> float:
@@ -111,16 +113,15 @@ def test_moe_decode_supported():
     assert not md.supported(x, gu, dn, "dense", down_cols=96) and not md.supported(x, g4, d4, "int4", down_cols=1)
 
 
-def test_moe_decode_tiles_env(monkeypatch):
-    monkeypatch.delenv(md.TILES_ENV, raising=False)
+def test_moe_decode_tiles_config():
     assert md.tiles() == {"block_d": md.BLOCK_D, "block_f": md.BLOCK_F, "num_warps": None, "d_split": md.D_SPLIT,
                           "down_cols": 0, "down_rows": 0}
-    monkeypatch.setenv(md.TILES_ENV, "128,32,8,4")
-    assert md.tiles() == {"block_d": 128, "block_f": 32, "num_warps": 8, "d_split": 4, "down_cols": 0,
-                          "down_rows": 0}
-    monkeypatch.setenv(md.TILES_ENV, "64,64,0,8,128,32")
-    assert md.tiles() == {"block_d": 64, "block_f": 64, "num_warps": None, "d_split": 8, "down_cols": 128,
-                          "down_rows": 32}
+    with using(KernelConfig(tiles={"moe_decode": (128, 32, 8, 4)})):
+        assert md.tiles() == {"block_d": 128, "block_f": 32, "num_warps": 8, "d_split": 4, "down_cols": 0,
+                              "down_rows": 0}
+    with using(KernelConfig(tiles={"moe_decode": (64, 64, 0, 8, 128, 32)})):
+        assert md.tiles() == {"block_d": 64, "block_f": 64, "num_warps": None, "d_split": 8, "down_cols": 128,
+                              "down_rows": 32}
     # batch 1 of qwen3-30b-a3b: 8 pairs x 12 column tiles = 96 programs -> split D in 4 (384)
     assert md.auto_d_split(8, 2048, 768, 64, 64, "dense") == 4
     assert md.auto_d_split(32, 2048, 768, 64, 64, "dense") == 1
@@ -131,28 +132,27 @@ def test_moe_decode_tiles_env(monkeypatch):
     assert md.auto_d_split(1, 2048, 768, 64, 128, "int4") == 8  # 6 column tiles: 48 programs -> 8 parts, 384
     # D = 192: 32-row steps split it in 2 (96 rows each), int4 not (parts of whole 64-row scale groups)
     assert md.auto_d_split(1, 192, 768, 32, 64, "dense") == 2 and md.auto_d_split(1, 192, 768, 32, 64, "int4") == 1
-    for bad in ("128,32", "64,64,4,4,128"):
-        monkeypatch.setenv(md.TILES_ENV, bad)
+    for bad in ((128, 32), (64, 64, 4, 4, 128)):
         with pytest.raises(ValueError, match=r"block_d,block_f,num_warps,d_split\[,down_cols,down_rows\]"):
-            md.tiles()
+            md.parse_tiles(bad)
+        with pytest.raises(ValueError, match=r"KernelConfig.tiles: .*block_d,block_f,num_warps,d_split\[,down_cols"):
+            KernelConfig(tiles={"moe_decode": bad})
 
 
-def test_moe_decode_tiles_env_rejects_zero_and_negative_values(monkeypatch):
-    """A zero block (or a negative field) is malformed: tiles() says so, instead of a ZeroDivisionError in
-    auto_d_split at trace time (block_d / block_f 0) or a silent fall back to XLA (negative d_split / down tile)."""
-    x, slots = jnp.zeros((1, 256), jnp.float32), jnp.zeros((1, 2), jnp.int32)
-    gu, dn = jnp.zeros((4, 256, 256), jnp.float32), jnp.zeros((4, 128, 256), jnp.float32)
-    monkeypatch.setenv(select.ENV, "moe_decode")
-    for bad in ("0,64,0,0", "64,0,0,0", "-64,64,0,1", "64,64,-1,0", "64,64,0,-2", "64,64,0,1,-1,0", "64,64,0,1,0,-32"):
-        monkeypatch.setenv(md.TILES_ENV, bad)
-        with pytest.raises(ValueError, match=md.TILES_ENV):
-            md.tiles()
-        with pytest.raises(ValueError, match=md.TILES_ENV):
-            md.maybe_pairs(x, slots, gu, dn, None, "dense")
+def test_moe_decode_tiles_config_rejects_zero_and_negative_values():
+    """A zero block (or a negative field) is malformed: the kernel config refuses it when it is made (so neither
+    tiles() nor maybe_pairs ever meets it), instead of a ZeroDivisionError in auto_d_split at trace time
+    (block_d / block_f 0) or a silent fall back to XLA (negative d_split / down tile)."""
+    for bad in ((0, 64, 0, 0), (64, 0, 0, 0), (-64, 64, 0, 1), (64, 64, -1, 0), (64, 64, 0, -2), (64, 64, 0, 1, -1, 0),
+                (64, 64, 0, 1, 0, -32)):
+        with pytest.raises(ValueError, match="tiles of kernel 'moe_decode'"):
+            md.parse_tiles(bad)
+        with pytest.raises(ValueError, match="KernelConfig.tiles: tiles of kernel 'moe_decode'"):
+            KernelConfig(use="moe_decode", tiles={"moe_decode": bad})
 
 
 def test_moe_decode_maybe_pairs_splits_int4(monkeypatch):
-    """maybe_pairs hands int4 the tiles of FTJAX_MOE_DECODE_TILES and auto_d_split's split like the other
+    """maybe_pairs hands int4 the tiles of ``KernelConfig.tiles`` and auto_d_split's split like the other
     formats (it used to force d_split 1); under auto it still keeps int4 on XLA (no GPU here anyway)."""
     rng = np.random.default_rng(7)
     gu, dn = _pool(rng, dtype=jnp.float32)
@@ -168,40 +168,39 @@ def test_moe_decode_maybe_pairs_splits_int4(monkeypatch):
         return real(*args, **kw)
 
     monkeypatch.setattr(md, "moe_decode_pairs", spy)
-    monkeypatch.setenv(select.ENV, "moe_decode")  # named: interpreted on the CPU
-    monkeypatch.delenv(md.TILES_ENV, raising=False)
     ref = compute.gather_outputs_reference(x, slots, qg, qd, (sg, sd), "int4")
-    got = md.maybe_pairs(x, slots, qg, qd, (sg, sd), "int4")  # 2 pairs x 2 column tiles: D = 256 in 4 parts
+    with using(KernelConfig(use="moe_decode")):  # named: interpreted on the CPU
+        got = md.maybe_pairs(x, slots, qg, qd, (sg, sd), "int4")  # 2 pairs x 2 column tiles: D = 256 in 4 parts
     assert calls[-1]["d_split"] == 4 and calls[-1]["interpret"]
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
-    monkeypatch.setenv(md.TILES_ENV, "64,64,0,2,128,32")
-    md.maybe_pairs(x, slots, qg, qd, (sg, sd), "int4")
+    with using(KernelConfig(use="moe_decode", tiles={"moe_decode": (64, 64, 0, 2, 128, 32)})):
+        md.maybe_pairs(x, slots, qg, qd, (sg, sd), "int4")
     assert {k: calls[-1][k] for k in ("d_split", "down_cols", "down_rows")} == {"d_split": 2, "down_cols": 128,
                                                                                "down_rows": 32}
-    monkeypatch.setenv(md.TILES_ENV, "32,64,0,8")  # 32-row parts: not supported for int4 -> the reference
-    assert md.maybe_pairs(x, slots, qg, qd, (sg, sd), "int4") is None and len(calls) == 2
-    monkeypatch.setenv(select.ENV, "auto")
-    monkeypatch.delenv(md.TILES_ENV)
-    assert md.maybe_pairs(x, slots, qg, qd, (sg, sd), "int4") is None and len(calls) == 2
+    # 32-row parts: not supported for int4 -> the reference
+    with using(KernelConfig(use="moe_decode", tiles={"moe_decode": (32, 64, 0, 8)})):
+        assert md.maybe_pairs(x, slots, qg, qd, (sg, sd), "int4") is None and len(calls) == 2
+    with using(KernelConfig(use="auto")):
+        assert md.maybe_pairs(x, slots, qg, qd, (sg, sd), "int4") is None and len(calls) == 2
 
 
-def test_experts_gather_uses_kernel_only_when_selected(monkeypatch):
+def test_experts_gather_uses_kernel_only_when_selected():
     rng = np.random.default_rng(2)
     gu, dn = _pool(rng, dtype=jnp.float32)
     x = jnp.asarray(rng.standard_normal((2, 256)), jnp.float32)
     slots = jnp.asarray([[1, 2], [3, 4]], jnp.int32)
     w = jnp.asarray([[0.75, 0.25], [0.5, 0.5]], jnp.float32)
-    monkeypatch.setenv(select.ENV, "xla")
-    ref = compute.experts_gather(x, slots, w, gu, dn)
-    monkeypatch.setenv(select.ENV, "moe_decode")  # a name list: interpreted on the CPU
-    jax.clear_caches()
-    jaxpr = str(jax.make_jaxpr(compute.experts_gather)(x, slots, w, gu, dn))
-    assert "pallas_call" in jaxpr
-    got = compute.experts_gather(x, slots, w, gu, dn)
+    with using(KernelConfig(use="xla")):
+        ref = compute.experts_gather(x, slots, w, gu, dn)
+    with using(KernelConfig(use="moe_decode")):  # a name list: interpreted on the CPU
+        jax.clear_caches()
+        jaxpr = str(jax.make_jaxpr(compute.experts_gather)(x, slots, w, gu, dn))
+        assert "pallas_call" in jaxpr
+        got = compute.experts_gather(x, slots, w, gu, dn)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
-    monkeypatch.setenv(select.ENV, "auto")  # CPU default: the jnp code, no kernel
-    jax.clear_caches()  # traces keep the choice made when they were traced
-    assert "pallas_call" not in str(jax.make_jaxpr(compute.experts_gather)(x, slots, w, gu, dn))
+    with using(KernelConfig(use="auto")):  # CPU default: the jnp code, no kernel
+        jax.clear_caches()  # traces keep the choice made when they were traced
+        assert "pallas_call" not in str(jax.make_jaxpr(compute.experts_gather)(x, slots, w, gu, dn))
 
 
 # ------------------------------------------------------------------ decode attention
@@ -214,7 +213,7 @@ def test_decode_attention_matches_reference(dtype, tol, n_split):
     vc = jnp.asarray(rng.standard_normal((L, B, S, hkv, hd)), dtype)
     q = jnp.asarray(rng.standard_normal((B, 1, hkv * g, hd)), dtype)
     pos = jnp.asarray([[0], [77], [255]], jnp.int32)  # one filled position, a partial block, all
-    ref = model_lib.attention(q, kc[1], vc[1], pos)
+    ref = attention_lib.attention(q, kc[1], vc[1], pos)
     got = da.decode_attention(q, kc, vc, jnp.int32(1), pos[:, 0] + 1, interpret=True, block_k=16, n_split=n_split)
     assert got.shape == q.shape and got.dtype == dtype
     assert _maxdiff(got, ref) <= tol
@@ -241,40 +240,37 @@ def test_flash_prefill_matches_reference_with_offsets(dtype, tol):
     q = jnp.asarray(rng.standard_normal((B, T, hkv * g, hd)), dtype)
     start = jnp.asarray([0, 37, 64], jnp.int32)  # fresh prefill, unaligned and aligned prefix reuse
     pos = start[:, None] + jnp.arange(T)[None]
-    ref = model_lib.attention(q, k, v, pos)
+    ref = attention_lib.attention(q, k, v, pos)
     got = fp.flash_attention(q, k, v, start, interpret=True, block_q=16, block_k=32)
     assert got.shape == q.shape and got.dtype == dtype
     assert _maxdiff(got, ref) <= tol
 
 
-def test_flash_prefill_supported_and_impl_env(monkeypatch):
+def test_flash_prefill_supported_and_impl_choice():
     q, k = jnp.zeros((1, 8192, 32, 128), jnp.bfloat16), jnp.zeros((1, 8192, 4, 128), jnp.bfloat16)
     assert fp.supported(q, k) and fp.mgpu_supported(q, k)
     assert not fp.supported(jnp.zeros((1, 24, 32, 128)), jnp.zeros((1, 8192, 4, 128)))
-    monkeypatch.setenv(fp.IMPL_ENV, "nope")
-    with pytest.raises(ValueError, match="FTJAX_FLASH_PREFILL"):
-        fp.maybe(q, k, k, jnp.zeros((1, 8192), jnp.int32), model_lib.attention)
+    with pytest.raises(ValueError, match="KernelConfig.flash_prefill: unknown value 'nope'"):
+        KernelConfig(flash_prefill="nope")
 
 
-# ------------------------------------------------------------------ the switch
-def test_select_modes(monkeypatch):
-    monkeypatch.delenv(select.ENV, raising=False)
-    assert select.mode("moe_decode") == ("gpu" if jax.default_backend() == "gpu" else "xla")
-    assert select.mode("moe_decode", auto=False) == "xla"  # auto skips a kernel measured slower than XLA
-    monkeypatch.setenv(select.ENV, "interpret")
-    assert select.mode("decode_attention") == "interpret"
-    assert select.mode("decode_attention", supported=False) == "xla"
-    assert select.mode("moe_decode", auto=False) == "interpret"  # tests still run it
-    monkeypatch.setenv(select.ENV, "xla")
-    assert select.mode("flash_prefill") == "xla"
-    monkeypatch.setenv(select.ENV, "moe_decode, flash_prefill")
-    assert select.mode("decode_attention") == "xla" and select.mode("flash_prefill") != "xla"
-    assert select.mode("moe_decode", auto=False) != "xla"  # named: runs even where auto would not
-    monkeypatch.setenv(select.ENV, "moe_decode,bogus")
+# ------------------------------------------------------------------ the kernel config's choice
+def test_registry_modes():
+    assert registry.mode("moe_decode") == ("gpu" if jax.default_backend() == "gpu" else "xla")
+    assert registry.mode("moe_decode", auto=False) == "xla"  # auto skips a kernel measured slower than XLA
+    with using(KernelConfig(use="interpret")):
+        assert registry.mode("decode_attention") == "interpret"
+        assert registry.mode("decode_attention", supported=False) == "xla"
+        assert registry.mode("moe_decode", auto=False) == "interpret"  # tests still run it
+    with using(KernelConfig(use="xla")):
+        assert registry.mode("flash_prefill") == "xla"
+    with using(KernelConfig(use="moe_decode, flash_prefill")):
+        assert registry.mode("decode_attention") == "xla" and registry.mode("flash_prefill") != "xla"
+        assert registry.mode("moe_decode", auto=False) != "xla"  # named: runs even where auto would not
     with pytest.raises(ValueError, match="bogus"):
-        select.mode("moe_decode")
+        KernelConfig(use="moe_decode,bogus")
     with pytest.raises(ValueError, match="unknown kernel"):
-        select.mode("nope")
+        registry.mode("nope")
 
 
 # ------------------------------------------------------------------ lowering for the GPU, on this machine
@@ -320,119 +316,107 @@ def test_kernels_lower_for_cuda_at_real_shapes():
 
 
 # ------------------------------------------------------------------ the model, every kernel interpreted
-def _tiny_engine_run(mode, slots, monkeypatch, kernels):
-    from ftjax import engine as engine_lib
+def _tiny_engine_run(mode, slots, kernels):
+    from ftjax import Engine
     from ftjax.checkpoint import random_model
     from ftjax.config import EngineConfig, preset
-    monkeypatch.setenv(select.ENV, kernels)
-    engine_lib._COMPILED.clear()
-    jax.clear_caches()
     cfg = dataclasses.replace(preset("tiny"), num_layers=2)
     model = random_model(cfg, "float32")
     # chunks of 16: the second prefill chunk starts at position 16 (flash prefill with an offset)
-    eng = engine_lib.Engine(model, EngineConfig(mode, num_slots=slots, max_seq_len=64, prefill_chunk=16))
+    eng = Engine(model, EngineConfig(mode, num_slots=slots, max_seq_len=64, prefill_chunk=16,
+                                     kernels=KernelConfig(use=kernels)))
     res = eng.generate([list(range(1, 20))], max_new_tokens=4, keep_logits=True)
     return res
 
 
-def test_model_with_interpreted_kernels_matches_xla_and_cached_is_bit_identical(monkeypatch):
-    ref = _tiny_engine_run("resident", None, monkeypatch, "xla")
-    res = _tiny_engine_run("resident", None, monkeypatch, "interpret")
-    cached = _tiny_engine_run("cached", 16, monkeypatch, "interpret")
+def test_model_with_interpreted_kernels_matches_xla_and_cached_is_bit_identical():
+    from ftjax.runtime import programs
+
+    ref = _tiny_engine_run("resident", None, "xla")
+    res = _tiny_engine_run("resident", None, "interpret")
+    cached = _tiny_engine_run("cached", 16, "interpret")
     assert res.generated_ids == ref.generated_ids
     np.testing.assert_allclose(res.step_logits, ref.step_logits, rtol=1e-4, atol=1e-4)
     np.testing.assert_array_equal(cached.step_logits, res.step_logits)
-    from ftjax import engine as engine_lib
-    engine_lib._COMPILED.clear()
-    jax.clear_caches()
+    programs.clear()  # the interpreted programs are large: not kept for the rest of the module
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 48), (2, 1, 48), (1, 3, 48), (5, 48)])
-def test_project_pads_few_rows_to_the_same_product(shape, monkeypatch):
-    """``model.project``: with fewer rows than FTJAX_MIN_DOT_ROWS the rows are padded (behind
-    ``pad`` ops) and sliced back: same shape and values as ``x @ w``."""
-    from ftjax import model as model_lib
-
+def test_project_pads_few_rows_to_the_same_product(shape):
+    """``layers.common.project``: with fewer rows than ``KernelConfig.min_dot_rows`` the rows are padded
+    (behind ``pad`` ops) and sliced back: same shape and values as ``x @ w``."""
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal(shape), jnp.float32)
     w = jnp.asarray(rng.standard_normal((48, 40)), jnp.float32)
     want = np.asarray(x @ w)
-    monkeypatch.setenv(model_lib.MIN_DOT_ROWS_ENV, "4")
-    assert model_lib.min_dot_rows() == 4
-    got = model_lib.project(x, w)
-    assert got.shape == want.shape and got.dtype == want.dtype
-    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-5)
-    def lowered():  # a new function each time: a jitted one keeps the trace made under the old value
-        return jax.jit(lambda a, b: model_lib.project(a, b)).lower(x, w).as_text()
 
-    text = lowered()
+    def lowered():  # a new function each time: a jitted one keeps the trace made under the old value
+        return jax.jit(lambda a, b: layers_common.project(a, b)).lower(x, w).as_text()
+
+    with using(KernelConfig(min_dot_rows=4)):
+        assert registry.active().dot_rows() == 4
+        got = layers_common.project(x, w)
+        assert got.shape == want.shape and got.dtype == want.dtype
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-5)
+        text = lowered()
     padded = np.prod(shape[:-1]) < 4
     assert ("stablehlo.pad" in text) == padded  # padded exactly when there are fewer rows than 4
-    monkeypatch.setenv(model_lib.MIN_DOT_ROWS_ENV, "0")
-    assert "stablehlo.pad" not in lowered()
-    np.testing.assert_array_equal(np.asarray(model_lib.project(x, w)), want)
+    with using(KernelConfig(min_dot_rows=0)):
+        assert "stablehlo.pad" not in lowered()
+        np.testing.assert_array_equal(np.asarray(layers_common.project(x, w)), want)
 
 
-def test_min_dot_rows_default_and_bad_value(monkeypatch):
-    from ftjax import model as model_lib
-
-    monkeypatch.delenv(model_lib.MIN_DOT_ROWS_ENV, raising=False)
-    assert model_lib.min_dot_rows() == (4 if jax.default_backend() == "gpu" else 0)
-    monkeypatch.setenv(model_lib.MIN_DOT_ROWS_ENV, "four")
-    with pytest.raises(ValueError, match="FTJAX_MIN_DOT_ROWS='four'"):
-        model_lib.min_dot_rows()
+def test_min_dot_rows_default_and_bad_value():
+    assert registry.active().dot_rows() == (4 if jax.default_backend() == "gpu" else 0)
+    with pytest.raises(ValueError, match="KernelConfig.min_dot_rows: .*'four'"):
+        KernelConfig(min_dot_rows="four")
 
 
 @pytest.mark.parametrize("driver", ["scan", "pipelined"])
-def test_min_dot_rows_keys_the_engines_programs(driver, monkeypatch):
-    """FTJAX_MIN_DOT_ROWS changed between two requests of one engine in one process: the second
-    compiles programs of its own (the value is in their static options,
-    ``StepOptions.min_dot_rows``), padded as the variable now says, instead of reusing the
-    programs traced under the old value (jax's trace cache keys on static arguments, not on the
-    environment); set back, the first programs are reused. The CPU's compiled HLO shows the
-    padding as ``pad`` ops. The padding changes no
-    logit."""
-    from ftjax import engine as engine_lib
-    from ftjax import model as model_lib
+def test_min_dot_rows_keys_the_engines_programs(driver):
+    """``KernelConfig.min_dot_rows`` changed between two requests in one process (engines that differ only
+    in it, sharing the program cache): the second compiles programs of its own (the value is in their
+    static options, ``StepOptions.kernels``), padded as its config says, instead of reusing the programs
+    traced under the old value; set back, the first programs are reused. The CPU's compiled HLO shows the
+    padding as ``pad`` ops. The padding changes no logit."""
+    from ftjax import Engine
     from ftjax.checkpoint import random_model
     from ftjax.config import EngineConfig, preset
+    from ftjax.runtime import programs
 
-    eng = engine_lib.Engine(random_model(preset("tiny"), "float32"),
-                            EngineConfig("resident", max_seq_len=64, prefill_driver=driver))
-    prefill_fn = "_forward_step" if driver == "scan" else "layer_program"
+    model = random_model(preset("tiny"), "float32")
+    prefill_fn = "forward_step" if driver == "scan" else "layer_program"
 
-    def request(rows: str):
-        monkeypatch.setenv(model_lib.MIN_DOT_ROWS_ENV, rows)
-        before = set(eng._programs)
+    def request(rows: int, before=frozenset()):
+        eng = Engine(model, EngineConfig("resident", max_seq_len=64, prefill_driver=driver,
+                                         kernels=KernelConfig(min_dot_rows=rows)))
         res = eng.generate([list(range(1, 10))], 2, keep_logits=True)  # one prefill call (bucket 16), one decode
-        return res, {k: engine_lib._COMPILED[k] for k in eng._programs - before}
+        return res, {k: programs._COMPILED[k].executable for k in eng.programs.keys - before}, eng
 
     def rows_of(key):
         opts = dict(key[1])["opts"]
-        return getattr(opts, "step", opts).min_dot_rows
+        return getattr(opts, "step", opts).kernels.min_dot_rows
 
-    plain, first = request("0")
-    padded, second = request("32")  # more than the prefill's 16 rows and the decode step's 1
-    assert {k[0] for k in second} == {prefill_fn, "_forward_step"}  # the prefill's layers and the decode step
+    plain, first, _ = request(0)
+    padded, second, _ = request(32, before=frozenset(first))  # more than the prefill's 16 rows and the decode step's 1
+    assert {k[0] for k in second} == {prefill_fn, "forward_step"}  # the prefill's layers and the decode step
     for progs, rows in ((first, 0), (second, 32)):
-        steps = {k: exe for k, exe in progs.items() if k[0] in (prefill_fn, "_forward_step")}
+        steps = {k: exe for k, exe in progs.items() if k[0] in (prefill_fn, "forward_step")}
         assert steps and all(rows_of(k) == rows for k in steps)
         assert all(("pad(" in exe.as_text()) == (rows == 32) for exe in steps.values())
-    again, third = request("0")
+    again, third, _ = request(0, before=frozenset(first))
     assert third == {}  # the programs of the first request
     np.testing.assert_allclose(padded.step_logits, plain.step_logits, rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(again.step_logits, plain.step_logits)
 
 
 @pytest.mark.parametrize("shape", [(1, 0), (2, 1, 0), (0, 0)])
-def test_project_with_an_empty_contraction_is_x_at_w(shape, monkeypatch):
+def test_project_with_an_empty_contraction_is_x_at_w(shape):
     """K = 0 (x [..., 0], w [0, N]): ``x @ w`` is zeros [..., N]; ``project`` used to divide by K
     to count the rows (ZeroDivisionError), with the padding on or off."""
-    from ftjax import model as model_lib
-
     x, w = jnp.zeros(shape, jnp.bfloat16), jnp.zeros((0, 5), jnp.float32)
-    for rows in ("4", "0"):
-        monkeypatch.setenv(model_lib.MIN_DOT_ROWS_ENV, rows)
-        got = model_lib.project(x, w)
+    for rows in (4, 0):
+        with using(KernelConfig(min_dot_rows=rows)):
+            got = layers_common.project(x, w)
         assert got.shape == shape[:-1] + (5,) and got.dtype == jnp.float32
         np.testing.assert_array_equal(np.asarray(got), np.zeros(shape[:-1] + (5,), np.float32))

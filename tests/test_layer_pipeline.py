@@ -1,4 +1,5 @@
-"""The layer-pipelined prefill driver (``ftjax.layer_pipeline``, issue 12) runs the same layer function
+"""The layer-pipelined prefill driver (``ftjax.runtime.drivers.PipelinedDriver`` and its host copies,
+``ftjax.runtime.transfers``; issue 12) runs the same layer function
 as the scan, so every prefill it runs is bit-identical to the scan's: logits, KV cache, expert
 counters and stored KV chunks. On the CPU the host copies are identities; the overlap itself is
 measured on the GPU (``experiments/bench_prefill.py``, ``experiments/profile_overlap.py``)."""
@@ -11,13 +12,13 @@ import numpy as np
 import pytest
 
 from conftest import load_fixture
-from ftjax import engine as engine_lib
-from ftjax import layer_pipeline, memory
+from ftjax import Engine, memory
 from ftjax.config import EngineConfig, KVOffloadConfig
-from ftjax.engine import Engine
 from ftjax.kv.host_store import HostKVStore
 from ftjax.kv.prefix_cache import PrefixCache
-from ftjax.layer_pipeline import ExpertLayerSource, host_view
+from ftjax.runtime import drivers, transfers
+from ftjax.runtime import plan as plan_lib
+from ftjax.runtime.transfers import ExpertLayerSource, host_view
 
 S = 384
 C = 16
@@ -79,8 +80,8 @@ def test_pipelined_prefix_reuse_equals_scan(route, copy, monkeypatch):
     ``EngineConfig.prefix_copy="in_program"`` only layer 0's slices are put from Python, the other
     layers' are copied by the previous layer's program."""
     puts = []
-    real_put = layer_pipeline.PrefixLayerSource.put
-    monkeypatch.setattr(layer_pipeline.PrefixLayerSource, "put", lambda self, l: puts.append(l) or real_put(self, l))
+    real_put = transfers.PrefixLayerSource.put
+    monkeypatch.setattr(transfers.PrefixLayerSource, "put", lambda self, l: puts.append(l) or real_put(self, l))
     model, exp = load_fixture("qwen3_moe_fp32")
     prompt = exp["long_prompt_ids"].tolist()[:98]
     cfg = model.cfg
@@ -115,14 +116,14 @@ def test_grouped_prefix_puts_equal_scan(copy_layers, overlap, monkeypatch):
     cfg = model.cfg
     assert cfg.num_layers == 4
     groups = []
-    real = layer_pipeline.PrefixLayerSource._put_group
+    real = transfers.PrefixLayerSource._put_group
 
     def spy(self, g):
         out = real(self, g)
         groups.append((g, out[0].shape[0]))
         return out
 
-    monkeypatch.setattr(layer_pipeline.PrefixLayerSource, "_put_group", spy)
+    monkeypatch.setattr(transfers.PrefixLayerSource, "_put_group", spy)
     prompt = np.random.default_rng(1).integers(0, cfg.vocab_size, 90).tolist()
     runs = {}
     for driver in ("scan", "pipelined"):
@@ -160,7 +161,7 @@ def test_grouped_prefix_puts_hold_at_most_two_groups(monkeypatch):
     model = random_model(dataclasses.replace(preset("tiny"), num_layers=6), "float32")
     cfg = model.cfg
     events, alive = [], []
-    real_put, real_index = layer_pipeline.PrefixLayerSource._put_group, layer_pipeline._layer_index
+    real_put, real_index = transfers.PrefixLayerSource._put_group, drivers._layer_idx
 
     def put_spy(self, g):
         out = real_put(self, g)
@@ -177,8 +178,9 @@ def test_grouped_prefix_puts_hold_at_most_two_groups(monkeypatch):
         cache = eng.new_cache(1)
         req = eng.prepare_prefill([prompt], cache, mgr)
         with monkeypatch.context() as m:
-            m.setattr(layer_pipeline.PrefixLayerSource, "_put_group", put_spy)
-            m.setattr(layer_pipeline, "_layer_index", lambda l: events.append(("layer", l)) or real_index(l))
+            m.setattr(transfers.PrefixLayerSource, "_put_group", put_spy)
+            # the driver makes layer l's index just before it dispatches the layer's program
+            m.setattr(drivers, "_layer_idx", lambda st, l: events.append(("layer", l)) or real_index(st, l))
             logits[driver] = np.asarray(eng.prefill([prompt], cache, kv_manager=mgr, request=req)[0])
         assert req.reused_tokens == 64
     np.testing.assert_array_equal(logits["pipelined"], logits["scan"])
@@ -201,7 +203,7 @@ def test_a_prefix_group_whose_alias_fell_back_runs_its_own_program(monkeypatch):
     from ftjax.config import preset
 
     model = random_model(preset("tiny"), "float32")
-    starts, real_view = set(), layer_pipeline.host_view
+    starts, real_view = set(), transfers.host_view
 
     def view_spy(x):
         view = real_view(x)
@@ -211,7 +213,7 @@ def test_a_prefix_group_whose_alias_fell_back_runs_its_own_program(monkeypatch):
     def alias(view):  # a host array of the unsigned dtype over the bytes, as a GPU alias is
         if view.ctypes.data not in starts:
             return None
-        return jax.device_put(np.ascontiguousarray(view).view(layer_pipeline._UINT[view.dtype.itemsize]),
+        return jax.device_put(np.ascontiguousarray(view).view(transfers._UINT[view.dtype.itemsize]),
                               memory.host_sharding())
 
     prompt = np.random.default_rng(3).integers(0, model.cfg.vocab_size, 90).tolist()
@@ -220,40 +222,49 @@ def test_a_prefix_group_whose_alias_fell_back_runs_its_own_program(monkeypatch):
         mgr = PrefixCache(HostKVStore(1 << 26), KVOffloadConfig(chunk_tokens=C))
         eng = Engine(model, EngineConfig("resident", max_seq_len=S, prefill_driver=driver, prefix_copy_layers=2))
         with monkeypatch.context() as m:
-            m.setattr(layer_pipeline, "host_view", view_spy)
-            m.setattr(layer_pipeline, "pinned_alias", alias)
+            m.setattr(transfers, "host_view", view_spy)
+            m.setattr(transfers, "pinned_alias", alias)
             eng.generate([prompt[:64]], 1, kv_manager=mgr)
             res = eng.generate([prompt], 3, keep_logits=True, kv_manager=mgr)
         assert res.kv["reused_tokens"] == 64
         logits[driver] = res.step_logits
-    paths = {e[1].path for e in layer_pipeline._CHUNK_PIECES.values() if e[1].rows == 2}
+    paths = {e[1].path for e in transfers._CHUNK_PIECES.values() if e[1].rows == 2}
     assert "mixed" in paths  # the situation simulated: aliases for some groups only
     np.testing.assert_array_equal(logits["pipelined"], logits["scan"])
 
 
 def test_copy_group_layers():
-    assert [layer_pipeline.copy_group_layers(48, n) for n in (1, 4, 5, 7, 8, 100)] == [1, 4, 4, 6, 8, 48]
-    assert layer_pipeline.copy_group_layers(3, 2) == 1
+    assert [transfers.copy_group_layers(48, n) for n in (1, 4, 5, 7, 8, 100)] == [1, 4, 4, 6, 8, 48]
+    assert transfers.copy_group_layers(3, 2) == 1
     with pytest.raises(ValueError, match="prefix_copy_layers must be >= 1, got 0"):
-        layer_pipeline.copy_group_layers(48, 0)
+        transfers.copy_group_layers(48, 0)
     with pytest.raises(ValueError, match="prefix_copy_layers must be an integer >= 1, got 0"):
         EngineConfig(prefix_copy_layers=0)
 
 
 def test_prefix_copy_setting():
     """``EngineConfig.prefix_copy``: "put" by default; another value than put / in_program is
-    refused when the config is made, naming the field; the driver copies in its programs only for
-    a prefix with overlap (the serial ablation puts) and refuses a wrong value too."""
+    refused when the config is made, naming the field, also where it would not be used (no overlap);
+    the driver copies in its programs only for a prefix with overlap (the serial ablation puts): its
+    layer programs' options (``LayerOptions.prefix_next``)."""
+    import types
+
     assert EngineConfig().prefix_copy == "put"
     assert EngineConfig(prefix_copy="in_program").prefix_copy == "in_program"
-    nxt = layer_pipeline._prefix_next
+
+    def nxt(has_prefix, overlap, copy):
+        ctx = types.SimpleNamespace(config=EngineConfig(prefill_overlap=overlap, prefix_copy=copy))
+        plan = types.SimpleNamespace(opts=None, d2d=False)
+        args = types.SimpleNamespace(prefix=(object(),) if has_prefix else (), state=None)
+        return drivers.PipelinedDriver()._opts(ctx, plan, args, "attention").prefix_next
+
     assert nxt(True, True, "in_program")
     assert not nxt(True, False, "in_program") and not nxt(False, True, "in_program") and not nxt(True, True, "put")
     for bad in ("dma", "in-program", None):
         with pytest.raises(ValueError, match=f"unknown prefix_copy {bad!r}; expected one of put, in_program"):
             EngineConfig(prefix_copy=bad)
-    with pytest.raises(ValueError, match="prefix_copy 'dma': expected one of put, in_program"):
-        layer_pipeline._prefix_next(False, False, "dma")
+    with pytest.raises(ValueError, match="prefix_copy 'dma'; expected one of put, in_program"):
+        EngineConfig(prefill_overlap=False, prefix_copy="dma")
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -294,24 +305,24 @@ def test_driver_choice(monkeypatch):
     dev = memory.to_device(jnp.zeros((2, 3)))
     auto = Engine(model, EngineConfig("cached", num_slots=2 * e))
     # on the CPU, auto keeps the scan (there is nothing to overlap); on a GPU it pipelines host copies
-    assert auto.pipelines(True, ()) == (memory.backend() == "gpu")
-    # a prefix-only call pipelines under auto on a GPU only with engine.PIPELINE_PREFIX (grouped puts, docs/OVERLAP.md)
-    assert auto.pipelines(False, (host,)) == (memory.backend() == "gpu" and engine_lib.PIPELINE_PREFIX)
+    assert auto.planner.pipelines(True, ()) == (memory.backend() == "gpu")
+    # a prefix-only call pipelines under auto on a GPU only with plan.PIPELINE_PREFIX (grouped puts, docs/OVERLAP.md)
+    assert auto.planner.pipelines(False, (host,)) == (memory.backend() == "gpu" and plan_lib.PIPELINE_PREFIX)
     resident = Engine(model, EngineConfig("resident"))
     on_demand = Engine(model, EngineConfig("cached", num_slots=2 * e, prefill="on_demand"))
     with monkeypatch.context() as m:  # the decision on a GPU, whatever runs the tests
         m.setattr(memory, "backend", lambda: "gpu")
-        assert auto.pipelines(True, (host,))  # a call that streams pipelines, with its prefix
+        assert auto.planner.pipelines(True, (host,))  # a call that streams pipelines, with its prefix
         # so the chunks an offloading engine stores are prepared for it, a resident one's only with PIPELINE_PREFIX
-        assert auto.pipelines_prefix()
-        assert resident.pipelines_prefix() == on_demand.pipelines_prefix() == engine_lib.PIPELINE_PREFIX
+        assert auto.planner.pipelines_prefix()
+        assert resident.planner.pipelines_prefix() == on_demand.planner.pipelines_prefix() == plan_lib.PIPELINE_PREFIX
     if memory.backend() != "gpu":
-        assert not auto.pipelines_prefix()  # the CPU: every call on the scan
+        assert not auto.planner.pipelines_prefix()  # the CPU: every call on the scan
     forced = Engine(model, EngineConfig("cached", num_slots=2 * e, prefill_driver="pipelined"))
-    assert forced.pipelines(False, ()) and forced.pipelines(True, (host,))
-    assert not forced.pipelines(False, (dev,))  # a prefix already on the device: the load-all-first ablation
+    assert forced.planner.pipelines(False, ()) and forced.planner.pipelines(True, (host,))
+    assert not forced.planner.pipelines(False, (dev,))  # a prefix already on the device: the load-all-first ablation
     scan = Engine(model, EngineConfig("cached", num_slots=2 * e, prefill_driver="scan"))
-    assert not scan.pipelines(True, (host,))
+    assert not scan.planner.pipelines(True, (host,))
     with pytest.raises(ValueError, match="prefill driver 'layers'"):
         EngineConfig(prefill_driver="layers")
 
@@ -331,16 +342,26 @@ def test_host_view_is_the_array_without_a_copy():
     assert src.layer_bytes == e * model.expert_bytes
 
 
-def test_hybrid_family_stays_on_its_block_scan():
-    """qwen3_5_moe scans blocks of two layer kinds: the pipelined driver is refused, auto keeps the scan."""
+def test_hybrid_family_on_the_pipelined_driver_equals_its_block_scan():
+    """qwen3_5_moe scans blocks of two layer kinds. On the CPU auto keeps the block scan. The pipelined
+    driver, which now runs every layer kind (it used to be refused for this family), gives the block
+    scan's logits and state (K/V and the Gated DeltaNet layers' conv and recurrent states) bit for bit."""
     model, exp = load_fixture("qwen3_5_moe_fp32")
     e = model.cfg.num_experts
-    with pytest.raises(ValueError, match="prefill_driver 'pipelined'"):
-        Engine(model, EngineConfig("cached", num_slots=2 * e, prefill_driver="pipelined"))
+    prompt = exp["long_prompt_ids"].tolist()[:40]
     eng = Engine(model, EngineConfig("cached", num_slots=2 * e, max_seq_len=S, prefill="stream"))
-    assert not eng.pipelines(True) and not eng.config.pipelines_streams(model.cfg)
-    eng.prefill([exp["long_prompt_ids"].tolist()[:40]], eng.new_cache(1))
-    assert eng.prefill_driver_calls == {"scan": 1, "pipelined": 0}
+    on_gpu = memory.backend() == "gpu"
+    assert eng.planner.pipelines(True) == eng.config.pipelines_streams() == on_gpu
+    want, want_cache = eng.prefill([prompt], eng.new_cache(1), all_logits=True)[:2]
+    assert eng.prefill_driver_calls == ({"scan": 0, "pipelined": 1} if on_gpu else {"scan": 1, "pipelined": 0})
+    piped = Engine(model, EngineConfig("cached", num_slots=2 * e, max_seq_len=S, prefill="stream",
+                                       prefill_driver="pipelined"))
+    got, got_cache = piped.prefill([prompt], piped.new_cache(1), all_logits=True)[:2]
+    assert piped.prefill_driver_calls == {"scan": 0, "pipelined": 1}
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    for name in ("k", "v", "conv", "rec"):
+        np.testing.assert_array_equal(np.asarray(getattr(got_cache, name)), np.asarray(getattr(want_cache, name)),
+                                      err_msg=name)
 
 
 def test_load_all_first_prefix_with_fewer_than_2e_slots_loads_on_demand():
@@ -363,7 +384,7 @@ def test_load_all_first_prefix_with_fewer_than_2e_slots_loads_on_demand():
     eng = Engine(model, EngineConfig("cached", num_slots=cfg.num_experts, max_seq_len=S, prefill="stream",
                                      prefill_driver="pipelined"))
     with pytest.raises(ValueError, match="borrows 2E"):
-        eng.call_drivers(64, (memory.to_device(jnp.zeros((2, 2))),))
+        eng.planner.plan(1, 64, 64, prefix=(memory.to_device(jnp.zeros((2, 2))),))
 
 
 def test_serial_ablation_copies_each_layer_once_and_timed_prefill_compiles_nothing(monkeypatch):
@@ -388,22 +409,20 @@ def test_serial_ablation_copies_each_layer_once_and_timed_prefill_compiles_nothi
 
 def test_prefix_chunk_pieces_die_with_their_chunk():
     import gc
-    from ftjax import layer_pipeline
     chunk = jax.device_put(jnp.ones((4, 2, C, 2, 8)), memory.host_sharding())
-    src = layer_pipeline.PrefixLayerSource([chunk, chunk])
+    src = transfers.PrefixLayerSource([chunk, chunk])
     np.testing.assert_array_equal(np.asarray(src.put(3)[0]), np.ones((1, 2, C, 2, 8)))
     key = (id(chunk), 1)  # (chunk, layers per piece)
-    assert key in layer_pipeline._CHUNK_PIECES
+    assert key in transfers._CHUNK_PIECES
     del src, chunk
     gc.collect()
-    assert key not in layer_pipeline._CHUNK_PIECES
+    assert key not in transfers._CHUNK_PIECES
 
 
 def test_stored_chunks_get_their_layer_pieces_when_prefix_loads_pipeline():
     """With prefix loads on the pipelined driver, the chunks a request stores get every layer's piece
     made as they are stored (timed as prepare_s), so a later reuse makes none inside its TTFT; on
     the scan nothing is prepared."""
-    from ftjax import layer_pipeline
     model, exp = load_fixture("qwen3_moe_fp32")
     prompt = exp["long_prompt_ids"].tolist()[:70]
     cfg = model.cfg
@@ -411,12 +430,12 @@ def test_stored_chunks_get_their_layer_pieces_when_prefix_loads_pipeline():
     for driver in ("pipelined", "scan"):
         mgr = PrefixCache(HostKVStore(100 * entry), KVOffloadConfig(chunk_tokens=C))
         eng = Engine(model, EngineConfig("resident", max_seq_len=S, prefill_driver=driver))
-        assert eng.pipelines_prefix() == (driver == "pipelined")
+        assert eng.planner.pipelines_prefix() == (driver == "pipelined")
         eng.generate([prompt], 1, kv_manager=mgr)
         stored = [mgr.store.peek(k) for k in mgr.keys(eng, prompt)]
         assert len(stored) == 4 and all(a is not None for a in stored)
         g = eng.prefix_copy_rows()  # the pieces are those of the engine's copy groups
-        entries = [layer_pipeline._CHUNK_PIECES.get((id(a), g)) for a in stored]
+        entries = [transfers._CHUNK_PIECES.get((id(a), g)) for a in stored]
         if driver == "pipelined":
             assert mgr.requests[-1]["prepare_s"] > 0
             for a, entry_ in zip(stored, entries):
@@ -432,15 +451,15 @@ def test_miss_blocks_cover_the_misses_with_aligned_powers_of_two():
              np.full(128, -1)] + [np.where(rng.random(n) < p, 1, -1) for n in (6, 8, 128) for p in (0.1, 0.5, 0.9)]
     for slots in cases:
         covered = np.zeros(len(slots), bool)
-        for off, size in layer_pipeline.miss_blocks(slots):
+        for off, size in transfers.miss_blocks(slots):
             assert size & (size - 1) == 0 and off % size == 0
             assert not covered[off:off + size].any()
             covered[off:off + size] = True
         np.testing.assert_array_equal(covered, slots < 0)
-    assert layer_pipeline.miss_blocks(np.full(8, -1)) == [(0, 8)]
-    assert layer_pipeline.miss_blocks(np.full(6, -1)) == [(0, 4), (4, 2)]
-    assert layer_pipeline.miss_blocks(np.arange(8)) == []
-    assert layer_pipeline.miss_blocks(np.array([0, -1, -1, -1, 4, -1, -1, 7])) == [(1, 1), (2, 2), (5, 1), (6, 1)]
+    assert transfers.miss_blocks(np.full(8, -1)) == [(0, 8)]
+    assert transfers.miss_blocks(np.full(6, -1)) == [(0, 4), (4, 2)]
+    assert transfers.miss_blocks(np.arange(8)) == []
+    assert transfers.miss_blocks(np.array([0, -1, -1, -1, 4, -1, -1, 7])) == [(1, 1), (2, 2), (5, 1), (6, 1)]
     with pytest.raises(ValueError, match="stream_d2d_hits must be True or False"):
         EngineConfig(stream_d2d_hits="yes")
 
@@ -478,7 +497,7 @@ def test_stream_d2d_hits_same_logits_pcie_bytes_only_and_slot_cache_kept(name, e
                                          prefill_overlap=overlap, prefill_driver="pipelined", stream_d2d_hits=d2d))
         eng.generate([prompt[:3]], 8)  # 6 (token, expert) pairs < E: loaded on demand, into the cache
         calls = eng.plan_prefill([prompt])
-        assert all(eng.streams(c.tokens) for c in calls)
+        assert all(eng.planner.streams(c.tokens) for c in calls)
         table = _table(eng)
         cached = (table["slot_of"].reshape(nl, e) >= 0).sum(axis=1)  # independently of the driver
         assert cached.sum() > 0 and (cached < e).any()
@@ -547,7 +566,7 @@ def test_prefix_and_expert_copies_wait_for_arrays_still_being_written():
     through it straight away saw stale bytes (seen as garbage from PrefixLayerSource.put in a loaded
     test run). The sources wait for their arrays before their first copy."""
     chunk = _not_yet_written((4, 2, C, 2, 8), 3.25)
-    src = layer_pipeline.PrefixLayerSource([chunk])
+    src = transfers.PrefixLayerSource([chunk])
     np.testing.assert_array_equal(np.asarray(src.put(2)[0]), np.full((1, 2, C, 2, 8), 3.25, np.float32))
     e, d, f = 4, 8, 16
     gate_up, down = _not_yet_written((2 * e, d, 2 * f), 1.5), _not_yet_written((2 * e, f, d), -2.0)
@@ -562,15 +581,15 @@ def test_a_dead_chunks_finalizer_leaves_a_new_chunk_with_its_id_alone():
     the entry of a later chunk that got the same id."""
     import weakref
     chunk = jax.device_put(jnp.ones((2, 2, C, 2, 8)), memory.host_sharding())
-    pieces = layer_pipeline._chunk_pieces(chunk)
+    pieces = transfers._chunk_pieces(chunk)
     key = (id(chunk), 1)
     stale = weakref.ref(_Weak())  # a reference of another (dead) object, as a dead chunk's finalizer holds
-    layer_pipeline._drop_chunk_pieces(key, stale)
-    assert layer_pipeline._CHUNK_PIECES[key][1] is pieces and layer_pipeline._chunk_pieces(chunk) is pieces
+    transfers._drop_chunk_pieces(key, stale)
+    assert transfers._CHUNK_PIECES[key][1] is pieces and transfers._chunk_pieces(chunk) is pieces
     del chunk
     import gc
     gc.collect()
-    assert key not in layer_pipeline._CHUNK_PIECES
+    assert key not in transfers._CHUNK_PIECES
 
 
 class _Weak:
@@ -591,17 +610,17 @@ def test_stream_d2d_hits_gather_into_the_previous_layers_buffer(overlap, monkeyp
                                      prefill_chunk=64, prefill_overlap=overlap, prefill_driver="pipelined"))
     eng.generate([prompt[:3]], 40)  # nearly every expert cached: every layer has hits
     assert all(n > 0 for n in eng.resident_experts_per_layer())
-    seen, real = [], layer_pipeline.ExpertCopies.ready
+    seen, real = [], transfers.ExpertCopies.ready
 
     def spy(self, part, layer, state, spare=None):
-        pending = isinstance(part, layer_pipeline._PendingLayer) and self._fits(spare)
+        pending = isinstance(part, transfers._PendingLayer) and self._fits(spare)
         before = spare[0].unsafe_buffer_pointer() if pending else None
         out = real(self, part, layer, state, spare)
         if pending:
             seen.append((layer, out[0].unsafe_buffer_pointer() == before, spare[0].is_deleted()))
         return out
 
-    monkeypatch.setattr(layer_pipeline.ExpertCopies, "ready", spy)
+    monkeypatch.setattr(transfers.ExpertCopies, "ready", spy)
     got = np.asarray(eng.prefill([prompt], eng.new_cache(1), all_logits=True)[0])
     np.testing.assert_array_equal(got, want)
     assert [x[0] for x in seen] == list(range(1, cfg.num_layers)), seen
@@ -620,8 +639,8 @@ def test_stream_d2d_hits_reads_the_slot_table_once_per_table(monkeypatch):
                                      prefill_driver="pipelined"))
     eng.generate([prompt[:3]], 8)
     assert len(eng.plan_prefill([prompt])) > 1 and sum(eng.resident_experts_per_layer()) > 0
-    reads, real = [], layer_pipeline._read_slots
-    monkeypatch.setattr(layer_pipeline, "_read_slots", lambda a: reads.append(1) or real(a))
+    reads, real = [], transfers._read_slots
+    monkeypatch.setattr(transfers, "_read_slots", lambda a: reads.append(1) or real(a))
     cache = eng.new_cache(1)
     eng.prepare_prefill([prompt], cache)
     assert len(reads) == 1
@@ -649,7 +668,7 @@ def test_a_failing_chunk_preparation_does_not_fail_the_request(monkeypatch):
     def broken(chunks, rows=1):
         raise RuntimeError("no aliases today")
 
-    monkeypatch.setattr(layer_pipeline, "warm_prefix_chunks", broken)
+    monkeypatch.setattr(transfers, "warm_prefix_chunks", broken)
     first = eng.generate([prompt], 1, kv_manager=mgr)
     assert first.kv["prepare_error"] == "RuntimeError: no aliases today" and first.kv["chunks_stored"] == 4
     monkeypatch.undo()

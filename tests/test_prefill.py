@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import load_fixture
-from ftjax.engine import Engine
+from ftjax import Engine
 from ftjax.config import EngineConfig
 
 FAMILIES = ["qwen3_moe_fp32", "olmoe_fp32", "mixtral_fp32", "qwen3_moe_bf16"]
@@ -71,9 +71,9 @@ def test_auto_picks_stream_only_with_room_and_enough_tokens():
     model, _ = load_fixture("qwen3_moe_fp32")
     e, k = model.cfg.num_experts, model.cfg.top_k
     eng = Engine(model, EngineConfig("cached", num_slots=2 * e))
-    assert eng.streams(e // k) and not eng.streams(e // k - 1)
-    assert not Engine(model, EngineConfig("cached", num_slots=2 * e - 1)).streams(1000)
-    assert not Engine(model, EngineConfig("resident")).streams(1000)
+    assert eng.planner.streams(e // k) and not eng.planner.streams(e // k - 1)
+    assert not Engine(model, EngineConfig("cached", num_slots=2 * e - 1)).planner.streams(1000)
+    assert not Engine(model, EngineConfig("resident")).planner.streams(1000)
     with pytest.raises(ValueError, match="2E"):
         Engine(model, EngineConfig("cached", num_slots=2 * e - 1, prefill="stream"))
 
@@ -124,8 +124,8 @@ def test_batch_prefill_chunks_with_different_lengths():
 def test_grouped_kernel_sees_the_layers_experts_not_the_pool(monkeypatch, mode, prefill):
     """The grouped matmul gets E groups whatever the pool size (L*E slots here): the Mosaic GPU
     kernel unrolls a loop over its groups, so a pool-sized G made compiles take minutes."""
-    from ftjax import engine as engine_lib
     from ftjax.experts import compute
+    from ftjax.runtime import programs
 
     model, exp = load_fixture("olmoe_fp32")
     cfg = model.cfg
@@ -137,8 +137,7 @@ def test_grouped_kernel_sees_the_layers_experts_not_the_pool(monkeypatch, mode, 
         return real(lhs, rhs, group_sizes, impl)
 
     monkeypatch.setattr(compute, "grouped_matmul", spy)
-    monkeypatch.setattr(engine_lib, "_COMPILED", {})  # trace afresh, so the spy sees every call
-    jax.clear_caches()
+    programs.clear()  # trace afresh, so the spy sees every call
     prompt = exp["long_prompt_ids"].tolist()
     slots = None if mode == "resident" else cfg.num_layers * cfg.num_experts
     got, _, _ = _prefill_logits(model, prompt, mode, slots, prefill=prefill)

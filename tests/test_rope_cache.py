@@ -1,5 +1,5 @@
 """The decode attention prologue kernel (ftjax.kernels.rope_cache) against the model's jnp path
-(``model._qk`` and the cache scatter of ``model.attention_inputs``) in Pallas interpret mode on the
+(``layers.attention.qk`` and the cache scatter of ``layers.attention.attention_inputs``) in Pallas interpret mode on the
 CPU, its wiring into a tiny model's greedy decode, and its lowering for CUDA.
 
 Tolerances: the kernel rounds every product and sum to the model dtype as the jnp ops do, but
@@ -9,19 +9,22 @@ relative and bf16 to one ulp.
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_dense_decode import _assert_like_default, _tiny_generate
+from test_dense_decode import _assert_like_default, _fresh_traces, _tiny_generate
 
 from ftjax import model as model_lib
+from ftjax.config import preset
 from ftjax.kernels import decode_attention as da
 from ftjax.kernels import dense_decode as dd
 from ftjax.kernels import rope_cache as rc
-from ftjax.kernels import select
+from ftjax.kernels.registry import KernelConfig, using
+from ftjax.layers import attention as attention_lib
 
 L, B, S, HQ, HKV, HD = 3, 2, 64, 8, 2, 32
 
@@ -37,14 +40,14 @@ def _operands(dtype, parts=4, seed=0):
 
 
 def _jnp_path(qkv, qn, kn, ck, cv, layer, pos, dtype, qk_norm):
-    """What ``model.attention_inputs`` does without the kernel: the projection (the parts' sum,
-    cast), ``model._qk``, the cache scatter; q grouped as the kernel lays it out."""
+    """What ``layers.attention.attention_inputs`` does without the kernel: the projection (the parts' sum,
+    cast), ``layers.attention.qk``, the cache scatter; q grouped as the kernel lays it out."""
     y = jnp.sum(qkv.astype(jnp.float32), axis=0).astype(dtype)[:, None]
     q, k, v = jnp.split(y, [HQ * HD, (HQ + HKV) * HD], axis=-1)
     cfg = types.SimpleNamespace(head_dim=HD, qk_norm=qk_norm, num_heads=HQ, num_kv_heads=HKV, rms_norm_eps=1e-6,
-                                rope_theta=1e4)
+                                rope_theta=1e4, norm_offset=False)
     lp = {"q_norm": qn[layer], "k_norm": kn[layer]}
-    q, k, v = model_lib._qk(cfg, lp, y, pos[:, None], [q, k, v])
+    q, k, v = attention_lib.qk(cfg, lp, y, pos[:, None], [q, k, v])
     rows = jnp.arange(B)[:, None]
     ck = ck.at[layer, rows, pos[:, None]].set(k.astype(ck.dtype), mode="drop")
     cv = cv.at[layer, rows, pos[:, None]].set(v.astype(cv.dtype), mode="drop")
@@ -124,27 +127,32 @@ def test_supported_and_errors():
                       dtype=jnp.bfloat16, interpret=True)
 
 
-def test_stacked_dense_passes_the_qk_norms_only_with_the_kernel(monkeypatch):
+def test_stacked_weights_pass_the_qk_norms_only_with_the_kernel():
     layers = {"wq": jnp.zeros((3, 128, 64), jnp.bfloat16), "attn_norm": jnp.zeros((3, 128), jnp.bfloat16),
               "q_norm": jnp.zeros((3, 32), jnp.bfloat16), "k_norm": jnp.zeros((3, 32), jnp.bfloat16)}
-    monkeypatch.setenv(select.ENV, "norm_dense_decode,rope_cache,decode_attention")
-    assert set(model_lib.stacked_dense(layers, (1, 1), "per_head")) == {"wq", "attn_norm", "q_norm", "k_norm"}
-    assert set(model_lib.stacked_dense(layers, (1, 1), "full")) == {"wq", "attn_norm"}  # [L, H * hd]: the jnp path
-    monkeypatch.setenv(select.ENV, "norm_dense_decode,decode_attention")
-    assert set(model_lib.stacked_dense(layers, (1, 1), "per_head")) == {"wq", "attn_norm"}
-    monkeypatch.setenv(select.ENV, "norm_dense_decode,rope_cache")  # the kernel runs only with decode_attention
-    assert set(model_lib.stacked_dense(layers, (1, 1), "per_head")) == {"wq", "attn_norm"}
+    per_head, full = preset("tiny"), dataclasses.replace(preset("tiny"), qk_norm="full")
+    assert per_head.qk_norm == "per_head"
+    with using(KernelConfig(use="norm_dense_decode,rope_cache,decode_attention")):
+        assert set(model_lib.stacked_weights(per_head, layers, (1, 1))) == {"wq", "attn_norm", "q_norm", "k_norm"}
+        # [L, H * hd]: the jnp path
+        assert set(model_lib.stacked_weights(full, layers, (1, 1))) == {"wq", "attn_norm"}
+    with using(KernelConfig(use="norm_dense_decode,decode_attention")):
+        assert set(model_lib.stacked_weights(per_head, layers, (1, 1))) == {"wq", "attn_norm"}
+    # the kernel runs only with decode_attention: the kernel config refuses it without
+    with pytest.raises(ValueError, match="KernelConfig.use: kernel 'rope_cache' needs decode_attention"):
+        KernelConfig(use="norm_dense_decode,rope_cache")
 
 
 @pytest.mark.parametrize("kernels", ["dense_decode,norm_dense_decode,rope_cache,decode_attention",
                                      "dense_decode,rope_cache,decode_attention",
                                      "dense_decode,norm_dense_decode,rope_cache,decode_attention,merge_dense_decode"])
-def test_greedy_decode_with_the_kernel_matches_the_default_path(kernels, monkeypatch, fresh_programs):
+def test_greedy_decode_with_the_kernel_matches_the_default_path(kernels, monkeypatch):
     """A tiny model's greedy decode (float32, interpreted on the CPU) with the prologue kernel: after
     the fused norm + wq/wk/wv kernel it takes that kernel's K-split parts (two here); without it, the
     three projections as one part. Same ids and logits within float32 tolerance of the default path;
     the cached mode bit-identical to resident."""
-    ref = _tiny_generate(monkeypatch, "xla")
+    ref = _tiny_generate("xla")
+    _fresh_traces()
     calls = []
     real = rc.rope_cache
 
@@ -161,12 +169,12 @@ def test_greedy_decode_with_the_kernel_matches_the_default_path(kernels, monkeyp
 
     monkeypatch.setattr(rc, "rope_cache", spy)
     monkeypatch.setattr(dd, "merge_dense_decode", spy_merge)
-    got = _tiny_generate(monkeypatch, kernels)
+    got = _tiny_generate(kernels)
     parts = 2 if "norm_dense" in kernels else 1
     assert set(calls) == {((parts, 1, 256), "float32", (3, 32))}  # the q/k norms read stacked, in place
     # tiny: 2 KV heads of 2 query heads of 32; 16 key splits; K tiles capped at one head
     assert set(merges) == ({((1, 2, 16, 16, 32), (3, 128, 128), 2, 32)} if "merge" in kernels else set())
-    _assert_like_default(monkeypatch, kernels, ref, got)
+    _assert_like_default(kernels, ref, got)
 
 
 def test_rope_cache_lowers_for_cuda_with_the_caches_aliased():
@@ -197,7 +205,7 @@ def test_merge_dense_decode_lowers_for_cuda():
 
 
 def test_rope_matches_the_jitted_model_path_at_far_positions():
-    """The model runs ``model.rope`` inside a jitted step, where XLA computes its frequencies
+    """The model runs ``layers.common.rope`` inside a jitted step, where XLA computes its frequencies
     ``1 / theta ** (i / hd)`` from the constant theta (not as an eager ``pow`` does): the kernel's
     frequencies must be those, or the angle ``pos * inv_freq`` drifts with the position (float32
     K off by ~3e-4 relative at position 8000 for hd 128, theta 1e6)."""
@@ -207,13 +215,13 @@ def test_rope_matches_the_jitted_model_path_at_far_positions():
     ck = cv = jnp.zeros((1, 2, s, hkv, hd), jnp.float32)
     pos = jnp.asarray([8000, 32000], jnp.int32)  # q rotated at any position (K/V beyond the cache dropped)
     cfg = types.SimpleNamespace(head_dim=hd, qk_norm="none", num_heads=hq, num_kv_heads=hkv, rms_norm_eps=1e-6,
-                                rope_theta=theta)
+                                rope_theta=theta, norm_offset=False)
 
     @jax.jit
     def model_path(qkv, pos):
         y = qkv[0][:, None]
         q, k, v = jnp.split(y, [hq * hd, (hq + hkv) * hd], axis=-1)
-        return model_lib._qk(cfg, {}, y, pos[:, None], [q, k, v])
+        return attention_lib.qk(cfg, {}, y, pos[:, None], [q, k, v])
 
     for p in (jnp.asarray([s - 1, 5], jnp.int32), pos):
         want_q, want_k, _ = model_path(qkv, p)

@@ -1,5 +1,5 @@
 """The decode router kernel (ftjax.kernels.route_decode) against the model's jnp router
-(``model.top_k_route`` on the summed logits) in Pallas interpret mode on the CPU: ids bit for bit and
+(``layers.moe.top_k_route`` on the summed logits) in Pallas interpret mode on the CPU: ids bit for bit and
 weights to one rounding over random partial logits (float32 and bf16, with and without the top-k
 renormalisation, ties), its errors, its wiring into a greedy decode (same ids and logits within float32
 tolerance as the default path; cached bit-identical to resident), and its lowering for CUDA.
@@ -13,18 +13,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_dense_decode import _assert_like_default, _tiny_generate
+from test_dense_decode import _assert_like_default, _fresh_traces, _tiny_generate
 
-from ftjax import model as model_lib
 from ftjax.config import preset
 from ftjax.kernels import route_decode as rd
-from ftjax.kernels import select
+from ftjax.kernels.registry import KernelConfig, using
+from ftjax.layers import moe as moe_lib
 
 
 def _reference(parts, k, norm, logits_dtype, dtype):
     cfg = dataclasses.replace(preset("tiny"), num_experts=parts.shape[-1], top_k=k, norm_topk_prob=norm)
     logits = jnp.sum(parts.astype(jnp.float32), axis=0).astype(logits_dtype)
-    return model_lib.top_k_route(cfg, logits, dtype)
+    return moe_lib.top_k_route(cfg, logits, dtype)
 
 
 @pytest.mark.parametrize("p,n,e,k,norm,logits_dtype,dtype", [
@@ -91,12 +91,13 @@ def test_supported_and_errors():
                         dtype=jnp.float32, interpret=True)
 
 
-def test_greedy_decode_with_the_kernel_matches_the_default_path(monkeypatch, fresh_programs):
+def test_greedy_decode_with_the_kernel_matches_the_default_path(monkeypatch):
     """A tiny model's greedy decode (float32, interpreted on the CPU) with the router kernel after the fused
     norm + router kernel: it takes that kernel's two K-split parts at each decode layer (the prefill keeps
     the jnp router). Same ids and logits within float32 tolerance of the default path; the cached mode
     bit-identical to resident."""
-    ref = _tiny_generate(monkeypatch, "xla")
+    ref = _tiny_generate("xla")
+    _fresh_traces()
     calls = []
     real = rd.route_decode
 
@@ -106,19 +107,24 @@ def test_greedy_decode_with_the_kernel_matches_the_default_path(monkeypatch, fre
 
     monkeypatch.setattr(rd, "route_decode", spy)
     kernels = "dense_decode,norm_dense_decode,route_decode"
-    got = _tiny_generate(monkeypatch, kernels)
+    got = _tiny_generate(kernels)
     assert set(calls) == {((2, 1, 16), "float32", 4)}  # tiny: 16 experts, top-4
-    _assert_like_default(monkeypatch, kernels, ref, got)
+    _assert_like_default(kernels, ref, got)
 
 
-def test_without_the_norm_kernel_the_router_stays_jnp(monkeypatch, fresh_programs):
-    """The kernel reads norm_dense_decode's partial logits: selected alone it never runs."""
+def test_without_the_norm_kernel_the_router_stays_jnp(monkeypatch):
+    """The kernel reads norm_dense_decode's partial logits: selected without it, it could never run, so
+    the kernel config refuses that choice (the registry entry ``needs`` norm_dense_decode); selected with
+    it, it is; off the GPU, auto keeps the jnp router."""
     calls = []
     monkeypatch.setattr(rd, "route_decode", lambda *a, **kw: calls.append(1))
-    _tiny_generate(monkeypatch, "dense_decode,route_decode")
+    with pytest.raises(ValueError, match="KernelConfig.use: kernel 'route_decode' needs norm_dense_decode"):
+        _tiny_generate("dense_decode,route_decode")
     assert calls == []
-    monkeypatch.setenv(select.ENV, "auto")  # off the GPU, auto keeps the jnp router
-    assert not rd.selected(1, 128, 8)
+    with using(KernelConfig(use="dense_decode,norm_dense_decode,route_decode")):
+        assert rd.selected(1, 128, 8)
+    with using(KernelConfig(use="auto")):  # off the GPU, auto keeps the jnp router
+        assert not rd.selected(1, 128, 8)
 
 
 def test_route_decode_lowers_for_cuda():

@@ -15,8 +15,8 @@ import pytest
 
 from ftjax.experts import slot_table as st
 from ftjax.experts.offload import routed_mask
-from ftjax.kernels import select
 from ftjax.kernels import slot_lookup as sl
+from ftjax.kernels.registry import KernelConfig
 
 NAMES = ("slot_of", "id_of_slot", "last_use", "slot_of_expert", "miss_experts", "miss_slots", "evicted_ids",
          "n_miss", "n_hit", "flat_miss", "pair_slots")
@@ -65,26 +65,26 @@ def test_supported_and_errors():
                       jnp.int32(0), num_experts=16, interpret=True)  # 16 pairs: not fewer than E
 
 
-def _generate(monkeypatch, kernels, slots=20):
-    from ftjax import engine as engine_lib
+def _generate(kernels, slots=20):
+    from ftjax import Engine
     from ftjax.checkpoint import random_model
     from ftjax.config import EngineConfig, preset
 
-    monkeypatch.setenv(select.ENV, kernels)
-    engine_lib._COMPILED.clear()
-    jax.clear_caches()
     cfg = dataclasses.replace(preset("tiny"), num_layers=3)
-    eng = engine_lib.Engine(random_model(cfg, "float32"),
-                            EngineConfig("cached", num_slots=slots, max_seq_len=64, prefill_chunk=16))
+    eng = Engine(random_model(cfg, "float32"), EngineConfig("cached", num_slots=slots, max_seq_len=64, prefill_chunk=16,
+                                                            kernels=KernelConfig(use=kernels)))
     return eng.generate([list(range(1, 20))], max_new_tokens=6, keep_logits=True)
 
 
-def test_cached_decode_with_the_kernel_is_the_jnp_lookups(monkeypatch, fresh_programs):
+def test_cached_decode_with_the_kernel_is_the_jnp_lookups(monkeypatch):
     """A tiny model's cached greedy decode (20 slots for 3 x 16 experts: misses and evictions every
-    step) with ``FTJAX_KERNELS=slot_lookup``: the decode steps' lookups run in the kernel (the
+    step) with ``KernelConfig(use="slot_lookup")``: the decode steps' lookups run in the kernel (the
     prefill's 19 tokens route more pairs than E and keep the jnp path); ids, logits and the expert
     cache's counters equal the jnp lookup's."""
-    ref = _generate(monkeypatch, "xla")
+    from ftjax.runtime import programs
+
+    ref = _generate("xla")
+    programs.clear()  # the spy sees only the calls of a fresh trace
     calls = []
     real = sl.lookup_lru
 
@@ -93,7 +93,7 @@ def test_cached_decode_with_the_kernel_is_the_jnp_lookups(monkeypatch, fresh_pro
         return real(ids, valid, *args, **kw)
 
     monkeypatch.setattr(sl, "lookup_lru", spy)
-    got = _generate(monkeypatch, "slot_lookup")
+    got = _generate("slot_lookup")
     assert calls and set(calls) == {(1, 4)}  # decode layers: one token, top-4
     assert got.generated_ids == ref.generated_ids
     np.testing.assert_array_equal(got.step_logits, ref.step_logits)

@@ -32,6 +32,7 @@ import contextlib
 import contextvars
 import dataclasses
 import importlib
+import numbers
 import pkgutil
 from typing import Callable
 
@@ -115,6 +116,33 @@ def get(name: str) -> Kernel:
     return known[name]
 
 
+def _known(field: str, name) -> Kernel:
+    """:func:`get` for a name given in ``KernelConfig.<field>``: its error names the field."""
+    try:
+        return get(name)
+    except ValueError as err:
+        raise ValueError(f"KernelConfig.{field}: {err}") from None
+
+
+def _tile_entries(tiles) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """``KernelConfig.tiles`` (pairs or a dict) as sorted (kernel name, integers) pairs.
+    Raises:
+      ValueError: not pairs of a name and a sequence of integers (the message names the field)."""
+    try:
+        items = list(tiles.items() if isinstance(tiles, dict) else tiles)
+        out = []
+        for n, t in items:
+            vals = tuple(t)
+            if isinstance(t, (str, bytes)) or not all(isinstance(v, numbers.Integral) and not isinstance(v, bool)
+                                                      for v in vals):
+                raise TypeError
+            out.append((str(n), tuple(int(v) for v in vals)))
+    except (TypeError, ValueError):
+        raise ValueError(f"KernelConfig.tiles: expected (kernel name, integers) pairs or a dict of them, "
+                         f"got {tiles!r}") from None
+    return tuple(sorted(out))
+
+
 def _choice(field: str, value, choices: tuple) -> None:
     if value not in choices:
         raise ValueError(f"KernelConfig.{field}: unknown value {value!r}; expected one of {', '.join(choices)}")
@@ -163,7 +191,7 @@ class KernelConfig:
         if isinstance(use, (list, tuple)):
             use = tuple(sorted(set(use)))
             for n in use:
-                get(n)
+                _known("use", n)
             for n in use:
                 missing = [m for m in get(n).needs if m not in use]
                 if missing:
@@ -172,13 +200,15 @@ class KernelConfig:
         elif use not in USES:
             raise ValueError(f"KernelConfig.use: expected one of {', '.join(USES)} or kernel names, got {use!r}")
         object.__setattr__(self, "use", use)
-        tiles = self.tiles.items() if isinstance(self.tiles, dict) else self.tiles
-        tiles = tuple(sorted((str(n), tuple(int(v) for v in t)) for n, t in tiles))
+        tiles = _tile_entries(self.tiles)
         for n, t in tiles:
-            parse = get(n).tiles
+            parse = _known("tiles", n).tiles
             if parse is None:
                 raise ValueError(f"KernelConfig.tiles: kernel {n!r} has no tiles")
-            parse(t)
+            try:
+                parse(t)
+            except ValueError as err:
+                raise ValueError(f"KernelConfig.tiles: {err}") from None
         object.__setattr__(self, "tiles", tiles)
         _choice("grouped_matmul", self.grouped_matmul, GROUPED_MATMULS)
         _choice("flash_prefill", self.flash_prefill, FLASH_PREFILLS)
@@ -257,12 +287,14 @@ def recording():
         _RECORD.reset(token)
 
 
-def mode(name: str, supported: bool = True, auto: bool | None = None) -> str:
+def mode(name: str, supported: bool = True, auto: bool | None = None, record: bool = True) -> str:
     """How op ``name`` runs in the function being traced: "xla", "gpu" or "interpret".
 
     supported: whether the kernel handles these operands (shapes, dtypes); an unsupported case
     runs the reference, except under "interpret" where the caller's own check decides. auto:
     whether ``use="auto"`` picks it for these operands on a GPU (default: the registry entry's).
+    record: count a choice other than "xla" as the kernel applying (:func:`recording`); False for a
+    look-ahead whose caller runs the kernel only later, through another call of this function, if at all.
     Raises:
       ValueError: unknown kernel name.
     """
@@ -278,7 +310,7 @@ def mode(name: str, supported: bool = True, auto: bool | None = None) -> str:
     else:
         how = ("gpu" if on_gpu else "interpret") if name in use else "xla"
     seen = _RECORD.get()
-    if seen is not None and how != "xla":
+    if record and seen is not None and how != "xla":
         seen.add(name)
     return how
 

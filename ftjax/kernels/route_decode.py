@@ -103,7 +103,7 @@ def route_decode(parts: jax.Array, *, top_k: int, norm_topk_prob: bool, logits_d
 def selected(rows: int, num_experts: int, top_k: int) -> bool:
     """Whether the kernel config selects ``route_decode`` for a decode call of ``rows`` token rows (``registry.mode``;
     under ``auto`` on a GPU: :data:`AUTO`), before its partial logits exist (their parts count unknown: one)."""
-    return registry.mode("route_decode", supported(1, num_experts, top_k, rows), auto=AUTO) != "xla"
+    return registry.mode("route_decode", supported(1, num_experts, top_k, rows), auto=AUTO, record=False) != "xla"
 
 
 def maybe(parts: jax.Array, logits_dtype, top_k: int, norm_topk_prob: bool, dtype):

@@ -41,6 +41,16 @@ def fixture_name(request):
     return request.param
 
 
+def drop_compiled_programs() -> None:
+    """Empties the engine's table of compiled programs and JAX's in-memory caches (traces,
+    executables), as a new process starts: the on-disk compilation cache, if any, stays."""
+    import jax
+
+    from ftjax import engine as engine_lib
+    engine_lib._COMPILED.clear()
+    jax.clear_caches()
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _fresh_compile_caches():
     """Each test module starts and ends with empty compile caches (the engine's AOT programs and
@@ -49,12 +59,8 @@ def _fresh_compile_caches():
     yield
     import gc
 
-    import jax
-
-    from ftjax import engine
-    engine._COMPILED.clear()
+    drop_compiled_programs()
     load_fixture.cache_clear()
-    jax.clear_caches()
     gc.collect()
 
 
@@ -62,10 +68,5 @@ def _fresh_compile_caches():
 def fresh_programs():
     """Drops the engine's compiled programs and jax's traces after the test: they keep the kernel
     choice (``FTJAX_KERNELS``) made at trace time."""
-    import jax
-
-    from ftjax import engine as engine_lib
-
     yield
-    engine_lib._COMPILED.clear()
-    jax.clear_caches()
+    drop_compiled_programs()

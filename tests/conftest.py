@@ -160,3 +160,25 @@ def no_compilation_cache():
     jax.config.update("jax_enable_compilation_cache", enabled)
     compilation_cache.reset_cache()
 
+
+# Under pytest-xdist (``-n 2 --dist loadfile``, pyproject's addopts) each worker runs whole modules,
+# handed out in collection order (``--no-loadscope-reorder``): the longest modules go first, so that
+# neither worker is left with a long one at the end. The order is only a schedule; each module
+# still starts from empty compile caches (``_fresh_compile_caches``).
+_LONGEST_MODULES_FIRST = ("test_experiments.py", "test_layer_pipeline.py", "test_offload.py", "test_slot_table.py",
+                          "test_prefill.py", "test_kv_offload.py", "test_hybrid.py", "test_quant.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    counts: dict[str, int] = {}
+    for item in items:
+        counts[item.path.name] = counts.get(item.path.name, 0) + 1
+
+    def rank(name: str) -> tuple:
+        known = _LONGEST_MODULES_FIRST.index(name) if name in _LONGEST_MODULES_FIRST else len(_LONGEST_MODULES_FIRST)
+        return known, -counts[name], name
+
+    order = {name: i for i, name in enumerate(sorted(counts, key=rank))}
+    items.sort(key=lambda item: order[item.path.name])  # stable: each module keeps its own order

@@ -3,11 +3,85 @@ caches per test module."""
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
+import shutil
+import tempfile
 
 import numpy as np
 import pytest
+
+
+def _use_compilation_cache() -> str | None:
+    """JAX's persistent compilation cache for the whole test run, this process and its children
+    (``python -m ftjax.generate``, experiments/ scripts: through the ``JAX_...`` variables).
+
+    Each module starts with empty in-memory caches (``_fresh_compile_caches`` below), and many
+    compile the same programs (the tiny preset, the fixtures' engines): with the executables on
+    disk, a program compiled once in the run is loaded, not compiled again. By default the cache is
+    a new temporary directory, removed at exit: every run starts cold, as CI's does.
+    ``FTJAX_TEST_COMPILATION_CACHE=DIR`` keeps it in DIR across runs (faster reruns; JAX keys each
+    entry by the program, the compile options and the jax/jaxlib versions), ``=off`` turns it off.
+    A ``JAX_COMPILATION_CACHE_DIR`` already set is left as it is. Returns the directory, or None."""
+    setting = os.environ.get("FTJAX_TEST_COMPILATION_CACHE", "").strip()
+    if setting.lower() in ("off", "0", "no", "false"):
+        return None
+    path = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    if not path:
+        path = setting or tempfile.mkdtemp(prefix="ftjax-test-jax-cache-")
+        if not setting:
+            atexit.register(shutil.rmtree, path, ignore_errors=True)
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = path
+    # every program, however small or fast to compile (the defaults skip those under 1 s)
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+    import jax
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                      float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes",
+                      int(os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]))
+    return path
+
+
+COMPILATION_CACHE_DIR = _use_compilation_cache()
+
+# What this process compiled and what the on-disk cache saved (the summary at the end of the run).
+_COMPILE_STATS = {"cache_hits": 0, "cache_misses": 0, "backend_compile_s": 0.0, "compile_time_saved_s": 0.0}
+
+
+def _count_compile_events() -> None:
+    import jax.monitoring
+
+    def on_event(event, **kw):
+        if event.startswith("/jax/compilation_cache/cache_"):
+            key = event.rsplit("/", 1)[1]
+            if key in _COMPILE_STATS:
+                _COMPILE_STATS[key] += 1
+
+    def on_duration(event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            _COMPILE_STATS["backend_compile_s"] += duration
+        elif event == "/jax/compilation_cache/compile_time_saved_sec":
+            _COMPILE_STATS["compile_time_saved_s"] += duration
+
+    jax.monitoring.register_event_listener(on_event)
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+
+
+_count_compile_events()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """One line: this process's XLA compiles and the persistent cache's hits (none under xdist's
+    controller, which runs no test)."""
+    st = _COMPILE_STATS
+    if st["cache_hits"] or st["cache_misses"] or st["backend_compile_s"]:
+        terminalreporter.write_line(
+            f"XLA compiles in this process: {st['backend_compile_s']:.1f} s backend compile; persistent cache "
+            f"{'off' if COMPILATION_CACHE_DIR is None else COMPILATION_CACHE_DIR}: {st['cache_hits']} hits "
+            f"(~{st['compile_time_saved_s']:.1f} s of compile saved), {st['cache_misses']} misses")
 
 FIXTURES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 FIXTURE_NAMES = ("qwen3_moe_fp32", "qwen3_moe_bf16", "olmoe_fp32", "mixtral_fp32", "qwen3_moe_sharded")
@@ -41,6 +115,13 @@ def fixture_name(request):
     return request.param
 
 
+def drop_compiled_programs() -> None:
+    """Empties the engine's table of compiled programs and JAX's in-memory caches (traces,
+    executables), as a new process starts: the on-disk compilation cache, if any, stays."""
+    from ftjax.runtime import programs
+    programs.clear()
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _fresh_compile_caches():
     """Each test module starts and ends with empty compile caches (the engine's AOT programs and
@@ -49,7 +130,44 @@ def _fresh_compile_caches():
     yield
     import gc
 
-    from ftjax.runtime import programs
-    programs.clear()
+    drop_compiled_programs()
     load_fixture.cache_clear()
     gc.collect()
+
+
+@pytest.fixture
+def no_compilation_cache():
+    """JAX's persistent compilation cache off for the test (and back on after): every program is
+    compiled by the backend, as in a process without the cache (for checks that watch compiles)."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()  # JAX decides once per process whether the cache is used
+    yield
+    jax.config.update("jax_enable_compilation_cache", enabled)
+    compilation_cache.reset_cache()
+
+
+# Under pytest-xdist (``-n 2 --dist loadfile``, pyproject's addopts) each worker runs whole modules,
+# handed out in collection order (``--no-loadscope-reorder``): the longest modules go first, so that
+# neither worker is left with a long one at the end. The order is only a schedule; each module
+# still starts from empty compile caches (``_fresh_compile_caches``).
+_LONGEST_MODULES_FIRST = ("test_experiments.py", "test_layer_pipeline.py", "test_offload.py", "test_slot_table.py",
+                          "test_prefill.py", "test_kv_offload.py", "test_hybrid.py", "test_quant.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    counts: dict[str, int] = {}
+    for item in items:
+        counts[item.path.name] = counts.get(item.path.name, 0) + 1
+
+    def rank(name: str) -> tuple:
+        known = _LONGEST_MODULES_FIRST.index(name) if name in _LONGEST_MODULES_FIRST else len(_LONGEST_MODULES_FIRST)
+        return known, -counts[name], name
+
+    order = {name: i for i, name in enumerate(sorted(counts, key=rank))}
+    items.sort(key=lambda item: order[item.path.name])  # stable: each module keeps its own order

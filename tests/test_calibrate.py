@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from cli_helpers import run_module_app
 from ftjax import calibrate
 from ftjax.experts.miss_split import SplitModel, split_table
 
@@ -126,7 +127,16 @@ def test_malformed_profile_entries_are_named(tmp_path, entry, match):
     assert path.read_bytes() == before  # nothing half-written or replaced
 
 
+def _run_calibrate(*args: str):
+    """``python -m ftjax.calibrate *args`` in this process (its flags defined as under ``__main__``).
+    Only for runs that stop before calibrating: the callback mechanisms need synchronous CPU
+    dispatch set before JAX starts, which only a process of their own has."""
+    return run_module_app("ftjax.calibrate", args, define=lambda m: setattr(m, "FLAGS", m._flags()))
+
+
 def test_calibrate_cli_quick(tmp_path):
+    """The quick calibration in a process of its own (``python -m ftjax.calibrate``: synchronous CPU
+    dispatch before JAX starts); its refusals of bad flags in this one."""
     prof = tmp_path / "p.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, "-m", "ftjax.calibrate", "--quick", "--impls=callback,compute_on",
@@ -144,12 +154,10 @@ def test_calibrate_cli_quick(tmp_path):
         assert len(r_["split_table"]) == 5 and r_["split_table"][0] == 0
         assert [p[0] for p in r_["fetch"]["points"]] == [1, 4]
     assert entry["impls"]["callback"]["mechanism"]["threads"] == 2
-    r = subprocess.run([sys.executable, "-m", "ftjax.calibrate", "--impls=torch", f"--profile={prof}"],
-                       capture_output=True, text=True, timeout=300, env=env)
+    r = _run_calibrate("--impls=torch", f"--profile={prof}")
     assert r.returncode == 1 and "unknown --impls" in r.stderr and "Traceback" not in r.stderr
     before = prof.read_bytes()
     for bad, msg in (("--cpu_threads=-3", "--cpu_threads must be >= 0"), ("--impls=", "--impls is empty")):
-        r = subprocess.run([sys.executable, "-m", "ftjax.calibrate", "--quick", bad, f"--profile={prof}"],
-                           capture_output=True, text=True, timeout=300, env=env)
+        r = _run_calibrate("--quick", bad, f"--profile={prof}")
         assert r.returncode == 1 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert prof.read_bytes() == before

@@ -1,4 +1,7 @@
-"""The `python -m ftjax.generate` command end to end, and its errors on bad input."""
+"""The `python -m ftjax.generate` command end to end, and its errors on bad input.
+
+The demo run is the real command in a child process; the others run its ``main`` in this
+process (tests/cli_helpers.py: the same flag parsing, exit status and output)."""
 
 from __future__ import annotations
 
@@ -11,14 +14,21 @@ import sys
 import numpy as np
 import pytest
 
+from cli_helpers import CliResult, run_generate
 from conftest import fixture_path, load_fixture
 from ftjax.checkpoint import CheckpointError, load_checkpoint
 
 
-def _run(*args: str, cwd=None) -> subprocess.CompletedProcess:
+def _run(*args: str) -> CliResult:
+    """``python -m ftjax.generate --noprogress *args``, run in this process (tests/cli_helpers.py)."""
+    return run_generate(*args)
+
+
+def _run_process(*args: str) -> subprocess.CompletedProcess:
+    """The real entry point in a child process: the README's main job, end to end."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     return subprocess.run([sys.executable, "-m", "ftjax.generate", "--noprogress", *args],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=cwd)
+                          capture_output=True, text=True, timeout=300, env=env)
 
 
 def test_generate_fixture_writes_metrics_and_logits(tmp_path):
@@ -51,7 +61,7 @@ def test_generate_text_prompt_prints_text():
 
 
 def test_default_demo_runs_with_cache_smaller_than_pool(tmp_path):
-    r = _run("--max_new_tokens=8", "--nostream_d2d_hits", "--prefix_copy=in_program",
+    r = _run_process("--max_new_tokens=8", "--nostream_d2d_hits", "--prefix_copy=in_program",
              f"--metrics_json={tmp_path / 'm.json'}")
     assert r.returncode == 0, r.stderr
     m = json.loads((tmp_path / "m.json").read_text())

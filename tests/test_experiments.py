@@ -1,9 +1,15 @@
 """The GPU scripts under experiments/ run end to end on the CPU at the tiny preset.
 
 They are what reproduces the committed figures, so they must not rot between GPU sessions. Each
-test runs the script's documented CPU smoke command in a subprocess and checks the JSON it wrote:
-the metadata anyone comparing runs needs, no failed run, and values that hold on the CPU backend
-(every offload path bit-identical to resident, hit and split counters consistent).
+test runs the script's documented CPU smoke command and checks the JSON it wrote: the metadata
+anyone comparing runs needs, no failed run, and values that hold on the CPU backend (every offload
+path bit-identical to resident, hit and split counters consistent).
+
+Most run the script's ``main`` in this process as its command line would (tests/cli_helpers.py:
+the script's own flag namespace, its working directory and environment, empty compile caches
+before and after, as in a process of its own). A child process is kept where one is needed:
+scripts that compute misses with the CPU-callback mechanisms (synchronous CPU dispatch must be
+set before JAX starts), and the HLO check that counts the engine's compiled programs.
 """
 
 from __future__ import annotations
@@ -17,13 +23,32 @@ import sys
 
 import pytest
 
+from cli_helpers import CliResult, import_app, run_module_app
+from conftest import drop_compiled_programs
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _run(script: str, out_dir: pathlib.Path, *flags: str, env_extra: dict | None = None) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", **(env_extra or {}))
-    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / f"{script}.py"), f"--out_dir={out_dir}", *flags],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+def _run_script(script: str, *args: str, env_extra: dict | None = None) -> CliResult:
+    """``experiments/{script}.py *args`` (cwd: the repository) in this process, between empty
+    compile caches as in a process of its own."""
+    drop_compiled_programs()
+    try:
+        return run_module_app(f"experiments.{script}", args, program=str(ROOT / "experiments" / f"{script}.py"),
+                              cwd=str(ROOT), env=env_extra)
+    finally:
+        drop_compiled_programs()
+
+
+def _run(script: str, out_dir: pathlib.Path, *flags: str, env_extra: dict | None = None,
+         process: bool = False) -> dict:
+    """The script's JSON from one run; ``process``: in a child process (``python experiments/...``)."""
+    if process:
+        env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", **(env_extra or {}))
+        proc = subprocess.run([sys.executable, str(ROOT / "experiments" / f"{script}.py"), f"--out_dir={out_dir}",
+                               *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    else:
+        proc = _run_script(script, f"--out_dir={out_dir}", *flags, env_extra=env_extra)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     files = sorted(out_dir.glob(f"{script}*.json"))
     assert len(files) == 1, f"expected one JSON from {script}, got {files}"
@@ -108,11 +133,8 @@ def test_bench_prefill_refuses_no_timed_call(tmp_path, flag):
     """No timed call (--repeats=0, or a negative --warmups eating one) is refused when the flags
     are parsed, before any model is built: it used to measure for minutes, then write rows with
     an empty ``ttft_s`` (NaN throughput) and die in the bound computation (KeyError 'median')."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench_prefill.py"), f"--out_dir={tmp_path}",
-                           "--preset=tiny", "--dtype=float32", "--lengths=64", "--prefill_chunk=128",
-                           "--vram_budget_gb=1.02", "--variants=resident", flag],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = _run_script("bench_prefill", f"--out_dir={tmp_path}", "--preset=tiny", "--dtype=float32", "--lengths=64",
+                       "--prefill_chunk=128", "--vram_budget_gb=1.02", "--variants=resident", flag)
     assert proc.returncode != 0
     assert "Flags parsing error" in proc.stderr and flag.split("=")[0] in proc.stderr, proc.stderr[-2000:]
     assert not list(tmp_path.glob("*.json"))
@@ -209,38 +231,30 @@ def test_bench_kv_reuse_hybrid_smoke(tmp_path):
     assert isinstance(r["prefetch"]["hidden_fraction"], float) and r["all_first"]["load_s"]["median"] > 0
 
 
-_KV_REUSE_PIPELINED_FAILS = """
-import json, sys
-from absl import app
-from experiments import bench_kv_reuse as b
-writes, real_write, real_engine = [], b.write_json, b.Engine
-def write_json(out_dir, name, payload):
-    writes.append([dict(r) for r in payload["results"]])
-    return real_write(out_dir, name, payload)
-def engine(model, config):
-    if config.prefill_driver == "pipelined":
-        raise RuntimeError("no pipelined engine here")
-    return real_engine(model, config)
-b.write_json, b.Engine = write_json, engine
-def main(argv):
-    b.main(argv)
-    print("WRITES " + json.dumps(writes, default=str))
-app.run(main, argv=sys.argv)
-"""
-
-
-def test_bench_kv_reuse_writes_partial_rows_and_survives_a_failed_pipelined_engine(tmp_path):
+def test_bench_kv_reuse_writes_partial_rows_and_survives_a_failed_pipelined_engine(tmp_path, monkeypatch):
     """``run_mode``'s progress: the JSON is rewritten after the recompute and after each load with
     the mode's row marked ``partial``; the pipelined load's engine failing to build is recorded in
     ``load_errors`` and ends the mode's loads; the last write holds the whole row, unmarked."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", _KV_REUSE_PIPELINED_FAILS, f"--out_dir={tmp_path}", "--preset=tiny",
-                           "--dtype=float32", "--prefix_tokens=192", "--suffix_tokens=64", "--chunk_tokens=32",
-                           "--prefill_chunk=128", "--expert_slots=32", "--kv_host_gb=0.1", "--h2d_mb=16", "--noprobe",
-                           "--modes=cached", "--reps=1", "--loads=pipelined,prefetch"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    b = import_app("experiments.bench_kv_reuse")
+    writes, real_write, real_engine = [], b.write_json, b.Engine
+
+    def write_json(out_dir, name, payload):
+        writes.append([dict(r) for r in payload["results"]])
+        return real_write(out_dir, name, payload)
+
+    def engine(model, config):
+        if config.prefill_driver == "pipelined":
+            raise RuntimeError("no pipelined engine here")
+        return real_engine(model, config)
+
+    monkeypatch.setattr(b, "write_json", write_json)
+    monkeypatch.setattr(b, "Engine", engine)
+    proc = _run_script("bench_kv_reuse", f"--out_dir={tmp_path}", "--preset=tiny", "--dtype=float32",
+                       "--prefix_tokens=192", "--suffix_tokens=64", "--chunk_tokens=32", "--prefill_chunk=128",
+                       "--expert_slots=32", "--kv_host_gb=0.1", "--h2d_mb=16", "--noprobe", "--modes=cached",
+                       "--reps=1", "--loads=pipelined,prefetch")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    writes = json.loads(proc.stdout.split("WRITES ", 1)[1])
+    writes = json.loads(json.dumps(writes, default=str))  # as the child process printed them
     loads = ("recompute", "prefetch", "load_errors")
     seen = [([k for k in loads if k in r], r.get("partial")) for (r,) in writes]
     partial = "the mode had not finished"
@@ -254,8 +268,9 @@ def test_bench_kv_reuse_writes_partial_rows_and_survives_a_failed_pipelined_engi
 
 
 def test_bench_miss_policy_smoke(tmp_path):
+    # a child process: the CPU-callback runs need synchronous CPU dispatch set before JAX starts
     d = _run("bench_miss_policy", tmp_path, "--preset=tiny", "--steps=6", "--impls=compute_on", "--budgets_gb=8",
-             "--temperature=0")
+             "--temperature=0", process=True)
     assert _meta(d)["device"] and _meta(d)["jax"] and d["calibration"]["entry"]["impls"]["compute_on"]["ok"]
     runs = {r["policy"]: r for r in d["runs"]}
     assert set(runs) == {"fetch", "cpu", "adaptive", "adaptive-qstar"}
@@ -292,7 +307,7 @@ def test_ab_slot_table_smoke(tmp_path):
 
 def test_check_oracle_gpu_smoke(tmp_path):
     """Every expert mode of the oracle script passes on the CPU (one fixture, the short prompt)."""
-    d = _run("check_oracle_gpu", tmp_path, "--smoke")
+    d = _run("check_oracle_gpu", tmp_path, "--smoke", process=True)  # miss_cpu: synchronous CPU dispatch
     assert _meta(d)["device"] and _meta(d)["jax"]
     assert d["precision"]["float32"] == "highest" and d["prompts"] == ["short"]
     f32 = [r for r in d["results"] if r["dtype"] == "float32"]
@@ -338,25 +353,16 @@ def test_check_reuse_gpu_smoke(tmp_path):
     assert d["summary"]["verdict"].startswith("(b)")
 
 
-_REUSE_CASE_FAILS = """
-import sys
-from absl import app
-from experiments import check_reuse_gpu as c
-def check_case(name, model, prompt, *args, progress, **kw):
-    row = {"case": name, "dtype": "float32", "vs_recompute": {"max_abs_diff": 0.25}}
-    progress(dict(row, partial="the case had not finished (last stage: recompute)"))
-    raise RuntimeError("RESOURCE_EXHAUSTED in the cut recompute")
-c.check_case = check_case
-app.run(c.main, argv=sys.argv)
-"""
-
-
-def test_check_reuse_gpu_keeps_the_stages_of_a_case_that_fails(tmp_path):
+def test_check_reuse_gpu_keeps_the_stages_of_a_case_that_fails(tmp_path, monkeypatch):
     """A case that raises after some stages (an out-of-memory in a later prefill) keeps in the JSON what
     those stages wrote, beside the error (a time-limit kill keeps it too: the last progress write)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", _REUSE_CASE_FAILS, f"--out_dir={tmp_path}", "--cases=qwen3_moe_fp32"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    def check_case(name, model, prompt, *args, progress, **kw):
+        row = {"case": name, "dtype": "float32", "vs_recompute": {"max_abs_diff": 0.25}}
+        progress(dict(row, partial="the case had not finished (last stage: recompute)"))
+        raise RuntimeError("RESOURCE_EXHAUSTED in the cut recompute")
+
+    monkeypatch.setattr(import_app("experiments.check_reuse_gpu"), "check_case", check_case)
+    proc = _run_script("check_reuse_gpu", f"--out_dir={tmp_path}", "--cases=qwen3_moe_fp32")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     d = json.loads((tmp_path / "check_reuse_gpu.json").read_text())
     (row,) = d["results"]
@@ -374,10 +380,8 @@ def test_check_oracle_gpu_exits_nonzero_on_a_float32_failure(tmp_path):
         exp = {k: z[k] for k in z.files}
     exp["short_step_logits"][3, 5] += 1e-3
     np.savez(fx / "expected.npz", **exp)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "check_oracle_gpu.py"), f"--out_dir={tmp_path}",
-                           f"--fixtures_dir={tmp_path / 'fixtures'}", "--smoke", "--modes=resident", "--bf16_modes="],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = _run_script("check_oracle_gpu", f"--out_dir={tmp_path}", f"--fixtures_dir={tmp_path / 'fixtures'}",
+                       "--smoke", "--modes=resident", "--bf16_modes=")
     assert proc.returncode == 1 and "FAILED float32 cases: qwen3_moe_fp32/short/resident" in proc.stderr, proc.stderr
     d = json.loads((tmp_path / "check_oracle_gpu.json").read_text())
     (r,) = d["results"]

@@ -299,18 +299,15 @@ def test_conditional_generation_layout_loads_the_same_model(tmp_path, capsys):
 
 def test_generate_cli_runs_a_published_layout_checkpoint(tmp_path):
     import json
-    import subprocess
-    import sys
+
+    from cli_helpers import run_generate
 
     _, exp = load_fixture("qwen3_5_moe_fp32")
     prompt = exp["short_prompt_ids"].tolist()
     metrics = tmp_path / "m.json"
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    r = subprocess.run([sys.executable, "-m", "ftjax.generate", "--noprogress",
-                        f"--checkpoint={_conditional_generation_layout(tmp_path)}",
-                        f"--prompt_ids={','.join(map(str, prompt))}", "--temperature=0", "--max_new_tokens=16",
-                        "--expert_slots=8", "--ignore_eos", f"--metrics_json={metrics}"],
-                       capture_output=True, text=True, timeout=600, env=env)
+    r = run_generate(f"--checkpoint={_conditional_generation_layout(tmp_path)}",  # in this process
+                     f"--prompt_ids={','.join(map(str, prompt))}", "--temperature=0", "--max_new_tokens=16",
+                     "--expert_slots=8", "--ignore_eos", f"--metrics_json={metrics}")
     assert r.returncode == 0, r.stderr
     assert json.loads(metrics.read_text())["generated_ids"] == exp["short_generated_ids"].tolist()
 

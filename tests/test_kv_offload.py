@@ -19,15 +19,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from cli_helpers import CliResult, run_generate
 from conftest import fixture_path, load_fixture
 from ftjax import model as model_lib
 from ftjax.engine import Engine, bucket
@@ -313,10 +311,9 @@ def test_second_model_identity_never_hits_first_models_chunks():
 
 
 # ------------------------------------------------------------------ CLI
-def _run_cli(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    return subprocess.run([sys.executable, "-m", "ftjax.generate", "--noprogress", *args],
-                          capture_output=True, text=True, timeout=300, env=env)
+def _run_cli(*args: str) -> CliResult:
+    """``python -m ftjax.generate --noprogress *args``, run in this process (tests/cli_helpers.py)."""
+    return run_generate(*args)
 
 
 def test_cli_prompts_file_reuses_across_requests(tmp_path):

@@ -24,6 +24,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cli_helpers import run_generate
 from conftest import load_fixture
 from ftjax import memory
 from ftjax.engine import Engine
@@ -327,7 +328,6 @@ def test_generate_cli_adaptive_callback_async_bit_identical(qwen, tmp_path):
 
 
 def test_generate_cli_bad_miss_flags_one_line():
-    r = subprocess.run([sys.executable, "-m", "ftjax.generate", "--noprogress", "--miss_policy=cpu", "--fixed_fetch=2"],
-                       capture_output=True, text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    r = run_generate("--miss_policy=cpu", "--fixed_fetch=2")  # in this process: tests/cli_helpers.py
     assert r.returncode == 1 and "--fixed_fetch needs --miss_policy=adaptive" in r.stderr
     assert "Traceback" not in r.stderr

@@ -9,7 +9,6 @@ import functools
 import itertools
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -21,7 +20,8 @@ sys.path.insert(0, REPO)
 from experiments import policy_study, replay_policies  # noqa: E402
 from ftjax.checkpoint import load_checkpoint  # noqa: E402
 from ftjax.config import EngineConfig  # noqa: E402
-from ftjax.engine import Engine  # noqa: E402
+from ftjax import Engine  # noqa: E402
+from cli_helpers import run_module_app  # noqa: E402
 from ftjax.experts import policies  # noqa: E402
 from train_smoke import smoke_checkpoint  # noqa: E402
 
@@ -32,10 +32,9 @@ ONLINE = policies.names()  # every registered policy; belady is the study's offl
 def study(tmp_path_factory):
     ckpt = smoke_checkpoint()
     out = str(tmp_path_factory.mktemp("policy"))
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "experiments", "policy_study.py"), "--smoke",
-                           f"--ckpt={ckpt}", f"--out_dir={out}"], env=env, capture_output=True, text=True,
-                          timeout=240)
+    proc = run_module_app("experiments.policy_study", ["--smoke", f"--ckpt={ckpt}", f"--out_dir={out}"],
+                          program=os.path.join(REPO, "experiments", "policy_study.py"),
+                          define=lambda m: m.define_flags())
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(os.path.join(out, "policy_study.json")) as f:
         return json.load(f), out

@@ -19,8 +19,11 @@ COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 @pytest.mark.parametrize("temperature,top_p,batch,prompt_len",
                          [(0.0, 1.0, 1, 16), (0.8, 1.0, 1, 16), (0.8, 0.9, 2, 16), (0.0, 1.0, 2, 300)])
-def test_nothing_compiles_inside_the_timed_region(monkeypatch, temperature, top_p, batch, prompt_len):
-    jax.clear_caches()  # every case starts cold, as a new process would
+def test_nothing_compiles_inside_the_timed_region(monkeypatch, no_compilation_cache, temperature, top_p, batch,
+                                                  prompt_len):
+    # every case starts cold, as a new process would (no on-disk cache either: a program loaded from
+    # it would not send the backend-compile event this test watches for)
+    jax.clear_caches()
     cfg = preset("tiny")
     model = random_model(cfg, "float32", seed=3)
     eng = Engine(model, EngineConfig("cached", num_slots=2 * cfg.num_experts, max_seq_len=512, batch=batch,

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 
 import jax.numpy as jnp
@@ -25,7 +24,8 @@ from experiments import train_moe  # noqa: E402
 from ftjax.checkpoint import load_checkpoint, load_tokenizer  # noqa: E402
 from ftjax.config import EngineConfig  # noqa: E402
 from ftjax.engine import Engine  # noqa: E402
-from train_smoke import smoke_checkpoint  # noqa: E402
+from cli_helpers import run_generate  # noqa: E402
+from train_smoke import run_train_moe, smoke_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +47,7 @@ PATIENCE_FLAGS = ["--steps=40", "--eval_every=2", "--patience=1", "--lr=0.05", "
 def patience_run(tmp_path_factory):
     """(checkpoint dir, train_metrics) of a --smoke run with PATIENCE_FLAGS."""
     out = str(tmp_path_factory.mktemp("train_patience") / "ckpt")
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "experiments", "train_moe.py"), "--smoke",
-                           f"--out_dir={out}", *PATIENCE_FLAGS], env=env, capture_output=True, text=True, timeout=240)
+    proc = run_train_moe("--smoke", f"--out_dir={out}", *PATIENCE_FLAGS)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(os.path.join(out, "train_metrics.json")) as f:
         return out, json.load(f)
@@ -209,18 +207,14 @@ def test_ftjax_loads_and_matches_training_forward(smoke_dir):
     assert ids.shape == (4, len(prompt), 2) and hs.shape == (4, 1, len(prompt), 32) and np.isfinite(float(aux))
 
 
-def test_generate_default_demo_uses_trained_model(smoke_dir, tmp_path):
+def test_generate_default_demo_uses_trained_model(smoke_dir, tmp_path, monkeypatch):
     """``python -m ftjax.generate`` with no model flag runs DEFAULT_CHECKPOINT (pointed here at the
     smoke checkpoint) on DEFAULT_PROMPT with an expert cache of 2E slots, and its greedy ids are
     the resident engine's."""
     from ftjax import generate
     metrics = tmp_path / "m.json"
-    code = ("import sys; from absl import app; from ftjax import generate; generate.DEFAULT_CHECKPOINT = sys.argv[1]; "
-            "app.run(generate.main, argv=['generate', '--noprogress', '--max_new_tokens=8', "
-            "'--metrics_json=' + sys.argv[2]])")
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", code, smoke_dir, str(metrics)], env=env, capture_output=True,
-                          text=True, timeout=240)
+    monkeypatch.setattr(generate, "DEFAULT_CHECKPOINT", smoke_dir)
+    proc = run_generate("--max_new_tokens=8", f"--metrics_json={metrics}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = json.loads(metrics.read_text())
     model = load_checkpoint(smoke_dir, progress=False)

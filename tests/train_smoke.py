@@ -1,5 +1,6 @@
 """One ``experiments/train_moe.py --smoke`` checkpoint per test session, shared by the modules
-that need a trained checkpoint (test_train_moe, test_policy_study). ~25 s on 2 CPU cores."""
+that need a trained checkpoint (test_train_moe, test_policy_study). ~25 s on 2 CPU cores.
+The script's ``main`` runs in the test process (tests/cli_helpers.py), as its command line would."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import atexit
 import functools
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
+
+from cli_helpers import run_module_app
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -24,8 +25,13 @@ def smoke_checkpoint() -> str:
     root = tempfile.mkdtemp(prefix="ftjax_train_smoke_")
     atexit.register(shutil.rmtree, root, ignore_errors=True)
     out = os.path.join(root, "ckpt")
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "experiments", "train_moe.py"), "--smoke",
-                           f"--out_dir={out}"], env=env, capture_output=True, text=True, timeout=240)
+    proc = run_train_moe("--smoke", f"--out_dir={out}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
+
+
+def run_train_moe(*args: str):
+    """``experiments/train_moe.py *args`` in this process (its flags are defined by its
+    ``define_flags``, as under ``__main__``): a :class:`cli_helpers.CliResult`."""
+    return run_module_app("experiments.train_moe", args, program=os.path.join(REPO, "experiments", "train_moe.py"),
+                          define=lambda m: m.define_flags())

@@ -65,9 +65,9 @@ def test_bench_decode_smoke(tmp_path):
     # one-row projections padded to 2 rows (the GPU default is 4, the CPU's 0): the engine runs the
     # padded path end to end, and the result records the setting
     d = _run("bench_decode", tmp_path, "--preset=tiny", "--dtype=float32", "--steps=8", "--prompt_len=32",
-             "--vram_budget_gb=1.02", env_extra={"FTJAX_MIN_DOT_ROWS": "2"})
+             "--vram_budget_gb=1.02", "--min_dot_rows=2")
     assert _meta(d)["device"] and _meta(d)["jax"]
-    assert _meta(d)["env"]["variables"]["FTJAX_MIN_DOT_ROWS"] == "2" and _meta(d)["env"]["min_dot_rows"] == 2
+    assert all(r["engine"]["kernels"]["min_dot_rows"] == 2 for r in d["results"])
     rows = {(r["mode"], r["batch"]): r for r in d["results"]}
     assert set(rows) == {(m, b) for m in ("cached", "on_demand", "resident") for b in (1, 4)}
     for (mode, _), r in rows.items():
@@ -393,12 +393,11 @@ def test_plan_vs_peak_smoke(tmp_path):
     engines run, no memory_stats (null, no failure)."""
     from ftjax.checkpoint import random_model
     from ftjax.config import EngineConfig, preset
-    from ftjax.engine import plan_engine
-    from ftjax.runtime.planner import plan_memory
+    from ftjax.runtime.planner import plan_memory, plan_run
     cfg = preset("tiny")
     # budgets that leave 24 (no streaming) and 40 (streaming) slots at the measured workspace
-    _, probe = plan_engine(random_model(cfg, "bfloat16"), 10**9, [[1] * 256],
-                           EngineConfig("cached", num_slots=32, max_seq_len=384))
+    _, probe = plan_run(random_model(cfg, "bfloat16"), EngineConfig("cached", num_slots=32, max_seq_len=384),
+                        [[1] * 256], budget_bytes=10**9)
     fixed = probe.planned_bytes - probe.all_slots_bytes
     budgets = [round((fixed + s * probe.expert_bytes) / 1e9, 6) for s in (24, 40)]
     d = _run("plan_vs_peak", tmp_path, "--preset=tiny", f"--budgets_gb={budgets[0]},{budgets[1]}", "--lengths=200,256",
@@ -518,7 +517,8 @@ import numpy as np
 from experiments import bench_kv_reuse as b
 from ftjax.checkpoint import random_model
 from ftjax.config import EngineConfig, KVOffloadConfig, preset
-from ftjax.engine import Engine, compiled_programs
+from ftjax import Engine
+from ftjax.runtime.programs import compiled_programs
 from ftjax.kv.host_store import HostKVStore
 from ftjax.kv.prefix_cache import PrefixCache
 

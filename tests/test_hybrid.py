@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from conftest import HYBRID_FIXTURE_NAMES, fixture_path, load_fixture, oracle_tol
-from ftjax.config import EngineConfig
-from ftjax.engine import Engine
+from ftjax import Engine
+from ftjax.config import EngineConfig, MissPolicyConfig
 
 def _tol(expected: np.ndarray) -> float:
     return oracle_tol(expected, HYBRID_FIXTURE_NAMES[0])
@@ -65,8 +65,8 @@ def resident_runs():
     return {}
 
 
-def _run(model, prompt, steps=STEPS, miss=None, **config):
-    engine = Engine(model, EngineConfig(max_seq_len=448, **config), miss=miss)
+def _run(model, prompt, steps=STEPS, **config):
+    engine = Engine(model, EngineConfig(max_seq_len=448, **config))
     return engine.generate([prompt], max_new_tokens=steps, keep_logits=True), engine
 
 
@@ -108,13 +108,10 @@ def test_long_prompt_prefill_modes_bit_identical(prefill, overlap, resident_runs
 
 def test_cpu_and_adaptive_misses_bit_identical(resident_runs):
     """Misses computed on the host (the miss-policy strategies of the expert_fn seam)."""
-    from ftjax.experts import cpu_experts, miss_policy
-
     model, exp = load_fixture("qwen3_5_moe_fp32")
     want = _resident(resident_runs, "qwen3_5_moe_fp32")
-    cpu = cpu_experts.make_cpu_experts("compute_on", model.host_gate_up, model.host_down)
     for policy, kw in (("cpu", {}), ("adaptive", {"fixed_fetch": 1})):
-        miss = miss_policy.build_runtime(policy, model.cfg.num_experts, cpu, **kw)
+        miss = MissPolicyConfig(policy, cpu_impl="compute_on", **kw)
         got, _ = _run(model, exp["short_prompt_ids"].tolist(), steps=24, miss=miss, experts="cached",
                       num_slots=model.cfg.num_experts)
         np.testing.assert_allclose(got.step_logits, want.step_logits[:24], rtol=0, atol=_tol(want.step_logits))
@@ -193,7 +190,8 @@ def test_prefix_reuse_bit_identical_to_recompute(load, route):
 def test_stored_state_equals_the_recomputed_state_at_the_chunk_end():
     """The stored entry of chunk 3 holds the KV of the attention layers and the conv and
     recurrent state of every DeltaNet layer exactly as a plain prefill of the first 192 tokens
-    leaves them in its cache."""
+    leaves them in its cache (the entry keeps them by block, [G, Nl, ...]; the cache stacks them
+    over the DeltaNet layers, [L_lin, B, ...], layer i of block g at g * Nl + i)."""
     model, exp = load_fixture("qwen3_5_moe_fp32")
     prompt = exp["long_prompt_ids"].tolist()
     mgr = _prefix_cache()
@@ -203,8 +201,8 @@ def test_stored_state_equals_the_recomputed_state_at_the_chunk_end():
     kv, conv, rec = (np.asarray(a) for a in mgr.store.get(keys[-1:])[0])
     _, cache, _, _ = engine.prefill([prompt[:192]], engine.new_cache(1))
     assert conv.shape == (2, 3, 3, 64) and rec.shape == (2, 3, 4, 8, 8)
-    np.testing.assert_array_equal(conv, np.asarray(cache.conv)[:, :, 0])
-    np.testing.assert_array_equal(rec, np.asarray(cache.rec)[:, :, 0])
+    np.testing.assert_array_equal(conv, np.asarray(cache.conv)[:, 0].reshape(conv.shape))
+    np.testing.assert_array_equal(rec, np.asarray(cache.rec)[:, 0].reshape(rec.shape))
     np.testing.assert_array_equal(kv[:, 0], np.asarray(cache.k)[:, 0, 128:192])
     np.testing.assert_array_equal(kv[:, 1], np.asarray(cache.v)[:, 0, 128:192])
     assert mgr.entry_bytes(engine) == kv.nbytes + conv.nbytes + rec.nbytes
@@ -334,7 +332,8 @@ def _text_config() -> dict:
     ("attn_output_gate", False, "'attn_output_gate'"),
 ])
 def test_bad_hybrid_config_names_the_field(field, value, match):
-    from ftjax.config import ConfigError, from_hf_dict
+    from ftjax.config import ConfigError
+    from ftjax.families import from_hf_dict
     d = _text_config()
     if field == "partial_rotary_factor":
         d["rope_parameters"] = {**d["rope_parameters"], field: value}
@@ -345,7 +344,8 @@ def test_bad_hybrid_config_names_the_field(field, value, match):
 
 
 def test_nested_text_config_and_default_layer_pattern():
-    from ftjax.config import ConfigError, from_hf_dict
+    from ftjax.config import ConfigError
+    from ftjax.families import from_hf_dict
     text = _text_config()
     want = from_hf_dict(text)
     outer = {"model_type": "qwen3_5_moe", "dtype": "float32", "text_config": {**text, "dtype": None},
@@ -401,3 +401,4 @@ def test_quantized_experts_offload_bit_identical():
     np.testing.assert_array_equal(got.step_logits, want.step_logits)
     assert engine.expert_cache_metrics()["expert_format"] == "int8"
     assert got.generated_ids[0][:4] == exp["short_generated_ids"][:4].tolist()
+

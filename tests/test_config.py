@@ -7,7 +7,8 @@ import json
 import pytest
 
 from conftest import FIXTURE_NAMES, fixture_path
-from ftjax.config import ConfigError, from_hf_dict, load_hf_config, preset
+from ftjax.config import ConfigError, preset
+from ftjax.families import from_hf_dict, load_hf_config
 
 
 def _base(name="qwen3_moe_fp32") -> dict:
@@ -110,10 +111,10 @@ def test_matmul_precision_follows_the_dtype_and_reaches_the_step():
     explicit choice wins; an unknown one is refused."""
     import numpy as np
 
-    from ftjax import engine as engine_lib
+    from ftjax import Engine
     from ftjax.checkpoint import random_model
     from ftjax.config import EngineConfig, preset
-    from ftjax.engine import Engine
+    from ftjax.runtime.step import forward_step
     assert EngineConfig().precision("float32") == "highest"
     assert EngineConfig().precision("bfloat16") == "default"
     assert EngineConfig(matmul_precision="high").precision("float32") == "high"
@@ -121,17 +122,19 @@ def test_matmul_precision_follows_the_dtype_and_reaches_the_step():
         EngineConfig(matmul_precision="tf32")
     for dtype, want in (("float32", True), ("bfloat16", False)):
         eng = Engine(random_model(preset("tiny"), dtype), EngineConfig(max_seq_len=32))
-        args = eng._args(np.zeros((1, 1), np.int32), np.zeros(1, np.int32), np.ones(1, np.int32), eng.new_cache(1))
-        text = engine_lib._forward_step.lower(*args, cfg=eng.cfg, opts=eng._options()).as_text()
+        args = (eng.model.params, eng.model.banks, eng.new_cache(1), eng.state, np.zeros((1, 1), np.int32),
+                np.zeros(1, np.int32), np.ones(1, np.int32), ())
+        text = forward_step.lower(*args, cfg=eng.cfg, opts=eng.planner.plan(1, 1, 1).opts).as_text()
         assert ("HIGHEST" in text) == want, dtype
         assert eng.describe()["matmul_precision_resolved"] == ("highest" if want else "default")
 
 
 def test_decode_gemm_choices_and_resolution():
     from ftjax.config import EngineConfig
-    from ftjax.engine import CUBLAS_DECODE_OPTIONS, decode_compiler_options
-    with pytest.raises(ValueError, match="decode_gemm 'triton'"):
-        EngineConfig(decode_gemm="triton")
+    from ftjax.kernels.registry import KernelConfig
+    from ftjax.runtime.programs import CUBLAS_DECODE_OPTIONS, decode_compiler_options
+    with pytest.raises(ValueError, match="decode_gemm: unknown value 'triton'"):
+        EngineConfig(kernels=KernelConfig(decode_gemm="triton"))
     with pytest.raises(ValueError, match="unknown decode_gemm"):
         decode_compiler_options("cuBLAS", 1, "bfloat16", "gpu")
     assert decode_compiler_options("auto", 1, "bfloat16", "gpu") == CUBLAS_DECODE_OPTIONS
@@ -144,13 +147,15 @@ def test_decode_gemm_choices_and_resolution():
 
 
 def test_decode_graphs_choices_and_resolution():
-    """EngineConfig.decode_graphs: "auto" puts the decode programs of offloading modes under the fetch
+    """KernelConfig.decode_graphs: "auto" puts the decode programs of offloading modes under the fetch
     miss policy on a GPU into command buffers with WHILE and CONDITIONAL (their miss loop otherwise
     waits on the host every iteration); never a prefill call, never off a GPU."""
     from ftjax.config import EngineConfig
-    from ftjax.engine import CUBLAS_DECODE_OPTIONS, GRAPH_DECODE_OPTIONS, decode_compiler_options, decode_graphs_on
-    with pytest.raises(ValueError, match="decode_graphs 'yes'"):
-        EngineConfig(decode_graphs="yes")
+    from ftjax.kernels.registry import KernelConfig
+    from ftjax.runtime.programs import CUBLAS_DECODE_OPTIONS, GRAPH_DECODE_OPTIONS, decode_compiler_options, \
+        decode_graphs_on
+    with pytest.raises(ValueError, match="decode_graphs: unknown value 'yes'"):
+        EngineConfig(kernels=KernelConfig(decode_graphs="yes"))
     with pytest.raises(ValueError, match="unknown decode_graphs"):
         decode_graphs_on("ON", "cached", True, "gpu")
     kinds = dict(GRAPH_DECODE_OPTIONS)["xla_gpu_enable_command_buffer"].split(",")

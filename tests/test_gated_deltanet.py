@@ -1,4 +1,4 @@
-"""The gated delta rule's two forms and the causal conv (ftjax.gated_deltanet), against a plain
+"""The gated delta rule's two forms and the causal conv (ftjax.layers.gated_deltanet), against a plain
 numpy float64 loop of the recurrence written from the paper's update rule."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ftjax import gated_deltanet as gdn
+from ftjax.layers import gated_deltanet as gdn
 
 B, H, DK, DV = 2, 3, 8, 6
 

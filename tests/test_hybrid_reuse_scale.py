@@ -17,13 +17,17 @@ fixtures (two blocks).
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+
 import numpy as np
 import pytest
 
 from conftest import load_fixture
 from ftjax.checkpoint import random_model
 from ftjax.config import EngineConfig, KVOffloadConfig, preset
-from ftjax.engine import Engine, PrefillCall, bucket
+from ftjax import Engine
+from ftjax.runtime.plan import PrefillCall, bucket
 from ftjax.kv.host_store import HostKVStore
 from ftjax.kv.prefix_cache import PrefixCache
 
@@ -38,17 +42,28 @@ def _model(name: str):
     return load_fixture(fixture, dtype)[0]
 
 
+def _with_calls(engine: Engine, calls: list[PrefillCall]):
+    """Makes the engine's next plain (no prefix reuse) rows prefill through ``calls`` instead of its
+    own chunks (the engine's ``_row`` patched; undo with ``del engine._row``)."""
+    own = engine._row
+    engine._row = lambda prompt, kv_manager=None: dataclasses.replace(own(prompt, kv_manager),
+                                                                      pending=collections.deque(calls))
+
+
 def _cut_generate(engine: Engine, prompt: list[int], starts: list[int], steps: int, buckets=None):
     """generate() with the prefill's calls starting at ``starts`` (padded to ``buckets``, default
     the engine's): the recompute a reuse must equal."""
     bounds = starts + [len(prompt)]
     buckets = buckets or [bucket(e - s) for s, e in zip(bounds, bounds[1:])]
     calls = [PrefillCall(s, (e - s,), t) for s, e, t in zip(bounds, bounds[1:], buckets)]
-    engine.plan_prefill = lambda prompts: calls
+    _with_calls(engine, calls)
+    before = sum(engine.prefill_driver_calls.values())
     try:
-        return engine.generate([prompt], steps, keep_logits=True)
+        res = engine.generate([prompt], steps, keep_logits=True)
     finally:
-        del engine.plan_prefill
+        del engine._row
+    assert sum(engine.prefill_driver_calls.values()) - before == len(calls)  # the prefill ran as cut
+    return res
 
 
 @pytest.mark.parametrize("name", ["tiny-hybrid:float32", "tiny-hybrid:bfloat16", "qwen3_5_moe_fp32:float32",
@@ -66,7 +81,7 @@ def test_reuse_of_a_two_call_store_padded_to_the_cache_end_is_exact(name):
     assert first.kv["prefill_calls"] == 2 and first.kv["chunks_stored"] == 15
 
     # B: all 15 chunks hit, passed as 16 (the cache's 1024 rows); the 32 new tokens stream (S >= 2E)
-    assert engine.streams(32)
+    assert engine.planner.streams(32)
     got = engine.generate([prompt], 24, kv_manager=mgr, keep_logits=True)
     assert (got.kv["hit_chunks"], got.kv["reused_tokens"], got.kv["prefix_chunks_passed"]) == (15, 960, 16)
     assert got.kv["bytes_padding"] == mgr.entry_bytes(engine)
@@ -88,13 +103,13 @@ def test_reuse_of_a_two_call_store_padded_to_the_cache_end_is_exact(name):
     for end in (PREFILL, 960):
         kv, conv, rec = (np.asarray(a) for a in mgr.store.peek(keys[end // C - 1]))
         bounds = [0, PREFILL, end][: 2 if end == PREFILL else 3]
-        engine.plan_prefill = lambda prompts, b=bounds: [PrefillCall(s, (t - s,), bucket(t - s))
-                                                         for s, t in zip(b, b[1:])]
+        _with_calls(engine, [PrefillCall(s, (t - s,), bucket(t - s)) for s, t in zip(bounds, bounds[1:])])
         try:
             _, cache, _, _ = engine.prefill([prompt[:end]], engine.new_cache(1))
         finally:
-            del engine.plan_prefill
-        np.testing.assert_array_equal(conv, np.asarray(cache.conv)[:, :, 0])
-        np.testing.assert_array_equal(rec, np.asarray(cache.rec)[:, :, 0])
+            del engine._row
+        # the entry keeps the DeltaNet states by block [G, Nl, ...]; the cache stacks them [L_lin, B, ...]
+        np.testing.assert_array_equal(conv, np.asarray(cache.conv)[:, 0].reshape(conv.shape))
+        np.testing.assert_array_equal(rec, np.asarray(cache.rec)[:, 0].reshape(rec.shape))
         np.testing.assert_array_equal(kv[:, 0], np.asarray(cache.k)[:, 0, end - C:end])
         np.testing.assert_array_equal(kv[:, 1], np.asarray(cache.v)[:, 0, end - C:end])

@@ -27,14 +27,15 @@ import pytest
 
 from cli_helpers import CliResult, run_generate
 from conftest import fixture_path, load_fixture
+from ftjax import Engine
 from ftjax import model as model_lib
-from ftjax.engine import Engine, bucket
 from ftjax.config import EngineConfig, KVOffloadConfig
 from ftjax.experts.state import init_expert_state
 from ftjax.experts import offload
 from ftjax.kv.host_store import HostKVStore
 from ftjax.kv.layerwise import LayerwiseKV, bucket_chunks, load_prefix_only
 from ftjax.kv.prefix_cache import PrefixCache
+from ftjax.runtime.plan import bucket
 
 C = 16  # tokens per chunk in these tests
 S = 384  # cache length
@@ -378,7 +379,6 @@ def test_cli_prompts_file_bad_input(tmp_path):
 def test_random_models_with_different_seeds_never_share_kv():
     from ftjax.checkpoint import random_model
     from ftjax.config import preset
-    from ftjax.engine import Engine
     from ftjax.kv.host_store import HostKVStore
     from ftjax.kv.prefix_cache import PrefixCache
     a, b = random_model(preset("tiny"), seed=0), random_model(preset("tiny"), seed=1)

@@ -27,13 +27,13 @@ from hypothesis import strategies as st
 from cli_helpers import run_generate
 from conftest import load_fixture
 from ftjax import memory
-from ftjax.engine import Engine
-from ftjax.config import EngineConfig
+from ftjax import Engine
+from ftjax.config import EngineConfig, MissPolicyConfig
 from ftjax.experts import cpu_experts, miss_policy, offload
 from ftjax.experts.state import init_expert_state
 from ftjax.experts.miss_split import (SplitModel, best_fetch_count, brute_force_fetch_count, fixed_split_table,
                                       most_recent_misses, qstar, split_cost, split_table)
-from ftjax.model import LayerRouting
+from ftjax.seams import LayerRouting
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 32
@@ -218,22 +218,18 @@ def qwen():
     return model, prompt, want, {}
 
 
-def _run(qwen, name, make_runtime, slots=None, trace=False):
+def _run(qwen, name, miss: MissPolicyConfig, slots=None, trace=False):
     """One cached decode of the fixture, memoised by name across the tests of this module."""
     model, prompt, _, runs = qwen
     if name not in runs:
         cfg = model.cfg
-        eng = Engine(model, EngineConfig("cached", num_slots=slots or cfg.num_experts, max_seq_len=96),
-                     miss=make_runtime())
+        eng = Engine(model, EngineConfig("cached", num_slots=slots or cfg.num_experts, max_seq_len=96, miss=miss))
         runs[name] = (eng.generate([prompt], STEPS, keep_logits=True, trace_routing=trace), eng)
     return runs[name]
 
 
-def _policy(model, policy, impl="compute_on", **kw):
-    cfg = model.cfg
-    return lambda: miss_policy.build_runtime(
-        policy, cfg.num_experts,
-        cpu_experts.make_cpu_experts(impl, model.host_gate_up, model.host_down), **kw)
+def _policy(model, policy, impl="compute_on", **kw) -> MissPolicyConfig:
+    return MissPolicyConfig(policy, cpu_impl=impl, **kw)
 
 
 def test_cpu_only_equals_resident_and_never_touches_the_table(qwen):
@@ -270,7 +266,7 @@ def test_fixed_split_zero_equals_cpu_only_and_split_all_equals_fetch(qwen):
         assert mz[key] == mc[key]
     # fetching every miss through this path reproduces the fetch policy's LRU table exactly
     slots = cfg.num_experts + 1
-    fetch, e_fetch = _run(qwen, "fetch", lambda: None, slots=slots)
+    fetch, e_fetch = _run(qwen, "fetch", MissPolicyConfig(), slots=slots)
     every, e_every = _run(qwen, "fixedE", _policy(model, "adaptive", fixed_fetch=cfg.num_experts), slots=slots)
     np.testing.assert_array_equal(every.step_logits, want.step_logits)
     np.testing.assert_array_equal(fetch.step_logits, want.step_logits)

@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 
 from conftest import FIXTURE_NAMES, HYBRID_FIXTURE_NAMES, load_fixture
-from ftjax.engine import Engine
-from ftjax.config import EngineConfig
+from ftjax import Engine
+from ftjax.config import EngineConfig, MissPolicyConfig
+from ftjax.kernels.registry import KernelConfig
+from ftjax.runtime import programs
 from ftjax.runtime.planner import plan_memory
 
 STEPS = 200
@@ -155,18 +157,15 @@ def test_cache_policy_bit_identical(name, policy, resident_runs):
 def test_reset_expert_cache_makes_a_repeat_cold(policy):
     """After ``reset_expert_cache`` a repeated request misses exactly as the first did (same
     counters, same logits); without it the warm cache hits. Adaptive also forgets recency."""
-    from ftjax.experts import cpu_experts, miss_policy
-
     model, exp = load_fixture("qwen3_moe_fp32")
     cfg = model.cfg
     prompt = exp["short_prompt_ids"].tolist()
-    miss = None
+    miss = MissPolicyConfig()
     if policy == "adaptive":
-        cpu = cpu_experts.make_cpu_experts("compute_on", model.host_gate_up, model.host_down)
-        miss = miss_policy.build_runtime("adaptive", cfg.num_experts, cpu, fixed_fetch=1)
+        miss = MissPolicyConfig("adaptive", cpu_impl="compute_on", fixed_fetch=1)
     # room for every expert, and no streaming (it re-copies whole layers): a repeat can hit
     eng = Engine(model, EngineConfig("cached", num_slots=cfg.num_layers * cfg.num_experts, max_seq_len=64,
-                                     prefill="on_demand"), miss=miss)
+                                     prefill="on_demand", miss=miss))
 
     def run():
         before = eng.expert_cache_metrics()
@@ -197,10 +196,10 @@ def test_a_failed_step_leaves_the_engine_usable(monkeypatch):
     prompt = exp["short_prompt_ids"].tolist()
     eng = Engine(model, EngineConfig("cached", num_slots=model.cfg.num_experts, max_seq_len=64))
     want = eng.generate([prompt], 8, keep_logits=True)
-    compiled = eng._executable
+    compiled = eng.programs.compile
 
-    def failing(args, opts):
-        compiled(args, opts)
+    def failing(fn, args, compiler_options=(), **static):
+        compiled(fn, args, compiler_options=compiler_options, **static)
 
         def run(*a):
             for x in jax.tree.leaves(a[3]):  # the expert state, donated to the step
@@ -208,7 +207,7 @@ def test_a_failed_step_leaves_the_engine_usable(monkeypatch):
             raise RuntimeError("RESOURCE_EXHAUSTED: out of memory while running the step (simulated)")
         return run
 
-    monkeypatch.setattr(eng, "_executable", failing)
+    monkeypatch.setattr(eng.programs, "compile", failing)
     with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
         eng.generate([prompt], 8)
     monkeypatch.undo()
@@ -268,7 +267,11 @@ def test_engine_refuses_more_prompts_than_its_batch_and_no_new_tokens():
 def test_plan_for_a_budget_that_fits_everything_is_resident_even_with_prefill_stream():
     """A budget that holds the whole pool plans a resident run, and a resident run has nothing to
     stream (prefill=stream then prefills as auto), instead of refusing the combination."""
-    from ftjax.engine import plan_engine
+    from ftjax.runtime.planner import plan_run
+
+    def plan_engine(model, budget, prompts, config, mode="auto"):
+        return plan_run(model, config, prompts, budget_bytes=budget, mode=mode)
+
     model, exp = load_fixture("qwen3_moe_fp32")
     cfg = model.cfg
     base = EngineConfig("cached", num_slots=2 * cfg.num_experts, max_seq_len=64, prefill="stream")
@@ -292,21 +295,21 @@ def test_plan_for_a_budget_that_fits_everything_is_resident_even_with_prefill_st
 
 
 def test_decode_gemm_cublas_keeps_logits():
-    """The plumbing of ``EngineConfig.decode_gemm``: "cublas" compiles its own decode program with
+    """The plumbing of ``KernelConfig.decode_gemm``: "cublas" compiles its own decode program with
     :data:`CUBLAS_DECODE_OPTIONS` (told apart by ``compiled_programs``), with the same logits. XLA:CPU
     compiles the same program either way; cuBLAS's numerics are a GPU check (check_oracle_gpu)."""
-    from ftjax import engine as engine_lib
     model, exp = load_fixture("qwen3_moe_fp32")
     prompt = exp["short_prompt_ids"].tolist()
     runs = {}
     for gemm in ("xla", "cublas"):
-        eng = Engine(model, EngineConfig("cached", num_slots=12, max_seq_len=64, decode_gemm=gemm))
+        eng = Engine(model, EngineConfig("cached", num_slots=12, max_seq_len=64,
+                                         kernels=KernelConfig(decode_gemm=gemm)))
         runs[gemm] = eng.generate([prompt], max_new_tokens=4, keep_logits=True)
-        assert eng.describe()["decode_compiler_options"] == dict(engine_lib.decode_compiler_options(gemm, 1, "float32"))
+        assert eng.describe()["decode_compiler_options"] == dict(programs.decode_compiler_options(gemm, 1, "float32"))
     def is_decode(sig):  # the tokens int32 [1, 1] among the argument leaves
         return any(shape == (1, 1) and dtype == np.int32 for shape, dtype, _ in sig)
-    with_options = [sig for _, static, sig, _ in engine_lib.compiled_programs("_forward_step")
-                    if static["compiler_options"] == dict(engine_lib.CUBLAS_DECODE_OPTIONS)]
+    with_options = [sig for _, static, sig, _ in programs.compiled_programs("forward_step")
+                    if static["compiler_options"] == dict(programs.CUBLAS_DECODE_OPTIONS)]
     assert with_options and all(map(is_decode, with_options))  # the cublas engine's decode program only
     np.testing.assert_allclose(runs["cublas"].step_logits, runs["xla"].step_logits, rtol=1e-6, atol=1e-6)
     assert runs["cublas"].generated_ids == runs["xla"].generated_ids
@@ -316,17 +319,17 @@ def test_compiled_key_normalises_compiler_options():
     """A dict and pairs in any order name one program; other values another."""
     import jax
     import jax.numpy as jnp
-    from ftjax import engine as engine_lib
     model, _ = load_fixture("qwen3_moe_fp32")
     eng = Engine(model, EngineConfig("resident", max_seq_len=64))
     fn = jax.jit(lambda x: x * 2)
     x = jnp.ones(3)
-    a = eng.compiled(fn, (x,), compiler_options={"xla_gpu_enable_triton_gemm": False, "xla_disable_hlo_passes": "x"})
+    compile = eng.programs.compile
+    a = compile(fn, (x,), compiler_options={"xla_gpu_enable_triton_gemm": False, "xla_disable_hlo_passes": "x"})
     pairs = (("xla_disable_hlo_passes", "x"), ("xla_gpu_enable_triton_gemm", False))
-    b = eng.compiled(fn, (x,), compiler_options=pairs)
-    c = eng.compiled(fn, (x,), compiler_options={"xla_gpu_enable_triton_gemm": True, "xla_disable_hlo_passes": "x"})
+    b = compile(fn, (x,), compiler_options=pairs)
+    c = compile(fn, (x,), compiler_options={"xla_gpu_enable_triton_gemm": True, "xla_disable_hlo_passes": "x"})
     assert a is b and c is not a
-    assert sum(1 for name, *_ in engine_lib.compiled_programs() if name == fn.__name__) == 2
+    assert sum(1 for name, *_ in programs.compiled_programs() if name == fn.__name__) == 2
 
 
 def test_decode_step_skips_the_eviction_order_behind_a_cond_prefill_does_not():
@@ -335,13 +338,13 @@ def test_decode_step_skips_the_eviction_order_behind_a_cond_prefill_does_not():
     step; a prefill call with more pairs, resident steps and on_demand steps (a reset table: every
     routed expert misses, the cond could only cost) have no such cond; nor a program whose conds would
     send their predicate to the host (``StepOptions.cheap_conds`` False: a GPU program that is not a
-    command buffer with CONDITIONAL; ``Engine.call_options`` sets it True on the CPU). (The fast
+    command buffer with CONDITIONAL; the call's plan, ``engine.planner.plan``, sets it True on the CPU). (The fast
     path's results are the full update's: tests/test_slot_table.py, and the cached = resident tests above.)"""
     import dataclasses
 
-    from ftjax import engine as engine_lib
     from ftjax.checkpoint import random_model
     from ftjax.config import preset
+    from ftjax.runtime.step import forward_step
 
     cfg = preset("tiny")
     prefill_tokens = -(-cfg.num_experts // cfg.top_k) + 1  # N * k > E
@@ -351,19 +354,19 @@ def test_decode_step_skips_the_eviction_order_behind_a_cond_prefill_does_not():
         slots = None if mode == "resident" else cfg.num_experts
         config = EngineConfig(mode, num_slots=slots, max_seq_len=32, prefill="on_demand")
         eng = Engine(random_model(cfg, "float32"), config)
-        args = eng._args(np.zeros((1, tokens), np.int32), np.zeros(1, np.int32), np.full(1, tokens, np.int32),
-                         eng.new_cache(1))
-        opts, _ = eng.call_options(eng._options(), tokens)
+        args = (eng.model.params, eng.model.banks, eng.new_cache(1), eng.state, np.zeros((1, tokens), np.int32),
+                np.zeros(1, np.int32), np.full(1, tokens, np.int32), ())
+        opts = eng.planner.plan(1, tokens, tokens).opts
         assert opts.cheap_conds  # on the CPU
         if cheap is not None:
             opts = dataclasses.replace(opts, cheap_conds=cheap)
-        text = engine_lib._forward_step.lower(*args, cfg=eng.cfg, opts=opts).as_text()
+        text = forward_step.lower(*args, cfg=eng.cfg, opts=opts).as_text()
         assert ("stablehlo.case" in text) == want, (mode, tokens, cheap)
 
 
 def test_call_options_cheap_conds_follow_the_command_buffers(monkeypatch):
     """On a GPU a call's conds are cheap only in a program compiled as a command buffer with
-    CONDITIONAL: a cached decode step under ``decode_graphs`` auto / on; not with "off", not a
+    CONDITIONAL: a cached decode step under ``KernelConfig.decode_graphs`` auto / on; not with "off", not a
     prefill call, not a resident step under auto. On the CPU always."""
     import jax
     from ftjax.checkpoint import random_model
@@ -374,26 +377,26 @@ def test_call_options_cheap_conds_follow_the_command_buffers(monkeypatch):
              ("cached", "auto", 16, False), ("resident", "auto", 1, False), ("resident", "on", 1, True))
     for mode, graphs, tokens, want in cases:
         slots = None if mode == "resident" else model.cfg.num_experts
-        eng = Engine(model, EngineConfig(mode, num_slots=slots, max_seq_len=32, decode_graphs=graphs))
+        eng = Engine(model, EngineConfig(mode, num_slots=slots, max_seq_len=32,
+                                         kernels=KernelConfig(decode_graphs=graphs)))
         monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-        opts, options = eng.call_options(eng._options(), tokens)
+        plan = eng.planner.plan(1, tokens, tokens)
         monkeypatch.undo()
-        assert opts.cheap_conds == want, (mode, graphs, tokens)
-        assert ("xla_gpu_enable_command_buffer" in dict(options)) == want
-        assert eng.call_options(eng._options(), tokens)[0].cheap_conds  # the CPU
+        assert plan.opts.cheap_conds == want, (mode, graphs, tokens)
+        assert ("xla_gpu_enable_command_buffer" in dict(plan.compiler_options)) == want
+        assert eng.planner.plan(1, tokens, tokens).opts.cheap_conds  # the CPU
     # a miss policy whose split fetches every miss of the call compiles the fetch program: graphs under auto;
     # one that computes misses on the CPU (host compute in the step) does not
-    from ftjax.experts import cpu_experts, miss_policy
-    cpu = cpu_experts.make_cpu_experts("compute_on", model.host_gate_up, model.host_down)
     e, k = model.cfg.num_experts, model.cfg.top_k
     for fixed, want in ((e, True), (0, False)):
-        miss = miss_policy.build_runtime("adaptive", e, cpu, fixed_fetch=fixed)
-        eng = Engine(model, EngineConfig("cached", num_slots=e, max_seq_len=32), miss=miss)
-        assert miss.config.fetches_all(k, e) == want
+        miss = MissPolicyConfig("adaptive", cpu_impl="compute_on", fixed_fetch=fixed)
+        eng = Engine(model, EngineConfig("cached", num_slots=e, max_seq_len=32, miss=miss))
+        assert eng.miss.config.fetches_all(k, e) == want
         monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-        opts, options = eng.call_options(eng._options(), 1, 1)
+        plan = eng.planner.plan(1, 1, 1)
         monkeypatch.undo()
-        assert opts.cheap_conds == want and ("xla_gpu_enable_command_buffer" in dict(options)) == want, fixed
+        options = plan.compiler_options
+        assert plan.opts.cheap_conds == want and ("xla_gpu_enable_command_buffer" in dict(options)) == want, fixed
 
 
 def test_routed_count_equals_the_mask_sum():

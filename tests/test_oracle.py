@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import FIXTURE_NAMES, HYBRID_FIXTURE_NAMES, load_fixture, oracle_tol
-from ftjax.engine import Engine
+from ftjax import Engine
 from ftjax.config import EngineConfig
 
 
@@ -80,18 +80,17 @@ def test_bf16_compute_close_to_float32():
 
 
 @pytest.mark.parametrize("fixture_name", [FIXTURE_NAMES[0], HYBRID_FIXTURE_NAMES[0]])
-def test_greedy_matches_transformers_with_padded_projections(fixture_name, monkeypatch):
-    """The GPU default pads one-row projections to 4 rows (``ftjax.model.project``); forced on
-    here, a batch-1 decode (one row per step) still matches the oracle token for token. The
-    value is in the steps' static options (``StepOptions.min_dot_rows``), so the programs of
-    other tests, traced without the padding, are not reused."""
-    from ftjax import model as model_lib
+def test_greedy_matches_transformers_with_padded_projections(fixture_name):
+    """The GPU default pads one-row projections to 4 rows (``ftjax.layers.common.project``); forced on
+    here (``KernelConfig.min_dot_rows``), a batch-1 decode (one row per step) still matches the oracle
+    token for token. The value is in the steps' static options (``StepOptions.kernels``), so the
+    programs of other tests, traced without the padding, are not reused."""
+    from ftjax.kernels.registry import KernelConfig
 
-    monkeypatch.setenv(model_lib.MIN_DOT_ROWS_ENV, "4")
     model, exp = load_fixture(fixture_name)
-    engine = Engine(model, EngineConfig("resident", max_seq_len=384))
+    engine = Engine(model, EngineConfig("resident", max_seq_len=384, kernels=KernelConfig(min_dot_rows=4)))
     res = engine.generate([exp["short_prompt_ids"].tolist()], max_new_tokens=16, keep_logits=True)
-    assert all(dict(k[1])["opts"].min_dot_rows == 4 for k in engine._programs if k[0] == "_forward_step")
+    assert all(dict(k[1])["opts"].kernels.min_dot_rows == 4 for k in engine.programs.keys if k[0] == "forward_step")
     assert res.generated_ids[0] == exp["short_generated_ids"].tolist()
     want = exp["short_step_logits"]
     np.testing.assert_allclose(res.step_logits[:, 0], want, rtol=0, atol=oracle_tol(want, fixture_name))

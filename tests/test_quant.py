@@ -27,9 +27,9 @@ import pytest
 
 from conftest import fixture_path, load_fixture
 from ftjax.checkpoint import CheckpointError, dequantize_fp8_block, load_checkpoint
-from ftjax.config import EngineConfig
-from ftjax.engine import Engine
-from ftjax.experts import cpu_experts, formats, miss_policy, quant
+from ftjax import Engine
+from ftjax.config import EngineConfig, MissPolicyConfig
+from ftjax.experts import cpu_experts, formats, quant
 from ftjax.experts.compute import experts_gather, experts_grouped
 from ftjax.runtime.planner import plan_memory
 from ftjax.experts.state import ExpertBanks
@@ -256,8 +256,8 @@ def qmodels():
                         for fmt in ALL}
 
 
-def _gen(model, config, prompt, steps, miss=None):
-    eng = Engine(model, config, miss=miss)
+def _gen(model, config, prompt, steps):
+    eng = Engine(model, config)
     return eng.generate([prompt], steps, keep_logits=True), eng
 
 
@@ -287,13 +287,13 @@ def test_cached_and_streamed_bit_identical_to_resident_in_every_format(qmodels, 
 def test_cpu_misses_dequantize_on_the_host_bit_identical(qmodels, fmt):
     _, exp, models = qmodels
     model = models[fmt]
-    b = model.banks
     prompt = exp["short_prompt_ids"].tolist()
     want, _ = _gen(model, EngineConfig("resident", max_seq_len=64), prompt, 12)
-    cpu = cpu_experts.make_cpu_experts("compute_on", b.gate_up, b.down, scales=b.scales, fmt=b.fmt)
-    rt = miss_policy.build_runtime("adaptive", model.cfg.num_experts, cpu, fixed_fetch=1)
-    got, eng = _gen(model, EngineConfig("cached", num_slots=model.cfg.num_experts, max_seq_len=64), prompt, 12,
-                    miss=rt)
+    # the engine builds the CPU mechanism; compute_on reads the model's quantized host banks (scales, format)
+    miss = MissPolicyConfig("adaptive", cpu_impl="compute_on", fixed_fetch=1)
+    got, eng = _gen(model, EngineConfig("cached", num_slots=model.cfg.num_experts, max_seq_len=64, miss=miss),
+                    prompt, 12)
+    assert eng.miss.config.cpu.impl == "compute_on"
     np.testing.assert_array_equal(got.step_logits, want.step_logits)
     m = eng.expert_cache_metrics()
     assert m["cpu_computed"] > 0 and m["fetched"] > 0

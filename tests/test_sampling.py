@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 
 from conftest import load_fixture
-from ftjax.engine import Engine
+from ftjax import Engine
 from ftjax.config import EngineConfig
 from ftjax.sampling import GREEDY_BELOW, check_sampling, sample
 
 N = 20000
-_sample = jax.jit(sample, static_argnames=("temperature", "top_p"))  # as ftjax/engine.py's _sample_next draws
+_sample = jax.jit(sample, static_argnames=("temperature", "top_p"))  # as ftjax.runtime.step.sample_next draws
 NEG = -np.inf
 
 

@@ -26,9 +26,9 @@ from hypothesis import strategies as st
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ftjax.experts import policies, slot_table  # noqa: E402
+from ftjax.kernels import registry  # noqa: E402
 from ftjax.experts.slot_table import (  # noqa: E402
     LFRU_HALF_LIFE_TOKENS,
-    ORDER_IMPL,
     ORDER_IMPLS,
     LayerLookup,
     SlotTable,
@@ -967,9 +967,10 @@ def test_skip_if_all_hit_bit_identical_inside_lax_scan(policy):
 
 
 def test_order_impl_default_and_unknown_impl(monkeypatch):
-    """The default "auto" is the sort on the CPU (rank writes an [S, S] count to memory there) and
-    rank on an accelerator (ab_slot_table on the H200); both give the reference's result."""
-    assert ORDER_IMPL == "auto" and ORDER_IMPLS[0] == "sort"
+    """The default ``KernelConfig.slot_order`` "auto" is the sort on the CPU (rank writes an [S, S] count
+    to memory there) and rank on an accelerator (ab_slot_table on the H200); both give the reference's
+    result. Another choice in the active kernel config is the impl a lookup without ``impl`` traces."""
+    assert registry.KernelConfig().slot_order == "auto" and ORDER_IMPLS[0] == "sort"
     table, routed = init_slot_table(2, 4, 6), jnp.array([1, 0, 1, 1], bool)
     seen = []
     for backend, impl in (("cpu", "sort"), ("gpu", "rank")):
@@ -984,5 +985,9 @@ def test_order_impl_default_and_unknown_impl(monkeypatch):
     monkeypatch.setattr(slot_table, "RANK_MAX_SLOTS", 5)
     big = jax.make_jaxpr(lambda t: lookup_layer(t, 1, routed, 4))(table)
     assert " top_k[" in str(big)
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    with registry.using(registry.KernelConfig(slot_order="top_k")):
+        chosen = jax.make_jaxpr(lambda t: lookup_layer(t, 1, routed, 4))(table)
+    assert " top_k[" in str(chosen) and " sort[" not in str(chosen)
     with pytest.raises(ValueError, match="unknown slot table impl"):
         lookup_layer(init_slot_table(2, 4, 4), 0, jnp.ones(4, bool), 4, impl="bogus")

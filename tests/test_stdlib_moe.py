@@ -17,7 +17,7 @@ import pytest
 
 from ftjax.checkpoint import load_checkpoint
 from ftjax.config import EngineConfig
-from ftjax.engine import Engine
+from ftjax import Engine
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CKPT = os.environ.get("FTJAX_TRAINED_CKPT", os.path.join(REPO, "ftjax", "assets", "stdlib_moe"))

@@ -11,7 +11,7 @@ import pytest
 
 from ftjax.checkpoint import random_model
 from ftjax.config import preset
-from ftjax.engine import Engine
+from ftjax import Engine
 from ftjax.config import EngineConfig
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -36,13 +36,13 @@ def test_nothing_compiles_inside_the_timed_region(monkeypatch, no_compilation_ca
         if event == COMPILE_EVENT:
             (compiled_while_timed if timed[0] else compiled_before).append(duration)
 
-    real_prefill = eng.prefill
+    real_advance = eng.advance
 
-    def prefill(*a, **kw):  # the clock starts right before the prefill and runs to the last token
+    def advance(*a, **kw):  # the clock starts right before the first prefill step and runs to the last token
         timed[0] = True
-        return real_prefill(*a, **kw)
+        return real_advance(*a, **kw)
 
-    monkeypatch.setattr(eng, "prefill", prefill)
+    monkeypatch.setattr(eng, "advance", advance)
     jax.monitoring.register_event_duration_secs_listener(on_event)
     try:
         res = eng.generate(prompts, 6, temperature=temperature, top_p=top_p)

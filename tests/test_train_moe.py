@@ -23,7 +23,7 @@ sys.path.insert(0, REPO)
 from experiments import train_moe  # noqa: E402
 from ftjax.checkpoint import load_checkpoint, load_tokenizer  # noqa: E402
 from ftjax.config import EngineConfig  # noqa: E402
-from ftjax.engine import Engine  # noqa: E402
+from ftjax import Engine  # noqa: E402
 from cli_helpers import run_generate  # noqa: E402
 from train_smoke import run_train_moe, smoke_checkpoint  # noqa: E402
 

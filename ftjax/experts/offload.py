@@ -201,7 +201,7 @@ def make_stream_expert_fn(num_experts: int, num_layers: int, banks: ExpertBanks,
 def make_layer_buffer_expert_fn(num_experts: int, buffer: tuple, fmt: str = "dense", d2d_hits: bool = False):
     """Expert function of one streamed layer whose E experts were copied as a whole into device
     arrays ``buffer`` = (gate_up [E, D, 2F], down [E, F, D], *scales) by the layer-pipelined driver
-    (``ftjax.layer_pipeline``): computes straight from them (no pool read, no gather copy) and
+    (``ftjax.runtime.drivers``): computes straight from them (no pool read, no gather copy) and
     leaves the expert state as it is.
 
     Stats: without ``d2d_hits`` as :func:`make_stream_expert_fn` (E fetched, 0 hits). With it, the

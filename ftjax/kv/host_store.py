@@ -12,7 +12,7 @@ Rules (DESIGN.md 1.4):
   is stored and evicted as one unit, so the store never holds a chunk with some layers
   missing (LMCache crashed on per-layer eviction).  A hybrid model's entry is a tuple
   ``(kv, *states)``: the KV of its full-attention layers, then its linear layers' conv and
-  recurrent state at the chunk's end (``ftjax.hybrid``); the tuple is one unit the same way.
+  recurrent state at the chunk's end (``ftjax.layers.gated_deltanet``); the tuple is one unit the same way.
 * LRU over chunks; :meth:`HostKVStore.lookup` makes a reused prefix most recent.
 * Storing is best effort: when the entry does not fit and nothing (enough) can be
   evicted, :meth:`HostKVStore.put` skips the store and returns ``False``; it never raises

@@ -91,7 +91,7 @@ class PrefixRequest:
 
 
 class PrefixCache:
-    """Plans prefix reuse for an :class:`ftjax.engine.Engine` over a :class:`HostKVStore`.
+    """Plans prefix reuse for an :class:`ftjax.Engine` over a :class:`HostKVStore`.
 
     Pass it to ``Engine.generate(..., kv_manager=cache)``; one manager (and store) can serve many
     sequential requests of one model. Keys include the model identity (config, compute dtype and
@@ -231,7 +231,7 @@ class PrefixCache:
         call, in call order; None when the prefill failed: nothing is stored) and unpins the hit
         chunks. Storing is best effort and never raises for the store. A second call is a no-op
         (the hit chunks were unpinned by the first). prepare: called with the stored entries' KV
-        arrays (e.g. ``layer_pipeline.warm_prefix_chunks``), returning seconds (``prepare_s``); best
+        arrays (e.g. ``ftjax.runtime.transfers.warm_prefix_chunks``), returning seconds (``prepare_s``); best
         effort too: an error is recorded (``prepare_error``), not raised, and the chunks stay stored."""
         if req.finished:
             return

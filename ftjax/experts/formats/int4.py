@@ -6,7 +6,7 @@ low nibble and ``2j + 1`` in its high nibble; decode gives ``nibble - 8``. Scale
 ``amax(|w| over the group) * float32(1 / 7)``, [ceil(D/64), 2F] (gate_up) and [ceil(F/64), D]
 (down) per expert. Groups of 64 rather than 128: finer groups follow outliers better, for 12% more
 bytes (qwen3-30b-a3b: 2,359,296 + 294,912 = 2.65 MB per expert against 2.51; docs/QUANTIZATION.md).
-The fused decode kernel unpacks the nibbles in registers (``FTJAX_KERNELS=auto`` keeps int4 on XLA;
+The fused decode kernel unpacks the nibbles in registers (``KernelConfig(use="auto")`` keeps int4 on XLA;
 ``ftjax.kernels.moe_decode.maybe_pairs`` says why).
 """
 

@@ -476,7 +476,8 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     if logging.get_verbosity() == logging.INFO:  # absl's default: hide JAX's backend probing notes
         logging.set_verbosity(logging.WARNING)
-    from ftjax.config import ConfigError, load_hf_config, preset
+    from ftjax.config import ConfigError, preset
+    from ftjax.families import load_hf_config
     from ftjax.experts.cpu_experts import IMPLS
     flags_ = FLAGS
     try:

@@ -157,8 +157,9 @@ class KernelConfig:
       use: "auto" | "xla" | "interpret" | a tuple of kernel names (:func:`names`; a comma-separated
         string is accepted and stored as a tuple): which kernels run (module docstring).
       tiles: tile overrides, ``((kernel name, (ints...)), ...)`` (a dict is accepted); each kernel's
-        entry parses its own (e.g. dense_decode: block_k, block_n, num_warps, k_split). Tiles that do
-        not fit a call's operands where the kernel is selected raise ValueError at trace time.
+        entry parses its own (e.g. dense_decode: block_k, block_n, num_warps, k_split). Tiles of
+        ``dense_decode`` that do not fit a call's operands (where its default tiles would) raise ValueError
+        at trace time; ``moe_decode`` runs the reference for operands its tiles do not fit.
       grouped_matmul: one of :data:`GROUPED_MATMULS`: the Mosaic GPU kernel where it runs ("auto"),
         always ("mgpu"; an error where it cannot run) or ``ragged_dot`` ("xla").
       flash_prefill: one of :data:`FLASH_PREFILLS`: the Pallas flash kernel, or jax's Mosaic GPU

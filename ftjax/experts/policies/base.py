@@ -9,13 +9,12 @@ evictions, the clock) the same way for every policy, in each of its ``ORDER_IMPL
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 
-if TYPE_CHECKING:  # slot_table imports this package: only the annotations need it
-    from ftjax.experts.slot_table import SlotTable
+from ftjax.experts.slot_state import SlotTable
 
 INT32_MAX = int(jnp.iinfo(jnp.int32).max)
 

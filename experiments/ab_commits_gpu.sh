@@ -3,7 +3,7 @@
 # (experiments/ab_commits.py, one process per tree, the base first), then writes both into one JSON.
 #   bash experiments/ab_commits_gpu.sh BASE_DIR BASE_COMMIT [MEASURES]
 # BASE_DIR holds the base commit's ftjax/ package (e.g. `git archive BASE ftjax | tar -x -C .base`);
-# MEASURES is ab_commits.py's --measure list (default: all). Output: $OUT (or experiments/results)/ab_commits.json
+# MEASURES is ab_commits.py's --measure list (default: all); AB_ARGS go to both runs. Output: $OUT (or experiments/results)/ab_commits.json
 set -uo pipefail
 cd "$(dirname "$0")/.."
 base="$1"; base_commit="$2"; measures="${3:-decode_resident,decode_cached_lookahead,prefill_stream,prefill_resident,hybrid_prefill}"
@@ -11,9 +11,9 @@ out="${OUT:-experiments/results}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_FLAGS="${XLA_FLAGS:---xla_gpu_autotune_level=0}"
 here_commit="$(git rev-parse --short HEAD 2>/dev/null || echo "${HERE_COMMIT:-unknown}")"
-PYTHONPATH="$base" python3 experiments/ab_commits.py --label=base --commit="$base_commit" --measure="$measures" \
+PYTHONPATH="$base" python3 experiments/ab_commits.py --label=base --commit="$base_commit" --measure="$measures" ${AB_ARGS:-} \
   --out="$out/ab_base.json" 2>&1 | grep --line-buffered -v -E "libtpu|TPU" > "$out/ab_base.log"
-PYTHONPATH=. python3 experiments/ab_commits.py --label=new --commit="$here_commit" --measure="$measures" \
+PYTHONPATH=. python3 experiments/ab_commits.py --label=new --commit="$here_commit" --measure="$measures" ${AB_ARGS:-} \
   --out="$out/ab_new.json" 2>&1 | grep --line-buffered -v -E "libtpu|TPU" > "$out/ab_new.log"
 python3 - "$out" <<'PY'
 import json, sys

@@ -10,7 +10,8 @@ base="$1"; base_commit="$2"; measures="${3:-decode_resident,decode_cached_lookah
 out="${OUT:-experiments/results}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_FLAGS="${XLA_FLAGS:---xla_gpu_autotune_level=0}"
-here_commit="$(git rev-parse --short HEAD 2>/dev/null || echo "${HERE_COMMIT:-unknown}")"
+# HERE_COMMIT first: a copied work tree can carry the .git of an older checkout
+here_commit="${HERE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 PYTHONPATH="$base" python3 experiments/ab_commits.py --label=base --commit="$base_commit" --measure="$measures" ${AB_ARGS:-} \
   --out="$out/ab_base.json" 2>&1 | grep --line-buffered -v -E "libtpu|TPU" > "$out/ab_base.log"
 PYTHONPATH=. python3 experiments/ab_commits.py --label=new --commit="$here_commit" --measure="$measures" ${AB_ARGS:-} \

@@ -361,15 +361,18 @@ def test_checkpoint_rewritten_at_the_same_path_never_hits_the_old_weights_chunks
 def test_weights_fingerprint_follows_content_and_format_not_layout():
     """One fingerprint for the single-file and the sharded fixture (same tensors), another for the
     bfloat16 file; random weights: by seed and config; a hand-built model: from its arrays."""
-    from ftjax.checkpoint import model_fingerprint, random_model
+    from ftjax.checkpoint import model_fingerprint, random_fingerprint
     from ftjax.config import preset
     single, sharded, bf16 = (load_fixture(n)[0] for n in ("qwen3_moe_fp32", "qwen3_moe_sharded", "qwen3_moe_bf16"))
     assert single.fingerprint == sharded.fingerprint != bf16.fingerprint
     assert single.fingerprint.startswith("sha256-tensors-v1:")
     tiny = preset("tiny")
-    r0 = random_model(tiny, seed=0)
-    assert r0.fingerprint == random_model(tiny, seed=0).fingerprint != random_model(tiny, seed=1).fingerprint
-    assert r0.fingerprint != random_model(dataclasses.replace(tiny, rope_theta=20000.0), seed=0).fingerprint
+    fp = random_fingerprint(tiny, "float32", 0, 0.5)
+    assert fp == random_fingerprint(tiny, "float32", 0, 0.5)  # random_model's: test_random_models_with_...
+    others = {random_fingerprint(tiny, "float32", 1, 0.5), random_fingerprint(tiny, "bfloat16", 0, 0.5),
+              random_fingerprint(tiny, "float32", 0, 0.25),
+              random_fingerprint(dataclasses.replace(tiny, rope_theta=20000.0), "float32", 0, 0.5)}
+    assert len(others) == 4 and fp not in others
     by_hand = dataclasses.replace(single, fingerprint="")
     assert model_fingerprint(by_hand).startswith("arrays:") and by_hand.fingerprint == model_fingerprint(by_hand)
     scaled = dataclasses.replace(single, fingerprint="", params={**single.params, "final_norm": single.params[
@@ -458,13 +461,14 @@ def test_cli_prompts_file_bad_input(tmp_path):
 
 
 def test_random_models_with_different_seeds_never_share_kv():
-    from ftjax.checkpoint import random_model
+    from ftjax.checkpoint import random_fingerprint, random_model
     from ftjax.config import preset
     from ftjax.kv.host_store import HostKVStore
     from ftjax.kv.prefix_cache import PrefixCache
     a, b = random_model(preset("tiny"), seed=0), random_model(preset("tiny"), seed=1)
     cache = PrefixCache(HostKVStore(10**8), KVOffloadConfig(chunk_tokens=16))
     assert cache.identity(Engine(a)) != cache.identity(Engine(b))
+    assert a.fingerprint == random_fingerprint(preset("tiny"), a.dtype, 0, 0.5)  # seed and config, not arrays
 
 
 # ------------------------------------------------------------------ one step for every prefill

@@ -414,7 +414,8 @@ def slow_decay(model, a_log: float):
     layers = dict(params["layers"])  # the Gated DeltaNet weights stacked over its layers: A_log [L_lin, Hv]
     layers["A_log"] = jnp.full_like(layers["A_log"], a_log)
     params["layers"] = layers
-    return dataclasses.replace(model, params=params, name=f"{model.name}:A_log={a_log}")
+    return dataclasses.replace(model, params=params, name=f"{model.name}:A_log={a_log}",
+                               fingerprint=f"{model.fingerprint}:A_log={a_log}")  # other weights, other KV keys
 
 
 def run_cases(cases: list[str], progress=lambda rows, partial: None) -> list[dict]:

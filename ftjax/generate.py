@@ -28,6 +28,7 @@ import json
 import os
 import sys
 import tempfile
+import warnings
 
 from absl import app, flags, logging
 
@@ -69,8 +70,10 @@ flags.DEFINE_enum("cache_policy", "lru", list(CACHE_POLICIES),
                   "Slot eviction policy (ftjax/experts/policies/, one module each): " + describe_cache_policies())
 flags.DEFINE_float("vram_budget_gb", None, "Device memory budget in GB (1e9 bytes) to plan slots from.")
 flags.DEFINE_string("metrics_json", None, "Write metrics (ids, TTFT, tokens/s, expert_cache) to this file.")
-flags.DEFINE_string("logits_npy", None, "Write float32 [steps, vocab] logits of every generated step.")
-flags.DEFINE_string("trace_routing", None, "Write routed expert ids per step and layer (.npz).")
+flags.DEFINE_string("logits_npy", None, "Write float32 [steps, vocab] logits of every generated step (of the first "
+                    "sequence: one step per token it emitted, none after its EOS).")
+flags.DEFINE_string("trace_routing", None, "Write routed expert ids per step and layer (.npz): the prefill, then each "
+                    "decode step up to the last token emitted.")
 flags.DEFINE_boolean("progress", True, "Show a progress bar while loading.")
 flags.DEFINE_enum("prefill", "auto", list(PREFILL_MODES),
                   "Prefill expert loading: stream whole layers through two full-layer buffers (on the scan "
@@ -93,8 +96,9 @@ flags.DEFINE_enum("prefix_copy", "put", list(PREFIX_COPIES),
 flags.DEFINE_integer("prefix_copy_layers", 4, "With --prefix_copy=put: layers whose prefix rows one device_put moves, "
                      "a group ahead (the largest divisor of the layer count not above it; "
                      "EngineConfig.prefix_copy_layers).", lower_bound=1)
-flags.DEFINE_string("prompts_file", None, "JSON lines, each {\"prompt_ids\": [...]} or {\"prompt\": \"...\"}: "
-                    "requests run in order in this process (batch 1).")
+flags.DEFINE_string("prompts_file", None, "JSON lines (UTF-8, a byte-order mark allowed; blank lines skipped), each "
+                    "{\"prompt_ids\": [...]} or {\"prompt\": \"...\"}: requests run in order in this process "
+                    "(batch 1), after every line was checked (an error names the file and line; nothing runs).")
 flags.DEFINE_boolean("kv_offload", False, "Keep full chunks of prompt KV in host memory and reuse a stored "
                      "prefix (layerwise load in the prefill scan).")
 flags.DEFINE_float("kv_host_gb", 4.0, "Host memory for stored KV chunks, in GB (1e9 bytes).")
@@ -179,13 +183,21 @@ def _default_checkpoint() -> str | None:
 
 
 def _load_model():
-    from ftjax.checkpoint import load_checkpoint, random_model
+    from ftjax.checkpoint import CheckpointWarning, load_checkpoint, random_model
     from ftjax.config import preset
     if FLAGS.checkpoint and FLAGS.preset:
         raise UserError("give --checkpoint or --preset, not both")
     ckpt = FLAGS.checkpoint or _default_checkpoint()
     if ckpt:
-        return load_checkpoint(ckpt, FLAGS.dtype, progress=FLAGS.progress, expert_dtype=FLAGS.expert_dtype)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", CheckpointWarning)
+            model = load_checkpoint(ckpt, FLAGS.dtype, progress=FLAGS.progress, expert_dtype=FLAGS.expert_dtype)
+        for w in caught:  # what the checkpoint has that is ignored: one line each
+            if issubclass(w.category, CheckpointWarning):
+                print(f"ftjax.generate: warning: {w.message}", file=sys.stderr)
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        return model
     model = random_model(preset(FLAGS.preset or "tiny"), FLAGS.dtype, seed=FLAGS.seed)
     if FLAGS.expert_dtype is not None:
         from ftjax.experts.quant import quantize_banks
@@ -216,28 +228,33 @@ def _prompt_ids(model) -> list[int]:
     return np.random.default_rng(FLAGS.seed).integers(0, model.cfg.vocab_size, n).tolist()
 
 
-def _read_prompts_file(path: str, model, max_new_tokens: int) -> list[list[int]]:
-    """Parses --prompts_file (JSON lines, each ``{"prompt_ids": [int, ...]}`` or ``{"prompt": str}``;
-    blank lines are skipped). Returns the token ids of each request, in order.
+def _parse_prompts_file(path: str) -> list[tuple[int, str, list[int] | str]]:
+    """Reads and parses --prompts_file before any model is loaded: JSON lines, each
+    ``{"prompt_ids": [int, ...]}`` or ``{"prompt": str}``, in UTF-8 (a leading byte-order mark is
+    skipped); blank lines are skipped. Returns (line number from 1, "prompt_ids" or "prompt", the
+    ids or the text) per request, in order.
 
     Raises:
-      UserError: unreadable file, malformed JSON, neither or both keys, ids that are not integers,
-        ids outside [0, V), an empty prompt, text without a tokenizer, a prompt plus
-        ``max_new_tokens`` beyond max_position_embeddings, or no requests; the message starts
+      UserError: an unreadable file, a line that is not UTF-8, malformed JSON, neither or both keys,
+        ids that are not integers, text that is not a string, or no requests; the message starts
         with ``PATH:LINE:`` where a line is at fault.
     """
-    from ftjax.runtime.plan import prompt_error
-    v, tok = model.cfg.vocab_size, model.tokenizer
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.readlines()
-    except (OSError, UnicodeDecodeError) as e:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
         raise UserError(f"{path}: cannot read prompts file ({e})") from None
-    prompts = []
-    for n, line in enumerate(lines, 1):
+    if data.startswith(b"\xef\xbb\xbf"):  # UTF-8 byte-order mark (Windows editors write one)
+        data = data[3:]
+    entries = []
+    for n, raw in enumerate(data.split(b"\n"), 1):
+        where = f"{path}:{n}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UserError(f"{where}: not UTF-8 ({e.reason} at byte {e.start})") from None
         if not line.strip():
             continue
-        where = f"{path}:{n}"
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
@@ -248,27 +265,59 @@ def _read_prompts_file(path: str, model, max_new_tokens: int) -> list[list[int]]
             ids = obj["prompt_ids"]
             if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
                 raise UserError(f"{where}: 'prompt_ids' must be a list of integers")
+            entries.append((n, "prompt_ids", ids))
         else:
             if not isinstance(obj["prompt"], str):
                 raise UserError(f"{where}: 'prompt' must be a string")
+            entries.append((n, "prompt", obj["prompt"]))
+    if not entries:
+        raise UserError(f"{path}: no requests in the prompts file")
+    return entries
+
+
+def _check_prompts_file(path: str, entries, model, max_new_tokens: int, max_seq_len: int | None = None
+                        ) -> list[list[int]]:
+    """The token ids of each parsed request (:func:`_parse_prompts_file`), every one checked
+    before any runs.
+
+    Args:
+      max_seq_len: the --max_seq_len given, or None: the bound of prompt + ``max_new_tokens`` is the
+        smaller of it and the model's max_position_embeddings.
+    Raises:
+      UserError ``PATH:LINE: ...``: text without a tokenizer, an empty prompt, ids outside [0, V),
+        or a prompt plus ``max_new_tokens`` beyond the bound.
+    """
+    from ftjax.runtime.plan import prompt_error
+    v, tok = model.cfg.vocab_size, model.tokenizer
+    limit, limit_name = model.cfg.max_position_embeddings, "the model's max_position_embeddings"
+    if max_seq_len is not None and max_seq_len < limit:
+        limit, limit_name = max_seq_len, "--max_seq_len"
+    prompts = []
+    for n, kind, value in entries:
+        where = f"{path}:{n}"
+        if kind == "prompt":
             if tok is None:
                 raise UserError(f"{where}: 'prompt' needs a tokenizer.json in the checkpoint; use 'prompt_ids'")
-            ids = tok.encode(obj["prompt"]).ids
-        problem = prompt_error(ids, v, max_new_tokens, model.cfg.max_position_embeddings,
-                               "the model's max_position_embeddings")
+            value = tok.encode(value).ids
+        problem = prompt_error(value, v, max_new_tokens, limit, limit_name)
         if problem:
             raise UserError(f"{where}: {problem}")
-        prompts.append(ids)
-    if not prompts:
-        raise UserError(f"{path}: no requests in the prompts file")
+        prompts.append(value)
     return prompts
+
+
+def _read_prompts_file(path: str, model, max_new_tokens: int, max_seq_len: int | None = None) -> list[list[int]]:
+    """:func:`_parse_prompts_file` then :func:`_check_prompts_file`: the token ids of every request
+    of --prompts_file, all checked. Raises UserError (``PATH:LINE: ...`` where a line is at fault)."""
+    return _check_prompts_file(path, _parse_prompts_file(path), model, max_new_tokens, max_seq_len)
 
 
 def _run_metrics(model, engine, plan) -> dict:
     """The metrics fields every run writes: model, engine config, memory plan, expert cache, and
     where the run happened (commit, device, versions, date) and with which flags."""
     from ftjax.provenance import run_meta
-    return {"model": model.name, "config": model.cfg.identity(), "dtype": model.dtype,
+    return {"model": model.name, "weights_fingerprint": model.fingerprint, "config": model.cfg.identity(),
+            "dtype": model.dtype,
             "experts": {"format": model.banks.fmt, "expert_dtype": FLAGS.expert_dtype,
                         "storage_dtype": str(model.banks.gate_up.dtype), "expert_bytes": model.expert_bytes},
             "experts_mode": engine.mode, "engine": engine.describe(),
@@ -450,9 +499,11 @@ def run() -> dict:
             raise UserError("give --prompts_file or one of --prompt, --prompt_ids, --prompt_len, not both")
     if FLAGS.fixed_fetch is not None and (FLAGS.miss_policy != "adaptive" or FLAGS.fixed_fetch < 0):
         raise UserError("--fixed_fetch needs --miss_policy=adaptive and a value >= 0")
+    entries = _parse_prompts_file(FLAGS.prompts_file) if FLAGS.prompts_file else None  # before the load
     model = _load_model()
     cfg = model.cfg
-    prompts = _read_prompts_file(FLAGS.prompts_file, model, FLAGS.max_new_tokens) if FLAGS.prompts_file else None
+    prompts = (_check_prompts_file(FLAGS.prompts_file, entries, model, FLAGS.max_new_tokens, FLAGS.max_seq_len)
+               if FLAGS.prompts_file else None)
     prompt = prompts[0] if prompts else _prompt_ids(model)
     longest = max(len(p) for p in prompts) if prompts else len(prompt)
     need = longest + FLAGS.max_new_tokens
@@ -503,7 +554,7 @@ def run() -> dict:
                "ttft_s": res.ttft_s, "decode_s": res.decode_s, "prefill_tokens_per_s": res.prefill_tokens_per_s,
                "decode_tokens_per_s": res.decode_tokens_per_s, "compile_s": res.compile_s}
     if FLAGS.logits_npy:
-        logits = res.step_logits[:, 0, :].astype(np.float32)  # [steps, vocab] of sequence 0
+        logits = res.step_logits[: len(gen), 0, :].astype(np.float32)  # [steps, vocab]: sequence 0's tokens
         _atomic_write(FLAGS.logits_npy, lambda f: np.save(f, logits))
     if FLAGS.trace_routing:
         routing = {f"step{i}": r for i, r in enumerate(res.routing)}

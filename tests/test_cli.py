@@ -54,6 +54,45 @@ def test_generate_fixture_writes_metrics_and_logits(tmp_path):
     assert m["prefill_driver_calls"] == {"scan": 1, "pipelined": 0}  # "auto" on the CPU: the scan
 
 
+def test_run_stopped_at_eos_records_only_the_emitted_steps(tmp_path):
+    """A copy of a fixture whose generation_config.json names the second greedy token and a real
+    model's EOS id (151645, outside this vocabulary): the latter is ignored with a warning (the
+    checkpoint is not refused), and the run stops after 2 tokens. The decode step run after the EOS
+    (decode checks one token late) is in none of the outputs: --logits_npy and --trace_routing have
+    2 steps and the expert-cache counters are those of a 2-token run."""
+    _, exp = load_fixture("qwen3_moe_fp32")
+    prompt, greedy = exp["short_prompt_ids"].tolist(), exp["short_generated_ids"].tolist()
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(fixture_path("qwen3_moe_fp32"), ckpt)
+    (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": [greedy[1], 151645]}))
+    common = (f"--prompt_ids={','.join(map(str, prompt))}", "--dtype=float32", "--expert_slots=8")
+
+    def run(ckpt_dir, name, *args):
+        out = {k: tmp_path / f"{name}.{k}" for k in ("json", "npy", "npz")}
+        r = _run(f"--checkpoint={ckpt_dir}", *common, *args, f"--metrics_json={out['json']}",
+                 f"--logits_npy={out['npy']}", f"--trace_routing={out['npz']}")
+        assert r.returncode == 0, r.stderr
+        with np.load(out["npz"]) as z:
+            routing = {k: z[k] for k in z.files}
+        return r, json.loads(out["json"].read_text()), np.load(out["npy"]), routing
+
+    r, m, logits, routing = run(ckpt, "eos", "--max_new_tokens=4")
+    assert (f"ftjax.generate: warning: {ckpt}/generation_config.json: 'eos_token_id' id 151645 is outside the "
+            f"vocabulary [0, 384)") in r.stderr
+    assert m["generated_ids"] == greedy[:2] and m["stop_reasons"] == ["eos"]
+    assert logits.shape == (2, 384) and np.abs(logits - exp["short_step_logits"][:2]).max() < 1e-3
+    assert sorted(routing) == ["step0", "step1"]
+    # the same two steps run without EOS: the same logits, routing and counters
+    _, ref, ref_logits, ref_routing = run(fixture_path("qwen3_moe_fp32"), "ref", "--max_new_tokens=2", "--ignore_eos")
+    np.testing.assert_array_equal(logits, ref_logits)
+    for k in routing:
+        np.testing.assert_array_equal(routing[k], ref_routing[k])
+    for phase in ("decode", "prefill"):
+        got, want = m["expert_cache"][phase], ref["expert_cache"][phase]
+        assert (got["hits"], got["misses"], got["bytes_h2d"]) == (want["hits"], want["misses"], want["bytes_h2d"])
+    assert m["expert_cache"]["decode"]["hits"] + m["expert_cache"]["decode"]["misses"] > 0
+
+
 def test_generate_text_prompt_prints_text():
     r = _run(f"--checkpoint={fixture_path('mixtral_fp32')}", "--prompt=The quick brown fox", "--max_new_tokens=4")
     assert r.returncode == 0, r.stderr

@@ -311,6 +311,75 @@ def test_second_model_identity_never_hits_first_models_chunks():
     assert res.kv["hit_chunks"] == 0 and res.kv["chunks_skipped"] == 6 and len(store) == 12
 
 
+def test_checkpoint_rewritten_at_the_same_path_never_hits_the_old_weights_chunks(tmp_path):
+    """Chunk keys name the weights' content, not their path: a checkpoint rewritten in place
+    (same shapes, same size, even the old mtime put back) gets new keys, so a kept store serves none
+    of the old model's K/V and the logits are a fresh recompute's; the old bytes back: hits again."""
+    import os
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    from ftjax.checkpoint import load_checkpoint
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(fixture_path("qwen3_moe_fp32"), ckpt)
+    path = ckpt / "model.safetensors"
+    original = path.read_bytes()
+    prompt = _long_prompt()[:40]  # 2 full chunks of C = 16
+    a = load_checkpoint(str(ckpt), progress=False)
+    mgr = _manager(a)
+    run = lambda model, **kw: Engine(model, EngineConfig("resident", max_seq_len=S)).generate(  # noqa: E731
+        [prompt], 2, keep_logits=True, **kw)
+    first = run(a, kv_manager=mgr)
+    assert first.kv["chunks_stored"] == 2
+    # other weights at the same path: every tensor plus noise, same dtypes and shapes (so the same size)
+    with safe_open(str(path), "np") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    rng = np.random.default_rng(0)
+    tensors = {k: (t + rng.normal(0, 0.1, t.shape)).astype(t.dtype) for k, t in tensors.items()}
+    st = os.stat(path)
+    save_file(tensors, str(path), metadata=meta)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert len(path.read_bytes()) == len(original)
+    b = load_checkpoint(str(ckpt), progress=False)
+    assert b.name == a.name and b.fingerprint != a.fingerprint
+    got = run(b, kv_manager=mgr)
+    assert got.kv["hit_chunks"] == 0 and got.kv["reused_tokens"] == 0
+    fresh = run(b)
+    np.testing.assert_array_equal(got.step_logits, fresh.step_logits)
+    assert np.abs(fresh.step_logits - first.step_logits).max() > 0.1  # the old K/V would have been wrong
+    # the same weights again (the old bytes back at the path): the old chunks hit
+    path.write_bytes(original)
+    c = load_checkpoint(str(ckpt), progress=False)
+    assert c.fingerprint == a.fingerprint
+    again = run(c, kv_manager=mgr)
+    assert again.kv["hit_chunks"] == 2 and again.generated_ids == first.generated_ids
+    assert np.abs(again.step_logits - first.step_logits).max() < _tol(first.step_logits)
+
+
+def test_weights_fingerprint_follows_content_and_format_not_layout():
+    """One fingerprint for the single-file and the sharded fixture (same tensors), another for the
+    bfloat16 file; random weights: by seed and config; a hand-built model: from its arrays."""
+    from ftjax.checkpoint import model_fingerprint, random_fingerprint
+    from ftjax.config import preset
+    single, sharded, bf16 = (load_fixture(n)[0] for n in ("qwen3_moe_fp32", "qwen3_moe_sharded", "qwen3_moe_bf16"))
+    assert single.fingerprint == sharded.fingerprint != bf16.fingerprint
+    assert single.fingerprint.startswith("sha256-tensors-v1:")
+    tiny = preset("tiny")
+    fp = random_fingerprint(tiny, "float32", 0, 0.5)
+    assert fp == random_fingerprint(tiny, "float32", 0, 0.5)  # random_model's: test_random_models_with_...
+    others = {random_fingerprint(tiny, "float32", 1, 0.5), random_fingerprint(tiny, "bfloat16", 0, 0.5),
+              random_fingerprint(tiny, "float32", 0, 0.25),
+              random_fingerprint(dataclasses.replace(tiny, rope_theta=20000.0), "float32", 0, 0.5)}
+    assert len(others) == 4 and fp not in others
+    by_hand = dataclasses.replace(single, fingerprint="")
+    assert model_fingerprint(by_hand).startswith("arrays:") and by_hand.fingerprint == model_fingerprint(by_hand)
+    scaled = dataclasses.replace(single, fingerprint="", params={**single.params, "final_norm": single.params[
+        "final_norm"] * 2})
+    assert model_fingerprint(scaled) != model_fingerprint(by_hand)
+
+
 # ------------------------------------------------------------------ CLI
 def _run_cli(*args: str) -> CliResult:
     """``python -m ftjax.generate --noprogress *args``, run in this process (tests/cli_helpers.py)."""
@@ -322,8 +391,9 @@ def test_cli_prompts_file_reuses_across_requests(tmp_path):
     prompt = exp["long_prompt_ids"].tolist()
     text_ids = exp["text_prompt_ids"].tolist()
     reqs = tmp_path / "reqs.jsonl"
-    reqs.write_text(json.dumps({"prompt_ids": prompt[:40]}) + "\n\n" + json.dumps({"prompt_ids": prompt[:60]})
-                    + "\n" + json.dumps({"prompt": str(exp["text_prompt"])}) + "\n")
+    reqs.write_text("\ufeff" + json.dumps({"prompt_ids": prompt[:40]}) + "\n\n"  # a byte-order mark first
+                    + json.dumps({"prompt_ids": prompt[:60]}) + "\n" + json.dumps({"prompt": str(exp["text_prompt"])})
+                    + "\n", encoding="utf-8")
     metrics = tmp_path / "m.json"
     r = _run_cli(f"--checkpoint={fixture_path('qwen3_moe_fp32')}", f"--prompts_file={reqs}", "--kv_offload",
                  "--kv_chunk_tokens=16", "--max_new_tokens=6", "--expert_slots=8", f"--metrics_json={metrics}")
@@ -362,6 +432,15 @@ def test_cli_prompts_file_bad_input(tmp_path):
         with pytest.raises(UserError, match=None) as e:
             _read_prompts_file(str(path), model, 8)
         assert message in str(e.value), (text, str(e.value))
+    path.write_bytes(b'{"prompt_ids": [1]}\n{"prompt": "caf\xe9"}\n')  # latin-1, not UTF-8
+    with pytest.raises(UserError, match=r"bad.jsonl:2: not UTF-8 \(invalid continuation byte at byte 15\)"):
+        _read_prompts_file(str(path), model, 8)
+    path.write_text('{"prompt_ids": [1, 2]}\n{"prompt_ids": [' + ",".join(["5"] * 30) + ']}\n')
+    with pytest.raises(UserError, match=r"bad.jsonl:2: prompt of 30 tokens \+ 8 new exceeds --max_seq_len 32"):
+        _read_prompts_file(str(path), model, 8, max_seq_len=32)
+    assert len(_read_prompts_file(str(path), model, 8, max_seq_len=38)[1]) == 30
+    path.write_bytes(b'\xef\xbb\xbf{"prompt_ids": [1, 2]}\r\n\r\n{"prompt_ids": [3]}\r\n')  # BOM, CRLF lines
+    assert _read_prompts_file(str(path), model, 8) == [[1, 2], [3]]
     path.write_text('{"prompt": "hello"}\n')
     random_model = dataclasses.replace(model, tokenizer=None)
     with pytest.raises(UserError, match="bad.jsonl:1: 'prompt' needs a tokenizer"):
@@ -374,16 +453,22 @@ def test_cli_prompts_file_bad_input(tmp_path):
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert f"{path}:2: token id 99999 outside the vocabulary" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not metrics.exists()
+    assert "request 0" not in r.stdout  # every line is checked before the first request runs
+    # the file's syntax is checked before the model is loaded (a typo costs no load)
+    path.write_text('{"prompt_ids": [1, 2]}\n{"prompt_ids": [1, 2\n')
+    r = _run_cli("--checkpoint=/nonexistent/ckpt", f"--prompts_file={path}", f"--metrics_json={metrics}")
+    assert r.returncode == 1 and f"{path}:2: malformed JSON" in r.stderr and not metrics.exists()
 
 
 def test_random_models_with_different_seeds_never_share_kv():
-    from ftjax.checkpoint import random_model
+    from ftjax.checkpoint import random_fingerprint, random_model
     from ftjax.config import preset
     from ftjax.kv.host_store import HostKVStore
     from ftjax.kv.prefix_cache import PrefixCache
     a, b = random_model(preset("tiny"), seed=0), random_model(preset("tiny"), seed=1)
     cache = PrefixCache(HostKVStore(10**8), KVOffloadConfig(chunk_tokens=16))
     assert cache.identity(Engine(a)) != cache.identity(Engine(b))
+    assert a.fingerprint == random_fingerprint(preset("tiny"), a.dtype, 0, 0.5)  # seed and config, not arrays
 
 
 # ------------------------------------------------------------------ one step for every prefill

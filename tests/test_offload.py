@@ -231,8 +231,10 @@ def test_generation_stops_at_eos_per_sequence():
     got = eng.generate([short, long_], 12, eos_ids=[eos])
     cut = a.index(eos) + 1
     assert got.generated_ids == [a[:cut], b] and got.stop_reasons == ["eos", "length"]
-    both = eng.generate([short, short], 12, eos_ids=[eos])  # both stop: decoding ends early
-    assert both.generated_ids == [a[:cut], a[:cut]] and both.stop_reasons == ["eos", "eos"]
+    both = eng.generate([short, short], 12, eos_ids=[eos], keep_logits=True, trace_routing=True, time_steps=True)
+    assert both.generated_ids == [a[:cut], a[:cut]] and both.stop_reasons == ["eos", "eos"]  # decoding ended early
+    # nothing of the step run after the EOS (the check reads one token late) is kept
+    assert both.step_logits.shape[0] == len(both.routing) == len(both.step_s) + 1 == cut
     assert model.eos_token_ids == (2,)  # the fixture's generation_config.json
 
 

@@ -66,7 +66,7 @@ def model_identity(config_fields: dict, dtype: str) -> bytes:
 
     Args:
       config_fields: dict of the config fields that determine the KV contents (layer
-        count, head counts, head_dim, rope settings, weights revision, ...).  Must be
+        count, head counts, head_dim, rope settings, the weights' content fingerprint, ...).  Must be
         JSON-serialisable (numpy scalars are accepted).  Key order does not matter: the
         dict is serialised as sorted JSON.
       dtype: KV dtype name, e.g. ``"bfloat16"``; a numpy/JAX dtype object is also

@@ -95,7 +95,7 @@ class PrefixCache:
 
     Pass it to ``Engine.generate(..., kv_manager=cache)``; one manager (and store) can serve many
     sequential requests of one model. Keys include the model identity (config, compute dtype and
-    the weights' source name), so two models sharing a store never hit each other's chunks.
+    the weights' content fingerprint), so two models sharing a store never hit each other's chunks.
 
     Args:
       store: the host KV store (capacity in bytes).
@@ -118,11 +118,14 @@ class PrefixCache:
 
     # ---- keys -------------------------------------------------------------------------------
     def identity(self, engine) -> bytes:
-        """32-byte model identity: config fields, compute (= KV) dtype, weights source name
-        (a checkpoint path, or the random generator with its seed), and the expert format when the
-        experts are not stored in the compute dtype (quantized). Recomputed on every call
-        (a hash of a small dict): caching it by object id went stale when a model was freed."""
-        fields = dict(engine.cfg.identity(), weights=engine.model.name)
+        """32-byte model identity: config fields, compute (= KV) dtype, the weights' content
+        fingerprint (``LoadedModel.fingerprint``: a hash of every tensor as the checkpoint was read,
+        or the random generator with its seed; never the path, so a checkpoint rewritten in place
+        gets new keys and the same weights elsewhere hit), and the expert format when the experts are
+        not stored in the compute dtype (quantized). Recomputed on every call (a hash of a small
+        dict): caching it by object id went stale when a model was freed."""
+        from ftjax.checkpoint import model_fingerprint
+        fields = dict(engine.cfg.identity(), weights=model_fingerprint(engine.model))
         banks = engine.model.banks
         if banks.fmt != "dense" or banks.gate_up.dtype != engine.dtype:  # quantized experts give other KV
             fields["experts"] = f"{banks.fmt}:{banks.gate_up.dtype}"

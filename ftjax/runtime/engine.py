@@ -102,13 +102,14 @@ class GenerationResult:
     """Output of :meth:`Engine.generate`.
 
     generated_ids: int [B][n_b] (each sequence up to and including its EOS, if it stopped there);
-    step_logits: float32 [n, B, V] (when kept); ttft_s, decode_s: seconds; prefill_tokens_per_s,
-    decode_tokens_per_s: tokens/s summed over the batch (tokens after a sequence's EOS are not
-    counted); compile_s: seconds spent compiling in this call (not part of the timings); routing:
-    int32 [steps][L, N, k] when traced; step_s: seconds of each decode step (TPOT) when timed step
-    by step; stop_reasons: per sequence, "eos" or "length"; expert_cache: this call's own expert
-    cache figures (hits, misses, bytes_h2d, ...; ``ExpertCounters.summary``); kv: the prefix-reuse
-    record of the request.
+    step_logits: float32 [n, B, V] when kept, n = max_b n_b (no step after the last EOS); ttft_s,
+    decode_s: seconds; prefill_tokens_per_s, decode_tokens_per_s: tokens/s summed over the batch
+    (tokens after a sequence's EOS are not counted); compile_s: seconds spent compiling in this call
+    (not part of the timings); routing: int32 [n][L, N, k] when traced (the prefill's routing, then
+    each of the n - 1 decode steps'); step_s: seconds of each of the n - 1 decode steps (TPOT) when
+    timed step by step; stop_reasons: per sequence, "eos" or "length"; expert_cache: this call's own
+    expert cache figures (hits, misses, bytes_h2d, ...; ``ExpertCounters.summary``; the same n - 1
+    decode steps); kv: the prefix-reuse record of the request.
     """
 
     prompt_ids: list[list[int]]
@@ -578,7 +579,11 @@ class Engine:
         ``eos_ids``: a sequence stops after generating one of these ids (its stop reason is
         "eos"; what it generates after it is dropped and not counted); decoding ends when every
         sequence stopped. The check reads the token before the one just dispatched, so decode
-        stays asynchronous; at most one step runs after the last sequence stopped.
+        stays asynchronous; at most one step runs after the last sequence stopped. That step's
+        token is dropped, and so are its logits, routing, step time and expert-cache counters: the
+        result and the engine's counters cover the steps up to the last token emitted
+        (``step_logits`` has max(len(generated_ids[b])) steps), though its copies did move the slot
+        table.
         """
         self.check_prompts(prompts, max_new_tokens)
         if kv_manager is not None and len(prompts) != 1:
@@ -633,18 +638,25 @@ class Engine:
                     tok.block_until_ready()
                     step_s.append(time.perf_counter() - ts)
             jax.block_until_ready(toks)
+            gen = np.concatenate([np.asarray(t) for t in toks], axis=1)
+            is_eos = np.isin(gen, eos) if eos.size else np.zeros(gen.shape, bool)
+            done_at = np.where(is_eos.any(axis=1), is_eos.argmax(axis=1), -1)  # each sequence's first EOS
+            ends = np.where(done_at >= 0, done_at + 1, gen.shape[1])
+            # decode steps that produced an emitted token (not the one run after the last EOS)
+            decode_stats = decode_stats[: int(ends.max()) - 1]
         finally:  # the steps that ran moved the slot table: count them even if a later one failed
             for s in decode_stats:
                 self.counters["decode"].add(s)
             for i in range(b):
                 self.release(i)
         decode_s = time.perf_counter() - t_first
+        steps = int(ends.max())  # tokens of the longest sequence: one per kept step
         if trace_routing:
             routing += [np.asarray(s.routed_ids) for s in decode_stats]
-        gen = np.concatenate([np.asarray(t) for t in toks], axis=1)
-        is_eos = np.isin(gen, eos) if eos.size else np.zeros(gen.shape, bool)
-        done_at = np.where(is_eos.any(axis=1), is_eos.argmax(axis=1), -1)  # each sequence's first EOS
-        ends = np.where(done_at >= 0, done_at + 1, gen.shape[1])
+        if keep_logits:
+            all_logits = all_logits[:steps]
+        if time_steps:
+            step_s = step_s[: steps - 1]
         generated = [gen[i, : ends[i]].tolist() for i in range(b)]
         n_dec = int(sum(max(e - 1, 0) for e in ends))
         eb = self.model.expert_bytes

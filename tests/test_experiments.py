@@ -61,6 +61,7 @@ def _meta(d: dict) -> dict:
     return d["meta"]
 
 
+@pytest.mark.slow
 def test_bench_decode_smoke(tmp_path):
     # one-row projections padded to 2 rows (the GPU default is 4, the CPU's 0): the engine runs the
     # padded path end to end, and the result records the setting
@@ -88,6 +89,7 @@ def test_bench_decode_smoke(tmp_path):
             assert r["ratio_to_bound"] == pytest.approx(r["tpot_s"]["median"] / bound)
 
 
+@pytest.mark.slow
 def test_bench_decode_expert_dtypes_smoke(tmp_path):
     d = _run("bench_decode", tmp_path, "--preset=tiny", "--dtype=float32", "--steps=4", "--prompt_len=16",
              "--vram_budget_gb=1.02", "--batches=1", "--modes=resident,cached",
@@ -106,6 +108,7 @@ def test_bench_decode_expert_dtypes_smoke(tmp_path):
             ref["tpot_s"]["median"] / r["tpot_s"]["median"])
 
 
+@pytest.mark.slow
 def test_bench_prefill_smoke(tmp_path):
     d = _run("bench_prefill", tmp_path, "--preset=tiny", "--dtype=float32", "--lengths=64,256", "--prefill_chunk=128",
              "--vram_budget_gb=1.02", "--variants=stream,stream_no_overlap,stream_scan,stream_warm,stream_warm_no_d2d,"
@@ -140,6 +143,7 @@ def test_bench_prefill_refuses_no_timed_call(tmp_path, flag):
     assert not list(tmp_path.glob("*.json"))
 
 
+@pytest.mark.slow
 def test_bench_prefill_expert_dtypes_smoke(tmp_path):
     """Per format: its own pool bytes (quantized weights + float32 scales), its own copy bound
     from them and its own resident time; a quantized stream computes what its resident run does."""
@@ -170,6 +174,7 @@ def test_bench_prefill_expert_dtypes_smoke(tmp_path):
     assert plots.plot(str(tmp_path / "bench_prefill_tiny.json"), str(tmp_path / "p.png"))
 
 
+@pytest.mark.slow
 def test_bench_kv_reuse_smoke(tmp_path):
     d = _run("bench_kv_reuse", tmp_path, "--preset=tiny", "--dtype=float32", "--prefix_tokens=192",
              "--suffix_tokens=64", "--chunk_tokens=32", "--prefill_chunk=128", "--expert_slots=32",
@@ -201,6 +206,7 @@ def test_bench_kv_reuse_smoke(tmp_path):
             assert isinstance(r[load]["hidden_fraction"], float) and r[load]["speedup_vs_recompute"] > 0
 
 
+@pytest.mark.slow
 def test_bench_kv_reuse_hybrid_smoke(tmp_path):
     """The hybrid family: K/V in 1 layer of 4 and the linear layers' state in every stored chunk;
     the in-scan copy alone and the pipelined driver are skipped with their reasons."""
@@ -267,6 +273,7 @@ def test_bench_kv_reuse_writes_partial_rows_and_survives_a_failed_pipelined_engi
     assert r["prefetch"]["speedup_vs_recompute"] > 0 and r["compile_s"] > 0 and "pipelined_g4" not in r
 
 
+@pytest.mark.slow
 def test_bench_miss_policy_smoke(tmp_path):
     # a child process: the CPU-callback runs need synchronous CPU dispatch set before JAX starts
     d = _run("bench_miss_policy", tmp_path, "--preset=tiny", "--steps=6", "--impls=compute_on", "--budgets_gb=8",
@@ -285,6 +292,7 @@ def test_bench_miss_policy_smoke(tmp_path):
     assert d["summary"][0]["fetch"]["tokens_per_s_median_tpot"] > 0
 
 
+@pytest.mark.slow
 def test_ab_slot_table_smoke(tmp_path):
     """Every slot table implementation on a small warmed table, for every registered cache policy (the
     default): outputs identical to 'sort', timed, and the compiled scan body counted (the reference has the
@@ -305,6 +313,7 @@ def test_ab_slot_table_smoke(tmp_path):
     assert "sort" not in ops["lru/rank"]["by_kind"] and ops["lru/rank"]["total"] < ops["lru/sort"]["total"]
 
 
+@pytest.mark.slow
 def test_check_oracle_gpu_smoke(tmp_path):
     """Every expert mode of the oracle script passes on the CPU (one fixture, the short prompt)."""
     d = _run("check_oracle_gpu", tmp_path, "--smoke", process=True)  # miss_cpu: synchronous CPU dispatch
@@ -328,6 +337,7 @@ def test_check_oracle_gpu_smoke(tmp_path):
     assert bf["generated_ids"][0] == bf["expected_ids"][0] and 1e-3 < bf["max_abs_err"] < 0.1 * bf["max_abs_logit"]
 
 
+@pytest.mark.slow
 def test_check_reuse_gpu_smoke(tmp_path):
     """The reuse check at tiny-hybrid size (15 chunks of 64 stored in calls of 512 + 448, passed as
     16): on the CPU the reuse is bit-identical to the recompute cut where it cuts (bfloat16 too:
@@ -388,6 +398,7 @@ def test_check_oracle_gpu_exits_nonzero_on_a_float32_failure(tmp_path):
     assert r["ids_equal"] and not r["ok"] and 9e-4 < r["max_abs_err"] < 1.1e-3 and r["tol"] < 2e-4
 
 
+@pytest.mark.slow
 def test_plan_vs_peak_smoke(tmp_path):
     """The CPU path: plans as generate makes them (workspace measured on the compiled steps),
     engines run, no memory_stats (null, no failure)."""
@@ -423,6 +434,7 @@ def test_plan_vs_peak_smoke(tmp_path):
         assert r["streamed_prefill"] == (budget == budgets[1])
 
 
+@pytest.mark.slow
 def test_plots_draw_every_committed_result(tmp_path):
     """experiments/plots.py draws a PNG for each committed benchmark JSON (each has run rows with a
     known metric), with one panel per metric found, and refuses a file that is not a JSON object."""
@@ -458,6 +470,7 @@ def test_profile_overlap_summary_of_a_hand_made_trace():
     assert r["span_s"] == pytest.approx(1100e-6)
 
 
+@pytest.mark.slow
 def test_profile_overlap_smoke(tmp_path):
     d = _run("profile_overlap", tmp_path, "--preset=tiny", "--dtype=float32", "--tokens=256", "--slots=64",
              "--prefix_tokens=256", "--suffix_tokens=16")
@@ -467,6 +480,7 @@ def test_profile_overlap_smoke(tmp_path):
     assert sum(d["runs"]["stream"]["driver_calls"].values()) == 2  # the warm-up prefill and the traced one
 
 
+@pytest.mark.slow
 def test_profile_step_smoke(tmp_path):
     """Every run profiled on the CPU backend (host events per HLO instruction): the categories
     account for the busy time, the named blocks all show up, bytes and floor as documented."""

@@ -31,6 +31,8 @@ from ftjax.runtime.plan import PrefillCall, bucket
 from ftjax.kv.host_store import HostKVStore
 from ftjax.kv.prefix_cache import PrefixCache
 
+pytestmark = pytest.mark.slow  # a long end-to-end run: .ci/run runs it after the README's test command
+
 C, PREFILL, MAX_LEN = 64, 512, 1024
 
 

@@ -25,6 +25,8 @@ from cli_helpers import run_module_app  # noqa: E402
 from ftjax.experts import policies  # noqa: E402
 from train_smoke import smoke_checkpoint  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a long end-to-end run: .ci/run runs it after the README's test command
+
 ONLINE = policies.names()  # every registered policy; belady is the study's offline bound
 
 

@@ -27,6 +27,8 @@ from ftjax import Engine  # noqa: E402
 from cli_helpers import run_generate  # noqa: E402
 from train_smoke import run_train_moe, smoke_checkpoint  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a long end-to-end run: .ci/run runs it after the README's test command
+
 
 @pytest.fixture(scope="module")
 def smoke_dir():

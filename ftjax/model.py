@@ -221,14 +221,15 @@ def layer_params(cfg: ModelConfig, layer_params_: Params, kind: str, idx: LayerI
 
 
 def _block_xs(cfg: ModelConfig, layer_params_: Params) -> Params:
-    """``params["layers"]`` as the layer scan's xs: each leaf [L_kind, ...] viewed as [G, per block, ...]."""
-    st = structure(cfg)
-    g = st.num_blocks
+    """``params["layers"]`` as the layer scan's xs: each leaf [L_kind, ...] viewed as [G, per block, ...],
+    or left [G, ...] when a block holds one layer of it (every leaf of a one-kind family): a reshaped
+    weight stack is a new array to XLA, which copied each such stack whole in every decode step."""
+    g = structure(cfg).num_blocks
 
-    def per_block(name, w):
-        return w.reshape((g, w.shape[0] // g) + w.shape[1:])
+    def per_block(w):
+        return w if w.shape[0] == g else w.reshape((g, w.shape[0] // g) + w.shape[1:])
 
-    return {name: per_block(name, w) for name, w in layer_params_.items()}
+    return {name: per_block(w) for name, w in layer_params_.items()}
 
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, start: jax.Array, valid_len: jax.Array,
@@ -279,10 +280,9 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, start: jax.Arra
             lp = {}
             for name, w in lp_block.items():
                 owner = st.owner_of(name)
-                if owner == "":
-                    lp[name] = w[i]
-                elif owner == kind:
-                    lp[name] = w[j]
+                if owner in ("", kind):  # a leaf of one layer a block is that layer's already (_block_xs)
+                    per_block = p if owner == "" else nk
+                    lp[name] = w if per_block == 1 else w[i if owner == "" else j]
             for name, w in stacked.items():
                 owner = st.owner_of(name)
                 if owner in ("", kind):

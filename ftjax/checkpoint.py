@@ -40,6 +40,7 @@ from ftjax.experts import formats, quant
 from ftjax.experts.formats import fp8 as fp8_format
 from ftjax.experts.state import ExpertBanks
 from ftjax.families import load_hf_config
+from ftjax.sampling import SamplingDefaults
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
@@ -55,7 +56,9 @@ class LoadedModel:
     cfg: the config; params: device pytree (see ``ftjax.model``); banks: the routed-expert
     banks in host memory (``ExpertBanks``: gate_up [L*E, D, 2F], down [L*E, F, D]); dtype: compute dtype name;
     tokenizer: a ``tokenizers.Tokenizer`` or None; name: where it came from;
-    eos_token_ids: end-of-sequence ids (:func:`eos_token_ids`; () for random weights: no EOS).
+    eos_token_ids: end-of-sequence ids (:func:`eos_token_ids`; () for random weights: no EOS);
+    sampling_defaults: the checkpoint's sampling defaults (:func:`sampling_defaults`; none for random
+    weights: greedy unless a request says otherwise).
     """
 
     cfg: ModelConfig
@@ -65,6 +68,7 @@ class LoadedModel:
     tokenizer: Any = None
     name: str = ""
     eos_token_ids: tuple[int, ...] = ()
+    sampling_defaults: SamplingDefaults = SamplingDefaults()
 
     @property
     def expert_bytes(self) -> int:
@@ -321,7 +325,7 @@ def load_checkpoint(ckpt_dir: str, dtype: str | None = None, progress: bool = Tr
     if expert_dtype is not None and banks.fmt == "dense":
         banks = quant.quantize_banks(banks, expert_dtype)
     return LoadedModel(cfg, params, banks, dtype, load_tokenizer(ckpt_dir), name=ckpt_dir,
-                       eos_token_ids=eos_token_ids(ckpt_dir))
+                       eos_token_ids=eos_token_ids(ckpt_dir), sampling_defaults=sampling_defaults(ckpt_dir))
 
 
 def _note_skipped(idx: "_TensorIndex", prefix: str, ckpt_dir: str) -> None:
@@ -375,6 +379,32 @@ def eos_token_ids(ckpt_dir: str) -> tuple[int, ...]:
         if value is not None:
             return _check_eos(value, os.path.join(ckpt_dir, name), vocab)
     return ()
+
+
+SAMPLING_FIELDS = ("do_sample", "temperature", "top_p", "top_k")
+
+
+def sampling_defaults(ckpt_dir: str) -> SamplingDefaults:
+    """The sampling defaults of a checkpoint: ``do_sample``, ``temperature``, ``top_p``, ``top_k`` of its
+    ``generation_config.json`` (an absent file, or a field absent or null, gives None: see
+    ``ftjax.sampling.SamplingDefaults`` for how requests use them).
+
+    Raises:
+      CheckpointError (a ValueError): a file that is not a JSON object, or a value of the wrong type or
+        range (do_sample not a bool; temperature not a finite number >= 0; top_p outside (0, 1]; top_k not
+        an integer >= 0). The message names the file and the field.
+    """
+    path = os.path.join(ckpt_dir, "generation_config.json")
+    obj = _read_json(path) or {}
+    values = {k: obj.get(k) for k in SAMPLING_FIELDS}
+    if isinstance(values["temperature"], int) and not isinstance(values["temperature"], bool):
+        values["temperature"] = float(values["temperature"])
+    if isinstance(values["top_p"], int) and not isinstance(values["top_p"], bool):
+        values["top_p"] = float(values["top_p"])
+    try:
+        return SamplingDefaults(**values)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from None
 
 
 def _check_eos(value: Any, where: str, vocab: Any) -> tuple[int, ...]:

@@ -44,6 +44,7 @@ from ftjax.experts import formats, quant
 from ftjax.experts.formats import fp8 as fp8_format
 from ftjax.experts.state import ExpertBanks
 from ftjax.families import load_hf_config
+from ftjax.sampling import SamplingDefaults
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
@@ -69,6 +70,8 @@ class LoadedModel:
     read, or the generator, seed and config of random weights. "" (a model built by hand): computed
     from the arrays on first use (:func:`model_fingerprint`). ``dataclasses.replace`` keeps it, so a
     copy given other weights must be given another fingerprint (or "").
+    sampling_defaults: the checkpoint's sampling defaults (:func:`sampling_defaults`; none for random
+    weights: greedy unless a request says otherwise).
     """
 
     cfg: ModelConfig
@@ -79,6 +82,7 @@ class LoadedModel:
     name: str = ""
     eos_token_ids: tuple[int, ...] = ()
     fingerprint: str = ""
+    sampling_defaults: SamplingDefaults = SamplingDefaults()
 
     @property
     def expert_bytes(self) -> int:
@@ -450,7 +454,8 @@ def _load(ckpt_dir: str, cfg: ModelConfig, dtype: str, np_dtype, stored: str | N
     if expert_dtype is not None and banks.fmt == "dense":
         banks = quant.quantize_banks(banks, expert_dtype)
     return LoadedModel(cfg, params, banks, dtype, load_tokenizer(ckpt_dir), name=ckpt_dir,
-                       eos_token_ids=eos_token_ids(ckpt_dir), fingerprint=hasher.hexdigest())
+                       eos_token_ids=eos_token_ids(ckpt_dir), fingerprint=hasher.hexdigest(),
+                       sampling_defaults=sampling_defaults(ckpt_dir))
 
 
 def _note_skipped(idx: "_TensorIndex", prefix: str, ckpt_dir: str) -> None:
@@ -507,6 +512,32 @@ def eos_token_ids(ckpt_dir: str) -> tuple[int, ...]:
         if value is not None:
             return _check_eos(value, os.path.join(ckpt_dir, name), vocab)
     return ()
+
+
+SAMPLING_FIELDS = ("do_sample", "temperature", "top_p", "top_k")
+
+
+def sampling_defaults(ckpt_dir: str) -> SamplingDefaults:
+    """The sampling defaults of a checkpoint: ``do_sample``, ``temperature``, ``top_p``, ``top_k`` of its
+    ``generation_config.json`` (an absent file, or a field absent or null, gives None: see
+    ``ftjax.sampling.SamplingDefaults`` for how requests use them).
+
+    Raises:
+      CheckpointError (a ValueError): a file that is not a JSON object, or a value of the wrong type or
+        range (do_sample not a bool; temperature not a finite number >= 0; top_p outside (0, 1]; top_k not
+        an integer >= 0). The message names the file and the field.
+    """
+    path = os.path.join(ckpt_dir, "generation_config.json")
+    obj = _read_json(path) or {}
+    values = {k: obj.get(k) for k in SAMPLING_FIELDS}
+    if isinstance(values["temperature"], int) and not isinstance(values["temperature"], bool):
+        values["temperature"] = float(values["temperature"])
+    if isinstance(values["top_p"], int) and not isinstance(values["top_p"], bool):
+        values["top_p"] = float(values["top_p"])
+    try:
+        return SamplingDefaults(**values)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from None
 
 
 def _check_eos(value: Any, where: str, vocab: Any) -> tuple[int, ...]:

@@ -17,13 +17,17 @@ With neither --checkpoint nor --preset the demo model is the trained one committ
 prompt, or, where that directory is absent, random weights at preset 'tiny'. The demo keeps an
 expert cache of 2E slots, smaller than its pool.
 
-Prints the memory plan, the text (or ids), TTFT, prefill and decode tokens/s and the expert-cache
-hit rate and host-to-device bytes. Errors (bad files, bad flags, ids outside the vocabulary)
+Sampling: --temperature, --top_p and --top_k left unset take the checkpoint's generation_config.json
+defaults (do_sample false or absent: greedy); a line says which were applied.
+
+Prints the memory plan, the sampling used, the text (or ids), TTFT, prefill and decode tokens/s and the
+expert-cache hit rate and host-to-device bytes. Errors (bad files, bad flags, ids outside the vocabulary)
 print one line and exit with status 1.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -53,8 +57,11 @@ flags.DEFINE_integer("prompt_len", None, "A random prompt of this many tokens (a
                      "demo model continues its built-in prompt, any other gets 16 random tokens).")
 flags.DEFINE_integer("batch", 1, "Decode this many copies of the prompt together.")
 flags.DEFINE_integer("max_new_tokens", 32, "Tokens to generate per sequence.")
-flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 = greedy.")
-flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass in (0, 1].")
+flags.DEFINE_float("temperature", None, "Sampling temperature; 0 = greedy. Default: the checkpoint's "
+                   "generation_config.json (its temperature when do_sample is true, else greedy).")
+flags.DEFINE_float("top_p", None, "Nucleus sampling mass in (0, 1]. Default: the checkpoint's, else 1.")
+flags.DEFINE_integer("top_k", None, "Keep the k most likely tokens; 0 = no limit. Default: the checkpoint's, "
+                     "else 0.")
 flags.DEFINE_integer("seed", 0, "Sampling / random-weight seed.")
 flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "float16"], "Compute dtype; default the checkpoint's.")
 flags.DEFINE_enum("expert_dtype", None, list(EXPERT_FORMATS),
@@ -312,9 +319,10 @@ def _read_prompts_file(path: str, model, max_new_tokens: int, max_seq_len: int |
     return _check_prompts_file(path, _parse_prompts_file(path), model, max_new_tokens, max_seq_len)
 
 
-def _run_metrics(model, engine, plan) -> dict:
-    """The metrics fields every run writes: model, engine config, memory plan, expert cache, and
-    where the run happened (commit, device, versions, date) and with which flags."""
+def _run_metrics(model, engine, plan, sampling) -> dict:
+    """The metrics fields every run writes: model, engine config, memory plan, sampling (the parameters used
+    and the checkpoint's defaults), expert cache, and where the run happened (commit, device, versions,
+    date) and with which flags."""
     from ftjax.provenance import run_meta
     return {"model": model.name, "weights_fingerprint": model.fingerprint, "config": model.cfg.identity(),
             "dtype": model.dtype,
@@ -324,11 +332,12 @@ def _run_metrics(model, engine, plan) -> dict:
             # what "auto" chose: prefill calls run by each driver (the prefix copy settings apply to pipelined ones)
             "prefill_driver_calls": dict(engine.prefill_driver_calls),
             "memory_plan": plan.as_dict() if plan else None,
+            "sampling": {**dataclasses.asdict(sampling), "checkpoint_defaults": model.sampling_defaults.stated()},
             "expert_cache": engine.expert_cache_metrics(), "meta": run_meta(),
             "flags": {f.name: f.value for f in FLAGS.get_key_flags_for_module(sys.modules[__name__])}}
 
 
-def _run_requests(model, engine, plan, prompts: list[list[int]], eos) -> dict:
+def _run_requests(model, engine, plan, prompts: list[list[int]], eos, sampling) -> dict:
     """Runs the requests one after another (batch 1), with prefix reuse when --kv_offload."""
     from ftjax.runtime.planner import GB
     from ftjax.kv.host_store import HostKVStore
@@ -341,8 +350,8 @@ def _run_requests(model, engine, plan, prompts: list[list[int]], eos) -> dict:
                                               prefill_chunk=max(c, FLAGS.prefill_chunk // c * c)))
     requests, results = [], []
     for i, p in enumerate(prompts):
-        res = engine.generate([p], FLAGS.max_new_tokens, FLAGS.temperature, FLAGS.top_p, FLAGS.seed,
-                              kv_manager=manager, eos_ids=eos)
+        res = engine.generate([p], FLAGS.max_new_tokens, sampling.temperature, sampling.top_p, FLAGS.seed,
+                              kv_manager=manager, eos_ids=eos, top_k=sampling.top_k)
         reused = res.kv["reused_tokens"] if res.kv else 0
         requests.append({"prompt_tokens": len(p), "generated_ids": res.generated_ids[0], "ttft_s": res.ttft_s,
                          "reused_tokens": reused, "decode_s": res.decode_s,
@@ -360,7 +369,7 @@ def _run_requests(model, engine, plan, prompts: list[list[int]], eos) -> dict:
         print(f"kv store: {kv_store['chunks_hit']} chunks hit, {kv_store['chunks_stored']} stored, "
               f"{kv_store['chunks_evicted']} evicted, {kv_store['chunks_skipped']} skipped; "
               f"{kv_store['bytes_loaded'] / 1e6:.1f} MB loaded, {kv_store['bytes_stored'] / 1e6:.1f} MB stored")
-    metrics = {**_run_metrics(model, engine, plan), "requests": requests, "kv_store": kv_store,
+    metrics = {**_run_metrics(model, engine, plan, sampling), "requests": requests, "kv_store": kv_store,
                "compile_s": sum(r.compile_s for r in results)}
     if len(prompts) == 1:  # the single-prompt fields, as without --kv_offload
         r = results[0]
@@ -445,9 +454,10 @@ def _check_flags() -> None:
 
     from ftjax.sampling import check_sampling
     try:
-        check_sampling(FLAGS.temperature, FLAGS.top_p)
+        check_sampling(0.0 if FLAGS.temperature is None else FLAGS.temperature,
+                       1.0 if FLAGS.top_p is None else FLAGS.top_p, 0 if FLAGS.top_k is None else FLAGS.top_k)
     except ValueError as e:
-        raise UserError(f"need a finite --temperature >= 0 and 0 < --top_p <= 1: {e}") from None
+        raise UserError(f"need a finite --temperature >= 0, 0 < --top_p <= 1 and --top_k >= 0: {e}") from None
     for name in ("vram_budget_gb", "kv_host_gb"):
         v = FLAGS[name].value
         if v is not None and not (math.isfinite(v) and v >= 0):
@@ -523,11 +533,13 @@ def run() -> dict:
     if miss is not None:
         _describe_miss(miss, min(cfg.num_experts, FLAGS.batch * cfg.top_k))
     eos = () if FLAGS.ignore_eos else model.eos_token_ids
+    sampling = model.sampling_defaults.resolve(FLAGS.temperature, FLAGS.top_p, FLAGS.top_k)
+    print(sampling.describe())
     if requests_mode:
-        return _run_requests(model, engine, plan, prompts or [prompt], eos)
-    res = engine.generate([prompt] * FLAGS.batch, FLAGS.max_new_tokens, FLAGS.temperature, FLAGS.top_p,
+        return _run_requests(model, engine, plan, prompts or [prompt], eos, sampling)
+    res = engine.generate([prompt] * FLAGS.batch, FLAGS.max_new_tokens, sampling.temperature, sampling.top_p,
                           FLAGS.seed, keep_logits=bool(FLAGS.logits_npy), trace_routing=bool(FLAGS.trace_routing),
-                          eos_ids=eos)
+                          eos_ids=eos, top_k=sampling.top_k)
     gen = res.generated_ids[0]
     if model.tokenizer is not None:
         print("prompt:", model.tokenizer.decode(prompt))
@@ -549,7 +561,7 @@ def run() -> dict:
               f"({ec['miss_policy']}, split {ec['split']['rule']})")
     for note in engine.kernel_notes():
         print(f"note: {note}")
-    metrics = {**_run_metrics(model, engine, plan), "prompt_ids": prompt,
+    metrics = {**_run_metrics(model, engine, plan, sampling), "prompt_ids": prompt,
                "generated_ids": gen, "batch_generated_ids": res.generated_ids, "stop_reasons": res.stop_reasons,
                "ttft_s": res.ttft_s, "decode_s": res.decode_s, "prefill_tokens_per_s": res.prefill_tokens_per_s,
                "decode_tokens_per_s": res.decode_tokens_per_s, "compile_s": res.compile_s}

@@ -1,4 +1,12 @@
-"""Next-token sampling: greedy, temperature, nucleus (top-p), safe at the parameters' edges.
+"""Next-token sampling: greedy, temperature, top-k, nucleus (top-p), safe at the parameters' edges.
+
+Two forms: :func:`sample` takes one set of parameters as Python numbers (static under jit: one
+program per value) and one key for the batch; :func:`sample_rows` takes per-row parameters as
+arrays (traced: one program for every value) and one key per row, so that each row's draw depends
+only on its own logits, key and parameters, whatever the rows around it (a request seeded alone
+or in a batch draws the same tokens). Both apply the same rules below. A checkpoint's defaults
+(``generation_config.json``) are :class:`SamplingDefaults`; :meth:`SamplingDefaults.resolve` fills
+the parameters a request leaves unset.
 
 How the edges are handled (``--temperature=1e-38`` once sampled ids unrelated
 to greedy, because ``logits / 1e-38`` overflowed to inf and the softmax to nan):
@@ -19,18 +27,24 @@ to greedy, because ``logits / 1e-38`` overflowed to inf and the softmax to nan):
   range, where devices that flush subnormals to zero would divide by 0.
   (Above the threshold, exactly tied maxima are sampled uniformly, which is the T -> 0 limit of
   the distribution.)
+* **top_k.** The ``k`` most likely tokens are kept, in the order of the logits with ties broken
+  by the lowest id (the order greedy and top_p use), so exactly ``min(k, V)`` tokens are kept and
+  ``top_k == 1`` is greedy at any temperature. ``top_k == 0`` (or ``k >= V``) keeps every token
+  (transformers' and vLLM's "no limit"; vLLM's -1 is refused here). Masked
+  (``-inf``) tokens among the k stay impossible.
 * **top_p.** The nucleus is taken in the order of the logits, ties broken by the lowest id (the
   same order greedy uses), and the kept set is the *shortest prefix* of that order whose mass
   before its last token is < top_p. So ``top_p`` near 0 keeps exactly one token, the greedy one,
   and ``top_p == 1`` keeps every token (no cumulative sum is taken, so float32 rounding of the
-  mass cannot drop a tail token). The mass is that of the tempered distribution (as in
-  transformers: temperature first, then top-p).
+  mass cannot drop a tail token). The mass is that of the tempered distribution restricted to the
+  top-k set and renormalized (as in transformers: temperature, then top-k, then top-p).
 * ``-inf`` logits (masked tokens) are never sampled, at any temperature and top_p. A row whose
   logits are all ``-inf`` returns id 0, as greedy (argmax) does. nan logits are not supported.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 
@@ -41,9 +55,95 @@ GREEDY_BELOW = 1e-6
 """Temperatures below this are greedy (see the module docstring for why 1e-6)."""
 
 
-def check_sampling(temperature: float, top_p: float) -> None:
-    """Raises ValueError unless ``temperature`` is a finite real number >= 0 and ``top_p`` is a
-    real number in (0, 1]; the message names the parameter and its value."""
+@dataclasses.dataclass(frozen=True)
+class ResolvedSampling:
+    """The parameters one request samples with: temperature (0: greedy), top_p, top_k (0: no limit);
+    ``from_checkpoint``: the checkpoint defaults that were applied, ``overridden``: those the request set
+    itself (names in the order do_sample, temperature, top_p, top_k)."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    from_checkpoint: tuple[str, ...] = ()
+    overridden: tuple[str, ...] = ()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
+
+    def describe(self) -> str:
+        """One line: what is sampled with, which checkpoint defaults were applied and which overridden."""
+        what = "greedy" if self.greedy else f"temperature={self.temperature:g} top_p={self.top_p:g} top_k={self.top_k}"
+        if not self.from_checkpoint and not self.overridden:
+            return f"sampling: {what} (no sampling defaults in the checkpoint's generation_config.json)"
+        used = ", ".join(self.from_checkpoint) or "none"
+        over = f"; overridden: {', '.join(self.overridden)}" if self.overridden else ""
+        return f"sampling: {what} (checkpoint generation_config.json defaults applied: {used}{over})"
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingDefaults:
+    """A checkpoint's sampling defaults, from its ``generation_config.json``
+    (``ftjax.checkpoint.sampling_defaults``); None where the file does not give the field.
+
+    do_sample: False or absent: a request that sets no temperature is greedy (transformers' rule);
+    True: it samples with ``temperature`` (1.0 when absent). top_p, top_k: used where a request sets
+    none. Only the fields the file states apply (as vLLM reads them): transformers' own fallbacks
+    (top_k 50 when sampling) are not added.
+    Raises:
+      ValueError: a value outside the ranges of :func:`check_sampling`, or a do_sample that is not a bool.
+    """
+
+    do_sample: bool | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+
+    def __post_init__(self):
+        if self.do_sample is not None and not isinstance(self.do_sample, bool):
+            raise ValueError(f"do_sample must be true or false, got {self.do_sample!r}")
+        check_sampling(0.0 if self.temperature is None else self.temperature, 1.0 if self.top_p is None else self.top_p,
+                       0 if self.top_k is None else self.top_k)
+
+    def stated(self) -> dict:
+        """The fields the checkpoint states (JSON-ready)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+    def resolve(self, temperature: float | None = None, top_p: float | None = None,
+                top_k: int | None = None) -> ResolvedSampling:
+        """A request's parameters: each one it sets (not None) as given, the others from these defaults.
+
+        temperature unset: ``self.temperature`` (1.0 when absent) if ``do_sample`` is true, else 0
+        (greedy); top_p unset: ``self.top_p`` or 1.0; top_k unset: ``self.top_k`` or 0 (no limit).
+        Raises:
+          ValueError: a set value outside the ranges of :func:`check_sampling`.
+        """
+        used = []
+        over = [n for n, v in (("do_sample", temperature), ("temperature", temperature), ("top_p", top_p),
+                               ("top_k", top_k)) if v is not None and getattr(self, n) is not None]
+        if temperature is None:
+            if self.do_sample is not None:
+                used.append("do_sample")
+            temperature = 0.0
+            if self.do_sample:
+                temperature = 1.0 if self.temperature is None else self.temperature
+                if self.temperature is not None:
+                    used.append("temperature")
+        if top_p is None:
+            top_p = 1.0 if self.top_p is None else self.top_p
+            if self.top_p is not None:
+                used.append("top_p")
+        if top_k is None:
+            top_k = 0 if self.top_k is None else self.top_k
+            if self.top_k is not None:
+                used.append("top_k")
+        check_sampling(temperature, top_p, top_k)
+        return ResolvedSampling(float(temperature), float(top_p), int(top_k), tuple(used), tuple(over))
+
+
+def check_sampling(temperature: float, top_p: float, top_k: int = 0) -> None:
+    """Raises ValueError unless ``temperature`` is a finite real number >= 0, ``top_p`` is a real
+    number in (0, 1] and ``top_k`` an integer >= 0; the message names the parameter and its value."""
     for name, v in (("temperature", temperature), ("top_p", top_p)):
         if isinstance(v, bool) or not isinstance(v, numbers.Real):
             raise ValueError(f"{name} must be a real number, got {v!r}")
@@ -51,9 +151,11 @@ def check_sampling(temperature: float, top_p: float) -> None:
         raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
     if not 0.0 < top_p <= 1.0:  # also false for nan
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 0:
+        raise ValueError(f"top_k must be an integer >= 0 (0 = no limit), got {top_k!r}")
 
 
-def sample(logits: jax.Array, key: jax.Array, temperature: float, top_p: float) -> jax.Array:
+def sample(logits: jax.Array, key: jax.Array, temperature: float, top_p: float, top_k: int = 0) -> jax.Array:
     """Picks one token per row.
 
     Args:
@@ -63,19 +165,84 @@ def sample(logits: jax.Array, key: jax.Array, temperature: float, top_p: float) 
         included): greedy, argmax with ties to the lowest id, as ``torch.argmax``.
       top_p: Python float in (0, 1] (static under jit): nucleus sampling (Holtzman et al. 2020),
         keep the smallest set of most likely tokens whose mass reaches top_p.
+      top_k: Python int >= 0 (static under jit): keep the k most likely tokens (0: no limit).
     Returns:
       int32 [B] token ids.
     Raises:
-      ValueError: temperature negative, nan or infinite, or top_p outside (0, 1] or nan.
+      ValueError: temperature negative, nan or infinite, top_p outside (0, 1] or nan, or top_k not
+        an integer >= 0.
     """
-    check_sampling(temperature, top_p)
+    check_sampling(temperature, top_p, top_k)
     logits = jnp.asarray(logits, jnp.float32)
     if temperature < GREEDY_BELOW:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     scaled = _scaled(logits, temperature)
-    if top_p < 1.0:
-        scaled = jnp.where(_nucleus(logits, scaled, top_p), scaled, -jnp.inf)
+    if 0 < top_k < logits.shape[-1] or top_p < 1.0:
+        limit = top_k if 0 < top_k < logits.shape[-1] else None
+        scaled = _keep(logits, scaled, None if top_p >= 1.0 else top_p, limit)
     return jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
+
+
+def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_p: jax.Array,
+                top_k: jax.Array) -> jax.Array:
+    """Picks one token per row, each row with its own parameters and key (traced: one program for
+    every value).
+
+    Each row follows the module's rules exactly as :func:`sample` with that row's parameters would,
+    and its token depends only on its own logits, key and parameters: the same row drawn alone or
+    in any batch gives the same token (the noise of row b is ``jax.random.categorical`` of its own
+    key, vmapped).
+
+    Args:
+      logits: float [B, V] (computed in float32). ``-inf`` entries are never picked.
+      keys: PRNG keys [B] (typed keys, e.g. ``jax.random.wrap_key_data`` of uint32 [B, 2]), one per row.
+      temperature: float32 [B] >= 0; below :data:`GREEDY_BELOW`: that row is greedy.
+      top_p: float32 [B] in (0, 1]; 1 keeps every token.
+      top_k: int32 [B] >= 0; 0 (or >= V) keeps every token.
+    Returns:
+      int32 [B] token ids.
+    The values are traced, so they are not checked here: check each request's with
+    :func:`check_sampling` first (a negative top_k acts as 0, a top_p above 1 as 1).
+    """
+    logits = jnp.asarray(logits, jnp.float32)
+    t = jnp.asarray(temperature, jnp.float32)[:, None]
+    greedy = t < GREEDY_BELOW
+    scaled = _scaled_rows(logits, jnp.where(greedy, 1.0, t))
+    scaled = _keep(logits, scaled, jnp.asarray(top_p, jnp.float32)[:, None], jnp.asarray(top_k, jnp.int32)[:, None])
+    drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, scaled)
+    return jnp.where(greedy[:, 0], jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+
+
+def _scaled_rows(logits: jax.Array, t: jax.Array) -> jax.Array:
+    """:func:`_scaled` with a temperature per row (float32 [B, 1], >= :data:`GREEDY_BELOW` or inf): both
+    of its formulas computed, each row taking the one its temperature selects; an infinite temperature
+    (a float32 overflow) gives r = 0: every finite logit scales to 0, the uniform limit."""
+    masked = logits == -jnp.inf
+    low = (logits - _row_max(logits)) / t
+    r = jax.lax.rsqrt(jnp.maximum(t, 1.0))
+    high = jax.lax.optimization_barrier(jax.lax.optimization_barrier(logits * r) * r)
+    high = jnp.where(masked, -jnp.inf, high)  # -inf * 0 = nan at T = inf
+    high = high - _row_max(high)
+    return jnp.where(masked, -jnp.inf, jnp.where(t < 1.0, low, high))
+
+
+def _keep(logits: jax.Array, scaled: jax.Array, top_p, top_k) -> jax.Array:
+    """``scaled`` with the tokens outside the top-k set, then outside the top-p set of what is left,
+    set to -inf. Order: ``logits`` descending, ties to the lowest id (a stable sort). top_k: None
+    (no limit) or int / int32 [B, 1] (<= 0: no limit); top_p: None (1) or float / float32 [B, 1]
+    (>= 1: every token). The mass for top_p is the softmax of the top-k survivors of ``scaled``."""
+    order = jnp.argsort(-logits, axis=-1, stable=True)                      # [B, V]
+    rank = jnp.argsort(order, axis=-1)                                      # inverse permutation
+    if top_k is not None:
+        scaled = jnp.where((top_k <= 0) | (rank < top_k), scaled, -jnp.inf)
+    if top_p is None:
+        return scaled
+    probs = jax.nn.softmax(jnp.take_along_axis(scaled, order, axis=-1), axis=-1)
+    probs = jnp.where(jnp.isnan(probs), 0.0, probs)  # a row of all -inf
+    cum = jnp.cumsum(probs, axis=-1)
+    before = jnp.concatenate([jnp.zeros_like(cum[:, :1]), cum[:, :-1]], axis=-1)  # exclusive prefix sum
+    keep_sorted = (before < top_p) | (top_p >= 1.0)  # no cumulative sum decides a row with top_p 1
+    return jnp.where(jnp.take_along_axis(keep_sorted, rank, axis=-1), scaled, -jnp.inf)
 
 
 def _row_max(x: jax.Array) -> jax.Array:
@@ -109,17 +276,3 @@ def _scaled(logits: jax.Array, temperature: float) -> jax.Array:
         scaled = jax.lax.optimization_barrier(jax.lax.optimization_barrier(logits * r) * r)
         scaled = scaled - _row_max(scaled)
     return jnp.where(masked, -jnp.inf, scaled)
-
-
-def _nucleus(logits: jax.Array, scaled: jax.Array, top_p: float) -> jax.Array:
-    """bool [B, V]: the top-p set. Tokens in order of ``logits`` (descending, ties to the lowest id:
-    a stable sort), probabilities from ``scaled``; token i of that order is kept when the mass of
-    tokens 0..i-1 is < top_p (so the first is always kept)."""
-    order = jnp.argsort(-logits, axis=-1, stable=True)                       # [B, V]
-    probs = jax.nn.softmax(jnp.take_along_axis(scaled, order, axis=-1), axis=-1)
-    probs = jnp.where(jnp.isnan(probs), 0.0, probs)  # a row of all -inf
-    cum = jnp.cumsum(probs, axis=-1)
-    before = jnp.concatenate([jnp.zeros_like(cum[:, :1]), cum[:, :-1]], axis=-1)  # exclusive prefix sum
-    keep_sorted = before < top_p
-    rank = jnp.argsort(order, axis=-1)                                       # inverse permutation
-    return jnp.take_along_axis(keep_sorted, rank, axis=-1)

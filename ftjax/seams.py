@@ -144,11 +144,16 @@ class KVHook(Protocol):
     ``layer_output(ck, cv, layer, start)``: the layer's new chunks, called after this call's K/V
     were written (start: int32 [B]); stacked over the attention layers into ``ForwardOut.kv_out``.
 
+    ``row``: the batch row (a Python int) whose prefix it loads and whose new chunks it emits; one
+    row per call.
+
     Gated DeltaNet layers (hybrid families): ``load_state(cache) -> cache`` writes the reused
-    prefix's stored linear state into batch row 0 before the first layer; ``state_points()``: the
-    call-relative token counts where the new chunks end (their states are stored);
+    prefix's stored linear state into batch row ``row`` before the first layer; ``state_points()``: the
+    call-relative token counts where the new chunks end (their states, of row ``row``, are stored);
     ``state_output(states)``: those states, moved down for storing.
     """
+
+    row: int
 
     def scan_xs(self) -> Any: ...
 

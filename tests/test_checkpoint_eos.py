@@ -1,6 +1,8 @@
 """End-of-sequence ids of a checkpoint (issue 11, case 2): generation_config.json first, else
 config.json; an int or a list; () when neither has one; a clear error for a malformed value; an id
-outside the vocabulary ignored with a warning."""
+outside the vocabulary ignored with a warning.
+Also the sampling defaults of generation_config.json (do_sample, temperature, top_p, top_k), and the
+line ``python -m ftjax.generate`` prints about the ones it applied."""
 
 from __future__ import annotations
 
@@ -10,9 +12,11 @@ import shutil
 
 import pytest
 
+from cli_helpers import run_generate
 from conftest import FIXTURE_NAMES, fixture_path, load_fixture
-from ftjax.checkpoint import CheckpointError, CheckpointWarning, eos_token_ids, random_model
+from ftjax.checkpoint import CheckpointError, CheckpointWarning, eos_token_ids, random_model, sampling_defaults
 from ftjax.config import preset
+from ftjax.sampling import SamplingDefaults
 
 
 @pytest.mark.parametrize("name", FIXTURE_NAMES)
@@ -118,3 +122,38 @@ def test_unreadable_files_named(tmp_path):
     (tmp_path / "generation_config.json").unlink()
     with pytest.raises(CheckpointError, match=r"config.json: expected a JSON object, got int"):
         eos_token_ids(_ckpt(tmp_path, "RAW:2"))
+
+
+# ---- sampling defaults -----------------------------------------------------------------------------
+def test_sampling_defaults_read_from_generation_config(tmp_path):
+    gen = {"eos_token_id": 2, "do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    assert sampling_defaults(_ckpt(tmp_path, {}, gen)) == SamplingDefaults(True, 0.6, 0.95, 20)
+    got = sampling_defaults(_ckpt(tmp_path, {}, {"temperature": 1, "top_p": None}))
+    assert got == SamplingDefaults(temperature=1.0) and isinstance(got.temperature, float)
+    assert sampling_defaults(fixture_path("olmoe_fp32")) == SamplingDefaults()  # the fixtures state none
+    assert random_model(preset("tiny"), "float32").sampling_defaults == SamplingDefaults()
+
+
+@pytest.mark.parametrize("field, value, why", [("do_sample", "yes", "do_sample must be true or false"),
+                                               ("temperature", -1.0, "temperature must be a finite number"),
+                                               ("top_p", 0.0, r"top_p must be in \(0, 1\]"),
+                                               ("top_k", 1.5, "top_k must be an integer >= 0")])
+def test_malformed_sampling_defaults_name_the_file(tmp_path, field, value, why):
+    with pytest.raises(CheckpointError, match="^" + re.escape(f"{tmp_path}/generation_config.json: ") + why):
+        sampling_defaults(_ckpt(tmp_path, {}, {field: value}))
+
+
+def test_generate_says_which_defaults_it_applied(tmp_path):
+    d = tmp_path / "ckpt"
+    shutil.copytree(fixture_path("qwen3_moe_fp32"), d)
+    gen = json.loads((d / "generation_config.json").read_text())
+    gen.update(do_sample=True, temperature=0.6, top_p=0.95, top_k=20)
+    (d / "generation_config.json").write_text(json.dumps(gen))
+    r = run_generate(f"--checkpoint={d}", "--prompt_ids=1,2,3", "--max_new_tokens=2", "--top_k=1",
+                     f"--metrics_json={tmp_path / 'm.json'}")
+    assert r.returncode == 0, r.stderr
+    assert ("sampling: temperature=0.6 top_p=0.95 top_k=1 (checkpoint generation_config.json defaults applied: "
+            "do_sample, temperature, top_p; overridden: top_k)") in r.stdout
+    m = json.loads((tmp_path / "m.json").read_text())["sampling"]
+    assert m["top_k"] == 1 and m["checkpoint_defaults"] == {"do_sample": True, "temperature": 0.6, "top_p": 0.95,
+                                                             "top_k": 20}

@@ -187,6 +187,50 @@ def test_prefix_reuse_bit_identical_to_recompute(load, route):
     np.testing.assert_allclose(got.step_logits[:, 0], want, rtol=0, atol=_tol(want))
 
 
+def test_hybrid_prefix_reuse_on_row_1_resumes_its_own_linear_state():
+    """tiny-hybrid (Gated DeltaNet layers): the stored chunks carry the linear layers' state, which the hook
+    writes into the reusing row (here row 1, while row 0 decodes in the same call); its tokens and logits
+    equal the request run alone, which recomputes everything (tests/test_serve_scheduler.py has the rest)."""
+    from ftjax import HostKVStore, PrefixCache, random_model
+    from ftjax.config import KVOffloadConfig, preset
+    from ftjax.serve import SamplingParams, Scheduler
+
+    model = random_model(preset("tiny-hybrid"), "float32")
+    rng = np.random.default_rng(3)
+    mgr = PrefixCache(HostKVStore(10**8), KVOffloadConfig(chunk_tokens=64, prefill_chunk=64))
+    eng = Engine(model, EngineConfig("resident", max_seq_len=192, batch=2, prefill_chunk=64))
+    sched = Scheduler(eng, kv_manager=mgr)
+    shared = rng.integers(0, 512, 128).tolist()
+    b = shared + rng.integers(0, 512, 5).tolist()
+    logits = []
+    advance = eng.advance
+
+    def capture(*args, **kw):  # B's logits: row 1 of the calls that hand it a distribution
+        adv = advance(*args, **kw)
+        if sched._rows[1] is not None and sched._rows[1].id == "B" and 1 in adv.rows:
+            logits.append(np.asarray(adv.logits)[1])
+        return adv
+
+    eng.advance = capture
+    tokens = {}
+    for step, arrivals in enumerate([[("P", shared + [3], 1)], [], [], [("A", [5, 6, 7], 4)], [("B", b, 3)]]):
+        for rid, prompt, n in arrivals:
+            sched.submit(prompt, SamplingParams(max_tokens=n), rid)
+        for e in sched.step():
+            tokens.setdefault(e.request_id, []).append(e.token_id)
+    while sched.has_work():
+        for e in sched.step():
+            tokens.setdefault(e.request_id, []).append(e.token_id)
+    assert sched.metrics()["engine_calls_mixed"] > 0
+    assert sched.stats("B").cached_tokens == 128 and mgr.store.stats.num_pinned == 0
+    ref = Engine(model, EngineConfig("resident", max_seq_len=192, prefill_chunk=64))
+    alone = ref.generate([b], 3, keep_logits=True)
+    assert tokens["B"] == alone.generated_ids[0]
+    assert tokens["A"] == ref.generate([[5, 6, 7]], 4).generated_ids[0]  # decoded in the mixed call's chunked form
+    want = alone.step_logits[:, 0]
+    np.testing.assert_allclose(np.stack(logits), want, rtol=0, atol=1e-5 * float(np.abs(want).max()))
+
+
 def test_stored_state_equals_the_recomputed_state_at_the_chunk_end():
     """The stored entry of chunk 3 holds the KV of the attention layers and the conv and
     recurrent state of every DeltaNet layer exactly as a plain prefill of the first 192 tokens

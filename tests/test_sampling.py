@@ -19,17 +19,26 @@ import pytest
 from conftest import load_fixture
 from ftjax import Engine
 from ftjax.config import EngineConfig
-from ftjax.sampling import GREEDY_BELOW, check_sampling, sample
+from ftjax.sampling import GREEDY_BELOW, check_sampling, sample, sample_rows
 
 N = 20000
-_sample = jax.jit(sample, static_argnames=("temperature", "top_p"))  # as ftjax.runtime.step.sample_next draws
+_sample = jax.jit(sample, static_argnames=("temperature", "top_p", "top_k"))  # as ftjax.runtime.step.sample_next
+_sample_rows = jax.jit(sample_rows)
 NEG = -np.inf
 
 
-def _draw(row, temperature, top_p, n=N, seed=0) -> np.ndarray:
+def _draw(row, temperature, top_p, n=N, seed=0, top_k=0) -> np.ndarray:
     """int [n]: n independent samples of one logits row."""
     logits = jnp.asarray(np.tile(np.asarray(row, np.float32), (n, 1)))
-    return np.asarray(_sample(logits, jax.random.key(seed), temperature, top_p))
+    return np.asarray(_sample(logits, jax.random.key(seed), temperature, top_p, top_k))
+
+
+def _draw_rows(row, temperature, top_p, top_k=0, n=N, seed=0) -> np.ndarray:
+    """int [n]: n samples of one logits row through the per-row sampler, one key per row."""
+    logits = jnp.asarray(np.tile(np.asarray(row, np.float32), (n, 1)))
+    full = lambda v, dt: jnp.full((n,), v, dt)  # noqa: E731
+    return np.asarray(_sample_rows(logits, jax.random.split(jax.random.key(seed), n), full(temperature, jnp.float32),
+                                   full(top_p, jnp.float32), full(top_k, jnp.int32)))
 
 
 def _freqs(ids: np.ndarray, v: int) -> np.ndarray:
@@ -235,3 +244,76 @@ def test_engine_generate_refuses_bad_values_before_running():
         engine.generate([prompt], max_new_tokens=2, temperature=-0.1)
     with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 0.0"):
         engine.generate([prompt], max_new_tokens=2, temperature=1.0, top_p=0.0)
+
+
+# ---- top_k ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("temperature", [1.0, 1e3, 1e30])
+def test_top_k_1_is_greedy_at_any_temperature(temperature):
+    assert set(_draw([0.5, 2.0, -1.0, 1.9], temperature, 1.0, n=4096, top_k=1)) == {1}
+    assert set(_draw([1.0, 3.0, 3.0, 0.0, 3.0], temperature, 1.0, n=4096, top_k=1)) == {1}   # tie: lowest id
+    assert set(_draw_rows([1.0, 3.0, 3.0, 0.0, 3.0], temperature, 1.0, 1, n=4096)) == {1}
+
+
+def test_top_k_keeps_the_k_most_likely_ties_to_the_lowest_ids():
+    row = [0.0, 1.0, 2.0, 3.0]
+    _assert_distribution(_draw(row, 1.0, 1.0, top_k=2), [0, 0, *_softmax([2.0, 3.0])])
+    _assert_distribution(_draw([1.0, 3.0, 3.0, 0.0, 3.0], 1.0, 1.0, seed=1, top_k=2), [0, 0.5, 0.5, 0, 0])
+    for k in (0, 4, 10):  # no limit
+        _assert_distribution(_draw(row, 1.0, 1.0, seed=2, top_k=k), _softmax(row))
+
+
+def test_top_p_applies_to_the_renormalized_top_k_set():
+    probs = np.array([0.15, 0.5, 0.05, 0.3])
+    # top-3: 0.5, 0.3, 0.15 renormalized by 0.95; mass before each: 0, 0.526, 0.842 -> top_p 0.8 keeps two
+    for draw in (_draw(np.log(probs), 1.0, 0.8, seed=3, top_k=3), _draw_rows(np.log(probs), 1.0, 0.8, 3, seed=3)):
+        _assert_distribution(draw, [0, 0.625, 0, 0.375])
+
+
+def test_top_k_never_samples_masked_tokens():
+    row = np.full(16, NEG, np.float32)
+    row[[3, 9]] = [1.0, 2.0]
+    assert set(_draw(row, 1.0, 1.0, top_k=8, n=4096)) == {3, 9}
+    assert set(_draw_rows(row, 1e30, 1.0, 8, n=4096)) == {3, 9}
+
+
+# ---- per-row parameters and keys ---------------------------------------------------------------------
+def test_rows_follow_their_own_parameters():
+    row = [0.0, 1.0, 2.0, 3.0]
+    _assert_distribution(_draw_rows(row, 1.0, 1.0), _softmax(row))
+    _assert_distribution(_draw_rows(row, 0.5, 1.0, seed=1), _softmax(np.array(row) / 0.5))
+    assert set(_draw_rows(row, 0.0, 1.0, n=256)) == {3} and set(_draw_rows(row, 1e-7, 1.0, n=256)) == {3}
+    _assert_distribution(_draw_rows([-50.0, 0.0, 100.0, 100.0], 1e30, 1.0, seed=2), [0.25] * 4)
+    _assert_distribution(_draw_rows([-50.0, 0.0, 100.0, 100.0], np.inf, 1.0, seed=2), [0.25] * 4)  # T overflowed
+    probs = np.array([0.9] + [0.01] * 10)
+    assert set(_draw_rows(np.log(probs), 1.0, 1.0)) == set(range(11))  # top_p 1 drops no tail token
+    # one call, rows with different parameters
+    logits = jnp.asarray(np.tile(np.array(row, np.float32), (3 * N, 1)))
+    t = np.repeat(np.array([0.0, 1.0, 1.0], np.float32), N)
+    k = np.repeat(np.array([0, 0, 2], np.int32), N)
+    ids = np.asarray(_sample_rows(logits, jax.random.split(jax.random.key(4), 3 * N), t, np.ones(3 * N, np.float32),
+                                  k)).reshape(3, N)
+    assert set(ids[0]) == {3}
+    _assert_distribution(ids[1], _softmax(row))
+    _assert_distribution(ids[2], [0, 0, *_softmax([2.0, 3.0])])
+
+
+def test_a_rows_token_depends_on_its_key_not_on_the_batch():
+    rng = np.random.default_rng(5)
+    logits = rng.normal(size=(6, 64)).astype(np.float32)
+    keys = jax.random.split(jax.random.key(6), 6)
+    t = np.array([1.0, 0.7, 2.0, 1.0, 0.0, 1.0], np.float32)
+    p = np.array([1.0, 0.9, 1.0, 0.5, 1.0, 1.0], np.float32)
+    k = np.array([0, 0, 5, 0, 0, 1], np.int32)
+    batch = np.asarray(_sample_rows(jnp.asarray(logits), keys, t, p, k))
+    for i in range(6):
+        alone = np.asarray(_sample_rows(jnp.asarray(logits[i:i + 1]), keys[i:i + 1], t[i:i + 1], p[i:i + 1],
+                                        k[i:i + 1]))
+        assert alone[0] == batch[i]
+    assert batch[4] == logits[4].argmax() and batch[5] == logits[5].argmax()
+
+
+@pytest.mark.parametrize("top_k, text", [(-1, "-1"), (1.5, "1.5"), (True, "True"), ("3", "'3'")])
+def test_bad_top_k_refused(top_k, text):
+    with pytest.raises(ValueError, match=r"^top_k .*got " + text + "$"):
+        check_sampling(1.0, 1.0, top_k)
+    check_sampling(1.0, 1.0, np.int64(3))

@@ -8,8 +8,9 @@
   (that would be host math). For each layer, every chunk's ``[2, C, Hkv, hd]`` slice is moved to
   the device with ``jax.device_put(..., jax.memory.Space.Device)`` right after the slice (the
   only operation ever applied to host data; DESIGN.md section 2), the ``n`` device slices are
-  concatenated on the device and written into cache rows ``[0, n*C)`` of batch row 0 with one
-  ``dynamic_update_slice`` per K and V. Two variants (``variant``):
+  concatenated on the device and written into cache rows ``[0, n*C)`` of the hook's batch row
+  (``row``, static: a call serves one reusing row, any row of the batch; one program per row used)
+  with one ``dynamic_update_slice`` per K and V. Two variants (``variant``):
 
   - ``"prefetch"``: layer ``l + 1``'s slices are copied while layer ``l`` computes: the copy
     is issued in iteration ``l`` (``dynamic_index_in_dim(chunk, l + 1)`` + ``device_put``) and
@@ -25,8 +26,8 @@
   are moved to the device before the call, and the in-scan ``device_put`` is a no-op.
 
 * **Store.** With ``store_chunks = m > 0`` the call's first ``m * C`` tokens form ``m`` new
-  full chunks (the caller guarantees the call starts on a chunk boundary and
-  ``start + m*C <= S_max``). After the layer has written this call's K/V, each layer emits ``m``
+  full chunks of the hook's row (the caller guarantees that row's call starts on a chunk boundary
+  and ``start + m*C <= S_max``). After the layer has written this call's K/V, each layer emits ``m``
   arrays ``[2, C, Hkv, hd]`` sliced from the updated cache rows (so they are exactly what the
   cache holds, and the K/V computation keeps its only consumer, the cache write: XLA fuses it as
   in the hook-free program and the math stays bit-identical), as scan outputs moved to host
@@ -38,8 +39,8 @@
 Models with Gated DeltaNet layers (Qwen3.5): an entry is ``(kv, conv, rec)``, the KV of the attention
 layers and the Gated DeltaNet layers' conv and recurrent state (by block, ``[G, Nl, ...]``) at
 the chunk's end. The prefix is then a tuple of such entries; the last one's state (the state where
-the reused prefix ends; padding repeats that chunk) is copied to the device and written into batch
-row 0's linear states before the first layer (:meth:`LayerwiseKV.load_state`; ~63 MB per chunk for
+the reused prefix ends; padding repeats that chunk) is copied to the device and written into the
+hook's row's linear states before the first layer (:meth:`LayerwiseKV.load_state`; ~63 MB per chunk for
 the 35B-A3B). When storing, :meth:`state_points` tells the layers where the call's new chunks end and
 :meth:`state_output` moves their states to host memory inside the scan body, beside the KV.
 
@@ -70,17 +71,19 @@ class KVStep:
     """The KV hook's static options in one jitted step (hashable: part of the step's identity).
 
     variant: one of :data:`VARIANTS`; store_chunks: ``m`` new full chunks to emit; chunk_tokens:
-    ``C``; store_to_host: place the emitted chunks in host memory inside the scan body.
+    ``C``; store_to_host: place the emitted chunks in host memory inside the scan body; row: the batch
+    row whose prefix is loaded and whose new chunks are emitted.
     """
 
     variant: str
     store_chunks: int
     chunk_tokens: int
     store_to_host: bool
+    row: int = 0
 
     def hook(self, prefix: Sequence[jax.Array]) -> "LayerwiseKV":
         """The hook for these options and the step's ``prefix`` chunk arrays."""
-        return LayerwiseKV(prefix, self.variant, self.store_chunks, self.chunk_tokens, self.store_to_host)
+        return LayerwiseKV(prefix, self.variant, self.store_chunks, self.chunk_tokens, self.store_to_host, self.row)
 
 
 def bucket_chunks(n: int) -> int:
@@ -109,14 +112,18 @@ class LayerwiseKV:
         ``[start, start + m*C)``, which must lie below S_max); 0: none.
       chunk_tokens: ``C``.
       store_to_host: place the emitted chunks in host memory inside the scan body.
+      row: the batch row (a Python int, static) the prefix is written into and the new chunks read from.
     Raises:
-      ValueError: unknown variant, chunk arrays of different shapes, or a bad layout.
+      ValueError: unknown variant, chunk arrays of different shapes, a bad layout, or a negative row.
     """
 
     def __init__(self, prefix: Sequence[jax.Array], variant: str = "prefetch", store_chunks: int = 0,
-                 chunk_tokens: int = 256, store_to_host: bool = True):
+                 chunk_tokens: int = 256, store_to_host: bool = True, row: int = 0):
         if variant not in VARIANTS:
             raise ValueError(f"unknown layerwise variant {variant!r}; expected one of {VARIANTS}")
+        if int(row) < 0:
+            raise ValueError(f"the KV hook's row must be >= 0, got {row}")
+        self.row = int(row)
         prefix = tuple(prefix)
         self.state = tuple(prefix[-1][1:]) if prefix and isinstance(prefix[0], tuple) else ()
         self.prefix = tuple(c[0] if isinstance(c, tuple) else c for c in prefix)
@@ -152,8 +159,8 @@ class LayerwiseKV:
         else:
             buf = carry
             carry = self._fetch_layer(jnp.minimum(layer + 1, self.num_layers - 1))
-        ck = self._write(ck, buf[0], layer)
-        cv = self._write(cv, buf[1], layer)
+        ck = self._write(ck, buf[0], layer, self.row)
+        cv = self._write(cv, buf[1], layer, self.row)
         return ck, cv, carry
 
     def layer_output(self, ck, cv, layer, start):
@@ -166,12 +173,14 @@ class LayerwiseKV:
             return self._emit(ck, cv, layer, start)
 
     def _emit(self, ck, cv, layer, start):
-        """The call's m new chunks of this layer, sliced from the updated caches: m x [2, C, Hkv, hd]."""
+        """The call's m new chunks of this layer (the hook's row), sliced from the updated caches: m x [2, C,
+        Hkv, hd]."""
         m, c = self.store_chunks, self.chunk_tokens
         z = jnp.zeros((), jnp.int32)
+        b = jnp.int32(self.row)
         out = []
         for j in range(m):
-            idx = (layer.astype(jnp.int32), z, start[0].astype(jnp.int32) + j * c, z, z)
+            idx = (layer.astype(jnp.int32), b, start[self.row].astype(jnp.int32) + j * c, z, z)
             size = (1, 1, c) + ck.shape[3:]
             kv = jnp.concatenate([jax.lax.dynamic_slice(ck, idx, size),
                                   jax.lax.dynamic_slice(cv, idx, size)], axis=1)[0]  # [2, C, Hkv, hd]
@@ -191,7 +200,7 @@ class LayerwiseKV:
             return jax.tree.map(lambda a: jax.device_put(a, jax.memory.Space.Host), states)
 
     def load_state(self, cache):
-        """``cache`` (``ftjax.seams.KVCache``) with batch row 0's linear states set to the reused prefix's
+        """``cache`` (``ftjax.seams.KVCache``) with the hook's row's linear states set to the reused prefix's
         stored state (copied to the device here); unchanged without a stored state."""
         if not self.state:
             return cache
@@ -199,8 +208,8 @@ class LayerwiseKV:
             s_conv, s_rec = (_to_device(a) for a in self.state)
             s_conv = s_conv.reshape((-1,) + s_conv.shape[2:])  # [G, Nl, ...] -> [L_lin, ...]
             s_rec = s_rec.reshape((-1,) + s_rec.shape[2:])
-            return cache._replace(conv=cache.conv.at[:, 0].set(s_conv.astype(cache.conv.dtype)),
-                                  rec=cache.rec.at[:, 0].set(s_rec.astype(cache.rec.dtype)))
+            return cache._replace(conv=cache.conv.at[:, self.row].set(s_conv.astype(cache.conv.dtype)),
+                                  rec=cache.rec.at[:, self.row].set(s_rec.astype(cache.rec.dtype)))
 
     # ---- helpers --------------------------------------------------------------------------
     def _fetch_layer(self, layer: jax.Array) -> jax.Array:
@@ -214,13 +223,15 @@ class LayerwiseKV:
         return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
 
     @staticmethod
-    def _write(cache: jax.Array, rows: jax.Array, layer: jax.Array) -> jax.Array:
-        """cache [L, B, S, Hkv, hd]; rows [n*C, Hkv, hd] -> cache[layer, 0, :n*C] = rows."""
+    def _write(cache: jax.Array, rows: jax.Array, layer: jax.Array, row: int = 0) -> jax.Array:
+        """cache [L, B, S, Hkv, hd]; rows [n*C, Hkv, hd] -> cache[layer, row, :n*C] = rows."""
         if rows.shape[0] > cache.shape[2]:
             raise ValueError(f"prefix of {rows.shape[0]} rows exceeds the cache length {cache.shape[2]}")
+        if row >= cache.shape[1]:
+            raise ValueError(f"the KV hook's row {row} is outside the cache's batch of {cache.shape[1]}")
         z = jnp.zeros((), jnp.int32)
         return jax.lax.dynamic_update_slice(cache, rows[None, None].astype(cache.dtype),
-                                            (layer.astype(jnp.int32), z, z, z, z))
+                                            (layer.astype(jnp.int32), jnp.int32(row), z, z, z))
 
 
 def load_prefix_only(ck: jax.Array, cv: jax.Array, prefix: Sequence[jax.Array],

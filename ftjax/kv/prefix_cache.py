@@ -3,7 +3,7 @@
 After LMCache (chunked prefix caching with chained hashes, layerwise retrieve/store), built on
 :mod:`ftjax.kv.chunk_keys`, :class:`ftjax.kv.host_store.HostKVStore` and the layer-scan hook
 :mod:`ftjax.kv.layerwise`. Like vLLM's KV connector, :class:`PrefixCache` only plans and moves
-KV: the engine owns the step and runs it. One request (batch 1) goes through it as:
+KV: the engine owns the step and runs it. One request (one batch row) goes through it as:
 
 1. :meth:`PrefixCache.begin` (before the TTFT clock, but its time is reported as ``lookup_s``
    and added to TTFT by the engine): chained keys of the prompt's full chunks, ``store.lookup``
@@ -17,7 +17,10 @@ KV: the engine owns the step and runs it. One request (batch 1) goes through it 
 
 Reuse rules: a trailing partial chunk is never stored; at most ``len(prompt) - 1`` tokens are
 reused, so a prompt whose chunks all hit loads them all and recomputes its last token (its K/V
-row is rewritten by the same value) to produce logits. Requests run one at a time, batch 1.
+row is rewritten by the same value) to produce logits. Each request is planned alone; in the engine it
+takes any batch row, and at most one reusing row runs its calls in one forward call (the KV hook
+serves one row: ``KVStep.row``), so requests in flight together take turns call by call. A
+request's lookup sees the chunks stored before it began, not those of requests still running.
 
 Models with Gated DeltaNet layers (``ftjax.layers.gated_deltanet``): each stored chunk also holds the linear
 layers' conv and recurrent state at its end, and a request resumes from the state of the last
@@ -156,7 +159,7 @@ class PrefixCache:
 
     # ---- one request ------------------------------------------------------------------------
     def begin(self, engine, prompts: Sequence[Sequence[int]]) -> PrefixRequest:
-        """Keys, lookup, pin and plan for one request (batch 1). The caller must call
+        """Keys, lookup, pin and plan for one request (one prompt). The caller must call
         :meth:`finish` afterwards (the engine's prefill does), which unpins the hit chunks.
 
         Raises:
@@ -193,10 +196,10 @@ class PrefixCache:
             pos += valid
         return PrefixRequest(prompt, keys, hit, reused, padded, calls, self.load, lookup_s=time.perf_counter() - t0)
 
-    def step_options(self, call: PrefillCall) -> KVStep:
-        """The KV hook's static options for one of the request's calls."""
+    def step_options(self, call: PrefillCall, row: int = 0) -> KVStep:
+        """The KV hook's static options for one of the request's calls, run in batch row ``row``."""
         variant = "xs" if self.load == "all_first" else self.load
-        return KVStep(variant, call.store_chunks, self.chunk_tokens, self.config.store_route == "scan")
+        return KVStep(variant, call.store_chunks, self.chunk_tokens, self.config.store_route == "scan", row)
 
     def prefix_spec(self, engine, req: PrefixRequest) -> tuple:
         """Shapes (``jax.ShapeDtypeStruct``) of the prefix argument of the request's first call,

@@ -9,9 +9,17 @@ Request-level API (what a scheduler drives):
 * :meth:`Engine.open_rows` -- a fresh state of n batch rows, all free;
 * :meth:`Engine.admit` -- a prompt into a free row (its prefill calls planned; with a prefix cache,
   its reused chunks looked up and pinned);
-* :meth:`Engine.advance` -- one step: the next prefill chunk of every row still prefilling, or else one
-  decode step of every decoding row; returns the logits of the rows that have a next token;
+* :meth:`Engine.advance` -- one step: the next prefill chunk of every row still prefilling, merged into
+  one call with one token of every decoding row when their last tokens are given (a *mixed* call), or
+  else one decode step of every decoding row; returns the logits of the rows that have a next token;
 * :meth:`Engine.release` -- frees a row (its pins too).
+
+Continuous batching (``ftjax.serve.scheduler``) admits requests into free rows while others decode:
+the prefilling rows and the decoding rows then share one call (the prefill program of the chunk's
+bucket; the decoding rows take one token each at their position, start = pos, valid = 1), so a running
+row's time per output token during an admission is one prefill-chunk call (``EngineConfig.prefill_chunk``
+bounds it). Any row can reuse a stored prefix (``kv_manager``); the layerwise KV hook serves one row per
+call, so when several reusing rows prefill at once the lowest runs its call and the others wait a call.
 
 :meth:`Engine.generate` is a short loop over them; :meth:`Engine.prefill` runs a batch of prompts'
 prefill into a given cache (the oracle tests read its logits of every position).
@@ -85,9 +93,14 @@ class Row:
 class Advance:
     """What one :meth:`Engine.advance` did.
 
-    kind: "prefill" or "decode"; logits: float32 [B, V] on the device (all positions [B, T, V] for a
-    prefill with ``all_logits``), valid for ``rows``: the rows whose next-token distribution it is (rows
-    that finished their prefill, or every decoding row); stats: the call's LayerStats (leaves [L, ...]).
+    kind: "prefill", "mixed" (prefill chunks and decoding rows' tokens in one call) or "decode";
+    logits: float32 [B, V] on the device (all positions [B, T, V] for a prefill or mixed call with
+    ``all_logits``; a decoding row's are at position 0), valid for ``rows``: the rows whose next-token
+    distribution it is (rows that finished their prefill in this call, and every decoding row that took
+    a token); stats: the call's LayerStats (leaves [L, ...]); tokens: real tokens of the call; failed:
+    rows whose work after the call failed (storing their new KV chunks), row -> error text: their
+    logits are valid but their stored prefix is incomplete; the caller decides (the scheduler fails
+    the request).
     """
 
     kind: str
@@ -95,6 +108,25 @@ class Advance:
     rows: list[int]
     stats: Any
     tokens: int = 0
+    failed: dict[int, str] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class _Call:
+    """One merged call of the rows (:meth:`Engine._next_call`): plan; tokens int32 [B, T]; start, valid
+    int32 [B]; prefix: the reused chunks (or their shapes); took: rows running a prefill call; done:
+    rows whose prefill ends in it; decoding: rows taking one decode token; hook_row: the row the KV hook
+    serves (None: no hook)."""
+
+    plan: CallPlan
+    tokens: np.ndarray
+    start: np.ndarray
+    valid: np.ndarray
+    prefix: tuple
+    took: list[int]
+    done: list[int]
+    decoding: list[int]
+    hook_row: int | None = None
 
 
 @dataclasses.dataclass
@@ -309,45 +341,67 @@ class Engine:
             row.pending.extend(chunk_calls(len(prompt), self.config.prefill_chunk))
         return row
 
-    def _next_call(self, rows: Sequence[Row | None], all_logits: bool, spec: bool = False):
-        """The merged prefill call of the head calls of ``rows`` (one per batch row; None or done rows take
-        no token): (plan, tokens int32 [B, T], start, valid int32 [B], the prefix (its shapes with
-        ``spec``), the rows whose prefill ends in it)."""
+    def _next_call(self, rows: Sequence[Row | None], all_logits: bool, spec: bool = False,
+                   last: np.ndarray | None = None) -> _Call:
+        """The merged call of the head prefill calls of ``rows`` (one per batch row; None or done rows take no
+        prefill token), the prefix's shapes instead of its chunks with ``spec``.
+
+        The KV hook serves one row: of the rows whose head call loads a reused prefix or stores new chunks,
+        the lowest runs it and the others wait (valid 0); a prefix-reuse row's call that does neither runs
+        as a plain one. last: int32 [B], each row's last token, or None; given, every row done prefilling
+        takes that token at its position (start = pos, valid = 1).
+        """
         heads = [r.pending[0] if r is not None and r.pending else None for r in rows]
+        hooked = [h is not None and r.kv_request is not None and (h.with_prefix or h.store_chunks > 0)
+                  for h, r in zip(heads, rows)]
+        hook_row = hooked.index(True) if any(hooked) else None
+        heads = [None if hooked[i] and i != hook_row else h for i, h in enumerate(heads)]
         width = max(h.bucket for h in heads if h is not None)
         b = len(rows)
         tokens = np.zeros((b, width), np.int32)
         start = np.array([h.start if h else (r.pos if r else 0) for h, r in zip(heads, rows)], np.int32)
         valid = np.array([h.valid[0] if h else 0 for h in heads], np.int32)
+        decoding = [] if last is None else [i for i, r in enumerate(rows) if r is not None and not r.pending]
+        for i in decoding:
+            tokens[i, 0], valid[i] = last[i], 1
         kv, prefix = None, ()
         for i, (h, r) in enumerate(zip(heads, rows)):
-            if h is None:
-                continue
-            tokens[i, :valid[i]] = r.prompt[h.start:h.start + valid[i]]
-            if r.kv_request is not None:
-                kv = r.kv_manager.step_options(h)
-                if h.with_prefix:
-                    prefix = r.kv_manager.prefix_spec(self, r.kv_request) if spec else \
-                        r.kv_manager.load_prefix(r.kv_request)
+            if h is not None:
+                tokens[i, :valid[i]] = r.prompt[h.start:h.start + valid[i]]
+        if hook_row is not None:
+            h, r = heads[hook_row], rows[hook_row]
+            kv = r.kv_manager.step_options(h, row=hook_row)
+            if h.with_prefix:
+                manager = r.kv_manager
+                prefix = manager.prefix_spec(self, r.kv_request) if spec else manager.load_prefix(r.kv_request)
         plan = self.planner.plan(b, width, int(valid.sum()), prefix, kv, all_logits)
-        done = [i for i, h in enumerate(heads) if h is not None and len(rows[i].pending) == 1]
-        return plan, tokens, start, valid, prefix, done
+        took = [i for i, h in enumerate(heads) if h is not None]
+        done = [i for i in took if len(rows[i].pending) == 1]
+        return _Call(plan, tokens, start, valid, prefix, took, done, decoding, hook_row)
 
-    def _prefill_step(self, rows: Sequence[Row | None], cache: KVCache, all_logits: bool):
-        """Runs the next merged prefill call of ``rows`` (:meth:`_next_call`) on ``cache``; advances them.
-        Returns (the call's ForwardOut, its valid int32 [B], the rows whose prefill ended)."""
-        plan, tokens, start, valid, prefix, done = self._next_call(rows, all_logits)
-        out = self._run(plan, tokens, start, valid, cache, prefix)
+    @staticmethod
+    def _moved(rows: Sequence[Row | None], call: _Call) -> None:
+        """Advances ``rows`` past ``call``: its prefill calls popped, positions moved on."""
+        for i in call.took:
+            head = rows[i].pending.popleft()
+            rows[i].pos = head.start + head.valid[0]
+        for i in call.decoding:
+            rows[i].pos += 1
+
+    def _prefill_step(self, rows: Sequence[Row | None], cache: KVCache, all_logits: bool, last=None):
+        """Runs the next merged call of ``rows`` (:meth:`_next_call`) on ``cache``; advances them.
+        Returns (the call's ForwardOut, the :class:`_Call`)."""
+        call = self._next_call(rows, all_logits, last=last)
+        plan = call.plan
+        out = self._run(plan, call.tokens, call.start, call.valid, cache, call.prefix)
         self.prefill_driver_calls[plan.driver] += 1
         self.counters["prefill"].add(out.layer_stats)
         self.counters["prefill"].extra_copies += plan.extra_copies
-        for i, r in enumerate(rows):
-            if r is not None and r.pending:
-                call = r.pending.popleft()
-                r.pos = call.start + call.valid[0]
-                if r.kv_request is not None:
-                    r.kv_outs.append(out.kv_out)  # only the KV hook's new chunks outlive the call
-        return out, valid, done
+        for i in call.took:
+            if rows[i].kv_request is not None:  # only the KV hook's new chunks outlive the call
+                rows[i].kv_outs.append(out.kv_out if i == call.hook_row else None)
+        self._moved(rows, call)
+        return out, call
 
     def _finish_kv(self, row: Row, failed: bool = False) -> None:
         """Ends a row's prefix-reuse request: stores its new chunks (none after a failure), unpins its hits."""
@@ -362,25 +416,32 @@ class Engine:
         manager.finish(req, row.kv_outs if complete else None,
                        prepare=warm if self.planner.pipelines_prefix() else None)
 
-    def _precompile(self, rows: Sequence[Row | None], cache: KVCache, decode: bool = True) -> None:
+    def _precompile(self, rows: Sequence[Row | None], cache: KVCache, decode: bool = True,
+                    mixed: bool = False) -> None:
         """Compiles every program the pending prefill calls of ``rows`` and (with ``decode``) the decode step
-        after them will run, so that timings exclude compilation (nothing runs)."""
+        after them will run, so that timings exclude compilation (nothing runs). With ``mixed``, also the
+        programs of those calls when the rows that are not prefilling in them decode a token each (the
+        plan can change with the call's token count: whether it streams whole layers)."""
         sim = [None if r is None else dataclasses.replace(r, pending=collections.deque(r.pending)) for r in rows]
         seen = set()
         ctx = self._context()
+        b = len(rows)
         while any(r is not None and r.pending for r in sim):
-            plan, tokens, start, valid, prefix, _ = self._next_call(sim, False, spec=True)
-            key = (tokens.shape, plan, tuple(jax.tree.map(lambda x: (x.shape, x.dtype, str(x.sharding)), prefix)))
-            if key not in seen:
-                seen.add(key)
-                args = CallArgs(tokens, start, valid, cache, self.state, prefix)
-                drivers.driver(plan).precompile(ctx, plan, args)
-            for r in sim:
-                if r is not None and r.pending:
-                    call = r.pending.popleft()
-                    r.pos = call.start + call.valid[0]
+            call = self._next_call(sim, False, spec=True)
+            idle = b - len(call.took) if mixed else 0
+            for extra in range(idle + 1):
+                valid = call.valid.copy()
+                valid[[i for i in range(b) if i not in call.took][:extra]] = 1
+                plan = call.plan if extra == 0 else self.planner.plan(
+                    b, call.tokens.shape[1], int(valid.sum()), call.prefix, call.plan.opts.kv, False)
+                key = (call.tokens.shape, plan,
+                       tuple(jax.tree.map(lambda x: (x.shape, x.dtype, str(x.sharding)), call.prefix)))
+                if key not in seen:
+                    seen.add(key)
+                    args = CallArgs(call.tokens, call.start, valid, cache, self.state, call.prefix)
+                    drivers.driver(plan).precompile(ctx, plan, args)
+            self._moved(sim, call)
         if decode:
-            b = len(rows)
             plan = self.planner.plan(b, 1, b)
             args = CallArgs(np.zeros((b, 1), np.int32), np.zeros(b, np.int32), np.ones(b, np.int32), cache,
                             self.state)
@@ -403,25 +464,23 @@ class Engine:
         self._used_rows = set()
 
     def admit(self, prompt: Sequence[int], max_new_tokens: int = 1, kv_manager=None) -> int:
-        """Puts a request into a free row; returns the row. Its prefill runs in the coming :meth:`advance`
-        calls. With ``kv_manager`` (``ftjax.kv.prefix_cache.PrefixCache``) its stored prefix is looked up and
-        pinned now, loaded layer by layer during its first prefill call, and its new chunks stored when its
-        prefill ends; such a request takes row 0 (the layerwise KV hook's row).
+        """Puts a request into the lowest free row; returns the row. Its prefill runs in the coming
+        :meth:`advance` calls. With ``kv_manager`` (``ftjax.kv.prefix_cache.PrefixCache``) its stored prefix
+        is looked up and pinned now, loaded layer by layer during its first prefill call, and its new
+        chunks stored when its prefill ends (any row; one reusing row runs per call, see the module
+        docstring). Its pins are released when its prefill ends, by :meth:`release`, or when a call fails.
 
         Raises:
           ValueError: a bad prompt (empty, ids outside the vocabulary, longer than the cache with
-            ``max_new_tokens``); RuntimeError: no free row (or row 0 busy for a prefix-reuse request); no
-            rows opened (:meth:`open_rows`)."""
+            ``max_new_tokens``); RuntimeError: no free row; no rows opened (:meth:`open_rows`)."""
         if not self.rows:
             raise RuntimeError("no batch rows: call open_rows() first")
         problem = prompt_error(prompt, self.cfg.vocab_size, max_new_tokens, self.max_seq_len, "max_seq_len")
         if problem:
             raise ValueError(problem)
         free = [i for i, r in enumerate(self.rows) if r is None]
-        if kv_manager is not None:
-            free = [i for i in free if i == 0]
         if not free:
-            raise RuntimeError("no free batch row" + (" (a prefix-reuse request takes row 0)" if kv_manager else ""))
+            raise RuntimeError("no free batch row")
         i = free[0]
         self.rows[i] = self._row(prompt, kv_manager)
         if i in self._used_rows:  # a new sequence in a used row: its recurrent states start from zero
@@ -433,11 +492,12 @@ class Engine:
         """Whether any row has prefill calls left."""
         return any(r is not None and r.pending for r in self.rows)
 
-    def precompile(self) -> None:
+    def precompile(self, mixed: bool = False) -> None:
         """Compiles what the admitted rows' prefill and the decode step after it will run (outside any
-        timing; releases prefix-reuse pins if compiling fails)."""
+        timing; releases prefix-reuse pins if compiling fails). mixed: also the mixed calls of those prefill
+        calls with the other rows decoding (:meth:`advance` with tokens)."""
         try:
-            self._precompile(self.rows, self.cache)
+            self._precompile(self.rows, self.cache, mixed=mixed)
         except BaseException:
             for r in self.rows:
                 if r is not None:
@@ -445,25 +505,51 @@ class Engine:
             raise
 
     def advance(self, tokens=None, all_logits: bool = False) -> Advance:
-        """One step of the running rows: the next prefill call of every row still prefilling (merged into
-        one call), or, when none is, one decode step of every decoding row with ``tokens`` (int32 [B, 1],
-        a device array or numpy: each row's last token; entries of other rows are ignored). Returns the
-        :class:`Advance` (its logits on the device; nothing waits for them).
+        """One step of the running rows; returns the :class:`Advance` (its logits on the device).
+
+        * Some rows still prefill, ``tokens`` None: one merged call of their next prefill calls ("prefill");
+          the rows done prefilling wait (valid 0), as :meth:`generate` runs its prompts.
+        * Some rows still prefill, ``tokens`` given: one *mixed* call ("mixed"): the prefilling rows take
+          their next prefill chunk and every row done prefilling takes its last token at its position
+          (start = pos, valid = 1); the logits of such a row are those of its one token. The call is the
+          prefill program of the chunk's bucket, so a decoding row's time per token during an admission is
+          one prefill-chunk call (``EngineConfig.prefill_chunk`` bounds it).
+        * No row prefills: one decode step of every decoding row with ``tokens`` ("decode"; the decode
+          program, nothing waits for its logits).
+
+        tokens: int32 [B, 1] (a device array or numpy), each row's last token; entries of other rows are
+        ignored. A mixed call reads them on the host (it waits for a device array). Rows reusing a stored
+        prefix take turns (one per call, see the module docstring). If the call raises, every row's
+        prefix-reuse request is ended (pins released, nothing stored) and the KV cache was consumed:
+        release the rows (or :meth:`open_rows` again) before going on.
         Raises:
-          ValueError: a decode step without ``tokens``."""
+          ValueError: a decode step without ``tokens``, or tokens of another shape than [B, 1].
+        """
         rows = self.rows
+        last = None
+        if tokens is not None and self.prefilling():
+            last = np.asarray(tokens)
+            if last.shape != (len(rows), 1):
+                raise ValueError(f"tokens must be int32 [{len(rows)}, 1] (each row's last token), got "
+                                 f"shape {last.shape}")
+            last = last[:, 0].astype(np.int32)
         if self.prefilling():
             try:
-                out, valid, done = self._prefill_step(rows, self.cache, all_logits)
+                out, call = self._prefill_step(rows, self.cache, all_logits, last)
             except BaseException:
                 for r in rows:
                     if r is not None and r.kv_request is not None:
                         self._finish_kv(r, failed=True)
                 raise
             self.cache = out.cache
-            for i in done:
-                self._finish_kv(rows[i])
-            return Advance("prefill", out.logits, done, out.layer_stats, int(valid.sum()))
+            failed = {}
+            for i in call.done:
+                try:
+                    self._finish_kv(rows[i])
+                except Exception as err:  # noqa: BLE001 - that row's own work: reported, the call's rows go on
+                    failed[i] = f"{type(err).__name__}: {err}"[:500]
+            return Advance("mixed" if call.decoding else "prefill", out.logits, sorted(call.done + call.decoding),
+                           out.layer_stats, int(call.valid.sum()), failed)
         if tokens is None:
             raise ValueError("a decode step needs the rows' last tokens")
         live = np.array([r is not None for r in rows])
@@ -478,11 +564,11 @@ class Engine:
                        int(live.sum()))
 
     def release(self, row: int) -> None:
-        """Frees ``row`` (an unfinished prefix-reuse request's pins are released, nothing stored)."""
-        r = self.rows[row]
+        """Frees ``row`` (an unfinished prefix-reuse request's pins are released, nothing stored); the row is
+        free even if releasing the pins raises."""
+        r, self.rows[row] = self.rows[row], None
         if r is not None:
             self._finish_kv(r, failed=True)
-        self.rows[row] = None
 
     # ---- a batch prefill into a given cache -----------------------------------------------------------
     def prepare_prefill(self, prompts: Sequence[Sequence[int]], cache, kv_manager=None):
@@ -543,16 +629,16 @@ class Engine:
         logits, stats, pieces = None, [], []
         try:
             while any(r.pending for r in rows):
-                out, valid, done = self._prefill_step(rows, cache, all_logits)
+                out, call = self._prefill_step(rows, cache, all_logits)
                 cache = out.cache
                 stats.append(out.layer_stats)
                 if all_logits:
-                    pieces.append(out.logits[:, : int(valid.max())])
+                    pieces.append(out.logits[:, : int(call.valid.max())])
                 elif logits is None:
                     logits = out.logits
                 else:  # keep each sequence's logits from the call its prompt ends in
                     ends = np.zeros(len(rows), bool)
-                    ends[done] = True
+                    ends[call.done] = True
                     logits = keep_rows(ends, out.logits, logits)
         except BaseException:
             self._finish_kv(rows[0], failed=True)
@@ -566,7 +652,7 @@ class Engine:
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0, keep_logits: bool = False,
                  trace_routing: bool = False, time_steps: bool = False, kv_manager=None,
-                 eos_ids: Sequence[int] = ()) -> GenerationResult:
+                 eos_ids: Sequence[int] = (), top_k: int = 0) -> GenerationResult:
         """Prefill + decode up to ``max_new_tokens`` tokens for each prompt: every prompt admitted into a
         row of a fresh state, then :meth:`advance` until done.
 
@@ -584,6 +670,9 @@ class Engine:
         result and the engine's counters cover the steps up to the last token emitted
         (``step_logits`` has max(len(generated_ids[b])) steps), though its copies did move the slot
         table.
+        Sampling (``ftjax.sampling.sample``): ``temperature`` (0: greedy), ``top_p``, ``top_k`` (0: no
+        limit), one key from ``seed`` for the batch, taken as given (a checkpoint's defaults are applied
+        by the caller: ``LoadedModel.sampling_defaults.resolve``).
         """
         self.check_prompts(prompts, max_new_tokens)
         if kv_manager is not None and len(prompts) != 1:
@@ -597,7 +686,7 @@ class Engine:
         req = self.rows[0].kv_request
         self.precompile()
         try:
-            self._warm_sampling(b, temperature, top_p)
+            self._warm_sampling(b, temperature, top_p, top_k)
         except BaseException:
             self.release(0)
             raise
@@ -610,7 +699,7 @@ class Engine:
             ends = np.zeros(b, bool)
             ends[adv.rows] = True
             logits = adv.logits if logits is None else keep_rows(ends, adv.logits, logits)
-        tok, key = sample_next(logits, key, temperature, top_p)  # int32 [B, 1]
+        tok, key = sample_next(logits, key, temperature, top_p, top_k)  # int32 [B, 1]
         tok.block_until_ready()
         t_first = time.perf_counter()
         ttft = t_first - t0 + (req.lookup_s if req is not None else 0.0)
@@ -629,7 +718,7 @@ class Engine:
                         break
                 ts = time.perf_counter()
                 adv = self.advance(tok)
-                tok, key = sample_next(adv.logits, key, temperature, top_p)
+                tok, key = sample_next(adv.logits, key, temperature, top_p, top_k)
                 toks.append(tok)
                 decode_stats.append(adv.stats)
                 if keep_logits:
@@ -671,7 +760,7 @@ class Engine:
             stop_reasons=["eos" if d >= 0 else "length" for d in done_at], expert_cache=own.summary(eb),
             kv=req.record() if req is not None else None)
 
-    def _warm_sampling(self, batch: int, temperature: float, top_p: float) -> None:
+    def _warm_sampling(self, batch: int, temperature: float, top_p: float, top_k: int = 0) -> None:
         """Compiles the sampler and the key split outside the timed region. The dummy logits are
         committed to device memory like the step's output: an uncommitted argument is another
         jit cache entry, and the real call would compile again inside TTFT."""
@@ -679,7 +768,7 @@ class Engine:
         logits = memory.to_device(np.zeros((batch, self.cfg.vocab_size), np.float32))
         key = jax.random.key(0)
         for _ in range(2):  # a fresh key (the first draw), then a key the program returned (committed: its own entry)
-            tok, key = sample_next(logits, key, temperature, top_p)
+            tok, key = sample_next(logits, key, temperature, top_p, top_k)
         tok.block_until_ready()
         keep_rows(np.ones(batch, bool), logits, logits).block_until_ready()  # multi-chunk prefill
         self.programs.compile_s += time.perf_counter() - t0

@@ -22,7 +22,7 @@ from ftjax.experts import miss_policy, offload
 from ftjax.kernels import registry
 from ftjax.kernels.registry import KernelConfig
 from ftjax.kv.layerwise import KVStep
-from ftjax.sampling import sample
+from ftjax.sampling import sample, sample_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,13 +68,29 @@ def forward_step(params, banks, cache, state, tokens, start, valid_len, prefix, 
                                  kv_hook=hook)
 
 
-@functools.partial(jax.jit, static_argnames=("temperature", "top_p"))
-def sample_next(logits, key, temperature: float, top_p: float):
+@functools.partial(jax.jit, static_argnames=("temperature", "top_p", "top_k"))
+def sample_next(logits, key, temperature: float, top_p: float, top_k: int = 0):
     """(int32 [B, 1] the next tokens, shaped as the decode step's input; the next key): the key split, the
     draw (``ftjax.sampling.sample`` with a subkey) and the reshape in one program, one dispatch per decode
     step instead of three."""
     key, sub = jax.random.split(key)
-    return sample(logits, sub, temperature, top_p)[:, None], key
+    return sample(logits, sub, temperature, top_p, top_k)[:, None], key
+
+
+@jax.jit
+def sample_rows_next(logits, key_data, temperature, top_p, top_k):
+    """One draw per row with its own key and parameters (``ftjax.sampling.sample_rows``), in one program.
+
+    logits: float32 [B, V]; key_data: uint32 [B, 2], each row's key (``jax.random.key_data`` of a default
+    threefry key); temperature, top_p: float32 [B]; top_k: int32 [B]. Each row's key is split: the draw
+    uses one half, the other is the row's next key. Returns (int32 [B] tokens, uint32 [B, 2] next keys,
+    float32 [B] the log-probability of each token under the model's distribution, ``log_softmax(logits)``,
+    before temperature, top-k and top-p)."""
+    keys = jax.random.wrap_key_data(key_data)
+    pairs = jax.vmap(jax.random.split)(keys)  # [B, 2]
+    tokens = sample_rows(logits, pairs[:, 1], temperature, top_p, top_k)
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), tokens[:, None], axis=-1)
+    return tokens, jax.random.key_data(pairs[:, 0]), logprobs[:, 0]
 
 
 #: rows of ``new`` where ``mask`` [B] (numpy bool) is set, else of ``old`` ([B, V] logits)

@@ -1,0 +1,423 @@
+"""Continuous batching: requests join and leave the engine's batch rows between steps (issue 31).
+
+A :class:`Scheduler` drives one :class:`ftjax.Engine` through its request API (``open_rows`` /
+``admit`` / ``advance`` / ``release``; after jax-llm-examples' ``serving_loop.py``: ``add_request``,
+``serving_step``). Each :meth:`Scheduler.step`:
+
+1. admits waiting requests, first come first served, into free rows (``Engine.admit``; with a
+   ``kv_manager`` each looks up and pins its stored prefix, in whatever row it gets);
+2. runs one ``Engine.advance``: the next prefill chunk of every prefilling row together with one
+   token of every decoding row (one *mixed* call), or a decode step when no row prefills. A running
+   request's time per token while another is admitted is therefore one prefill-chunk call
+   (``EngineConfig.prefill_chunk`` bounds it);
+3. samples the rows that have a next-token distribution, each with its own parameters and PRNG key
+   (``ftjax.sampling.sample_rows``: a request's tokens depend on its seed, not on the batch around it);
+4. ends the requests that stopped (EOS or ``stop_token_ids``, a stop string, ``max_tokens``) and frees
+   their rows.
+
+Every row's logits are those of the request alone (up to float32 rounding: the calls' shapes differ), and
+the expert cache stays one global cache shared by the rows (DESIGN.md 1.1).
+
+Failures: an exception from the shared engine call ends every running request with an "error" event
+(the call consumed the batch's KV cache) and the scheduler opens fresh rows and goes on; an exception in
+one request's own work (storing its new KV chunks, checking its stop strings, admitting it) ends that
+request alone. Pins of the prefix cache are released when a request's prefill ends, when it is cancelled
+and when it fails.
+
+Not thread-safe: call it from one thread (the HTTP server's loop).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import numbers
+import time
+import uuid
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ftjax import memory
+from ftjax.runtime.plan import prompt_error
+from ftjax.runtime.step import sample_rows_next
+from ftjax.sampling import ResolvedSampling
+
+#: finished requests whose :class:`RequestStats` :meth:`Scheduler.stats` keeps (the most recent)
+STATS_KEPT = 1024
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """One request's generation parameters (checked by :meth:`Scheduler.submit`).
+
+    max_tokens: tokens to generate, >= 1. temperature (>= 0; 0: greedy), top_p (in (0, 1]), top_k (>= 0;
+    0: no limit): None takes the checkpoint's ``generation_config.json`` default
+    (``LoadedModel.sampling_defaults``; greedy when it gives none). seed: the request's PRNG seed, an int
+    in [0, 2**64) (None: a random one); the same seed and parameters give the same tokens in any batch.
+    stop_token_ids: ids that end the request, besides the checkpoint's EOS ids. stop: strings that end it
+    once the decoded completion contains one (needs ``Scheduler(detokenize=...)``). logprobs: report each
+    token's log-probability (``TokenEvent.logprob``).
+    """
+
+    max_tokens: int = 16
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    logprobs: bool = False
+
+
+class QueueFull(RuntimeError):
+    """:meth:`Scheduler.submit` with ``max_waiting`` requests already waiting."""
+
+
+@dataclasses.dataclass
+class TokenEvent:
+    """One output of :meth:`Scheduler.step` (or the final event of a :meth:`Scheduler.cancel`).
+
+    token_id: the generated token; None on a final event without one ("cancelled", "error").
+    finished: the request's last event. finish_reason: "stop" (the token is an EOS / stop token id, or
+    the completion now contains a stop string: the token is reported, a server leaves the stop text out),
+    "length" (``max_tokens`` reached), "cancelled", "error" (``error`` says what failed), None while it
+    runs. logprob: the token's log-probability under the model's distribution (``log_softmax`` of the
+    logits, before temperature, top-k and top-p) when the request asked for it.
+    """
+
+    request_id: str
+    token_id: int | None
+    finished: bool
+    finish_reason: str | None
+    error: str | None = None
+    logprob: float | None = None
+
+
+@dataclasses.dataclass
+class RequestStats:
+    """A finished request's figures (:meth:`Scheduler.stats`). Times in seconds.
+
+    prompt_tokens, completion_tokens; cached_tokens: prompt tokens reused from the prefix cache.
+    queued_s: from submit to admission into a row (to the end, for a request that never got one);
+    ttft_s: from submit to its first token (None without one); tpot_s: the time between each two
+    consecutive tokens (completion_tokens - 1 entries).
+    """
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    queued_s: float
+    ttft_s: float | None
+    tpot_s: list[float]
+
+
+@dataclasses.dataclass(eq=False)
+class _Request:
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    sampling: ResolvedSampling
+    key: np.ndarray  # uint32 [2]: the request's PRNG key (threefry key data), split at every token
+    stop_ids: frozenset
+    t_submit: float
+    row: int | None = None
+    t_admit: float | None = None
+    t_last: float | None = None
+    ttft: float | None = None
+    tpot: list = dataclasses.field(default_factory=list)
+    tokens: list = dataclasses.field(default_factory=list)
+    cached_tokens: int = 0
+
+
+def _key_data(seed: int) -> np.ndarray:
+    """uint32 [2]: the threefry key of ``seed`` in [0, 2**64) (``jax.random.key(seed)`` for seed < 2**32)."""
+    return np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32)
+
+
+class Scheduler:
+    """Continuous batching over ``engine`` (module docstring).
+
+    Args:
+      engine: an :class:`ftjax.Engine`; the scheduler owns its rows (``open_rows``) from now on.
+      max_batch: rows to run at once, in [1, ``EngineConfig.batch``] (default: the engine's batch).
+      max_waiting: most requests waiting for a row (>= 1); :meth:`submit` raises :class:`QueueFull` beyond.
+      kv_manager: a ``ftjax.kv.prefix_cache.PrefixCache``: every request reuses stored prompt prefixes and
+        stores its new full chunks.
+      detokenize: ``Callable[[list[int]], str]`` for stop strings (called with a request's completion ids).
+    Raises:
+      ValueError: max_batch or max_waiting out of range.
+    """
+
+    def __init__(self, engine, *, max_batch: int | None = None, max_waiting: int = 64, kv_manager=None,
+                 detokenize: Callable[[list[int]], str] | None = None):
+        n = engine.batch if max_batch is None else max_batch
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 1 <= n <= engine.batch:
+            raise ValueError(f"max_batch must be in [1, {engine.batch}] (EngineConfig.batch), got {max_batch!r}")
+        if isinstance(max_waiting, bool) or not isinstance(max_waiting, numbers.Integral) or max_waiting < 1:
+            raise ValueError(f"max_waiting must be an integer >= 1, got {max_waiting!r}")
+        self.engine, self.kv_manager, self.detokenize = engine, kv_manager, detokenize
+        self.max_batch, self.max_waiting = int(n), int(max_waiting)
+        self._defaults = engine.model.sampling_defaults
+        self._eos = frozenset(int(t) for t in engine.model.eos_token_ids)
+        self._queue: collections.deque[_Request] = collections.deque()
+        self._rows: list[_Request | None] = [None] * self.max_batch
+        self._active: dict[str, _Request] = {}
+        self._events: list[TokenEvent] = []  # final events of cancels, handed out by the next step
+        self._stats: collections.OrderedDict[str, RequestStats] = collections.OrderedDict()
+        self._counts = collections.Counter()
+        engine.open_rows(self.max_batch)
+        self._warm_sampler()
+
+    # ---- state -----------------------------------------------------------------------------------
+    @property
+    def running(self) -> int:
+        """Requests holding a row."""
+        return sum(r is not None for r in self._rows)
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a row."""
+        return len(self._queue)
+
+    def has_work(self) -> bool:
+        """Whether :meth:`step` has anything to do: requests waiting or running, or events to hand out."""
+        return bool(self._queue or self.running or self._events)
+
+    def stats(self, request_id: str) -> RequestStats | None:
+        """The figures of a finished request (the last :data:`STATS_KEPT`); None for one unknown, forgotten
+        or not finished."""
+        return self._stats.get(request_id)
+
+    # ---- requests ----------------------------------------------------------------------------------
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None) -> str:
+        """Queues a request; returns its id (``request_id``, or a new unique one). Nothing runs until
+        :meth:`step`.
+
+        Raises:
+          ValueError: a bad prompt (empty, an id that is not an int in [0, V)), prompt + ``max_tokens``
+            beyond the context (``EngineConfig.max_seq_len``), bad parameters, stop strings without
+            ``detokenize``, or an id already in use by a waiting or running request.
+          QueueFull: ``max_waiting`` requests already wait.
+        """
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        ids = list(prompt_ids)
+        if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in ids):
+            raise ValueError("prompt token ids must be integers")
+        mt = params.max_tokens
+        if isinstance(mt, bool) or not isinstance(mt, numbers.Integral) or mt < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {mt!r}")
+        cfg = self.engine.cfg
+        problem = prompt_error(ids, cfg.vocab_size, int(mt), self.engine.max_seq_len, "the context (max_seq_len)")
+        if problem:
+            raise ValueError(problem)
+        sampling = self._defaults.resolve(params.temperature, params.top_p, params.top_k)
+        seed = params.seed
+        if seed is None:
+            seed = int(np.random.default_rng().integers(0, 2**63))
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**64:
+            raise ValueError(f"seed must be an integer in [0, 2**64), got {params.seed!r}")
+        stop_ids = list(params.stop_token_ids)
+        if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0 for t in stop_ids):
+            raise ValueError(f"stop_token_ids must be integers >= 0, got {params.stop_token_ids!r}")
+        if isinstance(params.stop, str) or any(not isinstance(s, str) or not s for s in params.stop):
+            raise ValueError(f"stop must be a tuple of non-empty strings, got {params.stop!r}")
+        if params.stop and self.detokenize is None:
+            raise ValueError("stop strings need Scheduler(detokenize=...)")
+        rid = uuid.uuid4().hex if request_id is None else str(request_id)
+        if rid in self._active:
+            raise ValueError(f"request id {rid!r} is already in use")
+        if len(self._queue) >= self.max_waiting:
+            raise QueueFull(f"{len(self._queue)} requests already wait (max_waiting={self.max_waiting})")
+        req = _Request(rid, [int(t) for t in ids], params, sampling, _key_data(int(seed)),
+                       self._eos | {int(t) for t in stop_ids}, time.perf_counter())
+        self._queue.append(req)
+        self._active[rid] = req
+        self._counts["requests_submitted"] += 1
+        return rid
+
+    def cancel(self, request_id: str) -> None:
+        """Ends a waiting or running request: its row and its prefix-cache pins are freed now, and the next
+        :meth:`step` hands out its final "cancelled" event. An unknown or finished request: nothing."""
+        req = self._active.get(request_id)
+        if req is None:
+            return
+        if req.row is None:
+            self._queue.remove(req)
+        self._end(req, "cancelled", self._events)
+
+    # ---- one step ----------------------------------------------------------------------------------
+    def step(self) -> list[TokenEvent]:
+        """Admits waiting requests into free rows, runs one engine call, samples and stops (module
+        docstring). Returns the events of this step ([] when idle): per running request with a new
+        token, one event; final events of requests that ended."""
+        events, self._events = self._events, []
+        self._admit(events)
+        if not self.running:
+            return events
+        eng = self.engine
+        decoding = [r for r in self._rows if r is not None and r.tokens]
+        tokens = None
+        if decoding:
+            tokens = np.zeros((self.max_batch, 1), np.int32)
+            for r in decoding:
+                tokens[r.row, 0] = r.tokens[-1]
+        try:
+            adv = eng.advance(tokens)
+            if adv.kind == "decode":
+                eng.counters["decode"].add(adv.stats)
+        except Exception as err:  # noqa: BLE001 - the shared call: its rows fail, the scheduler goes on
+            self._fail_running(events, err)
+            return events
+        self._counts[f"engine_calls_{adv.kind}"] += 1
+        self._counts["steps"] += 1
+        reqs = [self._rows[i] for i in adv.rows if self._rows[i] is not None]
+        for i, msg in adv.failed.items():
+            if self._rows[i] is not None:
+                self._end(self._rows[i], "error", events, msg)
+        reqs = [r for r in reqs if r.row is not None]
+        if not reqs:
+            return events
+        try:
+            toks, keys, logprobs = self._sample(adv.logits, reqs)
+        except Exception as err:  # noqa: BLE001 - one draw for these rows: they fail together
+            for r in reqs:
+                self._end(r, "error", events, f"sampling failed: {type(err).__name__}: {err}")
+            return events
+        now = time.perf_counter()
+        for r in reqs:
+            try:
+                events.append(self._take(r, int(toks[r.row]), keys[r.row], float(logprobs[r.row]), now))
+            except Exception as err:  # noqa: BLE001 - this request's own work
+                self._end(r, "error", events, f"{type(err).__name__}: {err}")
+        return events
+
+    def _admit(self, events: list[TokenEvent]) -> None:
+        """Moves waiting requests into free rows; compiles what their calls need (mixed calls included)."""
+        admitted = False
+        while self._queue and None in self._rows:
+            req = self._queue.popleft()
+            try:
+                row = self.engine.admit(req.prompt, req.params.max_tokens, self.kv_manager)
+            except Exception as err:  # noqa: BLE001 - this request's own admission (its prefix lookup, say)
+                self._end(req, "error", events, f"admission failed: {type(err).__name__}: {err}")
+                continue
+            req.row, req.t_admit = row, time.perf_counter()
+            self._rows[row] = req
+            kv = self.engine.rows[row].kv_request
+            req.cached_tokens = kv.reused_tokens if kv is not None else 0
+            admitted = True
+        if admitted:
+            try:
+                self.engine.precompile(mixed=True)
+            except Exception as err:  # noqa: BLE001 - the rows' programs: every running request fails
+                self._fail_running(events, err)
+
+    def _sample(self, logits, reqs: list[_Request]):
+        """One draw for the rows of ``reqs`` (others drawn greedily and ignored): (tokens int32 [B], next keys
+        uint32 [B, 2], logprobs float32 [B]) on the host."""
+        b = self.max_batch
+        temp, top_p, top_k = np.zeros(b, np.float32), np.ones(b, np.float32), np.zeros(b, np.int32)
+        keys = np.zeros((b, 2), np.uint32)
+        for r in reqs:
+            temp[r.row], top_p[r.row], top_k[r.row] = r.sampling.temperature, r.sampling.top_p, r.sampling.top_k
+            keys[r.row] = r.key
+        out = sample_rows_next(logits, keys, temp, top_p, top_k)
+        return tuple(np.asarray(x) for x in out)
+
+    def _take(self, req: _Request, token: int, key: np.ndarray, logprob: float, now: float) -> TokenEvent:
+        """Records ``req``'s new token; returns its event (ending the request when it stops)."""
+        if req.tokens:
+            req.tpot.append(now - req.t_last)
+        else:
+            req.ttft = now - req.t_submit
+        req.t_last, req.key = now, key
+        req.tokens.append(token)
+        self._counts["tokens_generated"] += 1
+        reason = None
+        if token in req.stop_ids or (req.params.stop and self._stop_string(req)):
+            reason = "stop"
+        elif len(req.tokens) >= req.params.max_tokens:
+            reason = "length"
+        event = TokenEvent(req.id, token, reason is not None, reason,
+                           logprob=logprob if req.params.logprobs else None)
+        if reason is not None:
+            self._end(req, reason)
+        return event
+
+    def _stop_string(self, req: _Request) -> bool:
+        """Whether the decoded completion contains one of the request's stop strings (the whole completion
+        is decoded each token: a token's text can depend on the ones before it)."""
+        text = self.detokenize(list(req.tokens))
+        return any(s in text for s in req.params.stop)
+
+    # ---- ending requests ---------------------------------------------------------------------------
+    def _end(self, req: _Request, reason: str, events: list[TokenEvent] | None = None, error: str | None = None):
+        """Ends ``req``: frees its row (and pins), keeps its stats; appends a final event without a token to
+        ``events`` when given (cancel, error)."""
+        if req.row is not None:
+            row, req.row = req.row, None
+            self._rows[row] = None
+            try:
+                self.engine.release(row)
+            except Exception as err:  # noqa: BLE001 - the row is free either way; say why its pins may linger
+                error = error or f"release failed: {type(err).__name__}: {err}"
+        self._active.pop(req.id, None)
+        now = time.perf_counter()
+        queued = (req.t_admit if req.t_admit is not None else now) - req.t_submit
+        self._stats[req.id] = RequestStats(len(req.prompt), len(req.tokens), req.cached_tokens, queued, req.ttft,
+                                           list(req.tpot))
+        while len(self._stats) > STATS_KEPT:
+            self._stats.popitem(last=False)
+        self._counts[f"requests_finished_{reason}"] += 1
+        self._counts["prompt_tokens"] += len(req.prompt)
+        self._counts["cached_tokens"] += req.cached_tokens
+        if events is not None:
+            events.append(TokenEvent(req.id, None, True, reason, error=error))
+
+    def _fail_running(self, events: list[TokenEvent], err: BaseException) -> None:
+        """A shared call failed: every running request ends with an error, and the engine gets fresh rows
+        (the failed call consumed the KV cache)."""
+        self._counts["engine_calls_failed"] += 1
+        msg = f"engine call failed: {type(err).__name__}: {err}"[:1000]
+        for req in [r for r in self._rows if r is not None]:
+            self._end(req, "error", events, msg)
+        self.engine.open_rows(self.max_batch)
+
+    # ---- metrics -----------------------------------------------------------------------------------
+    def metrics(self) -> dict:
+        """Counters for a /metrics route, a flat dict of numbers: requests submitted / running / waiting /
+        finished (in all and by reason), prompt, cached and generated tokens, steps and engine calls by kind
+        (prefill, mixed, decode, failed); the expert cache's hits, misses, hit rate, fetched, H2D bytes and
+        extra copies (``Engine.counters``, since the engine was built); with a prefix cache its chunks hit,
+        missed, stored, evicted and skipped, bytes loaded and stored."""
+        c = self._counts
+        m = {"requests_submitted": c["requests_submitted"], "requests_running": self.running,
+             "requests_waiting": self.waiting,
+             "requests_finished": sum(c[f"requests_finished_{r}"] for r in FINISH_REASONS),
+             **{f"requests_finished_{r}": c[f"requests_finished_{r}"] for r in FINISH_REASONS},
+             "prompt_tokens": c["prompt_tokens"], "cached_tokens": c["cached_tokens"],
+             "tokens_generated": c["tokens_generated"], "steps": c["steps"],
+             **{f"engine_calls_{k}": c[f"engine_calls_{k}"] for k in ("prefill", "mixed", "decode", "failed")}}
+        eng = self.engine
+        total = eng.counters["prefill"] + eng.counters["decode"]
+        ec = total.summary(eng.model.expert_bytes)
+        m.update({f"expert_cache_{k}": ec[k] for k in ("hits", "misses", "hit_rate", "fetched", "cpu_computed",
+                                                         "bytes_h2d", "d2d_copies", "bytes_d2d")})
+        m["expert_cache_extra_copies"] = int(total.extra_copies)
+        if self.kv_manager is not None:
+            kv = self.kv_manager.metrics()
+            m.update({f"kv_{k}": kv[k] for k in ("chunks_hit", "chunks_missed", "chunks_stored", "chunks_evicted",
+                                                 "chunks_skipped", "bytes_loaded", "bytes_stored", "bytes_in_use")})
+        return m
+
+    # ---- compile outside the first request's time ------------------------------------------------------
+    def _warm_sampler(self) -> None:
+        """Compiles the row sampler for this batch (committed device logits, as the engine returns them)."""
+        b, v = self.max_batch, self.engine.cfg.vocab_size
+        logits = memory.to_device(np.zeros((b, v), np.float32))
+        out = sample_rows_next(logits, np.zeros((b, 2), np.uint32), np.zeros(b, np.float32), np.ones(b, np.float32),
+                               np.zeros(b, np.int32))
+        np.asarray(out[0])

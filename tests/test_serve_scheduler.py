@@ -1,0 +1,361 @@
+"""Continuous batching (``ftjax.serve.scheduler``) on the tiny preset: random weights, float32, the CPU.
+
+The claim: batching changes when a request's tokens are computed, never what they are. Under greedy
+decoding every request's tokens equal the same request run alone (``Engine.generate``, batch 1), and its
+logits agree within float32 rounding (the calls' shapes differ: 1e-5 of the largest |logit|), for
+several arrival patterns (all at once, staggered, admitted while others decode: mixed calls), batch
+sizes 1-3, prefill chunks of 4 and 16 tokens, and the experts resident, cached with S = E slots, or
+with 2E slots, where prefill calls of 4 tokens or more stream whole layers. No engine call compiles: a
+request's admission compiles what its calls need, mixed calls included. A prefix reused on row 1 is
+bit-identical to recomputing the same calls with the plain decoder (the engine's calls replayed through
+``model.forward`` at the same batch, the stored rows copied in where the hook loads them; as
+tests/test_kv_offload.py proves it for row 0). The hybrid family's reuse on row 1 (its linear states
+written into that row) is tested in tests/test_hybrid.py.
+
+Programs are shared: every engine uses the same shapes (prefill buckets of 16 tokens, S = 64).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ftjax import Engine, HostKVStore, PrefixCache
+from ftjax import model as model_lib
+from ftjax.checkpoint import random_model
+from ftjax.config import EngineConfig, KVOffloadConfig, preset
+from ftjax.experts import offload
+from ftjax.experts.state import init_expert_state
+from ftjax.sampling import SamplingDefaults
+from ftjax.serve import QueueFull, SamplingParams, Scheduler
+
+S = 64  # cache length
+C = 16  # tokens per stored KV chunk
+N = 5   # tokens per request
+_rng = np.random.default_rng(1)
+PROMPTS = [_rng.integers(0, 512, n).tolist() for n in (6, 3, 9)]
+SHARED = _rng.integers(0, 512, 2 * C).tolist()  # a prefix of two full chunks
+
+
+@functools.lru_cache(maxsize=None)
+def _model():
+    return random_model(preset("tiny"), "float32")
+
+
+def _engine(mode: str = "resident", batch: int = 2, chunk: int = 16, model=None) -> Engine:
+    model = model or _model()
+    e = model.cfg.num_experts
+    slots = {"resident": None, "cached": e, "stream": 2 * e}[mode]
+    # "stream": 2E slots, prefill "auto": a call streams whole layers when it has >= E / top_k = 4 tokens, so
+    # whether a chunk streams can depend on the decoding rows that join it (precompile(mixed=True) covers it)
+    return Engine(model, EngineConfig("resident" if mode == "resident" else "cached", num_slots=slots, max_seq_len=S,
+                                      batch=batch, prefill_chunk=chunk))
+
+
+@functools.lru_cache(maxsize=None)
+def _alone(prompt: tuple, n: int = N):
+    """(tokens, logits float32 [n, V]) of ``prompt`` run alone: Engine.generate, batch 1, greedy."""
+    res = _engine(batch=1).generate([list(prompt)], n, keep_logits=True)
+    return res.generated_ids[0], res.step_logits[:, 0]
+
+
+def _drive(sched: Scheduler, arrivals: dict, limit: int = 200):
+    """Runs ``sched`` until it has no work, submitting ``arrivals`` {step: [(id, prompt, params)]} before that
+    step; checks that no engine call compiles. Returns (events by id, the logits each request was sampled
+    from, by id)."""
+    eng = sched.engine
+    events, logits = collections.defaultdict(list), collections.defaultdict(list)
+    advance = eng.advance
+    compiling = []  # the kinds of the engine calls that compiled (an assert in here would become an error event)
+
+    def capture(*args, **kw):
+        compiled = eng.compile_s
+        adv = advance(*args, **kw)
+        if eng.compile_s != compiled:
+            compiling.append(adv.kind)
+        lg = np.asarray(adv.logits)
+        for i in adv.rows:
+            if sched._rows[i] is not None:
+                logits[sched._rows[i].id].append(lg[i])
+        return adv
+
+    eng.advance = capture
+    try:
+        step = 0
+        while step <= max(arrivals, default=0) or sched.has_work():
+            for rid, prompt, params in arrivals.get(step, ()):
+                sched.submit(prompt, params, rid)
+            for ev in sched.step():
+                events[ev.request_id].append(ev)
+            step += 1
+            assert step < limit
+    finally:
+        del eng.advance
+    assert not compiling, f"engine calls compiled: {compiling}"  # admission compiled them all (mixed ones too)
+    return events, logits
+
+
+def _tokens(evs) -> list[int]:
+    return [e.token_id for e in evs if e.token_id is not None]
+
+
+def _assert_alone(events, logits, rid, prompt, n=N):
+    want, want_logits = _alone(tuple(prompt), n)
+    assert _tokens(events[rid]) == want, rid
+    assert events[rid][-1].finished and events[rid][-1].finish_reason == "length"
+    got = np.stack(logits[rid])
+    np.testing.assert_allclose(got, want_logits, rtol=0, atol=1e-5 * float(np.abs(want_logits).max()))
+
+
+PATTERNS = {"together": (0, 0, 0), "staggered": (0, 1, 2), "while_decoding": (0, 4, 6)}
+
+
+@pytest.mark.parametrize("mode,batch,chunk", [
+    ("resident", 1, 16), ("resident", 2, 4), ("resident", 2, 16), ("resident", 3, 4), ("resident", 3, 16),
+    ("cached", 3, 4), ("stream", 2, 4)])
+def test_greedy_tokens_and_logits_equal_each_request_alone(mode, batch, chunk):
+    eng = _engine(mode, batch, chunk)
+    sched = Scheduler(eng)
+    for name, steps in PATTERNS.items():
+        arrivals = collections.defaultdict(list)
+        for j, step in enumerate(steps):
+            arrivals[step].append((f"{name}{j}", PROMPTS[j], SamplingParams(max_tokens=N)))
+        before = sched.metrics()
+        events, logits = _drive(sched, arrivals)
+        for j in range(3):
+            _assert_alone(events, logits, f"{name}{j}", PROMPTS[j])
+        m = sched.metrics()
+        if batch > 1 and name == "while_decoding":  # admitted while another decodes: a mixed call
+            assert m["engine_calls_mixed"] > before["engine_calls_mixed"]
+    assert m["requests_finished_length"] == 9 and m["tokens_generated"] == 9 * N and m["requests_running"] == 0
+    if mode == "stream":  # some prefill calls streamed whole layers (one extra layer copied per call)
+        assert m["expert_cache_extra_copies"] > 0
+    if mode == "cached":
+        assert m["expert_cache_misses"] > 0 and m["expert_cache_bytes_h2d"] > 0
+
+
+def test_admission_compiles_the_mixed_call_that_streams():
+    """On 2E slots a prefill call streams whole layers from E / top_k = 4 tokens: a 3-token prompt alone does
+    not, but admitted while another row decodes, its call has 4 tokens and streams. Admission compiled that
+    program too (``_drive`` checks that no engine call compiles; batch 3: programs no other test made)."""
+    e = _model().cfg.num_experts
+    sched = Scheduler(_engine("stream", 3, 4))
+    y = PROMPTS[1][::-1]
+    events, logits = _drive(sched, {0: [("x", PROMPTS[1], SamplingParams(max_tokens=N))],
+                                    2: [("y", y, SamplingParams(max_tokens=N))]})
+    m = sched.metrics()
+    assert m["engine_calls_mixed"] == 1 and m["expert_cache_extra_copies"] == e  # one streamed call: the mixed one
+    _assert_alone(events, logits, "x", PROMPTS[1])
+    _assert_alone(events, logits, "y", y)
+
+
+# ---- prefix reuse on any row ------------------------------------------------------------------------
+def _kv_manager(**kw) -> PrefixCache:
+    return PrefixCache(HostKVStore(10**8), KVOffloadConfig(chunk_tokens=C, prefill_chunk=C, **kw))
+
+
+@functools.lru_cache(maxsize=None)
+def _plain_forward(cfg):
+    def f(params, cache, state, tokens, start, valid):
+        return model_lib.forward(params, cfg, tokens, start, valid, cache,
+                                 offload.make_expert_fn("resident", cfg.num_experts), state)
+    return jax.jit(f)
+
+
+def test_prefix_reuse_on_row_1_is_bit_identical_to_recompute():
+    model = _model()
+    eng, mgr = _engine("resident", 2, C), _kv_manager()
+    sched = Scheduler(eng, kv_manager=mgr)
+    calls = []
+    run = eng._run
+
+    def record(plan, tokens, start, valid, cache, prefix=()):
+        out = run(plan, tokens, start, valid, cache, prefix)
+        calls.append((np.array(tokens), np.array(start), np.array(valid), plan.opts.kv, len(prefix),
+                      np.asarray(out.logits)))
+        return out
+
+    eng._run = record
+    p = SHARED + [7, 8]
+    b = SHARED + PROMPTS[0][:5]
+    events, logits = _drive(sched, {0: [("P", p, SamplingParams(max_tokens=2))],
+                                    4: [("A", PROMPTS[1], SamplingParams(max_tokens=N))],
+                                    5: [("B", b, SamplingParams(max_tokens=3))]})
+    del eng._run
+    assert sched.stats("B").cached_tokens == 2 * C and sched.stats("P").cached_tokens == 0
+    assert mgr.metrics()["chunks_hit"] == 2 and sched.metrics()["kv_chunks_stored"] == 2
+    assert all(mgr.store.pin_count(k) == 0 for k in mgr.keys(eng, p)[:2])  # unpinned when prefill ended
+    hook_calls = [c for c in calls if c[4]]
+    assert len(hook_calls) == 1 and hook_calls[0][3].row == 1 and hook_calls[0][2].tolist() == [1, 5]  # a mixed call
+    # replay every call through the plain decoder at batch 2; the loaded rows copied into row 1 first
+    cfg = model.cfg
+    chunks = np.concatenate([np.asarray(c) for c in mgr.store.get(mgr.keys(eng, p)[:2])], axis=2)
+    state = init_expert_state("resident", cfg.num_layers, cfg.num_experts, 0, model.banks, jnp.float32)
+    cache = model_lib.init_kv_cache(cfg, 2, S, jnp.float32)
+    for tokens, start, valid, kv, n_prefix, got in calls:
+        if n_prefix:
+            k, v = np.array(cache.k), np.array(cache.v)
+            k[:, kv.row, :2 * C], v[:, kv.row, :2 * C] = chunks[:, 0], chunks[:, 1]
+            cache = cache._replace(k=jnp.asarray(k), v=jnp.asarray(v))
+        out = _plain_forward(cfg)(model.params, cache, state, jnp.asarray(tokens), jnp.asarray(start),
+                                  jnp.asarray(valid))
+        cache = out.cache
+        for i in np.flatnonzero(valid):
+            np.testing.assert_array_equal(got[i], np.asarray(out.logits)[i])
+    np.testing.assert_array_equal(np.asarray(eng.cache.k)[:, 1, :len(b) + 2], np.asarray(cache.k)[:, 1, :len(b) + 2])
+    assert _tokens(events["B"]) == _alone(tuple(b), 3)[0]
+
+
+def _stored_prefix(sched: Scheduler) -> None:
+    """Runs a request that stores SHARED's two chunks."""
+    _drive(sched, {0: [("store", SHARED + [1], SamplingParams(max_tokens=1))]})
+
+
+def test_cancel_frees_the_row_and_the_pins():
+    eng, mgr = _engine("resident", 2, C), _kv_manager()
+    sched = Scheduler(eng, kv_manager=mgr)
+    _stored_prefix(sched)
+    keys = mgr.keys(eng, SHARED)
+    a, b = SHARED + PROMPTS[1], SHARED + PROMPTS[0][:4]
+    sched.submit(a, SamplingParams(max_tokens=N), "A")
+    sched.submit(b, SamplingParams(max_tokens=N), "B")
+    sched.submit(PROMPTS[2], SamplingParams(max_tokens=N), "W")  # waits: both rows busy
+    assert [mgr.store.pin_count(k) for k in keys] == [0, 0]
+    first = sched.step()  # both admitted and pinned; the hook serves row 0 (A); B waits a call
+    assert [e.request_id for e in first] == ["A"] and eng.rows[1].pos == 0 and eng.rows[1].prefilling
+    assert [mgr.store.pin_count(k) for k in keys] == [1, 1]  # A's prefill ended (unpinned), B's pins held
+    sched.cancel("B")
+    assert eng.rows[1] is None and sched.running == 1 and [mgr.store.pin_count(k) for k in keys] == [0, 0]
+    sched.cancel("W")  # a waiting request
+    assert sched.waiting == 0
+    sched.cancel("nobody")  # unknown: nothing
+    events, logits = _drive(sched, {0: [("C", PROMPTS[0], SamplingParams(max_tokens=N))]})
+    ends = {rid: evs[-1] for rid, evs in events.items()}
+    assert ends["B"].finish_reason == "cancelled" and ends["B"].token_id is None and ends["B"].finished
+    assert ends["W"].finish_reason == "cancelled" and sched.stats("W").completion_tokens == 0
+    assert _tokens(first + events["A"]) == _alone(tuple(a))[0]
+    _assert_alone(events, logits, "C", PROMPTS[0])
+    sched.cancel("A")  # finished: nothing
+    # a running request cancelled while decoding
+    sched.submit(PROMPTS[1], SamplingParams(max_tokens=N), "D")
+    sched.step(), sched.step()
+    sched.cancel("D")
+    assert sched.running == 0 and sched.step()[0].finish_reason == "cancelled" and not sched.has_work()
+    assert sched.stats("D").completion_tokens == 2 and sched.metrics()["requests_finished_cancelled"] == 3
+
+
+def test_failures_end_their_requests_and_release_the_pins():
+    eng, mgr = _engine("resident", 2, C), _kv_manager()
+    sched = Scheduler(eng, kv_manager=mgr)
+    _stored_prefix(sched)
+    keys = mgr.keys(eng, SHARED)
+    # the shared call fails: every running request ends with an error, pins released, fresh rows
+    sched.submit(PROMPTS[1], SamplingParams(max_tokens=N), "A")
+    sched.step()
+    sched.submit(SHARED + PROMPTS[0][:3], SamplingParams(max_tokens=N), "B")
+
+    def boom(*args, **kw):
+        raise RuntimeError("device fell over")
+
+    eng._run = boom
+    events = sched.step()
+    del eng._run
+    assert sorted((e.request_id, e.finish_reason, e.token_id) for e in events) == [("A", "error", None),
+                                                                                  ("B", "error", None)]
+    assert "device fell over" in events[0].error and sched.running == 0
+    assert [mgr.store.pin_count(k) for k in keys] == [0, 0] and sched.metrics()["engine_calls_failed"] == 1
+    # one request's own work fails (storing its new chunks; its stop strings): it alone ends
+    store_new = mgr._store_new
+
+    def failing_store(req, outs):
+        if req.keys:  # a request with full chunks to store
+            raise OSError("store full of bees")
+        return store_new(req, outs)
+
+    def detok(ids):
+        raise UnicodeError("cannot decode")
+
+    sched.detokenize, mgr._store_new = detok, failing_store
+    new = _rng.integers(0, 512, C + 2).tolist()  # a full new chunk to store
+    events, logits = _drive(sched, {0: [("S", new, SamplingParams(max_tokens=N)),
+                                        ("T", PROMPTS[2], SamplingParams(max_tokens=N, stop=("x",)))]})
+    mgr._store_new = store_new
+    assert events["S"][-1].finish_reason == "error" and "bees" in events["S"][-1].error
+    assert events["T"][-1].finish_reason == "error" and "cannot decode" in events["T"][-1].error
+    assert mgr.store.stats.num_pinned == 0
+    events, logits = _drive(sched, {0: [("U", PROMPTS[0], SamplingParams(max_tokens=N))]})  # still usable
+    _assert_alone(events, logits, "U", PROMPTS[0])
+
+
+# ---- sampling -----------------------------------------------------------------------------------------
+def test_seeds_reproduce_in_any_batch_and_top_k_1_is_greedy():
+    sched = Scheduler(_engine("resident", 3, 4))
+    sampled = SamplingParams(max_tokens=N, temperature=1.0, top_p=0.95, top_k=40, seed=7)
+    alone, _ = _drive(sched, {0: [("x", PROMPTS[0], sampled)]})
+    events, _ = _drive(sched, {0: [("a", PROMPTS[2], dataclasses.replace(sampled, seed=1))],
+                               1: [("x", PROMPTS[0], sampled), ("y", PROMPTS[0], sampled)],
+                               2: [("z", PROMPTS[0], dataclasses.replace(sampled, seed=8))]})
+    assert _tokens(events["x"]) == _tokens(events["y"]) == _tokens(alone["x"])
+    assert _tokens(events["z"]) != _tokens(events["x"])
+    assert _tokens(alone["x"]) != _alone(tuple(PROMPTS[0]))[0]  # it did sample
+    greedy, _ = _drive(sched, {0: [("k", PROMPTS[0], SamplingParams(max_tokens=N, temperature=1.0, top_k=1, seed=3,
+                                                                      logprobs=True))]})
+    assert _tokens(greedy["k"]) == _alone(tuple(PROMPTS[0]))[0]
+    logprobs = [e.logprob for e in greedy["k"]]
+    want = jax.nn.log_softmax(jnp.asarray(_alone(tuple(PROMPTS[0]))[1]), axis=-1)
+    np.testing.assert_allclose(logprobs, [float(want[i, t]) for i, t in enumerate(_tokens(greedy["k"]))], atol=1e-4)
+    assert all(e.logprob is None for e in events["x"])
+
+
+def test_generation_config_defaults_applied_and_overridden():
+    greedy = _alone(tuple(PROMPTS[0]))[0]
+    model = dataclasses.replace(_model(), sampling_defaults=SamplingDefaults(do_sample=True, temperature=1.0, top_k=1))
+    sched = Scheduler(_engine("resident", 2, 4, model=model))
+    events, _ = _drive(sched, {0: [("default", PROMPTS[0], SamplingParams(max_tokens=N, seed=5)),  # top_k 1: greedy
+                                   ("override", PROMPTS[0], SamplingParams(max_tokens=N, seed=5, top_k=0))]})
+    assert _tokens(events["default"]) == greedy and _tokens(events["override"]) != greedy
+    model = dataclasses.replace(_model(), sampling_defaults=SamplingDefaults(do_sample=False, temperature=3.0))
+    sched = Scheduler(_engine("resident", 2, 4, model=model))
+    events, _ = _drive(sched, {0: [("default", PROMPTS[0], SamplingParams(max_tokens=N, seed=5)),  # do_sample false
+                                   ("override", PROMPTS[0], SamplingParams(max_tokens=N, seed=5, temperature=3.0))]})
+    assert _tokens(events["default"]) == greedy and _tokens(events["override"]) != greedy
+    r = SamplingDefaults(do_sample=True, temperature=0.6, top_p=0.95, top_k=20).resolve(top_k=0)
+    assert (r.temperature, r.top_p, r.top_k) == (0.6, 0.95, 0)
+    assert r.from_checkpoint == ("do_sample", "temperature", "top_p") and r.overridden == ("top_k",)
+    assert "overridden: top_k" in r.describe()
+    assert SamplingDefaults().resolve().describe().startswith("sampling: greedy (no sampling defaults")
+
+
+def test_stop_tokens_stop_strings_and_submit_errors():
+    eng = _engine("resident", 2, 4)
+    want = _alone(tuple(PROMPTS[0]))[0]
+    with pytest.raises(ValueError, match="detokenize"):
+        Scheduler(eng).submit([1], SamplingParams(stop=("a",)))
+    sched = Scheduler(eng, max_waiting=2, detokenize=lambda ids: "".join(f"<{t}>" for t in ids))
+    events, _ = _drive(sched, {0: [("t", PROMPTS[0], SamplingParams(max_tokens=N, stop_token_ids=(want[1],))),
+                                   ("s", PROMPTS[0], SamplingParams(max_tokens=N, stop=(f"<{want[2]}>",)))]})
+    assert _tokens(events["t"]) == want[:want.index(want[1]) + 1] and events["t"][-1].finish_reason == "stop"
+    assert _tokens(events["s"]) == want[:want.index(want[2]) + 1] and events["s"][-1].finish_reason == "stop"
+    for prompt, params, match in [
+            ([], SamplingParams(), "empty"), ([1, 512], SamplingParams(), "outside the vocabulary"),
+            ([1.5], SamplingParams(), "integers"), ([1] * 60, SamplingParams(max_tokens=5), "exceeds the context"),
+            ([1], SamplingParams(max_tokens=0), "max_tokens"), ([1], SamplingParams(temperature=-1.0), "temperature"),
+            ([1], SamplingParams(top_p=0.0), "top_p"), ([1], SamplingParams(top_k=-1), "top_k"),
+            ([1], SamplingParams(seed=-1), "seed"), ([1], SamplingParams(stop=("",)), "stop")]:
+        with pytest.raises(ValueError, match=match):
+            sched.submit(prompt, params)
+    sched.submit([1, 2], SamplingParams(max_tokens=1), "q")
+    with pytest.raises(ValueError, match="already in use"):
+        sched.submit([1, 2], SamplingParams(), "q")
+    sched.submit([1, 2], SamplingParams(max_tokens=1))
+    with pytest.raises(QueueFull):
+        sched.submit([1, 2], SamplingParams())
+    with pytest.raises(ValueError, match="max_batch"):
+        Scheduler(eng, max_batch=3)
+

@@ -15,8 +15,9 @@ Every ``--sample_every`` requests (and before the first, after a warm-up) it rec
 memory (``VmRSS``), Python's allocated blocks, the number of live objects of the server's per-request types
 (``_Job``, ``_Route``, ``Item``, ``asyncio.Queue``) and of all gc-tracked objects, the server's tracked
 requests and the scheduler's running / waiting counts. The JSON (``write_json``) holds these ``samples``,
-the status counts, latency spreads (seconds) by kind, and ``growth``: the last sample less the first
-(after the warm-up), so that a leak shows as a per-request slope. The run fails (exit 1) when requests are
+the status counts, latency spreads (seconds) by kind, ``growth``: the last sample less the first (after the
+warm-up), and ``steady_growth_per_request``: the slope from the end of the first interval on (programs first
+met in the first interval are compiled by then), where a leak shows. The run fails (exit 1) when requests are
 still tracked at the end or a request got an unexpected status.
 """
 
@@ -55,8 +56,9 @@ flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
 flags.DEFINE_string("name", None, "Result file name (default serve_soak_<model>_<requests>req_<device>_<date>.json).")
 flags.DEFINE_string("note", None, "A line kept in the JSON (what the run had on top of its commit, say).")
 
-#: The server's per-request types whose live instances are counted.
-PER_REQUEST_TYPES = ("_Job", "_Route", "Item")
+#: Per-request types whose live instances are counted: the server's, and the scheduler's records (it keeps
+#: the RequestStats of its most recent finished requests, a bounded number).
+PER_REQUEST_TYPES = ("_Job", "_Route", "Item", "TokenEvent", "RequestStats")
 
 
 def _rss_mb() -> float | None:
@@ -174,6 +176,10 @@ def run() -> dict:
     growth = {k: (last[k] - first[k]) if isinstance(last[k], (int, float)) and first[k] is not None else None
               for k in first if k != "requests_done"}
     per_request = {k: v / FLAGS.requests for k, v in growth.items() if v is not None}
+    # from the end of the first interval on (programs first met in it compiled by then)
+    steady = {k: (last[k] - samples[1][k]) / max(1, last["requests_done"] - samples[1]["requests_done"])
+              for k in first if k != "requests_done" and isinstance(last[k], (int, float))
+              and samples[1][k] is not None} if len(samples) > 2 else {}
     meta = common.meta()
     out = {"model": str(model.name), "engine": engine.describe(), "memory_plan": plan.as_dict() if plan else None,
            "scheduler": {"module": type(scheduler).__module__, "max_batch": FLAGS.max_batch,
@@ -182,7 +188,7 @@ def run() -> dict:
            "requests_per_s": FLAGS.requests / wall_s, "statuses": dict(statuses),
            "unexpected_statuses": unexpected[:20],
            "latency_s": {k: common.spread(v) for k, v in latency.items()}, "samples": samples,
-           "growth": growth, "growth_per_request": per_request,
+           "growth": growth, "growth_per_request": per_request, "steady_growth_per_request": steady,
            "metrics": {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in metrics.splitlines()
                        if ln and not ln.startswith("#") and "_bucket" not in ln},
            "note": FLAGS.note, "meta": meta}

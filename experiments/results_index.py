@@ -285,6 +285,14 @@ def _ab_slot_table(d: dict) -> str:
     return f"LRU at 98% hits: rank {by['rank']:.1f} vs sort {_num(by.get('sort'), '.1f')} us per layer"
 
 
+def _serve_soak(d: dict) -> str:
+    steady = d.get("steady_growth_per_request") or {}
+    last = (d.get("samples") or [{}])[-1]
+    return (f"{d['requests']} requests, {d['requests_per_s']:.1f}/s; {last.get('tracked', '-')} tracked at the end; "
+            f"after the first interval RSS {_num(steady.get('rss_mb'), '+.3f')} MB and "
+            f"{_num(steady.get('live__Job'), '+.2f')} server request records per request")
+
+
 HEADLINES = {
     "bench_decode": _bench_decode,
     "bench_prefill": _bench_prefill,
@@ -300,6 +308,7 @@ HEADLINES = {
     "policy_study": _policy_study,
     "probe_h2d": _probe_h2d,
     "ab_slot_table": _ab_slot_table,
+    "serve_soak": _serve_soak,
 }
 
 

@@ -32,25 +32,15 @@ import json
 import os
 import sys
 import tempfile
-import warnings
 
 from absl import app, flags, logging
 
-# Flag choices come from the code's own registries (importing them does not start a JAX backend).
-from ftjax.config import (CACHE_POLICIES, CPU_EXPERT_IMPLS, EXPERT_MODES, KV_LOADS, MATMUL_PRECISIONS, MISS_POLICIES,
-                          PREFILL_DRIVERS, PREFILL_MODES, PREFIX_COPIES, EngineConfig, KVOffloadConfig,
-                          MissPolicyConfig)
-from ftjax.experts.quant import FORMATS as EXPERT_FORMATS
-from ftjax.experts.policies import describe as describe_cache_policies
-from ftjax.kernels.registry import (DECODE_GEMMS, DECODE_GRAPHS, FLASH_PREFILLS, GROUPED_MATMULS, SLOT_ORDERS,
-                                    KernelConfig)
+from ftjax import engine_flags
+from ftjax.engine_flags import UserError
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("checkpoint", None, "HF checkpoint directory (config.json + safetensors). "
-                    "Absent: the trained demo model ftjax/assets/stdlib_moe if present, else random "
-                    "weights at preset 'tiny'.")
-flags.DEFINE_string("preset", None, "Random weights at a preset's real shape instead of a checkpoint "
-                    "(qwen3-30b-a3b, olmoe-1b-7b, mixtral-8x7b, qwen3.5-35b-a3b, tiny, tiny-hybrid).")
+# The model, expert-cache, quantization, kernel, miss-policy and KV-offload flags (shared with ftjax.serve).
+engine_flags.define_flags()
 flags.DEFINE_string("prompt", None, "Prompt text (needs tokenizer.json in the checkpoint).")
 flags.DEFINE_list("prompt_ids", None, "Prompt token ids, comma separated.")
 flags.DEFINE_integer("prompt_len", None, "A random prompt of this many tokens (any model; without a prompt flag the "
@@ -62,100 +52,16 @@ flags.DEFINE_float("temperature", None, "Sampling temperature; 0 = greedy. Defau
 flags.DEFINE_float("top_p", None, "Nucleus sampling mass in (0, 1]. Default: the checkpoint's, else 1.")
 flags.DEFINE_integer("top_k", None, "Keep the k most likely tokens; 0 = no limit. Default: the checkpoint's, "
                      "else 0.")
-flags.DEFINE_integer("seed", 0, "Sampling / random-weight seed.")
-flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "float16"], "Compute dtype; default the checkpoint's.")
-flags.DEFINE_enum("expert_dtype", None, list(EXPERT_FORMATS),
-                  "Storage format of the routed experts (host banks and slot pools), quantized after loading by "
-                  "round to nearest: bfloat16, int8 (per output channel), int4 (groups of 64 inputs, packed), fp8 "
-                  "(e4m3, 128x128 blocks); docs/QUANTIZATION.md. Default: the compute dtype, or fp8 for an fp8 "
-                  "checkpoint (whose experts load as they are)."),
 flags.DEFINE_integer("max_seq_len", None, "KV cache length; default prompt + new tokens rounded up to 128.")
-flags.DEFINE_enum("experts", "auto", ["auto", *EXPERT_MODES],
-                  "Where experts live: auto = resident if the pool fits the budget, else cached.")
-flags.DEFINE_integer("expert_slots", None, "Device expert slots S (E <= S <= L*E).")
-flags.DEFINE_enum("cache_policy", "lru", list(CACHE_POLICIES),
-                  "Slot eviction policy (ftjax/experts/policies/, one module each): " + describe_cache_policies())
-flags.DEFINE_float("vram_budget_gb", None, "Device memory budget in GB (1e9 bytes) to plan slots from.")
 flags.DEFINE_string("metrics_json", None, "Write metrics (ids, TTFT, tokens/s, expert_cache) to this file.")
 flags.DEFINE_string("logits_npy", None, "Write float32 [steps, vocab] logits of every generated step (of the first "
                     "sequence: one step per token it emitted, none after its EOS).")
 flags.DEFINE_string("trace_routing", None, "Write routed expert ids per step and layer (.npz): the prefill, then each "
                     "decode step up to the last token emitted.")
-flags.DEFINE_boolean("progress", True, "Show a progress bar while loading.")
-flags.DEFINE_enum("prefill", "auto", list(PREFILL_MODES),
-                  "Prefill expert loading: stream whole layers through two full-layer buffers (on the scan "
-                  "driver: 2E borrowed slots; on the pipelined driver: two buffers of its own), "
-                  "only the routed experts through the cache, or auto (stream when it fits and pays).")
-flags.DEFINE_integer("prefill_chunk", 8192, "Prompts longer than this many tokens are prefilled in chunks.")
-flags.DEFINE_enum("prefill_driver", "auto", list(PREFILL_DRIVERS),
-                  "How prefill calls run their layers: one scan program, or one program per layer with the next "
-                  "layer's host copies issued from Python (auto: pipelined for streamed calls on a GPU).")
-flags.DEFINE_boolean("prefill_overlap", True, "Copy layer l+1's experts while layer l computes; "
-                     "--noprefill_overlap (alias --no_prefill_overlap) is the serial ablation.")
-flags.DEFINE_boolean("stream_d2d_hits", True, "A streamed prefill layer on the pipelined driver copies its experts "
-                     "that sit in the slot cache device to device and only the others over PCIe (same logits); "
-                     "--nostream_d2d_hits copies every expert over PCIe.")
-flags.DEFINE_enum("prefix_copy", "put", list(PREFIX_COPIES),
-                  "How a prefill call on the pipelined driver copies a reused prefix's next layer to the device "
-                  "(--kv_offload): put = one device_put from Python of the chunks' rows of --prefix_copy_layers "
-                  "layers, a group ahead; in_program = each layer's program copies the next layer's slices itself "
-                  "(slower on the H200) (EngineConfig.prefix_copy; docs/OVERLAP.md).")
-flags.DEFINE_integer("prefix_copy_layers", 4, "With --prefix_copy=put: layers whose prefix rows one device_put moves, "
-                     "a group ahead (the largest divisor of the layer count not above it; "
-                     "EngineConfig.prefix_copy_layers).", lower_bound=1)
-flags.DEFINE_string("prompts_file", None, "JSON lines (UTF-8, a byte-order mark allowed; blank lines skipped), each "
-                    "{\"prompt_ids\": [...]} or {\"prompt\": \"...\"}: requests run in order in this process "
-                    "(batch 1), after every line was checked (an error names the file and line; nothing runs).")
-flags.DEFINE_boolean("kv_offload", False, "Keep full chunks of prompt KV in host memory and reuse a stored "
-                     "prefix (layerwise load in the prefill scan).")
-flags.DEFINE_float("kv_host_gb", 4.0, "Host memory for stored KV chunks, in GB (1e9 bytes).")
-flags.DEFINE_integer("kv_chunk_tokens", 256, "Tokens per stored KV chunk.")
-flags.DEFINE_enum("kv_load", "prefetch", list(KV_LOADS),
-                  "How a reused prefix reaches the device: in the scan with the next layer prefetched, "
-                  "in the scan as scan xs, or all layers before the prefill (ablation).")
-flags.DEFINE_enum("miss_policy", "fetch", list(MISS_POLICIES),
-                  "Expert-cache misses: copy them to the device (fetch), compute them on the host CPU (cpu), "
-                  "or split each layer's misses by the calibrated cost model (adaptive: q* with fixed costs and the "
-                  "measured overlap; docs/MISS_POLICY.md). DESIGN.md 1.2.")
-flags.DEFINE_enum("cpu_expert_impl", "callback_async", list(CPU_EXPERT_IMPLS),
-                  "How misses are computed on the CPU (ftjax.experts.cpu_experts).")
-flags.DEFINE_integer("cpu_threads", 0, "Host-kernel threads of the callback mechanisms; 0 = the profile's or "
-                     "half the cores.")
-flags.DEFINE_string("calibration_profile", None, "Calibration profile JSON (ftjax.calibrate); default "
-                    "~/.cache/ftjax/calibration.json. Adaptive calibrates quickly and adds to it when missing.")
-flags.DEFINE_enum("matmul_precision", "auto", list(MATMUL_PRECISIONS),
-                  "Precision of the step's matmuls: auto = full float32 ('highest') for --dtype=float32 and the "
-                  "backend's fast default for 16-bit dtypes (on GPUs float32 dots otherwise run as TF32).")
-flags.DEFINE_enum("decode_gemm", "auto", list(DECODE_GEMMS),
-                  "GEMMs of the decode programs on a GPU: xla = XLA's Triton GEMM fusions (they copy each layer's "
-                  "weight slices first); cublas = cuBLAS reading them in place, dot merger off; auto = cublas on a "
-                  "GPU in bf16/fp16 (KernelConfig.decode_gemm; docs/PROFILE.md).")
-flags.DEFINE_enum("decode_graphs", "auto", list(DECODE_GRAPHS),
-                  "Decode programs on a GPU as CUDA graphs whose loops stay on the device (XLA command buffers "
-                  "with WHILE and CONDITIONAL): on, off, or auto = on for --experts cached/on_demand when a step "
-                  "fetches every miss (its miss copies loop a data-dependent number of times; not with CPU experts) "
-                  "(KernelConfig.decode_graphs; docs/PROFILE.md).")
-flags.DEFINE_string("kernels", "auto", "Pallas kernels to run: auto (each where it applies and was measured faster: "
-                    "on a GPU), xla (the plain-JAX references everywhere), interpret (every kernel in Pallas interpret "
-                    "mode), or a comma list of kernel names (ftjax.kernels.registry; a kernel asked for by name that "
-                    "applies to no program is reported).")
-flags.DEFINE_list("kernel_tiles", [], "Tile overrides, name:ints with the ints separated by '/', e.g. "
-                  "dense_decode:64/128/0/0,moe_decode:64/64/0/0 (KernelConfig.tiles).")
-flags.DEFINE_enum("grouped_matmul", "auto", list(GROUPED_MATMULS), "The prefill expert matmul: the Mosaic GPU kernel "
-                  "where it runs (auto), always (mgpu), or ragged_dot (xla).")
-flags.DEFINE_enum("flash_prefill", "pallas", list(FLASH_PREFILLS), "Flash attention of prefill: the Pallas kernel, "
-                  "or jax's Mosaic GPU attention for calls starting at 0.")
-flags.DEFINE_enum("slot_order", "auto", list(SLOT_ORDERS), "How the slot table finds the slots misses take (every "
-                  "one gives the same table; auto: rank on an accelerator, sort on the CPU).")
-flags.DEFINE_integer("min_dot_rows", None, "Rows a one-row dense projection is padded to (default 4 on a GPU, 0 "
-                     "elsewhere).", lower_bound=0)
 flags.DEFINE_boolean("ignore_eos", False, "Generate --max_new_tokens tokens even past the checkpoint's EOS id(s) "
                      "(benchmarks).")
-flags.DEFINE_integer("fixed_fetch", None, "Adaptive: fetch min(N, misses) per layer instead of the calibrated split.")
 
 
-class UserError(Exception):
-    """Bad input: printed as one line, exit status 1."""
 
 
 def _atomic_write(path: str, write) -> None:
@@ -178,38 +84,14 @@ def _atomic_write(path: str, write) -> None:
 
 
 # The default demo: the trained model (experiments/train_moe.py) and a prompt it continues.
-DEFAULT_CHECKPOINT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "stdlib_moe")
+DEFAULT_CHECKPOINT = engine_flags.DEFAULT_CHECKPOINT
 DEFAULT_PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n"
 
 
-def _default_checkpoint() -> str | None:
-    """DEFAULT_CHECKPOINT when no --checkpoint / --preset is given and it exists, else None."""
-    if FLAGS.checkpoint or FLAGS.preset or not os.path.isfile(os.path.join(DEFAULT_CHECKPOINT, "config.json")):
-        return None
-    return DEFAULT_CHECKPOINT
-
-
 def _load_model():
-    from ftjax.checkpoint import CheckpointWarning, load_checkpoint, random_model
-    from ftjax.config import preset
-    if FLAGS.checkpoint and FLAGS.preset:
-        raise UserError("give --checkpoint or --preset, not both")
-    ckpt = FLAGS.checkpoint or _default_checkpoint()
-    if ckpt:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", CheckpointWarning)
-            model = load_checkpoint(ckpt, FLAGS.dtype, progress=FLAGS.progress, expert_dtype=FLAGS.expert_dtype)
-        for w in caught:  # what the checkpoint has that is ignored: one line each
-            if issubclass(w.category, CheckpointWarning):
-                print(f"ftjax.generate: warning: {w.message}", file=sys.stderr)
-            else:
-                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-        return model
-    model = random_model(preset(FLAGS.preset or "tiny"), FLAGS.dtype, seed=FLAGS.seed)
-    if FLAGS.expert_dtype is not None:
-        from ftjax.experts.quant import quantize_banks
-        model.banks = quantize_banks(model.banks, FLAGS.expert_dtype)
-    return model
+    """The model of the flags (``engine_flags.load_model``), the demo being this module's DEFAULT_CHECKPOINT;
+    what the checkpoint has that is ignored is printed as one warning line each."""
+    return engine_flags.load_model(DEFAULT_CHECKPOINT, program="ftjax.generate")
 
 
 def _prompt_ids(model) -> list[int]:
@@ -339,15 +221,7 @@ def _run_metrics(model, engine, plan, sampling) -> dict:
 
 def _run_requests(model, engine, plan, prompts: list[list[int]], eos, sampling) -> dict:
     """Runs the requests one after another (batch 1), with prefix reuse when --kv_offload."""
-    from ftjax.runtime.planner import GB
-    from ftjax.kv.host_store import HostKVStore
-    from ftjax.kv.prefix_cache import PrefixCache
-    manager = None
-    if FLAGS.kv_offload:
-        c = FLAGS.kv_chunk_tokens
-        manager = PrefixCache(HostKVStore(int(FLAGS.kv_host_gb * GB)),
-                              KVOffloadConfig(chunk_tokens=c, load=FLAGS.kv_load,
-                                              prefill_chunk=max(c, FLAGS.prefill_chunk // c * c)))
+    manager = engine_flags.kv_manager()
     requests, results = [], []
     for i, p in enumerate(prompts):
         res = engine.generate([p], FLAGS.max_new_tokens, sampling.temperature, sampling.top_p, FLAGS.seed,
@@ -381,90 +255,17 @@ def _run_requests(model, engine, plan, prompts: list[list[int]], eos, sampling) 
     return metrics
 
 
-def _plan(model, max_seq_len: int, prompts: list[list[int]]):
-    """Chooses the experts mode and slot count (``ftjax.runtime.planner.plan_run``); returns (mode, plan or
-    None). With --vram_budget_gb the workspace is measured on the compiled steps of these ``prompts``, so
-    that the plan is never below the run's peak. Without a budget or slots, a checkpoint runs resident and
-    the demo or a preset keeps a cache of 2E slots, smaller than its pool, so that the mechanism shows."""
-    from ftjax.runtime.planner import GB, plan_run
-    cfg = model.cfg
-    if FLAGS.expert_slots is not None and FLAGS.vram_budget_gb is not None:
-        raise UserError("give --expert_slots or --vram_budget_gb, not both")
-    mode, slots = FLAGS.experts, FLAGS.expert_slots
-    if mode == "resident" and slots is not None:
-        print(f"note: --experts=resident keeps all {cfg.num_layers * cfg.num_experts} experts on the device; "
-              f"--expert_slots={slots} ignored")
-        slots = None
-    if slots is None and FLAGS.vram_budget_gb is None and not (mode == "resident" or
-                                                                (mode == "auto" and FLAGS.checkpoint)):
-        slots = min(2 * cfg.num_experts, cfg.num_layers * cfg.num_experts)
-    budget = int(FLAGS.vram_budget_gb * GB) if FLAGS.vram_budget_gb is not None else None
-    base = _engine_config("cached", min(2 * cfg.num_experts, cfg.num_layers * cfg.num_experts), max_seq_len,
-                          note=False)
-    config, plan = plan_run(model, base, prompts, budget_bytes=budget, slots=slots, mode=mode)
-    return config.experts, plan
-
-
-def _kernel_config() -> KernelConfig:
-    """The run's KernelConfig from the kernel flags.
-    Raises:
-      UserError: a malformed --kernel_tiles entry."""
-    tiles = {}
-    for entry in FLAGS.kernel_tiles:
-        name, _, ints = entry.partition(":")
-        try:
-            tiles[name.strip()] = tuple(int(v) for v in ints.split("/"))
-        except ValueError:
-            raise UserError(f"--kernel_tiles entry {entry!r}: expected name:int/int/...") from None
-    return KernelConfig(use=FLAGS.kernels, tiles=tiles, grouped_matmul=FLAGS.grouped_matmul,
-                        flash_prefill=FLAGS.flash_prefill, slot_order=FLAGS.slot_order, min_dot_rows=FLAGS.min_dot_rows,
-                        decode_gemm=FLAGS.decode_gemm, decode_graphs=FLAGS.decode_graphs)
-
-
-def _miss_config(mode: str) -> MissPolicyConfig:
-    """The run's MissPolicyConfig from the flags (a resident run has no misses: the policy is then
-    fetch, with a note)."""
-    if FLAGS.miss_policy != "fetch" and mode == "resident":
-        print(f"note: all experts are resident, so there are no misses; --miss_policy={FLAGS.miss_policy} ignored")
-        return MissPolicyConfig()
-    return MissPolicyConfig(FLAGS.miss_policy, FLAGS.cpu_expert_impl, FLAGS.cpu_threads, FLAGS.fixed_fetch,
-                            calibration_profile=FLAGS.calibration_profile)
-
-
-def _engine_config(mode: str, slots: int | None, max_seq_len: int, note: bool = True) -> EngineConfig:
-    """The run's EngineConfig from the flags (a resident run has nothing to stream: --prefill=stream
-    then prefills as auto does, with a note)."""
-    prefill = FLAGS.prefill
-    if mode == "resident" and prefill == "stream":
-        if note:
-            print("note: all experts are resident, so there is nothing to stream; --prefill=stream ignored")
-        prefill = "auto"
-    return EngineConfig(mode, num_slots=slots, max_seq_len=max_seq_len, batch=FLAGS.batch, prefill=prefill,
-                        prefill_chunk=FLAGS.prefill_chunk, prefill_overlap=FLAGS.prefill_overlap,
-                        prefill_driver=FLAGS.prefill_driver, stream_d2d_hits=FLAGS.stream_d2d_hits,
-                        prefix_copy=FLAGS.prefix_copy, prefix_copy_layers=FLAGS.prefix_copy_layers,
-                        cache_policy=FLAGS.cache_policy, matmul_precision=FLAGS.matmul_precision,
-                        kernels=_kernel_config(), miss=_miss_config(mode) if note else MissPolicyConfig())
-
-
 def _check_flags() -> None:
     """Rejects flag values that would fail late or silently (before any model is loaded, so a
     bad output path costs nothing and no output is half-written)."""
-    import math
-
     from ftjax.sampling import check_sampling
     try:
         check_sampling(0.0 if FLAGS.temperature is None else FLAGS.temperature,
                        1.0 if FLAGS.top_p is None else FLAGS.top_p, 0 if FLAGS.top_k is None else FLAGS.top_k)
     except ValueError as e:
         raise UserError(f"need a finite --temperature >= 0, 0 < --top_p <= 1 and --top_k >= 0: {e}") from None
-    for name in ("vram_budget_gb", "kv_host_gb"):
-        v = FLAGS[name].value
-        if v is not None and not (math.isfinite(v) and v >= 0):
-            raise UserError(f"--{name} must be a finite number >= 0, got {v}")
-    if not 0 <= FLAGS.seed < 2**32:
-        raise UserError(f"--seed must be in [0, 2^32), got {FLAGS.seed}")
-    for name in ("prompt_len", "max_seq_len", "expert_slots", "prefill_chunk"):
+    engine_flags.check_flags()
+    for name in ("prompt_len", "max_seq_len"):
         v = FLAGS[name].value
         if v is not None and v < 1:
             raise UserError(f"--{name} must be >= 1, got {v}")
@@ -475,23 +276,11 @@ def _check_flags() -> None:
         folder = os.path.dirname(os.path.abspath(path))
         if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
             raise UserError(f"--{name}={path}: not a writable file path (folder must exist)")
-def _describe_miss(miss, max_misses: int) -> None:
-    """Prints the miss policy, and where its calibration came from."""
-    from ftjax import calibrate
-    cal = miss.calibration
-    if cal is not None:
-        fresh = " (calibrated now)" if cal["calibrated_now"] else ""
-        print(f"calibration profile: {cal['path']} [{cal['key']}]{fresh}")
-        if not cal["calibrated_now"]:
-            impl = miss.config.cpu.impl
-            print(calibrate.describe_impl(impl, cal["entry"]["impls"][impl]))
-    print(miss.describe(max_misses))
 
 
 def run() -> dict:
     """Runs the command; returns the metrics dict."""
     import numpy as np
-    from ftjax import Engine
     if FLAGS.max_new_tokens < 1:
         raise UserError(f"--max_new_tokens must be >= 1, got {FLAGS.max_new_tokens}")
     if FLAGS.batch < 1:
@@ -507,8 +296,6 @@ def run() -> dict:
             raise UserError("need --kv_chunk_tokens >= 1 and --kv_host_gb >= 0")
         if FLAGS.prompts_file and any(x is not None for x in (FLAGS.prompt, FLAGS.prompt_ids, FLAGS.prompt_len)):
             raise UserError("give --prompts_file or one of --prompt, --prompt_ids, --prompt_len, not both")
-    if FLAGS.fixed_fetch is not None and (FLAGS.miss_policy != "adaptive" or FLAGS.fixed_fetch < 0):
-        raise UserError("--fixed_fetch needs --miss_policy=adaptive and a value >= 0")
     entries = _parse_prompts_file(FLAGS.prompts_file) if FLAGS.prompts_file else None  # before the load
     model = _load_model()
     cfg = model.cfg
@@ -522,16 +309,8 @@ def run() -> dict:
         raise UserError(f"prompt of {longest} tokens + {FLAGS.max_new_tokens} new exceeds the model's "
                         f"max_position_embeddings {cfg.max_position_embeddings}")
     probe_prompts = [max(prompts, key=len)] if prompts else [prompt] * FLAGS.batch
-    mode, plan = _plan(model, max_seq_len, probe_prompts)
-    print(f"model: {model.name} ({cfg.model_type}, L={cfg.num_layers}, E={cfg.num_experts}, "
-          f"top-k={cfg.top_k}, {model.dtype}); experts: {mode}, stored {model.banks.fmt} "
-          f"({model.banks.gate_up.dtype}, {model.expert_bytes / 1e6:.3f} MB per expert)")
-    if plan is not None:
-        print(plan.describe())
-    engine = Engine(model, _engine_config(mode, plan.slots if plan and mode != "resident" else None, max_seq_len))
+    engine, plan = engine_flags.build_engine(model, max_seq_len, probe_prompts, FLAGS.batch)
     miss = engine.miss if engine.miss.policy != "fetch" else None
-    if miss is not None:
-        _describe_miss(miss, min(cfg.num_experts, FLAGS.batch * cfg.top_k))
     eos = () if FLAGS.ignore_eos else model.eos_token_ids
     sampling = model.sampling_defaults.resolve(FLAGS.temperature, FLAGS.top_p, FLAGS.top_k)
     print(sampling.describe())

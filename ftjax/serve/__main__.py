@@ -1,0 +1,140 @@
+r"""Serve an MoE model over HTTP with OpenAI's API (completions, chat, streaming), experts in host memory.
+
+  python -m ftjax.serve                                      # the demo model on http://127.0.0.1:8000
+  python -m ftjax.serve --checkpoint=DIR --port=8080 --max_batch=8 --max_waiting=64
+  python -m ftjax.serve --checkpoint=DIR --vram_budget_gb=8 --kv_offload --kv_host_gb=16
+
+The model, expert-cache, quantization, kernel, miss-policy and KV-offload flags are ``ftjax.generate``'s
+(``ftjax.engine_flags``); without --checkpoint or --preset the demo model is served (the trained
+``ftjax/assets/stdlib_moe``, with an expert cache of 2E slots). The engine runs --max_batch rows of
+--max_seq_len tokens (default: min(max_position_embeddings, 2048)); --max_waiting more requests may queue,
+beyond that requests get HTTP 429. Routes, errors and metrics: ``ftjax.serve.server``.
+
+Bad flags or files print one line and exit with status 1.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from absl import app, flags, logging
+
+from ftjax import engine_flags
+from ftjax.engine_flags import UserError
+
+FLAGS = flags.FLAGS
+engine_flags.define_flags()
+flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0: every interface).")
+flags.DEFINE_integer("port", 8000, "TCP port to listen on.")
+flags.DEFINE_integer("max_batch", 8, "Requests decoded together: the engine's batch rows (EngineConfig.batch).")
+flags.DEFINE_integer("max_waiting", 64, "Requests that may wait for a row; more get HTTP 429.")
+flags.DEFINE_integer("max_seq_len", None, "Tokens per row, prompt + generation (the KV cache length); default "
+                     "min(max_position_embeddings, 2048).")
+flags.DEFINE_string("served_model_name", None, "The model name of /v1/models and of requests; default the "
+                    "checkpoint folder's name (or the preset's).")
+flags.DEFINE_boolean("warmup", True, "Run two short requests before listening, so that the first client does not "
+                     "wait for compilation.")
+flags.DEFINE_enum("log_level", "info", ["critical", "error", "warning", "info", "debug"], "uvicorn's log level.")
+
+#: The default demo model (a module attribute, so that tests can point it elsewhere).
+DEFAULT_CHECKPOINT = engine_flags.DEFAULT_CHECKPOINT
+DEFAULT_MAX_SEQ_LEN = 2048
+
+
+def _check_flags() -> None:
+    """Rejects bad values before anything is loaded.
+    Raises:
+      UserError: the message names the flag."""
+    engine_flags.check_flags()
+    if FLAGS.max_batch < 1:
+        raise UserError(f"--max_batch must be >= 1, got {FLAGS.max_batch}")
+    if FLAGS.max_waiting < 0:
+        raise UserError(f"--max_waiting must be >= 0, got {FLAGS.max_waiting}")
+    if FLAGS.max_seq_len is not None and FLAGS.max_seq_len < 2:
+        raise UserError(f"--max_seq_len must be >= 2, got {FLAGS.max_seq_len}")
+    if not 0 <= FLAGS.port < 65536:
+        raise UserError(f"--port must be in [0, 65535], got {FLAGS.port}")
+
+
+def _warmup(scheduler, max_seq_len: int) -> float:
+    """Runs two 2-token requests through ``scheduler``, one after the other: a 1-token prompt and a prompt
+    of the shortest prefill bucket (16 tokens), so that the programs of short prompts (the routed experts
+    loaded on demand, and whole layers streamed) and of decode are compiled. Returns the seconds.
+    Raises:
+      RuntimeError: a warm-up request failed."""
+    from ftjax.runtime.plan import MIN_BUCKET
+    from ftjax.serve.scheduler import SamplingParams
+    t0 = time.perf_counter()
+    for i, n in enumerate(sorted({1, max(1, min(MIN_BUCKET, max_seq_len - 2))})):
+        rid = scheduler.submit([0] * n, SamplingParams(max_tokens=2, temperature=0.0), request_id=f"warmup-{i}")
+        while scheduler.has_work():
+            for ev in scheduler.step():
+                if ev.request_id == rid and ev.finish_reason == "error":
+                    raise RuntimeError(f"the warm-up request failed: {ev.error}")
+    return time.perf_counter() - t0
+
+
+def build():
+    """Loads the model and builds (app, scheduler, served name) from the flags.
+    Raises:
+      UserError, ConfigError, CheckpointError, ValueError, OSError: bad flags or files."""
+    from ftjax.serve.chat import ChatTemplate
+    from ftjax.serve.scheduler import Scheduler
+    from ftjax.serve.server import create_app
+    _check_flags()
+    model = engine_flags.load_model(DEFAULT_CHECKPOINT, program="ftjax.serve")
+    cfg = model.cfg
+    max_seq_len = FLAGS.max_seq_len or min(cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
+    if max_seq_len > cfg.max_position_embeddings:
+        raise UserError(f"--max_seq_len={max_seq_len} exceeds the model's max_position_embeddings "
+                        f"{cfg.max_position_embeddings}")
+    probe = [[0] * min(max_seq_len - 1, FLAGS.prefill_chunk)] * FLAGS.max_batch  # the largest prefill call
+    engine, _ = engine_flags.build_engine(model, max_seq_len, probe, FLAGS.max_batch)
+    tokenizer = model.tokenizer
+    scheduler = Scheduler(engine, max_batch=FLAGS.max_batch, max_waiting=FLAGS.max_waiting,
+                          kv_manager=engine_flags.kv_manager(),
+                          detokenize=tokenizer.decode if tokenizer is not None else None)
+    ckpt_dir = model.name if os.path.isdir(str(model.name)) else None
+    chat = ChatTemplate.from_checkpoint(ckpt_dir)
+    name = FLAGS.served_model_name or os.path.basename(os.path.normpath(str(model.name)))
+    if tokenizer is None:
+        print("note: the model has no tokenizer.json: prompts must be token ids, and answers carry no text")
+    print("chat template: " + ("plain (role: content)" if chat.is_plain else "the checkpoint's"))
+    if FLAGS.warmup:
+        print(f"warm-up requests: {_warmup(scheduler, max_seq_len):.1f} s (compilation included)")
+    app_ = create_app(scheduler, tokenizer, name, chat_template=chat, max_context=max_seq_len,
+                      vocab_size=cfg.vocab_size)
+    return app_, scheduler, name
+
+
+def main(argv):
+    if len(argv) > 1:
+        print(f"ftjax.serve: error: unexpected arguments: {' '.join(argv[1:])} (flags take the form "
+              "--name=value; --helpshort lists them)", file=sys.stderr)
+        sys.exit(1)
+    if logging.get_verbosity() == logging.INFO:  # absl's default: hide JAX's backend probing notes
+        logging.set_verbosity(logging.WARNING)
+    from ftjax.experts.cpu_experts import CALLBACK_IMPLS, HostViewError, use_sync_cpu_dispatch
+    if FLAGS.miss_policy != "fetch" and FLAGS.cpu_expert_impl in CALLBACK_IMPLS:
+        use_sync_cpu_dispatch()  # before JAX starts; the callbacks deadlock on an async CPU client
+    from ftjax.checkpoint import CheckpointError
+    from ftjax.config import ConfigError
+    try:
+        app_, _, name = build()
+    except (UserError, ConfigError, CheckpointError, ValueError, OSError, HostViewError) as e:
+        print(f"ftjax.serve: error: {e}", file=sys.stderr)
+        sys.exit(1)
+    import uvicorn
+    print(f"serving '{name}' on http://{FLAGS.host}:{FLAGS.port}/v1 (Ctrl-C stops)")
+    uvicorn.run(app_, host=FLAGS.host, port=FLAGS.port, log_level=FLAGS.log_level)
+
+
+def _alias_no_flags(argv: list[str]) -> list[str]:
+    """Accepts the spelling --no_prefill_overlap for absl's --noprefill_overlap."""
+    return ["--noprefill_overlap" if a == "--no_prefill_overlap" else a for a in argv]
+
+
+if __name__ == "__main__":
+    app.run(main, argv=_alias_no_flags(sys.argv))

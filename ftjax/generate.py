@@ -58,6 +58,9 @@ flags.DEFINE_string("logits_npy", None, "Write float32 [steps, vocab] logits of 
                     "sequence: one step per token it emitted, none after its EOS).")
 flags.DEFINE_string("trace_routing", None, "Write routed expert ids per step and layer (.npz): the prefill, then each "
                     "decode step up to the last token emitted.")
+flags.DEFINE_string("prompts_file", None, "JSON lines (UTF-8, a byte-order mark allowed; blank lines skipped), each "
+                    "{\"prompt_ids\": [...]} or {\"prompt\": \"...\"}: requests run in order in this process "
+                    "(batch 1), after every line was checked (an error names the file and line; nothing runs).")
 flags.DEFINE_boolean("ignore_eos", False, "Generate --max_new_tokens tokens even past the checkpoint's EOS id(s) "
                      "(benchmarks).")
 

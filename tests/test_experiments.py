@@ -237,6 +237,7 @@ def test_bench_kv_reuse_hybrid_smoke(tmp_path):
     assert isinstance(r["prefetch"]["hidden_fraction"], float) and r["all_first"]["load_s"]["median"] > 0
 
 
+@pytest.mark.slow
 def test_bench_kv_reuse_writes_partial_rows_and_survives_a_failed_pipelined_engine(tmp_path, monkeypatch):
     """``run_mode``'s progress: the JSON is rewritten after the recompute and after each load with
     the mode's row marked ``partial``; the pipelined load's engine failing to build is recorded in
@@ -562,6 +563,7 @@ print("OK", ops)
 """
 
 
+@pytest.mark.slow
 def test_bench_kv_reuse_hlo_of_each_prefix_copy():
     """``reuse_executables`` of the pipelined load picks the layer program of the row's prefix copy:
     the ``pipelined_in_program`` row's ``hlo_ops`` (and HLO file) are those of a program that copies

@@ -5,6 +5,10 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
+pytestmark = pytest.mark.slow  # the whole walkthrough, top to bottom
+
 NOTEBOOK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "notebooks",
                         "walkthrough.ipynb")
 

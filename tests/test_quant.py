@@ -362,6 +362,7 @@ TRAINED_BOUNDS = {"bfloat16": 0.95, "int8": 0.95, "fp8": 0.9, "int4": 0.75}  # f
 TRAINED_PPL = {"int4": 1.25}  # perplexity at most this times the dense one (others: 1.05)
 
 
+@pytest.mark.slow  # trains a model first
 @pytest.mark.parametrize("fmt", ALL)
 def test_accuracy_of_each_format_vs_unquantized_trained_model(fmt):
     dense = load_checkpoint(TRAINED, "float32", progress=False)

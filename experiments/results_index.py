@@ -3,7 +3,8 @@ r"""Index of the committed GPU results: one markdown table row per result JSON.
 Reads every ``*.json`` under ``experiments/results/`` (subfolders included, ``archive/`` left out) and
 prints a markdown table: file, the script that wrote it, date (UTC), commit, device, jax version and
 one headline figure where the JSON has an obvious one (decode tokens/s, prefill TTFT against its copy
-bound, KV-reuse TTFT against recompute, a profile's step time against its floor, a check's pass count).
+bound, KV-reuse TTFT against recompute, the serving bench's ratios, a profile's step time against its
+floor, a check's pass count).
 Fields a file lacks show as "-". The output depends only on the files: rows are sorted by path.
 
 Commit: ``meta.git_commit`` (``+dirty``: a working tree on top of that commit). For the runs listed in
@@ -293,10 +294,27 @@ def _serve_soak(d: dict) -> str:
             f"{_num(steady.get('live__Job'), '+.2f')} server request records per request")
 
 
+def _bench_serve(d: dict) -> str:
+    parts = d.get("parts") or {}
+    out = []
+    for mode, r in ((parts.get("concurrency") or {}).get("modes") or {}).items():
+        at4 = [x for x in r.get("levels") or [] if x.get("concurrency") == 4 and x.get("speedup_vs_c1")]
+        if at4:
+            out.append(f"{mode} concurrency 4: {at4[0]['speedup_vs_c1']:.2f}x concurrency 1's tok/s")
+    for mode, r in ((parts.get("multiround") or {}).get("modes") or {}).items():
+        if r.get("speedup_after_first_round"):
+            out.append(f"{mode} multi-round TTFT {r['speedup_after_first_round']:.1f}x with KV reuse")
+    for mode, r in ((parts.get("server_overhead") or {}).get("modes") or {}).items():
+        if r.get("tpot_ratio"):
+            out.append(f"{mode} batch-1 TPOT over HTTP {r['tpot_ratio']:.3f}x direct")
+    return "; ".join(out) + (" (partial)" if out and d.get("partial") else "") or "-"
+
+
 HEADLINES = {
     "bench_decode": _bench_decode,
     "bench_prefill": _bench_prefill,
     "bench_kv_reuse": _bench_kv_reuse,
+    "bench_serve": _bench_serve,
     "bench_miss_policy": _bench_miss_policy,
     "profile_step": _profile_step,
     "profile_overlap": _profile_overlap,

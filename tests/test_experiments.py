@@ -275,6 +275,61 @@ def test_bench_kv_reuse_writes_partial_rows_and_survives_a_failed_pipelined_engi
 
 
 @pytest.mark.slow
+def test_bench_serve_smoke(tmp_path):
+    """The three parts at tiny sizes, experts cached: every request finished with its tokens, no timed call
+    compiled (the warm-ups ran the same shapes), prefix reuse hit in the reuse run only, the HTTP path timed."""
+    d = _run("bench_serve", tmp_path, "--preset=tiny", "--dtype=float32", "--modes=cached", "--concurrency=1,2",
+             "--requests=3", "--prompt_tokens=16", "--max_tokens=3", "--context_tokens=64", "--users=2", "--rounds=2",
+             "--question_tokens=8", "--answer_tokens=3", "--kv_chunk_tokens=32", "--server_requests=2", "--noprogress")
+    assert _meta(d)["device"] and "partial" not in d and d["parts_run"] == ["concurrency", "multiround",
+                                                                           "server_overhead"]
+    conc = d["parts"]["concurrency"]["modes"]["cached"]
+    assert "error" not in conc and conc["slots"] == 32 and [x["concurrency"] for x in conc["levels"]] == [1, 2]
+    for x in conc["levels"]:
+        assert x["finished"] == x["requests"] == 3 and x["finish_reasons"] == {"length": 3} and not x["errors"]
+        assert x["tokens"] == 3 * 3 and x["prompt_tokens"] == 3 * 16 and x["compile_s"] == 0.0
+        assert x["tokens_per_s"] == pytest.approx(9 / x["wall_s"]) and x["requests_per_s"] > 0
+        assert x["ttft_s"]["n"] == x["tpot_s"]["n"] == 3 and x["itl_s"]["n"] == 3 * 2
+        assert 0 < x["ttft_s"]["p10"] <= x["ttft_s"]["median"] <= x["ttft_s"]["p90"]
+        calls = x["engine_calls"]
+        assert calls["decode"] > 0 and calls["failed"] == 0 and sum(calls.values()) == x["steps"]
+        ec = x["expert_cache"]
+        assert 0 < ec["hit_rate"] < 1 and ec["bytes_h2d"] == ec["prefill_bytes_h2d"] + ec["decode_bytes_h2d"] > 0
+        assert x["h2d_bytes_per_token"] == pytest.approx(ec["bytes_h2d"] / 9)
+    assert conc["levels"][0]["speedup_vs_c1"] == 1.0 and conc["levels"][1]["speedup_vs_c1"] == pytest.approx(
+        conc["levels"][1]["tokens_per_s"] / conc["levels"][0]["tokens_per_s"])
+    mr = d["parts"]["multiround"]["modes"]["cached"]
+    assert "error" not in mr and set(mr["runs"]) == {"no_reuse", "reuse"}
+    for name, run in mr["runs"].items():
+        assert run["finished"] == 4 and run["finish_reasons"] == {"length": 4} and run["tokens"] == 2 * 2 * 3
+        assert run["compile_s"] == 0.0 and run["kv_reuse"] == (name == "reuse")
+        # round 2: the context, question 1, answer 1 (generated), question 2
+        assert [x["prompt_tokens"] for x in run["rounds"]] == [[72, 72], [83, 83]]
+        assert all(x["ttft_s"]["n"] == 2 and x["ttft_s"]["median"] > 0 for x in run["rounds"])
+    assert mr["runs"]["no_reuse"]["cached_tokens"] == 0 and "kv" not in mr["runs"]["no_reuse"]
+    reuse = mr["runs"]["reuse"]
+    assert [x["cached_tokens"] for x in reuse["rounds"]] == [[0, 0], [64, 64]]  # round 1's 2 chunks of 32 each
+    assert reuse["kv"]["chunks_hit"] == 4 and reuse["kv"]["chunks_stored"] == 4 and reuse["cached_tokens"] == 128
+    assert all(t > 0 for t in mr["ttft_s_by_round"]["reuse"]) and mr["speedup_after_first_round"] > 0
+    assert mr["speedup_by_round"][1] == pytest.approx(mr["ttft_s_by_round"]["no_reuse"][1]
+                                                      / mr["ttft_s_by_round"]["reuse"][1])
+    assert mr["kv_store_bytes_needed"] == 2 * 2 * mr["kv_chunk_bytes"] == 2 * 2 * 4 * 2 * 32 * 2 * 32 * 4
+    so = d["parts"]["server_overhead"]["modes"]["cached"]
+    assert "error" not in so and so["tokenizer"] == "ids as text (<id>)"
+    assert so["direct"]["tokens"] == so["http"]["tokens"] == so["http"]["chunks"] == [3, 3]
+    assert so["direct"]["compile_s"] == so["http"]["compile_s"] == 0.0
+    assert so["tpot_ratio"] > 0 and so["tpot_ratio"] == pytest.approx(so["http"]["tpot_s"]["median"]
+                                                                      / so["direct"]["tpot_s"]["median"])
+    assert len(d["results"]) == 2 + 2 * 2 + 2
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import plots
+    import results_index
+    (path,) = tmp_path.glob("bench_serve_tiny_*.json")
+    assert plots.plot(str(path), str(tmp_path / "p.png"))
+    assert "multi-round TTFT" in results_index.row(str(path), path.name, results_index._scripts())["headline"]
+
+
+@pytest.mark.slow
 def test_bench_miss_policy_smoke(tmp_path):
     # a child process: the CPU-callback runs need synchronous CPU dispatch set before JAX starts
     d = _run("bench_miss_policy", tmp_path, "--preset=tiny", "--steps=6", "--impls=compute_on", "--budgets_gb=8",

@@ -45,21 +45,9 @@ def _use_compilation_cache() -> str | None:
     return path
 
 
-def _fast_cpu_codegen() -> None:
-    """XLA:CPU's LLVM backend at optimization level 1 for this process and its children: the
-    suite's programs are tiny, so compiling dominates their runs, and level 1 cuts the backend
-    compile by about a third (32.5 s -> 22.3 s on tests/test_hybrid.py's batch test). Not level 0
-    (16.4 s): there XLA:CPU's dots round differently from the host expert kernels, and the CPU-miss
-    bit-identity tests (tests/test_miss_policy.py) fail. Float semantics stay IEEE (no fast-math) at
-    every level. ``FTJAX_TEST_CPU_OPT=1`` keeps XLA's default level."""
-    if os.environ.get("FTJAX_TEST_CPU_OPT", "").strip() in ("1", "on", "true"):
-        return
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_backend_optimization_level" not in flags:
-        os.environ["XLA_FLAGS"] = (flags + " --xla_backend_optimization_level=1").strip()
-
-
-_fast_cpu_codegen()
+# XLA:CPU's LLVM optimization level stays at its default. Levels 0 and 1 compile a third to a half
+# faster, but change the rounding of some programs against others (the CPU-miss and pipelined-prefix
+# bit-identity tests fail at them), so the suite would prove a configuration that nothing runs.
 COMPILATION_CACHE_DIR = _use_compilation_cache()
 
 # What this process compiled and what the on-disk cache saved (the summary at the end of the run).

@@ -61,6 +61,14 @@ flags.DEFINE_string("note", None, "A line kept in the JSON (what the run had on 
 PER_REQUEST_TYPES = ("_Job", "_Route", "Item", "TokenEvent", "RequestStats")
 
 
+
+def _display_name(path: str) -> str:
+    """A checkpoint path as results record it: relative to the repository when inside it (the demo
+    model: ftjax/assets/...), else its last component, so that no machine's paths are written."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    full = os.path.abspath(path)
+    return os.path.relpath(full, root) if full.startswith(root + os.sep) else os.path.basename(os.path.normpath(path))
+
 def _rss_mb() -> float | None:
     """This process's resident memory in MB (1e6 bytes), from /proc (None elsewhere)."""
     try:
@@ -181,7 +189,8 @@ def run() -> dict:
               for k in first if k != "requests_done" and isinstance(last[k], (int, float))
               and samples[1][k] is not None} if len(samples) > 2 else {}
     meta = common.meta()
-    out = {"model": str(model.name), "engine": engine.describe(), "memory_plan": plan.as_dict() if plan else None,
+    out = {"model": _display_name(str(model.name)), "engine": engine.describe(),
+           "memory_plan": plan.as_dict() if plan else None,
            "scheduler": {"module": type(scheduler).__module__, "max_batch": FLAGS.max_batch,
                          "max_waiting": FLAGS.max_waiting},
            "requests": FLAGS.requests, "warmup_s": warmup_s, "wall_s": wall_s,

@@ -303,11 +303,14 @@ def test_metrics_after_requests(served):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, "top_logprobs"),
 ])
 def test_bad_request_is_400_naming_the_field(served, path, body, names):
+    key = 'ftjax_requests_rejected_total{reason="invalid"}'
+    before = served.metrics()[key]
     r = httpx.post(served.url + path, json=body)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert names in err["message"] and err["type"] == "invalid_request_error", err
     assert served.worker.tracked == 0
+    assert served.metrics()[key] == before + 1  # every refusal before any work is counted
 
 
 def test_malformed_json_and_other_model_are_refused(served):

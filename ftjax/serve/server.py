@@ -534,8 +534,15 @@ class _Server:
                            param="model", code="model_not_found")
 
     def check_prompt(self, ids: list[int], max_tokens: int, param: str) -> None:
-        """400 before any work: an empty prompt, ids outside the vocabulary, prompt + max_tokens beyond
-        the context."""
+        """400 before any work (counted in ``ftjax_requests_rejected_total{reason="invalid"}``): an empty
+        prompt, ids outside the vocabulary, prompt + max_tokens beyond the context."""
+        try:
+            self._check_prompt(ids, max_tokens, param)
+        except APIError:
+            self.metrics.rejected.labels("invalid").inc()
+            raise
+
+    def _check_prompt(self, ids: list[int], max_tokens: int, param: str) -> None:
         if not ids:
             raise APIError(400, f"the {param} is empty (no tokens)", param=param)
         if self.vocab_size is not None:
@@ -544,7 +551,8 @@ class _Server:
                 raise APIError(400, f"{param}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
                                param=param)
         if self.max_context is not None and len(ids) + max_tokens > self.max_context:
-            raise APIError(400, f"the {param} has {len(ids)} tokens; with max_tokens={max_tokens} that exceeds the "
+            verb = "have" if param == "messages" else "has"
+            raise APIError(400, f"the {param} {verb} {len(ids)} tokens; with max_tokens={max_tokens} that exceeds the "
                            f"context of {self.max_context} tokens", param="max_tokens",
                            code="context_length_exceeded")
 

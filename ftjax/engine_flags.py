@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+from typing import Any, Callable
 
 from absl import flags
 
@@ -344,3 +345,34 @@ def kv_manager():
     return PrefixCache(HostKVStore(int(FLAGS.kv_host_gb * GB)),
                        KVOffloadConfig(chunk_tokens=c, load=FLAGS.kv_load,
                                        prefill_chunk=max(c, FLAGS.prefill_chunk // c * c)))
+
+
+def run_command(program: str, argv: list[str], body: Callable[[], Any]) -> Any:
+    """The shared ``main`` of the command lines (``ftjax.generate``, ``ftjax.serve``): refuses stray
+    arguments in one line (not absl's whole usage text), quiets absl's INFO notes, switches JAX's CPU
+    client to synchronous dispatch when host-callback misses need it (before JAX starts), then runs
+    ``body``. Bad input (UserError, ConfigError, CheckpointError, ValueError, OSError, HostViewError)
+    is printed as ``{program}: error: ...`` with exit status 1. Returns what ``body`` returns."""
+    from absl import logging
+
+    if len(argv) > 1:
+        print(f"{program}: error: unexpected arguments: {' '.join(argv[1:])} (flags take the form "
+              "--name=value; --helpshort lists them)", file=sys.stderr)
+        sys.exit(1)
+    if logging.get_verbosity() == logging.INFO:  # absl's default: hide JAX's backend probing notes
+        logging.set_verbosity(logging.WARNING)
+    from ftjax.experts.cpu_experts import CALLBACK_IMPLS, HostViewError, use_sync_cpu_dispatch
+    if FLAGS.miss_policy != "fetch" and FLAGS.cpu_expert_impl in CALLBACK_IMPLS:
+        use_sync_cpu_dispatch()  # before JAX starts; the callbacks deadlock on an async CPU client
+    from ftjax.checkpoint import CheckpointError
+    from ftjax.config import ConfigError
+    try:
+        return body()
+    except (UserError, ConfigError, CheckpointError, ValueError, OSError, HostViewError) as e:
+        print(f"{program}: error: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
+def alias_no_flags(argv: list[str]) -> list[str]:
+    """Accepts the spelling --no_prefill_overlap for absl's --noprefill_overlap."""
+    return ["--noprefill_overlap" if a == "--no_prefill_overlap" else a for a in argv]

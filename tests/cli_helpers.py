@@ -251,7 +251,7 @@ def run_module_app(module_name: str, args, *, main: str = "main", program: str |
       program: argv[0] (default ``module_name``).
       define: called once with the module inside its flag namespace, for a module that defines its
         flags when run as a script (``define_flags`` of experiments/train_moe.py).
-      argv_filter: applied to the whole argv before parsing (``generate._alias_no_flags``).
+      argv_filter: applied to the whole argv before parsing (``engine_flags.alias_no_flags``).
       cwd: the working directory during the run (put back after).
       env: variables added to ``os.environ`` during the run; the environment as it was before the
         run is put back after it (with any variable the app set itself removed).
@@ -269,4 +269,4 @@ def run_generate(*args: str, progress: bool = False) -> CliResult:
     """``python -m ftjax.generate --noprogress *args`` in this process (``progress=True``: without
     ``--noprogress``)."""
     return run_module_app("ftjax.generate", ([] if progress else ["--noprogress"]) + list(args),
-                          argv_filter=lambda argv: sys.modules["ftjax.generate"]._alias_no_flags(argv))
+                          argv_filter=lambda argv: importlib.import_module("ftjax.engine_flags").alias_no_flags(argv))

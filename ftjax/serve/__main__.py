@@ -19,7 +19,7 @@ import os
 import sys
 import time
 
-from absl import app, flags, logging
+from absl import app, flags
 
 from ftjax import engine_flags
 from ftjax.engine_flags import UserError
@@ -110,31 +110,11 @@ def build():
 
 
 def main(argv):
-    if len(argv) > 1:
-        print(f"ftjax.serve: error: unexpected arguments: {' '.join(argv[1:])} (flags take the form "
-              "--name=value; --helpshort lists them)", file=sys.stderr)
-        sys.exit(1)
-    if logging.get_verbosity() == logging.INFO:  # absl's default: hide JAX's backend probing notes
-        logging.set_verbosity(logging.WARNING)
-    from ftjax.experts.cpu_experts import CALLBACK_IMPLS, HostViewError, use_sync_cpu_dispatch
-    if FLAGS.miss_policy != "fetch" and FLAGS.cpu_expert_impl in CALLBACK_IMPLS:
-        use_sync_cpu_dispatch()  # before JAX starts; the callbacks deadlock on an async CPU client
-    from ftjax.checkpoint import CheckpointError
-    from ftjax.config import ConfigError
-    try:
-        app_, _, name = build()
-    except (UserError, ConfigError, CheckpointError, ValueError, OSError, HostViewError) as e:
-        print(f"ftjax.serve: error: {e}", file=sys.stderr)
-        sys.exit(1)
+    app_, _, name = engine_flags.run_command("ftjax.serve", argv, build)
     import uvicorn
     print(f"serving '{name}' on http://{FLAGS.host}:{FLAGS.port}/v1 (Ctrl-C stops)")
     uvicorn.run(app_, host=FLAGS.host, port=FLAGS.port, log_level=FLAGS.log_level)
 
 
-def _alias_no_flags(argv: list[str]) -> list[str]:
-    """Accepts the spelling --no_prefill_overlap for absl's --noprefill_overlap."""
-    return ["--noprefill_overlap" if a == "--no_prefill_overlap" else a for a in argv]
-
-
 if __name__ == "__main__":
-    app.run(main, argv=_alias_no_flags(sys.argv))
+    app.run(main, argv=engine_flags.alias_no_flags(sys.argv))

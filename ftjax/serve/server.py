@@ -73,6 +73,16 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+def _only(*fields: str, allowed: tuple, message: str):
+    """A validator of OpenAI ``fields`` this server takes but does not implement: any value outside
+    ``allowed`` is a 400 naming the field, with ``message``."""
+    def check(cls, v):
+        if v not in allowed:
+            raise ValueError(message)
+        return v
+    return field_validator(*fields)(classmethod(check))
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
@@ -96,26 +106,9 @@ class _SamplingBody(_Strict):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, v):
-        if v != 1:
-            raise ValueError("only n=1 is supported")
-        return v
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, v):
-        if v not in (None, 0):
-            raise ValueError("not supported (only 0)")
-        return v
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_bias(cls, v):
-        if v:
-            raise ValueError("not supported (only empty)")
-        return v
+    _one_choice = _only("n", allowed=(1,), message="only n=1 is supported")
+    _no_penalty = _only("presence_penalty", "frequency_penalty", allowed=(None, 0), message="not supported (only 0)")
+    _no_bias = _only("logit_bias", allowed=(None, {}), message="not supported (only empty)")
 
     @field_validator("stop")
     @classmethod
@@ -144,26 +137,9 @@ class CompletionRequest(_SamplingBody):
     best_of: int | None = None
     suffix: str | None = None
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v):
-        if v:
-            raise ValueError("not supported (only false)")
-        return v
-
-    @field_validator("best_of")
-    @classmethod
-    def _best_of_one(cls, v):
-        if v not in (None, 1):
-            raise ValueError("not supported (only 1)")
-        return v
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, v):
-        if v is not None:
-            raise ValueError("not supported")
-        return v
+    _no_echo = _only("echo", allowed=(False,), message="not supported (only false)")
+    _best_of_one = _only("best_of", allowed=(None, 1), message="not supported (only 1)")
+    _no_suffix = _only("suffix", allowed=(None,), message="not supported")
 
 
 class TextPart(_Strict):
@@ -188,12 +164,8 @@ class ChatRequest(_SamplingBody):
     logprobs: bool = False
     top_logprobs: int | None = None
 
-    @field_validator("top_logprobs")
-    @classmethod
-    def _no_top(cls, v):
-        if v not in (None, 0):
-            raise ValueError("not supported (only 0: the sampled tokens' log-probabilities come with logprobs=true)")
-        return v
+    _no_top = _only("top_logprobs", allowed=(None, 0),
+                    message="not supported (only 0: the sampled tokens' log-probabilities come with logprobs=true)")
 
 
 # ---- errors ---------------------------------------------------------------------------------------------

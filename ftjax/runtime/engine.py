@@ -526,14 +526,15 @@ class Engine:
           ValueError: a decode step without ``tokens``, or tokens of another shape than [B, 1].
         """
         rows = self.rows
+        prefilling = self.prefilling()
         last = None
-        if tokens is not None and self.prefilling():
+        if tokens is not None and prefilling:
             last = np.asarray(tokens)
             if last.shape != (len(rows), 1):
                 raise ValueError(f"tokens must be int32 [{len(rows)}, 1] (each row's last token), got "
                                  f"shape {last.shape}")
             last = last[:, 0].astype(np.int32)
-        if self.prefilling():
+        if prefilling:
             try:
                 out, call = self._prefill_step(rows, self.cache, all_logits, last)
             except BaseException:

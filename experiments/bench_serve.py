@@ -115,6 +115,8 @@ flags.DEFINE_integer("answer_tokens", 32, "Multi-round QA: tokens of each answer
 flags.DEFINE_integer("server_requests", 5, "server_overhead: timed batch-1 requests each way (after a warm-up).",
                      lower_bound=1)
 flags.DEFINE_boolean("warmup", True, "Run untimed requests of the same shapes before each timed run.")
+flags.DEFINE_boolean("run_ahead", True, "The scheduler dispatches the next decode step before reading this step's "
+                     "tokens (ftjax.serve's --run_ahead).")
 flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes (without --out).")
 flags.DEFINE_string("out", None, "The JSON's path (default <out_dir>/bench_serve_<preset>_<date>.json).")
 common.check_names("part", (*PARTS, "all"))
@@ -165,7 +167,8 @@ def prefix_cache():
 
 def scheduler(engine, batch: int, kv_manager=None, waiting: int = 64):
     from ftjax.serve import Scheduler
-    return Scheduler(engine, max_batch=batch, max_waiting=max(64, waiting), kv_manager=kv_manager)
+    return Scheduler(engine, max_batch=batch, max_waiting=max(64, waiting), kv_manager=kv_manager,
+                     run_ahead=FLAGS.run_ahead)
 
 
 def finish(row: dict, engine) -> None:

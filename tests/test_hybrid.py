@@ -228,7 +228,8 @@ def test_hybrid_prefix_reuse_on_row_1_resumes_its_own_linear_state():
     assert tokens["B"] == alone.generated_ids[0]
     assert tokens["A"] == ref.generate([[5, 6, 7]], 4).generated_ids[0]  # decoded in the mixed call's chunked form
     want = alone.step_logits[:, 0]
-    np.testing.assert_allclose(np.stack(logits), want, rtol=0, atol=1e-5 * float(np.abs(want).max()))
+    assert len(logits) in (len(want), len(want) + 1)  # run-ahead: one more step ran, its token dropped
+    np.testing.assert_allclose(np.stack(logits)[:len(want)], want, rtol=0, atol=1e-5 * float(np.abs(want).max()))
 
 
 def test_stored_state_equals_the_recomputed_state_at_the_chunk_end():

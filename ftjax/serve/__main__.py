@@ -30,6 +30,9 @@ flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0: every i
 flags.DEFINE_integer("port", 8000, "TCP port to listen on.")
 flags.DEFINE_integer("max_batch", 8, "Requests decoded together: the engine's batch rows (EngineConfig.batch).")
 flags.DEFINE_integer("max_waiting", 64, "Requests that may wait for a row; more get HTTP 429.")
+flags.DEFINE_boolean("run_ahead", True, "Dispatch the next decode step before reading this step's tokens, so that "
+                     "the host's work overlaps the device's (ftjax.serve.scheduler); --norun_ahead reads each step's "
+                     "tokens first.")
 flags.DEFINE_integer("max_seq_len", None, "Tokens per row, prompt + generation (the KV cache length); default "
                      "min(max_position_embeddings, 2048).")
 flags.DEFINE_string("served_model_name", None, "The model name of /v1/models and of requests; default the "
@@ -94,7 +97,7 @@ def build():
     engine, _ = engine_flags.build_engine(model, max_seq_len, probe, FLAGS.max_batch)
     tokenizer = model.tokenizer
     scheduler = Scheduler(engine, max_batch=FLAGS.max_batch, max_waiting=FLAGS.max_waiting,
-                          kv_manager=engine_flags.kv_manager(),
+                          kv_manager=engine_flags.kv_manager(), run_ahead=FLAGS.run_ahead,
                           detokenize=tokenizer.decode if tokenizer is not None else None)
     ckpt_dir = model.name if os.path.isdir(str(model.name)) else None
     chat = ChatTemplate.from_checkpoint(ckpt_dir)

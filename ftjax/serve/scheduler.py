@@ -15,6 +15,15 @@ A :class:`Scheduler` drives one :class:`ftjax.Engine` through its request API (`
 4. ends the requests that stopped (EOS or ``stop_token_ids``, a stop string, ``max_tokens``) and frees
    their rows.
 
+Run-ahead (``run_ahead=True``, the default): while every running request decodes and no waiting request
+could take a free row, a step dispatches the next decode step, fed with the tokens and keys the previous
+step sampled *on the device*, before it reads that previous step's tokens on the host. The host's work of
+a step (reading tokens, stop checks, events, the next call's dispatch) then overlaps the device's work of
+the next, as in vLLM's asynchronous scheduling. The tokens are the same (the same logits, keys and
+parameters); each comes out one step later than without run-ahead, and a request's row runs one step
+past its last token (the step already dispatched when that token is read), whose token is dropped; that
+step stays inside the request's context (its input is the last token, at position prompt + max_tokens - 1).
+
 Every row's logits are those of the request alone (up to float32 rounding: the calls' shapes differ), and
 the expert cache stays one global cache shared by the rows (DESIGN.md 1.1).
 
@@ -131,6 +140,20 @@ class _Request:
     cached_tokens: int = 0
 
 
+@dataclasses.dataclass(eq=False)
+class _Sampled:
+    """One dispatched draw: the requests drawn for (with the row each held) and the results on the device:
+    tokens int32 [B], next keys uint32 [B, 2], logprobs float32 [B]."""
+    reqs: list
+    tokens: object
+    keys: object
+    logprobs: object
+
+    def live(self) -> bool:
+        """Whether a request drawn for still holds its row."""
+        return any(r.row == row for r, row in self.reqs)
+
+
 def _key_data(seed: int) -> np.ndarray:
     """uint32 [2]: the threefry key of ``seed`` in [0, 2**64) (``jax.random.key(seed)`` for seed < 2**32)."""
     return np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32)
@@ -146,12 +169,14 @@ class Scheduler:
       kv_manager: a ``ftjax.kv.prefix_cache.PrefixCache``: every request reuses stored prompt prefixes and
         stores its new full chunks.
       detokenize: ``Callable[[list[int]], str]`` for stop strings (called with a request's completion ids).
+      run_ahead: dispatch the next decode step before reading this one's tokens (module docstring);
+        False: every step reads its tokens before the next is dispatched.
     Raises:
       ValueError: max_batch or max_waiting out of range.
     """
 
     def __init__(self, engine, *, max_batch: int | None = None, max_waiting: int = 64, kv_manager=None,
-                 detokenize: Callable[[list[int]], str] | None = None):
+                 detokenize: Callable[[list[int]], str] | None = None, run_ahead: bool = True):
         n = engine.batch if max_batch is None else max_batch
         if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 1 <= n <= engine.batch:
             raise ValueError(f"max_batch must be in [1, {engine.batch}] (EngineConfig.batch), got {max_batch!r}")
@@ -167,6 +192,8 @@ class Scheduler:
         self._events: list[TokenEvent] = []  # final events of cancels, handed out by the next step
         self._stats: collections.OrderedDict[str, RequestStats] = collections.OrderedDict()
         self._counts = collections.Counter()
+        self.run_ahead = bool(run_ahead)
+        self._ahead: _Sampled | None = None  # a decode step dispatched and sampled, its tokens not read yet
         engine.open_rows(self.max_batch)
         self._warm_sampler()
 
@@ -183,7 +210,7 @@ class Scheduler:
 
     def has_work(self) -> bool:
         """Whether :meth:`step` has anything to do: requests waiting or running, or events to hand out."""
-        return bool(self._queue or self.running or self._events)
+        return bool(self._queue or self.running or self._events or self._ahead is not None)
 
     def stats(self, request_id: str) -> RequestStats | None:
         """The figures of a finished request (the last :data:`STATS_KEPT`); None for one unknown, forgotten
@@ -252,12 +279,30 @@ class Scheduler:
     def step(self) -> list[TokenEvent]:
         """Admits waiting requests into free rows, runs one engine call, samples and stops (module
         docstring). Returns the events of this step ([] when idle): per running request with a new
-        token, one event; final events of requests that ended."""
+        token, one event; final events of requests that ended. With run-ahead, a decode step's tokens
+        come out of the step after the one that dispatched it."""
         events, self._events = self._events, []
+        if self._ahead is not None:
+            ahead, self._ahead = self._ahead, None
+            if self._can_run_ahead(ahead):
+                self._ahead = self._decode(events, ahead)
+                self._read(ahead, events)
+                if self._ahead is not None and not self._ahead.live():
+                    self._ahead = None  # every request in it ended: nothing of it is wanted
+                return events
+            self._read(ahead, events)
         self._admit(events)
         if not self.running:
             return events
         eng = self.engine
+        if not eng.prefilling():
+            sampled = self._decode(events)
+            if sampled is not None:
+                if self.run_ahead:
+                    self._ahead = sampled
+                else:
+                    self._read(sampled, events)
+            return events
         decoding = [r for r in self._rows if r is not None and r.tokens]
         tokens = None
         if decoding:
@@ -266,8 +311,6 @@ class Scheduler:
                 tokens[r.row, 0] = r.tokens[-1]
         try:
             adv = eng.advance(tokens)
-            if adv.kind == "decode":
-                eng.counters["decode"].add(adv.stats)
         except Exception as err:  # noqa: BLE001 - the shared call: its rows fail, the scheduler goes on
             self._fail_running(events, err)
             return events
@@ -277,22 +320,81 @@ class Scheduler:
         for i, msg in adv.failed.items():
             if self._rows[i] is not None:
                 self._end(self._rows[i], "error", events, msg)
-        reqs = [r for r in reqs if r.row is not None]
-        if not reqs:
-            return events
+        sampled = self._dispatch_sample(adv.logits, [r for r in reqs if r.row is not None], events)
+        if sampled is not None:
+            self._read(sampled, events)
+        return events
+
+    def _can_run_ahead(self, ahead: "_Sampled") -> bool:
+        """Whether the next call may be dispatched before ``ahead``'s tokens are read: every running request
+        decodes and no waiting request could take a free row (admission reads the tokens first)."""
+        if not self.run_ahead or not ahead.live() or self.engine.prefilling():
+            return False
+        return not (self._queue and None in self._rows)
+
+    def _decode(self, events: list[TokenEvent], ahead: "_Sampled | None" = None) -> "_Sampled | None":
+        """Dispatches one decode step of every running row and its draw; the last tokens and keys come from
+        ``ahead`` (on the device, not read) or else from the requests (the host). None if the call failed
+        (its requests ended)."""
+        eng = self.engine
+        reqs = [r for r in self._rows if r is not None]
+        if ahead is not None:
+            tokens, keys = ahead.tokens[:, None], ahead.keys
+        else:
+            tokens = np.zeros((self.max_batch, 1), np.int32)
+            for r in reqs:
+                tokens[r.row, 0] = r.tokens[-1]
+            keys = None
         try:
-            toks, keys, logprobs = self._sample(adv.logits, reqs)
+            adv = eng.advance(tokens)
+            eng.counters["decode"].add(adv.stats)
+        except Exception as err:  # noqa: BLE001 - the shared call: its rows fail, the scheduler goes on
+            self._fail_running(events, err)
+            return None
+        self._counts["engine_calls_decode"] += 1
+        self._counts["steps"] += 1
+        return self._dispatch_sample(adv.logits, reqs, events, keys)
+
+    def _dispatch_sample(self, logits, reqs: list[_Request], events: list[TokenEvent], keys=None):
+        """Dispatches one draw for the rows of ``reqs`` (others drawn greedily and ignored); its results stay
+        on the device (:class:`_Sampled`). ``keys``: the rows' keys on the device (uint32 [B, 2]), else the
+        requests' own. None if ``reqs`` is empty or the draw could not be dispatched (they end)."""
+        if not reqs:
+            return None
+        b = self.max_batch
+        temp, top_p, top_k = np.zeros(b, np.float32), np.ones(b, np.float32), np.zeros(b, np.int32)
+        if keys is None:
+            keys = np.zeros((b, 2), np.uint32)
+            for r in reqs:
+                keys[r.row] = r.key
+        for r in reqs:
+            temp[r.row], top_p[r.row], top_k[r.row] = r.sampling.temperature, r.sampling.top_p, r.sampling.top_k
+        try:
+            out = sample_rows_next(logits, keys, temp, top_p, top_k)
         except Exception as err:  # noqa: BLE001 - one draw for these rows: they fail together
             for r in reqs:
                 self._end(r, "error", events, f"sampling failed: {type(err).__name__}: {err}")
-            return events
+            return None
+        return _Sampled([(r, r.row) for r in reqs], *out)
+
+    def _read(self, sampled: "_Sampled", events: list[TokenEvent]) -> None:
+        """Reads a draw's tokens on the host (waiting for its step) and hands each request still in the row it
+        was drawn for its token (ending the requests that stop)."""
+        try:
+            toks, keys, logprobs = (np.asarray(x) for x in (sampled.tokens, sampled.keys, sampled.logprobs))
+        except Exception as err:  # noqa: BLE001 - the step failed on the device: its rows fail
+            if sampled.live():
+                self._fail_running(events, err)
+            self._ahead = None
+            return
         now = time.perf_counter()
-        for r in reqs:
+        for r, row in sampled.reqs:
+            if r.row != row:
+                continue  # ended (cancelled, failed) since the draw was dispatched
             try:
-                events.append(self._take(r, int(toks[r.row]), keys[r.row], float(logprobs[r.row]), now))
+                events.append(self._take(r, int(toks[row]), keys[row], float(logprobs[row]), now))
             except Exception as err:  # noqa: BLE001 - this request's own work
                 self._end(r, "error", events, f"{type(err).__name__}: {err}")
-        return events
 
     def _admit(self, events: list[TokenEvent]) -> None:
         """Moves waiting requests into free rows; compiles what their calls need (mixed calls included)."""
@@ -314,18 +416,6 @@ class Scheduler:
                 self.engine.precompile(mixed=True)
             except Exception as err:  # noqa: BLE001 - the rows' programs: every running request fails
                 self._fail_running(events, err)
-
-    def _sample(self, logits, reqs: list[_Request]):
-        """One draw for the rows of ``reqs`` (others drawn greedily and ignored): (tokens int32 [B], next keys
-        uint32 [B, 2], logprobs float32 [B]) on the host."""
-        b = self.max_batch
-        temp, top_p, top_k = np.zeros(b, np.float32), np.ones(b, np.float32), np.zeros(b, np.int32)
-        keys = np.zeros((b, 2), np.uint32)
-        for r in reqs:
-            temp[r.row], top_p[r.row], top_k[r.row] = r.sampling.temperature, r.sampling.top_p, r.sampling.top_k
-            keys[r.row] = r.key
-        out = sample_rows_next(logits, keys, temp, top_p, top_k)
-        return tuple(np.asarray(x) for x in out)
 
     def _take(self, req: _Request, token: int, key: np.ndarray, logprob: float, now: float) -> TokenEvent:
         """Records ``req``'s new token; returns its event (ending the request when it stops)."""

@@ -57,7 +57,7 @@ def test_chunked_prefill_in_pieces_matches_transformers():
 
 # ---- every offload mode bit-identical to resident ---------------------------------------------
 # (cached decode at S = E .. L*E for both hybrid fixtures: tests/test_offload.py, with every family)
-STEPS = 120
+STEPS = 40  # long enough for misses at S = E + 1 and for the 24-step CPU-miss run; compiles are the cost
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,7 @@ def _resident(cache, name, which="short"):
     return cache[name, which]
 
 
-@pytest.mark.parametrize("policy", ["lookahead", "lfru"])
+@pytest.mark.parametrize("policy", ["lookahead", pytest.param("lfru", marks=pytest.mark.slow)])
 def test_cache_policies_and_on_demand_bit_identical(policy, resident_runs):
     model, exp = load_fixture("qwen3_5_moe_fp32")
     e, prompt = model.cfg.num_experts, exp["short_prompt_ids"].tolist()
@@ -91,7 +91,8 @@ def test_cache_policies_and_on_demand_bit_identical(policy, resident_runs):
         assert engine.expert_cache_metrics()["hits"] == 0
 
 
-@pytest.mark.parametrize("prefill,overlap", [("stream", True), ("stream", False), ("on_demand", True)])
+@pytest.mark.parametrize("prefill,overlap", [("stream", True), pytest.param("stream", False, marks=pytest.mark.slow),
+                                             ("on_demand", True)])
 def test_long_prompt_prefill_modes_bit_identical(prefill, overlap, resident_runs):
     """300-token prompt: whole-layer streaming (both buffers), or on-demand loading, then decode."""
     model, exp = load_fixture("qwen3_5_moe_fp32")
@@ -165,7 +166,8 @@ def _prefix_cache(**kw):
                                                               prefill_chunk=256, **kw))
 
 
-@pytest.mark.parametrize("load,route", [("prefetch", "scan"), ("xs", "scan"), ("all_first", "after")])
+@pytest.mark.parametrize("load,route", [("prefetch", "scan"), pytest.param("xs", "scan", marks=pytest.mark.slow),
+                                        pytest.param("all_first", "after", marks=pytest.mark.slow)])
 def test_prefix_reuse_bit_identical_to_recompute(load, route):
     """Request A (200 tokens) stores 3 chunks of 64 with the DeltaNet states at their ends;
     request B (the 300-token prompt) reuses them (192 tokens) and computes the rest from the
@@ -187,6 +189,7 @@ def test_prefix_reuse_bit_identical_to_recompute(load, route):
     np.testing.assert_allclose(got.step_logits[:, 0], want, rtol=0, atol=_tol(want))
 
 
+@pytest.mark.slow
 def test_hybrid_prefix_reuse_on_row_1_resumes_its_own_linear_state():
     """tiny-hybrid (Gated DeltaNet layers): the stored chunks carry the linear layers' state, which the hook
     writes into the reusing row (here row 1, while row 0 decodes in the same call); its tokens and logits
@@ -431,6 +434,7 @@ def test_host_store_keeps_a_tuple_entry_as_one_unit():
         store.put(b"d" * 32, kv)
 
 
+@pytest.mark.slow
 def test_quantized_experts_offload_bit_identical():
     """int8 expert banks (quantized after loading): cached at S=E equals resident."""
     from ftjax.checkpoint import load_checkpoint
@@ -444,7 +448,8 @@ def test_quantized_experts_offload_bit_identical():
     assert got.generated_ids[0][:4] == exp["short_generated_ids"][:4].tolist()
 
 
-# ---- the shared decode kernels and the layer-pipelined driver ----------------------------------
+# ---- the shared decode kernels (the layer-pipelined driver: tests/test_layer_pipeline.py) -------------
+@pytest.mark.slow
 def test_decode_kernels_interpreted_cached_equals_resident():
     """The hybrid family decodes with the shared decode kernels in Pallas interpret mode (dense
     projections from the stacked weights, decode attention of the gated attention layers, the
@@ -485,24 +490,3 @@ def test_decode_kernels_interpreted_cached_equals_resident():
     assert cached.shape == (steps, 1, model.cfg.vocab_size)
     np.testing.assert_allclose(cached, reference, rtol=0, atol=0.1)
 
-
-def test_layer_pipelined_driver_equals_the_scan():
-    """The hybrid family runs on the layer-pipelined driver (one program per layer of each kind, whole
-    layers of experts streamed through its buffers at S = E): the logits of every prompt position, over
-    two prefill calls (the DeltaNet states carried between them), equal the layer scan's exactly."""
-    from ftjax.checkpoint import random_model
-    from ftjax.config import preset
-
-    model = random_model(preset("tiny-hybrid"), "float32", seed=3)
-    e = model.cfg.num_experts
-    prompt = np.random.default_rng(0).integers(0, model.cfg.vocab_size, 100).tolist()
-    logits = {}
-    for driver, slots in (("pipelined", e), ("scan", 2 * e)):  # the scan borrows 2E slots to stream
-        engine = Engine(model, EngineConfig("cached", num_slots=slots, max_seq_len=128, prefill="stream",
-                                            prefill_chunk=64, prefill_driver=driver))
-        out, *_ = engine.prefill([prompt], engine.new_cache(1), all_logits=True)
-        logits[driver] = np.asarray(out, np.float32)
-        assert engine.prefill_driver_calls[driver] == 2, engine.prefill_driver_calls
-    assert engine.prefill_driver_calls["pipelined"] == 0
-    assert logits["scan"].shape == (1, len(prompt), model.cfg.vocab_size)
-    assert np.array_equal(logits["pipelined"], logits["scan"])

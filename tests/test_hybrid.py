@@ -57,7 +57,7 @@ def test_chunked_prefill_in_pieces_matches_transformers():
 
 # ---- every offload mode bit-identical to resident ---------------------------------------------
 # (cached decode at S = E .. L*E for both hybrid fixtures: tests/test_offload.py, with every family)
-STEPS = 120
+STEPS = 40  # long enough for misses at S = E + 1 and for the 24-step CPU-miss run; compiles are the cost
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,7 @@ def _resident(cache, name, which="short"):
     return cache[name, which]
 
 
-@pytest.mark.parametrize("policy", ["lookahead", "lfru"])
+@pytest.mark.parametrize("policy", ["lookahead", pytest.param("lfru", marks=pytest.mark.slow)])
 def test_cache_policies_and_on_demand_bit_identical(policy, resident_runs):
     model, exp = load_fixture("qwen3_5_moe_fp32")
     e, prompt = model.cfg.num_experts, exp["short_prompt_ids"].tolist()
@@ -91,7 +91,8 @@ def test_cache_policies_and_on_demand_bit_identical(policy, resident_runs):
         assert engine.expert_cache_metrics()["hits"] == 0
 
 
-@pytest.mark.parametrize("prefill,overlap", [("stream", True), ("stream", False), ("on_demand", True)])
+@pytest.mark.parametrize("prefill,overlap", [("stream", True), pytest.param("stream", False, marks=pytest.mark.slow),
+                                             ("on_demand", True)])
 def test_long_prompt_prefill_modes_bit_identical(prefill, overlap, resident_runs):
     """300-token prompt: whole-layer streaming (both buffers), or on-demand loading, then decode."""
     model, exp = load_fixture("qwen3_5_moe_fp32")
@@ -106,16 +107,17 @@ def test_long_prompt_prefill_modes_bit_identical(prefill, overlap, resident_runs
         assert m["bytes_h2d"] == (model.cfg.num_layers * e + (e if overlap else 0)) * model.expert_bytes
 
 
-def test_cpu_and_adaptive_misses_bit_identical(resident_runs):
+@pytest.mark.parametrize("policy,kw", [("adaptive", {"fixed_fetch": 1}),  # a split: some misses on each side
+                                       pytest.param("cpu", {}, marks=pytest.mark.slow)])
+def test_cpu_and_adaptive_misses_bit_identical(policy, kw, resident_runs):
     """Misses computed on the host (the miss-policy strategies of the expert_fn seam)."""
     model, exp = load_fixture("qwen3_5_moe_fp32")
     want = _resident(resident_runs, "qwen3_5_moe_fp32")
-    for policy, kw in (("cpu", {}), ("adaptive", {"fixed_fetch": 1})):
-        miss = MissPolicyConfig(policy, cpu_impl="compute_on", **kw)
-        got, _ = _run(model, exp["short_prompt_ids"].tolist(), steps=24, miss=miss, experts="cached",
-                      num_slots=model.cfg.num_experts)
-        np.testing.assert_allclose(got.step_logits, want.step_logits[:24], rtol=0, atol=_tol(want.step_logits))
-        assert got.generated_ids[0] == want.generated_ids[0][:24]
+    miss = MissPolicyConfig(policy, cpu_impl="compute_on", **kw)
+    got, _ = _run(model, exp["short_prompt_ids"].tolist(), steps=24, miss=miss, experts="cached",
+                  num_slots=model.cfg.num_experts)
+    np.testing.assert_allclose(got.step_logits, want.step_logits[:24], rtol=0, atol=_tol(want.step_logits))
+    assert got.generated_ids[0] == want.generated_ids[0][:24]
 
 
 def test_batch_of_different_lengths_matches_single():
@@ -123,9 +125,9 @@ def test_batch_of_different_lengths_matches_single():
     tokens left them (padding gets beta = 0, decay 1)."""
     model, exp = load_fixture("qwen3_5_moe_fp32")
     base = exp["long_prompt_ids"].tolist()
-    prompts = [base[:5], base[10:27], base[40:110], base[100:200]]
+    prompts = [base[:5], base[40:110], base[100:200]]  # 5, 70 and 100 tokens: padded by 95, 30 and 0 in the batch
     e = model.cfg.num_experts
-    engine = Engine(model, EngineConfig("cached", num_slots=e + 3, max_seq_len=256, batch=4))
+    engine = Engine(model, EngineConfig("cached", num_slots=e + 3, max_seq_len=256, batch=3))
     batched = engine.generate(prompts, max_new_tokens=12, keep_logits=True)
     for i, p in enumerate(prompts):
         alone = Engine(model, EngineConfig("cached", num_slots=e + 3, max_seq_len=256)).generate(
@@ -165,7 +167,8 @@ def _prefix_cache(**kw):
                                                               prefill_chunk=256, **kw))
 
 
-@pytest.mark.parametrize("load,route", [("prefetch", "scan"), ("xs", "scan"), ("all_first", "after")])
+@pytest.mark.parametrize("load,route", [("prefetch", "scan"), pytest.param("xs", "scan", marks=pytest.mark.slow),
+                                        pytest.param("all_first", "after", marks=pytest.mark.slow)])
 def test_prefix_reuse_bit_identical_to_recompute(load, route):
     """Request A (200 tokens) stores 3 chunks of 64 with the DeltaNet states at their ends;
     request B (the 300-token prompt) reuses them (192 tokens) and computes the rest from the
@@ -187,6 +190,7 @@ def test_prefix_reuse_bit_identical_to_recompute(load, route):
     np.testing.assert_allclose(got.step_logits[:, 0], want, rtol=0, atol=_tol(want))
 
 
+@pytest.mark.slow
 def test_hybrid_prefix_reuse_on_row_1_resumes_its_own_linear_state():
     """tiny-hybrid (Gated DeltaNet layers): the stored chunks carry the linear layers' state, which the hook
     writes into the reusing row (here row 1, while row 0 decodes in the same call); its tokens and logits
@@ -432,6 +436,7 @@ def test_host_store_keeps_a_tuple_entry_as_one_unit():
         store.put(b"d" * 32, kv)
 
 
+@pytest.mark.slow
 def test_quantized_experts_offload_bit_identical():
     """int8 expert banks (quantized after loading): cached at S=E equals resident."""
     from ftjax.checkpoint import load_checkpoint
@@ -445,7 +450,8 @@ def test_quantized_experts_offload_bit_identical():
     assert got.generated_ids[0][:4] == exp["short_generated_ids"][:4].tolist()
 
 
-# ---- the shared decode kernels and the layer-pipelined driver ----------------------------------
+# ---- the shared decode kernels (the layer-pipelined driver: tests/test_layer_pipeline.py) -------------
+@pytest.mark.slow
 def test_decode_kernels_interpreted_cached_equals_resident():
     """The hybrid family decodes with the shared decode kernels in Pallas interpret mode (dense
     projections from the stacked weights, decode attention of the gated attention layers, the
@@ -486,24 +492,3 @@ def test_decode_kernels_interpreted_cached_equals_resident():
     assert cached.shape == (steps, 1, model.cfg.vocab_size)
     np.testing.assert_allclose(cached, reference, rtol=0, atol=0.1)
 
-
-def test_layer_pipelined_driver_equals_the_scan():
-    """The hybrid family runs on the layer-pipelined driver (one program per layer of each kind, whole
-    layers of experts streamed through its buffers at S = E): the logits of every prompt position, over
-    two prefill calls (the DeltaNet states carried between them), equal the layer scan's exactly."""
-    from ftjax.checkpoint import random_model
-    from ftjax.config import preset
-
-    model = random_model(preset("tiny-hybrid"), "float32", seed=3)
-    e = model.cfg.num_experts
-    prompt = np.random.default_rng(0).integers(0, model.cfg.vocab_size, 100).tolist()
-    logits = {}
-    for driver, slots in (("pipelined", e), ("scan", 2 * e)):  # the scan borrows 2E slots to stream
-        engine = Engine(model, EngineConfig("cached", num_slots=slots, max_seq_len=128, prefill="stream",
-                                            prefill_chunk=64, prefill_driver=driver))
-        out, *_ = engine.prefill([prompt], engine.new_cache(1), all_logits=True)
-        logits[driver] = np.asarray(out, np.float32)
-        assert engine.prefill_driver_calls[driver] == 2, engine.prefill_driver_calls
-    assert engine.prefill_driver_calls["pipelined"] == 0
-    assert logits["scan"].shape == (1, len(prompt), model.cfg.vocab_size)
-    assert np.array_equal(logits["pipelined"], logits["scan"])

@@ -23,8 +23,16 @@ def _prefill_logits(model, prompt, mode="resident", slots=None, **kw):
     return np.asarray(logits)[0, : len(prompt)], engine, stats
 
 
-@pytest.mark.parametrize("name", FAMILIES)
-@pytest.mark.parametrize("which,chunk", [("short", 8192), ("long", 8192), ("long", 64)])
+def _mode_cases():
+    """Every fixture with a chunked prompt, and qwen3_moe_fp32 whole, by default; the other pairs slow."""
+    for which, chunk in (("short", 8192), ("long", 8192), ("long", 64)):
+        for name in FAMILIES:
+            default = chunk == 64 or name == "qwen3_moe_fp32"
+            yield pytest.param(name, which, chunk, id=f"{which}-{chunk}-{name}",
+                               marks=() if default else pytest.mark.slow)
+
+
+@pytest.mark.parametrize("name,which,chunk", list(_mode_cases()))
 def test_prefill_modes_bit_identical(name, which, chunk):
     model, exp = load_fixture(name)
     e = model.cfg.num_experts
@@ -51,7 +59,7 @@ def test_chunked_prefill_matches_transformers():
     assert np.abs(got[-1] - want).max() < 2e-5 * np.abs(want).max() + 1e-5
 
 
-@pytest.mark.parametrize("name", ["olmoe_fp32", "mixtral_fp32"])
+@pytest.mark.parametrize("name", ["olmoe_fp32", pytest.param("mixtral_fp32", marks=pytest.mark.slow)])
 def test_streamed_prefill_then_decode_same_tokens(name):
     model, exp = load_fixture(name)
     prompt = exp["long_prompt_ids"].tolist()

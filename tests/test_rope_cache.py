@@ -143,9 +143,11 @@ def test_stacked_weights_pass_the_qk_norms_only_with_the_kernel():
         KernelConfig(use="norm_dense_decode,rope_cache")
 
 
-@pytest.mark.parametrize("kernels", ["dense_decode,norm_dense_decode,rope_cache,decode_attention",
-                                     "dense_decode,rope_cache,decode_attention",
-                                     "dense_decode,norm_dense_decode,rope_cache,decode_attention,merge_dense_decode"])
+@pytest.mark.parametrize("kernels", [  # the whole prologue chain by default; its two other shapes slow
+    "dense_decode,norm_dense_decode,rope_cache,decode_attention",
+    pytest.param("dense_decode,rope_cache,decode_attention", marks=pytest.mark.slow),
+    pytest.param("dense_decode,norm_dense_decode,rope_cache,decode_attention,merge_dense_decode",
+                 marks=pytest.mark.slow)])
 def test_greedy_decode_with_the_kernel_matches_the_default_path(kernels, monkeypatch):
     """A tiny model's greedy decode (float32, interpreted on the CPU) with the prologue kernel: after
     the fused norm + wq/wk/wv kernel it takes that kernel's K-split parts (two here); without it, the

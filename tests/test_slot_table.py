@@ -285,11 +285,14 @@ def _mask(bits: int, E: int) -> np.ndarray:
 # --------------------------------------------------------------------------------------------
 # Property test: random routing streams against the reference
 # --------------------------------------------------------------------------------------------
+_STREAM_SHAPES = [(1, 2, 2), (2, 3, 3), (2, 4, 8), (3, 5, 9), (4, 8, 19)]
+
+
 @st.composite
 def streams(draw):
-    L = draw(st.integers(1, 4))
-    E = draw(st.integers(2, 8))
-    S = draw(st.integers(E, L * E))
+    # a few fixed shapes (S = E, S = L*E, in between): each new shape compiles the lookups again, and the
+    # compiles, not the examples, are the cost; the routing and the events vary freely
+    L, E, S = draw(st.sampled_from(_STREAM_SHAPES))
     steps = draw(st.integers(1, 30))
     full = (1 << E) - 1
     mask = st.one_of(st.just(0), st.just(full), st.integers(0, full))
@@ -810,7 +813,7 @@ def test_inside_lax_scan_over_layers():
 # --------------------------------------------------------------------------------------------
 _I32 = np.iinfo(np.int32)
 # A few shapes (compiles are the cost): S == E, S == L*E, and S in between, E == 1 included.
-_SHAPES = [(1, 1, 1), (1, 4, 4), (2, 3, 3), (2, 3, 5), (3, 2, 6), (3, 4, 7), (2, 5, 9)]
+_SHAPES = [(1, 1, 1), (2, 3, 3), (3, 2, 6), (3, 4, 7)]  # degenerate, S = E, S = L*E, in between
 
 
 @st.composite

@@ -48,9 +48,13 @@ the run reuses is evicted.
 
 ``--part=server_overhead``: batch-1 TPOT of one prompt (``--prompt_tokens``, ``--max_tokens``) through the engine
 directly (``Scheduler.step`` in a loop, times from ``RequestStats``) and through the HTTP server
-(``ftjax.serve.server.create_app`` under uvicorn in a thread of this process, a streamed ``/v1/completions``
-request from httpx, the time between the chunks that carry text), ``--server_requests`` timed requests each way
-after one warm-up each. A model without a tokenizer is served with one that writes each id as text (``<id>``), so
+(``ftjax.serve.server.create_app`` under uvicorn in a thread of this process, streamed ``/v1/completions``
+requests from httpx in a client process of its own, the time between the chunks that carry text),
+``--server_requests`` timed requests each way after one warm-up each. The client runs in another process so that
+what is measured is the server's cost, not the client's: in this process its parsing of every chunk would compete
+with the server's event loop and the scheduler thread for the GIL (results up to 2026-12-03 ran it here, and their
+``tpot_ratio`` counts the client's cost too). Its times are CLOCK_MONOTONIC (``time.monotonic_ns``), one clock
+for every process. A model without a tokenizer is served with one that writes each id as text (``<id>``), so
 that every token is one chunk. ``tpot_ratio``: median per-request mean TPOT over HTTP / directly (target
 <= 1.05); ``tpot_ratio_median_gap``: the same from the median gap between two tokens.
 
@@ -466,38 +470,61 @@ def direct_requests(sched, prompt: list, n: int) -> list:
     return out
 
 
-def http_request(client, url: str, prompt: list) -> dict:
-    """One streamed completion; the arrival time of each chunk that carries text, and the usage."""
+#: The HTTP client, run in a process of its own (``python -c``): argv url, body (JSON), requests; prints one JSON
+#: list, per request its start and the arrival of each chunk that carries text (time.monotonic_ns: CLOCK_MONOTONIC,
+#: one clock for every process on Linux, unlike time.perf_counter whose epoch is not specified), and the usage.
+HTTP_CLIENT = r"""
+import json, sys, time
+import httpx
+url, body, n = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+out = []
+with httpx.Client(timeout=600) as client:
+    for _ in range(n):
+        times, usage = [], None
+        t0 = time.monotonic_ns()
+        with client.stream("POST", url + "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                sys.exit(f"HTTP {r.status_code}: {r.read()[:500]!r}")
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                now = time.monotonic_ns()
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    sys.exit(f"the request failed: {chunk['error']}")
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    times.append(now)
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+        out.append({"t0": t0 / 1e9, "times": [t / 1e9 for t in times],
+                    "completion_tokens": (usage or {}).get("completion_tokens", len(times))})
+print(json.dumps(out))
+"""
+
+
+def http_client(url: str, prompt: list, n: int) -> list:
+    """``n`` streamed completions of ``prompt``, one after the other, from a client process of its own (so that
+    its parsing does not compete with the server's threads for this process's GIL); per request ``t0`` (its
+    start), ``times`` (the arrival of each chunk that carries text; seconds of CLOCK_MONOTONIC) and
+    ``completion_tokens`` (the usage's).
+    Raises:
+      RuntimeError: the client failed (an HTTP error, an error event)."""
+    import subprocess
     body = {"prompt": prompt, "max_tokens": FLAGS.max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
-    times, usage = [], None
-    t0 = time.perf_counter()
-    with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:500]!r}")
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            now = time.perf_counter()
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(f"the request failed: {chunk['error']}")
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
-                times.append(now)
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-    return {"t0": t0, "times": times, "completion_tokens": (usage or {}).get("completion_tokens", len(times))}
+    r = subprocess.run([sys.executable, "-c", HTTP_CLIENT, url, json.dumps(body), str(n)], capture_output=True,
+                       text=True, timeout=3600)
+    if r.returncode:
+        raise RuntimeError(f"the HTTP client failed: {(r.stderr or r.stdout).strip()[-2000:]}")
+    return json.loads(r.stdout)
 
 
 def http_requests(sched, model, prompt: list, n: int) -> list:
-    """``n`` streamed requests of ``prompt`` through the HTTP server over ``sched`` (uvicorn in a thread)."""
-    import logging
-
-    import httpx
+    """``n`` streamed requests of ``prompt`` through the HTTP server over ``sched`` (uvicorn in a thread, the client
+    in a process of its own: :func:`http_client`)."""
     import uvicorn
 
     from ftjax.serve.server import create_app
-    logging.getLogger("httpx").setLevel(logging.WARNING)
     app = create_app(sched, model.tokenizer or IdText(), "bench", max_context=sched.engine.max_seq_len,
                      vocab_size=model.cfg.vocab_size)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
@@ -509,8 +536,7 @@ def http_requests(sched, model, prompt: list, n: int) -> list:
                 raise RuntimeError("uvicorn did not start")
             time.sleep(0.01)
         url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-        with httpx.Client(timeout=600) as client:
-            return [http_request(client, url, prompt) for _ in range(n)]
+        return http_client(url, prompt, n)
     finally:
         server.should_exit = True
         thread.join(60)

@@ -144,6 +144,130 @@ def test_text_stream_holds_back_partial_characters_and_stop_strings():
     assert "".join(stream.add(t) for t in ids) + stream.finish() == text and not stream.stopped
 
 
+def test_text_stream_decodes_a_window_and_equals_decoding_everything():
+    """Each token decodes a window of at most 2 * WINDOW ids (plus those held back by an incomplete character),
+    and the text is that of decoding every id: for random ids of the byte-level fixture tokenizer (specials,
+    split characters), for a decoder that drops the first token's leading space (Metaspace), and, through the
+    fallback, for a decoder whose text is not local (its ``text``)."""
+    import random
+
+    from ftjax.serve.text import WINDOW
+    tok = load_checkpoint(fixture_path("qwen3_moe_fp32"), progress=False).tokenizer
+    rng = random.Random(0)
+    vocab = [" a", "b", " c", "d", " é"]
+    decoders = {"fixture": tok.decode, "metaspace": lambda ids: "".join(vocab[i] for i in ids).removeprefix(" "),
+                "counted": lambda ids: f"{len(ids)}:" + "".join(vocab[i] for i in ids)}
+    for name, decode in decoders.items():
+        sizes = []
+        for _ in range(30):
+            n_vocab = tok.get_vocab_size() if name == "fixture" else len(vocab)
+            ids = [rng.randrange(n_vocab) for _ in range(rng.randrange(1, 100))]
+            stream = TextStream(lambda x: (sizes.append(len(x)), decode(x))[1])
+            pieces = []
+            for i, t in enumerate(ids):
+                pieces.append(stream.add(t))
+                assert stream.text == decode(ids[:i + 1]), (name, ids[:i + 1])
+            if name != "counted":  # text once released stays: a decoder that rewrites it cannot be streamed
+                assert "".join(pieces) + stream.finish() == decode(ids) == stream.text
+        if name == "metaspace":  # no split characters: the window never holds more than 2 * WINDOW ids
+            assert max(sizes) <= 2 * WINDOW
+    long = "héllo wörld 你好 ok " * 40
+    sizes = []
+    stream = TextStream(lambda x: (sizes.append(len(x)), tok.decode(x))[1])
+    assert "".join(stream.add(t) for t in tok.encode(long).ids) + stream.finish() == long
+    assert max(sizes) <= 2 * WINDOW + 4
+
+
+def test_streamed_chunks_are_json_dumps_of_the_chunk():
+    """The chunks built from pre-encoded fields are byte for byte sse-starlette's encoding of
+    ``{"data": json.dumps(chunk)}`` (what the server sent before)."""
+    from sse_starlette.event import ensure_bytes
+
+    from ftjax.serve.server import _DONE, _Chunks
+    rid, model = 'cmpl-"x"é', 'mo"d\nel'
+    usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+             "prompt_tokens_details": {"cached_tokens": 0}}
+    lp = {"tokens": ["a"], "token_logprobs": [-0.5], "top_logprobs": None, "text_offset": [0]}
+    for include_usage in (False, True):
+        chunks = _Chunks(rid, "text_completion", 1234, model, include_usage)
+
+        def old(choices, usage=None):
+            c = {"id": rid, "object": "text_completion", "created": 1234, "model": model, "choices": choices,
+                 "system_fingerprint": None}
+            if include_usage:
+                c["usage"] = usage
+            return ensure_bytes({"data": json.dumps(c)}, "\n")
+        for piece, logprobs, reason in (("héllo\n\"q\" 你", None, None), ("", lp, "stop")):
+            choice = {"index": 0, "text": piece, "logprobs": logprobs, "finish_reason": reason}
+            assert chunks.choice('{"index": 0, "text": %s, "logprobs": %s, "finish_reason": %s}' % (
+                json.dumps(piece), json.dumps(logprobs), json.dumps(reason))) == old([choice])
+        if include_usage:  # the last chunk, sent only then
+            assert chunks.usage(usage) == old([], usage)
+    assert _DONE == ensure_bytes({"data": "[DONE]"}, "\n")
+
+
+def test_worker_hands_out_a_steps_events_while_the_next_step_waits():
+    """The worker hands out step k's events from step k + 1's ``before_wait`` (so the event loop works while
+    that step waits, not while it dispatches), in order, the last ones when the scheduler goes idle; a stand-in
+    without ``before_wait`` gets them as each step ends."""
+    import asyncio
+
+    from ftjax.serve.metrics import ServerMetrics
+    from ftjax.serve.scheduler import RequestStats, SamplingParams, TokenEvent
+    from ftjax.serve.server import SchedulerWorker
+
+    class Stepper:
+        running = waiting = 0
+
+        def __init__(self, hook: bool):
+            if hook:
+                self.before_wait = None
+            self.left, self.log = 0, []
+
+        def has_work(self):
+            return self.left > 0
+
+        def submit(self, prompt_ids, params, request_id=None):
+            self.left, self.rid = params.max_tokens, request_id
+            return request_id
+
+        def stats(self, request_id):
+            return RequestStats(1, 4, 0, 0.0, 0.0, [])
+
+        def step(self):
+            self.log.append(("dispatched", time.monotonic()))
+            if getattr(self, "before_wait", None) is not None:
+                self.before_wait()
+            time.sleep(0.05)  # the device
+            self.left -= 1
+            self.log.append(("ended", time.monotonic()))
+            return [TokenEvent(self.rid, 10 + self.left, self.left == 0, "length" if self.left == 0 else None)]
+
+    async def run(sched):
+        worker = SchedulerWorker(sched, ServerMetrics())
+        worker.start()
+        try:
+            q = await worker.submit([1], SamplingParams(max_tokens=4), "r")
+            got = []
+            while not got or not got[-1][1].finished:
+                item = await q.get()
+                got.append((time.monotonic(), item))
+            return got
+        finally:
+            worker.stop()
+
+    for hook in (True, False):
+        sched = Stepper(hook)
+        got = asyncio.run(run(sched))
+        assert [g.token_id for _, g in got] == [13, 12, 11, 10] and got[-1][1].stats is not None
+        ends = [t for what, t in sched.log if what == "ended"]
+        for k, (t, _) in enumerate(got):
+            assert t >= ends[k]
+            if k + 1 < len(ends):  # with the hook: during step k + 1 (its sleep); without: before it ends
+                assert t < ends[k + 1]
+                assert not hook or t >= [t for what, t in sched.log if what == "dispatched"][k + 1]
+
+
 def test_chat_templates():
     plain = ChatTemplate()
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]

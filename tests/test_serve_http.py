@@ -206,68 +206,6 @@ def test_streamed_chunks_are_json_dumps_of_the_chunk():
     assert _DONE == ensure_bytes({"data": "[DONE]"}, "\n")
 
 
-def test_worker_hands_out_a_steps_events_while_the_next_step_waits():
-    """The worker hands out step k's events from step k + 1's ``before_wait`` (so the event loop works while
-    that step waits, not while it dispatches), in order, the last ones when the scheduler goes idle; a stand-in
-    without ``before_wait`` gets them as each step ends."""
-    import asyncio
-
-    from ftjax.serve.metrics import ServerMetrics
-    from ftjax.serve.scheduler import RequestStats, SamplingParams, TokenEvent
-    from ftjax.serve.server import SchedulerWorker
-
-    class Stepper:
-        running = waiting = 0
-
-        def __init__(self, hook: bool):
-            if hook:
-                self.before_wait = None
-            self.left, self.log = 0, []
-
-        def has_work(self):
-            return self.left > 0
-
-        def submit(self, prompt_ids, params, request_id=None):
-            self.left, self.rid = params.max_tokens, request_id
-            return request_id
-
-        def stats(self, request_id):
-            return RequestStats(1, 4, 0, 0.0, 0.0, [])
-
-        def step(self):
-            self.log.append(("dispatched", time.monotonic()))
-            if getattr(self, "before_wait", None) is not None:
-                self.before_wait()
-            time.sleep(0.05)  # the device
-            self.left -= 1
-            self.log.append(("ended", time.monotonic()))
-            return [TokenEvent(self.rid, 10 + self.left, self.left == 0, "length" if self.left == 0 else None)]
-
-    async def run(sched):
-        worker = SchedulerWorker(sched, ServerMetrics())
-        worker.start()
-        try:
-            q = await worker.submit([1], SamplingParams(max_tokens=4), "r")
-            got = []
-            while not got or not got[-1][1].finished:
-                item = await q.get()
-                got.append((time.monotonic(), item))
-            return got
-        finally:
-            worker.stop()
-
-    for hook in (True, False):
-        sched = Stepper(hook)
-        got = asyncio.run(run(sched))
-        assert [g.token_id for _, g in got] == [13, 12, 11, 10] and got[-1][1].stats is not None
-        ends = [t for what, t in sched.log if what == "ended"]
-        for k, (t, _) in enumerate(got):
-            assert t >= ends[k]
-            if k + 1 < len(ends):  # with the hook: during step k + 1 (its sleep); without: before it ends
-                assert t < ends[k + 1]
-                assert not hook or t >= [t for what, t in sched.log if what == "dispatched"][k + 1]
-
-
 def test_chat_templates():
     plain = ChatTemplate()
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]

@@ -30,14 +30,9 @@ KV pins are freed.
 
 Threading: the scheduler is not thread-safe, so one background thread (:class:`SchedulerWorker`) owns
 it. It drains a thread-safe inbox of commands (submit, cancel, metrics snapshot), calls
-``Scheduler.step()`` while there is work, and hands the token events to their requests' ``asyncio.Queue`` s,
-one ``loop.call_soon_threadsafe`` per event loop for all the events at hand; when idle it waits on an event
-that every new command sets. A step's events are handed out from the next step's
-``Scheduler.before_wait``, once that step's device work is dispatched (or at once, when no step follows or
-the scheduler has no such hook): the event loop's work on a token (detokenization, JSON, the socket write)
-then runs while the device computes, instead of contending for the GIL with the dispatch of the next step
-(which would add it to every token's time). A streamed token reaches its client one dispatch later (well
-under a millisecond); the time between tokens is the engine's.
+``Scheduler.step()`` while there is work, and hands a step's token events to their requests'
+``asyncio.Queue`` s with one ``loop.call_soon_threadsafe`` per event loop (one wake-up of the loop per step,
+not per token); when idle it waits on an event that every new command sets.
 
 Streamed chunks are built as bytes (``data: <json>\n\n``) from pre-encoded fixed fields and handed to
 sse-starlette as such; the JSON is byte for byte what ``json.dumps`` of the chunk's dict gives.
@@ -290,7 +285,6 @@ class SchedulerWorker:
         self._inbox: queue_lib.SimpleQueue = queue_lib.SimpleQueue()
         self._wake = threading.Event()
         self._routes: dict[str, _Route] = {}
-        self._pending: list[tuple[_Route, Item]] = []  # events not handed out yet, in order
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.step_failures = 0  # Scheduler.step() calls that raised
@@ -363,32 +357,21 @@ class SchedulerWorker:
 
     # ---- in the worker thread -------------------------------------------------------------------
     def _run(self) -> None:
-        hook = hasattr(self.scheduler, "before_wait")
-        if hook:
-            self.scheduler.before_wait = self._flush
-        try:
-            while not self._stopping:
-                self._wake.clear()
-                self._drain()
-                try:
-                    busy = self.scheduler.has_work()
-                except Exception:
-                    log.exception("Scheduler.has_work() failed")
-                    busy = False
-                if busy and not self._stopping:
-                    self._step()
-                    if not hook:
-                        self._flush()
-                else:
-                    self._flush()
-                    if not self._stopping:
-                        self._wake.wait(self.idle_s)
-                self._set_gauges()
+        while not self._stopping:
+            self._wake.clear()
             self._drain()
-            self._fail_all("the server is shutting down")
-        finally:
-            if hook:
-                self.scheduler.before_wait = None
+            try:
+                busy = self.scheduler.has_work()
+            except Exception:
+                log.exception("Scheduler.has_work() failed")
+                busy = False
+            if busy and not self._stopping:
+                self._step()
+            elif not self._stopping:
+                self._wake.wait(self.idle_s)
+            self._set_gauges()
+        self._drain()
+        self._fail_all("the server is shutting down")
 
     def _set_gauges(self) -> None:
         try:
@@ -428,7 +411,7 @@ class SchedulerWorker:
         except Exception:
             log.exception("Scheduler.cancel(%s) failed", request_id)
         self.metrics.finished("cancelled", self._stats(request_id))
-        self._pending.append((route, Item(None, None, True, "cancelled")))
+        self._hand_out([(route, Item(None, None, True, "cancelled"))])
 
     def _stats(self, request_id: str):
         try:
@@ -438,8 +421,7 @@ class SchedulerWorker:
             return None
 
     def _step(self) -> None:
-        """One ``Scheduler.step``; its events join :attr:`_pending` (the events of the step before are handed
-        out from inside it, by ``before_wait``, or here)."""
+        """One ``Scheduler.step``; hands out its events."""
         try:
             events = self.scheduler.step()
         except Exception as e:
@@ -448,8 +430,7 @@ class SchedulerWorker:
             self._fail_all(f"the engine step failed: {e!r}")
             time.sleep(0.05)  # a scheduler that keeps failing must not spin the thread
             return
-        self._flush()  # the step ran no device work (nothing called before_wait): the last step's events now
-        tokens = 0
+        tokens, out = 0, []
         for ev in events:
             route = self._routes.get(ev.request_id)
             if route is None:
@@ -460,12 +441,13 @@ class SchedulerWorker:
                 del self._routes[ev.request_id]
                 stats = self._stats(ev.request_id)
                 self.metrics.finished(ev.finish_reason, stats)
-            self._pending.append((route, Item(ev.token_id, ev.logprob, ev.finished, ev.finish_reason, ev.error,
-                                              stats)))
+            out.append((route, Item(ev.token_id, ev.logprob, ev.finished, ev.finish_reason, ev.error, stats)))
         if tokens:
             self.metrics.generation_tokens.inc(tokens)
+        self._hand_out(out)
 
     def _fail_all(self, message: str) -> None:
+        out = []
         for rid in list(self._routes):
             route = self._routes.pop(rid)
             try:
@@ -473,24 +455,19 @@ class SchedulerWorker:
             except Exception:
                 log.exception("Scheduler.cancel(%s) failed", rid)
             self.metrics.finished("error", None)
-            self._pending.append((route, Item(None, None, True, "error", error=message)))
-        self._flush()
+            out.append((route, Item(None, None, True, "error", error=message)))
+        self._hand_out(out)
 
-    def _flush(self) -> None:
-        """Hands out the pending events, in order: one ``call_soon_threadsafe`` per event loop (never raises: it
-        runs inside ``Scheduler.step`` as its ``before_wait``)."""
-        if not self._pending:
-            return
-        pending, self._pending = self._pending, []
-        try:
-            by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-            for route, item in pending:
-                by_loop.setdefault(route.loop, []).append((route.queue, item))
-            for loop, items in by_loop.items():
-                with contextlib.suppress(RuntimeError):  # the loop closed: nobody reads
-                    loop.call_soon_threadsafe(_put_all, items)
-        except Exception:
-            log.exception("handing out token events failed")
+    @staticmethod
+    def _hand_out(items: list[tuple[_Route, Item]]) -> None:
+        """Puts each item in its route's queue, in order: one ``call_soon_threadsafe`` per event loop for all of
+        them (one wake-up of the loop per step, not one per token)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for route, item in items:
+            by_loop.setdefault(route.loop, []).append((route.queue, item))
+        for loop, items in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody reads
+                loop.call_soon_threadsafe(_put_all, items)
 
 
 # ---- the app ------------------------------------------------------------------------------------------------

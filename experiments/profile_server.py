@@ -8,12 +8,13 @@ r"""The HTTP server's own cost per streamed token, without a model (issue 31).
 every running request, no engine) under uvicorn in a thread of this process. A step stands for a device step:
 ``--dispatch_ms`` of Python work holding the GIL (the dispatch of the next step), released ``--releases`` times
 in between (as jax releases it in each jitted call's enqueue and in each host-to-device copy), then
-``--step_ms`` of sleep, the GIL released (the device computing; no run-ahead: the next step's dispatch waits for
-this one, as ``Scheduler(run_ahead=False)``'s). The client is
-another process (``python -c``, httpx), so that its parsing does not compete with the server for this
-process's GIL or CPU time. Each request streams ``/v1/completions`` of ``--tokens`` tokens (ids as text,
-``<id>`` each, so that every token is one chunk; ``--tokenizer=fixture``: the tiny test fixture's byte-level
-tokenizer).
+``--step_ms`` of sleep, the GIL released (the device computing): the next step's dispatch waits for this one, as
+with ``Scheduler(run_ahead=False)``. ``--run_ahead``: as with ``Scheduler(run_ahead=True)``, a step is dispatched
+(queued behind the last on the device) before the last one's token is read, so that a late dispatch costs the
+device nothing until it is later than a step. The client is another process (``python -c``, httpx), so that
+its parsing does not compete with the server for this process's GIL or CPU time. Each request streams
+``/v1/completions`` of ``--tokens`` tokens (ids as text, ``<id>`` each, so that every token is one chunk;
+``--tokenizer=fixture``: the tiny test fixture's byte-level tokenizer).
 
 Figures, the median over ``--requests`` requests (after one warm-up): ``direct_us_per_token``: the stand-in's
 time per step driven alone, in a loop (what ``bench_serve.py``'s direct path measures); ``http_us_per_token``:
@@ -72,8 +73,9 @@ class FakeScheduler:
     its next token (ids cycling over [3, 303)); a step: ``dispatch_s`` of Python work in ``releases + 1`` pieces
     (the GIL released between two), then ``step_s`` of sleep (module docstring)."""
 
-    def __init__(self, step_s: float = 0.0, dispatch_s: float = 0.0, releases: int = 0):
-        self.step_s, self.dispatch_s, self.releases = step_s, dispatch_s, releases
+    def __init__(self, step_s: float = 0.0, dispatch_s: float = 0.0, releases: int = 0, run_ahead: bool = False):
+        self.step_s, self.dispatch_s, self.releases, self.run_ahead = step_s, dispatch_s, releases, run_ahead
+        self._device_free = 0.0  # run-ahead: when the device ends the step dispatched last (time.monotonic)
         self._reqs: dict = {}
         self._stats: dict = {}
         self.cpu: list = []  # this process's CPU time (s) at the end of each step
@@ -105,7 +107,15 @@ class FakeScheduler:
             end = time.perf_counter() + self.dispatch_s / (self.releases + 1)
             while time.perf_counter() < end:  # Python work, the GIL held (but for the interpreter's switches)
                 pass
-        if self.step_s:
+        if self.run_ahead:  # this step queues behind the last; wait for the last one's tokens
+            now = time.monotonic()
+            reading, self._device_free = self._device_free, max(now, self._device_free) + self.step_s
+            if reading > now:
+                time.sleep(reading - now)
+            elif not reading:  # the first step: nothing dispatched before it
+                time.sleep(self.step_s)
+                self._device_free = time.monotonic() + self.step_s
+        elif self.step_s:
             time.sleep(self.step_s)
         events = []
         for rid, r in list(self._reqs.items()):
@@ -190,7 +200,7 @@ def serve(args) -> None:
     from ftjax.serve.server import SchedulerWorker, create_app
 
     def fake():
-        return FakeScheduler(args.step_ms / 1e3, args.dispatch_ms / 1e3, args.releases)
+        return FakeScheduler(args.step_ms / 1e3, args.dispatch_ms / 1e3, args.releases, args.run_ahead)
     alone, direct = fake(), []
     for _ in range(args.requests):  # the stand-in driven alone: the direct path's time per token
         alone.ends.clear()
@@ -255,6 +265,8 @@ def main():
     ap.add_argument("--step_ms", type=float, default=2.0, help="each step's sleep (the device computing)")
     ap.add_argument("--dispatch_ms", type=float, default=0.0, help="each step's Python work before it sleeps")
     ap.add_argument("--releases", type=int, default=3, help="GIL releases in each step's dispatch work")
+    ap.add_argument("--run_ahead", action="store_true", help="a step is dispatched before the last one's tokens are "
+                    "read (Scheduler(run_ahead=True))")
     ap.add_argument("--tokenizer", choices=("ids", "fixture"), default="ids")
     ap.add_argument("--micro", action="store_true", help="time the Python work per token without a server")
     ap.add_argument("--profile", choices=("loop", "scheduler"), default=None,

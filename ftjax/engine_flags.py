@@ -18,6 +18,7 @@ each app chooses.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -274,8 +275,10 @@ def engine_config(mode: str, slots: int | None, max_seq_len: int, batch: int, no
 
 
 def plan(model, max_seq_len: int, prompts: list[list[int]], batch: int):
-    """Chooses the experts mode and slot count (``ftjax.runtime.planner.plan_run``); returns (mode, plan or
-    None). With --vram_budget_gb the workspace is measured on the compiled steps of these ``prompts``, so
+    """Chooses the experts mode and slot count (``ftjax.runtime.planner.plan_run``); returns (the planned
+    EngineConfig, plan or None): its ``experts``, ``num_slots`` and ``prefill_driver`` (the planner's choice
+    under --prefill_driver=auto, when the pipelined driver's buffers do not fit the budget) are the run's.
+    With --vram_budget_gb the workspace is measured on the compiled steps of these ``prompts``, so
     that the plan is never below the run's peak. Without a budget or slots, a checkpoint runs resident and
     the demo or a preset keeps a cache of 2E slots, smaller than its pool, so that the mechanism shows.
     Raises:
@@ -295,8 +298,7 @@ def plan(model, max_seq_len: int, prompts: list[list[int]], batch: int):
     budget = int(FLAGS.vram_budget_gb * GB) if FLAGS.vram_budget_gb is not None else None
     base = engine_config("cached", min(2 * cfg.num_experts, cfg.num_layers * cfg.num_experts), max_seq_len, batch,
                          note=False)
-    config, memory_plan = plan_run(model, base, prompts, budget_bytes=budget, slots=slots, mode=mode)
-    return config.experts, memory_plan
+    return plan_run(model, base, prompts, budget_bytes=budget, slots=slots, mode=mode)
 
 
 def describe_miss(miss, max_misses: int) -> None:
@@ -320,14 +322,18 @@ def build_engine(model, max_seq_len: int, probe_prompts: list[list[int]], batch:
       UserError, ValueError: flags that do not fit the model or the budget."""
     from ftjax import Engine
     cfg = model.cfg
-    mode, memory_plan = plan(model, max_seq_len, probe_prompts, batch)
+    planned, memory_plan = plan(model, max_seq_len, probe_prompts, batch)
+    mode = planned.experts
     print(f"model: {model.name} ({cfg.model_type}, L={cfg.num_layers}, E={cfg.num_experts}, "
           f"top-k={cfg.top_k}, {model.dtype}); experts: {mode}, stored {model.banks.fmt} "
           f"({model.banks.gate_up.dtype}, {model.expert_bytes / 1e6:.3f} MB per expert)")
     if memory_plan is not None:
         print(memory_plan.describe())
     slots = memory_plan.slots if memory_plan and mode != "resident" else None
-    engine = Engine(model, engine_config(mode, slots, max_seq_len, batch))
+    config = engine_config(mode, slots, max_seq_len, batch)
+    if config.prefill_driver != planned.prefill_driver:  # the planner's choice: the run is the one it planned
+        config = dataclasses.replace(config, prefill_driver=planned.prefill_driver)
+    engine = Engine(model, config)
     if engine.miss.policy != "fetch":
         describe_miss(engine.miss, min(cfg.num_experts, batch * cfg.top_k))
     return engine, memory_plan

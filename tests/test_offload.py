@@ -298,6 +298,58 @@ def test_plan_for_a_budget_that_fits_everything_is_resident_even_with_prefill_st
     assert full.experts == "resident"
 
 
+def test_plan_falls_back_to_the_scan_driver_when_the_pipelined_buffers_do_not_fit(monkeypatch):
+    """Where streamed calls would run on the layer-pipelined driver (``prefill_driver`` "auto" on a GPU:
+    ``EngineConfig.pipelines_streams`` is patched to say so, since on the CPU auto is the scan) and its two
+    full-layer buffers leave fewer than E slots, the plan is the scan driver's: its slots are what the budget
+    leaves after the scan's measured workspace, the config names the scan, the plan says why. The pipelined
+    driver asked for (or prefill=stream) at that budget is refused, naming its buffers."""
+    from ftjax.runtime.planner import BudgetTooSmall, plan_run
+
+    model, exp = load_fixture("qwen3_moe_fp32")
+    e, eb = model.cfg.num_experts, model.expert_bytes
+    prompts = [exp["short_prompt_ids"].tolist()]
+    base = EngineConfig("cached", num_slots=2 * e, max_seq_len=64)
+    # each driver's fixed bytes (weights, KV, the workspace measured on its programs; the pipelined driver's
+    # buffers) from a budget that holds everything
+    (_, scan), (_, piped) = (plan_run(model, dataclasses.replace(base, prefill_driver=d), prompts, budget_bytes=10**10)
+                             for d in ("scan", "pipelined"))
+    fixed, fixed_piped = (p.planned_bytes - p.all_slots_bytes for p in (scan, piped))
+    buffers = 2 * e * eb
+    assert scan.driver == "scan" and scan.layer_gather_bytes == 0 and scan.driver_note is None
+    assert piped.driver == "pipelined" and piped.layer_gather_bytes == buffers
+    with monkeypatch.context() as m:
+        m.setattr(EngineConfig, "pipelines_streams", lambda self: self.prefill_driver != "scan")  # a GPU's auto
+        for slots in (2 * e, e + 1):  # with and without room for the scan's 2E borrowed slots
+            budget = fixed + slots * eb
+            # the auto probe on the CPU compiles the scan's programs: the pipelined plan is its workspace plus
+            # the buffers; asked for, the pipelined driver's own programs
+            left, left_piped = (budget - fixed - buffers) // eb, (budget - fixed_piped) // eb
+            assert max(left, left_piped) < e  # neither pipelined plan fits
+            config, plan = plan_run(model, base, prompts, budget_bytes=budget)
+            assert config.prefill_driver == "scan" and config.experts == "cached"
+            assert config.num_slots == plan.slots == slots and not plan.pipelined and plan.driver == "scan"
+            assert plan.prefill_double_buffer == (slots >= 2 * e) and plan.planned_bytes <= budget
+            assert plan.workspace_temp_bytes == scan.workspace_temp_bytes  # measured again, on the scan's programs
+            assert plan.driver_note == (f"pipelined buffers do not fit: their {buffers / 1e9:.3f} GB would leave "
+                                        f"{max(left, 0)} slots, E={e} needed")
+            text = plan.describe()
+            assert f"prefill driver scan ({plan.driver_note}); prefill double buffer: " in text
+            assert (f"yes ({2 * e} slots borrowed" if slots >= 2 * e else f"no (it needs {2 * e} slots") in text
+            assert plan.as_dict()["driver"] == "scan"
+            with pytest.raises(BudgetTooSmall, match=rf"leaves {max(left_piped, 0)} expert slots.* the pipelined "
+                                                     rf"prefill driver's two full-layer buffers"):
+                plan_run(model, dataclasses.replace(base, prefill_driver="pipelined"), prompts, budget_bytes=budget)
+            with pytest.raises(BudgetTooSmall, match="the pipelined prefill driver's two full-layer buffers"):
+                plan_run(model, dataclasses.replace(base, prefill="stream"), prompts, budget_bytes=budget)
+        # a budget that holds the buffers and E slots keeps the pipelined driver
+        config, plan = plan_run(model, base, prompts, budget_bytes=fixed + buffers + e * eb)
+        assert config.prefill_driver == "auto" and plan.pipelined and plan.slots == e and plan.driver_note is None
+    # unpatched, the CPU's auto is the scan: the budget of 2E slots plans it without a note
+    config, plan = plan_run(model, base, prompts, budget_bytes=fixed + 2 * e * eb)
+    assert config.prefill_driver == "auto" and plan.slots == 2 * e and plan.driver_note is None
+
+
 def test_decode_gemm_cublas_keeps_logits():
     """The plumbing of ``KernelConfig.decode_gemm``: "cublas" compiles its own decode program with
     :data:`CUBLAS_DECODE_OPTIONS` (told apart by ``compiled_programs``), with the same logits. XLA:CPU

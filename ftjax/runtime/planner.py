@@ -7,6 +7,11 @@ the layer scan streams through 2E slots borrowed from the pool and copies one la
 grouped (prefill) expert matmul (the "layer gather", ``ftjax.experts.compute.experts_from_pool``; 1.2 GB
 for qwen3-30b-a3b in bf16); the layer-pipelined driver (``ftjax.runtime.drivers``) gathers nothing
 and borrows no slot, but holds two full-layer buffers of its own (2.4 GB), so it streams with S >= E.
+Where the driver is the planner's to choose (``prefill_driver`` "auto", ``prefill`` "auto") and the
+pipelined driver's buffers would leave fewer than E slots, :func:`plan_run` plans the scan driver
+instead (its workspace measured again, on the scan's programs) and the run's config names it: a budget
+that holds the scan's plan is not refused for buffers the run can do without (DESIGN.md 1.3: the scan
+streams through 2E slots borrowed from the pool; with fewer, prefill loads the routed experts on demand).
 
 The workspace (activations and every other temporary of the compiled steps) is either
 *measured*: the largest ``temp_size_in_bytes`` of the XLA programs the run will execute, plus a
@@ -34,6 +39,16 @@ WORKSPACE_BYTES = int(1.0 * GB)
 WORKSPACE_MARGIN_FRACTION, WORKSPACE_MARGIN_BYTES = 0.10, int(0.25 * GB)
 
 
+class BudgetTooSmall(ValueError):
+    """:func:`plan_memory`: the budget leaves fewer than E expert slots (the message gives the minimum budget).
+
+    Attributes: slots: the slots it leaves (>= 0); minimum_bytes: the smallest budget that leaves E."""
+
+    def __init__(self, message: str, slots: int, minimum_bytes: int):
+        super().__init__(message)
+        self.slots, self.minimum_bytes = slots, minimum_bytes
+
+
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
     """Bytes per part of the device budget and the resulting slot count.
@@ -42,7 +57,8 @@ class MemoryPlan:
     ``prefill_double_buffer``: S >= 2E, so prefill can stream whole layers through two buffers;
     ``workspace_temp_bytes``: the compiled programs' largest temporaries the workspace was
     measured from (None: the workspace is the stated one); ``pipelined``: the layer buffers are the
-    pipelined driver's two full-layer buffers (else the scan's layer gather).
+    pipelined driver's two full-layer buffers (else the scan's layer gather); ``driver_note``: why the
+    planner chose the scan driver where the pipelined one would have run (None: it did not choose).
     """
 
     budget_bytes: int
@@ -56,6 +72,12 @@ class MemoryPlan:
     num_experts: int
     workspace_temp_bytes: int | None = None
     pipelined: bool = False
+    driver_note: str | None = None
+
+    @property
+    def driver(self) -> str:
+        """The prefill driver the plan is for: "pipelined" or "scan"."""
+        return "pipelined" if self.pipelined else "scan"
 
     @property
     def planned_bytes(self) -> int:
@@ -80,7 +102,7 @@ class MemoryPlan:
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        d.update(all_slots_bytes=self.all_slots_bytes, fits_resident=self.fits_resident,
+        d.update(all_slots_bytes=self.all_slots_bytes, fits_resident=self.fits_resident, driver=self.driver,
                  prefill_double_buffer=self.prefill_double_buffer, planned_bytes=self.planned_bytes)
         return d
 
@@ -99,9 +121,16 @@ class MemoryPlan:
                 (f"expert slots ({self.slots} x {self.expert_bytes / 1e6:.2f} MB)", self.all_slots_bytes)]
         lines = ["memory plan:"] + [f"  {name:<40} {gb(n)}" for name, n in rows]
         lines.append(f"  slots {self.slots} of {self.pool_slots} experts in the pool "
-                     f"({100 * self.slots / self.pool_slots:.1f}%); prefill double buffer "
-                     + ("(pipelined driver): yes" if self.pipelined else
-                        f"(needs {2 * self.num_experts} slots): {'yes' if self.prefill_double_buffer else 'no'}"))
+                     f"({100 * self.slots / self.pool_slots:.1f}%)")
+        e2 = 2 * self.num_experts
+        if self.pipelined:
+            buffer = "yes (two full-layer buffers of its own)"
+        elif self.prefill_double_buffer:
+            buffer = f"yes ({e2} slots borrowed from the pool)"
+        else:
+            buffer = f"no (it needs {e2} slots: prefill loads the routed experts on demand)"
+        note = f" ({self.driver_note})" if self.driver_note else ""
+        lines.append(f"  prefill driver {self.driver}{note}; prefill double buffer: {buffer}")
         return "\n".join(lines)
 
 
@@ -131,8 +160,9 @@ def plan_memory(cfg: ModelConfig, itemsize: int, budget_bytes: int | None = None
         stored) outside the pool, counted whether the workspace is measured or stated (they are
         the programs' arguments, not temporaries), instead of the layer gather.
     Raises:
-      ValueError: neither or both given; the budget leaves fewer than E slots (the message gives
-        the minimum budget); slots outside [E, L*E].
+      BudgetTooSmall: the budget leaves fewer than E slots (the message gives the minimum budget; a
+        ValueError).
+      ValueError: neither or both given; slots outside [E, L*E].
     """
     if (budget_bytes is None) == (slots is None):
         raise ValueError("give exactly one of a VRAM budget or a slot count")
@@ -157,9 +187,12 @@ def plan_memory(cfg: ModelConfig, itemsize: int, budget_bytes: int | None = None
             need = fixed + e * eb
             hint = (f" (the workspace of the compiled steps is {workspace / GB:.2f} GB; a smaller --prefill_chunk "
                     f"shrinks it)" if workspace_bytes is not None else "")
-            raise ValueError(f"VRAM budget {budget_bytes / GB:.3f} GB leaves {max(slots, 0)} expert slots; "
-                             f"at least E={e} are needed (one layer may route to every expert): the minimum "
-                             f"budget is {math.ceil(need / 1e7) / 100:.2f} GB{hint}")
+            if pipelined:
+                hint += (f"; {gather / GB:.2f} GB of it are the pipelined prefill driver's two full-layer buffers "
+                         f"(prefill_driver 'scan' plans without them; 'auto' does so itself with prefill 'auto')")
+            raise BudgetTooSmall(f"VRAM budget {budget_bytes / GB:.3f} GB leaves {max(slots, 0)} expert slots; "
+                                 f"at least E={e} are needed (one layer may route to every expert): the minimum "
+                                 f"budget is {math.ceil(need / 1e7) / 100:.2f} GB{hint}", max(slots, 0), need)
     elif not e <= slots <= pool:
         raise ValueError(f"expert slots {slots} out of range: need E={e} <= slots <= L*E={pool}")
     budget = budget_bytes if budget_bytes is not None else fixed + slots * eb
@@ -175,16 +208,24 @@ def plan_run(model, config: EngineConfig, prompts: Sequence[Sequence[int]], budg
     * ``budget_bytes``: the slots that fit it, with the workspace *measured*: a probe engine at
       min(2E, L*E) slots (so that the streamed prefill programs are compiled where streaming can happen)
       compiles every prefill call and the decode step, and the largest temporary buffer of those
-      programs is the plan's workspace.
+      programs is the plan's workspace. Where streamed calls would run on the layer-pipelined driver
+      (``config.pipelines_streams()``) its two full-layer buffers are planned; if they leave fewer than E
+      slots and the driver is the planner's to choose (``prefill_driver`` "auto" and ``prefill`` "auto"),
+      the plan is the scan driver's instead (the workspace measured again on a probe of the scan's
+      programs, which include its layer gather), the returned config says ``prefill_driver="scan"`` and
+      the plan's ``driver_note`` says why.
     * ``slots``: that many slots (the workspace stated); a resident mode ignores them.
     * neither: resident for ``mode`` "auto" or "resident"; for an offloading mode a cache of min(2E, L*E)
       slots, smaller than the pool, so that the mechanism shows (the demo's default).
     ``mode``: "auto" (resident when the whole pool fits, else cached) or an experts mode to keep.
 
     Raises:
-      ValueError: both budget and slots; the budget leaves fewer than E slots (the message gives the
-        minimum budget), fewer than the 2E that ``prefill="stream"`` needs, or, with ``mode="resident"``,
-        fewer than the whole pool (the message gives the budget it needs).
+      BudgetTooSmall: the budget leaves fewer than E slots (the message gives the minimum budget): on the
+        scan driver, or on the pipelined driver when it was asked for (``prefill_driver="pipelined"``, or
+        ``prefill="stream"``, which the scan could only serve with 2E slots). A ValueError.
+      ValueError: both budget and slots; the budget leaves fewer than the 2E slots that ``prefill="stream"``
+        needs on the scan driver, or, with ``mode="resident"``, fewer than the whole pool (the message gives
+        the budget it needs).
     """
     cfg = model.cfg
     if budget_bytes is not None and slots is not None:
@@ -198,16 +239,21 @@ def plan_run(model, config: EngineConfig, prompts: Sequence[Sequence[int]], budg
         plan = plan_memory(cfg, itemsize, slots=slots or demo_slots, batch=config.batch,
                            max_seq_len=config.max_seq_len, expert_bytes=model.expert_bytes, pipelined=pipelined)
     else:
-        # fetch misses in the probe: its programs are what the run compiles, without the CPU mechanism's
-        # calibration (a measured workspace of a cpu / adaptive step would only add the CPU outputs)
-        probe = Engine(model, dataclasses.replace(config, experts="cached", num_slots=demo_slots,
-                                                  miss=MissPolicyConfig()))
-        probe.prepare_prefill(prompts, probe.new_cache(len(prompts)))
-        workspace = probe.programs.workspace_bytes()
-        del probe
-        plan = plan_memory(cfg, itemsize, budget_bytes=budget_bytes, batch=config.batch,
-                           max_seq_len=config.max_seq_len, workspace_bytes=workspace,
-                           expert_bytes=model.expert_bytes, pipelined=pipelined)
+        def plan_for(run: EngineConfig, pipelined: bool) -> MemoryPlan:
+            return plan_memory(cfg, itemsize, budget_bytes=budget_bytes, batch=run.batch,
+                               max_seq_len=run.max_seq_len, workspace_bytes=_workspace(model, run, prompts),
+                               expert_bytes=model.expert_bytes, pipelined=pipelined)
+        try:
+            plan = plan_for(config, pipelined)
+        except BudgetTooSmall as err:
+            if not (pipelined and config.prefill_driver == "auto" and config.prefill == "auto"):
+                raise
+            config = dataclasses.replace(config, prefill_driver="scan")
+            plan = plan_for(config, False)  # raises if even the scan's plan does not fit
+            buffers = 2 * cfg.num_experts * model.expert_bytes
+            plan = dataclasses.replace(plan, driver_note=(
+                f"pipelined buffers do not fit: their {buffers / GB:.3f} GB would leave {err.slots} slots, "
+                f"E={cfg.num_experts} needed"))
     if mode == "auto":
         mode = "resident" if plan.fits_resident else "cached"
     if mode == "resident" and not plan.fits_resident:
@@ -220,6 +266,20 @@ def plan_run(model, config: EngineConfig, prompts: Sequence[Sequence[int]], budg
         return _resident(config), plan
     # validated against the model here: e.g. prefill=stream with fewer than 2E slots is refused
     return dataclasses.replace(config, experts=mode, num_slots=plan.slots).for_model(cfg), plan
+
+
+def _workspace(model, config: EngineConfig, prompts: Sequence[Sequence[int]]) -> int:
+    """The measured workspace of a run of ``prompts`` with ``config``: the largest temporaries of the programs a
+    probe engine at min(2E, L*E) slots compiles (every prefill call, with streaming where it can happen, and the
+    decode step). Misses are fetched in the probe: its programs are what the run compiles, without the CPU
+    mechanism's calibration (a measured workspace of a cpu / adaptive step would only add the CPU outputs)."""
+    cfg = model.cfg
+    probe = Engine(model, dataclasses.replace(config, experts="cached", miss=MissPolicyConfig(),
+                                              num_slots=min(2 * cfg.num_experts, cfg.num_layers * cfg.num_experts)))
+    probe.prepare_prefill(prompts, probe.new_cache(len(prompts)))
+    workspace = probe.programs.workspace_bytes()
+    del probe
+    return workspace
 
 
 def _resident(config: EngineConfig) -> EngineConfig:

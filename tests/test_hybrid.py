@@ -92,7 +92,7 @@ def test_cache_policies_and_on_demand_bit_identical(policy, resident_runs):
 
 
 @pytest.mark.parametrize("prefill,overlap", [("stream", True), pytest.param("stream", False, marks=pytest.mark.slow),
-                                             ("on_demand", True)])
+                                             pytest.param("on_demand", True, marks=pytest.mark.slow)])
 def test_long_prompt_prefill_modes_bit_identical(prefill, overlap, resident_runs):
     """300-token prompt: whole-layer streaming (both buffers), or on-demand loading, then decode."""
     model, exp = load_fixture("qwen3_5_moe_fp32")
@@ -405,7 +405,7 @@ def test_nested_text_config_and_default_layer_pattern():
         from_hf_dict({"model_type": "qwen3_5_moe", "text_config": [1]})
 
 
-@pytest.mark.parametrize("which,bound", [("short", 2.4), ("long", 1.2)])
+@pytest.mark.parametrize("which,bound", [("short", 2.4), pytest.param("long", 1.2, marks=pytest.mark.slow)])
 def test_bf16_compute_no_further_from_float32_than_transformers_bf16(which, bound):
     """bfloat16 compute against the float32 oracle. These tiny random models amplify rounding
     (weights at 2/sqrt(fan_in), the delta rule's state over 300 tokens): transformers itself, run

@@ -387,7 +387,7 @@ def topk_traces(draw):
 
 
 @settings(
-    max_examples=24,
+    max_examples=12,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
@@ -879,7 +879,7 @@ def test_impls_bit_identical_to_sort(policy, case, half_life):
         tables = {impl: o.table for impl, o in outs.items()}
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_candidates_match_a_stable_lexicographic_sort(data):
     """_candidates on raw keys (int32 extremes and ties; float32 -inf, -0.0 / 0.0, NaN): the E

@@ -344,6 +344,7 @@ def test_conditional_generation_layout_loads_the_same_model(tmp_path, capsys):
     np.testing.assert_array_equal(np.asarray(got.banks.down), np.asarray(model.banks.down))
 
 
+@pytest.mark.slow
 def test_generate_cli_runs_a_published_layout_checkpoint(tmp_path):
     import json
 

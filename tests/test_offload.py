@@ -42,11 +42,11 @@ def _resident(cache, name):
 
 
 def _slot_cases():
-    """Every family at S = E (the smallest cache: it must evict); the other sizes on one fixture of
-    each kind by default, every other (family, size) pair in the slow selection."""
+    """Every family at S = E (the smallest cache: it must evict) and every size on qwen3_moe_fp32 by default;
+    every other (family, size) pair in the slow selection."""
     for name in FIXTURE_NAMES + HYBRID_FIXTURE_NAMES:
         for rule in ("E", "E+1", "2E", "L*E"):
-            default = rule == "E" or name == "qwen3_moe_fp32" or (name == "qwen3_5_moe_fp32" and rule == "E+1")
+            default = rule == "E" or name == "qwen3_moe_fp32"
             yield pytest.param(name, rule, marks=() if default else pytest.mark.slow)
 
 

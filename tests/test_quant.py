@@ -285,7 +285,7 @@ def test_cached_and_streamed_bit_identical_to_resident_in_every_format(qmodels, 
     assert eng.expert_cache_metrics()["prefill"]["misses"] > 0
 
 
-@pytest.mark.parametrize("fmt", QFMTS)
+@pytest.mark.parametrize("fmt", [f if f == "int4" else pytest.param(f, marks=pytest.mark.slow) for f in QFMTS])
 def test_cpu_misses_dequantize_on_the_host_bit_identical(qmodels, fmt):
     _, exp, models = qmodels
     model = models[fmt]

@@ -314,7 +314,7 @@ def streams(draw):
 
 @pytest.mark.parametrize("policy", policies.names())
 @settings(
-    max_examples=_examples(64),
+    max_examples=_examples(40),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
@@ -859,7 +859,7 @@ def _takes_half_life(policy: str) -> bool:
 
 @pytest.mark.parametrize("policy", policies.names())
 @settings(
-    max_examples=_examples(80),
+    max_examples=_examples(48),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )

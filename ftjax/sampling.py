@@ -203,14 +203,23 @@ def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_
       int32 [B] token ids.
     The values are traced, so they are not checked here: check each request's with
     :func:`check_sampling` first (a negative top_k acts as 0, a top_p above 1 as 1).
+    A batch of greedy rows takes the argmax alone (``lax.cond``: the draw, whose top-p sorts every row's
+    V logits, runs only when some row samples); its tokens are the same either way.
     """
     logits = jnp.asarray(logits, jnp.float32)
     t = jnp.asarray(temperature, jnp.float32)[:, None]
     greedy = t < GREEDY_BELOW
-    scaled = _scaled_rows(logits, jnp.where(greedy, 1.0, t))
-    scaled = _keep(logits, scaled, jnp.asarray(top_p, jnp.float32)[:, None], jnp.asarray(top_k, jnp.int32)[:, None])
-    drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, scaled)
-    return jnp.where(greedy[:, 0], jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+    best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def draw(_):
+        scaled = _scaled_rows(logits, jnp.where(greedy, 1.0, t))
+        scaled = _keep(logits, scaled, jnp.asarray(top_p, jnp.float32)[:, None],
+                       jnp.asarray(top_k, jnp.int32)[:, None])
+        drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, scaled)
+        return jnp.where(greedy[:, 0], best, drawn).astype(jnp.int32)
+
+    # a batch of greedy rows skips the draw (its sort of every row's V logits for top-p): same tokens
+    return jax.lax.cond(jnp.all(greedy), lambda _: best, draw, None)
 
 
 def _scaled_rows(logits: jax.Array, t: jax.Array) -> jax.Array:

@@ -317,3 +317,19 @@ def test_bad_top_k_refused(top_k, text):
     with pytest.raises(ValueError, match=r"^top_k .*got " + text + "$"):
         check_sampling(1.0, 1.0, top_k)
     check_sampling(1.0, 1.0, np.int64(3))
+
+
+def test_an_all_greedy_batch_takes_the_argmax_without_the_draw():
+    """A batch whose rows are all greedy skips the draw (a conditional in the one program, no sort of the
+    vocabulary): argmax of every row, ties to the lowest id, whatever top-p / top-k say; one sampled row
+    brings the draw back for it alone."""
+    logits = jnp.asarray(np.random.default_rng(5).normal(size=(3, 50)), jnp.float32).at[1, :4].set(9.0)  # a tie
+    keys = jax.random.split(jax.random.key(1), 3)
+    p, k = jnp.full(3, 0.5, jnp.float32), jnp.asarray([0, 2, 40], jnp.int32)
+    greedy = np.asarray(_sample_rows(logits, keys, jnp.zeros(3, jnp.float32), p, k))
+    np.testing.assert_array_equal(greedy, np.argmax(np.asarray(logits), axis=-1))
+    assert greedy[1] == 0
+    hlo = jax.jit(sample_rows).lower(logits, keys, jnp.zeros(3, jnp.float32), p, k).as_text()
+    assert "stablehlo.case" in hlo or "stablehlo.if" in hlo
+    mixed = np.asarray(_sample_rows(logits, keys, jnp.asarray([0.0, 1.0, 0.0], jnp.float32), p, k))
+    assert mixed[0] == greedy[0] and mixed[2] == greedy[2] and mixed[1] in (0, 1)  # top_k 2 of the tied four

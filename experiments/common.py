@@ -422,6 +422,6 @@ def table(rows: list[dict], cols: list[str]) -> str:
     """A plain text table of ``rows`` restricted to ``cols``."""
     fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else ("" if v is None else str(v))  # noqa: E731
     cells = [[fmt(r.get(c)) for c in cols] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(cols)]  # no rows: the header
     line = lambda vals: "  ".join(v.rjust(w) for v, w in zip(vals, widths))  # noqa: E731
     return "\n".join([line(cols)] + [line(r) for r in cells])

@@ -35,7 +35,6 @@ ARCHIVE = "archive"
 #: (experiments/results/README.md, the commit messages that added them).
 COMMIT_AS_RUN = {
     "bench_serve_qwen3-30b-a3b_resident_run-ahead_h200_2026-12-03.json": "9c907c9",
-    "bench_serve_qwen3-30b-a3b_cached-8gb-16-rows-refused_h200_2026-12-03.json": "9c907c9",
     "ab_slot_table_qwen3-30b-a3b_h200_2026-12-01.json": "a65cb21",
     "bench_decode_qwen3-30b-a3b_8gb_int4-rank_h200_2026-12-01.json": "a65cb21",
     "bench_decode_qwen3-30b-a3b_8gb_lookahead-c602b22_h200_2026-12-02.json": "c602b22",

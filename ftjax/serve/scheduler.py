@@ -304,13 +304,8 @@ class Scheduler:
                     self._read(sampled, events)
             return events
         decoding = [r for r in self._rows if r is not None and r.tokens]
-        tokens = None
-        if decoding:
-            tokens = np.zeros((self.max_batch, 1), np.int32)
-            for r in decoding:
-                tokens[r.row, 0] = r.tokens[-1]
         try:
-            adv = eng.advance(tokens)
+            adv = eng.advance(self._last_tokens(decoding) if decoding else None)
         except Exception as err:  # noqa: BLE001 - the shared call: its rows fail, the scheduler goes on
             self._fail_running(events, err)
             return events
@@ -341,10 +336,7 @@ class Scheduler:
         if ahead is not None:
             tokens, keys = ahead.tokens[:, None], ahead.keys
         else:
-            tokens = np.zeros((self.max_batch, 1), np.int32)
-            for r in reqs:
-                tokens[r.row, 0] = r.tokens[-1]
-            keys = None
+            tokens, keys = self._last_tokens(reqs), None
         try:
             adv = eng.advance(tokens)
             eng.counters["decode"].add(adv.stats)
@@ -354,6 +346,13 @@ class Scheduler:
         self._counts["engine_calls_decode"] += 1
         self._counts["steps"] += 1
         return self._dispatch_sample(adv.logits, reqs, events, keys)
+
+    def _last_tokens(self, reqs: list[_Request]) -> np.ndarray:
+        """int32 [max_batch, 1]: each of ``reqs``' last token in its row (0 elsewhere), from the host."""
+        tokens = np.zeros((self.max_batch, 1), np.int32)
+        for r in reqs:
+            tokens[r.row, 0] = r.tokens[-1]
+        return tokens
 
     def _dispatch_sample(self, logits, reqs: list[_Request], events: list[TokenEvent], keys=None):
         """Dispatches one draw for the rows of ``reqs`` (others drawn greedily and ignored); its results stay

@@ -496,9 +496,9 @@ class _Chunks:
             json.dumps(rid).encode(), json.dumps(obj).encode(), created, json.dumps(model).encode())
         self._tail = b'], "system_fingerprint": null' + (b', "usage": null' if include_usage else b'') + b'}\n\n'
 
-    def choice(self, choice_json: str) -> bytes:
-        """The chunk of one choice (its JSON as json.dumps writes it); ``usage`` null when it is included."""
-        return self._head + choice_json.encode() + self._tail
+    def choice(self, choice: dict) -> bytes:
+        """The chunk of one choice; ``usage`` null when it is included."""
+        return self._head + json.dumps(choice).encode() + self._tail
 
     def usage(self, usage: dict) -> bytes:
         """The last chunk: no choices, the usage."""
@@ -699,8 +699,8 @@ class _Server:
                 lp = self.logprobs_completion(pending_ids, pending_lps, offset) if job.want_logprobs else None
                 offset += len(piece)
                 pending_ids, pending_lps = [], []
-                yield chunks.choice('{"index": 0, "text": %s, "logprobs": %s, "finish_reason": %s}' % (
-                    json.dumps(piece), json.dumps(lp), json.dumps(job.finish_reason if job.done else None)))
+                yield chunks.choice({"index": 0, "text": piece, "logprobs": lp,
+                                     "finish_reason": job.finish_reason if job.done else None})
         if include_usage:
             yield chunks.usage(job.usage())
         yield _DONE
@@ -740,8 +740,8 @@ class _Server:
 
     async def _stream_chat(self, job: _Job, include_usage: bool):
         chunks = _Chunks(job.rid, "chat.completion.chunk", int(time.time()), self.model_name, include_usage)
-        yield chunks.choice('{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, '
-                            '"finish_reason": null}')
+        yield chunks.choice({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None})
         pending_ids, pending_lps = [], []
         async with contextlib.aclosing(self.follow(job)) as events:
             async for piece, ids, lps in events:
@@ -753,12 +753,11 @@ class _Server:
                 if piece:
                     lp = self.logprobs_chat(pending_ids, pending_lps) if job.want_logprobs else None
                     pending_ids, pending_lps = [], []
-                    yield chunks.choice('{"index": 0, "delta": {"content": %s}, "logprobs": %s, "finish_reason": '
-                                        'null}' % (json.dumps(piece), json.dumps(lp)))
+                    yield chunks.choice({"index": 0, "delta": {"content": piece}, "logprobs": lp,
+                                         "finish_reason": None})
                 if job.done:
                     lp = self.logprobs_chat(pending_ids, pending_lps) if job.want_logprobs and pending_ids else None
-                    yield chunks.choice('{"index": 0, "delta": {}, "logprobs": %s, "finish_reason": %s}' % (
-                        json.dumps(lp), json.dumps(job.finish_reason)))
+                    yield chunks.choice({"index": 0, "delta": {}, "logprobs": lp, "finish_reason": job.finish_reason})
         if include_usage:
             yield chunks.usage(job.usage())
         yield _DONE

@@ -334,6 +334,9 @@ class EngineConfig:
       kernels: the kernel and program choices (``ftjax.kernels.registry.KernelConfig``: which Pallas
         kernels run, their tiles, the decode programs' GEMMs and CUDA graphs); part of every program's key.
       miss: what a miss does (:class:`MissPolicyConfig`).
+      decode_block: decode steps per program in :meth:`ftjax.Engine.generate` (the token fed back and the
+        stop check on the device, ``ftjax.runtime.step.decode_block``); 1: one program per step and the
+        sampler's own program, as a server's step-by-step loop runs.
     Raises:
       ValueError: a choice outside its registry or a size out of range (the message names the field).
     """
@@ -353,6 +356,7 @@ class EngineConfig:
     matmul_precision: str = "auto"
     kernels: KernelConfig = KernelConfig()
     miss: MissPolicyConfig = MissPolicyConfig()
+    decode_block: int = 16
 
     def __post_init__(self):
         _choice("experts mode", self.experts, EXPERT_MODES)
@@ -361,7 +365,7 @@ class EngineConfig:
         _choice("cache policy", self.cache_policy, CACHE_POLICIES)
         _choice("matmul precision", self.matmul_precision, MATMUL_PRECISIONS)
         _choice("prefix_copy", self.prefix_copy, PREFIX_COPIES)
-        for name in ("max_seq_len", "batch", "prefill_chunk", "prefix_copy_layers"):
+        for name in ("max_seq_len", "batch", "prefill_chunk", "prefix_copy_layers", "decode_block"):
             _at_least(name, getattr(self, name), 1)
         _boolean("stream_d2d_hits", self.stream_d2d_hits)
         _boolean("prefill_overlap", self.prefill_overlap)

@@ -76,7 +76,7 @@ FLAG_NAMES = ("checkpoint", "preset", "seed", "dtype", "expert_dtype", "experts"
               "stream_d2d_hits", "prefix_copy", "prefix_copy_layers", "kv_offload", "kv_host_gb", "kv_chunk_tokens",
               "kv_load", "miss_policy", "cpu_expert_impl", "cpu_threads", "calibration_profile", "matmul_precision",
               "decode_gemm", "decode_graphs", "kernels", "kernel_tiles", "grouped_matmul", "flash_prefill",
-              "slot_order", "min_dot_rows", "fixed_fetch")
+              "slot_order", "min_dot_rows", "fixed_fetch", "decode_block")
 
 
 def define_flags(flag_values: flags.FlagValues = FLAGS, module_name: str | None = None) -> None:
@@ -110,6 +110,8 @@ def define_flags(flag_values: flags.FlagValues = FLAGS, module_name: str | None 
                   "driver: 2E borrowed slots; on the pipelined driver: two buffers of its own), "
                   "only the routed experts through the cache, or auto (stream when it fits and pays).")
     d.DEFINE_integer("prefill_chunk", 8192, "Prompts longer than this many tokens are prefilled in chunks.")
+    d.DEFINE_integer("decode_block", 16, "Decode steps per program in ftjax.generate (the token fed back and the stop "
+                     "check on the device); 1: one program per step. The server decodes step by step.")
     d.DEFINE_enum("prefill_driver", "auto", list(PREFILL_DRIVERS),
                   "How prefill calls run their layers: one scan program, or one program per layer with the next "
                   "layer's host copies issued from Python (auto: pipelined for streamed calls on a GPU).")
@@ -222,7 +224,7 @@ def check_flags() -> None:
             raise UserError(f"--{name} must be a finite number >= 0, got {v}")
     if not 0 <= FLAGS.seed < 2**32:
         raise UserError(f"--seed must be in [0, 2^32), got {FLAGS.seed}")
-    for name in ("expert_slots", "prefill_chunk", "kv_chunk_tokens"):
+    for name in ("expert_slots", "prefill_chunk", "kv_chunk_tokens", "decode_block"):
         v = FLAGS[name].value
         if v is not None and v < 1:
             raise UserError(f"--{name} must be >= 1, got {v}")
@@ -271,7 +273,8 @@ def engine_config(mode: str, slots: int | None, max_seq_len: int, batch: int, no
                         prefill_driver=FLAGS.prefill_driver, stream_d2d_hits=FLAGS.stream_d2d_hits,
                         prefix_copy=FLAGS.prefix_copy, prefix_copy_layers=FLAGS.prefix_copy_layers,
                         cache_policy=FLAGS.cache_policy, matmul_precision=FLAGS.matmul_precision,
-                        kernels=kernel_config(), miss=miss_config(mode) if note else MissPolicyConfig())
+                        kernels=kernel_config(), miss=miss_config(mode) if note else MissPolicyConfig(),
+                        decode_block=FLAGS.decode_block)
 
 
 def plan(model, max_seq_len: int, prompts: list[list[int]], batch: int):

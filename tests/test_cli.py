@@ -123,6 +123,7 @@ def test_default_demo_runs_with_cache_smaller_than_pool(tmp_path):
     (["--temperature=nan"], "finite --temperature"),
     (["--vram_budget_gb=inf"], "finite number"),
     (["--prompt_len=0"], "--prompt_len must be >= 1"),
+    (["--decode_block=0"], "--decode_block must be >= 1"),
     (["--seed=99999999999999999999"], "--seed must be in"),
     (["--logits_npy=/nonexistent/l.npy"], "not a writable file path"),
     (["stray"], "unexpected arguments: stray"),

@@ -47,7 +47,7 @@ from ftjax.runtime import drivers, programs, transfers
 from ftjax.runtime.drivers import CallArgs, RunContext
 from ftjax.runtime.misses import build_miss_runtime
 from ftjax.runtime.plan import CallPlan, CallPlanner, PrefillCall, chunk_calls, prompt_error
-from ftjax.runtime.step import keep_rows, sample_next
+from ftjax.runtime.step import decode_block, keep_rows, sample_next
 from ftjax.seams import ForwardOut, KVCache
 
 
@@ -293,12 +293,19 @@ class Engine:
         is re-raised. An error that the device reports only later, when an output is read, is
         not seen here.
         """
+        args = CallArgs(_int32(tokens), _int32(start), _int32(valid), cache, self.state, tuple(prefix))
+        out = self._donating(lambda: drivers.driver(plan).run(self._context(), plan, args))
+        self.state = out.expert_state
+        return out
+
+    def _donating(self, call):
+        """``call()`` (a program given the expert state to donate); on an error, the expert state rebuilt as
+        :meth:`_run` says, and the error re-raised."""
         if self.state is None:
             raise RuntimeError("this engine lost its expert state in a failed step and could not rebuild it "
                                "(see the earlier error); build a new Engine")
-        args = CallArgs(_int32(tokens), _int32(start), _int32(valid), cache, self.state, tuple(prefix))
         try:
-            out = drivers.driver(plan).run(self._context(), plan, args)
+            return call()
         except Exception as err:
             self.failed_steps += 1
             if any(x.is_deleted() for x in jax.tree.leaves(self.state)):
@@ -309,8 +316,6 @@ class Engine:
                     raise RuntimeError(f"a step failed ({err!r}) and the expert state could not be rebuilt "
                                        f"({again!r}); this engine is unusable, build a new one") from err
             raise
-        self.state = out.expert_state
-        return out
 
     def new_cache(self, batch: int) -> KVCache:
         """A fresh state (KV cache, and the linear layers' states) for ``batch`` sequences."""
@@ -492,12 +497,12 @@ class Engine:
         """Whether any row has prefill calls left."""
         return any(r is not None and r.pending for r in self.rows)
 
-    def precompile(self, mixed: bool = False) -> None:
-        """Compiles what the admitted rows' prefill and the decode step after it will run (outside any
-        timing; releases prefix-reuse pins if compiling fails). mixed: also the mixed calls of those prefill
+    def precompile(self, mixed: bool = False, decode: bool = True) -> None:
+        """Compiles what the admitted rows' prefill and (``decode``) the decode step after it will run (outside
+        any timing; releases prefix-reuse pins if compiling fails). mixed: also the mixed calls of those prefill
         calls with the other rows decoding (:meth:`advance` with tokens)."""
         try:
-            self._precompile(self.rows, self.cache, mixed=mixed)
+            self._precompile(self.rows, self.cache, decode=decode, mixed=mixed)
         except BaseException:
             for r in self.rows:
                 if r is not None:
@@ -685,9 +690,13 @@ class Engine:
         for p in prompts:
             self.admit(p, max_new_tokens, kv_manager)
         req = self.rows[0].kv_request
-        self.precompile()
+        self.precompile(decode=not self._blocks_decode(b, max_new_tokens))
         try:
             self._warm_sampling(b, temperature, top_p, top_k)
+            if self._blocks_decode(b, max_new_tokens):
+                eos = np.asarray(list(eos_ids), np.int64)
+                self._block_program(self._block_args(np.zeros((b, 1), np.int32), jax.random.key(0), 1, eos,
+                                                     np.zeros(b, bool)), (temperature, top_p, top_k), keep_logits)
         except BaseException:
             self.release(0)
             raise
@@ -710,23 +719,27 @@ class Engine:
         stopped = np.zeros(b, bool)  # sequences known (one step late) to have generated an EOS
         step_s = [] if time_steps else None
         try:
-            for _ in range(max_new_tokens - 1):
-                if eos.size and len(toks) >= 2:
-                    # The token before the one just dispatched: its step has finished, so reading
-                    # it does not stall the device queue (decode stays asynchronous).
-                    stopped |= np.isin(np.asarray(toks[-2])[:, 0], eos)
-                    if stopped.all():
-                        break
-                ts = time.perf_counter()
-                adv = self.advance(tok)
-                tok, key = sample_next(adv.logits, key, temperature, top_p, top_k)
-                toks.append(tok)
-                decode_stats.append(adv.stats)
-                if keep_logits:
-                    all_logits.append(adv.logits)
-                if time_steps:
-                    tok.block_until_ready()
-                    step_s.append(time.perf_counter() - ts)
+            if self._blocks_decode(b, max_new_tokens):
+                self._decode_in_blocks(tok, key, max_new_tokens - 1, eos, (temperature, top_p, top_k), keep_logits,
+                                       toks, decode_stats, all_logits, step_s)
+            else:
+                for _ in range(max_new_tokens - 1):
+                    if eos.size and len(toks) >= 2:
+                        # The token before the one just dispatched: its step has finished, so reading
+                        # it does not stall the device queue (decode stays asynchronous).
+                        stopped |= np.isin(np.asarray(toks[-2])[:, 0], eos)
+                        if stopped.all():
+                            break
+                    ts = time.perf_counter()
+                    adv = self.advance(tok)
+                    tok, key = sample_next(adv.logits, key, temperature, top_p, top_k)
+                    toks.append(tok)
+                    decode_stats.append(adv.stats)
+                    if keep_logits:
+                        all_logits.append(adv.logits)
+                    if time_steps:
+                        tok.block_until_ready()
+                        step_s.append(time.perf_counter() - ts)
             jax.block_until_ready(toks)
             gen = np.concatenate([np.asarray(t) for t in toks], axis=1)
             is_eos = np.isin(gen, eos) if eos.size else np.zeros(gen.shape, bool)
@@ -760,6 +773,65 @@ class Engine:
             compile_s=self.compile_s - compile_before, routing=routing, step_s=step_s,
             stop_reasons=["eos" if d >= 0 else "length" for d in done_at], expert_cache=own.summary(eb),
             kv=req.record() if req is not None else None)
+
+    # ---- decode blocks: several steps per program ----------------------------------------------
+    def _blocks_decode(self, batch: int, max_new_tokens: int) -> bool:
+        """Whether :meth:`generate` decodes in blocks (``EngineConfig.decode_block`` > 1, more than one
+        decode step, and decode steps on the layer scan)."""
+        return (self.config.decode_block > 1 and max_new_tokens > 2
+                and self.planner.plan(batch, 1, batch).driver == "scan")
+
+    def _block_args(self, tokens, key, limit: int, eos: np.ndarray, stopped) -> tuple:
+        """The arguments of :func:`ftjax.runtime.step.decode_block` for the rows as they are now."""
+        live = np.array([r is not None for r in self.rows])
+        pos = np.array([r.pos if r is not None else 0 for r in self.rows], np.int32)
+        eos = np.asarray(eos if eos.size else [-1], np.int32)
+        return (self.model.params, self.model.banks, self.cache, self.state, _int32(tokens), pos,
+                live.astype(np.int32), key, np.int32(limit), eos, stopped)
+
+    def _block_program(self, args: tuple, sampling: tuple, keep_logits: bool):
+        b = len(self.rows)
+        plan = self.planner.plan(b, 1, b)
+        temperature, top_p, top_k = sampling
+        return self.programs.compile(decode_block, args, compiler_options=plan.compiler_options, cfg=self.cfg,
+                                     opts=plan.opts, steps=self.config.decode_block, temperature=temperature,
+                                     top_p=top_p, top_k=top_k, keep_logits=keep_logits)
+
+    def _decode_in_blocks(self, tok, key, steps: int, eos: np.ndarray, sampling: tuple, keep_logits: bool,
+                          toks: list, decode_stats: list, all_logits: list | None, step_s: list | None) -> None:
+        """:meth:`generate`'s decode loop as blocks of ``EngineConfig.decode_block`` steps
+        (``ftjax.runtime.step.decode_block``): up to ``steps`` steps after ``tok`` (int32 [B, 1] on the device).
+        Blocks are dispatched back to back; a block ends early on the device once every row has sampled an
+        EOS id, and the host stops dispatching when a finished block says so. Appends each step's tokens
+        ([B, 1]), stats and (with ``keep_logits``) logits to the lists, as the step-by-step loop does; with
+        ``step_s`` each step of a block is given the block's time over its steps (one host sync a block)."""
+        stopped = np.isin(np.asarray(tok)[:, 0], eos) if eos.size else np.zeros(len(self.rows), bool)
+        blocks, left = [], steps
+        while left > 0 and not (len(blocks) >= 2 and bool(np.all(np.asarray(blocks[-2].stopped)))):
+            n = min(self.config.decode_block, left)
+            ts = time.perf_counter()
+            args = self._block_args(tok, key, n, eos, stopped)
+            exe = self._block_program(args, sampling, keep_logits)
+            out = self._donating(lambda: exe(*args))  # noqa: B023 - called at once
+            self.cache, self.state = out.cache, out.state
+            tok, key, stopped = out.last, out.key, out.stopped
+            for r in self.rows:
+                if r is not None:
+                    r.pos += n  # a block cut short by EOS ends generation: the rows are released next
+            blocks.append(out)
+            left -= n
+            if step_s is not None:
+                run = int(out.n_run)
+                step_s.extend([(time.perf_counter() - ts) / max(run, 1)] * run)
+        for out in blocks:
+            run = int(out.n_run)
+            tokens, stats = np.asarray(out.tokens), jax.tree.map(np.asarray, out.stats)
+            logits = np.asarray(out.logits) if keep_logits else None
+            for j in range(run):
+                toks.append(tokens[:, j:j + 1])
+                decode_stats.append(jax.tree.map(lambda x: x[j], stats))  # noqa: B023
+                if keep_logits:
+                    all_logits.append(logits[j])
 
     def _warm_sampling(self, batch: int, temperature: float, top_p: float, top_k: int = 0) -> None:
         """Compiles the sampler and the key split outside the timed region. The dummy logits are

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +67,74 @@ def forward_step(params, banks, cache, state, tokens, start, valid_len, prefix, 
         hook = opts.kv.hook(prefix) if opts.kv is not None else None
         return model_lib.forward(params, cfg, tokens, start, valid_len, cache, expert_fn, state, opts.all_logits,
                                  kv_hook=hook)
+
+
+class DecodeBlock(NamedTuple):
+    """What :func:`decode_block` returns. tokens: int32 [B, steps], the sampled tokens of the steps run (columns
+    from ``n_run`` on are 0); n_run: int32 [], steps run; last: int32 [B, 1], the last token sampled (the next
+    block's input; the input tokens when no step ran); pos: int32 [B], the rows' positions after the block;
+    stopped: bool [B]; stats: each step's ``LayerStats``, leaves [steps, L, ...]; logits: float32
+    [steps, B, V] (``keep_logits``) or None; cache, state: the updated KV cache and expert state; key: the
+    next key."""
+
+    tokens: jax.Array
+    n_run: jax.Array
+    last: jax.Array
+    pos: jax.Array
+    stopped: jax.Array
+    stats: Any
+    logits: Any
+    cache: Any
+    state: Any
+    key: jax.Array
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "opts", "steps", "temperature", "top_p", "top_k", "keep_logits"),
+                   donate_argnames=("cache", "state"))
+def decode_block(params, banks, cache, state, tokens, start, valid_len, key, limit, eos, stopped, *, cfg,
+                 opts: StepOptions, steps: int, temperature: float, top_p: float, top_k: int = 0,
+                 keep_logits: bool = False) -> DecodeBlock:
+    """Up to ``steps`` decode steps in one program: each step is :func:`forward_step` then :func:`sample_next`'s
+    key split and draw, the token fed straight back, so one dispatch serves ``steps`` tokens (the host's
+    per-step work -- argument transfers, dispatch, the sampler's own program -- is paid once a block).
+    The same tokens, logits and expert-state updates as that many single steps.
+
+    tokens: int32 [B, 1] each row's last token; start: int32 [B] its position; valid_len: int32 [B], 1 for
+    a decoding row, 0 for an idle one (it stays idle, its position does not move); key: the sampler's key;
+    limit: int32 [], the steps to run (<= ``steps``: one program for every block length); eos: int32 [N]
+    stop ids (-1 pads); stopped: bool [B] rows already stopped. The loop ends after ``limit`` steps or
+    once every row has stopped (an idle row counts as stopped; a row stops on sampling an ``eos`` id and
+    still decodes while others run, as it would step by step). Returns a :class:`DecodeBlock`.
+    """
+    b = tokens.shape[0]
+
+    def one(cache, state, tok, pos):
+        return forward_step(params, banks, cache, state, tok, pos, valid_len, (), cfg=cfg, opts=opts)
+
+    shapes = jax.eval_shape(one, cache, state, tokens, start)
+    buffer = lambda s: jnp.zeros((steps,) + s.shape, s.dtype)  # noqa: E731
+    init = dict(i=jnp.int32(0), tok=tokens, pos=start, stopped=stopped | (valid_len == 0), cache=cache, state=state,
+                key=key, out=jnp.zeros((b, steps), jnp.int32), stats=jax.tree.map(buffer, shapes.layer_stats),
+                logits=buffer(shapes.logits) if keep_logits else None)
+
+    def cond(c):
+        return (c["i"] < limit) & ~jnp.all(c["stopped"])
+
+    def body(c):
+        i = c["i"]
+        out = one(c["cache"], c["state"], c["tok"], c["pos"])
+        key, sub = jax.random.split(c["key"])
+        tok = sample(out.logits, sub, temperature, top_p, top_k)[:, None]
+        put = lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, x, i, 0)  # noqa: E731
+        return dict(i=i + 1, tok=tok, pos=c["pos"] + valid_len, stopped=c["stopped"] | jnp.isin(tok[:, 0], eos),
+                    cache=out.cache, state=out.expert_state, key=key,
+                    out=jax.lax.dynamic_update_slice(c["out"], tok, (0, i)),
+                    stats=jax.tree.map(put, c["stats"], out.layer_stats),
+                    logits=put(c["logits"], out.logits) if keep_logits else None)
+
+    c = jax.lax.while_loop(cond, body, init)
+    return DecodeBlock(c["out"], c["i"], c["tok"], c["pos"], c["stopped"], c["stats"], c["logits"], c["cache"],
+                       c["state"], c["key"])
 
 
 @functools.partial(jax.jit, static_argnames=("temperature", "top_p", "top_k"))

@@ -14,7 +14,9 @@ flags (``--kernels``, ``--kernel_tiles``, ``--grouped_matmul``, ``--flash_prefil
 ``KernelConfig`` they say, passed into each engine (``EngineConfig.kernels``; nothing reads the
 environment). Bad user input stops a script with one line and exit status 1: parse-time checks of a
 flag (:func:`validate`, :func:`check_names`, :func:`check_numbers`: ``FATAL Flags parsing error:
-...``) or ``app.UsageError`` raised in ``main`` under :func:`run` (``error: ...``).
+...``) or ``app.UsageError`` raised in ``main`` under :func:`run` (``error: ...``). :func:`run` also gives
+every script ``--compilation_cache_dir`` (JAX's persistent compilation cache, on by default:
+``ftjax.compile_cache``).
 """
 
 from __future__ import annotations
@@ -39,10 +41,10 @@ FIXTURES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 
 
 # ---- flags and bad input -------------------------------------------------------------------
-def run(main) -> None:
-    """``app.run(main)`` where an ``app.UsageError`` raised by ``main`` (bad user input found after the
-    flags parsed) prints one line, ``error: <message>``, and exits with status 1 (absl would print the
-    whole module docstring and flag help)."""
+def guard(main: Callable) -> Callable:
+    """``main`` where an ``app.UsageError`` it raises (bad user input found after the flags parsed) prints
+    one line, ``error: <message>``, and exits with status 1 (absl would print the whole module docstring
+    and flag help)."""
     from absl import app
 
     def guarded(argv):
@@ -51,7 +53,23 @@ def run(main) -> None:
         except app.UsageError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
             sys.exit(1)
-    app.run(guarded)
+    return guarded
+
+
+def run(main) -> None:
+    """``app.run(main)`` under :func:`guard` (bad input: one ``error:`` line, status 1), with
+    ``--compilation_cache_dir`` defined for the script: JAX's persistent compilation cache is on before
+    ``main`` runs (``ftjax.compile_cache``: ``~/.cache/ftjax/jax`` by default; empty: off)."""
+    from absl import app, flags
+
+    from ftjax import compile_cache
+    compile_cache.define_flag(module_name=_caller_module(1))
+    guarded = guard(main)
+
+    def cached(argv):
+        compile_cache.configure(flags.FLAGS.compilation_cache_dir)
+        return guarded(argv)
+    app.run(cached)
 
 
 def validate(name: str, check: Callable[[Any], str | None]) -> None:

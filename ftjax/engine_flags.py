@@ -30,6 +30,7 @@ from absl import flags
 from ftjax.config import (CACHE_POLICIES, CPU_EXPERT_IMPLS, EXPERT_MODES, KV_LOADS, MATMUL_PRECISIONS, MISS_POLICIES,
                           PREFILL_DRIVERS, PREFILL_MODES, PREFIX_COPIES, EngineConfig, KVOffloadConfig,
                           MissPolicyConfig)
+from ftjax import compile_cache
 from ftjax.experts.policies import describe as describe_cache_policies
 from ftjax.experts.quant import FORMATS as EXPERT_FORMATS
 from ftjax.kernels.registry import (DECODE_GEMMS, DECODE_GRAPHS, FLASH_PREFILLS, GROUPED_MATMULS, SLOT_ORDERS,
@@ -76,7 +77,7 @@ FLAG_NAMES = ("checkpoint", "preset", "seed", "dtype", "expert_dtype", "experts"
               "stream_d2d_hits", "prefix_copy", "prefix_copy_layers", "kv_offload", "kv_host_gb", "kv_chunk_tokens",
               "kv_load", "miss_policy", "cpu_expert_impl", "cpu_threads", "calibration_profile", "matmul_precision",
               "decode_gemm", "decode_graphs", "kernels", "kernel_tiles", "grouped_matmul", "flash_prefill",
-              "slot_order", "min_dot_rows", "fixed_fetch", "decode_block")
+              "slot_order", "min_dot_rows", "fixed_fetch", "decode_block", "compilation_cache_dir")
 
 
 def define_flags(flag_values: flags.FlagValues = FLAGS, module_name: str | None = None) -> None:
@@ -172,6 +173,7 @@ def define_flags(flag_values: flags.FlagValues = FLAGS, module_name: str | None 
     d.DEFINE_integer("min_dot_rows", None, "Rows a one-row dense projection is padded to (default 4 on a GPU, 0 "
                      "elsewhere).", lower_bound=0)
     d.DEFINE_integer("fixed_fetch", None, "Adaptive: fetch min(N, misses) per layer instead of the calibrated split.")
+    d.DEFINE_string("compilation_cache_dir", None, compile_cache.FLAG_HELP)
 
 
 def _default_checkpoint(default: str | None) -> str | None:
@@ -359,8 +361,9 @@ def kv_manager():
 def run_command(program: str, argv: list[str], body: Callable[[], Any]) -> Any:
     """The shared ``main`` of the command lines (``ftjax.generate``, ``ftjax.serve``): refuses stray
     arguments in one line (not absl's whole usage text), quiets absl's INFO notes, switches JAX's CPU
-    client to synchronous dispatch when host-callback misses need it (before JAX starts), then runs
-    ``body``. Bad input (UserError, ConfigError, CheckpointError, ValueError, OSError, HostViewError)
+    client to synchronous dispatch when host-callback misses need it (before JAX starts), turns on JAX's
+    persistent compilation cache as --compilation_cache_dir says (``ftjax.compile_cache.configure``), then
+    runs ``body``. Bad input (UserError, ConfigError, CheckpointError, ValueError, OSError, HostViewError)
     is printed as ``{program}: error: ...`` with exit status 1. Returns what ``body`` returns."""
     from absl import logging
 
@@ -373,6 +376,7 @@ def run_command(program: str, argv: list[str], body: Callable[[], Any]) -> Any:
     from ftjax.experts.cpu_experts import CALLBACK_IMPLS, HostViewError, use_sync_cpu_dispatch
     if FLAGS.miss_policy != "fetch" and FLAGS.cpu_expert_impl in CALLBACK_IMPLS:
         use_sync_cpu_dispatch()  # before JAX starts; the callbacks deadlock on an async CPU client
+    compile_cache.configure(FLAGS.compilation_cache_dir)
     from ftjax.checkpoint import CheckpointError
     from ftjax.config import ConfigError
     try:

@@ -23,9 +23,12 @@ def _use_compilation_cache() -> str | None:
     a new temporary directory, removed at exit: every run starts cold, as CI's does.
     ``FTJAX_TEST_COMPILATION_CACHE=DIR`` keeps it in DIR across runs (faster reruns; JAX keys each
     entry by the program, the compile options and the jax/jaxlib versions), ``=off`` turns it off.
-    A ``JAX_COMPILATION_CACHE_DIR`` already set is left as it is. Returns the directory, or None."""
+    A ``JAX_COMPILATION_CACHE_DIR`` already set is left as it is. The command lines and scripts keep a
+    directory set here (``ftjax.compile_cache``); with ``=off`` their own default cache is off too
+    (``FTJAX_COMPILATION_CACHE=off``), so that no test writes to ``~/.cache``. Returns the directory, or None."""
     setting = os.environ.get("FTJAX_TEST_COMPILATION_CACHE", "").strip()
     if setting.lower() in ("off", "0", "no", "false"):
+        os.environ["FTJAX_COMPILATION_CACHE"] = "off"
         return None
     path = os.environ.get("JAX_COMPILATION_CACHE_DIR")
     if not path:

@@ -1,0 +1,76 @@
+"""JAX's persistent compilation cache for the command lines and the experiment scripts.
+
+A compiled program is written to disk and loaded by the next process that compiles the same program
+(JAX keys each entry by the program, the compile options, the device and the jax/jaxlib versions), so
+a second run of ``python -m ftjax.generate`` or of an ``experiments/`` script starts without most of
+its compiles. On by default in the command lines (``ftjax.generate``, ``ftjax.serve``, through
+``engine_flags.run_command``) and the scripts (``experiments.common.run``), in :func:`default_dir`;
+``--compilation_cache_dir=DIR`` puts it elsewhere and ``--compilation_cache_dir=`` (empty) turns it
+off. A cache directory already set in JAX's config (``JAX_COMPILATION_CACHE_DIR``, or the test suite's
+own: tests/conftest.py) is kept when the flag is not given.
+"""
+
+from __future__ import annotations
+
+import os
+
+#: Environment variable naming the default cache directory; empty or "off": no cache by default.
+ENV = "FTJAX_COMPILATION_CACHE"
+#: Programs whose backend compile took less than this many seconds are not written (JAX's own default).
+MIN_COMPILE_TIME_S = 1.0
+_OFF = ("", "off", "0", "no", "false")
+#: The help text of ``--compilation_cache_dir``.
+FLAG_HELP = ("JAX's persistent compilation cache: compiled programs are kept in this directory for later runs. "
+             f"Unset: ${ENV}, else $XDG_CACHE_HOME/ftjax/jax or ~/.cache/ftjax/jax (a directory JAX's config "
+             "already names is kept); empty: off.")
+
+
+def default_dir() -> str | None:
+    """The cache directory used when the flag is not given: ``$FTJAX_COMPILATION_CACHE`` when set (None,
+    off, when it is empty or "off"), else ``$XDG_CACHE_HOME/ftjax/jax``, else ``~/.cache/ftjax/jax``."""
+    if ENV in os.environ:
+        value = os.environ[ENV].strip()
+        return None if value.lower() in _OFF else os.path.expanduser(value)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "ftjax", "jax")
+
+
+def define_flag(flag_values=None, module_name: str | None = None) -> None:
+    """Defines ``--compilation_cache_dir`` (a string, default unset) in ``flag_values`` (default absl's
+    FLAGS) as a flag of ``module_name`` (default: absl's choice, the calling module); already defined
+    there: nothing. :func:`configure` reads its value."""
+    from absl import flags
+    flag_values = flags.FLAGS if flag_values is None else flag_values
+    if "compilation_cache_dir" in flag_values:
+        return
+    kw = {"module_name": module_name} if module_name else {}
+    flags.DEFINE_string("compilation_cache_dir", None, FLAG_HELP, flag_values=flag_values, **kw)
+
+
+def configure(flag_value: str | None) -> str | None:
+    """Sets JAX's persistent compilation cache from the flag's value; call it before the first compile.
+
+    Args:
+      flag_value: None (the flag not given): the directory JAX's config already names if any, else
+        :func:`default_dir`; "" (empty): off (``jax_compilation_cache_dir`` cleared); else that directory
+        (``~`` expanded). A directory set here gets ``jax_persistent_cache_min_compile_time_secs`` =
+        :data:`MIN_COMPILE_TIME_S` unless ``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`` is set.
+    Returns:
+      The directory in use, or None when the cache is off. The directory is created on the first write
+      (by JAX); one that cannot be written only costs the cache (JAX warns and compiles).
+    """
+    import jax
+    current = jax.config.jax_compilation_cache_dir
+    if flag_value is None:
+        if current:
+            return current
+        path = default_dir()
+    else:
+        path = os.path.expanduser(flag_value.strip()) or None
+    if path != current:
+        from jax.experimental.compilation_cache import compilation_cache
+        jax.config.update("jax_compilation_cache_dir", path)
+        if path and "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_TIME_S)
+        compilation_cache.reset_cache()  # JAX reads the directory once, at its first compile
+    return path

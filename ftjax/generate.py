@@ -57,7 +57,7 @@ flags.DEFINE_string("metrics_json", None, "Write metrics (ids, TTFT, tokens/s, e
 flags.DEFINE_string("logits_npy", None, "Write float32 [steps, vocab] logits of every generated step (of the first "
                     "sequence: one step per token it emitted, none after its EOS).")
 flags.DEFINE_string("trace_routing", None, "Write routed expert ids per step and layer (.npz): the prefill, then each "
-                    "decode step up to the last token emitted.")
+                    "decode step up to the last token emitted, and the model's num_layers, num_experts and top_k.")
 flags.DEFINE_string("prompts_file", None, "JSON lines (UTF-8, a byte-order mark allowed; blank lines skipped), each "
                     "{\"prompt_ids\": [...]} or {\"prompt\": \"...\"}: requests run in order in this process "
                     "(batch 1), after every line was checked (an error names the file and line; nothing runs).")
@@ -351,7 +351,8 @@ def run() -> dict:
         logits = res.step_logits[: len(gen), 0, :].astype(np.float32)  # [steps, vocab]: sequence 0's tokens
         _atomic_write(FLAGS.logits_npy, lambda f: np.save(f, logits))
     if FLAGS.trace_routing:
-        routing = {f"step{i}": r for i, r in enumerate(res.routing)}
+        from ftjax import routing_trace
+        routing = routing_trace.arrays(res.routing, cfg)
         _atomic_write(FLAGS.trace_routing, lambda f: np.savez_compressed(f, **routing))
         metrics["trace_routing"] = FLAGS.trace_routing
     if FLAGS.metrics_json:

@@ -240,7 +240,7 @@ def import_app(module_name: str, define: Callable | None = None):
 
 def run_module_app(module_name: str, args, *, main: str = "main", program: str | None = None,
                    define: Callable | None = None, argv_filter: Callable | None = None,
-                   cwd: str | None = None, env: dict | None = None) -> CliResult:
+                   cwd: str | None = None, env: dict | None = None, wrap: Callable | None = None) -> CliResult:
     """Runs ``module_name``'s absl ``main`` on ``args`` as ``python -m module_name *args`` (or
     ``python path/to/script.py``) would, in this process: see the module docstring.
 
@@ -255,13 +255,16 @@ def run_module_app(module_name: str, args, *, main: str = "main", program: str |
       cwd: the working directory during the run (put back after).
       env: variables added to ``os.environ`` during the run; the environment as it was before the
         run is put back after it (with any variable the app set itself removed).
+      wrap: applied to the main function before the run, e.g. ``experiments.common.guard`` (what a script's
+        ``common.run(main)`` adds: an ``app.UsageError`` as one ``error:`` line and status 1).
     """
     argv = [program or module_name, *args]
     with flag_namespace(module_name, module_name, define) as module, _captured() as (out, err), \
             _as_main(module), _no_late_sync_dispatch(), _process_state(cwd, env):
         if argv_filter is not None:
             argv = argv_filter(argv)
-        code = _app_run(getattr(module, main), argv)
+        fn = getattr(module, main)
+        code = _app_run(wrap(fn) if wrap is not None else fn, argv)
     return CliResult(code, out.getvalue(), err.getvalue())
 
 

@@ -81,7 +81,11 @@ def test_run_stopped_at_eos_records_only_the_emitted_steps(tmp_path):
             f"vocabulary [0, 384)") in r.stderr
     assert m["generated_ids"] == greedy[:2] and m["stop_reasons"] == ["eos"]
     assert logits.shape == (2, 384) and np.abs(logits - exp["short_step_logits"][:2]).max() < 1e-3
-    assert sorted(routing) == ["step0", "step1"]
+    cfg = load_fixture("qwen3_moe_fp32")[0].cfg
+    assert sorted(routing) == ["num_experts", "num_layers", "step0", "step1", "top_k"]  # ftjax.routing_trace
+    assert [int(routing[k]) for k in ("num_layers", "num_experts", "top_k")] == [cfg.num_layers, cfg.num_experts,
+                                                                                 cfg.top_k]
+    assert routing["step0"].shape[0] == cfg.num_layers and routing["step1"].shape[2] == cfg.top_k
     # the same two steps run without EOS: the same logits, routing and counters
     _, ref, ref_logits, ref_routing = run(fixture_path("qwen3_moe_fp32"), "ref", "--max_new_tokens=2", "--ignore_eos")
     np.testing.assert_array_equal(logits, ref_logits)

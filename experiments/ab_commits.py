@@ -134,6 +134,8 @@ def run() -> dict:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    if FLAGS.out and not os.path.isdir(os.path.dirname(os.path.abspath(FLAGS.out))):
+        raise app.UsageError(f"--out={FLAGS.out}: its folder does not exist")
     if FLAGS.commit is None:
         from ftjax.provenance import git_commit
         FLAGS.commit = git_commit()
@@ -145,9 +147,20 @@ def main(argv):
             f.write(text)
 
 
-if __name__ == "__main__":
+def guarded_main(argv):
+    """``main`` where bad input (``app.UsageError``) prints one ``error: ...`` line and exits with status 1,
+    as ``experiments.common.run`` does: this script imports nothing of the tree but the ``ftjax`` it
+    measures (an older tree's, under ``PYTHONPATH``), so not ``experiments.common`` either. A ``ValueError``
+    (a tree refusing a configuration) prints ``ab_commits: error: ...``, status 1."""
     try:
-        app.run(main)
-    except ValueError as e:
-        print(f"ab_commits: error: {e}", file=sys.stderr)
+        return main(argv)
+    except app.UsageError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
+    except ValueError as e:
+        print(f"ab_commits: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    app.run(guarded_main)

@@ -29,7 +29,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from absl import flags  # noqa: E402
+from absl import app, flags  # noqa: E402
 
 from experiments import common, profile_step  # noqa: E402
 from ftjax.kernels import dense_decode, registry  # noqa: E402
@@ -72,7 +72,7 @@ def _plain_project(x, w):
 def main(argv):
     variant = os.environ.get("AB_PROJECT", "nobarrier")
     if variant not in VARIANTS:
-        raise SystemExit(f"error: AB_PROJECT={variant!r}: expected one of {', '.join(VARIANTS)}")
+        raise app.UsageError(f"AB_PROJECT={variant!r}: expected one of {', '.join(VARIANTS)}")
     if variant != "nobarrier":  # each module looks its own name up at trace time
         for mod in PROJECT_USERS:
             mod.project = _barrier_project if variant == "barrier" else _plain_project

@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from absl import flags  # noqa: E402
+from absl import app, flags  # noqa: E402
 
 from experiments import common  # noqa: E402
 from ftjax.experts.slot_table import ORDER_IMPLS, POLICIES, SlotTable, lookup_layer  # noqa: E402
@@ -180,7 +180,7 @@ def main(argv):
     impls = ["sort"] + [i for i in FLAGS.impls if i != "sort"]
     for i in impls:
         if i not in ORDER_IMPLS:
-            raise SystemExit(f"--impls: unknown {i!r}; expected some of {ORDER_IMPLS}")
+            raise app.UsageError(f"--impls: unknown {i!r}; expected some of {', '.join(ORDER_IMPLS)}")
     print("backend", jax.default_backend(), jax.devices()[0].device_kind, flush=True)
     cases = [(float(h), *warmed_table(L, E, S, FLAGS.top_k, float(h), FLAGS.seed)) for h in FLAGS.hit_rates]
     compiled, hlo, compile_s = {}, {}, {}

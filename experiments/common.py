@@ -41,14 +41,40 @@ FIXTURES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 
 
 # ---- flags and bad input -------------------------------------------------------------------
+#: Flags that name a folder a script writes into (checked by :func:`guard` before ``main`` runs).
+OUTPUT_DIR_FLAGS = ("out_dir", "hlo_dir", "trace_dir")
+
+
+def check_output_dirs(names=OUTPUT_DIR_FLAGS) -> None:
+    """Checks, before anything runs, that each folder flag of ``names`` the script defines and sets can
+    be written: an existing folder, or one that can be made under its nearest existing parent.
+    Raises:
+      app.UsageError: ``--NAME=PATH: ...`` (a file, or a parent that is not a writable folder)."""
+    from absl import app, flags
+    for name in names:
+        value = flags.FLAGS[name].value if name in flags.FLAGS else None
+        if not value:
+            continue
+        path = os.path.abspath(value)
+        parent = path
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent):
+            what = "is a file" if parent == path else f"cannot be made: {parent} is a file"
+            raise app.UsageError(f"--{name}={value}: expected a folder, but it {what}")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise app.UsageError(f"--{name}={value}: {parent} is not writable")
+
+
 def guard(main: Callable) -> Callable:
-    """``main`` where an ``app.UsageError`` it raises (bad user input found after the flags parsed) prints
-    one line, ``error: <message>``, and exits with status 1 (absl would print the whole module docstring
-    and flag help)."""
+    """``main`` after :func:`check_output_dirs`, where an ``app.UsageError`` (bad user input found after
+    the flags parsed) prints one line, ``error: <message>``, and exits with status 1 (absl would print
+    the whole module docstring and flag help)."""
     from absl import app
 
     def guarded(argv):
         try:
+            check_output_dirs()
             return main(argv)
         except app.UsageError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)

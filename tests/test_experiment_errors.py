@@ -1,0 +1,52 @@
+"""Bad input to an experiment script stops it with one ``error: ...`` line naming the problem and exit status
+1, not a traceback or absl's whole usage text. Each script's ``main`` runs in this process
+(tests/cli_helpers.py) under ``experiments.common.guard``, as its ``common.run(main)`` runs it (ab_commits,
+which imports nothing of the tree but the ``ftjax`` it measures, under its own ``guarded_main``); every case
+stops before a model is built."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from cli_helpers import run_module_app
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _cases(tmp: pathlib.Path) -> dict:
+    """script -> (arguments, the expected error line's text after ``error: ``)."""
+    (tmp / "a_file").write_text("")
+    missing = tmp / "missing.npz"
+    return {
+        "replay_policies": ([f"--trace={missing}", "--slots=4"],
+                            f"{missing}: cannot read it as a routing trace (FileNotFoundError: "),
+        "check_oracle_gpu": ([f"--fixtures_dir={tmp / 'nowhere'}", f"--out_dir={tmp}"],
+                             f"--fixtures_dir={tmp / 'nowhere'}: no such folder"),
+        "policy_study": ([f"--ckpt={tmp / 'no_ckpt'}", f"--out_dir={tmp}"],
+                         f"--ckpt={tmp / 'no_ckpt'}: no config.json there (train one: experiments/train_moe.py)"),
+        "bench_prefill": ([f"--out_dir={tmp / 'a_file'}", "--preset=tiny"],
+                          f"--out_dir={tmp / 'a_file'}: expected a folder, but it is a file"),
+        "bench_decode": ([f"--out_dir={tmp / 'a_file' / 'sub'}", "--preset=tiny"],
+                         f"--out_dir={tmp / 'a_file' / 'sub'}: expected a folder, but it cannot be made: "
+                         f"{tmp / 'a_file'} is a file"),
+        "ab_commits": (["--measure=decode_resident,bogus", "--commit=x", f"--out={tmp / 'ab.json'}"],
+                       "--measure: unknown ['bogus']; expected from "),
+    }
+
+
+@pytest.mark.parametrize("script", ["replay_policies", "check_oracle_gpu", "policy_study", "bench_prefill",
+                                    "bench_decode", "ab_commits"])
+def test_bad_input_is_one_error_line_and_status_1(tmp_path, script):
+    from experiments import common
+    args, message = _cases(tmp_path)[script]
+    own = script == "ab_commits"
+    define = (lambda m: m.define_flags()) if script == "policy_study" else None  # defined when run as a script
+    r = run_module_app(f"experiments.{script}", args, program=str(ROOT / "experiments" / f"{script}.py"),
+                       cwd=str(ROOT), main="guarded_main" if own else "main", wrap=None if own else common.guard,
+                       define=define)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1, r.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"error: {message}"), r.stderr
+    assert not list(tmp_path.glob("*.json"))  # nothing written

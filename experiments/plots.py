@@ -23,8 +23,8 @@ per figure of the two papers):
                            {median, p10, p90, min, max} drawn at its median with a p10-p90
                            (else min-max) error bar
   --series=FIELD[,FIELD]   one line / bar per distinct value (of the tuple) of these fields
-  --where=FIELD=VALUE      keep rows whose FIELD prints as VALUE (or equals it as a number);
-                           repeatable, all must hold
+  --where=FIELD=VALUE      keep rows whose FIELD prints as VALUE (or equals it as a number; a
+                           comma list: any of them); repeatable, all must hold
   --formats=png,pdf,svg    the files written, OUT.<format> each; default png
   --out=PATH_STEM          default: the first JSON's path less .json, plus _<y>_by_<x>
   --title=TEXT             default: none (a paper's caption says it)
@@ -280,8 +280,12 @@ def parse_where(spec: str) -> tuple[str, str]:
 
 
 def _matches(v, want: str) -> bool:
+    """Whether a row's value ``v`` passes a filter value: its text, or as a number; a comma list
+    passes any of its values."""
     if v is _MISSING:
         return False
+    if "," in want:
+        return any(_matches(v, w) for w in want.split(","))
     if str(v) == want or (isinstance(v, bool) and str(v).lower() == want.lower()):
         return True
     try:
@@ -358,21 +362,44 @@ def figure_data(rows: list[dict], x: str, y: str, series=(), where=(), kind: str
         if xv is _MISSING or yv is None or isinstance(xv, dict):
             continue
         key = tuple(_scalar(field_value(r, s)) if field_value(r, s) is not _MISSING else None for s in series)
-        pts.append((key, _scalar(xv), yv))
+        pts.append((key, _scalar(xv), yv, r))
     if not pts:
         raise app.UsageError(f"--y={y}: no kept row has a number or a spread at {y!r} together with a value at {x!r}")
+    _check_one_point_each(pts, x, series)
     categories = _order(p[1] for p in pts)
     out = []
     for key in dict.fromkeys(p[0] for p in pts):
         name = ", ".join(str(v) if len(series) == 1 else f"{n}={v}" for n, v in zip(series, key)) or axis_label(y)
         s = Series(name)
-        for _, xv, (c, band) in sorted((p for p in pts if p[0] == key), key=lambda p: categories.index(p[1])):
+        for _, xv, (c, band), _ in sorted((p for p in pts if p[0] == key), key=lambda p: categories.index(p[1])):
             s.x.append(xv)
             s.y.append(c)
             s.lo.append(band[0] if band else c)
             s.hi.append(band[1] if band else c)
         out.append(s)
     return FigureData(kind, x, y, series, axis_label(x), axis_label(y), categories, out)
+
+
+def _tick(v) -> str:
+    """A category's tick label: a whole float without its ``.0``."""
+    return str(int(v)) if isinstance(v, float) and v.is_integer() else str(v)
+
+
+def _check_one_point_each(pts: list, x: str, series: tuple) -> None:
+    """Refuses two kept rows at the same (series, x): one would hide the other.
+
+    Raises:
+      app.UsageError: naming the x and series values and the fields on which those rows differ."""
+    from absl import app
+    seen: dict = {}
+    for key, xv, _, row in pts:
+        other = seen.setdefault((key, xv), row)
+        if other is not row:
+            differ = sorted(k for k in set(row) | set(other) if not isinstance(row.get(k), (dict, list))
+                            and row.get(k) != other.get(k))
+            raise app.UsageError(f"several rows at {x}={xv}" + (f", {', '.join(map(str, key))}" if series else "")
+                                 + "; tell them apart with --series or --where (they differ in: "
+                                 + (", ".join(differ) or "nested fields only") + ")")
 
 
 def _numeric(values) -> bool:
@@ -396,7 +423,7 @@ def draw(data: FigureData, out_stem: str, formats=("png",), title: str | None = 
         raise app.UsageError(f"--formats={','.join(formats)}: each must be one of png, pdf, svg")
     with plt.rc_context({"font.size": 9, "axes.spines.top": False, "axes.spines.right": False}):
         fig, ax = plt.subplots(figsize=(5.0, 3.3))
-        numeric_x = data.kind == "line" and _numeric(data.categories)
+        numeric_x = data.kind == "line" and _numeric(data.categories) and len(data.categories) > 1
         n = len(data.series)
         width = 0.8 / n
         for i, s in enumerate(data.series):
@@ -410,25 +437,25 @@ def draw(data: FigureData, out_stem: str, formats=("png",), title: str | None = 
                 xs = [data.categories.index(v) - 0.4 + width * (i + 0.5) for v in s.x]
                 ax.bar(xs, s.y, width=width * 0.95, yerr=err if has_err else None, capsize=3, label=s.label)
         if not numeric_x:
-            ax.set_xticks(range(len(data.categories)), [str(c) for c in data.categories],
-                          rotation=30 if max(len(str(c)) for c in data.categories) > 8 else 0,
-                          ha="right" if max(len(str(c)) for c in data.categories) > 8 else "center")
+            ticks = [_tick(c) for c in data.categories]
+            long = max(len(t) for t in ticks) > 8
+            ax.set_xticks(range(len(ticks)), ticks, rotation=30 if long else 0, ha="right" if long else "center")
         ax.set_xlabel(data.x_label)
         ax.set_ylabel(data.y_label)
         if data.kind == "bars" or min(min(s.lo) for s in data.series) >= 0:
             ax.set_ylim(bottom=0)
         ax.grid(axis="y", alpha=0.3)
-        if n > 1 or data.series_fields:
-            ax.legend(title=", ".join(data.series_fields) if len(data.series_fields) == 1 else None,
-                      frameon=False, fontsize=8)
         if title:
             ax.set_title(title)
         fig.tight_layout()
+        if n > 1 or data.series_fields:  # beside the axes (after the layout: the saved figure grows to hold it)
+            ax.legend(title=", ".join(data.series_fields) if len(data.series_fields) == 1 else None,
+                      frameon=False, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         paths = []
         os.makedirs(os.path.dirname(os.path.abspath(out_stem)), exist_ok=True)
         for fmt in formats:
             paths.append(f"{out_stem}.{fmt}")
-            fig.savefig(paths[-1], dpi=200 if fmt == "png" else None)
+            fig.savefig(paths[-1], dpi=200 if fmt == "png" else None, bbox_inches="tight")
         plt.close(fig)
     return paths
 

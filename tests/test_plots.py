@@ -77,6 +77,10 @@ def test_grouped_bars_across_files_keep_each_files_meta(tmp_path):
                            where=[("batch", "1")], out=str(tmp_path / "dev"))
     assert [(s.label, s.x, s.y) for s in data.series] == [("H200", ["lru", "lookahead"], [10.0, 30.0]),
                                                           ("H100", ["lru"], [62.0])]
+    # a comma list filters on any of its values
+    data, _ = plots.figure([a, b], x="flags.vram_budget_gb", y="decode_tokens_per_s", series=("batch",),
+                           where=[("flags.vram_budget_gb", "8,24"), ("policy", "lru")], out=str(tmp_path / "any"))
+    assert [(s.label, s.x, s.y) for s in data.series] == [("1", [8, 24], [10.0, 62.0]), ("4", [8], [99.0])]
 
 
 def test_generate_metrics_json_per_request_and_one_run(tmp_path):
@@ -103,6 +107,9 @@ def test_bad_field_names_it_and_lists_the_fields(prefill_json, tmp_path, capsys)
         plots.figure([prefill_json], x="tokens", y="ttft_s", series=("policy",), out=str(tmp_path / "x"))
     with pytest.raises(app.UsageError, match=r"keeps no row; values there: expert_dtype: dense, int4"):
         plots.figure([prefill_json], x="tokens", y="ttft_s", where=[("expert_dtype", "fp8")], out=str(tmp_path / "x"))
+    # two rows at one point: the message says which fields tell them apart
+    with pytest.raises(app.UsageError, match=r"several rows at tokens=1024, stream; .*differ in: expert_dtype, ttft_s"):
+        plots.figure([prefill_json], x="tokens", y="ttft_s", series=("variant",), out=str(tmp_path / "x"))
     # the command line: one line, status 1, nothing written
     assert plots.main(["plots", "--kind=line", "--x=tokens", "--y=ttft", f"--out={tmp_path / 'y'}", prefill_json]) == 1
     err = capsys.readouterr().err

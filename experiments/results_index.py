@@ -34,6 +34,10 @@ ARCHIVE = "archive"
 #: repository had stale git metadata), mapped to the commit recorded for the run when the file was added
 #: (experiments/results/README.md, the commit messages that added them).
 COMMIT_AS_RUN = {
+    "bench_decode_speed_qwen3-30b-a3b_16l_h200_2026-12-03.json": "f19eceb",
+    "bench_decode_speed_qwen3-30b-a3b_48l_h200_2026-12-03.json": "f19eceb",
+    "bench_decode_speed_qwen3-30b-a3b_48l-graphs-off_h200_2026-12-03.json": "f19eceb",
+    "bench_decode_speed_qwen3-30b-a3b_48l-graphs-on_h200_2026-12-03.json": "f19eceb",
     "bench_serve_qwen3-30b-a3b_resident_run-ahead_h200_2026-12-03.json": "9c907c9",
     "ab_slot_table_qwen3-30b-a3b_h200_2026-12-01.json": "a65cb21",
     "bench_decode_qwen3-30b-a3b_8gb_int4-rank_h200_2026-12-01.json": "a65cb21",
@@ -125,6 +129,16 @@ def _bench_decode(d: dict) -> str:
         return "-"
     r = max(rows, key=lambda r: (r["decode_tokens_per_s"], str(r.get("mode"))))
     return f"{r.get('mode')} b{r.get('batch')}{_dtype(r)}, {r.get('slots')} slots: {r['decode_tokens_per_s']:.2f} tok/s"
+
+
+def _bench_decode_speed(d: dict) -> str:
+    rows = [r for r in d.get("rows") or [] if r.get("mode") == "resident" and r.get("batch") == 1]
+    if not rows:
+        return "-"
+    r = max(rows, key=lambda r: r["tokens_per_s"]["median"])
+    gain = f", {r['speedup_vs_block1']:.2f}x block 1" if r.get("speedup_vs_block1") else ""
+    return (f"{r['layers']} layers resident b1, decode_block {r['decode_block']}: "
+            f"{r['tokens_per_s']['median']:.1f} tok/s{gain}")
 
 
 def _bench_prefill(d: dict) -> str:
@@ -313,6 +327,7 @@ def _bench_serve(d: dict) -> str:
 
 HEADLINES = {
     "bench_decode": _bench_decode,
+    "bench_decode_speed": _bench_decode_speed,
     "bench_prefill": _bench_prefill,
     "bench_kv_reuse": _bench_kv_reuse,
     "bench_serve": _bench_serve,

@@ -8,9 +8,10 @@ import pathlib
 
 PKG = pathlib.Path(__file__).resolve().parent.parent / "ftjax"
 
-#: Modules that may read the environment: where a run's provenance is recorded, and the calibration
-#: profile's default folder (XDG_CACHE_HOME). Kernel and program choices live in EngineConfig.kernels.
-ENV_READERS = {"ftjax.provenance", "ftjax.calibrate"}
+#: Modules that may read the environment: where a run's provenance is recorded, and the default folders
+#: of the calibration profile and of the compilation cache (XDG_CACHE_HOME, FTJAX_COMPILATION_CACHE).
+#: Kernel and program choices live in EngineConfig.kernels.
+ENV_READERS = {"ftjax.provenance", "ftjax.calibrate", "ftjax.compile_cache"}
 
 
 def _modules() -> dict[str, ast.Module]:

@@ -364,9 +364,11 @@ def test_decode_gemm_cublas_keeps_logits():
         assert eng.describe()["decode_compiler_options"] == dict(programs.decode_compiler_options(gemm, 1, "float32"))
     def is_decode(sig):  # the tokens int32 [1, 1] among the argument leaves
         return any(shape == (1, 1) and dtype == np.int32 for shape, dtype, _ in sig)
-    with_options = [sig for _, static, sig, _ in programs.compiled_programs("forward_step")
+    with_options = [(name, sig) for name, static, sig, _ in programs.compiled_programs()
                     if static["compiler_options"] == dict(programs.CUBLAS_DECODE_OPTIONS)]
-    assert with_options and all(map(is_decode, with_options))  # the cublas engine's decode program only
+    # the cublas engine's decode programs only: its decode block (and no prefill program)
+    assert {name for name, _ in with_options} == {"decode_block"}
+    assert all(is_decode(sig) for _, sig in with_options)
     np.testing.assert_allclose(runs["cublas"].step_logits, runs["xla"].step_logits, rtol=1e-6, atol=1e-6)
     assert runs["cublas"].generated_ids == runs["xla"].generated_ids
 

@@ -1,0 +1,349 @@
+r"""Where a Gated DeltaNet prefill spends its time, and what the chunk-scan kernel changes (issue 32).
+
+  PYTHONPATH=. python3 experiments/bench_gated_delta.py --out_dir=$OUT                      # on the GPU
+  .venv/bin/python experiments/bench_gated_delta.py --tokens=256 --value_heads=2 --key_heads=1 \
+      --head_dim=32 --tiles=16:4 --model_layers=0 --repeats=2 --out_dir=/tmp/gd               # CPU smoke
+
+One Gated DeltaNet layer of --preset (qwen3.5-35b-a3b: 32 value heads, 16 key heads, dk = dv = 128)
+on a --tokens prompt, batch 1, random inputs and weights (``--head_dim`` / ``--value_heads`` /
+``--key_heads`` shrink it for a smoke run). Every row is the median (and spread) of --repeats calls of
+one jitted function after a compiling call, with its compile seconds:
+
+* ``rule``: ``chunked_gated_delta_rule`` (float32 q, k, v, g, beta, state) with the scan over chunks in
+  XLA (``xla``) and as the ``gated_delta`` kernel at each of --tiles (``block_v:num_warps``), with and
+  without the per-chunk states; ``err_o`` / ``err_state``: max |x - ref| / max |ref| against the XLA form
+  under ``jax.default_matmul_precision("highest")``; ``*_highest`` rows run under that precision too.
+* ``pieces``: the parts of the XLA form, each its own program: the chunk preparation (decay matrix,
+  intra-chunk scores, the two triangular solves), the triangular solves alone, the scan over chunks
+  alone, and the solve replaced by a matmul-only inverse of the unit lower-triangular matrix
+  (``(I + L)^-1 = prod_k (I + (-L)^(2^k))``, log2(chunk) squarings) with its error against the solve,
+  and the preparation with one solve of both right-hand sides side by side.
+* ``layer``: the whole layer (``gated_deltanet``: projections, conv, rule, gated norm, output) in the
+  model's dtype, XLA vs the best kernel tiles; one decode token (T = 1) for scale.
+* ``model`` (``--model_layers`` > 0): TTFT of a --tokens resident prefill of the preset cut to that many
+  layers (random weights), the kernels ``auto`` picks vs those plus ``gated_delta``; skipped when the run
+  has already spent --model_deadline_s seconds.
+
+Writes ``bench_gated_delta_<preset>[_<tag>].json`` (after every stage) and prints the tables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import sys
+import time
+
+from absl import flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+from experiments import common  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("preset", "qwen3.5-35b-a3b", "Model shape (a preset with Gated DeltaNet layers).")
+flags.DEFINE_string("dtype", "bfloat16", "The model's compute dtype (the rule itself is float32).")
+flags.DEFINE_integer("tokens", 8192, "Prompt tokens.", lower_bound=2)
+flags.DEFINE_integer("head_dim", None, "Override dk = dv (smoke runs).", lower_bound=1)
+flags.DEFINE_integer("value_heads", None, "Override the value heads (smoke runs).", lower_bound=1)
+flags.DEFINE_integer("key_heads", None, "Override the key heads (smoke runs).", lower_bound=1)
+flags.DEFINE_list("tiles", ["32:4:1", "64:4:1", "64:8:1", "16:4:1", "32:8:1", "128:8:1", "32:4:2"],
+                  "Kernel tiles to time, block_v:num_warps:num_stages.")
+flags.DEFINE_list("stages", ["rule", "pieces", "layer", "model"], "Stages to run (rule picks the tiles of the others).")
+flags.DEFINE_integer("repeats", 10, "Timed calls per row.", lower_bound=1)
+flags.DEFINE_integer("model_layers", 16, "Layers of the model-level prefill (0: no model stage).", lower_bound=0)
+flags.DEFINE_float("model_deadline_s", 300.0, "Skip the model stage once the run has taken this long.")
+flags.DEFINE_string("tag", "", "Suffix of the JSON name.")
+flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
+
+
+def _tiles(entry: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in entry.split(":"))
+
+
+def _time(fn, *args) -> dict:
+    """Compile seconds, then the spread of --repeats calls (seconds)."""
+    import jax
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    compile_s = time.perf_counter() - t
+    ts = []
+    for _ in range(FLAGS.repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t)
+    return {"compile_s": compile_s, "s": common.spread(ts)}
+
+
+def _err(x, ref) -> float:
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    return float(np.max(np.abs(x - ref)) / max(np.max(np.abs(ref)), 1e-30))
+
+
+def _cfg():
+    from ftjax.config import preset
+    cfg = preset(FLAGS.preset)
+    over = {k: v for k, v in (("linear_key_head_dim", FLAGS.head_dim), ("linear_value_head_dim", FLAGS.head_dim),
+                              ("linear_num_value_heads", FLAGS.value_heads),
+                              ("linear_num_key_heads", FLAGS.key_heads)) if v}
+    return dataclasses.replace(cfg, **over)
+
+
+def _rule_inputs(cfg, t: int):
+    import jax.numpy as jnp
+
+    from ftjax.layers import gated_deltanet as gdn
+    r = np.random.default_rng(0)
+    h, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    f = lambda *s: jnp.asarray(r.normal(size=s), jnp.float32)  # noqa: E731
+    q, k = gdn.l2_normalize(f(1, t, h, dk)), gdn.l2_normalize(f(1, t, h, dk))
+    g = -jnp.asarray(r.uniform(0.0, 0.3, size=(1, t, h)), jnp.float32)
+    beta = jnp.asarray(r.uniform(size=(1, t, h)), jnp.float32)
+    return q, k, f(1, t, h, dv), g, beta, 0.1 * f(1, h, dk, dv)
+
+
+def _kernels(tiles: tuple[int, ...]):
+    from ftjax.kernels.registry import KernelConfig
+    return KernelConfig(use=("gated_delta",), tiles={"gated_delta": tiles})
+
+
+def stage_rule(cfg, out: dict) -> None:
+    import jax
+
+    from ftjax.kernels.registry import KernelConfig, using
+    from ftjax.layers import gated_deltanet as gdn
+    args = _rule_inputs(cfg, FLAGS.tokens)
+
+    def rule(kc: KernelConfig, states: bool):
+        def fn(*a):
+            with using(kc):
+                return gdn.chunked_gated_delta_rule(*a, chunk_states=states)
+        return jax.jit(fn)
+
+    xla = KernelConfig(use="xla")
+    with jax.default_matmul_precision("highest"):
+        ref = rule(xla, True)(*args)
+    rows = []
+
+    def row(name, kc, states, highest=False):
+        fn = rule(kc, states)
+        with jax.default_matmul_precision("highest") if highest else _nothing():
+            m = _time(fn, *args)
+            o, s, ends = fn(*args)
+        res = {"variant": name, "chunk_states": states, "highest": highest, **m, "err_o": _err(o, ref[0]),
+               "err_state": _err(s, ref[1])}
+        if states:
+            res["err_ends"] = _err(ends, ref[2])
+        rows.append(res)
+        print(f"rule {name:>12} states={states!s:5} highest={highest!s:5} median {m['s']['median'] * 1e3:8.3f} ms  "
+              f"compile {m['compile_s']:6.2f} s  err_o {res['err_o']:.2e}", flush=True)
+        return res
+
+    for states in (False, True):
+        row("xla", xla, states)
+    best = None
+    for entry in FLAGS.tiles:
+        tiles = _tiles(entry)
+        try:
+            r = row(f"kernel {entry}", _kernels(tiles), False)
+        except Exception as e:  # a tile the Triton compile refuses: record it, go on
+            rows.append({"variant": f"kernel {entry}", "error": f"{type(e).__name__}: {str(e)[:400]}"})
+            print(f"rule kernel {entry}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            continue
+        if best is None or r["s"]["median"] < best[1]:
+            best = (tiles, r["s"]["median"])
+    out["rule"] = rows
+    if best is not None:
+        out["best_tiles"] = list(best[0])
+        name = "kernel " + ":".join(map(str, best[0]))
+        row(name, _kernels(best[0]), True)
+        row("xla", xla, False, highest=True)
+        row(name, _kernels(best[0]), False, highest=True)
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _prep(q, k, v, g, beta, chunk: int, solve_fn, joint: bool = False):
+    """The chunk preparation of the XLA form (mirrors ``chunked_gated_delta_rule``), with the triangular
+    solve given as ``solve_fn(unit_lower, rhs)``; ``joint``: one solve of both right-hand sides side by side."""
+    import jax.numpy as jnp
+    b, t, h, dk = k.shape
+    sw = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
+    q, k, v, g, beta = sw(q) * dk ** -0.5, sw(k), sw(v), sw(g), sw(beta)
+    n = t // chunk
+    ch = lambda x: x.reshape(b, h, n, chunk, *x.shape[3:])  # noqa: E731
+    q, k, v, g, beta = (ch(a) for a in (q, k, v, g, beta))
+    kb, vb = k * beta[..., None], v * beta[..., None]
+    c = jnp.cumsum(g, axis=-1)
+    lower = jnp.tril(jnp.ones((chunk, chunk), jnp.bool_))
+    decay = jnp.exp(jnp.where(lower, c[..., :, None] - c[..., None, :], -jnp.inf))
+    system = jnp.einsum("...id,...jd->...ij", kb, k) * decay
+    unit = jnp.where(jnp.tril(lower, -1), system, 0.0) + jnp.eye(chunk, dtype=system.dtype)
+    if joint:
+        uw = solve_fn(unit, jnp.concatenate([vb, kb * jnp.exp(c)[..., None]], axis=-1))
+        u, w = uw[..., :vb.shape[-1]], uw[..., vb.shape[-1]:]
+    else:
+        u, w = solve_fn(unit, vb), solve_fn(unit, kb * jnp.exp(c)[..., None])
+    intra = jnp.einsum("...id,...jd->...ij", q, k) * decay
+    return u, w, q * jnp.exp(c)[..., None], k * jnp.exp(c[..., -1:] - c)[..., None], intra, \
+        jnp.exp(c[..., -1])[..., None, None]
+
+
+def _tri_solve(unit, rhs):
+    import jax
+    return jax.lax.linalg.triangular_solve(unit, rhs, left_side=True, lower=True, unit_diagonal=True)
+
+
+def _doubling_solve(unit, rhs):
+    """(I + L)^-1 rhs with the inverse as prod_k (I + P^(2^k)), P = -L strictly lower (P^chunk = 0)."""
+    import jax.numpy as jnp
+    chunk = unit.shape[-1]
+    eye = jnp.eye(chunk, dtype=unit.dtype)
+    p = eye - unit
+    inv = eye + p
+    for _ in range(int(np.log2(chunk)) - 1):
+        p = p @ p
+        inv = inv + inv @ p
+    return inv @ rhs
+
+
+def stage_pieces(cfg, out: dict) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from ftjax.layers import gated_deltanet as gdn
+    q, k, v, g, beta, s0 = _rule_inputs(cfg, FLAGS.tokens)
+    chunk = gdn.DELTA_CHUNK
+    rows = []
+
+    def row(name, fn, *args, ref=None):
+        m = _time(fn, *args)
+        res = {"piece": name, **m}
+        if ref is not None:
+            res["err"] = _err(fn(*args)[0], ref)
+        rows.append(res)
+        print(f"piece {name:>16} median {m['s']['median'] * 1e3:8.3f} ms  compile {m['compile_s']:6.2f} s"
+              + (f"  err {res['err']:.2e}" if "err" in res else ""), flush=True)
+
+    prep = jax.jit(functools.partial(_prep, chunk=chunk, solve_fn=_tri_solve))
+    row("prep", prep, q, k, v, g, beta)
+    parts = prep(q, k, v, g, beta)
+
+    def scan(s, u, w, qr, kw, a, d):
+        def step(s, xs):
+            u_n, w_n, q_n, k_n, a_n, d_n = xs
+            v_new = u_n - w_n @ s
+            return s * d_n + jnp.swapaxes(k_n, -1, -2) @ v_new, q_n @ s + a_n @ v_new
+        return jax.lax.scan(step, s, tuple(jnp.moveaxis(x, 2, 0) for x in (u, w, qr, kw, a, d)))
+    row("scan", jax.jit(scan), s0, *parts)
+    b, h, n = 1, cfg.linear_num_value_heads, FLAGS.tokens // chunk
+    unit = jnp.tril(jax.random.uniform(jax.random.key(0), (b, h, n, chunk, chunk)) * 0.05, -1) + jnp.eye(chunk)
+    rhs = jax.random.normal(jax.random.key(1), (b, h, n, chunk, cfg.linear_value_head_dim))
+    with jax.default_matmul_precision("highest"):
+        exact = jax.jit(_tri_solve)(unit, rhs)
+    row("triangular_solve", jax.jit(lambda u, r: (_tri_solve(u, r),)), unit, rhs, ref=exact)
+    row("doubling_inverse", jax.jit(lambda u, r: (_doubling_solve(u, r),)), unit, rhs, ref=exact)
+    with jax.default_matmul_precision("highest"):
+        row("doubling_highest", jax.jit(lambda u, r: (_doubling_solve(u, r),)), unit, rhs, ref=exact)
+    # the solve on the real system (the prep's own), then the whole prep with the doubling inverse
+    row("prep_doubling", jax.jit(functools.partial(_prep, chunk=chunk, solve_fn=_doubling_solve)), q, k, v, g, beta,
+        ref=parts[0])
+    row("prep_joint_solve", jax.jit(functools.partial(_prep, chunk=chunk, solve_fn=_tri_solve, joint=True)),
+        q, k, v, g, beta, ref=parts[0])
+    out["pieces"] = rows
+
+
+def stage_layer(cfg, out: dict) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from ftjax.kernels.registry import KernelConfig, using
+    from ftjax.layers import gated_deltanet as gdn
+    dtype = jnp.dtype(FLAGS.dtype)
+    r = np.random.default_rng(2)
+    lp = {name: jnp.asarray(r.normal(size=shape) * (0.02 if len(shape) == 2 else 0.5), dtype)
+          for name, shape in gdn.param_shapes(cfg).items()}
+    lp["A_log"] = jnp.asarray(np.log(r.uniform(1, 16, size=lp["A_log"].shape)), dtype)
+    lp["norm"] = jnp.ones_like(lp["norm"])
+    (_, _, km1, cd), (_, _, hv, dk, dv) = gdn.state_shapes(cfg, 1, 1)
+    conv0, rec0 = jnp.zeros((1, km1, cd), dtype), jnp.zeros((1, hv, dk, dv), jnp.float32)
+    rows = []
+    for t in (FLAGS.tokens, 1):
+        x = jnp.asarray(r.normal(size=(1, t, cfg.hidden_size)), dtype)
+        valid = jnp.ones((1, t), bool)
+        choices = [("xla", KernelConfig(use="xla"))]
+        if t > 1 and "best_tiles" in out:
+            choices.append(("kernel " + ":".join(map(str, out["best_tiles"])), _kernels(tuple(out["best_tiles"]))))
+        for name, kc in choices:
+            def fn(x, c, s, kc=kc, valid=valid):
+                with using(kc):
+                    return gdn.gated_deltanet(cfg, lp, x, c, s, valid)[:3]
+            m = _time(jax.jit(fn), x, conv0, rec0)
+            rows.append({"tokens": t, "variant": name, **m})
+            print(f"layer T={t:5} {name:>12} median {m['s']['median'] * 1e3:8.3f} ms  compile {m['compile_s']:6.2f} s",
+                  flush=True)
+    out["layer"] = rows
+
+
+def stage_model(cfg, out: dict) -> None:
+    import jax
+
+    from ftjax import Engine
+    from ftjax.checkpoint import random_model
+    from ftjax.config import EngineConfig
+    from ftjax.kernels import registry
+    n = FLAGS.model_layers
+    cfg = dataclasses.replace(cfg, num_layers=n, layer_types=cfg.layer_types[:n])
+    t0 = time.perf_counter()
+    model = random_model(cfg, FLAGS.dtype)
+    jax.block_until_ready(model.host_down)
+    out["model_build_s"] = time.perf_counter() - t0
+    auto = tuple(name for name, k in registry.kernels().items() if k.auto)
+    prompt = list(np.random.default_rng(3).integers(0, cfg.vocab_size, FLAGS.tokens))
+    rows = []
+    for name, use in (("auto", "auto"), ("auto+gated_delta", auto + ("gated_delta",))):
+        tiles = {"gated_delta": tuple(out["best_tiles"])} if "best_tiles" in out and name != "auto" else {}
+        eng = Engine(model, EngineConfig("resident", max_seq_len=FLAGS.tokens + 16, prefill_chunk=FLAGS.tokens,
+                                         kernels=registry.KernelConfig(use=use, tiles=tiles)))
+        ttft = [eng.generate([prompt], 1).ttft_s for _ in range(1 + min(FLAGS.repeats, 5))]
+        rows.append({"kernels": name, "ttft_s": common.spread(ttft[1:]), "compile_s": eng.compile_s})
+        print(f"model {n} layers {name:>18}: TTFT median {common.spread(ttft[1:])['median']:.4f} s, "
+              f"compile {eng.compile_s:.1f} s", flush=True)
+        eng.release_all() if hasattr(eng, "release_all") else None
+        del eng
+    out["model"] = {"layers": n, "rows": rows}
+
+
+def main(argv):
+    del argv
+    import jax
+    t_start = time.perf_counter()
+    cfg = _cfg()
+    name = f"bench_gated_delta_{FLAGS.preset}" + (f"_{FLAGS.tag}" if FLAGS.tag else "") + ".json"
+    out = {"shape": {"tokens": FLAGS.tokens, "value_heads": cfg.linear_num_value_heads,
+                     "key_heads": cfg.linear_num_key_heads, "dk": cfg.linear_key_head_dim,
+                     "dv": cfg.linear_value_head_dim}, "device": jax.devices()[0].device_kind, "partial": True}
+    for key, stage in (("rule", stage_rule), ("pieces", stage_pieces), ("layer", stage_layer)):
+        if key in FLAGS.stages:
+            stage(cfg, out)
+            common.write_json(FLAGS.out_dir, name, out)
+    if FLAGS.model_layers and "model" in FLAGS.stages:
+        if time.perf_counter() - t_start < FLAGS.model_deadline_s:
+            stage_model(cfg, out)
+        else:
+            out["model"] = {"skipped": f"the run had taken {time.perf_counter() - t_start:.0f} s"}
+    out["partial"] = False
+    print("wrote", common.write_json(FLAGS.out_dir, name, out))
+
+
+if __name__ == "__main__":
+    common.run(main)

@@ -1,0 +1,142 @@
+"""The gated delta rule's scan over chunks (prefill of the Gated DeltaNet layers) as one Pallas kernel.
+
+``ftjax.layers.gated_deltanet.chunked_gated_delta_rule`` splits a prefill into chunks of 64 tokens.
+Everything inside a chunk (the decay matrix, the unit lower-triangular solve of the WY / UT
+transform, the intra-chunk scores) is batched over all chunks at once by XLA; what is left is a
+recurrence over the chunks that carries the state S [dk, dv] of every (sequence, value head):
+
+    v'_n = u_n - w_n S;   o_n = q_n S + A_n v'_n;   S <- d_n S + k_n^T v'_n
+
+As a ``lax.scan`` that is N = T / 64 sequential steps of small batched matmuls (128 steps per layer
+for an 8192-token prefill, each several XLA kernels). This kernel runs the whole recurrence in one
+launch: program (bh, j) keeps columns ``[j*bv, (j+1)*bv)`` of one head's S in registers and walks the
+N chunks, reading each chunk's operands once (the layout of flash-linear-attention's
+``chunk_gated_delta_rule_fwd_h`` + ``chunk_fwd_o``, fused; Yang et al., "Gated Delta Networks", 2024,
+section 3.3). Columns of S are independent (every update is linear in S's columns), so splitting dv
+over programs is exact.
+
+Dots run in float32 at the precision XLA's einsums of the reference get: TF32 unless
+``jax.default_matmul_precision`` asks for float32 ("highest" / "float32"), then IEEE float32 (the
+float32 oracle runs). Written with generic Pallas primitives: interpreted on the CPU (the tests),
+lowered through the Triton backend on a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from ftjax.kernels import common, registry
+
+#: Columns of S per program, Triton's warps and pipeline stages (``KernelConfig.tiles``: ``gated_delta=(bv,)``,
+#: ``(bv, num_warps)`` or ``(bv, num_warps, num_stages)``). One stage: the loop's operands of one chunk
+#: (q, k, w: 32 KiB each in float32 at dk = 128) already take half of an H200's 227 KiB of shared
+#: memory, and Triton's default pipelining asked for 240-360 KiB (H200, 2026-12-04).
+BLOCK_V = 32
+NUM_WARPS = 4
+NUM_STAGES = 1
+_FULL_PRECISION = ("highest", "float32", "F32_F32_F32")
+
+
+def dot_precision() -> lax.Precision:
+    """The precision of the kernel's float32 dots: HIGHEST (IEEE float32) where
+    ``jax.default_matmul_precision`` asks for full float32, else DEFAULT (TF32 on a GPU, as XLA runs
+    the reference's float32 einsums there)."""
+    return lax.Precision.HIGHEST if jax.config.jax_default_matmul_precision in _FULL_PRECISION \
+        else lax.Precision.DEFAULT
+
+
+def supported(dk: int, dv: int, chunk: int, block_v: int = BLOCK_V) -> bool:
+    """Shapes the Triton lowering takes: dk, chunk and the column block min(block_v, dv) powers of two
+    >= 16, dv a multiple of the block."""
+    bv = min(block_v, dv)
+    return all(common.pow2(n) and n >= 16 for n in (dk, chunk, bv)) and dv % bv == 0
+
+
+def _kernel(s0_ref, u_ref, w_ref, q_ref, k_ref, a_ref, d_ref, o_ref, s_ref, *ends_ref, n_chunks, chunk, bv,
+            precision):
+    bh, j = pl.program_id(0), pl.program_id(1)
+    cols = pl.ds(j * bv, bv)
+
+    def dot(a, b, contract=((1,), (0,))):
+        return lax.dot_general(a, b, (contract, ((), ())), precision=precision,
+                               preferred_element_type=jnp.float32)
+
+    def body(n, s):  # s: float32 [dk, bv], the state before chunk n
+        rows = pl.ds(n * chunk, chunk)
+        v_new = u_ref[bh, rows, cols] - dot(w_ref[bh, rows, :], s)  # [chunk, bv]
+        o_ref[bh, rows, cols] = dot(q_ref[bh, rows, :], s) + dot(a_ref[bh, rows, :], v_new)
+        s = s * d_ref[bh, n] + dot(k_ref[bh, rows, :], v_new, ((0,), (0,)))
+        if ends_ref:
+            ends_ref[0][bh, n, :, cols] = s
+        return s
+
+    s_ref[bh, :, cols] = lax.fori_loop(0, n_chunks, body, s0_ref[bh, :, cols])
+
+
+@functools.partial(jax.jit, static_argnames=("chunk", "chunk_states", "interpret", "block_v", "num_warps",
+                                             "num_stages", "precision"))
+def chunk_recurrence(s0: jax.Array, u: jax.Array, w: jax.Array, q: jax.Array, k: jax.Array, a: jax.Array,
+                     d: jax.Array, *, chunk: int, chunk_states: bool, interpret: bool = False,
+                     block_v: int = BLOCK_V, num_warps: int | None = NUM_WARPS, num_stages: int | None = NUM_STAGES,
+                     precision: lax.Precision = lax.Precision.DEFAULT):
+    """The recurrence over chunks (module docstring), for G = batch x heads independent states.
+
+    s0: float32 [G, dk, dv] the states before the first chunk; u: [G, N*C, dv] the corrected values;
+    w: [G, N*C, dk] what they read from S; q: [G, N*C, dk] the decayed, scaled queries; k: [G, N*C, dk]
+    the keys decayed to the chunk's end; a: [G, N*C, C] the masked intra-chunk scores; d: [G, N] each
+    chunk's total decay (all float32, C = ``chunk``). Returns (o float32 [G, N*C, dv], the final states
+    [G, dk, dv], and with ``chunk_states`` the state after every chunk [G, N, dk, dv], else None).
+    interpret: Pallas interpret mode (CPU); block_v: columns of S per program; num_warps, num_stages: Triton's.
+    """
+    g, dk, dv = s0.shape
+    n = u.shape[1] // chunk
+    bv = min(block_v, dv)
+    outs = [jax.ShapeDtypeStruct((g, n * chunk, dv), jnp.float32), jax.ShapeDtypeStruct((g, dk, dv), jnp.float32)]
+    if chunk_states:
+        outs.append(jax.ShapeDtypeStruct((g, n, dk, dv), jnp.float32))
+    res = pl.pallas_call(
+        functools.partial(_kernel, n_chunks=n, chunk=chunk, bv=bv, precision=precision),
+        out_shape=tuple(outs), grid=(g, dv // bv), interpret=interpret,
+        compiler_params=common.triton_params(interpret, num_warps, num_stages), name="gated_delta_chunks",
+    )(s0, u, w, q, k, a, d)
+    return res[0], res[1], (res[2] if chunk_states else None)
+
+
+def maybe(s0, u, w, q, k, a, d, chunk: int, chunk_states: bool):
+    """:func:`chunk_recurrence` on operands shaped as the reference holds them (``[B, H, N, C, ...]``;
+    s0 [B, H, dk, dv], d [B, H, N, 1, 1]) where the kernel config selects the kernel, else None.
+    Returns (o [B, H, N, C, dv], final state [B, H, dk, dv], the chunk states [N, B, H, dk, dv] or None)."""
+    b, h, n, c, dk = w.shape
+    dv = u.shape[-1]
+    tiles = registry.tiles("gated_delta", {"block_v": BLOCK_V, "num_warps": NUM_WARPS, "num_stages": NUM_STAGES})
+    how = registry.mode("gated_delta", supported(dk, dv, c, tiles["block_v"]))
+    if how == "xla":
+        return None
+    flat = lambda x: x.reshape(b * h, n * c, x.shape[-1])  # noqa: E731
+    o, s, ends = chunk_recurrence(s0.reshape(b * h, dk, dv), flat(u), flat(w), flat(q), flat(k), flat(a),
+                                  d.reshape(b * h, n), chunk=c, chunk_states=chunk_states,
+                                  interpret=how == "interpret", precision=dot_precision(), **tiles)
+    if ends is not None:
+        ends = jnp.moveaxis(ends.reshape(b, h, n, dk, dv), 2, 0)
+    return o.reshape(b, h, n, c, dv), s.reshape(b, h, dk, dv), ends
+
+
+def _tiles(vals: tuple[int, ...]) -> dict:
+    bv, *rest = common.tile_values("gated_delta", vals, (1, 2, 3),
+                                   "(block_v,), (block_v, num_warps) or (block_v, num_warps, num_stages)")
+    if not (common.pow2(bv) and bv >= 16) or (rest and not common.pow2(rest[0])) or (len(rest) > 1 and rest[1] < 1):
+        raise ValueError(f"tiles of kernel 'gated_delta': block_v must be a power of two >= 16, num_warps a "
+                         f"power of two and num_stages >= 1, got {vals}")
+    return {"block_v": bv, "num_warps": rest[0] if rest else NUM_WARPS,
+            "num_stages": rest[1] if len(rest) > 1 else NUM_STAGES}
+
+
+registry.register(registry.Kernel(
+    "gated_delta", "ftjax.layers.gated_deltanet.chunked_gated_delta_rule",
+    "Gated DeltaNet prefill (T > 1): the scan over chunks of the chunked gated delta rule, power-of-two dk and "
+    "chunk; auto: not picked (named only) until measured faster on a GPU", auto=False, tiles=_tiles))

@@ -105,3 +105,30 @@ def test_chunked_form_memory_grows_linearly_in_t(dtype, chunk_states):
     per_token = h * (2 * dk + dv) * 4  # q, k, v of one token in float32
     # 3.4x now; one [T, T] float32 per head (or a [dk, dv] state per token) alone would be 43x
     assert small <= 12 * t * per_token, (small, t * per_token)
+
+
+@pytest.mark.parametrize("chunk_states", [True, False])
+def test_the_chunk_scan_kernel_matches_the_scan(chunk_states):
+    """``ftjax.kernels.gated_delta`` interpreted (two column blocks of S per head, three chunks, the last
+    one padded) against the reference's ``lax.scan`` over chunks: outputs, final and per-chunk states."""
+    from ftjax.kernels.registry import KernelConfig, recording, using
+    r = np.random.default_rng(1)
+    t, dk, dv = 40, 16, 32
+    q = gdn.l2_normalize(jnp.asarray(r.normal(size=(1, t, 2, dk)), jnp.float32))
+    k = gdn.l2_normalize(jnp.asarray(r.normal(size=(1, t, 2, dk)), jnp.float32))
+    v = jnp.asarray(r.normal(size=(1, t, 2, dv)), jnp.float32)
+    g = -jnp.asarray(r.uniform(0.0, 0.3, size=(1, t, 2)), jnp.float32)
+    beta = jnp.asarray(r.uniform(size=(1, t, 2)), jnp.float32)
+    s0 = jnp.asarray(r.normal(size=(1, 2, dk, dv)), jnp.float32)
+    args = (q, k, v, g, beta, s0)
+    want = gdn.chunked_gated_delta_rule(*args, chunk=16, chunk_states=chunk_states)
+    with using(KernelConfig(use="interpret", tiles={"gated_delta": (16,)})), recording() as ran:
+        got = gdn.chunked_gated_delta_rule(*args, chunk=16, chunk_states=chunk_states)
+    assert ran == {"gated_delta"}
+    np.testing.assert_allclose(got[0], want[0], atol=1e-5)
+    np.testing.assert_allclose(got[1], want[1], atol=1e-5)
+    if chunk_states:
+        assert got[2].shape == (3, 1, 2, dk, dv)
+        np.testing.assert_allclose(got[2], want[2], atol=1e-5)
+    else:
+        assert got[2] is None and want[2] is None

@@ -22,7 +22,8 @@ sequences padded at the end to a multiple of the chunk. Padding tokens (``valid`
 beta = 0 and g = 0, so they leave S exactly as it was: the state after a padded call is the
 state after its last real token.
 
-No Pallas kernel yet: XLA's batched matmuls and triangular solve compute the chunked form.
+XLA's batched matmuls and triangular solve compute everything inside a chunk; the scan over chunks
+runs as one Pallas kernel where the kernel config selects ``gated_delta`` (``ftjax.kernels.gated_delta``).
 
 Weights of one layer (matrices ``[in, out]``; stacked over the kind's layers in ``params["layers"]``):
 ``w_qkv [D, 2*Hk*dk + Hv*dv]``, ``w_z [D, Hv*dv]``, ``w_b``, ``w_a [D, Hv]``, ``conv [K, 2*Hk*dk + Hv*dv]``,
@@ -39,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from ftjax.config import ModelConfig
+from ftjax.kernels import gated_delta
 from ftjax.layers.common import layer_weight, norm_fn, project
 from ftjax.seams import KVCache, KVHook, LayerIndex, LayerInputs
 
@@ -134,6 +136,10 @@ def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int = DELTA_CHUNK, 
     q_read = q * jnp.exp(c)[..., None]
     k_write = k * jnp.exp(c[..., -1:] - c)[..., None]
     chunk_decay = jnp.exp(c[..., -1])[..., None, None]  # [B, H, N, 1, 1]
+    fast = gated_delta.maybe(state.astype(jnp.float32), u, w, q_read, k_write, intra, chunk_decay, chunk, chunk_states)
+    if fast is not None:  # the scan below as one Pallas kernel (ftjax.kernels.gated_delta)
+        o, state, ends = fast
+        return jnp.swapaxes(o.reshape(b, h, n * chunk, dv)[:, :, :t], 1, 2), state, ends
 
     def step(s, xs):
         u_n, w_n, q_n, k_n, a_n, d_n = xs

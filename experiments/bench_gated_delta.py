@@ -10,8 +10,9 @@ on a --tokens prompt, batch 1, random inputs and weights (``--head_dim`` / ``--v
 one jitted function after a compiling call, with its compile seconds:
 
 * ``rule``: ``chunked_gated_delta_rule`` (float32 q, k, v, g, beta, state) with the scan over chunks in
-  XLA (``xla``) and as the ``gated_delta`` kernel at each of --tiles (``block_v:num_warps``), with and
-  without the per-chunk states; ``err_o`` / ``err_state``: max |x - ref| / max |ref| against the XLA form
+  XLA (``xla``) and as the ``gated_delta`` kernel at each of --tiles (``block_v:num_warps:num_stages``),
+  with and without the per-chunk states, and with the chunk solve as a kernel too (``solve+kernel``);
+  ``err_o`` / ``err_state``: max |x - ref| / max |ref| against the XLA form
   under ``jax.default_matmul_precision("highest")``; ``*_highest`` rows run under that precision too.
 * ``pieces``: the parts of the XLA form, each its own program: the chunk preparation (decay matrix,
   intra-chunk scores, the two triangular solves), the triangular solves alone, the scan over chunks
@@ -19,10 +20,12 @@ one jitted function after a compiling call, with its compile seconds:
   (``(I + L)^-1 = prod_k (I + (-L)^(2^k))``, log2(chunk) squarings) with its error against the solve,
   and the preparation with one solve of both right-hand sides side by side.
 * ``layer``: the whole layer (``gated_deltanet``: projections, conv, rule, gated norm, output) in the
-  model's dtype, XLA vs the best kernel tiles; one decode token (T = 1) for scale.
+  model's dtype, XLA vs the scan kernel at the best tiles, alone and with the solve kernel; one decode
+  token (T = 1) for scale.
 * ``model`` (``--model_layers`` > 0): TTFT of a --tokens resident prefill of the preset cut to that many
-  layers (random weights), the kernels ``auto`` picks vs those plus ``gated_delta``; skipped when the run
-  has already spent --model_deadline_s seconds.
+  layers (random weights), the kernels ``auto`` picks vs those plus ``gated_delta`` and ``gated_delta_solve``,
+  with the first token's logits of each against auto's; skipped when the run has already spent
+  --model_deadline_s seconds.
 
 Writes ``bench_gated_delta_<preset>[_<tag>].json`` (after every stage) and prints the tables.
 """
@@ -50,7 +53,7 @@ flags.DEFINE_integer("tokens", 8192, "Prompt tokens.", lower_bound=2)
 flags.DEFINE_integer("head_dim", None, "Override dk = dv (smoke runs).", lower_bound=1)
 flags.DEFINE_integer("value_heads", None, "Override the value heads (smoke runs).", lower_bound=1)
 flags.DEFINE_integer("key_heads", None, "Override the key heads (smoke runs).", lower_bound=1)
-flags.DEFINE_list("tiles", ["32:4:1", "64:4:1", "64:8:1", "16:4:1", "32:8:1", "128:8:1", "32:4:2"],
+flags.DEFINE_list("tiles", ["32:4:1", "32:2:1", "16:4:1"],
                   "Kernel tiles to time, block_v:num_warps:num_stages.")
 flags.DEFINE_list("stages", ["rule", "pieces", "layer", "model"], "Stages to run (rule picks the tiles of the others).")
 flags.DEFINE_integer("repeats", 10, "Timed calls per row.", lower_bound=1)
@@ -105,9 +108,10 @@ def _rule_inputs(cfg, t: int):
     return q, k, f(1, t, h, dv), g, beta, 0.1 * f(1, h, dk, dv)
 
 
-def _kernels(tiles: tuple[int, ...]):
+def _kernels(tiles: tuple[int, ...], solve: bool = False):
+    """The scan kernel at ``tiles`` (with ``solve``: and the chunk-solve kernel), every other op in XLA."""
     from ftjax.kernels.registry import KernelConfig
-    return KernelConfig(use=("gated_delta",), tiles={"gated_delta": tiles})
+    return KernelConfig(use=("gated_delta",) + (("gated_delta_solve",) if solve else ()), tiles={"gated_delta": tiles})
 
 
 def stage_rule(cfg, out: dict) -> None:
@@ -160,6 +164,8 @@ def stage_rule(cfg, out: dict) -> None:
         out["best_tiles"] = list(best[0])
         name = "kernel " + ":".join(map(str, best[0]))
         row(name, _kernels(best[0]), True)
+        row("solve+" + name, _kernels(best[0], True), False)
+        row("solve+" + name, _kernels(best[0], True), True)
         row("xla", xla, False, highest=True)
         row(name, _kernels(best[0]), False, highest=True)
 
@@ -282,7 +288,9 @@ def stage_layer(cfg, out: dict) -> None:
         valid = jnp.ones((1, t), bool)
         choices = [("xla", KernelConfig(use="xla"))]
         if t > 1 and "best_tiles" in out:
-            choices.append(("kernel " + ":".join(map(str, out["best_tiles"])), _kernels(tuple(out["best_tiles"]))))
+            name = "kernel " + ":".join(map(str, out["best_tiles"]))
+            choices += [(name, _kernels(tuple(out["best_tiles"]))),
+                        ("solve+" + name, _kernels(tuple(out["best_tiles"]), True))]
         for name, kc in choices:
             def fn(x, c, s, kc=kc, valid=valid):
                 with using(kc):
@@ -309,17 +317,20 @@ def stage_model(cfg, out: dict) -> None:
     out["model_build_s"] = time.perf_counter() - t0
     auto = tuple(name for name, k in registry.kernels().items() if k.auto)
     prompt = list(np.random.default_rng(3).integers(0, cfg.vocab_size, FLAGS.tokens))
-    rows = []
-    for name, use in (("auto", "auto"), ("auto+gated_delta", auto + ("gated_delta",))):
-        tiles = {"gated_delta": tuple(out["best_tiles"])} if "best_tiles" in out and name != "auto" else {}
+    tiles = {"gated_delta": tuple(out["best_tiles"])} if "best_tiles" in out else {}
+    rows, first = [], None
+    for name, use in (("auto", "auto"), ("auto+gated_delta+solve", auto + ("gated_delta", "gated_delta_solve"))):
         eng = Engine(model, EngineConfig("resident", max_seq_len=FLAGS.tokens + 16, prefill_chunk=FLAGS.tokens,
-                                         kernels=registry.KernelConfig(use=use, tiles=tiles)))
-        ttft = [eng.generate([prompt], 1).ttft_s for _ in range(1 + min(FLAGS.repeats, 5))]
-        rows.append({"kernels": name, "ttft_s": common.spread(ttft[1:]), "compile_s": eng.compile_s})
-        print(f"model {n} layers {name:>18}: TTFT median {common.spread(ttft[1:])['median']:.4f} s, "
-              f"compile {eng.compile_s:.1f} s", flush=True)
-        eng.release_all() if hasattr(eng, "release_all") else None
-        del eng
+                                         kernels=registry.KernelConfig(use=use, tiles=tiles if use != "auto" else {})))
+        runs = [eng.generate([prompt], 1, keep_logits=True) for _ in range(1 + min(FLAGS.repeats, 5))]
+        logits = np.asarray(runs[-1].step_logits[0])
+        first = logits if first is None else first
+        ttft = common.spread([r.ttft_s for r in runs[1:]])
+        rows.append({"kernels": name, "ttft_s": ttft, "compile_s": eng.compile_s,
+                     "err_logits_vs_auto": _err(logits, first)})
+        print(f"model {n} layers {name:>24}: TTFT median {ttft['median']:.4f} s, compile {eng.compile_s:.1f} s, "
+              f"logits vs auto {rows[-1]['err_logits_vs_auto']:.2e}", flush=True)
+        del eng, runs
     out["model"] = {"layers": n, "rows": rows}
 
 

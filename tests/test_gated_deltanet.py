@@ -109,7 +109,7 @@ def test_chunked_form_memory_grows_linearly_in_t(dtype, chunk_states):
 
 @pytest.mark.parametrize("chunk_states", [True, False])
 def test_the_chunk_scan_kernel_matches_the_scan(chunk_states):
-    """``ftjax.kernels.gated_delta`` interpreted (two column blocks of S per head, three chunks, the last
+    """Both ``ftjax.kernels.gated_delta`` kernels interpreted (two column blocks of S per head, three chunks, the last
     one padded) against the reference's ``lax.scan`` over chunks: outputs, final and per-chunk states."""
     from ftjax.kernels.registry import KernelConfig, recording, using
     r = np.random.default_rng(1)
@@ -124,7 +124,7 @@ def test_the_chunk_scan_kernel_matches_the_scan(chunk_states):
     want = gdn.chunked_gated_delta_rule(*args, chunk=16, chunk_states=chunk_states)
     with using(KernelConfig(use="interpret", tiles={"gated_delta": (16,)})), recording() as ran:
         got = gdn.chunked_gated_delta_rule(*args, chunk=16, chunk_states=chunk_states)
-    assert ran == {"gated_delta"}
+    assert ran == {"gated_delta", "gated_delta_solve"}
     np.testing.assert_allclose(got[0], want[0], atol=1e-5)
     np.testing.assert_allclose(got[1], want[1], atol=1e-5)
     if chunk_states:
@@ -132,3 +132,23 @@ def test_the_chunk_scan_kernel_matches_the_scan(chunk_states):
         np.testing.assert_allclose(got[2], want[2], atol=1e-5)
     else:
         assert got[2] is None and want[2] is None
+
+
+def test_the_chunk_solve_kernel_matches_the_triangular_solve():
+    """``gated_delta_solve`` interpreted (forward substitution in registers) against ``chunk_solve``'s XLA
+    form (batched triangular solve), on chunks whose decay spans several orders of magnitude."""
+    from ftjax.kernels.registry import KernelConfig, recording, using
+    r = np.random.default_rng(2)
+    lead, c_len, dk, dv = (1, 2, 3), 16, 16, 32
+    q = gdn.l2_normalize(jnp.asarray(r.normal(size=(*lead, c_len, dk)), jnp.float32)) * dk ** -0.5
+    k = gdn.l2_normalize(jnp.asarray(r.normal(size=(*lead, c_len, dk)), jnp.float32))
+    v = jnp.asarray(r.normal(size=(*lead, c_len, dv)), jnp.float32)
+    beta = jnp.asarray(r.uniform(size=(*lead, c_len)), jnp.float32)
+    c = jnp.cumsum(-jnp.asarray(r.uniform(0.0, 0.6, size=(*lead, c_len)), jnp.float32), axis=-1)
+    want = gdn.chunk_solve(q, k, v, beta, c)
+    with using(KernelConfig(use="interpret")), recording() as ran:
+        got = gdn.chunk_solve(q, k, v, beta, c)
+    assert "gated_delta_solve" in ran
+    for x, y in zip(got, want):
+        assert x.shape == y.shape
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)

@@ -22,8 +22,9 @@ sequences padded at the end to a multiple of the chunk. Padding tokens (``valid`
 beta = 0 and g = 0, so they leave S exactly as it was: the state after a padded call is the
 state after its last real token.
 
-XLA's batched matmuls and triangular solve compute everything inside a chunk; the scan over chunks
-runs as one Pallas kernel where the kernel config selects ``gated_delta`` (``ftjax.kernels.gated_delta``).
+Two Pallas kernels (``ftjax.kernels.gated_delta``) run the chunked form where the kernel config
+selects them: ``gated_delta_solve`` for what each chunk computes on its own (:func:`chunk_solve`; else
+XLA's batched matmuls and triangular solve) and ``gated_delta`` for the scan over chunks.
 
 Weights of one layer (matrices ``[in, out]``; stacked over the kind's layers in ``params["layers"]``):
 ``w_qkv [D, 2*Hk*dk + Hv*dv]``, ``w_z [D, Hv*dv]``, ``w_b``, ``w_a [D, Hv]``, ``conv [K, 2*Hk*dk + Hv*dv]``,
@@ -97,6 +98,31 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state):
     return jnp.moveaxis(o, 0, 2).swapaxes(1, 2), state
 
 
+def chunk_solve(q, k, v, beta, c):
+    """What every chunk computes on its own (the WY / UT transform), for all chunks at once.
+
+    q (scaled by dk^-1/2), k: float32 [..., C, dk]; v: [..., C, dv]; beta, c (the cumulative log decay
+    inside the chunk): [..., C]; C = the chunk's tokens, ``...`` = batch, heads, chunks. With
+    D_ij = exp(c_i - c_j) for j <= i, else 0, and L = strict_lower(beta k k^T * D), returns
+    (u = (I + L)^-1 (beta v) [..., C, dv], w = (I + L)^-1 (beta k exp(c)) [..., C, dk],
+    the intra-chunk scores q k^T * D [..., C, C]). Runs as the ``gated_delta_solve`` kernel where the
+    kernel config selects it (``ftjax.kernels.gated_delta``), else as XLA's batched matmuls and
+    triangular solve.
+    """
+    fast = gated_delta.maybe_solve(q, k, v, beta, c)
+    if fast is not None:
+        return fast
+    chunk = k.shape[-2]
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    lower = jnp.tril(jnp.ones((chunk, chunk), jnp.bool_))
+    decay = jnp.exp(jnp.where(lower, c[..., :, None] - c[..., None, :], -jnp.inf))  # [.., i, j]
+    system = jnp.einsum("...id,...jd->...ij", k_beta, k) * decay
+    unit_lower = jnp.where(jnp.tril(lower, -1), system, 0.0) + jnp.eye(chunk, dtype=system.dtype)
+    solve = lambda rhs: jax.lax.linalg.triangular_solve(  # noqa: E731
+        unit_lower, rhs, left_side=True, lower=True, unit_diagonal=True)
+    return solve(v_beta), solve(k_beta * jnp.exp(c)[..., None]), jnp.einsum("...id,...jd->...ij", q, k) * decay
+
+
 def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int = DELTA_CHUNK, chunk_states: bool = True):
     """Chunked form (same arguments and results as :func:`recurrent_gated_delta_rule`), plus the
     state at the end of every chunk: float32 [N, B, H, dk, dv], N = ceil(T / chunk) (None with
@@ -122,17 +148,8 @@ def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int = DELTA_CHUNK, 
         return x.reshape(b, h, n, chunk, *x.shape[3:])
 
     q, k, v, g, beta = (chunks(a) for a in (q, k, v, g, beta))
-    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
     c = jnp.cumsum(g, axis=-1)  # [B, H, N, chunk]
-    lower = jnp.tril(jnp.ones((chunk, chunk), jnp.bool_))
-    decay = jnp.exp(jnp.where(lower, c[..., :, None] - c[..., None, :], -jnp.inf))  # [.., i, j]
-    system = jnp.einsum("...id,...jd->...ij", k_beta, k) * decay
-    unit_lower = jnp.where(jnp.tril(lower, -1), system, 0.0) + jnp.eye(chunk, dtype=system.dtype)
-    solve = lambda rhs: jax.lax.linalg.triangular_solve(  # noqa: E731
-        unit_lower, rhs, left_side=True, lower=True, unit_diagonal=True)
-    u = solve(v_beta)
-    w = solve(k_beta * jnp.exp(c)[..., None])
-    intra = jnp.einsum("...id,...jd->...ij", q, k) * decay
+    u, w, intra = chunk_solve(q, k, v, beta, c)
     q_read = q * jnp.exp(c)[..., None]
     k_write = k * jnp.exp(c[..., -1:] - c)[..., None]
     chunk_decay = jnp.exp(c[..., -1])[..., None, None]  # [B, H, N, 1, 1]

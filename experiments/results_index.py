@@ -34,6 +34,8 @@ ARCHIVE = "archive"
 #: repository had stale git metadata), mapped to the commit recorded for the run when the file was added
 #: (experiments/results/README.md, the commit messages that added them).
 COMMIT_AS_RUN = {
+    "bench_gated_delta_qwen3.5-35b-a3b_scan-kernel_h200_2026-12-04.json": "57a2d1a",
+    "bench_gated_delta_qwen3.5-35b-a3b_solve-kernel_h200_2026-12-04.json": "7474a03",
     "bench_decode_speed_qwen3-30b-a3b_16l_h200_2026-12-03.json": "f19eceb",
     "bench_decode_speed_qwen3-30b-a3b_48l_h200_2026-12-03.json": "f19eceb",
     "bench_decode_speed_qwen3-30b-a3b_48l-graphs-off_h200_2026-12-03.json": "f19eceb",
@@ -139,6 +141,26 @@ def _bench_decode_speed(d: dict) -> str:
     gain = f", {r['speedup_vs_block1']:.2f}x block 1" if r.get("speedup_vs_block1") else ""
     return (f"{r['layers']} layers resident b1, decode_block {r['decode_block']}: "
             f"{r['tokens_per_s']['median']:.1f} tok/s{gain}")
+
+
+def _bench_gated_delta(d: dict) -> str:
+    rule = {(r.get("variant"), r.get("chunk_states"), r.get("highest")): r for r in d.get("rule") or [] if "s" in r}
+    xla = rule.get(("xla", False, False))
+    if xla is None:
+        return "-"
+    out = []
+    for (name, states, highest), r in rule.items():
+        if name != "xla" and not states and not highest:
+            out.append((r["s"]["median"], name))
+    best = min(out) if out else None
+    s = f"rule at {d.get('shape', {}).get('tokens')} tokens: XLA {_secs(xla['s']['median'])}"
+    if best:
+        s += f", {best[1]} {_secs(best[0])} ({xla['s']['median'] / best[0]:.2f}x)"
+    model = (d.get("model") or {}).get("rows") or []
+    if len(model) > 1:
+        s += (f"; {d['model']['layers']}-layer prefill TTFT {_secs(model[0]['ttft_s']['median'])} -> "
+              f"{_secs(model[-1]['ttft_s']['median'])}")
+    return s + (" (partial)" if d.get("partial") else "")
 
 
 def _bench_prefill(d: dict) -> str:
@@ -328,6 +350,7 @@ def _bench_serve(d: dict) -> str:
 HEADLINES = {
     "bench_decode": _bench_decode,
     "bench_decode_speed": _bench_decode_speed,
+    "bench_gated_delta": _bench_gated_delta,
     "bench_prefill": _bench_prefill,
     "bench_kv_reuse": _bench_kv_reuse,
     "bench_serve": _bench_serve,

@@ -152,3 +152,21 @@ def test_the_chunk_solve_kernel_matches_the_triangular_solve():
     for x, y in zip(got, want):
         assert x.shape == y.shape
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+
+
+def test_the_scan_kernel_takes_the_precision_and_shapes_it_was_measured_at():
+    """TF32 dots by default, IEEE float32 under ``default_matmul_precision("highest")``; dk = 128 fits the
+    shared-memory rule, dk = 256 does not; a malformed tile override is refused by name."""
+    import jax
+    from jax import lax
+
+    from ftjax.kernels import gated_delta as gd
+    from ftjax.kernels.registry import KernelConfig
+    assert gd.dot_precision() == lax.Precision.DEFAULT
+    with jax.default_matmul_precision("highest"):
+        assert gd.dot_precision() == lax.Precision.HIGHEST
+    assert gd.supported(128, 128, 64) and not gd.supported(256, 128, 64) and not gd.supported(128, 128, 64, 24)
+    assert KernelConfig(tiles={"gated_delta": (32, 4, 1)}).tile_args("gated_delta") == \
+        {"block_v": 32, "num_warps": 4, "num_stages": 1}
+    with pytest.raises(ValueError, match="gated_delta"):
+        KernelConfig(tiles={"gated_delta": (24,)})

@@ -313,6 +313,15 @@ def test_kernels_lower_for_cuda_at_real_shapes():
     txt = _lower_cuda(lambda q, k, v, s: fp.flash_attention(q, k, v, s), sd((1, 8192, 32, 128), bf), row, row,
                       sd((1,), jnp.int32))
     assert txt.count("__gpu$xla.gpu.triton") == 1
+    # the Gated DeltaNet kernels at qwen3.5-35b-a3b's layer (32 heads, dk = dv = 128, 8192 tokens in chunks of 64)
+    from ftjax.kernels import gated_delta as gd
+    f32, g, nc, c = jnp.float32, 32, 8192, 64
+    txt = _lower_cuda(lambda *a: gd.chunk_recurrence(*a, chunk=c, chunk_states=True), sd((g, 128, 128), f32),
+                      *(sd((g, nc, 128), f32),) * 4, sd((g, nc, c), f32), sd((g, nc // c), f32))
+    assert txt.count("__gpu$xla.gpu.triton") == 1
+    txt = _lower_cuda(lambda *a: gd.solve_chunks(*a, chunk=c), *(sd((g, nc, 128), f32),) * 3, sd((g, nc), f32),
+                      sd((g, nc), f32))
+    assert txt.count("__gpu$xla.gpu.triton") == 1
 
 
 # ------------------------------------------------------------------ the model, every kernel interpreted

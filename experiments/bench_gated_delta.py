@@ -11,7 +11,8 @@ one jitted function after a compiling call, with its compile seconds:
 
 * ``rule``: ``chunked_gated_delta_rule`` (float32 q, k, v, g, beta, state) with the scan over chunks in
   XLA (``xla``) and as the ``gated_delta`` kernel at each of --tiles (``block_v:num_warps:num_stages``),
-  with and without the per-chunk states, and with the chunk solve as a kernel too (``solve+kernel``);
+  with and without the per-chunk states, and with the chunk solve as a kernel too at each of
+  --solve_blocks (``solve<block>+kernel``);
   ``err_o`` / ``err_state``: max |x - ref| / max |ref| against the XLA form
   under ``jax.default_matmul_precision("highest")``; ``*_highest`` rows run under that precision too.
 * ``pieces``: the parts of the XLA form, each its own program: the chunk preparation (decay matrix,
@@ -23,9 +24,10 @@ one jitted function after a compiling call, with its compile seconds:
   model's dtype, XLA vs the scan kernel at the best tiles, alone and with the solve kernel; one decode
   token (T = 1) for scale.
 * ``model`` (``--model_layers`` > 0): TTFT of a --tokens resident prefill of the preset cut to that many
-  layers (random weights), the kernels ``auto`` picks vs those plus ``gated_delta`` and ``gated_delta_solve``,
-  with the first token's logits of each against auto's; skipped when the run has already spent
-  --model_deadline_s seconds.
+  layers (random weights) with the kernels ``auto`` picks but the delta rule in XLA, with ``auto``'s
+  (``gated_delta`` on a GPU), and with ``gated_delta_solve`` (best block) too, the first token's logits
+  of each against the first's; under ``auto`` also --model_decode_steps resident decode steps after a
+  --decode_prompt_len prompt (tokens/s); skipped when the run has already spent --model_deadline_s seconds.
 
 Writes ``bench_gated_delta_<preset>[_<tag>].json`` (after every stage) and prints the tables.
 """
@@ -55,9 +57,14 @@ flags.DEFINE_integer("value_heads", None, "Override the value heads (smoke runs)
 flags.DEFINE_integer("key_heads", None, "Override the key heads (smoke runs).", lower_bound=1)
 flags.DEFINE_list("tiles", ["32:4:1", "32:2:1", "16:4:1"],
                   "Kernel tiles to time, block_v:num_warps:num_stages.")
+flags.DEFINE_list("solve_blocks", ["64", "32", "16"], "Diagonal blocks of the solve kernel to time "
+                  "(``gated_delta_solve`` tiles; 64 = the whole chunk row by row).")
 flags.DEFINE_list("stages", ["rule", "pieces", "layer", "model"], "Stages to run (rule picks the tiles of the others).")
 flags.DEFINE_integer("repeats", 10, "Timed calls per row.", lower_bound=1)
 flags.DEFINE_integer("model_layers", 16, "Layers of the model-level prefill (0: no model stage).", lower_bound=0)
+flags.DEFINE_integer("model_decode_steps", 64, "Decode steps timed in the model stage (auto kernels only; 0: none).",
+                     lower_bound=0)
+flags.DEFINE_integer("decode_prompt_len", 512, "Prompt tokens before those decode steps.", lower_bound=1)
 flags.DEFINE_float("model_deadline_s", 300.0, "Skip the model stage once the run has taken this long.")
 flags.DEFINE_string("tag", "", "Suffix of the JSON name.")
 flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
@@ -108,10 +115,14 @@ def _rule_inputs(cfg, t: int):
     return q, k, f(1, t, h, dv), g, beta, 0.1 * f(1, h, dk, dv)
 
 
-def _kernels(tiles: tuple[int, ...], solve: bool = False):
-    """The scan kernel at ``tiles`` (with ``solve``: and the chunk-solve kernel), every other op in XLA."""
+def _kernels(tiles: tuple[int, ...], solve: int | None = None):
+    """The scan kernel at ``tiles`` (with ``solve``: and the chunk-solve kernel at that block), every other op
+    in XLA."""
     from ftjax.kernels.registry import KernelConfig
-    return KernelConfig(use=("gated_delta",) + (("gated_delta_solve",) if solve else ()), tiles={"gated_delta": tiles})
+    if solve is None:
+        return KernelConfig(use=("gated_delta",), tiles={"gated_delta": tiles})
+    return KernelConfig(use=("gated_delta", "gated_delta_solve"),
+                        tiles={"gated_delta": tiles, "gated_delta_solve": (solve,)})
 
 
 def stage_rule(cfg, out: dict) -> None:
@@ -164,8 +175,18 @@ def stage_rule(cfg, out: dict) -> None:
         out["best_tiles"] = list(best[0])
         name = "kernel " + ":".join(map(str, best[0]))
         row(name, _kernels(best[0]), True)
-        row("solve+" + name, _kernels(best[0], True), False)
-        row("solve+" + name, _kernels(best[0], True), True)
+        best_solve = None
+        for block in map(int, FLAGS.solve_blocks):
+            try:
+                r = row(f"solve{block}+{name}", _kernels(best[0], block), False)
+            except Exception as e:  # a block the Triton compile refuses: record it, go on
+                rows.append({"variant": f"solve{block}+{name}", "error": f"{type(e).__name__}: {str(e)[:400]}"})
+                continue
+            if best_solve is None or r["s"]["median"] < best_solve[1]:
+                best_solve = (block, r["s"]["median"])
+        if best_solve is not None:
+            out["best_solve_block"] = best_solve[0]
+            row(f"solve{best_solve[0]}+{name}", _kernels(best[0], best_solve[0]), True)
         row("xla", xla, False, highest=True)
         row(name, _kernels(best[0]), False, highest=True)
 
@@ -289,8 +310,10 @@ def stage_layer(cfg, out: dict) -> None:
         choices = [("xla", KernelConfig(use="xla"))]
         if t > 1 and "best_tiles" in out:
             name = "kernel " + ":".join(map(str, out["best_tiles"]))
-            choices += [(name, _kernels(tuple(out["best_tiles"]))),
-                        ("solve+" + name, _kernels(tuple(out["best_tiles"]), True))]
+            choices.append((name, _kernels(tuple(out["best_tiles"]))))
+            if "best_solve_block" in out:
+                block = out["best_solve_block"]
+                choices.append((f"solve{block}+{name}", _kernels(tuple(out["best_tiles"]), block)))
         for name, kc in choices:
             def fn(x, c, s, kc=kc, valid=valid):
                 with using(kc):
@@ -318,18 +341,28 @@ def stage_model(cfg, out: dict) -> None:
     auto = tuple(name for name, k in registry.kernels().items() if k.auto)
     prompt = list(np.random.default_rng(3).integers(0, cfg.vocab_size, FLAGS.tokens))
     tiles = {"gated_delta": tuple(out["best_tiles"])} if "best_tiles" in out else {}
+    if "best_solve_block" in out:
+        tiles["gated_delta_solve"] = (out["best_solve_block"],)
+    configs = (("xla-delta-rule", tuple(a for a in auto if a != "gated_delta"), {}), ("auto", "auto", {}),
+               ("auto+gated_delta_solve", auto + ("gated_delta_solve",), tiles))
     rows, first = [], None
-    for name, use in (("auto", "auto"), ("auto+gated_delta+solve", auto + ("gated_delta", "gated_delta_solve"))):
+    for name, use, kt in configs:
         eng = Engine(model, EngineConfig("resident", max_seq_len=FLAGS.tokens + 16, prefill_chunk=FLAGS.tokens,
-                                         kernels=registry.KernelConfig(use=use, tiles=tiles if use != "auto" else {})))
+                                         kernels=registry.KernelConfig(use=use, tiles=kt)))
         runs = [eng.generate([prompt], 1, keep_logits=True) for _ in range(1 + min(FLAGS.repeats, 5))]
         logits = np.asarray(runs[-1].step_logits[0])
         first = logits if first is None else first
         ttft = common.spread([r.ttft_s for r in runs[1:]])
         rows.append({"kernels": name, "ttft_s": ttft, "compile_s": eng.compile_s,
-                     "err_logits_vs_auto": _err(logits, first)})
+                     "err_logits_vs_first": _err(logits, first)})
         print(f"model {n} layers {name:>24}: TTFT median {ttft['median']:.4f} s, compile {eng.compile_s:.1f} s, "
-              f"logits vs auto {rows[-1]['err_logits_vs_auto']:.2e}", flush=True)
+              f"logits vs {configs[0][0]} {rows[-1]['err_logits_vs_first']:.2e}", flush=True)
+        if FLAGS.model_decode_steps and use == "auto":  # decode: the recurrent form, no chunk kernels
+            short = prompt[:FLAGS.decode_prompt_len]
+            tps = [eng.generate([short], FLAGS.model_decode_steps).decode_tokens_per_s
+                   for _ in range(1 + min(FLAGS.repeats, 3))][1:]
+            rows[-1]["decode_tokens_per_s"] = common.spread(tps)
+            print(f"model {n} layers {name:>24}: decode {common.spread(tps)['median']:.1f} tok/s", flush=True)
         del eng, runs
     out["model"] = {"layers": n, "rows": rows}
 

@@ -134,19 +134,21 @@ def test_the_chunk_scan_kernel_matches_the_scan(chunk_states):
         assert got[2] is None and want[2] is None
 
 
-def test_the_chunk_solve_kernel_matches_the_triangular_solve():
-    """``gated_delta_solve`` interpreted (forward substitution in registers) against ``chunk_solve``'s XLA
-    form (batched triangular solve), on chunks whose decay spans several orders of magnitude."""
+@pytest.mark.parametrize("block", [16, 32, 64])
+def test_the_chunk_solve_kernel_matches_the_triangular_solve(block):
+    """``gated_delta_solve`` interpreted (forward substitution over diagonal blocks of ``block`` rows, the
+    blocks merged by dots; 64: row by row) against ``chunk_solve``'s XLA form (batched triangular solve),
+    on chunks of 64 whose decay spans several orders of magnitude."""
     from ftjax.kernels.registry import KernelConfig, recording, using
     r = np.random.default_rng(2)
-    lead, c_len, dk, dv = (1, 2, 3), 16, 16, 32
+    lead, c_len, dk, dv = (1, 2, 2), 64, 16, 32
     q = gdn.l2_normalize(jnp.asarray(r.normal(size=(*lead, c_len, dk)), jnp.float32)) * dk ** -0.5
     k = gdn.l2_normalize(jnp.asarray(r.normal(size=(*lead, c_len, dk)), jnp.float32))
     v = jnp.asarray(r.normal(size=(*lead, c_len, dv)), jnp.float32)
     beta = jnp.asarray(r.uniform(size=(*lead, c_len)), jnp.float32)
-    c = jnp.cumsum(-jnp.asarray(r.uniform(0.0, 0.6, size=(*lead, c_len)), jnp.float32), axis=-1)
+    c = jnp.cumsum(-jnp.asarray(r.uniform(0.0, 0.2, size=(*lead, c_len)), jnp.float32), axis=-1)
     want = gdn.chunk_solve(q, k, v, beta, c)
-    with using(KernelConfig(use="interpret")), recording() as ran:
+    with using(KernelConfig(use="interpret", tiles={"gated_delta_solve": (block,)})), recording() as ran:
         got = gdn.chunk_solve(q, k, v, beta, c)
     assert "gated_delta_solve" in ran
     for x, y in zip(got, want):

@@ -150,7 +150,41 @@ def maybe(s0, u, w, q, k, a, d, chunk: int, chunk_states: bool):
     return o.reshape(b, h, n, c, dv), s.reshape(b, h, dk, dv), ends
 
 
-def _solve_kernel(q_ref, k_ref, v_ref, beta_ref, c_ref, u_ref, w_ref, a_ref, *, chunk, precision):
+#: Rows of the diagonal blocks the solve kernel inverts by forward substitution (``KernelConfig.tiles``:
+#: ``gated_delta_solve=(block,)`` or ``(block, num_warps)``); a block as large as the chunk is the whole
+#: matrix row by row (the configuration measured on the H200, 2026-12-04).
+SOLVE_BLOCK = 64
+
+
+def _unit_lower_inverse(lower, i, j, block: int, exact):
+    """(I + L)^-1 of a strictly lower-triangular float32 L [C, C] (i, j: its row and column iotas).
+
+    ``block`` = C: C - 1 row updates, each an elementwise reduction (exact float32). ``block`` < C: the
+    diagonal blocks D of I + L are inverted together by ``block`` - 1 steps (step r updates row r of every
+    block at once, one dot), then the strictly block-lower rest N = D^-1 L_off (nilpotent: N^(C/block) = 0)
+    is folded in as (I + L)^-1 = prod_k (I + (-N)^(2^k)) D^-1, log2(C/block) squarings (the block merge of
+    flash-linear-attention's ``solve_tril``, as products). ``exact(a, b)``: the dot the steps use."""
+    c = lower.shape[0]
+    eye = jnp.where(i == j, 1.0, 0.0)
+    if block >= c:
+        def row(r, inv):  # row r: e_r - sum_{j<r} L[r, j] inv[j] (the rows above r are final)
+            l_r = jnp.sum(jnp.where(i == r, lower, 0.0), axis=0)  # [C], L's row r
+            return jnp.where(i == r, inv - jnp.sum(l_r[:, None] * inv, axis=0)[None, :], inv)
+        return lax.fori_loop(1, c, row, eye)
+    same = (i // block) == (j // block)
+    diag = jnp.where(same, lower, 0.0)
+    # row r of every diagonal block at once: its earlier rows (same block, j % block < r) are final
+    d_inv = lax.fori_loop(1, block, lambda r, inv: inv - exact(jnp.where(i % block == r, diag, 0.0), inv), eye)
+    p = -exact(d_inv, jnp.where(same, 0.0, lower))  # -N
+    x = eye + p
+    for _ in range((c // block).bit_length() - 2):  # log2(C / block) - 1 more factors
+        p = exact(p, p)
+        x = exact(x, eye + p)
+    return exact(x, d_inv)
+
+
+def _solve_kernel(q_ref, k_ref, v_ref, beta_ref, c_ref, u_ref, w_ref, a_ref, *, chunk, block, precision,
+                  exact_precision):
     g, n = pl.program_id(0), pl.program_id(1)
     rows = pl.ds(n * chunk, chunk)
     k = k_ref[g, rows, :]
@@ -159,41 +193,40 @@ def _solve_kernel(q_ref, k_ref, v_ref, beta_ref, c_ref, u_ref, w_ref, a_ref, *, 
     j = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
     decay = jnp.where(j <= i, jnp.exp(jnp.minimum(c[:, None] - c[None, :], 0.0)), 0.0)
 
-    def dot(a, b, contract=((1,), (0,))):
-        return lax.dot_general(a, b, (contract, ((), ())), precision=precision,
-                               preferred_element_type=jnp.float32)
+    def dot(a, b, contract=((1,), (0,)), prec=precision):
+        return lax.dot_general(a, b, (contract, ((), ())), precision=prec, preferred_element_type=jnp.float32)
 
     k_beta = k * beta[:, None]
     lower = jnp.where(j < i, dot(k_beta, k, ((1,), (1,))) * decay, 0.0)  # L [C, C]
-
-    def row(r, inv):  # row r of (I + L)^-1: e_r - sum_{j<r} L[r, j] inv[j] (rows above r are final)
-        l_r = jnp.sum(jnp.where(i == r, lower, 0.0), axis=0)  # [C], L's row r
-        return jnp.where(i == r, inv - jnp.sum(l_r[:, None] * inv, axis=0)[None, :], inv)
-
-    inv = lax.fori_loop(1, chunk, row, jnp.where(i == j, 1.0, 0.0))
+    inv = _unit_lower_inverse(lower, i, j, block, lambda a, b: dot(a, b, prec=exact_precision))
     u_ref[g, rows, :] = dot(inv, v_ref[g, rows, :] * beta[:, None])
     w_ref[g, rows, :] = dot(inv, k_beta * jnp.exp(c)[:, None])
     a_ref[g, rows, :] = dot(q_ref[g, rows, :], k, ((1,), (1,))) * decay
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "interpret", "num_warps", "num_stages", "precision"))
+@functools.partial(jax.jit, static_argnames=("chunk", "block", "interpret", "num_warps", "num_stages", "precision"))
 def solve_chunks(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, c: jax.Array, *, chunk: int,
-                 interpret: bool = False, num_warps: int | None = NUM_WARPS, num_stages: int | None = NUM_STAGES,
-                 precision: lax.Precision = lax.Precision.DEFAULT):
+                 block: int = SOLVE_BLOCK, interpret: bool = False, num_warps: int | None = NUM_WARPS,
+                 num_stages: int | None = NUM_STAGES, precision: lax.Precision = lax.Precision.DEFAULT):
     """``ftjax.layers.gated_deltanet.chunk_solve`` with one program per (state, chunk): the chunk's unit
-    lower-triangular matrix I + L is inverted in registers by forward substitution (C sequential row
-    updates, exact float32 elementwise arithmetic; the reference runs XLA's batched triangular solve),
-    then multiplied into both right-hand sides.
+    lower-triangular matrix I + L is inverted in registers (:func:`_unit_lower_inverse`: forward
+    substitution over diagonal blocks of ``block`` rows, then the blocks merged by dots; the reference
+    runs XLA's batched triangular solve), then multiplied into both right-hand sides.
 
     q (scaled), k: float32 [G, N*C, dk]; v: [G, N*C, dv]; beta, c: [G, N*C] (C = ``chunk``). Returns
-    (u [G, N*C, dv], w [G, N*C, dk], the intra-chunk scores [G, N*C, C]), float32.
+    (u [G, N*C, dv], w [G, N*C, dk], the intra-chunk scores [G, N*C, C]), float32. The inverse's own dots
+    run as three TF32 passes on a GPU at the default precision (near float32: its errors compound over
+    the steps), IEEE float32 otherwise; the others at ``precision``.
     """
     g, nc, dk = k.shape
     dv = v.shape[-1]
     n = nc // chunk
+    exact = lax.Precision.HIGHEST if interpret or precision != lax.Precision.DEFAULT \
+        else lax.DotAlgorithmPreset.TF32_TF32_F32_X3
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
     return pl.pallas_call(
-        functools.partial(_solve_kernel, chunk=chunk, precision=precision),
+        functools.partial(_solve_kernel, chunk=chunk, block=min(block, chunk), precision=precision,
+                          exact_precision=exact),
         out_shape=(f32(g, nc, dv), f32(g, nc, dk), f32(g, nc, chunk)), grid=(g, n), interpret=interpret,
         compiler_params=common.triton_params(interpret, num_warps, num_stages), name="gated_delta_solve",
     )(q, k, v, beta, c)
@@ -206,12 +239,13 @@ def maybe_solve(q, k, v, beta, c):
     *lead, c_len, dk = k.shape
     dv = v.shape[-1]
     ok = k.ndim == 5 and all(common.pow2(x) and x >= 16 for x in (c_len, dk, dv))
-    how = registry.mode("gated_delta_solve", ok)
+    tiles = registry.tiles("gated_delta_solve", {"block": SOLVE_BLOCK, "num_warps": NUM_WARPS})
+    how = registry.mode("gated_delta_solve", ok and (tiles["block"] >= c_len or c_len % tiles["block"] == 0))
     if how == "xla":
         return None
     flat = lambda x: x.reshape(-1, lead[-1] * c_len, *x.shape[4:])  # noqa: E731
     u, w, a = solve_chunks(flat(q), flat(k), flat(v), flat(beta), flat(c), chunk=c_len,
-                           interpret=how == "interpret", precision=dot_precision())
+                           interpret=how == "interpret", precision=dot_precision(), **tiles)
     return u.reshape(*lead, c_len, dv), w.reshape(*lead, c_len, dk), a.reshape(*lead, c_len, c_len)
 
 
@@ -230,8 +264,17 @@ registry.register(registry.Kernel(
     "Gated DeltaNet prefill (T > 1): the scan over chunks of the chunked gated delta rule, power-of-two dk and "
     "chunk, one chunk's operands within SMEM_BUDGET; auto: GPU at the default (TF32) matmul precision",
     tiles=_tiles))
+def _solve_tiles(vals: tuple[int, ...]) -> dict:
+    block, *rest = common.tile_values("gated_delta_solve", vals, (1, 2), "(block,) or (block, num_warps)")
+    if not (common.pow2(block) and block >= 16) or (rest and not common.pow2(rest[0])):
+        raise ValueError(f"tiles of kernel 'gated_delta_solve': block must be a power of two >= 16 and num_warps "
+                         f"a power of two, got {vals}")
+    return {"block": block, "num_warps": rest[0] if rest else NUM_WARPS}
+
+
 registry.register(registry.Kernel(
     "gated_delta_solve", "ftjax.layers.gated_deltanet.chunk_solve",
     "Gated DeltaNet prefill (T > 1): each chunk's WY / UT transform (inverse of its unit lower-triangular "
     "matrix, both right-hand sides, intra-chunk scores), power-of-two chunk, dk and dv; auto: not picked "
-    "(named only): 1.15x XLA per layer on the H200 with a larger TF32 error (6.3e-4 vs 4.8e-4)", auto=False))
+    "(named only): 1.15x XLA per layer on the H200 with a larger TF32 error (6.3e-4 vs 4.8e-4)", auto=False,
+    tiles=_solve_tiles))

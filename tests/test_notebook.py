@@ -19,6 +19,7 @@ NOTEBOOK_DIR = os.path.join(ROOT, "notebooks")
 # Each notebook, and text its executed outputs must hold (beside its cells' own asserts).
 EXPECTED = {
     "walkthrough.ipynb": ["max |logit difference|: 0.0", "lookahead"],
+    "routing.ipynb": ["belady", "Belady at S = E:"],
 }
 # What tests/test_notebook.py's kernel run needs from the test extra (else it skips).
 KERNEL_PACKAGES = ("nbclient", "nbformat", "ipykernel")

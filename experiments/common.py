@@ -345,6 +345,17 @@ def scan_executable(engine, plan, tokens, start, valid, cache, prefix=()):
     return ctx.compile(forward_step, args, compiler_options=plan.compiler_options, cfg=ctx.cfg, opts=plan.opts)
 
 
+def device_bytes_in_use() -> int:
+    """Bytes in use in the default device's memory now: its allocator's ``bytes_in_use`` where the
+    backend reports ``memory_stats`` (GPU), else the bytes of the live arrays in device memory (not
+    those in pinned host memory; the CPU). After an engine is deleted and collected this is what the
+    next run starts from: a figure that grows from one run to the next is memory an engine kept."""
+    stats = memory.default_device().memory_stats()
+    if stats and "bytes_in_use" in stats:
+        return int(stats["bytes_in_use"])
+    return sum(a.nbytes for a in jax.live_arrays() if a.sharding.memory_kind in (None, "device"))
+
+
 def meta() -> dict:
     """Git commit, device name, backend, jax version, UTC date, host CPU count, Python version."""
     return run_meta()

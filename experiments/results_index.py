@@ -130,7 +130,9 @@ def _bench_decode(d: dict) -> str:
     if not rows:
         return "-"
     r = max(rows, key=lambda r: (r["decode_tokens_per_s"], str(r.get("mode"))))
-    return f"{r.get('mode')} b{r.get('batch')}{_dtype(r)}, {r.get('slots')} slots: {r['decode_tokens_per_s']:.2f} tok/s"
+    at = f" at {r['budget_gb']:g} GB" if isinstance(r.get("budget_gb"), (int, float)) else ""  # a sweep's row
+    return (f"{r.get('mode')} b{r.get('batch')}{_dtype(r)}, {r.get('slots')} slots{at}: "
+            f"{r['decode_tokens_per_s']:.2f} tok/s")
 
 
 def _bench_decode_speed(d: dict) -> str:

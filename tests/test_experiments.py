@@ -15,6 +15,7 @@ set before JAX starts), and the HLO check that counts the engine's compiled prog
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import shutil
@@ -101,11 +102,72 @@ def test_bench_decode_expert_dtypes_smoke(tmp_path):
     for (fmt, mode), r in rows.items():
         assert "error" not in r and r["decode_tokens_per_s"] > 0, r
         assert r["h2d_bytes_per_step"] * 4 == pytest.approx(r["misses_per_step"] * 4 * r["expert_bytes"])
-        assert d["memory_plans"][f"{fmt}/b1"]["expert_bytes"] == r["expert_bytes"]
+        assert d["memory_plans"][f"{fmt}/b1/1.02gb"]["expert_bytes"] == r["expert_bytes"]
         assert r["speedup_vs_first_format"] > 0
         ref = rows[("bfloat16", mode)]
         assert r["speedup_vs_first_format_median_tpot"] == pytest.approx(
             ref["tpot_s"]["median"] / r["tpot_s"]["median"])
+
+
+def test_bench_decode_sweeps_budgets_in_one_process(tmp_path):
+    """--vram_budgets_gb: one process builds the model once and writes one JSON with a row per budget, in the
+    order given, each with the slots its plan gives (growing with the budget), and one resident row at the
+    budget its plan needs; no engine keeps device memory past its setting."""
+    from ftjax.config import preset
+    from ftjax.runtime.planner import GB, plan_memory
+    proc = _run_script("bench_decode", f"--out_dir={tmp_path}", "--preset=tiny", "--dtype=float32", "--steps=2",
+                       "--prompt_len=8", "--batches=1", "--modes=cached,resident", "--vram_budgets_gb=1.015,1.01")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count(" built in ") == 1, proc.stdout[-3000:]
+    d = json.loads((tmp_path / "bench_decode_tiny.json").read_text())
+    assert "partial" not in d and d["budgets_gb"] == [1.015, 1.01]
+    rows = d["results"]
+    assert [(r["mode"], r["budget_gb"]) for r in rows] == [("cached", 1.015), ("cached", 1.01), ("resident", 1.018)]
+    cfg = preset("tiny")  # prompt 8 + 3 new tokens: a KV cache of 128
+    want = {b: plan_memory(cfg, 4, budget_bytes=int(b * GB), max_seq_len=128).slots for b in (1.01, 1.015)}
+    assert cfg.num_experts <= want[1.01] < want[1.015] < cfg.num_layers * cfg.num_experts  # 26 < 52 < 64
+    full = plan_memory(cfg, 4, slots=cfg.num_layers * cfg.num_experts, max_seq_len=128)
+    assert math.ceil(full.budget_bytes / 1e6) / 1e3 == 1.018
+    for r in rows:
+        assert "error" not in r and r["decode_tokens_per_s"] > 0 and r["expert_dtype"] == "dense", r
+        assert r["slots"] == r["engine"]["num_slots"] == want.get(r["budget_gb"], full.slots), r
+        key = "resident" if r["mode"] == "resident" else f"{r['budget_gb']:g}gb"
+        assert d["memory_plans"][f"dense/b1/{key}"]["slots"] == r["slots"]
+        assert r["device_bytes_after"] == rows[0]["device_bytes_after"] > 0  # each engine's memory freed
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--vram_budgets_gb=8,-1"], "expected budgets > 0 GB, got -1"),
+    (["--vram_budgets_gb=8,12,8.0"], "budget 8.0 given twice"),
+    (["--vram_budgets_gb=8,lots"], "expected budgets in GB (numbers > 0), got 8,lots"),
+    (["--vram_budget_gb=0"], "expected a budget > 0 GB, got 0"),
+    (["--vram_budget_gb=8", "--vram_budgets_gb=8,12"], "give --vram_budget_gb (one budget) or --vram_budgets_gb "
+                                                        "(several), not both"),
+    (["--cache_policies=lru,fifo"], "unknown 'fifo'; expected some of "),
+    (["--expert_dtypes=bfloat16,int3"], "--expert_dtypes: each must be one of "),
+], ids=["negative", "twice", "not-a-number", "zero", "both-flags", "policy", "format"])
+def test_bench_decode_refuses_bad_lists_when_parsing(tmp_path, args, message):
+    """A bad entry of a list flag stops bench_decode with one line when the flags are parsed (and absl's hint
+    to ask for --help), nothing built."""
+    proc = _run_script("bench_decode", f"--out_dir={tmp_path}", "--preset=tiny", "--dtype=float32", *args)
+    lines = [ln for ln in proc.stderr.strip().splitlines() if not ln.startswith("Pass --helpshort or --helpfull")]
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("FATAL Flags parsing error: ") and message in lines[0], lines[0]
+    assert " built in " not in proc.stdout and not list(tmp_path.glob("*.json"))
+
+
+def test_bench_decode_refuses_a_budget_below_the_minimum_before_building(tmp_path):
+    """Every budget of a sweep is planned before the model is built: one below the plan's minimum stops the run
+    at once, with one line naming it, the format and the batch, and the minimum budget."""
+    from experiments import common
+    r = run_module_app("experiments.bench_decode", [f"--out_dir={tmp_path}", "--preset=tiny", "--dtype=float32",
+                                                    "--modes=cached", "--vram_budgets_gb=1.01,1.005"],
+                       program=str(ROOT / "experiments" / "bench_decode.py"), cwd=str(ROOT), wrap=common.guard)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1, r.stderr
+    assert lines[0].startswith("error: --vram_budgets_gb: 1.005 GB (dense, batch 1): VRAM budget 1.005 GB leaves ")
+    assert "the minimum budget is 1.01 GB" in lines[0], lines[0]
+    assert " built in " not in r.stdout and not list(tmp_path.glob("*.json"))
 
 
 @pytest.mark.slow

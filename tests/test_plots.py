@@ -83,6 +83,31 @@ def test_grouped_bars_across_files_keep_each_files_meta(tmp_path):
     assert [(s.label, s.x, s.y) for s in data.series] == [("1", [8, 24], [10.0, 62.0]), ("4", [8], [99.0])]
 
 
+def test_one_budget_sweep_file_draws_the_curve(tmp_path):
+    """bench_decode --vram_budgets_gb: one file, each row with its own budget_gb; a line per mode and format, the
+    resident row a point at the budget it needs, batch 4 filtered out."""
+    rows = [{"mode": m, "policy": p, "batch": b, "expert_dtype": f, "budget_gb": g, "slots": s,
+             "decode_tokens_per_s": v}
+            for m, p, b, f, g, s, v in (("cached", "lru", 1, "bfloat16", 12.0, 704, 20.0),
+                                        ("cached", "lru", 1, "bfloat16", 8.0, 280, 11.0),
+                                        ("cached-lookahead", "lookahead", 1, "bfloat16", 8.0, 280, 30.0),
+                                        ("cached", "lru", 4, "bfloat16", 8.0, 280, 40.0),
+                                        ("cached", "lru", 1, "int4", 8.0, 869, 70.0),
+                                        ("resident", "lru", 1, "bfloat16", 63.336, 6144, 93.0))]
+    path = _write(tmp_path / "bench_decode_qwen3-30b-a3b.json", {"meta": {"device": "H200"}, "budgets_gb": [8.0, 12.0],
+                                                                "flags": {"vram_budgets_gb": ["8", "12"]},
+                                                                "results": rows})
+    data, files = plots.figure([path], x="budget_gb", y="decode_tokens_per_s", kind="line",
+                               series=("mode", "expert_dtype"), where=[("batch", "1")], out=str(tmp_path / "curve"))
+    assert pathlib.Path(files[0]).stat().st_size > 1000 and data.x_label == "GPU memory budget (GB)"
+    assert data.categories == [8.0, 12.0, 63.336]
+    assert [(s.label, s.x, s.y) for s in data.series] == [
+        ("mode=cached, expert_dtype=bfloat16", [8.0, 12.0], [11.0, 20.0]),
+        ("mode=cached-lookahead, expert_dtype=bfloat16", [8.0], [30.0]),
+        ("mode=cached, expert_dtype=int4", [8.0], [70.0]),
+        ("mode=resident, expert_dtype=bfloat16", [63.336], [93.0])]
+
+
 def test_generate_metrics_json_per_request_and_one_run(tmp_path):
     """The layouts ``ftjax.generate --metrics_json`` writes: a ``requests`` list (--prompts_file /
     --kv_offload), else one run's top-level figures."""

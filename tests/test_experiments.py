@@ -109,6 +109,7 @@ def test_bench_decode_expert_dtypes_smoke(tmp_path):
             ref["tpot_s"]["median"] / r["tpot_s"]["median"])
 
 
+@pytest.mark.slow  # an experiment's smoke run (README: the slow selection)
 def test_bench_decode_sweeps_budgets_in_one_process(tmp_path):
     """--vram_budgets_gb: one process builds the model once and writes one JSON with a row per budget, in the
     order given, each with the slots its plan gives (growing with the budget), and one resident row at the

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import gc
 import json
 import os
@@ -25,11 +26,14 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from cli_helpers import run_module_app
 from conftest import fixture_path
 
 from ftjax import Engine, EngineConfig, load_checkpoint
+from ftjax.checkpoint import load_tokenizer
 from ftjax.serve.chat import ChatTemplate, ChatTemplateError
 from ftjax.serve.scheduler import QueueFull, Scheduler
 from ftjax.serve.server import create_app
@@ -127,6 +131,11 @@ def served(tmp_path_factory):
 
 
 # ---- no server ---------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _fixture_tokenizer():
+    return load_tokenizer(fixture_path("qwen3_moe_fp32"))
+
+
 def test_text_stream_holds_back_partial_characters_and_stop_strings():
     tok = load_checkpoint(fixture_path("qwen3_moe_fp32"), progress=False).tokenizer
     text = "héllo wörld 你好 ok"
@@ -176,6 +185,92 @@ def test_text_stream_decodes_a_window_and_equals_decoding_everything():
     stream = TextStream(lambda x: (sizes.append(len(x)), tok.decode(x))[1])
     assert "".join(stream.add(t) for t in tok.encode(long).ids) + stream.finish() == long
     assert max(sizes) <= 2 * WINDOW + 4
+
+
+def _whole_text_stream(decode, stop, ids):
+    """What a stream of ``ids`` releases when the whole text is decoded and searched at every token: (the piece
+    of each token, the text, the index of the token that met a stop string or None). A stop string ends the text
+    where it starts; else a token releases the text but its trailing U+FFFD and a tail that is a proper prefix
+    of a stop string; after the last token (or the stop) the rest is released."""
+    pieces, sent, text = [], 0, ""
+    for i in range(len(ids)):
+        text = decode(ids[:i + 1])
+        found = [k for k in (text.find(s) for s in stop) if k >= 0]
+        if found:
+            text = text[:min(found)]
+            pieces.append(text[sent:])
+            return pieces, text, i
+        end = len(text.rstrip("\ufffd"))
+        end -= max((n for s in stop for n in range(1, len(s)) if text[:end].endswith(s[:n])), default=0)
+        pieces.append(text[sent:end] if end > sent else "")
+        sent = max(sent, end)
+    return pieces, text, None
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_text_stream_equals_decoding_the_whole_text(data):
+    """Token by token, TextStream (windowed decoding, only the text not released searched) releases what decoding
+    and searching the whole text at every token releases, stops at the same token and ends with the same text:
+    random ids of the byte-level fixture tokenizer (characters split across tokens, stray bytes), stop strings
+    cut from their text (spanning tokens, beginning or ending with a multi-byte character) or drawn from its
+    characters and U+FFFD, decode windows of 1 to 16 ids."""
+    tok = _fixture_tokenizer()
+    v = tok.get_vocab_size()
+    alphabet = list("ab c.é你好🙂\n")
+    ids = tok.encode(data.draw(st.text(st.sampled_from(alphabet), min_size=1, max_size=40))).ids
+    ids = [data.draw(st.integers(0, v - 1)) if data.draw(st.integers(0, 9)) == 0 else t for t in ids]
+    ids += data.draw(st.lists(st.integers(0, v - 1), max_size=8))
+    full = tok.decode(ids)
+    stop = []
+    for _ in range(data.draw(st.integers(0, 3))):
+        if full and data.draw(st.booleans()):
+            i = data.draw(st.integers(0, len(full) - 1))
+            stop.append(full[i:i + data.draw(st.integers(1, 5))])
+        else:
+            stop.append(data.draw(st.text(st.sampled_from(alphabet + ["\ufffd"]), min_size=1, max_size=4)))
+    want_pieces, want_text, want_stop = _whole_text_stream(tok.decode, stop, ids)
+    stream = TextStream(tok.decode, stop, window=data.draw(st.sampled_from([1, 2, 3, 16])))
+    pieces = []
+    for i, t in enumerate(ids):
+        pieces.append(stream.add(t))
+        assert stream.stopped == (want_stop == i), (ids[:i + 1], stop)
+        if stream.stopped:
+            break
+    assert pieces == want_pieces, (ids, stop)
+    last = stream.finish()
+    assert "".join(pieces) + last == want_text == stream.text, (ids, stop)
+
+
+def test_text_stream_work_per_token_is_bounded(monkeypatch):
+    """Per token, a TextStream decodes at most 3 * WINDOW ids (the window, and the next window's start when it
+    moves on) and handles only the text it has not released and the new token's (not the whole text so far),
+    for a long text with multi-byte characters and a stop string whose prefixes keep being held back: the ids
+    decoded and the characters handled stay below a constant as the text grows."""
+    from ftjax.serve import text as text_lib
+    tok = _fixture_tokenizer()
+    long = "héllo wörld 你好 ok " * 60
+    ids = tok.encode(long).ids
+    tails = []  # characters of the text handed to the stream per token
+    add = text_lib.IncrementalDecoder.add
+
+    def spy_add(self, token_id):
+        tail, base = add(self, token_id)
+        tails.append(len(tail))
+        return tail, base
+
+    monkeypatch.setattr(text_lib.IncrementalDecoder, "add", spy_add)
+    calls = []
+    stream = TextStream(lambda x: (calls.append(len(x)), tok.decode(x))[1], stop=["ok!"], window=4)
+    per_token, pieces = [], []
+    for t in ids:
+        calls.clear()
+        pieces.append(stream.add(t))
+        per_token.append(sum(calls))
+        assert len(stream.pending) <= 2 * 4 * 4  # held back: at most a window's characters (<= 4 bytes each)
+    assert "".join(pieces) + stream.finish() == long == stream.text
+    assert max(per_token) <= 3 * 4 + 4, per_token  # + the ids of a character split across tokens
+    assert len(tails) == len(ids) and max(tails) <= 2 * 4 * 4 < len(long), tails
 
 
 def test_streamed_chunks_are_json_dumps_of_the_chunk():

@@ -25,15 +25,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import fixture_path
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ftjax import Engine, HostKVStore, PrefixCache
 from ftjax import model as model_lib
-from ftjax.checkpoint import random_model
+from ftjax.checkpoint import load_tokenizer, random_model
 from ftjax.config import EngineConfig, KVOffloadConfig, preset
 from ftjax.experts import offload
 from ftjax.experts.state import init_expert_state
 from ftjax.sampling import SamplingDefaults
 from ftjax.serve import QueueFull, SamplingParams, Scheduler
+from ftjax.serve import text as text_lib
+from ftjax.serve.text import StopChecker
 
 S = 64  # cache length
 C = 16  # tokens per stored KV chunk
@@ -388,3 +393,142 @@ def test_stop_tokens_stop_strings_and_submit_errors():
     with pytest.raises(ValueError, match="max_batch"):
         Scheduler(eng, max_batch=3)
 
+
+
+# ---- stop strings: bounded work per token, the old answers -------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _fixture_tokenizer():
+    """The byte-level tokenizer of the ``qwen3_moe_fp32`` fixture (384 tokens: multi-byte characters are split
+    across byte tokens)."""
+    return load_tokenizer(fixture_path("qwen3_moe_fp32"))
+
+
+def _old_stop_index(detokenize, ids: list[int], stop) -> int | None:
+    """The token at which the scheduler's former check ended a request: the first i with a stop string in
+    ``detokenize(ids[:i + 1])`` (the whole completion decoded and searched at every token); None if none."""
+    for i in range(len(ids)):
+        text = detokenize(ids[:i + 1])
+        if any(s in text for s in stop):
+            return i
+    return None
+
+
+def test_stop_strings_end_requests_at_the_token_the_whole_text_check_did():
+    """The scheduler's stop strings end every request at the same token as decoding and searching the whole
+    completion at each token (its former check): a stop string that ends with a multi-byte character (xé: é is
+    two byte tokens), one that begins with one (你a: 你 is three), one of ASCII over three tokens, one never
+    found; with and without run-ahead, four requests in two rows. The detokenizer is the fixture's byte-level
+    tokenizer on the tiny model's ids (mod its 384 tokens: stray bytes decode to U+FFFD), with the ids at some
+    positions of the free-running (sampled) completions mapped to the stop strings' tokens."""
+    tok = _fixture_tokenizer()
+    vocab = tok.get_vocab_size()
+    planted: dict[int, int] = {}
+    detok = lambda ids: tok.decode([planted.get(t, t % vocab) for t in ids])  # noqa: E731
+    sched = Scheduler(_engine("resident", 2, 4), detokenize=detok)
+    n = 40
+    params = {rid: SamplingParams(max_tokens=n, temperature=1.0, seed=seed)
+              for rid, seed in (("e", 11), ("ni", 12), ("ascii", 13), ("none", 14))}
+    free, _ = _drive(sched, {0: [(rid, PROMPTS[j % 3], p) for j, (rid, p) in enumerate(params.items())]})
+    ids = {rid: _tokens(free[rid]) for rid in params}
+    assert all(len(v) == n for v in ids.values())
+    # plant the pieces' bytes at positions 20.. of each completion (ids seen nowhere else planted)
+    pieces = {"e": ["x", "é"], "ni": ["你", "a"], "ascii": ["q", ".", "z"]}
+    for rid, chars in pieces.items():
+        piece = [t for c in chars for t in tok.encode(c).ids]
+        k = next(k for k in range(20, n - len(piece)) if len(set(ids[rid][k:k + len(piece)])) == len(piece)
+                 and not set(ids[rid][k:k + len(piece)]) & set(planted))
+        planted.update(zip(ids[rid][k:k + len(piece)], piece))
+    # xé ends with a multi-byte character (found once its second byte comes), 你a begins with one
+    stops = {rid: ("".join(chars), "\u2603\u2603") for rid, chars in pieces.items()}
+    stops["none"] = ("\u2603never",)
+    want = {rid: _old_stop_index(detok, ids[rid], stops[rid]) for rid in params}
+    assert want["none"] is None
+    for rid in ("e", "ni", "ascii"):  # found before the end, spanning tokens (not in the last token's text)
+        assert want[rid] is not None and want[rid] < n - 1
+        assert not any(s in detok(ids[rid][want[rid]:want[rid] + 1]) for s in stops[rid]), (rid, stops[rid])
+    for run_ahead in (True, False):
+        sched.run_ahead = run_ahead
+        arrivals = {0: [(rid, PROMPTS[j % 3], dataclasses.replace(p, stop=stops[rid]))
+                        for j, (rid, p) in enumerate(params.items())]}
+        events, _ = _drive(sched, arrivals)
+        for rid in params:
+            got = _tokens(events[rid])
+            if want[rid] is None:
+                assert got == ids[rid] and events[rid][-1].finish_reason == "length"
+            else:
+                assert got == ids[rid][:want[rid] + 1], (rid, stops[rid])
+                assert events[rid][-1].finish_reason == "stop"
+
+
+@st.composite
+def _stop_cases(draw):
+    """(ids, stop strings, window): ids of the fixture tokenizer (text with multi-byte characters, encoded, some
+    ids replaced by random ones: stray bytes), stop strings cut from their text (so many are found, some
+    beginning with a multi-byte character or with U+FFFD) or drawn from an alphabet of its characters."""
+    tok = _fixture_tokenizer()
+    text = draw(st.text(st.sampled_from(list("ab c.é你好🙂\n")), min_size=1, max_size=40))
+    ids = tok.encode(text).ids
+    ids = [draw(st.integers(0, tok.get_vocab_size() - 1)) if draw(st.integers(0, 9)) == 0 else t for t in ids]
+    ids += draw(st.lists(st.integers(0, tok.get_vocab_size() - 1), max_size=8))
+    full = tok.decode(ids)
+    stops = []
+    for _ in range(draw(st.integers(1, 3))):
+        if full and draw(st.booleans()):
+            i = draw(st.integers(0, len(full) - 1))
+            stops.append(full[i:i + draw(st.integers(1, 5))])
+        else:
+            stops.append(draw(st.text(st.sampled_from(list("ab c.é你好🙂\n\ufffd")), min_size=1, max_size=4)))
+    return ids, stops, draw(st.sampled_from([1, 2, 3, 16]))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_stop_cases())
+def test_stop_checker_equals_searching_the_whole_text(case):
+    """StopChecker (the scheduler's stop-string check) answers, token after token until it finds one, what
+    searching the whole decoded text answers, for random ids of the byte-level fixture tokenizer (characters
+    split across tokens, stray bytes) and stop strings that span tokens or begin with a multi-byte character,
+    with decode windows of 1 to 16 ids."""
+    ids, stops, window = case
+    tok = _fixture_tokenizer()
+    checker = StopChecker(tok.decode, stops, window=window)
+    for i, t in enumerate(ids):
+        want = any(s in tok.decode(ids[:i + 1]) for s in stops)
+        assert checker.add(t) == want, (ids[:i + 1], stops, window)
+        if want:
+            break
+
+
+def test_stop_checks_decode_and_search_a_bounded_window_per_token(monkeypatch):
+    """Per token, the scheduler's stop check decodes at most 3 * WINDOW ids (the window, and the next window's
+    start when it moves on) and searches a tail of the text of at most WINDOW tokens and the longest stop
+    string, however long the completion: the ids decoded and the text searched at each step stay below a
+    constant as the generation grows (the former check decoded and searched the whole completion)."""
+    window = 4
+    monkeypatch.setattr(text_lib, "WINDOW", window)
+    calls: list[int] = []  # ids per decode call, since the last step
+    searched: list[int] = []  # characters of the text the stop strings were searched in, since the last step
+    add = text_lib.IncrementalDecoder.add
+
+    def spy_add(self, token_id):
+        tail, base = add(self, token_id)
+        searched.append(len(tail))
+        return tail, base
+
+    monkeypatch.setattr(text_lib.IncrementalDecoder, "add", spy_add)
+    detok = lambda ids: (calls.append(len(ids)), "".join(f"<{t}>" for t in ids))[1]  # noqa: E731
+    sched = Scheduler(_engine("resident", 2, 4), detokenize=detok)
+    n = S - len(PROMPTS[1])
+    stop = "<never>"
+    sched.submit(PROMPTS[1], SamplingParams(max_tokens=n, temperature=1.0, seed=5, stop=(stop,)), "long")
+    per_step, tails, tokens = [], [], []
+    while sched.has_work():
+        calls.clear()
+        searched.clear()
+        tokens += [e.token_id for e in sched.step() if e.token_id is not None]
+        per_step.append(sum(calls))
+        tails += searched
+    assert len(tokens) == n
+    text = "".join(f"<{t}>" for t in tokens)
+    assert max(per_step) <= 3 * window < n, per_step
+    # each token's text is at most 5 characters ("<511>"): a window of tokens and a stop string's worth
+    assert len(tails) == n and max(tails) <= 5 * 2 * window + len(stop) < len(text), tails

@@ -51,6 +51,7 @@ from ftjax import memory
 from ftjax.runtime.plan import prompt_error
 from ftjax.runtime.step import sample_rows_next
 from ftjax.sampling import ResolvedSampling
+from ftjax.serve.text import StopChecker
 
 #: finished requests whose :class:`RequestStats` :meth:`Scheduler.stats` keeps (the most recent)
 STATS_KEPT = 1024
@@ -138,6 +139,7 @@ class _Request:
     tpot: list = dataclasses.field(default_factory=list)
     tokens: list = dataclasses.field(default_factory=list)
     cached_tokens: int = 0
+    stop_check: StopChecker | None = None  # with stop strings: the completion's text, checked token by token
 
 
 @dataclasses.dataclass(eq=False)
@@ -168,7 +170,9 @@ class Scheduler:
       max_waiting: most requests waiting for a row (>= 1); :meth:`submit` raises :class:`QueueFull` beyond.
       kv_manager: a ``ftjax.kv.prefix_cache.PrefixCache``: every request reuses stored prompt prefixes and
         stores its new full chunks.
-      detokenize: ``Callable[[list[int]], str]`` for stop strings (called with a request's completion ids).
+      detokenize: ``Callable[[list[int]], str]`` for stop strings: the text of a request's completion ids.
+        It is called with windows of them (``ftjax.serve.text.StopChecker``), so it must decode ids the way
+        a tokenizer does: the text of a list is that of its pieces, up to a character split between them.
       run_ahead: dispatch the next decode step before reading this one's tokens (module docstring);
         False: every step reads its tokens before the next is dispatched.
     Raises:
@@ -260,6 +264,8 @@ class Scheduler:
             raise QueueFull(f"{len(self._queue)} requests already wait (max_waiting={self.max_waiting})")
         req = _Request(rid, [int(t) for t in ids], params, sampling, _key_data(int(seed)),
                        self._eos | {int(t) for t in stop_ids}, time.perf_counter())
+        if params.stop:
+            req.stop_check = StopChecker(self.detokenize, params.stop)
         self._queue.append(req)
         self._active[rid] = req
         self._counts["requests_submitted"] += 1
@@ -426,7 +432,7 @@ class Scheduler:
         req.tokens.append(token)
         self._counts["tokens_generated"] += 1
         reason = None
-        if token in req.stop_ids or (req.params.stop and self._stop_string(req)):
+        if token in req.stop_ids or (req.stop_check is not None and self._stop_string(req)):
             reason = "stop"
         elif len(req.tokens) >= req.params.max_tokens:
             reason = "length"
@@ -437,10 +443,10 @@ class Scheduler:
         return event
 
     def _stop_string(self, req: _Request) -> bool:
-        """Whether the decoded completion contains one of the request's stop strings (the whole completion
-        is decoded each token: a token's text can depend on the ones before it)."""
-        text = self.detokenize(list(req.tokens))
-        return any(s in text for s in req.params.stop)
+        """Whether the decoded completion (with its new token, the last of ``req.tokens``) contains one of the
+        request's stop strings. Bounded work per token, whatever the completion's length: a window of its ids
+        is decoded and the text that can hold a new stop string searched (``ftjax.serve.text.StopChecker``)."""
+        return req.stop_check.add(req.tokens[-1])
 
     # ---- ending requests ---------------------------------------------------------------------------
     def _end(self, req: _Request, reason: str, events: list[TokenEvent] | None = None, error: str | None = None):

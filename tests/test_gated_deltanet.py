@@ -172,3 +172,23 @@ def test_the_scan_kernel_takes_the_precision_and_shapes_it_was_measured_at():
         {"block_v": 32, "num_warps": 4, "num_stages": 1}
     with pytest.raises(ValueError, match="gated_delta"):
         KernelConfig(tiles={"gated_delta": (24,)})
+
+
+@pytest.mark.parametrize("chunk,block", [(48, 16), (40, 16), (80, 16)])
+def test_the_solve_kernel_merges_any_number_of_diagonal_blocks(chunk, block):
+    """``solve_chunks`` called directly with a chunk that is not a power-of-two number of ``block``-row
+    blocks (3, 3 with a short last one, 5): the block merge needs ceil(log2(blocks)) factors; with
+    log2 rounded down it dropped the products that reach the last block (silently wrong rows)."""
+    from ftjax.kernels import gated_delta as gd
+    r = np.random.default_rng(4)
+    lead, dk, dv = (1, 2, 2), 16, 16
+    q = gdn.l2_normalize(jnp.asarray(r.normal(size=(*lead, chunk, dk)), jnp.float32)) * dk ** -0.5
+    k = gdn.l2_normalize(jnp.asarray(r.normal(size=(*lead, chunk, dk)), jnp.float32))
+    v = jnp.asarray(r.normal(size=(*lead, chunk, dv)), jnp.float32)
+    beta = jnp.asarray(r.uniform(size=(*lead, chunk)), jnp.float32)
+    c = jnp.cumsum(-jnp.asarray(r.uniform(0.0, 0.05, size=(*lead, chunk)), jnp.float32), axis=-1)
+    want = gdn.chunk_solve(q, k, v, beta, c)  # XLA's triangular solve (no power-of-two chunk: never the kernel)
+    flat = lambda x: x.reshape(-1, lead[-1] * chunk, *x.shape[4:])  # noqa: E731
+    got = gd.solve_chunks(*(flat(a) for a in (q, k, v, beta, c)), chunk=chunk, block=block, interpret=True)
+    for x, y in zip(got, want):
+        np.testing.assert_allclose(x.reshape(y.shape), y, rtol=1e-5, atol=1e-5)

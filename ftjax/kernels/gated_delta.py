@@ -161,8 +161,8 @@ def _unit_lower_inverse(lower, i, j, block: int, exact):
 
     ``block`` = C: C - 1 row updates, each an elementwise reduction (exact float32). ``block`` < C: the
     diagonal blocks D of I + L are inverted together by ``block`` - 1 steps (step r updates row r of every
-    block at once, one dot), then the strictly block-lower rest N = D^-1 L_off (nilpotent: N^(C/block) = 0)
-    is folded in as (I + L)^-1 = prod_k (I + (-N)^(2^k)) D^-1, log2(C/block) squarings (the block merge of
+    block at once, one dot), then the strictly block-lower rest N = D^-1 L_off (nilpotent: N^ceil(C/block) = 0)
+    is folded in as (I + L)^-1 = prod_k (I + (-N)^(2^k)) D^-1, ceil(log2(C/block)) factors (the block merge of
     flash-linear-attention's ``solve_tril``, as products). ``exact(a, b)``: the dot the steps use."""
     c = lower.shape[0]
     eye = jnp.where(i == j, 1.0, 0.0)
@@ -177,7 +177,8 @@ def _unit_lower_inverse(lower, i, j, block: int, exact):
     d_inv = lax.fori_loop(1, block, lambda r, inv: inv - exact(jnp.where(i % block == r, diag, 0.0), inv), eye)
     p = -exact(d_inv, jnp.where(same, 0.0, lower))  # -N
     x = eye + p
-    for _ in range((c // block).bit_length() - 2):  # log2(C / block) - 1 more factors
+    # ceil(log2(blocks)) factors in all (N^blocks = 0): the first above, the rest here
+    for _ in range((-(-c // block) - 1).bit_length() - 1):
         p = exact(p, p)
         x = exact(x, eye + p)
     return exact(x, d_inv)

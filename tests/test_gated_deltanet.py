@@ -164,9 +164,11 @@ def test_the_scan_kernel_takes_the_precision_and_shapes_it_was_measured_at():
 
     from ftjax.kernels import gated_delta as gd
     from ftjax.kernels.registry import KernelConfig
-    assert gd.dot_precision() == lax.Precision.DEFAULT
+    assert gd.dot_precision() == lax.Precision.DEFAULT and gd.tf32_setting()
     with jax.default_matmul_precision("highest"):
-        assert gd.dot_precision() == lax.Precision.HIGHEST
+        assert gd.dot_precision() == lax.Precision.HIGHEST and not gd.tf32_setting()
+    with jax.default_matmul_precision("bfloat16"):  # XLA's dots differ from the kernel's TF32: auto skips it
+        assert gd.dot_precision() == lax.Precision.DEFAULT and not gd.tf32_setting()
     assert gd.supported(128, 128, 64) and not gd.supported(256, 128, 64) and not gd.supported(128, 128, 64, 24)
     assert KernelConfig(tiles={"gated_delta": (32, 4, 1)}).tile_args("gated_delta") == \
         {"block_v": 32, "num_warps": 4, "num_stages": 1}

@@ -54,14 +54,24 @@ BLOCK_V = 32
 NUM_WARPS = 4
 NUM_STAGES = 1
 _FULL_PRECISION = ("highest", "float32", "F32_F32_F32")
+#: ``jax.default_matmul_precision`` settings under which XLA runs the reference's float32 dots as TF32 on a
+#: GPU (unset included): those the kernels' DEFAULT dots match, and the only ones ``auto`` picks them at.
+_TF32_SETTINGS = (None, "default", "high", "tensorfloat32", "TF32_TF32_F32")
 
 
 def dot_precision() -> lax.Precision:
-    """The precision of the kernel's float32 dots: HIGHEST (IEEE float32) where
+    """The precision of the kernels' float32 dots: HIGHEST (IEEE float32) where
     ``jax.default_matmul_precision`` asks for full float32, else DEFAULT (TF32 on a GPU, as XLA runs
-    the reference's float32 einsums there)."""
+    the reference's float32 einsums there when the setting is unset or a TF32 one; under the bf16 or
+    multi-pass settings the kernels' dots differ from XLA's, which is why ``auto`` skips them there)."""
     return lax.Precision.HIGHEST if jax.config.jax_default_matmul_precision in _FULL_PRECISION \
         else lax.Precision.DEFAULT
+
+
+def tf32_setting() -> bool:
+    """Whether the matmul precision setting is one whose float32 dots XLA runs as TF32 (:data:`_TF32_SETTINGS`):
+    where ``auto`` may pick the kernels (measured faster there, with the same error as XLA)."""
+    return jax.config.jax_default_matmul_precision in _TF32_SETTINGS
 
 
 #: Shared memory (bytes) the scan kernel's operands of one chunk may take per pipeline stage: a conservative
@@ -138,7 +148,7 @@ def maybe(s0, u, w, q, k, a, d, chunk: int, chunk_states: bool):
     # auto only at the TF32 precision it was measured faster at: with IEEE float32 dots (the float32 oracle
     # runs) the Triton kernel took 50 ms per layer against XLA's 7 (H200, 2026-12-04)
     how = registry.mode("gated_delta", supported(dk, dv, c, tiles["block_v"], tiles["num_stages"]),
-                        auto=dot_precision() == lax.Precision.DEFAULT)
+                        auto=tf32_setting())
     if how == "xla":
         return None
     flat = lambda x: x.reshape(b * h, n * c, x.shape[-1])  # noqa: E731
@@ -192,7 +202,7 @@ def _solve_kernel(q_ref, k_ref, v_ref, beta_ref, c_ref, u_ref, w_ref, a_ref, *, 
     beta, c = beta_ref[g, rows], c_ref[g, rows]  # [C]
     i = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
     j = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
-    decay = jnp.where(j <= i, jnp.exp(jnp.minimum(c[:, None] - c[None, :], 0.0)), 0.0)
+    decay = jnp.exp(jnp.where(j <= i, c[:, None] - c[None, :], -jnp.inf))  # as the reference: 0 above the diagonal
 
     def dot(a, b, contract=((1,), (0,)), prec=precision):
         return lax.dot_general(a, b, (contract, ((), ())), precision=prec, preferred_element_type=jnp.float32)
@@ -239,7 +249,8 @@ def maybe_solve(q, k, v, beta, c):
     the reference returns them."""
     *lead, c_len, dk = k.shape
     dv = v.shape[-1]
-    ok = k.ndim == 5 and all(common.pow2(x) and x >= 16 for x in (c_len, dk, dv))
+    smem = 4 * c_len * (2 * dk + dv + c_len)  # one chunk's q, k, v and scores, float32
+    ok = k.ndim == 5 and all(common.pow2(x) and x >= 16 for x in (c_len, dk, dv)) and smem <= SMEM_BUDGET
     tiles = registry.tiles("gated_delta_solve", {"block": SOLVE_BLOCK, "num_warps": NUM_WARPS})
     how = registry.mode("gated_delta_solve", ok and (tiles["block"] >= c_len or c_len % tiles["block"] == 0))
     if how == "xla":
@@ -263,7 +274,8 @@ def _tiles(vals: tuple[int, ...]) -> dict:
 registry.register(registry.Kernel(
     "gated_delta", "ftjax.layers.gated_deltanet.chunked_gated_delta_rule",
     "Gated DeltaNet prefill (T > 1): the scan over chunks of the chunked gated delta rule, power-of-two dk and "
-    "chunk, one chunk's operands within SMEM_BUDGET; auto: GPU at the default (TF32) matmul precision",
+    "chunk, dv a multiple of the column block min(block_v, dv) (a power of two >= 16), one chunk's operands "
+    "within SMEM_BUDGET; auto: GPU at a TF32 matmul precision setting (the default)",
     tiles=_tiles))
 def _solve_tiles(vals: tuple[int, ...]) -> dict:
     block, *rest = common.tile_values("gated_delta_solve", vals, (1, 2), "(block,) or (block, num_warps)")
@@ -276,6 +288,7 @@ def _solve_tiles(vals: tuple[int, ...]) -> dict:
 registry.register(registry.Kernel(
     "gated_delta_solve", "ftjax.layers.gated_deltanet.chunk_solve",
     "Gated DeltaNet prefill (T > 1): each chunk's WY / UT transform (inverse of its unit lower-triangular "
-    "matrix, both right-hand sides, intra-chunk scores), power-of-two chunk, dk and dv; auto: not picked "
+    "matrix, both right-hand sides, intra-chunk scores), power-of-two chunk, dk and dv within SMEM_BUDGET; "
+    "auto: not picked "
     "(named only): 1.15x XLA per layer on the H200 with a larger TF32 error (6.3e-4 vs 4.8e-4)", auto=False,
     tiles=_solve_tiles))

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 
 #: Fields that identify a row (its label), in the order they are printed.
 LABEL_KEYS = ("preset", "mode", "variant", "policy", "impl", "load", "fixture", "prompt", "dtype", "expert_dtype",
-              "batch", "budget_gb", "tokens", "prompt_len", "slots", "case", "kernels")
+              "batch", "budget_gb", "tokens", "prompt_len", "slots", "case", "kernels", "chunk_states", "highest")
 #: Metrics drawn when a row has them (name in the JSON, axis label).
 METRICS = (
     ("decode_tokens_per_s", "decode tokens/s"), ("tokens_per_s", "tokens/s"), ("tpot_s", "TPOT (s)"),
@@ -59,15 +59,17 @@ METRICS = (
     ("hit_rate_decode", "decode hit rate"), ("hit_rate", "hit rate"), ("achieved_h2d_GBps", "achieved H2D GB/s"),
     ("speedup_vs_recompute", "speedup vs recompute"), ("hidden_fraction", "hidden fraction of the load"),
     ("max_abs_err", "max |logit error|"), ("plan_bytes", "planned bytes"), ("peak_bytes", "peak device bytes"),
+    ("s", "time per call (s)"),  # bench_gated_delta's rows
 )
 
 
 def rows_of(result: dict) -> list[dict]:
-    """The run rows of a result JSON: ``results`` or ``runs`` (list of dicts), else []. A row whose
+    """The run rows of a result JSON: ``results``, ``runs``, ``rows``, ``cases`` or (bench_gated_delta)
+    ``rule`` (the first that is a list of dicts), else []. A row whose
     fields hold per-variant dicts of metrics (``{"prefetch": {"ttft_s": ...}, ...}``) becomes one
     row per variant, labelled by it."""
     names = {k for k, _ in METRICS}
-    for key in ("results", "runs", "rows", "cases"):
+    for key in ("results", "runs", "rows", "cases", "rule"):
         rows = result.get(key)
         if isinstance(rows, list) and rows and all(isinstance(r, dict) for r in rows):
             out = []

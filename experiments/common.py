@@ -93,6 +93,9 @@ def run(main) -> None:
     guarded = guard(main)
 
     def cached(argv):
+        from absl import logging
+        if logging.get_verbosity() == logging.INFO:  # absl's default: hide JAX's backend probing notes
+            logging.set_verbosity(logging.WARNING)
         compile_cache.configure(flags.FLAGS.compilation_cache_dir)
         return guarded(argv)
     app.run(cached)

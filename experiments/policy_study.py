@@ -51,6 +51,7 @@ prediction and reuse per layer).
 from __future__ import annotations
 
 import functools
+import importlib.util
 import math
 import os
 import sys
@@ -383,6 +384,8 @@ def main(argv):
     slots = [int(s) for s in FLAGS.slots] if FLAGS.slots else None
     if not os.path.isfile(os.path.join(FLAGS.ckpt, "config.json")):
         raise app.UsageError(f"--ckpt={FLAGS.ckpt}: no config.json there (train one: experiments/train_moe.py)")
+    if importlib.util.find_spec("matplotlib") is None:  # the figure comes last: say so before the study runs
+        raise app.UsageError("the study's figure needs matplotlib: pip install -e '.[train]'")
     try:
         res = run_study(FLAGS.ckpt, streams, stream_len, max_files, slots, FLAGS.policies,
                         FLAGS.lfru_half_life_tokens, FLAGS.dtype, FLAGS.batch)

@@ -75,7 +75,7 @@ class ResolvedSampling:
         """One line: what is sampled with, which checkpoint defaults were applied and which overridden."""
         what = "greedy" if self.greedy else f"temperature={self.temperature:g} top_p={self.top_p:g} top_k={self.top_k}"
         if not self.from_checkpoint and not self.overridden:
-            return f"sampling: {what} (no sampling defaults in the checkpoint's generation_config.json)"
+            return f"sampling: {what} (no sampling defaults: no checkpoint generation_config.json sets any)"
         used = ", ".join(self.from_checkpoint) or "none"
         over = f"; overridden: {', '.join(self.overridden)}" if self.overridden else ""
         return f"sampling: {what} (checkpoint generation_config.json defaults applied: {used}{over})"

@@ -50,3 +50,21 @@ def test_bad_input_is_one_error_line_and_status_1(tmp_path, script):
     assert r.returncode == 1, r.stderr
     assert len(lines) == 1 and lines[0].startswith(f"error: {message}"), r.stderr
     assert not list(tmp_path.glob("*.json"))  # nothing written
+
+
+
+def test_policy_study_says_matplotlib_is_missing_before_it_runs(tmp_path, monkeypatch):
+    """The study's figure comes last: without matplotlib the script stops at once with one line naming the
+    extra that installs it, instead of failing after the whole study."""
+    import importlib.util
+
+    from experiments import common
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    r = run_module_app("experiments.policy_study", [f"--ckpt={ROOT / 'ftjax' / 'assets' / 'stdlib_moe'}",
+                                                    f"--out_dir={tmp_path}"],
+                       program=str(ROOT / "experiments" / "policy_study.py"), cwd=str(ROOT), main="main",
+                       wrap=common.guard, define=lambda m: m.define_flags())
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.strip() == "error: the study's figure needs matplotlib: pip install -e '.[train]'"
+    assert not list(tmp_path.glob("*.json"))

@@ -34,6 +34,7 @@ Writes ``bench_gated_delta_<preset>[_<tag>].json`` (after every stage) and print
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -145,7 +146,7 @@ def stage_rule(cfg, out: dict) -> None:
 
     def row(name, kc, states, highest=False):
         fn = rule(kc, states)
-        with jax.default_matmul_precision("highest") if highest else _nothing():
+        with jax.default_matmul_precision("highest") if highest else contextlib.nullcontext():
             m = _time(fn, *args)
             o, s, ends = fn(*args)
         res = {"variant": name, "chunk_states": states, "highest": highest, **m, "err_o": _err(o, ref[0]),
@@ -189,14 +190,6 @@ def stage_rule(cfg, out: dict) -> None:
             row(f"solve{best_solve[0]}+{name}", _kernels(best[0], best_solve[0]), True)
         row("xla", xla, False, highest=True)
         row(name, _kernels(best[0]), False, highest=True)
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _prep(q, k, v, g, beta, chunk: int, solve_fn, joint: bool = False):

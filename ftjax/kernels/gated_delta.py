@@ -88,20 +88,22 @@ def supported(dk: int, dv: int, chunk: int, block_v: int = BLOCK_V, num_stages: 
     return all(common.pow2(n) and n >= 16 for n in (dk, chunk, bv)) and dv % bv == 0 and smem <= SMEM_BUDGET
 
 
+def _dot(a, b, precision, contract=((1,), (0,))):
+    """A float32-accumulated dot of two 2-D values inside a kernel; ``contract``: the contracted dims."""
+    return lax.dot_general(a, b, (contract, ((), ())), precision=precision, preferred_element_type=jnp.float32)
+
+
 def _kernel(s0_ref, u_ref, w_ref, q_ref, k_ref, a_ref, d_ref, o_ref, s_ref, *ends_ref, n_chunks, chunk, bv,
             precision):
     bh, j = pl.program_id(0), pl.program_id(1)
     cols = pl.ds(j * bv, bv)
-
-    def dot(a, b, contract=((1,), (0,))):
-        return lax.dot_general(a, b, (contract, ((), ())), precision=precision,
-                               preferred_element_type=jnp.float32)
+    dot = functools.partial(_dot, precision=precision)
 
     def body(n, s):  # s: float32 [dk, bv], the state before chunk n
         rows = pl.ds(n * chunk, chunk)
         v_new = u_ref[bh, rows, cols] - dot(w_ref[bh, rows, :], s)  # [chunk, bv]
         o_ref[bh, rows, cols] = dot(q_ref[bh, rows, :], s) + dot(a_ref[bh, rows, :], v_new)
-        s = s * d_ref[bh, n] + dot(k_ref[bh, rows, :], v_new, ((0,), (0,)))
+        s = s * d_ref[bh, n] + dot(k_ref[bh, rows, :], v_new, contract=((0,), (0,)))
         if ends_ref:
             ends_ref[0][bh, n, :, cols] = s
         return s
@@ -160,6 +162,24 @@ def maybe(s0, u, w, q, k, a, d, chunk: int, chunk_states: bool):
     return o.reshape(b, h, n, c, dv), s.reshape(b, h, dk, dv), ends
 
 
+def _tiles(vals: tuple[int, ...]) -> dict:
+    bv, *rest = common.tile_values("gated_delta", vals, (1, 2, 3),
+                                   "(block_v,), (block_v, num_warps) or (block_v, num_warps, num_stages)")
+    if not (common.pow2(bv) and bv >= 16) or (rest and not common.pow2(rest[0])) or (len(rest) > 1 and rest[1] < 1):
+        raise ValueError(f"tiles of kernel 'gated_delta': block_v must be a power of two >= 16, num_warps a "
+                         f"power of two and num_stages >= 1, got {vals}")
+    return {"block_v": bv, "num_warps": rest[0] if rest else NUM_WARPS,
+            "num_stages": rest[1] if len(rest) > 1 else NUM_STAGES}
+
+
+registry.register(registry.Kernel(
+    "gated_delta", "ftjax.layers.gated_deltanet.chunked_gated_delta_rule",
+    "Gated DeltaNet prefill (T > 1): the scan over chunks of the chunked gated delta rule, power-of-two dk and "
+    "chunk, dv a multiple of the column block min(block_v, dv) (a power of two >= 16), one chunk's operands "
+    "within SMEM_BUDGET; auto: GPU at a TF32 matmul precision setting (the default)",
+    tiles=_tiles))
+
+
 #: Rows of the diagonal blocks the solve kernel inverts by forward substitution (``KernelConfig.tiles``:
 #: ``gated_delta_solve=(block,)`` or ``(block, num_warps)``); a block as large as the chunk is the whole
 #: matrix row by row (the configuration measured on the H200, 2026-12-04).
@@ -194,6 +214,14 @@ def _unit_lower_inverse(lower, i, j, block: int, exact):
     return exact(x, d_inv)
 
 
+def solve_supported(dk: int, dv: int, chunk: int, block: int = SOLVE_BLOCK) -> bool:
+    """Shapes the solve kernel takes: chunk, dk and dv powers of two >= 16, one chunk's q, k, v and scores
+    (float32) within :data:`SMEM_BUDGET`, and ``block`` at least the chunk or dividing it."""
+    smem = 4 * chunk * (2 * dk + dv + chunk)
+    return all(common.pow2(x) and x >= 16 for x in (chunk, dk, dv)) and smem <= SMEM_BUDGET \
+        and (block >= chunk or chunk % block == 0)
+
+
 def _solve_kernel(q_ref, k_ref, v_ref, beta_ref, c_ref, u_ref, w_ref, a_ref, *, chunk, block, precision,
                   exact_precision):
     g, n = pl.program_id(0), pl.program_id(1)
@@ -203,16 +231,14 @@ def _solve_kernel(q_ref, k_ref, v_ref, beta_ref, c_ref, u_ref, w_ref, a_ref, *, 
     i = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
     j = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
     decay = jnp.exp(jnp.where(j <= i, c[:, None] - c[None, :], -jnp.inf))  # as the reference: 0 above the diagonal
-
-    def dot(a, b, contract=((1,), (0,)), prec=precision):
-        return lax.dot_general(a, b, (contract, ((), ())), precision=prec, preferred_element_type=jnp.float32)
+    dot = functools.partial(_dot, precision=precision)
 
     k_beta = k * beta[:, None]
-    lower = jnp.where(j < i, dot(k_beta, k, ((1,), (1,))) * decay, 0.0)  # L [C, C]
-    inv = _unit_lower_inverse(lower, i, j, block, lambda a, b: dot(a, b, prec=exact_precision))
+    lower = jnp.where(j < i, dot(k_beta, k, contract=((1,), (1,))) * decay, 0.0)  # L [C, C]
+    inv = _unit_lower_inverse(lower, i, j, block, functools.partial(_dot, precision=exact_precision))
     u_ref[g, rows, :] = dot(inv, v_ref[g, rows, :] * beta[:, None])
     w_ref[g, rows, :] = dot(inv, k_beta * jnp.exp(c)[:, None])
-    a_ref[g, rows, :] = dot(q_ref[g, rows, :], k, ((1,), (1,))) * decay
+    a_ref[g, rows, :] = dot(q_ref[g, rows, :], k, contract=((1,), (1,))) * decay
 
 
 @functools.partial(jax.jit, static_argnames=("chunk", "block", "interpret", "num_warps", "num_stages", "precision"))
@@ -249,10 +275,8 @@ def maybe_solve(q, k, v, beta, c):
     the reference returns them."""
     *lead, c_len, dk = k.shape
     dv = v.shape[-1]
-    smem = 4 * c_len * (2 * dk + dv + c_len)  # one chunk's q, k, v and scores, float32
-    ok = k.ndim == 5 and all(common.pow2(x) and x >= 16 for x in (c_len, dk, dv)) and smem <= SMEM_BUDGET
     tiles = registry.tiles("gated_delta_solve", {"block": SOLVE_BLOCK, "num_warps": NUM_WARPS})
-    how = registry.mode("gated_delta_solve", ok and (tiles["block"] >= c_len or c_len % tiles["block"] == 0))
+    how = registry.mode("gated_delta_solve", k.ndim == 5 and solve_supported(dk, dv, c_len, tiles["block"]))
     if how == "xla":
         return None
     flat = lambda x: x.reshape(-1, lead[-1] * c_len, *x.shape[4:])  # noqa: E731
@@ -261,22 +285,6 @@ def maybe_solve(q, k, v, beta, c):
     return u.reshape(*lead, c_len, dv), w.reshape(*lead, c_len, dk), a.reshape(*lead, c_len, c_len)
 
 
-def _tiles(vals: tuple[int, ...]) -> dict:
-    bv, *rest = common.tile_values("gated_delta", vals, (1, 2, 3),
-                                   "(block_v,), (block_v, num_warps) or (block_v, num_warps, num_stages)")
-    if not (common.pow2(bv) and bv >= 16) or (rest and not common.pow2(rest[0])) or (len(rest) > 1 and rest[1] < 1):
-        raise ValueError(f"tiles of kernel 'gated_delta': block_v must be a power of two >= 16, num_warps a "
-                         f"power of two and num_stages >= 1, got {vals}")
-    return {"block_v": bv, "num_warps": rest[0] if rest else NUM_WARPS,
-            "num_stages": rest[1] if len(rest) > 1 else NUM_STAGES}
-
-
-registry.register(registry.Kernel(
-    "gated_delta", "ftjax.layers.gated_deltanet.chunked_gated_delta_rule",
-    "Gated DeltaNet prefill (T > 1): the scan over chunks of the chunked gated delta rule, power-of-two dk and "
-    "chunk, dv a multiple of the column block min(block_v, dv) (a power of two >= 16), one chunk's operands "
-    "within SMEM_BUDGET; auto: GPU at a TF32 matmul precision setting (the default)",
-    tiles=_tiles))
 def _solve_tiles(vals: tuple[int, ...]) -> dict:
     block, *rest = common.tile_values("gated_delta_solve", vals, (1, 2), "(block,) or (block, num_warps)")
     if not (common.pow2(block) and block >= 16) or (rest and not common.pow2(rest[0])):
@@ -289,6 +297,5 @@ registry.register(registry.Kernel(
     "gated_delta_solve", "ftjax.layers.gated_deltanet.chunk_solve",
     "Gated DeltaNet prefill (T > 1): each chunk's WY / UT transform (inverse of its unit lower-triangular "
     "matrix, both right-hand sides, intra-chunk scores), power-of-two chunk, dk and dv within SMEM_BUDGET; "
-    "auto: not picked "
-    "(named only): 1.15x XLA per layer on the H200 with a larger TF32 error (6.3e-4 vs 4.8e-4)", auto=False,
-    tiles=_solve_tiles))
+    "auto: not picked (named only): 1.15x XLA per layer on the H200 with a larger TF32 error (6.3e-4 vs 4.8e-4)",
+    auto=False, tiles=_solve_tiles))

@@ -24,9 +24,10 @@ one jitted function after a compiling call, with its compile seconds:
   model's dtype, XLA vs the scan kernel at the best tiles, alone and with the solve kernel; one decode
   token (T = 1) for scale.
 * ``model`` (``--model_layers`` > 0): TTFT of a --tokens resident prefill of the preset cut to that many
-  layers (random weights) with the kernels ``auto`` picks but the delta rule in XLA, with ``auto``'s
-  (``gated_delta`` on a GPU), and with ``gated_delta_solve`` (best block) too, the first token's logits
-  of each against the first's; under ``auto`` also --model_decode_steps resident decode steps after a
+  layers (random weights) with the kernels ``auto`` picks but the delta rule in XLA, with the scan kernel
+  ``gated_delta`` alone (best tiles), with ``auto``'s (both kernels at their default tiles) and with both at
+  the best tiles of the ``rule`` stage, the first token's logits of each against the first's; under ``auto``
+  also --model_decode_steps resident decode steps after a
   --decode_prompt_len prompt (tokens/s); skipped when the run has already spent --model_deadline_s seconds.
 
 Writes ``bench_gated_delta_<preset>[_<tag>].json`` (after every stage) and prints the tables.
@@ -336,8 +337,10 @@ def stage_model(cfg, out: dict) -> None:
     tiles = {"gated_delta": tuple(out["best_tiles"])} if "best_tiles" in out else {}
     if "best_solve_block" in out:
         tiles["gated_delta_solve"] = (out["best_solve_block"],)
-    configs = (("xla-delta-rule", tuple(a for a in auto if a != "gated_delta"), {}), ("auto", "auto", {}),
-               ("auto+gated_delta_solve", auto + ("gated_delta_solve",), tiles))
+    gdn = ("gated_delta", "gated_delta_solve")
+    configs = (("xla-delta-rule", tuple(a for a in auto if a not in gdn), {}),
+               ("gated_delta-only", tuple(a for a in auto if a != "gated_delta_solve"), tiles),
+               ("auto", "auto", {}), ("auto-best-tiles", "auto", tiles))
     rows, first = [], None
     for name, use, kt in configs:
         eng = Engine(model, EngineConfig("resident", max_seq_len=FLAGS.tokens + 16, prefill_chunk=FLAGS.tokens,
@@ -350,7 +353,7 @@ def stage_model(cfg, out: dict) -> None:
                      "err_logits_vs_first": _err(logits, first)})
         print(f"model {n} layers {name:>24}: TTFT median {ttft['median']:.4f} s, compile {eng.compile_s:.1f} s, "
               f"logits vs {configs[0][0]} {rows[-1]['err_logits_vs_first']:.2e}", flush=True)
-        if FLAGS.model_decode_steps and use == "auto":  # decode: the recurrent form, no chunk kernels
+        if FLAGS.model_decode_steps and name == "auto":  # decode: the recurrent form, no chunk kernels
             short = prompt[:FLAGS.decode_prompt_len]
             tps = [eng.generate([short], FLAGS.model_decode_steps).decode_tokens_per_s
                    for _ in range(1 + min(FLAGS.repeats, 3))][1:]

@@ -27,12 +27,11 @@ lowered through the Triton backend on a GPU.
 
 Measured (H200, jax 0.11.2, 2026-12-04, qwen3.5-35b-a3b's layer: 32 value heads, dk = dv = 128, 8192
 tokens; ``experiments/bench_gated_delta.py``): the rule 6.1 ms in XLA (scan over chunks 3.6 ms, the
-chunk preparation 3.4 ms, 2.8 of it the two triangular solves), 4.0 ms with ``gated_delta`` (tiles 32:4:1;
-the same error against a float32 run as XLA's TF32 einsums, 4.8e-4), 3.4 ms with ``gated_delta_solve``
-too; the whole layer 7.4 / 5.1 / 4.4 ms; a 16-layer cut's resident 8192-token prefill 0.187 s with the
-kernels auto picked, 0.157 s with ``gated_delta`` (1.19x). ``auto`` picks ``gated_delta`` at the default
-matmul precision only; ``gated_delta_solve`` is named only: its C sequential row updates (a
-cross-warp reduction each) leave it little faster than the batched solve.
+chunk preparation 3.0-3.4 ms, 1.4-2.8 of it the two triangular solves), 3.9 ms with ``gated_delta`` (tiles
+32:4:1; the same error against a float32 run as XLA's TF32 einsums, 4.8e-4), 2.7 ms with
+``gated_delta_solve`` at block 16 too (error 6.3e-4); the whole layer 7.3 / 5.1 / 3.7 ms; a 16-layer cut's
+resident 8192-token prefill 0.188 s (XLA rule) / 0.158 s / 0.142 s. ``auto`` picks both at the default
+matmul precision only.
 """
 
 from __future__ import annotations
@@ -182,8 +181,9 @@ registry.register(registry.Kernel(
 
 #: Rows of the diagonal blocks the solve kernel inverts by forward substitution (``KernelConfig.tiles``:
 #: ``gated_delta_solve=(block,)`` or ``(block, num_warps)``); a block as large as the chunk is the whole
-#: matrix row by row (the configuration measured on the H200, 2026-12-04).
-SOLVE_BLOCK = 64
+#: matrix row by row. 16 measured fastest on the H200 (2026-12-04, c594b26: the rule with both kernels 2.70 ms
+#: at 16, 2.99 at 32, 3.25 at 64; the same error at each).
+SOLVE_BLOCK = 16
 
 
 def _unit_lower_inverse(lower, i, j, block: int, exact):
@@ -276,7 +276,9 @@ def maybe_solve(q, k, v, beta, c):
     *lead, c_len, dk = k.shape
     dv = v.shape[-1]
     tiles = registry.tiles("gated_delta_solve", {"block": SOLVE_BLOCK, "num_warps": NUM_WARPS})
-    how = registry.mode("gated_delta_solve", k.ndim == 5 and solve_supported(dk, dv, c_len, tiles["block"]))
+    # auto at the TF32 settings only, as the scan kernel (the float32 oracle runs keep XLA's solve)
+    how = registry.mode("gated_delta_solve", k.ndim == 5 and solve_supported(dk, dv, c_len, tiles["block"]),
+                        auto=tf32_setting())
     if how == "xla":
         return None
     flat = lambda x: x.reshape(-1, lead[-1] * c_len, *x.shape[4:])  # noqa: E731
@@ -297,5 +299,6 @@ registry.register(registry.Kernel(
     "gated_delta_solve", "ftjax.layers.gated_deltanet.chunk_solve",
     "Gated DeltaNet prefill (T > 1): each chunk's WY / UT transform (inverse of its unit lower-triangular "
     "matrix, both right-hand sides, intra-chunk scores), power-of-two chunk, dk and dv within SMEM_BUDGET; "
-    "auto: not picked (named only): 1.15x XLA per layer on the H200 with a larger TF32 error (6.3e-4 vs 4.8e-4)",
-    auto=False, tiles=_solve_tiles))
+    "auto: GPU at a TF32 matmul precision setting (the default): the rule 1.44x faster than with the scan "
+    "kernel alone on the H200, its TF32 error 6.3e-4 against 4.8e-4",
+    tiles=_solve_tiles))

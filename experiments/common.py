@@ -146,6 +146,8 @@ def check_numbers(name: str, kind: type = int, low: float | None = None, high: f
             return f"expected {what}, got {','.join(values)}"
         if not xs and not allow_empty:
             return f"give at least one value ({what})"
+        if any(x != x or x in (float("inf"), float("-inf")) for x in xs):  # float("nan") and "inf" parse
+            return f"expected finite {what}, got {','.join(values)}"
         if any((low is not None and x < low) or (high is not None and x > high) for x in xs):
             bounds = " and ".join(b for b in (f">= {low:g}" if low is not None else "",
                                               f"<= {high:g}" if high is not None else "") if b)

@@ -68,3 +68,14 @@ def test_policy_study_says_matplotlib_is_missing_before_it_runs(tmp_path, monkey
     assert r.returncode == 1, r.stderr
     assert r.stderr.strip() == "error: the study's figure needs matplotlib: pip install -e '.[train]'"
     assert not list(tmp_path.glob("*.json"))
+
+
+def test_a_nan_in_a_number_list_is_refused_at_parse_time(tmp_path):
+    """``float("nan")`` and ``float("inf")`` parse, and NaN passes every bound: the list check refuses them
+    by name before the script builds anything."""
+    args = ["--budgets_gb=8,nan", f"--out_dir={tmp_path}"]
+    script = ROOT / "experiments" / "bench_miss_policy.py"
+    r = run_module_app("experiments.bench_miss_policy", args, program=str(script), cwd=str(ROOT))
+    assert r.returncode == 1, r.stderr
+    assert "flag --budgets_gb=['8', 'nan']: expected finite numbers, got 8,nan" in r.stderr.splitlines()[0]
+    assert not list(tmp_path.glob("*.json"))

@@ -3,11 +3,11 @@
 # (experiments/ab_commits.py, one process per tree, the base first), then writes both into one JSON.
 #   bash experiments/ab_commits_gpu.sh BASE_DIR BASE_COMMIT [MEASURES]
 # BASE_DIR holds the base commit's ftjax/ package (e.g. `git archive BASE ftjax | tar -x -C .base`);
-# MEASURES is ab_commits.py's --measure list (default: all); AB_ARGS go to both runs. Output: $OUT (or experiments/results)/ab_commits.json
+# MEASURES is ab_commits.py's --measure list (default: all); AB_ARGS go to both runs. Output: $OUT (or experiments/results/ab)/ab_commits.json
 set -uo pipefail
 cd "$(dirname "$0")/.."
 base="$1"; base_commit="$2"; measures="${3:-decode_resident,decode_cached_lookahead,prefill_stream,prefill_resident,hybrid_prefill}"
-out="${OUT:-experiments/results}"
+out="${OUT:-experiments/results/ab}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_FLAGS="${XLA_FLAGS:---xla_gpu_autotune_level=0}"
 # HERE_COMMIT first: a copied work tree can carry the .git of an older checkout

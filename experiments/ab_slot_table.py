@@ -40,7 +40,7 @@ from experiments import common  # noqa: E402
 from ftjax.experts.slot_table import ORDER_IMPLS, POLICIES, SlotTable, lookup_layer  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
+flags.DEFINE_string("out_dir", "experiments/results/ab", "Where the JSON goes.")
 flags.DEFINE_list("impls", list(ORDER_IMPLS), f"Implementations to time (of {', '.join(ORDER_IMPLS)}); "
                   "'sort' (the reference) is always run.")
 flags.DEFINE_list("policies", list(POLICIES), f"Cache policies (of {', '.join(POLICIES)}; default: all).")

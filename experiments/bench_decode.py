@@ -2,7 +2,7 @@ r"""Decode tokens/s by GPU memory budget: resident vs cached (per cache policy) 
 expert storage format (--expert_dtypes: bfloat16, int8, int4, fp8, ...: the ftjax.experts.formats registry),
 over one budget or a sweep of budgets in one process.
 
-  PYTHONPATH=. python3 experiments/bench_decode.py --out_dir=experiments/results
+  PYTHONPATH=. python3 experiments/bench_decode.py --out_dir=experiments/results/decode_by_budget
   XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=115 PYTHONPATH=. python3 experiments/bench_decode.py \
       --vram_budgets_gb=7,8,12,16,24 --modes=cached,resident --cache_policies=lru,lookahead --batches=1 --steps=64 \
       --expert_dtypes=bfloat16,int4 --out_dir=$OUT/decode_by_budget                # the decode-by-budget figure
@@ -76,7 +76,7 @@ flags.DEFINE_list("cache_policies", ["lru"], f"Slot eviction policies for mode c
 common.define_expert_dtypes()
 flags.DEFINE_integer("prompt_len", 512, "Prompt tokens.", lower_bound=1)
 flags.DEFINE_integer("steps", 128, "Decode steps timed.", lower_bound=1)
-flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
+flags.DEFINE_string("out_dir", "experiments/results/decode_by_budget", "Where the JSON goes.")
 flags.DEFINE_string("hlo_dir", None, "If set, write the compiled cached decode step's HLO text here.")
 common.define_kernel_flags()  # the kernel config of every engine (EngineConfig.kernels)
 common.check_names("modes", EXPERT_MODES)

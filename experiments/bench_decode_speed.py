@@ -51,7 +51,7 @@ flags.DEFINE_integer("repeats", 3, "Timed generates per row (after one untimed).
 flags.DEFINE_integer("cached_repeats", 1, "Timed generates per cached row (after one untimed).", lower_bound=1)
 flags.DEFINE_integer("trace_steps", 32, "Resident batch-1 decode steps traced per block setting (0: no trace).",
                      lower_bound=0)
-flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
+flags.DEFINE_string("out_dir", "experiments/results/decode_speed", "Where the JSON goes.")
 flags.DEFINE_string("tag", "", "Goes into the JSON's name.")
 common.define_kernel_flags()
 common.check_numbers("layers", int, low=0)

@@ -69,7 +69,7 @@ flags.DEFINE_integer("model_decode_steps", 64, "Decode steps timed in the model 
 flags.DEFINE_integer("decode_prompt_len", 512, "Prompt tokens before those decode steps.", lower_bound=1)
 flags.DEFINE_float("model_deadline_s", 300.0, "Skip the model stage once the run has taken this long.")
 flags.DEFINE_string("tag", "", "Suffix of the JSON name.")
-flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
+flags.DEFINE_string("out_dir", "experiments/results/gated_delta", "Where the JSON goes.")
 
 
 def _tiles(entry: str) -> tuple[int, ...]:

@@ -142,7 +142,7 @@ flags.DEFINE_boolean("probe", True, "First run each variant on the tiny preset o
 flags.DEFINE_string("probe_only", None, "Internal: run the probe of this variant and print one JSON line.")
 flags.DEFINE_float("time_budget_s", 400.0, "Skip the modes not yet started once this many seconds have passed "
                    "(the JSON is rewritten after every mode).")
-flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
+flags.DEFINE_string("out_dir", "experiments/results/kv_reuse", "Where the JSON goes.")
 common.define_kernel_flags()  # the kernel config of every engine (EngineConfig.kernels)
 common.check_preset()
 common.check_choice("dtype", DTYPES)

@@ -60,7 +60,7 @@ flags.DEFINE_float("temperature", 1.0, "Sampling temperature (same seed in every
                    "decode repeat one token, which repeats the routing and inflates the hit rate; 0 = greedy.")
 flags.DEFINE_integer("seed", 0, "Weights, prompt and sampling seed.")
 flags.DEFINE_float("time_budget_s", 330.0, "Skip further runs after this many seconds (the JSON says which).")
-flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
+flags.DEFINE_string("out_dir", "experiments/results/miss_policy", "Where the JSON goes.")
 common.define_kernel_flags()  # the kernel config of every engine (EngineConfig.kernels)
 common.check_preset()
 common.check_numbers("budgets_gb", float, low=0)

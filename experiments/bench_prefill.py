@@ -1,7 +1,7 @@
 r"""Prefill with expert offload: full-layer streaming (overlap on/off) vs on_demand vs resident,
 per expert storage format (--expert_dtypes: bfloat16, int8, int4, fp8, ...: the ftjax.experts.formats registry).
 
-  PYTHONPATH=. python3 experiments/bench_prefill.py --out_dir=experiments/results
+  PYTHONPATH=. python3 experiments/bench_prefill.py --out_dir=experiments/results/prefill
   .venv/bin/python experiments/bench_prefill.py --preset=tiny --dtype=float32 --lengths=64,256 \
       --prefill_chunk=128 --vram_budget_gb=1.02 --out_dir=/tmp/bench_smoke       # CPU smoke
   .venv/bin/python experiments/bench_prefill.py --preset=tiny --dtype=float32 --lengths=256 \
@@ -80,7 +80,7 @@ flags.DEFINE_integer("warmups", 1, "Untimed prefills per (length, variant) befor
 flags.DEFINE_integer("warm_decode_tokens", 32, "stream_warm variants: decode steps of the request that fills the slot "
                      "cache before each timed prefill.")
 common.define_expert_dtypes()
-flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
+flags.DEFINE_string("out_dir", "experiments/results/prefill", "Where the JSON goes.")
 common.define_kernel_flags()  # the kernel config of every engine (EngineConfig.kernels)
 common.check_preset()
 common.check_choice("dtype", DTYPES)

@@ -121,7 +121,7 @@ flags.DEFINE_integer("server_requests", 5, "server_overhead: timed batch-1 reque
 flags.DEFINE_boolean("warmup", True, "Run untimed requests of the same shapes before each timed run.")
 flags.DEFINE_boolean("run_ahead", True, "The scheduler dispatches the next decode step before reading this step's "
                      "tokens (ftjax.serve's --run_ahead).")
-flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes (without --out).")
+flags.DEFINE_string("out_dir", "experiments/results/serve", "Where the JSON goes (without --out).")
 flags.DEFINE_string("out", None, "The JSON's path (default <out_dir>/bench_serve_<preset>_<date>.json).")
 common.check_names("part", (*PARTS, "all"))
 common.check_names("modes", EXPERT_MODES)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The serving benchmarks (experiments/bench_serve.py) on one GPU machine, one stage per call so that each
-# fits a 10-minute command; JSON and logs under $OUT (else experiments/results).
+# fits a 10-minute command; JSON and logs under $OUT (else experiments/results/serve).
 #   bash experiments/bench_serve_gpu.sh resident     # concurrency 1,2,4,8 + HTTP server overhead, resident experts
 #   bash experiments/bench_serve_gpu.sh cached       # concurrency with an 8 GB expert cache (lookahead policy)
 #   bash experiments/bench_serve_gpu.sh multiround   # 4 users x 16k-token contexts, with and without KV reuse
@@ -9,7 +9,7 @@
 # goes into the JSON's name, e.g. TAG=norun-ahead BENCH_ARGS=--norun_ahead bash experiments/bench_serve_gpu.sh resident
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out="${OUT:-experiments/results}"; mkdir -p "$out"
+out="${OUT:-experiments/results/serve}"; mkdir -p "$out"
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:.

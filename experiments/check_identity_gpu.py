@@ -45,7 +45,7 @@ flags.DEFINE_string("dtype", "bfloat16", "Compute and bank dtype.")
 flags.DEFINE_list("prompts", ["short", "long"], "Prompts of expected.npz.")
 flags.DEFINE_list("variants", list(VARIANTS), f"Cached variants, of {list(VARIANTS)}.")
 flags.DEFINE_integer("steps", 16, "Greedy steps compared.", lower_bound=1)
-flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
+flags.DEFINE_string("out_dir", "experiments/results/checks", "Where the JSON goes.")
 common.define_kernel_flags(skip=("decode_graphs",))  # each variant sets its own
 common.check_names("variants", VARIANTS)
 common.check_names("prompts", ("short", "long"))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13's whole GPU check in one run (~8 minutes on an H200): every target of the issue, each
 # figure beside its baseline in the same process where the issue asks for a ratio. Writes under $OUT
-# (default experiments/results):
+# (unset: each JSON in its script's --out_dir default, a folder of experiments/results/, the log in experiments/results):
 #   profile_step_<preset>.json    resident and cached (24 GB) decode, batch 1 and 4, one process: its
 #                                 "targets" hold resident step / HBM floor and cached / (resident + misses / B_P)
 #   bench_decode_<preset>.json    decode tokens/s at 8 GB with --cache_policy=lookahead, batch 1
@@ -25,7 +25,7 @@ step() {  # name timeout_s xla_flags script args...
   local name=$1 limit=$2 flags=$3; shift 3
   echo "== $name"
   local log="$TMPDIR_LOGS/$name.log"
-  XLA_FLAGS="$flags" timeout "$limit" python3 "$@" --out_dir="$out" > "$log" 2>&1
+  XLA_FLAGS="$flags" timeout "$limit" python3 "$@" ${OUT:+--out_dir="$OUT"} > "$log" 2>&1
   local rc=$?
   { echo "== $name rc=$rc"; cat "$log"; } >> "$out/check_issue13_gpu.log"
   echo "$name rc=$rc"

@@ -1,7 +1,7 @@
 r"""Pallas kernels of ftjax.kernels on the GPU: accuracy against their jnp references at real shapes,
 kernel vs XLA time, and the resident decode step / prefill with the kernels on and off.
 
-  PYTHONPATH=. timeout 590 python experiments/check_kernels_gpu.py --out_dir=experiments/results
+  PYTHONPATH=. timeout 590 python experiments/check_kernels_gpu.py --out_dir=experiments/results/checks
   PYTHONPATH=. python experiments/check_kernels_gpu.py --sections=moe --moe_slots=280 --out_dir=/tmp/k
   PYTHONPATH=. python experiments/check_kernels_gpu.py --smoke --out_dir=/tmp/k   # CPU: tiny shapes, interpreted
 
@@ -73,7 +73,7 @@ from experiments import common  # noqa: E402
 from ftjax.experts import formats  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
+flags.DEFINE_string("out_dir", "experiments/results/checks", "Where the JSON goes.")
 flags.DEFINE_list("sections", ["moe", "decode_attention", "rope_cache", "slot_lookup", "route_decode", "flash_prefill",
                                "e2e", "e2e_prefill"],
                   "What to run.")

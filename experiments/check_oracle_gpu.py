@@ -1,6 +1,6 @@
 r"""The transformers oracle on the accelerator: every fixture x every expert mode vs expected.npz.
 
-  PYTHONPATH=. .venv/bin/python experiments/check_oracle_gpu.py --out_dir=experiments/results   # GPU
+  PYTHONPATH=. .venv/bin/python experiments/check_oracle_gpu.py --out_dir=experiments/results/checks   # GPU
   PYTHONPATH=. JAX_PLATFORMS=cpu .venv/bin/python experiments/check_oracle_gpu.py --smoke \
       --out_dir=/tmp/oracle_smoke                                                             # CPU smoke
 
@@ -88,7 +88,7 @@ flags.DEFINE_integer("fixed_fetch", 1, "miss_adaptive: misses fetched per layer 
 flags.DEFINE_boolean("smoke", False, f"CPU smoke: fixtures {','.join(SMOKE_FIXTURES)}, prompts "
                      f"{','.join(SMOKE_PROMPTS)}, bfloat16 modes {','.join(SMOKE_BF16_MODES)} (each unless given); "
                      "every mode in float32.")
-flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
+flags.DEFINE_string("out_dir", "experiments/results/checks", "Where the JSON goes.")
 # the kernel config of every engine (EngineConfig.kernels); --decode_gemm=cublas: float32 decode programs
 # without Triton GEMMs and the dot merger too
 common.define_kernel_flags()

@@ -140,7 +140,7 @@ flags.DEFINE_boolean("check_states", True, "Compare the stored entries with a cu
 flags.DEFINE_integer("seed", 0, "Weights and prompt seed.")
 flags.DEFINE_float("time_budget_s", 240.0, "Skip the cases not yet started once this many seconds have passed (the "
                    "JSON is rewritten after every case).")
-flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
+flags.DEFINE_string("out_dir", "experiments/results/checks", "Where the JSON goes.")
 common.validate("cases", lambda names: next((
     f"unknown case {n!r}; expected {', '.join(FIXTURE_CASES)}, preset_<bfloat16|float32>[_slow]"
     for n in names or () if n not in FIXTURE_CASES and not re.fullmatch(r"preset_(bfloat16|float32)(_slow)?", n)),

@@ -1,7 +1,7 @@
 r"""The memory planner against the device: planned bytes vs peak device memory actually used.
 
-  PYTHONPATH=. .venv/bin/python experiments/plan_vs_peak.py --out_dir=experiments/results          # GPU
-  PYTHONPATH=. .venv/bin/python experiments/plan_vs_peak.py --isolate --out_dir=experiments/results  # exact
+  PYTHONPATH=. .venv/bin/python experiments/plan_vs_peak.py --out_dir=experiments/results/checks          # GPU
+  PYTHONPATH=. .venv/bin/python experiments/plan_vs_peak.py --isolate --out_dir=experiments/results/checks  # exact
   PYTHONPATH=. JAX_PLATFORMS=cpu .venv/bin/python experiments/plan_vs_peak.py --preset=tiny \
       --budgets_gb=1.02,8 --lengths=64,256 --steps=2 --out_dir=/tmp/pvp                             # CPU smoke
 
@@ -69,7 +69,7 @@ flags.DEFINE_boolean("isolate", False, "One child process per case (exact peaks;
 flags.DEFINE_float("time_budget_s", 330.0, "Start no new case after this many seconds (whole run).")
 flags.DEFINE_integer("seed", 0, "Prompt and weight seed.")
 flags.DEFINE_string("child", None, "Internal: run these cases (JSON) in this process, one JSON line each.")
-flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
+flags.DEFINE_string("out_dir", "experiments/results/checks", "Where the JSON goes.")
 common.define_kernel_flags()  # the kernel config of every engine (EngineConfig.kernels)
 common.check_preset("presets")
 common.check_preset("preset")

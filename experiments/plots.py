@@ -1,7 +1,7 @@
 """Draws a PNG beside any result JSON of ``experiments/`` (one figure per file).
 
-  python experiments/plots.py experiments/results/bench_decode_*.json    # writes <name>.png beside each
-  python experiments/plots.py --all                                      # every JSON in experiments/results
+  python experiments/plots.py experiments/results/prefill/bench_prefill_*.json  # writes <name>.png beside each
+  python experiments/plots.py --all         # every JSON under experiments/results (its archive/ left out)
 
 Every script writes its runs as a list of flat dicts (``results`` or ``runs``; the one result
 writer of ``experiments/common.py``). This draws, for each metric found in those rows
@@ -41,7 +41,6 @@ and exit status 1, as ``experiments/common.run`` does for the benchmark scripts.
 
 from __future__ import annotations
 
-import glob
 import json
 import math
 import os
@@ -531,6 +530,14 @@ def figure_main(args: list[str]) -> int:
     return 0
 
 
+def result_files() -> list[str]:
+    """Every committed result JSON (experiments/results/, a folder per figure, ``archive/`` left out):
+    :func:`results_index.result_files`, as sorted paths."""
+    import results_index  # beside this file, on sys.path when plots.py runs or tests import it
+    root = results_index.DEFAULT_DIR
+    return [os.path.join(root, rel) for rel in results_index.result_files(root)]
+
+
 def main(argv: list[str]) -> int:
     """``plots.py FILE...`` / ``plots.py --all``: a debug PNG beside each file (:func:`plot`); any
     figure flag (:data:`FIGURE_FLAGS`) draws one paper figure instead (:func:`figure_main`). Returns the
@@ -539,7 +546,7 @@ def main(argv: list[str]) -> int:
     if any(a.split("=", 1)[0][2:] in FIGURE_FLAGS for a in paths if a.startswith("--")):
         return figure_main(paths)
     if paths == ["--all"]:
-        paths = sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "*.json")))
+        paths = result_files()
     if not paths:
         print(__doc__, file=sys.stderr)
         return 2

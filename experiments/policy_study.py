@@ -1,6 +1,6 @@
 r"""Expert-cache policies on real routing: traces of a trained model, replayed offline.
 
-  python experiments/policy_study.py --ckpt=ftjax/assets/stdlib_moe --out_dir=experiments/results
+  python experiments/policy_study.py --ckpt=ftjax/assets/stdlib_moe --out_dir=experiments/results/policy
   python experiments/policy_study.py --smoke --ckpt=/tmp/stdlib_moe_smoke --out_dir=/tmp/policy_smoke
 
 Traces. The held-out split of the training corpus (``experiments/train_moe.py``: the stdlib files

@@ -31,7 +31,7 @@ from experiments import common
 from ftjax import memory
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("out_dir", "experiments/results", "where the JSON goes")
+flags.DEFINE_string("out_dir", "experiments/results/overlap", "where the JSON goes")
 flags.DEFINE_integer("layer_mb", 1208, "bytes per layer copy (MB, 1e6)")
 flags.DEFINE_integer("layers", 6, "layers in the overlap runs")
 flags.DEFINE_float("compute_ms", 20.0, "target compute time per layer (ms)")

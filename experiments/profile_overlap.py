@@ -42,7 +42,7 @@ flags.DEFINE_integer("suffix_tokens", 256, "New tokens after the reused prefix."
 flags.DEFINE_float("gap_ms", 0.5, "Copy events closer than this form one burst (one layer's copies).")
 flags.DEFINE_string("trace_dir", None, "Where the raw traces go (default: a temporary folder).")
 flags.DEFINE_list("runs", ["stream", "kv_reuse"], "Which prefills to trace.")
-flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
+flags.DEFINE_string("out_dir", "experiments/results/overlap", "Where the JSON goes.")
 common.define_kernel_flags()  # the kernel config of both engines (EngineConfig.kernels)
 common.check_preset()
 common.check_names("runs", ("stream", "kv_reuse"))

@@ -89,7 +89,7 @@ flags.DEFINE_float("hbm_gb", 2.0, "GiB of the bfloat16 array whose negate measur
 flags.DEFINE_integer("hbm_repeats", 10, "Timed calls of the HBM measurement.")
 flags.DEFINE_string("hlo_dir", None, "Where the compiled decode steps' HLO text goes (none: not written).")
 flags.DEFINE_string("trace_dir", None, "Where the raw traces go (default: a temporary folder).")
-flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
+flags.DEFINE_string("out_dir", "experiments/results/profiles", "Where the JSON goes.")
 # the kernel config of every engine (EngineConfig.kernels); --kernels repeated: every run once per value
 common.define_kernel_flags(multi_use=True)
 common.check_preset()

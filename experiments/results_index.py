@@ -14,9 +14,11 @@ recorded for the run when its file was added, marked ``*``.
 Usage (from the repository root)::
 
   python experiments/results_index.py                      # the table for experiments/results/
+  python experiments/results_index.py --write_readme       # ... written into its README's "Full index"
   python experiments/results_index.py --results_dir=experiments/results/archive
 
-The "Full index" section of ``experiments/results/README.md`` is this script's output.
+The "Full index" section of ``experiments/results/README.md`` is this script's output
+(tests/test_results_layout.py checks that it is current).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import sys
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_DIR = os.path.join(ROOT, "results")
+README = os.path.join(DEFAULT_DIR, "README.md")
+INDEX_HEADING = "## Full index"
 ARCHIVE = "archive"
 
 #: Result files whose ``meta.git_commit`` is not the code the run used (the GPU machine's copy of the
@@ -440,6 +444,37 @@ def table(results_dir: str) -> str:
     return "\n".join(lines)
 
 
+def _index_span(readme: str) -> tuple[int, int]:
+    """Line numbers [start, end) of the table under ``readme``'s "Full index" heading.
+    Raises:
+      ResultError: no such heading, or no table under it."""
+    lines = readme.split("\n")
+    if INDEX_HEADING not in lines:
+        raise ResultError(f"{README}: no '{INDEX_HEADING}' heading")
+    start = lines.index(INDEX_HEADING) + 1
+    while start < len(lines) and not lines[start].startswith("|") and not lines[start].startswith("#"):
+        start += 1
+    if start == len(lines) or not lines[start].startswith("|"):
+        raise ResultError(f"{README}: no table under '{INDEX_HEADING}'")
+    end = start
+    while end < len(lines) and lines[end].startswith("|"):
+        end += 1
+    return start, end
+
+
+def readme_index(readme: str) -> str:
+    """The table of the "Full index" section of ``readme`` (the text of experiments/results/README.md)."""
+    start, end = _index_span(readme)
+    return "\n".join(readme.split("\n")[start:end])
+
+
+def with_index(readme: str, index: str) -> str:
+    """``readme`` with the table of its "Full index" section replaced by ``index`` (a :func:`table`)."""
+    start, end = _index_span(readme)
+    lines = readme.split("\n")
+    return "\n".join(lines[:start] + index.split("\n") + lines[end:])
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2
         print(f"results_index: {message}", file=sys.stderr)
@@ -450,12 +485,26 @@ def main(argv=None) -> int:
     p = _Parser(description=__doc__.split("\n")[0])
     p.add_argument("--results_dir", default=DEFAULT_DIR,
                    help="folder of result JSONs (default: experiments/results; its archive/ is left out)")
+    p.add_argument("--write_readme", action="store_true",
+                   help="write the table into the 'Full index' section of experiments/results/README.md "
+                        "instead of printing it (the default --results_dir only)")
     args = p.parse_args(argv)
     if not os.path.isdir(args.results_dir):
         print(f"results_index: {args.results_dir}: no such folder", file=sys.stderr)
         return 2
+    if args.write_readme and os.path.abspath(args.results_dir) != DEFAULT_DIR:
+        print("results_index: --write_readme indexes experiments/results only, not --results_dir", file=sys.stderr)
+        return 2
     try:
-        print(table(args.results_dir))
+        index = table(args.results_dir)
+        if args.write_readme:
+            with open(README, encoding="utf-8") as f:
+                text = with_index(f.read(), index)
+            with open(README, "w", encoding="utf-8") as f:
+                f.write(text)
+            print(f"wrote the index of {index.count(chr(10)) - 1} files into {README}")
+        else:
+            print(index)
     except ResultError as e:
         print(f"results_index: {e}", file=sys.stderr)
         return 1

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU check: runs the benchmark scripts named as arguments (default: bench_decode) and writes their
-# JSON (and logs) under $OUT when it is set, else experiments/results.
+# JSON (and logs) under $OUT when it is set, else each JSON in its script's --out_dir default (the figure's
+# folder of experiments/results/) and the logs in experiments/results.
 #   bash experiments/run_gpu.sh profile_step                 # where a decode step's time goes (issue 13)
 #   BENCH_ARGS="--expert_dtypes=bfloat16,int8" bash experiments/run_gpu.sh bench_prefill
 # BENCH_ARGS go to every script named: give it only flags they all take. The kernel choices are flags of every
@@ -15,5 +16,5 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$out/gpu.txt" 2>&1 || true
 for bench in "${@:-bench_decode}"; do
   echo "== $bench"
-  python3 "experiments/$bench.py" --out_dir="$out" ${BENCH_ARGS:-} 2>&1 | grep --line-buffered -v -E "libtpu|TPU" | tee "$out/$bench.log"
+  python3 "experiments/$bench.py" ${OUT:+--out_dir="$OUT"} ${BENCH_ARGS:-} 2>&1 | grep --line-buffered -v -E "libtpu|TPU" | tee "$out/$bench.log"
 done

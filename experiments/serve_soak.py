@@ -2,7 +2,7 @@ r"""Soak test of the HTTP server: many requests against one server process, its 
 
   PYTHONPATH=. python3 experiments/serve_soak.py --out_dir=$OUT                         # the demo model, 1,000 requests
   .venv/bin/python experiments/serve_soak.py --checkpoint=tests/fixtures/qwen3_moe_fp32 --requests=1000 \
-      --max_seq_len=64 --max_tokens=4 --out_dir=experiments/results                        # CPU, about a minute
+      --max_seq_len=64 --max_tokens=4 --out_dir=experiments/results/serve                        # CPU, about a minute
 
 The server (``ftjax.serve.server.create_app`` over the scheduler, uvicorn in a thread of this process) is built
 from ``ftjax.serve``'s flags (the model, expert-cache, quantization and KV flags of ``ftjax.engine_flags``,
@@ -52,7 +52,7 @@ flags.DEFINE_integer("disconnect_every", 25, "Every n-th request is streamed and
                      "(0: none).", lower_bound=0)
 flags.DEFINE_integer("invalid_every", 50, "Every n-th request is malformed (0: none).", lower_bound=0)
 flags.DEFINE_integer("sample_every", 100, "Requests between two memory samples.", lower_bound=1)
-flags.DEFINE_string("out_dir", "experiments/results", "Where the JSON goes.")
+flags.DEFINE_string("out_dir", "experiments/results/serve", "Where the JSON goes.")
 flags.DEFINE_string("name", None, "Result file name (default serve_soak_<model>_<requests>req_<device>_<date>.json).")
 flags.DEFINE_string("note", None, "A line kept in the JSON (what the run had on top of its commit, say).")
 

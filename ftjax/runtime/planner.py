@@ -18,7 +18,7 @@ The workspace (activations and every other temporary of the compiled steps) is e
 margin for the allocator (:func:`plan_run` compiles them first; the gather is part of
 that temp, so it is not added again), or, without a measurement, a *stated* WORKSPACE_BYTES
 (1 GB). The stated margin is too small for long prefills: on the H200 an 8192-token chunk of
-qwen3-30b-a3b peaked 6.9 GB above such a plan at 8 GB (experiments/results/plan_vs_peak_*.json).
+qwen3-30b-a3b peaked 6.9 GB above such a plan at 8 GB (experiments/results/checks/plan_vs_peak_*.json).
 """
 
 from __future__ import annotations

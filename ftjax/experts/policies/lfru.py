@@ -22,7 +22,7 @@ from ftjax.experts.policies.base import CachePolicy, slot_groups
 
 LFRU_HALF_LIFE_TOKENS = 4.0
 """Default LRFU half-life, in decode steps (tokens), as in experiments/policy_study.py (whose
-results, experiments/results/policy_study.json, were measured with it)."""
+results, experiments/results/policy/policy_study.json, were measured with it)."""
 
 
 def lfru_lambda(num_layers: int, half_life_tokens: float = LFRU_HALF_LIFE_TOKENS) -> float:

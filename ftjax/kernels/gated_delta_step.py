@@ -7,7 +7,7 @@ of every (row, value head). Per value head h (key head h // (Hv / Hk)):
     q <- l2norm(q) / sqrt(dk);  k <- l2norm(k)
     S <- exp(g) S;  S <- S + k (beta (v - S^T k))^T;  o = S^T q
 
-(Yang, Kautz, Hatamizadeh, "Gated Delta Networks", 2024, eq. 10; transformers'
+(Yang, Kautz, Hatamizadeh, "Gated Delta Networks", 2024, the gated delta rule; transformers'
 ``torch_recurrent_gated_delta_rule`` for one token). In XLA that is the heads' repeat, the two L2 norms
 and a few fusions over S, each a launch in the decode step of every Gated DeltaNet layer.
 

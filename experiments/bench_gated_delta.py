@@ -22,7 +22,16 @@ one jitted function after a compiling call, with its compile seconds:
   and the preparation with one solve of both right-hand sides side by side.
 * ``layer``: the whole layer (``gated_deltanet``: projections, conv, rule, gated norm, output) in the
   model's dtype, XLA vs the scan kernel at the best tiles, alone and with the solve kernel; one decode
-  token (T = 1) for scale.
+  token (T = 1) for scale, in XLA and with the ``causal_conv`` and ``gated_delta_step`` kernels.
+* ``conv``: the short causal conv (``causal_conv``: depthwise, SiLU, the conv state in and out) over the
+  --tokens prompt in the model's dtype, XLA vs the ``causal_conv`` kernel at each of --conv_tiles
+  (``block_t:block_c:num_warps``); ``err_out`` / ``err_state`` against the XLA form (the reference).
+* ``decode``: the one-token recurrent update (``gated_delta_decode``: q / k norms, head grouping, the
+  gated delta step on the float32 state) at each of --decode_batches rows, XLA vs the ``gated_delta_step``
+  kernel at each of --step_tiles (``block_v:num_warps``). One jitted call runs --decode_steps chained steps
+  (the state carried, as the layers of a decode step follow each other; the state donated, so the kernel
+  updates it in place); ``s`` is per call, ``s_per_step`` its median / --decode_steps. ``err_o`` /
+  ``err_state`` of one step and ``err_state_chain`` after the chain against the XLA form.
 * ``model`` (``--model_layers`` > 0): TTFT of a --tokens resident prefill of the preset cut to that many
   layers (random weights) with the kernels ``auto`` picks but the delta rule in XLA, with the scan kernel
   ``gated_delta`` alone (best tiles), with ``auto``'s (both kernels at their default tiles) and with both at
@@ -61,7 +70,14 @@ flags.DEFINE_list("tiles", ["32:4:1", "32:2:1", "16:4:1"],
                   "Kernel tiles to time, block_v:num_warps:num_stages.")
 flags.DEFINE_list("solve_blocks", ["64", "32", "16"], "Diagonal blocks of the solve kernel to time "
                   "(``gated_delta_solve`` tiles; 64 = the whole chunk row by row).")
-flags.DEFINE_list("stages", ["rule", "pieces", "layer", "model"], "Stages to run (rule picks the tiles of the others).")
+flags.DEFINE_list("stages", ["rule", "pieces", "layer", "conv", "decode", "model"],
+                  "Stages to run (rule picks the tiles of the others).")
+flags.DEFINE_list("conv_tiles", ["64:128:4", "32:256:4", "128:64:4"],
+                  "``causal_conv`` tiles to time (conv stage), block_t:block_c:num_warps.")
+flags.DEFINE_list("step_tiles", ["32:4", "16:4", "64:4"],
+                  "``gated_delta_step`` tiles to time (decode stage), block_v:num_warps.")
+flags.DEFINE_list("decode_batches", ["1", "4"], "Rows of the decode stage's one-token update.")
+flags.DEFINE_integer("decode_steps", 16, "Chained one-token updates per timed call (decode stage).", lower_bound=1)
 flags.DEFINE_integer("repeats", 10, "Timed calls per row.", lower_bound=1)
 flags.DEFINE_integer("model_layers", 16, "Layers of the model-level prefill (0: no model stage).", lower_bound=0)
 flags.DEFINE_integer("model_decode_steps", 64, "Decode steps timed in the model stage (auto kernels only; 0: none).",
@@ -308,15 +324,135 @@ def stage_layer(cfg, out: dict) -> None:
             if "best_solve_block" in out:
                 block = out["best_solve_block"]
                 choices.append((f"solve{block}+{name}", _kernels(tuple(out["best_tiles"]), block)))
+        if t == 1:
+            choices.append(("causal_conv+gated_delta_step", KernelConfig(use=("causal_conv", "gated_delta_step"))))
         for name, kc in choices:
             def fn(x, c, s, kc=kc, valid=valid):
                 with using(kc):
                     return gdn.gated_deltanet(cfg, lp, x, c, s, valid)[:3]
             m = _time(jax.jit(fn), x, conv0, rec0)
             rows.append({"tokens": t, "variant": name, **m})
-            print(f"layer T={t:5} {name:>12} median {m['s']['median'] * 1e3:8.3f} ms  compile {m['compile_s']:6.2f} s",
+            print(f"layer T={t:5} {name:>28} median {m['s']['median'] * 1e3:8.3f} ms  compile {m['compile_s']:6.2f} s",
                   flush=True)
     out["layer"] = rows
+
+
+def _variant_row(stage: str, rows: list, name: str, run) -> dict | None:
+    """``run()`` (a dict of measurements) recorded as row ``name`` of ``stage``; a variant the Triton
+    compile refuses is recorded with its error and the stage goes on."""
+    try:
+        res = {"variant": name, **run()}
+    except Exception as e:  # a tile the Triton compile refuses: record it, go on
+        rows.append({"variant": name, "error": f"{type(e).__name__}: {str(e)[:400]}"})
+        print(f"{stage} {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        return None
+    rows.append(res)
+    errs = "  ".join(f"{k} {v:.2e}" for k, v in res.items() if k.startswith("err"))
+    print(f"{stage} {name:>28} median {res['s']['median'] * 1e3:8.3f} ms  compile {res['compile_s']:6.2f} s  {errs}",
+          flush=True)
+    return res
+
+
+def stage_conv(cfg, out: dict) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from ftjax.kernels.registry import KernelConfig, using
+    from ftjax.layers import gated_deltanet as gdn
+    dtype = jnp.dtype(FLAGS.dtype)
+    r = np.random.default_rng(4)
+    t, c, taps = FLAGS.tokens, cfg.linear_conv_dim, cfg.linear_conv_kernel
+    x = jnp.asarray(r.normal(size=(1, t, c)), dtype)
+    w = jnp.asarray(r.normal(size=(taps, c)) * 0.5, dtype)
+    state = jnp.asarray(r.normal(size=(1, taps - 1, c)), dtype)  # a continued prefill (prefix reuse)
+    n = jnp.asarray([t], jnp.int32)
+
+    def conv(kc):
+        def fn(*a):
+            with using(kc):
+                return gdn.causal_conv(*a)
+        return jax.jit(fn)
+
+    ref = conv(KernelConfig(use="xla"))(x, w, state, n)
+    rows = []
+
+    def run(kc):
+        def go():
+            fn = conv(kc)
+            m = _time(fn, x, w, state, n)
+            y, s = fn(x, w, state, n)
+            return {"tokens": t, "channels": c, **m, "err_out": _err(y, ref[0]), "err_state": _err(s, ref[1])}
+        return go
+
+    _variant_row("conv", rows, "xla", run(KernelConfig(use="xla")))
+    for entry in FLAGS.conv_tiles:
+        _variant_row("conv", rows, f"causal_conv {entry}",
+                     run(KernelConfig(use=("causal_conv",), tiles={"causal_conv": _tiles(entry)})))
+    out["conv"] = rows
+
+
+def stage_decode(cfg, out: dict) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from ftjax.kernels.registry import KernelConfig, using
+    from ftjax.layers import gated_deltanet as gdn
+    dtype = jnp.dtype(FLAGS.dtype)
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    steps = FLAGS.decode_steps
+    rows = []
+    for b in map(int, FLAGS.decode_batches):
+        r = np.random.default_rng(5 + b)
+        f = lambda *s, dt=dtype: jnp.asarray(r.normal(size=s), dt)  # noqa: E731
+        q, k, v = f(steps, b, hk, dk), f(steps, b, hk, dk), f(steps, b, hv, dv)
+        g = -jnp.asarray(r.uniform(0.0, 0.3, size=(steps, b, hv)), jnp.float32)
+        beta = jnp.asarray(r.uniform(size=(steps, b, hv)), dtype)
+        s0 = 0.1 * f(b, hv, dk, dv, dt=jnp.float32)
+
+        def chain(kc):
+            def fn(q, k, v, g, beta, s):  # the steps' tokens one after the other, the state carried
+                with using(kc):
+                    for i in range(steps):
+                        o, s = gdn.gated_delta_decode(q[i], k[i], v[i], g[i], beta[i], s)
+                return o, s
+            return jax.jit(fn, donate_argnums=5)
+
+        def one(kc):
+            def fn(*a):
+                with using(kc):
+                    return gdn.gated_delta_decode(*a)
+            return jax.jit(fn)
+
+        xla = KernelConfig(use="xla")
+        ref1 = one(xla)(q[0], k[0], v[0], g[0], beta[0], s0)
+        ref_chain = chain(xla)(q, k, v, g, beta, s0.copy())
+
+        def run(kc):
+            def go():
+                fn = chain(kc)
+                s = s0.copy()
+                t0 = time.perf_counter()
+                s = jax.block_until_ready(fn(q, k, v, g, beta, s))[1]
+                compile_s = time.perf_counter() - t0
+                ts = []
+                for _ in range(FLAGS.repeats):
+                    t0 = time.perf_counter()
+                    s = jax.block_until_ready(fn(q, k, v, g, beta, s))[1]
+                    ts.append(time.perf_counter() - t0)
+                spread = common.spread(ts)
+                o1, s1 = one(kc)(q[0], k[0], v[0], g[0], beta[0], s0)
+                _, s_chain = fn(q, k, v, g, beta, s0.copy())
+                return {"batch": b, "steps": steps, "compile_s": compile_s, "s": spread,
+                        "s_per_step": spread["median"] / steps, "err_o": _err(o1, ref1[0]),
+                        "err_state": _err(s1, ref1[1]), "err_state_chain": _err(s_chain, ref_chain[1])}
+            return go
+
+        _variant_row("decode", rows, f"B={b} xla", run(xla))
+        for entry in FLAGS.step_tiles:
+            _variant_row("decode", rows, f"B={b} gated_delta_step {entry}",
+                         run(KernelConfig(use=("gated_delta_step",), tiles={"gated_delta_step": _tiles(entry)})))
+    out["decode"] = rows
 
 
 def stage_model(cfg, out: dict) -> None:
@@ -372,7 +508,8 @@ def main(argv):
     out = {"shape": {"tokens": FLAGS.tokens, "value_heads": cfg.linear_num_value_heads,
                      "key_heads": cfg.linear_num_key_heads, "dk": cfg.linear_key_head_dim,
                      "dv": cfg.linear_value_head_dim}, "device": jax.devices()[0].device_kind, "partial": True}
-    for key, stage in (("rule", stage_rule), ("pieces", stage_pieces), ("layer", stage_layer)):
+    for key, stage in (("rule", stage_rule), ("pieces", stage_pieces), ("layer", stage_layer), ("conv", stage_conv),
+                       ("decode", stage_decode)):
         if key in FLAGS.stages:
             stage(cfg, out)
             common.write_json(FLAGS.out_dir, name, out)

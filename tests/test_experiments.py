@@ -692,3 +692,20 @@ def test_bench_kv_reuse_hlo_of_each_prefix_copy():
     proc = subprocess.run([sys.executable, "-c", _KV_REUSE_HLO_OF_EACH_COPY], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_bench_gated_delta_conv_and_decode_smoke(tmp_path):
+    """bench_gated_delta's conv and decode stages at a cut layer (2 value heads, dk = dv = 32; the kernels
+    interpreted): a row per variant, none failed, the kernels within float32 rounding of the XLA form."""
+    d = _run("bench_gated_delta", tmp_path, "--tokens=64", "--value_heads=2", "--key_heads=1", "--head_dim=32",
+             "--model_layers=0", "--repeats=1", "--stages=conv,decode", "--conv_tiles=16:64", "--step_tiles=16:4",
+             "--decode_steps=2")
+    _meta(d)
+    assert [r["variant"] for r in d["conv"]] == ["xla", "causal_conv 16:64"]
+    assert [r["variant"] for r in d["decode"]] == ["B=1 xla", "B=1 gated_delta_step 16:4", "B=4 xla",
+                                                   "B=4 gated_delta_step 16:4"]
+    for r in d["conv"] + d["decode"]:
+        assert "error" not in r and r["s"]["median"] > 0, r
+        assert all(v < 1e-5 for k, v in r.items() if k.startswith("err")), r
+    assert d["conv"][0]["err_out"] == 0 and d["decode"][2]["s_per_step"] == d["decode"][2]["s"]["median"] / 2

@@ -194,3 +194,87 @@ def test_the_solve_kernel_merges_any_number_of_diagonal_blocks(chunk, block):
     got = gd.solve_chunks(*(flat(a) for a in (q, k, v, beta, c)), chunk=chunk, block=block, interpret=True)
     for x, y in zip(got, want):
         np.testing.assert_allclose(x.reshape(y.shape), y, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_conv_kernel_matches_the_reference(dtype):
+    """``causal_conv`` interpreted (T = 37 and 40 channels: neither a multiple of the 16 x 16 tiles; rows with
+    7, 2 (< K - 1) and 0 real tokens; the state read across the first tile's edge) against the XLA form:
+    the output to float32 rounding, the new state exactly (it is a copy of inputs); one decode token too."""
+    from ftjax.kernels.registry import KernelConfig, recording, using
+    r = np.random.default_rng(5)
+    b, c = 3, 40
+    w = jnp.asarray(r.normal(size=(4, c)), dtype)
+    state = jnp.asarray(r.normal(size=(b, 3, c)), jnp.float32)  # cast to x's dtype, as the cache may hold another
+    for t, valid_len in ((37, [37, 2, 0]), (1, [1, 1, 0])):
+        x = jnp.asarray(r.normal(size=(b, t, c)), dtype)
+        n = jnp.asarray(valid_len, jnp.int32)
+        want = gdn.causal_conv(x, w, state, n)
+        with using(KernelConfig(use="causal_conv", tiles={"causal_conv": (16, 16)})), recording() as ran:
+            got = gdn.causal_conv(x, w, state, n)
+        assert ran == {"causal_conv"}
+        assert got[0].dtype == want[0].dtype == x.dtype and got[1].dtype == want[1].dtype == x.dtype
+        np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32), rtol=1e-5,
+                                   atol=1e-5)
+        np.testing.assert_array_equal(np.asarray(got[1], np.float32), np.asarray(want[1], np.float32))
+
+
+def test_the_decode_step_kernel_matches_the_recurrence():
+    """``gated_delta_step`` interpreted (2 key heads for 4 value heads, two column blocks of S per head, bf16
+    q / k / v as the conv returns them) against ``gated_delta_decode``'s XLA form (the heads repeated, the
+    norms, one step of ``recurrent_gated_delta_rule``); a padding row (beta = g = 0) leaves its state exactly."""
+    from ftjax.kernels.registry import KernelConfig, recording, using
+    r = np.random.default_rng(6)
+    b, hk, hv, dk, dv = 2, 2, 4, 16, 32
+    q, k = (jnp.asarray(r.normal(size=(b, hk, dk)), jnp.bfloat16) for _ in range(2))
+    v = jnp.asarray(r.normal(size=(b, hv, dv)), jnp.bfloat16)
+    g = -jnp.asarray(r.uniform(0.0, 0.3, size=(b, hv)), jnp.float32).at[1].set(0.0)
+    beta = jnp.asarray(r.uniform(size=(b, hv)), jnp.float32).at[1].set(0.0)
+    s0 = jnp.asarray(r.normal(size=(b, hv, dk, dv)), jnp.float32)
+    want = gdn.gated_delta_decode(q, k, v, g, beta, s0)
+    with using(KernelConfig(use="gated_delta_step", tiles={"gated_delta_step": (16,)})), recording() as ran:
+        got = gdn.gated_delta_decode(q, k, v, g, beta, s0)
+    assert ran == {"gated_delta_step"}
+    assert got[0].shape == (b, hv, dv) and got[1].shape == s0.shape
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got[1][1], s0[1])
+    assert float(jnp.max(jnp.abs(got[1][0] - s0[0]))) > 0.1  # a real row moved
+
+
+def test_the_layer_runs_the_conv_and_decode_kernels_as_named():
+    """``gated_deltanet`` at the tiny-hybrid shape with ``causal_conv`` and ``gated_delta_step`` named
+    (interpreted): a 5-token prefill call (the conv kernel; the chunked rule in XLA) and then one decode
+    token (both kernels) give the XLA path's outputs and states; the kernels' sizes are refused by name."""
+    from ftjax.config import preset
+    from ftjax.kernels import causal_conv as cc
+    from ftjax.kernels import gated_delta_step as gs
+    from ftjax.kernels.registry import KernelConfig, recording, using
+    cfg = preset("tiny-hybrid")
+    r = np.random.default_rng(7)
+    lp = {n: jnp.asarray(r.normal(size=s) * (0.05 if len(s) == 2 else 0.5), jnp.float32)
+          for n, s in gdn.param_shapes(cfg).items()}
+    (_, _, km1, cd), (_, _, hv, dk, dv) = gdn.state_shapes(cfg, 1, 2)
+    conv0, rec0 = jnp.zeros((2, km1, cd), jnp.float32), jnp.zeros((2, hv, dk, dv), jnp.float32)
+    x = jnp.asarray(r.normal(size=(2, 6, cfg.hidden_size)), jnp.float32)
+    valid = jnp.asarray([[True] * 5, [True] * 3 + [False] * 2])
+
+    def run(use):
+        with using(KernelConfig(use=use)), recording() as ran:
+            y, conv, rec, _ = gdn.gated_deltanet(cfg, lp, x[:, :5], conv0, rec0, valid)
+            y1, conv, rec, _ = gdn.gated_deltanet(cfg, lp, x[:, 5:], conv, rec, jnp.ones((2, 1), bool))
+        return (y, y1, conv, rec), ran
+
+    want, ran = run("xla")
+    assert ran == set()
+    got, ran = run("causal_conv,gated_delta_step")
+    assert ran == {"causal_conv", "gated_delta_step"}
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert not cc.supported(1) and not cc.supported(4, block_t=2) and cc.supported(4)
+    assert gs.supported(16, 32, 128, 128) and not gs.supported(16, 24, 128, 128) and not gs.supported(2, 4, 8, 32)
+    with pytest.raises(ValueError, match="conv_state expected shape"):
+        cc.causal_conv(x, lp["conv"][:, :cfg.hidden_size], conv0, jnp.ones(2, jnp.int32))
+    qk, zeros = jnp.zeros((2, cfg.linear_num_key_heads, dk)), jnp.zeros((2, hv))
+    with pytest.raises(ValueError, match="state expected float32"):
+        gs.decode_step(qk, qk, jnp.zeros((2, hv, dv)), zeros, zeros, rec0.astype(jnp.bfloat16))

@@ -325,6 +325,30 @@ def test_kernels_lower_for_cuda_at_real_shapes():
         assert txt.count("__gpu$xla.gpu.triton") == 1
 
 
+def test_gated_deltanet_conv_and_decode_kernels_lower_for_cuda_at_real_shapes():
+    """qwen3.5-35b-a3b's Gated DeltaNet layer (16 key heads, 32 value heads, dk = dv = 128, conv over
+    2*16*128 + 32*128 = 8192 channels, 4 taps; bf16 activations): the conv over an 8192-token prompt and one
+    decode token, and the decode step at batch 1 and 4, each lower to one Triton custom call; the decode
+    step's state output aliases its state operand (updated in place)."""
+    from ftjax.config import preset
+    from ftjax.kernels import causal_conv as cc
+    from ftjax.kernels import gated_delta_step as gs
+    cfg = preset("qwen3.5-35b-a3b")
+    hk, hv, dk, dv, taps = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                            cfg.linear_value_head_dim, cfg.linear_conv_kernel)
+    assert (hk, hv, dk, dv, taps, cfg.linear_conv_dim) == (16, 32, 128, 128, 4, 8192)
+    sd, bf, f32, c = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32, cfg.linear_conv_dim
+    for t in (8192, 1):
+        txt = _lower_cuda(lambda *a: cc.causal_conv(*a), sd((1, t, c), bf), sd((taps, c), bf), sd((1, taps - 1, c), bf),
+                          sd((1,), jnp.int32))
+        assert txt.count("__gpu$xla.gpu.triton") == 1
+    for b in (1, 4):
+        txt = _lower_cuda(lambda *a: gs.decode_step(*a), sd((b, hk, dk), bf), sd((b, hk, dk), bf), sd((b, hv, dv), bf),
+                          sd((b, hv), f32), sd((b, hv), bf), sd((b, hv, dk, dv), f32))
+        assert txt.count("__gpu$xla.gpu.triton") == 1
+        assert "output_operand_alias<output_tuple_indices = [1], operand_index = 5" in txt
+
+
 # ------------------------------------------------------------------ the model, every kernel interpreted
 def _tiny_engine_run(mode, slots, kernels):
     from ftjax import Engine

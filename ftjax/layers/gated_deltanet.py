@@ -10,7 +10,8 @@ Per value head, a state ``S`` [dk, dv] is decayed and corrected once per token t
 (g_t <= 0 the log decay, beta_t in (0, 1) the write strength; q and k L2-normalised, q scaled
 by dk^-1/2). Two forms compute it:
 
-* :func:`recurrent_gated_delta_rule`: token by token (decode, T = 1).
+* :func:`recurrent_gated_delta_rule`: token by token (decode, T = 1; :func:`gated_delta_decode` is
+  the layer's one-token step around it, with the q / k norms and the head grouping).
 * :func:`chunked_gated_delta_rule`: chunks of :data:`DELTA_CHUNK` tokens. Inside a chunk the
   sequential corrections are solved at once (a unit lower-triangular system, the WY / UT
   transform of DeltaNet); a scan over chunks carries S. Prefill uses this form. It also returns
@@ -24,7 +25,9 @@ state after its last real token.
 
 Two Pallas kernels (``ftjax.kernels.gated_delta``) run the chunked form where the kernel config
 selects them: ``gated_delta_solve`` for what each chunk computes on its own (:func:`chunk_solve`; else
-XLA's batched matmuls and triangular solve) and ``gated_delta`` for the scan over chunks.
+XLA's batched matmuls and triangular solve) and ``gated_delta`` for the scan over chunks. Two more,
+named only: ``causal_conv`` (``ftjax.kernels.causal_conv``) for :func:`causal_conv` and
+``gated_delta_step`` (``ftjax.kernels.gated_delta_step``) for :func:`gated_delta_decode`.
 
 Weights of one layer (matrices ``[in, out]``; stacked over the kind's layers in ``params["layers"]``):
 ``w_qkv [D, 2*Hk*dk + Hv*dv]``, ``w_z [D, Hv*dv]``, ``w_b``, ``w_a [D, Hv]``, ``conv [K, 2*Hk*dk + Hv*dv]``,
@@ -41,7 +44,8 @@ import jax
 import jax.numpy as jnp
 
 from ftjax.config import ModelConfig
-from ftjax.kernels import gated_delta
+from ftjax.kernels import causal_conv as conv_kernel
+from ftjax.kernels import gated_delta, gated_delta_step
 from ftjax.layers.common import layer_weight, norm_fn, project
 from ftjax.seams import KVCache, KVHook, LayerIndex, LayerInputs
 
@@ -62,8 +66,12 @@ def causal_conv(x: jax.Array, weight: jax.Array, conv_state: jax.Array, valid_le
     x: [B, T, C] inputs of this call (right-padded); weight: [K, C] (tap K-1 multiplies the
     current token); conv_state: [B, K-1, C], the K-1 inputs before this call (zeros for a fresh
     sequence); valid_len: int32 [B] real tokens of the call. Returns (silu(conv) [B, T, C] in x's
-    dtype, the new conv state [B, K-1, C]: the last K-1 inputs up to token valid_len).
+    dtype, the new conv state [B, K-1, C] in x's dtype: the last K-1 inputs up to token valid_len).
+    Runs as the ``causal_conv`` kernel where the kernel config selects it (``ftjax.kernels.causal_conv``).
     """
+    fast = conv_kernel.maybe(x, weight, conv_state, valid_len)
+    if fast is not None:
+        return fast
     k = weight.shape[0]
     xs = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)  # [B, K-1+T, C]
     t = x.shape[1]
@@ -96,6 +104,26 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state):
     xs = tuple(jnp.moveaxis(a, 2, 0) for a in (q, k, v, g, beta))
     state, o = jax.lax.scan(step, state.astype(jnp.float32), xs)
     return jnp.moveaxis(o, 0, 2).swapaxes(1, 2), state
+
+
+def gated_delta_decode(q, k, v, g, beta, state):
+    """One decode token of the layer: the q / k L2 norms, the heads' grouping and the recurrent step.
+
+    q, k: [B, Hk, dk] the token's queries and keys per key head (the conv's outputs, before the norm);
+    v: [B, Hv, dv]; g (log decay, <= 0), beta: [B, Hv]; state: float32 [B, Hv, dk, dv]. Value head h
+    reads key head h // (Hv / Hk) (``jnp.repeat`` of the key heads, as transformers' ``repeat_interleave``).
+    Returns (o float32 [B, Hv, dv], the new state). Runs as the ``gated_delta_step`` kernel where the
+    kernel config selects it (``ftjax.kernels.gated_delta_step``: the state updated in place), else as
+    :func:`recurrent_gated_delta_rule` on one token.
+    """
+    fast = gated_delta_step.maybe(q, k, v, g, beta, state)
+    if fast is not None:
+        return fast
+    rep = v.shape[1] // k.shape[1]
+    q = l2_normalize(jnp.repeat(q, rep, axis=1))[:, None]
+    k = l2_normalize(jnp.repeat(k, rep, axis=1))[:, None]
+    o, state = recurrent_gated_delta_rule(q, k, v[:, None], g[:, None], beta[:, None], state)
+    return o[:, 0], state
 
 
 def chunk_solve(q, k, v, beta, c):
@@ -222,12 +250,13 @@ def gated_deltanet(cfg: ModelConfig, lp: dict, x: jax.Array, conv_state: jax.Arr
         project(x, lp["w_a"]).astype(jnp.float32) + layer_weight(lp["dt_bias"]).astype(jnp.float32))
     beta = jnp.where(valid[..., None], beta, 0)  # padding leaves the state exactly as it is
     g = jnp.where(valid[..., None], g, 0.0)
-    q = l2_normalize(jnp.repeat(q, hv // hk, axis=2))
-    k = l2_normalize(jnp.repeat(k, hv // hk, axis=2))
     points = None
     if t == 1:
-        o, rec = recurrent_gated_delta_rule(q, k, v, g, beta, rec_state)
+        o, rec = gated_delta_decode(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], rec_state)
+        o = o[:, None]
     else:
+        q = l2_normalize(jnp.repeat(q, hv // hk, axis=2))
+        k = l2_normalize(jnp.repeat(k, hv // hk, axis=2))
         o, rec, ends = chunked_gated_delta_rule(q, k, v, g, beta, rec_state, chunk_states=bool(state_points))
         if state_points:
             conv_in = jnp.concatenate([conv_state.astype(qkv_in.dtype), qkv_in], axis=1)[state_row]

@@ -2,7 +2,7 @@ r"""Serving benchmarks (issue 31): throughput under concurrency, multi-round QA 
 the HTTP server's overhead per token.
 
   PYTHONPATH=. python3 experiments/bench_serve.py --part=concurrency,server_overhead --modes=resident \
-      --out=$OUT/bench_serve_qwen3-30b-a3b_resident_h200_$(date -u +%F).json            # GPU (H200), ~4 min
+      --decode_blocks=1,16 --out=$OUT/bench_serve_qwen3-30b-a3b_resident_h200_$(date -u +%F).json   # GPU (H200), ~6 min
   PYTHONPATH=. python3 experiments/bench_serve.py --part=concurrency --modes=cached --vram_budget_gb=8 \
       --cache_policy=lookahead --max_tokens=32 \
       --out=$OUT/bench_serve_qwen3-30b-a3b_cached-8gb_h200_$(date -u +%F).json           # ~7 min
@@ -25,13 +25,18 @@ warm-up runs requests of the same shapes, so that no timed call compiles (``comp
 engine of ``max(--concurrency)`` rows, a scheduler of ``max_batch`` = N per level N. Closed loop (``--rate=0``):
 N requests always in flight, a new one submitted as one finishes; open loop (``--rate`` > 0): Poisson
 arrivals at that many requests per second, at most N running, the others waiting in the scheduler's queue.
-Each level runs ``--requests`` requests of ``--prompt_tokens`` random ids and ``--max_tokens`` new tokens.
+Each level runs ``--requests`` requests of ``--prompt_tokens`` random ids and ``--max_tokens`` new tokens, once
+per scheduler decode block of ``--decode_blocks`` (``Scheduler(decode_block=k)``: k decode steps per program
+while no row prefills; 1: one program per step, with ``--run_ahead``; default: ``--decode_block``'s value), each
+level's row tagged with its ``decode_block``.
 Per level: output tokens/s and requests/s over the level's wall time; TTFT (from submit), TPOT (each request's
 mean time between tokens) and ITL (every gap between two tokens) as spreads, from ``RequestStats``; engine
-calls by kind and steps (``Scheduler.metrics``); the expert cache's hits, misses, hit rate and H2D bytes in the
-level (prefill and decode), H2D bytes per output token; ``speedup_vs_c1``: tokens/s over concurrency 1's
-(targets, closed loop: >= 3x at 4 resident, >= 2x cached; an open loop's tokens/s is its offered load's until
-the level saturates).
+calls by kind (prefill, mixed, one-step decode, decode_block programs) and forward steps
+(``Scheduler.metrics``: a block counts the steps it ran); the expert cache's hits, misses, hit rate and H2D
+bytes in the level (prefill and decode), H2D bytes per output token; ``speedup_vs_c1``: tokens/s over
+concurrency 1's at the same decode block (targets, closed loop: >= 3x at 4 resident, >= 2x cached; an open
+loop's tokens/s is its offered load's until the level saturates). ITL inside a decode block is the block's
+time divided evenly among its steps (``ftjax.serve.scheduler``).
 
 ``--part=multiround``: LMCache's multi-round QA. ``--users`` users, each with its own context of
 ``--context_tokens`` random ids, then ``--rounds`` rounds of a question of ``--question_tokens`` random ids and
@@ -56,7 +61,9 @@ with the server's event loop and the scheduler thread for the GIL (results up to
 ``tpot_ratio`` counts the client's cost too). Its times are CLOCK_MONOTONIC (``time.monotonic_ns``), one clock
 for every process. A model without a tokenizer is served with one that writes each id as text (``<id>``), so
 that every token is one chunk. ``tpot_ratio``: median per-request mean TPOT over HTTP / directly (target
-<= 1.05); ``tpot_ratio_median_gap``: the same from the median gap between two tokens.
+<= 1.05); ``tpot_ratio_median_gap``: the same from the median gap between two tokens. The multiround and
+server_overhead parts' schedulers decode in blocks of ``--decode_block`` steps (as ``ftjax.serve`` does): tokens
+then come in bursts of up to that many, so the median gap means something with ``--decode_block=1`` only.
 
 ``--part=all`` runs the three (``--part`` also takes a comma list). One JSON (``--out``, default
 ``<out_dir>/bench_serve_<preset>_<date>.json``): ``meta`` (provenance), ``flags``, ``parts`` (per part and mode,
@@ -121,11 +128,15 @@ flags.DEFINE_integer("server_requests", 5, "server_overhead: timed batch-1 reque
 flags.DEFINE_boolean("warmup", True, "Run untimed requests of the same shapes before each timed run.")
 flags.DEFINE_boolean("run_ahead", True, "The scheduler dispatches the next decode step before reading this step's "
                      "tokens (ftjax.serve's --run_ahead).")
+flags.DEFINE_list("decode_blocks", [], "Scheduler decode blocks the concurrency part compares "
+                  "(Scheduler(decode_block=k): k decode steps per program while no row prefills; 1: one program per "
+                  "step, with --run_ahead); empty: --decode_block's value alone.")
 flags.DEFINE_string("out_dir", "experiments/results/serve", "Where the JSON goes (without --out).")
 flags.DEFINE_string("out", None, "The JSON's path (default <out_dir>/bench_serve_<preset>_<date>.json).")
 common.check_names("part", (*PARTS, "all"))
 common.check_names("modes", EXPERT_MODES)
 common.check_numbers("concurrency", int, low=1)
+common.check_numbers("decode_blocks", int, low=1)
 
 
 # ---- engines and schedulers ----------------------------------------------------------------------
@@ -169,10 +180,11 @@ def prefix_cache():
         return engine_flags.kv_manager()
 
 
-def scheduler(engine, batch: int, kv_manager=None, waiting: int = 64):
+def scheduler(engine, batch: int, kv_manager=None, waiting: int = 64, decode_block: int | None = None):
+    """A scheduler over ``engine`` as ``ftjax.serve`` builds one; ``decode_block`` None: --decode_block's."""
     from ftjax.serve import Scheduler
     return Scheduler(engine, max_batch=batch, max_waiting=max(64, waiting), kv_manager=kv_manager,
-                     run_ahead=FLAGS.run_ahead)
+                     run_ahead=FLAGS.run_ahead, decode_block=decode_block or FLAGS.decode_block)
 
 
 def finish(row: dict, engine) -> None:
@@ -199,7 +211,8 @@ def engine_figures(before: dict, after: dict, tokens: int) -> dict:
          if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in GAUGES}
     hits, misses = d["expert_cache_hits"], d["expert_cache_misses"]
     dh, dm = d["decode_hits"], d["decode_misses"]
-    out = {"engine_calls": {k: int(d[f"engine_calls_{k}"]) for k in ("prefill", "mixed", "decode", "failed")},
+    out = {"engine_calls": {k: int(d[f"engine_calls_{k}"])
+                            for k in ("prefill", "mixed", "decode", "decode_block", "failed")},
            "steps": int(d["steps"]),
            "expert_cache": {"hits": int(hits), "misses": int(misses),
                             "hit_rate": hits / (hits + misses) if hits + misses else None,
@@ -299,9 +312,11 @@ def run_level(sched, prompts: list, level: int, max_tokens: int, rate: float, rn
 
 
 def speedups(levels: list) -> None:
-    """Sets each level's ``speedup_vs_c1``: its tokens/s over concurrency 1's (None before that level ran)."""
-    base = next((x for x in levels if x["concurrency"] == 1 and x.get("tokens_per_s")), None)
+    """Sets each level's ``speedup_vs_c1``: its tokens/s over concurrency 1's at the same ``decode_block`` (None
+    before that level ran)."""
     for x in levels:
+        base = next((y for y in levels if y["concurrency"] == 1 and y.get("decode_block") == x.get("decode_block")
+                     and y.get("tokens_per_s")), None)
         x["speedup_vs_c1"] = x["tokens_per_s"] / base["tokens_per_s"] if base and x.get("tokens_per_s") else None
 
 
@@ -313,25 +328,28 @@ def part_concurrency(model, mode: str, progress) -> dict:
     rng = np.random.default_rng([FLAGS.seed, 1])
     row = {"mode": mode, "engine": engine.describe(), "slots": engine.num_slots,
            "memory_plan": plan.as_dict() if plan else None, "levels": []}
-    for level in levels:
-        sched = scheduler(engine, level, waiting=n)
-        t = time.perf_counter()
-        if FLAGS.warmup:  # one wave of the level's shapes (admission compiles the mixed calls too)
-            run_level(sched, [rng.integers(0, cfg.vocab_size, p).tolist() for _ in range(level)], level,
-                      min(2, m), 0.0, rng)
-        warm = time.perf_counter() - t
-        prompts = [rng.integers(0, cfg.vocab_size, p).tolist() for _ in range(n)]
-        res = dict(run_level(sched, prompts, level, m, FLAGS.rate, rng), warmup_s=warm)
-        row["levels"].append(res)
-        speedups(row["levels"])
-        print(f"[{mode}] concurrency {level}: {res['tokens_per_s']:.2f} tok/s ({res['requests_per_s']:.3f} req/s), "
-              f"TTFT {res['ttft_s'].get('median', float('nan')):.4f} s, TPOT "
-              f"{res['tpot_s'].get('median', float('nan')):.4f} s, hit rate {res['expert_cache']['hit_rate']}, "
-              f"x{res['speedup_vs_c1'] or float('nan'):.2f} of c1", flush=True)
-        del sched
-        progress(row)
-    at4 = next((x for x in row["levels"] if x["concurrency"] == 4), None)
-    row["speedup_at_4"] = at4["speedup_vs_c1"] if at4 else None
+    blocks = [int(x) for x in FLAGS.decode_blocks] or [FLAGS.decode_block]
+    for block in blocks:
+        for level in levels:
+            sched = scheduler(engine, level, waiting=n, decode_block=block)
+            t = time.perf_counter()
+            if FLAGS.warmup:  # one wave of the level's shapes (admission compiles the mixed calls too)
+                run_level(sched, [rng.integers(0, cfg.vocab_size, p).tolist() for _ in range(level)], level,
+                          min(2, m), 0.0, rng)
+            warm = time.perf_counter() - t
+            prompts = [rng.integers(0, cfg.vocab_size, p).tolist() for _ in range(n)]
+            res = dict(run_level(sched, prompts, level, m, FLAGS.rate, rng), warmup_s=warm, decode_block=block)
+            row["levels"].append(res)
+            speedups(row["levels"])
+            print(f"[{mode}] decode block {block}, concurrency {level}: {res['tokens_per_s']:.2f} tok/s "
+                  f"({res['requests_per_s']:.3f} req/s), TTFT {res['ttft_s'].get('median', float('nan')):.4f} s, TPOT "
+                  f"{res['tpot_s'].get('median', float('nan')):.4f} s, hit rate {res['expert_cache']['hit_rate']}, "
+                  f"x{res['speedup_vs_c1'] or float('nan'):.2f} of c1", flush=True)
+            del sched
+            progress(row)
+    at4 = {x["decode_block"]: x["speedup_vs_c1"] for x in row["levels"] if x["concurrency"] == 4}
+    row["speedup_at_4"] = at4.get(blocks[-1])  # the last decode block's (--decode_blocks=1,16: with blocks)
+    row["speedup_at_4_by_decode_block"] = {str(k): v for k, v in at4.items()}
     finish(row, engine)
     del engine
     gc.collect()
@@ -589,6 +607,7 @@ def flat_rows(parts: dict) -> list[dict]:
     for mode, r in (parts.get("concurrency") or {}).get("modes", {}).items():
         for x in r.get("levels", []):
             rows.append({"part": "concurrency", "mode": mode, "case": f"concurrency {x['concurrency']}",
+                         "variant": f"decode_block {x.get('decode_block', 1)}",
                          "tokens_per_s": x.get("tokens_per_s"), "ttft_s": x.get("ttft_s"), "tpot_s": x.get("tpot_s"),
                          "hit_rate": x["expert_cache"]["hit_rate"], "speedup_vs_c1": x.get("speedup_vs_c1")})
     for mode, r in (parts.get("multiround") or {}).get("modes", {}).items():
@@ -639,7 +658,8 @@ def main(argv):
     fns = {"concurrency": part_concurrency, "multiround": part_multiround, "server_overhead": part_server_overhead}
     settings = {"concurrency": {"loop": "poisson" if FLAGS.rate else "closed", "rate": FLAGS.rate or None,
                                 "levels": [int(x) for x in FLAGS.concurrency], "requests": FLAGS.requests,
-                                "prompt_tokens": FLAGS.prompt_tokens, "max_tokens": FLAGS.max_tokens},
+                                "prompt_tokens": FLAGS.prompt_tokens, "max_tokens": FLAGS.max_tokens,
+                                "decode_blocks": [int(x) for x in FLAGS.decode_blocks] or [FLAGS.decode_block]},
                 "multiround": {"users": FLAGS.users, "context_tokens": FLAGS.context_tokens, "rounds": FLAGS.rounds,
                                "question_tokens": FLAGS.question_tokens, "answer_tokens": FLAGS.answer_tokens},
                 "server_overhead": {"prompt_tokens": FLAGS.prompt_tokens, "max_tokens": FLAGS.max_tokens,

@@ -335,8 +335,9 @@ class EngineConfig:
         kernels run, their tiles, the decode programs' GEMMs and CUDA graphs); part of every program's key.
       miss: what a miss does (:class:`MissPolicyConfig`).
       decode_block: decode steps per program in :meth:`ftjax.Engine.generate` (the token fed back and the
-        stop check on the device, ``ftjax.runtime.step.decode_block``); 1: one program per step and the
-        sampler's own program, as a server's step-by-step loop runs.
+        stop check on the device, ``ftjax.runtime.step.decode_block``), and the default of the serving
+        scheduler's blocks (``ftjax.serve.scheduler.Scheduler``); 1: one program per step and the sampler's
+        own program.
     Raises:
       ValueError: a choice outside its registry or a size out of range (the message names the field).
     """

@@ -111,8 +111,10 @@ def define_flags(flag_values: flags.FlagValues = FLAGS, module_name: str | None 
                   "driver: 2E borrowed slots; on the pipelined driver: two buffers of its own), "
                   "only the routed experts through the cache, or auto (stream when it fits and pays).")
     d.DEFINE_integer("prefill_chunk", 8192, "Prompts longer than this many tokens are prefilled in chunks.")
-    d.DEFINE_integer("decode_block", 16, "Decode steps per program in ftjax.generate (the token fed back and the stop "
-                     "check on the device); 1: one program per step. The server decodes step by step.")
+    d.DEFINE_integer("decode_block", 16, "Decode steps per program (the token fed back and the stop check on the "
+                     "device): in ftjax.generate, and in ftjax.serve's scheduler while no request prefills (tokens "
+                     "stream in bursts of up to this many; a new request waits up to one block); 1: one program per "
+                     "step.")
     d.DEFINE_enum("prefill_driver", "auto", list(PREFILL_DRIVERS),
                   "How prefill calls run their layers: one scan program, or one program per layer with the next "
                   "layer's host copies issued from Python (auto: pipelined for streamed calls on a GPU).")

@@ -340,14 +340,17 @@ def test_bench_kv_reuse_writes_partial_rows_and_survives_a_failed_pipelined_engi
 @pytest.mark.slow
 def test_bench_serve_smoke(tmp_path):
     """The three parts at tiny sizes, experts cached: every request finished with its tokens, no timed call
-    compiled (the warm-ups ran the same shapes), prefix reuse hit in the reuse run only, the HTTP path timed."""
+    compiled (the warm-ups ran the same shapes), the concurrency levels with and without scheduler decode blocks,
+    prefix reuse hit in the reuse run only, the HTTP path timed."""
     d = _run("bench_serve", tmp_path, "--preset=tiny", "--dtype=float32", "--modes=cached", "--concurrency=1,2",
+             "--decode_blocks=1,4",
              "--requests=3", "--prompt_tokens=16", "--max_tokens=3", "--context_tokens=64", "--users=2", "--rounds=2",
              "--question_tokens=8", "--answer_tokens=3", "--kv_chunk_tokens=32", "--server_requests=2", "--noprogress")
     assert _meta(d)["device"] and "partial" not in d and d["parts_run"] == ["concurrency", "multiround",
                                                                            "server_overhead"]
     conc = d["parts"]["concurrency"]["modes"]["cached"]
-    assert "error" not in conc and conc["slots"] == 32 and [x["concurrency"] for x in conc["levels"]] == [1, 2]
+    assert "error" not in conc and conc["slots"] == 32
+    assert [(x["decode_block"], x["concurrency"]) for x in conc["levels"]] == [(1, 1), (1, 2), (4, 1), (4, 2)]
     for x in conc["levels"]:
         assert x["finished"] == x["requests"] == 3 and x["finish_reasons"] == {"length": 3} and not x["errors"]
         assert x["tokens"] == 3 * 3 and x["prompt_tokens"] == 3 * 16 and x["compile_s"] == 0.0
@@ -355,12 +358,18 @@ def test_bench_serve_smoke(tmp_path):
         assert x["ttft_s"]["n"] == x["tpot_s"]["n"] == 3 and x["itl_s"]["n"] == 3 * 2
         assert 0 < x["ttft_s"]["p10"] <= x["ttft_s"]["median"] <= x["ttft_s"]["p90"]
         calls = x["engine_calls"]
-        assert calls["decode"] > 0 and calls["failed"] == 0 and sum(calls.values()) == x["steps"]
+        assert calls["failed"] == 0
+        if x["decode_block"] == 1:  # one engine call per step
+            assert calls["decode"] > 0 and calls["decode_block"] == 0 and sum(calls.values()) == x["steps"]
+        else:  # each request's 2 decode steps in one block
+            assert calls["decode"] == 0 and calls["decode_block"] > 0 and x["steps"] > sum(calls.values())
         ec = x["expert_cache"]
         assert 0 < ec["hit_rate"] < 1 and ec["bytes_h2d"] == ec["prefill_bytes_h2d"] + ec["decode_bytes_h2d"] > 0
         assert x["h2d_bytes_per_token"] == pytest.approx(ec["bytes_h2d"] / 9)
-    assert conc["levels"][0]["speedup_vs_c1"] == 1.0 and conc["levels"][1]["speedup_vs_c1"] == pytest.approx(
-        conc["levels"][1]["tokens_per_s"] / conc["levels"][0]["tokens_per_s"])
+    for c1, c2 in (conc["levels"][:2], conc["levels"][2:]):
+        assert c1["speedup_vs_c1"] == 1.0 and c2["speedup_vs_c1"] == pytest.approx(c2["tokens_per_s"]
+                                                                                   / c1["tokens_per_s"])
+    assert conc["speedup_at_4_by_decode_block"] == {} and conc["speedup_at_4"] is None  # no level 4 here
     mr = d["parts"]["multiround"]["modes"]["cached"]
     assert "error" not in mr and set(mr["runs"]) == {"no_reuse", "reuse"}
     for name, run in mr["runs"].items():
@@ -383,7 +392,7 @@ def test_bench_serve_smoke(tmp_path):
     assert so["direct"]["compile_s"] == so["http"]["compile_s"] == 0.0
     assert so["tpot_ratio"] > 0 and so["tpot_ratio"] == pytest.approx(so["http"]["tpot_s"]["median"]
                                                                       / so["direct"]["tpot_s"]["median"])
-    assert len(d["results"]) == 2 + 2 * 2 + 2
+    assert len(d["results"]) == 2 * 2 + 2 * 2 + 2
     sys.path.insert(0, str(ROOT / "experiments"))
     import plots
     import results_index

@@ -557,7 +557,8 @@ def test_client_disconnect_mid_stream_frees_the_row(served):
     served.scheduler.cancel = lambda rid: (cancelled.append(rid), real_cancel(rid))[1]
     try:
         with patched_step(served.scheduler, slow):
-            body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "stream": True}
+            # 40 tokens: a prefill step and three decode blocks (16 steps each), more steps than the client stays
+            body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 40, "temperature": 0, "stream": True}
             with httpx.stream("POST", f"{served.url}/v1/completions", json=body) as resp:
                 first = next(ln for ln in resp.iter_lines() if ln.startswith("data: "))
                 assert json.loads(first[6:])["choices"][0]["finish_reason"] is None
@@ -585,7 +586,7 @@ def test_client_gone_before_a_non_streamed_answer_is_cancelled(served):
     try:
         with patched_step(served.scheduler, slow):
             with pytest.raises(httpx.ReadTimeout):
-                httpx.post(f"{served.url}/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 6}, timeout=0.4)
+                httpx.post(f"{served.url}/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 40}, timeout=0.4)
             assert wait_for(lambda: len(cancelled) == 1 and served.worker.tracked == 0)
             assert wait_for(lambda: served.scheduler.running == 0 and not served.scheduler.has_work())
     finally:

@@ -12,6 +12,8 @@ Request-level API (what a scheduler drives):
 * :meth:`Engine.advance` -- one step: the next prefill chunk of every row still prefilling, merged into
   one call with one token of every decoding row when their last tokens are given (a *mixed* call), or
   else one decode step of every decoding row; returns the logits of the rows that have a next token;
+* :meth:`Engine.advance_block` -- up to k decode steps of every decoding row in one program, each row
+  sampled with its own key and parameters (``ftjax.runtime.step.decode_block``);
 * :meth:`Engine.release` -- frees a row (its pins too).
 
 Continuous batching (``ftjax.serve.scheduler``) admits requests into free rows while others decode:
@@ -47,7 +49,7 @@ from ftjax.runtime import drivers, programs, transfers
 from ftjax.runtime.drivers import CallArgs, RunContext
 from ftjax.runtime.misses import build_miss_runtime
 from ftjax.runtime.plan import CallPlan, CallPlanner, PrefillCall, chunk_calls, prompt_error
-from ftjax.runtime.step import decode_block, keep_rows, sample_next
+from ftjax.runtime.step import RowSampling, decode_block, keep_rows, sample_next
 from ftjax.seams import ForwardOut, KVCache
 
 
@@ -109,6 +111,28 @@ class Advance:
     stats: Any
     tokens: int = 0
     failed: dict[int, str] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class BlockAdvance:
+    """What one :meth:`Engine.advance_block` did, read on the host.
+
+    tokens: int32 [B, n], each row's tokens of the n steps run (n <= the limit asked for: fewer when every row
+    sampled one of its stop ids); logprobs: float32 [B, n], each token's log-probability under the model's
+    distribution (``log_softmax`` of the logits); keys: uint32 [B, 2], each row's key after its n draws;
+    rows: the decoding rows (the others' entries mean nothing); stats: the n steps' LayerStats (leaves
+    [L, ...], one per step, as :meth:`Engine.advance` returns a decode step's).
+    """
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    keys: np.ndarray
+    rows: list[int]
+    stats: list
+
+    @property
+    def steps(self) -> int:
+        return int(self.tokens.shape[1])
 
 
 @dataclasses.dataclass
@@ -789,13 +813,68 @@ class Engine:
         return (self.model.params, self.model.banks, self.cache, self.state, _int32(tokens), pos,
                 live.astype(np.int32), key, np.int32(limit), eos, stopped)
 
-    def _block_program(self, args: tuple, sampling: tuple, keep_logits: bool):
+    def _block_program(self, args: tuple, sampling: tuple, keep_logits: bool, steps: int | None = None):
+        """The compiled :func:`ftjax.runtime.step.decode_block` of ``steps`` steps at most (default
+        ``EngineConfig.decode_block``) for these arguments; ``sampling``: its static (temperature, top_p, top_k)."""
         b = len(self.rows)
         plan = self.planner.plan(b, 1, b)
         temperature, top_p, top_k = sampling
         return self.programs.compile(decode_block, args, compiler_options=plan.compiler_options, cfg=self.cfg,
-                                     opts=plan.opts, steps=self.config.decode_block, temperature=temperature,
+                                     opts=plan.opts, steps=steps or self.config.decode_block, temperature=temperature,
                                      top_p=top_p, top_k=top_k, keep_logits=keep_logits)
+
+    def advance_block(self, tokens, sampling: RowSampling, limit: int, eos, steps: int | None = None) -> BlockAdvance:
+        """Up to ``limit`` decode steps of every decoding row in one program (``ftjax.runtime.step.decode_block``:
+        each step's token fed straight back, each row drawn with its own key and parameters as
+        ``ftjax.runtime.step.sample_rows_next`` draws it), read on the host; the rows' positions move on by the
+        steps run. The same tokens, logits and expert-state updates as that many :meth:`advance` decode steps
+        with that draw after each. The program ends early once every row sampled one of its ``eos`` ids; a row
+        that did still decodes while others run (its later tokens are the caller's to drop).
+
+        tokens: int32 [B, 1], each row's last token; sampling: a :class:`ftjax.runtime.step.RowSampling` of the
+        B rows (free rows: any values); limit: steps to run, in [1, steps]; eos: int32 [B, N], each row's stop
+        ids (-1 pads); steps: the program's most steps (default ``EngineConfig.decode_block``: one compiled
+        program serves every limit up to it).
+        Raises:
+          ValueError: a row still prefilling, no decoding row, limit outside [1, steps], a row whose block would
+            run past the KV cache (``max_seq_len``), or eos not int32 [B, N].
+        """
+        steps = steps or self.config.decode_block
+        rows = [i for i, r in enumerate(self.rows) if r is not None]
+        if self.prefilling():
+            raise ValueError("advance_block runs decode steps only: a row is still prefilling (use advance)")
+        if not rows:
+            raise ValueError("advance_block: no decoding row")
+        if isinstance(limit, bool) or not 1 <= int(limit) <= steps:
+            raise ValueError(f"limit must be in [1, {steps}] (the block's steps), got {limit!r}")
+        last = max(self.rows[i].pos for i in rows) + int(limit)
+        if last > self.max_seq_len:
+            raise ValueError(f"a block of {limit} steps runs a row to position {last}, past max_seq_len "
+                             f"{self.max_seq_len}")
+        eos = np.asarray(eos, np.int32)
+        if eos.ndim != 2 or eos.shape[0] != len(self.rows) or eos.shape[1] < 1:
+            raise ValueError(f"eos must be int32 [{len(self.rows)}, N >= 1] (each row's stop ids), got shape "
+                             f"{eos.shape}")
+        args = self._block_args(tokens, sampling, int(limit), eos, np.zeros(len(self.rows), bool))
+        exe = self._block_program(args, (0.0, 1.0, 0), False, steps)
+        out = self._donating(lambda: exe(*args))
+        self.cache, self.state = out.cache, out.state
+        n = int(out.n_run)
+        for i in rows:
+            self.rows[i].pos += n
+        stats = jax.tree.map(np.asarray, out.stats)
+        return BlockAdvance(np.asarray(out.tokens)[:, :n], np.asarray(out.logprobs)[:, :n], np.asarray(out.key.keys),
+                            rows, [jax.tree.map(lambda x: x[j], stats) for j in range(n)])  # noqa: B023
+
+    def precompile_block(self, steps: int, eos_width: int) -> None:
+        """Compiles :meth:`advance_block`'s program for the open rows, ``steps`` steps at most and ``eos_width``
+        stop ids a row (outside any timing; nothing runs)."""
+        b = len(self.rows)
+        sampling = RowSampling(np.zeros((b, 2), np.uint32), np.zeros(b, np.float32), np.ones(b, np.float32),
+                               np.zeros(b, np.int32))
+        args = self._block_args(np.zeros((b, 1), np.int32), sampling, 1, np.full((b, eos_width), -1, np.int32),
+                                np.zeros(b, bool))
+        self._block_program(args, (0.0, 1.0, 0), False, steps)
 
     def _decode_in_blocks(self, tok, key, steps: int, eos: np.ndarray, sampling: tuple, keep_logits: bool,
                           toks: list, decode_stats: list, all_logits: list | None, step_s: list | None) -> None:

@@ -69,13 +69,25 @@ def forward_step(params, banks, cache, state, tokens, start, valid_len, prefix, 
                                  kv_hook=hook)
 
 
+class RowSampling(NamedTuple):
+    """Per-row sampling inside a :func:`decode_block` (the continuous-batching scheduler's draw,
+    :func:`sample_rows_next`, as each step's): keys uint32 [B, 2], each row's threefry key data, split at every
+    step; temperature, top_p float32 [B]; top_k int32 [B] (``ftjax.sampling.sample_rows``'s parameters)."""
+
+    keys: Any
+    temperature: Any
+    top_p: Any
+    top_k: Any
+
+
 class DecodeBlock(NamedTuple):
     """What :func:`decode_block` returns. tokens: int32 [B, steps], the sampled tokens of the steps run (columns
     from ``n_run`` on are 0); n_run: int32 [], steps run; last: int32 [B, 1], the last token sampled (the next
     block's input; the input tokens when no step ran); pos: int32 [B], the rows' positions after the block;
     stopped: bool [B]; stats: each step's ``LayerStats``, leaves [steps, L, ...]; logits: float32
     [steps, B, V] (``keep_logits``) or None; cache, state: the updated KV cache and expert state; key: the
-    next key."""
+    next key (a :class:`RowSampling` with each row's next key, given one); logprobs: float32 [B, steps], each
+    token's log-probability under the model's distribution, with a :class:`RowSampling` (else None)."""
 
     tokens: jax.Array
     n_run: jax.Array
@@ -86,7 +98,8 @@ class DecodeBlock(NamedTuple):
     logits: Any
     cache: Any
     state: Any
-    key: jax.Array
+    key: Any
+    logprobs: Any = None
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "opts", "steps", "temperature", "top_p", "top_k", "keep_logits"),
@@ -99,14 +112,21 @@ def decode_block(params, banks, cache, state, tokens, start, valid_len, key, lim
     per-step work -- argument transfers, dispatch, the sampler's own program -- is paid once a block).
     The same tokens, logits and expert-state updates as that many single steps.
 
+    Two samplers: ``key`` a PRNG key: one key for the batch and the static ``temperature``, ``top_p``,
+    ``top_k`` (:func:`sample_next`'s draw, what :meth:`ftjax.Engine.generate` runs); ``key`` a
+    :class:`RowSampling`: each row its own key and parameters (:func:`sample_rows_next`'s draw, what the
+    continuous-batching scheduler runs; the static ones are then ignored), with each token's log-probability.
+
     tokens: int32 [B, 1] each row's last token; start: int32 [B] its position; valid_len: int32 [B], 1 for
-    a decoding row, 0 for an idle one (it stays idle, its position does not move); key: the sampler's key;
-    limit: int32 [], the steps to run (<= ``steps``: one program for every block length); eos: int32 [N]
-    stop ids (-1 pads); stopped: bool [B] rows already stopped. The loop ends after ``limit`` steps or
+    a decoding row, 0 for an idle one (it stays idle, its position does not move); key: the sampler's key
+    (above); limit: int32 [], the steps to run (<= ``steps``: one program for every block length); eos:
+    int32 [N] stop ids of every row, or [B, N] each row's own (-1 pads); stopped: bool [B] rows already
+    stopped. The loop ends after ``limit`` steps or
     once every row has stopped (an idle row counts as stopped; a row stops on sampling an ``eos`` id and
     still decodes while others run, as it would step by step). Returns a :class:`DecodeBlock`.
     """
     b = tokens.shape[0]
+    per_row = isinstance(key, RowSampling)
 
     def one(cache, state, tok, pos):
         return forward_step(params, banks, cache, state, tok, pos, valid_len, (), cfg=cfg, opts=opts)
@@ -115,7 +135,8 @@ def decode_block(params, banks, cache, state, tokens, start, valid_len, key, lim
     buffer = lambda s: jnp.zeros((steps,) + s.shape, s.dtype)  # noqa: E731
     init = dict(i=jnp.int32(0), tok=tokens, pos=start, stopped=stopped | (valid_len == 0), cache=cache, state=state,
                 key=key, out=jnp.zeros((b, steps), jnp.int32), stats=jax.tree.map(buffer, shapes.layer_stats),
-                logits=buffer(shapes.logits) if keep_logits else None)
+                logits=buffer(shapes.logits) if keep_logits else None,
+                logprobs=jnp.zeros((b, steps), jnp.float32) if per_row else None)
 
     def cond(c):
         return (c["i"] < limit) & ~jnp.all(c["stopped"])
@@ -123,18 +144,25 @@ def decode_block(params, banks, cache, state, tokens, start, valid_len, key, lim
     def body(c):
         i = c["i"]
         out = one(c["cache"], c["state"], c["tok"], c["pos"])
-        key, sub = jax.random.split(c["key"])
-        tok = sample(out.logits, sub, temperature, top_p, top_k)[:, None]
+        logprobs = c["logprobs"]
+        if per_row:
+            rs = c["key"]
+            tok, keys, lp = sample_rows_next(out.logits, rs.keys, rs.temperature, rs.top_p, rs.top_k)
+            key, tok = rs._replace(keys=keys), tok[:, None]
+            logprobs = jax.lax.dynamic_update_slice(logprobs, lp[:, None], (0, i))
+        else:
+            key, sub = jax.random.split(c["key"])
+            tok = sample(out.logits, sub, temperature, top_p, top_k)[:, None]
         put = lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, x, i, 0)  # noqa: E731
-        return dict(i=i + 1, tok=tok, pos=c["pos"] + valid_len, stopped=c["stopped"] | jnp.isin(tok[:, 0], eos),
+        return dict(i=i + 1, tok=tok, pos=c["pos"] + valid_len, stopped=c["stopped"] | jnp.any(tok == eos, axis=-1),
                     cache=out.cache, state=out.expert_state, key=key,
                     out=jax.lax.dynamic_update_slice(c["out"], tok, (0, i)),
                     stats=jax.tree.map(put, c["stats"], out.layer_stats),
-                    logits=put(c["logits"], out.logits) if keep_logits else None)
+                    logits=put(c["logits"], out.logits) if keep_logits else None, logprobs=logprobs)
 
     c = jax.lax.while_loop(cond, body, init)
     return DecodeBlock(c["out"], c["i"], c["tok"], c["pos"], c["stopped"], c["stats"], c["logits"], c["cache"],
-                       c["state"], c["key"])
+                       c["state"], c["key"], c["logprobs"])
 
 
 @functools.partial(jax.jit, static_argnames=("temperature", "top_p", "top_k"))

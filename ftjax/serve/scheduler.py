@@ -15,14 +15,36 @@ A :class:`Scheduler` drives one :class:`ftjax.Engine` through its request API (`
 4. ends the requests that stopped (EOS or ``stop_token_ids``, a stop string, ``max_tokens``) and frees
    their rows.
 
-Run-ahead (``run_ahead=True``, the default): while every running request decodes and no waiting request
-could take a free row, a step dispatches the next decode step, fed with the tokens and keys the previous
-step sampled *on the device*, before it reads that previous step's tokens on the host. The host's work of
-a step (reading tokens, stop checks, events, the next call's dispatch) then overlaps the device's work of
-the next, as in vLLM's asynchronous scheduling. The tokens are the same (the same logits, keys and
-parameters); each comes out one step later than without run-ahead, and a request's row runs one step
-past its last token (the step already dispatched when that token is read), whose token is dropped; that
-step stays inside the request's context (its input is the last token, at position prompt + max_tokens - 1).
+Decode blocks (``decode_block`` k > 1, default ``EngineConfig.decode_block``): when no row prefills (a step
+admits waiting requests into free rows first, so every row then decodes and a request still waiting has no
+free row to take), a step runs one program of up to k decode steps (``Engine.advance_block``,
+``ftjax.runtime.step.decode_block``): each step's token is fed straight back on the device and each row is
+drawn with its own key and parameters exactly as the one-step path draws it, so the fixed cost of a step
+(dispatch, the sampler's own program, the host round trip) is paid once a block. The block is capped at
+the fewest tokens any row may still generate (``max_tokens``), so no row runs past its limit or its
+context, and it ends early on the device once every row has sampled one of its stop ids (EOS,
+``stop_token_ids``). After the block the host hands out its tokens in order and applies what only it can
+check -- stop strings, ``max_tokens``, cancellations (a client that disconnected while the block ran):
+a row's tokens after its stop are dropped, so a request ends with the same tokens, finish_reason and
+usage counts as on the one-step path (greedy: bit-identical tokens; sampled: the same keys, the same
+draws). What changes is when tokens come out: streaming is bursty (up to k tokens at once); a request
+that arrives while a block runs, or that waits for a row freed by a stop inside a block, is admitted
+after the block (its TTFT grows by at most k decode steps); a stopped row keeps decoding to the block's
+end (those tokens dropped). Per-token times inside a block (``RequestStats.tpot_s``, the TPOT histogram)
+are the block's wall time divided evenly among its steps. A block is one shared engine call: if it fails,
+every running request fails, as with a one-step call. k = 1 runs one program per decode step (with
+run-ahead, below). Rows with more stop ids than the compiled program's columns (a power of two >= 4)
+compile another program on first use.
+
+Run-ahead (``run_ahead=True``, the default; the one-step path, k = 1): while every running request
+decodes and no waiting request could take a free row, a step dispatches the next decode step, fed with the
+tokens and keys the previous step sampled *on the device*, before it reads that previous step's tokens on
+the host. The host's work of a step (reading tokens, stop checks, events, the next call's dispatch) then
+overlaps the device's work of the next, as in vLLM's asynchronous scheduling. The tokens are the same (the
+same logits, keys and parameters); each comes out one step later than without run-ahead, and a request's
+row runs one step past its last token (the step already dispatched when that token is read), whose token
+is dropped; that step stays inside the request's context (its input is the last token, at position
+prompt + max_tokens - 1).
 
 Every row's logits are those of the request alone (up to float32 rounding: the calls' shapes differ), and
 the expert cache stays one global cache shared by the rows (DESIGN.md 1.1).
@@ -49,7 +71,7 @@ import numpy as np
 
 from ftjax import memory
 from ftjax.runtime.plan import prompt_error
-from ftjax.runtime.step import sample_rows_next
+from ftjax.runtime.step import RowSampling, sample_rows_next
 from ftjax.sampling import ResolvedSampling
 from ftjax.serve.text import StopChecker
 
@@ -156,6 +178,12 @@ class _Sampled:
         return any(r.row == row for r, row in self.reqs)
 
 
+def _eos_width(n: int) -> int:
+    """Stop-id columns of a decode block for rows of up to ``n`` stop ids: a power of two, at least 4 (few
+    compiled programs whatever the requests' ``stop_token_ids``)."""
+    return max(4, 1 << max(n - 1, 0).bit_length())
+
+
 def _key_data(seed: int) -> np.ndarray:
     """uint32 [2]: the threefry key of ``seed`` in [0, 2**64) (``jax.random.key(seed)`` for seed < 2**32)."""
     return np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32)
@@ -173,19 +201,26 @@ class Scheduler:
       detokenize: ``Callable[[list[int]], str]`` for stop strings: the text of a request's completion ids.
         It is called with windows of them (``ftjax.serve.text.StopChecker``), so it must decode ids the way
         a tokenizer does: the text of a list is that of its pieces, up to a character split between them.
-      run_ahead: dispatch the next decode step before reading this one's tokens (module docstring);
-        False: every step reads its tokens before the next is dispatched.
+      run_ahead: dispatch the next decode step before reading this one's tokens (module docstring; the
+        one-step path); False: every step reads its tokens before the next is dispatched.
+      decode_block: decode steps per program in steady decode (module docstring), >= 1; default the
+        engine's ``EngineConfig.decode_block``; 1: one program per decode step.
     Raises:
-      ValueError: max_batch or max_waiting out of range.
+      ValueError: max_batch, max_waiting or decode_block out of range.
     """
 
     def __init__(self, engine, *, max_batch: int | None = None, max_waiting: int = 64, kv_manager=None,
-                 detokenize: Callable[[list[int]], str] | None = None, run_ahead: bool = True):
+                 detokenize: Callable[[list[int]], str] | None = None, run_ahead: bool = True,
+                 decode_block: int | None = None):
         n = engine.batch if max_batch is None else max_batch
         if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 1 <= n <= engine.batch:
             raise ValueError(f"max_batch must be in [1, {engine.batch}] (EngineConfig.batch), got {max_batch!r}")
         if isinstance(max_waiting, bool) or not isinstance(max_waiting, numbers.Integral) or max_waiting < 1:
             raise ValueError(f"max_waiting must be an integer >= 1, got {max_waiting!r}")
+        k = engine.config.decode_block if decode_block is None else decode_block
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
+            raise ValueError(f"decode_block must be an integer >= 1 (decode steps per program), got {decode_block!r}")
+        self.decode_block = int(k)
         self.engine, self.kv_manager, self.detokenize = engine, kv_manager, detokenize
         self.max_batch, self.max_waiting = int(n), int(max_waiting)
         self._defaults = engine.model.sampling_defaults
@@ -200,6 +235,8 @@ class Scheduler:
         self._ahead: _Sampled | None = None  # a decode step dispatched and sampled, its tokens not read yet
         engine.open_rows(self.max_batch)
         self._warm_sampler()
+        if self.decode_block > 1:  # the block program of the checkpoint's stop ids (most requests')
+            engine.precompile_block(self.decode_block, _eos_width(len(self._eos)))
 
     # ---- state -----------------------------------------------------------------------------------
     @property
@@ -285,8 +322,9 @@ class Scheduler:
     def step(self) -> list[TokenEvent]:
         """Admits waiting requests into free rows, runs one engine call, samples and stops (module
         docstring). Returns the events of this step ([] when idle): per running request with a new
-        token, one event; final events of requests that ended. With run-ahead, a decode step's tokens
-        come out of the step after the one that dispatched it."""
+        token, one event (a decode block: one per token of the block, in order); final events of requests
+        that ended. With run-ahead, a decode step's tokens come out of the step after the one that
+        dispatched it."""
         events, self._events = self._events, []
         if self._ahead is not None:
             ahead, self._ahead = self._ahead, None
@@ -301,6 +339,9 @@ class Scheduler:
         if not self.running:
             return events
         eng = self.engine
+        if not eng.prefilling() and self.decode_block > 1:
+            self._decode_block(events)
+            return events
         if not eng.prefilling():
             sampled = self._decode(events)
             if sampled is not None:
@@ -329,7 +370,7 @@ class Scheduler:
     def _can_run_ahead(self, ahead: "_Sampled") -> bool:
         """Whether the next call may be dispatched before ``ahead``'s tokens are read: every running request
         decodes and no waiting request could take a free row (admission reads the tokens first)."""
-        if not self.run_ahead or not ahead.live() or self.engine.prefilling():
+        if not self.run_ahead or self.decode_block > 1 or not ahead.live() or self.engine.prefilling():
             return False
         return not (self._queue and None in self._rows)
 
@@ -352,6 +393,44 @@ class Scheduler:
         self._counts["engine_calls_decode"] += 1
         self._counts["steps"] += 1
         return self._dispatch_sample(adv.logits, reqs, events, keys)
+
+    def _decode_block(self, events: list[TokenEvent]) -> None:
+        """Runs one decode block of every running row (module docstring) and hands out its tokens."""
+        eng = self.engine
+        reqs = [r for r in self._rows if r is not None]
+        limit = min(self.decode_block, min(r.params.max_tokens - len(r.tokens) for r in reqs))
+        b, v = self.max_batch, eng.cfg.vocab_size
+        keys, temp = np.zeros((b, 2), np.uint32), np.zeros(b, np.float32)
+        top_p, top_k = np.ones(b, np.float32), np.zeros(b, np.int32)
+        stops = {r.row: sorted(t for t in r.stop_ids if t < v) for r in reqs}  # ids >= V are never sampled
+        eos = np.full((b, _eos_width(max(map(len, stops.values())))), -1, np.int32)
+        for r in reqs:
+            keys[r.row] = r.key
+            temp[r.row], top_p[r.row], top_k[r.row] = r.sampling.temperature, r.sampling.top_p, r.sampling.top_k
+            eos[r.row, :len(stops[r.row])] = stops[r.row]
+        rows = [r.row for r in reqs]  # the rows the block ran for (a request cancelled meanwhile holds none)
+        t0 = time.perf_counter()
+        try:
+            blk = eng.advance_block(self._last_tokens(reqs), RowSampling(keys, temp, top_p, top_k), limit, eos,
+                                    self.decode_block)
+            for st in blk.stats:
+                eng.counters["decode"].add(st)
+        except Exception as err:  # noqa: BLE001 - the shared call: its rows fail, the scheduler goes on
+            self._fail_running(events, err)
+            return
+        n = blk.steps
+        self._counts["engine_calls_decode_block"] += 1
+        self._counts["steps"] += n
+        per_token = (time.perf_counter() - t0) / max(n, 1)  # the block's wall time, divided evenly
+        for r, row in zip(reqs, rows):
+            for j in range(n):
+                if r.row != row:
+                    break  # it ended at an earlier token of the block (a stop), or was cancelled meanwhile
+                try:
+                    events.append(self._take(r, int(blk.tokens[row, j]), blk.keys[row], float(blk.logprobs[row, j]),
+                                             t0 + (j + 1) * per_token))
+                except Exception as err:  # noqa: BLE001 - this request's own work
+                    self._end(r, "error", events, f"{type(err).__name__}: {err}")
 
     def _last_tokens(self, reqs: list[_Request]) -> np.ndarray:
         """int32 [max_batch, 1]: each of ``reqs``' last token in its row (0 elsewhere), from the host."""
@@ -423,7 +502,9 @@ class Scheduler:
                 self._fail_running(events, err)
 
     def _take(self, req: _Request, token: int, key: np.ndarray, logprob: float, now: float) -> TokenEvent:
-        """Records ``req``'s new token; returns its event (ending the request when it stops)."""
+        """Records ``req``'s new token, ready at ``now``; ``key``: the request's key after it (after a decode
+        block's last draw for every token of the block: only the last one's is used again). Returns its event
+        (ending the request when it stops)."""
         if req.tokens:
             req.tpot.append(now - req.t_last)
         else:
@@ -484,8 +565,9 @@ class Scheduler:
     # ---- metrics -----------------------------------------------------------------------------------
     def metrics(self) -> dict:
         """Counters for a /metrics route, a flat dict of numbers: requests submitted / running / waiting /
-        finished (in all and by reason), prompt, cached and generated tokens, steps and engine calls by kind
-        (prefill, mixed, decode, failed); the expert cache's hits, misses, hit rate, fetched, H2D bytes and
+        finished (in all and by reason), prompt, cached and generated tokens, steps (forward steps: a decode
+        block counts the steps it ran) and engine calls by kind (prefill, mixed, decode: one-step decode,
+        decode_block: decode-block programs, failed); the expert cache's hits, misses, hit rate, fetched, H2D bytes and
         extra copies (``Engine.counters``, since the engine was built); with a prefix cache its chunks hit,
         missed, stored, evicted and skipped, bytes loaded and stored."""
         c = self._counts
@@ -495,7 +577,8 @@ class Scheduler:
              **{f"requests_finished_{r}": c[f"requests_finished_{r}"] for r in FINISH_REASONS},
              "prompt_tokens": c["prompt_tokens"], "cached_tokens": c["cached_tokens"],
              "tokens_generated": c["tokens_generated"], "steps": c["steps"],
-             **{f"engine_calls_{k}": c[f"engine_calls_{k}"] for k in ("prefill", "mixed", "decode", "failed")}}
+             **{f"engine_calls_{k}": c[f"engine_calls_{k}"]
+                for k in ("prefill", "mixed", "decode", "decode_block", "failed")}}
         eng = self.engine
         total = eng.counters["prefill"] + eng.counters["decode"]
         ec = total.summary(eng.model.expert_bytes)

@@ -9,15 +9,18 @@ Targets (issue 35; docs/MULTI_GPU.md): at the qwen3-30b-a3b shape (random weight
 with the same ``--vram_budget_gb`` (8 GB), the streamed 8192-token prefill on 2 GPUs >= 1.8x faster than on
 1 GPU, and offloaded decode >= 1.7x one GPU's tokens/s.
 
-For each device count of ``--devices`` (default 1,2; the experts split over N GPUs, ``EngineConfig.devices``):
-the memory plan of one device for the budget (``plan_memory(devices=N)``: its replicated weights and KV cache,
-its S/N slots), then on one engine, experts "cached" with N * (S/N) slots:
+For each device count of ``--devices`` (default 1,2; the experts split over N GPUs, ``EngineConfig.devices``),
+experts "cached":
 
-* ``prefill``: ``--repeats`` prefills of ``--prefill_tokens`` random tokens (each from an empty expert cache,
-  one call: it streams whole layers, each GPU its E/N experts of a layer through its own link), TTFT each;
-* ``decode``: ``--decode_tokens`` greedy tokens after a 16-token prompt, from an empty expert cache, then again
-  warm (the cache as the first left it): tokens/s, hit rate, H2D bytes, and the imbalance of the routed experts
-  over the devices (``routed_imbalance``: per (step, layer), the most distinct routed experts one device owns
+* ``prefill``: an engine with 2E slots over all devices (2E/N each: the smallest cache that streams on the
+  layer scan, whatever the budget; a streamed call copies all E experts of every layer either way),
+  ``--repeats`` prefills of ``--prefill_tokens`` random tokens, each from an empty expert cache, in one call
+  that streams whole layers (each GPU its E/N experts of a layer through its own link): TTFT each;
+* ``decode``: an engine with the slots one device's budget buys (``plan_memory(devices=N)``: its replicated
+  weights and KV cache, the stated 1 GB workspace, its S/N slots; N * S/N in all), prefill on demand;
+  ``--decode_tokens`` greedy tokens after a 16-token prompt from an empty expert cache, then again warm (the
+  cache as the first left it): tokens/s, hit rate, H2D bytes, and the imbalance of the routed experts over
+  the devices (``routed_imbalance``: per (step, layer), the most distinct routed experts one device owns
   over the mean; 1.0 = balanced; the link-bound speedup of N devices is about N / imbalance).
 
 One GPU runs its streamed prefill on the layer-pipelined driver (the default ``auto``) and, for the
@@ -27,7 +30,9 @@ speedups of the largest N over 1 and whether the targets were met. Greedy ids of
 
 Output: ``check_expert_parallel_gpu.json`` (meta, flags, one row per device count, summary), rewritten after
 each device count. GPU runtime (estimate, not measured): ~3-6 min: the 30 GB bank built once, per device count
-one prefill program (8192 rows) and one decode program compiled, the runs seconds each.
+one prefill program (8192 rows; for 1 GPU also the scan's) and one decode program compiled, the runs seconds
+each. The 2-GPU engines copy the host banks once more, split over the devices in pinned host memory (58 GB at
+this shape, plus a transient numpy copy while splitting): ~180 GB of host memory at the peak.
 """
 
 from __future__ import annotations
@@ -85,8 +90,8 @@ def routed_imbalance(routing: list[np.ndarray], num_experts: int, devices: int) 
     return float(np.mean(ratios)) if ratios else 1.0
 
 
-def _engine(model, devices: int, slots: int, max_seq_len: int, driver: str = "auto") -> Engine:
-    return Engine(model, EngineConfig("cached", num_slots=slots, max_seq_len=max_seq_len, prefill="stream",
+def _engine(model, devices: int, slots: int, max_seq_len: int, prefill: str, driver: str = "auto") -> Engine:
+    return Engine(model, EngineConfig("cached", num_slots=slots, max_seq_len=max_seq_len, prefill=prefill,
                                       prefill_chunk=FLAGS.prefill_tokens, prefill_driver=driver, devices=devices,
                                       kernels=common.kernel_config()))
 
@@ -132,17 +137,23 @@ def main(argv):
         except ValueError as err:  # BudgetTooSmall: the message gives the minimum budget
             raise app.UsageError(f"--vram_budget_gb={FLAGS.vram_budget_gb} at devices={n}: {err}") from None
         print(plan.describe(), flush=True)
-        row = {"devices": n, "memory_plan": plan.as_dict(), "slots": plan.total_slots}
-        engine = _engine(model, n, plan.total_slots, max_seq_len)
+        stream_slots = 2 * cfg.num_experts
+        row = {"devices": n, "memory_plan": plan.as_dict(), "decode_slots": plan.total_slots,
+               "prefill_slots": stream_slots}
         t0 = time.perf_counter()
+        engine = _engine(model, n, stream_slots, max_seq_len, "stream")
         row["prefill"] = _prefill(engine, long_prompt)
-        row["decode"] = _decode(engine, short_prompt, n)
-        row["compile_s"] = engine.compile_s
+        compile_s = engine.compile_s
         del engine
         if n == 1:  # the streamed prefill on the scan, the driver N > 1 runs on
-            engine = _engine(model, 1, plan.total_slots, max_seq_len, driver="scan")
+            engine = _engine(model, 1, stream_slots, max_seq_len, "stream", driver="scan")
             row["prefill_1gpu_scan"] = _prefill(engine, long_prompt)
+            compile_s += engine.compile_s
             del engine
+        engine = _engine(model, n, plan.total_slots, max_seq_len, "on_demand")
+        row["decode"] = _decode(engine, short_prompt, n)
+        row["compile_s"] = compile_s + engine.compile_s
+        del engine
         row["wall_s"] = time.perf_counter() - t0
         rows.append(row)
         print(f"devices {n}: prefill {row['prefill']['prefill_tokens_per_s']:.0f} tok/s, decode cold "

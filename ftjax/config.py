@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+
 from ftjax import memory
 from ftjax.experts.cpu_experts import IMPLS as CPU_EXPERT_IMPLS
 from ftjax.experts.miss_policy import POLICIES as MISS_POLICIES
@@ -305,6 +307,43 @@ class MissPolicyConfig:
         return d
 
 
+def check_devices(devices: int, num_experts: int, available: int | None = None) -> None:
+    """Checks a device count for expert parallelism (``EngineConfig.devices``; ``ftjax.experts.parallel``).
+
+    Args:
+      devices: N, devices to split the experts over (1: no split).
+      num_experts: E, routed experts per layer.
+      available: devices present (default ``jax.device_count()``).
+    Raises:
+      ValueError: N < 1, N above the devices present, or N not dividing E (each device owns E / N experts
+        of every layer).
+    """
+    if devices < 1:
+        raise ValueError(f"devices must be >= 1, got {devices}")
+    available = jax.device_count() if available is None else available
+    if devices > available:
+        raise ValueError(f"devices={devices} exceeds the {available} device(s) present "
+                         f"(jax.device_count(); a CPU run can force more with "
+                         f"XLA_FLAGS=--xla_force_host_platform_device_count=N before jax starts)")
+    if num_experts % devices:
+        raise ValueError(f"devices={devices} must divide the number of experts E={num_experts} "
+                         f"(each device owns E / devices experts of every layer)")
+
+
+def check_slots(num_slots: int, num_layers: int, num_experts: int, devices: int) -> int:
+    """Slots per device, S / N, for a pool of S slots split over N devices (``ftjax.experts.parallel``).
+    Raises:
+      ValueError: N not dividing S, or S / N outside [E / N, L * E / N] (each device's table must hold every
+        expert of its share of one layer, and no more than its share of the whole pool)."""
+    el = num_experts // devices
+    if num_slots % devices:
+        raise ValueError(f"num_slots={num_slots} must be divisible by devices={devices} (each device its own pool)")
+    per = num_slots // devices
+    if not el <= per <= num_layers * el:
+        raise ValueError(f"num_slots / devices = {per} must be in [E/devices, L*E/devices] = [{el}, {num_layers * el}]")
+    return per
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """How an ``ftjax.Engine`` runs a model. Frozen and validated on creation; :meth:`for_model`
@@ -338,6 +377,10 @@ class EngineConfig:
         stop check on the device, ``ftjax.runtime.step.decode_block``), and the default of the serving
         scheduler's blocks (``ftjax.serve.scheduler.Scheduler``); 1: one program per step and the sampler's
         own program.
+      devices: N, devices of this host the routed experts are split over (expert parallel: each device owns
+        E / N experts of every layer; ``ftjax.experts.parallel``, docs/MULTI_GPU.md); the rest is replicated.
+        1: one device. N > 1 runs on the layer scan with the fetch miss policy; cached / on_demand need N to
+        divide ``num_slots`` (each device a pool of S / N slots and its own slot table).
     Raises:
       ValueError: a choice outside its registry or a size out of range (the message names the field).
     """
@@ -358,6 +401,7 @@ class EngineConfig:
     kernels: KernelConfig = KernelConfig()
     miss: MissPolicyConfig = MissPolicyConfig()
     decode_block: int = 16
+    devices: int = 1
 
     def __post_init__(self):
         _choice("experts mode", self.experts, EXPERT_MODES)
@@ -366,7 +410,7 @@ class EngineConfig:
         _choice("cache policy", self.cache_policy, CACHE_POLICIES)
         _choice("matmul precision", self.matmul_precision, MATMUL_PRECISIONS)
         _choice("prefix_copy", self.prefix_copy, PREFIX_COPIES)
-        for name in ("max_seq_len", "batch", "prefill_chunk", "prefix_copy_layers", "decode_block"):
+        for name in ("max_seq_len", "batch", "prefill_chunk", "prefix_copy_layers", "decode_block", "devices"):
             _at_least(name, getattr(self, name), 1)
         _boolean("stream_d2d_hits", self.stream_d2d_hits)
         _boolean("prefill_overlap", self.prefill_overlap)
@@ -382,14 +426,25 @@ class EngineConfig:
             raise ValueError("prefill=stream needs an offloading experts mode (cached or on_demand)")
         if self.miss.policy != "fetch" and self.experts == "resident":
             raise ValueError(f"miss policy {self.miss.policy!r} needs experts mode cached or on_demand")
+        if self.devices > 1:
+            if self.miss.policy != "fetch":
+                raise ValueError(f"devices={self.devices}: miss policy {self.miss.policy!r} runs on one device; use "
+                                 f"the fetch miss policy or devices=1")
+            if self.prefill_driver == "pipelined":
+                raise ValueError(f"devices={self.devices} runs on the layer scan; prefill_driver 'pipelined' is "
+                                 f"one device's")
 
     def for_model(self, cfg: ModelConfig) -> "EngineConfig":
         """This config checked against ``cfg``, with resident's slots resolved to L*E.
 
         Raises:
           ValueError: max_seq_len beyond the model's positions; slots outside [E, L*E]; stream
-            without the slots its driver needs.
+            without the slots its driver needs; ``devices`` above ``jax.device_count()`` or not dividing E (or S).
         """
+        if self.devices > 1:
+            check_devices(self.devices, cfg.num_experts)
+            if self.experts != "resident":
+                check_slots(self.num_slots, cfg.num_layers, cfg.num_experts, self.devices)
         if self.max_seq_len > cfg.max_position_embeddings:
             raise ValueError(f"max_seq_len {self.max_seq_len} exceeds the model's max_position_embeddings "
                              f"{cfg.max_position_embeddings}")
@@ -405,7 +460,10 @@ class EngineConfig:
 
     def pipelines_streams(self) -> bool:
         """Whether streamed prefill calls run on the layer-pipelined driver (its own two full-layer
-        buffers, no borrowed slots): ``prefill_driver`` "pipelined", or "auto" on a GPU."""
+        buffers, no borrowed slots): ``prefill_driver`` "pipelined", or "auto" on a GPU; never over several
+        devices (``devices`` > 1 runs on the scan)."""
+        if self.devices > 1:
+            return False
         return self.prefill_driver == "pipelined" or (self.prefill_driver == "auto" and memory.backend() == "gpu")
 
     def precision(self, dtype: str) -> str:

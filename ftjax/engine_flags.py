@@ -77,7 +77,7 @@ FLAG_NAMES = ("checkpoint", "preset", "seed", "dtype", "expert_dtype", "experts"
               "stream_d2d_hits", "prefix_copy", "prefix_copy_layers", "kv_offload", "kv_host_gb", "kv_chunk_tokens",
               "kv_load", "miss_policy", "cpu_expert_impl", "cpu_threads", "calibration_profile", "matmul_precision",
               "decode_gemm", "decode_graphs", "kernels", "kernel_tiles", "grouped_matmul", "flash_prefill",
-              "slot_order", "min_dot_rows", "fixed_fetch", "decode_block", "compilation_cache_dir")
+              "slot_order", "min_dot_rows", "fixed_fetch", "decode_block", "devices", "compilation_cache_dir")
 
 
 def define_flags(flag_values: flags.FlagValues = FLAGS, module_name: str | None = None) -> None:
@@ -175,6 +175,10 @@ def define_flags(flag_values: flags.FlagValues = FLAGS, module_name: str | None 
     d.DEFINE_integer("min_dot_rows", None, "Rows a one-row dense projection is padded to (default 4 on a GPU, 0 "
                      "elsewhere).", lower_bound=0)
     d.DEFINE_integer("fixed_fetch", None, "Adaptive: fetch min(N, misses) per layer instead of the calibrated split.")
+    d.DEFINE_integer("devices", 1, "Devices of this host to split the routed experts over (expert parallel: each owns "
+                     "E/N experts of every layer, its own slot pool of S/N slots and slot table, and copies its own "
+                     "misses over its own link; weights and KV cache replicated; docs/MULTI_GPU.md). Must divide E "
+                     "(and --expert_slots); --vram_budget_gb is then each device's budget.", lower_bound=1)
     d.DEFINE_string("compilation_cache_dir", None, compile_cache.FLAG_HELP)
 
 
@@ -221,7 +225,7 @@ def check_flags() -> None:
     Raises:
       UserError: a budget or host size that is not a finite number >= 0, a seed outside [0, 2^32), a size
         below 1, both --expert_slots and --vram_budget_gb, --fixed_fetch without --miss_policy=adaptive or
-        below 0."""
+        below 0, --devices > 1 with --kv_offload, a cpu / adaptive miss policy or the pipelined prefill driver."""
     for name in ("vram_budget_gb", "kv_host_gb"):
         v = FLAGS[name].value
         if v is not None and not (math.isfinite(v) and v >= 0):
@@ -236,6 +240,12 @@ def check_flags() -> None:
         raise UserError("give --expert_slots or --vram_budget_gb, not both")
     if FLAGS.fixed_fetch is not None and (FLAGS.miss_policy != "adaptive" or FLAGS.fixed_fetch < 0):
         raise UserError("--fixed_fetch needs --miss_policy=adaptive and a value >= 0")
+    if FLAGS.devices > 1:
+        for name, bad in (("kv_offload", FLAGS.kv_offload), ("miss_policy", FLAGS.miss_policy != "fetch"),
+                          ("prefill_driver", FLAGS.prefill_driver == "pipelined")):
+            if bad:
+                raise UserError(f"--devices={FLAGS.devices} runs the fetch miss policy on the layer scan without KV "
+                                f"offload; --{name}={FLAGS[name].value} is one device's (use --devices=1)")
 
 
 def kernel_config() -> KernelConfig:
@@ -278,7 +288,7 @@ def engine_config(mode: str, slots: int | None, max_seq_len: int, batch: int, no
                         prefix_copy=FLAGS.prefix_copy, prefix_copy_layers=FLAGS.prefix_copy_layers,
                         cache_policy=FLAGS.cache_policy, matmul_precision=FLAGS.matmul_precision,
                         kernels=kernel_config(), miss=miss_config(mode) if note else MissPolicyConfig(),
-                        decode_block=FLAGS.decode_block)
+                        decode_block=FLAGS.decode_block, devices=FLAGS.devices)
 
 
 def plan(model, max_seq_len: int, prompts: list[list[int]], batch: int):
@@ -336,7 +346,7 @@ def build_engine(model, max_seq_len: int, probe_prompts: list[list[int]], batch:
           f"({model.banks.gate_up.dtype}, {model.expert_bytes / 1e6:.3f} MB per expert)")
     if memory_plan is not None:
         print(memory_plan.describe())
-    slots = memory_plan.slots if memory_plan and mode != "resident" else None
+    slots = memory_plan.total_slots if memory_plan and mode != "resident" else None
     config = engine_config(mode, slots, max_seq_len, batch)
     if config.prefill_driver != planned.prefill_driver:  # the planner's choice: the run is the one it planned
         config = dataclasses.replace(config, prefill_driver=planned.prefill_driver)

@@ -13,6 +13,18 @@ import numpy as np
 import pytest
 
 
+def _force_host_devices(n: int = 4) -> None:
+    """Four CPU devices in every test process (``XLA_FLAGS=--xla_force_host_platform_device_count``, unless the
+    flag is set already), so that the expert-parallel tests (tests/test_expert_parallel.py) split experts over
+    2 and 4 devices. Set before jax starts; other tests run on the first device as before."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+_force_host_devices()
+
+
 def _use_compilation_cache() -> str | None:
     """JAX's persistent compilation cache for the whole test run, this process and its children
     (``python -m ftjax.generate``, experiments/ scripts: through the ``JAX_...`` variables).

@@ -31,6 +31,29 @@ def _with_pools(state: ExpertState, pools: tuple) -> ExpertState:
     return state.replace(gate_up=gu, down=dn, scales=tuple(scales) if scales else None)
 
 
+def _split(bank: jax.Array, pool: jax.Array) -> bool:
+    """Whether ``bank`` is a device's [L, El, ...] share (one axis more than its [S, ...] pool)."""
+    return bank.ndim == pool.ndim + 1
+
+
+def _bank_rows(bank: jax.Array, pool: jax.Array, first: jax.Array, count: int) -> jax.Array:
+    """Rows [first, first + count) of a host bank by flat id, on the device: [count, ...] (count <= El for a split
+    bank, whose rows must not cross a layer)."""
+    if not _split(bank, pool):
+        return _to_device(jax.lax.dynamic_slice_in_dim(bank, first, count))
+    el = bank.shape[1]
+    start = (first // el, first % el) + (0,) * (bank.ndim - 2)
+    return _to_device(jax.lax.dynamic_slice(bank, start, (1, count) + bank.shape[2:])).reshape(
+        (count,) + bank.shape[2:])
+
+
+def _bank_row(bank: jax.Array, pool: jax.Array, fid: jax.Array) -> jax.Array:
+    """Row ``fid`` (flat id) of a host bank, on the device: [...]."""
+    if not _split(bank, pool):
+        return _to_device(jax.lax.dynamic_index_in_dim(bank, fid, keepdims=False))
+    return _bank_rows(bank, pool, fid, 1)[0]
+
+
 def fetch_experts(banks: ExpertBanks, state: ExpertState, flat_ids: jax.Array, slots: jax.Array,
                   count: jax.Array) -> ExpertState:
     """Copies ``count`` experts (weights and scales) from the host banks into pool slots (H2D).
@@ -43,7 +66,7 @@ def fetch_experts(banks: ExpertBanks, state: ExpertState, flat_ids: jax.Array, s
     def one(i, pools):
         fid, slot = flat_ids[i], slots[i]
         return tuple(jax.lax.dynamic_update_index_in_dim(
-            p, _to_device(jax.lax.dynamic_index_in_dim(b, fid, keepdims=False)).astype(p.dtype), slot, 0)
+            p, _bank_row(b, p, fid).astype(p.dtype), slot, 0)
             for b, p in zip(src, pools))
 
     with jax.named_scope("expert_fetch"):
@@ -58,6 +81,6 @@ def fetch_layer(banks: ExpertBanks, state: ExpertState, layer: jax.Array, buffer
     e = num_experts
     with jax.named_scope("stream_prefetch"):
         pools = tuple(jax.lax.dynamic_update_slice_in_dim(
-            p, _to_device(jax.lax.dynamic_slice_in_dim(b, layer * e, e)).astype(p.dtype), buffer * e, 0)
+            p, _bank_rows(b, p, layer * e, e).astype(p.dtype), buffer * e, 0)
             for b, p in zip(_bank_arrays(banks), _pool_arrays(state)))
         return _with_pools(state, pools)

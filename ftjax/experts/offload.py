@@ -58,7 +58,8 @@ def routed_count(ids: jax.Array, valid: jax.Array, num_experts: int) -> jax.Arra
     return jnp.sum(ok & ~jnp.any(seen, axis=1), dtype=jnp.int32)
 
 
-def _trace_ids(r: LayerRouting) -> jax.Array:
+def trace_ids(r: LayerRouting) -> jax.Array:
+    """The routed ids of a layer's stats (``LayerStats.routed_ids``): int32 [N, k], -1 for padding tokens."""
     return jnp.where(r.valid[:, None], r.ids, -1)
 
 
@@ -99,7 +100,7 @@ def make_expert_fn(mode: str, num_experts: int, banks: ExpertBanks | None = None
             with jax.named_scope("slot_lookup"):
                 hits = routed_count(r.ids, r.valid, e)
             slot_of_expert = layer * e + jnp.arange(e, dtype=jnp.int32)
-            stats = LayerStats.fetch_only(hits, jnp.int32(0), _trace_ids(r))
+            stats = LayerStats.fetch_only(hits, jnp.int32(0), trace_ids(r))
             return experts_from_pool(r.x, r.ids, r.weights, slot_of_expert, state.gate_up, state.down, state.scales,
                                      state.fmt), state, stats
         if mode == "cached" and policy == "lru" and state.last_routed is None and (
@@ -156,7 +157,7 @@ def _fetch_and_compute(banks: ExpertBanks, state: ExpertState, layer: jax.Array,
     state = fetch_experts(banks, state, flat, look.miss_slots, look.n_miss)
     y = experts_from_pool(r.x, r.ids, r.weights, look.slot_of_expert, state.gate_up, state.down, state.scales,
                           state.fmt, pair_slots)
-    return y, state, LayerStats.fetch_only(look.n_hit, look.n_miss, _trace_ids(r))
+    return y, state, LayerStats.fetch_only(look.n_hit, look.n_miss, trace_ids(r))
 
 
 def stream_prologue(banks: ExpertBanks, state: ExpertState, num_experts: int, overlap: bool) -> ExpertState:
@@ -193,7 +194,7 @@ def make_stream_expert_fn(num_experts: int, num_layers: int, banks: ExpertBanks,
             state = fetch_layer(banks, state, layer, buf, e)
             y = experts_from_pool(r.x, r.ids, r.weights, slot_of_expert, state.gate_up, state.down, state.scales,
                                   state.fmt)
-        return y, state, LayerStats.fetch_only(jnp.int32(0), jnp.int32(e), _trace_ids(r))
+        return y, state, LayerStats.fetch_only(jnp.int32(0), jnp.int32(e), trace_ids(r))
 
     return expert_fn
 
@@ -214,11 +215,11 @@ def make_layer_buffer_expert_fn(num_experts: int, buffer: tuple, fmt: str = "den
     def expert_fn(state: ExpertState, layer: jax.Array, r: LayerRouting):
         y = experts_from_layer(r.x, r.ids, r.weights, gate_up, down, tuple(scales) or None, fmt)
         if not d2d_hits:
-            return y, state, LayerStats.fetch_only(jnp.int32(0), jnp.int32(num_experts), _trace_ids(r))
+            return y, state, LayerStats.fetch_only(jnp.int32(0), jnp.int32(num_experts), trace_ids(r))
         slots = jax.lax.dynamic_slice(state.table.slot_of, (layer * num_experts,), (num_experts,))
         hits = jnp.sum(slots >= 0, dtype=jnp.int32)
         pcie = jnp.int32(num_experts) - hits
-        return y, state, LayerStats(hits, pcie, pcie, jnp.int32(0), _trace_ids(r), d2d=hits)
+        return y, state, LayerStats(hits, pcie, pcie, jnp.int32(0), trace_ids(r), d2d=hits)
 
     return expert_fn
 

@@ -43,6 +43,7 @@ from ftjax import memory
 from ftjax import model as model_lib
 from ftjax.checkpoint import LoadedModel
 from ftjax.config import EngineConfig
+from ftjax.experts import parallel
 from ftjax.experts.slot_table import reset_table
 from ftjax.experts.state import ExpertCounters, ExpertState, init_expert_state
 from ftjax.runtime import drivers, programs, transfers
@@ -199,6 +200,14 @@ class Engine:
         self.config = (config or EngineConfig()).for_model(cfg)
         self.model, self.cfg = model, cfg
         self.dtype = jnp.dtype(model.params["embed"].dtype)
+        # devices > 1 (``ftjax.experts.parallel``): the experts split over a mesh; weights, KV cache and tokens
+        # replicated on it. The resident pools are the experts' only copy the steps read: they get no host banks.
+        self.mesh = parallel.expert_mesh(self.config.devices) if self.config.devices > 1 else None
+        self.params = self._place(model.params)
+        self._step_banks = model.banks
+        if self.mesh is not None:  # resident: none; offloading: each device's share in host memory
+            self._step_banks = None if self.mode == "resident" else parallel.shard_host_banks(
+                model.banks, self.cfg.num_layers, self.mesh)
         self.miss = build_miss_runtime(model, self.config.miss, self.config.batch)
         self.programs = programs.Programs()
         self.planner = CallPlanner(cfg, self.config, self.miss, self.dtype)
@@ -210,6 +219,10 @@ class Engine:
         self.rows: list[Row | None] = []
         self.cache: KVCache | None = None
         self._used_rows: set[int] = set()
+
+    def _place(self, x):
+        """``x`` (a pytree of arrays) replicated over the engine's mesh; as it is on one device."""
+        return x if self.mesh is None else jax.device_put(x, parallel.replicated(self.mesh))
 
     # ---- configuration, read-only views -------------------------------------------------------
     @property
@@ -272,6 +285,9 @@ class Engine:
     # ---- expert state ----------------------------------------------------------------------
     def _fresh_state(self) -> ExpertState:
         cfg = self.cfg
+        if self.mesh is not None:
+            return parallel.init_split_state(self.mode, cfg.num_layers, cfg.num_experts, self.num_slots,
+                                             self.model.banks, self.config.devices)
         return init_expert_state(self.mode, cfg.num_layers, cfg.num_experts, self.num_slots, self.model.banks,
                                  self.dtype, track_recency=self.miss.track_recency)
 
@@ -284,6 +300,10 @@ class Engine:
         """
         if self.state.table is None:
             return
+        if self.mesh is not None:  # the per-device tables, fresh and split over the mesh again
+            self.state = self.state.replace(table=parallel.split_tables(
+                self.cfg.num_layers, self.cfg.num_experts, self.num_slots, self.config.devices))
+            return
         recency = self.state.last_routed
         self.state = self.state.replace(table=reset_table(self.state.table),
                                         last_routed=None if recency is None else jnp.full_like(recency, -1))
@@ -293,14 +313,15 @@ class Engine:
         cfg = self.cfg
         if self.state.table is None:
             return [cfg.num_experts] * cfg.num_layers
+        if self.mesh is not None:
+            return parallel.resident_per_layer(np.asarray(self.state.table.slot_of), cfg.num_layers, cfg.num_experts)
         slot_of = np.asarray(self.state.table.slot_of).reshape(cfg.num_layers, cfg.num_experts)
         return (slot_of >= 0).sum(axis=1).tolist()
 
     # ---- one call ------------------------------------------------------------------------------
     def _context(self) -> RunContext:
-        m = self.model
-        return RunContext(self.programs.compile, self.cfg, m.params, m.banks, self.config, self._expert_source,
-                          self.prefix_copy_rows())
+        return RunContext(self.programs.compile, self.cfg, self.params, self._step_banks, self.config,
+                          self._expert_source, self.prefix_copy_rows())
 
     def _expert_source(self) -> transfers.ExpertLayerSource:
         if self._expert_views is None:
@@ -343,7 +364,7 @@ class Engine:
 
     def new_cache(self, batch: int) -> KVCache:
         """A fresh state (KV cache, and the linear layers' states) for ``batch`` sequences."""
-        return model_lib.init_kv_cache(self.cfg, batch, self.max_seq_len, self.dtype)
+        return self._place(model_lib.init_kv_cache(self.cfg, batch, self.max_seq_len, self.dtype))
 
     def check_prompts(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
         """Raises ValueError for no new tokens, more prompts than the config's batch, empty prompts,
@@ -360,7 +381,12 @@ class Engine:
 
     # ---- prefill calls of a set of rows ------------------------------------------------------------
     def _row(self, prompt: Sequence[int], kv_manager=None) -> Row:
-        """A row for ``prompt``: its prefill calls (a prefix-reuse request's, or plain chunks)."""
+        """A row for ``prompt``: its prefill calls (a prefix-reuse request's, or plain chunks).
+        Raises:
+          ValueError: prefix reuse on an engine over several devices (its KV hook is one device's)."""
+        if kv_manager is not None and self.mesh is not None:
+            raise ValueError(f"KV prefix reuse (kv_manager) over devices={self.config.devices} is not built yet; "
+                             f"use devices=1")
         prompt = [int(t) for t in prompt]
         row = Row(prompt, collections.deque())
         if kv_manager is not None:
@@ -810,7 +836,7 @@ class Engine:
         live = np.array([r is not None for r in self.rows])
         pos = np.array([r.pos if r is not None else 0 for r in self.rows], np.int32)
         eos = np.asarray(eos if eos.size else [-1], np.int32)
-        return (self.model.params, self.model.banks, self.cache, self.state, _int32(tokens), pos,
+        return (self.params, self._step_banks, self.cache, self.state, _int32(tokens), pos,
                 live.astype(np.int32), key, np.int32(limit), eos, stopped)
 
     def _block_program(self, args: tuple, sampling: tuple, keep_logits: bool, steps: int | None = None):
@@ -917,7 +943,7 @@ class Engine:
         committed to device memory like the step's output: an uncommitted argument is another
         jit cache entry, and the real call would compile again inside TTFT."""
         t0 = time.perf_counter()
-        logits = memory.to_device(np.zeros((batch, self.cfg.vocab_size), np.float32))
+        logits = self._place(memory.to_device(np.zeros((batch, self.cfg.vocab_size), np.float32)))
         key = jax.random.key(0)
         for _ in range(2):  # a fresh key (the first draw), then a key the program returned (committed: its own entry)
             tok, key = sample_next(logits, key, temperature, top_p, top_k)

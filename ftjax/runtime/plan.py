@@ -129,12 +129,12 @@ class CallPlanner:
         "auto" on a GPU for a call that streams whole layers of experts or loads a reused prefix from
         host memory (:data:`PIPELINE_PREFIX`). A prefix already on the device (the load-all-first
         ablation) runs on the scan, and so does a call with a KV hook on a model with Gated DeltaNet
-        layers (their stored states load on the scan)."""
+        layers (their stored states load on the scan), and every call over several devices."""
         on_host = bool(prefix) and memory.memory_kind(jax.tree.leaves(prefix)[0]) in ("pinned_host", "unpinned_host")
         if (prefix and not on_host) or (kv is not None and not self._hook_pipelines):
             return False
         driver = self.config.prefill_driver
-        if driver == "scan":
+        if driver == "scan" or self.config.devices > 1:  # the experts split over a mesh run on the scan
             return False
         return driver == "pipelined" or (memory.backend() == "gpu" and (stream or (on_host and PIPELINE_PREFIX)))
 
@@ -185,7 +185,7 @@ class CallPlanner:
                                                    graphs=graphs)
         opts = StepOptions(config.experts, all_logits, stream, config.prefill_overlap and stream, config.cache_policy,
                            self.miss.jit_config, kv, config.precision(jax.numpy.dtype(self.dtype).name),
-                           config.kernels, cheap_conds=graphs or jax.default_backend() == "cpu")
+                           config.kernels, cheap_conds=graphs or jax.default_backend() == "cpu", devices=config.devices)
         d2d = pipelined and stream and config.stream_d2d_hits and config.experts != "resident"
         extra = e if stream and config.prefill_overlap and not pipelined else 0
         return CallPlan(opts, "pipelined" if pipelined else "scan", options, d2d, extra)

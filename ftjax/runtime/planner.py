@@ -58,7 +58,10 @@ class MemoryPlan:
     ``workspace_temp_bytes``: the compiled programs' largest temporaries the workspace was
     measured from (None: the workspace is the stated one); ``pipelined``: the layer buffers are the
     pipelined driver's two full-layer buffers (else the scan's layer gather); ``driver_note``: why the
-    planner chose the scan driver where the pipelined one would have run (None: it did not choose).
+    planner chose the scan driver where the pipelined one would have run (None: it did not choose);
+    ``devices``: N, the devices the experts are split over (``EngineConfig.devices``): every size is then one
+    device's (its budget, its replicated weights and KV cache, its ``slots`` of its ``pool_slots`` = L*E/N
+    experts, ``num_experts`` = E/N), and the run's slot count is ``slots * devices`` (:attr:`total_slots`).
     """
 
     budget_bytes: int
@@ -73,6 +76,12 @@ class MemoryPlan:
     workspace_temp_bytes: int | None = None
     pipelined: bool = False
     driver_note: str | None = None
+    devices: int = 1
+
+    @property
+    def total_slots(self) -> int:
+        """Slots over all devices: the run's ``EngineConfig.num_slots``."""
+        return self.slots * self.devices
 
     @property
     def driver(self) -> str:
@@ -103,6 +112,7 @@ class MemoryPlan:
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d.update(all_slots_bytes=self.all_slots_bytes, fits_resident=self.fits_resident, driver=self.driver,
+                 total_slots=self.total_slots,
                  prefill_double_buffer=self.prefill_double_buffer, planned_bytes=self.planned_bytes)
         return d
 
@@ -119,7 +129,10 @@ class MemoryPlan:
                 ("workspace (" + ("measured" if measured else "stated") + ")", self.workspace_bytes),
                 *gather,
                 (f"expert slots ({self.slots} x {self.expert_bytes / 1e6:.2f} MB)", self.all_slots_bytes)]
-        lines = ["memory plan:"] + [f"  {name:<40} {gb(n)}" for name, n in rows]
+        head = "memory plan:" if self.devices == 1 else (
+            f"memory plan, per device ({self.devices} devices, each owning {self.num_experts} experts of every layer; "
+            f"weights and KV cache replicated):")
+        lines = [head] + [f"  {name:<40} {gb(n)}" for name, n in rows]
         lines.append(f"  slots {self.slots} of {self.pool_slots} experts in the pool "
                      f"({100 * self.slots / self.pool_slots:.1f}%)")
         e2 = 2 * self.num_experts
@@ -144,7 +157,7 @@ def non_expert_params(cfg: ModelConfig) -> int:
 
 def plan_memory(cfg: ModelConfig, itemsize: int, budget_bytes: int | None = None, slots: int | None = None,
                 batch: int = 1, max_seq_len: int = 512, workspace_bytes: int | None = None,
-                expert_bytes: int | None = None, pipelined: bool = False) -> MemoryPlan:
+                expert_bytes: int | None = None, pipelined: bool = False, devices: int = 1) -> MemoryPlan:
     """Plans the device memory for a budget or an explicit slot count (exactly one of them).
 
     Args:
@@ -159,6 +172,9 @@ def plan_memory(cfg: ModelConfig, itemsize: int, budget_bytes: int | None = None
       pipelined: plan for the layer-pipelined prefill driver: two full-layer buffers (2E experts as
         stored) outside the pool, counted whether the workspace is measured or stated (they are
         the programs' arguments, not temporaries), instead of the layer gather.
+      devices: N > 1 plans one device of an expert-parallel split (``ftjax.experts.parallel``): the
+        budget and slots are one device's, its experts E/N per layer (pool L*E/N), the non-expert
+        weights and KV cache replicated on it.
     Raises:
       BudgetTooSmall: the budget leaves fewer than E slots (the message gives the minimum budget; a
         ValueError).
@@ -166,7 +182,7 @@ def plan_memory(cfg: ModelConfig, itemsize: int, budget_bytes: int | None = None
     """
     if (budget_bytes is None) == (slots is None):
         raise ValueError("give exactly one of a VRAM budget or a slot count")
-    e, pool = cfg.num_experts, cfg.num_layers * cfg.num_experts
+    e, pool = cfg.num_experts // devices, cfg.num_layers * cfg.num_experts // devices
     dense_eb = cfg.expert_bytes(itemsize)
     eb = int(expert_bytes) if expert_bytes is not None else dense_eb
     non_expert = non_expert_params(cfg) * itemsize
@@ -194,10 +210,11 @@ def plan_memory(cfg: ModelConfig, itemsize: int, budget_bytes: int | None = None
                                  f"at least E={e} are needed (one layer may route to every expert): the minimum "
                                  f"budget is {math.ceil(need / 1e7) / 100:.2f} GB{hint}", max(slots, 0), need)
     elif not e <= slots <= pool:
-        raise ValueError(f"expert slots {slots} out of range: need E={e} <= slots <= L*E={pool}")
+        per = "" if devices == 1 else " per device"
+        raise ValueError(f"expert slots {slots}{per} out of range: need E={e} <= slots <= L*E={pool}")
     budget = budget_bytes if budget_bytes is not None else fixed + slots * eb
     return MemoryPlan(int(budget), int(non_expert), int(kv), int(workspace), int(gather), int(eb), int(slots), pool, e,
-                      None if workspace_bytes is None else int(workspace_bytes), pipelined)
+                      None if workspace_bytes is None else int(workspace_bytes), pipelined, devices=devices)
 
 
 def plan_run(model, config: EngineConfig, prompts: Sequence[Sequence[int]], budget_bytes: int | None = None,
@@ -217,6 +234,8 @@ def plan_run(model, config: EngineConfig, prompts: Sequence[Sequence[int]], budg
     * ``slots``: that many slots (the workspace stated); a resident mode ignores them.
     * neither: resident for ``mode`` "auto" or "resident"; for an offloading mode a cache of min(2E, L*E)
       slots, smaller than the pool, so that the mechanism shows (the demo's default).
+    Over ``config.devices`` N > 1 the plan is one device's (``plan_memory(devices=N)``: ``budget_bytes`` is each
+    device's budget; ``slots`` the total, split S / N), and a resident run gets that plan too (not None).
     ``mode``: "auto" (resident when the whole pool fits, else cached) or an experts mode to keep.
 
     Raises:
@@ -233,16 +252,21 @@ def plan_run(model, config: EngineConfig, prompts: Sequence[Sequence[int]], budg
     itemsize = np.dtype(model.params["embed"].dtype).itemsize
     demo_slots = min(2 * cfg.num_experts, cfg.num_layers * cfg.num_experts)
     pipelined = config.pipelines_streams() and config.prefill != "on_demand"
+    n = config.devices  # over N devices every size is one device's (MemoryPlan.devices), slots S / N each
     if budget_bytes is None:
         if mode == "resident" or (slots is None and mode == "auto"):
-            return _resident(config), None
-        plan = plan_memory(cfg, itemsize, slots=slots or demo_slots, batch=config.batch,
-                           max_seq_len=config.max_seq_len, expert_bytes=model.expert_bytes, pipelined=pipelined)
+            per_device = None if n == 1 else plan_memory(
+                cfg, itemsize, slots=cfg.num_layers * cfg.num_experts // n, batch=config.batch,
+                max_seq_len=config.max_seq_len, expert_bytes=model.expert_bytes, devices=n)
+            return _resident(config), per_device
+        plan = plan_memory(cfg, itemsize, slots=(slots or demo_slots) // n, batch=config.batch,
+                           max_seq_len=config.max_seq_len, expert_bytes=model.expert_bytes, pipelined=pipelined,
+                           devices=n)
     else:
         def plan_for(run: EngineConfig, pipelined: bool) -> MemoryPlan:
             return plan_memory(cfg, itemsize, budget_bytes=budget_bytes, batch=run.batch,
                                max_seq_len=run.max_seq_len, workspace_bytes=_workspace(model, run, prompts),
-                               expert_bytes=model.expert_bytes, pipelined=pipelined)
+                               expert_bytes=model.expert_bytes, pipelined=pipelined, devices=n)
         try:
             plan = plan_for(config, pipelined)
         except BudgetTooSmall as err:
@@ -265,7 +289,7 @@ def plan_run(model, config: EngineConfig, prompts: Sequence[Sequence[int]], budg
     if mode == "resident":
         return _resident(config), plan
     # validated against the model here: e.g. prefill=stream with fewer than 2E slots is refused
-    return dataclasses.replace(config, experts=mode, num_slots=plan.slots).for_model(cfg), plan
+    return dataclasses.replace(config, experts=mode, num_slots=plan.total_slots).for_model(cfg), plan
 
 
 def _workspace(model, config: EngineConfig, prompts: Sequence[Sequence[int]]) -> int:

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from ftjax import model as model_lib
-from ftjax.experts import miss_policy, offload
+from ftjax.experts import miss_policy, offload, parallel
 from ftjax.kernels import registry
 from ftjax.kernels.registry import KernelConfig
 from ftjax.kv.layerwise import KVStep
@@ -35,7 +35,8 @@ class StepOptions:
     policy: slot eviction policy; miss: a cpu / adaptive ``MissConfig`` or None; kv: the KV
     hook's options (``ftjax.kv.layerwise.KVStep``) or None; precision: matmul precision;
     kernels: the kernel config (``EngineConfig.kernels``); cheap_conds: a ``lax.cond`` costs this
-    program no host round trip (``offload.make_expert_fn``; set per call by the plan).
+    program no host round trip (``offload.make_expert_fn``; set per call by the plan); devices: the experts
+    split over this many devices (``EngineConfig.devices``; ``ftjax.experts.parallel``).
     """
 
     mode: str
@@ -48,6 +49,7 @@ class StepOptions:
     precision: str = "default"
     kernels: KernelConfig = KernelConfig()
     cheap_conds: bool = False
+    devices: int = 1
 
     @contextlib.contextmanager
     def tracing(self):
@@ -62,8 +64,14 @@ def forward_step(params, banks, cache, state, tokens, start, valid_len, prefix, 
     prefix: the reused KV chunks of a prefix-reuse call (``()`` otherwise). Returns ``model.forward``'s
     ``ForwardOut``."""
     with opts.tracing():
-        state, expert_fn = offload.step_expert_fn(cfg.num_layers, cfg.num_experts, opts.mode, banks, state,
-                                                  opts.stream, opts.overlap, opts.policy, opts.miss, opts.cheap_conds)
+        if opts.devices > 1:  # the experts split over a mesh (ftjax.experts.parallel)
+            state, expert_fn = parallel.step_expert_fn(cfg.num_layers, cfg.num_experts, opts.mode, banks, state,
+                                                       opts.devices, opts.stream, opts.overlap, opts.policy,
+                                                       opts.cheap_conds)
+        else:
+            state, expert_fn = offload.step_expert_fn(cfg.num_layers, cfg.num_experts, opts.mode, banks, state,
+                                                      opts.stream, opts.overlap, opts.policy, opts.miss,
+                                                      opts.cheap_conds)
         hook = opts.kv.hook(prefix) if opts.kv is not None else None
         return model_lib.forward(params, cfg, tokens, start, valid_len, cache, expert_fn, state, opts.all_logits,
                                  kv_hook=hook)

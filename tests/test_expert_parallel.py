@@ -1,0 +1,142 @@
+"""Expert parallelism over the devices of one host (``EngineConfig.devices``; ftjax/experts/parallel.py).
+
+Over N = 2 and 4 forced CPU devices (tests/conftest.py sets ``--xla_force_host_platform_device_count=4``),
+each experts mode must give one device's greedy tokens and its logits to float32 rounding: the devices sum
+the same expert outputs in another order. The tiny preset in float32, a prompt long enough that its prefill
+takes the grouped expert matmul (and, with 2E slots, streams whole layers), then a few decode steps.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import json
+import pathlib
+
+from cli_helpers import run_generate, run_module_app
+from ftjax import Engine
+from ftjax.checkpoint import random_model
+from ftjax.config import EngineConfig, MissPolicyConfig, check_devices, preset
+from ftjax.serve.scheduler import SamplingParams, Scheduler
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (XLA_FLAGS, tests/conftest.py)")
+
+PROMPT = list(range(3, 40))  # 37 tokens x top-4 = 148 pairs: the grouped matmul; >= E pairs: streams with 2E slots
+NEW = 6
+E = 16  # the tiny preset's experts per layer
+
+# (experts mode, slots, prefill): resident; cached at 2E (streamed prefill, cached decode); cached at the smallest
+# cache S = E with the routed experts through each device's table in prefill too; on_demand (nothing reused)
+CASES = {"resident": ("resident", None, "auto"), "cached_stream": ("cached", 2 * E, "auto"),
+         "cached_smallest": ("cached", E, "on_demand"), "on_demand": ("on_demand", 2 * E, "on_demand")}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(preset("tiny"), "float32", seed=0)
+
+
+@pytest.fixture(scope="module")
+def one_device(model):
+    """The reference of every mode: one device, resident (cached and on_demand runs on one device are
+    bit-identical to it: tests/test_offload.py)."""
+    return _run(model, "resident", 1)
+
+
+def _run(model, case: str, devices: int):
+    mode, slots, prefill = CASES[case]
+    engine = Engine(model, EngineConfig(mode, num_slots=slots, max_seq_len=64, prefill=prefill, devices=devices))
+    return engine, engine.generate([PROMPT], max_new_tokens=NEW, keep_logits=True)
+
+
+def _params():
+    for case in CASES:
+        for n in (2, 4):
+            slow = n == 4 and case != "resident"
+            yield pytest.param(case, n, marks=pytest.mark.slow if slow else ())
+
+
+@pytest.mark.parametrize("case,devices", list(_params()))
+def test_split_experts_match_one_device(model, one_device, case, devices):
+    ref, want = one_device
+    engine, got = _run(model, case, devices)
+    assert got.generated_ids == want.generated_ids
+    np.testing.assert_allclose(got.step_logits, want.step_logits, rtol=1e-5, atol=1e-5)
+    # each device counts its own share of a decode layer's routed experts: the sums are one device's
+    routed = lambda e: e.expert_cache_metrics()["decode"]["hits"] + e.expert_cache_metrics()["decode"]["misses"]  # noqa
+    assert routed(engine) == routed(ref) > 0
+    pool = engine.state.gate_up  # each device holds 1/N of the experts (resident) or of the slots
+    assert {s.data.shape[0 if case != "resident" else 1] for s in pool.addressable_shards} == \
+        {(engine.num_slots if case != "resident" else E) // devices}
+    assert len(pool.sharding.device_set) == devices
+
+
+def _served(model, devices: int) -> dict[int, list[int]]:
+    """Two requests through the continuous-batching scheduler, the second admitted while the first decodes (mixed
+    calls, prefill in chunks of 16): the token ids of each, by submission order."""
+    engine = Engine(model, EngineConfig("cached", num_slots=2 * E, max_seq_len=64, batch=2, prefill_chunk=16,
+                                        devices=devices))
+    sched = Scheduler(engine)
+    ids = [sched.submit(PROMPT[:27], SamplingParams(max_tokens=5))]
+    tokens: dict[int, list[int]] = {0: [], 1: []}
+    for step in range(30):
+        if step == 2:
+            ids.append(sched.submit(PROMPT[10:20], SamplingParams(max_tokens=5)))
+        for ev in sched.step():
+            tokens[ids.index(ev.request_id)].append(ev.token_id)
+    return tokens
+
+
+def test_scheduler_mixed_calls_match_one_device(model):
+    want = _served(model, 1)
+    assert all(len(t) == 5 for t in want.values())
+    assert _served(model, 2) == want
+
+
+def test_refusals(model):
+    with pytest.raises(ValueError, match="exceeds the 4 device"):
+        check_devices(8, E, available=4)
+    with pytest.raises(ValueError, match="must divide the number of experts E=16"):
+        Engine(model, EngineConfig("resident", max_seq_len=64, devices=3))
+    with pytest.raises(ValueError, match="num_slots=34 must be divisible by devices=4"):
+        Engine(model, EngineConfig("cached", num_slots=34, max_seq_len=64, devices=4))
+    with pytest.raises(ValueError, match="miss policy 'cpu' runs on one device"):
+        EngineConfig("cached", num_slots=32, devices=2, miss=MissPolicyConfig("cpu"))
+    with pytest.raises(ValueError, match="prefill_driver 'pipelined'"):
+        EngineConfig("cached", num_slots=32, devices=2, prefill_driver="pipelined")
+
+
+def test_generate_devices_flag_prints_the_per_device_plan(tmp_path):
+    metrics = tmp_path / "m.json"
+    r = run_generate("--preset=tiny", "--experts=cached", "--expert_slots=32", "--devices=2", "--prompt_len=20",
+                     "--max_new_tokens=3", f"--metrics_json={metrics}")
+    assert r.returncode == 0, r.stderr
+    assert "memory plan, per device (2 devices, each owning 8 experts of every layer" in r.stdout
+    assert "slots 16 of 32 experts in the pool" in r.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--devices=3"], "devices=3 must divide the number of experts E=16"),
+    (["--devices=8"], "devices=8 exceeds the 4 device(s) present"),
+    (["--devices=2", "--kv_offload"], "--kv_offload=True is one device's"),
+])
+def test_generate_devices_refusals(args, message):
+    r = run_generate("--preset=tiny", "--max_new_tokens=2", *args)
+    assert r.returncode == 1 and message in r.stderr, r.stderr
+
+
+@pytest.mark.slow
+def test_gpu_script_smoke(tmp_path):
+    """experiments/check_expert_parallel_gpu.py at the tiny preset on 1 and 2 CPU devices: it writes its JSON,
+    the per-device plan splits the experts, and the greedy ids agree."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    r = run_module_app("experiments.check_expert_parallel_gpu", [
+        "--preset=tiny", "--dtype=float32", "--vram_budget_gb=1.012", "--prefill_tokens=64", "--decode_tokens=4",
+        "--repeats=1", f"--out_dir={tmp_path}"], program=str(root / "experiments" / "check_expert_parallel_gpu.py"),
+        cwd=str(root))
+    assert r.returncode == 0, r.stderr
+    d = json.loads((tmp_path / "check_expert_parallel_gpu.json").read_text())
+    assert [row["devices"] for row in d["rows"]] == [1, 2]
+    assert d["rows"][1]["memory_plan"]["num_experts"] == E // 2 and d["summary"]["ids_equal"] == [True, True]

@@ -136,7 +136,7 @@ flags.DEFINE_string("out", None, "The JSON's path (default <out_dir>/bench_serve
 common.check_names("part", (*PARTS, "all"))
 common.check_names("modes", EXPERT_MODES)
 common.check_numbers("concurrency", int, low=1)
-common.check_numbers("decode_blocks", int, low=1)
+common.check_numbers("decode_blocks", int, low=1, allow_empty=True)
 
 
 # ---- engines and schedulers ----------------------------------------------------------------------

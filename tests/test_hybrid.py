@@ -203,7 +203,7 @@ def test_hybrid_prefix_reuse_on_row_1_resumes_its_own_linear_state():
     rng = np.random.default_rng(3)
     mgr = PrefixCache(HostKVStore(10**8), KVOffloadConfig(chunk_tokens=64, prefill_chunk=64))
     eng = Engine(model, EngineConfig("resident", max_seq_len=192, batch=2, prefill_chunk=64))
-    sched = Scheduler(eng, kv_manager=mgr)
+    sched = Scheduler(eng, kv_manager=mgr, decode_block=1)  # one advance per step: every logit of B is seen
     shared = rng.integers(0, 512, 128).tolist()
     b = shared + rng.integers(0, 512, 5).tolist()
     logits = []

@@ -287,18 +287,10 @@ def maybe_solve(q, k, v, beta, c):
     return u.reshape(*lead, c_len, dv), w.reshape(*lead, c_len, dk), a.reshape(*lead, c_len, c_len)
 
 
-def _solve_tiles(vals: tuple[int, ...]) -> dict:
-    block, *rest = common.tile_values("gated_delta_solve", vals, (1, 2), "(block,) or (block, num_warps)")
-    if not (common.pow2(block) and block >= 16) or (rest and not common.pow2(rest[0])):
-        raise ValueError(f"tiles of kernel 'gated_delta_solve': block must be a power of two >= 16 and num_warps "
-                         f"a power of two, got {vals}")
-    return {"block": block, "num_warps": rest[0] if rest else NUM_WARPS}
-
-
 registry.register(registry.Kernel(
     "gated_delta_solve", "ftjax.layers.gated_deltanet.chunk_solve",
     "Gated DeltaNet prefill (T > 1): each chunk's WY / UT transform (inverse of its unit lower-triangular "
     "matrix, both right-hand sides, intra-chunk scores), power-of-two chunk, dk and dv within SMEM_BUDGET; "
     "auto: GPU at a TF32 matmul precision setting (the default): the rule 1.44x faster than with the scan "
     "kernel alone on the H200, its TF32 error 6.3e-4 against 4.8e-4",
-    tiles=_solve_tiles))
+    tiles=common.block_and_warps("gated_delta_solve", "block", NUM_WARPS)))

@@ -117,17 +117,9 @@ def maybe(q, k, v, g, beta, state):
     return decode_step(q, k, v, g, beta, state, interpret=how == "interpret", **tiles)
 
 
-def _tiles(vals: tuple[int, ...]) -> dict:
-    bv, *rest = common.tile_values("gated_delta_step", vals, (1, 2), "(block_v,) or (block_v, num_warps)")
-    if not (common.pow2(bv) and bv >= 16) or (rest and not common.pow2(rest[0])):
-        raise ValueError(f"tiles of kernel 'gated_delta_step': block_v must be a power of two >= 16 and num_warps "
-                         f"a power of two, got {vals}")
-    return {"block_v": bv, "num_warps": rest[0] if rest else NUM_WARPS}
-
-
 registry.register(registry.Kernel(
     "gated_delta_step", "ftjax.layers.gated_deltanet.gated_delta_decode",
     "Gated DeltaNet decode (T = 1): one token's gated delta rule with the q / k L2 norms and head grouping, "
     "the float32 state updated in place; power-of-two dk, dv a multiple of the column block min(block_v, dv) "
     "(a power of two >= 16); auto: not picked (named only): not yet measured on a GPU",
-    auto=False, tiles=_tiles))
+    auto=False, tiles=common.block_and_warps("gated_delta_step", "block_v", NUM_WARPS)))

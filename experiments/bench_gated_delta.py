@@ -51,7 +51,7 @@ import os
 import sys
 import time
 
-from absl import flags
+from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -83,6 +83,12 @@ flags.DEFINE_integer("model_layers", 16, "Layers of the model-level prefill (0: 
 flags.DEFINE_integer("model_decode_steps", 64, "Decode steps timed in the model stage (auto kernels only; 0: none).",
                      lower_bound=0)
 flags.DEFINE_integer("decode_prompt_len", 512, "Prompt tokens before those decode steps.", lower_bound=1)
+flags.DEFINE_list("model_configs", ["xla-delta-rule", "auto", "auto+decode-kernels"],
+                  "Kernel configurations of the model stage (the first is the logits' reference): xla-delta-rule, "
+                  "gated_delta-only, auto, auto-best-tiles, auto+decode-kernels (auto plus causal_conv and "
+                  "gated_delta_step, which are not auto).")
+flags.DEFINE_list("model_decode_configs", ["auto", "auto+decode-kernels"],
+                  "Model-stage configurations whose decode is timed too.")
 flags.DEFINE_float("model_deadline_s", 300.0, "Skip the model stage once the run has taken this long.")
 flags.DEFINE_string("tag", "", "Suffix of the JSON name.")
 flags.DEFINE_string("out_dir", "experiments/results/gated_delta", "Where the JSON goes.")
@@ -474,9 +480,14 @@ def stage_model(cfg, out: dict) -> None:
     if "best_solve_block" in out:
         tiles["gated_delta_solve"] = (out["best_solve_block"],)
     gdn = ("gated_delta", "gated_delta_solve")
-    configs = (("xla-delta-rule", tuple(a for a in auto if a not in gdn), {}),
-               ("gated_delta-only", tuple(a for a in auto if a != "gated_delta_solve"), tiles),
-               ("auto", "auto", {}), ("auto-best-tiles", "auto", tiles))
+    known = {"xla-delta-rule": (tuple(a for a in auto if a not in gdn), {}),
+             "gated_delta-only": (tuple(a for a in auto if a != "gated_delta_solve"), tiles),
+             "auto": ("auto", {}), "auto-best-tiles": ("auto", tiles),
+             "auto+decode-kernels": (auto + ("causal_conv", "gated_delta_step"), {})}
+    unknown = sorted(set(FLAGS.model_configs) - set(known))
+    if unknown:
+        raise app.UsageError(f"--model_configs: unknown {unknown}; expected some of {sorted(known)}")
+    configs = tuple((name, *known[name]) for name in FLAGS.model_configs)
     rows, first = [], None
     for name, use, kt in configs:
         eng = Engine(model, EngineConfig("resident", max_seq_len=FLAGS.tokens + 16, prefill_chunk=FLAGS.tokens,
@@ -489,7 +500,7 @@ def stage_model(cfg, out: dict) -> None:
                      "err_logits_vs_first": _err(logits, first)})
         print(f"model {n} layers {name:>24}: TTFT median {ttft['median']:.4f} s, compile {eng.compile_s:.1f} s, "
               f"logits vs {configs[0][0]} {rows[-1]['err_logits_vs_first']:.2e}", flush=True)
-        if FLAGS.model_decode_steps and name == "auto":  # decode: the recurrent form, no chunk kernels
+        if FLAGS.model_decode_steps and name in FLAGS.model_decode_configs:  # decode: the recurrent form, no chunk kernels
             short = prompt[:FLAGS.decode_prompt_len]
             tps = [eng.generate([short], FLAGS.model_decode_steps).decode_tokens_per_s
                    for _ in range(1 + min(FLAGS.repeats, 3))][1:]

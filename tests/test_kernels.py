@@ -454,3 +454,20 @@ def test_project_with_an_empty_contraction_is_x_at_w(shape):
             got = layers_common.project(x, w)
         assert got.shape == shape[:-1] + (5,) and got.dtype == jnp.float32
         np.testing.assert_array_equal(np.asarray(got), np.zeros(shape[:-1] + (5,), np.float32))
+
+
+def test_causal_conv_auto_for_prefill_calls_only(monkeypatch):
+    """``use="auto"`` on a GPU picks ``causal_conv`` for calls of >= AUTO_MIN_TOKENS tokens (measured faster
+    than XLA over a prefill) and keeps XLA for the decode token (not measured); on the CPU auto is XLA."""
+    from ftjax.kernels import causal_conv as cc
+    picked = []
+    monkeypatch.setattr(cc, "causal_conv", lambda *a, **k: picked.append(a[0].shape[1]) or "kernel")
+    w, c = jnp.zeros((4, 8)), 8
+    for t in (1, cc.AUTO_MIN_TOKENS - 1, cc.AUTO_MIN_TOKENS):
+        assert cc.maybe(jnp.zeros((1, t, c)), w, jnp.zeros((1, 3, c)), jnp.full((1,), t)) is None  # CPU: XLA
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    got = [cc.maybe(jnp.zeros((1, t, c)), w, jnp.zeros((1, 3, c)), jnp.full((1,), t))
+           for t in (1, cc.AUTO_MIN_TOKENS - 1, cc.AUTO_MIN_TOKENS, 8192)]
+    assert got == [None, None, "kernel", "kernel"] and picked == [cc.AUTO_MIN_TOKENS, 8192]
+    with using(KernelConfig(use="xla")):
+        assert cc.maybe(jnp.zeros((1, 8192, c)), w, jnp.zeros((1, 3, c)), jnp.full((1,), 8192)) is None

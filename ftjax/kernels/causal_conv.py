@@ -39,6 +39,9 @@ from ftjax.kernels import common, registry
 BLOCK_T = 64
 BLOCK_C = 128
 NUM_WARPS = 4
+#: ``use="auto"`` picks the kernel for calls of at least this many tokens (prefill chunks): measured 2.1x
+#: faster than XLA over an 8192-token prompt on an H200 (2026-12-04); the decode token's T = 1 is not measured.
+AUTO_MIN_TOKENS = 64
 
 
 def supported(taps: int, block_t: int = BLOCK_T, block_c: int = BLOCK_C) -> bool:
@@ -131,7 +134,8 @@ def maybe(x, weight, conv_state, valid_len):
     """:func:`causal_conv` where the kernel config selects ``causal_conv`` for these operands, else None
     (the caller runs the reference)."""
     tiles = registry.tiles("causal_conv", {"block_t": BLOCK_T, "block_c": BLOCK_C, "num_warps": NUM_WARPS})
-    how = registry.mode("causal_conv", x.ndim == 3 and supported(weight.shape[0], tiles["block_t"], tiles["block_c"]))
+    how = registry.mode("causal_conv", x.ndim == 3 and supported(weight.shape[0], tiles["block_t"], tiles["block_c"]),
+                        auto=x.ndim == 3 and x.shape[1] >= AUTO_MIN_TOKENS)
     if how == "xla":
         return None
     return causal_conv(x, weight, conv_state, valid_len, interpret=how == "interpret", **tiles)
@@ -149,6 +153,6 @@ def _tiles(vals: tuple[int, ...]) -> dict:
 registry.register(registry.Kernel(
     "causal_conv", "ftjax.layers.gated_deltanet.causal_conv",
     "Gated DeltaNet conv (prefill and decode): the depthwise causal conv with SiLU over a call's tokens, the "
-    "conv state in and out, K >= 2 taps, any T and channel count; auto: not picked (named only): not yet "
-    "measured on a GPU",
-    auto=False, tiles=_tiles))
+    "conv state in and out, K >= 2 taps, any T and channel count; auto: calls of >= 64 tokens (prefill; "
+    "0.30 vs 0.62 ms for XLA over 8192 tokens on an H200); the decode token runs XLA",
+    auto=True, tiles=_tiles))

@@ -25,9 +25,9 @@ state after its last real token.
 
 Two Pallas kernels (``ftjax.kernels.gated_delta``) run the chunked form where the kernel config
 selects them: ``gated_delta_solve`` for what each chunk computes on its own (:func:`chunk_solve`; else
-XLA's batched matmuls and triangular solve) and ``gated_delta`` for the scan over chunks. Two more,
-named only: ``causal_conv`` (``ftjax.kernels.causal_conv``) for :func:`causal_conv` and
-``gated_delta_step`` (``ftjax.kernels.gated_delta_step``) for :func:`gated_delta_decode`.
+XLA's batched matmuls and triangular solve) and ``gated_delta`` for the scan over chunks. Two more:
+``causal_conv`` (``ftjax.kernels.causal_conv``; auto for calls of >= 64 tokens) for :func:`causal_conv`
+and ``gated_delta_step`` (``ftjax.kernels.gated_delta_step``; named only) for :func:`gated_delta_decode`.
 
 Weights of one layer (matrices ``[in, out]``; stacked over the kind's layers in ``params["layers"]``):
 ``w_qkv [D, 2*Hk*dk + Hv*dv]``, ``w_z [D, Hv*dv]``, ``w_b``, ``w_a [D, Hv]``, ``conv [K, 2*Hk*dk + Hv*dv]``,

@@ -500,7 +500,7 @@ def stage_model(cfg, out: dict) -> None:
                      "err_logits_vs_first": _err(logits, first)})
         print(f"model {n} layers {name:>24}: TTFT median {ttft['median']:.4f} s, compile {eng.compile_s:.1f} s, "
               f"logits vs {configs[0][0]} {rows[-1]['err_logits_vs_first']:.2e}", flush=True)
-        if FLAGS.model_decode_steps and name in FLAGS.model_decode_configs:  # decode: the recurrent form, no chunk kernels
+        if FLAGS.model_decode_steps and name in FLAGS.model_decode_configs:
             short = prompt[:FLAGS.decode_prompt_len]
             tps = [eng.generate([short], FLAGS.model_decode_steps).decode_tokens_per_s
                    for _ in range(1 + min(FLAGS.repeats, 3))][1:]

@@ -497,8 +497,10 @@ def stage_model(cfg, out: dict) -> None:
         first = logits if first is None else first
         ttft = common.spread([r.ttft_s for r in runs[1:]])
         rows.append({"kernels": name, "ttft_s": ttft, "compile_s": eng.compile_s,
+                     "compile_log": [{"step": n_, "lower_s": lo, "xla_s": xc} for n_, lo, xc in eng.programs.log],
                      "err_logits_vs_first": _err(logits, first)})
-        print(f"model {n} layers {name:>24}: TTFT median {ttft['median']:.4f} s, compile {eng.compile_s:.1f} s, "
+        print(f"model {n} layers {name:>24}: TTFT median {ttft['median']:.4f} s, compile {eng.compile_s:.1f} s "
+              f"({eng.programs.lower_s:.1f} s tracing and lowering), "
               f"logits vs {configs[0][0]} {rows[-1]['err_logits_vs_first']:.2e}", flush=True)
         if FLAGS.model_decode_steps and name in FLAGS.model_decode_configs:
             short = prompt[:FLAGS.decode_prompt_len]

@@ -52,3 +52,7 @@ def test_nothing_compiles_inside_the_timed_region(monkeypatch, no_compilation_ca
     assert compiled_before, "the listener saw no compile at all: the check would be vacuous"
     assert compiled_while_timed == [], f"{len(compiled_while_timed)} compiles inside TTFT/decode"
     assert res.compile_s > 0 and len(res.generated_ids[0]) == 6
+    log = eng.programs.log  # each compiled program's tracing/lowering and XLA seconds, summing to compile_s
+    assert log and all(xc > 0 for _, _, xc in log) and {n for n, lo, _ in log if lo > 0} >= {"forward_step"}
+    assert sum(lo + xc for _, lo, xc in log) == pytest.approx(eng.compile_s, rel=1e-3)
+    assert eng.programs.lower_s == pytest.approx(sum(lo for _, lo, _ in log)) < eng.compile_s

@@ -949,7 +949,7 @@ class Engine:
             tok, key = sample_next(logits, key, temperature, top_p, top_k)
         tok.block_until_ready()
         keep_rows(np.ones(batch, bool), logits, logits).block_until_ready()  # multi-chunk prefill
-        self.programs.compile_s += time.perf_counter() - t0
+        self.programs.add_jit_compile("sampling", time.perf_counter() - t0)
 
     # ---- metrics ------------------------------------------------------------------------------
     def expert_cache_metrics(self) -> dict:

@@ -66,12 +66,18 @@ class Programs:
     """One owner's (an engine's) view of the shared program cache.
 
     Attributes:
-      compile_s: seconds this owner spent compiling (timings exclude them).
+      compile_s: seconds this owner spent compiling (timings exclude them): tracing and lowering to
+        StableHLO plus XLA's compilation.
+      lower_s: the part of ``compile_s`` spent tracing and lowering (the rest is XLA's).
+      log: one ``(step name, lower seconds, XLA compile seconds)`` per program this owner compiled, in
+        order (where a slow compile comes from).
       keys: the keys of the programs it compiled or looked up.
     """
 
     def __init__(self):
         self.compile_s = 0.0
+        self.lower_s = 0.0
+        self.log: list[tuple[str, float, float]] = []
         self.keys: set[tuple] = set()
 
     def compile(self, fn, args, compiler_options: tuple | dict = (), **static):
@@ -84,14 +90,25 @@ class Programs:
         if entry is None:
             t0 = time.perf_counter()
             with registry.recording() as applied:
-                exe = fn.lower(*args, **static).compile(compiler_options=dict(options) or None)
+                lowered = fn.lower(*args, **static)
+            t1 = time.perf_counter()
+            exe = lowered.compile(compiler_options=dict(options) or None)
+            t2 = time.perf_counter()
             kernels = _TRACED.setdefault(key[:-1], frozenset(applied)) | frozenset(applied)
             entry = _COMPILED[key] = _Entry(exe, kernels)
-            self.compile_s += time.perf_counter() - t0
+            self.compile_s += t2 - t0
+            self.lower_s += t1 - t0
+            self.log.append((fn.__name__, t1 - t0, t2 - t1))
         self.keys.add(key)
         return entry.executable
 
     __call__ = compile
+
+    def add_jit_compile(self, name: str, seconds: float) -> None:
+        """Counts ``seconds`` spent compiling plain ``jax.jit`` functions outside the shared cache (e.g. the
+        sampler's warm-up) in ``compile_s`` and in ``log`` as ``(name, 0.0, seconds)`` (not split)."""
+        self.compile_s += seconds
+        self.log.append((name, 0.0, seconds))
 
     def workspace_bytes(self) -> int:
         """The largest temporary-buffer size (bytes, XLA's ``memory_analysis``) of this owner's programs:

@@ -211,6 +211,24 @@ def _bench_miss_policy(d: dict) -> str:
     return f"{r.get('policy')}{impl} {r.get('budget_gb'):g} GB: {r['decode_tokens_per_s']:.2f} tok/s"
 
 
+def _bench_cpu_experts(d: dict) -> str:
+    """All-thread DRAM read; per format the CPU mechanism with the highest fitted weight GB/s (1 token),
+    its fraction of DRAM and fixed cost; the split's per-token gain at the slowest modelled link."""
+    out = [f"DRAM {_num((d.get('dram_all_threads_GBps') or {}).get('alone'), '.1f')} GB/s"]
+    for fmt in ("bfloat16", "int8", "int4"):
+        fits = [(r["fits"]["1"], r["mechanism"]) for r in d.get("ffn") or []
+                if r.get("format") == fmt and ((r.get("fits") or {}).get("1") or {}).get("GBps")]
+        if fits:
+            fit, mech = max(fits, key=lambda f: f[0]["GBps"])
+            out.append(f"{fmt} {mech} {fit['GBps']:.1f} GB/s ({_num(fit.get('fraction_of_dram'), '.2f')} of DRAM, "
+                       f"{fit['alpha_s'] * 1e3:.2f} ms fixed)")
+    links = (((d.get("links") or {}).get("formats") or {}).get("bfloat16") or {}).get("links") or []
+    if links:
+        last = links[-1]
+        out.append(f"bf16 split gain at {last['link']}: {last['per_token_zero_hits']['gain']:.2f}x")
+    return "; ".join(out)
+
+
 def _kernel_set(k: str) -> str:
     """A ``--kernels`` value, short: ``auto`` / ``xla`` as they are, a list by its last name."""
     names = k.split(",")
@@ -361,6 +379,7 @@ HEADLINES = {
     "bench_kv_reuse": _bench_kv_reuse,
     "bench_serve": _bench_serve,
     "bench_miss_policy": _bench_miss_policy,
+    "bench_cpu_experts": _bench_cpu_experts,
     "profile_step": _profile_step,
     "profile_overlap": _profile_overlap,
     "check_identity_gpu": _check_identity,

@@ -331,9 +331,9 @@ def measure_impl(cpu, host_gu, host_dn, tokens: int, max_misses: int, quick: boo
 
 
 def sweep_threads(host_gu, host_dn, tokens: int, max_misses: int, candidates: Sequence[int] | None = None,
-                  repeats: int = 3) -> list[tuple[int, float]]:
-    """Seconds for the host kernel (called directly, no jit around it) to compute ``max_misses``
-    experts for ``tokens`` tokens, per thread count."""
+                  repeats: int = 3, kind: str = "xla") -> list[tuple[int, float]]:
+    """Seconds for the host kernel of kind ``kind`` (``cpu_experts.KERNEL_KIND``; called directly, no jit
+    around it) to compute ``max_misses`` experts for ``tokens`` tokens, per thread count."""
     from ftjax.experts.cpu_experts import get_kernel
     cores = os.cpu_count() or 1
     candidates = candidates or [t for t in (1, 2, 4, 8, 16, 32) if t <= cores]
@@ -342,7 +342,7 @@ def sweep_threads(host_gu, host_dn, tokens: int, max_misses: int, candidates: Se
     ids = (np.arange(max_misses) * 7919 % rows).astype(np.int32)
     out = []
     for th in candidates:
-        k = get_kernel(host_gu, host_dn, th)
+        k = get_kernel(host_gu, host_dn, th, kind=kind)
         k.compute(x, ids, max_misses)
         best = float("inf")
         for _ in range(repeats):
@@ -371,7 +371,7 @@ def calibrate(host_gu: jax.Array, host_dn: jax.Array, cfg, dtype: str, tokens: i
     Returns:
       the entry: device, format, date, jax version, tokens, and ``impls: {impl: fitted figures}``.
     """
-    from ftjax.experts.cpu_experts import CALLBACK_IMPLS, default_threads, make_cpu_experts
+    from ftjax.experts.cpu_experts import CALLBACK_IMPLS, KERNEL_KIND, default_threads, make_cpu_experts
     fmt = expert_format(cfg, dtype)
     max_misses = min(cfg.num_experts, tokens * cfg.top_k)
     reps = reps or (4 if quick else 16)
@@ -380,19 +380,21 @@ def calibrate(host_gu: jax.Array, host_dn: jax.Array, cfg, dtype: str, tokens: i
         "device": device_name(), "platform": jax.default_backend(), "host_cpus": os.cpu_count(),
         "jax": jax.__version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "format": fmt, "tokens": tokens, "max_misses": max_misses, "quick": quick, "reps": reps, "impls": {}}
-    sweep = None
+    sweeps: dict[str, list] = {}  # per host kernel kind
     for impl in impls:
         t0 = time.perf_counter()
         try:
             th = threads
             if impl in CALLBACK_IMPLS and th is None:
+                kind = KERNEL_KIND[impl]
                 if quick:
-                    th = default_threads()
+                    th = default_threads(kind)
                 else:
-                    if sweep is None:
-                        sweep = sweep_threads(host_gu, host_dn, tokens, max_misses)
-                        entry["host_kernel_thread_sweep"] = [{"threads": a, "s": s} for a, s in sweep]
-                    th = min(sweep, key=lambda p: p[1])[0]
+                    if kind not in sweeps:
+                        sweeps[kind] = sweep_threads(host_gu, host_dn, tokens, max_misses, kind=kind)
+                        name = "host_kernel_thread_sweep" + ("" if kind == "xla" else f"_{kind}")
+                        entry[name] = [{"threads": a, "s": s} for a, s in sweeps[kind]]
+                    th = min(sweeps[kind], key=lambda p: p[1])[0]
             cpu = make_cpu_experts(impl, host_gu, host_dn, th)
             pts = measure_impl(cpu, host_gu, host_dn, tokens, max_misses, quick, reps, repeats, log=log)
             res = fit_impl(pts, fmt["expert_bytes"], max_misses)

@@ -144,8 +144,8 @@ def define_flags(flag_values: flags.FlagValues = FLAGS, module_name: str | None 
                   "measured overlap; docs/MISS_POLICY.md). DESIGN.md 1.2.")
     d.DEFINE_enum("cpu_expert_impl", "callback_async", list(CPU_EXPERT_IMPLS),
                   "How misses are computed on the CPU (ftjax.experts.cpu_experts).")
-    d.DEFINE_integer("cpu_threads", 0, "Host-kernel threads of the callback mechanisms; 0 = the profile's or "
-                     "half the cores.")
+    d.DEFINE_integer("cpu_threads", 0, "Host-kernel threads of the callback mechanisms; 0 = the profile's, or "
+                     "half the cores (callback, callback_async) or every core (numpy_rows_async).")
     d.DEFINE_string("calibration_profile", None, "Calibration profile JSON (ftjax.calibrate); default "
                     "~/.cache/ftjax/calibration.json. Adaptive calibrates quickly and adds to it when missing.")
     d.DEFINE_enum("matmul_precision", "auto", list(MATMUL_PRECISIONS),

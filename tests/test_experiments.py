@@ -421,6 +421,56 @@ def test_bench_miss_policy_smoke(tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_cpu_experts_smoke(tmp_path):
+    """Tiny experts (D=64, F=32) in a bank of a few hundred: every mechanism measured (or recorded as
+    unavailable: torch, a C compiler) with the bytes it read counted per call, outputs equal to the
+    float64 reference within bf16 rounding, the re-fit of the split on the new mechanism, and the
+    modelled slower links. A child process: the re-fit's callbacks need synchronous CPU dispatch."""
+    from ftjax.experts import quant
+    d = _run("bench_cpu_experts", tmp_path, "--hidden=64", "--ffn=32", "--bank_gb=0.004", "--dram_gb=0.05",
+             "--threads=1,2", "--ks=1,2", "--refit_rows=16", "--repeats=2", "--copies=on", "--h2d_mb=8",
+             process=True)
+    assert _meta(d)["device"] and _meta(d)["jax"] and d["accelerator"] is False and not d["errors"]
+    assert not d["skipped"] and d["shape"] == {"hidden": 64, "ffn": 32} and d["copies"] is True
+    for part in ("alone", "during_h2d"):  # --copies=on: host -> "device" copies on the CPU backend too
+        assert [r["threads"] for r in d["dram"][part]] == [1, 2] and all(r["GBps"] > 0 for r in d["dram"][part])
+    assert d["dram"]["h2d"]["bytes"] == 8 << 20 and d["dram_all_threads_GBps"]["alone"] > 0
+    rows = {(r["format"], r["mechanism"]): r for r in d["ffn"]}
+    assert set(rows) == {(f, m) for f in ("bfloat16", "int8", "int4") for m in (
+        "numpy_rows", "native_omp", "torch", "xla_per_expert", "xla_one_jit", "xla_one_jit_xnnpack", "xla_one_jit_f32")}
+    for (fmt, mech), r in rows.items():
+        assert "error" not in r, r
+        if "unavailable" in r:
+            assert mech in ("torch", "native_omp"), r
+            continue
+        eb = quant.expert_bytes(quant.bank_format(fmt), 64, 32)
+        assert r["expert_bytes"] == eb == d["banks"][fmt]["expert_bytes"]
+        assert sorted((p["tokens"], p["k"]) for p in r["points"]) == [(1, 1), (1, 2), (4, 1), (4, 2)]
+        for p in r["points"]:
+            assert p["bytes"] == p["k"] * eb and p["s"]["median"] > 0 and p["s"]["n"] == 2
+            assert p["GBps"] == pytest.approx(p["bytes"] / p["s"]["median"] / 1e9)
+        assert set(r["fits"]) == {"1", "4"} and all(math.isfinite(f["alpha_s"]) for f in r["fits"].values())
+        assert set(r["max_rel_err"]) == {"1", "4"} and max(r["max_rel_err"].values()) <= d["rel_tol"], r
+    assert rows[("bfloat16", "numpy_rows")]["info"]["threads"] == d["mechanism_threads"] == os.cpu_count()
+    measured = {k for k, r in rows.items() if "unavailable" not in r}
+    during = {(r["format"], r["mechanism"]): r for r in d["ffn_during_h2d"]}
+    assert set(during) == measured and all(r["k"] == 2 and r["GBps"] > 0 for r in during.values())
+    impls = d["refit"]["impls"]
+    assert set(impls) == {"numpy_rows_async", "callback_async"} and all(v["ok"] for v in impls.values())
+    assert impls["numpy_rows_async"]["mechanism"]["kernel"] == "rows"
+    assert {r["impl"] for r in d["refit_vs_kernel"]} == {"numpy_rows_async", "callback_async"}
+    for fmt, v in d["links"]["formats"].items():
+        assert [r["link"] for r in v["links"]] == ["measured", "25 GB/s", "12 GB/s"]
+        assert [round(r["link_GBps"], 6) for r in v["links"][1:]] == [25.0, 12.0]
+        for r in v["links"]:
+            assert [g["misses"] for g in r["per_layer"]] == list(range(1, 9))
+            assert all(g["gain"] >= 1 - 1e-9 and 0 <= g["fetch"] <= g["misses"] for g in r["per_layer"])
+            assert r["fetch_cap_F_of_M"][1:] == [g["fetch"] for g in r["per_layer"]]
+            pt = r["per_token_zero_hits"]
+            assert pt["fetch_only_s"] == pytest.approx(48 * r["per_layer"][-1]["fetch_only_s"])
+
+
+@pytest.mark.slow
 def test_ab_slot_table_smoke(tmp_path):
     """Every slot table implementation on a small warmed table, for every registered cache policy (the
     default): outputs identical to 'sort', timed, and the compiled scan body counted (the reference has the

@@ -11,6 +11,7 @@ different order); experiments/bench_miss_policy.py reports that difference.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -25,14 +26,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cli_helpers import run_generate
-from conftest import load_fixture
+from conftest import load_fixture, oracle_tol
 from ftjax import memory
 from ftjax import Engine
 from ftjax.config import EngineConfig, MissPolicyConfig
-from ftjax.experts import cpu_experts, miss_policy, offload
+from ftjax.experts import cpu_experts, cpu_rows, miss_policy, offload, quant
 from ftjax.experts.state import init_expert_state
 from ftjax.experts.miss_split import (SplitModel, best_fetch_count, brute_force_fetch_count, fixed_split_table,
-                                      most_recent_misses, qstar, split_cost, split_table)
+                                      most_recent_misses, qstar, split_cost, split_gain, split_table, with_link)
 from ftjax.seams import LayerRouting
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -107,6 +108,36 @@ def test_serial_overlap_picks_an_end_and_fixed_costs_matter():
     assert split_cost(f, 100, flat) <= split_cost(0, 100, flat) * (1 + 1e-9) and f == 1
 
 
+def test_slower_link_model_and_split_gain():
+    """A slower link (PCIe 4.0 x8 ~12 GB/s) makes fetching dearer: more misses go to the CPU, and the
+    split's gain over fetching every miss grows; the CPU side, fixed costs and overlap are kept."""
+    b = 9_437_184                                          # one qwen3-30b-a3b bf16 expert
+    fast = SplitModel.from_bandwidths(b, 50e9, 30e9, alpha_p=1e-5, alpha_h=1e-4, overlap=0.9)
+    slow = with_link(fast, b, 12e9)
+    assert slow.beta_p == pytest.approx(b / 12e9) and slow.beta_h == fast.beta_h
+    assert (slow.alpha_p, slow.alpha_h, slow.overlap) == (fast.alpha_p, fast.alpha_h, fast.overlap)
+    g_fast, g_slow = split_gain(8, fast), split_gain(8, slow)
+    for g, m in ((g_fast, fast), (g_slow, slow)):
+        assert g["misses"] == 8 and g["fetch"] == best_fetch_count(8, m)
+        assert g["fetch_only_s"] == pytest.approx(m.alpha_p + 8 * m.beta_p)
+        assert g["cpu_only_s"] == pytest.approx(m.alpha_h + 8 * m.beta_h)
+        assert g["split_s"] == pytest.approx(split_cost(g["fetch"], 8, m))
+        assert g["gain"] == pytest.approx(g["fetch_only_s"] / g["split_s"]) and g["gain"] >= 1.0
+    assert g_slow["fetch"] < g_fast["fetch"] < 8 and g_slow["gain"] > g_fast["gain"] > 1.0
+    # the plain q* rule at 12 GB/s vs a 30 GB/s CPU: F* = 8 * 12 / 42 = 2.3; F = 2 costs max(2/12, 6/30) = 0.2 s
+    # per 1e9 bytes, F = 3 max(3/12, 5/30) = 0.25: fetch 2, gain (8/12) / 0.2 = 3.33
+    plain = with_link(SplitModel.from_bandwidths(1, 50.0, 30.0), 1, 12.0)
+    g = split_gain(8, plain)
+    assert g["fetch"] == 2 and g["gain"] == pytest.approx((8 / 12) / (6 / 30))
+    assert split_gain(0, plain)["gain"] == 1.0
+    useless_cpu = SplitModel.from_bandwidths(b, 12e9, 1e6)
+    assert split_gain(8, useless_cpu) == {**split_gain(8, useless_cpu), "fetch": 8, "gain": 1.0}
+    with pytest.raises(ValueError, match="> 0"):
+        with_link(fast, b, 0.0)
+    with pytest.raises(ValueError, match=">= 0"):
+        split_gain(-1, fast)
+
+
 @settings(max_examples=50, deadline=None)
 @given(data=st.data())
 def test_most_recent_misses(data):
@@ -144,11 +175,82 @@ def test_host_bank_view_is_zero_copy_and_kernel_matches_ffn():
     assert not y[3].any()                          # rows past count are zeros
 
 
+def _bank_views(fmt: str, rows: int, d: int, f: int, seed: int = 0):
+    """Random float32 experts [rows, D, 2F] / [rows, F, D] stored in format ``fmt`` ("float32",
+    "bfloat16", or a quantized one): (gate_up, down, scales or None, format tag) as numpy arrays."""
+    import ml_dtypes
+    rng = np.random.default_rng(seed)
+    gu = (rng.standard_normal((rows, d, 2 * f)) / np.sqrt(d)).astype(np.float32)
+    dn = (rng.standard_normal((rows, f, d)) / np.sqrt(f)).astype(np.float32)
+    if fmt in ("float32", "bfloat16"):
+        dt = np.float32 if fmt == "float32" else ml_dtypes.bfloat16
+        return gu.astype(dt), dn.astype(dt), None, "dense"
+    qg, sg = quant.quantize(fmt, jnp.asarray(gu), 2)
+    qd, sd = quant.quantize(fmt, jnp.asarray(dn), 1)
+    return np.asarray(qg), np.asarray(qd), (np.asarray(sg), np.asarray(sd)), quant.bank_format(fmt)
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "int8", "int4", "float32", "fp8"])
+@pytest.mark.parametrize("threads", [1, 3, 8])
+def test_row_split_kernel_equals_the_reference_ffn(fmt, threads):
+    """``numpy_rows_async``'s kernel: every expert cut into row blocks over the threads (1, 3 or 8
+    threads and 1 to 5 experts: blocks of 16 to 256 rows, int4's 64-row scale groups, fp8's 128 x 128
+    blocks) equals ``cpu_experts._ffn`` on the dequantized weights up to rounding: float32 summation
+    order (float32 banks), and the reference's rounding of its intermediates to bf16 (16-bit x)."""
+    d, f = 256, 128
+    gu, dn, scales, tag = _bank_views(fmt, 12, d, f)
+    view = lambda a: cpu_experts.HostBankView(a, None, "numpy")  # noqa: E731
+    k = cpu_rows.RowSplitKernel(view(gu), view(dn), threads, None if scales is None else tuple(map(view, scales)),
+                                tag)
+    try:
+        assert k.threads == threads and (k.hidden, k.ffn) == (d, f)
+        xdt = np.float32 if fmt == "float32" else np.dtype(jnp.bfloat16)
+        x = (np.random.default_rng(1).standard_normal((3, d))).astype(xdt)
+        for count in (1, 2, 5):
+            ids = np.array([7, 0, 11, 3, 5, -1][:count] + [-1] * (6 - count), np.int32)
+            y = k.compute(x, ids, count)
+            assert y.shape == (6, 3, d) and y.dtype == x.dtype
+            assert not y[count:].astype(np.float32).any()           # rows past count are zeros
+            for j in range(count):
+                sc = () if scales is None else (scales[0][ids[j]], scales[1][ids[j]])
+                want = np.asarray(cpu_experts._ffn(jnp.asarray(x, jnp.float32), gu[ids[j]], dn[ids[j]], *sc,
+                                                   fmt=tag), np.float32)
+                got = y[j].astype(np.float32)
+                tol = 1e-5 if fmt == "float32" else 1e-2  # bf16 outputs: 2**-8 relative
+                assert np.abs(got - want).max() <= tol * np.abs(want).max(), (fmt, threads, count, j)
+        # asynchronous use: two calls in flight, collected in either order
+        t1, t2 = k.submit(x, np.array([1, 2], np.int32), 2), k.submit(x, np.array([4], np.int32), 1)
+        np.testing.assert_array_equal(k.result(t2), k.compute(x, np.array([4], np.int32), 1))
+        np.testing.assert_array_equal(k.result(t1), k.compute(x, np.array([1, 2], np.int32), 2))
+    finally:
+        k.close()
+
+
+def test_row_blocks_and_kernel_choice():
+    assert cpu_rows.row_blocks(2048, 16, 16) == [(i, i + 128) for i in range(0, 2048, 128)]
+    assert cpu_rows.row_blocks(768, 16, 64) == [(i, i + 64) for i in range(0, 768, 64)]   # 12 int4 groups
+    assert cpu_rows.row_blocks(100, 3, 16) == [(0, 48), (48, 96), (96, 100)]
+    assert cpu_rows.row_blocks(32, 1, 16) == [(0, 32)]
+    with pytest.raises(ValueError, match=">= 1"):
+        cpu_rows.row_blocks(32, 0, 16)
+    assert cpu_experts.KERNEL_KIND["numpy_rows_async"] == "rows" and "numpy_rows_async" in cpu_experts.ASYNC_IMPLS
+    assert cpu_experts.kernel_class("rows") is cpu_rows.RowSplitKernel
+    assert cpu_experts.default_threads("rows") == (os.cpu_count() or 2)
+    with pytest.raises(ValueError, match="unknown host kernel kind"):
+        cpu_experts.kernel_class("torch")
+    model, _ = load_fixture("qwen3_moe_fp32")
+    k = cpu_experts.get_kernel(model.host_gate_up, model.host_down, threads=2, kind="rows")
+    assert isinstance(k, cpu_rows.RowSplitKernel) and k.gate_up.how == "pointer"
+    assert k is cpu_experts.get_kernel(model.host_gate_up, model.host_down, threads=2, kind="rows")
+    assert k is not cpu_experts.get_kernel(model.host_gate_up, model.host_down, threads=2)  # the XLA kernel
+
+
 def test_callback_refused_on_async_cpu_client_and_compute_on_needs_host_typed_banks():
     model, _ = load_fixture("qwen3_moe_fp32")
     assert jax.config.read("jax_cpu_enable_async_dispatch")  # pytest's process: JAX defaults
-    with pytest.raises(ValueError, match="deadlock"):
-        cpu_experts.make_cpu_experts("callback_async", model.host_gate_up, model.host_down)
+    for impl in cpu_experts.CALLBACK_IMPLS:
+        with pytest.raises(ValueError, match="deadlock"):
+            cpu_experts.make_cpu_experts(impl, model.host_gate_up, model.host_down)
     with pytest.raises(ValueError, match="unknown CPU expert mechanism"):
         cpu_experts.make_cpu_experts("torch", model.host_gate_up, model.host_down)
     # jit(out_shardings=pinned_host) arrays are traced as device memory (jax 0.11.2)
@@ -321,6 +423,38 @@ def test_generate_cli_adaptive_callback_async_bit_identical(qwen, tmp_path):
     assert cal["calibrated_now"] and cal["key"] == "cpu|float32|D64|F32|T1" and cal["path"] == str(prof)
     stored = json.loads(prof.read_text())["entries"][cal["key"]]["impls"]["callback_async"]
     assert stored["ok"] and ec["split"]["table"] == stored["split_table"]
+
+
+@pytest.mark.parametrize("expert_dtype", [None, pytest.param("int4", marks=pytest.mark.slow)])
+def test_generate_cli_numpy_rows_async_matches_resident(qwen, tmp_path, expert_dtype):
+    """The all-core row-split kernel (``numpy_rows_async``) computing misses in a cached decode (its own
+    process: synchronous CPU dispatch): the same greedy tokens as the resident model, logits within the
+    oracle tolerance (float32 summation order differs from XLA's, so not bit for bit), with a split
+    that sends misses both ways. int4: the resident model with the same quantized banks."""
+    model, prompt, want, _ = qwen
+    ref = want.step_logits[:, 0]
+    if expert_dtype is not None:
+        qmodel = dataclasses.replace(model, banks=quant.quantize_banks(model.banks, expert_dtype))
+        ref = Engine(qmodel, EngineConfig("resident", max_seq_len=96)).generate(
+            [prompt], STEPS, keep_logits=True).step_logits[:, 0]
+    metrics, logits = tmp_path / "m.json", tmp_path / "l.npy"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-m", "ftjax.generate", "--noprogress", f"--checkpoint={model.name}",
+                        f"--prompt_ids={','.join(map(str, prompt))}", f"--max_new_tokens={STEPS}",
+                        f"--expert_slots={model.cfg.num_experts}", "--max_seq_len=96", "--miss_policy=adaptive",
+                        "--fixed_fetch=1", "--cpu_expert_impl=numpy_rows_async", "--cpu_threads=3",
+                        f"--metrics_json={metrics}", f"--logits_npy={logits}"]
+                       + ([f"--expert_dtype={expert_dtype}"] if expert_dtype else []),
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = np.load(logits)
+    assert got.shape == ref.shape
+    np.testing.assert_allclose(got, ref, rtol=0, atol=oracle_tol(ref))
+    np.testing.assert_array_equal(got.argmax(-1), ref.argmax(-1))   # the same greedy tokens
+    ec = json.loads(metrics.read_text())["expert_cache"]
+    assert ec["cpu_expert_impl"] == {"impl": "numpy_rows_async", "threads": 3, "bank_view": "pointer",
+                                     "zero_copy_rows": True, "kernel": "rows"}
+    assert ec["cpu_computed"] > 0 and ec["fetched"] > 0 and ec["fetched"] + ec["cpu_computed"] == ec["misses"]
 
 
 def test_generate_cli_bad_miss_flags_one_line():

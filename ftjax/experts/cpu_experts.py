@@ -19,6 +19,10 @@ Mechanisms (``IMPLS``; selected by ``--cpu_expert_impl``):
 * ``callback_async``: the same kernel, split into two ``io_callback`` calls: *submit* (hands ``x``
   and the ids to the thread pool, returns a ticket at once) before the layer's PCIe fetch, and
   *result* (waits for the ticket) after it, so the CPU work overlaps the copy.
+* ``numpy_rows_async``: the two ``io_callback`` calls of ``callback_async`` into
+  ``ftjax.experts.cpu_rows.RowSplitKernel``: every thread works on every expert (blocks of contiguous
+  input rows, decoded to float32 in the core's cache, one-thread BLAS products, float32
+  accumulation), all cores by default. FreeToken's CPU executor also runs each expert on all cores.
 * ``compute_on``: ``jax.experimental.compute_on(..., compute_type='device_host')``: XLA compiles
   the FFN loop for the host and reads the banks directly (no Python, no thread pool).
 * ``compute_on_static``: the same without the dynamic loop (always ``C`` experts, padding ids
@@ -50,8 +54,15 @@ from jax.experimental.compute_on import compute_on
 from ftjax.experts import quant
 from ftjax.experts.compute import _swiglu
 
-IMPLS = ("callback", "callback_async", "compute_on", "compute_on_static")
-CALLBACK_IMPLS = ("callback", "callback_async")
+IMPLS = ("callback", "callback_async", "numpy_rows_async", "compute_on", "compute_on_static")
+#: Mechanisms that call a host kernel from the step (they need a zero-copy bank view, and synchronous
+#: CPU dispatch on the CPU backend).
+CALLBACK_IMPLS = ("callback", "callback_async", "numpy_rows_async")
+#: Callback mechanisms that submit before the layer's copies and wait after them.
+ASYNC_IMPLS = ("callback_async", "numpy_rows_async")
+#: The host kernel class each callback mechanism drives: "xla" (:class:`HostExpertKernel`) or "rows"
+#: (``ftjax.experts.cpu_rows.RowSplitKernel``).
+KERNEL_KIND = {"callback": "xla", "callback_async": "xla", "numpy_rows_async": "rows"}
 
 
 class HostViewError(RuntimeError):
@@ -202,9 +213,11 @@ def _ffn(x: jax.Array, gate_up: jax.Array, down: jax.Array, s_gu: jax.Array | No
     return (_swiglu(x @ gu) @ dn).astype(x.dtype)
 
 
-def default_threads() -> int:
-    """Thread-pool size for the host kernel: half the cores (XLA:CPU also threads each dot), >= 1."""
-    return max(1, (os.cpu_count() or 2) // 2)
+def default_threads(kind: str = "xla") -> int:
+    """Thread-pool size of a host kernel, >= 1: "xla": half the cores (XLA:CPU also threads each dot);
+    "rows": every core (each thread runs one-thread BLAS on its rows)."""
+    cores = os.cpu_count() or 2
+    return max(1, cores if kind == "rows" else cores // 2)
 
 
 def check_callback_backend(bank: jax.Array) -> None:
@@ -301,27 +314,42 @@ class HostExpertKernel:
         self._pool.shutdown(wait=True)
 
 
-_KERNELS: dict[tuple, HostExpertKernel] = {}
+_KERNELS: dict[tuple, Any] = {}
+
+
+def kernel_class(kind: str):
+    """The host kernel class of a kind of :data:`KERNEL_KIND` ("xla" or "rows").
+
+    Raises:
+      ValueError: an unknown kind.
+    """
+    if kind == "xla":
+        return HostExpertKernel
+    if kind == "rows":
+        from ftjax.experts.cpu_rows import RowSplitKernel
+        return RowSplitKernel
+    raise ValueError(f"unknown host kernel kind {kind!r}; expected 'xla' or 'rows'")
 
 
 def get_kernel(host_gate_up: jax.Array, host_down: jax.Array, threads: int | None = None,
-               allow_copy: bool = False, scales: tuple | None = None, fmt: str = "dense") -> HostExpertKernel:
-    """The (memoised) :class:`HostExpertKernel` of a pair of host banks (and, for a quantized
-    format ``fmt``, their scale banks ``scales``).
+               allow_copy: bool = False, scales: tuple | None = None, fmt: str = "dense", kind: str = "xla"):
+    """The (memoised) host kernel of kind ``kind`` (:func:`kernel_class`) over a pair of host banks
+    (and, for a quantized format ``fmt``, their scale banks ``scales``).
 
     Raises:
       HostViewError: the banks cannot be viewed from numpy without a copy.
+      ValueError: an unknown kind, or a format the kernel cannot decode.
     """
-    threads = int(threads or default_threads())
+    cls = kernel_class(kind)
+    threads = int(threads or default_threads(kind))
     scales = tuple(scales) if scales else None
-    key = (id(host_gate_up), id(host_down), threads, fmt) + tuple(id(s) for s in scales or ())
+    key = (kind, id(host_gate_up), id(host_down), threads, fmt) + tuple(id(s) for s in scales or ())
     k = _KERNELS.get(key)
     stale = k is not None and (k.gate_up.source is not host_gate_up or k.down.source is not host_down or (
         scales is not None and any(v.source is not s for v, s in zip(k.scales, scales))))
     if k is None or stale:
         views = None if scales is None else tuple(host_bank_view(s, allow_copy) for s in scales)
-        k = HostExpertKernel(host_bank_view(host_gate_up, allow_copy), host_bank_view(host_down, allow_copy),
-                             threads, views, fmt)
+        k = cls(host_bank_view(host_gate_up, allow_copy), host_bank_view(host_down, allow_copy), threads, views, fmt)
         _KERNELS[key] = k
     return k
 
@@ -355,23 +383,29 @@ def _host_ffn_static(fmt, x, flat_ids, count, *banks):
 class CpuExperts:
     """A CPU mechanism bound to its banks; hashable by identity (part of a static jit argument).
 
-    impl: one of :data:`IMPLS`; kernel: the host kernel (callback mechanisms), else None.
+    impl: one of :data:`IMPLS`; kernel: the host kernel (callback mechanisms: a :class:`HostExpertKernel`
+    or a ``cpu_rows.RowSplitKernel``, :data:`KERNEL_KIND`), else None.
     """
 
     impl: str
-    kernel: HostExpertKernel | None = None
+    kernel: Any = None
+
+    @property
+    def asynchronous(self) -> bool:
+        """Submits in :meth:`launch` and waits in :meth:`collect` (the CPU works while the copies run)."""
+        return self.impl in ASYNC_IMPLS
 
     def __post_init__(self):
         if self.impl not in IMPLS:
             raise ValueError(f"unknown CPU expert mechanism {self.impl!r}; expected one of {IMPLS}")
         if self.impl in CALLBACK_IMPLS and self.kernel is None:
-            raise ValueError(f"CPU expert mechanism {self.impl!r} needs a HostExpertKernel")
+            raise ValueError(f"CPU expert mechanism {self.impl!r} needs a host kernel")
 
     def describe(self) -> dict:
         d: dict[str, Any] = {"impl": self.impl}
         if self.kernel is not None:
             d.update(threads=self.kernel.threads, bank_view=self.kernel.gate_up.how,
-                     zero_copy_rows=self.kernel.zero_copy)
+                     zero_copy_rows=self.kernel.zero_copy, kernel=KERNEL_KIND[self.impl])
         return d
 
     # ---- in-jit --------------------------------------------------------------------------
@@ -388,7 +422,7 @@ class CpuExperts:
         if self.impl == "callback":
             k = self.kernel
             return jax.lax.cond(count > 0, lambda: jax.pure_callback(k.compute, out, x, flat_ids, count), zeros)
-        if self.impl == "callback_async":
+        if self.asynchronous:
             k = self.kernel
             tick = jax.ShapeDtypeStruct((), jnp.int32)
             submit = lambda: io_callback(lambda *a: np.int32(k.submit(*a)), tick, x, flat_ids, count)  # noqa: E731
@@ -403,7 +437,7 @@ class CpuExperts:
         """The CPU results on the device: [num, N, D] in x's dtype (rows >= count unspecified)."""
         if self.impl == "callback":
             return handle
-        if self.impl == "callback_async":
+        if self.asynchronous:
             k = self.kernel
             out = jax.ShapeDtypeStruct((num,) + x.shape, x.dtype)
             return jax.lax.cond(handle >= 0, lambda: io_callback(k.result, out, handle),
@@ -418,9 +452,9 @@ def make_cpu_experts(impl: str, host_gate_up: jax.Array, host_down: jax.Array, t
 
     Raises:
       ValueError: unknown impl; a callback mechanism on the CPU backend with asynchronous dispatch
-        (:func:`check_callback_backend`); a compute_on mechanism with banks not typed as host
-        memory (:func:`ensure_host_typed`). HostViewError: a callback mechanism and no zero-copy
-        bank view.
+        (:func:`check_callback_backend`); ``numpy_rows_async`` with a format it cannot decode; a
+        compute_on mechanism with banks not typed as host memory (:func:`ensure_host_typed`).
+      HostViewError: a callback mechanism and no zero-copy bank view.
     """
     if impl not in IMPLS:
         raise ValueError(f"unknown CPU expert mechanism {impl!r}; expected one of {IMPLS}")
@@ -430,5 +464,5 @@ def make_cpu_experts(impl: str, host_gate_up: jax.Array, host_down: jax.Array, t
                          "ftjax.experts.cpu_experts.ensure_host_typed first (jit out_shardings quirk)")
     if impl in CALLBACK_IMPLS:
         check_callback_backend(host_gate_up)
-        kernel = get_kernel(host_gate_up, host_down, threads, allow_copy, scales, fmt)
+        kernel = get_kernel(host_gate_up, host_down, threads, allow_copy, scales, fmt, KERNEL_KIND[impl])
     return CpuExperts(impl, kernel)

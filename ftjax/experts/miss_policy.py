@@ -110,7 +110,8 @@ def fetch_and_cpu(cpu: CpuExperts, banks: ExpertBanks, state: ExpertState, x: ja
                   fetch: bool = True):
     """One layer's miss traffic: ``n_fetch`` copies into slots and ``n_cpu`` experts on the CPU.
 
-    The CPU work is issued first; for ``callback_async`` optimisation barriers pin the order
+    The CPU work is issued first; for an asynchronous mechanism (``callback_async``,
+    ``numpy_rows_async``) optimisation barriers pin the order
     (submit -> copies -> wait) so that the CPU computes while the copies run. Also used by
     ``ftjax.calibrate`` so that calibration times exactly this code.
 
@@ -120,7 +121,7 @@ def fetch_and_cpu(cpu: CpuExperts, banks: ExpertBanks, state: ExpertState, x: ja
     num = cpu_flat.shape[0]
     with jax.named_scope("cpu_experts"):
         handle = cpu.launch(x, cpu_flat, n_cpu, banks)
-    ordered = cpu.impl == "callback_async"
+    ordered = cpu.asynchronous
     if fetch:
         pools = (state.gate_up, state.down, state.scales)
         if ordered:

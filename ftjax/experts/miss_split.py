@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 
 __all__ = ["SplitModel", "split_cost", "best_fetch_count", "brute_force_fetch_count", "qstar",
-           "split_table", "fixed_split_table", "most_recent_misses"]
+           "split_table", "fixed_split_table", "most_recent_misses", "with_link", "split_gain"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +157,37 @@ def fixed_split_table(fetch: int, max_misses: int) -> tuple[int, ...]:
     if fetch < 0:
         raise ValueError(f"fixed fetch count must be >= 0, got {fetch}")
     return tuple(min(fetch, m) for m in range(max_misses + 1))
+
+
+def with_link(model: SplitModel, expert_bytes: int, link_bytes_per_s: float) -> SplitModel:
+    """The same layer over another host -> device link: ``beta_p = expert_bytes / link_bytes_per_s``.
+
+    The copy's fixed cost, the CPU side and the overlap are kept, so this models a slower link (PCIe
+    4.0 x16 ~25e9, x8 ~12e9 bytes/s) from the costs measured on a fast one. Its split table
+    ``F(M)`` is then the cap on each layer's fetches that the slower link affords.
+
+    Raises:
+      ValueError: expert_bytes or the link rate not > 0.
+    """
+    if not (expert_bytes > 0 and link_bytes_per_s > 0):
+        raise ValueError(f"expert_bytes and the link rate must be > 0, got {expert_bytes}, {link_bytes_per_s}")
+    return dataclasses.replace(model, beta_p=expert_bytes / link_bytes_per_s)
+
+
+def split_gain(m: int, model: SplitModel) -> dict:
+    """Predicted seconds of one layer's ``m`` misses, fetched, on the CPU, and split by the model.
+
+    Returns {"misses": m, "fetch": F of the split, "fetch_only_s", "cpu_only_s", "split_s", "gain":
+    fetch_only_s / split_s (>= 1 up to float rounding: fetching all is one of the splits; 1.0 for
+    m = 0)}.
+
+    Raises:
+      ValueError: m < 0.
+    """
+    f = best_fetch_count(m, model)
+    fetch_s, cpu_s, split_s = split_cost(m, m, model), split_cost(0, m, model), split_cost(f, m, model)
+    return {"misses": m, "fetch": f, "fetch_only_s": fetch_s, "cpu_only_s": cpu_s, "split_s": split_s,
+            "gain": fetch_s / split_s if split_s > 0 else 1.0}
 
 
 def most_recent_misses(miss: jax.Array, last_routed: jax.Array, n_fetch: jax.Array) -> jax.Array:

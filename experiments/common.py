@@ -10,7 +10,7 @@ medians, spreads and ratios measured in the same run.
 
 Flags shared by the scripts: :func:`define_kernel_flags` gives a script ``ftjax.generate``'s kernel
 flags (``--kernels``, ``--kernel_tiles``, ``--grouped_matmul``, ``--flash_prefill``, ``--slot_order``,
-``--min_dot_rows``, ``--decode_gemm``, ``--decode_graphs``) and :func:`kernel_config` the
+``--min_dot_rows``, ``--decode_gemm``, ``--decode_graphs``, ``--fetch_group``) and :func:`kernel_config` the
 ``KernelConfig`` they say, passed into each engine (``EngineConfig.kernels``; nothing reads the
 environment). Bad user input stops a script with one line and exit status 1: parse-time checks of a
 flag (:func:`validate`, :func:`check_names`, :func:`check_numbers`: ``FATAL Flags parsing error:
@@ -176,7 +176,7 @@ def check_preset(name: str = "preset") -> None:
 #: The kernel flags of :func:`define_kernel_flags` (``ftjax.generate``'s), each a ``KernelConfig`` field
 #: (``kernels`` is ``KernelConfig.use``, ``kernel_tiles`` its ``tiles``).
 KERNEL_FLAGS = ("kernels", "kernel_tiles", "grouped_matmul", "flash_prefill", "slot_order", "min_dot_rows",
-                "decode_gemm", "decode_graphs")
+                "decode_gemm", "decode_graphs", "fetch_group")
 #: Environment variables that chose kernels before ``KernelConfig``: nothing reads them now.
 STALE_ENV = {"FTJAX_KERNELS": "--kernels", "FTJAX_DENSE_DECODE_TILES": "--kernel_tiles=dense_decode:...",
              "FTJAX_MOE_DECODE_TILES": "--kernel_tiles=moe_decode:...", "FTJAX_GROUPED_MATMUL": "--grouped_matmul",
@@ -243,6 +243,9 @@ def define_kernel_flags(skip: tuple[str, ...] = (), multi_use: bool = False) -> 
         "min_dot_rows": lambda: flags.DEFINE_integer(
             "min_dot_rows", None, "Rows a one-row dense projection is padded to (default 4 on a GPU, 0 elsewhere; "
             "KernelConfig.min_dot_rows).", lower_bound=0, **mod),
+        "fetch_group": lambda: flags.DEFINE_integer(
+            "fetch_group", None, "The most cache misses copied per iteration of a layer's miss loop (default 8 on a "
+            "GPU, 1 elsewhere; KernelConfig.fetch_group).", lower_bound=1, **mod),
         "decode_gemm": lambda: flags.DEFINE_enum(
             "decode_gemm", "auto", list(DECODE_GEMMS), "GEMMs of the decode programs on a GPU: xla, cublas, or auto "
             "(KernelConfig.decode_gemm).", **mod),
@@ -281,7 +284,8 @@ def _kernel_config(values: dict, use=None, **override):
     from ftjax.kernels.registry import KernelConfig
     fields = {"use": use if use is not None else values.get("kernels", "auto"),
               "tiles": parse_tiles(values.get("kernel_tiles"))}
-    for n in ("grouped_matmul", "flash_prefill", "slot_order", "min_dot_rows", "decode_gemm", "decode_graphs"):
+    for n in ("grouped_matmul", "flash_prefill", "slot_order", "min_dot_rows", "decode_gemm", "decode_graphs",
+              "fetch_group"):
         if n in values:
             fields[n] = values[n]
     if isinstance(fields["use"], list):  # the repeated flag, no value picked: auto

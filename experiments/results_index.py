@@ -149,6 +149,18 @@ def _bench_decode_speed(d: dict) -> str:
             f"{r['tokens_per_s']['median']:.1f} tok/s{gain}")
 
 
+def _bench_miss_copy(d: dict) -> str:
+    best = [b for b in d.get("best") or [] if isinstance(b.get("ratio_to_contig"), (int, float))]
+    if not best:
+        return "-"
+    b = max(best, key=lambda b: (b["layers"], b["graphs"] == "on"))  # the decode-like sequence, as decode runs
+    group1 = [r for r in d.get("rows") or [] if r.get("variant") == "group1" and r.get("ids") == "random"
+              and r.get("layers") == b["layers"] and r.get("graphs") == b["graphs"] and "ratio_to_contig" in r]
+    was = f" (one copy per iteration {group1[0]['ratio_to_contig']:.3f}x)" if group1 else ""
+    return (f"misses of {b['layers']} layers, graphs {b['graphs']}: {b['variant']} {b['GBps']:.1f} GB/s = "
+            f"{b['ratio_to_contig']:.3f}x the pinned copy{was}")
+
+
 def _bench_gated_delta(d: dict) -> str:
     rule = {(r.get("variant"), r.get("chunk_states"), r.get("highest")): r for r in d.get("rule") or [] if "s" in r}
     xla = rule.get(("xla", False, False))
@@ -380,6 +392,7 @@ HEADLINES = {
     "bench_serve": _bench_serve,
     "bench_miss_policy": _bench_miss_policy,
     "bench_cpu_experts": _bench_cpu_experts,
+    "bench_miss_copy": _bench_miss_copy,
     "profile_step": _profile_step,
     "profile_overlap": _profile_overlap,
     "check_identity_gpu": _check_identity,

@@ -77,7 +77,8 @@ FLAG_NAMES = ("checkpoint", "preset", "seed", "dtype", "expert_dtype", "experts"
               "stream_d2d_hits", "prefix_copy", "prefix_copy_layers", "kv_offload", "kv_host_gb", "kv_chunk_tokens",
               "kv_load", "miss_policy", "cpu_expert_impl", "cpu_threads", "calibration_profile", "matmul_precision",
               "decode_gemm", "decode_graphs", "kernels", "kernel_tiles", "grouped_matmul", "flash_prefill",
-              "slot_order", "min_dot_rows", "fixed_fetch", "decode_block", "devices", "compilation_cache_dir")
+              "slot_order", "min_dot_rows", "fetch_group", "fixed_fetch", "decode_block", "devices",
+              "compilation_cache_dir")
 
 
 def define_flags(flag_values: flags.FlagValues = FLAGS, module_name: str | None = None) -> None:
@@ -174,6 +175,9 @@ def define_flags(flag_values: flags.FlagValues = FLAGS, module_name: str | None 
                   "one gives the same table; auto: rank on an accelerator, sort on the CPU).")
     d.DEFINE_integer("min_dot_rows", None, "Rows a one-row dense projection is padded to (default 4 on a GPU, 0 "
                      "elsewhere).", lower_bound=0)
+    d.DEFINE_integer("fetch_group", None, "The most cache misses copied per iteration of a layer's miss loop, all "
+                     "their host reads issued before their slot writes (default 8 on a GPU, 1 elsewhere; the same "
+                     "pools either way; KernelConfig.fetch_group; experiments/bench_miss_copy.py).", lower_bound=1)
     d.DEFINE_integer("fixed_fetch", None, "Adaptive: fetch min(N, misses) per layer instead of the calibrated split.")
     d.DEFINE_integer("devices", 1, "Devices of this host to split the routed experts over (expert parallel: each owns "
                      "E/N experts of every layer, its own slot pool of S/N slots and slot table, and copies its own "
@@ -261,7 +265,7 @@ def kernel_config() -> KernelConfig:
             raise UserError(f"--kernel_tiles entry {entry!r}: expected name:int/int/...") from None
     return KernelConfig(use=FLAGS.kernels, tiles=tiles, grouped_matmul=FLAGS.grouped_matmul,
                         flash_prefill=FLAGS.flash_prefill, slot_order=FLAGS.slot_order, min_dot_rows=FLAGS.min_dot_rows,
-                        decode_gemm=FLAGS.decode_gemm, decode_graphs=FLAGS.decode_graphs)
+                        decode_gemm=FLAGS.decode_gemm, decode_graphs=FLAGS.decode_graphs, fetch_group=FLAGS.fetch_group)
 
 
 def miss_config(mode: str) -> MissPolicyConfig:

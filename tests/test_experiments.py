@@ -471,6 +471,43 @@ def test_bench_cpu_experts_smoke(tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_miss_copy_smoke(tmp_path):
+    """Every variant on both id kinds at both layer counts: no error, the pools of the one-copy loop, the
+    bytes of layers x misses x one expert, rates > 0 with their ratios to the references; the compiled
+    programs' structure (a group > 1 adds one conditional; the static fetch has no loop of its own)."""
+    d = _run("bench_miss_copy", tmp_path, "--preset=tiny", "--bank_experts=64", "--slots=32", "--layers_per_call=2",
+             "--decode_layers=4", "--repeats=2", "--groups=1,2,4")
+    assert _meta(d)["device"] and _meta(d)["jax"] and d["b_p"]["h2d_GBps"]["median"] > 0
+    shape = d["shape"]
+    misses, expert = shape["misses"], shape["expert_bytes"]
+    assert misses == 4 and expert == (128 * 256 + 128 * 128) * 2 and shape["layer_counts"] == [2, 4]  # tiny, bf16
+    rows = {(r["variant"], r["ids"], r["layers"]): r for r in d["rows"]}
+    variants = {"group1", "group2", "group4", "static", "coalesce", "put_then_slice", "direct"}
+    want = {(v, "random", n) for v in variants for n in (2, 4)} | {
+        (v, "runs", n) for v in ("group1", "group4", "coalesce") for n in (2, 4)}
+    assert set(rows) == want and {r["graphs"] for r in d["rows"]} == {"off"}  # command buffers: GPU only
+    for (variant, _, layers), r in rows.items():
+        assert "error" not in r, r
+        assert r["bytes"] == layers * misses * expert
+        assert r["GBps"]["median"] > 0 and r["us_per_miss"] > 0 and r["ratio_to_contig"] > 0
+        assert r["same_pools_as_group1"] is True
+        assert r["hlo"]["conditional"] == (variant in ("group2", "group4")) + 2 * (variant == "coalesce"), variant
+    for n in (2, 4):
+        ref = d["references"][str(n)]
+        assert ref["contig_put"]["bytes"] == ref["expert_puts"]["bytes"] == n * misses * expert
+        assert ref["contig_put"]["GBps"]["median"] > 0 and ref["expert_puts"]["GBps"]["median"] > 0
+        assert rows[("static", "random", n)]["hlo"]["while"] < rows[("group1", "random", n)]["hlo"]["while"]
+    assert {(b["layers"], b["graphs"]) for b in d["best"]} == {(2, "off"), (4, "off")}
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import plots
+    import results_index
+    (path,) = tmp_path.glob("bench_miss_copy_tiny.json")
+    plots.plot(str(path), str(tmp_path / "p.png"))  # draws or skips, never fails
+    headline = results_index.row(str(path), path.name, results_index._scripts())["headline"]
+    assert headline.startswith("misses of 4 layers, graphs off: ") and "x the pinned copy (one copy per" in headline
+
+
+@pytest.mark.slow
 def test_ab_slot_table_smoke(tmp_path):
     """Every slot table implementation on a small warmed table, for every registered cache policy (the
     default): outputs identical to 'sort', timed, and the compiled scan body counted (the reference has the

@@ -79,6 +79,18 @@ def test_bad_min_dot_rows_is_refused_naming_the_field(rows):
         KernelConfig(min_dot_rows=rows)
 
 
+@pytest.mark.parametrize("group", [0, -1, "eight", 2.0, True])
+def test_bad_fetch_group_is_refused_naming_the_field(group):
+    with pytest.raises(ValueError, match=r"KernelConfig\.fetch_group: expected None or an integer >= 1"):
+        KernelConfig(fetch_group=group)
+
+
+def test_fetch_group_default_is_per_backend():
+    from ftjax.experts.fetch import FETCH_GROUP
+    assert KernelConfig().miss_group("gpu") == FETCH_GROUP == 8 and KernelConfig().miss_group("cpu") == 1
+    assert KernelConfig(fetch_group=3).miss_group("gpu") == KernelConfig(fetch_group=3).miss_group("cpu") == 3
+
+
 def test_equal_choices_make_equal_configs():
     """A comma-separated string and a tuple in another order, a dict of tiles and its pairs: one config
     (equal and of one hash, so one program key)."""

@@ -3,14 +3,18 @@
 Every copy is a slice of a host bank followed immediately by ``jax.device_put`` to device
 memory, the one operation applied to host data (DESIGN.md section 2: other math on host
 operands turns into slow host compute). A quantized format's scales travel with their weights
-(the pools store what the banks store; ``ftjax.experts.quant``).
+(the pools store what the banks store; ``ftjax.experts.quant``). A layer's misses are copied up to
+:data:`FETCH_GROUP` per loop iteration, every host read of an iteration issued before its slot
+writes (issue 33, item 2: misses at the link's speed; ``experiments/bench_miss_copy.py``).
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from ftjax.experts.state import ExpertBanks, ExpertState
+from ftjax.kernels import registry
 
 
 def _to_device(x: jax.Array) -> jax.Array:
@@ -54,24 +58,89 @@ def _bank_row(bank: jax.Array, pool: jax.Array, fid: jax.Array) -> jax.Array:
     return _bank_rows(bank, pool, fid, 1)[0]
 
 
+#: The most misses :func:`fetch_experts` copies per iteration of its loop on a GPU (``KernelConfig.fetch_group``
+#: unset): a decode step of batch 1 misses at most top-k = 8 experts per layer (qwen3-30b-a3b, olmoe), so one
+#: iteration holds a layer's misses.
+FETCH_GROUP = 8
+
+
+def group_sizes(group: int) -> list[int]:
+    """The copies an iteration of :func:`fetch_experts` may make: ``group`` and every power of two below it
+    (8: [1, 2, 4, 8]; 6: [1, 2, 4, 6]; 1: [1])."""
+    return sorted({1 << i for i in range(group.bit_length()) if 1 << i < group} | {group})
+
+
+def _copy_lanes(src: tuple, pools: tuple, flat_ids: jax.Array, slots: jax.Array, lanes: list) -> tuple:
+    """Copies the misses at positions ``lanes`` (int32 scalars, in order) of ``flat_ids`` / ``slots`` into their
+    slots. Every host read of the group is issued before the first slot write, so that XLA may keep the
+    group's reads in flight together; the slots are written in lane order (a later lane wins a repeated slot,
+    as one copy per iteration would)."""
+    rows = [tuple(_bank_row(b, p, flat_ids[i]).astype(p.dtype) for b, p in zip(src, pools)) for i in lanes]
+    for i, row in zip(lanes, rows):
+        pools = tuple(jax.lax.dynamic_update_index_in_dim(p, r, slots[i], 0) for p, r in zip(pools, row))
+    return pools
+
+
 def fetch_experts(banks: ExpertBanks, state: ExpertState, flat_ids: jax.Array, slots: jax.Array,
-                  count: jax.Array) -> ExpertState:
+                  count: jax.Array, group: int | None = None) -> ExpertState:
     """Copies ``count`` experts (weights and scales) from the host banks into pool slots (H2D).
 
-    flat_ids, slots: int32 [M], the first ``count`` entries valid; count: int32 []. Each copy is
-    a dynamic index of the host bank, moved to the device and written into its slot.
+    flat_ids, slots: int32 [M], the first ``count`` entries valid (flat ids of the banks: ``layer * E +
+    expert``, or ``layer * El + local expert`` for a device's [L, El, ...] share; slots of the pools);
+    count: int32 [] in [0, M]. Each copy is a dynamic index of a host bank (one expert: gate_up [D, 2F],
+    down [F, D] and their scales), moved to the device and written into its slot; entries past ``count``
+    are never read.
+
+    group: the most copies per loop iteration (static, >= 1; at most M are used; None: the active kernel
+    config's, ``KernelConfig.miss_group()``: :data:`FETCH_GROUP` on a GPU, 1 elsewhere). An iteration copies
+    ``group`` misses while that many are left, then the largest power of two that is left (a ``lax.switch``
+    over :func:`group_sizes`), so a layer takes ``count // group + popcount(count % group)`` iterations and
+    no byte crosses the link that is not a miss (8 misses, group 8: one iteration; 7: three). A layer
+    without misses costs one loop check, as before. ``group=1`` is the loop of one copy per iteration.
+    Why (issue 33, item 2): one copy per iteration left the link idle for the loop control and the slot
+    writes between copies (on the H200 an iteration took ~210 us for one 9.44 MB expert whose two host
+    reads took ~191 us: the copies at 96% of B_P, the loop at 88%; docs/PROFILE.md); FreeToken moves a
+    step's misses at ~51 GB/s. ``experiments/bench_miss_copy.py`` measures each group size against the
+    pinned copy rate. The pools written are the same for every ``group``.
+    Raises:
+      ValueError: ``group`` < 1.
     """
+    group = registry.active().miss_group() if group is None else group
+    if group < 1:
+        raise ValueError(f"fetch_experts: group must be >= 1, got {group}")
     src = _bank_arrays(banks)
-
-    def one(i, pools):
-        fid, slot = flat_ids[i], slots[i]
-        return tuple(jax.lax.dynamic_update_index_in_dim(
-            p, _bank_row(b, p, fid).astype(p.dtype), slot, 0)
-            for b, p in zip(src, pools))
-
+    flat_ids, slots = jnp.asarray(flat_ids), jnp.asarray(slots)
+    g = max(1, min(group, flat_ids.shape[0]))
     with jax.named_scope("expert_fetch"):
-        pools = jax.lax.fori_loop(0, count, one, _pool_arrays(state))
+        if g == 1:
+            pools = _one_per_iteration(src, _pool_arrays(state), flat_ids, slots, count)
+        else:
+            pools = _grouped(src, _pool_arrays(state), flat_ids, slots, count, g)
     return _with_pools(state, pools)
+
+
+def _one_per_iteration(src: tuple, pools: tuple, flat_ids: jax.Array, slots: jax.Array, count) -> tuple:
+    """:func:`fetch_experts`' loop with group 1: one copy per iteration (the fetch as it was before groups)."""
+    return jax.lax.fori_loop(0, count, lambda i, p: _copy_lanes(src, p, flat_ids, slots, [i]), pools)
+
+
+def _grouped(src: tuple, pools: tuple, flat_ids: jax.Array, slots: jax.Array, count, g: int) -> tuple:
+    """:func:`fetch_experts`' loop of up to ``g`` >= 2 copies per iteration: ``g`` while that many are left,
+    then the largest power of two left; the iteration's copy count picks a branch of a ``lax.switch``."""
+    sizes = group_sizes(g)  # sizes[i] = 2**i below g, sizes[-1] = g
+    count = jnp.asarray(count, jnp.int32)
+
+    def block(_, carry):
+        pools, done = carry
+        left = count - done
+        pick = jnp.where(left >= g, len(sizes) - 1, 31 - jax.lax.clz(jnp.maximum(left, 1)))
+        branches = [lambda p, n=n: _copy_lanes(src, p, flat_ids, slots, [done + t for t in range(n)])
+                    for n in sizes]
+        return jax.lax.switch(pick, branches, pools), done + jnp.asarray(sizes, jnp.int32)[pick]
+
+    trips = count // g + jax.lax.population_count(count % g)
+    # done starts as count * 0, of count's type: under shard_map a device's own (varying) count
+    return jax.lax.fori_loop(0, trips, block, (pools, count * 0))[0]
 
 
 def fetch_layer(banks: ExpertBanks, state: ExpertState, layer: jax.Array, buffer: jax.Array | int,

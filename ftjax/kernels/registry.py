@@ -171,6 +171,9 @@ class KernelConfig:
         None: 4 on a GPU, 0 (no padding) elsewhere.
       decode_gemm: one of :data:`DECODE_GEMMS`.
       decode_graphs: one of :data:`DECODE_GRAPHS`.
+      fetch_group: the most misses copied per iteration of the miss loop (``ftjax.experts.fetch.fetch_experts``;
+        the pools written are the same for every value); None: ``fetch.FETCH_GROUP`` (8) on a GPU, 1 elsewhere
+        (on the CPU a copy crosses no link, and each copy of an iteration adds XLA:CPU compile time).
     Raises:
       ValueError: an unknown choice or kernel name, a malformed tile override, or a named kernel
         without the kernels it needs (the message names the field).
@@ -184,6 +187,7 @@ class KernelConfig:
     min_dot_rows: int | None = None
     decode_gemm: str = "auto"
     decode_graphs: str = "auto"
+    fetch_group: int | None = None
 
     def __post_init__(self):
         use = self.use
@@ -219,6 +223,9 @@ class KernelConfig:
         rows = self.min_dot_rows
         if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 0):
             raise ValueError(f"KernelConfig.min_dot_rows: expected None or an integer >= 0, got {rows!r}")
+        group = self.fetch_group
+        if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 1):
+            raise ValueError(f"KernelConfig.fetch_group: expected None or an integer >= 1, got {group!r}")
 
     @property
     def named(self) -> tuple[str, ...]:
@@ -237,6 +244,13 @@ class KernelConfig:
         if self.min_dot_rows is not None:
             return self.min_dot_rows
         return 4 if (backend or jax.default_backend()) == "gpu" else 0
+
+    def miss_group(self, backend: str | None = None) -> int:
+        """:attr:`fetch_group` resolved for ``backend`` (default: jax's)."""
+        if self.fetch_group is not None:
+            return self.fetch_group
+        from ftjax.experts.fetch import FETCH_GROUP
+        return FETCH_GROUP if (backend or jax.default_backend()) == "gpu" else 1
 
     def check_applied(self, applied: set[str]) -> list[str]:
         """Notes for the kernels asked for by name that ran in none of the programs (``applied``: the

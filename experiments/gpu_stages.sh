@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# GPU stages for one machine call: each stage runs under a hard time limit (SIGINT, then SIGKILL 15 s later:
+# a hang inside XLA never returns to Python, so SIGINT alone does not end it) and writes its JSON and log
+# under $OUT (else each script's default folder and /tmp). Stages run in the order named:
+#   bash experiments/gpu_stages.sh serve-blocks miss-copy cpu-experts
+# decode-b4-probe: the Gated DeltaNet decode stage at B = 4, dumping Python's stacks if it hangs (SIGABRT)
+# serve-blocks:    bench_serve, resident, concurrency 1 and 4, decode blocks 1 and 16 (issue 31's 3x target)
+# multiround:      bench_serve's multi-round QA (4 users x 16k context), with and without KV reuse
+# miss-copy:       bench_miss_copy (issue 33, misses at the link's speed)
+# cpu-experts:     bench_cpu_experts (issue 33, the CPU as a second link)
+# gdn-model:       bench_gated_delta's 16-layer model stage (compile log, decode kernels)
+# LIMIT_<stage> (seconds, dashes as underscores) overrides a stage's limit.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-}"; logs="${OUT:-/tmp}"
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+day="$(date -u +%F)"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -1
+run() {  # run LIMIT NAME python-args...
+  local lim="$1" name="$2"; shift 2
+  local var="LIMIT_${name//-/_}"; lim="${!var:-$lim}"
+  local t0=$SECONDS
+  timeout -s INT -k 15 "$lim" python3 "$@" > "$logs/$name.log" 2>&1
+  local rc=$?
+  echo "== $name rc=$rc $((SECONDS - t0)) s"; grep -v -E "^[WIE][0-9]{4}|libtpu|TPU" "$logs/$name.log" | tail -n 25
+}
+for stage in "$@"; do
+  case "$stage" in
+    decode-b4-probe)
+      timeout -s ABRT -k 10 "${LIMIT_decode_b4_probe:-60}" python3 -X faulthandler experiments/bench_gated_delta.py \
+        --stages=decode --decode_batches=4 --model_layers=0 --repeats=3 --step_tiles=32:4 --tag=b4-probe \
+        ${out:+--out_dir="$out"} > "$logs/$stage.log" 2>&1
+      echo "== $stage rc=$?"; grep -v -E "^[WI][0-9]{4}" "$logs/$stage.log" | tail -n 40 ;;
+    serve-blocks)
+      run 240 "$stage" experiments/bench_serve.py --part=concurrency --modes=resident --concurrency=1,4 --requests=12 \
+        --decode_blocks=1,16 --out="${out:-experiments/results/serve}/bench_serve_qwen3-30b-a3b_resident_blocks_h200_$day.json" ;;
+    multiround)
+      XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=115 run 330 "$stage" experiments/bench_serve.py --part=multiround \
+        --modes=resident --kv_host_gb=12 \
+        --out="${out:-experiments/results/serve}/bench_serve_qwen3-30b-a3b_multiround-16k_h200_$day.json" ;;
+    miss-copy) run 240 "$stage" experiments/bench_miss_copy.py ${out:+--out_dir="$out"} ;;
+    cpu-experts) run 240 "$stage" experiments/bench_cpu_experts.py ${out:+--out_dir="$out"} ;;
+    gdn-model)
+      run 300 "$stage" experiments/bench_gated_delta.py --stages=model --model_configs=auto,auto+decode-kernels \
+        --tag=model-compile ${out:+--out_dir="$out"} ;;
+    *) echo "unknown stage $stage" >&2; exit 2 ;;
+  esac
+done

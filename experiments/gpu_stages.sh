@@ -12,7 +12,7 @@
 # LIMIT_<stage> (seconds, dashes as underscores) overrides a stage's limit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out="${OUT:-}"; logs="${OUT:-/tmp}"
+out="${OUT:-}"; logs=/tmp  # logs stay on the machine: a call brings back at most 8 files; their tails print
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 day="$(date -u +%F)"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -1
@@ -27,19 +27,19 @@ run() {  # run LIMIT NAME python-args...
 for stage in "$@"; do
   case "$stage" in
     decode-b4-probe)
-      timeout -s ABRT -k 10 "${LIMIT_decode_b4_probe:-60}" python3 -X faulthandler experiments/bench_gated_delta.py \
+      timeout -s ABRT -k 10 "${LIMIT_decode_b4_probe:-40}" python3 -X faulthandler experiments/bench_gated_delta.py \
         --stages=decode --decode_batches=4 --model_layers=0 --repeats=3 --step_tiles=32:4 --tag=b4-probe \
         ${out:+--out_dir="$out"} > "$logs/$stage.log" 2>&1
       echo "== $stage rc=$?"; grep -v -E "^[WI][0-9]{4}" "$logs/$stage.log" | tail -n 40 ;;
     serve-blocks)
-      run 240 "$stage" experiments/bench_serve.py --part=concurrency --modes=resident --concurrency=1,4 --requests=12 \
+      run 190 "$stage" experiments/bench_serve.py --part=concurrency --modes=resident --concurrency=1,4 --requests=8 \
         --decode_blocks=1,16 --out="${out:-experiments/results/serve}/bench_serve_qwen3-30b-a3b_resident_blocks_h200_$day.json" ;;
     multiround)
       XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=115 run 330 "$stage" experiments/bench_serve.py --part=multiround \
         --modes=resident --kv_host_gb=12 \
         --out="${out:-experiments/results/serve}/bench_serve_qwen3-30b-a3b_multiround-16k_h200_$day.json" ;;
-    miss-copy) run 240 "$stage" experiments/bench_miss_copy.py ${out:+--out_dir="$out"} ;;
-    cpu-experts) run 240 "$stage" experiments/bench_cpu_experts.py ${out:+--out_dir="$out"} ;;
+    miss-copy) run 170 "$stage" experiments/bench_miss_copy.py --repeats=5 --tag="h200_$day" ${out:+--out_dir="$out"} ;;
+    cpu-experts) run 165 "$stage" experiments/bench_cpu_experts.py --time_budget_s=140 ${out:+--out_dir="$out"} ;;
     gdn-model)
       run 300 "$stage" experiments/bench_gated_delta.py --stages=model --model_configs=auto,auto+decode-kernels \
         --tag=model-compile ${out:+--out_dir="$out"} ;;

@@ -35,6 +35,7 @@ from ftjax.checkpoint import load_tokenizer, random_model
 from ftjax.config import EngineConfig, KVOffloadConfig, preset
 from ftjax.experts import offload
 from ftjax.experts.state import init_expert_state
+from ftjax.kv.layerwise import HookRow
 from ftjax.runtime.step import RowSampling
 from ftjax.sampling import SamplingDefaults
 from ftjax.serve import QueueFull, SamplingParams, Scheduler
@@ -54,16 +55,17 @@ def _model():
     return random_model(preset("tiny"), "float32")
 
 
-def _engine(mode: str = "resident", batch: int = 2, chunk: int = 16, model=None, block: int = 1) -> Engine:
+def _engine(mode: str = "resident", batch: int = 2, chunk: int = 16, model=None, block: int = 1,
+            driver: str = "auto") -> Engine:
     """An engine for these tests; ``block``: its ``decode_block``, the scheduler's default (1: the one-step path,
-    whose every call ``_drive`` sees; the decode-block tests are at the end)."""
+    whose every call ``_drive`` sees; the decode-block tests are at the end); ``driver``: its prefill driver."""
     model = model or _model()
     e = model.cfg.num_experts
     slots = {"resident": None, "cached": e, "stream": 2 * e}[mode]
     # "stream": 2E slots, prefill "auto": a call streams whole layers when it has >= E / top_k = 4 tokens, so
     # whether a chunk streams can depend on the decoding rows that join it (precompile(mixed=True) covers it)
     return Engine(model, EngineConfig("resident" if mode == "resident" else "cached", num_slots=slots, max_seq_len=S,
-                                      batch=batch, prefill_chunk=chunk, decode_block=block))
+                                      batch=batch, prefill_chunk=chunk, decode_block=block, prefill_driver=driver))
 
 
 @functools.lru_cache(maxsize=None)
@@ -178,20 +180,53 @@ def _plain_forward(cfg):
     return jax.jit(f)
 
 
-def test_prefix_reuse_on_row_1_is_bit_identical_to_recompute():
-    model = _model()
-    eng, mgr = _engine("resident", 2, C), _kv_manager()
-    sched = Scheduler(eng, kv_manager=mgr)
-    calls = []
-    run = eng._run
+def _record_calls(eng: Engine) -> list:
+    """Records every call ``eng`` runs (``eng._run``; ``del eng._run`` to stop): (tokens, start, valid, the KV
+    hook's options, the prefix's chunks on the host, the logits)."""
+    calls, run = [], eng._run
 
     def record(plan, tokens, start, valid, cache, prefix=()):
         out = run(plan, tokens, start, valid, cache, prefix)
-        calls.append((np.array(tokens), np.array(start), np.array(valid), plan.opts.kv, len(prefix),
-                      np.asarray(out.logits)))
+        calls.append((np.array(tokens), np.array(start), np.array(valid), plan.opts.kv,
+                      [np.asarray(c) for c in prefix], np.asarray(out.logits)))
         return out
 
     eng._run = record
+    return calls
+
+
+def _replay(calls: list, batch: int):
+    """Replays ``calls`` (:func:`_record_calls`) through the plain decoder (no hook) at the same batch from a
+    fresh cache, each hooked row's reused chunks copied into its own row where the hook loads them; every
+    valid row's logits must be bit-identical to the engine's. Returns the cache after each call."""
+    model = _model()
+    cfg = model.cfg
+    state = init_expert_state("resident", cfg.num_layers, cfg.num_experts, 0, model.banks, jnp.float32)
+    cache = model_lib.init_kv_cache(cfg, batch, S, jnp.float32)
+    caches = []
+    for tokens, start, valid, kv, prefix, got in calls:
+        if prefix:
+            k, v = np.array(cache.k), np.array(cache.v)
+            n = 0
+            for part in kv.rows:
+                if part.prefix_chunks:
+                    chunks = np.concatenate(prefix[n:n + part.prefix_chunks], axis=2)  # [L, 2, n*C, Hkv, hd]
+                    k[:, part.row, :chunks.shape[2]], v[:, part.row, :chunks.shape[2]] = chunks[:, 0], chunks[:, 1]
+                    n += part.prefix_chunks
+            cache = cache._replace(k=jnp.asarray(k), v=jnp.asarray(v))
+        out = _plain_forward(cfg)(model.params, cache, state, jnp.asarray(tokens), jnp.asarray(start),
+                                  jnp.asarray(valid))
+        cache = out.cache
+        caches.append(cache)
+        for i in np.flatnonzero(valid):
+            np.testing.assert_array_equal(got[i], np.asarray(out.logits)[i])
+    return caches
+
+
+def test_prefix_reuse_on_row_1_is_bit_identical_to_recompute():
+    eng, mgr = _engine("resident", 2, C), _kv_manager()
+    sched = Scheduler(eng, kv_manager=mgr)
+    calls = _record_calls(eng)
     p = SHARED + [7, 8]
     b = SHARED + PROMPTS[0][:5]
     events, logits = _drive(sched, {0: [("P", p, SamplingParams(max_tokens=2))],
@@ -202,24 +237,61 @@ def test_prefix_reuse_on_row_1_is_bit_identical_to_recompute():
     assert mgr.metrics()["chunks_hit"] == 2 and sched.metrics()["kv_chunks_stored"] == 2
     assert all(mgr.store.pin_count(k) == 0 for k in mgr.keys(eng, p)[:2])  # unpinned when prefill ended
     hook_calls = [c for c in calls if c[4]]
-    assert len(hook_calls) == 1 and hook_calls[0][3].row == 1 and hook_calls[0][2].tolist() == [1, 5]  # a mixed call
-    # replay every call through the plain decoder at batch 2; the loaded rows copied into row 1 first
-    cfg = model.cfg
-    chunks = np.concatenate([np.asarray(c) for c in mgr.store.get(mgr.keys(eng, p)[:2])], axis=2)
-    state = init_expert_state("resident", cfg.num_layers, cfg.num_experts, 0, model.banks, jnp.float32)
-    cache = model_lib.init_kv_cache(cfg, 2, S, jnp.float32)
-    for tokens, start, valid, kv, n_prefix, got in calls:
-        if n_prefix:
-            k, v = np.array(cache.k), np.array(cache.v)
-            k[:, kv.row, :2 * C], v[:, kv.row, :2 * C] = chunks[:, 0], chunks[:, 1]
-            cache = cache._replace(k=jnp.asarray(k), v=jnp.asarray(v))
-        out = _plain_forward(cfg)(model.params, cache, state, jnp.asarray(tokens), jnp.asarray(start),
-                                  jnp.asarray(valid))
-        cache = out.cache
-        for i in np.flatnonzero(valid):
-            np.testing.assert_array_equal(got[i], np.asarray(out.logits)[i])
+    assert len(hook_calls) == 1 and hook_calls[0][3].rows == (HookRow(1, 2, 0),)
+    assert hook_calls[0][2].tolist() == [1, 5]  # a mixed call
+    # every call replayed through the plain decoder at batch 2; the loaded rows copied into row 1 first
+    cache = _replay(calls, 2)[-1]
     np.testing.assert_array_equal(np.asarray(eng.cache.k)[:, 1, :len(b) + 2], np.asarray(cache.k)[:, 1, :len(b) + 2])
     assert _tokens(events["B"]) == _alone(tuple(b), 3)[0]
+
+
+@pytest.mark.parametrize("driver", ["scan", "pipelined"])
+def test_requests_storing_and_reusing_kv_prefill_together(driver):
+    """With the KV store on, three requests arriving together are prefilled in the same calls (as many calls as
+    the longest prompt has chunks, not one request per call): in round 1 each row stores its own new full
+    chunks, in round 2 (the round-1 prompts extended) each loads its own reused prefix and stores its new
+    chunk, all rows in one call. Each request's tokens equal its run alone and its logits agree within
+    float32 rounding; every call is bit-identical to the plain decoder with the reused rows copied in; the
+    chunks stored are the ones each row would store alone, bit for bit what the cache holds; no pin lingers.
+    On the layer scan and on the layer-pipelined driver (each layer's prefix slices split among the rows)."""
+    eng, mgr = _engine("resident", 3, C, driver=driver), _kv_manager()
+    sched = Scheduler(eng, kv_manager=mgr)
+    rng = np.random.default_rng(7)
+    first = [rng.integers(0, 512, n).tolist() for n in (2 * C + 3, C + 5, 2 * C + 9)]  # 3, 2, 3 calls of C
+    second = [p + rng.integers(0, 512, C + 2).tolist() for p in first]  # 2 calls each, after the reused chunks
+    stored, hit = 0, 0
+    for name, prompts, reused, new in (("r1", first, (0, 0, 0), (2, 1, 2)), ("r2", second, (2, 1, 2), (1, 1, 1))):
+        calls = _record_calls(eng)
+        before = sched.metrics()
+        events, logits = _drive(sched, {0: [(f"{name}{j}", p, SamplingParams(max_tokens=N))
+                                            for j, p in enumerate(prompts)]})
+        del eng._run
+        m = sched.metrics()
+        prefill_calls = [c for c in calls if c[0].shape[1] > 1]
+        assert len(prefill_calls) == m["engine_calls_prefill"] + m["engine_calls_mixed"] - (
+            before["engine_calls_prefill"] + before["engine_calls_mixed"]) == (3 if name == "r1" else 2)
+        head = prefill_calls[0]
+        assert head[2].tolist() == [C, C, C]  # every row's first chunk in one call
+        assert head[3].rows == tuple(HookRow(j, n, 1) for j, n in enumerate(reused))
+        assert len(head[4]) == sum(reused)
+        for j, p in enumerate(prompts):
+            _assert_alone(events, logits, f"{name}{j}", p)
+            assert sched.stats(f"{name}{j}").cached_tokens == reused[j] * C
+        stored, hit = stored + sum(new), hit + sum(reused)
+        assert m["kv_chunks_stored"] == mgr.metrics()["chunks_stored"] == stored and m["kv_chunks_hit"] == hit
+        assert mgr.store.stats.num_pinned == 0
+        caches = _replay(calls, 3)
+        n_stored = 0
+        for (tokens, start, valid, kv, prefix, got), cache in zip(calls, caches):  # stored: the cache rows, bit for bit
+            for part in kv.rows if kv is not None else ():
+                keys = mgr.keys(eng, prompts[part.row])  # row j holds request j
+                for ci in range(start[part.row] // C, start[part.row] // C + part.store_chunks):
+                    chunk = np.asarray(mgr.store.get([keys[ci]])[0])
+                    np.testing.assert_array_equal(chunk[:, 0], np.asarray(cache.k)[:, part.row, ci * C:(ci + 1) * C])
+                    np.testing.assert_array_equal(chunk[:, 1], np.asarray(cache.v)[:, part.row, ci * C:(ci + 1) * C])
+                    n_stored += 1
+        assert n_stored == sum(new)
+    assert eng.prefill_driver_calls[driver] == 3 + 2  # every prefill call ran on the driver asked for
 
 
 def _stored_prefix(sched: Scheduler) -> None:
@@ -232,13 +304,13 @@ def test_cancel_frees_the_row_and_the_pins():
     sched = Scheduler(eng, kv_manager=mgr)
     _stored_prefix(sched)
     keys = mgr.keys(eng, SHARED)
-    a, b = SHARED + PROMPTS[1], SHARED + PROMPTS[0][:4]
+    a, b = SHARED + PROMPTS[1], SHARED + PROMPTS[2] + PROMPTS[0] + PROMPTS[1][:2]  # B: 17 tokens after the reuse
     sched.submit(a, SamplingParams(max_tokens=N), "A")
     sched.submit(b, SamplingParams(max_tokens=N), "B")
     sched.submit(PROMPTS[2], SamplingParams(max_tokens=N), "W")  # waits: both rows busy
     assert [mgr.store.pin_count(k) for k in keys] == [0, 0]
-    first = sched.step()  # both admitted and pinned; the hook serves row 0 (A); B waits a call
-    assert [e.request_id for e in first] == ["A"] and eng.rows[1].pos == 0 and eng.rows[1].prefilling
+    first = sched.step()  # both admitted, pinned and prefilled in one call; A's prefill ends, B's has a call left
+    assert [e.request_id for e in first] == ["A"] and eng.rows[1].pos == 3 * C and eng.rows[1].prefilling
     assert [mgr.store.pin_count(k) for k in keys] == [1, 1]  # A's prefill ended (unpinned), B's pins held
     sched.cancel("B")
     assert eng.rows[1] is None and sched.running == 1 and [mgr.store.pin_count(k) for k in keys] == [0, 0]

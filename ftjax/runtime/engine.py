@@ -20,8 +20,10 @@ Continuous batching (``ftjax.serve.scheduler``) admits requests into free rows w
 the prefilling rows and the decoding rows then share one call (the prefill program of the chunk's
 bucket; the decoding rows take one token each at their position, start = pos, valid = 1), so a running
 row's time per output token during an admission is one prefill-chunk call (``EngineConfig.prefill_chunk``
-bounds it). Any row can reuse a stored prefix (``kv_manager``); the layerwise KV hook serves one row per
-call, so when several reusing rows prefill at once the lowest runs its call and the others wait a call.
+bounds it). Any row can reuse a stored prefix and store its new chunks (``kv_manager``): rows prefilling
+at once run their chunks in one call whether they reuse, store or neither, the layerwise KV hook loading
+each reusing row's own prefix into its own cache row and emitting each storing row's own new chunks
+(``ftjax.kv.layerwise.HookRow``; one program per set of hooked rows, compiled at admission).
 
 :meth:`Engine.generate` is a short loop over them; :meth:`Engine.prefill` runs a batch of prompts'
 prefill into a given cache (the oracle tests read its logits of every position).
@@ -139,9 +141,9 @@ class BlockAdvance:
 @dataclasses.dataclass
 class _Call:
     """One merged call of the rows (:meth:`Engine._next_call`): plan; tokens int32 [B, T]; start, valid
-    int32 [B]; prefix: the reused chunks (or their shapes); took: rows running a prefill call; done:
-    rows whose prefill ends in it; decoding: rows taking one decode token; hook_row: the row the KV hook
-    serves (None: no hook)."""
+    int32 [B]; prefix: the reused chunks (or their shapes), every hooked row's in ``hook_rows``' order;
+    took: rows running a prefill call; done: rows whose prefill ends in it; decoding: rows taking one
+    decode token; hook_rows: the ``HookRow`` of each row the KV hook serves (empty: no hook)."""
 
     plan: CallPlan
     tokens: np.ndarray
@@ -151,7 +153,7 @@ class _Call:
     took: list[int]
     done: list[int]
     decoding: list[int]
-    hook_row: int | None = None
+    hook_rows: tuple = ()
 
 
 @dataclasses.dataclass
@@ -401,16 +403,18 @@ class Engine:
         """The merged call of the head prefill calls of ``rows`` (one per batch row; None or done rows take no
         prefill token), the prefix's shapes instead of its chunks with ``spec``.
 
-        The KV hook serves one row: of the rows whose head call loads a reused prefix or stores new chunks,
-        the lowest runs it and the others wait (valid 0); a prefix-reuse row's call that does neither runs
-        as a plain one. last: int32 [B], each row's last token, or None; given, every row done prefilling
-        takes that token at its position (start = pos, valid = 1).
+        The KV hook serves every row whose head call loads a reused prefix or stores new chunks, each with its
+        own prefix and new chunks (``ftjax.kv.layerwise.HookRow``), when they share a prefix cache (rows of
+        another one wait a call, valid 0); a prefix-reuse row's call that does neither runs as a plain one.
+        last: int32 [B], each row's last token, or None; given, every row done prefilling takes that token at
+        its position (start = pos, valid = 1).
         """
         heads = [r.pending[0] if r is not None and r.pending else None for r in rows]
         hooked = [h is not None and r.kv_request is not None and (h.with_prefix or h.store_chunks > 0)
                   for h, r in zip(heads, rows)]
-        hook_row = hooked.index(True) if any(hooked) else None
-        heads = [None if hooked[i] and i != hook_row else h for i, h in enumerate(heads)]
+        manager = next((rows[i].kv_manager for i, x in enumerate(hooked) if x), None)
+        hook_rows = [i for i, x in enumerate(hooked) if x and rows[i].kv_manager is manager]
+        heads = [None if hooked[i] and i not in hook_rows else h for i, h in enumerate(heads)]
         width = max(h.bucket for h in heads if h is not None)
         b = len(rows)
         tokens = np.zeros((b, width), np.int32)
@@ -419,20 +423,21 @@ class Engine:
         decoding = [] if last is None else [i for i, r in enumerate(rows) if r is not None and not r.pending]
         for i in decoding:
             tokens[i, 0], valid[i] = last[i], 1
-        kv, prefix = None, ()
+        kv, prefix, parts = None, (), ()
         for i, (h, r) in enumerate(zip(heads, rows)):
             if h is not None:
                 tokens[i, :valid[i]] = r.prompt[h.start:h.start + valid[i]]
-        if hook_row is not None:
-            h, r = heads[hook_row], rows[hook_row]
-            kv = r.kv_manager.step_options(h, row=hook_row)
-            if h.with_prefix:
-                manager = r.kv_manager
-                prefix = manager.prefix_spec(self, r.kv_request) if spec else manager.load_prefix(r.kv_request)
+        if hook_rows:
+            parts = tuple(manager.hook_row(rows[i].kv_request, heads[i], i) for i in hook_rows)
+            for i in hook_rows:
+                if heads[i].with_prefix:
+                    req = rows[i].kv_request
+                    prefix += manager.prefix_spec(self, req) if spec else manager.load_prefix(req)
+            kv = manager.step_options(parts)
         plan = self.planner.plan(b, width, int(valid.sum()), prefix, kv, all_logits)
         took = [i for i, h in enumerate(heads) if h is not None]
         done = [i for i in took if len(rows[i].pending) == 1]
-        return _Call(plan, tokens, start, valid, prefix, took, done, decoding, hook_row)
+        return _Call(plan, tokens, start, valid, prefix, took, done, decoding, parts)
 
     @staticmethod
     def _moved(rows: Sequence[Row | None], call: _Call) -> None:
@@ -443,6 +448,16 @@ class Engine:
         for i in call.decoding:
             rows[i].pos += 1
 
+    @staticmethod
+    def _row_outputs(call: _Call, kv_out) -> dict[int, tuple]:
+        """Each hooked row's new chunks out of a call's ``kv_out`` (the rows' chunks one after another, in
+        ``call.hook_rows``' order): row -> its ``store_chunks`` entries."""
+        outs, n = {}, 0
+        for part in call.hook_rows:
+            outs[part.row] = tuple(kv_out[n:n + part.store_chunks]) if part.store_chunks else ()
+            n += part.store_chunks
+        return outs
+
     def _prefill_step(self, rows: Sequence[Row | None], cache: KVCache, all_logits: bool, last=None):
         """Runs the next merged call of ``rows`` (:meth:`_next_call`) on ``cache``; advances them.
         Returns (the call's ForwardOut, the :class:`_Call`)."""
@@ -452,9 +467,10 @@ class Engine:
         self.prefill_driver_calls[plan.driver] += 1
         self.counters["prefill"].add(out.layer_stats)
         self.counters["prefill"].extra_copies += plan.extra_copies
+        outs = self._row_outputs(call, out.kv_out)
         for i in call.took:
             if rows[i].kv_request is not None:  # only the KV hook's new chunks outlive the call
-                rows[i].kv_outs.append(out.kv_out if i == call.hook_row else None)
+                rows[i].kv_outs.append(outs.get(i))
         self._moved(rows, call)
         return out, call
 
@@ -522,8 +538,8 @@ class Engine:
         """Puts a request into the lowest free row; returns the row. Its prefill runs in the coming
         :meth:`advance` calls. With ``kv_manager`` (``ftjax.kv.prefix_cache.PrefixCache``) its stored prefix
         is looked up and pinned now, loaded layer by layer during its first prefill call, and its new
-        chunks stored when its prefill ends (any row; one reusing row runs per call, see the module
-        docstring). Its pins are released when its prefill ends, by :meth:`release`, or when a call fails.
+        chunks stored when its prefill ends (any row; rows prefilling together share their calls, see the
+        module docstring). Its pins are released when its prefill ends, by :meth:`release`, or when a call fails.
 
         Raises:
           ValueError: a bad prompt (empty, ids outside the vocabulary, longer than the cache with
@@ -574,9 +590,9 @@ class Engine:
 
         tokens: int32 [B, 1] (a device array or numpy), each row's last token; entries of other rows are
         ignored. A mixed call reads them on the host (it waits for a device array). Rows reusing a stored
-        prefix take turns (one per call, see the module docstring). If the call raises, every row's
-        prefix-reuse request is ended (pins released, nothing stored) and the KV cache was consumed:
-        release the rows (or :meth:`open_rows` again) before going on.
+        prefix or storing new chunks run in the same call as the others (module docstring). If the call
+        raises, every row's prefix-reuse request is ended (pins released, nothing stored) and the KV cache
+        was consumed: release the rows (or :meth:`open_rows` again) before going on.
         Raises:
           ValueError: a decode step without ``tokens``, or tokens of another shape than [B, 1].
         """

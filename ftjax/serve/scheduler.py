@@ -7,9 +7,11 @@ A :class:`Scheduler` drives one :class:`ftjax.Engine` through its request API (`
 1. admits waiting requests, first come first served, into free rows (``Engine.admit``; with a
    ``kv_manager`` each looks up and pins its stored prefix, in whatever row it gets);
 2. runs one ``Engine.advance``: the next prefill chunk of every prefilling row together with one
-   token of every decoding row (one *mixed* call), or a decode step when no row prefills. A running
-   request's time per token while another is admitted is therefore one prefill-chunk call
-   (``EngineConfig.prefill_chunk`` bounds it);
+   token of every decoding row (one *mixed* call), or a decode step when no row prefills. Rows that
+   reuse a stored prefix or store new KV chunks prefill in the same call as the others, each loading
+   and storing its own (``ftjax.kv.layerwise.HookRow``), so requests arriving together prefill
+   together. A running request's time per token while another is admitted is therefore one
+   prefill-chunk call (``EngineConfig.prefill_chunk`` bounds it);
 3. samples the rows that have a next-token distribution, each with its own parameters and PRNG key
    (``ftjax.sampling.sample_rows``: a request's tokens depend on its seed, not on the batch around it);
 4. ends the requests that stopped (EOS or ``stop_token_ids``, a stop string, ``max_tokens``) and frees

@@ -657,6 +657,59 @@ def test_decode_blocks_give_the_one_step_tokens_and_greedy_ones_equal_each_reque
     assert metrics[K]["engine_calls_decode_block"] < metrics[1]["engine_calls_decode"]  # several steps a program
 
 
+def test_decode_blocks_run_ahead_give_the_one_step_tokens():
+    """Blocks run ahead (each block dispatched, fed on the device, before the one before it is read) against
+    blocks read one by one and the one-step path, on staggered arrivals that queue for rows (mixed calls): greedy
+    and sampled rows, max_tokens 7, 9, 6, 5 (no multiple of K), a stop string (found on the host after the block:
+    the block run ahead of it decodes that row on, its tokens dropped) and a stop id (known on the device: the
+    block run ahead of it runs no step). Every request's tokens, finish reasons and usage are equal, the greedy
+    ones those of the request run alone; no block compiles; no block is left unread."""
+    solo = {j: _alone(tuple(p), 12)[0] for j, p in enumerate(PROMPTS)}
+    ks = next(i for i in range(4, 12) if solo[2][i] not in solo[2][:i])  # where the stop string ends "st"
+    ke = next(i for i in range(3, 12) if solo[1][i] not in solo[1][:i])  # where the stop id ends "e1"
+    sampled = SamplingParams(max_tokens=9, temperature=1.0, top_p=0.9, seed=5, logprobs=True)
+    arrivals = {0: [("g0", PROMPTS[0], SamplingParams(max_tokens=7)), ("s0", PROMPTS[1], sampled),
+                    ("st", PROMPTS[2], SamplingParams(max_tokens=12, stop=(f"<{solo[2][ks]}>",)))],
+                3: [("g1", PROMPTS[2], SamplingParams(max_tokens=6))],
+                5: [("e1", PROMPTS[1], SamplingParams(max_tokens=12, stop_token_ids=(solo[1][ke],)))],
+                6: [("g2", PROMPTS[0], SamplingParams(max_tokens=5))]}
+    out, stats, logprobs, ahead, steps = {}, {}, {}, {}, {}
+    for block, run_ahead in ((1, True), (K, False), (K, True)):
+        sched = Scheduler(_engine("resident", 3, 4, block=K), decode_block=block, run_ahead=run_ahead,
+                          detokenize=_DETOK)
+        eng, key = sched.engine, (block, run_ahead)
+        dispatch, read, ahead[key], steps[key] = eng.dispatch_block, eng.read_block, [], []
+
+        def spy_dispatch(*args, after=None, **kw):
+            ahead[key].append(after is not None)  # noqa: B023
+            compiled = eng.compile_s  # noqa: B023
+            pending = dispatch(*args, after=after, **kw)  # noqa: B023
+            assert eng.compile_s == compiled  # noqa: B023 - no block compiles (run ahead or not)
+            return pending
+
+        def spy_read(pending):
+            res = read(pending)  # noqa: B023
+            steps[key].append(res.steps)  # noqa: B023
+            return res
+
+        eng.dispatch_block, eng.read_block = spy_dispatch, spy_read
+        events, _ = _drive(sched, arrivals)
+        out[key] = {rid: [(e.token_id, e.finish_reason) for e in evs] for rid, evs in events.items()}
+        logprobs[key] = [e.logprob for e in events["s0"]]
+        stats[key] = {rid: dataclasses.astuple(sched.stats(rid))[:3] for rid in out[key]}
+        assert not eng._unread and sched.running == 0 and not sched.has_work()
+    assert out[(K, True)] == out[(K, False)] == out[(1, True)]
+    assert stats[(K, True)] == stats[(K, False)] == stats[(1, True)]
+    np.testing.assert_allclose(logprobs[(K, True)], logprobs[(1, True)], rtol=1e-6)
+    got = out[(K, True)]
+    assert got["st"] == [(t, None) for t in solo[2][:ks]] + [(solo[2][ks], "stop")]
+    assert got["e1"] == [(t, None) for t in solo[1][:ke]] + [(solo[1][ke], "stop")]
+    for rid, j, n in (("g0", 0, 7), ("g1", 2, 6), ("g2", 0, 5)):
+        assert got[rid] == [(t, None) for t in solo[j][:n - 1]] + [(solo[j][n - 1], "length")], rid
+    assert any(ahead[(K, True)]) and not any(ahead[(K, False)])  # blocks did run ahead, and only there
+    assert 0 in steps[(K, True)]  # the block dispatched after e1's stop id ran no step
+
+
 def test_decode_block_stops_mid_block_where_the_one_step_path_stops():
     """A stop string met at a block's second step, a stop id (EOS) at a block's first step, max_tokens 6 (not a
     multiple of K): each request ends with the tokens, finish reason and usage of the one-step path (the block's
@@ -682,26 +735,28 @@ def test_decode_block_stops_mid_block_where_the_one_step_path_stops():
     assert sched.metrics()["steps"] - before == 1 + K + 2
 
 
-def test_decode_block_cancel_and_failure_end_their_requests_after_the_block():
+@pytest.mark.parametrize("run_ahead", [False, True])
+def test_decode_block_cancel_and_failure_end_their_requests_after_the_block(run_ahead):
     """A request cancelled while a block runs (the cancel lands before the block's tokens are handed out) gets
-    none of that block's tokens and ends "cancelled", its row freed; the other row goes on with its own tokens.
-    A block that raises ends every running request with an error and the scheduler goes on serving."""
+    none of that block's tokens (nor those of the block already dispatched after it, with run-ahead) and ends
+    "cancelled", its row freed; the other row goes on with its own tokens. A block that raises ends every
+    running request with an error and the scheduler goes on serving."""
     with pytest.raises(ValueError, match="decode_block must be an integer >= 1"):
         Scheduler(_engine("resident", 3, 4, block=K), decode_block=0)
-    sched = Scheduler(_engine("resident", 3, 4, block=K))
+    sched = Scheduler(_engine("resident", 3, 4, block=K), run_ahead=run_ahead)
     eng = sched.engine
     solo = [_alone(tuple(p), 12)[0] for p in PROMPTS]
-    block, calls = eng.advance_block, []
+    read, calls = eng.read_block, []
 
     def cancel_in_second(*args, **kw):
-        out = block(*args, **kw)
+        out = read(*args, **kw)
         calls.append(out.steps)
         if len(calls) == 2:
             sched.cancel("c")
             assert eng.rows[0] is not None and sched.running == 1  # c's row (1) is free at once
         return out
 
-    eng.advance_block = cancel_in_second
+    eng.read_block = cancel_in_second
     got = _events(sched, {0: [("o", PROMPTS[0], SamplingParams(max_tokens=9)),
                               ("c", PROMPTS[2], SamplingParams(max_tokens=12))]})
     assert got["c"] == [(t, None) for t in solo[2][:1 + K]] + [(None, "cancelled")]  # the prefill's, block 1's
@@ -711,10 +766,11 @@ def test_decode_block_cancel_and_failure_end_their_requests_after_the_block():
     def boom(*args, **kw):
         raise RuntimeError("block fell over")
 
-    eng.advance_block = boom
+    del eng.read_block
+    eng.dispatch_block = boom
     got = _events(sched, {0: [("f", PROMPTS[0], SamplingParams(max_tokens=9))]})
     assert got["f"] == [(solo[0][0], None), (None, "error")] and sched.running == 0
-    del eng.advance_block
+    del eng.dispatch_block
     got = _events(sched, {0: [("ok", PROMPTS[1], SamplingParams(max_tokens=6))]})
     assert [t for t, _ in got["ok"]] == solo[1][:6]
 

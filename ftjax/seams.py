@@ -144,16 +144,17 @@ class KVHook(Protocol):
     ``layer_output(ck, cv, layer, start)``: the layer's new chunks, called after this call's K/V
     were written (start: int32 [B]); stacked over the attention layers into ``ForwardOut.kv_out``.
 
-    ``row``: the batch row (a Python int) whose prefix it loads and whose new chunks it emits; one
-    row per call.
+    ``rows``: the batch rows it serves (``ftjax.kv.layerwise.HookRow``: the row, its chunks of the prefix,
+    its new chunks); several rows in one call, each loading its own prefix into its own cache row and
+    emitting its own new chunks, in the rows' order.
 
-    Gated DeltaNet layers (hybrid families): ``load_state(cache) -> cache`` writes the reused
-    prefix's stored linear state into batch row ``row`` before the first layer; ``state_points()``: the
-    call-relative token counts where the new chunks end (their states, of row ``row``, are stored);
+    Gated DeltaNet layers (hybrid families): ``load_state(cache) -> cache`` writes each row's reused
+    prefix's stored linear state into that batch row before the first layer; ``state_points()``: (row,
+    call-relative token count) where each new chunk ends (that row's state there is stored);
     ``state_output(states)``: those states, moved down for storing.
     """
 
-    row: int
+    rows: tuple
 
     def scan_xs(self) -> Any: ...
 
@@ -166,6 +167,6 @@ class KVHook(Protocol):
 
     def load_state(self, cache: KVCache) -> KVCache: ...
 
-    def state_points(self) -> tuple[int, ...]: ...
+    def state_points(self) -> tuple[tuple[int, int], ...]: ...
 
     def state_output(self, states: Any) -> Any: ...

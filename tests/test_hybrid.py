@@ -236,6 +236,60 @@ def test_hybrid_prefix_reuse_on_row_1_resumes_its_own_linear_state():
     np.testing.assert_allclose(np.stack(logits)[:len(want)], want, rtol=0, atol=1e-5 * float(np.abs(want).max()))
 
 
+@pytest.mark.slow
+def test_hybrid_rows_storing_and_reusing_together_keep_their_own_linear_states():
+    """tiny-hybrid: two requests arriving together prefill in the same calls, each storing its own chunks with
+    the linear states at their ends (round 1), then, extended, each loading its own prefix and state into its
+    own row, one of them storing a new chunk in the same call (round 2). Every request's tokens equal its run
+    alone and its logits agree within float32 rounding; the calls are as many as the longest prompt's."""
+    from ftjax import HostKVStore, PrefixCache, random_model
+    from ftjax.config import KVOffloadConfig, preset
+    from ftjax.kv.layerwise import HookRow
+    from ftjax.serve import SamplingParams, Scheduler
+
+    model = random_model(preset("tiny-hybrid"), "float32")
+    rng = np.random.default_rng(4)
+    mgr = PrefixCache(HostKVStore(10**8), KVOffloadConfig(chunk_tokens=64, prefill_chunk=64))
+    eng = Engine(model, EngineConfig("resident", max_seq_len=192, batch=2, prefill_chunk=64))
+    sched = Scheduler(eng, kv_manager=mgr, decode_block=1)
+    ref = Engine(model, EngineConfig("resident", max_seq_len=192, prefill_chunk=64))
+    first = [rng.integers(0, 512, n).tolist() for n in (133, 71)]  # 2 and 1 full chunks stored
+    second = [first[0] + rng.integers(0, 512, 10).tolist(), first[1] + rng.integers(0, 512, 60).tolist()]
+    advance, run = eng.advance, eng._run
+    for prompts, calls, hooks, stored in ((first, 3, (HookRow(0, 0, 1), HookRow(1, 0, 1)), 3),
+                                          (second, 2, (HookRow(0, 2, 0), HookRow(1, 1, 1)), 4)):
+        logits, tokens, kv = {0: [], 1: []}, {0: [], 1: []}, []
+
+        def capture(*args, **kw):  # noqa: B023 - each row's logits of the calls that hand it a distribution
+            adv = advance(*args, **kw)
+            for i in adv.rows:
+                if sched._rows[i] is not None:
+                    logits[int(sched._rows[i].id)].append(np.asarray(adv.logits)[i])  # noqa: B023
+            return adv
+
+        def record(plan, *args, **kw):
+            if args[0].shape[1] > 1:
+                kv.append(plan.opts.kv)  # noqa: B023
+            return run(plan, *args, **kw)
+
+        eng.advance, eng._run = capture, record
+        for j, p in enumerate(prompts):
+            sched.submit(p, SamplingParams(max_tokens=3), str(j))
+        while sched.has_work():
+            for e in sched.step():
+                if e.token_id is not None:
+                    tokens[int(e.request_id)].append(e.token_id)
+        del eng.advance, eng._run
+        assert len(kv) == calls and kv[0].rows == hooks
+        assert sched.metrics()["kv_chunks_stored"] == stored and mgr.store.stats.num_pinned == 0
+        for j, p in enumerate(prompts):
+            alone = ref.generate([p], 3, keep_logits=True)
+            assert tokens[j] == alone.generated_ids[0], j
+            want = alone.step_logits[:, 0]
+            np.testing.assert_allclose(np.stack(logits[j])[:len(want)], want, rtol=0,
+                                       atol=1e-5 * float(np.abs(want).max()))
+
+
 def test_stored_state_equals_the_recomputed_state_at_the_chunk_end():
     """The stored entry of chunk 3 holds the KV of the attention layers and the conv and
     recurrent state of every DeltaNet layer exactly as a plain prefill of the first 192 tokens

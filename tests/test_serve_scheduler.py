@@ -35,6 +35,7 @@ from ftjax.checkpoint import load_tokenizer, random_model
 from ftjax.config import EngineConfig, KVOffloadConfig, preset
 from ftjax.experts import offload
 from ftjax.experts.state import init_expert_state
+from ftjax.kv.layerwise import HookRow
 from ftjax.runtime.step import RowSampling
 from ftjax.sampling import SamplingDefaults
 from ftjax.serve import QueueFull, SamplingParams, Scheduler
@@ -54,16 +55,17 @@ def _model():
     return random_model(preset("tiny"), "float32")
 
 
-def _engine(mode: str = "resident", batch: int = 2, chunk: int = 16, model=None, block: int = 1) -> Engine:
+def _engine(mode: str = "resident", batch: int = 2, chunk: int = 16, model=None, block: int = 1,
+            driver: str = "auto") -> Engine:
     """An engine for these tests; ``block``: its ``decode_block``, the scheduler's default (1: the one-step path,
-    whose every call ``_drive`` sees; the decode-block tests are at the end)."""
+    whose every call ``_drive`` sees; the decode-block tests are at the end); ``driver``: its prefill driver."""
     model = model or _model()
     e = model.cfg.num_experts
     slots = {"resident": None, "cached": e, "stream": 2 * e}[mode]
     # "stream": 2E slots, prefill "auto": a call streams whole layers when it has >= E / top_k = 4 tokens, so
     # whether a chunk streams can depend on the decoding rows that join it (precompile(mixed=True) covers it)
     return Engine(model, EngineConfig("resident" if mode == "resident" else "cached", num_slots=slots, max_seq_len=S,
-                                      batch=batch, prefill_chunk=chunk, decode_block=block))
+                                      batch=batch, prefill_chunk=chunk, decode_block=block, prefill_driver=driver))
 
 
 @functools.lru_cache(maxsize=None)
@@ -178,20 +180,53 @@ def _plain_forward(cfg):
     return jax.jit(f)
 
 
-def test_prefix_reuse_on_row_1_is_bit_identical_to_recompute():
-    model = _model()
-    eng, mgr = _engine("resident", 2, C), _kv_manager()
-    sched = Scheduler(eng, kv_manager=mgr)
-    calls = []
-    run = eng._run
+def _record_calls(eng: Engine) -> list:
+    """Records every call ``eng`` runs (``eng._run``; ``del eng._run`` to stop): (tokens, start, valid, the KV
+    hook's options, the prefix's chunks on the host, the logits)."""
+    calls, run = [], eng._run
 
     def record(plan, tokens, start, valid, cache, prefix=()):
         out = run(plan, tokens, start, valid, cache, prefix)
-        calls.append((np.array(tokens), np.array(start), np.array(valid), plan.opts.kv, len(prefix),
-                      np.asarray(out.logits)))
+        calls.append((np.array(tokens), np.array(start), np.array(valid), plan.opts.kv,
+                      [np.asarray(c) for c in prefix], np.asarray(out.logits)))
         return out
 
     eng._run = record
+    return calls
+
+
+def _replay(calls: list, batch: int):
+    """Replays ``calls`` (:func:`_record_calls`) through the plain decoder (no hook) at the same batch from a
+    fresh cache, each hooked row's reused chunks copied into its own row where the hook loads them; every
+    valid row's logits must be bit-identical to the engine's. Returns the cache after each call."""
+    model = _model()
+    cfg = model.cfg
+    state = init_expert_state("resident", cfg.num_layers, cfg.num_experts, 0, model.banks, jnp.float32)
+    cache = model_lib.init_kv_cache(cfg, batch, S, jnp.float32)
+    caches = []
+    for tokens, start, valid, kv, prefix, got in calls:
+        if prefix:
+            k, v = np.array(cache.k), np.array(cache.v)
+            n = 0
+            for part in kv.rows:
+                if part.prefix_chunks:
+                    chunks = np.concatenate(prefix[n:n + part.prefix_chunks], axis=2)  # [L, 2, n*C, Hkv, hd]
+                    k[:, part.row, :chunks.shape[2]], v[:, part.row, :chunks.shape[2]] = chunks[:, 0], chunks[:, 1]
+                    n += part.prefix_chunks
+            cache = cache._replace(k=jnp.asarray(k), v=jnp.asarray(v))
+        out = _plain_forward(cfg)(model.params, cache, state, jnp.asarray(tokens), jnp.asarray(start),
+                                  jnp.asarray(valid))
+        cache = out.cache
+        caches.append(cache)
+        for i in np.flatnonzero(valid):
+            np.testing.assert_array_equal(got[i], np.asarray(out.logits)[i])
+    return caches
+
+
+def test_prefix_reuse_on_row_1_is_bit_identical_to_recompute():
+    eng, mgr = _engine("resident", 2, C), _kv_manager()
+    sched = Scheduler(eng, kv_manager=mgr)
+    calls = _record_calls(eng)
     p = SHARED + [7, 8]
     b = SHARED + PROMPTS[0][:5]
     events, logits = _drive(sched, {0: [("P", p, SamplingParams(max_tokens=2))],
@@ -202,24 +237,61 @@ def test_prefix_reuse_on_row_1_is_bit_identical_to_recompute():
     assert mgr.metrics()["chunks_hit"] == 2 and sched.metrics()["kv_chunks_stored"] == 2
     assert all(mgr.store.pin_count(k) == 0 for k in mgr.keys(eng, p)[:2])  # unpinned when prefill ended
     hook_calls = [c for c in calls if c[4]]
-    assert len(hook_calls) == 1 and hook_calls[0][3].row == 1 and hook_calls[0][2].tolist() == [1, 5]  # a mixed call
-    # replay every call through the plain decoder at batch 2; the loaded rows copied into row 1 first
-    cfg = model.cfg
-    chunks = np.concatenate([np.asarray(c) for c in mgr.store.get(mgr.keys(eng, p)[:2])], axis=2)
-    state = init_expert_state("resident", cfg.num_layers, cfg.num_experts, 0, model.banks, jnp.float32)
-    cache = model_lib.init_kv_cache(cfg, 2, S, jnp.float32)
-    for tokens, start, valid, kv, n_prefix, got in calls:
-        if n_prefix:
-            k, v = np.array(cache.k), np.array(cache.v)
-            k[:, kv.row, :2 * C], v[:, kv.row, :2 * C] = chunks[:, 0], chunks[:, 1]
-            cache = cache._replace(k=jnp.asarray(k), v=jnp.asarray(v))
-        out = _plain_forward(cfg)(model.params, cache, state, jnp.asarray(tokens), jnp.asarray(start),
-                                  jnp.asarray(valid))
-        cache = out.cache
-        for i in np.flatnonzero(valid):
-            np.testing.assert_array_equal(got[i], np.asarray(out.logits)[i])
+    assert len(hook_calls) == 1 and hook_calls[0][3].rows == (HookRow(1, 2, 0),)
+    assert hook_calls[0][2].tolist() == [1, 5]  # a mixed call
+    # every call replayed through the plain decoder at batch 2; the loaded rows copied into row 1 first
+    cache = _replay(calls, 2)[-1]
     np.testing.assert_array_equal(np.asarray(eng.cache.k)[:, 1, :len(b) + 2], np.asarray(cache.k)[:, 1, :len(b) + 2])
     assert _tokens(events["B"]) == _alone(tuple(b), 3)[0]
+
+
+@pytest.mark.parametrize("driver", ["scan", "pipelined"])
+def test_requests_storing_and_reusing_kv_prefill_together(driver):
+    """With the KV store on, three requests arriving together are prefilled in the same calls (as many calls as
+    the longest prompt has chunks, not one request per call): in round 1 each row stores its own new full
+    chunks, in round 2 (the round-1 prompts extended) each loads its own reused prefix and stores its new
+    chunk, all rows in one call. Each request's tokens equal its run alone and its logits agree within
+    float32 rounding; every call is bit-identical to the plain decoder with the reused rows copied in; the
+    chunks stored are the ones each row would store alone, bit for bit what the cache holds; no pin lingers.
+    On the layer scan and on the layer-pipelined driver (each layer's prefix slices split among the rows)."""
+    eng, mgr = _engine("resident", 3, C, driver=driver), _kv_manager()
+    sched = Scheduler(eng, kv_manager=mgr)
+    rng = np.random.default_rng(7)
+    first = [rng.integers(0, 512, n).tolist() for n in (2 * C + 3, C + 5, 2 * C + 9)]  # 3, 2, 3 calls of C
+    second = [p + rng.integers(0, 512, C + 2).tolist() for p in first]  # 2 calls each, after the reused chunks
+    stored, hit = 0, 0
+    for name, prompts, reused, new in (("r1", first, (0, 0, 0), (2, 1, 2)), ("r2", second, (2, 1, 2), (1, 1, 1))):
+        calls = _record_calls(eng)
+        before = sched.metrics()
+        events, logits = _drive(sched, {0: [(f"{name}{j}", p, SamplingParams(max_tokens=N))
+                                            for j, p in enumerate(prompts)]})
+        del eng._run
+        m = sched.metrics()
+        prefill_calls = [c for c in calls if c[0].shape[1] > 1]
+        assert len(prefill_calls) == m["engine_calls_prefill"] + m["engine_calls_mixed"] - (
+            before["engine_calls_prefill"] + before["engine_calls_mixed"]) == (3 if name == "r1" else 2)
+        head = prefill_calls[0]
+        assert head[2].tolist() == [C, C, C]  # every row's first chunk in one call
+        assert head[3].rows == tuple(HookRow(j, n, 1) for j, n in enumerate(reused))
+        assert len(head[4]) == sum(reused)
+        for j, p in enumerate(prompts):
+            _assert_alone(events, logits, f"{name}{j}", p)
+            assert sched.stats(f"{name}{j}").cached_tokens == reused[j] * C
+        stored, hit = stored + sum(new), hit + sum(reused)
+        assert m["kv_chunks_stored"] == mgr.metrics()["chunks_stored"] == stored and m["kv_chunks_hit"] == hit
+        assert mgr.store.stats.num_pinned == 0
+        caches = _replay(calls, 3)
+        n_stored = 0
+        for (tokens, start, valid, kv, prefix, got), cache in zip(calls, caches):  # stored: the cache rows, bit for bit
+            for part in kv.rows if kv is not None else ():
+                keys = mgr.keys(eng, prompts[part.row])  # row j holds request j
+                for ci in range(start[part.row] // C, start[part.row] // C + part.store_chunks):
+                    chunk = np.asarray(mgr.store.get([keys[ci]])[0])
+                    np.testing.assert_array_equal(chunk[:, 0], np.asarray(cache.k)[:, part.row, ci * C:(ci + 1) * C])
+                    np.testing.assert_array_equal(chunk[:, 1], np.asarray(cache.v)[:, part.row, ci * C:(ci + 1) * C])
+                    n_stored += 1
+        assert n_stored == sum(new)
+    assert eng.prefill_driver_calls[driver] == 3 + 2  # every prefill call ran on the driver asked for
 
 
 def _stored_prefix(sched: Scheduler) -> None:
@@ -232,13 +304,13 @@ def test_cancel_frees_the_row_and_the_pins():
     sched = Scheduler(eng, kv_manager=mgr)
     _stored_prefix(sched)
     keys = mgr.keys(eng, SHARED)
-    a, b = SHARED + PROMPTS[1], SHARED + PROMPTS[0][:4]
+    a, b = SHARED + PROMPTS[1], SHARED + PROMPTS[2] + PROMPTS[0] + PROMPTS[1][:2]  # B: 17 tokens after the reuse
     sched.submit(a, SamplingParams(max_tokens=N), "A")
     sched.submit(b, SamplingParams(max_tokens=N), "B")
     sched.submit(PROMPTS[2], SamplingParams(max_tokens=N), "W")  # waits: both rows busy
     assert [mgr.store.pin_count(k) for k in keys] == [0, 0]
-    first = sched.step()  # both admitted and pinned; the hook serves row 0 (A); B waits a call
-    assert [e.request_id for e in first] == ["A"] and eng.rows[1].pos == 0 and eng.rows[1].prefilling
+    first = sched.step()  # both admitted, pinned and prefilled in one call; A's prefill ends, B's has a call left
+    assert [e.request_id for e in first] == ["A"] and eng.rows[1].pos == 3 * C and eng.rows[1].prefilling
     assert [mgr.store.pin_count(k) for k in keys] == [1, 1]  # A's prefill ended (unpinned), B's pins held
     sched.cancel("B")
     assert eng.rows[1] is None and sched.running == 1 and [mgr.store.pin_count(k) for k in keys] == [0, 0]
@@ -585,6 +657,59 @@ def test_decode_blocks_give_the_one_step_tokens_and_greedy_ones_equal_each_reque
     assert metrics[K]["engine_calls_decode_block"] < metrics[1]["engine_calls_decode"]  # several steps a program
 
 
+def test_decode_blocks_run_ahead_give_the_one_step_tokens():
+    """Blocks run ahead (each block dispatched, fed on the device, before the one before it is read) against
+    blocks read one by one and the one-step path, on staggered arrivals that queue for rows (mixed calls): greedy
+    and sampled rows, max_tokens 7, 9, 6, 5 (no multiple of K), a stop string (found on the host after the block:
+    the block run ahead of it decodes that row on, its tokens dropped) and a stop id (known on the device: the
+    block run ahead of it runs no step). Every request's tokens, finish reasons and usage are equal, the greedy
+    ones those of the request run alone; no block compiles; no block is left unread."""
+    solo = {j: _alone(tuple(p), 12)[0] for j, p in enumerate(PROMPTS)}
+    ks = next(i for i in range(4, 12) if solo[2][i] not in solo[2][:i])  # where the stop string ends "st"
+    ke = next(i for i in range(3, 12) if solo[1][i] not in solo[1][:i])  # where the stop id ends "e1"
+    sampled = SamplingParams(max_tokens=9, temperature=1.0, top_p=0.9, seed=5, logprobs=True)
+    arrivals = {0: [("g0", PROMPTS[0], SamplingParams(max_tokens=7)), ("s0", PROMPTS[1], sampled),
+                    ("st", PROMPTS[2], SamplingParams(max_tokens=12, stop=(f"<{solo[2][ks]}>",)))],
+                3: [("g1", PROMPTS[2], SamplingParams(max_tokens=6))],
+                5: [("e1", PROMPTS[1], SamplingParams(max_tokens=12, stop_token_ids=(solo[1][ke],)))],
+                6: [("g2", PROMPTS[0], SamplingParams(max_tokens=5))]}
+    out, stats, logprobs, ahead, steps = {}, {}, {}, {}, {}
+    for block, run_ahead in ((1, True), (K, False), (K, True)):
+        sched = Scheduler(_engine("resident", 3, 4, block=K), decode_block=block, run_ahead=run_ahead,
+                          detokenize=_DETOK)
+        eng, key = sched.engine, (block, run_ahead)
+        dispatch, read, ahead[key], steps[key] = eng.dispatch_block, eng.read_block, [], []
+
+        def spy_dispatch(*args, after=None, **kw):
+            ahead[key].append(after is not None)  # noqa: B023
+            compiled = eng.compile_s  # noqa: B023
+            pending = dispatch(*args, after=after, **kw)  # noqa: B023
+            assert eng.compile_s == compiled  # noqa: B023 - no block compiles (run ahead or not)
+            return pending
+
+        def spy_read(pending):
+            res = read(pending)  # noqa: B023
+            steps[key].append(res.steps)  # noqa: B023
+            return res
+
+        eng.dispatch_block, eng.read_block = spy_dispatch, spy_read
+        events, _ = _drive(sched, arrivals)
+        out[key] = {rid: [(e.token_id, e.finish_reason) for e in evs] for rid, evs in events.items()}
+        logprobs[key] = [e.logprob for e in events["s0"]]
+        stats[key] = {rid: dataclasses.astuple(sched.stats(rid))[:3] for rid in out[key]}
+        assert not eng._unread and sched.running == 0 and not sched.has_work()
+    assert out[(K, True)] == out[(K, False)] == out[(1, True)]
+    assert stats[(K, True)] == stats[(K, False)] == stats[(1, True)]
+    np.testing.assert_allclose(logprobs[(K, True)], logprobs[(1, True)], rtol=1e-6)
+    got = out[(K, True)]
+    assert got["st"] == [(t, None) for t in solo[2][:ks]] + [(solo[2][ks], "stop")]
+    assert got["e1"] == [(t, None) for t in solo[1][:ke]] + [(solo[1][ke], "stop")]
+    for rid, j, n in (("g0", 0, 7), ("g1", 2, 6), ("g2", 0, 5)):
+        assert got[rid] == [(t, None) for t in solo[j][:n - 1]] + [(solo[j][n - 1], "length")], rid
+    assert any(ahead[(K, True)]) and not any(ahead[(K, False)])  # blocks did run ahead, and only there
+    assert 0 in steps[(K, True)]  # the block dispatched after e1's stop id ran no step
+
+
 def test_decode_block_stops_mid_block_where_the_one_step_path_stops():
     """A stop string met at a block's second step, a stop id (EOS) at a block's first step, max_tokens 6 (not a
     multiple of K): each request ends with the tokens, finish reason and usage of the one-step path (the block's
@@ -610,26 +735,28 @@ def test_decode_block_stops_mid_block_where_the_one_step_path_stops():
     assert sched.metrics()["steps"] - before == 1 + K + 2
 
 
-def test_decode_block_cancel_and_failure_end_their_requests_after_the_block():
+@pytest.mark.parametrize("run_ahead", [False, True])
+def test_decode_block_cancel_and_failure_end_their_requests_after_the_block(run_ahead):
     """A request cancelled while a block runs (the cancel lands before the block's tokens are handed out) gets
-    none of that block's tokens and ends "cancelled", its row freed; the other row goes on with its own tokens.
-    A block that raises ends every running request with an error and the scheduler goes on serving."""
+    none of that block's tokens (nor those of the block already dispatched after it, with run-ahead) and ends
+    "cancelled", its row freed; the other row goes on with its own tokens. A block that raises ends every
+    running request with an error and the scheduler goes on serving."""
     with pytest.raises(ValueError, match="decode_block must be an integer >= 1"):
         Scheduler(_engine("resident", 3, 4, block=K), decode_block=0)
-    sched = Scheduler(_engine("resident", 3, 4, block=K))
+    sched = Scheduler(_engine("resident", 3, 4, block=K), run_ahead=run_ahead)
     eng = sched.engine
     solo = [_alone(tuple(p), 12)[0] for p in PROMPTS]
-    block, calls = eng.advance_block, []
+    read, calls = eng.read_block, []
 
     def cancel_in_second(*args, **kw):
-        out = block(*args, **kw)
+        out = read(*args, **kw)
         calls.append(out.steps)
         if len(calls) == 2:
             sched.cancel("c")
             assert eng.rows[0] is not None and sched.running == 1  # c's row (1) is free at once
         return out
 
-    eng.advance_block = cancel_in_second
+    eng.read_block = cancel_in_second
     got = _events(sched, {0: [("o", PROMPTS[0], SamplingParams(max_tokens=9)),
                               ("c", PROMPTS[2], SamplingParams(max_tokens=12))]})
     assert got["c"] == [(t, None) for t in solo[2][:1 + K]] + [(None, "cancelled")]  # the prefill's, block 1's
@@ -639,10 +766,11 @@ def test_decode_block_cancel_and_failure_end_their_requests_after_the_block():
     def boom(*args, **kw):
         raise RuntimeError("block fell over")
 
-    eng.advance_block = boom
+    del eng.read_block
+    eng.dispatch_block = boom
     got = _events(sched, {0: [("f", PROMPTS[0], SamplingParams(max_tokens=9))]})
     assert got["f"] == [(solo[0][0], None), (None, "error")] and sched.running == 0
-    del eng.advance_block
+    del eng.dispatch_block
     got = _events(sched, {0: [("ok", PROMPTS[1], SamplingParams(max_tokens=6))]})
     assert [t for t, _ in got["ok"]] == solo[1][:6]
 

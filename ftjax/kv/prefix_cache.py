@@ -10,17 +10,19 @@ KV: the engine owns the step and runs it. One request (one batch row) goes throu
    (longest stored prefix, made most recent), pin the hit chunks, plan the prefill calls.
 2. The engine's prefill (timed) asks :meth:`load_prefix` for the hit chunks' KV (host arrays,
    loaded layer by layer inside the first call; or, for the ``all_first`` ablation, moved to the
-   device first), runs the calls with :meth:`step_options` (the KV hook's static options), each
-   call streaming or not as any prefill would, and hands the calls' new-chunk outputs to
+   device first), runs the calls with :meth:`step_options` (the KV hook's static options, with a
+   :meth:`hook_row` for every row of the call that loads or stores), each call streaming or not as
+   any prefill would, and hands the calls' new-chunk outputs to
    :meth:`finish`, which inserts them into the store, last chunk first, so that under LRU
    pressure what survives is a contiguous prefix, and unpins the hit chunks (also on error).
 
 Reuse rules: a trailing partial chunk is never stored; at most ``len(prompt) - 1`` tokens are
 reused, so a prompt whose chunks all hit loads them all and recomputes its last token (its K/V
 row is rewritten by the same value) to produce logits. Each request is planned alone; in the engine it
-takes any batch row, and at most one reusing row runs its calls in one forward call (the KV hook
-serves one row: ``KVStep.row``), so requests in flight together take turns call by call. A
-request's lookup sees the chunks stored before it began, not those of requests still running.
+takes any batch row, and the requests prefilling together run their calls in one forward call, each
+row loading its own prefix and emitting its own new chunks (``KVStep.rows``: one
+``ftjax.kv.layerwise.HookRow`` per row, :meth:`PrefixCache.hook_row`). A request's lookup sees the
+chunks stored before it began, not those of requests still running.
 
 Models with Gated DeltaNet layers (``ftjax.layers.gated_deltanet``): each stored chunk also holds the linear
 layers' conv and recurrent state at its end, and a request resumes from the state of the last
@@ -47,7 +49,7 @@ from ftjax.config import KV_STORE_ROUTES as STORE_ROUTES
 from ftjax.config import KVOffloadConfig
 from ftjax.kv.chunk_keys import chunk_keys, model_identity
 from ftjax.kv.host_store import HostKVStore, entry_nbytes
-from ftjax.kv.layerwise import KVStep, bucket_chunks
+from ftjax.kv.layerwise import HookRow, KVStep, bucket_chunks
 from ftjax.layers import gated_deltanet
 from ftjax.layers.gated_deltanet import DELTA_CHUNK
 from ftjax.runtime.plan import PrefillCall, bucket
@@ -196,10 +198,16 @@ class PrefixCache:
             pos += valid
         return PrefixRequest(prompt, keys, hit, reused, padded, calls, self.load, lookup_s=time.perf_counter() - t0)
 
-    def step_options(self, call: PrefillCall, row: int = 0) -> KVStep:
-        """The KV hook's static options for one of the request's calls, run in batch row ``row``."""
+    def hook_row(self, req: PrefixRequest, call: PrefillCall, row: int) -> HookRow:
+        """The KV hook's part of one of the request's calls run in batch row ``row``: the prefix chunks it loads
+        (``req.prefix_chunks`` in its first call when it reuses, else 0) and the new chunks it emits."""
+        return HookRow(int(row), req.prefix_chunks if call.with_prefix else 0, call.store_chunks)
+
+    def step_options(self, rows: Sequence[HookRow]) -> KVStep:
+        """The KV hook's static options for one call serving ``rows`` (:meth:`hook_row` of each request's call,
+        in the order of their chunks in the prefix argument)."""
         variant = "xs" if self.load == "all_first" else self.load
-        return KVStep(variant, call.store_chunks, self.chunk_tokens, self.config.store_route == "scan", row)
+        return KVStep(variant, self.chunk_tokens, self.config.store_route == "scan", tuple(rows))
 
     def prefix_spec(self, engine, req: PrefixRequest) -> tuple:
         """Shapes (``jax.ShapeDtypeStruct``) of the prefix argument of the request's first call,

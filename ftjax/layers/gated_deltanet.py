@@ -225,13 +225,13 @@ def gated_rms_norm(o: jax.Array, z: jax.Array, w: jax.Array, eps: float, dtype) 
 
 
 def gated_deltanet(cfg: ModelConfig, lp: dict, x: jax.Array, conv_state: jax.Array, rec_state: jax.Array,
-                   valid: jax.Array, state_points: tuple[int, ...] = (), state_row: int = 0):
+                   valid: jax.Array, state_points: tuple[tuple[int, int], ...] = ()):
     """One Gated DeltaNet token mixer.
 
     x: [B, T, D] normed input (right-padded); conv_state [B, K-1, conv_dim]; rec_state float32
     [B, Hv, dk, dv]; valid: bool [B, T]. T = 1 runs the recurrent form (decode), longer calls the
-    chunked form. state_points: call-relative token counts (multiples of :data:`DELTA_CHUNK`) at
-    which batch row ``state_row``'s state is wanted (prefix reuse stores it with each new KV chunk).
+    chunked form. state_points: (batch row, call-relative token count, a multiple of :data:`DELTA_CHUNK`)
+    pairs at which that row's state is wanted (prefix reuse stores it with each new KV chunk).
     Returns (y [B, T, D], conv state, recurrent state, a tuple over the state points of (conv
     [K-1, conv_dim], rec [Hv, dk, dv]), or None when there are none).
     """
@@ -259,9 +259,9 @@ def gated_deltanet(cfg: ModelConfig, lp: dict, x: jax.Array, conv_state: jax.Arr
         k = l2_normalize(jnp.repeat(k, hv // hk, axis=2))
         o, rec, ends = chunked_gated_delta_rule(q, k, v, g, beta, rec_state, chunk_states=bool(state_points))
         if state_points:
-            conv_in = jnp.concatenate([conv_state.astype(qkv_in.dtype), qkv_in], axis=1)[state_row]
+            conv_in = jnp.concatenate([conv_state.astype(qkv_in.dtype), qkv_in], axis=1)  # [B, K-1+T, conv_dim]
             km1 = cfg.linear_conv_kernel - 1
-            points = tuple((conv_in[p:p + km1], ends[p // DELTA_CHUNK - 1, state_row]) for p in state_points)
+            points = tuple((conv_in[row, p:p + km1], ends[p // DELTA_CHUNK - 1, row]) for row, p in state_points)
     y = gated_rms_norm(o.astype(x.dtype), z, layer_weight(lp["norm"]), cfg.rms_norm_eps, x.dtype)
     return project(y.reshape(b, t, hv * dv), lp["w_out"]), new_conv, rec, points
 
@@ -270,15 +270,14 @@ def mix(cfg: ModelConfig, lp: dict, h: jax.Array, idx: LayerIndex, cache: KVCach
         kv_hook: KVHook | None, hook_xs: Any, hook_carry: Any):
     """One Gated DeltaNet layer's token mixing: h [B, T, D] -> h + the mixer's output, its conv and
     recurrent state (``cache.conv[idx.kind]``, ``cache.rec[idx.kind]``) advanced over the call's
-    valid tokens. With a KV hook that stores chunks, also the states of the hook's row where they end.
+    valid tokens. With a KV hook that stores chunks, also the states of its storing rows where they end.
     Returns (h, cache, hook carry, the states at the hook's state points or None)."""
     del hook_xs
     gi = idx.kind
     with jax.named_scope("gated_deltanet"):
         x = norm_fn(cfg.norm_offset)(h, layer_weight(lp["attn_norm"]), cfg.rms_norm_eps)
         points = kv_hook.state_points() if kv_hook is not None else ()
-        y, conv, rec, pts = gated_deltanet(cfg, lp, x, cache.conv[gi], cache.rec[gi], inputs.valid, points,
-                                           kv_hook.row if kv_hook is not None else 0)
+        y, conv, rec, pts = gated_deltanet(cfg, lp, x, cache.conv[gi], cache.rec[gi], inputs.valid, points)
         cache = cache._replace(conv=jax.lax.dynamic_update_index_in_dim(cache.conv, conv.astype(cache.conv.dtype),
                                                                          gi, 0),
                                rec=jax.lax.dynamic_update_index_in_dim(cache.rec, rec.astype(cache.rec.dtype), gi, 0))

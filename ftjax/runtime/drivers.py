@@ -111,7 +111,7 @@ def _hook(opts: LayerOptions) -> LayerwiseKV | None:
         return None
     # prefix slices arrive as the layer's xs (already on the device); new chunks stay on the device
     # and the driver moves them to host memory after stacking them over layers
-    return LayerwiseKV((), "xs", kv.store_chunks, kv.chunk_tokens, store_to_host=False, row=kv.row)
+    return kv.hook((), variant="xs", store_to_host=False)
 
 
 def _group_row(x: jax.Array, layer: jax.Array) -> jax.Array:

@@ -13,15 +13,19 @@ Request-level API (what a scheduler drives):
   one call with one token of every decoding row when their last tokens are given (a *mixed* call), or
   else one decode step of every decoding row; returns the logits of the rows that have a next token;
 * :meth:`Engine.advance_block` -- up to k decode steps of every decoding row in one program, each row
-  sampled with its own key and parameters (``ftjax.runtime.step.decode_block``);
+  sampled with its own key and parameters (``ftjax.runtime.step.decode_block``); in two halves,
+  :meth:`Engine.dispatch_block` and :meth:`Engine.read_block`, so that a block can be dispatched to
+  continue one not read yet, fed on the device with its last tokens, keys and positions (run-ahead);
 * :meth:`Engine.release` -- frees a row (its pins too).
 
 Continuous batching (``ftjax.serve.scheduler``) admits requests into free rows while others decode:
 the prefilling rows and the decoding rows then share one call (the prefill program of the chunk's
 bucket; the decoding rows take one token each at their position, start = pos, valid = 1), so a running
 row's time per output token during an admission is one prefill-chunk call (``EngineConfig.prefill_chunk``
-bounds it). Any row can reuse a stored prefix (``kv_manager``); the layerwise KV hook serves one row per
-call, so when several reusing rows prefill at once the lowest runs its call and the others wait a call.
+bounds it). Any row can reuse a stored prefix and store its new chunks (``kv_manager``): rows prefilling
+at once run their chunks in one call whether they reuse, store or neither, the layerwise KV hook loading
+each reusing row's own prefix into its own cache row and emitting each storing row's own new chunks
+(``ftjax.kv.layerwise.HookRow``; one program per set of hooked rows, compiled at admission).
 
 :meth:`Engine.generate` is a short loop over them; :meth:`Engine.prefill` runs a batch of prompts'
 prefill into a given cache (the oracle tests read its logits of every position).
@@ -136,12 +140,34 @@ class BlockAdvance:
         return int(self.tokens.shape[1])
 
 
+@dataclasses.dataclass(eq=False)
+class PendingBlock:
+    """A decode block dispatched by :meth:`Engine.dispatch_block`, not read yet.
+
+    out: the program's ``ftjax.runtime.step.DecodeBlock`` (device arrays); rows: the rows it decodes;
+    owners: each batch row's :class:`Row` when it was dispatched (None: free), so that a row released or
+    taken by another request since is known; limit: the steps asked for (it runs at most that many).
+    """
+
+    out: Any
+    rows: list[int]
+    owners: list
+    limit: int
+
+
+@jax.jit
+def _continue_limit(stopped, ran, limit):
+    """int32 []: ``limit``, or 0 when a row that ran in the block before (``ran`` int32 [B], 1 where it ran)
+    has ``stopped`` (bool [B]: sampled one of its stop ids)."""
+    return jnp.where(jnp.any(stopped & (ran > 0)), 0, limit).astype(jnp.int32)
+
+
 @dataclasses.dataclass
 class _Call:
     """One merged call of the rows (:meth:`Engine._next_call`): plan; tokens int32 [B, T]; start, valid
-    int32 [B]; prefix: the reused chunks (or their shapes); took: rows running a prefill call; done:
-    rows whose prefill ends in it; decoding: rows taking one decode token; hook_row: the row the KV hook
-    serves (None: no hook)."""
+    int32 [B]; prefix: the reused chunks (or their shapes), every hooked row's in ``hook_rows``' order;
+    took: rows running a prefill call; done: rows whose prefill ends in it; decoding: rows taking one
+    decode token; hook_rows: the ``HookRow`` of each row the KV hook serves (empty: no hook)."""
 
     plan: CallPlan
     tokens: np.ndarray
@@ -151,7 +177,7 @@ class _Call:
     took: list[int]
     done: list[int]
     decoding: list[int]
-    hook_row: int | None = None
+    hook_rows: tuple = ()
 
 
 @dataclasses.dataclass
@@ -219,6 +245,7 @@ class Engine:
         self.rows: list[Row | None] = []
         self.cache: KVCache | None = None
         self._used_rows: set[int] = set()
+        self._unread: list[PendingBlock] = []  # decode blocks dispatched and not read (their rows' pos lag)
 
     def _place(self, x):
         """``x`` (a pytree of arrays) replicated over the engine's mesh; as it is on one device."""
@@ -401,16 +428,18 @@ class Engine:
         """The merged call of the head prefill calls of ``rows`` (one per batch row; None or done rows take no
         prefill token), the prefix's shapes instead of its chunks with ``spec``.
 
-        The KV hook serves one row: of the rows whose head call loads a reused prefix or stores new chunks,
-        the lowest runs it and the others wait (valid 0); a prefix-reuse row's call that does neither runs
-        as a plain one. last: int32 [B], each row's last token, or None; given, every row done prefilling
-        takes that token at its position (start = pos, valid = 1).
+        The KV hook serves every row whose head call loads a reused prefix or stores new chunks, each with its
+        own prefix and new chunks (``ftjax.kv.layerwise.HookRow``), when they share a prefix cache (rows of
+        another one wait a call, valid 0); a prefix-reuse row's call that does neither runs as a plain one.
+        last: int32 [B], each row's last token, or None; given, every row done prefilling takes that token at
+        its position (start = pos, valid = 1).
         """
         heads = [r.pending[0] if r is not None and r.pending else None for r in rows]
         hooked = [h is not None and r.kv_request is not None and (h.with_prefix or h.store_chunks > 0)
                   for h, r in zip(heads, rows)]
-        hook_row = hooked.index(True) if any(hooked) else None
-        heads = [None if hooked[i] and i != hook_row else h for i, h in enumerate(heads)]
+        manager = next((rows[i].kv_manager for i, x in enumerate(hooked) if x), None)
+        hook_rows = [i for i, x in enumerate(hooked) if x and rows[i].kv_manager is manager]
+        heads = [None if hooked[i] and i not in hook_rows else h for i, h in enumerate(heads)]
         width = max(h.bucket for h in heads if h is not None)
         b = len(rows)
         tokens = np.zeros((b, width), np.int32)
@@ -419,20 +448,21 @@ class Engine:
         decoding = [] if last is None else [i for i, r in enumerate(rows) if r is not None and not r.pending]
         for i in decoding:
             tokens[i, 0], valid[i] = last[i], 1
-        kv, prefix = None, ()
+        kv, prefix, parts = None, (), ()
         for i, (h, r) in enumerate(zip(heads, rows)):
             if h is not None:
                 tokens[i, :valid[i]] = r.prompt[h.start:h.start + valid[i]]
-        if hook_row is not None:
-            h, r = heads[hook_row], rows[hook_row]
-            kv = r.kv_manager.step_options(h, row=hook_row)
-            if h.with_prefix:
-                manager = r.kv_manager
-                prefix = manager.prefix_spec(self, r.kv_request) if spec else manager.load_prefix(r.kv_request)
+        if hook_rows:
+            parts = tuple(manager.hook_row(rows[i].kv_request, heads[i], i) for i in hook_rows)
+            for i in hook_rows:
+                if heads[i].with_prefix:
+                    req = rows[i].kv_request
+                    prefix += manager.prefix_spec(self, req) if spec else manager.load_prefix(req)
+            kv = manager.step_options(parts)
         plan = self.planner.plan(b, width, int(valid.sum()), prefix, kv, all_logits)
         took = [i for i, h in enumerate(heads) if h is not None]
         done = [i for i in took if len(rows[i].pending) == 1]
-        return _Call(plan, tokens, start, valid, prefix, took, done, decoding, hook_row)
+        return _Call(plan, tokens, start, valid, prefix, took, done, decoding, parts)
 
     @staticmethod
     def _moved(rows: Sequence[Row | None], call: _Call) -> None:
@@ -443,6 +473,16 @@ class Engine:
         for i in call.decoding:
             rows[i].pos += 1
 
+    @staticmethod
+    def _row_outputs(call: _Call, kv_out) -> dict[int, tuple]:
+        """Each hooked row's new chunks out of a call's ``kv_out`` (the rows' chunks one after another, in
+        ``call.hook_rows``' order): row -> its ``store_chunks`` entries."""
+        outs, n = {}, 0
+        for part in call.hook_rows:
+            outs[part.row] = tuple(kv_out[n:n + part.store_chunks]) if part.store_chunks else ()
+            n += part.store_chunks
+        return outs
+
     def _prefill_step(self, rows: Sequence[Row | None], cache: KVCache, all_logits: bool, last=None):
         """Runs the next merged call of ``rows`` (:meth:`_next_call`) on ``cache``; advances them.
         Returns (the call's ForwardOut, the :class:`_Call`)."""
@@ -452,9 +492,10 @@ class Engine:
         self.prefill_driver_calls[plan.driver] += 1
         self.counters["prefill"].add(out.layer_stats)
         self.counters["prefill"].extra_copies += plan.extra_copies
+        outs = self._row_outputs(call, out.kv_out)
         for i in call.took:
             if rows[i].kv_request is not None:  # only the KV hook's new chunks outlive the call
-                rows[i].kv_outs.append(out.kv_out if i == call.hook_row else None)
+                rows[i].kv_outs.append(outs.get(i))
         self._moved(rows, call)
         return out, call
 
@@ -517,13 +558,14 @@ class Engine:
         self.rows = [None] * n
         self.cache = self.new_cache(n)
         self._used_rows = set()
+        self._unread = []
 
     def admit(self, prompt: Sequence[int], max_new_tokens: int = 1, kv_manager=None) -> int:
         """Puts a request into the lowest free row; returns the row. Its prefill runs in the coming
         :meth:`advance` calls. With ``kv_manager`` (``ftjax.kv.prefix_cache.PrefixCache``) its stored prefix
         is looked up and pinned now, loaded layer by layer during its first prefill call, and its new
-        chunks stored when its prefill ends (any row; one reusing row runs per call, see the module
-        docstring). Its pins are released when its prefill ends, by :meth:`release`, or when a call fails.
+        chunks stored when its prefill ends (any row; rows prefilling together share their calls, see the
+        module docstring). Its pins are released when its prefill ends, by :meth:`release`, or when a call fails.
 
         Raises:
           ValueError: a bad prompt (empty, ids outside the vocabulary, longer than the cache with
@@ -574,13 +616,15 @@ class Engine:
 
         tokens: int32 [B, 1] (a device array or numpy), each row's last token; entries of other rows are
         ignored. A mixed call reads them on the host (it waits for a device array). Rows reusing a stored
-        prefix take turns (one per call, see the module docstring). If the call raises, every row's
-        prefix-reuse request is ended (pins released, nothing stored) and the KV cache was consumed:
-        release the rows (or :meth:`open_rows` again) before going on.
+        prefix or storing new chunks run in the same call as the others (module docstring). If the call
+        raises, every row's prefix-reuse request is ended (pins released, nothing stored) and the KV cache
+        was consumed: release the rows (or :meth:`open_rows` again) before going on.
         Raises:
           ValueError: a decode step without ``tokens``, or tokens of another shape than [B, 1].
+          RuntimeError: a decode block of a running row dispatched and not read (:meth:`read_block`).
         """
         rows = self.rows
+        self._check_read(range(len(rows)))
         prefilling = self.prefilling()
         last = None
         if tokens is not None and prefilling:
@@ -831,13 +875,16 @@ class Engine:
         return (self.config.decode_block > 1 and max_new_tokens > 2
                 and self.planner.plan(batch, 1, batch).driver == "scan")
 
-    def _block_args(self, tokens, key, limit: int, eos: np.ndarray, stopped) -> tuple:
-        """The arguments of :func:`ftjax.runtime.step.decode_block` for the rows as they are now."""
-        live = np.array([r is not None for r in self.rows])
-        pos = np.array([r.pos if r is not None else 0 for r in self.rows], np.int32)
+    def _block_args(self, tokens, key, limit, eos: np.ndarray, stopped, rows=None, pos=None) -> tuple:
+        """The arguments of :func:`ftjax.runtime.step.decode_block` for the rows as they are now: ``rows`` decode
+        (default every row held), the others idle; ``pos``: the rows' positions (default the host's)."""
+        live = np.array([r is not None for r in self.rows]) if rows is None else np.isin(np.arange(len(self.rows)),
+                                                                                           list(rows))
+        if pos is None:
+            pos = np.array([r.pos if r is not None else 0 for r in self.rows], np.int32)
         eos = np.asarray(eos if eos.size else [-1], np.int32)
-        return (self.params, self._step_banks, self.cache, self.state, _int32(tokens), pos,
-                live.astype(np.int32), key, np.int32(limit), eos, stopped)
+        return (self.params, self._step_banks, self.cache, self.state, _int32(tokens), _int32(pos),
+                live.astype(np.int32), key, _int32(limit), eos, stopped)
 
     def _block_program(self, args: tuple, sampling: tuple, keep_logits: bool, steps: int | None = None):
         """The compiled :func:`ftjax.runtime.step.decode_block` of ``steps`` steps at most (default
@@ -849,6 +896,16 @@ class Engine:
                                      opts=plan.opts, steps=steps or self.config.decode_block, temperature=temperature,
                                      top_p=top_p, top_k=top_k, keep_logits=keep_logits)
 
+    def _lag(self, i: int) -> int:
+        """Steps row ``i``'s blocks not read yet may have moved it past its host ``pos`` (at most)."""
+        return sum(p.limit for p in self._unread if i in p.rows and p.owners[i] is self.rows[i])
+
+    def _check_read(self, rows) -> None:
+        """Raises RuntimeError when a block of one of ``rows`` (still held by the request it ran for) is unread."""
+        lagging = [i for i in rows if self.rows[i] is not None and self._lag(i)]
+        if lagging:
+            raise RuntimeError(f"rows {lagging} have a decode block dispatched and not read (read_block first)")
+
     def advance_block(self, tokens, sampling: RowSampling, limit: int, eos, steps: int | None = None) -> BlockAdvance:
         """Up to ``limit`` decode steps of every decoding row in one program (``ftjax.runtime.step.decode_block``:
         each step's token fed straight back, each row drawn with its own key and parameters as
@@ -856,24 +913,45 @@ class Engine:
         steps run. The same tokens, logits and expert-state updates as that many :meth:`advance` decode steps
         with that draw after each. The program ends early once every row sampled one of its ``eos`` ids; a row
         that did still decodes while others run (its later tokens are the caller's to drop).
+        :meth:`dispatch_block` then :meth:`read_block` (arguments and errors: theirs).
+        """
+        return self.read_block(self.dispatch_block(tokens, sampling, limit, eos, steps))
+
+    def dispatch_block(self, tokens, sampling: RowSampling, limit: int, eos, steps: int | None = None,
+                       rows: Sequence[int] | None = None, after: PendingBlock | None = None) -> PendingBlock:
+        """Dispatches a decode block (:meth:`advance_block`) without reading it; :meth:`read_block` reads it.
 
         tokens: int32 [B, 1], each row's last token; sampling: a :class:`ftjax.runtime.step.RowSampling` of the
         B rows (free rows: any values); limit: steps to run, in [1, steps]; eos: int32 [B, N], each row's stop
         ids (-1 pads); steps: the program's most steps (default ``EngineConfig.decode_block``: one compiled
-        program serves every limit up to it).
+        program serves every limit up to it); rows: the rows to decode (default every row held; the others
+        stay idle: their tokens, keys and positions pass through). after: a block not read yet that this one
+        continues on the device: its last tokens, keys and positions feed this one (``tokens`` and
+        ``sampling.keys`` are then ignored: None will do), and this block runs no step at all if a row of
+        ``after`` sampled one of its stop ids there (a stop the device knows ends the run-ahead; the caller
+        reads ``after`` and goes on from the host).
         Raises:
-          ValueError: a row still prefilling, no decoding row, limit outside [1, steps], a row whose block would
-            run past the KV cache (``max_seq_len``), or eos not int32 [B, N].
+          ValueError: a row still prefilling, no row to decode or one not held, limit outside [1, steps], a
+            row whose block would run past the KV cache (``max_seq_len``, counting blocks not read yet), eos
+            not int32 [B, N], or (with ``after``) a row held by another request than when ``after`` ran.
+          RuntimeError: without ``after``, a block of a row to decode dispatched and not read.
         """
         steps = steps or self.config.decode_block
-        rows = [i for i, r in enumerate(self.rows) if r is not None]
+        held = [i for i, r in enumerate(self.rows) if r is not None]
+        rows = held if rows is None else sorted(int(i) for i in rows)
         if self.prefilling():
-            raise ValueError("advance_block runs decode steps only: a row is still prefilling (use advance)")
+            raise ValueError("a decode block runs decode steps only: a row is still prefilling (use advance)")
         if not rows:
             raise ValueError("advance_block: no decoding row")
+        if not set(rows) <= set(held):
+            raise ValueError(f"rows {sorted(set(rows) - set(held))} hold no request")
         if isinstance(limit, bool) or not 1 <= int(limit) <= steps:
             raise ValueError(f"limit must be in [1, {steps}] (the block's steps), got {limit!r}")
-        last = max(self.rows[i].pos for i in rows) + int(limit)
+        if after is None:
+            self._check_read(rows)
+        elif any(after.owners[i] is not self.rows[i] for i in rows):
+            raise ValueError("a block continues another only for the requests that held its rows then")
+        last = max(self.rows[i].pos + self._lag(i) for i in rows) + int(limit)
         if last > self.max_seq_len:
             raise ValueError(f"a block of {limit} steps runs a row to position {last}, past max_seq_len "
                              f"{self.max_seq_len}")
@@ -881,26 +959,55 @@ class Engine:
         if eos.ndim != 2 or eos.shape[0] != len(self.rows) or eos.shape[1] < 1:
             raise ValueError(f"eos must be int32 [{len(self.rows)}, N >= 1] (each row's stop ids), got shape "
                              f"{eos.shape}")
-        args = self._block_args(tokens, sampling, int(limit), eos, np.zeros(len(self.rows), bool))
+        stopped = np.zeros(len(self.rows), bool)
+        if after is None:
+            args = self._block_args(tokens, sampling, np.int32(limit), eos, stopped, rows)
+        else:
+            ran = np.isin(np.arange(len(self.rows)), after.rows).astype(np.int32)
+            gated = _continue_limit(after.out.stopped, ran, np.int32(limit))
+            args = self._block_args(after.out.last, sampling._replace(keys=after.out.key.keys), gated, eos, stopped,
+                                    rows, after.out.pos)
         exe = self._block_program(args, (0.0, 1.0, 0), False, steps)
         out = self._donating(lambda: exe(*args))
         self.cache, self.state = out.cache, out.state
+        pending = PendingBlock(out, rows, list(self.rows), int(limit))
+        self._unread.append(pending)
+        return pending
+
+    def read_block(self, pending: PendingBlock) -> BlockAdvance:
+        """Reads a dispatched block on the host (waiting for it): its tokens, logprobs, keys and stats
+        (:class:`BlockAdvance`, ``rows``: the rows it decoded); the positions of its rows still held by the
+        requests it ran for move on by the steps it ran. An error the device reports is raised here."""
+        if pending in self._unread:
+            self._unread.remove(pending)
+        out = pending.out
         n = int(out.n_run)
-        for i in rows:
-            self.rows[i].pos += n
+        for i in pending.rows:
+            if self.rows[i] is not None and self.rows[i] is pending.owners[i]:
+                self.rows[i].pos += n
         stats = jax.tree.map(np.asarray, out.stats)
         return BlockAdvance(np.asarray(out.tokens)[:, :n], np.asarray(out.logprobs)[:, :n], np.asarray(out.key.keys),
-                            rows, [jax.tree.map(lambda x: x[j], stats) for j in range(n)])  # noqa: B023
+                            list(pending.rows), [jax.tree.map(lambda x: x[j], stats) for j in range(n)])  # noqa: B023
+
+    def discard_block(self, pending: PendingBlock) -> None:
+        """Forgets a dispatched block without reading it (its rows' requests all ended: nothing of it is wanted).
+        Raises:
+          ValueError: a row it decoded is still held by the request it ran for."""
+        if any(self.rows[i] is not None and self.rows[i] is pending.owners[i] for i in pending.rows):
+            raise ValueError("a block of a running request is read, not discarded")
+        if pending in self._unread:
+            self._unread.remove(pending)
 
     def precompile_block(self, steps: int, eos_width: int) -> None:
         """Compiles :meth:`advance_block`'s program for the open rows, ``steps`` steps at most and ``eos_width``
-        stop ids a row (outside any timing; nothing runs)."""
+        stop ids a row, and the run-ahead's limit (outside any timing; no row is decoded)."""
         b = len(self.rows)
         sampling = RowSampling(np.zeros((b, 2), np.uint32), np.zeros(b, np.float32), np.ones(b, np.float32),
                                np.zeros(b, np.int32))
-        args = self._block_args(np.zeros((b, 1), np.int32), sampling, 1, np.full((b, eos_width), -1, np.int32),
-                                np.zeros(b, bool))
+        args = self._block_args(np.zeros((b, 1), np.int32), sampling, np.int32(1),
+                                np.full((b, eos_width), -1, np.int32), np.zeros(b, bool))
         self._block_program(args, (0.0, 1.0, 0), False, steps)
+        _continue_limit(memory.to_device(np.zeros(b, bool)), np.zeros(b, np.int32), np.int32(1)).block_until_ready()
 
     def _decode_in_blocks(self, tok, key, steps: int, eos: np.ndarray, sampling: tuple, keep_logits: bool,
                           toks: list, decode_stats: list, all_logits: list | None, step_s: list | None) -> None:

@@ -126,15 +126,17 @@ def decode_block(params, banks, cache, state, tokens, start, valid_len, key, lim
     continuous-batching scheduler runs; the static ones are then ignored), with each token's log-probability.
 
     tokens: int32 [B, 1] each row's last token; start: int32 [B] its position; valid_len: int32 [B], 1 for
-    a decoding row, 0 for an idle one (it stays idle, its position does not move); key: the sampler's key
-    (above); limit: int32 [], the steps to run (<= ``steps``: one program for every block length); eos:
-    int32 [N] stop ids of every row, or [B, N] each row's own (-1 pads); stopped: bool [B] rows already
-    stopped. The loop ends after ``limit`` steps or
-    once every row has stopped (an idle row counts as stopped; a row stops on sampling an ``eos`` id and
-    still decodes while others run, as it would step by step). Returns a :class:`DecodeBlock`.
+    a decoding row, 0 for an idle one (it stays idle: its position, last token and, with a
+    :class:`RowSampling`, its key pass through, so a later block can take it up from there); key: the
+    sampler's key (above); limit: int32 [], the steps to run (<= ``steps``: one program for every block
+    length); eos: int32 [N] stop ids of every row, or [B, N] each row's own (-1 pads); stopped: bool [B]
+    rows already stopped. The loop ends after ``limit`` steps or once every row has stopped (an idle row
+    counts as stopped; a row stops on sampling an ``eos`` id and still decodes while others run, as it
+    would step by step). Returns a :class:`DecodeBlock`.
     """
     b = tokens.shape[0]
     per_row = isinstance(key, RowSampling)
+    idle = valid_len == 0
 
     def one(cache, state, tok, pos):
         return forward_step(params, banks, cache, state, tok, pos, valid_len, (), cfg=cfg, opts=opts)
@@ -156,11 +158,12 @@ def decode_block(params, banks, cache, state, tokens, start, valid_len, key, lim
         if per_row:
             rs = c["key"]
             tok, keys, lp = sample_rows_next(out.logits, rs.keys, rs.temperature, rs.top_p, rs.top_k)
-            key, tok = rs._replace(keys=keys), tok[:, None]
+            key, tok = rs._replace(keys=jnp.where(idle[:, None], rs.keys, keys)), tok[:, None]
             logprobs = jax.lax.dynamic_update_slice(logprobs, lp[:, None], (0, i))
         else:
             key, sub = jax.random.split(c["key"])
             tok = sample(out.logits, sub, temperature, top_p, top_k)[:, None]
+        tok = jnp.where(idle[:, None], c["tok"], tok)  # an idle row's token passes through
         put = lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, x, i, 0)  # noqa: E731
         return dict(i=i + 1, tok=tok, pos=c["pos"] + valid_len, stopped=c["stopped"] | jnp.any(tok == eos, axis=-1),
                     cache=out.cache, state=out.expert_state, key=key,

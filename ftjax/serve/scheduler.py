@@ -7,9 +7,11 @@ A :class:`Scheduler` drives one :class:`ftjax.Engine` through its request API (`
 1. admits waiting requests, first come first served, into free rows (``Engine.admit``; with a
    ``kv_manager`` each looks up and pins its stored prefix, in whatever row it gets);
 2. runs one ``Engine.advance``: the next prefill chunk of every prefilling row together with one
-   token of every decoding row (one *mixed* call), or a decode step when no row prefills. A running
-   request's time per token while another is admitted is therefore one prefill-chunk call
-   (``EngineConfig.prefill_chunk`` bounds it);
+   token of every decoding row (one *mixed* call), or a decode step when no row prefills. Rows that
+   reuse a stored prefix or store new KV chunks prefill in the same call as the others, each loading
+   and storing its own (``ftjax.kv.layerwise.HookRow``), so requests arriving together prefill
+   together. A running request's time per token while another is admitted is therefore one
+   prefill-chunk call (``EngineConfig.prefill_chunk`` bounds it);
 3. samples the rows that have a next-token distribution, each with its own parameters and PRNG key
    (``ftjax.sampling.sample_rows``: a request's tokens depend on its seed, not on the batch around it);
 4. ends the requests that stopped (EOS or ``stop_token_ids``, a stop string, ``max_tokens``) and frees
@@ -17,12 +19,12 @@ A :class:`Scheduler` drives one :class:`ftjax.Engine` through its request API (`
 
 Decode blocks (``decode_block`` k > 1, default ``EngineConfig.decode_block``): when no row prefills (a step
 admits waiting requests into free rows first, so every row then decodes and a request still waiting has no
-free row to take), a step runs one program of up to k decode steps (``Engine.advance_block``,
-``ftjax.runtime.step.decode_block``): each step's token is fed straight back on the device and each row is
-drawn with its own key and parameters exactly as the one-step path draws it, so the fixed cost of a step
-(dispatch, the sampler's own program, the host round trip) is paid once a block. The block is capped at
-the fewest tokens any row may still generate (``max_tokens``), so no row runs past its limit or its
-context, and it ends early on the device once every row has sampled one of its stop ids (EOS,
+free row to take), a step runs one program of up to k decode steps (``Engine.dispatch_block`` /
+``read_block``, ``ftjax.runtime.step.decode_block``): each step's token is fed straight back on the device
+and each row is drawn with its own key and parameters exactly as the one-step path draws it, so the fixed
+cost of a step (dispatch, the sampler's own program, the host round trip) is paid once a block. The block
+is capped at the fewest tokens any row may still generate (``max_tokens``), so no row runs past its limit
+or its context, and it ends early on the device once every row has sampled one of its stop ids (EOS,
 ``stop_token_ids``). After the block the host hands out its tokens in order and applies what only it can
 check -- stop strings, ``max_tokens``, cancellations (a client that disconnected while the block ran):
 a row's tokens after its stop are dropped, so a request ends with the same tokens, finish_reason and
@@ -31,20 +33,26 @@ draws). What changes is when tokens come out: streaming is bursty (up to k token
 that arrives while a block runs, or that waits for a row freed by a stop inside a block, is admitted
 after the block (its TTFT grows by at most k decode steps); a stopped row keeps decoding to the block's
 end (those tokens dropped). Per-token times inside a block (``RequestStats.tpot_s``, the TPOT histogram)
-are the block's wall time divided evenly among its steps. A block is one shared engine call: if it fails,
-every running request fails, as with a one-step call. k = 1 runs one program per decode step (with
-run-ahead, below). Rows with more stop ids than the compiled program's columns (a power of two >= 4)
-compile another program on first use.
+are the block's wall time (from its dispatch, or from the read of the block before it, whichever is later)
+divided evenly among its steps. A block is one shared engine call: if it fails,
+every running request fails, as with a one-step call. k = 1 runs one program per decode step. Rows with
+more stop ids than the compiled program's columns (a power of two >= 4) compile another program on first use.
 
-Run-ahead (``run_ahead=True``, the default; the one-step path, k = 1): while every running request
-decodes and no waiting request could take a free row, a step dispatches the next decode step, fed with the
-tokens and keys the previous step sampled *on the device*, before it reads that previous step's tokens on
-the host. The host's work of a step (reading tokens, stop checks, events, the next call's dispatch) then
-overlaps the device's work of the next, as in vLLM's asynchronous scheduling. The tokens are the same (the
-same logits, keys and parameters); each comes out one step later than without run-ahead, and a request's
-row runs one step past its last token (the step already dispatched when that token is read), whose token
-is dropped; that step stays inside the request's context (its input is the last token, at position
-prompt + max_tokens - 1).
+Run-ahead (``run_ahead=True``, the default): while every running request decodes and no waiting request
+could take a free row, a step dispatches the next decode step (k = 1) or block (k > 1), fed with the tokens,
+keys and (a block) positions the previous one left *on the device*, before it reads that previous one's
+tokens on the host. The host's work of a step (reading tokens, stop checks, events, the next call's
+dispatch) then overlaps the device's work of the next, as in vLLM's asynchronous scheduling. The tokens are
+the same (the same logits, keys and parameters); each comes out one step (or block) later than without
+run-ahead. One step: a request's row runs one step past its last token (the step already dispatched when
+that token is read), whose token is dropped; that step stays inside the request's context (its input is the
+last token, at position prompt + max_tokens - 1). Blocks: a block run ahead runs no step when a row sampled
+one of its stop ids in the block before it (``Engine.dispatch_block(after=...)``: the device knows, so the
+row is freed for a waiting request without a wasted block); a request that reaches its ``max_tokens`` in the
+block before sits the block out (idle), and the block is capped at the fewest tokens any other request may
+still generate, so no row runs past its limit or context; no block runs ahead when a waiting request could
+take a free row or the row such a request frees. A stop only the host sees (a stop string, a cancellation)
+is applied when the block is read, and that row's tokens in the block already run ahead are dropped.
 
 Every row's logits are those of the request alone (up to float32 rounding: the calls' shapes differ), and
 the expert cache stays one global cache shared by the rows (DESIGN.md 1.1).
@@ -178,6 +186,20 @@ class _Sampled:
         return any(r.row == row for r, row in self.reqs)
 
 
+@dataclasses.dataclass(eq=False)
+class _Block:
+    """One decode block dispatched: the requests it decodes (with the row each held), the engine's handle
+    (``Engine.dispatch_block``), the steps asked for, and when it was dispatched (``time.perf_counter``)."""
+    reqs: list
+    pending: object
+    limit: int
+    t0: float
+
+    def live(self) -> bool:
+        """Whether a request it decodes still holds its row."""
+        return any(r.row == row for r, row in self.reqs)
+
+
 def _eos_width(n: int) -> int:
     """Stop-id columns of a decode block for rows of up to ``n`` stop ids: a power of two, at least 4 (few
     compiled programs whatever the requests' ``stop_token_ids``)."""
@@ -201,8 +223,8 @@ class Scheduler:
       detokenize: ``Callable[[list[int]], str]`` for stop strings: the text of a request's completion ids.
         It is called with windows of them (``ftjax.serve.text.StopChecker``), so it must decode ids the way
         a tokenizer does: the text of a list is that of its pieces, up to a character split between them.
-      run_ahead: dispatch the next decode step before reading this one's tokens (module docstring; the
-        one-step path); False: every step reads its tokens before the next is dispatched.
+      run_ahead: dispatch the next decode step or block before reading this one's tokens (module docstring);
+        False: every step reads its tokens before the next is dispatched.
       decode_block: decode steps per program in steady decode (module docstring), >= 1; default the
         engine's ``EngineConfig.decode_block``; 1: one program per decode step.
     Raises:
@@ -232,7 +254,8 @@ class Scheduler:
         self._stats: collections.OrderedDict[str, RequestStats] = collections.OrderedDict()
         self._counts = collections.Counter()
         self.run_ahead = bool(run_ahead)
-        self._ahead: _Sampled | None = None  # a decode step dispatched and sampled, its tokens not read yet
+        self._ahead: _Sampled | _Block | None = None  # a decode step or block dispatched, its tokens not read yet
+        self._block_read_at = 0.0  # when the last decode block's tokens were read (its successor's time starts)
         engine.open_rows(self.max_batch)
         self._warm_sampler()
         if self.decode_block > 1:  # the block program of the checkpoint's stop ids (most requests')
@@ -323,9 +346,20 @@ class Scheduler:
         """Admits waiting requests into free rows, runs one engine call, samples and stops (module
         docstring). Returns the events of this step ([] when idle): per running request with a new
         token, one event (a decode block: one per token of the block, in order); final events of requests
-        that ended. With run-ahead, a decode step's tokens come out of the step after the one that
-        dispatched it."""
+        that ended. With run-ahead, a decode step's (or block's) tokens come out of the step after the one
+        that dispatched it."""
         events, self._events = self._events, []
+        if isinstance(self._ahead, _Block):
+            ahead, self._ahead = self._ahead, None
+            plan = self._block_ahead(ahead)
+            if plan is not None:
+                self._ahead = self._dispatch_block(events, *plan, after=ahead)
+            self._read_block(ahead, events)
+            if self._ahead is not None and not self._ahead.live():  # every request in it ended
+                self.engine.discard_block(self._ahead.pending)
+                self._ahead = None
+            if plan is not None:
+                return events
         if self._ahead is not None:
             ahead, self._ahead = self._ahead, None
             if self._can_run_ahead(ahead):
@@ -395,10 +429,41 @@ class Scheduler:
         return self._dispatch_sample(adv.logits, reqs, events, keys)
 
     def _decode_block(self, events: list[TokenEvent]) -> None:
-        """Runs one decode block of every running row (module docstring) and hands out its tokens."""
-        eng = self.engine
+        """Dispatches one decode block of every running row (module docstring); with run-ahead it is read by the
+        next step, else its tokens are handed out now."""
         reqs = [r for r in self._rows if r is not None]
         limit = min(self.decode_block, min(r.params.max_tokens - len(r.tokens) for r in reqs))
+        blk = self._dispatch_block(events, reqs, limit)
+        if blk is None:
+            return
+        if self.run_ahead:
+            self._ahead = blk
+        else:
+            self._read_block(blk, events)
+
+    def _block_ahead(self, ahead: _Block) -> tuple[list, int] | None:
+        """(requests, limit) of the block to dispatch before ``ahead``'s tokens are read, or None to read them
+        first: without run-ahead, when no request of ``ahead`` still runs, when a waiting request could take a
+        free row or one that ``ahead`` ends (its ``max_tokens``), or when every running request ends in
+        ``ahead``. A request that reaches its ``max_tokens`` in ``ahead`` sits the block out (idle) and the
+        block is capped at the fewest tokens any other may still generate after ``ahead``, so that no row runs
+        past its limit or its context."""
+        if not self.run_ahead or not ahead.live() or self.engine.prefilling():
+            return None
+        running = [r for r in self._rows if r is not None]
+        ran = {id(r) for r, row in ahead.reqs if r.row == row}
+        left = {id(r): r.params.max_tokens - len(r.tokens) - (ahead.limit if id(r) in ran else 0) for r in running}
+        reqs = [r for r in running if left[id(r)] > 0]
+        if not reqs or (self._queue and (None in self._rows or len(reqs) < len(running))):
+            return None
+        return reqs, min(self.decode_block, min(left[id(r)] for r in reqs))
+
+    def _dispatch_block(self, events: list[TokenEvent], reqs: list[_Request], limit: int,
+                        after: _Block | None = None) -> _Block | None:
+        """Dispatches a decode block of ``reqs`` (their rows; the others idle) of up to ``limit`` steps, fed from
+        the host or, with ``after``, on the device from that block not read yet. None if the call failed (every
+        running request ended)."""
+        eng = self.engine
         b, v = self.max_batch, eng.cfg.vocab_size
         keys, temp = np.zeros((b, 2), np.uint32), np.zeros(b, np.float32)
         top_p, top_k = np.ones(b, np.float32), np.zeros(b, np.int32)
@@ -408,27 +473,42 @@ class Scheduler:
             keys[r.row] = r.key
             temp[r.row], top_p[r.row], top_k[r.row] = r.sampling.temperature, r.sampling.top_p, r.sampling.top_k
             eos[r.row, :len(stops[r.row])] = stops[r.row]
-        rows = [r.row for r in reqs]  # the rows the block ran for (a request cancelled meanwhile holds none)
         t0 = time.perf_counter()
         try:
-            blk = eng.advance_block(self._last_tokens(reqs), RowSampling(keys, temp, top_p, top_k), limit, eos,
-                                    self.decode_block)
-            for st in blk.stats:
-                eng.counters["decode"].add(st)
+            pending = eng.dispatch_block(None if after else self._last_tokens(reqs),
+                                         RowSampling(keys, temp, top_p, top_k), limit, eos, self.decode_block,
+                                         rows=[r.row for r in reqs], after=after.pending if after else None)
         except Exception as err:  # noqa: BLE001 - the shared call: its rows fail, the scheduler goes on
             self._fail_running(events, err)
-            return
-        n = blk.steps
+            return None
         self._counts["engine_calls_decode_block"] += 1
+        return _Block([(r, r.row) for r in reqs], pending, limit, t0)
+
+    def _read_block(self, blk: _Block, events: list[TokenEvent]) -> None:
+        """Reads a decode block's tokens (waiting for it) and hands each request still in the row it ran for its
+        tokens in order, up to its stop (the block's later tokens of that row are dropped)."""
+        eng = self.engine
+        try:
+            out = eng.read_block(blk.pending)
+            for st in out.stats:
+                eng.counters["decode"].add(st)
+        except Exception as err:  # noqa: BLE001 - the block failed on the device: its rows fail
+            if blk.live():
+                self._fail_running(events, err)
+            return
+        n = out.steps
         self._counts["steps"] += n
-        per_token = (time.perf_counter() - t0) / max(n, 1)  # the block's wall time, divided evenly
-        for r, row in zip(reqs, rows):
+        now = time.perf_counter()
+        start = max(blk.t0, self._block_read_at)  # a block run ahead starts once the one before it is done
+        self._block_read_at = now
+        per_token = (now - start) / max(n, 1)  # the block's wall time, divided evenly
+        for r, row in blk.reqs:
             for j in range(n):
                 if r.row != row:
                     break  # it ended at an earlier token of the block (a stop), or was cancelled meanwhile
                 try:
-                    events.append(self._take(r, int(blk.tokens[row, j]), blk.keys[row], float(blk.logprobs[row, j]),
-                                             t0 + (j + 1) * per_token))
+                    events.append(self._take(r, int(out.tokens[row, j]), out.keys[row], float(out.logprobs[row, j]),
+                                             start + (j + 1) * per_token))
                 except Exception as err:  # noqa: BLE001 - this request's own work
                     self._end(r, "error", events, f"{type(err).__name__}: {err}")
 

@@ -244,6 +244,11 @@ MATMUL_PRECISIONS = ("auto", "default", "high", "highest")
 #: "in_program", layer l's program copies layer l+1's slices itself (measured slower: XLA schedules
 #: those copies before the program's compute).
 PREFIX_COPIES = ("put", "in_program")
+#: How the routed experts are split over ``EngineConfig.devices`` > 1 devices (docs/MULTI_GPU.md): "expert",
+#: whole experts, E / N owned by each device, each with its own slot pool and table
+#: (``ftjax.experts.parallel``); "tensor", every expert's FFN width F split over the devices, one slot table
+#: replicated on all of them (``ftjax.experts.tensor_parallel``).
+EXPERT_SPLITS = ("expert", "tensor")
 
 
 def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -307,16 +312,19 @@ class MissPolicyConfig:
         return d
 
 
-def check_devices(devices: int, num_experts: int, available: int | None = None) -> None:
-    """Checks a device count for expert parallelism (``EngineConfig.devices``; ``ftjax.experts.parallel``).
+def check_devices(devices: int, num_experts: int, available: int | None = None, split: str = "expert",
+                  num_ffn: int | None = None) -> None:
+    """Checks a device count for splitting the experts (``EngineConfig.devices``, ``EngineConfig.expert_split``).
 
     Args:
       devices: N, devices to split the experts over (1: no split).
       num_experts: E, routed experts per layer.
       available: devices present (default ``jax.device_count()``).
+      split: one of :data:`EXPERT_SPLITS`.
+      num_ffn: F, the expert FFN width (checked for the "tensor" split).
     Raises:
-      ValueError: N < 1, N above the devices present, or N not dividing E (each device owns E / N experts
-        of every layer).
+      ValueError: N < 1, N above the devices present, or N not dividing E ("expert": each device owns E / N
+        experts of every layer) or F ("tensor": each device holds F / N columns of every expert).
     """
     if devices < 1:
         raise ValueError(f"devices must be >= 1, got {devices}")
@@ -325,6 +333,11 @@ def check_devices(devices: int, num_experts: int, available: int | None = None) 
         raise ValueError(f"devices={devices} exceeds the {available} device(s) present "
                          f"(jax.device_count(); a CPU run can force more with "
                          f"XLA_FLAGS=--xla_force_host_platform_device_count=N before jax starts)")
+    if split == "tensor":
+        if num_ffn is not None and num_ffn % devices:
+            raise ValueError(f"devices={devices} must divide the expert FFN width F={num_ffn} (expert_split "
+                             f"'tensor': each device holds F / devices columns of every expert)")
+        return
     if num_experts % devices:
         raise ValueError(f"devices={devices} must divide the number of experts E={num_experts} "
                          f"(each device owns E / devices experts of every layer)")
@@ -377,10 +390,13 @@ class EngineConfig:
         stop check on the device, ``ftjax.runtime.step.decode_block``), and the default of the serving
         scheduler's blocks (``ftjax.serve.scheduler.Scheduler``); 1: one program per step and the sampler's
         own program.
-      devices: N, devices of this host the routed experts are split over (expert parallel: each device owns
-        E / N experts of every layer; ``ftjax.experts.parallel``, docs/MULTI_GPU.md); the rest is replicated.
-        1: one device. N > 1 runs on the layer scan with the fetch miss policy; cached / on_demand need N to
-        divide ``num_slots`` (each device a pool of S / N slots and its own slot table).
+      devices: N, devices of this host the routed experts are split over (``expert_split``; docs/MULTI_GPU.md);
+        the rest is replicated. 1: one device. N > 1 runs on the layer scan with the fetch miss policy.
+      expert_split: one of :data:`EXPERT_SPLITS`, how N > 1 devices split the experts. "expert": each device owns
+        E / N experts of every layer (``ftjax.experts.parallel``); N must divide E and, cached / on_demand, S
+        (each device a pool of S / N slots and its own slot table). "tensor": each device holds a 1/N piece of
+        every expert's FFN width (``ftjax.experts.tensor_parallel``); N must divide F, the banks must be dense,
+        and S is the one replicated table's (each device a pool of S pieces).
     Raises:
       ValueError: a choice outside its registry or a size out of range (the message names the field).
     """
@@ -402,6 +418,7 @@ class EngineConfig:
     miss: MissPolicyConfig = MissPolicyConfig()
     decode_block: int = 16
     devices: int = 1
+    expert_split: str = "expert"
 
     def __post_init__(self):
         _choice("experts mode", self.experts, EXPERT_MODES)
@@ -410,6 +427,7 @@ class EngineConfig:
         _choice("cache policy", self.cache_policy, CACHE_POLICIES)
         _choice("matmul precision", self.matmul_precision, MATMUL_PRECISIONS)
         _choice("prefix_copy", self.prefix_copy, PREFIX_COPIES)
+        _choice("expert split", self.expert_split, EXPERT_SPLITS)
         for name in ("max_seq_len", "batch", "prefill_chunk", "prefix_copy_layers", "decode_block", "devices"):
             _at_least(name, getattr(self, name), 1)
         _boolean("stream_d2d_hits", self.stream_d2d_hits)
@@ -442,8 +460,8 @@ class EngineConfig:
             without the slots its driver needs; ``devices`` above ``jax.device_count()`` or not dividing E (or S).
         """
         if self.devices > 1:
-            check_devices(self.devices, cfg.num_experts)
-            if self.experts != "resident":
+            check_devices(self.devices, cfg.num_experts, split=self.expert_split, num_ffn=cfg.expert_ffn)
+            if self.experts != "resident" and self.expert_split == "expert":
                 check_slots(self.num_slots, cfg.num_layers, cfg.num_experts, self.devices)
         if self.max_seq_len > cfg.max_position_embeddings:
             raise ValueError(f"max_seq_len {self.max_seq_len} exceeds the model's max_position_embeddings "

@@ -27,8 +27,8 @@ from typing import Any, Callable
 from absl import flags
 
 # Flag choices come from the code's own registries (importing them does not start a JAX backend).
-from ftjax.config import (CACHE_POLICIES, CPU_EXPERT_IMPLS, EXPERT_MODES, KV_LOADS, MATMUL_PRECISIONS, MISS_POLICIES,
-                          PREFILL_DRIVERS, PREFILL_MODES, PREFIX_COPIES, EngineConfig, KVOffloadConfig,
+from ftjax.config import (CACHE_POLICIES, CPU_EXPERT_IMPLS, EXPERT_MODES, EXPERT_SPLITS, KV_LOADS, MATMUL_PRECISIONS,
+                          MISS_POLICIES, PREFILL_DRIVERS, PREFILL_MODES, PREFIX_COPIES, EngineConfig, KVOffloadConfig,
                           MissPolicyConfig)
 from ftjax import compile_cache
 from ftjax.experts.policies import describe as describe_cache_policies
@@ -77,7 +77,7 @@ FLAG_NAMES = ("checkpoint", "preset", "seed", "dtype", "expert_dtype", "experts"
               "stream_d2d_hits", "prefix_copy", "prefix_copy_layers", "kv_offload", "kv_host_gb", "kv_chunk_tokens",
               "kv_load", "miss_policy", "cpu_expert_impl", "cpu_threads", "calibration_profile", "matmul_precision",
               "decode_gemm", "decode_graphs", "kernels", "kernel_tiles", "grouped_matmul", "flash_prefill",
-              "slot_order", "min_dot_rows", "fetch_group", "fixed_fetch", "decode_block", "devices",
+               "slot_order", "min_dot_rows", "fetch_group", "fixed_fetch", "decode_block", "devices", "expert_split",
               "compilation_cache_dir")
 
 
@@ -179,10 +179,14 @@ def define_flags(flag_values: flags.FlagValues = FLAGS, module_name: str | None 
                      "their host reads issued before their slot writes (default 8 on a GPU, 1 elsewhere; the same "
                      "pools either way; KernelConfig.fetch_group; experiments/bench_miss_copy.py).", lower_bound=1)
     d.DEFINE_integer("fixed_fetch", None, "Adaptive: fetch min(N, misses) per layer instead of the calibrated split.")
-    d.DEFINE_integer("devices", 1, "Devices of this host to split the routed experts over (expert parallel: each owns "
-                     "E/N experts of every layer, its own slot pool of S/N slots and slot table, and copies its own "
-                     "misses over its own link; weights and KV cache replicated; docs/MULTI_GPU.md). Must divide E "
-                     "(and --expert_slots); --vram_budget_gb is then each device's budget.", lower_bound=1)
+    d.DEFINE_integer("devices", 1, "Devices of this host to split the routed experts over, as --expert_split says; "
+                     "each copies its own misses over its own link; weights and KV cache replicated "
+                     "(docs/MULTI_GPU.md). --vram_budget_gb is then each device's budget.", lower_bound=1)
+    d.DEFINE_enum("expert_split", "expert", list(EXPERT_SPLITS), "How --devices > 1 split the experts: expert (each "
+                  "device owns E/N experts of every layer, its own slot pool of S/N slots and slot table; N must "
+                  "divide E and --expert_slots) or tensor (each device holds 1/N of every expert's FFN width, one "
+                  "slot table replicated on all: balanced links, one device's hit rate; N must divide F; dense "
+                  "experts only).")
     d.DEFINE_string("compilation_cache_dir", None, compile_cache.FLAG_HELP)
 
 
@@ -229,7 +233,8 @@ def check_flags() -> None:
     Raises:
       UserError: a budget or host size that is not a finite number >= 0, a seed outside [0, 2^32), a size
         below 1, both --expert_slots and --vram_budget_gb, --fixed_fetch without --miss_policy=adaptive or
-        below 0, --devices > 1 with --kv_offload, a cpu / adaptive miss policy or the pipelined prefill driver."""
+        below 0, --devices > 1 with --kv_offload, a cpu / adaptive miss policy or the pipelined prefill driver,
+        --expert_split=tensor with a quantized --expert_dtype."""
     for name in ("vram_budget_gb", "kv_host_gb"):
         v = FLAGS[name].value
         if v is not None and not (math.isfinite(v) and v >= 0):
@@ -250,6 +255,9 @@ def check_flags() -> None:
             if bad:
                 raise UserError(f"--devices={FLAGS.devices} runs the fetch miss policy on the layer scan without KV "
                                 f"offload; --{name}={FLAGS[name].value} is one device's (use --devices=1)")
+        if FLAGS.expert_split == "tensor" and FLAGS.expert_dtype not in (None, "bfloat16"):
+            raise UserError(f"--expert_split=tensor splits dense experts only; --expert_dtype={FLAGS.expert_dtype} "
+                            f"is quantized (use --expert_split=expert)")
 
 
 def kernel_config() -> KernelConfig:
@@ -292,7 +300,7 @@ def engine_config(mode: str, slots: int | None, max_seq_len: int, batch: int, no
                         prefix_copy=FLAGS.prefix_copy, prefix_copy_layers=FLAGS.prefix_copy_layers,
                         cache_policy=FLAGS.cache_policy, matmul_precision=FLAGS.matmul_precision,
                         kernels=kernel_config(), miss=miss_config(mode) if note else MissPolicyConfig(),
-                        decode_block=FLAGS.decode_block, devices=FLAGS.devices)
+                        decode_block=FLAGS.decode_block, devices=FLAGS.devices, expert_split=FLAGS.expert_split)
 
 
 def plan(model, max_seq_len: int, prompts: list[list[int]], batch: int):

@@ -1,8 +1,11 @@
-"""Expert parallelism over the devices of one host (``EngineConfig.devices``; ftjax/experts/parallel.py).
+"""The experts split over the devices of one host (``EngineConfig.devices``): whole experts per device
+(``expert_split="expert"``, ftjax/experts/parallel.py) and every expert split on its FFN width
+(``expert_split="tensor"``, ftjax/experts/tensor_parallel.py).
 
 Over N = 2 and 4 forced CPU devices (tests/conftest.py sets ``--xla_force_host_platform_device_count=4``),
 each experts mode must give one device's greedy tokens and its logits to float32 rounding: the devices sum
-the same expert outputs in another order. The tiny preset in float32, a prompt long enough that its prefill
+the same expert outputs in another order. The tensor split keeps one device's slot table: its hits and
+misses are one device's, exactly. The tiny preset in float32, a prompt long enough that its prefill
 takes the grouped expert matmul (and, with 2E slots, streams whole layers), then a few decode steps.
 """
 
@@ -45,9 +48,13 @@ def one_device(model):
     return _run(model, "resident", 1)
 
 
-def _run(model, case: str, devices: int):
+F = 128  # the tiny preset's expert FFN width
+
+
+def _run(model, case: str, devices: int, split: str = "expert"):
     mode, slots, prefill = CASES[case]
-    engine = Engine(model, EngineConfig(mode, num_slots=slots, max_seq_len=64, prefill=prefill, devices=devices))
+    engine = Engine(model, EngineConfig(mode, num_slots=slots, max_seq_len=64, prefill=prefill, devices=devices,
+                                        expert_split=split))
     return engine, engine.generate([PROMPT], max_new_tokens=NEW, keep_logits=True)
 
 
@@ -73,11 +80,61 @@ def test_split_experts_match_one_device(model, one_device, case, devices):
     assert len(pool.sharding.device_set) == devices
 
 
-def _served(model, devices: int) -> dict[int, list[int]]:
+@pytest.mark.parametrize("case,devices", list(_params()))
+def test_tensor_split_matches_one_device(model, one_device, case, devices):
+    """Every expert split on F: one device's tokens and logits, one device's hits and misses (its one table,
+    replicated), each device holding a 1/N piece of every slot."""
+    ref, want = one_device
+    engine, got = _run(model, case, devices, "tensor")
+    assert got.generated_ids == want.generated_ids
+    np.testing.assert_allclose(got.step_logits, want.step_logits, rtol=1e-5, atol=1e-5)
+    same, _ = _run(model, case, 1)  # the same mode and slots on one device
+    counts = lambda e: {p: (m[p]["hits"], m[p]["misses"]) for m in [e.expert_cache_metrics()]  # noqa: E731
+                        for p in ("prefill", "decode")}
+    assert counts(engine) == counts(same)
+    assert engine.resident_experts_per_layer() == same.resident_experts_per_layer()
+    rows = engine.num_slots  # resident: L*E
+    assert {s.data.shape for s in engine.state.gate_up.addressable_shards} == {(rows, 128, 2 * F // devices)}
+    assert {s.data.shape for s in engine.state.down.addressable_shards} == {(rows, F // devices, 128)}
+    if engine.state.table is not None:
+        assert engine.state.table.slot_of.sharding.is_fully_replicated
+        engine.reset_expert_cache()  # cold again: the same counts once more
+        before = counts(engine)
+        engine.generate([PROMPT], max_new_tokens=NEW)
+        after = counts(engine)
+        assert {p: (after[p][0] - before[p][0], after[p][1] - before[p][1]) for p in after} == counts(same)
+
+
+def test_tensor_split_slots_and_refusals(model):
+    """The tensor split's one table takes any S in [E, L*E] (no division by N); N must divide F; dense only."""
+    engine = Engine(model, EngineConfig("cached", num_slots=E + 1, max_seq_len=64, devices=2, expert_split="tensor"))
+    assert engine.state.table.id_of_slot.shape == (E + 1,)
+    with pytest.raises(ValueError, match="must divide the expert FFN width F=128"):
+        Engine(model, EngineConfig("resident", max_seq_len=64, devices=3, expert_split="tensor"))
+    with pytest.raises(ValueError, match="unknown expert split 'pipeline'"):
+        EngineConfig("cached", num_slots=32, devices=2, expert_split="pipeline")
+    # a budget buys the same slots in all under either split (a tensor slot is half an expert on each device, the
+    # layer gather E halves instead of E/2 wholes), bounded by L*E pieces, not L*E/N experts, per device
+    from ftjax.runtime.planner import plan_memory
+    cfg, eb = model.cfg, model.expert_bytes
+    fixed = plan_memory(cfg, 4, slots=E // 2, max_seq_len=64, devices=2).budget_bytes - E // 2 * eb
+    plans = {split: plan_memory(cfg, 4, budget_bytes=fixed + 20 * eb, max_seq_len=64, devices=2, expert_split=split)
+             for split in ("expert", "tensor")}
+    assert (plans["expert"].slots, plans["expert"].total_slots) == (20, 40)
+    assert (plans["tensor"].slots, plans["tensor"].total_slots, plans["tensor"].expert_bytes) == (40, 40, eb // 2)
+    assert plan_memory(cfg, 4, slots=64, devices=2, expert_split="tensor").fits_resident
+    from ftjax.experts.quant import quantize_banks
+    quantized = random_model(preset("tiny"), "float32", seed=0)
+    quantized.banks = quantize_banks(quantized.banks, "int8")
+    with pytest.raises(ValueError, match="splits dense expert banks only, got format 'int8'"):
+        Engine(quantized, EngineConfig("cached", num_slots=32, max_seq_len=64, devices=2, expert_split="tensor"))
+
+
+def _served(model, devices: int, split: str = "expert") -> dict[int, list[int]]:
     """Two requests through the continuous-batching scheduler, the second admitted while the first decodes (mixed
     calls, prefill in chunks of 16): the token ids of each, by submission order."""
     engine = Engine(model, EngineConfig("cached", num_slots=2 * E, max_seq_len=64, batch=2, prefill_chunk=16,
-                                        devices=devices))
+                                        devices=devices, expert_split=split))
     sched = Scheduler(engine)
     ids = [sched.submit(PROMPT[:27], SamplingParams(max_tokens=5))]
     tokens: dict[int, list[int]] = {0: [], 1: []}
@@ -93,6 +150,7 @@ def test_scheduler_mixed_calls_match_one_device(model):
     want = _served(model, 1)
     assert all(len(t) == 5 for t in want.values())
     assert _served(model, 2) == want
+    assert _served(model, 2, "tensor") == want
 
 
 def test_refusals(model):
@@ -115,12 +173,19 @@ def test_generate_devices_flag_prints_the_per_device_plan(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "memory plan, per device (2 devices, each owning 8 experts of every layer" in r.stdout
     assert "slots 16 of 32 experts in the pool" in r.stdout
+    r = run_generate("--preset=tiny", "--experts=cached", "--expert_slots=32", "--devices=2", "--expert_split=tensor",
+                     "--prompt_len=20", "--max_new_tokens=3")
+    assert r.returncode == 0, r.stderr
+    assert "memory plan, per device (2 devices, each holding 1/2 of every expert's FFN width" in r.stdout
+    assert "slots 32 of 64 experts in the pool" in r.stdout and "(32 x 0.10 MB)" in r.stdout
 
 
 @pytest.mark.parametrize("args,message", [
     (["--devices=3"], "devices=3 must divide the number of experts E=16"),
     (["--devices=8"], "devices=8 exceeds the 4 device(s) present"),
     (["--devices=2", "--kv_offload"], "--kv_offload=True is one device's"),
+    (["--devices=3", "--expert_split=tensor"], "devices=3 must divide the expert FFN width F=128"),
+    (["--devices=2", "--expert_split=tensor", "--expert_dtype=int4"], "--expert_dtype=int4 is quantized"),
 ])
 def test_generate_devices_refusals(args, message):
     r = run_generate("--preset=tiny", "--max_new_tokens=2", *args)
@@ -129,8 +194,8 @@ def test_generate_devices_refusals(args, message):
 
 @pytest.mark.slow
 def test_gpu_script_smoke(tmp_path):
-    """experiments/check_expert_parallel_gpu.py at the tiny preset on 1 and 2 CPU devices: it writes its JSON,
-    the per-device plan splits the experts, and the greedy ids agree."""
+    """experiments/check_expert_parallel_gpu.py at the tiny preset on 1 and 2 CPU devices, both splits: it writes
+    its JSON, the per-device plans split the experts (or every expert), and the greedy ids agree."""
     root = pathlib.Path(__file__).resolve().parents[1]
     r = run_module_app("experiments.check_expert_parallel_gpu", [
         "--preset=tiny", "--dtype=float32", "--vram_budget_gb=1.012", "--prefill_tokens=64", "--decode_tokens=4",
@@ -138,5 +203,9 @@ def test_gpu_script_smoke(tmp_path):
         cwd=str(root))
     assert r.returncode == 0, r.stderr
     d = json.loads((tmp_path / "check_expert_parallel_gpu.json").read_text())
-    assert [row["devices"] for row in d["rows"]] == [1, 2]
-    assert d["rows"][1]["memory_plan"]["num_experts"] == E // 2 and d["summary"]["ids_equal"] == [True, True]
+    assert [(row["devices"], row["expert_split"]) for row in d["rows"]] == [(1, "expert"), (2, "expert"), (2, "tensor")]
+    assert d["rows"][1]["memory_plan"]["num_experts"] == E // 2 and d["summary"]["ids_equal"] == [True] * 3
+    tensor = d["rows"][2]
+    assert tensor["memory_plan"]["num_experts"] == E and tensor["decode"]["cold"]["routed_imbalance"] == 1.0
+    assert tensor["decode_slots"] == tensor["memory_plan"]["slots"]  # one table: every device holds S pieces
+    assert set(d["summary"]["by_split"]) == {"expert", "tensor"}

@@ -47,7 +47,7 @@ from ftjax import memory
 from ftjax import model as model_lib
 from ftjax.checkpoint import LoadedModel
 from ftjax.config import EngineConfig
-from ftjax.experts import parallel
+from ftjax.experts import parallel, tensor_parallel
 from ftjax.experts.slot_table import reset_table
 from ftjax.experts.state import ExpertCounters, ExpertState, init_expert_state
 from ftjax.runtime import drivers, programs, transfers
@@ -226,14 +226,18 @@ class Engine:
         self.config = (config or EngineConfig()).for_model(cfg)
         self.model, self.cfg = model, cfg
         self.dtype = jnp.dtype(model.params["embed"].dtype)
-        # devices > 1 (``ftjax.experts.parallel``): the experts split over a mesh; weights, KV cache and tokens
-        # replicated on it. The resident pools are the experts' only copy the steps read: they get no host banks.
+        # devices > 1 (``ftjax.experts.parallel``, ``ftjax.experts.tensor_parallel``): the experts split over a
+        # mesh; weights, KV cache and tokens replicated on it. The resident pools are the experts' only copy the
+        # steps read: they get no host banks.
         self.mesh = parallel.expert_mesh(self.config.devices) if self.config.devices > 1 else None
         self.params = self._place(model.params)
         self._step_banks = model.banks
-        if self.mesh is not None:  # resident: none; offloading: each device's share in host memory
-            self._step_banks = None if self.mode == "resident" else parallel.shard_host_banks(
-                model.banks, self.cfg.num_layers, self.mesh)
+        if self.mesh is not None and self.mode == "resident":
+            self._step_banks = None
+        elif self.tensor_split:  # offloading: each device's pieces of every expert in host memory
+            self._step_banks = tensor_parallel.shard_host_banks(model.banks, self.config.devices)
+        elif self.mesh is not None:  # offloading: each device's share of the experts in host memory
+            self._step_banks = parallel.shard_host_banks(model.banks, self.cfg.num_layers, self.mesh)
         self.miss = build_miss_runtime(model, self.config.miss, self.config.batch)
         self.programs = programs.Programs()
         self.planner = CallPlanner(cfg, self.config, self.miss, self.dtype)
@@ -259,6 +263,12 @@ class Engine:
     @property
     def num_slots(self) -> int:
         return self.config.num_slots
+
+    @property
+    def tensor_split(self) -> bool:
+        """Every expert split on its FFN width over several devices, one slot table replicated on them
+        (``EngineConfig.expert_split`` "tensor"; ``ftjax.experts.tensor_parallel``)."""
+        return self.config.devices > 1 and self.config.expert_split == "tensor"
 
     @property
     def max_seq_len(self) -> int:
@@ -312,6 +322,9 @@ class Engine:
     # ---- expert state ----------------------------------------------------------------------
     def _fresh_state(self) -> ExpertState:
         cfg = self.cfg
+        if self.tensor_split:
+            return tensor_parallel.init_state(self.mode, cfg.num_layers, cfg.num_experts, self.num_slots,
+                                              self.model.banks, self.config.devices)
         if self.mesh is not None:
             return parallel.init_split_state(self.mode, cfg.num_layers, cfg.num_experts, self.num_slots,
                                              self.model.banks, self.config.devices)
@@ -327,6 +340,10 @@ class Engine:
         """
         if self.state.table is None:
             return
+        if self.tensor_split:  # the one table, fresh and replicated over the mesh again
+            self.state = self.state.replace(table=tensor_parallel.replicated_table(
+                self.cfg.num_layers, self.cfg.num_experts, self.num_slots, self.config.devices))
+            return
         if self.mesh is not None:  # the per-device tables, fresh and split over the mesh again
             self.state = self.state.replace(table=parallel.split_tables(
                 self.cfg.num_layers, self.cfg.num_experts, self.num_slots, self.config.devices))
@@ -340,7 +357,7 @@ class Engine:
         cfg = self.cfg
         if self.state.table is None:
             return [cfg.num_experts] * cfg.num_layers
-        if self.mesh is not None:
+        if self.mesh is not None and not self.tensor_split:
             return parallel.resident_per_layer(np.asarray(self.state.table.slot_of), cfg.num_layers, cfg.num_experts)
         slot_of = np.asarray(self.state.table.slot_of).reshape(cfg.num_layers, cfg.num_experts)
         return (slot_of >= 0).sum(axis=1).tolist()

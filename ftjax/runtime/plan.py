@@ -185,7 +185,8 @@ class CallPlanner:
                                                    graphs=graphs)
         opts = StepOptions(config.experts, all_logits, stream, config.prefill_overlap and stream, config.cache_policy,
                            self.miss.jit_config, kv, config.precision(jax.numpy.dtype(self.dtype).name),
-                           config.kernels, cheap_conds=graphs or jax.default_backend() == "cpu", devices=config.devices)
+                           config.kernels, cheap_conds=graphs or jax.default_backend() == "cpu", devices=config.devices,
+                           expert_split=config.expert_split)
         d2d = pipelined and stream and config.stream_d2d_hits and config.experts != "resident"
         extra = e if stream and config.prefill_overlap and not pipelined else 0
         return CallPlan(opts, "pipelined" if pipelined else "scan", options, d2d, extra)

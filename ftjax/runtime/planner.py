@@ -59,9 +59,12 @@ class MemoryPlan:
     measured from (None: the workspace is the stated one); ``pipelined``: the layer buffers are the
     pipelined driver's two full-layer buffers (else the scan's layer gather); ``driver_note``: why the
     planner chose the scan driver where the pipelined one would have run (None: it did not choose);
-    ``devices``: N, the devices the experts are split over (``EngineConfig.devices``): every size is then one
-    device's (its budget, its replicated weights and KV cache, its ``slots`` of its ``pool_slots`` = L*E/N
-    experts, ``num_experts`` = E/N), and the run's slot count is ``slots * devices`` (:attr:`total_slots`).
+    ``devices``: N, the devices the experts are split over (``EngineConfig.devices``), as ``expert_split`` says
+    (``EngineConfig.expert_split``): every size is then one device's (its budget, its replicated weights and KV
+    cache). "expert": its ``slots`` of its ``pool_slots`` = L*E/N experts, ``num_experts`` = E/N, and the run's
+    slot count is ``slots * devices`` (:attr:`total_slots`). "tensor": its ``slots`` pieces of 1/N of an expert
+    each (``expert_bytes`` is a piece's), of all L*E experts, ``num_experts`` = E; the run's slot count is
+    ``slots`` (one table).
     """
 
     budget_bytes: int
@@ -77,11 +80,13 @@ class MemoryPlan:
     pipelined: bool = False
     driver_note: str | None = None
     devices: int = 1
+    expert_split: str = "expert"
 
     @property
     def total_slots(self) -> int:
-        """Slots over all devices: the run's ``EngineConfig.num_slots``."""
-        return self.slots * self.devices
+        """Slots over all devices: the run's ``EngineConfig.num_slots`` (the tensor split's slots are pieces of
+        the same experts on every device: one table of ``slots``)."""
+        return self.slots * self.devices if self.expert_split == "expert" else self.slots
 
     @property
     def driver(self) -> str:
@@ -129,9 +134,14 @@ class MemoryPlan:
                 ("workspace (" + ("measured" if measured else "stated") + ")", self.workspace_bytes),
                 *gather,
                 (f"expert slots ({self.slots} x {self.expert_bytes / 1e6:.2f} MB)", self.all_slots_bytes)]
-        head = "memory plan:" if self.devices == 1 else (
-            f"memory plan, per device ({self.devices} devices, each owning {self.num_experts} experts of every layer; "
-            f"weights and KV cache replicated):")
+        if self.devices == 1:
+            head = "memory plan:"
+        elif self.expert_split == "tensor":
+            head = (f"memory plan, per device ({self.devices} devices, each holding 1/{self.devices} of every expert's "
+                    f"FFN width, one slot table; weights and KV cache replicated):")
+        else:
+            head = (f"memory plan, per device ({self.devices} devices, each owning {self.num_experts} experts of every "
+                    f"layer; weights and KV cache replicated):")
         lines = [head] + [f"  {name:<40} {gb(n)}" for name, n in rows]
         lines.append(f"  slots {self.slots} of {self.pool_slots} experts in the pool "
                      f"({100 * self.slots / self.pool_slots:.1f}%)")
@@ -157,7 +167,8 @@ def non_expert_params(cfg: ModelConfig) -> int:
 
 def plan_memory(cfg: ModelConfig, itemsize: int, budget_bytes: int | None = None, slots: int | None = None,
                 batch: int = 1, max_seq_len: int = 512, workspace_bytes: int | None = None,
-                expert_bytes: int | None = None, pipelined: bool = False, devices: int = 1) -> MemoryPlan:
+                expert_bytes: int | None = None, pipelined: bool = False, devices: int = 1,
+                expert_split: str = "expert") -> MemoryPlan:
     """Plans the device memory for a budget or an explicit slot count (exactly one of them).
 
     Args:
@@ -172,9 +183,10 @@ def plan_memory(cfg: ModelConfig, itemsize: int, budget_bytes: int | None = None
       pipelined: plan for the layer-pipelined prefill driver: two full-layer buffers (2E experts as
         stored) outside the pool, counted whether the workspace is measured or stated (they are
         the programs' arguments, not temporaries), instead of the layer gather.
-      devices: N > 1 plans one device of an expert-parallel split (``ftjax.experts.parallel``): the
-        budget and slots are one device's, its experts E/N per layer (pool L*E/N), the non-expert
-        weights and KV cache replicated on it.
+      devices: N > 1 plans one device of a split of the experts (``expert_split``): the budget and slots are
+        one device's, the non-expert weights and KV cache replicated on it. "expert" (``ftjax.experts.parallel``):
+        its experts E/N per layer (pool L*E/N). "tensor" (``ftjax.experts.tensor_parallel``): a slot holds a
+        1/N piece of an expert (``expert_bytes`` / N), of all E per layer (pool L*E).
     Raises:
       BudgetTooSmall: the budget leaves fewer than E slots (the message gives the minimum budget; a
         ValueError).
@@ -182,9 +194,11 @@ def plan_memory(cfg: ModelConfig, itemsize: int, budget_bytes: int | None = None
     """
     if (budget_bytes is None) == (slots is None):
         raise ValueError("give exactly one of a VRAM budget or a slot count")
-    e, pool = cfg.num_experts // devices, cfg.num_layers * cfg.num_experts // devices
-    dense_eb = cfg.expert_bytes(itemsize)
-    eb = int(expert_bytes) if expert_bytes is not None else dense_eb
+    share = devices if expert_split == "expert" else 1  # the experts each device owns: E / share per layer
+    piece = 1 if expert_split == "expert" else devices  # the part of an expert one slot holds: 1 / piece
+    e, pool = cfg.num_experts // share, cfg.num_layers * cfg.num_experts // share
+    dense_eb = cfg.expert_bytes(itemsize) // piece
+    eb = (int(expert_bytes) if expert_bytes is not None else cfg.expert_bytes(itemsize)) // piece
     non_expert = non_expert_params(cfg) * itemsize
     kv = cfg.kv_cache_bytes(batch, max_seq_len, itemsize)
     if workspace_bytes is None:
@@ -214,7 +228,8 @@ def plan_memory(cfg: ModelConfig, itemsize: int, budget_bytes: int | None = None
         raise ValueError(f"expert slots {slots}{per} out of range: need E={e} <= slots <= L*E={pool}")
     budget = budget_bytes if budget_bytes is not None else fixed + slots * eb
     return MemoryPlan(int(budget), int(non_expert), int(kv), int(workspace), int(gather), int(eb), int(slots), pool, e,
-                      None if workspace_bytes is None else int(workspace_bytes), pipelined, devices=devices)
+                      None if workspace_bytes is None else int(workspace_bytes), pipelined, devices=devices,
+                      expert_split=expert_split)
 
 
 def plan_run(model, config: EngineConfig, prompts: Sequence[Sequence[int]], budget_bytes: int | None = None,
@@ -234,8 +249,9 @@ def plan_run(model, config: EngineConfig, prompts: Sequence[Sequence[int]], budg
     * ``slots``: that many slots (the workspace stated); a resident mode ignores them.
     * neither: resident for ``mode`` "auto" or "resident"; for an offloading mode a cache of min(2E, L*E)
       slots, smaller than the pool, so that the mechanism shows (the demo's default).
-    Over ``config.devices`` N > 1 the plan is one device's (``plan_memory(devices=N)``: ``budget_bytes`` is each
-    device's budget; ``slots`` the total, split S / N), and a resident run gets that plan too (not None).
+    Over ``config.devices`` N > 1 the plan is one device's (``plan_memory(devices=N, expert_split=...)``:
+    ``budget_bytes`` is each device's budget; ``slots`` the total: split S / N under the expert split, S pieces
+    on every device under the tensor split), and a resident run gets that plan too (not None).
     ``mode``: "auto" (resident when the whole pool fits, else cached) or an experts mode to keep.
 
     Raises:
@@ -252,21 +268,24 @@ def plan_run(model, config: EngineConfig, prompts: Sequence[Sequence[int]], budg
     itemsize = np.dtype(model.params["embed"].dtype).itemsize
     demo_slots = min(2 * cfg.num_experts, cfg.num_layers * cfg.num_experts)
     pipelined = config.pipelines_streams() and config.prefill != "on_demand"
-    n = config.devices  # over N devices every size is one device's (MemoryPlan.devices), slots S / N each
+    n = config.devices  # over N devices every size is one device's (MemoryPlan.devices)
+    split = config.expert_split
+    share = n if split == "expert" else 1  # slots S / N each under the expert split; S pieces under tensor
     if budget_bytes is None:
         if mode == "resident" or (slots is None and mode == "auto"):
             per_device = None if n == 1 else plan_memory(
-                cfg, itemsize, slots=cfg.num_layers * cfg.num_experts // n, batch=config.batch,
-                max_seq_len=config.max_seq_len, expert_bytes=model.expert_bytes, devices=n)
+                cfg, itemsize, slots=cfg.num_layers * cfg.num_experts // share, batch=config.batch,
+                max_seq_len=config.max_seq_len, expert_bytes=model.expert_bytes, devices=n, expert_split=split)
             return _resident(config), per_device
-        plan = plan_memory(cfg, itemsize, slots=(slots or demo_slots) // n, batch=config.batch,
+        plan = plan_memory(cfg, itemsize, slots=(slots or demo_slots) // share, batch=config.batch,
                            max_seq_len=config.max_seq_len, expert_bytes=model.expert_bytes, pipelined=pipelined,
-                           devices=n)
+                           devices=n, expert_split=split)
     else:
         def plan_for(run: EngineConfig, pipelined: bool) -> MemoryPlan:
             return plan_memory(cfg, itemsize, budget_bytes=budget_bytes, batch=run.batch,
                                max_seq_len=run.max_seq_len, workspace_bytes=_workspace(model, run, prompts),
-                               expert_bytes=model.expert_bytes, pipelined=pipelined, devices=n)
+                               expert_bytes=model.expert_bytes, pipelined=pipelined, devices=n,
+                               expert_split=split)
         try:
             plan = plan_for(config, pipelined)
         except BudgetTooSmall as err:

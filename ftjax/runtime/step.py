@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from ftjax import model as model_lib
-from ftjax.experts import miss_policy, offload, parallel
+from ftjax.experts import miss_policy, offload, parallel, tensor_parallel
 from ftjax.kernels import registry
 from ftjax.kernels.registry import KernelConfig
 from ftjax.kv.layerwise import KVStep
@@ -36,7 +36,8 @@ class StepOptions:
     hook's options (``ftjax.kv.layerwise.KVStep``) or None; precision: matmul precision;
     kernels: the kernel config (``EngineConfig.kernels``); cheap_conds: a ``lax.cond`` costs this
     program no host round trip (``offload.make_expert_fn``; set per call by the plan); devices: the experts
-    split over this many devices (``EngineConfig.devices``; ``ftjax.experts.parallel``).
+    split over this many devices (``EngineConfig.devices``), as ``expert_split`` says (``EngineConfig.expert_split``:
+    ``ftjax.experts.parallel`` or ``ftjax.experts.tensor_parallel``).
     """
 
     mode: str
@@ -50,6 +51,7 @@ class StepOptions:
     kernels: KernelConfig = KernelConfig()
     cheap_conds: bool = False
     devices: int = 1
+    expert_split: str = "expert"
 
     @contextlib.contextmanager
     def tracing(self):
@@ -64,7 +66,11 @@ def forward_step(params, banks, cache, state, tokens, start, valid_len, prefix, 
     prefix: the reused KV chunks of a prefix-reuse call (``()`` otherwise). Returns ``model.forward``'s
     ``ForwardOut``."""
     with opts.tracing():
-        if opts.devices > 1:  # the experts split over a mesh (ftjax.experts.parallel)
+        if opts.devices > 1 and opts.expert_split == "tensor":  # every expert split on F (tensor_parallel)
+            state, expert_fn = tensor_parallel.step_expert_fn(cfg.num_layers, cfg.num_experts, opts.mode, banks,
+                                                              state, opts.devices, opts.stream, opts.overlap,
+                                                              opts.policy, opts.cheap_conds)
+        elif opts.devices > 1:  # whole experts split over a mesh (ftjax.experts.parallel)
             state, expert_fn = parallel.step_expert_fn(cfg.num_layers, cfg.num_experts, opts.mode, banks, state,
                                                        opts.devices, opts.stream, opts.overlap, opts.policy,
                                                        opts.cheap_conds)

@@ -87,7 +87,7 @@ def test_bad_fetch_group_is_refused_naming_the_field(group):
 
 def test_fetch_group_default_is_per_backend():
     from ftjax.experts.fetch import FETCH_GROUP
-    assert KernelConfig().miss_group("gpu") == FETCH_GROUP == 8 and KernelConfig().miss_group("cpu") == 1
+    assert KernelConfig().miss_group("gpu") == FETCH_GROUP == 1 and KernelConfig().miss_group("cpu") == 1
     assert KernelConfig(fetch_group=3).miss_group("gpu") == KernelConfig(fetch_group=3).miss_group("cpu") == 3
 
 

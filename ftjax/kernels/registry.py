@@ -172,7 +172,7 @@ class KernelConfig:
       decode_gemm: one of :data:`DECODE_GEMMS`.
       decode_graphs: one of :data:`DECODE_GRAPHS`.
       fetch_group: the most misses copied per iteration of the miss loop (``ftjax.experts.fetch.fetch_experts``;
-        the pools written are the same for every value); None: ``fetch.FETCH_GROUP`` (8) on a GPU, 1 elsewhere
+        the pools written are the same for every value); None: ``fetch.FETCH_GROUP`` (1, measured)
         (on the CPU a copy crosses no link, and each copy of an iteration adds XLA:CPU compile time).
     Raises:
       ValueError: an unknown choice or kernel name, a malformed tile override, or a named kernel
@@ -250,7 +250,8 @@ class KernelConfig:
         if self.fetch_group is not None:
             return self.fetch_group
         from ftjax.experts.fetch import FETCH_GROUP
-        return FETCH_GROUP if (backend or jax.default_backend()) == "gpu" else 1
+        del backend  # one default everywhere since the 2026-12-04 measurement (fetch.FETCH_GROUP)
+        return FETCH_GROUP
 
     def check_applied(self, applied: set[str]) -> list[str]:
         """Notes for the kernels asked for by name that ran in none of the programs (``applied``: the

@@ -9,6 +9,7 @@
 # miss-copy:       bench_miss_copy (issue 33, misses at the link's speed)
 # cpu-experts:     bench_cpu_experts (issue 33, the CPU as a second link)
 # gdn-model:       bench_gated_delta's 16-layer model stage (compile log, decode kernels)
+# hybrid-batch-probe: does the hybrid engine's decode compile at batch 1, 2, 4 (stacks dumped if it hangs)
 # LIMIT_<stage> (seconds, dashes as underscores) overrides a stage's limit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -43,6 +44,10 @@ for stage in "$@"; do
     gdn-model)
       run 300 "$stage" experiments/bench_gated_delta.py --stages=model --model_configs=auto,auto+decode-kernels \
         --tag=model-compile ${out:+--out_dir="$out"} ;;
+    hybrid-batch-probe)
+      timeout -s ABRT -k 10 "${LIMIT_hybrid_batch_probe:-200}" python3 -X faulthandler \
+        experiments/probe_hybrid_batch_decode.py ${out:+--out_dir="$out"} > "$logs/$stage.log" 2>&1
+      echo "== $stage rc=$?"; grep -v -E "^[WI][0-9]{4}" "$logs/$stage.log" | tail -n 40 ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done

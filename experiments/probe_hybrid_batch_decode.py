@@ -2,8 +2,10 @@
 
 A probe, not a benchmark: the qwen3.5-35b-a3b shape cut to ``--layers`` (one block of 3 Gated DeltaNet +
 1 gated attention at 4), random bf16 weights, ``--batches`` rows of a 64-token prompt, ``--steps`` greedy
-steps with ``EngineConfig.decode_block`` ``--block``; prints each batch's compile seconds and tokens/s.
-Run it under ``timeout -s ABRT`` with ``python -X faulthandler`` to see where a hang sits.
+steps with ``EngineConfig.decode_block`` ``--block``; writes each batch's compile seconds and tokens/s (the JSON
+is rewritten after each batch, so a hang leaves the batches before it). Run it under ``timeout -s ABRT`` with
+``python -X faulthandler`` to see where a hang sits (``experiments/gpu_stages.sh hybrid-batch-probe``): on an
+H200 (2026-12-04) XLA's compile of a 16-step chain of the layer's decode update hung at B = 2 and 4, not at 1.
 """
 
 import dataclasses
@@ -18,6 +20,8 @@ flags.DEFINE_list("batches", ["1", "2", "4"], "Rows decoded together.")
 flags.DEFINE_integer("block", 16, "Decode steps per program (EngineConfig.decode_block).", lower_bound=1)
 flags.DEFINE_integer("steps", 32, "Greedy decode steps.", lower_bound=1)
 flags.DEFINE_string("preset", "qwen3.5-35b-a3b", "A preset with Gated DeltaNet layers.")
+flags.DEFINE_string("dtype", "bfloat16", "The random weights' dtype.")
+flags.DEFINE_string("out_dir", "experiments/results/checks", "Where the JSON goes.")
 FLAGS = flags.FLAGS
 
 
@@ -30,16 +34,24 @@ def main(argv):
     from ftjax.config import PRESETS, EngineConfig
     base = PRESETS[FLAGS.preset]
     cfg = dataclasses.replace(base, num_layers=FLAGS.layers, layer_types=base.layer_types[:FLAGS.layers])
-    model = random_model(cfg, "bfloat16")
+    model = random_model(cfg, FLAGS.dtype)
     rng = np.random.default_rng(0)
-    for b in map(int, FLAGS.batches):
+    out = {"layers": FLAGS.layers, "block": FLAGS.block, "steps": FLAGS.steps, "rows": []}
+    name = f"probe_hybrid_batch_decode_{FLAGS.preset}.json"
+    batches = [int(b) for b in FLAGS.batches]
+    prompts_all = [list(rng.integers(0, cfg.vocab_size, 64)) for _ in range(max(batches))]
+    for b in batches:
         eng = Engine(model, EngineConfig("resident", batch=b, max_seq_len=64 + FLAGS.steps + 8, prefill_chunk=64,
                                          decode_block=FLAGS.block))
-        prompts = [list(rng.integers(0, cfg.vocab_size, 64)) for _ in range(b)]
+        prompts = prompts_all[:b]  # the same first rows at every batch
         t0 = time.perf_counter()
         res = eng.generate(prompts, FLAGS.steps)
         print(f"batch {b}: first generate {time.perf_counter() - t0:.1f} s (compile {eng.compile_s:.1f} s), "
               f"{res.decode_tokens_per_s:.1f} tok/s", flush=True)
+        out["rows"].append({"batch": b, "first_generate_s": time.perf_counter() - t0, "compile_s": eng.compile_s,
+                            "decode_tokens_per_s": res.decode_tokens_per_s,
+                            "tokens": [list(map(int, ids)) for ids in res.generated_ids]})
+        common.write_json(FLAGS.out_dir, name, out)
 
 
 if __name__ == "__main__":

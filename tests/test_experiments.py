@@ -805,3 +805,14 @@ def test_bench_gated_delta_conv_and_decode_smoke(tmp_path):
         assert "error" not in r and r["s"]["median"] > 0, r
         assert all(v < 1e-5 for k, v in r.items() if k.startswith("err")), r
     assert d["conv"][0]["err_out"] == 0 and d["decode"][2]["s_per_step"] == d["decode"][2]["s"]["median"] / 2
+
+
+def test_probe_hybrid_batch_decode_smoke(tmp_path):
+    """The hybrid batch-decode probe at the tiny-hybrid shape: a row per batch, each row's tokens the
+    requested count, and the first row of a batch of 2 the same greedy tokens as the batch of 1."""
+    d = _run("probe_hybrid_batch_decode", tmp_path, "--preset=tiny-hybrid", "--dtype=float32", "--layers=4",
+             "--batches=1,2", "--steps=4", "--block=2")
+    _meta(d)
+    assert [r["batch"] for r in d["rows"]] == [1, 2]
+    assert [len(t) for r in d["rows"] for t in r["tokens"]] == [4, 4, 4]
+    assert d["rows"][1]["tokens"][0] == d["rows"][0]["tokens"][0] and d["rows"][1]["decode_tokens_per_s"] > 0

@@ -86,9 +86,8 @@ def test_bad_fetch_group_is_refused_naming_the_field(group):
 
 
 def test_fetch_group_default_is_per_backend():
-    from ftjax.experts.fetch import FETCH_GROUP
-    assert KernelConfig().miss_group("gpu") == FETCH_GROUP == 1 and KernelConfig().miss_group("cpu") == 1
-    assert KernelConfig(fetch_group=3).miss_group("gpu") == KernelConfig(fetch_group=3).miss_group("cpu") == 3
+    from ftjax.kernels.registry import FETCH_GROUP
+    assert KernelConfig().miss_group() == FETCH_GROUP == 1 and KernelConfig(fetch_group=3).miss_group() == 3
 
 
 def test_equal_choices_make_equal_configs():

@@ -4,7 +4,7 @@ Every copy is a slice of a host bank followed immediately by ``jax.device_put`` 
 memory, the one operation applied to host data (DESIGN.md section 2: other math on host
 operands turns into slow host compute). A quantized format's scales travel with their weights
 (the pools store what the banks store; ``ftjax.experts.quant``). A layer's misses are copied up to
-:data:`FETCH_GROUP` per loop iteration, every host read of an iteration issued before its slot
+``registry.FETCH_GROUP`` per loop iteration, every host read of an iteration issued before its slot
 writes (issue 33, item 2: misses at the link's speed; ``experiments/bench_miss_copy.py``).
 """
 
@@ -58,13 +58,6 @@ def _bank_row(bank: jax.Array, pool: jax.Array, fid: jax.Array) -> jax.Array:
     return _bank_rows(bank, pool, fid, 1)[0]
 
 
-#: The most misses :func:`fetch_experts` copies per iteration of its loop (``KernelConfig.fetch_group`` unset).
-#: Measured on an H200 (2026-12-04, ``experiments/bench_miss_copy.py``; 8 misses x 48 layers of qwen3-30b-a3b
-#: experts): groups of 1, 2, 4 and 8 all moved 43-45 GB/s, 0.82-0.86x of one contiguous copy, within each
-#: other's spread (48 layers: 45.18 GB/s at 1, 45.27 at 8), while each copy per iteration adds compile time;
-#: so one copy per iteration. The host reads themselves are the limit (0.89-0.91x of the same experts put
-#: one by one outside a program).
-FETCH_GROUP = 1
 
 
 def group_sizes(group: int) -> list[int]:
@@ -95,7 +88,7 @@ def fetch_experts(banks: ExpertBanks, state: ExpertState, flat_ids: jax.Array, s
     are never read.
 
     group: the most copies per loop iteration (static, >= 1; at most M are used; None: the active kernel
-    config's, ``KernelConfig.miss_group()``: :data:`FETCH_GROUP`). An iteration copies
+    config's, ``KernelConfig.miss_group()``: ``registry.FETCH_GROUP``). An iteration copies
     ``group`` misses while that many are left, then the largest power of two that is left (a ``lax.switch``
     over :func:`group_sizes`), so a layer takes ``count // group + popcount(count % group)`` iterations and
     no byte crosses the link that is not a miss (8 misses, group 8: one iteration; 7: three). A layer

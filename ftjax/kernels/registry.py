@@ -148,6 +148,16 @@ def _choice(field: str, value, choices: tuple) -> None:
         raise ValueError(f"KernelConfig.{field}: unknown value {value!r}; expected one of {', '.join(choices)}")
 
 
+#: The most misses ``ftjax.experts.fetch.fetch_experts`` copies per iteration of its loop
+#: (``KernelConfig.fetch_group`` unset).
+#: Measured on an H200 (2026-12-04, ``experiments/bench_miss_copy.py``; 8 misses x 48 layers of qwen3-30b-a3b
+#: experts): groups of 1, 2, 4 and 8 all moved 43-45 GB/s, 0.82-0.86x of one contiguous copy, within each
+#: other's spread (48 layers: 45.18 GB/s at 1, 45.27 at 8), while each copy per iteration adds compile time;
+#: so one copy per iteration. The host reads themselves are the limit (0.89-0.91x of the same experts put
+#: one by one outside a program).
+FETCH_GROUP = 1
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
     """Kernel and program choices of an engine (``EngineConfig.kernels``). Frozen and hashable: it
@@ -172,7 +182,7 @@ class KernelConfig:
       decode_gemm: one of :data:`DECODE_GEMMS`.
       decode_graphs: one of :data:`DECODE_GRAPHS`.
       fetch_group: the most misses copied per iteration of the miss loop (``ftjax.experts.fetch.fetch_experts``;
-        the pools written are the same for every value); None: ``fetch.FETCH_GROUP`` (1, measured)
+        the pools written are the same for every value); None: :data:`FETCH_GROUP` (1, measured)
         (on the CPU a copy crosses no link, and each copy of an iteration adds XLA:CPU compile time).
     Raises:
       ValueError: an unknown choice or kernel name, a malformed tile override, or a named kernel
@@ -245,13 +255,9 @@ class KernelConfig:
             return self.min_dot_rows
         return 4 if (backend or jax.default_backend()) == "gpu" else 0
 
-    def miss_group(self, backend: str | None = None) -> int:
-        """:attr:`fetch_group` resolved for ``backend`` (default: jax's)."""
-        if self.fetch_group is not None:
-            return self.fetch_group
-        from ftjax.experts.fetch import FETCH_GROUP
-        del backend  # one default everywhere since the 2026-12-04 measurement (fetch.FETCH_GROUP)
-        return FETCH_GROUP
+    def miss_group(self) -> int:
+        """:attr:`fetch_group`, or :data:`FETCH_GROUP` where unset (one default on every backend)."""
+        return FETCH_GROUP if self.fetch_group is None else self.fetch_group
 
     def check_applied(self, applied: set[str]) -> list[str]:
         """Notes for the kernels asked for by name that ran in none of the programs (``applied``: the

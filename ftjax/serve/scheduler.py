@@ -173,31 +173,31 @@ class _Request:
 
 
 @dataclasses.dataclass(eq=False)
-class _Sampled:
-    """One dispatched draw: the requests drawn for (with the row each held) and the results on the device:
-    tokens int32 [B], next keys uint32 [B, 2], logprobs float32 [B]."""
+class _Dispatched:
+    """Work dispatched to the device for some requests: ``reqs``, (request, the row it held) pairs."""
     reqs: list
-    tokens: object
-    keys: object
-    logprobs: object
 
     def live(self) -> bool:
-        """Whether a request drawn for still holds its row."""
+        """Whether a request it was dispatched for still holds its row."""
         return any(r.row == row for r, row in self.reqs)
 
 
 @dataclasses.dataclass(eq=False)
-class _Block:
-    """One decode block dispatched: the requests it decodes (with the row each held), the engine's handle
-    (``Engine.dispatch_block``), the steps asked for, and when it was dispatched (``time.perf_counter``)."""
-    reqs: list
+class _Sampled(_Dispatched):
+    """One dispatched draw: the results on the device: tokens int32 [B], next keys uint32 [B, 2], logprobs
+    float32 [B]."""
+    tokens: object
+    keys: object
+    logprobs: object
+
+
+@dataclasses.dataclass(eq=False)
+class _Block(_Dispatched):
+    """One decode block dispatched: the engine's handle (``Engine.dispatch_block``), the steps asked for, and
+    when it was dispatched (``time.perf_counter``)."""
     pending: object
     limit: int
     t0: float
-
-    def live(self) -> bool:
-        """Whether a request it decodes still holds its row."""
-        return any(r.row == row for r, row in self.reqs)
 
 
 def _eos_width(n: int) -> int:

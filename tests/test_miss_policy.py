@@ -226,6 +226,27 @@ def test_row_split_kernel_equals_the_reference_ffn(fmt, threads):
         k.close()
 
 
+@pytest.mark.parametrize("fmt,d,f", [("int4", 80, 96), ("int4", 96, 40), ("fp8", 200, 136), ("fp8", 320, 64)])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_row_split_kernel_partial_scale_groups(fmt, d, f, threads):
+    """An input width that is not a multiple of the format's scale group (int4: 64 rows, fp8: 128) ends in a
+    partial group: a row block over it applies each group's scale to that group's rows only (80 = 64 + 16,
+    200 = 128 + 72, 320 = 2 x 128 + 64)."""
+    gu, dn, scales, tag = _bank_views(fmt, 4, d, f)
+    view = lambda a: cpu_experts.HostBankView(a, None, "numpy")  # noqa: E731
+    k = cpu_rows.RowSplitKernel(view(gu), view(dn), threads, tuple(map(view, scales)), tag)
+    try:
+        x = np.random.default_rng(1).standard_normal((2, d)).astype(np.float32)
+        ids = np.array([3, 0, -1], np.int32)
+        y = k.compute(x, ids, 2)
+        for j in range(2):
+            want = np.asarray(cpu_experts._ffn(jnp.asarray(x), gu[ids[j]], dn[ids[j]], scales[0][ids[j]],
+                                               scales[1][ids[j]], fmt=tag), np.float32)
+            np.testing.assert_allclose(y[j], want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    finally:
+        k.close()
+
+
 def test_row_blocks_and_kernel_choice():
     assert cpu_rows.row_blocks(2048, 16, 16) == [(i, i + 128) for i in range(0, 2048, 128)]
     assert cpu_rows.row_blocks(768, 16, 64) == [(i, i + 64) for i in range(0, 768, 64)]   # 12 int4 groups

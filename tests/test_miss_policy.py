@@ -12,6 +12,7 @@ different order); experiments/bench_miss_policy.py reports that difference.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -243,6 +244,25 @@ def test_row_split_kernel_partial_scale_groups(fmt, d, f, threads):
             want = np.asarray(cpu_experts._ffn(jnp.asarray(x), gu[ids[j]], dn[ids[j]], scales[0][ids[j]],
                                                scales[1][ids[j]], fmt=tag), np.float32)
             np.testing.assert_allclose(y[j], want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    finally:
+        k.close()
+
+
+@pytest.mark.parametrize("kind", ["xla", "rows"])
+def test_host_kernel_tickets_stay_int32(kind):
+    """The asynchronous mechanisms carry a ticket through the step as an int32 (``CpuExperts.launch``): the
+    tickets of a long-running process wrap within [0, 2**31) instead of overflowing it after 2**31 calls."""
+    gu, dn, _, tag = _bank_views("float32", 2, 32, 16)
+    view = lambda a: cpu_experts.HostBankView(a, None, "numpy")  # noqa: E731
+    k = cpu_experts.kernel_class(kind)(view(gu), view(dn), 1, None, tag)
+    try:
+        k._tickets = itertools.count(2**31 - 1)  # as after 2**31 - 1 calls
+        x = np.ones((1, 32), np.float32)
+        t1, t2 = (k.submit(x, np.array([i], np.int32), 1) for i in (0, 1))
+        assert 0 <= t1 < 2**31 and 0 <= t2 < 2**31 and t1 != t2
+        np.int32(t1), np.int32(t2)  # what launch's io_callback returns
+        np.testing.assert_array_equal(k.result(t2), k.compute(x, np.array([1], np.int32), 1))
+        np.testing.assert_array_equal(k.result(t1), k.compute(x, np.array([0], np.int32), 1))
     finally:
         k.close()
 

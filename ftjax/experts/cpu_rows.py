@@ -53,6 +53,8 @@ from ftjax.experts import formats
 
 #: Input rows of a row block are a multiple of this (and of the format's scale group).
 ROW_ALIGN = 16
+#: Tickets are ints in [0, TICKETS) (``ftjax.experts.cpu_experts.TICKETS``: an int32 in the step).
+TICKETS = 2**31
 
 
 def single_thread_blas() -> bool:
@@ -307,12 +309,13 @@ class RowSplitKernel:
 
     # ---- the kernel interface -------------------------------------------------------------
     def submit(self, x: np.ndarray, flat_ids: np.ndarray, count) -> int:
-        """Starts ``count`` experts; returns a ticket for :meth:`result`. x [N, D]; flat_ids int [C]."""
+        """Starts ``count`` experts; returns a ticket for :meth:`result`, an int in [0, 2**31) (it travels
+        through the step as an int32; tickets wrap). x [N, D]; flat_ids int [C]."""
         x = np.array(x)  # the caller's buffer may be reused once the callback returns
         fids = [int(i) for i in np.asarray(flat_ids)[: int(count)]]
         shape = (int(np.shape(flat_ids)[0]),) + x.shape
         fut = self._driver.submit(self._call, x, fids, shape, x.dtype)
-        ticket = next(self._tickets)
+        ticket = next(self._tickets) % TICKETS
         with self._lock:
             self._pending[ticket] = fut
         return ticket

@@ -24,7 +24,7 @@ The jitted variants (``--groups``, ``--variants``):
 * ``group1``: ``ftjax.experts.fetch.fetch_experts(group=1)``, the loop of one copy per iteration (the fetch before
   issue 33); ``group{k}``: up to ``k`` copies per iteration, all host reads of an iteration issued before its
   slot writes (several copies in flight, no padding: ``k`` while that many are left, then powers of two). The
-  engine's choice is ``KernelConfig.fetch_group`` (``--fetch_group``; default 8 on a GPU);
+  engine's choice is ``KernelConfig.fetch_group`` (``--fetch_group``; default 1, ``fetch.FETCH_GROUP``);
 * ``static``: every layer's ``--misses`` copies unrolled, no loop, lanes past the count masked (a select that
   rewrites the slot's own contents; their host reads still run);
 * ``coalesce``: a layer whose misses are one run of consecutive flat ids into consecutive slots is one copy of

@@ -12,6 +12,7 @@ different order); experiments/bench_miss_policy.py reports that difference.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -222,6 +223,46 @@ def test_row_split_kernel_equals_the_reference_ffn(fmt, threads):
         t1, t2 = k.submit(x, np.array([1, 2], np.int32), 2), k.submit(x, np.array([4], np.int32), 1)
         np.testing.assert_array_equal(k.result(t2), k.compute(x, np.array([4], np.int32), 1))
         np.testing.assert_array_equal(k.result(t1), k.compute(x, np.array([1, 2], np.int32), 2))
+    finally:
+        k.close()
+
+
+@pytest.mark.parametrize("fmt,d,f", [("int4", 80, 96), ("int4", 96, 40), ("fp8", 200, 136), ("fp8", 320, 64)])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_row_split_kernel_partial_scale_groups(fmt, d, f, threads):
+    """An input width that is not a multiple of the format's scale group (int4: 64 rows, fp8: 128) ends in a
+    partial group: a row block over it applies each group's scale to that group's rows only (80 = 64 + 16,
+    200 = 128 + 72, 320 = 2 x 128 + 64)."""
+    gu, dn, scales, tag = _bank_views(fmt, 4, d, f)
+    view = lambda a: cpu_experts.HostBankView(a, None, "numpy")  # noqa: E731
+    k = cpu_rows.RowSplitKernel(view(gu), view(dn), threads, tuple(map(view, scales)), tag)
+    try:
+        x = np.random.default_rng(1).standard_normal((2, d)).astype(np.float32)
+        ids = np.array([3, 0, -1], np.int32)
+        y = k.compute(x, ids, 2)
+        for j in range(2):
+            want = np.asarray(cpu_experts._ffn(jnp.asarray(x), gu[ids[j]], dn[ids[j]], scales[0][ids[j]],
+                                               scales[1][ids[j]], fmt=tag), np.float32)
+            np.testing.assert_allclose(y[j], want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    finally:
+        k.close()
+
+
+@pytest.mark.parametrize("kind", ["xla", "rows"])
+def test_host_kernel_tickets_stay_int32(kind):
+    """The asynchronous mechanisms carry a ticket through the step as an int32 (``CpuExperts.launch``): the
+    tickets of a long-running process wrap within [0, 2**31) instead of overflowing it after 2**31 calls."""
+    gu, dn, _, tag = _bank_views("float32", 2, 32, 16)
+    view = lambda a: cpu_experts.HostBankView(a, None, "numpy")  # noqa: E731
+    k = cpu_experts.kernel_class(kind)(view(gu), view(dn), 1, None, tag)
+    try:
+        k._tickets = itertools.count(2**31 - 1)  # as after 2**31 - 1 calls
+        x = np.ones((1, 32), np.float32)
+        t1, t2 = (k.submit(x, np.array([i], np.int32), 1) for i in (0, 1))
+        assert 0 <= t1 < 2**31 and 0 <= t2 < 2**31 and t1 != t2
+        np.int32(t1), np.int32(t2)  # what launch's io_callback returns
+        np.testing.assert_array_equal(k.result(t2), k.compute(x, np.array([1], np.int32), 1))
+        np.testing.assert_array_equal(k.result(t1), k.compute(x, np.array([0], np.int32), 1))
     finally:
         k.close()
 

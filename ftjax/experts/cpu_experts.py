@@ -63,6 +63,9 @@ ASYNC_IMPLS = ("callback_async", "numpy_rows_async")
 #: The host kernel class each callback mechanism drives: "xla" (:class:`HostExpertKernel`) or "rows"
 #: (``ftjax.experts.cpu_rows.RowSplitKernel``).
 KERNEL_KIND = {"callback": "xla", "callback_async": "xla", "numpy_rows_async": "rows"}
+#: Tickets of the asynchronous mechanisms (``submit`` / ``result``) are ints in [0, TICKETS): an int32 in the
+#: step (``CpuExperts.launch``), wrapping after 2**31 calls instead of overflowing it.
+TICKETS = 2**31
 
 
 class HostViewError(RuntimeError):
@@ -286,13 +289,14 @@ class HostExpertKernel:
         return np.asarray(self._ffn(x_cpu, gu, dn, sg, sd, fmt=self.fmt))
 
     def submit(self, x: np.ndarray, flat_ids: np.ndarray, count) -> int:
-        """Starts ``count`` experts; returns a ticket for :meth:`result`. x [N, D]; flat_ids int [C]."""
+        """Starts ``count`` experts; returns a ticket for :meth:`result`, an int in [0, 2**31) (it travels
+        through the step as an int32; tickets wrap). x [N, D]; flat_ids int [C]."""
         x = np.asarray(x)
         count = int(count)
         shape = (int(np.shape(flat_ids)[0]),) + x.shape
         x_cpu = jax.device_put(x, self.cpu)
         futs = [self._pool.submit(self._one, x_cpu, int(flat_ids[j])) for j in range(count)]
-        ticket = next(self._tickets)
+        ticket = next(self._tickets) % TICKETS
         with self._lock:
             self._pending[ticket] = (futs, (shape, x.dtype))
         return ticket

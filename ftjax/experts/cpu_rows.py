@@ -29,7 +29,8 @@ int8 / fp8 by a cast (fp8 through ml_dtypes' scalar cast: correct, but slow); in
 nibbles (low nibble: even column, high: odd) with the ``-8`` offset folded into the product
 (``x @ (q - 8) = x @ q - 8 * sum(x)``). Block scales multiply the
 per-group partial sums ``[G, N, out]`` (a group of ``bi`` input rows shares one scale per column or
-column block), so a scale is applied once per group and column, not per weight. The result equals
+column block; where ``in`` is not a multiple of ``bi`` the last group is the partial block at the edge),
+so a scale is applied once per group and column, not per weight. The result equals
 the reference FFN (``cpu_experts._ffn`` on the dequantized weights) up to float32 summation order
 and the reference's rounding of its intermediates to x's dtype.
 
@@ -52,6 +53,8 @@ from ftjax.experts import formats
 
 #: Input rows of a row block are a multiple of this (and of the format's scale group).
 ROW_ALIGN = 16
+#: Tickets are ints in [0, TICKETS) (``ftjax.experts.cpu_experts.TICKETS``: an int32 in the step).
+TICKETS = 2**31
 
 
 def single_thread_blas() -> bool:
@@ -176,11 +179,9 @@ class _Matrix:
             np.matmul(x, v, out=out)
             out *= s[0]
             return
-        n = x.shape[0]
-        xg = x.reshape(n, g, rb // g).transpose(1, 0, 2)              # [G, N, rows per group]
-        z = np.matmul(xg, v.reshape(g, rb // g, self.out))               # [G, N, out]
+        z, xs = self._group_products(x, v, g, rb)                         # [G, N, out], [G, N, 1]
         if self.kind == "int4":
-            z -= 8.0 * xg.sum(axis=-1, keepdims=True)
+            z -= 8.0 * xs
         z *= s
         if self.kind != "int4":
             z.sum(axis=0, out=out)
@@ -188,6 +189,24 @@ class _Matrix:
         y = z.sum(axis=0)  # back to the true column order: even columns first, then odd ones
         half = self.out // 2
         out[:, 0::2], out[:, 1::2] = y[:, :half], y[:, half:]
+
+
+    def _group_products(self, x: np.ndarray, v: np.ndarray, g: int, rb: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per scale group of a block's ``rb`` rows: (x_g @ v_g float32 [G, N, out], sum(x_g) float32
+        [G, N, 1]). The block starts on a group; every group has ``bi`` rows but the last, which holds
+        what is left when the matrix's ``in`` is not a multiple of ``bi`` (a partial block at the edge)."""
+        n = x.shape[0]
+        per = rb // g if g == 1 else self.bi
+        full = min(g, rb // per)                                           # groups of ``per`` rows
+        xg = x[:, :full * per].reshape(n, full, per).transpose(1, 0, 2)   # [full, N, per]
+        z = np.empty((g, n, self.out), np.float32)
+        xs = np.empty((g, n, 1), np.float32)
+        np.matmul(xg, v[:full * per].reshape(full, per, self.out), out=z[:full])
+        xs[:full] = xg.sum(axis=-1, keepdims=True)
+        if full < g:                                                       # the edge's partial group
+            np.matmul(x[:, full * per:], v[full * per:], out=z[full])
+            xs[full] = x[:, full * per:].sum(axis=-1, keepdims=True)
+        return z, xs
 
 
 class _Scratch(threading.local):
@@ -290,12 +309,13 @@ class RowSplitKernel:
 
     # ---- the kernel interface -------------------------------------------------------------
     def submit(self, x: np.ndarray, flat_ids: np.ndarray, count) -> int:
-        """Starts ``count`` experts; returns a ticket for :meth:`result`. x [N, D]; flat_ids int [C]."""
+        """Starts ``count`` experts; returns a ticket for :meth:`result`, an int in [0, 2**31) (it travels
+        through the step as an int32; tickets wrap). x [N, D]; flat_ids int [C]."""
         x = np.array(x)  # the caller's buffer may be reused once the callback returns
         fids = [int(i) for i in np.asarray(flat_ids)[: int(count)]]
         shape = (int(np.shape(flat_ids)[0]),) + x.shape
         fut = self._driver.submit(self._call, x, fids, shape, x.dtype)
-        ticket = next(self._tickets)
+        ticket = next(self._tickets) % TICKETS
         with self._lock:
             self._pending[ticket] = fut
         return ticket

@@ -27,9 +27,9 @@ section so that a crash still leaves what was measured), sections in this order:
      float32 and the dots accumulate in float32);
    * ``torch``: torch's CPU matmul (oneDNN) on every core, one expert at a time, where torch imports
      (an optional extra, never a dependency of ftjax);
-   * ``native_omp``: a C kernel (one call per layer, OpenMP over the same row blocks, bf16 / int8 /
-     int4 decoded in registers) built here with the system C compiler, where one exists: what a
-     ``jax.ffi`` CPU kernel would reach.
+   * ``native_omp``: ``ftjax.experts.cpu_native.NativeKernel`` (the ``native_async`` impl): a C kernel
+     (one call per layer, OpenMP over the same row blocks, bf16 / int8 / int4 decoded in registers)
+     built with the system C compiler on first use, where one exists.
 
    Per mechanism and format: the median seconds per layer at each k, weight GB/s (stored expert bytes
    read per second), a line ``t = alpha + k * beta`` (alpha: fixed cost per layer, the intercept;
@@ -47,7 +47,7 @@ section so that a crash still leaves what was measured), sections in this order:
    the per-layer fetch cap ``F(M)`` a slower link affords), per layer for M = 1..top_k misses and per
    token at zero hits (``--layers`` layers of ``--top_k`` misses).
 
-``--time_budget_s`` skips what is left (the JSON's ``skipped`` says what; the FFN section stops 45 s
+``--time_budget_s`` skips what is left (the JSON's ``skipped`` says what; the FFN section stops 60 s
 early to leave the re-fit its time) so one run fits a 4-minute command limit on the H200 host; a
 hang past the budget + 40 s dumps every thread's stack and exits, the JSON as last saved.
 """
@@ -55,14 +55,10 @@ hang past the budget + 40 s dumps every thread's stack and exits, the JSON as la
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
 import faulthandler
 import os
 import re
-import shutil
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -100,7 +96,8 @@ flags.DEFINE_enum("copies", "auto", ["auto", "on", "off"], "Background host -> d
                   "accelerator exists; on = also on the CPU backend (host memory to host memory: the smoke "
                   "test's way through the code that runs beside them).")
 flags.DEFINE_boolean("refit", True, "Re-fit the split's cost model with ftjax.calibrate (bf16, this shape).")
-flags.DEFINE_list("refit_impls", ["numpy_rows_async", "callback_async"], "CPU mechanisms of the re-fit.")
+flags.DEFINE_list("refit_impls", ["native_async", "numpy_rows_async", "callback_async"],
+                  "CPU mechanisms of the re-fit.")
 flags.DEFINE_integer("refit_rows", 256, "Experts in the re-fit's synthetic host bank.")
 flags.DEFINE_list("links_gbps", ["25", "12"], "Modelled slower links, GB/s (PCIe 4.0 x16 ~25, x8 ~12).")
 flags.DEFINE_integer("layers", 48, "Layers of the per-token link model (qwen3-30b-a3b: 48).")
@@ -114,7 +111,8 @@ common.check_numbers("tokens", int, low=1)
 common.check_numbers("links_gbps", float, low=0.001)
 common.check_names("formats", FORMATS)
 common.check_names("mechanisms", MECHANISMS)
-common.check_names("refit_impls", ("callback", "callback_async", "numpy_rows_async", "compute_on"), allow_empty=True)
+common.check_names("refit_impls", ("callback", "callback_async", "numpy_rows_async", "native_async", "compute_on"),
+                   allow_empty=True)
 for _name in ("hidden", "ffn", "repeats", "h2d_mb", "refit_rows", "layers", "top_k"):
     flags.register_validator(_name, lambda v: v >= 1, "must be >= 1")
 flags.register_validator("cpu_threads", lambda v: v >= 0, "must be >= 0")
@@ -438,144 +436,22 @@ def mech_torch(bank, threads: int):
                                "mkldnn": bool(torch.backends.mkldnn.is_available())}
 
 
-NATIVE_SRC = r"""
-#include <stdint.h>
-#include <string.h>
-#include <math.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-static inline float bf(uint16_t v) { union { uint32_t u; float f; } c; c.u = (uint32_t)v << 16; return c.f; }
-/* acc[t][c] (t < n, c < cols) = sum over rows r0..r1 of x[t][r] * W[r][c], W decoded from fmt
-   (0 bf16, 1 int8 with column scales s[c], 2 int4 with group scales s[g][c], groups of gsz rows). */
-static void rows(int fmt, const void* w, const float* s, int cols, int r0, int r1, const float* x, int ldx, int n,
-                 int gsz, float* acc, float* tmp) {
-  memset(acc, 0, sizeof(float) * n * cols);
-  if (fmt == 0) {
-    for (int r = r0; r < r1; r++) {
-      const uint16_t* wr = (const uint16_t*)w + (size_t)r * cols;
-      for (int t = 0; t < n; t++) { float xr = x[t * ldx + r]; float* a = acc + (size_t)t * cols;
-        for (int c = 0; c < cols; c++) a[c] += xr * bf(wr[c]); }
-    }
-  } else if (fmt == 1) {
-    for (int r = r0; r < r1; r++) {
-      const int8_t* wr = (const int8_t*)w + (size_t)r * cols;
-      for (int t = 0; t < n; t++) { float xr = x[t * ldx + r]; float* a = acc + (size_t)t * cols;
-        for (int c = 0; c < cols; c++) a[c] += xr * (float)wr[c]; }
-    }
-    for (int t = 0; t < n; t++) for (int c = 0; c < cols; c++) acc[t * cols + c] *= s[c];
-  } else {
-    int half = cols / 2;
-    for (int g0 = r0; g0 < r1; g0 += gsz) {
-      int g1 = g0 + gsz < r1 ? g0 + gsz : r1;
-      memset(tmp, 0, sizeof(float) * n * cols);
-      for (int r = g0; r < g1; r++) {
-        const uint8_t* wr = (const uint8_t*)w + (size_t)r * half;
-        for (int t = 0; t < n; t++) { float xr = x[t * ldx + r]; float* a = tmp + (size_t)t * cols;
-          for (int j = 0; j < half; j++) { int b = wr[j];
-            a[2 * j] += xr * (float)((b & 15) - 8); a[2 * j + 1] += xr * (float)((b >> 4) - 8); } }
-      }
-      const float* sg = s + (size_t)(g0 / gsz) * cols;
-      for (int t = 0; t < n; t++) for (int c = 0; c < cols; c++) acc[t * cols + c] += sg[c] * tmp[t * cols + c];
-    }
-  }
-}
-/* y[k][n][D] = SwiGLU experts on x[n][D]; gu[j] -> [D][2F], dn[j] -> [F][D] (stored), sgu/sdn their scales. */
-int ftjax_bench_ffn(int fmt, int k, int n, int D, int F, const void** gu, const void** dn, const float** sgu,
-                    const float** sdn, int gsz, int rb1, int rb2, const float* x, float* y, float* work, int threads) {
-  int F2 = 2 * F, nb1 = (D + rb1 - 1) / rb1, nb2 = (F + rb2 - 1) / rb2, wide = F2 > D ? F2 : D;
-  float* p1 = work; float* p2 = p1 + (size_t)k * nb1 * n * F2; float* act = p2 + (size_t)k * nb2 * n * D;
-  float* scratch = act + (size_t)k * n * F;
-#pragma omp parallel num_threads(threads)
-  {
-    int me = 0;
-#ifdef _OPENMP
-    me = omp_get_thread_num();
-#endif
-    float* tmp = scratch + (size_t)me * n * wide;
-#pragma omp for schedule(static)
-    for (int u = 0; u < k * nb1; u++) { int j = u / nb1, r0 = (u % nb1) * rb1, r1 = r0 + rb1 < D ? r0 + rb1 : D;
-      rows(fmt, gu[j], sgu ? sgu[j] : 0, F2, r0, r1, x, D, n, gsz, p1 + (size_t)u * n * F2, tmp); }
-#pragma omp for schedule(static)
-    for (int i = 0; i < k * n * F; i++) { int j = i / (n * F), t = (i / F) % n, c = i % F; float g = 0, up = 0;
-      for (int b = 0; b < nb1; b++) {
-        const float* p = p1 + ((size_t)(j * nb1 + b) * n + t) * F2; g += p[c]; up += p[F + c]; }
-      act[i] = g / (1.0f + expf(-g)) * up; }
-#pragma omp for schedule(static)
-    for (int u = 0; u < k * nb2; u++) { int j = u / nb2, r0 = (u % nb2) * rb2, r1 = r0 + rb2 < F ? r0 + rb2 : F;
-      rows(fmt, dn[j], sdn ? sdn[j] : 0, D, r0, r1, act + (size_t)j * n * F, F, n, gsz, p2 + (size_t)u * n * D, tmp); }
-#pragma omp for schedule(static)
-    for (int i = 0; i < k * n * D; i++) { int j = i / (n * D), r = i % (n * D); float v = 0;
-      for (int b = 0; b < nb2; b++) v += p2[(size_t)(j * nb2 + b) * n * D + r];
-      y[i] = v; }
-  }
-  return 0;
-}
-"""
-
-
-def build_native(workdir: str) -> tuple[ctypes.CDLL, dict]:
-    """Compiles :data:`NATIVE_SRC` with the system C compiler (``cc``/``gcc``), with OpenMP if it can.
-
-    Raises:
-      Unavailable: no compiler, or the source does not compile.
-    """
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise Unavailable("no C compiler (cc, gcc) on PATH")
-    src = os.path.join(workdir, "ffn.c")
-    with open(src, "w") as f:
-        f.write(NATIVE_SRC)
-    errors = []
-    for omp in (True, False):
-        lib = os.path.join(workdir, f"ffn{'_omp' if omp else ''}.so")
-        cmd = [cc, "-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC"] + (["-fopenmp"] if omp else []) + [
-            src, "-o", lib, "-lm"]
-        p = subprocess.run(cmd, capture_output=True, text=True)
-        if p.returncode == 0:
-            return ctypes.CDLL(lib), {"compiler": cc, "flags": cmd[1:-4], "openmp": omp}
-        errors.append(p.stderr[-500:])
-    raise Unavailable(f"{cc} failed: {errors}")
-
-
-_NATIVE: dict = {}  # the compiled library, built once per process
-
-
 def mech_native_omp(bank, threads: int):
+    """``ftjax.experts.cpu_native.NativeKernel`` (the ``native_async`` impl): the C/OpenMP kernel, one call per
+    layer, built on first use with the system C compiler into its cache (``$FTJAX_NATIVE_CACHE``, else
+    ``~/.cache/ftjax/native``; the re-fit's ``native_async`` loads the same build)."""
     import numpy as np
-    if "lib" not in _NATIVE:
-        _NATIVE["dir"] = tempfile.mkdtemp(prefix="ftjax-bench-native-")
-        _NATIVE["lib"], _NATIVE["info"] = build_native(_NATIVE["dir"])
-    lib, info = _NATIVE["lib"], _NATIVE["info"]
-    fn = lib.ftjax_bench_ffn
-    fn.restype = ctypes.c_int
-    d, f = bank.hidden, bank.ffn
-    fmt = {"dense": 0, "int8": 1, "int4": 2}[bank.fmt]
-    gsz = 64
-    align = 64 if fmt == 2 else 16
-    ptrs = lambda arrs: (ctypes.c_void_p * len(arrs))(*[a.ctypes.data for a in arrs])  # noqa: E731
 
-    def rb(rows: int, k: int) -> int:  # rows per block: ceil(threads / k) blocks, starts aligned
-        nb = max(1, min(-(-threads // k), -(-rows // align)))
-        per = -(-rows // nb)
-        return -(-per // align) * align
-
-    def run(x, fids):
-        k, n = len(fids), x.shape[0]
-        xf = np.ascontiguousarray(np.asarray(x, np.float32))
-        rb1, rb2 = rb(d, k), rb(f, k)
-        nb1, nb2 = -(-d // rb1), -(-f // rb2)
-        work = np.empty(k * nb1 * n * 2 * f + k * nb2 * n * d + k * n * f + threads * n * max(2 * f, d), np.float32)
-        y = np.empty((k, n, d), np.float32)
-        gu = ptrs([bank.gate_up[i] for i in fids])
-        dn = ptrs([bank.down[i] for i in fids])
-        sg = sd = None
-        if bank.scales is not None:
-            sg, sd = ptrs([bank.scales[0][i] for i in fids]), ptrs([bank.scales[1][i] for i in fids])
-        fn(fmt, k, n, d, f, gu, dn, sg, sd, gsz, rb1, rb2, xf.ctypes.data_as(ctypes.c_void_p),
-           y.ctypes.data_as(ctypes.c_void_p), work.ctypes.data_as(ctypes.c_void_p), threads)
-        return y
-    return run, lambda: None, {"threads": threads, **info}
+    from ftjax.experts import cpu_native
+    try:
+        lib = cpu_native.load()
+    except cpu_native.NativeBuildError as e:
+        raise Unavailable(str(e)) from None
+    sc = None if bank.scales is None else tuple(_view(s) for s in bank.scales)
+    k = cpu_native.NativeKernel(_view(bank.gate_up), _view(bank.down), threads, sc, bank.fmt, library=lib)
+    run = lambda x, fids: k.run(x, np.asarray(fids, np.int32))  # noqa: E731
+    return run, k.close, {"threads": k.threads, "compiler": lib.compiler, "flags": list(lib.flags),
+                          "openmp": lib.openmp, "library": os.path.basename(lib.path), "built_now": lib.built}
 
 
 MECH_BUILDERS = {"numpy_rows": mech_numpy_rows, "native_omp": mech_native_omp, "torch": mech_torch,
@@ -693,7 +569,7 @@ def main(argv):
     toks = sorted({int(n) for n in FLAGS.tokens})
     res["ffn"] = []
     runners: dict = {}
-    reserve = 45.0 if FLAGS.refit and FLAGS.refit_impls else 0.0  # seconds kept for the re-fit
+    reserve = 60.0 if FLAGS.refit and FLAGS.refit_impls else 0.0  # seconds kept for the re-fit
     for fmt, bank in banks.items():
         # the correctness check's inputs and float64 references, once per format: (x, ids, want) per token count
         checks = {}
@@ -820,7 +696,7 @@ def refit(d: int, f: int, log) -> dict:
 
 
 #: The engine mechanism (``--cpu_expert_impl``) a measured mechanism is the kernel of: its re-fit overlap.
-REFIT_OF = {"numpy_rows": "numpy_rows_async", "xla_per_expert": "callback_async"}
+REFIT_OF = {"native_omp": "native_async", "numpy_rows": "numpy_rows_async", "xla_per_expert": "callback_async"}
 
 
 def refit_vs_kernel(res: dict) -> list[dict]:

@@ -276,7 +276,7 @@ class MissPolicyConfig:
         "cpu" (compute every miss on the host CPU), "adaptive" (split each layer's misses by a cost model).
       cpu_impl: how misses are computed on the CPU (``ftjax.experts.cpu_experts.IMPLS``).
       cpu_threads: host-kernel threads of the callback mechanisms; 0 = the calibration profile's, or half
-        the cores (``callback``, ``callback_async``) or every core (``numpy_rows_async``).
+        the cores (``callback``, ``callback_async``) or every core (``numpy_rows_async``, ``native_async``).
       fixed_fetch: adaptive only: fetch ``min(fixed_fetch, M)`` of a layer's M misses instead of the
         calibrated split (sweeps, tests).
       split_model: adaptive only: the cost model to split by (``miss_split.SplitModel``), instead of the

@@ -144,9 +144,11 @@ def define_flags(flag_values: flags.FlagValues = FLAGS, module_name: str | None 
                   "or split each layer's misses by the calibrated cost model (adaptive: q* with fixed costs and the "
                   "measured overlap; docs/MISS_POLICY.md). DESIGN.md 1.2.")
     d.DEFINE_enum("cpu_expert_impl", "callback_async", list(CPU_EXPERT_IMPLS),
-                  "How misses are computed on the CPU (ftjax.experts.cpu_experts).")
+                  "How misses are computed on the CPU (ftjax.experts.cpu_experts; native_async: a C/OpenMP kernel "
+                  "built on first use with cc or gcc, cached in ~/.cache/ftjax/native or $FTJAX_NATIVE_CACHE; "
+                  "docs/MISS_POLICY.md).")
     d.DEFINE_integer("cpu_threads", 0, "Host-kernel threads of the callback mechanisms; 0 = the profile's, or "
-                     "half the cores (callback, callback_async) or every core (numpy_rows_async).")
+                     "half the cores (callback, callback_async) or every core (numpy_rows_async, native_async).")
     d.DEFINE_string("calibration_profile", None, "Calibration profile JSON (ftjax.calibrate); default "
                     "~/.cache/ftjax/calibration.json. Adaptive calibrates quickly and adds to it when missing.")
     d.DEFINE_enum("matmul_precision", "auto", list(MATMUL_PRECISIONS),
@@ -388,8 +390,9 @@ def run_command(program: str, argv: list[str], body: Callable[[], Any]) -> Any:
     arguments in one line (not absl's whole usage text), quiets absl's INFO notes, switches JAX's CPU
     client to synchronous dispatch when host-callback misses need it (before JAX starts), turns on JAX's
     persistent compilation cache as --compilation_cache_dir says (``ftjax.compile_cache.configure``), then
-    runs ``body``. Bad input (UserError, ConfigError, CheckpointError, ValueError, OSError, HostViewError)
-    is printed as ``{program}: error: ...`` with exit status 1. Returns what ``body`` returns."""
+    runs ``body``. Bad input (UserError, ConfigError, CheckpointError, ValueError, OSError, HostViewError,
+    NativeBuildError: no C compiler for ``--cpu_expert_impl=native_async``) is printed as
+    ``{program}: error: ...`` with exit status 1. Returns what ``body`` returns."""
     from absl import logging
 
     if len(argv) > 1:
@@ -399,6 +402,7 @@ def run_command(program: str, argv: list[str], body: Callable[[], Any]) -> Any:
     if logging.get_verbosity() == logging.INFO:  # absl's default: hide JAX's backend probing notes
         logging.set_verbosity(logging.WARNING)
     from ftjax.experts.cpu_experts import CALLBACK_IMPLS, HostViewError, use_sync_cpu_dispatch
+    from ftjax.experts.cpu_native import NativeBuildError
     if FLAGS.miss_policy != "fetch" and FLAGS.cpu_expert_impl in CALLBACK_IMPLS:
         use_sync_cpu_dispatch()  # before JAX starts; the callbacks deadlock on an async CPU client
     compile_cache.configure(FLAGS.compilation_cache_dir)
@@ -406,7 +410,7 @@ def run_command(program: str, argv: list[str], body: Callable[[], Any]) -> Any:
     from ftjax.config import ConfigError
     try:
         return body()
-    except (UserError, ConfigError, CheckpointError, ValueError, OSError, HostViewError) as e:
+    except (UserError, ConfigError, CheckpointError, ValueError, OSError, HostViewError, NativeBuildError) as e:
         print(f"{program}: error: {e}", file=sys.stderr)
         sys.exit(1)
 

@@ -60,6 +60,20 @@ def _use_compilation_cache() -> str | None:
     return path
 
 
+def _use_native_cache() -> str:
+    """The native CPU expert kernel's build cache (``ftjax.experts.cpu_native``) for the whole test run, this
+    process and its children: ``$FTJAX_NATIVE_CACHE`` when set, else a new temporary directory removed at
+    exit, so that no test writes to ``~/.cache``. Returns the directory."""
+    path = os.environ.get("FTJAX_NATIVE_CACHE", "").strip()
+    if not path:
+        path = tempfile.mkdtemp(prefix="ftjax-test-native-")
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+        os.environ["FTJAX_NATIVE_CACHE"] = path
+    return path
+
+
+NATIVE_CACHE_DIR = _use_native_cache()
+
 # XLA:CPU's LLVM optimization level stays at its default. Levels 0 and 1 compile a third to a half
 # faster, but change the rounding of some programs against others (the CPU-miss and pipelined-prefix
 # bit-identity tests fail at them), so the suite would prove a configuration that nothing runs.

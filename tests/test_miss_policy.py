@@ -248,7 +248,7 @@ def test_row_split_kernel_partial_scale_groups(fmt, d, f, threads):
         k.close()
 
 
-@pytest.mark.parametrize("kind", ["xla", "rows"])
+@pytest.mark.parametrize("kind", ["xla", "rows", "native"])
 def test_host_kernel_tickets_stay_int32(kind):
     """The asynchronous mechanisms carry a ticket through the step as an int32 (``CpuExperts.launch``): the
     tickets of a long-running process wrap within [0, 2**31) instead of overflowing it after 2**31 calls."""
@@ -496,6 +496,54 @@ def test_generate_cli_numpy_rows_async_matches_resident(qwen, tmp_path, expert_d
     assert ec["cpu_expert_impl"] == {"impl": "numpy_rows_async", "threads": 3, "bank_view": "pointer",
                                      "zero_copy_rows": True, "kernel": "rows"}
     assert ec["cpu_computed"] > 0 and ec["fetched"] > 0 and ec["fetched"] + ec["cpu_computed"] == ec["misses"]
+
+
+@pytest.mark.parametrize("expert_dtype", [None, pytest.param("int4", marks=pytest.mark.slow)])
+def test_generate_cli_native_async_matches_resident(qwen, tmp_path, expert_dtype):
+    """The C/OpenMP kernel (``native_async``, ``ftjax.experts.cpu_native``, built into the test run's
+    cache: tests/conftest.py) computing misses in a cached decode, as the numpy_rows_async test above:
+    the same greedy tokens as the resident model, logits within the oracle tolerance (float32
+    accumulation in another order than XLA's), misses sent both ways. int4: against the resident model
+    with the same quantized banks."""
+    model, prompt, want, _ = qwen
+    ref = want.step_logits[:, 0]
+    if expert_dtype is not None:
+        qmodel = dataclasses.replace(model, banks=quant.quantize_banks(model.banks, expert_dtype))
+        ref = Engine(qmodel, EngineConfig("resident", max_seq_len=96)).generate(
+            [prompt], STEPS, keep_logits=True).step_logits[:, 0]
+    metrics, logits = tmp_path / "m.json", tmp_path / "l.npy"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-m", "ftjax.generate", "--noprogress", f"--checkpoint={model.name}",
+                        f"--prompt_ids={','.join(map(str, prompt))}", f"--max_new_tokens={STEPS}",
+                        f"--expert_slots={model.cfg.num_experts}", "--max_seq_len=96", "--miss_policy=adaptive",
+                        "--fixed_fetch=1", "--cpu_expert_impl=native_async", "--cpu_threads=3",
+                        f"--metrics_json={metrics}", f"--logits_npy={logits}"]
+                       + ([f"--expert_dtype={expert_dtype}"] if expert_dtype else []),
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = np.load(logits)
+    assert got.shape == ref.shape
+    np.testing.assert_allclose(got, ref, rtol=0, atol=oracle_tol(ref))
+    np.testing.assert_array_equal(got.argmax(-1), ref.argmax(-1))   # the same greedy tokens
+    ec = json.loads(metrics.read_text())["expert_cache"]
+    impl = ec["cpu_expert_impl"]
+    assert {k: impl[k] for k in ("impl", "threads", "bank_view", "zero_copy_rows", "kernel", "openmp")} == {
+        "impl": "native_async", "threads": 3, "bank_view": "pointer", "zero_copy_rows": True, "kernel": "native",
+        "openmp": True}
+    assert impl["library"].startswith("expert_ffn-") and impl["library"].endswith(".so")
+    assert ec["cpu_computed"] > 0 and ec["fetched"] > 0 and ec["fetched"] + ec["cpu_computed"] == ec["misses"]
+
+
+def test_generate_cli_native_async_without_a_compiler_one_line(tmp_path):
+    """``--cpu_expert_impl=native_async`` where no C compiler is on PATH: one line that names what is missing."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PATH=str(tmp_path), FTJAX_NATIVE_CACHE=str(tmp_path / "cache"))
+    model, _ = load_fixture("qwen3_moe_fp32")
+    r = subprocess.run([sys.executable, "-m", "ftjax.generate", "--noprogress", f"--checkpoint={model.name}",
+                        "--prompt_ids=1,2,3", "--max_new_tokens=2", f"--expert_slots={model.cfg.num_experts}",
+                        "--max_seq_len=32", "--miss_policy=cpu", "--cpu_expert_impl=native_async"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 1 and "no C compiler for the native CPU expert kernel" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
 
 
 def test_generate_cli_bad_miss_flags_one_line():

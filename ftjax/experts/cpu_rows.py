@@ -50,11 +50,10 @@ import threading
 import numpy as np
 
 from ftjax.experts import formats
+from ftjax.experts.host_tickets import next_ticket
 
 #: Input rows of a row block are a multiple of this (and of the format's scale group).
 ROW_ALIGN = 16
-#: Tickets are ints in [0, TICKETS) (``ftjax.experts.cpu_experts.TICKETS``: an int32 in the step).
-TICKETS = 2**31
 
 
 def single_thread_blas() -> bool:
@@ -315,7 +314,7 @@ class RowSplitKernel:
         fids = [int(i) for i in np.asarray(flat_ids)[: int(count)]]
         shape = (int(np.shape(flat_ids)[0]),) + x.shape
         fut = self._driver.submit(self._call, x, fids, shape, x.dtype)
-        ticket = next(self._tickets) % TICKETS
+        ticket = next_ticket(self._tickets)
         with self._lock:
             self._pending[ticket] = fut
         return ticket

@@ -111,7 +111,7 @@ def fetch_and_cpu(cpu: CpuExperts, banks: ExpertBanks, state: ExpertState, x: ja
     """One layer's miss traffic: ``n_fetch`` copies into slots and ``n_cpu`` experts on the CPU.
 
     The CPU work is issued first; for an asynchronous mechanism (``callback_async``,
-    ``numpy_rows_async``) optimisation barriers pin the order
+    ``numpy_rows_async``, ``native_async``) optimisation barriers pin the order
     (submit -> copies -> wait) so that the CPU computes while the copies run. Also used by
     ``ftjax.calibrate`` so that calibration times exactly this code.
 

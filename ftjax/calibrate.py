@@ -45,6 +45,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ftjax import compile_cache
+
 PROFILE_VERSION = 1
 
 
@@ -57,8 +59,7 @@ class CalibrationError(ValueError):
 # --------------------------------------------------------------------------------------------
 def default_profile_path() -> str:
     """``$XDG_CACHE_HOME/ftjax/calibration.json`` (default ``~/.cache/ftjax/calibration.json``)."""
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "ftjax", "calibration.json")
+    return compile_cache.user_cache_dir("calibration.json")
 
 
 def device_name() -> str:

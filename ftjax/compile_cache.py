@@ -25,14 +25,31 @@ FLAG_HELP = ("JAX's persistent compilation cache: compiled programs are kept in 
              "already names is kept); empty: off.")
 
 
+#: The variable naming the folder of the native CPU expert kernel's builds (``ftjax.experts.cpu_native``).
+NATIVE_ENV = "FTJAX_NATIVE_CACHE"
+
+
+def user_cache_dir(*parts: str) -> str:
+    """``$XDG_CACHE_HOME/ftjax/<parts>``, else ``~/.cache/ftjax/<parts>``: where ftjax keeps what it builds or
+    measures for later runs (compiled programs, native kernels, the calibration profile)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "ftjax", *parts)
+
+
+def native_dir() -> str:
+    """The folder of the native CPU expert kernel's builds: ``$FTJAX_NATIVE_CACHE`` when set, else
+    :func:`user_cache_dir` ``("native")``."""
+    value = os.environ.get(NATIVE_ENV, "").strip()
+    return os.path.expanduser(value) if value else user_cache_dir("native")
+
+
 def default_dir() -> str | None:
     """The cache directory used when the flag is not given: ``$FTJAX_COMPILATION_CACHE`` when set (None,
     off, when it is empty or "off"), else ``$XDG_CACHE_HOME/ftjax/jax``, else ``~/.cache/ftjax/jax``."""
     if ENV in os.environ:
         value = os.environ[ENV].strip()
         return None if value.lower() in _OFF else os.path.expanduser(value)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "ftjax", "jax")
+    return user_cache_dir("jax")
 
 
 def define_flag(flag_values=None, module_name: str | None = None) -> None:

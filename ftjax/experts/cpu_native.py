@@ -45,6 +45,7 @@ import warnings
 
 import numpy as np
 
+from ftjax import compile_cache
 from ftjax.experts import formats
 from ftjax.experts.host_tickets import next_ticket
 
@@ -56,7 +57,7 @@ OPENMP_FLAGS = ("-fopenmp",)
 #: Compilers looked for on PATH, in order, when none is given.
 COMPILERS = ("cc", "gcc")
 #: Environment variable naming the default cache directory.
-ENV = "FTJAX_NATIVE_CACHE"
+ENV = compile_cache.NATIVE_ENV
 #: The C source's ``FTJAX_NATIVE_ABI``; a library that reports another is refused.
 ABI = 1
 #: Input rows of a work unit are a multiple of this (and of the format's scale block rows).
@@ -71,10 +72,7 @@ class NativeBuildError(RuntimeError):
 
 def default_cache_dir() -> str:
     """``$FTJAX_NATIVE_CACHE`` when set, else ``$XDG_CACHE_HOME/ftjax/native``, else ``~/.cache/ftjax/native``."""
-    if os.environ.get(ENV, "").strip():
-        return os.path.expanduser(os.environ[ENV].strip())
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "ftjax", "native")
+    return compile_cache.native_dir()
 
 
 def find_compiler(compiler: str | None = None) -> str:

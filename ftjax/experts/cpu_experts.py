@@ -56,7 +56,7 @@ from jax.experimental import io_callback
 from jax.experimental.compute_on import compute_on
 
 from ftjax.experts import quant
-from ftjax.experts.host_tickets import next_ticket
+from ftjax.experts.host_async import next_ticket
 from ftjax.experts.compute import _swiglu
 
 IMPLS = ("callback", "callback_async", "numpy_rows_async", "native_async", "compute_on", "compute_on_static")

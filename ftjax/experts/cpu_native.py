@@ -29,11 +29,9 @@ Cache directory (as ``ftjax.compile_cache`` names JAX's): the ``cache_dir`` argu
 
 from __future__ import annotations
 
-import concurrent.futures
 import ctypes
 import dataclasses
 import hashlib
-import itertools
 import math
 import os
 import platform
@@ -47,7 +45,7 @@ import numpy as np
 
 from ftjax import compile_cache
 from ftjax.experts import formats
-from ftjax.experts.host_tickets import next_ticket
+from ftjax.experts.host_async import DriverThreadKernel
 
 #: The kernel's one C source (package data).
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "expert_ffn.c")
@@ -322,7 +320,7 @@ class _Work(threading.local):
         return self.buf
 
 
-class NativeKernel:
+class NativeKernel(DriverThreadKernel):
     """Computes expert FFNs on the CPU with the C kernel, from zero-copy numpy views of the host banks.
 
     The interface of ``cpu_experts.HostExpertKernel`` and ``cpu_rows.RowSplitKernel`` (``submit`` /
@@ -366,10 +364,7 @@ class NativeKernel:
         self.zero_copy = True  # the views are read in place
         self._lib = self.library.lib
         self._work = _Work()
-        self._driver = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ftjax-cpu-native")
-        self._pending: dict[int, concurrent.futures.Future] = {}
-        self._lock = threading.Lock()
-        self._tickets = itertools.count()
+        self._start_driver("ftjax-cpu-native")
 
     def describe(self) -> dict:
         """What the engine's metrics record about the build (beside threads and bank view)."""
@@ -410,24 +405,6 @@ class NativeKernel:
         return out
 
     # ---- the kernel interface -------------------------------------------------------------
-    def submit(self, x: np.ndarray, flat_ids: np.ndarray, count) -> int:
-        """Starts ``count`` experts; returns a ticket for :meth:`result`, an int in [0, ``host_tickets.TICKETS``) (it
-        travels through the step as an int32; tickets wrap). x [N, D]; flat_ids int [C]."""
-        x = np.array(x)  # the caller's buffer may be reused once the callback returns
-        fids = np.array(np.asarray(flat_ids)[: int(count)], np.int32)
-        shape = (int(np.shape(flat_ids)[0]),) + x.shape
-        fut = self._driver.submit(self._call, x, fids, shape, x.dtype)
-        ticket = next_ticket(self._tickets)
-        with self._lock:
-            self._pending[ticket] = fut
-        return ticket
-
-    def result(self, ticket) -> np.ndarray:
-        """Waits for a ticket; returns [C, N, D] in x's dtype (rows past ``count`` are zeros)."""
-        with self._lock:
-            fut = self._pending.pop(int(ticket))
-        return fut.result()
-
     def compute(self, x: np.ndarray, flat_ids: np.ndarray, count) -> np.ndarray:
         """:meth:`submit` + :meth:`result` without the hand-off: runs in the calling thread."""
         x = np.asarray(x)

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
-import itertools
 import math
 import os
 import threading
@@ -50,7 +49,7 @@ import threading
 import numpy as np
 
 from ftjax.experts import formats
-from ftjax.experts.host_tickets import next_ticket
+from ftjax.experts.host_async import DriverThreadKernel
 
 #: Input rows of a row block are a multiple of this (and of the format's scale group).
 ROW_ALIGN = 16
@@ -231,7 +230,7 @@ def _silu(g: np.ndarray) -> np.ndarray:
     return g * (0.5 + 0.5 * np.tanh(0.5 * g))
 
 
-class RowSplitKernel:
+class RowSplitKernel(DriverThreadKernel):
     """Computes expert FFNs on the CPU from numpy views of the host banks, all threads on each expert.
 
     The same interface as ``cpu_experts.HostExpertKernel`` (``submit`` / ``result`` / ``compute``), so
@@ -263,11 +262,8 @@ class RowSplitKernel:
         self.blas_single_thread = single_thread_blas()
         self.zero_copy = True  # the views are read in place
         self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="ftjax-cpu-rows")
-        self._driver = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ftjax-cpu-rows-driver")
+        self._start_driver("ftjax-cpu-rows-driver")
         self._scratch = _Scratch()
-        self._pending: dict[int, concurrent.futures.Future] = {}
-        self._lock = threading.Lock()
-        self._tickets = itertools.count()
 
     # ---- one call -------------------------------------------------------------------------
     def _blocks(self, m: _Matrix, count: int) -> list[tuple[int, int]]:
@@ -307,23 +303,8 @@ class RowSplitKernel:
         return out
 
     # ---- the kernel interface -------------------------------------------------------------
-    def submit(self, x: np.ndarray, flat_ids: np.ndarray, count) -> int:
-        """Starts ``count`` experts; returns a ticket for :meth:`result`, an int in [0, 2**31) (it travels
-        through the step as an int32; tickets wrap). x [N, D]; flat_ids int [C]."""
-        x = np.array(x)  # the caller's buffer may be reused once the callback returns
-        fids = [int(i) for i in np.asarray(flat_ids)[: int(count)]]
-        shape = (int(np.shape(flat_ids)[0]),) + x.shape
-        fut = self._driver.submit(self._call, x, fids, shape, x.dtype)
-        ticket = next_ticket(self._tickets)
-        with self._lock:
-            self._pending[ticket] = fut
-        return ticket
-
-    def result(self, ticket) -> np.ndarray:
-        """Waits for a ticket; returns [C, N, D] in x's dtype (rows past ``count`` are zeros)."""
-        with self._lock:
-            fut = self._pending.pop(int(ticket))
-        return fut.result()
+    def _ids(self, flat_ids: np.ndarray, count) -> list[int]:
+        return [int(i) for i in np.asarray(flat_ids)[: int(count)]]
 
     def compute(self, x: np.ndarray, flat_ids: np.ndarray, count) -> np.ndarray:
         """Synchronous :meth:`submit` + :meth:`result`."""

@@ -14,28 +14,14 @@ import shutil
 import subprocess
 
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 
-from ftjax.experts import cpu_experts, cpu_native, formats, quant
+from bank_helpers import random_banks
+from ftjax.experts import cpu_experts, cpu_native, formats
 
 #: D and F with partial scale blocks: int4's 64-row groups (160 = 2.5 groups, 96 = 1.5) and fp8's 128 x 128.
 D, F = 160, 96
-
-
-def _banks(fmt: str, rows: int, d: int = D, f: int = F, seed: int = 0):
-    """Random experts stored in ``fmt`` ("float32", "bfloat16" or a quantized format): (gate_up, down,
-    scales or None, format tag), numpy arrays."""
-    rng = np.random.default_rng(seed)
-    gu = (rng.standard_normal((rows, d, 2 * f)) / np.sqrt(d)).astype(np.float32)
-    dn = (rng.standard_normal((rows, f, d)) / np.sqrt(f)).astype(np.float32)
-    if fmt in ("float32", "bfloat16"):
-        dt = np.float32 if fmt == "float32" else ml_dtypes.bfloat16
-        return gu.astype(dt), dn.astype(dt), None, "dense"
-    qg, sg = quant.quantize(fmt, jnp.asarray(gu), 2)
-    qd, sd = quant.quantize(fmt, jnp.asarray(dn), 1)
-    return np.asarray(qg), np.asarray(qd), (np.asarray(sg), np.asarray(sd)), quant.bank_format(fmt)
 
 
 def _view(a):
@@ -66,7 +52,7 @@ def test_native_ffn_equals_the_float64_reference(fmt, threads):
     """1 to 4 experts of a call, 1 and 3 tokens, 1 and 3 threads (row blocks of 16 to 160 rows, int4's
     64-row groups and fp8's 128 x 128 blocks cut by the blocks): the float32 FFN within float32 summation
     error of float64; through ``compute``, rows past ``count`` zero and the outputs in x's dtype."""
-    gu, dn, scales, tag = _banks(fmt, 12)
+    gu, dn, scales, tag = random_banks(fmt, 12, D, F)
     k = _kernel(gu, dn, scales, tag, threads)
     try:
         assert (k.threads, k.hidden, k.ffn, k.experts, k.openmp) == (threads, D, F, 12, True)
@@ -93,7 +79,7 @@ def test_native_ffn_equals_the_float64_reference(fmt, threads):
 def test_native_calls_in_flight_and_errors():
     """Two submitted calls collected in either order equal the synchronous ones; an id out of range, a bad
     x and a format the kernel cannot decode are refused with ValueError; the mechanism's registry entries."""
-    gu, dn, scales, tag = _banks("int4", 8)
+    gu, dn, scales, tag = random_banks("int4", 8, D, F)
     k = _kernel(gu, dn, scales, tag, 2)
     try:
         x = np.random.default_rng(2).standard_normal((2, D)).astype(jnp.bfloat16)
@@ -108,7 +94,7 @@ def test_native_calls_in_flight_and_errors():
             k.run(x[:, :10], np.array([1]))
     finally:
         k.close()
-    f16 = _banks("float32", 2)
+    f16 = random_banks("float32", 2, D, F)
     with pytest.raises(ValueError, match="cannot decode 'dense' banks of float16"):
         _kernel(f16[0].astype(np.float16), f16[1].astype(np.float16), None, "dense", 1)
     with pytest.raises(ValueError, match="without its scales"):
@@ -148,7 +134,7 @@ def test_build_without_openmp_runs_on_one_thread(tmp_path):
     runs on one thread and computes the same FFN."""
     lib = cpu_native.build(cache_dir=str(tmp_path), openmp=False)
     assert not lib.openmp and "-fopenmp" not in lib.flags
-    gu, dn, scales, tag = _banks("int8", 4)
+    gu, dn, scales, tag = random_banks("int8", 4, D, F)
     with pytest.warns(RuntimeWarning, match="without OpenMP"):
         k = _kernel(gu, dn, scales, tag, 3, library=lib)
     try:

@@ -26,6 +26,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bank_helpers import random_banks
 from cli_helpers import run_generate
 from conftest import load_fixture, oracle_tol
 from ftjax import memory
@@ -176,21 +177,6 @@ def test_host_bank_view_is_zero_copy_and_kernel_matches_ffn():
     assert not y[3].any()                          # rows past count are zeros
 
 
-def _bank_views(fmt: str, rows: int, d: int, f: int, seed: int = 0):
-    """Random float32 experts [rows, D, 2F] / [rows, F, D] stored in format ``fmt`` ("float32",
-    "bfloat16", or a quantized one): (gate_up, down, scales or None, format tag) as numpy arrays."""
-    import ml_dtypes
-    rng = np.random.default_rng(seed)
-    gu = (rng.standard_normal((rows, d, 2 * f)) / np.sqrt(d)).astype(np.float32)
-    dn = (rng.standard_normal((rows, f, d)) / np.sqrt(f)).astype(np.float32)
-    if fmt in ("float32", "bfloat16"):
-        dt = np.float32 if fmt == "float32" else ml_dtypes.bfloat16
-        return gu.astype(dt), dn.astype(dt), None, "dense"
-    qg, sg = quant.quantize(fmt, jnp.asarray(gu), 2)
-    qd, sd = quant.quantize(fmt, jnp.asarray(dn), 1)
-    return np.asarray(qg), np.asarray(qd), (np.asarray(sg), np.asarray(sd)), quant.bank_format(fmt)
-
-
 @pytest.mark.parametrize("fmt", ["bfloat16", "int8", "int4", "float32", "fp8"])
 @pytest.mark.parametrize("threads", [1, 3, 8])
 def test_row_split_kernel_equals_the_reference_ffn(fmt, threads):
@@ -199,7 +185,7 @@ def test_row_split_kernel_equals_the_reference_ffn(fmt, threads):
     blocks) equals ``cpu_experts._ffn`` on the dequantized weights up to rounding: float32 summation
     order (float32 banks), and the reference's rounding of its intermediates to bf16 (16-bit x)."""
     d, f = 256, 128
-    gu, dn, scales, tag = _bank_views(fmt, 12, d, f)
+    gu, dn, scales, tag = random_banks(fmt, 12, d, f)
     view = lambda a: cpu_experts.HostBankView(a, None, "numpy")  # noqa: E731
     k = cpu_rows.RowSplitKernel(view(gu), view(dn), threads, None if scales is None else tuple(map(view, scales)),
                                 tag)
@@ -233,7 +219,7 @@ def test_row_split_kernel_partial_scale_groups(fmt, d, f, threads):
     """An input width that is not a multiple of the format's scale group (int4: 64 rows, fp8: 128) ends in a
     partial group: a row block over it applies each group's scale to that group's rows only (80 = 64 + 16,
     200 = 128 + 72, 320 = 2 x 128 + 64)."""
-    gu, dn, scales, tag = _bank_views(fmt, 4, d, f)
+    gu, dn, scales, tag = random_banks(fmt, 4, d, f)
     view = lambda a: cpu_experts.HostBankView(a, None, "numpy")  # noqa: E731
     k = cpu_rows.RowSplitKernel(view(gu), view(dn), threads, tuple(map(view, scales)), tag)
     try:
@@ -252,7 +238,7 @@ def test_row_split_kernel_partial_scale_groups(fmt, d, f, threads):
 def test_host_kernel_tickets_stay_int32(kind):
     """The asynchronous mechanisms carry a ticket through the step as an int32 (``CpuExperts.launch``): the
     tickets of a long-running process wrap within [0, 2**31) instead of overflowing it after 2**31 calls."""
-    gu, dn, _, tag = _bank_views("float32", 2, 32, 16)
+    gu, dn, _, tag = random_banks("float32", 2, 32, 16)
     view = lambda a: cpu_experts.HostBankView(a, None, "numpy")  # noqa: E731
     k = cpu_experts.kernel_class(kind)(view(gu), view(dn), 1, None, tag)
     try:
@@ -466,44 +452,14 @@ def test_generate_cli_adaptive_callback_async_bit_identical(qwen, tmp_path):
     assert stored["ok"] and ec["split"]["table"] == stored["split_table"]
 
 
+@pytest.mark.parametrize("impl,kernel", [("numpy_rows_async", "rows"), ("native_async", "native")])
 @pytest.mark.parametrize("expert_dtype", [None, pytest.param("int4", marks=pytest.mark.slow)])
-def test_generate_cli_numpy_rows_async_matches_resident(qwen, tmp_path, expert_dtype):
-    """The all-core row-split kernel (``numpy_rows_async``) computing misses in a cached decode (its own
-    process: synchronous CPU dispatch): the same greedy tokens as the resident model, logits within the
-    oracle tolerance (float32 summation order differs from XLA's, so not bit for bit), with a split
-    that sends misses both ways. int4: the resident model with the same quantized banks."""
-    model, prompt, want, _ = qwen
-    ref = want.step_logits[:, 0]
-    if expert_dtype is not None:
-        qmodel = dataclasses.replace(model, banks=quant.quantize_banks(model.banks, expert_dtype))
-        ref = Engine(qmodel, EngineConfig("resident", max_seq_len=96)).generate(
-            [prompt], STEPS, keep_logits=True).step_logits[:, 0]
-    metrics, logits = tmp_path / "m.json", tmp_path / "l.npy"
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    r = subprocess.run([sys.executable, "-m", "ftjax.generate", "--noprogress", f"--checkpoint={model.name}",
-                        f"--prompt_ids={','.join(map(str, prompt))}", f"--max_new_tokens={STEPS}",
-                        f"--expert_slots={model.cfg.num_experts}", "--max_seq_len=96", "--miss_policy=adaptive",
-                        "--fixed_fetch=1", "--cpu_expert_impl=numpy_rows_async", "--cpu_threads=3",
-                        f"--metrics_json={metrics}", f"--logits_npy={logits}"]
-                       + ([f"--expert_dtype={expert_dtype}"] if expert_dtype else []),
-                       capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = np.load(logits)
-    assert got.shape == ref.shape
-    np.testing.assert_allclose(got, ref, rtol=0, atol=oracle_tol(ref))
-    np.testing.assert_array_equal(got.argmax(-1), ref.argmax(-1))   # the same greedy tokens
-    ec = json.loads(metrics.read_text())["expert_cache"]
-    assert ec["cpu_expert_impl"] == {"impl": "numpy_rows_async", "threads": 3, "bank_view": "pointer",
-                                     "zero_copy_rows": True, "kernel": "rows"}
-    assert ec["cpu_computed"] > 0 and ec["fetched"] > 0 and ec["fetched"] + ec["cpu_computed"] == ec["misses"]
-
-
-@pytest.mark.parametrize("expert_dtype", [None, pytest.param("int4", marks=pytest.mark.slow)])
-def test_generate_cli_native_async_matches_resident(qwen, tmp_path, expert_dtype):
-    """The C/OpenMP kernel (``native_async``, ``ftjax.experts.cpu_native``, built into the test run's
-    cache: tests/conftest.py) computing misses in a cached decode, as the numpy_rows_async test above:
-    the same greedy tokens as the resident model, logits within the oracle tolerance (float32
-    accumulation in another order than XLA's), misses sent both ways. int4: against the resident model
+def test_generate_cli_all_core_cpu_misses_match_resident(qwen, tmp_path, expert_dtype, impl, kernel):
+    """The all-core CPU kernels computing misses in a cached decode (its own process: synchronous CPU
+    dispatch): ``numpy_rows_async`` (row blocks, numpy) and ``native_async`` (the C/OpenMP kernel,
+    ``ftjax.experts.cpu_native``, built into the test run's cache: tests/conftest.py). The same greedy tokens
+    as the resident model, logits within the oracle tolerance (float32 accumulation in another order than
+    XLA's, so not bit for bit), with a split that sends misses both ways. int4: against the resident model
     with the same quantized banks."""
     model, prompt, want, _ = qwen
     ref = want.step_logits[:, 0]
@@ -516,7 +472,7 @@ def test_generate_cli_native_async_matches_resident(qwen, tmp_path, expert_dtype
     r = subprocess.run([sys.executable, "-m", "ftjax.generate", "--noprogress", f"--checkpoint={model.name}",
                         f"--prompt_ids={','.join(map(str, prompt))}", f"--max_new_tokens={STEPS}",
                         f"--expert_slots={model.cfg.num_experts}", "--max_seq_len=96", "--miss_policy=adaptive",
-                        "--fixed_fetch=1", "--cpu_expert_impl=native_async", "--cpu_threads=3",
+                        "--fixed_fetch=1", f"--cpu_expert_impl={impl}", "--cpu_threads=3",
                         f"--metrics_json={metrics}", f"--logits_npy={logits}"]
                        + ([f"--expert_dtype={expert_dtype}"] if expert_dtype else []),
                        capture_output=True, text=True, timeout=300, env=env)
@@ -526,11 +482,12 @@ def test_generate_cli_native_async_matches_resident(qwen, tmp_path, expert_dtype
     np.testing.assert_allclose(got, ref, rtol=0, atol=oracle_tol(ref))
     np.testing.assert_array_equal(got.argmax(-1), ref.argmax(-1))   # the same greedy tokens
     ec = json.loads(metrics.read_text())["expert_cache"]
-    impl = ec["cpu_expert_impl"]
-    assert {k: impl[k] for k in ("impl", "threads", "bank_view", "zero_copy_rows", "kernel", "openmp")} == {
-        "impl": "native_async", "threads": 3, "bank_view": "pointer", "zero_copy_rows": True, "kernel": "native",
-        "openmp": True}
-    assert impl["library"].startswith("expert_ffn-") and impl["library"].endswith(".so")
+    got_impl = ec["cpu_expert_impl"]
+    assert {k: got_impl[k] for k in ("impl", "threads", "bank_view", "zero_copy_rows", "kernel")} == {
+        "impl": impl, "threads": 3, "bank_view": "pointer", "zero_copy_rows": True, "kernel": kernel}
+    if kernel == "native":
+        assert got_impl["openmp"] is True
+        assert got_impl["library"].startswith("expert_ffn-") and got_impl["library"].endswith(".so")
     assert ec["cpu_computed"] > 0 and ec["fetched"] > 0 and ec["fetched"] + ec["cpu_computed"] == ec["misses"]
 
 

@@ -74,6 +74,11 @@ def _use_native_cache() -> str:
 
 NATIVE_CACHE_DIR = _use_native_cache()
 
+#: Tests that build the native CPU expert kernel need a C compiler (``ftjax.experts.cpu_native``); where the
+#: machine has none they are skipped, and ``test_clear_errors_without_a_compiler`` checks the refusal instead.
+needs_c_compiler = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                      reason="no C compiler (cc, gcc) on PATH: the native kernel cannot be built")
+
 # XLA:CPU's LLVM optimization level stays at its default. Levels 0 and 1 compile a third to a half
 # faster, but change the rounding of some programs against others (the CPU-miss and pipelined-prefix
 # bit-identity tests fail at them), so the suite would prove a configuration that nothing runs.

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from bank_helpers import random_banks
+from conftest import needs_c_compiler
 from ftjax.experts import cpu_experts, cpu_native, formats
 
 #: D and F with partial scale blocks: int4's 64-row groups (160 = 2.5 groups, 96 = 1.5) and fp8's 128 x 128.
@@ -46,6 +47,7 @@ def _reference(gu, dn, scales, tag, x, fid):
     return (h[:, :f] / (1.0 + np.exp(-h[:, :f])) * h[:, f:]) @ w
 
 
+@needs_c_compiler
 @pytest.mark.parametrize("fmt", ["bfloat16", "int8", "int4", "float32", "fp8"])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_native_ffn_equals_the_float64_reference(fmt, threads):
@@ -76,6 +78,7 @@ def test_native_ffn_equals_the_float64_reference(fmt, threads):
         k.close()
 
 
+@needs_c_compiler
 def test_native_calls_in_flight_and_errors():
     """Two submitted calls collected in either order equal the synchronous ones; an id out of range, a bad
     x and a format the kernel cannot decode are refused with ValueError; the mechanism's registry entries."""
@@ -104,6 +107,7 @@ def test_native_calls_in_flight_and_errors():
     assert cpu_experts.default_threads("native") == (os.cpu_count() or 2)
 
 
+@needs_c_compiler
 def test_build_cache_is_reused(tmp_path, monkeypatch):
     """The first build compiles into the cache directory (atomically: no temporary file left); a second
     build with the same source, compiler, flags and CPU loads that library without compiling."""
@@ -129,6 +133,7 @@ def test_build_cache_is_reused(tmp_path, monkeypatch):
     assert third.built and third.path != first.path and len(compiles) == 2
 
 
+@needs_c_compiler
 def test_build_without_openmp_runs_on_one_thread(tmp_path):
     """``openmp=False`` (what a compiler without OpenMP gets): a serial build whose kernel warns that it
     runs on one thread and computes the same FFN."""

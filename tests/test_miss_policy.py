@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from bank_helpers import random_banks
 from cli_helpers import run_generate
-from conftest import load_fixture, oracle_tol
+from conftest import load_fixture, needs_c_compiler, oracle_tol
 from ftjax import memory
 from ftjax import Engine
 from ftjax.config import EngineConfig, MissPolicyConfig
@@ -234,7 +234,7 @@ def test_row_split_kernel_partial_scale_groups(fmt, d, f, threads):
         k.close()
 
 
-@pytest.mark.parametrize("kind", ["xla", "rows", "native"])
+@pytest.mark.parametrize("kind", ["xla", "rows", pytest.param("native", marks=needs_c_compiler)])
 def test_host_kernel_tickets_stay_int32(kind):
     """The asynchronous mechanisms carry a ticket through the step as an int32 (``CpuExperts.launch``): the
     tickets of a long-running process wrap within [0, 2**31) instead of overflowing it after 2**31 calls."""
@@ -452,7 +452,8 @@ def test_generate_cli_adaptive_callback_async_bit_identical(qwen, tmp_path):
     assert stored["ok"] and ec["split"]["table"] == stored["split_table"]
 
 
-@pytest.mark.parametrize("impl,kernel", [("numpy_rows_async", "rows"), ("native_async", "native")])
+@pytest.mark.parametrize("impl,kernel", [("numpy_rows_async", "rows"),
+                                         pytest.param("native_async", "native", marks=needs_c_compiler)])
 @pytest.mark.parametrize("expert_dtype", [None, pytest.param("int4", marks=pytest.mark.slow)])
 def test_generate_cli_all_core_cpu_misses_match_resident(qwen, tmp_path, expert_dtype, impl, kernel):
     """The all-core CPU kernels computing misses in a cached decode (its own process: synchronous CPU

@@ -178,7 +178,7 @@ def define_flags(flag_values: flags.FlagValues = FLAGS, module_name: str | None 
     d.DEFINE_integer("min_dot_rows", None, "Rows a one-row dense projection is padded to (default 4 on a GPU, 0 "
                      "elsewhere).", lower_bound=0)
     d.DEFINE_integer("fetch_group", None, "The most cache misses copied per iteration of a layer's miss loop, all "
-                     "their host reads issued before their slot writes (default 1: larger groups measured no faster "
+                     "their host reads issued before their slot writes (unset: 1; larger groups measured no faster "
                      "on an H200; the same pools either way; KernelConfig.fetch_group; "
                      "experiments/bench_miss_copy.py).", lower_bound=1)
     d.DEFINE_integer("fixed_fetch", None, "Adaptive: fetch min(N, misses) per layer instead of the calibrated split.")

@@ -18,6 +18,7 @@ import gc
 import json
 import os
 import re
+import socket
 import shutil
 import threading
 import time
@@ -644,6 +645,12 @@ def test_serve_command(served, monkeypatch):
     template) and hands it to uvicorn; bad flags are one line and status 1."""
     r = run_module_app("ftjax.serve.__main__", ["--max_batch=0"])
     assert r.returncode == 1 and "--max_batch must be >= 1" in r.stderr
+    with socket.socket() as taken:  # a port in use: refused before the model loads
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = run_module_app("ftjax.serve.__main__", [f"--port={port}", "--checkpoint=/nonexistent"])
+    assert r.returncode == 1 and f"--port={port}: cannot listen there" in r.stderr and "nonexistent" not in r.stderr
     captured = {}
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: captured.update(app=app, **kw))
     r = run_module_app("ftjax.serve.__main__", [

@@ -85,7 +85,7 @@ def find_compiler(compiler: str | None = None) -> str:
         if path:
             return path
     raise NativeBuildError(f"no C compiler for the native CPU expert kernel: looked for {', '.join(names)} on PATH "
-                           "(install one, e.g. `apt-get install gcc`, or pass compiler=...), or use another "
+                           "(install one, e.g. `apt-get install gcc`, and put it on PATH), or use another "
                            "--cpu_expert_impl (numpy_rows_async needs no compiler)")
 
 

@@ -59,6 +59,29 @@ def _check_flags() -> None:
         raise UserError(f"--max_seq_len must be >= 2, got {FLAGS.max_seq_len}")
     if not 0 <= FLAGS.port < 65536:
         raise UserError(f"--port must be in [0, 65535], got {FLAGS.port}")
+    _check_port_free(FLAGS.host, FLAGS.port)
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Binds (host, port) once and lets go, so that a port in use is refused before the model loads (uvicorn
+    would find it only after the load and the warm-up). Port 0 (any free port) is not checked.
+    Raises:
+      UserError: the address cannot be bound (in use, or not an address of this machine)."""
+    if port == 0:
+        return
+    import socket
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise UserError(f"--host={host}: not an address of this machine ({e})") from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds (TIME_WAIT is fine)
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            raise UserError(f"--host={host} --port={port}: cannot listen there ({e.strerror or e}); "
+                            f"pick another --port") from None
 
 
 def _warmup(scheduler, max_seq_len: int) -> float:

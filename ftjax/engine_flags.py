@@ -285,6 +285,9 @@ def miss_config(mode: str) -> MissPolicyConfig:
     if FLAGS.miss_policy != "fetch" and mode == "resident":
         print(f"note: all experts are resident, so there are no misses; --miss_policy={FLAGS.miss_policy} ignored")
         return MissPolicyConfig()
+    if FLAGS.miss_policy == "fetch" and any(FLAGS[name].present for name in ("cpu_expert_impl", "cpu_threads")):
+        print("note: --miss_policy=fetch copies every miss, so --cpu_expert_impl / --cpu_threads are ignored "
+              "(they take effect with --miss_policy=cpu or adaptive)")
     return MissPolicyConfig(FLAGS.miss_policy, FLAGS.cpu_expert_impl, FLAGS.cpu_threads, FLAGS.fixed_fetch,
                             calibration_profile=FLAGS.calibration_profile)
 

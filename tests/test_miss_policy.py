@@ -508,3 +508,13 @@ def test_generate_cli_bad_miss_flags_one_line():
     r = run_generate("--miss_policy=cpu", "--fixed_fetch=2")  # in this process: tests/cli_helpers.py
     assert r.returncode == 1 and "--fixed_fetch needs --miss_policy=adaptive" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_generate_cli_cpu_mechanism_without_cpu_misses_is_noted():
+    """A CPU mechanism named while every miss is fetched (the default policy) does nothing: the run says so
+    instead of ignoring the flag silently."""
+    r = run_generate("--cpu_expert_impl=numpy_rows_async", "--max_new_tokens=2", "--prompt_ids=1,2,3")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "--miss_policy=fetch copies every miss, so --cpu_expert_impl / --cpu_threads are ignored" in r.stdout
+    r = run_generate("--max_new_tokens=2", "--prompt_ids=1,2,3")
+    assert r.returncode == 0 and "are ignored" not in r.stdout

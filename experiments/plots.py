@@ -49,7 +49,8 @@ from dataclasses import dataclass, field
 
 #: Fields that identify a row (its label), in the order they are printed.
 LABEL_KEYS = ("preset", "mode", "variant", "policy", "impl", "load", "fixture", "prompt", "dtype", "expert_dtype",
-              "batch", "budget_gb", "tokens", "prompt_len", "slots", "case", "kernels", "chunk_states", "highest")
+              "format", "mechanism", "batch", "budget_gb", "tokens", "prompt_len", "slots", "case", "kernels",
+              "chunk_states", "highest", "ids", "graphs", "layers")
 #: Metrics drawn when a row has them (name in the JSON, axis label).
 METRICS = (
     ("decode_tokens_per_s", "decode tokens/s"), ("tokens_per_s", "tokens/s"), ("tpot_s", "TPOT (s)"),
@@ -59,16 +60,28 @@ METRICS = (
     ("speedup_vs_recompute", "speedup vs recompute"), ("hidden_fraction", "hidden fraction of the load"),
     ("max_abs_err", "max |logit error|"), ("plan_bytes", "planned bytes"), ("peak_bytes", "peak device bytes"),
     ("s", "time per call (s)"),  # bench_gated_delta's rows
+    ("GBps", "GB/s"), ("ratio_to_contig", "rate / one contiguous copy's"),  # bench_miss_copy, bench_cpu_experts
+    ("fixed_ms", "fixed cost per layer (ms)"),  # bench_cpu_experts
 )
 
 
+def _fit_rows(rows: list[dict]) -> list[dict]:
+    """bench_cpu_experts' ``ffn`` rows, one per (format, mechanism) with a linear fit per token count in
+    ``fits`` (``{"1": {"GBps", "alpha_s", ...}}``), as one row per token count: tokens, GBps, fixed_ms."""
+    return [{"format": r.get("format"), "mechanism": r.get("mechanism"), "tokens": int(t), "GBps": f.get("GBps"),
+             "fixed_ms": None if f.get("alpha_s") is None else 1e3 * f["alpha_s"]}
+            for r in rows for t, f in (r.get("fits") or {}).items() if isinstance(f, dict)]
+
+
 def rows_of(result: dict) -> list[dict]:
-    """The run rows of a result JSON: ``results``, ``runs``, ``rows``, ``cases`` or (bench_gated_delta)
-    ``rule`` (the first that is a list of dicts), else []. A row whose
-    fields hold per-variant dicts of metrics (``{"prefetch": {"ttft_s": ...}, ...}``) becomes one
-    row per variant, labelled by it."""
+    """The run rows of a result JSON: ``results``, ``runs``, ``rows``, ``cases``, (bench_gated_delta)
+    ``rule``, ``conv``, ``decode`` or ``model.rows``, or (bench_cpu_experts) ``ffn``, one row per token count
+    of each fit (the first that is a list of dicts), else []. A row whose fields hold per-variant dicts of
+    metrics (``{"prefetch": {"ttft_s": ...}, ...}``) becomes one row per variant, labelled by it."""
     names = {k for k, _ in METRICS}
-    for key in ("results", "runs", "rows", "cases", "rule"):
+    if isinstance(result.get("ffn"), list) and "rows" not in result:
+        return _fit_rows([r for r in result["ffn"] if isinstance(r, dict)])
+    for key in ("results", "runs", "rows", "cases", "rule", "conv", "decode"):
         rows = result.get(key)
         if isinstance(rows, list) and rows and all(isinstance(r, dict) for r in rows):
             out = []
@@ -77,6 +90,9 @@ def rows_of(result: dict) -> list[dict]:
                 plain = {k: v for k, v in r.items() if k not in subs}
                 out.extend([dict(plain, variant=k, **v) for k, v in subs.items()] or [r])
             return out
+    model = result.get("model")  # bench_gated_delta run with its model stage alone
+    if isinstance(model, dict) and isinstance(model.get("rows"), list):
+        return [r for r in model["rows"] if isinstance(r, dict)]
     return []
 
 

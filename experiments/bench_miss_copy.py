@@ -55,7 +55,6 @@ iteration's two host reads at 96% of B_P, the loop at 88%).
 from __future__ import annotations
 
 import os
-import re
 import sys
 import time
 
@@ -102,7 +101,7 @@ def hlo_counts(text: str) -> dict:
     """Counts of :data:`HLO_OPS` in a compiled program's text, plus ``async_host_reads`` (lines that start an
     asynchronous dynamic slice: how XLA reads host slices) and ``host_operands`` (``S(5)``: the host memory
     space)."""
-    ops = re.findall(r"(?<=\s)([a-z][a-z0-9\-]*)\(", text)
+    ops = common.hlo_op_names(text)
     counts = {op: ops.count(op) for op in HLO_OPS}
     counts["async_host_reads"] = sum(1 for line in text.splitlines()
                                      if "-start(" in line and ("dynamic_slice" in line or "dynamic-slice" in line))

@@ -450,10 +450,15 @@ def measure_hbm(nbytes: int = 2 << 30, repeats: int = 10) -> dict:
     return {"bytes": 2 * nbytes, "us": us, "GBps": 2 * nbytes / (us["median"] * 1e-6) / 1e9}
 
 
+def hlo_op_names(text: str) -> list[str]:
+    """The op name of every instruction of an HLO text, in order (``copy-start``, ``fusion``, ...)."""
+    return re.findall(r"(?<=\s)([a-z][a-z0-9\-]*)\(", text)
+
+
 def hlo_ops(text: str) -> dict:
     """Counts of the HLO ops that tell whether host copies are asynchronous."""
     ops: dict[str, int] = {}
-    for op in re.findall(r"(?<=\s)([a-z][a-z0-9\-]*)\(", text):
+    for op in hlo_op_names(text):
         if any(w in op for w in ("copy", "slice", "start", "done", "custom-call", "while")):
             ops[op] = ops.get(op, 0) + 1
     ops["host_memory_space_S(5)"] = text.count("S(5)")

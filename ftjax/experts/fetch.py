@@ -58,8 +58,6 @@ def _bank_row(bank: jax.Array, pool: jax.Array, fid: jax.Array) -> jax.Array:
     return _bank_rows(bank, pool, fid, 1)[0]
 
 
-
-
 def group_sizes(group: int) -> list[int]:
     """The copies an iteration of :func:`fetch_experts` may make: ``group`` and every power of two below it
     (8: [1, 2, 4, 8]; 6: [1, 2, 4, 6]; 1: [1])."""

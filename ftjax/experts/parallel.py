@@ -80,18 +80,23 @@ def shard_banks(arrays: tuple, num_layers: int, mesh: Mesh) -> tuple:
     return _split_rows(arrays, num_layers, expert_sharding(mesh))
 
 
+def host_memory_kind(mesh: Mesh) -> str:
+    """The host memory kind the split host banks live in: ``pinned_host`` where the mesh's devices have it,
+    else ``unpinned_host``."""
+    return "pinned_host" if "pinned_host" in memory.memory_kinds(mesh.devices.flat[0]) else "unpinned_host"
+
+
 def shard_host_banks(banks: ExpertBanks, num_layers: int, mesh: Mesh) -> ExpertBanks:
     """The host banks as the offloading modes read them over the mesh: each [L*E, ...] array viewed as
-    [L, E, ...] and split on the expert axis in host memory (``pinned_host`` where the device has it, else
-    ``unpinned_host``): device d's share [L, El, ...] is what it copies its misses from, over its own link."""
-    kinds = memory.memory_kinds(mesh.devices.flat[0])
-    kind = "pinned_host" if "pinned_host" in kinds else "unpinned_host"
+    [L, E, ...] and split on the expert axis in host memory (:func:`host_memory_kind`): device d's share
+    [L, El, ...] is what it copies its misses from, over its own link."""
     gu, dn, *scales = _split_rows((banks.gate_up, banks.down, *(banks.scales or ())), num_layers,
-                                  expert_sharding(mesh, kind))
+                                  expert_sharding(mesh, host_memory_kind(mesh)))
     return ExpertBanks(gu, dn, tuple(scales) or None, banks.fmt)
 
 
-def _zeros(shape: tuple, dtype, sharding: NamedSharding) -> jax.Array:
+def sharded_zeros(shape: tuple, dtype, sharding: NamedSharding) -> jax.Array:
+    """Zeros of ``shape`` and ``dtype`` made in place with ``sharding`` (each device its own block)."""
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
 
 
@@ -123,7 +128,7 @@ def init_split_state(mode: str, num_layers: int, num_experts: int, num_slots: in
         gu, dn, *scales = shard_banks((banks.gate_up, banks.down, *(banks.scales or ())), num_layers, mesh)
         return ExpertState(gu, dn, None, scales=tuple(scales) or None, fmt=banks.fmt)
     split = NamedSharding(mesh, P(EXPERT_AXIS))
-    pool = lambda a: _zeros((num_slots,) + a.shape[1:], a.dtype, split)  # noqa: E731
+    pool = lambda a: sharded_zeros((num_slots,) + a.shape[1:], a.dtype, split)  # noqa: E731
     tables = split_tables(num_layers, num_experts, num_slots, devices)
     scales = None if banks.scales is None else tuple(pool(s) for s in banks.scales)
     return ExpertState(pool(banks.gate_up), pool(banks.down), tables, None, scales, banks.fmt)

@@ -24,13 +24,11 @@ experts. Dense banks only: a quantized format's scale blocks would have to split
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ftjax import memory
 from ftjax.experts import offload
-from ftjax.experts.parallel import EXPERT_AXIS, expert_mesh
+from ftjax.experts.parallel import EXPERT_AXIS, expert_mesh, host_memory_kind, sharded_zeros
 from ftjax.experts.slot_table import init_slot_table
 from ftjax.experts.state import ExpertBanks, ExpertState
 from ftjax.seams import LayerRouting
@@ -77,9 +75,8 @@ def shard_host_banks(banks: ExpertBanks, devices: int) -> ExpertBanks:
       ValueError: a quantized format, or N not dividing F (:func:`check_split`)."""
     check_split(banks.down.shape[1], banks.fmt, devices)
     mesh = expert_mesh(devices)
-    kinds = memory.memory_kinds(mesh.devices.flat[0])
-    kind = "pinned_host" if "pinned_host" in kinds else "unpinned_host"
-    gu, dn = _split_pieces((banks.gate_up, banks.down), devices, NamedSharding(mesh, P(EXPERT_AXIS), memory_kind=kind))
+    gu, dn = _split_pieces((banks.gate_up, banks.down), devices,
+                           NamedSharding(mesh, P(EXPERT_AXIS), memory_kind=host_memory_kind(mesh)))
     return ExpertBanks(gu, dn, None, banks.fmt)
 
 
@@ -109,7 +106,7 @@ def init_state(mode: str, num_layers: int, num_experts: int, num_slots: int, ban
         shape = list(a.shape)
         shape[0] = devices * num_slots
         shape[rows_axis] //= devices
-        return jax.jit(lambda: jnp.zeros(tuple(shape), a.dtype), out_shardings=split)()
+        return sharded_zeros(tuple(shape), a.dtype, split)
 
     return ExpertState(pool(banks.gate_up, 2), pool(banks.down, 1), table, None, None, banks.fmt)
 

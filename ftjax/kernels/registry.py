@@ -182,8 +182,7 @@ class KernelConfig:
       decode_gemm: one of :data:`DECODE_GEMMS`.
       decode_graphs: one of :data:`DECODE_GRAPHS`.
       fetch_group: the most misses copied per iteration of the miss loop (``ftjax.experts.fetch.fetch_experts``;
-        the pools written are the same for every value); None: :data:`FETCH_GROUP` (1, measured)
-        (on the CPU a copy crosses no link, and each copy of an iteration adds XLA:CPU compile time).
+        the pools written are the same for every value); None: :data:`FETCH_GROUP` (1, measured).
     Raises:
       ValueError: an unknown choice or kernel name, a malformed tile override, or a named kernel
         without the kernels it needs (the message names the field).

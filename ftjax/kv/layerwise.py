@@ -61,6 +61,7 @@ must keep ``n_pad * C <= S_max`` (a clamped ``dynamic_update_slice`` would overw
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any, Sequence
 
 import jax
@@ -188,11 +189,7 @@ class LayerwiseKV:
 
     def _ends(self) -> list[int]:
         """Each row's end (exclusive) in the prefix's chunk arrays."""
-        ends, n = [], 0
-        for r in self.rows:
-            n += r.prefix_chunks
-            ends.append(n)
-        return ends
+        return list(itertools.accumulate(r.prefix_chunks for r in self.rows))
 
     def _by_row(self, parts: Sequence) -> list[tuple[int, tuple]]:
         """(row, its parts) of each row with a prefix, ``parts`` one per chunk array in the rows' order."""

@@ -2,6 +2,8 @@ r"""Decode tokens/s with cache misses fetched, computed on the CPU, or split by 
 
   PYTHONPATH=. python3 experiments/bench_miss_policy.py --out_dir=$OUT            # GPU (H200)
   .venv/bin/python experiments/bench_miss_policy.py --preset=tiny --steps=8 --out_dir=/tmp/bench_smoke  # CPU smoke
+  PYTHONPATH=. python3 experiments/bench_miss_policy.py --budgets_gb=8 --impls=native_async \
+      --cpu_drivers=callback,host --out_dir=$OUT  # the CPU's share through callbacks vs the host-split driver
 
 One process: builds random weights at the preset's real shape (host banks in pinned host memory),
 calibrates every CPU mechanism (``ftjax.calibrate``: copy alone, CPU alone, both at once, timed on
@@ -38,7 +40,7 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from experiments import common  # noqa: E402
-from ftjax.config import MISS_POLICIES  # noqa: E402
+from ftjax.config import CPU_DRIVERS, MISS_POLICIES  # noqa: E402
 from ftjax.experts.cpu_experts import IMPLS  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -52,6 +54,9 @@ flags.DEFINE_integer("prompt_len", 16, "Random prompt tokens.")
 flags.DEFINE_integer("steps", 32, "Generated tokens per run (tokens/s is over steps - 1 decode steps).")
 flags.DEFINE_list("impls", ["callback_async", "callback", "compute_on"], "CPU mechanisms to calibrate and run.")
 flags.DEFINE_list("policies", ["fetch", "cpu", "adaptive"], "Miss policies.")
+flags.DEFINE_list("cpu_drivers", ["callback"], "How the decode step reaches the CPU (MissPolicyConfig.cpu_driver): "
+                  "callback and/or host (ftjax.runtime.host_split; mechanisms with a host kernel only). Each "
+                  "mechanism is calibrated and run once per driver, named <impl>@host for the host driver.")
 flags.DEFINE_integer("cpu_threads", 0, "Host-kernel threads; 0 = sweep in calibration and take the fastest.")
 flags.DEFINE_boolean("quick_calibration", False, "Fewer calibration points.")
 flags.DEFINE_boolean("pure_qstar", True, "Also run adaptive with the plain q* rule of DESIGN.md 1.2 (the alone "
@@ -124,7 +129,7 @@ def main(argv):
     slug = re.sub(r"[^A-Za-z0-9]+", "_", dev.device_kind).strip("_").lower()
     out_path = os.path.join(FLAGS.out_dir, f"bench_miss_policy-{slug}.json")
     # A hang (a callback that never returns) must still leave the JSON: dump stacks and exit.
-    faulthandler.dump_traceback_later(FLAGS.time_budget_s + 150, exit=True)
+    faulthandler.dump_traceback_later(FLAGS.time_budget_s + 150, exit=True, file=sys.__stderr__)
     res: dict = {"meta": common.meta(), "bench": "miss_policy", "setup_s": {}, "runs": [], "skipped": [],
                  "notes": []}
 
@@ -172,9 +177,24 @@ def main(argv):
 
     # ---- calibration ----------------------------------------------------------------------
     t0 = time.perf_counter()
-    entry = calibrate.calibrate(model.host_gate_up, model.host_down, cfg, FLAGS.dtype, FLAGS.batch, FLAGS.impls,
-                                FLAGS.cpu_threads or None, quick=FLAGS.quick_calibration, log=log)
-    impls = list(FLAGS.impls)
+    bad = [d for d in FLAGS.cpu_drivers if d not in CPU_DRIVERS]
+    if bad or not FLAGS.cpu_drivers:
+        raise app.UsageError(f"--cpu_drivers={','.join(FLAGS.cpu_drivers)}: expected some of {CPU_DRIVERS}")
+    entry, impls = None, []
+    for driver in FLAGS.cpu_drivers:
+        names = [i for i in FLAGS.impls if driver == "callback" or i in cpu_experts.CALLBACK_IMPLS]
+        if not names:
+            res["notes"].append(f"no mechanism of --impls has a host kernel: driver {driver} not run")
+            continue
+        got = calibrate.calibrate(model.host_gate_up, model.host_down, cfg, FLAGS.dtype, FLAGS.batch, names,
+                                  FLAGS.cpu_threads or None, quick=FLAGS.quick_calibration, log=log, driver=driver)
+        if entry is None:
+            entry = got
+        else:
+            entry["impls"].update(got["impls"])
+        impls += [calibrate.impl_key(i, driver) for i in names]
+    if entry is None:  # nothing to calibrate: the entry's shape and limits for the fetch runs
+        entry = calibrate.calibrate(model.host_gate_up, model.host_down, cfg, FLAGS.dtype, FLAGS.batch, [], log=log)
     if "compute_on" in impls and not entry["impls"]["compute_on"]["ok"] and "compute_on_static" not in impls:
         log("compute_on failed; calibrating the loop-free fallback compute_on_static")
         extra = calibrate.calibrate(model.host_gate_up, model.host_down, cfg, FLAGS.dtype, FLAGS.batch,
@@ -243,7 +263,9 @@ def main(argv):
                 elif pol == "adaptive-qstar":
                     fitted = calibrate.split_model_from(entry["impls"][impl])
                     split_model = SplitModel(beta_p=fitted.beta_p, beta_h=fitted.beta_h)
-                miss = MissPolicyConfig(pol.split("-")[0], cpu_impl=impl, cpu_threads=th, split_model=split_model)
+                mech, _, driver = impl.partition("@")
+                miss = MissPolicyConfig(pol.split("-")[0], cpu_impl=mech, cpu_threads=th, split_model=split_model,
+                                        cpu_driver=driver or "callback")
             eng = Engine(model, EngineConfig("cached", num_slots=s, max_seq_len=max_seq_len, batch=FLAGS.batch,
                                              kernels=common.kernel_config(), miss=miss))
             if pol != "fetch":  # provenance in the metrics, as the runtime built from a profile would have

@@ -8,6 +8,8 @@
 # multiround:      bench_serve's multi-round QA (4 users x 16k context), with and without KV reuse
 # miss-copy:       bench_miss_copy (issue 33, misses at the link's speed)
 # cpu-experts:     bench_cpu_experts (issue 33, the CPU as a second link)
+# miss-host:       bench_miss_policy at 8 GB, native_async reached through callbacks and through the host-split
+#                  driver (issue 33's 48-layer offload and adaptive-split targets)
 # gdn-model:       bench_gated_delta's 16-layer model stage (compile log, decode kernels)
 # hybrid-batch-probe: does the hybrid engine's decode compile at batch 1, 2, 4 (stacks dumped if it hangs)
 # LIMIT_<stage> (seconds, dashes as underscores) overrides a stage's limit.
@@ -41,6 +43,9 @@ for stage in "$@"; do
         --out="${out:-experiments/results/serve}/bench_serve_qwen3-30b-a3b_multiround-16k_h200_$day.json" ;;
     miss-copy) run 170 "$stage" experiments/bench_miss_copy.py --repeats=5 --tag="h200_$day" ${out:+--out_dir="$out"} ;;
     cpu-experts) run 165 "$stage" experiments/bench_cpu_experts.py --time_budget_s=140 ${out:+--out_dir="$out"} ;;
+    miss-host)
+      run 420 "$stage" experiments/bench_miss_policy.py --budgets_gb=8 --impls=native_async --cpu_drivers=callback,host \
+        --quick_calibration --nopure_qstar --steps=24 --time_budget_s=300 ${out:+--out_dir="$out"} ;;
     gdn-model)
       run 300 "$stage" experiments/bench_gated_delta.py --stages=model --model_configs=auto,auto+decode-kernels \
         --tag=model-compile ${out:+--out_dir="$out"} ;;

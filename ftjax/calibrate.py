@@ -2,6 +2,7 @@ r"""Calibrate the miss split: host-to-device copy cost and CPU expert cost, alon
 
   python -m ftjax.calibrate --preset=qwen3-30b-a3b --dtype=bfloat16
   python -m ftjax.calibrate --checkpoint=DIR --impls=callback_async,compute_on --profile=prof.json
+  python -m ftjax.calibrate --preset=qwen3-30b-a3b --impls=native_async --drivers=callback,host
 
 Source of the idea: FreeToken's bandwidth-adaptive split (DESIGN.md 1.2): ``B_P`` (host -> device
 copy bandwidth) and ``B_H`` (CPU expert throughput), preferably measured while both run at once.
@@ -17,6 +18,10 @@ the model's expert format (hidden D, expert ffn F, dtype) and ``--tokens`` token
 * together: ``(f, c)`` with both > 0; the overlap is how much of the shorter side was hidden,
   ``(a + c - t) / min(a, c)`` clipped to [0, 1] (1 = fully parallel, 0 = serial; host-DRAM
   contention lowers it); the median over the points is used.
+
+With ``--drivers=host`` the same points are timed as the host-split decode driver runs a layer
+(``ftjax.runtime.host_split``): the fetch program dispatched, the split read back, the host kernel called
+from Python, its outputs put on the device; the result is stored as mechanism ``<impl>@host``.
 
 All times are per layer, after subtracting the ``(0, 0)`` baseline. The fit gives a
 ``ftjax.experts.miss_split.SplitModel`` and its split table ``F(M)``.
@@ -284,6 +289,28 @@ def _probe(host_gu, host_dn, gu_pool, dn_pool, x, fetch_ids, cpu_ids, n_fetch, n
     return gu, dn, acc
 
 
+@functools.partial(jax.jit, donate_argnames=("gu_pool", "dn_pool"))
+def _fetch_probe(host_gu, host_dn, gu_pool, dn_pool, fetch_ids, n_fetch):
+    """One layer's fetches as the host-split driver's device program copies them (``fetch_experts``)."""
+    from ftjax.experts.fetch import fetch_experts
+    from ftjax.experts.state import ExpertBanks, ExpertState
+    slots = jnp.arange(gu_pool.shape[0], dtype=jnp.int32)
+    es = fetch_experts(ExpertBanks(host_gu, host_dn), ExpertState(gu_pool, dn_pool, None), fetch_ids, slots, n_fetch)
+    return es.gate_up, es.down
+
+
+#: the host-split driver's front program as far as the host sees it: outputs it reads
+_handoff_probe = jax.jit(lambda x, ids: (x * 1, ids + 0))
+#: the next front program: waits for the layer's copies and the CPU's outputs
+_merge_probe = jax.jit(lambda acc, pool, y: acc + jnp.sum(y, dtype=jnp.float32) + pool[0, 0, 0].astype(jnp.float32))
+
+
+def impl_key(impl: str, driver: str = "callback") -> str:
+    """A mechanism's key in a profile entry's ``impls``: the mechanism, with ``@host`` when it is reached from
+    the host-split driver (``MissPolicyConfig.cpu_driver`` "host"), whose per-layer costs differ."""
+    return impl if driver == "callback" else f"{impl}@{driver}"
+
+
 def plan_points(max_misses: int, quick: bool) -> dict:
     """Which (n_fetch, n_cpu) to time for up to ``max_misses`` misses per layer."""
     c = max(1, max_misses)
@@ -298,8 +325,12 @@ def plan_points(max_misses: int, quick: bool) -> dict:
 
 
 def measure_impl(cpu, host_gu, host_dn, tokens: int, max_misses: int, quick: bool, reps: int, repeats: int,
-                 seed: int = 0, log: Callable[[str], None] = print) -> dict:
-    """Times one mechanism; returns the raw points for :func:`fit_impl`."""
+                 seed: int = 0, log: Callable[[str], None] = print, driver: str = "callback") -> dict:
+    """Times one mechanism; returns the raw points for :func:`fit_impl`. ``driver`` "callback": ``reps`` layers
+    of ``fetch_and_cpu`` in one program (the CPU's share through callbacks); "host": ``reps`` layers of the
+    host-split driver's host step (``ftjax.runtime.host_split``): the layer's fetch program dispatched, the
+    split's outputs read, the host kernel called from Python, its outputs put on the device and a program
+    waiting for both."""
     plan = plan_points(max_misses, quick)
     cap = plan["capacity"]
     rows, d = host_gu.shape[0], host_gu.shape[1]
@@ -310,20 +341,32 @@ def measure_impl(cpu, host_gu, host_dn, tokens: int, max_misses: int, quick: boo
     x = (jax.random.normal(jax.random.key(seed), (tokens, d), jnp.float32) * 0.5).astype(dtype)
     pools = [jnp.zeros((cap,) + host_gu.shape[1:], dtype), jnp.zeros((cap,) + host_dn.shape[1:], dtype)]
 
+    def layers(nf: int, nc: int):
+        if driver == "callback":
+            pools[0], pools[1], acc = _probe(host_gu, host_dn, pools[0], pools[1], x, fetch_ids, cpu_ids,
+                                             jnp.int32(nf), jnp.int32(nc), cpu=cpu)
+            return acc
+        acc, zeros = jnp.float32(0), jnp.zeros((cpu_ids.shape[1], tokens, d), dtype)
+        for r in range(reps):
+            xh, idh = _handoff_probe(x, cpu_ids[r])
+            pools[0], pools[1] = _fetch_probe(host_gu, host_dn, pools[0], pools[1], fetch_ids[r], jnp.int32(nf))
+            xn, idn = jax.device_get((xh, idh))
+            y = jax.device_put(np.asarray(cpu.kernel.compute(xn, idn, nc))) if nc else zeros
+            acc = _merge_probe(acc, pools[0], y)
+        return acc
+
     def run(nf: int, nc: int) -> float:
         best = float("inf")
         for i in range(repeats + 1):  # call 0 warms up (and compiles, once per mechanism)
             t0 = time.perf_counter()
-            pools[0], pools[1], acc = _probe(host_gu, host_dn, pools[0], pools[1], x, fetch_ids, cpu_ids,
-                                             jnp.int32(nf), jnp.int32(nc), cpu=cpu)
-            acc.block_until_ready()
+            layers(nf, nc).block_until_ready()
             if i:
                 best = min(best, time.perf_counter() - t0)
         return best / reps
 
     t0 = time.perf_counter()
     run(0, 0)
-    log(f"  {cpu.impl}: probe compiled in {time.perf_counter() - t0:.1f} s")
+    log(f"  {impl_key(cpu.impl, driver)}: probe compiled in {time.perf_counter() - t0:.1f} s")
     base = run(0, 0)
     fetch = [(n, run(n, 0)) for n in plan["alone"]]
     cpu_pts = [(n, run(0, n)) for n in plan["alone"]]
@@ -356,7 +399,7 @@ def sweep_threads(host_gu, host_dn, tokens: int, max_misses: int, candidates: Se
 
 def calibrate(host_gu: jax.Array, host_dn: jax.Array, cfg, dtype: str, tokens: int, impls: Sequence[str],
               threads: int | None = None, quick: bool = False, reps: int | None = None,
-              repeats: int | None = None, log: Callable[[str], None] = print) -> dict:
+              repeats: int | None = None, log: Callable[[str], None] = print, driver: str = "callback") -> dict:
     """Measures and fits every mechanism in ``impls`` on these host banks; returns a profile entry.
 
     Args:
@@ -369,8 +412,11 @@ def calibrate(host_gu: jax.Array, host_dn: jax.Array, cfg, dtype: str, tokens: i
       threads: host-kernel threads for the callback mechanisms; None = sweep (or the default in
         quick mode).
       quick: fewer points and repetitions (a few seconds; what ``generate`` runs on first use).
+      driver: "callback" or "host" (``MissPolicyConfig.cpu_driver``; :func:`measure_impl`): "host" needs
+        mechanisms with a host kernel (``CALLBACK_IMPLS``).
     Returns:
-      the entry: device, format, date, jax version, tokens, and ``impls: {impl: fitted figures}``.
+      the entry: device, format, date, jax version, tokens, and ``impls: {impl_key(impl, driver): fitted
+      figures}``.
     """
     from ftjax.experts.cpu_experts import CALLBACK_IMPLS, KERNEL_KIND, default_threads, make_cpu_experts
     fmt = expert_format(cfg, dtype)
@@ -396,15 +442,18 @@ def calibrate(host_gu: jax.Array, host_dn: jax.Array, cfg, dtype: str, tokens: i
                         name = "host_kernel_thread_sweep" + ("" if kind == "xla" else f"_{kind}")
                         entry[name] = [{"threads": a, "s": s} for a, s in sweeps[kind]]
                     th = min(sweeps[kind], key=lambda p: p[1])[0]
-            cpu = make_cpu_experts(impl, host_gu, host_dn, th)
-            pts = measure_impl(cpu, host_gu, host_dn, tokens, max_misses, quick, reps, repeats, log=log)
+            if driver == "host" and impl not in CALLBACK_IMPLS:
+                raise CalibrationError(f"the host driver calls a host kernel; {impl} has none")
+            cpu = make_cpu_experts(impl, host_gu, host_dn, th, from_program=driver == "callback")
+            pts = measure_impl(cpu, host_gu, host_dn, tokens, max_misses, quick, reps, repeats, log=log,
+                               driver=driver)
             res = fit_impl(pts, fmt["expert_bytes"], max_misses)
             res["mechanism"] = cpu.describe()
         except Exception as e:  # noqa: BLE001 - a failing mechanism is a finding, not a crash
             res = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:2000]}"}
         res["seconds"] = round(time.perf_counter() - t0, 2)
-        entry["impls"][impl] = res
-        log(describe_impl(impl, res))
+        entry["impls"][impl_key(impl, driver)] = res
+        log(describe_impl(impl_key(impl, driver), res))
     return entry
 
 
@@ -436,8 +485,9 @@ def synthetic_banks(cfg, dtype: str, rows: int, seed: int = 0) -> tuple[jax.Arra
 
 
 def profile_for(model, impl: str, tokens: int, path: str | None = None, threads: int | None = None,
-                log: Callable[[str], None] = print) -> tuple[dict, str, str, bool]:
-    """The profile entry for a loaded model and mechanism; quick-calibrates and saves it if missing.
+                log: Callable[[str], None] = print, driver: str = "callback") -> tuple[dict, str, str, bool]:
+    """The profile entry for a loaded model and mechanism (reached by ``driver``, its results under
+    ``impls[impl_key(impl, driver)]``); quick-calibrates and saves it if missing.
 
     Returns (entry, key, path, calibrated_now). Raises CalibrationError for an unreadable
     profile; the entry may record a failed mechanism (``split_model_from`` raises then).
@@ -446,12 +496,13 @@ def profile_for(model, impl: str, tokens: int, path: str | None = None, threads:
     fmt = expert_format(model.cfg, model.dtype)
     key = profile_key(device_name(), fmt, tokens)
     entry = get_entry(path, key)
-    if entry is not None and impl in entry.get("impls", {}):
+    if entry is not None and impl_key(impl, driver) in entry.get("impls", {}):
         return entry, key, path, False
     check_writable(path)  # before spending time on a calibration that could not be saved
-    log(f"calibration: no profile for {key} / {impl} in {path}; quick calibration on this model ...")
+    log(f"calibration: no profile for {key} / {impl_key(impl, driver)} in {path}; quick calibration on this "
+        f"model ...")
     new = calibrate(model.host_gate_up, model.host_down, model.cfg, model.dtype, tokens, [impl], threads,
-                    quick=True, log=log)
+                    quick=True, log=log, driver=driver)
     save_entry(path, key, new)
     return get_entry(path, key), key, path, True
 
@@ -465,6 +516,9 @@ def _flags():
     flags.DEFINE_string("preset", None, "Model preset instead of a checkpoint (default tiny).")
     flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "float16"], "Expert dtype; default the model's.")
     flags.DEFINE_list("impls", ["callback", "callback_async", "compute_on"], "CPU mechanisms to calibrate.")
+    flags.DEFINE_list("drivers", ["callback"], "How the decode step reaches the CPU (MissPolicyConfig.cpu_driver): "
+                      "callback (io_callback inside the step) and/or host (the host-split driver); each is "
+                      "stored under its own mechanism key (impl, impl@host).")
     flags.DEFINE_integer("tokens", 1, "Tokens per decode call (the batch).")
     flags.DEFINE_integer("cpu_threads", 0, "Host-kernel threads; 0 = sweep and pick the fastest.")
     flags.DEFINE_integer("bank_rows", 64, "Synthetic experts in the host bank (spread beyond CPU caches).")
@@ -495,6 +549,9 @@ def main(argv):
             raise CalibrationError("--tokens and --bank_rows must be >= 1")
         if not flags_.impls:
             raise CalibrationError(f"--impls is empty; expected some of {IMPLS}")
+        from ftjax.config import CPU_DRIVERS
+        if not flags_.drivers or any(d not in CPU_DRIVERS for d in flags_.drivers):
+            raise CalibrationError(f"--drivers {flags_.drivers}: expected some of {CPU_DRIVERS}")
         if flags_.cpu_threads < 0:
             raise CalibrationError(f"--cpu_threads must be >= 0 (0 = sweep), got {flags_.cpu_threads}")
         path = flags_.profile or default_profile_path()
@@ -505,11 +562,13 @@ def main(argv):
         print(f"calibrating {key}: {fmt['expert_bytes'] / 1e6:.2f} MB per expert, {flags_.tokens} token(s), "
               f"{flags_.bank_rows} host experts")
         gu, dn = synthetic_banks(cfg, dtype, flags_.bank_rows)
-        entry = calibrate(gu, dn, cfg, dtype, flags_.tokens, flags_.impls, flags_.cpu_threads or None,
-                          quick=flags_.quick)
-        save_entry(path, key, entry)
+        failed = []
+        for driver in flags_.drivers:
+            entry = calibrate(gu, dn, cfg, dtype, flags_.tokens, flags_.impls, flags_.cpu_threads or None,
+                              quick=flags_.quick, driver=driver)
+            save_entry(path, key, entry)
+            failed += [i for i, r in entry["impls"].items() if not r.get("ok")]
         print(f"profile written: {path} [{key}]")
-        failed = [i for i, r in entry["impls"].items() if not r.get("ok")]
         if failed:
             raise CalibrationError(f"calibration failed for {failed} (earlier successful results kept)")
     except (CalibrationError, ConfigError, OSError) as e:

@@ -15,6 +15,7 @@ import dataclasses
 import jax
 
 from ftjax import memory
+from ftjax.experts.cpu_experts import CALLBACK_IMPLS
 from ftjax.experts.cpu_experts import IMPLS as CPU_EXPERT_IMPLS
 from ftjax.experts.miss_policy import POLICIES as MISS_POLICIES
 from ftjax.experts.miss_split import SplitModel
@@ -266,6 +267,10 @@ def _at_least(name: str, value: int, low: int) -> None:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
 
 
+#: How a decode step reaches the CPU's share of its misses (``MissPolicyConfig.cpu_driver``).
+CPU_DRIVERS = ("callback", "host")
+
+
 @dataclasses.dataclass(frozen=True)
 class MissPolicyConfig:
     """What an expert-cache miss does (FreeToken's CPU misses and bandwidth-adaptive split; DESIGN.md 1.2;
@@ -283,9 +288,13 @@ class MissPolicyConfig:
         calibration profile's.
       calibration_profile: adaptive only: the calibration profile JSON (``ftjax.calibrate``) to read the
         cost model from (None: ``~/.cache/ftjax/calibration.json``; calibrated quickly and added when missing).
+      cpu_driver: one of :data:`CPU_DRIVERS`: how a decode step reaches the CPU's share of its misses.
+        "callback": the step is one program and calls the host kernel through ``io_callback`` in every layer;
+        "host": the step runs layer by layer from Python and calls the host kernel between a layer's programs
+        (``ftjax.runtime.host_split``; needs a mechanism with a host kernel, ``cpu_experts.CALLBACK_IMPLS``).
     Raises:
-      ValueError: an unknown policy or mechanism, a negative count, or split options without "adaptive"
-        (the message names the field).
+      ValueError: an unknown policy, mechanism or driver, a negative count, split options without "adaptive",
+        or the "host" driver with a mechanism that has no host kernel (the message names the field).
     """
 
     policy: str = "fetch"
@@ -294,10 +303,15 @@ class MissPolicyConfig:
     fixed_fetch: int | None = None
     split_model: SplitModel | None = None
     calibration_profile: str | None = None
+    cpu_driver: str = "callback"
 
     def __post_init__(self):
         _choice("miss policy", self.policy, MISS_POLICIES)
         _choice("cpu expert impl", self.cpu_impl, CPU_EXPERT_IMPLS)
+        _choice("cpu driver", self.cpu_driver, CPU_DRIVERS)
+        if self.cpu_driver == "host" and self.cpu_impl not in CALLBACK_IMPLS:
+            raise ValueError(f"cpu_driver 'host' calls a host kernel from Python; cpu_impl {self.cpu_impl!r} has "
+                             f"none (use one of {CALLBACK_IMPLS})")
         _at_least("cpu_threads", self.cpu_threads, 0)
         if self.fixed_fetch is not None:
             _at_least("fixed_fetch", self.fixed_fetch, 0)

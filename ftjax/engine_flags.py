@@ -27,9 +27,9 @@ from typing import Any, Callable
 from absl import flags
 
 # Flag choices come from the code's own registries (importing them does not start a JAX backend).
-from ftjax.config import (CACHE_POLICIES, CPU_EXPERT_IMPLS, EXPERT_MODES, EXPERT_SPLITS, KV_LOADS, MATMUL_PRECISIONS,
-                          MISS_POLICIES, PREFILL_DRIVERS, PREFILL_MODES, PREFIX_COPIES, EngineConfig, KVOffloadConfig,
-                          MissPolicyConfig)
+from ftjax.config import (CACHE_POLICIES, CPU_DRIVERS, CPU_EXPERT_IMPLS, EXPERT_MODES, EXPERT_SPLITS, KV_LOADS,
+                          MATMUL_PRECISIONS, MISS_POLICIES, PREFILL_DRIVERS, PREFILL_MODES, PREFIX_COPIES, EngineConfig,
+                          KVOffloadConfig, MissPolicyConfig)
 from ftjax import compile_cache
 from ftjax.experts.policies import describe as describe_cache_policies
 from ftjax.experts.quant import FORMATS as EXPERT_FORMATS
@@ -75,7 +75,8 @@ def _caller_module(depth: int) -> str:
 FLAG_NAMES = ("checkpoint", "preset", "seed", "dtype", "expert_dtype", "experts", "expert_slots", "cache_policy",
               "vram_budget_gb", "progress", "prefill", "prefill_chunk", "prefill_driver", "prefill_overlap",
               "stream_d2d_hits", "prefix_copy", "prefix_copy_layers", "kv_offload", "kv_host_gb", "kv_chunk_tokens",
-              "kv_load", "miss_policy", "cpu_expert_impl", "cpu_threads", "calibration_profile", "matmul_precision",
+              "kv_load", "miss_policy", "cpu_expert_impl", "cpu_threads", "cpu_miss_driver", "calibration_profile",
+              "matmul_precision",
               "decode_gemm", "decode_graphs", "kernels", "kernel_tiles", "grouped_matmul", "flash_prefill",
                "slot_order", "min_dot_rows", "fetch_group", "fixed_fetch", "decode_block", "devices", "expert_split",
               "compilation_cache_dir")
@@ -147,6 +148,11 @@ def define_flags(flag_values: flags.FlagValues = FLAGS, module_name: str | None 
                   "How misses are computed on the CPU (ftjax.experts.cpu_experts; native_async: a C/OpenMP kernel "
                   "built on first use with cc or gcc, cached in ~/.cache/ftjax/native or $FTJAX_NATIVE_CACHE; "
                   "docs/MISS_POLICY.md).")
+    d.DEFINE_enum("cpu_miss_driver", "callback", list(CPU_DRIVERS),
+                  "How a decode step reaches the CPU's share of its misses: callback = one program per step, the host "
+                  "kernel called through io_callback in every layer; host = the step runs layer by layer from "
+                  "Python and calls the host kernel between a layer's programs, no callback (ftjax.runtime."
+                  "host_split; a callback mechanism's kernel; docs/MISS_POLICY.md).")
     d.DEFINE_integer("cpu_threads", 0, "Host-kernel threads of the callback mechanisms; 0 = the profile's, or "
                      "half the cores (callback, callback_async) or every core (numpy_rows_async, native_async).")
     d.DEFINE_string("calibration_profile", None, "Calibration profile JSON (ftjax.calibrate); default "
@@ -285,11 +291,13 @@ def miss_config(mode: str) -> MissPolicyConfig:
     if FLAGS.miss_policy != "fetch" and mode == "resident":
         print(f"note: all experts are resident, so there are no misses; --miss_policy={FLAGS.miss_policy} ignored")
         return MissPolicyConfig()
-    if FLAGS.miss_policy == "fetch" and any(FLAGS[name].present for name in ("cpu_expert_impl", "cpu_threads")):
-        print("note: --miss_policy=fetch copies every miss, so --cpu_expert_impl / --cpu_threads are ignored "
-              "(they take effect with --miss_policy=cpu or adaptive)")
+    if FLAGS.miss_policy == "fetch" and any(FLAGS[name].present for name in ("cpu_expert_impl", "cpu_threads",
+                                                                              "cpu_miss_driver")):
+        print("note: --miss_policy=fetch copies every miss, so --cpu_expert_impl / --cpu_threads / --cpu_miss_driver "
+              "are ignored (they take effect with --miss_policy=cpu or adaptive)")
     return MissPolicyConfig(FLAGS.miss_policy, FLAGS.cpu_expert_impl, FLAGS.cpu_threads, FLAGS.fixed_fetch,
-                            calibration_profile=FLAGS.calibration_profile)
+                            calibration_profile=FLAGS.calibration_profile,
+                            cpu_driver=FLAGS.cpu_miss_driver if FLAGS.miss_policy != "fetch" else "callback")
 
 
 def engine_config(mode: str, slots: int | None, max_seq_len: int, batch: int, note: bool = True) -> EngineConfig:
@@ -406,7 +414,7 @@ def run_command(program: str, argv: list[str], body: Callable[[], Any]) -> Any:
         logging.set_verbosity(logging.WARNING)
     from ftjax.experts.cpu_experts import CALLBACK_IMPLS, HostViewError, use_sync_cpu_dispatch
     from ftjax.experts.cpu_native import NativeBuildError
-    if FLAGS.miss_policy != "fetch" and FLAGS.cpu_expert_impl in CALLBACK_IMPLS:
+    if FLAGS.miss_policy != "fetch" and FLAGS.cpu_expert_impl in CALLBACK_IMPLS and FLAGS.cpu_miss_driver == "callback":
         use_sync_cpu_dispatch()  # before JAX starts; the callbacks deadlock on an async CPU client
     compile_cache.configure(FLAGS.compilation_cache_dir)
     from ftjax.checkpoint import CheckpointError

@@ -168,10 +168,20 @@ def decoder_layer(cfg: ModelConfig, kind: str, lp: Params, idx: LayerIndex, carr
     ``StackedWeight``); idx: its index in the stack and in its kind. Returns (new carry, (expert
     stats, the mixer's output for the KV hook or None)).
     """
+    carry, hook_out = token_mixer(cfg, kind, lp, idx, carry, inputs, kv_hook, hook_xs)
+    h, state, stats = moe.block(cfg, lp, carry.h, idx, expert_fn, carry.expert_state, inputs)
+    return carry._replace(h=h, expert_state=state), (stats, hook_out)
+
+
+def token_mixer(cfg: ModelConfig, kind: str, lp: Params, idx: LayerIndex, carry: LayerCarry, inputs: LayerInputs,
+                kv_hook: KVHook | None = None, hook_xs: Any = None) -> tuple[LayerCarry, Any]:
+    """The first half of :func:`decoder_layer`: the token mixer of ``kind`` (attention or Gated DeltaNet),
+    its state written into the cache. Returns (the carry with the mixer's residual stream h [B, T, D] and
+    cache, the mixer's output for the KV hook or None). A driver that splits a layer at its MoE block
+    (``ftjax.runtime.host_split``) calls it and ``ftjax.layers.moe.block`` apart."""
     h, cache, state, hc = carry
     h, cache, hc, hook_out = layers.get(kind).mix(cfg, lp, h, idx, cache, inputs, kv_hook, hook_xs, hc)
-    h, state, stats = moe.block(cfg, lp, h, idx, expert_fn, state, inputs)
-    return LayerCarry(h, cache, state, hc), (stats, hook_out)
+    return LayerCarry(h, cache, state, hc), hook_out
 
 
 def stacked_weights(cfg: ModelConfig, layer_params: Params, token_shape: tuple[int, ...]) -> dict[str, jax.Array]:

@@ -168,7 +168,7 @@ def test_grouped_prefix_puts_hold_at_most_two_groups(monkeypatch):
     model = random_model(dataclasses.replace(preset("tiny"), num_layers=6), "float32")
     cfg = model.cfg
     events, alive = [], []
-    real_put, real_index = transfers.PrefixLayerSource._put_group, drivers._layer_idx
+    real_put, real_index = transfers.PrefixLayerSource._put_group, drivers.layer_idx
 
     def put_spy(self, g):
         out = real_put(self, g)
@@ -187,7 +187,7 @@ def test_grouped_prefix_puts_hold_at_most_two_groups(monkeypatch):
         with monkeypatch.context() as m:
             m.setattr(transfers.PrefixLayerSource, "_put_group", put_spy)
             # the driver makes layer l's index just before it dispatches the layer's program
-            m.setattr(drivers, "_layer_idx", lambda st, l: events.append(("layer", l)) or real_index(st, l))
+            m.setattr(drivers, "layer_idx", lambda st, l: events.append(("layer", l)) or real_index(st, l))
             logits[driver] = np.asarray(eng.prefill([prompt], cache, kv_manager=mgr, request=req)[0])
         assert req.reused_tokens == 64
     np.testing.assert_array_equal(logits["pipelined"], logits["scan"])

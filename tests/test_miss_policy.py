@@ -515,6 +515,7 @@ def test_generate_cli_cpu_mechanism_without_cpu_misses_is_noted():
     instead of ignoring the flag silently."""
     r = run_generate("--cpu_expert_impl=numpy_rows_async", "--max_new_tokens=2", "--prompt_ids=1,2,3")
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "--miss_policy=fetch copies every miss, so --cpu_expert_impl / --cpu_threads are ignored" in r.stdout
+    assert ("--miss_policy=fetch copies every miss, so --cpu_expert_impl / --cpu_threads / --cpu_miss_driver are "
+            "ignored") in r.stdout
     r = run_generate("--max_new_tokens=2", "--prompt_ids=1,2,3")
     assert r.returncode == 0 and "are ignored" not in r.stdout

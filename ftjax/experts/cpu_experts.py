@@ -459,13 +459,15 @@ class CpuExperts:
 
 
 def make_cpu_experts(impl: str, host_gate_up: jax.Array, host_down: jax.Array, threads: int | None = None,
-                     allow_copy: bool = False, scales: tuple | None = None, fmt: str = "dense") -> CpuExperts:
+                     allow_copy: bool = False, scales: tuple | None = None, fmt: str = "dense",
+                     from_program: bool = True) -> CpuExperts:
     """Builds the mechanism ``impl`` for these host banks (``scales``, ``fmt``: those of a
-    quantized format, ``ExpertBanks.scales`` / ``.fmt``).
+    quantized format, ``ExpertBanks.scales`` / ``.fmt``). ``from_program``: a program calls the host kernel
+    (through callbacks); False where only Python does (``ftjax.runtime.host_split``).
 
     Raises:
-      ValueError: unknown impl; a callback mechanism on the CPU backend with asynchronous dispatch
-        (:func:`check_callback_backend`); ``numpy_rows_async`` or ``native_async`` with a format it
+      ValueError: unknown impl; a callback mechanism called from a program on the CPU backend with asynchronous
+        dispatch (:func:`check_callback_backend`); ``numpy_rows_async`` or ``native_async`` with a format it
         cannot decode; a compute_on mechanism with banks not typed as host memory (:func:`ensure_host_typed`).
       HostViewError: a callback mechanism and no zero-copy bank view.
       cpu_native.NativeBuildError: ``native_async`` and no C compiler, or a failed build.
@@ -477,6 +479,7 @@ def make_cpu_experts(impl: str, host_gate_up: jax.Array, host_down: jax.Array, t
         raise ValueError(f"{impl} needs host banks that JAX traces as host memory; pass them through "
                          "ftjax.experts.cpu_experts.ensure_host_typed first (jit out_shardings quirk)")
     if impl in CALLBACK_IMPLS:
-        check_callback_backend(host_gate_up)
+        if from_program:
+            check_callback_backend(host_gate_up)
         kernel = get_kernel(host_gate_up, host_down, threads, allow_copy, scales, fmt, KERNEL_KIND[impl])
     return CpuExperts(impl, kernel)

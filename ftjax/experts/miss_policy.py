@@ -41,6 +41,7 @@ bf16 rounding of an expert output may differ from the GPU's in the last bit.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -86,23 +87,34 @@ class MissConfig:
         return all(self.table[m] == m for m in range(min(num_experts, pairs) + 1))
 
 
+def merge_cpu_outputs(y: jax.Array, ids: jax.Array, weights: jax.Array, on_cpu: jax.Array, cpu_rank: jax.Array,
+                      y_cpu: jax.Array, dtype) -> jax.Array:
+    """The weighted sum over k of per-pair expert outputs, with the CPU's outputs in place of the device's.
+
+    y: [N, k, D] per-(token, k) outputs computed on the device (``ftjax.experts.compute.gather_outputs``;
+    pairs of CPU experts hold junk); ids: int32 [N, k]; weights: [N, k]; on_cpu: bool [E]; cpu_rank:
+    int32 [E], row of each CPU expert in ``y_cpu`` [C, N, D]. Returns [N, D] in ``dtype``: the same
+    expression as ``ftjax.experts.compute.experts_gather``'s sum.
+    """
+    n = y.shape[0]
+    rows = jnp.clip(cpu_rank[ids], 0, y_cpu.shape[0] - 1)
+    yc = y_cpu[rows, jnp.arange(n)[:, None]]                      # [N, k, D]
+    y = jnp.where(on_cpu[ids][..., None], yc.astype(y.dtype), y)
+    return jnp.einsum("nkd,nk->nd", y, weights.astype(y.dtype)).astype(dtype)
+
+
 def combine_gather(x: jax.Array, ids: jax.Array, weights: jax.Array, slot_of_expert: jax.Array,
                    gate_up: jax.Array, down: jax.Array, on_cpu: jax.Array, cpu_rank: jax.Array,
                    y_cpu: jax.Array, scales: tuple | None = None, fmt: str = "dense") -> jax.Array:
     """``experts_gather`` with some experts' outputs supplied by the CPU.
 
     x: [N, D]; ids: int32 [N, k]; weights: [N, k]; slot_of_expert: int32 [E]; gate_up [S, D, 2F],
-    down [S, F, D]: slot pools (format ``fmt``,
-                                pool ``scales``); on_cpu: bool [E]; cpu_rank: int32 [E], row of each CPU expert in
-    ``y_cpu`` [C, N, D]. Returns [N, D] in x's dtype. The device arithmetic is the same expression
-    as ``ftjax.experts.compute.experts_gather``.
+    down [S, F, D]: slot pools (format ``fmt``, pool ``scales``); on_cpu: bool [E]; cpu_rank: int32 [E],
+    row of each CPU expert in ``y_cpu`` [C, N, D]. Returns [N, D] in x's dtype. The device arithmetic is
+    the same expression as ``ftjax.experts.compute.experts_gather``.
     """
     y = gather_outputs(x, slot_of_expert[ids], gate_up, down, scales, fmt)
-    n = x.shape[0]
-    rows = jnp.clip(cpu_rank[ids], 0, y_cpu.shape[0] - 1)
-    yc = y_cpu[rows, jnp.arange(n)[:, None]]                      # [N, k, D]
-    y = jnp.where(on_cpu[ids][..., None], yc.astype(y.dtype), y)
-    return jnp.einsum("nkd,nk->nd", y, weights.astype(y.dtype)).astype(x.dtype)
+    return merge_cpu_outputs(y, ids, weights, on_cpu, cpu_rank, y_cpu, x.dtype)
 
 
 def fetch_and_cpu(cpu: CpuExperts, banks: ExpertBanks, state: ExpertState, x: jax.Array, fetch_flat: jax.Array,
@@ -135,19 +147,38 @@ def fetch_and_cpu(cpu: CpuExperts, banks: ExpertBanks, state: ExpertState, x: ja
         return state, cpu.collect(handle, x, num)
 
 
-def split_layer(miss: MissConfig, banks: ExpertBanks, state: ExpertState, table: SlotTable, layer: jax.Array,
-                routed: jax.Array, r: LayerRouting, cache_policy: str) -> tuple[jax.Array, ExpertState, LayerStats]:
-    """One layer of a decode-sized call under the cpu / adaptive policy.
+class SplitPlan(NamedTuple):
+    """One layer's split of its misses, decided on the device (:func:`plan_split`).
 
-    ``table``: the slot table to look up (already emptied for on_demand); ``routed``: bool [E];
-    ``state.last_routed`` holds the recency *before* this call (the misses are ranked by it).
-    Fetches ``F(M)`` of the ``M`` misses (the most recent), computes the rest on the CPU, and
-    shows only hits and fetched misses to the table. Returns (y [N, D], new state, stats).
+    look: the slot table's ``LayerLookup`` of the hits and fetched misses (its table is the new one);
+    fetch_flat: int32 [E], flat ids of the misses to fetch (first ``look.n_miss`` valid), their slots in
+    ``look.miss_slots``; on_cpu: bool [E], the misses computed on the CPU; cpu_rank: int32 [E], row of
+    each CPU expert in the CPU's output; cpu_flat: int32 [C], their flat ids (-1 pads; C = min(E, N*k));
+    n_cpu: int32 []; stats: the layer's ``LayerStats``.
+    """
+
+    look: Any
+    fetch_flat: jax.Array
+    on_cpu: jax.Array
+    cpu_rank: jax.Array
+    cpu_flat: jax.Array
+    n_cpu: jax.Array
+    stats: LayerStats
+
+
+def plan_split(miss: MissConfig, table: SlotTable, layer: jax.Array, routed: jax.Array, r: LayerRouting,
+               cache_policy: str, last_routed: jax.Array) -> SplitPlan:
+    """Decides one layer's split under the cpu / adaptive policy: which misses are fetched (``F(M)`` of the
+    ``M`` misses, the most recently routed by ``last_routed``, the recency *before* this call) and which
+    are computed on the CPU; shows only hits and fetched misses to the table (``lookup_layer``).
+
+    ``table``: the slot table to look up (already emptied for on_demand); ``routed``: bool [E].
+    Returns a :class:`SplitPlan`.
     """
     e = routed.shape[0]
     c = min(e, r.ids.size)                     # most distinct experts one call can route
     base = layer * e
-    last = jax.lax.dynamic_slice(state.last_routed, (base,), (e,))
+    last = jax.lax.dynamic_slice(last_routed, (base,), (e,))
     cur = jax.lax.dynamic_slice(table.slot_of, (base,), (e,))
     hit = routed & (cur >= 0)
     miss_mask = routed & (cur < 0)
@@ -160,15 +191,25 @@ def split_layer(miss: MissConfig, banks: ExpertBanks, state: ExpertState, table:
     cpu_rank = jnp.cumsum(on_cpu.astype(jnp.int32)) - 1
     cpu_ids = jnp.full((c,), -1, jnp.int32).at[jnp.where(on_cpu, cpu_rank, c)].set(experts, mode="drop")
     cpu_flat = jnp.where(cpu_ids >= 0, base + cpu_ids, -1)
-
     with jax.named_scope("slot_lookup"):
         look = lookup_layer(table, layer, hit | fetch_mask, e, cache_policy)
-    state, y_cpu = fetch_and_cpu(miss.cpu, banks, state.replace(table=look.table), r.x, base + look.miss_experts,
-                                 look.miss_slots, look.n_miss, cpu_flat, n_cpu, fetch=miss.policy != "cpu")
-    y = combine_gather(r.x, r.ids, r.weights, look.slot_of_expert, state.gate_up, state.down, on_cpu, cpu_rank,
-                       y_cpu, state.scales, state.fmt)
     stats = LayerStats(look.n_hit, n_miss, look.n_miss, n_cpu, jnp.where(r.valid[:, None], r.ids, -1))
-    return y, state, stats
+    return SplitPlan(look, base + look.miss_experts, on_cpu, cpu_rank, cpu_flat, n_cpu, stats)
+
+
+def split_layer(miss: MissConfig, banks: ExpertBanks, state: ExpertState, table: SlotTable, layer: jax.Array,
+                routed: jax.Array, r: LayerRouting, cache_policy: str) -> tuple[jax.Array, ExpertState, LayerStats]:
+    """One layer of a decode-sized call under the cpu / adaptive policy, inside one program: the split of
+    :func:`plan_split`, the fetches and the CPU's share (:func:`fetch_and_cpu`, the CPU mechanism called
+    from the program), the sum (:func:`combine_gather`). Arguments as for :func:`plan_split` (the recency
+    is ``state.last_routed``). Returns (y [N, D], new state, stats).
+    """
+    p = plan_split(miss, table, layer, routed, r, cache_policy, state.last_routed)
+    state, y_cpu = fetch_and_cpu(miss.cpu, banks, state.replace(table=p.look.table), r.x, p.fetch_flat,
+                                 p.look.miss_slots, p.look.n_miss, p.cpu_flat, p.n_cpu, fetch=miss.policy != "cpu")
+    y = combine_gather(r.x, r.ids, r.weights, p.look.slot_of_expert, state.gate_up, state.down, p.on_cpu,
+                       p.cpu_rank, y_cpu, state.scales, state.fmt)
+    return y, state, p.stats
 
 
 class MissRuntime:
@@ -258,5 +299,5 @@ def build_runtime(policy: str, num_experts: int, cpu: CpuExperts | None = None,
     return MissRuntime(MissConfig(policy, cpu if policy != "fetch" else None, table), rule, split_model, calibration)
 
 
-__all__ = ["POLICIES", "CALLBACK_IMPLS", "MissConfig", "MissRuntime", "combine_gather", "fetch_and_cpu",
-           "split_layer", "build_runtime"]
+__all__ = ["POLICIES", "CALLBACK_IMPLS", "MissConfig", "MissRuntime", "SplitPlan", "combine_gather",
+           "merge_cpu_outputs", "fetch_and_cpu", "plan_split", "split_layer", "build_runtime"]

@@ -111,14 +111,7 @@ def make_expert_fn(mode: str, num_experts: int, banks: ExpertBanks | None = None
                 look, flat_miss, pair_slots = got
                 return _fetch_and_compute(banks, state.replace(table=look.table), layer, look, r, e, flat_miss,
                                           pair_slots)
-        with jax.named_scope("slot_lookup"):
-            routed = routed_mask(r.ids, r.valid, e)
-        table = reset_table(state.table) if mode == "on_demand" else state.table
-        recency = state.last_routed
-        if recency is not None:  # every routed expert (hit, fetched or CPU) is now the most recent
-            base = layer * e
-            last = jax.lax.dynamic_slice(recency, (base,), (e,))
-            recency = jax.lax.dynamic_update_slice(recency, jnp.where(routed, table.clock, last), (base,))
+        routed, table, recency = layer_routing(mode, state, layer, r, e)
         if miss is not None and not miss.fetches_all(r.ids.size, e):
             y, state, stats = miss_policy.split_layer(miss, banks, state, table, layer, routed, r, policy)
             return y, state.replace(last_routed=recency), stats
@@ -131,6 +124,21 @@ def make_expert_fn(mode: str, num_experts: int, banks: ExpertBanks | None = None
         return _fetch_and_compute(banks, state.replace(table=look.table, last_routed=recency), layer, look, r, e)
 
     return expert_fn
+
+
+def layer_routing(mode: str, state: ExpertState, layer: jax.Array, r: LayerRouting, num_experts: int):
+    """What a cached / on_demand layer starts from: (routed bool [E], the table to look up -- emptied for
+    on_demand --, the recency int32 [L*E] with this layer's routed experts made the most recent at the
+    table's clock, or None when the state keeps no recency)."""
+    with jax.named_scope("slot_lookup"):
+        routed = routed_mask(r.ids, r.valid, num_experts)
+    table = reset_table(state.table) if mode == "on_demand" else state.table
+    recency = state.last_routed
+    if recency is not None:  # every routed expert (hit, fetched or CPU) is now the most recent
+        base = layer * num_experts
+        last = jax.lax.dynamic_slice(recency, (base,), (num_experts,))
+        recency = jax.lax.dynamic_update_slice(recency, jnp.where(routed, table.clock, last), (base,))
+    return routed, table, recency
 
 
 def _kernel_lookup(table, layer: jax.Array, r: LayerRouting, e: int):

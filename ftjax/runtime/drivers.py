@@ -39,7 +39,9 @@ from ftjax.kv.layerwise import LayerwiseKV
 from ftjax.runtime import transfers
 from ftjax.runtime.plan import CallPlan
 from ftjax.runtime.step import StepOptions, forward_step
-from ftjax.runtime.transfers import _UINT, ExpertCopies, ExpertLayerSource, PrefixLayerSource, layer_index
+from ftjax.runtime.call_programs import device_spec, embed_program, head_program, layer_idx, stack
+from ftjax.runtime.host_split import HostSplitDriver
+from ftjax.runtime.transfers import _UINT, ExpertCopies, ExpertLayerSource, PrefixLayerSource
 from ftjax.seams import ForwardOut, KVCache, LayerCarry, LayerIndex
 
 
@@ -152,29 +154,6 @@ def layer_program(params, banks, state, h, cache, inputs, idx, expert_buffer, pr
     return carry.h, carry.cache, carry.expert_state, stats, kv_out, next_prefix
 
 
-@jax.jit
-def embed_program(params, tokens, start, valid_len):
-    """``model.embed_inputs`` as its own program: (h, LayerInputs)."""
-    return model_lib.embed_inputs(params, tokens, start, valid_len)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "all_logits"))
-def head_program(params, h, valid_len, *, cfg, all_logits):
-    """``model.final_logits`` as its own program."""
-    return model_lib.final_logits(params, cfg, h, valid_len, all_logits)
-
-
-@jax.jit
-def _stack(xs):
-    return jax.tree.map(lambda *a: jnp.stack(a), *xs)
-
-
-def _device_spec(x) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=memory.device_sharding())
-
-
-def _layer_idx(st: model_lib.Structure, l: int) -> LayerIndex:
-    return LayerIndex(layer_index(l), layer_index(st.kind_index[l]))
 
 
 class PipelinedDriver:
@@ -194,7 +173,7 @@ class PipelinedDriver:
         cfg, st = ctx.cfg, model_lib.structure(ctx.cfg)
         tokens, start, valid = (jnp.asarray(x, jnp.int32) for x in (a.tokens, a.start, a.valid))
         ctx.compile(embed_program, (ctx.params, tokens, start, valid))
-        h, inputs = jax.tree.map(_device_spec, jax.eval_shape(model_lib.embed_inputs, ctx.params, tokens, start, valid))
+        h, inputs = jax.tree.map(device_spec, jax.eval_shape(model_lib.embed_inputs, ctx.params, tokens, start, valid))
         experts = ctx.expert_source() if plan.opts.stream else None
         buffer = experts.spec() if experts is not None else ()
         alias = memory.backend() == "gpu"  # host prefix chunks arrive as pinned aliases there (uint dtypes)
@@ -211,16 +190,16 @@ class PipelinedDriver:
             if opts.prefix_next:  # the others also copy the next layer's slices, from host memory
                 host = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=memory.host_sharding()) for x in slices)
                 ctx.compile(layer_program, args[:-1] + (host,), cfg=cfg, opts=opts)
-            out = jax.tree.map(_device_spec, jax.eval_shape(functools.partial(layer_program, cfg=cfg, opts=opts),
+            out = jax.tree.map(device_spec, jax.eval_shape(functools.partial(layer_program, cfg=cfg, opts=opts),
                                                             *args))
             stats, kv_out = out[3], out[4]
         ctx.compile(head_program, (ctx.params, h, valid), cfg=cfg, all_logits=plan.opts.all_logits)
         # what run() does after the layers, and the layer-index scalars, made here, outside any timing
-        ctx.compile(_stack, ([stats] * cfg.num_layers,))
+        ctx.compile(stack, ([stats] * cfg.num_layers,))
         if kv_out is not None:
-            ctx.compile(_stack, ([kv_out] * cfg.num_layers,))
+            ctx.compile(stack, ([kv_out] * cfg.num_layers,))
         for l in range(cfg.num_layers):
-            _layer_idx(st, l)
+            layer_idx(st, l)
         if opts.d2d:
             ExpertCopies(ctx.compile, experts, experts.host_slots(a.state.table.slot_of)).precompile(a.state)
 
@@ -278,7 +257,7 @@ class PipelinedDriver:
                 # queued is done (here layer l-1), so it runs while layer l computes. Issued after layer l,
                 # it would wait for layer l and hide nothing (measured: docs/OVERLAP.md).
                 nxt = copies(l + 1)
-            args = (ctx.params, ctx.banks, state, h, cache, inputs, _layer_idx(st, l), *cur, next_host)
+            args = (ctx.params, ctx.banks, state, h, cache, inputs, layer_idx(st, l), *cur, next_host)
             try:
                 out = layer_exe(kind, args)(*args)
             except TypeError:
@@ -303,15 +282,15 @@ class PipelinedDriver:
                              all_logits=step.all_logits)(ctx.params, h, valid)
         kv_out = None
         if step.kv is not None and step.kv.store_chunks:
-            kv_out = ctx.compile(_stack, (kv_outs,))(kv_outs)
+            kv_out = ctx.compile(stack, (kv_outs,))(kv_outs)
             if step.kv.store_to_host:
                 kv_out = jax.device_put(kv_out, memory.host_sharding())
-        return ForwardOut(logits, cache, state, ctx.compile(_stack, (stats,))(stats), kv_out)
+        return ForwardOut(logits, cache, state, ctx.compile(stack, (stats,))(stats), kv_out)
 
 
-_DRIVERS = {"scan": ScanDriver(), "pipelined": PipelinedDriver()}
+_DRIVERS = {"scan": ScanDriver(), "pipelined": PipelinedDriver(), "host_split": HostSplitDriver()}
 
 
-def driver(plan: CallPlan) -> ScanDriver | PipelinedDriver:
-    """The driver that runs ``plan``'s call."""
+def driver(plan: CallPlan) -> ScanDriver | PipelinedDriver | HostSplitDriver:
+    """The driver that runs ``plan``'s call (the host-split driver: ``ftjax.runtime.host_split``)."""
     return _DRIVERS[plan.driver]

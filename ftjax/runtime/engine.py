@@ -244,7 +244,8 @@ class Engine:
         self.state = self._fresh_state()
         self.counters = {p: ExpertCounters.zeros(cfg.num_layers, cfg.num_experts) for p in ("prefill", "decode")}
         self.failed_steps = 0
-        self.prefill_driver_calls = {"scan": 0, "pipelined": 0}  # prefill calls run by each driver
+        # prefill calls run by each driver ("host_split" once one ran: short prompts under cpu_driver "host")
+        self.prefill_driver_calls = {"scan": 0, "pipelined": 0}
         self._expert_views: transfers.ExpertLayerSource | None = None  # made on the first pipelined stream
         self.rows: list[Row | None] = []
         self.cache: KVCache | None = None
@@ -506,7 +507,7 @@ class Engine:
         call = self._next_call(rows, all_logits, last=last)
         plan = call.plan
         out = self._run(plan, call.tokens, call.start, call.valid, cache, call.prefix)
-        self.prefill_driver_calls[plan.driver] += 1
+        self.prefill_driver_calls[plan.driver] = self.prefill_driver_calls.get(plan.driver, 0) + 1
         self.counters["prefill"].add(out.layer_stats)
         self.counters["prefill"].extra_copies += plan.extra_copies
         outs = self._row_outputs(call, out.kv_out)
@@ -889,8 +890,14 @@ class Engine:
     def _blocks_decode(self, batch: int, max_new_tokens: int) -> bool:
         """Whether :meth:`generate` decodes in blocks (``EngineConfig.decode_block`` > 1, more than one
         decode step, and decode steps on the layer scan)."""
-        return (self.config.decode_block > 1 and max_new_tokens > 2
-                and self.planner.plan(batch, 1, batch).driver == "scan")
+        return self.config.decode_block > 1 and max_new_tokens > 2 and self.blocks_decode(batch)
+
+    def blocks_decode(self, batch: int | None = None) -> bool:
+        """Whether decode steps of ``batch`` rows (default: the open rows, else ``EngineConfig.batch``) can run
+        in blocks (:meth:`dispatch_block`): they run on the layer scan, not on the host-split driver
+        (``MissPolicyConfig.cpu_driver`` "host"), which is one program per layer and host step."""
+        batch = batch or len(self.rows) or self.batch
+        return self.planner.plan(batch, 1, batch).driver == "scan"
 
     def _block_args(self, tokens, key, limit, eos: np.ndarray, stopped, rows=None, pos=None) -> tuple:
         """The arguments of :func:`ftjax.runtime.step.decode_block` for the rows as they are now: ``rows`` decode
@@ -948,9 +955,10 @@ class Engine:
         ``after`` sampled one of its stop ids there (a stop the device knows ends the run-ahead; the caller
         reads ``after`` and goes on from the host).
         Raises:
-          ValueError: a row still prefilling, no row to decode or one not held, limit outside [1, steps], a
-            row whose block would run past the KV cache (``max_seq_len``, counting blocks not read yet), eos
-            not int32 [B, N], or (with ``after``) a row held by another request than when ``after`` ran.
+          ValueError: a row still prefilling, decode steps on the host-split driver, no row to decode or one not held,
+            limit outside [1, steps], a row whose block would run past the KV cache (``max_seq_len``, counting
+            blocks not read yet), eos not int32 [B, N], or (with ``after``) a row held by another request than
+            when ``after`` ran.
           RuntimeError: without ``after``, a block of a row to decode dispatched and not read.
         """
         steps = steps or self.config.decode_block
@@ -958,6 +966,9 @@ class Engine:
         rows = held if rows is None else sorted(int(i) for i in rows)
         if self.prefilling():
             raise ValueError("a decode block runs decode steps only: a row is still prefilling (use advance)")
+        if not self.blocks_decode():
+            raise ValueError("decode steps here run on the host-split driver (MissPolicyConfig.cpu_driver 'host'), "
+                             "one host step per layer: a decode block cannot run them (use advance)")
         if not rows:
             raise ValueError("advance_block: no decoding row")
         if not set(rows) <= set(held):

@@ -36,11 +36,13 @@ def build_miss_runtime(model, miss: MissPolicyConfig, batch: int) -> miss_policy
     if miss.policy == "adaptive" and miss.fixed_fetch is None and split_model is None:
 
         path = miss.calibration_profile or calibrate.default_profile_path()
-        entry, key, path, fresh = calibrate.profile_for(model, impl, batch, path, threads)
-        split_model = calibrate.split_model_from(entry["impls"][impl])
-        threads = threads or entry["impls"][impl].get("mechanism", {}).get("threads")
+        entry, key, path, fresh = calibrate.profile_for(model, impl, batch, path, threads, driver=miss.cpu_driver)
+        measured = entry["impls"][calibrate.impl_key(impl, miss.cpu_driver)]
+        split_model = calibrate.split_model_from(measured)
+        threads = threads or measured.get("mechanism", {}).get("threads")
         calibration = {"path": path, "key": key, "calibrated_now": fresh, "entry": entry}
     cpu = cpu_experts.make_cpu_experts(impl, model.banks.gate_up, model.banks.down, threads,
-                                       scales=model.banks.scales, fmt=model.banks.fmt)
+                                       scales=model.banks.scales, fmt=model.banks.fmt,
+                                       from_program=miss.cpu_driver == "callback")
     return miss_policy.build_runtime(miss.policy, e, cpu, split_model=split_model, fixed_fetch=miss.fixed_fetch,
                                      calibration=calibration)

@@ -87,9 +87,9 @@ def chunk_calls(length: int, chunk: int, start: int = 0) -> list[PrefillCall]:
 @dataclasses.dataclass(frozen=True)
 class CallPlan:
     """How one call runs: opts (the static step options; ``opts.stream``: whole layers streamed),
-    driver ("scan" | "pipelined"), compiler_options (XLA options, hashable pairs), d2d (a streamed call
-    on the pipelined driver copies the cached experts device to device), extra_copies (experts copied
-    outside any layer's misses: the scan's streaming prologue re-copies one layer)."""
+    driver ("scan" | "pipelined" | "host_split": ``ftjax.runtime.host_split``), compiler_options (XLA options,
+    hashable pairs), d2d (a streamed call on the pipelined driver copies the cached experts device to device),
+    extra_copies (experts copied outside any layer's misses: the scan's streaming prologue re-copies one layer)."""
 
     opts: StepOptions
     driver: str
@@ -145,6 +145,15 @@ class CallPlanner:
             return False
         return self.config.prefill_driver == "pipelined" or (memory.backend() == "gpu" and PIPELINE_PREFIX)
 
+    def host_splits(self, tokens: int) -> bool:
+        """Whether a call of ``tokens`` tokens (padding included) splits its misses on the host-split driver
+        (``ftjax.runtime.host_split``): ``MissPolicyConfig.cpu_driver`` "host", experts not resident, and a
+        split that computes misses on the CPU at this many (token, expert) pairs (decode steps, short
+        prefill calls)."""
+        config = self.config
+        return (config.miss.cpu_driver == "host" and config.experts != "resident" and config.devices == 1
+                and not self.miss.config.fetches_all(tokens * self.cfg.top_k, self.cfg.num_experts))
+
     def _graphs(self, tokens_per_row: int, batch: int) -> bool:
         if tokens_per_row != 1:
             return False
@@ -180,11 +189,22 @@ class CallPlanner:
                                  f"with Gated DeltaNet layers reusing a prefix, runs on the scan); use prefill='auto' "
                                  f"or more slots")
             stream, pipelined = False, self.pipelines(False, prefix, kv)
+        miss = self.miss.jit_config
+        if self.host_splits(batch * tokens_per_row):
+            if kv is None:
+                opts = StepOptions(config.experts, all_logits, False, False, config.cache_policy, miss, None,
+                                   config.precision(jax.numpy.dtype(self.dtype).name), config.kernels,
+                                   cheap_conds=jax.default_backend() == "cpu")
+                return CallPlan(opts, "host_split", programs.decode_compiler_options(
+                    config.kernels.decode_gemm, tokens_per_row, self.dtype, graphs=False))
+            # a short prefix-reuse call runs on the scan; under the host driver nothing calls the CPU from a
+            # program, so it fetches its misses
+            miss = dataclasses.replace(miss, table=tuple(range(len(miss.table))))
         graphs = self._graphs(tokens_per_row, batch)
         options = programs.decode_compiler_options(config.kernels.decode_gemm, tokens_per_row, self.dtype,
                                                    graphs=graphs)
         opts = StepOptions(config.experts, all_logits, stream, config.prefill_overlap and stream, config.cache_policy,
-                           self.miss.jit_config, kv, config.precision(jax.numpy.dtype(self.dtype).name),
+                           miss, kv, config.precision(jax.numpy.dtype(self.dtype).name),
                            config.kernels, cheap_conds=graphs or jax.default_backend() == "cpu", devices=config.devices,
                            expert_split=config.expert_split)
         d2d = pipelined and stream and config.stream_d2d_hits and config.experts != "resident"

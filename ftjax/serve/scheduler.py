@@ -226,9 +226,11 @@ class Scheduler:
       run_ahead: dispatch the next decode step or block before reading this one's tokens (module docstring);
         False: every step reads its tokens before the next is dispatched.
       decode_block: decode steps per program in steady decode (module docstring), >= 1; default the
-        engine's ``EngineConfig.decode_block``; 1: one program per decode step.
+        engine's ``EngineConfig.decode_block`` (1 where its decode steps run on the host-split driver);
+        1: one program per decode step.
     Raises:
-      ValueError: max_batch, max_waiting or decode_block out of range.
+      ValueError: max_batch, max_waiting or decode_block out of range; decode_block > 1 given for an engine whose
+        decode steps run on the host-split driver.
     """
 
     def __init__(self, engine, *, max_batch: int | None = None, max_waiting: int = 64, kv_manager=None,
@@ -242,6 +244,11 @@ class Scheduler:
         k = engine.config.decode_block if decode_block is None else decode_block
         if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
             raise ValueError(f"decode_block must be an integer >= 1 (decode steps per program), got {decode_block!r}")
+        if k > 1 and not engine.blocks_decode(n):
+            if decode_block is not None:
+                raise ValueError(f"decode_block {k}: this engine decodes on the host-split driver "
+                                 f"(MissPolicyConfig.cpu_driver 'host'), one step per call; use decode_block=1")
+            k = 1  # the engine's default: its decode steps run one host step per layer, not in blocks
         self.decode_block = int(k)
         self.engine, self.kv_manager, self.detokenize = engine, kv_manager, detokenize
         self.max_batch, self.max_waiting = int(n), int(max_waiting)

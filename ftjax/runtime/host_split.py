@@ -183,16 +183,17 @@ class HostSplitDriver:
         h, inputs = jax.tree.map(device_spec, jax.eval_shape(model_lib.embed_inputs, ctx.params, tokens, start, valid))
         finish, seen, stats = (), set(), None
         for opts, idx, prev_idx in self._steps(ctx, plan, a):
+            if (opts.kind, opts.prev_kind) in seen:  # the same program and shapes as a layer before
+                continue
+            seen.add((opts.kind, opts.prev_kind))
             args = (ctx.params, a.state, h, a.cache, inputs, idx, prev_idx, finish)
-            if (opts.kind, opts.prev_kind) not in seen:
-                seen.add((opts.kind, opts.prev_kind))
-                ctx.compile(front_program, args, cfg=cfg, opts=opts)
+            ctx.compile(front_program, args, cfg=cfg, opts=opts)
             if opts.kind is None:
-                break
+                continue
             out = jax.eval_shape(functools.partial(front_program, cfg=cfg, opts=opts), *args)
             h, handoff, stats = (jax.tree.map(device_spec, x) for x in (out[0], out[3], out[4]))
-            dev_args = (ctx.banks, a.state, handoff)
             if not finish:
+                dev_args = (ctx.banks, a.state, handoff)
                 ctx.compile(device_program, dev_args, opts=plan.opts)
                 y_dev = device_spec(jax.eval_shape(functools.partial(device_program, opts=plan.opts), *dev_args)[1])
                 y_cpu = device_spec(jax.ShapeDtypeStruct(handoff.cpu_flat.shape + handoff.x.shape, handoff.x.dtype))

@@ -86,9 +86,9 @@ def run(main) -> None:
     """``app.run(main)`` under :func:`guard` (bad input: one ``error:`` line, status 1), with
     ``--compilation_cache_dir`` defined for the script: JAX's persistent compilation cache is on before
     ``main`` runs (``ftjax.compile_cache``: ``~/.cache/ftjax/jax`` by default; empty: off)."""
-    from absl import app, flags
+    from absl import flags
 
-    from ftjax import compile_cache
+    from ftjax import absl_app, compile_cache
     compile_cache.define_flag(module_name=_caller_module(1))
     guarded = guard(main)
 
@@ -98,7 +98,7 @@ def run(main) -> None:
             logging.set_verbosity(logging.WARNING)
         compile_cache.configure(flags.FLAGS.compilation_cache_dir)
         return guarded(argv)
-    app.run(cached)
+    absl_app.run(cached)
 
 
 def validate(name: str, check: Callable[[Any], str | None]) -> None:

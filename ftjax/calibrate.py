@@ -578,8 +578,8 @@ def main(argv):
 
 FLAGS = None
 if __name__ == "__main__":
-    from absl import app
+    from ftjax import absl_app
     from ftjax.experts.cpu_experts import use_sync_cpu_dispatch
     use_sync_cpu_dispatch()  # before JAX starts: callback mechanisms on a CPU backend need it
     FLAGS = _flags()
-    app.run(main)
+    absl_app.run(main)

@@ -179,3 +179,27 @@ def test_on_demand_run_reports_no_cache_instead_of_a_zero_hit_rate():
     r = _run("--preset=tiny", "--experts=on_demand", "--max_new_tokens=3", "--prompt_len=8")
     assert r.returncode == 0, r.stderr
     assert "experts on demand (no cache kept between steps)" in r.stdout and "hit rate" not in r.stdout
+
+
+def test_help_exits_zero_and_flag_errors_stay_one(monkeypatch):
+    """absl's ``app.run`` exits with 1 after printing the usage for ``--help``; ``ftjax.absl_app.run`` (every CLI's
+    and experiment script's entry point) makes that 0, and leaves every other status as it was."""
+    from absl import app
+    from ftjax import absl_app
+    assert absl_app.asks_for_help(["prog", "--help"]) and absl_app.asks_for_help(["prog", "--x=1", "--helpfull"])
+    assert absl_app.asks_for_help(["prog", "-?"]) and absl_app.asks_for_help(["prog", "--helpshort=true"])
+    assert not absl_app.asks_for_help(["prog", "--help=false"]) and not absl_app.asks_for_help(["prog", "--", "--help"])
+    assert not absl_app.asks_for_help(["--help"])  # the program's own name is not a flag
+    codes = []
+
+    def fake_run(main, argv=None, **kw):
+        codes.append(list(argv))
+        raise SystemExit(1)
+
+    monkeypatch.setattr(app, "run", fake_run)
+    with pytest.raises(SystemExit) as e:
+        absl_app.run(lambda argv: None, ["prog", "--helpshort"])
+    assert e.value.code == 0 and codes == [["prog", "--helpshort"]]
+    with pytest.raises(SystemExit) as e:  # a bad flag, or main exiting 1: unchanged
+        absl_app.run(lambda argv: None, ["prog", "--bogus=1"])
+    assert e.value.code == 1

@@ -19,9 +19,9 @@ import os
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
 
-from ftjax import engine_flags
+from ftjax import absl_app, engine_flags
 from ftjax.engine_flags import UserError
 
 FLAGS = flags.FLAGS
@@ -143,4 +143,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main, argv=engine_flags.alias_no_flags(sys.argv))
+    absl_app.run(main, argv=engine_flags.alias_no_flags(sys.argv))

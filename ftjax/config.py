@@ -348,13 +348,20 @@ def check_devices(devices: int, num_experts: int, available: int | None = None, 
                          f"(jax.device_count(); a CPU run can force more with "
                          f"XLA_FLAGS=--xla_force_host_platform_device_count=N before jax starts)")
     if split == "tensor":
-        if num_ffn is not None and num_ffn % devices:
-            raise ValueError(f"devices={devices} must divide the expert FFN width F={num_ffn} (expert_split "
-                             f"'tensor': each device holds F / devices columns of every expert)")
+        if num_ffn is not None:
+            check_ffn_split(devices, num_ffn)
         return
     if num_experts % devices:
         raise ValueError(f"devices={devices} must divide the number of experts E={num_experts} "
                          f"(each device owns E / devices experts of every layer)")
+
+
+def check_ffn_split(devices: int, num_ffn: int) -> None:
+    """Raises ValueError unless ``devices`` divides the expert FFN width F (``expert_split`` "tensor": each device
+    holds F / devices columns of every expert; ``ftjax.experts.tensor_parallel``)."""
+    if num_ffn % devices:
+        raise ValueError(f"devices={devices} must divide the expert FFN width F={num_ffn} (expert_split "
+                         f"'tensor': each device holds F / devices columns of every expert)")
 
 
 def check_slots(num_slots: int, num_layers: int, num_experts: int, devices: int) -> int:

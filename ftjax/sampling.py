@@ -184,7 +184,7 @@ def sample(logits: jax.Array, key: jax.Array, temperature: float, top_p: float, 
 
 
 def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_p: jax.Array,
-                top_k: jax.Array) -> jax.Array:
+                top_k: jax.Array, all_greedy: bool | None = None) -> jax.Array:
     """Picks one token per row, each row with its own parameters and key (traced: one program for
     every value).
 
@@ -199,12 +199,15 @@ def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_
       temperature: float32 [B] >= 0; below :data:`GREEDY_BELOW`: that row is greedy.
       top_p: float32 [B] in (0, 1]; 1 keeps every token.
       top_k: int32 [B] >= 0; 0 (or >= V) keeps every token.
+      all_greedy: static, what the caller knows of the temperatures: True, every row is greedy (the argmax alone);
+        False, some row samples (the draw, greedy rows taking the argmax); None, not known: a ``lax.cond`` on
+        the traced temperatures picks one. The tokens are the same either way; the draw sorts every row's V
+        logits (top-p). A host that knows should say: on a GPU a ``lax.cond`` outside a command buffer copies its
+        predicate to the host, which waits for the queued work (run-ahead then hides nothing).
     Returns:
       int32 [B] token ids.
     The values are traced, so they are not checked here: check each request's with
     :func:`check_sampling` first (a negative top_k acts as 0, a top_p above 1 as 1).
-    A batch of greedy rows takes the argmax alone (``lax.cond``: the draw, whose top-p sorts every row's
-    V logits, runs only when some row samples); its tokens are the same either way.
     """
     logits = jnp.asarray(logits, jnp.float32)
     t = jnp.asarray(temperature, jnp.float32)[:, None]
@@ -218,6 +221,8 @@ def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_
         drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, scaled)
         return jnp.where(greedy[:, 0], best, drawn).astype(jnp.int32)
 
+    if all_greedy is not None:
+        return best if all_greedy else draw(None)
     # a batch of greedy rows skips the draw (its sort of every row's V logits for top-p): same tokens
     return jax.lax.cond(jnp.all(greedy), lambda _: best, draw, None)
 

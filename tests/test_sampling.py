@@ -333,3 +333,23 @@ def test_an_all_greedy_batch_takes_the_argmax_without_the_draw():
     assert "stablehlo.case" in hlo or "stablehlo.if" in hlo
     mixed = np.asarray(_sample_rows(logits, keys, jnp.asarray([0.0, 1.0, 0.0], jnp.float32), p, k))
     assert mixed[0] == greedy[0] and mixed[2] == greedy[2] and mixed[1] in (0, 1)  # top_k 2 of the tied four
+
+
+@pytest.mark.parametrize("temps", [[0.0, 0.0, 0.0], [0.0, 1.0, 0.7]])
+def test_a_static_greedy_hint_draws_the_same_tokens_without_a_conditional(temps):
+    """``all_greedy`` (what the scheduler's one-step draw knows of its requests) picks the branch on the host:
+    the same tokens as the conditional's, and no ``case``/``if`` in the program (on a GPU its predicate would be
+    copied to the host, which then waits for the queued step)."""
+    logits = jnp.asarray(np.random.default_rng(6).normal(size=(3, 64)), jnp.float32)
+    keys = jax.random.split(jax.random.key(2), 3)
+    t, p, k = jnp.asarray(temps, jnp.float32), jnp.full(3, 0.9, jnp.float32), jnp.asarray([0, 5, 0], jnp.int32)
+    hint = all(x == 0.0 for x in temps)
+    want = np.asarray(_sample_rows(logits, keys, t, p, k))
+    hinted = jax.jit(sample_rows, static_argnames="all_greedy")
+    np.testing.assert_array_equal(np.asarray(hinted(logits, keys, t, p, k, all_greedy=hint)), want)
+    if not hint:  # the draw itself also serves an all-greedy batch: its greedy rows take the argmax
+        np.testing.assert_array_equal(np.asarray(hinted(logits, keys, jnp.zeros(3), p, k, all_greedy=False)),
+                                      np.argmax(np.asarray(logits), axis=-1))
+    hlo = hinted.lower(logits, keys, t, p, k, all_greedy=hint).as_text()
+    assert "stablehlo.case" not in hlo and "stablehlo.if" not in hlo
+    assert ("stablehlo.sort" in hlo) == (not hint)  # the argmax alone sorts nothing

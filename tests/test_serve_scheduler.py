@@ -427,6 +427,37 @@ def test_run_ahead_feeds_the_device_tokens_and_changes_no_token():
     assert out[True]["b"][-1][:2] == (stop, "stop") and len(out[True]["c"]) == N + 2
 
 
+def test_run_ahead_reads_each_step_only_after_dispatching_the_next():
+    """With run-ahead, nothing of a decode step is read on the host before the next step is dispatched: its
+    expert stats are counted when its tokens are read (counting them at dispatch waits for the step, and the
+    device would never run ahead), and every decode step is counted once (the one run ahead past the last
+    token too: it moved the slot table)."""
+    eng = _engine("cached", 1, 16)
+    sched = Scheduler(eng)
+    advance, add, log = eng.advance, eng.counters["decode"].add, []
+
+    def spy_advance(tokens=None, **kw):
+        adv = advance(tokens, **kw)
+        log.append(("advance", adv.kind, adv.stats))  # the objects kept: compared by identity
+        return adv
+
+    def spy_add(stats):
+        log.append(("add", None, stats))
+        return add(stats)
+
+    eng.advance, eng.counters["decode"].add = spy_advance, spy_add
+    sched.submit(PROMPTS[0], SamplingParams(max_tokens=N))
+    while sched.has_work():
+        sched.step()
+    adds = [i for i, e in enumerate(log) if e[0] == "add"]
+    decodes = [i for i, e in enumerate(log) if e[1] == "decode"]
+    assert len(adds) == len(decodes) >= N - 1
+    assert {id(log[i][2]) for i in adds} == {id(log[i][2]) for i in decodes}  # each step once
+    for i in adds[:-1]:  # every step's stats but the last are read after the next step's dispatch
+        latest = max(j for j in decodes if j < i)
+        assert log[i][2] is not log[latest][2], [e[:2] for e in log]
+
+
 def test_generation_config_defaults_applied_and_overridden():
     greedy = _alone(tuple(PROMPTS[0]))[0]
     model = dataclasses.replace(_model(), sampling_defaults=SamplingDefaults(do_sample=True, temperature=1.0, top_k=1))

@@ -43,10 +43,8 @@ import concurrent.futures
 import ctypes
 import dataclasses
 import functools
-import itertools
 import os
 import sys
-import threading
 from typing import Any
 
 import jax
@@ -56,7 +54,7 @@ from jax.experimental import io_callback
 from jax.experimental.compute_on import compute_on
 
 from ftjax.experts import quant
-from ftjax.experts.host_async import next_ticket
+from ftjax.experts.host_async import DriverThreadKernel
 from ftjax.experts.compute import _swiglu
 
 IMPLS = ("callback", "callback_async", "numpy_rows_async", "native_async", "compute_on", "compute_on_static")
@@ -254,13 +252,14 @@ def use_sync_cpu_dispatch() -> None:
     jax.config.update("jax_cpu_enable_async_dispatch", False)
 
 
-class HostExpertKernel:
+class HostExpertKernel(DriverThreadKernel):
     """Computes expert FFNs on the CPU from zero-copy views of the host banks.
 
     Each expert is one call of an XLA:CPU-jitted :func:`_ffn` on the CPU device, its weight rows
     handed over without a copy (the banks' rows are 64-byte aligned, which XLA:CPU needs to alias
     a numpy buffer; ``zero_copy`` records whether it did); ``threads`` experts run at once in a
-    thread pool.
+    thread pool. The asynchronous interface (``submit`` / ``result`` / ``compute``) is
+    ``host_async.DriverThreadKernel``'s.
 
     Args:
       gate_up, down: :class:`HostBankView` of the banks [L*E, D, 2F] and [L*E, F, D].
@@ -277,9 +276,7 @@ class HostExpertKernel:
         self.cpu = jax.devices("cpu")[0]
         self._ffn = jax.jit(_ffn, static_argnames=("fmt",))
         self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="ftjax-cpu-expert")
-        self._pending: dict[int, tuple[list, tuple]] = {}
-        self._lock = threading.Lock()
-        self._tickets = itertools.count()
+        self._start_driver("ftjax-cpu-expert-driver")
         row = self.gate_up.array[0]
         self.zero_copy = jax.device_put(row, self.cpu).unsafe_buffer_pointer() == row.ctypes.data
 
@@ -291,34 +288,12 @@ class HostExpertKernel:
             sg, sd = (jax.device_put(v.array[fid], self.cpu) for v in self.scales)
         return np.asarray(self._ffn(x_cpu, gu, dn, sg, sd, fmt=self.fmt))
 
-    def submit(self, x: np.ndarray, flat_ids: np.ndarray, count) -> int:
-        """Starts ``count`` experts; returns a ticket for :meth:`result`, an int in [0, 2**31) (it travels
-        through the step as an int32; tickets wrap). x [N, D]; flat_ids int [C]."""
-        x = np.asarray(x)
-        count = int(count)
-        shape = (int(np.shape(flat_ids)[0]),) + x.shape
-        x_cpu = jax.device_put(x, self.cpu)
-        futs = [self._pool.submit(self._one, x_cpu, int(flat_ids[j])) for j in range(count)]
-        ticket = next_ticket(self._tickets)
-        with self._lock:
-            self._pending[ticket] = (futs, (shape, x.dtype))
-        return ticket
-
-    def result(self, ticket) -> np.ndarray:
-        """Waits for a ticket; returns [C, N, D] in x's dtype (rows past ``count`` are zeros)."""
-        with self._lock:
-            futs, (shape, dtype) = self._pending.pop(int(ticket))
+    def _call(self, x: np.ndarray, fids: np.ndarray, shape: tuple, dtype) -> np.ndarray:
         out = np.zeros(shape, dtype)
-        for j, f in enumerate(futs):
-            out[j] = f.result()
+        x_cpu = jax.device_put(x, self.cpu)
+        for j, y in enumerate(self._pool.map(lambda fid: self._one(x_cpu, int(fid)), fids)):
+            out[j] = y
         return out
-
-    def compute(self, x: np.ndarray, flat_ids: np.ndarray, count) -> np.ndarray:
-        """Synchronous :meth:`submit` + :meth:`result`."""
-        return self.result(self.submit(x, flat_ids, count))
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
 
 
 _KERNELS: dict[tuple, Any] = {}

@@ -404,12 +404,3 @@ class NativeKernel(DriverThreadKernel):
             out[:fids.size] = self.run(x, fids)
         return out
 
-    # ---- the kernel interface -------------------------------------------------------------
-    def compute(self, x: np.ndarray, flat_ids: np.ndarray, count) -> np.ndarray:
-        """:meth:`submit` + :meth:`result` without the hand-off: runs in the calling thread."""
-        x = np.asarray(x)
-        fids = np.array(np.asarray(flat_ids)[: int(count)], np.int32)
-        return self._call(x, fids, (int(np.shape(flat_ids)[0]),) + x.shape, x.dtype)
-
-    def close(self) -> None:
-        self._driver.shutdown(wait=True)

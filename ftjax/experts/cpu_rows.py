@@ -305,11 +305,3 @@ class RowSplitKernel(DriverThreadKernel):
     # ---- the kernel interface -------------------------------------------------------------
     def _ids(self, flat_ids: np.ndarray, count) -> list[int]:
         return [int(i) for i in np.asarray(flat_ids)[: int(count)]]
-
-    def compute(self, x: np.ndarray, flat_ids: np.ndarray, count) -> np.ndarray:
-        """Synchronous :meth:`submit` + :meth:`result`."""
-        return self.result(self.submit(x, flat_ids, count))
-
-    def close(self) -> None:
-        self._driver.shutdown(wait=True)
-        self._pool.shutdown(wait=True)

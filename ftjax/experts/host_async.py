@@ -26,8 +26,12 @@ def next_ticket(counter: Iterator[int]) -> int:
 class DriverThreadKernel:
     """Base of a host kernel whose calls run in order on one driver thread (which fans each call out to
     its own workers): :meth:`submit` hands a call over and returns a ticket at once, :meth:`result` waits
-    for it. Subclasses call :meth:`_start_driver` in ``__init__`` and define ``_call(x, fids, shape, dtype)``
-    -> [C, N, D] (rows past the listed ids zeros) and, where their ids are not an int32 array, ``_ids``."""
+    for it; :meth:`compute` runs a call in the calling thread. Subclasses call :meth:`_start_driver` in
+    ``__init__`` and define ``_call(x, fids, shape, dtype)`` -> [C, N, D] (rows past the listed ids zeros),
+    where their ids are not an int32 array ``_ids``, and, with a worker pool of their own, ``_pool`` (shut
+    down by :meth:`close`)."""
+
+    _pool: concurrent.futures.Executor | None = None
 
     def _start_driver(self, name: str) -> None:
         self._driver = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
@@ -56,3 +60,15 @@ class DriverThreadKernel:
         with self._lock:
             fut = self._pending.pop(int(ticket))
         return fut.result()
+
+    def compute(self, x: np.ndarray, flat_ids: np.ndarray, count) -> np.ndarray:
+        """:meth:`submit` + :meth:`result` without the hand-off: the call runs in the calling thread.
+        x [N, D]; flat_ids int [C], the first ``count`` computed. Returns [C, N, D] in x's dtype."""
+        x = np.asarray(x)
+        return self._call(x, self._ids(flat_ids, count), (int(np.shape(flat_ids)[0]),) + x.shape, x.dtype)
+
+    def close(self) -> None:
+        """Stops the driver thread (and the workers), after the calls submitted."""
+        self._driver.shutdown(wait=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)

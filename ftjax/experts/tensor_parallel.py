@@ -27,6 +27,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from ftjax.config import check_ffn_split
 from ftjax.experts import offload
 from ftjax.experts.parallel import EXPERT_AXIS, expert_mesh, host_memory_kind, sharded_zeros
 from ftjax.experts.slot_table import init_slot_table
@@ -35,9 +36,9 @@ from ftjax.seams import LayerRouting
 
 
 def check_split(num_ffn: int, fmt: str, devices: int) -> None:
-    """Raises ValueError unless ``devices`` divides the expert FFN width F and the banks are dense."""
-    if num_ffn % devices:
-        raise ValueError(f"expert_split='tensor': devices={devices} must divide the expert FFN width F={num_ffn}")
+    """Raises ValueError unless ``devices`` divides the expert FFN width F (``config.check_ffn_split``) and the
+    banks are dense (a format the engine config cannot see)."""
+    check_ffn_split(devices, num_ffn)
     if fmt != "dense":
         raise ValueError(f"expert_split='tensor' splits dense expert banks only, got format {fmt!r} (a quantized "
                          f"format's scales would split with F); use expert_split='expert' or dense experts")

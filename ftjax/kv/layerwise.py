@@ -128,6 +128,13 @@ def _to_device(x: jax.Array) -> jax.Array:
     return jax.device_put(x, jax.memory.Space.Device)
 
 
+def split_runs(items: Sequence, counts: Sequence[int]) -> list[tuple]:
+    """``items`` cut into consecutive runs of ``counts[i]`` items each (what each batch row owns of a call's
+    chunks, the rows' runs one after another): a tuple per count, empty for 0."""
+    ends = list(itertools.accumulate(counts))
+    return [tuple(items[end - n:end]) for n, end in zip(counts, ends)]
+
+
 class LayerwiseKV:
     """The KV hook of ``model.forward`` (see the module docstring).
 
@@ -166,8 +173,8 @@ class LayerwiseKV:
         if self.prefix and len(self.prefix) != self.num_chunks:
             raise ValueError(f"{len(self.prefix)} prefix chunks, but the rows own {self.num_chunks}")
         # per row with a prefix: the linear states of its last chunk (a hybrid model's), else ()
-        self.state = tuple((r.row, tuple(prefix[end - 1][1:])) for r, end in zip(rows, self._ends())
-                           if r.prefix_chunks and prefix and isinstance(prefix[0], tuple))
+        self.state = tuple((row, tuple(chunks[-1][1:])) for row, chunks in self._by_row(prefix)
+                           if prefix and isinstance(prefix[0], tuple))
         shapes = {tuple(c.shape) for c in self.prefix}
         if len(shapes) > 1:
             raise ValueError(f"prefix chunks must share one shape, got {sorted(shapes)}")
@@ -187,14 +194,10 @@ class LayerwiseKV:
         """New chunks emitted per layer, over all rows."""
         return sum(r.store_chunks for r in self.rows)
 
-    def _ends(self) -> list[int]:
-        """Each row's end (exclusive) in the prefix's chunk arrays."""
-        return list(itertools.accumulate(r.prefix_chunks for r in self.rows))
-
     def _by_row(self, parts: Sequence) -> list[tuple[int, tuple]]:
         """(row, its parts) of each row with a prefix, ``parts`` one per chunk array in the rows' order."""
-        return [(r.row, tuple(parts[end - r.prefix_chunks:end])) for r, end in zip(self.rows, self._ends())
-                if r.prefix_chunks]
+        runs = split_runs(parts, [r.prefix_chunks for r in self.rows])
+        return [(r.row, run) for r, run in zip(self.rows, runs) if r.prefix_chunks]
 
     # ---- KVHook ---------------------------------------------------------------------------
     def scan_xs(self) -> Any:

@@ -50,6 +50,7 @@ from ftjax.config import EngineConfig
 from ftjax.experts import parallel, tensor_parallel
 from ftjax.experts.slot_table import reset_table
 from ftjax.experts.state import ExpertCounters, ExpertState, init_expert_state
+from ftjax.kv.layerwise import split_runs
 from ftjax.runtime import drivers, programs, transfers
 from ftjax.runtime.drivers import CallArgs, RunContext
 from ftjax.runtime.misses import build_miss_runtime
@@ -495,11 +496,8 @@ class Engine:
     def _row_outputs(call: _Call, kv_out) -> dict[int, tuple]:
         """Each hooked row's new chunks out of a call's ``kv_out`` (the rows' chunks one after another, in
         ``call.hook_rows``' order): row -> its ``store_chunks`` entries."""
-        outs, n = {}, 0
-        for part in call.hook_rows:
-            outs[part.row] = tuple(kv_out[n:n + part.store_chunks]) if part.store_chunks else ()
-            n += part.store_chunks
-        return outs
+        runs = split_runs(() if kv_out is None else kv_out, [part.store_chunks for part in call.hook_rows])
+        return {part.row: run for part, run in zip(call.hook_rows, runs)}
 
     def _prefill_step(self, rows: Sequence[Row | None], cache: KVCache, all_logits: bool, last=None):
         """Runs the next merged call of ``rows`` (:meth:`_next_call`) on ``cache``; advances them.

@@ -165,6 +165,13 @@ def non_expert_params(cfg: ModelConfig) -> int:
     return sum(math.prod(s) for s in leaves)
 
 
+def split_factors(devices: int, expert_split: str) -> tuple[int, int]:
+    """(share, piece) of one device under a split of the experts over ``devices`` (``EngineConfig.expert_split``):
+    it owns E / share experts of every layer, and one of its slots holds 1 / piece of an expert. "expert":
+    (N, 1); "tensor": (1, N)."""
+    return (devices, 1) if expert_split == "expert" else (1, devices)
+
+
 def plan_memory(cfg: ModelConfig, itemsize: int, budget_bytes: int | None = None, slots: int | None = None,
                 batch: int = 1, max_seq_len: int = 512, workspace_bytes: int | None = None,
                 expert_bytes: int | None = None, pipelined: bool = False, devices: int = 1,
@@ -194,8 +201,7 @@ def plan_memory(cfg: ModelConfig, itemsize: int, budget_bytes: int | None = None
     """
     if (budget_bytes is None) == (slots is None):
         raise ValueError("give exactly one of a VRAM budget or a slot count")
-    share = devices if expert_split == "expert" else 1  # the experts each device owns: E / share per layer
-    piece = 1 if expert_split == "expert" else devices  # the part of an expert one slot holds: 1 / piece
+    share, piece = split_factors(devices, expert_split)
     e, pool = cfg.num_experts // share, cfg.num_layers * cfg.num_experts // share
     dense_eb = cfg.expert_bytes(itemsize) // piece
     eb = (int(expert_bytes) if expert_bytes is not None else cfg.expert_bytes(itemsize)) // piece
@@ -270,7 +276,7 @@ def plan_run(model, config: EngineConfig, prompts: Sequence[Sequence[int]], budg
     pipelined = config.pipelines_streams() and config.prefill != "on_demand"
     n = config.devices  # over N devices every size is one device's (MemoryPlan.devices)
     split = config.expert_split
-    share = n if split == "expert" else 1  # slots S / N each under the expert split; S pieces under tensor
+    share = split_factors(n, split)[0]  # slots S / N each under the expert split; S pieces under tensor
     if budget_bytes is None:
         if mode == "resident" or (slots is None and mode == "auto"):
             per_device = None if n == 1 else plan_memory(

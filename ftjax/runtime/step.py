@@ -191,18 +191,19 @@ def sample_next(logits, key, temperature: float, top_p: float, top_k: int = 0):
     return sample(logits, sub, temperature, top_p, top_k)[:, None], key
 
 
-@jax.jit
-def sample_rows_next(logits, key_data, temperature, top_p, top_k):
+@functools.partial(jax.jit, static_argnames=("all_greedy",))
+def sample_rows_next(logits, key_data, temperature, top_p, top_k, all_greedy: bool | None = None):
     """One draw per row with its own key and parameters (``ftjax.sampling.sample_rows``), in one program.
 
     logits: float32 [B, V]; key_data: uint32 [B, 2], each row's key (``jax.random.key_data`` of a default
     threefry key); temperature, top_p: float32 [B]; top_k: int32 [B]. Each row's key is split: the draw
     uses one half, the other is the row's next key. Returns (int32 [B] tokens, uint32 [B, 2] next keys,
     float32 [B] the log-probability of each token under the model's distribution, ``log_softmax(logits)``,
-    before temperature, top-k and top-p)."""
+    before temperature, top-k and top-p). ``all_greedy``: ``sample_rows``' static hint (the scheduler's one-step
+    draw gives it: it knows its requests' temperatures; a decode block's draw leaves it None)."""
     keys = jax.random.wrap_key_data(key_data)
     pairs = jax.vmap(jax.random.split)(keys)  # [B, 2]
-    tokens = sample_rows(logits, pairs[:, 1], temperature, top_p, top_k)
+    tokens = sample_rows(logits, pairs[:, 1], temperature, top_p, top_k, all_greedy)
     logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), tokens[:, None], axis=-1)
     return tokens, jax.random.key_data(pairs[:, 0]), logprobs[:, 0]
 

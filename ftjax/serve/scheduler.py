@@ -75,12 +75,13 @@ import time
 import uuid
 from typing import Callable, Sequence
 
+import jax
 import numpy as np
 
 from ftjax import memory
 from ftjax.runtime.plan import prompt_error
 from ftjax.runtime.step import RowSampling, sample_rows_next
-from ftjax.sampling import ResolvedSampling
+from ftjax.sampling import GREEDY_BELOW, ResolvedSampling
 from ftjax.serve.text import StopChecker
 
 #: finished requests whose :class:`RequestStats` :meth:`Scheduler.stats` keeps (the most recent)
@@ -185,10 +186,13 @@ class _Dispatched:
 @dataclasses.dataclass(eq=False)
 class _Sampled(_Dispatched):
     """One dispatched draw: the results on the device: tokens int32 [B], next keys uint32 [B, 2], logprobs
-    float32 [B]."""
+    float32 [B]; and the decode step's expert stats (``LayerStats``, on the device; None after a prefill call,
+    which the engine counts itself), counted when the tokens are read: read at dispatch, they would make the
+    host wait for the step it just dispatched and run-ahead would hide nothing."""
     tokens: object
     keys: object
     logprobs: object
+    stats: object = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -373,7 +377,8 @@ class Scheduler:
                 self._ahead = self._decode(events, ahead)
                 self._read(ahead, events)
                 if self._ahead is not None and not self._ahead.live():
-                    self._ahead = None  # every request in it ended: nothing of it is wanted
+                    self._count(self._ahead)  # every request in it ended: nothing of it is wanted but its stats
+                    self._ahead = None
                 return events
             self._read(ahead, events)
         self._admit(events)
@@ -427,13 +432,28 @@ class Scheduler:
             tokens, keys = self._last_tokens(reqs), None
         try:
             adv = eng.advance(tokens)
-            eng.counters["decode"].add(adv.stats)
         except Exception as err:  # noqa: BLE001 - the shared call: its rows fail, the scheduler goes on
             self._fail_running(events, err)
             return None
         self._counts["engine_calls_decode"] += 1
         self._counts["steps"] += 1
-        return self._dispatch_sample(adv.logits, reqs, events, keys)
+        sampled = self._dispatch_sample(adv.logits, reqs, events, keys, adv.stats)
+        if sampled is None:
+            self._count_stats(adv.stats)
+        return sampled
+
+    def _count_stats(self, stats) -> None:
+        """Adds a decode step's expert stats to the engine's counters (reads them: waits for the step)."""
+        try:
+            self.engine.counters["decode"].add(stats)
+        except Exception:  # noqa: BLE001 - the step failed on the device: its rows fail where its tokens are read
+            pass
+
+    def _count(self, sampled: "_Sampled") -> None:
+        """Counts ``sampled``'s decode stats once (:class:`_Sampled`)."""
+        if sampled.stats is not None:
+            stats, sampled.stats = sampled.stats, None
+            self._count_stats(stats)
 
     def _decode_block(self, events: list[TokenEvent]) -> None:
         """Dispatches one decode block of every running row (module docstring); with run-ahead it is read by the
@@ -526,10 +546,11 @@ class Scheduler:
             tokens[r.row, 0] = r.tokens[-1]
         return tokens
 
-    def _dispatch_sample(self, logits, reqs: list[_Request], events: list[TokenEvent], keys=None):
+    def _dispatch_sample(self, logits, reqs: list[_Request], events: list[TokenEvent], keys=None, stats=None):
         """Dispatches one draw for the rows of ``reqs`` (others drawn greedily and ignored); its results stay
-        on the device (:class:`_Sampled`). ``keys``: the rows' keys on the device (uint32 [B, 2]), else the
-        requests' own. None if ``reqs`` is empty or the draw could not be dispatched (they end)."""
+        on the device (:class:`_Sampled`, with the decode step's ``stats``). ``keys``: the rows' keys on the
+        device (uint32 [B, 2]), else the requests' own. None if ``reqs`` is empty or the draw could not be
+        dispatched (they end)."""
         if not reqs:
             return None
         b = self.max_batch
@@ -541,23 +562,24 @@ class Scheduler:
         for r in reqs:
             temp[r.row], top_p[r.row], top_k[r.row] = r.sampling.temperature, r.sampling.top_p, r.sampling.top_k
         try:
-            out = sample_rows_next(logits, keys, temp, top_p, top_k)
+            out = sample_rows_next(logits, keys, temp, top_p, top_k, all_greedy=bool(np.all(temp < GREEDY_BELOW)))
         except Exception as err:  # noqa: BLE001 - one draw for these rows: they fail together
             for r in reqs:
                 self._end(r, "error", events, f"sampling failed: {type(err).__name__}: {err}")
             return None
-        return _Sampled([(r, r.row) for r in reqs], *out)
+        return _Sampled([(r, r.row) for r in reqs], *out, stats=stats)
 
     def _read(self, sampled: "_Sampled", events: list[TokenEvent]) -> None:
         """Reads a draw's tokens on the host (waiting for its step) and hands each request still in the row it
         was drawn for its token (ending the requests that stop)."""
-        try:
-            toks, keys, logprobs = (np.asarray(x) for x in (sampled.tokens, sampled.keys, sampled.logprobs))
+        try:  # one wait, the three copies together
+            toks, keys, logprobs = jax.device_get((sampled.tokens, sampled.keys, sampled.logprobs))
         except Exception as err:  # noqa: BLE001 - the step failed on the device: its rows fail
             if sampled.live():
                 self._fail_running(events, err)
             self._ahead = None
             return
+        self._count(sampled)
         now = time.perf_counter()
         for r, row in sampled.reqs:
             if r.row != row:
@@ -683,6 +705,7 @@ class Scheduler:
         """Compiles the row sampler for this batch (committed device logits, as the engine returns them)."""
         b, v = self.max_batch, self.engine.cfg.vocab_size
         logits = memory.to_device(np.zeros((b, v), np.float32))
-        out = sample_rows_next(logits, np.zeros((b, 2), np.uint32), np.zeros(b, np.float32), np.ones(b, np.float32),
-                               np.zeros(b, np.int32))
-        np.asarray(out[0])
+        for all_greedy in (True, False):  # the one-step draw's two programs (_dispatch_sample)
+            out = sample_rows_next(logits, np.zeros((b, 2), np.uint32), np.zeros(b, np.float32),
+                                   np.ones(b, np.float32), np.zeros(b, np.int32), all_greedy=all_greedy)
+            np.asarray(out[0])

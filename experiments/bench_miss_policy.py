@@ -182,7 +182,7 @@ def main(argv):
         raise app.UsageError(f"--cpu_drivers={','.join(FLAGS.cpu_drivers)}: expected some of {CPU_DRIVERS}")
     entry, impls = None, []
     for driver in FLAGS.cpu_drivers:
-        names = [i for i in FLAGS.impls if driver == "callback" or i in cpu_experts.CALLBACK_IMPLS]
+        names = calibrate.host_driver_impls(FLAGS.impls) if driver == "host" else list(FLAGS.impls)
         if not names:
             res["notes"].append(f"no mechanism of --impls has a host kernel: driver {driver} not run")
             continue

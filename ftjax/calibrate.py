@@ -311,6 +311,13 @@ def impl_key(impl: str, driver: str = "callback") -> str:
     return impl if driver == "callback" else f"{impl}@{driver}"
 
 
+def host_driver_impls(impls: Sequence[str]) -> list[str]:
+    """The mechanisms of ``impls`` that the host-split driver can call: those with a host kernel
+    (``cpu_experts.CALLBACK_IMPLS``)."""
+    from ftjax.experts.cpu_experts import CALLBACK_IMPLS
+    return [i for i in impls if i in CALLBACK_IMPLS]
+
+
 def plan_points(max_misses: int, quick: bool) -> dict:
     """Which (n_fetch, n_cpu) to time for up to ``max_misses`` misses per layer."""
     c = max(1, max_misses)
@@ -535,7 +542,7 @@ def main(argv):
         logging.set_verbosity(logging.WARNING)
     from ftjax.config import ConfigError, preset
     from ftjax.families import load_hf_config
-    from ftjax.experts.cpu_experts import IMPLS
+    from ftjax.experts.cpu_experts import CALLBACK_IMPLS, IMPLS
     flags_ = FLAGS
     try:
         bad = [i for i in flags_.impls if i not in IMPLS]
@@ -552,6 +559,12 @@ def main(argv):
         from ftjax.config import CPU_DRIVERS
         if not flags_.drivers or any(d not in CPU_DRIVERS for d in flags_.drivers):
             raise CalibrationError(f"--drivers {flags_.drivers}: expected some of {CPU_DRIVERS}")
+        if "host" in flags_.drivers and not host_driver_impls(flags_.impls):
+            raise CalibrationError(f"--drivers=host calls a host kernel; none of --impls {flags_.impls} has one "
+                                   f"(expected some of {CALLBACK_IMPLS})")
+        skipped = [i for i in flags_.impls if i not in host_driver_impls(flags_.impls)]
+        if "host" in flags_.drivers and skipped:
+            print(f"note: {', '.join(skipped)} have no host kernel: calibrated for --drivers=callback only")
         if flags_.cpu_threads < 0:
             raise CalibrationError(f"--cpu_threads must be >= 0 (0 = sweep), got {flags_.cpu_threads}")
         path = flags_.profile or default_profile_path()
@@ -563,8 +576,9 @@ def main(argv):
               f"{flags_.bank_rows} host experts")
         gu, dn = synthetic_banks(cfg, dtype, flags_.bank_rows)
         failed = []
-        for driver in flags_.drivers:
-            entry = calibrate(gu, dn, cfg, dtype, flags_.tokens, flags_.impls, flags_.cpu_threads or None,
+        for driver in dict.fromkeys(flags_.drivers):
+            impls = host_driver_impls(flags_.impls) if driver == "host" else flags_.impls
+            entry = calibrate(gu, dn, cfg, dtype, flags_.tokens, impls, flags_.cpu_threads or None,
                               quick=flags_.quick, driver=driver)
             save_entry(path, key, entry)
             failed += [i for i, r in entry["impls"].items() if not r.get("ok")]

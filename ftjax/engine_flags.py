@@ -291,6 +291,10 @@ def miss_config(mode: str) -> MissPolicyConfig:
     if FLAGS.miss_policy != "fetch" and mode == "resident":
         print(f"note: all experts are resident, so there are no misses; --miss_policy={FLAGS.miss_policy} ignored")
         return MissPolicyConfig()
+    if FLAGS.miss_policy != "fetch" and FLAGS.cpu_miss_driver == "host" and FLAGS["decode_block"].present \
+            and FLAGS.decode_block > 1:
+        print(f"note: --cpu_miss_driver=host decodes a step per call whose split uses the CPU (one host step per "
+              f"layer), so --decode_block={FLAGS.decode_block} applies only where every miss is fetched")
     if FLAGS.miss_policy == "fetch" and any(FLAGS[name].present for name in ("cpu_expert_impl", "cpu_threads",
                                                                               "cpu_miss_driver")):
         print("note: --miss_policy=fetch copies every miss, so --cpu_expert_impl / --cpu_threads / --cpu_miss_driver "

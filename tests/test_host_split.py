@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import json
 
+import jax
 import numpy as np
 import pytest
 
-from cli_helpers import run_generate
+from cli_helpers import run_generate, run_module_app
 from conftest import load_fixture
 from ftjax import Engine
 from ftjax.config import EngineConfig, MissPolicyConfig
@@ -32,6 +33,10 @@ def qwen():
     want = Engine(model, EngineConfig("resident", max_seq_len=96)).generate([prompt], STEPS, keep_logits=True,
                                                                             trace_routing=True)
     return model, prompt, want
+
+
+def _run_calibrate(*args: str):
+    return run_module_app("ftjax.calibrate", args, define=lambda m: setattr(m, "FLAGS", m._flags()))
 
 
 def _engine(model, miss: MissPolicyConfig, batch: int = 1) -> Engine:
@@ -133,12 +138,71 @@ def test_generate_cli_host_driver(qwen, tmp_path):
     metrics, logits = tmp_path / "m.json", tmp_path / "l.npy"
     r = run_generate(f"--checkpoint={model.name}", f"--prompt_ids={','.join(map(str, prompt))}",
                      f"--max_new_tokens={STEPS}", f"--expert_slots={model.cfg.num_experts}", "--max_seq_len=96",
-                     "--miss_policy=cpu", "--cpu_expert_impl=callback", "--cpu_miss_driver=host",
+                     "--miss_policy=cpu", "--cpu_expert_impl=callback", "--cpu_miss_driver=host", "--decode_block=4",
                      f"--metrics_json={metrics}", f"--logits_npy={logits}")
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "--decode_block=4 applies only where every miss is fetched" in r.stdout
     np.testing.assert_array_equal(np.load(logits), want.step_logits[:, 0])
     ec = json.loads(metrics.read_text())["expert_cache"]
     assert ec["cpu_computed"] == ec["misses"] > 0 and ec["fetched"] == 0
     r = run_generate("--miss_policy=cpu", "--cpu_expert_impl=compute_on", "--cpu_miss_driver=host",
                      "--max_new_tokens=2", "--prompt_ids=1,2,3")
     assert r.returncode == 1 and "cpu_driver 'host'" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_call_that_streams_whole_layers_keeps_the_scan(qwen):
+    """With 2E slots a prefill call of >= E / k tokens streams whole layers (every expert fetched): the split has
+    nothing to do there, so it stays on the scan, and the host driver's counters and table equal the in-program
+    split's."""
+    model, prompt, want = qwen
+    e = model.cfg.num_experts
+    engines = [Engine(model, EngineConfig("cached", num_slots=2 * e, max_seq_len=96, miss=miss)) for miss in (
+        MissPolicyConfig("adaptive", "callback", fixed_fetch=1, cpu_driver="host"),
+        MissPolicyConfig("adaptive", "compute_on", fixed_fetch=1))]
+    plan = engines[0].planner.plan(1, 16, 16)
+    assert plan.driver == "scan" and plan.opts.stream
+    host, inside = (eng.generate([prompt], 6, keep_logits=True) for eng in engines)
+    np.testing.assert_array_equal(host.step_logits, want.step_logits[:6])
+    mh, mi = (eng.expert_cache_metrics() for eng in engines)
+    assert all(mh[k] == mi[k] for k in ("hits", "misses", "fetched", "cpu_computed", "bytes_h2d"))
+    for f in ("slot_of", "id_of_slot", "last_use"):
+        np.testing.assert_array_equal(getattr(engines[0].state.table, f), getattr(engines[1].state.table, f))
+
+
+def test_an_interrupt_inside_a_host_split_call_leaves_the_engine_usable(qwen):
+    """Ctrl-C lands inside the host driver's Python loop over layers after the expert state was donated: the
+    engine rebuilds its state (an empty cache) and the next run is right."""
+    model, prompt, want = qwen
+    eng = _engine(model, MissPolicyConfig("cpu", "callback", cpu_driver="host"))
+    kernel = eng.miss.config.cpu.kernel
+    real, calls = kernel.compute, []
+
+    def interrupted(*a):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real(*a)
+
+    kernel.compute = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            eng.generate([prompt], 4)
+    finally:
+        del kernel.compute
+    assert eng.failed_steps == 1 and not any(x.is_deleted() for x in jax.tree.leaves(eng.state))
+    got = eng.generate([prompt], 4, keep_logits=True)
+    np.testing.assert_array_equal(got.step_logits, want.step_logits[:4])
+
+
+def test_calibrate_cli_host_driver_takes_the_mechanisms_with_a_host_kernel(tmp_path):
+    """``python -m ftjax.calibrate --drivers=host`` (in this process: nothing calls a callback) calibrates the
+    mechanisms that have a host kernel, says which it leaves out, and refuses a list with none."""
+    prof = tmp_path / "p.json"
+    r = _run_calibrate("--preset=tiny", "--quick", "--bank_rows=8", f"--profile={prof}", "--drivers=host,host",
+                       "--impls=callback,compute_on")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "compute_on have no host kernel" in r.stdout and r.stdout.count("callback@host: copy") == 1
+    (entry,) = json.loads(prof.read_text())["entries"].values()
+    assert set(entry["impls"]) == {"callback@host"} and entry["impls"]["callback@host"]["ok"]
+    r = _run_calibrate("--preset=tiny", "--quick", f"--profile={prof}", "--drivers=host", "--impls=compute_on")
+    assert r.returncode == 1 and "none of --impls ['compute_on'] has one" in r.stderr and "Traceback" not in r.stderr

@@ -391,13 +391,14 @@ class Engine:
 
     def _donating(self, call):
         """``call()`` (a program given the expert state to donate); on an error, the expert state rebuilt as
-        :meth:`_run` says, and the error re-raised."""
+        :meth:`_run` says, and the error re-raised. A KeyboardInterrupt counts too: the host-split driver runs a
+        call as a Python loop over layers, where Ctrl-C lands after the state was donated."""
         if self.state is None:
             raise RuntimeError("this engine lost its expert state in a failed step and could not rebuild it "
                                "(see the earlier error); build a new Engine")
         try:
             return call()
-        except Exception as err:
+        except BaseException as err:
             self.failed_steps += 1
             if any(x.is_deleted() for x in jax.tree.leaves(self.state)):
                 self.state = None

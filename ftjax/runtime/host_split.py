@@ -187,14 +187,14 @@ class HostSplitDriver:
                 continue
             seen.add((opts.kind, opts.prev_kind))
             args = (ctx.params, a.state, h, a.cache, inputs, idx, prev_idx, finish)
-            ctx.compile(front_program, args, cfg=cfg, opts=opts)
+            ctx.compile(front_program, args, compiler_options=plan.compiler_options, cfg=cfg, opts=opts)
             if opts.kind is None:
                 continue
             out = jax.eval_shape(functools.partial(front_program, cfg=cfg, opts=opts), *args)
             h, handoff, stats = (jax.tree.map(device_spec, x) for x in (out[0], out[3], out[4]))
             if not finish:
                 dev_args = (ctx.banks, a.state, handoff)
-                ctx.compile(device_program, dev_args, opts=plan.opts)
+                ctx.compile(device_program, dev_args, compiler_options=plan.compiler_options, opts=plan.opts)
                 y_dev = device_spec(jax.eval_shape(functools.partial(device_program, opts=plan.opts), *dev_args)[1])
                 y_cpu = device_spec(jax.ShapeDtypeStruct(handoff.cpu_flat.shape + handoff.x.shape, handoff.x.dtype))
             finish = Finish(y_dev, y_cpu, handoff.ids, handoff.weights, handoff.on_cpu, handoff.cpu_rank)
@@ -209,19 +209,21 @@ class HostSplitDriver:
         tokens, start, valid = (jnp.asarray(x, jnp.int32) for x in (a.tokens, a.start, a.valid))
         h, inputs = ctx.compile(embed_program, (ctx.params, tokens, start, valid))(ctx.params, tokens, start, valid)
         state, cache, finish, stats = a.state, a.cache, (), []
+        options = plan.compiler_options  # the decode programs' XLA options (plan.decode_compiler_options)
         fronts, device, zeros = {}, None, None
         for opts, idx, prev_idx in self._steps(ctx, plan, a):
             args = (ctx.params, state, h, cache, inputs, idx, prev_idx, finish)
             key = (opts.kind, opts.prev_kind)
             if key not in fronts:  # one program-cache lookup per pair of kinds, not per layer
-                fronts[key] = ctx.compile(front_program, args, cfg=cfg, opts=opts)
+                fronts[key] = ctx.compile(front_program, args, compiler_options=options, cfg=cfg, opts=opts)
             del args
             h, cache, state, handoff, s = fronts[key](ctx.params, state, h, cache, inputs, idx, prev_idx, finish)
             if opts.kind is None:
                 break
             stats.append(s)
             if device is None:
-                device = ctx.compile(device_program, (ctx.banks, state, handoff), opts=plan.opts)
+                device = ctx.compile(device_program, (ctx.banks, state, handoff), compiler_options=options,
+                                     opts=plan.opts)
             # dispatched before the host reads this layer's split: the copies run while the CPU computes
             state, y_dev = device(ctx.banks, state, handoff)
             x, cpu_flat, n_cpu = jax.device_get((handoff.x, handoff.cpu_flat, handoff.n_cpu))

@@ -9,7 +9,6 @@ added to the profile when missing).
 
 from __future__ import annotations
 
-from ftjax import calibrate
 from ftjax.config import MissPolicyConfig
 from ftjax.experts import cpu_experts, miss_policy
 
@@ -34,6 +33,9 @@ def build_miss_runtime(model, miss: MissPolicyConfig, batch: int) -> miss_policy
                                                                                b.scales)))
     calibration, split_model = None, miss.split_model
     if miss.policy == "adaptive" and miss.fixed_fetch is None and split_model is None:
+        # imported here: ``python -m ftjax.calibrate`` runs that module as __main__, which must not be imported
+        # (by ``import ftjax``) before it runs
+        from ftjax import calibrate
 
         path = miss.calibration_profile or calibrate.default_profile_path()
         entry, key, path, fresh = calibrate.profile_for(model, impl, batch, path, threads, driver=miss.cpu_driver)

@@ -190,7 +190,7 @@ class CallPlanner:
                                  f"or more slots")
             stream, pipelined = False, self.pipelines(False, prefix, kv)
         miss = self.miss.jit_config
-        if self.host_splits(batch * tokens_per_row):
+        if not stream and self.host_splits(batch * tokens_per_row):  # a streamed call fetches whole layers
             if kv is None:
                 opts = StepOptions(config.experts, all_logits, False, False, config.cache_policy, miss, None,
                                    config.precision(jax.numpy.dtype(self.dtype).name), config.kernels,

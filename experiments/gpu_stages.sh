@@ -5,6 +5,10 @@
 #   bash experiments/gpu_stages.sh serve-blocks miss-copy cpu-experts
 # decode-b4-probe: the Gated DeltaNet decode stage at B = 4, dumping Python's stacks if it hangs (SIGABRT)
 # serve-blocks:    bench_serve, resident, concurrency 1 and 4, decode blocks 1 and 16 (issue 31's 3x target)
+# serve-onestep:   bench_serve, resident, the one-step path (decode block 1), 32 requests per level, run-ahead on
+#                  then off (the 2026-12-03 setting: is the one-step TPOT back at 8.1-8.6 ms?)
+# serve-cached-blocks: bench_serve, cached at 8 GB, concurrency 1 and 4, decode blocks 1 and 16 (issue 31's 2x)
+# serve-http-blocks: bench_serve's server overhead (HTTP vs direct) with decode blocks of 16
 # multiround:      bench_serve's multi-round QA (4 users x 16k context), with and without KV reuse
 # miss-copy:       bench_miss_copy (issue 33, misses at the link's speed)
 # cpu-experts:     bench_cpu_experts (issue 33, the CPU as a second link)
@@ -37,6 +41,19 @@ for stage in "$@"; do
     serve-blocks)
       run 190 "$stage" experiments/bench_serve.py --part=concurrency --modes=resident --concurrency=1,4 --requests=8 \
         --decode_blocks=1,16 --out="${out:-experiments/results/serve}/bench_serve_qwen3-30b-a3b_resident_blocks_h200_$day.json" ;;
+    serve-onestep)
+      for ahead in run_ahead norun_ahead; do
+        run 200 "$stage-$ahead" experiments/bench_serve.py --part=concurrency --modes=resident --concurrency=1,4 \
+          --requests=32 --decode_blocks=1 --"$ahead" \
+          --out="${out:-experiments/results/serve}/bench_serve_qwen3-30b-a3b_resident_onestep-${ahead//_/-}_h200_$day.json"
+      done ;;
+    serve-cached-blocks)
+      run 380 "$stage" experiments/bench_serve.py --part=concurrency --modes=cached --vram_budget_gb=8 \
+        --concurrency=1,4 --requests=8 --decode_blocks=1,16 \
+        --out="${out:-experiments/results/serve}/bench_serve_qwen3-30b-a3b_cached-8gb_blocks_h200_$day.json" ;;
+    serve-http-blocks)
+      run 240 "$stage" experiments/bench_serve.py --part=server_overhead --modes=resident --decode_block=16 \
+        --out="${out:-experiments/results/serve}/bench_serve_qwen3-30b-a3b_http-blocks_h200_$day.json" ;;
     multiround)
       XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=115 run 330 "$stage" experiments/bench_serve.py --part=multiround \
         --modes=resident --kv_host_gb=12 \

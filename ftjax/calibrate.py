@@ -72,18 +72,24 @@ def device_name() -> str:
     return jax.local_devices()[0].device_kind
 
 
-def expert_format(cfg, dtype: str) -> dict:
-    """The expert format a profile is for: hidden D, expert ffn F, dtype, bytes per expert."""
+def expert_format(cfg, dtype: str, bank_fmt: str = "dense", expert_bytes: int | None = None) -> dict:
+    """The expert format a profile is for: hidden D, expert ffn F, dtype (the compute dtype), bytes per expert
+    as stored (default dense at ``dtype``), and for quantized banks their format (``ExpertBanks.fmt``)."""
     from ftjax.checkpoint import DTYPES
     itemsize = np.dtype(DTYPES[dtype]).itemsize
-    return {"hidden": cfg.hidden_size, "expert_ffn": cfg.expert_ffn, "dtype": dtype,
-            "expert_bytes": cfg.expert_bytes(itemsize)}
+    out = {"hidden": cfg.hidden_size, "expert_ffn": cfg.expert_ffn, "dtype": dtype,
+           "expert_bytes": int(expert_bytes) if expert_bytes is not None else cfg.expert_bytes(itemsize)}
+    if bank_fmt != "dense":
+        out["bank_format"] = bank_fmt
+    return out
 
 
 def profile_key(device: str, fmt: dict, tokens: int) -> str:
-    """``"<device>|<dtype>|D<hidden>|F<expert_ffn>|T<tokens>"``: the CPU's cost per expert grows
-    with the tokens per decode call (the batch), so each batch size has its own entry."""
-    return f"{device}|{fmt['dtype']}|D{fmt['hidden']}|F{fmt['expert_ffn']}|T{tokens}"
+    """``"<device>|<dtype>|D<hidden>|F<expert_ffn>|T<tokens>"``, with ``|<bank format>`` for quantized banks
+    (another format moves other bytes and decodes another way): the CPU's cost per expert grows with the
+    tokens per decode call (the batch), so each batch size has its own entry."""
+    key = f"{device}|{fmt['dtype']}|D{fmt['hidden']}|F{fmt['expert_ffn']}|T{tokens}"
+    return key + (f"|{fmt['bank_format']}" if fmt.get("bank_format", "dense") != "dense" else "")
 
 
 def load_profile(path: str) -> dict:
@@ -271,32 +277,34 @@ def split_model_from(impl_entry: dict):
 # --------------------------------------------------------------------------------------------
 # Measurement
 # --------------------------------------------------------------------------------------------
-@functools.partial(jax.jit, static_argnames=("cpu",), donate_argnames=("gu_pool", "dn_pool"))
-def _probe(host_gu, host_dn, gu_pool, dn_pool, x, fetch_ids, cpu_ids, n_fetch, n_cpu, *, cpu):
-    """``reps`` layers of ``fetch_and_cpu``: fetch_ids [reps, Cf], cpu_ids [reps, Cc] flat ids."""
+@functools.partial(jax.jit, static_argnames=("cpu",), donate_argnames=("pools",))
+def _probe(banks, pools, x, fetch_ids, cpu_ids, n_fetch, n_cpu, *, cpu):
+    """``reps`` layers of ``fetch_and_cpu``: banks, the host ``ExpertBanks``; pools, an ``ExpertState`` of a
+    few slots (no table); fetch_ids [reps, Cf], cpu_ids [reps, Cc] flat ids. Returns (pools, a checksum)."""
     from ftjax.experts import miss_policy
-    from ftjax.experts.state import ExpertBanks, ExpertState
-    slots = jnp.arange(gu_pool.shape[0], dtype=jnp.int32)
+    slots = jnp.arange(pools.gate_up.shape[0], dtype=jnp.int32)
 
     def rep(carry, ids):
-        gu, dn, acc = carry
+        st, acc = carry
         fids, cids = ids
-        es, y = miss_policy.fetch_and_cpu(cpu, ExpertBanks(host_gu, host_dn), ExpertState(gu, dn, None), x, fids,
-                                          slots, n_fetch, cids, n_cpu)
-        return (es.gate_up, es.down, acc + jnp.sum(y, dtype=jnp.float32)), None
+        st, y = miss_policy.fetch_and_cpu(cpu, banks, st, x, fids, slots, n_fetch, cids, n_cpu)
+        return (st, acc + jnp.sum(y, dtype=jnp.float32)), None
 
-    (gu, dn, acc), _ = jax.lax.scan(rep, (gu_pool, dn_pool, jnp.float32(0)), (fetch_ids, cpu_ids))
-    return gu, dn, acc
+    (pools, acc), _ = jax.lax.scan(rep, (pools, jnp.float32(0)), (fetch_ids, cpu_ids))
+    return pools, acc
 
 
-@functools.partial(jax.jit, donate_argnames=("gu_pool", "dn_pool"))
-def _fetch_probe(host_gu, host_dn, gu_pool, dn_pool, fetch_ids, n_fetch):
+@functools.partial(jax.jit, donate_argnames=("pools",))
+def _fetch_probe(banks, pools, fetch_ids, n_fetch):
     """One layer's fetches as the host-split driver's device program copies them (``fetch_experts``)."""
     from ftjax.experts.fetch import fetch_experts
-    from ftjax.experts.state import ExpertBanks, ExpertState
-    slots = jnp.arange(gu_pool.shape[0], dtype=jnp.int32)
-    es = fetch_experts(ExpertBanks(host_gu, host_dn), ExpertState(gu_pool, dn_pool, None), fetch_ids, slots, n_fetch)
-    return es.gate_up, es.down
+    return fetch_experts(banks, pools, fetch_ids, jnp.arange(pools.gate_up.shape[0], dtype=jnp.int32), n_fetch)
+
+
+def _banks(host_gu, host_dn, scales, bank_fmt: str):
+    """The host ``ExpertBanks`` a calibration reads (a quantized format's with its scales)."""
+    from ftjax.experts.state import ExpertBanks
+    return ExpertBanks(host_gu, host_dn, tuple(scales) if scales else None, bank_fmt)
 
 
 #: the host-split driver's front program as far as the host sees it: outputs it reads
@@ -332,34 +340,39 @@ def plan_points(max_misses: int, quick: bool) -> dict:
 
 
 def measure_impl(cpu, host_gu, host_dn, tokens: int, max_misses: int, quick: bool, reps: int, repeats: int,
-                 seed: int = 0, log: Callable[[str], None] = print, driver: str = "callback") -> dict:
+                 seed: int = 0, log: Callable[[str], None] = print, driver: str = "callback", scales=None,
+                 bank_fmt: str = "dense", compute_dtype=None) -> dict:
     """Times one mechanism; returns the raw points for :func:`fit_impl`. ``driver`` "callback": ``reps`` layers
     of ``fetch_and_cpu`` in one program (the CPU's share through callbacks); "host": ``reps`` layers of the
     host-split driver's host step (``ftjax.runtime.host_split``): the layer's fetch program dispatched, the
     split's outputs read, the host kernel called from Python, its outputs put on the device and a program
-    waiting for both."""
+    waiting for both. A quantized format's banks come with their ``scales`` and ``bank_fmt``
+    (``ExpertBanks``); ``compute_dtype``: the activations' dtype (default the banks')."""
+    from ftjax.experts.state import ExpertState
+    banks = _banks(host_gu, host_dn, scales, bank_fmt)
     plan = plan_points(max_misses, quick)
     cap = plan["capacity"]
     rows, d = host_gu.shape[0], host_gu.shape[1]
     rng = np.random.default_rng(seed)
     ids = np.stack([rng.choice(rows, 2 * cap, replace=rows < 2 * cap) for _ in range(reps)]).astype(np.int32)
     fetch_ids, cpu_ids = jnp.asarray(ids[:, :cap]), jnp.asarray(ids[:, cap:])
-    dtype = host_gu.dtype
+    dtype = jnp.dtype(compute_dtype or host_gu.dtype)
     x = (jax.random.normal(jax.random.key(seed), (tokens, d), jnp.float32) * 0.5).astype(dtype)
-    pools = [jnp.zeros((cap,) + host_gu.shape[1:], dtype), jnp.zeros((cap,) + host_dn.shape[1:], dtype)]
+    pool = lambda a: jnp.zeros((cap,) + a.shape[1:], a.dtype)  # noqa: E731
+    state = [ExpertState(pool(host_gu), pool(host_dn), None,
+                         scales=tuple(pool(s) for s in banks.scales) if banks.scales else None, fmt=bank_fmt)]
 
     def layers(nf: int, nc: int):
         if driver == "callback":
-            pools[0], pools[1], acc = _probe(host_gu, host_dn, pools[0], pools[1], x, fetch_ids, cpu_ids,
-                                             jnp.int32(nf), jnp.int32(nc), cpu=cpu)
+            state[0], acc = _probe(banks, state[0], x, fetch_ids, cpu_ids, jnp.int32(nf), jnp.int32(nc), cpu=cpu)
             return acc
         acc, zeros = jnp.float32(0), jnp.zeros((cpu_ids.shape[1], tokens, d), dtype)
         for r in range(reps):
             xh, idh = _handoff_probe(x, cpu_ids[r])
-            pools[0], pools[1] = _fetch_probe(host_gu, host_dn, pools[0], pools[1], fetch_ids[r], jnp.int32(nf))
+            state[0] = _fetch_probe(banks, state[0], fetch_ids[r], jnp.int32(nf))
             xn, idn = jax.device_get((xh, idh))
             y = jax.device_put(np.asarray(cpu.kernel.compute(xn, idn, nc))) if nc else zeros
-            acc = _merge_probe(acc, pools[0], y)
+            acc = _merge_probe(acc, state[0].down, y)
         return acc
 
     def run(nf: int, nc: int) -> float:
@@ -382,18 +395,20 @@ def measure_impl(cpu, host_gu, host_dn, tokens: int, max_misses: int, quick: boo
 
 
 def sweep_threads(host_gu, host_dn, tokens: int, max_misses: int, candidates: Sequence[int] | None = None,
-                  repeats: int = 3, kind: str = "xla") -> list[tuple[int, float]]:
+                  repeats: int = 3, kind: str = "xla", scales=None, bank_fmt: str = "dense",
+                  compute_dtype=None) -> list[tuple[int, float]]:
     """Seconds for the host kernel of kind ``kind`` (``cpu_experts.KERNEL_KIND``; called directly, no jit
-    around it) to compute ``max_misses`` experts for ``tokens`` tokens, per thread count."""
+    around it) to compute ``max_misses`` experts for ``tokens`` tokens, per thread count (a quantized format:
+    its ``scales`` and ``bank_fmt``; ``compute_dtype``: the activations', default the banks')."""
     from ftjax.experts.cpu_experts import get_kernel
     cores = os.cpu_count() or 1
     candidates = candidates or [t for t in (1, 2, 4, 8, 16, 32) if t <= cores]
     rows = host_gu.shape[0]
-    x = np.ones((tokens, host_gu.shape[1]), np.dtype(host_gu.dtype))
+    x = np.ones((tokens, host_gu.shape[1]), np.dtype(compute_dtype or host_gu.dtype))
     ids = (np.arange(max_misses) * 7919 % rows).astype(np.int32)
     out = []
     for th in candidates:
-        k = get_kernel(host_gu, host_dn, th, kind=kind)
+        k = get_kernel(host_gu, host_dn, th, scales=scales, fmt=bank_fmt, kind=kind)
         k.compute(x, ids, max_misses)
         best = float("inf")
         for _ in range(repeats):
@@ -406,7 +421,8 @@ def sweep_threads(host_gu, host_dn, tokens: int, max_misses: int, candidates: Se
 
 def calibrate(host_gu: jax.Array, host_dn: jax.Array, cfg, dtype: str, tokens: int, impls: Sequence[str],
               threads: int | None = None, quick: bool = False, reps: int | None = None,
-              repeats: int | None = None, log: Callable[[str], None] = print, driver: str = "callback") -> dict:
+              repeats: int | None = None, log: Callable[[str], None] = print, driver: str = "callback",
+              scales=None, bank_fmt: str = "dense") -> dict:
     """Measures and fits every mechanism in ``impls`` on these host banks; returns a profile entry.
 
     Args:
@@ -421,12 +437,17 @@ def calibrate(host_gu: jax.Array, host_dn: jax.Array, cfg, dtype: str, tokens: i
       quick: fewer points and repetitions (a few seconds; what ``generate`` runs on first use).
       driver: "callback" or "host" (``MissPolicyConfig.cpu_driver``; :func:`measure_impl`): "host" needs
         mechanisms with a host kernel (``CALLBACK_IMPLS``).
+      scales, bank_fmt: a quantized format's scale banks and format (``ExpertBanks.scales`` / ``.fmt``): the
+        copies move weights and scales, the CPU kernels dequantize, ``dtype`` is then the compute dtype.
     Returns:
       the entry: device, format, date, jax version, tokens, and ``impls: {impl_key(impl, driver): fitted
       figures}``.
     """
+    from ftjax.checkpoint import DTYPES
     from ftjax.experts.cpu_experts import CALLBACK_IMPLS, KERNEL_KIND, default_threads, make_cpu_experts
-    fmt = expert_format(cfg, dtype)
+    banks = _banks(host_gu, host_dn, scales, bank_fmt)
+    fmt = expert_format(cfg, dtype, bank_fmt, banks.expert_bytes)
+    quant = dict(scales=banks.scales, bank_fmt=bank_fmt, compute_dtype=DTYPES[dtype])
     max_misses = min(cfg.num_experts, tokens * cfg.top_k)
     reps = reps or (4 if quick else 16)
     repeats = repeats or (2 if quick else 3)
@@ -445,15 +466,16 @@ def calibrate(host_gu: jax.Array, host_dn: jax.Array, cfg, dtype: str, tokens: i
                     th = default_threads(kind)
                 else:
                     if kind not in sweeps:
-                        sweeps[kind] = sweep_threads(host_gu, host_dn, tokens, max_misses, kind=kind)
+                        sweeps[kind] = sweep_threads(host_gu, host_dn, tokens, max_misses, kind=kind, **quant)
                         name = "host_kernel_thread_sweep" + ("" if kind == "xla" else f"_{kind}")
                         entry[name] = [{"threads": a, "s": s} for a, s in sweeps[kind]]
                     th = min(sweeps[kind], key=lambda p: p[1])[0]
             if driver == "host" and impl not in CALLBACK_IMPLS:
                 raise CalibrationError(f"the host driver calls a host kernel; {impl} has none")
-            cpu = make_cpu_experts(impl, host_gu, host_dn, th, from_program=driver == "callback")
+            cpu = make_cpu_experts(impl, host_gu, host_dn, th, from_program=driver == "callback", scales=banks.scales,
+                                   fmt=bank_fmt)
             pts = measure_impl(cpu, host_gu, host_dn, tokens, max_misses, quick, reps, repeats, log=log,
-                               driver=driver)
+                               driver=driver, **quant)
             res = fit_impl(pts, fmt["expert_bytes"], max_misses)
             res["mechanism"] = cpu.describe()
         except Exception as e:  # noqa: BLE001 - a failing mechanism is a finding, not a crash
@@ -500,7 +522,8 @@ def profile_for(model, impl: str, tokens: int, path: str | None = None, threads:
     profile; the entry may record a failed mechanism (``split_model_from`` raises then).
     """
     path = path or default_profile_path()
-    fmt = expert_format(model.cfg, model.dtype)
+    banks = model.banks
+    fmt = expert_format(model.cfg, model.dtype, banks.fmt, banks.expert_bytes)
     key = profile_key(device_name(), fmt, tokens)
     entry = get_entry(path, key)
     if entry is not None and impl_key(impl, driver) in entry.get("impls", {}):
@@ -508,8 +531,8 @@ def profile_for(model, impl: str, tokens: int, path: str | None = None, threads:
     check_writable(path)  # before spending time on a calibration that could not be saved
     log(f"calibration: no profile for {key} / {impl_key(impl, driver)} in {path}; quick calibration on this "
         f"model ...")
-    new = calibrate(model.host_gate_up, model.host_down, model.cfg, model.dtype, tokens, [impl], threads,
-                    quick=True, log=log, driver=driver)
+    new = calibrate(banks.gate_up, banks.down, model.cfg, model.dtype, tokens, [impl], threads,
+                    quick=True, log=log, driver=driver, scales=banks.scales, bank_fmt=banks.fmt)
     save_entry(path, key, new)
     return get_entry(path, key), key, path, True
 

@@ -11,6 +11,7 @@ asynchronous dispatch is no obstacle (the in-program comparison uses ``compute_o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -206,3 +207,23 @@ def test_calibrate_cli_host_driver_takes_the_mechanisms_with_a_host_kernel(tmp_p
     assert set(entry["impls"]) == {"callback@host"} and entry["impls"]["callback@host"]["ok"]
     r = _run_calibrate("--preset=tiny", "--quick", f"--profile={prof}", "--drivers=host", "--impls=compute_on")
     assert r.returncode == 1 and "none of --impls ['compute_on'] has one" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_quantized_banks_calibrate_their_own_entry(qwen, tmp_path):
+    """An adaptive split over int8 banks is fitted on int8 copies and the kernel's int8 decoding (the weights
+    and scales of ``ExpertBanks``), in a profile entry of its own: a dense entry of the same shape is not taken
+    for it. The logits equal the resident model's over the same banks."""
+    from ftjax.experts import quant
+    model, prompt, _ = qwen
+    q = dataclasses.replace(model, banks=quant.quantize_banks(model.banks, "int8"))
+    want = Engine(q, EngineConfig("resident", max_seq_len=96)).generate([prompt], 4, keep_logits=True)
+    prof = str(tmp_path / "p.json")
+    dense = _engine(model, MissPolicyConfig("adaptive", "callback", cpu_driver="host", calibration_profile=prof))
+    eng = _engine(q, MissPolicyConfig("adaptive", "callback", cpu_driver="host", calibration_profile=prof))
+    cal = eng.miss.calibration
+    assert cal["calibrated_now"] and cal["key"] == dense.miss.calibration["key"] + "|int8"
+    assert cal["entry"]["format"]["bank_format"] == "int8"
+    assert cal["entry"]["format"]["expert_bytes"] == q.banks.expert_bytes < model.banks.expert_bytes
+    assert cal["entry"]["impls"]["callback@host"]["ok"]
+    got = eng.generate([prompt], 4, keep_logits=True)
+    np.testing.assert_array_equal(got.step_logits, want.step_logits)

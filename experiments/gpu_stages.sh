@@ -9,6 +9,8 @@
 #                  then off (the 2026-12-03 setting: is the one-step TPOT back at 8.1-8.6 ms?)
 # serve-cached-blocks: bench_serve, cached at 8 GB, concurrency 1 and 4, decode blocks 1 and 16 (issue 31's 2x)
 # serve-http-blocks: bench_serve's server overhead (HTTP vs direct) with decode blocks of 16
+# profile-b4:      profile_step, resident decode at batch 1 and 4: where a 4-row step's extra time goes (issue 31's
+#                  3x: the experts category against its byte floor)
 # multiround:      bench_serve's multi-round QA (4 users x 16k context), with and without KV reuse
 # miss-copy:       bench_miss_copy (issue 33, misses at the link's speed)
 # cpu-experts:     bench_cpu_experts (issue 33, the CPU as a second link)
@@ -54,6 +56,9 @@ for stage in "$@"; do
     serve-http-blocks)
       run 240 "$stage" experiments/bench_serve.py --part=server_overhead --modes=resident --decode_block=16 \
         --out="${out:-experiments/results/serve}/bench_serve_qwen3-30b-a3b_http-blocks_h200_$day.json" ;;
+    profile-b4)
+      run 240 "$stage" experiments/profile_step.py --runs=resident_decode --batches=1,4 --trace_steps=2 \
+        ${out:+--out_dir="$out"} ;;
     multiround)
       XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=115 run 330 "$stage" experiments/bench_serve.py --part=multiround \
         --modes=resident --kv_host_gb=12 \

@@ -111,7 +111,16 @@ def _logit_diff(ref, got) -> dict:
 
 
 def main(argv):
-    del argv
+    # A hang (a callback that never returns) must still leave the JSON: dump stacks and exit. The timer ends
+    # with the run: a run inside a longer process (the tests run it in theirs) must not end that process later.
+    faulthandler.dump_traceback_later(FLAGS.time_budget_s + 150, exit=True, file=sys.__stderr__)
+    try:
+        _run()
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def _run():
     t_start = time.perf_counter()
     from ftjax.experts import cpu_experts
     cpu_experts.use_sync_cpu_dispatch()  # before JAX starts (only matters on a CPU backend)
@@ -128,8 +137,6 @@ def main(argv):
     dev = jax.local_devices()[0]
     slug = re.sub(r"[^A-Za-z0-9]+", "_", dev.device_kind).strip("_").lower()
     out_path = os.path.join(FLAGS.out_dir, f"bench_miss_policy-{slug}.json")
-    # A hang (a callback that never returns) must still leave the JSON: dump stacks and exit.
-    faulthandler.dump_traceback_later(FLAGS.time_budget_s + 150, exit=True, file=sys.__stderr__)
     res: dict = {"meta": common.meta(), "bench": "miss_policy", "setup_s": {}, "runs": [], "skipped": [],
                  "notes": []}
 

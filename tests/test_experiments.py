@@ -420,10 +420,15 @@ def test_bench_miss_policy_smoke(tmp_path):
     assert d["summary"][0]["fetch"]["tokens_per_s_median_tpot"] > 0
 
 
-def test_bench_miss_policy_host_driver_smoke(tmp_path):
+def test_bench_miss_policy_host_driver_smoke(tmp_path, monkeypatch):
     """The host-split driver's runs (``--cpu_drivers=host``: the mechanism named ``<impl>@host``, calibrated on
     the host step), in this process: no callback runs, so no synchronous dispatch is needed. float32: the
-    CPU-only run's logits equal the fetch run's (the XLA:CPU kernel, the device's expression)."""
+    CPU-only run's logits equal the fetch run's (the XLA:CPU kernel, the device's expression). The script's hang
+    timer (faulthandler, exit=True) ends with the run: left set, it ended this test process minutes later."""
+    import faulthandler
+    timers = []
+    monkeypatch.setattr(faulthandler, "dump_traceback_later", lambda *a, **kw: timers.append("set"))
+    monkeypatch.setattr(faulthandler, "cancel_dump_traceback_later", lambda: timers.append("cancelled"))
     d = _run("bench_miss_policy", tmp_path, "--preset=tiny", "--dtype=float32", "--steps=4", "--impls=callback",
              "--cpu_drivers=host", "--budgets_gb=8", "--temperature=0", "--nopure_qstar", "--quick_calibration")
     assert set(d["calibration"]["entry"]["impls"]) == {"callback@host"} and d["impl_order"] == ["callback@host"]
@@ -432,6 +437,7 @@ def test_bench_miss_policy_host_driver_smoke(tmp_path):
     assert runs["cpu"]["impl"] == "callback@host" and runs["cpu"]["engine"]["miss"]["cpu_driver"] == "host"
     assert runs["cpu"]["fetched_decode"] == 0 and runs["cpu"]["cpu_decode"] == runs["cpu"]["misses_decode"] > 0
     assert runs["cpu"]["max_abs_logit_diff_vs_fetch"] == 0.0
+    assert timers == ["set", "cancelled"]
 
 
 @pytest.mark.slow

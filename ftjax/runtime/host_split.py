@@ -1,5 +1,6 @@
-"""The host-split decode driver: a decode step run layer by layer from Python, so that the CPU's share of
-a layer's misses is computed by the host kernel called directly, not through a callback inside the step.
+"""The host-split driver: a decode step (or a short prefill call) run layer by layer from Python, so that the
+CPU's share of a layer's misses is computed by the host kernel called directly, not through a callback inside
+the step.
 
 Source of the idea: FreeToken's CPU misses and bandwidth-adaptive split (DESIGN.md 1.2). Inside one decode
 program (the layer scan) the CPU's share goes through two ``io_callback`` calls per layer; on the H200 that

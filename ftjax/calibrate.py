@@ -206,8 +206,11 @@ MIN_BETA_S = 1e-9
 def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     """Least-squares ``t = alpha + beta * n`` with ``alpha >= 0`` and ``beta >= MIN_BETA_S``.
 
-    points: (n, seconds) with n >= 1. When the free fit gives a negative alpha, the line is refit
-    through the origin. Raises CalibrationError for no points.
+    points: (n, seconds) with n >= 1. When the free fit gives a negative alpha, or a slope below
+    ``MIN_BETA_S`` (the time did not grow with n: noise larger than the per-expert cost, as quick points on a
+    busy host give), the line is refit through the origin: every second is then charged per expert, which
+    overstates the per-expert cost rather than taking it for zero (a split fitted on zero sends every miss to
+    that side). Raises CalibrationError for no points.
     """
     if not points:
         raise CalibrationError("no points to fit")
@@ -217,7 +220,7 @@ def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
         beta, alpha = np.polyfit(n, t, 1)
     else:
         alpha, beta = 0.0, float(np.mean(t / n))
-    if alpha < 0:
+    if alpha < 0 or beta < MIN_BETA_S:
         alpha, beta = 0.0, float(np.sum(n * t) / np.sum(n * n))
     return float(alpha), float(max(beta, MIN_BETA_S))
 
@@ -587,7 +590,8 @@ def main(argv):
                                    f"(expected some of {CALLBACK_IMPLS})")
         skipped = [i for i in flags_.impls if i not in host_driver_impls(flags_.impls)]
         if "host" in flags_.drivers and skipped:
-            print(f"note: {', '.join(skipped)} have no host kernel: calibrated for --drivers=callback only")
+            print(f"note: {', '.join(skipped)} {'has' if len(skipped) == 1 else 'have'} no host kernel: left out of "
+                  f"--drivers=host")
         if flags_.cpu_threads < 0:
             raise CalibrationError(f"--cpu_threads must be >= 0 (0 = sweep), got {flags_.cpu_threads}")
         path = flags_.profile or default_profile_path()

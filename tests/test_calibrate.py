@@ -21,6 +21,10 @@ def test_fit_line_recovers_affine_costs():
     alpha, beta = calibrate.fit_line([(1, 0.1), (2, 0.3), (4, 0.7)])
     assert alpha == 0.0 and beta == pytest.approx((0.1 + 0.6 + 2.8) / 21)
     assert calibrate.fit_line([(4, 0.0)]) == (0.0, calibrate.MIN_BETA_S)  # noise floor: never zero
+    # a time that fell with n (noise above the per-expert cost): charged per expert, not taken for a free expert
+    # (the clamped slope printed 110592 GB/s and sent every miss to the CPU)
+    alpha, beta = calibrate.fit_line([(1, 0.40e-3), (8, 0.36e-3)])
+    assert alpha == 0.0 and beta == pytest.approx((0.40e-3 + 8 * 0.36e-3) / 65)
     with pytest.raises(calibrate.CalibrationError):
         calibrate.fit_line([])
 

@@ -146,6 +146,13 @@ def test_generate_cli_host_driver(qwen, tmp_path):
     np.testing.assert_array_equal(np.load(logits), want.step_logits[:, 0])
     ec = json.loads(metrics.read_text())["expert_cache"]
     assert ec["cpu_computed"] == ec["misses"] > 0 and ec["fetched"] == 0
+    prof = tmp_path / "prof.json"
+    for run in range(2):  # the second run reads the "callback@host" entry the first calibrated
+        r = run_generate(f"--checkpoint={model.name}", "--prompt_ids=1,2,3", "--max_new_tokens=3",
+                         f"--expert_slots={model.cfg.num_experts}", "--max_seq_len=96", "--miss_policy=adaptive",
+                         "--cpu_expert_impl=callback", "--cpu_miss_driver=host", f"--calibration_profile={prof}")
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert ("(calibrated now)" in r.stdout) == (run == 0) and "callback@host: copy" in r.stdout
     r = run_generate("--miss_policy=cpu", "--cpu_expert_impl=compute_on", "--cpu_miss_driver=host",
                      "--max_new_tokens=2", "--prompt_ids=1,2,3")
     assert r.returncode == 1 and "cpu_driver 'host'" in r.stderr and "Traceback" not in r.stderr
@@ -202,7 +209,8 @@ def test_calibrate_cli_host_driver_takes_the_mechanisms_with_a_host_kernel(tmp_p
     r = _run_calibrate("--preset=tiny", "--quick", "--bank_rows=8", f"--profile={prof}", "--drivers=host,host",
                        "--impls=callback,compute_on")
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "compute_on have no host kernel" in r.stdout and r.stdout.count("callback@host: copy") == 1
+    assert "compute_on has no host kernel: left out of --drivers=host" in r.stdout
+    assert r.stdout.count("callback@host: copy") == 1
     (entry,) = json.loads(prof.read_text())["entries"].values()
     assert set(entry["impls"]) == {"callback@host"} and entry["impls"]["callback@host"]["ok"]
     r = _run_calibrate("--preset=tiny", "--quick", f"--profile={prof}", "--drivers=host", "--impls=compute_on")

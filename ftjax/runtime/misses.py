@@ -39,10 +39,11 @@ def build_miss_runtime(model, miss: MissPolicyConfig, batch: int) -> miss_policy
 
         path = miss.calibration_profile or calibrate.default_profile_path()
         entry, key, path, fresh = calibrate.profile_for(model, impl, batch, path, threads, driver=miss.cpu_driver)
-        measured = entry["impls"][calibrate.impl_key(impl, miss.cpu_driver)]
+        name = calibrate.impl_key(impl, miss.cpu_driver)
+        measured = entry["impls"][name]
         split_model = calibrate.split_model_from(measured)
         threads = threads or measured.get("mechanism", {}).get("threads")
-        calibration = {"path": path, "key": key, "calibrated_now": fresh, "entry": entry}
+        calibration = {"path": path, "key": key, "impl": name, "calibrated_now": fresh, "entry": entry}
     cpu = cpu_experts.make_cpu_experts(impl, model.banks.gate_up, model.banks.down, threads,
                                        scales=model.banks.scales, fmt=model.banks.fmt,
                                        from_program=miss.cpu_driver == "callback")

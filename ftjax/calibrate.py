@@ -304,12 +304,6 @@ def _fetch_probe(banks, pools, fetch_ids, n_fetch):
     return fetch_experts(banks, pools, fetch_ids, jnp.arange(pools.gate_up.shape[0], dtype=jnp.int32), n_fetch)
 
 
-def _banks(host_gu, host_dn, scales, bank_fmt: str):
-    """The host ``ExpertBanks`` a calibration reads (a quantized format's with its scales)."""
-    from ftjax.experts.state import ExpertBanks
-    return ExpertBanks(host_gu, host_dn, tuple(scales) if scales else None, bank_fmt)
-
-
 #: the host-split driver's front program as far as the host sees it: outputs it reads
 _handoff_probe = jax.jit(lambda x, ids: (x * 1, ids + 0))
 #: the next front program: waits for the layer's copies and the CPU's outputs
@@ -342,17 +336,17 @@ def plan_points(max_misses: int, quick: bool) -> dict:
     return {"alone": alone, "together": together, "capacity": max(c, max(max(t) for t in together))}
 
 
-def measure_impl(cpu, host_gu, host_dn, tokens: int, max_misses: int, quick: bool, reps: int, repeats: int,
-                 seed: int = 0, log: Callable[[str], None] = print, driver: str = "callback", scales=None,
-                 bank_fmt: str = "dense", compute_dtype=None) -> dict:
+def measure_impl(cpu, banks, tokens: int, max_misses: int, quick: bool, reps: int, repeats: int,
+                 seed: int = 0, log: Callable[[str], None] = print, driver: str = "callback",
+                 compute_dtype=None) -> dict:
     """Times one mechanism; returns the raw points for :func:`fit_impl`. ``driver`` "callback": ``reps`` layers
     of ``fetch_and_cpu`` in one program (the CPU's share through callbacks); "host": ``reps`` layers of the
     host-split driver's host step (``ftjax.runtime.host_split``): the layer's fetch program dispatched, the
     split's outputs read, the host kernel called from Python, its outputs put on the device and a program
-    waiting for both. A quantized format's banks come with their ``scales`` and ``bank_fmt``
-    (``ExpertBanks``); ``compute_dtype``: the activations' dtype (default the banks')."""
+    waiting for both. ``banks``: the host ``ExpertBanks`` (a quantized format's with its scales);
+    ``compute_dtype``: the activations' dtype (default the banks')."""
     from ftjax.experts.state import ExpertState
-    banks = _banks(host_gu, host_dn, scales, bank_fmt)
+    host_gu, host_dn = banks.gate_up, banks.down
     plan = plan_points(max_misses, quick)
     cap = plan["capacity"]
     rows, d = host_gu.shape[0], host_gu.shape[1]
@@ -363,7 +357,7 @@ def measure_impl(cpu, host_gu, host_dn, tokens: int, max_misses: int, quick: boo
     x = (jax.random.normal(jax.random.key(seed), (tokens, d), jnp.float32) * 0.5).astype(dtype)
     pool = lambda a: jnp.zeros((cap,) + a.shape[1:], a.dtype)  # noqa: E731
     state = [ExpertState(pool(host_gu), pool(host_dn), None,
-                         scales=tuple(pool(s) for s in banks.scales) if banks.scales else None, fmt=bank_fmt)]
+                         scales=tuple(pool(s) for s in banks.scales) if banks.scales else None, fmt=banks.fmt)]
 
     def layers(nf: int, nc: int):
         if driver == "callback":
@@ -397,21 +391,20 @@ def measure_impl(cpu, host_gu, host_dn, tokens: int, max_misses: int, quick: boo
     return {"base_s": base, "fetch": fetch, "cpu": cpu_pts, "together": together}
 
 
-def sweep_threads(host_gu, host_dn, tokens: int, max_misses: int, candidates: Sequence[int] | None = None,
-                  repeats: int = 3, kind: str = "xla", scales=None, bank_fmt: str = "dense",
-                  compute_dtype=None) -> list[tuple[int, float]]:
+def sweep_threads(banks, tokens: int, max_misses: int, candidates: Sequence[int] | None = None,
+                  repeats: int = 3, kind: str = "xla", compute_dtype=None) -> list[tuple[int, float]]:
     """Seconds for the host kernel of kind ``kind`` (``cpu_experts.KERNEL_KIND``; called directly, no jit
-    around it) to compute ``max_misses`` experts for ``tokens`` tokens, per thread count (a quantized format:
-    its ``scales`` and ``bank_fmt``; ``compute_dtype``: the activations', default the banks')."""
+    around it) to compute ``max_misses`` experts for ``tokens`` tokens from the host ``ExpertBanks``
+    ``banks``, per thread count (``compute_dtype``: the activations', default the banks')."""
     from ftjax.experts.cpu_experts import get_kernel
     cores = os.cpu_count() or 1
     candidates = candidates or [t for t in (1, 2, 4, 8, 16, 32) if t <= cores]
-    rows = host_gu.shape[0]
-    x = np.ones((tokens, host_gu.shape[1]), np.dtype(compute_dtype or host_gu.dtype))
+    rows = banks.gate_up.shape[0]
+    x = np.ones((tokens, banks.gate_up.shape[1]), np.dtype(compute_dtype or banks.gate_up.dtype))
     ids = (np.arange(max_misses) * 7919 % rows).astype(np.int32)
     out = []
     for th in candidates:
-        k = get_kernel(host_gu, host_dn, th, scales=scales, fmt=bank_fmt, kind=kind)
+        k = get_kernel(banks.gate_up, banks.down, th, scales=banks.scales, fmt=banks.fmt, kind=kind)
         k.compute(x, ids, max_misses)
         best = float("inf")
         for _ in range(repeats):
@@ -448,9 +441,9 @@ def calibrate(host_gu: jax.Array, host_dn: jax.Array, cfg, dtype: str, tokens: i
     """
     from ftjax.checkpoint import DTYPES
     from ftjax.experts.cpu_experts import CALLBACK_IMPLS, KERNEL_KIND, default_threads, make_cpu_experts
-    banks = _banks(host_gu, host_dn, scales, bank_fmt)
+    from ftjax.experts.state import ExpertBanks
+    banks = ExpertBanks(host_gu, host_dn, tuple(scales) if scales else None, bank_fmt)
     fmt = expert_format(cfg, dtype, bank_fmt, banks.expert_bytes)
-    quant = dict(scales=banks.scales, bank_fmt=bank_fmt, compute_dtype=DTYPES[dtype])
     max_misses = min(cfg.num_experts, tokens * cfg.top_k)
     reps = reps or (4 if quick else 16)
     repeats = repeats or (2 if quick else 3)
@@ -469,7 +462,8 @@ def calibrate(host_gu: jax.Array, host_dn: jax.Array, cfg, dtype: str, tokens: i
                     th = default_threads(kind)
                 else:
                     if kind not in sweeps:
-                        sweeps[kind] = sweep_threads(host_gu, host_dn, tokens, max_misses, kind=kind, **quant)
+                        sweeps[kind] = sweep_threads(banks, tokens, max_misses, kind=kind,
+                                                     compute_dtype=DTYPES[dtype])
                         name = "host_kernel_thread_sweep" + ("" if kind == "xla" else f"_{kind}")
                         entry[name] = [{"threads": a, "s": s} for a, s in sweeps[kind]]
                     th = min(sweeps[kind], key=lambda p: p[1])[0]
@@ -477,8 +471,8 @@ def calibrate(host_gu: jax.Array, host_dn: jax.Array, cfg, dtype: str, tokens: i
                 raise CalibrationError(f"the host driver calls a host kernel; {impl} has none")
             cpu = make_cpu_experts(impl, host_gu, host_dn, th, from_program=driver == "callback", scales=banks.scales,
                                    fmt=bank_fmt)
-            pts = measure_impl(cpu, host_gu, host_dn, tokens, max_misses, quick, reps, repeats, log=log,
-                               driver=driver, **quant)
+            pts = measure_impl(cpu, banks, tokens, max_misses, quick, reps, repeats, log=log, driver=driver,
+                               compute_dtype=DTYPES[dtype])
             res = fit_impl(pts, fmt["expert_bytes"], max_misses)
             res["mechanism"] = cpu.describe()
         except Exception as e:  # noqa: BLE001 - a failing mechanism is a finding, not a crash

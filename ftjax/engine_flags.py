@@ -356,7 +356,7 @@ def describe_miss(miss, max_misses: int) -> None:
         fresh = " (calibrated now)" if cal["calibrated_now"] else ""
         print(f"calibration profile: {cal['path']} [{cal['key']}]{fresh}")
         if not cal["calibrated_now"]:  # the mechanism's entry: "<impl>@host" under the host-split driver
-            impl = cal.get("impl", miss.config.cpu.impl)
+            impl = cal["impl"]
             print(calibrate.describe_impl(impl, cal["entry"]["impls"][impl]))
     print(miss.describe(max_misses))
 

@@ -154,8 +154,6 @@ def layer_program(params, banks, state, h, cache, inputs, idx, expert_buffer, pr
     return carry.h, carry.cache, carry.expert_state, stats, kv_out, next_prefix
 
 
-
-
 class PipelinedDriver:
     """The layer-pipelined driver (module docstring)."""
 

@@ -162,7 +162,7 @@ class HostSplitDriver:
                              "(cpu_impl one of ftjax.experts.cpu_experts.CALLBACK_IMPLS)")
         return miss.cpu.kernel
 
-    def _steps(self, ctx, plan, a):
+    def _steps(self, ctx, plan):
         """The (front options, layer index, previous index) of each front program of the call, in order."""
         st = model_lib.structure(ctx.cfg)
         idx = [layer_idx(st, l) for l in range(ctx.cfg.num_layers)]
@@ -183,7 +183,7 @@ class HostSplitDriver:
         ctx.compile(embed_program, (ctx.params, tokens, start, valid))
         h, inputs = jax.tree.map(device_spec, jax.eval_shape(model_lib.embed_inputs, ctx.params, tokens, start, valid))
         finish, seen, stats = (), set(), None
-        for opts, idx, prev_idx in self._steps(ctx, plan, a):
+        for opts, idx, prev_idx in self._steps(ctx, plan):
             if (opts.kind, opts.prev_kind) in seen:  # the same program and shapes as a layer before
                 continue
             seen.add((opts.kind, opts.prev_kind))
@@ -212,7 +212,7 @@ class HostSplitDriver:
         state, cache, finish, stats = a.state, a.cache, (), []
         options = plan.compiler_options  # the decode programs' XLA options (plan.decode_compiler_options)
         fronts, device, zeros = {}, None, None
-        for opts, idx, prev_idx in self._steps(ctx, plan, a):
+        for opts, idx, prev_idx in self._steps(ctx, plan):
             args = (ctx.params, state, h, cache, inputs, idx, prev_idx, finish)
             key = (opts.kind, opts.prev_kind)
             if key not in fronts:  # one program-cache lookup per pair of kinds, not per layer

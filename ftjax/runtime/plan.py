@@ -190,17 +190,12 @@ class CallPlanner:
                                  f"or more slots")
             stream, pipelined = False, self.pipelines(False, prefix, kv)
         miss = self.miss.jit_config
-        if not stream and self.host_splits(batch * tokens_per_row):  # a streamed call fetches whole layers
-            if kv is None:
-                opts = StepOptions(config.experts, all_logits, False, False, config.cache_policy, miss, None,
-                                   config.precision(jax.numpy.dtype(self.dtype).name), config.kernels,
-                                   cheap_conds=jax.default_backend() == "cpu")
-                return CallPlan(opts, "host_split", programs.decode_compiler_options(
-                    config.kernels.decode_gemm, tokens_per_row, self.dtype, graphs=False))
+        host = not stream and self.host_splits(batch * tokens_per_row)  # a streamed call fetches whole layers
+        if host and kv is not None:
             # a short prefix-reuse call runs on the scan; under the host driver nothing calls the CPU from a
             # program, so it fetches its misses
-            miss = dataclasses.replace(miss, table=tuple(range(len(miss.table))))
-        graphs = self._graphs(tokens_per_row, batch)
+            miss, host = dataclasses.replace(miss, table=tuple(range(len(miss.table)))), False
+        graphs = not host and self._graphs(tokens_per_row, batch)
         options = programs.decode_compiler_options(config.kernels.decode_gemm, tokens_per_row, self.dtype,
                                                    graphs=graphs)
         opts = StepOptions(config.experts, all_logits, stream, config.prefill_overlap and stream, config.cache_policy,
@@ -209,4 +204,4 @@ class CallPlanner:
                            expert_split=config.expert_split)
         d2d = pipelined and stream and config.stream_d2d_hits and config.experts != "resident"
         extra = e if stream and config.prefill_overlap and not pipelined else 0
-        return CallPlan(opts, "pipelined" if pipelined else "scan", options, d2d, extra)
+        return CallPlan(opts, "host_split" if host else "pipelined" if pipelined else "scan", options, d2d, extra)

@@ -844,3 +844,16 @@ def test_probe_hybrid_batch_decode_smoke(tmp_path):
     assert [r["batch"] for r in d["rows"]] == [1, 2]
     assert [len(t) for r in d["rows"] for t in r["tokens"]] == [4, 4, 4]
     assert d["rows"][1]["tokens"][0] == d["rows"][0]["tokens"][0] and d["rows"][1]["decode_tokens_per_s"] > 0
+
+
+def test_bench_grouped_matmul_smoke(tmp_path):
+    """bench_grouped_matmul's pieces at the tiny preset on the CPU (no tiles stage there): every piece timed,
+    the group sizes those of tokens * top-k rows over the experts."""
+    d = _run("bench_grouped_matmul", tmp_path, "--presets=tiny", "--tokens=64", "--repeats=1")
+    _meta(d)
+    res = d["presets"]["tiny"]
+    pieces = res["pieces"]
+    assert {"sort", "gather_in", "gmm_gate_up", "swiglu", "gmm_down", "gather_out_sum", "whole"} <= set(pieces)
+    assert all(pieces[p]["ms"] > 0 for p in ("sort", "gmm_gate_up", "whole")), pieces
+    assert res["shape"]["rows"] == 64 * 4 and pieces["group_rows"]["mean"] == 64 * 4 / 16
+    assert "tiles" not in res and d["partial"] is False

@@ -1,0 +1,196 @@
+r"""Where one prefill layer's grouped expert FFN spends its time, and the grouped matmul's tiles (issue 32).
+
+  PYTHONPATH=. python3 experiments/bench_grouped_matmul.py --out_dir=$OUT                         # on the GPU
+  .venv/bin/python experiments/bench_grouped_matmul.py --presets=tiny --tokens=256 --repeats=2 \
+      --configs= --out_dir=/tmp/gmm                                                               # CPU smoke
+
+At each of --presets' expert shapes (E experts, hidden D, expert FFN F, top-k), one layer's routed-expert
+FFN over a --tokens prefill in the grouped formulation (``ftjax.experts.compute.experts_grouped``), batch 1,
+random bf16 inputs and weights, top-k ids of random router logits (groups of about tokens * k / E rows).
+Every row is the median (and spread) of --repeats calls of one jitted function after a compiling call:
+
+* ``pieces``: the formulation's steps, each its own program: the sort (argsort of the N*k expert ids,
+  group sizes, inverse permutation), the token gather into expert order (``x[order // k]``), the two grouped
+  matmuls at the default tiles, and the gather back to pair order with the weighted sum; then the whole
+  ``experts_grouped`` as one program (its fusions included), with ``bytes_floor_s``: its weights read once,
+  at --hbm_gbps.
+* ``tiles``: the Mosaic GPU kernel (``jax.experimental.pallas.ops.gpu.ragged_dot_mgpu``) for the gate-up
+  (K = D, N = 2F) and down (K = F, N = D) matmuls at each of --configs
+  (``block_m:block_n:block_k:stages:grid_block_n``), with TFLOP/s counted as 2*M*K*N over the time and
+  ``err`` (max |x - ref| / max |ref|) against the default tiles. A config the kernel refuses (shared memory,
+  divisibility) is recorded with its error. GPU only.
+
+Writes ``bench_grouped_matmul[_<tag>].json`` and prints the tables.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from absl import flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+from experiments import common  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("presets", ["qwen3.5-35b-a3b", "qwen3-30b-a3b"], "Model shapes whose expert FFN is timed.")
+flags.DEFINE_integer("tokens", 8192, "Prompt tokens (rows before top-k).", lower_bound=1)
+flags.DEFINE_list("configs", ["128:128:64:4:1", "64:128:64:4:1", "64:256:64:4:1", "128:256:64:3:1",
+                              "128:128:64:4:4", "128:128:64:2:1", "64:128:64:6:1", "128:64:64:4:1",
+                              "64:64:64:6:1", "128:128:128:3:1", "64:128:128:4:1"],
+                  "Tiles of the Mosaic GPU grouped matmul to time (block_m:block_n:block_k:stages:grid_block_n); "
+                  "empty: no tiles stage.")
+flags.DEFINE_integer("repeats", 10, "Timed calls per row.", lower_bound=1)
+flags.DEFINE_float("hbm_gbps", 4800.0, "HBM bandwidth for the weights' byte floor (GB/s; the H200's 4.8 TB/s).",
+                   lower_bound=1.0)
+flags.DEFINE_string("tag", "", "Suffix of the JSON name.")
+flags.DEFINE_string("out_dir", "experiments/results/gated_delta", "Where the JSON goes.")
+
+
+def _config(entry: str) -> dict:
+    vals = [int(v) for v in entry.split(":")]
+    if len(vals) != 5 or min(vals) < 1:
+        raise ValueError(f"--configs: expected block_m:block_n:block_k:stages:grid_block_n, got {entry!r}")
+    return dict(zip(("block_m", "block_n", "block_k", "max_concurrent_steps", "grid_block_n"), vals))
+
+
+def _time(fn, *args) -> dict:
+    """Compile seconds, then the spread of --repeats calls (seconds)."""
+    import jax
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    compile_s = time.perf_counter() - t
+    ts = []
+    for _ in range(FLAGS.repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t)
+    return {"compile_s": compile_s, "s": common.spread(ts)}
+
+
+def _err(x, ref) -> float:
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    return float(np.max(np.abs(x - ref)) / max(np.max(np.abs(ref)), 1e-30))
+
+
+def _inputs(cfg, n: int):
+    """x [n, D], ids int32 [n, k], weights [n, k], gate_up [E, D, 2F], down [E, F, D]; bf16 where floating."""
+    import jax
+    import jax.numpy as jnp
+    keys = jax.random.split(jax.random.key(0), 4)
+    e, d, f, k = cfg.num_experts, cfg.hidden_size, cfg.expert_ffn, cfg.top_k
+    x = jax.random.normal(keys[0], (n, d), jnp.bfloat16)
+    weights, ids = jax.lax.top_k(jax.nn.softmax(jax.random.normal(keys[1], (n, e), jnp.float32)), k)
+    gate_up = (jax.random.normal(keys[2], (e, d, 2 * f), jnp.bfloat16) * d ** -0.5).astype(jnp.bfloat16)
+    down = (jax.random.normal(keys[3], (e, f, d), jnp.bfloat16) * f ** -0.5).astype(jnp.bfloat16)
+    return x, ids.astype(jnp.int32), weights.astype(jnp.bfloat16), gate_up, down
+
+
+def stage_pieces(cfg, n: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from ftjax.experts import compute
+    from ftjax.kernels.grouped_matmul import grouped_matmul
+    x, ids, weights, gate_up, down = _inputs(cfg, n)
+    k, e = cfg.top_k, cfg.num_experts
+
+    def sort(ids):
+        flat = ids.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        inv = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype), unique_indices=True)
+        return order, jnp.bincount(flat, length=e).astype(jnp.int32), inv
+
+    order, sizes, inv = jax.jit(sort)(ids)
+    xs = x[order // k]
+    h = jax.jit(grouped_matmul)(xs, gate_up, sizes)
+    act = jax.nn.silu(h[:, :cfg.expert_ffn]) * h[:, cfg.expert_ffn:]
+    y = jax.jit(grouped_matmul)(act, down, sizes)
+    rows = {
+        "sort": _time(jax.jit(sort), ids),
+        "gather_in": _time(jax.jit(lambda x, o: x[o // k]), x, order),
+        "gmm_gate_up": _time(jax.jit(grouped_matmul), xs, gate_up, sizes),
+        "swiglu": _time(jax.jit(lambda h: jax.nn.silu(h[:, :cfg.expert_ffn]) * h[:, cfg.expert_ffn:]), h),
+        "gmm_down": _time(jax.jit(grouped_matmul), act, down, sizes),
+        "gather_out_sum": _time(jax.jit(lambda y, inv, w: jnp.einsum(
+            "nkd,nk->nd", y[inv].reshape(n, k, -1), w.astype(y.dtype))), y, inv, weights),
+        "whole": _time(jax.jit(compute.experts_grouped), x, ids, weights, gate_up, down),
+    }
+    out = {name: {**r, "ms": r["s"]["median"] * 1e3} for name, r in rows.items()}
+    weight_bytes = (gate_up.size + down.size) * gate_up.dtype.itemsize
+    out["sum_of_pieces_ms"] = sum(out[p]["ms"] for p in rows if p != "whole")
+    out["bytes_floor_ms"] = weight_bytes / (FLAGS.hbm_gbps * 1e9) * 1e3
+    out["group_rows"] = {"mean": float(np.mean(np.asarray(sizes))), "max": int(np.max(np.asarray(sizes))),
+                         "min": int(np.min(np.asarray(sizes)))}
+    return out
+
+
+def stage_tiles(cfg, n: int) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    x, ids, _, gate_up, down = _inputs(cfg, n)
+    flat = ids.reshape(-1)
+    sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
+    xs = x[jnp.argsort(flat, stable=True) // cfg.top_k]
+    act = jax.random.normal(jax.random.key(1), (xs.shape[0], cfg.expert_ffn), jnp.bfloat16)
+    rows = []
+    for name, lhs, rhs in (("gate_up", xs, gate_up), ("down", act, down)):
+        m, kk, nn = lhs.shape[0], rhs.shape[1], rhs.shape[2]
+        ref = None
+        for entry in FLAGS.configs:
+            tiles = _config(entry)
+            row = {"matmul": name, "config": entry, "M": m, "K": kk, "N": nn, **tiles}
+            try:
+                fn = jax.jit(lambda a, b, s, t=tiles: ragged_dot_mgpu.ragged_dot(a, b, group_sizes=s, **t))
+                got = fn(lhs, rhs, sizes)
+                if ref is None:
+                    ref = got
+                row.update(_time(fn, lhs, rhs, sizes), err=_err(got, ref))
+                row["ms"] = row["s"]["median"] * 1e3
+                row["tflops"] = 2.0 * m * kk * nn / row["s"]["median"] / 1e12
+            except Exception as exc:  # a config the kernel refuses: recorded, the sweep goes on
+                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+            rows.append(row)
+            print(common.table([row], ["matmul", "config", "ms", "tflops", "err", "error"]), flush=True)
+    return rows
+
+
+def main(argv):
+    del argv
+    import jax
+
+    from ftjax.config import preset
+    name = "bench_grouped_matmul" + (f"_{FLAGS.tag}" if FLAGS.tag else "") + ".json"
+    out = {"tokens": FLAGS.tokens, "device": jax.devices()[0].device_kind, "presets": {}, "partial": True}
+    for p in FLAGS.presets:
+        cfg = preset(p)
+        n = FLAGS.tokens
+        res = {"shape": {"experts": cfg.num_experts, "hidden": cfg.hidden_size, "expert_ffn": cfg.expert_ffn,
+                         "top_k": cfg.top_k, "rows": n * cfg.top_k}}
+        res["pieces"] = stage_pieces(cfg, n)
+        print(f"\n{p}: pieces (ms)")
+        print(common.table([{"piece": k, "ms": v["ms"]} for k, v in res["pieces"].items() if isinstance(v, dict)
+                            and "ms" in v], ["piece", "ms"]))
+        print(f"sum of pieces {res['pieces']['sum_of_pieces_ms']:.3f} ms, weights' byte floor "
+              f"{res['pieces']['bytes_floor_ms']:.3f} ms", flush=True)
+        out["presets"][p] = res
+        common.write_json(FLAGS.out_dir, name, out)
+        if FLAGS.configs and jax.default_backend() == "gpu":
+            res["tiles"] = stage_tiles(cfg, n)
+            common.write_json(FLAGS.out_dir, name, out)
+    out["partial"] = False
+    print("wrote", common.write_json(FLAGS.out_dir, name, out))
+
+
+if __name__ == "__main__":
+    flags.register_validator("configs", lambda v: all(len(e.split(":")) == 5 and all(s.isdigit() for s in e.split(":"))
+                                                      for e in v),
+                             "--configs: each must be block_m:block_n:block_k:stages:grid_block_n (integers)")
+    common.run(main)

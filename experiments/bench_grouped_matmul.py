@@ -18,7 +18,9 @@ Every row is the median (and spread) of --repeats calls of one jitted function a
   (K = D, N = 2F) and down (K = F, N = D) matmuls at each of --configs
   (``block_m:block_n:block_k:stages:grid_block_n``), with TFLOP/s counted as 2*M*K*N over the time and
   ``err`` (max |x - ref| / max |ref|) against the default tiles. A config the kernel refuses (shared memory,
-  divisibility) is recorded with its error. GPU only.
+  divisibility) is recorded with its error. Then the first config's gate-up matmul with the same rows in
+  E/2, E/4, E/8 groups (``groups``): what the group count alone costs (the kernel looks up each tile's group
+  with a loop unrolled over all G groups). GPU only.
 
 Writes ``bench_grouped_matmul[_<tag>].json`` and prints the tables.
 """
@@ -159,6 +161,24 @@ def stage_tiles(cfg, n: int) -> list[dict]:
                 row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
             rows.append(row)
             print(common.table([row], ["matmul", "config", "ms", "tflops", "err", "error"]), flush=True)
+    # The same rows and operand shapes in fewer, larger groups (neighbouring experts' rows merged, the first
+    # G / f weights): what the group count alone costs at the first config's tiles.
+    tiles = _config(FLAGS.configs[0])
+    fn = jax.jit(lambda a, b, s: ragged_dot_mgpu.ragged_dot(a, b, group_sizes=s, **tiles))
+    for f in (1, 2, 4, 8):
+        g = cfg.num_experts // f
+        if g < 1 or cfg.num_experts % f:
+            continue
+        row = {"matmul": "gate_up", "config": FLAGS.configs[0], "groups": g, "M": xs.shape[0], "K": gate_up.shape[1],
+               "N": gate_up.shape[2]}
+        try:
+            row.update(_time(fn, xs, gate_up[:g], sizes.reshape(g, f).sum(axis=1)))
+            row["ms"] = row["s"]["median"] * 1e3
+            row["tflops"] = 2.0 * row["M"] * row["K"] * row["N"] / row["s"]["median"] / 1e12
+        except Exception as exc:  # noqa: BLE001 - recorded like a refused config
+            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+        rows.append(row)
+        print(common.table([row], ["matmul", "groups", "ms", "tflops", "error"]), flush=True)
     return rows
 
 

@@ -22,7 +22,8 @@ Every row is the median (and spread) of --repeats calls of one jitted function a
   E/2, E/4, E/8 groups (``groups``): what the group count alone costs (the kernel looks up each tile's group
   with a loop unrolled over all G groups). GPU only.
 
-Writes ``bench_grouped_matmul[_<tag>].json`` and prints the tables.
+Writes ``bench_grouped_matmul[_<tag>].json`` (``presets``: each shape's stages; ``rows``: one per timed program,
+for experiments/plots.py) and prints the tables.
 """
 
 from __future__ import annotations
@@ -182,6 +183,19 @@ def stage_tiles(cfg, n: int) -> list[dict]:
     return rows
 
 
+def flat_rows(presets: dict) -> list[dict]:
+    """One row per timed program (``preset``, ``case``, ``s``: the spread of its calls in seconds): the pieces, then
+    the tiles ("gate_up 128:128:64:4:1") and the group counts ("gate_up 64 groups"); what experiments/plots.py
+    draws."""
+    rows = []
+    for p, res in presets.items():
+        rows += [{"preset": p, "case": k, "s": v["s"]} for k, v in (res.get("pieces") or {}).items()
+                 if isinstance(v, dict) and "s" in v]
+        rows += [{"preset": p, "case": f"{t['matmul']} " + (f"{t['groups']} groups" if t.get("groups") else t["config"]),
+                  "s": t["s"], "tflops": t.get("tflops")} for t in res.get("tiles") or [] if "s" in t]
+    return rows
+
+
 def main(argv):
     del argv
     import jax
@@ -201,9 +215,11 @@ def main(argv):
         print(f"sum of pieces {res['pieces']['sum_of_pieces_ms']:.3f} ms, weights' byte floor "
               f"{res['pieces']['bytes_floor_ms']:.3f} ms", flush=True)
         out["presets"][p] = res
+        out["rows"] = flat_rows(out["presets"])
         common.write_json(FLAGS.out_dir, name, out)
         if FLAGS.configs and jax.default_backend() == "gpu":
             res["tiles"] = stage_tiles(cfg, n)
+            out["rows"] = flat_rows(out["presets"])
             common.write_json(FLAGS.out_dir, name, out)
     out["partial"] = False
     print("wrote", common.write_json(FLAGS.out_dir, name, out))

@@ -4,18 +4,13 @@
 #   bash experiments/bench_serve_gpu.sh resident     # concurrency 1,2,4,8 + HTTP server overhead, resident experts
 #   bash experiments/bench_serve_gpu.sh cached       # concurrency with an 8 GB expert cache (lookahead policy)
 #   bash experiments/bench_serve_gpu.sh multiround   # 4 users x 16k-token contexts, with and without KV reuse
-# The serving dependencies (fastapi, uvicorn, sse-starlette, httpx, openai, ...) come as wheels from .whl/
-# when the machine has no index (pip download them there first); BENCH_ARGS go to bench_serve.py; TAG (optional)
+# The serving dependencies come as wheels from .whl/ where the machine has no index (experiments/carried_wheels.sh);
+# BENCH_ARGS go to bench_serve.py; TAG (optional)
 # goes into the JSON's name, e.g. TAG=norun-ahead BENCH_ARGS=--norun_ahead bash experiments/bench_serve_gpu.sh resident
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-experiments/results/serve}"; mkdir -p "$out"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:.
-else
-  export PYTHONPATH=.
-fi
+source experiments/carried_wheels.sh
 export PYTHONUNBUFFERED=1
 day="$(date -u +%F)"; lim="${STAGE_LIMIT_S:-560}"; tag="${TAG:+_$TAG}"
 case "${1:?stage: resident | cached | multiround}" in

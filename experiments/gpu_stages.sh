@@ -8,7 +8,8 @@
 # serve-onestep:   bench_serve, resident, the one-step path (decode block 1), 32 requests per level, run-ahead on
 #                  then off (the 2026-12-03 setting: is the one-step TPOT back at 8.1-8.6 ms?)
 # serve-cached-blocks: bench_serve, cached at 8 GB, concurrency 1 and 4, decode blocks 1 and 16 (issue 31's 2x)
-# serve-http-blocks: bench_serve's server overhead (HTTP vs direct) with decode blocks of 16
+# serve-http-blocks: bench_serve's server overhead (HTTP vs direct) with decode blocks of 16 (needs the serving wheels
+#                  in .whl/, carried: experiments/carried_wheels.sh)
 # profile-b4:      profile_step, resident decode at batch 1 and 4: where a 4-row step's extra time goes (issue 31's
 #                  3x: the experts category against its byte floor)
 # multiround:      bench_serve's multi-round QA (4 users x 16k context), with and without KV reuse
@@ -24,7 +25,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-}"; logs=/tmp  # logs stay on the machine: a call brings back at most 8 files; their tails print
-export PYTHONPATH=. PYTHONUNBUFFERED=1
+source experiments/carried_wheels.sh  # the serve stages' HTTP server and client (uvicorn, httpx, ...)
+export PYTHONUNBUFFERED=1
 day="$(date -u +%F)"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -1
 run() {  # run LIMIT NAME python-args...

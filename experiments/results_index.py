@@ -383,6 +383,26 @@ def _bench_serve(d: dict) -> str:
     return "; ".join(out) + (" (partial)" if out and d.get("partial") else "") or "-"
 
 
+def _bench_grouped_matmul(d: dict) -> str:
+    out = []
+    for name, r in (d.get("presets") or {}).items():
+        whole = ((r.get("pieces") or {}).get("whole") or {}).get("ms")
+        if whole is None:
+            continue
+        s = f"{name} layer {whole:.2f} ms"
+        tiles = [t for t in r.get("tiles") or [] if t.get("tflops") and not t.get("groups")]
+        if tiles:
+            best = max(tiles, key=lambda t: t["tflops"])
+            s += f", best tiles {best['matmul']} {best['config']} {best['tflops']:.0f} TFLOP/s"
+        out.append(s)
+    return "; ".join(out) + (" (partial)" if out and d.get("partial") else "") or "-"
+
+
+def _probe_hybrid_batch_decode(d: dict) -> str:
+    rows = d.get("rows") or []
+    return ", ".join(f"B={r['batch']} compile {r['compile_s']:.0f} s" for r in rows) or "-"
+
+
 HEADLINES = {
     "bench_decode": _bench_decode,
     "bench_decode_speed": _bench_decode_speed,
@@ -402,6 +422,8 @@ HEADLINES = {
     "plan_vs_peak": _plan_vs_peak,
     "policy_study": _policy_study,
     "probe_h2d": _probe_h2d,
+    "bench_grouped_matmul": _bench_grouped_matmul,
+    "probe_hybrid_batch_decode": _probe_hybrid_batch_decode,
     "ab_slot_table": _ab_slot_table,
     "serve_soak": _serve_soak,
 }

@@ -857,3 +857,4 @@ def test_bench_grouped_matmul_smoke(tmp_path):
     assert all(pieces[p]["ms"] > 0 for p in ("sort", "gmm_gate_up", "whole")), pieces
     assert res["shape"]["rows"] == 64 * 4 and pieces["group_rows"]["mean"] == 64 * 4 / 16
     assert "tiles" not in res and d["partial"] is False
+    assert [r["case"] for r in d["rows"]][:2] == ["sort", "gather_in"] and all(r["preset"] == "tiny" for r in d["rows"])

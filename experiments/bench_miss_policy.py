@@ -300,6 +300,11 @@ def _run():
                 "split_histogram_decode": dec["split_histogram"],
                 "predicted_miss_s_per_token": pred / max(n_dec, 1) if pred is not None else None,
                 "generated_ids": out.generated_ids[0]})
+            if "host_split" in ec:  # where the host-split driver's host time went, ms per layer by phase
+                run["host_split"] = ec["host_split"]
+                log("    host-split ms per layer: " + ", ".join(
+                    f"{k} {v:.3f}" for k, v in ec["host_split"]["per_layer_ms"].items())
+                    + f", other {ec['host_split']['other_per_layer_ms']:.3f}")
             if pol == "fetch":
                 fetch_ref[b] = out
             elif b in fetch_ref:

@@ -66,6 +66,12 @@ def test_host_driver_splits_as_the_program_does_and_equals_resident(qwen, policy
     np.testing.assert_array_equal(host.state.last_routed, inside.state.last_routed)
     # the 16-token prompt bucket routes <= GATHER_MAX_PAIRS pairs: the prefill call split on the host too
     assert host.prefill_driver_calls["host_split"] == 1
+    # the host's time by phase: every call (the prefill and STEPS - 1 decode steps) and layer counted
+    times = mh["host_split"]
+    assert times["calls"] == STEPS and times["layers"] == STEPS * model.cfg.num_layers, times
+    assert set(times["per_layer_ms"]) == {"front", "device", "read", "cpu"}
+    assert times["seconds"]["cpu"] > 0 and sum(times["seconds"].values()) <= times["call_s"], times
+    assert "host_split" not in mi  # the in-program split keeps no host phases
 
 
 def test_host_driver_hybrid_batch_of_two_equals_resident():

@@ -62,7 +62,8 @@ class CallArgs:
 class RunContext:
     """What the drivers read of an engine: its program cache (``compile(fn, args, compiler_options=(),
     **static)``), the model's config, params and host banks, the engine config, the banks' per-layer
-    pieces (made on first use) and the layers per prefix copy group."""
+    pieces (made on first use), the layers per prefix copy group, and where the host-split driver adds up its
+    host time (``host_split.HostSplitTimes``; None: not kept)."""
 
     compile: Callable
     cfg: Any
@@ -71,6 +72,7 @@ class RunContext:
     config: Any
     expert_source: Callable[[], ExpertLayerSource]
     prefix_rows: int
+    host_times: Any = None
 
 
 class ScanDriver:

@@ -53,6 +53,7 @@ from ftjax.experts.state import ExpertCounters, ExpertState, init_expert_state
 from ftjax.kv.layerwise import split_runs
 from ftjax.runtime import drivers, programs, transfers
 from ftjax.runtime.drivers import CallArgs, RunContext
+from ftjax.runtime.host_split import HostSplitTimes
 from ftjax.runtime.misses import build_miss_runtime
 from ftjax.runtime.plan import CallPlan, CallPlanner, PrefillCall, chunk_calls, prompt_error
 from ftjax.runtime.step import RowSampling, decode_block, keep_rows, sample_next
@@ -247,6 +248,7 @@ class Engine:
         self.failed_steps = 0
         # prefill calls run by each driver ("host_split" once one ran: short prompts under cpu_driver "host")
         self.prefill_driver_calls = {"scan": 0, "pipelined": 0}
+        self.host_split_times = HostSplitTimes()  # the host-split driver's host time by phase (its calls only)
         self._expert_views: transfers.ExpertLayerSource | None = None  # made on the first pipelined stream
         self.rows: list[Row | None] = []
         self.cache: KVCache | None = None
@@ -367,7 +369,7 @@ class Engine:
     # ---- one call ------------------------------------------------------------------------------
     def _context(self) -> RunContext:
         return RunContext(self.programs.compile, self.cfg, self.params, self._step_banks, self.config,
-                          self._expert_source, self.prefix_copy_rows())
+                          self._expert_source, self.prefix_copy_rows(), self.host_split_times)
 
     def _expert_source(self) -> transfers.ExpertLayerSource:
         if self._expert_views is None:
@@ -1088,7 +1090,8 @@ class Engine:
     # ---- metrics ------------------------------------------------------------------------------
     def expert_cache_metrics(self) -> dict:
         """The ``expert_cache`` metrics object: slots, hits, misses, hit rates, fetched / CPU
-        misses, H2D bytes (per phase too), what the cache holds per layer, the miss policy."""
+        misses, H2D bytes (per phase too), what the cache holds per layer, the miss policy, and once the
+        host-split driver ran, ``host_split``: its host time per layer by phase (``HostSplitTimes.summary``)."""
         eb = self.model.expert_bytes
         total = self.counters["prefill"] + self.counters["decode"]
         m = {"mode": self.mode, "slots": self.num_slots, "policy": self.cache_policy, "expert_bytes": eb,
@@ -1097,4 +1100,6 @@ class Engine:
              "prefill": self.counters["prefill"].summary(eb), "decode": self.counters["decode"].summary(eb),
              "resident_per_layer": self.resident_experts_per_layer()}
         m.update(self.miss.metrics(min(self.cfg.num_experts, self.batch * self.cfg.top_k)))
+        if self.host_split_times.calls:  # cpu_driver "host": where the host's time went, per layer
+            m["host_split"] = self.host_split_times.summary()
         return m

@@ -12,7 +12,8 @@ over PCIe, so the calibrated split always fetched. Here each layer is two progra
     device l:  the fetched misses copied into their slots, the device's (token, k) expert outputs
                (``compute.gather_outputs``)
     host l:    read x and the CPU's expert ids (waits for front l only), the host kernel's FFNs
-               (``cpu_experts`` "xla" / "rows" / "native" kernels), put the outputs on the device
+               (``cpu_experts`` "xla" / "rows" / "native" kernels), their outputs handed to front l+1 as a
+               numpy argument (put on the device by that call)
 
 ``device l`` is dispatched before the host reads front l's outputs, so the copies run on the GPU while the
 CPU computes; front l+1 waits for both. The arithmetic is the scan's: the same plan, the same device
@@ -31,13 +32,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ftjax import memory
 from ftjax import model as model_lib
 from ftjax.experts import miss_policy, offload
 from ftjax.experts.compute import gather_outputs
@@ -91,6 +92,35 @@ class FrontOptions:
     step: StepOptions
     kind: str | None
     prev_kind: str | None
+
+
+#: The host-side phases of a layer that :class:`HostSplitTimes` times, in order.
+PHASES = ("front", "device", "read", "cpu")
+
+
+@dataclasses.dataclass
+class HostSplitTimes:
+    """Where the host's time goes in the host-split driver's calls (an engine keeps one; ``Engine.expert_cache_metrics``
+    reports it under ``host_split``), seconds of wall time summed over the calls' layers:
+
+    front: dispatching front l (argument handling and the put of layer l-1's CPU outputs, a numpy argument; the
+    program runs asynchronously); device: dispatching device l; read: the device-to-host read of x and the CPU
+    ids, which waits for front l (so for device l-1) to finish on the device; cpu: the host kernel. What the host
+    does not spend here it spends between layers (Python) or in the embedding and head.
+    """
+
+    calls: int = 0
+    layers: int = 0
+    seconds: dict = dataclasses.field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    call_s: float = 0.0
+
+    def summary(self) -> dict:
+        """calls, layers, total seconds per phase, milliseconds per layer per phase (``per_layer_ms``), the calls'
+        wall seconds and the per-layer milliseconds the phases leave unaccounted (``other_per_layer_ms``)."""
+        n = max(self.layers, 1)
+        per = {k: 1e3 * v / n for k, v in self.seconds.items()}
+        return {"calls": self.calls, "layers": self.layers, "seconds": dict(self.seconds), "per_layer_ms": per,
+                "call_s": self.call_s, "other_per_layer_ms": 1e3 * self.call_s / n - sum(per.values())}
 
 
 def _layer_weights(cfg, params, kind: str, idx: LayerIndex, token_shape: tuple) -> dict:
@@ -207,6 +237,9 @@ class HostSplitDriver:
         expert state are consumed (donated). Returns a ``ForwardOut`` (stats stacked over layers)."""
         kernel = self._kernel(plan)
         cfg = ctx.cfg
+        times = ctx.host_times if ctx.host_times is not None else HostSplitTimes()
+        clock = time.perf_counter
+        t_call = clock()
         tokens, start, valid = (jnp.asarray(x, jnp.int32) for x in (a.tokens, a.start, a.valid))
         h, inputs = ctx.compile(embed_program, (ctx.params, tokens, start, valid))(ctx.params, tokens, start, valid)
         state, cache, finish, stats = a.state, a.cache, (), []
@@ -218,7 +251,9 @@ class HostSplitDriver:
             if key not in fronts:  # one program-cache lookup per pair of kinds, not per layer
                 fronts[key] = ctx.compile(front_program, args, compiler_options=options, cfg=cfg, opts=opts)
             del args
+            t0 = clock()
             h, cache, state, handoff, s = fronts[key](ctx.params, state, h, cache, inputs, idx, prev_idx, finish)
+            front_s = clock() - t0
             if opts.kind is None:
                 break
             stats.append(s)
@@ -226,18 +261,30 @@ class HostSplitDriver:
                 device = ctx.compile(device_program, (ctx.banks, state, handoff), compiler_options=options,
                                      opts=plan.opts)
             # dispatched before the host reads this layer's split: the copies run while the CPU computes
+            t1 = clock()
             state, y_dev = device(ctx.banks, state, handoff)
+            t2 = clock()
             x, cpu_flat, n_cpu = jax.device_get((handoff.x, handoff.cpu_flat, handoff.n_cpu))
+            t3 = t4 = clock()
             if int(n_cpu) > 0:
-                y_cpu = jax.device_put(np.asarray(kernel.compute(x, cpu_flat, n_cpu)), memory.device_sharding())
+                # a numpy argument: the next front program's call puts it on the device in its own (C++) dispatch,
+                # ~0.1 ms a layer less host time than a jax.device_put of its own
+                y_cpu = np.asarray(kernel.compute(x, cpu_flat, n_cpu))
+                t4 = clock()
             else:  # no CPU expert: the merge reads none of it
                 if zeros is None:
                     zeros = jnp.zeros(cpu_flat.shape + x.shape, x.dtype)
                 y_cpu = zeros
             finish = Finish(y_dev, y_cpu, handoff.ids, handoff.weights, handoff.on_cpu, handoff.cpu_rank)
+            for phase, dt in zip(PHASES, (front_s, t2 - t1, t3 - t2, t4 - t3)):
+                times.seconds[phase] += dt
+            times.layers += 1
         logits = ctx.compile(head_program, (ctx.params, h, valid), cfg=cfg,
                              all_logits=plan.opts.all_logits)(ctx.params, h, valid)
-        return ForwardOut(logits, cache, state, ctx.compile(stack, (stats,))(stats), None)
+        out = ForwardOut(logits, cache, state, ctx.compile(stack, (stats,))(stats), None)
+        times.calls += 1
+        times.call_s += clock() - t_call
+        return out
 
 
-__all__ = ["Finish", "FrontOptions", "Handoff", "HostSplitDriver", "device_program", "front_program"]
+__all__ = ["Finish", "FrontOptions", "Handoff", "HostSplitDriver", "HostSplitTimes", "PHASES", "device_program", "front_program"]

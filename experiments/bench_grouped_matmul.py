@@ -7,7 +7,8 @@ r"""Where one prefill layer's grouped expert FFN spends its time, and the groupe
 At each of --presets' expert shapes (E experts, hidden D, expert FFN F, top-k), one layer's routed-expert
 FFN over a --tokens prefill in the grouped formulation (``ftjax.experts.compute.experts_grouped``), batch 1,
 random bf16 inputs and weights, top-k ids of random router logits (groups of about tokens * k / E rows).
-Every row is the median (and spread) of --repeats calls of one jitted function after a compiling call:
+Every row is the median (and spread) of --repeats calls of one jitted function after a compiling call
+(``compile_s``):
 
 * ``pieces``: the formulation's steps, each its own program: the sort (argsort of the N*k expert ids,
   group sizes, inverse permutation), the token gather into expert order (``x[order // k]``), the two grouped
@@ -20,7 +21,10 @@ Every row is the median (and spread) of --repeats calls of one jitted function a
   ``err`` (max |x - ref| / max |ref|) against the default tiles. A config the kernel refuses (shared memory,
   divisibility) is recorded with its error. Then the first config's gate-up matmul with the same rows in
   E/2, E/4, E/8 groups (``groups``): what the group count alone costs (the kernel looks up each tile's group
-  with a loop unrolled over all G groups). GPU only.
+  with a loop unrolled over all G groups). Then the Pallas Triton kernel over a precomputed tile schedule
+  (``ftjax.kernels.grouped_matmul_triton``, ``"kernel": "triton"``) on both matmuls at each of --triton_configs
+  (``block_m:block_n:block_k:num_warps:num_stages``), ``err`` against the Mosaic GPU kernel at its default tiles
+  (``grouped_matmul.mgpu_tiles``); a refused config is recorded with its error. GPU only.
 
 Writes ``bench_grouped_matmul[_<tag>].json`` (``presets``: each shape's stages; ``rows``: one per timed program,
 for experiments/plots.py) and prints the tables.
@@ -47,7 +51,10 @@ flags.DEFINE_list("configs", ["128:128:64:4:1", "64:128:64:4:1", "64:256:64:4:1"
                               "128:128:64:4:4", "128:128:64:2:1", "64:128:64:6:1", "128:64:64:4:1",
                               "64:64:64:6:1", "128:128:128:3:1", "64:128:128:4:1"],
                   "Tiles of the Mosaic GPU grouped matmul to time (block_m:block_n:block_k:stages:grid_block_n); "
-                  "empty: no tiles stage.")
+                  "empty: none (with --triton_configs empty too: no tiles stage).")
+flags.DEFINE_list("triton_configs", ["64:128:64:4:3", "128:128:64:8:3", "64:256:64:8:3", "128:64:64:4:4"],
+                  "Tiles of the Pallas Triton grouped matmul to time (block_m:block_n:block_k:num_warps:num_stages); "
+                  "empty: none.")
 flags.DEFINE_integer("repeats", 10, "Timed calls per row.", lower_bound=1)
 flags.DEFINE_float("hbm_gbps", 4800.0, "HBM bandwidth for the weights' byte floor (GB/s; the H200's 4.8 TB/s).",
                    lower_bound=1.0)
@@ -60,6 +67,30 @@ def _config(entry: str) -> dict:
     if len(vals) != 5 or min(vals) < 1:
         raise ValueError(f"--configs: expected block_m:block_n:block_k:stages:grid_block_n, got {entry!r}")
     return dict(zip(("block_m", "block_n", "block_k", "max_concurrent_steps", "grid_block_n"), vals))
+
+
+def _triton_config(entry: str) -> dict:
+    vals = [int(v) for v in entry.split(":")]
+    if len(vals) != 5 or min(vals) < 1:
+        raise ValueError(f"--triton_configs: expected block_m:block_n:block_k:num_warps:num_stages, got {entry!r}")
+    return dict(zip(("block_m", "block_n", "block_k", "num_warps", "num_stages"), vals))
+
+
+def _timed_row(row: dict, fn, args, ref=None):
+    """Fills ``row`` with fn(*args)'s compile and call times, TFLOP/s (2*M*K*N) and, given ``ref``, ``err``
+    against it; or with the error of a call that fails (a config the kernel refuses: the sweep goes on).
+    Returns the output, or None where it failed."""
+    try:
+        row.update(_time(fn, *args))
+        got = fn(*args)
+    except Exception as exc:  # noqa: BLE001 - recorded, the sweep goes on
+        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+        return None
+    row["ms"] = row["s"]["median"] * 1e3
+    row["tflops"] = 2.0 * row["M"] * row["K"] * row["N"] / row["s"]["median"] / 1e12
+    if ref is not None:
+        row["err"] = _err(got, ref)
+    return got
 
 
 def _time(fn, *args) -> dict:
@@ -138,6 +169,9 @@ def stage_tiles(cfg, n: int) -> list[dict]:
     import jax.numpy as jnp
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
+    from ftjax.kernels import grouped_matmul as gm
+    from ftjax.kernels.grouped_matmul_triton import grouped_matmul_triton
+
     x, ids, _, gate_up, down = _inputs(cfg, n)
     flat = ids.reshape(-1)
     sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
@@ -149,19 +183,29 @@ def stage_tiles(cfg, n: int) -> list[dict]:
         ref = None
         for entry in FLAGS.configs:
             tiles = _config(entry)
-            row = {"matmul": name, "config": entry, "M": m, "K": kk, "N": nn, **tiles}
-            try:
-                fn = jax.jit(lambda a, b, s, t=tiles: ragged_dot_mgpu.ragged_dot(a, b, group_sizes=s, **t))
-                got = fn(lhs, rhs, sizes)
-                if ref is None:
-                    ref = got
-                row.update(_time(fn, lhs, rhs, sizes), err=_err(got, ref))
-                row["ms"] = row["s"]["median"] * 1e3
-                row["tflops"] = 2.0 * m * kk * nn / row["s"]["median"] / 1e12
-            except Exception as exc:  # a config the kernel refuses: recorded, the sweep goes on
-                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+            row = {"matmul": name, "kernel": "mgpu", "config": entry, "M": m, "K": kk, "N": nn, **tiles}
+            fn = jax.jit(lambda a, b, s, t=tiles: ragged_dot_mgpu.ragged_dot(a, b, group_sizes=s, **t))
+            got = _timed_row(row, fn, (lhs, rhs, sizes), ref)
+            if ref is None and got is not None:  # the first config that runs is the reference
+                ref, row["err"] = got, 0.0
             rows.append(row)
             print(common.table([row], ["matmul", "config", "ms", "tflops", "err", "error"]), flush=True)
+        if FLAGS.triton_configs:  # err against the Mosaic GPU kernel at grouped_matmul's default tiles
+            t = gm.mgpu_tiles(kk, nn)
+            try:
+                ref = jax.jit(lambda a, b, s: ragged_dot_mgpu.ragged_dot(a, b, group_sizes=s, **t))(lhs, rhs, sizes)
+            except Exception as exc:  # noqa: BLE001 - the Triton rows then go without err
+                print(f"no mgpu reference for {name}: {type(exc).__name__}", flush=True)
+                ref = None
+        for entry in FLAGS.triton_configs:
+            tiles = _triton_config(entry)
+            row = {"matmul": name, "kernel": "triton", "config": entry, "M": m, "K": kk, "N": nn, **tiles}
+            fn = jax.jit(lambda a, b, s, t=tiles: grouped_matmul_triton(a, b, s, **t))
+            _timed_row(row, fn, (lhs, rhs, sizes), ref)
+            rows.append(row)
+            print(common.table([row], ["matmul", "kernel", "config", "ms", "tflops", "err", "error"]), flush=True)
+    if not FLAGS.configs:
+        return rows
     # The same rows and operand shapes in fewer, larger groups (neighbouring experts' rows merged, the first
     # G / f weights): what the group count alone costs at the first config's tiles.
     tiles = _config(FLAGS.configs[0])
@@ -170,14 +214,9 @@ def stage_tiles(cfg, n: int) -> list[dict]:
         g = cfg.num_experts // f
         if g < 1 or cfg.num_experts % f:
             continue
-        row = {"matmul": "gate_up", "config": FLAGS.configs[0], "groups": g, "M": xs.shape[0], "K": gate_up.shape[1],
-               "N": gate_up.shape[2]}
-        try:
-            row.update(_time(fn, xs, gate_up[:g], sizes.reshape(g, f).sum(axis=1)))
-            row["ms"] = row["s"]["median"] * 1e3
-            row["tflops"] = 2.0 * row["M"] * row["K"] * row["N"] / row["s"]["median"] / 1e12
-        except Exception as exc:  # noqa: BLE001 - recorded like a refused config
-            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+        row = {"matmul": "gate_up", "kernel": "mgpu", "config": FLAGS.configs[0], "groups": g, "M": xs.shape[0],
+               "K": gate_up.shape[1], "N": gate_up.shape[2]}
+        _timed_row(row, fn, (xs, gate_up[:g], sizes.reshape(g, f).sum(axis=1)))
         rows.append(row)
         print(common.table([row], ["matmul", "groups", "ms", "tflops", "error"]), flush=True)
     return rows
@@ -185,13 +224,14 @@ def stage_tiles(cfg, n: int) -> list[dict]:
 
 def flat_rows(presets: dict) -> list[dict]:
     """One row per timed program (``preset``, ``case``, ``s``: the spread of its calls in seconds): the pieces, then
-    the tiles ("gate_up 128:128:64:4:1") and the group counts ("gate_up 64 groups"); what experiments/plots.py
-    draws."""
+    the tiles ("gate_up 128:128:64:4:1", the Triton kernel's "gate_up triton 64:128:64:4:3") and the group counts
+    ("gate_up 64 groups"); what experiments/plots.py draws."""
     rows = []
     for p, res in presets.items():
         rows += [{"preset": p, "case": k, "s": v["s"]} for k, v in (res.get("pieces") or {}).items()
                  if isinstance(v, dict) and "s" in v]
-        rows += [{"preset": p, "case": f"{t['matmul']} " + (f"{t['groups']} groups" if t.get("groups") else t["config"]),
+        rows += [{"preset": p, "case": f"{t['matmul']} " + ("triton " if t.get("kernel") == "triton" else "")
+                  + (f"{t['groups']} groups" if t.get("groups") else t["config"]),
                   "s": t["s"], "tflops": t.get("tflops")} for t in res.get("tiles") or [] if "s" in t]
     return rows
 
@@ -217,7 +257,7 @@ def main(argv):
         out["presets"][p] = res
         out["rows"] = flat_rows(out["presets"])
         common.write_json(FLAGS.out_dir, name, out)
-        if FLAGS.configs and jax.default_backend() == "gpu":
+        if (FLAGS.configs or FLAGS.triton_configs) and jax.default_backend() == "gpu":
             res["tiles"] = stage_tiles(cfg, n)
             out["rows"] = flat_rows(out["presets"])
             common.write_json(FLAGS.out_dir, name, out)
@@ -229,4 +269,7 @@ if __name__ == "__main__":
     flags.register_validator("configs", lambda v: all(len(e.split(":")) == 5 and all(s.isdigit() for s in e.split(":"))
                                                       for e in v),
                              "--configs: each must be block_m:block_n:block_k:stages:grid_block_n (integers)")
+    flags.register_validator("triton_configs", lambda v: all(len(e.split(":")) == 5 and all(s.isdigit() for s in
+                                                                                         e.split(":")) for e in v),
+                             "--triton_configs: each must be block_m:block_n:block_k:num_warps:num_stages (integers)")
     common.run(main)

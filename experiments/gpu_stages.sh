@@ -18,8 +18,9 @@
 # miss-host:       bench_miss_policy at 8 GB, native_async reached through callbacks and through the host-split
 #                  driver (issue 33's 48-layer offload and adaptive-split targets)
 # gdn-model:       bench_gated_delta's 16-layer model stage (compile log, decode kernels)
-# gmm-tiles:       bench_grouped_matmul: one prefill layer's grouped expert FFN by piece, and the Mosaic GPU grouped
-#                  matmul's tiles at the qwen3.5 (256 x 512) and qwen3 (128 x 768) expert shapes (issue 32's MoE prefill)
+# gmm-tiles:       bench_grouped_matmul: one prefill layer's grouped expert FFN by piece, the Mosaic GPU grouped
+#                  matmul's tiles and the grouped_matmul_triton kernel's at the qwen3.5 (256 x 512) and qwen3
+#                  (128 x 768) expert shapes (issue 32's MoE prefill)
 # hybrid-batch-probe: does the hybrid engine's decode compile at batch 1, 2, 4 (stacks dumped if it hangs)
 # LIMIT_<stage> (seconds, dashes as underscores) overrides a stage's limit.
 set -uo pipefail
@@ -76,7 +77,7 @@ for stage in "$@"; do
       run 300 "$stage" experiments/bench_gated_delta.py --stages=model --model_configs=auto,auto+decode-kernels \
         --tag=model-compile ${out:+--out_dir="$out"} ;;
     gmm-tiles)
-      run 240 "$stage" experiments/bench_grouped_matmul.py --tag="h200_$day" ${out:+--out_dir="$out"} ;;
+      run 330 "$stage" experiments/bench_grouped_matmul.py --tag="h200_$day" ${out:+--out_dir="$out"} ;;
     hybrid-batch-probe)
       timeout -s ABRT -k 10 "${LIMIT_hybrid_batch_probe:-200}" python3 -X faulthandler \
         experiments/probe_hybrid_batch_decode.py ${out:+--out_dir="$out"} > "$logs/$stage.log" 2>&1

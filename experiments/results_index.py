@@ -393,7 +393,8 @@ def _bench_grouped_matmul(d: dict) -> str:
         tiles = [t for t in r.get("tiles") or [] if t.get("tflops") and not t.get("groups")]
         if tiles:
             best = max(tiles, key=lambda t: t["tflops"])
-            s += f", best tiles {best['matmul']} {best['config']} {best['tflops']:.0f} TFLOP/s"
+            kernel = "" if best.get("kernel", "mgpu") == "mgpu" else f"{best['kernel']} "
+            s += f", best tiles {best['matmul']} {kernel}{best['config']} {best['tflops']:.0f} TFLOP/s"
         out.append(s)
     return "; ".join(out) + (" (partial)" if out and d.get("partial") else "") or "-"
 

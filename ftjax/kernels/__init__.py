@@ -15,7 +15,10 @@ selects which run, and is part of every compiled program's key.
 * ``slot_lookup``: the cached mode's LRU slot-table lookup of a decode layer.
 * ``route_decode``: a decode layer's router after ``norm_dense_decode``'s partial logits.
 * ``grouped_matmul``: the prefill expert matmul (Mosaic GPU kernel on GPUs, ``ragged_dot``
-  elsewhere; ``KernelConfig.grouped_matmul``).
+  elsewhere; ``KernelConfig.grouped_matmul``); ``grouped_matmul_triton``: the same over a tile schedule
+  computed once per call (no per-tile search over the groups), named only.
+* ``causal_conv``, ``gated_delta``, ``gated_delta_solve``, ``gated_delta_step``: the Gated DeltaNet layer's
+  conv, chunk scan, chunk solve and decode step.
 
 ``common`` holds the helpers they share (Pallas backend notes, tile checks).
 """

@@ -12,6 +12,10 @@ against rhs [G*K, N]. That operand grows as M*G*K: 137 GB in float32 for one 819
 layer of qwen3.5-35b-a3b (M = 8192 * top-8 rows, G = 256, K = 2048), the RESOURCE_EXHAUSTED
 "146.47GiB" of its float32 prefill on the H200. :func:`ragged_dot_tiled` runs the same expansion on
 tiles of rows, one at a time, once the whole one would exceed :data:`XLA_EXPAND_BYTES`.
+
+The named kernel ``grouped_matmul_triton`` (``ftjax.kernels.grouped_matmul_triton``: a Pallas Triton
+kernel over a precomputed tile schedule, no per-tile loop over the groups) replaces both where the
+kernel config selects it; ``auto`` does not (not yet measured on a GPU).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from ftjax.kernels import grouped_matmul_triton as gmt
 from ftjax.kernels import registry
 
 #: Largest dense operand [G, M, K] of ragged_dot's expansion built at once (bytes); above it the
@@ -71,9 +76,18 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, impl:
     lhs: [M, K]; rhs: [G, K, N]; group_sizes: int32 [G] with sum == M. Returns [M, N] in lhs's dtype.
     impl: "auto" (Mosaic GPU kernel where supported, else ragged_dot), "mgpu", or "xla";
       default: the active kernel config's ``grouped_matmul`` (``ftjax.kernels.registry``).
+    With impl left out, the kernel ``grouped_matmul_triton`` runs instead where the kernel config
+    selects it (by name or ``use="interpret"``; never under ``auto``) and it takes the operands
+    (:func:`ftjax.kernels.grouped_matmul_triton.supported` at the config's tiles); interpreted off a GPU.
     Raises:
       ValueError: unknown impl, or "mgpu" asked for where it cannot run.
     """
+    if impl is None:  # an explicit impl (the benchmarks') is taken as asked
+        tiles = registry.tiles("grouped_matmul_triton", gmt.TILES)
+        how = registry.mode("grouped_matmul_triton", gmt.supported(lhs, rhs, tiles["block_k"], tiles["block_n"]),
+                            auto=False)
+        if how != "xla":
+            return gmt.grouped_matmul_triton(lhs, rhs, group_sizes, interpret=how == "interpret", **tiles)
     impl = impl or registry.active().grouped_matmul
     if impl not in ("auto", "mgpu", "xla"):
         raise ValueError(f"unknown grouped matmul impl {impl!r}")

@@ -287,4 +287,5 @@ class HostSplitDriver:
         return out
 
 
-__all__ = ["Finish", "FrontOptions", "Handoff", "HostSplitDriver", "HostSplitTimes", "PHASES", "device_program", "front_program"]
+__all__ = ["Finish", "FrontOptions", "Handoff", "HostSplitDriver", "HostSplitTimes", "PHASES", "device_program",
+           "front_program"]

@@ -1,0 +1,178 @@
+"""Grouped (ragged) matmul as a Pallas Triton kernel driven by a precomputed tile schedule.
+
+``out[r] = lhs[r] @ rhs[g(r)]`` for rows of lhs sorted contiguously by group, as ``jax.lax.ragged_dot``.
+The Mosaic GPU kernel ``grouped_matmul`` uses (``ragged_dot_mgpu``) finds each output tile's group with
+a loop unrolled over all G groups in every program: measured on an H200, the same rows in 256 groups
+took 1.57 ms vs 1.00 ms in 64 groups, and the G = 256 hybrid model compiles slowly. Here the group
+lookup happens once, outside the kernel, in a few jnp ops (:func:`tile_schedule`): a work list of T =
+cdiv(M, block_m) + G row tiles, each inside one group, so a program reads three scalars and never loops
+over groups.
+
+The idea is the grouped GEMM with a per-tile work list: MegaBlocks' block-sparse expert matmul and the
+Triton tutorial's grouped GEMM both hand every program a precomputed (problem, tile) entry instead of
+letting it search for its work. Here the entries are row tiles cut at each group's own first row (not
+aligned to block_m), so no tile straddles two groups and the kernel needs only a row mask; the price
+is at most one partial tile per group, hence the + G in T.
+
+Generic Pallas primitives plus the Triton backend's masked ``load`` / ``store``: interpreted on the CPU
+(the tests, any float dtype), lowered through Triton on a GPU (16-bit floats). Not yet measured on a
+GPU (``experiments/bench_grouped_matmul.py --triton_configs``), so ``auto`` does not pick it: it runs
+only where the kernel config names it (``KernelConfig(use=("grouped_matmul_triton",))``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from ftjax.kernels import common, registry
+
+#: Rows, output columns and contraction of one program's step, Triton's warps and pipeline stages
+#: (``KernelConfig.tiles``: ``grouped_matmul_triton=(block_m, block_n, block_k[, num_warps[, num_stages]])``).
+#: Not tuned: the first GPU run picks them. num_stages None: Triton's default.
+BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 64, 128, 64, 4, None
+TILES = {"block_m": BLOCK_M, "block_n": BLOCK_N, "block_k": BLOCK_K, "num_warps": NUM_WARPS,
+         "num_stages": NUM_STAGES}
+
+
+def tile_schedule(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The kernel's work list for ``m`` rows in groups of ``group_sizes`` (int [G], >= 0).
+
+    Returns (tile_group, tile_row, tile_rows), int32 [T] with T = cdiv(m, block_m) + G (static): tile t
+    covers rows [tile_row[t], tile_row[t] + tile_rows[t]) of group tile_group[t]. Each group is cut into
+    ceil(size / block_m) tiles from its own first row, so no tile spans two groups; empty groups get none.
+    Groups are clipped to the m rows (as ragged_dot); rows past sum(group_sizes) form the pseudo-group
+    G (the kernel writes zeros there, as ragged_dot does). Tiles past the last have tile_rows = 0 (and
+    tile_group = G, tile_row = 0). T is enough: over the n <= G + 1 groups with rows (the pseudo-group
+    included; their sizes sum to m), sum_i ceil(s_i / b) <= ceil(m / b) + n - 1.
+    """
+    g = group_sizes.shape[0]
+    t = pl.cdiv(m, block_m) + g
+    ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0)), m)
+    ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])  # + the pseudo-group of the rows past the sum
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    sizes = ends - starts
+    tiles = (sizes + block_m - 1) // block_m
+    tile_end = jnp.cumsum(tiles)  # one past each group's last tile
+    ids = jnp.arange(t, dtype=jnp.int32)
+    grp = jnp.minimum(jnp.searchsorted(tile_end, ids, side="right"), g).astype(jnp.int32)  # empty groups skipped
+    used = ids < tile_end[-1]
+    local = (ids - (tile_end[grp] - tiles[grp])) * block_m  # this tile's first row within its group
+    tile_rows = jnp.where(used, jnp.clip(sizes[grp] - local, 0, block_m), 0)
+    tile_row = jnp.where(used, starts[grp] + local, 0)
+    return jnp.where(used, grp, g), tile_row.astype(jnp.int32), tile_rows.astype(jnp.int32)
+
+
+def supported(lhs: jax.Array, rhs: jax.Array, block_k: int = BLOCK_K, block_n: int = BLOCK_N) -> bool:
+    """Operands the kernel takes: lhs [M, K], rhs [G, K, N] of one float dtype, 16-bit on a GPU (float32
+    only interpreted: Triton would run its dot as TF32), K % block_k == 0 and N % block_n == 0 (no edge
+    masks along K and N)."""
+    if lhs.ndim != 2 or rhs.ndim != 3 or lhs.dtype != rhs.dtype or not jnp.issubdtype(lhs.dtype, jnp.floating):
+        return False
+    k, n = rhs.shape[1], rhs.shape[2]
+    return lhs.shape[1] == k and common.dot_dtype_ok(lhs.dtype) and k % block_k == 0 and n % block_n == 0
+
+
+def _kernel(group_ref, row_ref, rows_ref, lhs_ref, rhs_ref, o_ref, *, groups, bm, bn, bk, k_steps):
+    t, j = pl.program_id(0), pl.program_id(1)
+    g, row0, n_rows = group_ref[t], row_ref[t], rows_ref[t]
+    rows, cols = pl.ds(row0, bm), pl.ds(j * bn, bn)
+    # Masked to the tile's rows: the block may run into the next group's rows (or past M), which are
+    # neither read into the product nor written.
+    live = lax.broadcasted_iota(jnp.int32, (bm, 1), 0) < n_rows
+
+    @pl.when((n_rows > 0) & (g < groups))
+    def _():
+        def step(i, acc):
+            ks = pl.ds(pl.multiple_of(i * bk, bk), bk)
+            a = plt.load(lhs_ref.at[rows, ks], mask=live, other=0)
+            return acc + jnp.dot(a, rhs_ref[g, ks, cols], preferred_element_type=jnp.float32)
+
+        acc = lax.fori_loop(0, k_steps, step, jnp.zeros((bm, bn), jnp.float32))
+        plt.store(o_ref.at[rows, cols], acc.astype(o_ref.dtype), mask=live)
+
+    @pl.when((n_rows > 0) & (g == groups))
+    def _():  # rows past sum(group_sizes): zeros, as ragged_dot
+        plt.store(o_ref.at[rows, cols], jnp.zeros((bm, bn), o_ref.dtype), mask=live)
+
+
+def _check(lhs, rhs, group_sizes, block_m, block_n, block_k):
+    """Raises ValueError naming the operand (expected vs got) or the tile."""
+    name = "grouped_matmul_triton"
+    if lhs.ndim != 2:
+        raise ValueError(f"{name}: lhs expected shape [M, K], got {lhs.shape}")
+    k = lhs.shape[1]
+    if rhs.ndim != 3 or rhs.shape[1] != k:
+        raise ValueError(f"{name}: rhs expected shape [G, {k}, N] (K of lhs), got {rhs.shape}")
+    if group_sizes.shape != (rhs.shape[0],) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise ValueError(f"{name}: group_sizes expected an integer array of shape ({rhs.shape[0]},), "
+                         f"got {group_sizes.dtype} {group_sizes.shape}")
+    if not jnp.issubdtype(lhs.dtype, jnp.floating) or rhs.dtype != lhs.dtype:
+        raise ValueError(f"{name}: lhs and rhs expected one float dtype, got {lhs.dtype} and {rhs.dtype}")
+    if not all(common.pow2(b) and b >= 16 for b in (block_m, block_n, block_k)):
+        raise ValueError(f"{name}: block_m, block_n, block_k expected powers of two >= 16, "
+                         f"got {block_m}, {block_n}, {block_k}")
+    if k % block_k or rhs.shape[2] % block_n:
+        raise ValueError(f"{name}: rhs expected K % block_k == 0 and N % block_n == 0, got K={k}, N={rhs.shape[2]} "
+                         f"with block_k={block_k}, block_n={block_n}")
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "block_m", "block_n", "block_k", "num_warps", "num_stages"))
+def grouped_matmul_triton(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, interpret: bool = False,
+                          block_m: int = BLOCK_M, block_n: int = BLOCK_N, block_k: int = BLOCK_K,
+                          num_warps: int | None = NUM_WARPS, num_stages: int | None = NUM_STAGES) -> jax.Array:
+    """``jax.lax.ragged_dot(lhs, rhs, group_sizes)``: out[r] = lhs[r] @ rhs[g(r)] (module docstring).
+
+    lhs: [M, K]; rhs: [G, K, N], lhs's dtype (16-bit floats on a GPU; any float interpreted); group_sizes:
+    int [G] >= 0, rows of lhs contiguous by group, meant to sum to M: rows past the sum come out as zeros
+    and groups past row M are cut (both as ragged_dot). Returns [M, N] in lhs's dtype, each row a float32
+    sum over K in block_k steps. Grid (T, N / block_n) over :func:`tile_schedule`'s T row tiles; a tile
+    with no rows returns at once. interpret: Pallas interpret mode (CPU); block_m, block_n, block_k:
+    powers of two >= 16, K % block_k == 0, N % block_n == 0; num_warps / num_stages: Triton's.
+
+    Raises:
+      ValueError: shapes or dtypes that disagree, or tiles that do not fit (the message names the
+        operand, expected vs got).
+    """
+    _check(lhs, rhs, group_sizes, block_m, block_n, block_k)
+    m, n = lhs.shape[0], rhs.shape[2]
+    if m == 0:
+        return jnp.zeros((0, n), lhs.dtype)
+    return _scheduled(tile_schedule(group_sizes, m, block_m), lhs, rhs, interpret=interpret, block_m=block_m,
+                      block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
+
+
+def _scheduled(schedule, lhs, rhs, *, interpret, block_m, block_n, block_k, num_warps, num_stages):
+    """The pallas_call over a :func:`tile_schedule` (any order of its tiles gives the same output: on a GPU
+    the programs run in no fixed order)."""
+    (m, k), (g, _, n) = lhs.shape, rhs.shape
+    return pl.pallas_call(
+        functools.partial(_kernel, groups=g, bm=block_m, bn=block_n, bk=block_k, k_steps=k // block_k),
+        out_shape=jax.ShapeDtypeStruct((m, n), lhs.dtype), grid=(schedule[0].shape[0], n // block_n),
+        interpret=interpret, compiler_params=common.triton_params(interpret, num_warps, num_stages),
+        name="grouped_matmul_triton",
+    )(*schedule, lhs, rhs)
+
+
+def _tiles(vals: tuple[int, ...]) -> dict:
+    bm, bn, bk, *rest = common.tile_values("grouped_matmul_triton", vals, (3, 4, 5),
+                                           "(block_m, block_n, block_k[, num_warps[, num_stages]])")
+    warps = rest[0] if rest else NUM_WARPS
+    stages = rest[1] if len(rest) > 1 else NUM_STAGES
+    if not (all(common.pow2(v) and v >= 16 for v in (bm, bn, bk)) and common.pow2(warps)
+            and (stages is None or stages >= 1)):
+        raise ValueError(f"tiles of kernel 'grouped_matmul_triton': block_m, block_n, block_k must be powers of two "
+                         f">= 16, num_warps a power of two and num_stages >= 1, got {vals}")
+    return {"block_m": bm, "block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages}
+
+
+registry.register(registry.Kernel(
+    "grouped_matmul_triton", "jax.lax.ragged_dot",
+    "prefill's routed-expert grouped matmul (ftjax.kernels.grouped_matmul, called without an explicit impl): "
+    "16-bit float operands on a GPU, K % block_k == 0 and N % block_n == 0; named only (not yet measured)",
+    auto=False, tiles=_tiles))

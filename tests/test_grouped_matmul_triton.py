@@ -1,0 +1,201 @@
+"""The Pallas Triton grouped matmul (``ftjax.kernels.grouped_matmul_triton``): its tile schedule, the kernel in
+interpret mode against ``jax.lax.ragged_dot``, its wiring into ``grouped_matmul`` through the kernel config, its
+refusals, and its lowering for CUDA at qwen3.5-35b-a3b's expert shapes (on this machine, no GPU needed).
+
+Tolerances: the kernel sums each row over K in float32 in block_k steps, the reference in one dot: float32
+agrees to ~1e-6 of the output's scale; bf16 outputs to one or two ulps (values of magnitude ~10: ulp 1/16).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ftjax.kernels import grouped_matmul as gm
+from ftjax.kernels import grouped_matmul_triton as gt
+from ftjax.kernels import registry
+from ftjax.kernels.registry import KernelConfig, using
+
+#: Uneven groups: empty ones (first, middle, last), one smaller than any block_m, one of many tiles.
+SIZES = (0, 5, 70, 1, 0, 33, 0)
+
+
+_schedule = jax.jit(gt.tile_schedule, static_argnums=(1, 2))  # one compile per shape, not one per op and shape
+
+
+def _covered(sizes, m, block_m):
+    """Checks the schedule's invariants; returns the group of each of the m rows (len(sizes): past the sum)."""
+    group, row, rows = (np.asarray(a) for a in _schedule(jnp.asarray(sizes, jnp.int32), m, block_m))
+    g = len(sizes)
+    assert group.shape == row.shape == rows.shape == (-(-m // block_m) + g,) and group.dtype == np.int32
+    ends = np.minimum(np.cumsum(sizes), m)
+    want = np.full(m, g)
+    for i, (lo, hi) in enumerate(zip(np.concatenate([[0], ends[:-1]]), ends)):
+        want[lo:hi] = i
+    seen = np.zeros(m, int)
+    used = rows > 0
+    assert np.all(rows[~used] == 0) and np.all(used[:used.sum()])  # the unused tiles trail
+    for gi, r0, n in zip(group[used], row[used], rows[used]):
+        assert 0 < n <= block_m and np.all(want[r0:r0 + n] == gi)  # inside one group (or the tail past the sum)
+        seen[r0:r0 + n] += 1
+    assert np.all(seen == 1)  # every row exactly once
+    assert set(group[used].tolist()) == set(want.tolist())  # the groups with rows (and G for rows past the sum)
+    for gi in range(g + 1):  # ceil(rows / block_m) tiles per group (rows cut at M), the first at its first row
+        starts, mine = row[used][group[used] == gi], np.flatnonzero(want == gi)
+        assert len(starts) == -(-len(mine) // block_m) and (not len(mine) or starts.min() == mine[0])
+    return want
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_schedule_covers_every_row_once_with_tiles_inside_one_group(block_m):
+    _covered(SIZES, sum(SIZES), block_m)
+    _covered((0, 0, 40, 0), 40, block_m)  # all rows in one group
+    _covered((1,) * 20, 20, block_m)  # groups of one row: the most partial tiles (the + G in T)
+    _covered((0, 0, 0), 0 + 1, block_m)  # no group has rows: one row past the sum
+    rng, m, sums = np.random.default_rng(0), 4 * block_m, set()
+    for i in range(9):  # one shape (9 groups, m rows): sums below m (rows past the sum), at m and above (cut)
+        sizes = tuple(int(v) for v in rng.integers(0, block_m, 9) * rng.integers(0, 2, 9))
+        sizes = sizes[:-1] + (max(0, m - sum(sizes[:-1]) + (-5, 0, 5)[i % 3]),)
+        sums.add(int(np.sign(sum(sizes) - m)))
+        _covered(sizes, m, block_m)
+    assert sums == {-1, 0, 1}
+
+
+def _operands(dtype, sizes=SIZES, k=128, n=256, m=None, seed=0):
+    rng = np.random.default_rng(seed)
+    m = sum(sizes) if m is None else m
+    lhs = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    rhs = jnp.asarray(rng.standard_normal((len(sizes), k, n)) / 4, dtype)
+    return lhs, rhs, jnp.asarray(sizes, jnp.int32)
+
+
+def _close(got, ref, dtype):
+    got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
+    scale = float(np.max(np.abs(ref)))
+    assert scale > 1.0  # a real signal
+    if dtype == jnp.float32:
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * scale)
+    else:
+        np.testing.assert_allclose(got, ref, rtol=2 ** -7, atol=2 * 2 ** -8 * scale)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("tiles", [dict(block_m=16, block_n=128, block_k=64), dict(block_m=64, block_n=64, block_k=32)])
+def test_kernel_matches_ragged_dot(dtype, tiles):
+    lhs, rhs, sizes = _operands(dtype)
+    got = gt.grouped_matmul_triton(lhs, rhs, sizes, interpret=True, **tiles)
+    assert got.shape == (lhs.shape[0], rhs.shape[2]) and got.dtype == dtype
+    _close(got, jax.lax.ragged_dot(lhs, rhs, sizes), dtype)
+
+
+def test_output_does_not_depend_on_the_order_programs_run_in():
+    """Interpret mode runs the tiles in order, so a tile's block spilling into the next group's rows (a missing
+    row mask) would be overwritten by the right values; on a GPU the programs run in any order. Run the schedule
+    backwards (the spilling tiles last), and shuffled: the same output."""
+    lhs, rhs, sizes = _operands(jnp.float32, m=sum(SIZES) + 9)  # and rows past the sum
+    tiles = dict(block_m=16, block_n=128, block_k=64, num_warps=None, num_stages=None)
+    sched = gt.tile_schedule(sizes, lhs.shape[0], 16)
+    ref = np.asarray(jax.lax.ragged_dot(lhs, rhs, sizes))
+    perm = np.random.default_rng(0).permutation(sched[0].shape[0])
+    for order in (slice(None, None, -1), perm):
+        got = gt._scheduled(tuple(a[order] for a in sched), lhs, rhs, interpret=True, **tiles)
+        _close(got, ref, jnp.float32)
+
+
+def test_rows_past_the_sum_are_zeros_and_groups_are_cut_at_m():
+    """As ragged_dot: rows past sum(group_sizes) come out as zeros, and group rows past M are dropped."""
+    lhs, rhs, sizes = _operands(jnp.float32, m=sum(SIZES) + 20)
+    got = gt.grouped_matmul_triton(lhs, rhs, sizes, interpret=True, block_m=16)
+    np.testing.assert_array_equal(np.asarray(got[sum(SIZES):]), 0)
+    _close(got, jax.lax.ragged_dot(lhs, rhs, sizes), jnp.float32)
+    lhs, rhs, sizes = _operands(jnp.float32, m=sum(SIZES) - 30)
+    _close(gt.grouped_matmul_triton(lhs, rhs, sizes, interpret=True, block_m=16),
+           jax.lax.ragged_dot(lhs, rhs, sizes), jnp.float32)
+
+
+def test_grouped_matmul_runs_the_kernel_only_where_named():
+    lhs, rhs, sizes = _operands(jnp.float32)
+    ref = jax.lax.ragged_dot(lhs, rhs, sizes)
+    traced = lambda: jax.jit(lambda *a: gm.grouped_matmul(*a))(lhs, rhs, sizes)  # noqa: E731 - a new trace each time
+    with using(KernelConfig(use=("grouped_matmul_triton",), tiles={"grouped_matmul_triton": (16, 128, 64)})), \
+            registry.recording() as ran:
+        got = traced()  # interpreted on the CPU
+    assert ran == {"grouped_matmul_triton"}
+    _close(got, ref, jnp.float32)
+    for cfg in (KernelConfig(), KernelConfig(use="xla")):  # default (auto: named only) and xla: ragged_dot
+        with using(cfg), registry.recording() as ran:
+            np.testing.assert_array_equal(np.asarray(traced()), np.asarray(ref))
+        assert ran == set()
+    with using(KernelConfig(use=("grouped_matmul_triton",))), registry.recording() as ran:
+        gm.grouped_matmul(lhs, rhs, sizes, impl="xla")  # an explicit impl is taken as asked
+        gm.grouped_matmul(lhs[:, :96], rhs[:, :96], sizes)  # K = 96 is no multiple of block_k = 64: ragged_dot
+    assert ran == set()
+    assert registry.get("grouped_matmul_triton").auto is False
+
+
+def test_prefill_expert_ffn_with_the_kernel_matches_ragged_dot():
+    """The call site (``compute.experts_grouped``: both matmuls, 64 tokens x top-4 over 16 experts) with the kernel
+    named (interpreted here) matches the default (ragged_dot on the CPU)."""
+    from ftjax.experts import compute
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((64, 128)), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, 12, (64, 4)), jnp.int32)  # experts 12-15 get no rows
+    w = jnp.asarray(rng.random((64, 4)), jnp.float32)
+    gu = jnp.asarray(rng.standard_normal((16, 128, 256)) / 11, jnp.float32)
+    dn = jnp.asarray(rng.standard_normal((16, 128, 128)) / 11, jnp.float32)
+    ref = compute.experts_grouped(x, ids, w, gu, dn)
+    with using(KernelConfig(use=("grouped_matmul_triton",))), registry.recording() as ran:
+        got = compute.experts_grouped(x, ids, w, gu, dn)
+    assert ran == {"grouped_matmul_triton"}
+    _close(got, ref, jnp.float32)
+
+
+def test_tiles_parser_and_shape_errors_are_refused():
+    parse = registry.get("grouped_matmul_triton").tiles
+    assert parse((64, 128, 64)) == {**gt.TILES, "block_m": 64, "block_n": 128, "block_k": 64}
+    assert parse((128, 64, 64, 8, 3)) == {"block_m": 128, "block_n": 64, "block_k": 64, "num_warps": 8,
+                                          "num_stages": 3}
+    for bad in ((64, 128), (64, 128, 64, 4, 3, 1), (48, 128, 64), (64, 128, 8), (64, 128, 64, 3), (64, 128, 64, 4, 0)):
+        with pytest.raises(ValueError, match="grouped_matmul_triton"):
+            parse(bad)
+    with pytest.raises(ValueError, match="KernelConfig.tiles: .*grouped_matmul_triton"):
+        KernelConfig(tiles={"grouped_matmul_triton": (64, 100, 64)})
+    lhs, rhs, sizes = _operands(jnp.float32)
+    call = lambda *a, **kw: gt.grouped_matmul_triton(*a, interpret=True, **kw)  # noqa: E731
+    for args, kw, match in (((lhs[:, :64], rhs, sizes), {}, r"rhs expected shape \[G, 64, N\]"),
+                            ((lhs[0], rhs, sizes), {}, r"lhs expected shape \[M, K\], got \(128,\)"),
+                            ((lhs, rhs, sizes[:3]), {}, r"group_sizes expected .*\(7,\), got int32 \(3,\)"),
+                            ((lhs, rhs, sizes.astype(jnp.float32)), {}, "group_sizes expected an integer"),
+                            ((lhs, rhs.astype(jnp.bfloat16), sizes), {}, "one float dtype, got float32 and bfloat16"),
+                            ((lhs, rhs, sizes), {"block_n": 512}, "N % block_n == 0, got K=128, N=256"),
+                            ((lhs, rhs, sizes), {"block_m": 24}, "powers of two >= 16, got 24")):
+        with pytest.raises(ValueError, match=match):
+            call(*args, **kw)
+    assert not gt.supported(lhs, rhs.astype(jnp.bfloat16)) and not gt.supported(lhs, rhs, block_n=512)
+    assert gt.supported(lhs, rhs)  # float32 off the GPU: interpret mode
+
+
+def test_lowers_for_cuda_at_qwen35_expert_shapes():
+    """qwen3.5-35b-a3b's prefill expert matmuls (8192 tokens x top-8 = 65536 rows, 256 experts, hidden 2048,
+    expert FFN 512; bf16): gate-up (K = 2048, N = 1024) and down (K = 512, N = 2048) each lower to one Triton
+    custom call with the asked warps and stages (the GPU compile itself is not run here)."""
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+    dev = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=dev)
+    sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    for k, n, tiles in ((2048, 1024, {}), (512, 2048, {"block_m": 128, "num_warps": 8, "num_stages": 3})):
+        fn = lambda a, b, s, t=tiles: gt.grouped_matmul_triton(a, b, s, **t)  # noqa: E731
+        with use_abstract_mesh(mesh), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the Triton backend's deprecation warning
+            txt = jax.jit(fn).trace(sd((65536, k), bf), sd((256, k, n), bf), sd((256,), jnp.int32)).lower(
+                lowering_platforms=("cuda",)).as_text()
+        assert txt.count("__gpu$xla.gpu.triton") == 1
+        bm = tiles.get("block_m", gt.BLOCK_M)
+        assert f"grid_x = {65536 // bm + 256} : i32, grid_y = {n // gt.BLOCK_N} : i32" in txt
+        assert f"num_warps = {tiles.get('num_warps', gt.NUM_WARPS)} : i32" in txt
+        if "num_stages" in tiles:
+            assert "num_stages = 3 : i32" in txt

@@ -21,6 +21,8 @@
 # gmm-tiles:       bench_grouped_matmul: one prefill layer's grouped expert FFN by piece, the Mosaic GPU grouped
 #                  matmul's tiles and the grouped_matmul_triton kernel's at the qwen3.5 (256 x 512) and qwen3
 #                  (128 x 768) expert shapes (issue 32's MoE prefill)
+# hybrid-compile:  the hybrid engine's compile at batch 1 with the auto kernels, then with none (--kernels=xla): the
+#                  Pallas kernels' share of the 46 s compile of a 4-layer cut (issue 32's compile time)
 # hybrid-batch-probe: does the hybrid engine's decode compile at batch 1, 2, 4 (stacks dumped if it hangs)
 # LIMIT_<stage> (seconds, dashes as underscores) overrides a stage's limit.
 set -uo pipefail
@@ -78,6 +80,11 @@ for stage in "$@"; do
         --tag=model-compile ${out:+--out_dir="$out"} ;;
     gmm-tiles)
       run 330 "$stage" experiments/bench_grouped_matmul.py --tag="h200_$day" ${out:+--out_dir="$out"} ;;
+    hybrid-compile)
+      for k in auto xla; do
+        run 150 "$stage-$k" experiments/probe_hybrid_batch_decode.py --batches=1 --kernels="$k" --tag="compile-$k" \
+          ${out:+--out_dir="$out"}
+      done ;;
     hybrid-batch-probe)
       timeout -s ABRT -k 10 "${LIMIT_hybrid_batch_probe:-200}" python3 -X faulthandler \
         experiments/probe_hybrid_batch_decode.py ${out:+--out_dir="$out"} > "$logs/$stage.log" 2>&1

@@ -844,6 +844,9 @@ def test_probe_hybrid_batch_decode_smoke(tmp_path):
     assert [r["batch"] for r in d["rows"]] == [1, 2]
     assert [len(t) for r in d["rows"] for t in r["tokens"]] == [4, 4, 4]
     assert d["rows"][1]["tokens"][0] == d["rows"][0]["tokens"][0] and d["rows"][1]["decode_tokens_per_s"] > 0
+    # where the compile time went: each program compiled with its lowering and XLA seconds (CPU: no kernels)
+    names = [n for n, _, _ in d["rows"][0]["compile_log"]]
+    assert "forward_step" in names and "decode_block" in names and d["rows"][0]["kernels_applied"] == []
 
 
 def test_bench_grouped_matmul_smoke(tmp_path):

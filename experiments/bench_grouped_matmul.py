@@ -62,6 +62,18 @@ flags.DEFINE_string("tag", "", "Suffix of the JSON name.")
 flags.DEFINE_string("out_dir", "experiments/results/gated_delta", "Where the JSON goes.")
 
 
+def _tile_entries_ok(entries) -> bool:
+    """Each entry five integers >= 1 separated by colons (checked when the flags are parsed)."""
+    return all(len(e.split(":")) == 5 and all(x.isdigit() and int(x) >= 1 for x in e.split(":")) for e in entries)
+
+
+flags.register_validator("configs", _tile_entries_ok,
+                         "--configs: each must be block_m:block_n:block_k:stages:grid_block_n (integers >= 1)")
+flags.register_validator("triton_configs", _tile_entries_ok,
+                         "--triton_configs: each must be block_m:block_n:block_k:num_warps:num_stages (integers >= 1)")
+common.check_preset("presets")
+
+
 def _config(entry: str) -> dict:
     vals = [int(v) for v in entry.split(":")]
     if len(vals) != 5 or min(vals) < 1:
@@ -266,10 +278,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    flags.register_validator("configs", lambda v: all(len(e.split(":")) == 5 and all(s.isdigit() for s in e.split(":"))
-                                                      for e in v),
-                             "--configs: each must be block_m:block_n:block_k:stages:grid_block_n (integers)")
-    flags.register_validator("triton_configs", lambda v: all(len(e.split(":")) == 5 and all(s.isdigit() for s in
-                                                                                         e.split(":")) for e in v),
-                             "--triton_configs: each must be block_m:block_n:block_k:num_warps:num_stages (integers)")
     common.run(main)

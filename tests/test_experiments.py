@@ -849,6 +849,18 @@ def test_probe_hybrid_batch_decode_smoke(tmp_path):
     assert "forward_step" in names and "decode_block" in names and d["rows"][0]["kernels_applied"] == []
 
 
+@pytest.mark.parametrize("args,message", [
+    (["--presets=tiny,nope"], "unknown preset 'nope'"),
+    (["--configs=0:128:64:4:1"], "--configs: each must be"),
+    (["--triton_configs=64:128:64:4"], "--triton_configs: each must be"),
+], ids=["preset", "zero-tile", "four-fields"])
+def test_bench_grouped_matmul_refuses_bad_flags_when_parsing(tmp_path, args, message):
+    proc = _run_script("bench_grouped_matmul", f"--out_dir={tmp_path}", *args)
+    lines = [ln for ln in proc.stderr.strip().splitlines() if not ln.startswith("Pass --helpshort or --helpfull")]
+    assert proc.returncode == 1 and len(lines) == 1 and message in lines[0], proc.stderr
+    assert not list(tmp_path.glob("*.json"))
+
+
 def test_bench_grouped_matmul_smoke(tmp_path):
     """bench_grouped_matmul's pieces at the tiny preset on the CPU (no tiles stage there): every piece timed,
     the group sizes those of tokens * top-k rows over the experts."""

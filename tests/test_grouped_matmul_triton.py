@@ -133,7 +133,9 @@ def test_grouped_matmul_runs_the_kernel_only_where_named():
     with using(KernelConfig(use=("grouped_matmul_triton",))), registry.recording() as ran:
         gm.grouped_matmul(lhs, rhs, sizes, impl="xla")  # an explicit impl is taken as asked
         gm.grouped_matmul(lhs[:, :96], rhs[:, :96], sizes)  # K = 96 is no multiple of block_k = 64: ragged_dot
-    assert ran == set()
+    with using(KernelConfig(use=("grouped_matmul_triton",), grouped_matmul="xla")), registry.recording() as ran2:
+        traced()  # --grouped_matmul=xla chosen explicitly: ragged_dot, not the named kernel
+    assert ran == set() and ran2 == set()
     assert registry.get("grouped_matmul_triton").auto is False
 
 

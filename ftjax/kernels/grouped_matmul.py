@@ -76,13 +76,14 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, impl:
     lhs: [M, K]; rhs: [G, K, N]; group_sizes: int32 [G] with sum == M. Returns [M, N] in lhs's dtype.
     impl: "auto" (Mosaic GPU kernel where supported, else ragged_dot), "mgpu", or "xla";
       default: the active kernel config's ``grouped_matmul`` (``ftjax.kernels.registry``).
-    With impl left out, the kernel ``grouped_matmul_triton`` runs instead where the kernel config
-    selects it (by name or ``use="interpret"``; never under ``auto``) and it takes the operands
+    With impl left out and ``KernelConfig.grouped_matmul`` "auto", the kernel ``grouped_matmul_triton`` runs
+    instead where the kernel config selects it (by name or ``use="interpret"``; never under ``auto``) and it
+    takes the operands
     (:func:`ftjax.kernels.grouped_matmul_triton.supported` at the config's tiles); interpreted off a GPU.
     Raises:
       ValueError: unknown impl, or "mgpu" asked for where it cannot run.
     """
-    if impl is None:  # an explicit impl (the benchmarks') is taken as asked
+    if impl is None and registry.active().grouped_matmul == "auto":  # an explicit choice is taken as asked
         tiles = registry.tiles("grouped_matmul_triton", gmt.TILES)
         how = registry.mode("grouped_matmul_triton", gmt.supported(lhs, rhs, tiles["block_k"], tiles["block_n"]),
                             auto=False)

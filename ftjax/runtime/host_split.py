@@ -104,9 +104,10 @@ class HostSplitTimes:
     reports it under ``host_split``), seconds of wall time summed over the calls' layers:
 
     front: dispatching front l (argument handling and the put of layer l-1's CPU outputs, a numpy argument; the
-    program runs asynchronously); device: dispatching device l; read: the device-to-host read of x and the CPU
-    ids, which waits for front l (so for device l-1) to finish on the device; cpu: the host kernel. What the host
-    does not spend here it spends between layers (Python) or in the embedding and head.
+    program runs asynchronously), and the last front program, which finishes the last layer; device:
+    dispatching device l; read: the device-to-host read of x and the CPU ids, which waits for front l (so for
+    device l-1) to finish on the device; cpu: the host kernel. What the host does not spend here it spends
+    between layers (Python) or in the embedding and head. A call that raises adds nothing.
     """
 
     calls: int = 0
@@ -239,7 +240,7 @@ class HostSplitDriver:
         cfg = ctx.cfg
         times = ctx.host_times if ctx.host_times is not None else HostSplitTimes()
         clock = time.perf_counter
-        t_call = clock()
+        t_call, call_s = clock(), dict.fromkeys(PHASES, 0.0)
         tokens, start, valid = (jnp.asarray(x, jnp.int32) for x in (a.tokens, a.start, a.valid))
         h, inputs = ctx.compile(embed_program, (ctx.params, tokens, start, valid))(ctx.params, tokens, start, valid)
         state, cache, finish, stats = a.state, a.cache, (), []
@@ -254,7 +255,8 @@ class HostSplitDriver:
             t0 = clock()
             h, cache, state, handoff, s = fronts[key](ctx.params, state, h, cache, inputs, idx, prev_idx, finish)
             front_s = clock() - t0
-            if opts.kind is None:
+            if opts.kind is None:  # the last layer finished (and its CPU outputs put): no layer of its own
+                call_s["front"] += front_s
                 break
             stats.append(s)
             if device is None:
@@ -277,12 +279,14 @@ class HostSplitDriver:
                 y_cpu = zeros
             finish = Finish(y_dev, y_cpu, handoff.ids, handoff.weights, handoff.on_cpu, handoff.cpu_rank)
             for phase, dt in zip(PHASES, (front_s, t2 - t1, t3 - t2, t4 - t3)):
-                times.seconds[phase] += dt
-            times.layers += 1
+                call_s[phase] += dt
         logits = ctx.compile(head_program, (ctx.params, h, valid), cfg=cfg,
                              all_logits=plan.opts.all_logits)(ctx.params, h, valid)
         out = ForwardOut(logits, cache, state, ctx.compile(stack, (stats,))(stats), None)
-        times.calls += 1
+        times.calls += 1  # a call that raised counts in no field: its layers are not added either
+        times.layers += len(stats)
+        for phase, dt in call_s.items():
+            times.seconds[phase] += dt
         times.call_s += clock() - t_call
         return out
 

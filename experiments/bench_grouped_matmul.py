@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 from absl import flags
 
@@ -107,21 +106,10 @@ def _timed_row(row: dict, fn, args, ref=None):
 
 def _time(fn, *args) -> dict:
     """Compile seconds, then the spread of --repeats calls (seconds)."""
-    import jax
-    t = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    compile_s = time.perf_counter() - t
-    ts = []
-    for _ in range(FLAGS.repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t)
-    return {"compile_s": compile_s, "s": common.spread(ts)}
+    return common.time_calls(fn, *args, repeats=FLAGS.repeats)
 
 
-def _err(x, ref) -> float:
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    return float(np.max(np.abs(x - ref)) / max(np.max(np.abs(ref)), 1e-30))
+_err = common.rel_err
 
 
 def _inputs(cfg, n: int):

@@ -381,6 +381,26 @@ def spread(xs) -> dict:
             "min": float(xs.min()), "max": float(xs.max()), "n": int(xs.size)}
 
 
+def time_calls(fn, *args, repeats: int) -> dict:
+    """``fn(*args)`` once (its compile seconds, ``compile_s``), then the :func:`spread` of ``repeats`` timed calls
+    (``s``, seconds), each waited for with ``jax.block_until_ready``."""
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    compile_s = time.perf_counter() - t
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t)
+    return {"compile_s": compile_s, "s": spread(ts)}
+
+
+def rel_err(x, ref) -> float:
+    """max |x - ref| / max |ref| in float64 (the kernels' error against their references)."""
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    return float(np.max(np.abs(x - ref)) / max(np.max(np.abs(ref)), 1e-30))
+
+
 def script_flags() -> dict:
     """The values of the running absl app's flags (those of its main module), {} outside one."""
     from absl import flags

@@ -15,13 +15,14 @@ over PCIe, so the calibrated split always fetched. Here each layer is two progra
                (``cpu_experts`` "xla" / "rows" / "native" kernels), their outputs handed to front l+1 as a
                numpy argument (put on the device by that call)
 
-``device l`` is dispatched before the host reads front l's outputs, so the copies run on the GPU while the
-CPU computes; front l+1 waits for both. The arithmetic is the scan's: the same plan, the same device
-expression, the same host kernel, the same merge (``miss_policy.merge_cpu_outputs``) -- only the program
-boundaries differ (in 16-bit dtypes the device's per-pair outputs are rounded to the compute dtype where they
-leave ``device l``; float32 logits are bit-identical: tests/test_host_split.py). A decode step here costs a host
-round trip per layer (a device-to-host read of a few KB and a few dispatches) instead of a callback's; decode
-blocks (several steps per program) do not apply.
+The host's read of front l's outputs is started first (``copy_to_host_async``), then ``device l`` is dispatched,
+then the host waits for the read: the copies run on the GPU while the CPU computes; front l+1 waits for both.
+The arithmetic is the scan's: the same plan, the same device expression, the same host kernel, the same
+merge (``miss_policy.merge_cpu_outputs``) -- only the program boundaries differ (in 16-bit dtypes the device's
+per-pair outputs are rounded to the compute dtype where they leave ``device l``; float32 logits are
+bit-identical: tests/test_host_split.py). A decode step here costs a host round trip per layer (a
+device-to-host read of a few KB and a few dispatches) instead of a callback's; decode blocks (several steps
+per program) do not apply.
 
 Chosen by ``MissPolicyConfig.cpu_driver = "host"`` for calls whose split uses the CPU (``CallPlanner.plan``:
 decode steps and prefill calls of at most ``GATHER_MAX_PAIRS`` pairs, without a KV hook); longer prefill calls
@@ -259,6 +260,10 @@ class HostSplitDriver:
                 call_s["front"] += front_s
                 break
             stats.append(s)
+            # the host's read of this layer's split starts now, ahead of device l in the device's queues: issued
+            # after it, the read could wait for device l's copies, and the CPU's share would start only after them
+            for arr in (handoff.x, handoff.cpu_flat, handoff.n_cpu):
+                arr.copy_to_host_async()
             if device is None:
                 device = ctx.compile(device_program, (ctx.banks, state, handoff), compiler_options=options,
                                      opts=plan.opts)

@@ -73,18 +73,14 @@ flags.register_validator("triton_configs", _tile_entries_ok,
 common.check_preset("presets")
 
 
-def _config(entry: str) -> dict:
-    vals = [int(v) for v in entry.split(":")]
-    if len(vals) != 5 or min(vals) < 1:
-        raise ValueError(f"--configs: expected block_m:block_n:block_k:stages:grid_block_n, got {entry!r}")
-    return dict(zip(("block_m", "block_n", "block_k", "max_concurrent_steps", "grid_block_n"), vals))
+#: Keyword names of the five fields of a --configs (Mosaic GPU kernel) and a --triton_configs entry.
+MGPU_TILE_NAMES = ("block_m", "block_n", "block_k", "max_concurrent_steps", "grid_block_n")
+TRITON_TILE_NAMES = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
 
 
-def _triton_config(entry: str) -> dict:
-    vals = [int(v) for v in entry.split(":")]
-    if len(vals) != 5 or min(vals) < 1:
-        raise ValueError(f"--triton_configs: expected block_m:block_n:block_k:num_warps:num_stages, got {entry!r}")
-    return dict(zip(("block_m", "block_n", "block_k", "num_warps", "num_stages"), vals))
+def _tiles(entry: str, names: tuple[str, ...]) -> dict:
+    """A tile entry (checked when the flags were parsed: five integers >= 1) as the kernel's keyword arguments."""
+    return dict(zip(names, (int(v) for v in entry.split(":"))))
 
 
 def _timed_row(row: dict, fn, args, ref=None):
@@ -182,7 +178,7 @@ def stage_tiles(cfg, n: int) -> list[dict]:
         m, kk, nn = lhs.shape[0], rhs.shape[1], rhs.shape[2]
         ref = None
         for entry in FLAGS.configs:
-            tiles = _config(entry)
+            tiles = _tiles(entry, MGPU_TILE_NAMES)
             row = {"matmul": name, "kernel": "mgpu", "config": entry, "M": m, "K": kk, "N": nn, **tiles}
             fn = jax.jit(lambda a, b, s, t=tiles: ragged_dot_mgpu.ragged_dot(a, b, group_sizes=s, **t))
             got = _timed_row(row, fn, (lhs, rhs, sizes), ref)
@@ -198,7 +194,7 @@ def stage_tiles(cfg, n: int) -> list[dict]:
                 print(f"no mgpu reference for {name}: {type(exc).__name__}", flush=True)
                 ref = None
         for entry in FLAGS.triton_configs:
-            tiles = _triton_config(entry)
+            tiles = _tiles(entry, TRITON_TILE_NAMES)
             row = {"matmul": name, "kernel": "triton", "config": entry, "M": m, "K": kk, "N": nn, **tiles}
             fn = jax.jit(lambda a, b, s, t=tiles: grouped_matmul_triton(a, b, s, **t))
             _timed_row(row, fn, (lhs, rhs, sizes), ref)
@@ -208,7 +204,7 @@ def stage_tiles(cfg, n: int) -> list[dict]:
         return rows
     # The same rows and operand shapes in fewer, larger groups (neighbouring experts' rows merged, the first
     # G / f weights): what the group count alone costs at the first config's tiles.
-    tiles = _config(FLAGS.configs[0])
+    tiles = _tiles(FLAGS.configs[0], MGPU_TILE_NAMES)
     fn = jax.jit(lambda a, b, s: ragged_dot_mgpu.ragged_dot(a, b, group_sizes=s, **tiles))
     for f in (1, 2, 4, 8):
         g = cfg.num_experts // f

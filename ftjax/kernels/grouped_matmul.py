@@ -20,7 +20,6 @@ kernel config selects it; ``auto`` does not (not yet measured on a GPU).
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -65,11 +64,6 @@ def mgpu_supported(lhs: jax.Array, rhs: jax.Array) -> bool:
     return k % BLOCK_K == 0 and n % BLOCK_N == 0
 
 
-def _mgpu_kernel(k: int, n: int):
-    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
-    return functools.partial(ragged_dot_mgpu.ragged_dot, **mgpu_tiles(k, n))
-
-
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, impl: str | None = None) -> jax.Array:
     """out[r] = lhs[r] @ rhs[g(r)], rows of lhs grouped contiguously by group.
 
@@ -78,8 +72,8 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, impl:
       default: the active kernel config's ``grouped_matmul`` (``ftjax.kernels.registry``).
     With impl left out and ``KernelConfig.grouped_matmul`` "auto", the kernel ``grouped_matmul_triton`` runs
     instead where the kernel config selects it (by name or ``use="interpret"``; never under ``auto``) and it
-    takes the operands
-    (:func:`ftjax.kernels.grouped_matmul_triton.supported` at the config's tiles); interpreted off a GPU.
+    takes the operands (:func:`ftjax.kernels.grouped_matmul_triton.supported` at the config's tiles);
+    interpreted off a GPU.
     Raises:
       ValueError: unknown impl, or "mgpu" asked for where it cannot run.
     """
@@ -97,7 +91,8 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, impl:
         if not mgpu_supported(lhs, rhs):
             raise ValueError(f"mgpu grouped matmul cannot run here (backend {jax.default_backend()}, "
                              f"dtype {lhs.dtype}, K={rhs.shape[1]}, N={rhs.shape[2]})")
-        return _mgpu_kernel(rhs.shape[1], rhs.shape[2])(lhs, rhs, group_sizes=group_sizes)
+        from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+        return ragged_dot_mgpu.ragged_dot(lhs, rhs, group_sizes=group_sizes, **mgpu_tiles(rhs.shape[1], rhs.shape[2]))
     return ragged_dot_tiled(lhs, rhs, group_sizes)
 
 

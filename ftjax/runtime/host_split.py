@@ -260,14 +260,14 @@ class HostSplitDriver:
                 call_s["front"] += front_s
                 break
             stats.append(s)
-            # the host's read of this layer's split starts now, ahead of device l in the device's queues: issued
-            # after it, the read could wait for device l's copies, and the CPU's share would start only after them
+            # the host's read of this layer's split starts now, ahead of device l in the device's queues (issued
+            # after it, the read could wait for device l's copies); device l is dispatched before the host waits
+            # for that read, so its copies run while the CPU computes
             for arr in (handoff.x, handoff.cpu_flat, handoff.n_cpu):
                 arr.copy_to_host_async()
             if device is None:
                 device = ctx.compile(device_program, (ctx.banks, state, handoff), compiler_options=options,
                                      opts=plan.opts)
-            # dispatched before the host reads this layer's split: the copies run while the CPU computes
             t1 = clock()
             state, y_dev = device(ctx.banks, state, handoff)
             t2 = clock()

@@ -32,6 +32,9 @@ source experiments/carried_wheels.sh  # the serve stages' HTTP server and client
 export PYTHONUNBUFFERED=1
 day="$(date -u +%F)"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -1
+# file names carry the card that ran them (h100 or h200), whatever kind was asked for
+dev="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o -i -E 'h100|h200' | tr A-Z a-z)"
+dev="${dev:-gpu}"
 run() {  # run LIMIT NAME python-args...
   local lim="$1" name="$2"; shift 2
   local var="LIMIT_${name//-/_}"; lim="${!var:-$lim}"
@@ -49,28 +52,28 @@ for stage in "$@"; do
       echo "== $stage rc=$?"; grep -v -E "^[WI][0-9]{4}" "$logs/$stage.log" | tail -n 40 ;;
     serve-blocks)
       run 190 "$stage" experiments/bench_serve.py --part=concurrency --modes=resident --concurrency=1,4 --requests=8 \
-        --decode_blocks=1,16 --out="${out:-experiments/results/serve}/bench_serve_qwen3-30b-a3b_resident_blocks_h200_$day.json" ;;
+        --decode_blocks=1,16 --out="${out:-experiments/results/serve}/bench_serve_qwen3-30b-a3b_resident_blocks_${dev}_$day.json" ;;
     serve-onestep)
       for ahead in run_ahead norun_ahead; do
         run 200 "$stage-$ahead" experiments/bench_serve.py --part=concurrency --modes=resident --concurrency=1,4 \
           --requests=32 --decode_blocks=1 --"$ahead" \
-          --out="${out:-experiments/results/serve}/bench_serve_qwen3-30b-a3b_resident_onestep-${ahead//_/-}_h200_$day.json"
+          --out="${out:-experiments/results/serve}/bench_serve_qwen3-30b-a3b_resident_onestep-${ahead//_/-}_${dev}_$day.json"
       done ;;
     serve-cached-blocks)
       run 380 "$stage" experiments/bench_serve.py --part=concurrency --modes=cached --vram_budget_gb=8 \
         --concurrency=1,4 --requests=8 --decode_blocks=1,16 \
-        --out="${out:-experiments/results/serve}/bench_serve_qwen3-30b-a3b_cached-8gb_blocks_h200_$day.json" ;;
+        --out="${out:-experiments/results/serve}/bench_serve_qwen3-30b-a3b_cached-8gb_blocks_${dev}_$day.json" ;;
     serve-http-blocks)
       run 240 "$stage" experiments/bench_serve.py --part=server_overhead --modes=resident --decode_block=16 \
-        --out="${out:-experiments/results/serve}/bench_serve_qwen3-30b-a3b_http-blocks_h200_$day.json" ;;
+        --out="${out:-experiments/results/serve}/bench_serve_qwen3-30b-a3b_http-blocks_${dev}_$day.json" ;;
     profile-b4)
       run 240 "$stage" experiments/profile_step.py --runs=resident_decode --batches=1,4 --trace_steps=2 \
         ${out:+--out_dir="$out"} ;;
     multiround)
       XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=115 run 330 "$stage" experiments/bench_serve.py --part=multiround \
         --modes=resident --kv_host_gb=12 \
-        --out="${out:-experiments/results/serve}/bench_serve_qwen3-30b-a3b_multiround-16k_h200_$day.json" ;;
-    miss-copy) run 170 "$stage" experiments/bench_miss_copy.py --repeats=5 --tag="h200_$day" ${out:+--out_dir="$out"} ;;
+        --out="${out:-experiments/results/serve}/bench_serve_qwen3-30b-a3b_multiround-16k_${dev}_$day.json" ;;
+    miss-copy) run 170 "$stage" experiments/bench_miss_copy.py --repeats=5 --tag="${dev}_$day" ${out:+--out_dir="$out"} ;;
     cpu-experts) run 165 "$stage" experiments/bench_cpu_experts.py --time_budget_s=140 ${out:+--out_dir="$out"} ;;
     miss-host)
       run 420 "$stage" experiments/bench_miss_policy.py --budgets_gb=8 --impls=native_async --cpu_drivers=callback,host \
@@ -79,7 +82,7 @@ for stage in "$@"; do
       run 300 "$stage" experiments/bench_gated_delta.py --stages=model --model_configs=auto,auto+decode-kernels \
         --tag=model-compile ${out:+--out_dir="$out"} ;;
     gmm-tiles)
-      run 330 "$stage" experiments/bench_grouped_matmul.py --tag="h200_$day" ${out:+--out_dir="$out"} ;;
+      run 330 "$stage" experiments/bench_grouped_matmul.py --tag="${dev}_$day" ${out:+--out_dir="$out"} ;;
     hybrid-compile)
       for k in auto xla; do
         run 150 "$stage-$k" experiments/probe_hybrid_batch_decode.py --batches=1 --kernels="$k" --tag="compile-$k" \

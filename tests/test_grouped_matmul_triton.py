@@ -117,7 +117,7 @@ def test_rows_past_the_sum_are_zeros_and_groups_are_cut_at_m():
            jax.lax.ragged_dot(lhs, rhs, sizes), jnp.float32)
 
 
-def test_grouped_matmul_runs_the_kernel_only_where_named():
+def test_grouped_matmul_runs_the_kernel_where_named():
     lhs, rhs, sizes = _operands(jnp.float32)
     ref = jax.lax.ragged_dot(lhs, rhs, sizes)
     traced = lambda: jax.jit(lambda *a: gm.grouped_matmul(*a))(lhs, rhs, sizes)  # noqa: E731 - a new trace each time
@@ -126,7 +126,7 @@ def test_grouped_matmul_runs_the_kernel_only_where_named():
         got = traced()  # interpreted on the CPU
     assert ran == {"grouped_matmul_triton"}
     _close(got, ref, jnp.float32)
-    for cfg in (KernelConfig(), KernelConfig(use="xla")):  # default (auto: named only) and xla: ragged_dot
+    for cfg in (KernelConfig(), KernelConfig(use="xla")):  # default (auto: a GPU only) and xla: ragged_dot
         with using(cfg), registry.recording() as ran:
             np.testing.assert_array_equal(np.asarray(traced()), np.asarray(ref))
         assert ran == set()
@@ -136,7 +136,20 @@ def test_grouped_matmul_runs_the_kernel_only_where_named():
     with using(KernelConfig(use=("grouped_matmul_triton",), grouped_matmul="xla")), registry.recording() as ran2:
         traced()  # --grouped_matmul=xla chosen explicitly: ragged_dot, not the named kernel
     assert ran == set() and ran2 == set()
-    assert registry.get("grouped_matmul_triton").auto is False
+
+
+def test_auto_picks_the_kernel_on_a_gpu_for_256_groups_or_more(monkeypatch):
+    """Under the default config on a GPU (the backend stubbed: only the trace is taken) the kernel runs for
+    qwen3.5-35b-a3b's 256 experts, where it was measured faster, and the Mosaic kernel keeps qwen3's 128."""
+    from ftjax.kernels import grouped_matmul_triton as mod
+    monkeypatch.setattr(registry.jax, "default_backend", lambda: "gpu")
+    sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    for groups, picked in ((256, {"grouped_matmul_triton"}), (128, set())):
+        with using(KernelConfig()), registry.recording() as ran:
+            jax.make_jaxpr(lambda a, b, s: gm.grouped_matmul(a, b, s))(
+                sd((4096, 2048), bf), sd((groups, 2048, 1024), bf), sd((groups,), jnp.int32))
+        assert ran == picked, groups
+    assert mod.auto_picks(jnp.zeros((256, 1, 1))) and not mod.auto_picks(jnp.zeros((255, 1, 1)))
 
 
 def test_prefill_expert_ffn_with_the_kernel_matches_ragged_dot():
@@ -144,11 +157,11 @@ def test_prefill_expert_ffn_with_the_kernel_matches_ragged_dot():
     named (interpreted here) matches the default (ragged_dot on the CPU)."""
     from ftjax.experts import compute
     rng = np.random.default_rng(1)
-    x = jnp.asarray(rng.standard_normal((64, 128)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((64, 256)), jnp.float32)  # N of both matmuls a multiple of block_n = 256
     ids = jnp.asarray(rng.integers(0, 12, (64, 4)), jnp.int32)  # experts 12-15 get no rows
     w = jnp.asarray(rng.random((64, 4)), jnp.float32)
-    gu = jnp.asarray(rng.standard_normal((16, 128, 256)) / 11, jnp.float32)
-    dn = jnp.asarray(rng.standard_normal((16, 128, 128)) / 11, jnp.float32)
+    gu = jnp.asarray(rng.standard_normal((16, 256, 256)) / 16, jnp.float32)
+    dn = jnp.asarray(rng.standard_normal((16, 128, 256)) / 11, jnp.float32)
     ref = compute.experts_grouped(x, ids, w, gu, dn)
     with using(KernelConfig(use=("grouped_matmul_triton",))), registry.recording() as ran:
         got = compute.experts_grouped(x, ids, w, gu, dn)

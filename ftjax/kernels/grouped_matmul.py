@@ -15,7 +15,8 @@ tiles of rows, one at a time, once the whole one would exceed :data:`XLA_EXPAND_
 
 The named kernel ``grouped_matmul_triton`` (``ftjax.kernels.grouped_matmul_triton``: a Pallas Triton
 kernel over a precomputed tile schedule, no per-tile loop over the groups) replaces both where the
-kernel config selects it; ``auto`` does not (not yet measured on a GPU).
+kernel config names it, and under ``auto`` on a GPU for 256 groups or more (measured faster there:
+:mod:`ftjax.kernels.grouped_matmul_triton`).
 """
 
 from __future__ import annotations
@@ -71,16 +72,16 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, impl:
     impl: "auto" (Mosaic GPU kernel where supported, else ragged_dot), "mgpu", or "xla";
       default: the active kernel config's ``grouped_matmul`` (``ftjax.kernels.registry``).
     With impl left out and ``KernelConfig.grouped_matmul`` "auto", the kernel ``grouped_matmul_triton`` runs
-    instead where the kernel config selects it (by name or ``use="interpret"``; never under ``auto``) and it
-    takes the operands (:func:`ftjax.kernels.grouped_matmul_triton.supported` at the config's tiles);
-    interpreted off a GPU.
+    instead where the kernel config selects it (by name, ``use="interpret"``, or ``use="auto"`` on a GPU for
+    G >= 256: :func:`ftjax.kernels.grouped_matmul_triton.auto_picks`) and it takes the operands
+    (:func:`ftjax.kernels.grouped_matmul_triton.supported` at the config's tiles); interpreted off a GPU.
     Raises:
       ValueError: unknown impl, or "mgpu" asked for where it cannot run.
     """
     if impl is None and registry.active().grouped_matmul == "auto":  # an explicit choice is taken as asked
         tiles = registry.tiles("grouped_matmul_triton", gmt.TILES)
         how = registry.mode("grouped_matmul_triton", gmt.supported(lhs, rhs, tiles["block_k"], tiles["block_n"]),
-                            auto=False)
+                            auto=gmt.auto_picks(rhs))
         if how != "xla":
             return gmt.grouped_matmul_triton(lhs, rhs, group_sizes, interpret=how == "interpret", **tiles)
     impl = impl or registry.active().grouped_matmul

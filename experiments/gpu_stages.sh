@@ -17,6 +17,8 @@
 # cpu-experts:     bench_cpu_experts (issue 33, the CPU as a second link)
 # miss-host:       bench_miss_policy at 8 GB, native_async reached through callbacks and through the host-split
 #                  driver (issue 33's 48-layer offload and adaptive-split targets)
+# miss-host-graphs: the host-split driver with its per-layer programs as CUDA graphs (--decode_graphs=on), beside
+#                  fetch-only: does it cut the front / device dispatch phases (0.78 / 0.30 ms a layer on an H100)?
 # gdn-model:       bench_gated_delta's 16-layer model stage (compile log, decode kernels)
 # gmm-tiles:       bench_grouped_matmul: one prefill layer's grouped expert FFN by piece, the Mosaic GPU grouped
 #                  matmul's tiles and the grouped_matmul_triton kernel's at the qwen3.5 (256 x 512) and qwen3
@@ -78,6 +80,10 @@ for stage in "$@"; do
     miss-host)
       run 420 "$stage" experiments/bench_miss_policy.py --budgets_gb=8 --impls=native_async --cpu_drivers=callback,host \
         --quick_calibration --nopure_qstar --steps=24 --time_budget_s=300 ${out:+--out_dir="$out"} ;;
+    miss-host-graphs)
+      run 300 "$stage" experiments/bench_miss_policy.py --budgets_gb=8 --impls=native_async --cpu_drivers=host \
+        --decode_graphs=on --policies=fetch,cpu,adaptive --quick_calibration --nopure_qstar --steps=24 \
+        --time_budget_s=220 ${out:+--out_dir="$out/host-graphs"} ;;
     gdn-model)
       run 300 "$stage" experiments/bench_gated_delta.py --stages=model --model_configs=auto,auto+decode-kernels \
         --tag=model-compile ${out:+--out_dir="$out"} ;;

@@ -31,7 +31,7 @@ def _covered(sizes, m, block_m):
     """Checks the schedule's invariants; returns the group of each of the m rows (len(sizes): past the sum)."""
     group, row, rows = (np.asarray(a) for a in _schedule(jnp.asarray(sizes, jnp.int32), m, block_m))
     g = len(sizes)
-    assert group.shape == row.shape == rows.shape == (-(-m // block_m) + g,) and group.dtype == np.int32
+    assert group.shape == row.shape == rows.shape == (-(-m // block_m) + min(g, m),) and group.dtype == np.int32
     ends = np.minimum(np.cumsum(sizes), m)
     want = np.full(m, g)
     for i, (lo, hi) in enumerate(zip(np.concatenate([[0], ends[:-1]]), ends)):
@@ -56,6 +56,8 @@ def test_schedule_covers_every_row_once_with_tiles_inside_one_group(block_m):
     _covered((0, 0, 40, 0), 40, block_m)  # all rows in one group
     _covered((1,) * 20, 20, block_m)  # groups of one row: the most partial tiles (the + G in T)
     _covered((0, 0, 0), 0 + 1, block_m)  # no group has rows: one row past the sum
+    _covered((0,) * 30 + (1, 0, 2) + (0,) * 40, 3, block_m)  # G far above the rows (a pool's slots): T = cdiv + m
+    _covered((1,) * 5 + (0,) * 20, 5, block_m)  # m rows in m groups of one: the bound met exactly
     rng, m, sums = np.random.default_rng(0), 4 * block_m, set()
     for i in range(9):  # one shape (9 groups, m rows): sums below m (rows past the sum), at m and above (cut)
         sizes = tuple(int(v) for v in rng.integers(0, block_m, 9) * rng.integers(0, 2, 9))
@@ -214,3 +216,67 @@ def test_lowers_for_cuda_at_qwen35_expert_shapes():
         assert f"num_warps = {tiles.get('num_warps', gt.NUM_WARPS)} : i32" in txt
         if "num_stages" in tiles:
             assert "num_stages = 3 : i32" in txt
+
+
+def test_pool_grouping_reads_the_pool_in_place_and_only_where_the_kernel_runs(monkeypatch):
+    """``grouped_matmul.pool_grouping``: with the kernel named, a layer's grouped FFN groups its rows by pool
+    slot (G = S, no gather of the layer's experts) and matches the gathered path; under ``auto`` it applies on a
+    GPU only for 256 experts or more (the backend stubbed: only the decision is taken), never to float32
+    weights under bf16 rows."""
+    from ftjax.experts import compute
+    rng = np.random.default_rng(2)
+    s, e, d, f = 24, 8, 128, 64
+    x = jnp.asarray(rng.standard_normal((40, d)), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, e, (40, 4)), jnp.int32)
+    w = jnp.asarray(rng.random((40, 4)), jnp.float32)
+    gu = jnp.asarray(rng.standard_normal((s, d, 2 * f)) / 11, jnp.float32)
+    dn = jnp.asarray(rng.standard_normal((s, f, d)) / 8, jnp.float32)
+    slot_of_expert = jnp.asarray(rng.permutation(s)[:e], jnp.int32)
+    ref = compute.experts_from_pool(x, ids, w, slot_of_expert, gu, dn)  # the default on the CPU: gather, ragged_dot
+    groups = []
+    real = compute.experts_grouped
+    monkeypatch.setattr(compute, "experts_grouped", lambda *a, **kw: groups.append(a[3].shape[0]) or real(*a, **kw))
+    named = KernelConfig(use=("grouped_matmul_triton",), tiles={"grouped_matmul_triton": (16, 128, 64)})
+    with using(named), registry.recording() as ran:
+        got = compute.experts_from_pool(x, ids, w, slot_of_expert, gu, dn)
+    assert ran == {"grouped_matmul_triton"} and groups == [s]  # the pool's 24 slots, read in place
+    _close(got, ref, jnp.float32)
+    with using(named):  # no Triton tiling of these shapes (F = 48 is no multiple of block_k 64): the gather
+        compute.experts_from_pool(x, ids, w, slot_of_expert, gu[:, :, :96], dn[:, :48])
+    assert groups == [s, e]
+
+    monkeypatch.setattr(registry.jax, "default_backend", lambda: "gpu")
+    sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    xs = sd((4096, 2048), bf)
+    pool = lambda slots, dtype=bf: (sd((slots, 2048, 1024), dtype), sd((slots, 512, 2048), dtype))  # noqa: E731
+    with using(KernelConfig()):
+        assert gm.pool_grouping(xs, *pool(10240), num_experts=256)
+        assert not gm.pool_grouping(xs, *pool(6144), num_experts=128)  # qwen3's 128: the Mosaic kernel, gathered
+        assert not gm.pool_grouping(xs, *pool(200), num_experts=256)  # fewer slots than the kernel's threshold
+        assert not gm.pool_grouping(xs, *pool(10240, jnp.float32), num_experts=256)
+    with using(KernelConfig(grouped_matmul="mgpu")):
+        assert not gm.pool_grouping(xs, *pool(10240), num_experts=256)
+
+
+def test_engine_with_the_kernel_cached_equals_resident():
+    """A 300-token prompt through the engine with the kernel named (interpreted): the prefill groups rows by slot
+    over the resident bank (24 slots) and over the cached pool (8); the logits are bit-identical between the two
+    and within float32 rounding of the default path (gather + ragged_dot)."""
+    from conftest import load_fixture
+    from ftjax import Engine
+    from ftjax.config import EngineConfig
+    model, exp = load_fixture("olmoe_fp32")
+    prompt = exp["long_prompt_ids"].tolist()
+    named = KernelConfig(use=("grouped_matmul_triton",), tiles={"grouped_matmul_triton": (16, 32, 32)})
+
+    def logits(mode, slots, kernels):
+        eng = Engine(model, EngineConfig(mode, num_slots=slots, max_seq_len=320, kernels=kernels))
+        out = eng.generate([prompt], 2, keep_logits=True)
+        return np.asarray(out.step_logits), eng.programs.kernels_applied()
+
+    want, _ = logits("resident", None, KernelConfig())
+    resident, ran = logits("resident", None, named)
+    cached, _ = logits("cached", model.cfg.num_experts, named)
+    assert "grouped_matmul_triton" in ran
+    np.testing.assert_array_equal(cached, resident)
+    _close(resident, want, jnp.float32)

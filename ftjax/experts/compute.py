@@ -11,8 +11,9 @@ its matmuls; dense weights pass through unchanged.
   On GPUs a fused Pallas kernel reads them from the pool in place (``ftjax.kernels.moe_decode``);
   the jnp reference gathers them into a temporary first.
 * ``grouped``: tokens sorted by expert and multiplied group by group against the layer's E
-  experts (``ftjax.kernels.grouped_matmul``: a Mosaic GPU kernel on GPUs, ``ragged_dot`` else).
-  For prefill, where N*k >> E.
+  experts (``ftjax.kernels.grouped_matmul``: a Mosaic GPU kernel on GPUs, ``ragged_dot`` else), or
+  sorted by pool slot and multiplied against the pool in place where the Triton grouped matmul
+  runs (``grouped_matmul_triton``: on GPUs for 256 experts or more). For prefill, where N*k >> E.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 
 from ftjax.experts import quant
 from ftjax.kernels import moe_decode
-from ftjax.kernels.grouped_matmul import grouped_matmul
+from ftjax.kernels.grouped_matmul import grouped_matmul, pool_grouping
 
 # Use the gather formulation up to this many (token, expert) pairs per layer.
 GATHER_MAX_PAIRS = 64
@@ -124,17 +125,23 @@ def experts_from_pool(x: jax.Array, ids: jax.Array, weights: jax.Array, slot_of_
     experts need a valid slot). Picks the formulation from the static size N*k. pair_slots:
     ``slot_of_expert[ids]`` int32 [N, k] where the caller has it (the slot lookup kernel makes it), or None.
 
-    Grouped: the layer's E experts are gathered from the pool in expert order (one device copy; a
-    quantized format gathers its stored bytes and scales and dequantizes these E experts) and the
-    kernel sees E groups whatever the pool size S, so every pool size gives the same operands.
-    Grouping rows by *slot* over the whole pool instead (G = S groups, most empty) avoids that copy
-    but the Mosaic GPU kernel unrolls a loop over its groups: its compile time grew to minutes
-    (docs/MISS_POLICY.md, "Open").
+    Grouped: where the grouped matmul runs ``grouped_matmul_triton`` over the pool's S slots
+    (:func:`ftjax.kernels.grouped_matmul.pool_grouping`: dense weights; on a GPU for E >= 256), the rows
+    are grouped by *slot* (G = S groups, most empty) and both matmuls read the pool in place. Otherwise
+    the layer's E experts are gathered from the pool in expert order (one device copy; a quantized
+    format gathers its stored bytes and scales and dequantizes these E experts) and the kernel sees E
+    groups. Either way each row meets the same weights in the same kernel: the pool size does not change
+    the arithmetic. (The Mosaic GPU kernel unrolls a loop over its groups: at G = S its compile time grew
+    to minutes, docs/MISS_POLICY.md, "Open"; hence the gather there.)
     """
     with jax.named_scope("experts"):
         slots = slot_of_expert[ids] if pair_slots is None else pair_slots
         if ids.size <= GATHER_MAX_PAIRS:
             return experts_gather(x, slots, weights, gate_up, down, scales, fmt)
+        if fmt == "dense" and pool_grouping(x, gate_up, down, slot_of_expert.shape[0]):
+            # a pair whose expert has no slot (-1: its miss is computed on the CPU) reads slot 0; the merge
+            # replaces its output, as the gather path's does
+            return experts_grouped(x, jnp.maximum(slots, 0), weights, gate_up, down)
         safe = jnp.maximum(slot_of_expert, 0)
         layer_scales = None if scales is None else tuple(s[safe] for s in scales)
         return experts_grouped(x, ids, weights, gate_up[safe], down[safe], layer_scales, fmt)

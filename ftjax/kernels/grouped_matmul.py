@@ -65,6 +65,29 @@ def mgpu_supported(lhs: jax.Array, rhs: jax.Array) -> bool:
     return k % BLOCK_K == 0 and n % BLOCK_N == 0
 
 
+def _triton_mode(lhs, rhs, auto: bool, record: bool = True) -> tuple[str, dict]:
+    """How ``grouped_matmul_triton`` would run on lhs [M, K] / rhs [G, K, N] under the active kernel config
+    ("xla": it does not), and its tiles."""
+    tiles = registry.tiles("grouped_matmul_triton", gmt.TILES)
+    how = registry.mode("grouped_matmul_triton", gmt.supported(lhs, rhs, tiles["block_k"], tiles["block_n"]),
+                        auto=auto, record=record)
+    return how, tiles
+
+
+def pool_grouping(x: jax.Array, gate_up: jax.Array, down: jax.Array, num_experts: int) -> bool:
+    """Whether a layer's grouped expert FFN can group its rows by pool slot: x [N, D]; gate_up [S, D, 2F] and
+    down [S, F, D], a pool of S slots in x's dtype; num_experts: the layer's E. True where both matmuls would
+    run ``grouped_matmul_triton`` with G = S (its tile schedule does not grow with the empty slots): the kernel
+    config names it, or ``auto`` picks it on a GPU, which it does for E >= 256 (where it was measured faster
+    than the Mosaic kernel at G = E) and S >= 256. Then the matmuls read the pool in place and the layer's E
+    experts are not gathered into a temporary first (1.6 GB per qwen3.5-35b-a3b layer)."""
+    if registry.active().grouped_matmul != "auto" or gate_up.dtype != x.dtype:
+        return False
+    auto = num_experts >= gmt.AUTO_MIN_GROUPS and gmt.auto_picks(gate_up)
+    h = jax.ShapeDtypeStruct((x.shape[0], down.shape[1]), x.dtype)
+    return all(_triton_mode(a, w, auto, record=False)[0] != "xla" for a, w in ((x, gate_up), (h, down)))
+
+
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, impl: str | None = None) -> jax.Array:
     """out[r] = lhs[r] @ rhs[g(r)], rows of lhs grouped contiguously by group.
 
@@ -79,9 +102,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, impl:
       ValueError: unknown impl, or "mgpu" asked for where it cannot run.
     """
     if impl is None and registry.active().grouped_matmul == "auto":  # an explicit choice is taken as asked
-        tiles = registry.tiles("grouped_matmul_triton", gmt.TILES)
-        how = registry.mode("grouped_matmul_triton", gmt.supported(lhs, rhs, tiles["block_k"], tiles["block_n"]),
-                            auto=gmt.auto_picks(rhs))
+        how, tiles = _triton_mode(lhs, rhs, gmt.auto_picks(rhs))
         if how != "xla":
             return gmt.grouped_matmul_triton(lhs, rhs, group_sizes, interpret=how == "interpret", **tiles)
     impl = impl or registry.active().grouped_matmul

@@ -5,14 +5,16 @@ The Mosaic GPU kernel ``grouped_matmul`` uses (``ragged_dot_mgpu``) finds each o
 a loop unrolled over all G groups in every program: measured on an H200, the same rows in 256 groups
 took 1.57 ms vs 1.00 ms in 64 groups, and the G = 256 hybrid model compiles slowly. Here the group
 lookup happens once, outside the kernel, in a few jnp ops (:func:`tile_schedule`): a work list of T =
-cdiv(M, block_m) + G row tiles, each inside one group, so a program reads three scalars and never loops
-over groups.
+cdiv(M, block_m) + min(G, M) row tiles, each inside one group, so a program reads three scalars and never
+loops over groups.
 
 The idea is the grouped GEMM with a per-tile work list: MegaBlocks' block-sparse expert matmul and the
 Triton tutorial's grouped GEMM both hand every program a precomputed (problem, tile) entry instead of
 letting it search for its work. Here the entries are row tiles cut at each group's own first row (not
 aligned to block_m), so no tile straddles two groups and the kernel needs only a row mask; the price
-is at most one partial tile per group, hence the + G in T.
+is at most one partial tile per group with rows, hence the + min(G, M) in T. So G may be far larger than
+the rows' groups: the expert FFN groups rows by pool slot (G = the pool's slots, most of them empty) and
+reads the pool in place instead of gathering a layer's experts first (:mod:`ftjax.experts.compute`).
 
 Generic Pallas primitives plus the Triton backend's masked ``load`` / ``store``: interpreted on the CPU
 (the tests, any float dtype), lowered through Triton on a GPU (16-bit floats).
@@ -50,16 +52,16 @@ TILES = {"block_m": BLOCK_M, "block_n": BLOCK_N, "block_k": BLOCK_K, "num_warps"
 def tile_schedule(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The kernel's work list for ``m`` rows in groups of ``group_sizes`` (int [G], >= 0).
 
-    Returns (tile_group, tile_row, tile_rows), int32 [T] with T = cdiv(m, block_m) + G (static): tile t
+    Returns (tile_group, tile_row, tile_rows), int32 [T] with T = cdiv(m, block_m) + min(G, m) (static): tile t
     covers rows [tile_row[t], tile_row[t] + tile_rows[t]) of group tile_group[t]. Each group is cut into
     ceil(size / block_m) tiles from its own first row, so no tile spans two groups; empty groups get none.
     Groups are clipped to the m rows (as ragged_dot); rows past sum(group_sizes) form the pseudo-group
     G (the kernel writes zeros there, as ragged_dot does). Tiles past the last have tile_rows = 0 (and
-    tile_group = G, tile_row = 0). T is enough: over the n <= G + 1 groups with rows (the pseudo-group
+    tile_group = G, tile_row = 0). T is enough: over the n <= min(G + 1, m) groups with rows (the pseudo-group
     included; their sizes sum to m), sum_i ceil(s_i / b) <= ceil(m / b) + n - 1.
     """
     g = group_sizes.shape[0]
-    t = pl.cdiv(m, block_m) + g
+    t = pl.cdiv(m, block_m) + min(g, m)
     ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0)), m)
     ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])  # + the pseudo-group of the rows past the sum
     starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])

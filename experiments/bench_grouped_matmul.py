@@ -24,7 +24,9 @@ Every row is the median (and spread) of --repeats calls of one jitted function a
   with a loop unrolled over all G groups). Then the Pallas Triton kernel over a precomputed tile schedule
   (``ftjax.kernels.grouped_matmul_triton``, ``"kernel": "triton"``) on both matmuls at each of --triton_configs
   (``block_m:block_n:block_k:num_warps:num_stages``), ``err`` against the Mosaic GPU kernel at its default tiles
-  (``grouped_matmul.mgpu_tiles``); a refused config is recorded with its error. GPU only.
+  (``grouped_matmul.mgpu_tiles``); a refused config is recorded with its error. At the same configs, the gate-up
+  matmul with its token gather and SwiGLU: as a jitted chain of the three (``gate_up+swiglu chain``) and fused
+  in one kernel (``gate_up+swiglu fused``, ``grouped_swiglu_triton``), err against the chain. GPU only.
 
 Writes ``bench_grouped_matmul[_<tag>].json`` (``presets``: each shape's stages; ``rows``: one per timed program,
 for experiments/plots.py) and prints the tables.
@@ -200,6 +202,7 @@ def stage_tiles(cfg, n: int) -> list[dict]:
             _timed_row(row, fn, (lhs, rhs, sizes), ref)
             rows.append(row)
             print(common.table([row], ["matmul", "kernel", "config", "ms", "tflops", "err", "error"]), flush=True)
+    rows += _fused_rows(cfg, x, flat, gate_up, sizes)
     if not FLAGS.configs:
         return rows
     # The same rows and operand shapes in fewer, larger groups (neighbouring experts' rows merged, the first
@@ -215,6 +218,33 @@ def stage_tiles(cfg, n: int) -> list[dict]:
         _timed_row(row, fn, (xs, gate_up[:g], sizes.reshape(g, f).sum(axis=1)))
         rows.append(row)
         print(common.table([row], ["matmul", "groups", "ms", "tflops", "error"]), flush=True)
+    return rows
+
+
+def _fused_rows(cfg, x, flat, gate_up, sizes) -> list[dict]:
+    """At each of --triton_configs: the token gather, gate-up matmul and SwiGLU as three programs' worth of work
+    in one jitted chain (``gate_up+swiglu chain``: the unfused path) and as one kernel (``gate_up+swiglu fused``,
+    ``grouped_swiglu_triton``), err of the fused against the chain."""
+    import jax
+    import jax.numpy as jnp
+
+    from ftjax.experts.compute import _swiglu
+    from ftjax.kernels.grouped_matmul_triton import grouped_matmul_triton, grouped_swiglu_triton
+    tok = (jnp.argsort(flat, stable=True) // cfg.top_k).astype(jnp.int32)
+    m, kk, nn = tok.shape[0], gate_up.shape[1], gate_up.shape[2]
+    rows = []
+    for entry in FLAGS.triton_configs:
+        tiles = _tiles(entry, TRITON_TILE_NAMES)
+        chain = jax.jit(lambda a, t, b, s, tl=tiles: _swiglu(grouped_matmul_triton(a[t], b, s, **tl)))
+        fused = jax.jit(lambda a, t, b, s, tl=tiles: grouped_swiglu_triton(a, t, b, s, **tl))
+        ref = None
+        for how, fn in (("chain", chain), ("fused", fused)):
+            row = {"matmul": f"gate_up+swiglu {how}", "kernel": "triton", "config": entry, "M": m, "K": kk, "N": nn,
+                   **tiles}
+            got = _timed_row(row, fn, (x, tok, gate_up, sizes), ref)
+            ref = got if ref is None else ref
+            rows.append(row)
+            print(common.table([row], ["matmul", "config", "ms", "tflops", "err", "error"]), flush=True)
     return rows
 
 

@@ -280,3 +280,60 @@ def test_engine_with_the_kernel_cached_equals_resident():
     assert "grouped_matmul_triton" in ran
     np.testing.assert_array_equal(cached, resident)
     _close(resident, want, jnp.float32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_fused_gate_up_swiglu_matches_the_three_steps(dtype):
+    """``grouped_swiglu_triton`` (interpreted): the token gather, the gate-up matmul and SwiGLU in one kernel equal
+    ``swiglu(ragged_dot(x[tok], gate_up, sizes))`` with its roundings; rows past the sum come out as zeros."""
+    from ftjax.experts.compute import _swiglu
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((30, 128)), dtype)
+    m = sum(SIZES) + 6  # 6 rows past the sum
+    tok = jnp.asarray(rng.integers(0, 30, m), jnp.int32)
+    gu = jnp.asarray(rng.standard_normal((len(SIZES), 128, 256)) / 8, dtype)
+    sizes = jnp.asarray(SIZES, jnp.int32)
+    want = _swiglu(jax.lax.ragged_dot(x[tok], gu, sizes))
+    got = gt.grouped_swiglu_triton(x, tok, gu, sizes, interpret=True, block_m=16, block_n=64)
+    assert got.shape == (m, 128) and got.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(got[sum(SIZES):], np.float32), 0)
+    _close(got, want, dtype)
+    with pytest.raises(ValueError, match=r"gate_up expected shape \[G, D, 2F\] with F % block_n == 0"):
+        gt.grouped_swiglu_triton(x, tok, gu[:, :, :192], sizes, interpret=True, block_n=64)
+    with pytest.raises(ValueError, match="row_token expected an integer array"):
+        gt.grouped_swiglu_triton(x, tok.astype(jnp.float32), gu, sizes, interpret=True, block_n=64)
+
+
+def test_expert_ffn_runs_the_fused_kernel_only_where_named():
+    """``compute.experts_grouped`` takes the fused gate-up kernel where the config names it (and matches the
+    default path), never under the default config (not measured on a GPU)."""
+    from ftjax.experts import compute
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((48, 128)), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, 8, (48, 4)), jnp.int32)
+    w = jnp.asarray(rng.random((48, 4)), jnp.float32)
+    gu = jnp.asarray(rng.standard_normal((8, 128, 256)) / 11, jnp.float32)
+    dn = jnp.asarray(rng.standard_normal((8, 128, 128)) / 11, jnp.float32)
+    ref = compute.experts_grouped(x, ids, w, gu, dn)
+    tiles = {"grouped_swiglu_triton": (16, 64, 64)}
+    with using(KernelConfig(use=("grouped_swiglu_triton",), tiles=tiles)), registry.recording() as ran:
+        got = compute.experts_grouped(x, ids, w, gu, dn)
+    assert ran == {"grouped_swiglu_triton"}
+    _close(got, ref, jnp.float32)
+    assert registry.get("grouped_swiglu_triton").auto is False
+
+
+def test_fused_kernel_lowers_for_cuda_at_qwen35_shapes():
+    """qwen3.5-35b-a3b's gate-up (8192 tokens x top-8 rows, 256 experts, D 2048, F 512, bf16) with the gather and
+    SwiGLU fused lowers to one Triton custom call over F / block_n column blocks."""
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+    dev = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=dev)
+    sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    with use_abstract_mesh(mesh), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the Triton backend's deprecation warning
+        txt = jax.jit(lambda *a: gt.grouped_swiglu_triton(*a)).trace(
+            sd((8192, 2048), bf), sd((65536,), jnp.int32), sd((256, 2048, 1024), bf), sd((256,), jnp.int32)).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert txt.count("__gpu$xla.gpu.triton") == 1
+    assert f"grid_x = {65536 // gt.BLOCK_M + 256} : i32, grid_y = {512 // gt.BLOCK_N} : i32" in txt

@@ -44,6 +44,15 @@ def wrap_clamp(i: jax.Array, n: int) -> jax.Array:
     return jnp.clip(jnp.where(i < 0, i + n, i), 0, n - 1)
 
 
+def silu_mul(g: jax.Array, u: jax.Array, dtype) -> jax.Array:
+    """silu(g) * u from float32 accumulators with the unfused reference's roundings (a matmul's output in
+    ``dtype``, then SwiGLU in ``dtype``): g, u and silu(g) rounded to ``dtype``. Used inside kernels."""
+    g = g.astype(dtype).astype(jnp.float32)
+    u = u.astype(dtype).astype(jnp.float32)
+    s = (g / (1.0 + jnp.exp(-g))).astype(dtype).astype(jnp.float32)
+    return (s * u).astype(dtype)
+
+
 def triton_params(interpret: bool, num_warps: int | None = None, num_stages: int | None = None):
     """The ``compiler_params`` of a decode / prefill kernel's ``pallas_call``: None in interpret mode,
     else the Triton backend's ``CompilerParams`` (None fields: Triton's defaults). Imported here, at

@@ -65,13 +65,26 @@ def mgpu_supported(lhs: jax.Array, rhs: jax.Array) -> bool:
     return k % BLOCK_K == 0 and n % BLOCK_N == 0
 
 
-def _triton_mode(lhs, rhs, auto: bool, record: bool = True) -> tuple[str, dict]:
-    """How ``grouped_matmul_triton`` would run on lhs [M, K] / rhs [G, K, N] under the active kernel config
-    ("xla": it does not), and its tiles."""
-    tiles = registry.tiles("grouped_matmul_triton", gmt.TILES)
-    how = registry.mode("grouped_matmul_triton", gmt.supported(lhs, rhs, tiles["block_k"], tiles["block_n"]),
-                        auto=auto, record=record)
+def _triton_mode(lhs, rhs, auto: bool, record: bool = True, name: str = "grouped_matmul_triton") -> tuple[str, dict]:
+    """How kernel ``name`` (``grouped_matmul_triton`` or ``grouped_swiglu_triton``) would run on lhs [M, K] /
+    rhs [G, K, N] under the active kernel config ("xla": it does not), and its tiles."""
+    tiles = registry.tiles(name, gmt.TILES)
+    bn = tiles["block_n"] * (2 if name == "grouped_swiglu_triton" else 1)  # F = N / 2 split in block_n columns
+    how = registry.mode(name, gmt.supported(lhs, rhs, tiles["block_k"], bn), auto=auto, record=record)
     return how, tiles
+
+
+def grouped_swiglu(x: jax.Array, row_token: jax.Array, gate_up: jax.Array, group_sizes: jax.Array) -> jax.Array | None:
+    """``swiglu(grouped_matmul(x[row_token], gate_up, group_sizes))`` in one kernel where the kernel config
+    names ``grouped_swiglu_triton`` and it takes the operands (:func:`ftjax.kernels.grouped_matmul_triton.
+    grouped_swiglu_triton`; interpreted off a GPU), else None: the caller runs the three steps. x: [N, D];
+    row_token: int32 [M]; gate_up: [G, D, 2F]; returns [M, F] in x's dtype. Never under ``auto`` (not measured)."""
+    if registry.active().grouped_matmul != "auto":
+        return None
+    how, tiles = _triton_mode(x, gate_up, False, name="grouped_swiglu_triton")
+    if how == "xla":
+        return None
+    return gmt.grouped_swiglu_triton(x, row_token, gate_up, group_sizes, interpret=how == "interpret", **tiles)
 
 
 def pool_grouping(x: jax.Array, gate_up: jax.Array, down: jax.Array, num_experts: int) -> bool:

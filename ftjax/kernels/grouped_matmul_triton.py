@@ -93,32 +93,45 @@ def auto_picks(rhs: jax.Array) -> bool:
     return rhs.ndim == 3 and rhs.shape[0] >= AUTO_MIN_GROUPS
 
 
-def _kernel(group_ref, row_ref, rows_ref, lhs_ref, rhs_ref, o_ref, *, groups, bm, bn, bk, k_steps):
+def _kernel(group_ref, row_ref, rows_ref, *refs, groups, bm, bn, bk, k_steps, up_cols):
+    """One (row tile, column block) of the product, or with ``up_cols`` (F) of SwiGLU(gate, up) where gate and up
+    are column blocks j and F / bn + j; with a ``tok_ref`` first in ``refs``, the tile's lhs rows are gathered
+    from the token rows ``lhs[tok[r]]`` (no copy of the gathered rows)."""
+    tok_ref, lhs_ref, rhs_ref, o_ref = refs if len(refs) == 4 else (None, *refs)
     t, j = pl.program_id(0), pl.program_id(1)
     g, row0, n_rows = group_ref[t], row_ref[t], rows_ref[t]
     rows, cols = pl.ds(row0, bm), pl.ds(j * bn, bn)
     # Masked to the tile's rows: the block may run into the next group's rows (or past M), which are
     # neither read into the product nor written.
-    live = lax.broadcasted_iota(jnp.int32, (bm, 1), 0) < n_rows
+    live1 = lax.broadcasted_iota(jnp.int32, (bm,), 0) < n_rows
+    live = live1[:, None]
+    blocks = (cols,) if up_cols is None else (cols, pl.ds(up_cols + j * bn, bn))
 
     @pl.when((n_rows > 0) & (g < groups))
     def _():
-        def step(i, acc):
-            ks = pl.ds(pl.multiple_of(i * bk, bk), bk)
-            a = plt.load(lhs_ref.at[rows, ks], mask=live, other=0)
-            return acc + jnp.dot(a, rhs_ref[g, ks, cols], preferred_element_type=jnp.float32)
+        if tok_ref is None:
+            load = lambda ks: plt.load(lhs_ref.at[rows, ks], mask=live, other=0)  # noqa: E731
+        else:  # a dead row reads token row 0 (valid) and is never stored
+            tok = plt.load(tok_ref.at[rows], mask=live1, other=0)
+            load = lambda ks: lhs_ref[tok, ks]  # noqa: E731
 
-        acc = lax.fori_loop(0, k_steps, step, jnp.zeros((bm, bn), jnp.float32))
-        plt.store(o_ref.at[rows, cols], acc.astype(o_ref.dtype), mask=live)
+        def step(i, accs):
+            ks = pl.ds(pl.multiple_of(i * bk, bk), bk)
+            a = load(ks)
+            return tuple(acc + jnp.dot(a, rhs_ref[g, ks, c], preferred_element_type=jnp.float32)
+                         for acc, c in zip(accs, blocks))
+
+        accs = lax.fori_loop(0, k_steps, step, tuple(jnp.zeros((bm, bn), jnp.float32) for _ in blocks))
+        out = accs[0].astype(o_ref.dtype) if up_cols is None else common.silu_mul(*accs, o_ref.dtype)
+        plt.store(o_ref.at[rows, cols], out, mask=live)
 
     @pl.when((n_rows > 0) & (g == groups))
     def _():  # rows past sum(group_sizes): zeros, as ragged_dot
         plt.store(o_ref.at[rows, cols], jnp.zeros((bm, bn), o_ref.dtype), mask=live)
 
 
-def _check(lhs, rhs, group_sizes, block_m, block_n, block_k):
-    """Raises ValueError naming the operand (expected vs got) or the tile."""
-    name = "grouped_matmul_triton"
+def _check(lhs, rhs, group_sizes, block_m, block_n, block_k, name="grouped_matmul_triton"):
+    """Raises ValueError naming the kernel and the operand (expected vs got) or the tile."""
     if lhs.ndim != 2:
         raise ValueError(f"{name}: lhs expected shape [M, K], got {lhs.shape}")
     k = lhs.shape[1]
@@ -162,26 +175,65 @@ def grouped_matmul_triton(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
                       block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
 
 
-def _scheduled(schedule, lhs, rhs, *, interpret, block_m, block_n, block_k, num_warps, num_stages):
+def _scheduled(schedule, lhs, rhs, *, interpret, block_m, block_n, block_k, num_warps, num_stages, tok=None,
+               swiglu=False):
     """The pallas_call over a :func:`tile_schedule` (any order of its tiles gives the same output: on a GPU
-    the programs run in no fixed order)."""
-    (m, k), (g, _, n) = lhs.shape, rhs.shape
+    the programs run in no fixed order). tok: int32 [M], lhs's row of each output row (None: row r itself);
+    swiglu: out = SwiGLU of the product's two column halves ([M, N / 2])."""
+    k, (g, _, n) = lhs.shape[1], rhs.shape
+    m = lhs.shape[0] if tok is None else tok.shape[0]
+    n_out = n // 2 if swiglu else n
     return pl.pallas_call(
-        functools.partial(_kernel, groups=g, bm=block_m, bn=block_n, bk=block_k, k_steps=k // block_k),
-        out_shape=jax.ShapeDtypeStruct((m, n), lhs.dtype), grid=(schedule[0].shape[0], n // block_n),
+        functools.partial(_kernel, groups=g, bm=block_m, bn=block_n, bk=block_k, k_steps=k // block_k,
+                          up_cols=n_out if swiglu else None),
+        out_shape=jax.ShapeDtypeStruct((m, n_out), lhs.dtype), grid=(schedule[0].shape[0], n_out // block_n),
         interpret=interpret, compiler_params=common.triton_params(interpret, num_warps, num_stages),
-        name="grouped_matmul_triton",
-    )(*schedule, lhs, rhs)
+        name="grouped_swiglu_triton" if swiglu else "grouped_matmul_triton",
+    )(*schedule, *(() if tok is None else (tok,)), lhs, rhs)
 
 
-def _tiles(vals: tuple[int, ...]) -> dict:
-    bm, bn, bk, *rest = common.tile_values("grouped_matmul_triton", vals, (3, 4, 5),
+@functools.partial(jax.jit, static_argnames=("interpret", "block_m", "block_n", "block_k", "num_warps", "num_stages"))
+def grouped_swiglu_triton(x: jax.Array, row_token: jax.Array, gate_up: jax.Array, group_sizes: jax.Array, *,
+                          interpret: bool = False, block_m: int = BLOCK_M, block_n: int = BLOCK_N,
+                          block_k: int = BLOCK_K, num_warps: int | None = NUM_WARPS,
+                          num_stages: int | None = NUM_STAGES) -> jax.Array:
+    """The experts' gate-up matmul with the token gather before it and SwiGLU after it, in one kernel:
+    ``swiglu(ragged_dot(x[row_token], gate_up, group_sizes))`` with swiglu(h) = silu(h[:, :F]) * h[:, F:].
+
+    x: [N, D] token rows; row_token: int32 [M] in [0, N), the token of each (token, expert) row, rows sorted
+    by group; gate_up: [G, D, 2F] (gate columns first), x's dtype; group_sizes: int [G] >= 0 (as
+    :func:`grouped_matmul_triton`). Returns [M, F] in x's dtype: the gate and up products are each rounded to
+    x's dtype first, then silu(gate) is, then the product (the roundings of the unfused matmul and SwiGLU).
+    Saves the gathered rows [M, D] and the product [M, 2F] that the unfused path writes and reads back. Tiles
+    as :func:`grouped_matmul_triton`, with F % block_n == 0.
+
+    Raises:
+      ValueError: shapes or dtypes that disagree, or tiles that do not fit (expected vs got).
+    """
+    name = "grouped_swiglu_triton"
+    if row_token.ndim != 1 or not jnp.issubdtype(row_token.dtype, jnp.integer):
+        raise ValueError(f"{name}: row_token expected an integer array of shape [M], got {row_token.dtype} "
+                         f"{row_token.shape}")
+    if gate_up.ndim != 3 or gate_up.shape[2] % (2 * block_n):
+        raise ValueError(f"{name}: gate_up expected shape [G, D, 2F] with F % block_n == 0, got {gate_up.shape} "
+                         f"with block_n={block_n}")
+    _check(x, gate_up, group_sizes, block_m, block_n, block_k, name)
+    m = row_token.shape[0]
+    if m == 0:
+        return jnp.zeros((0, gate_up.shape[2] // 2), x.dtype)
+    return _scheduled(tile_schedule(group_sizes, m, block_m), x, gate_up, interpret=interpret, block_m=block_m,
+                      block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
+                      tok=row_token.astype(jnp.int32), swiglu=True)
+
+
+def _tiles(vals: tuple[int, ...], name: str = "grouped_matmul_triton") -> dict:
+    bm, bn, bk, *rest = common.tile_values(name, vals, (3, 4, 5),
                                            "(block_m, block_n, block_k[, num_warps[, num_stages]])")
     warps = rest[0] if rest else NUM_WARPS
     stages = rest[1] if len(rest) > 1 else NUM_STAGES
     if not (all(common.pow2(v) and v >= 16 for v in (bm, bn, bk)) and common.pow2(warps)
             and (stages is None or stages >= 1)):
-        raise ValueError(f"tiles of kernel 'grouped_matmul_triton': block_m, block_n, block_k must be powers of two "
+        raise ValueError(f"tiles of kernel {name!r}: block_m, block_n, block_k must be powers of two "
                          f">= 16, num_warps a power of two and num_stages >= 1, got {vals}")
     return {"block_m": bm, "block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages}
 
@@ -191,3 +243,8 @@ registry.register(registry.Kernel(
     "prefill's routed-expert grouped matmul (ftjax.kernels.grouped_matmul, called without an explicit impl): "
     "16-bit float operands on a GPU, K % block_k == 0 and N % block_n == 0; auto for >= 256 experts",
     auto=True, tiles=_tiles))
+registry.register(registry.Kernel(
+    "grouped_swiglu_triton", "jax.lax.ragged_dot",
+    "prefill's gate-up matmul with its token gather and SwiGLU fused (ftjax.experts.compute.experts_grouped): "
+    "16-bit float operands on a GPU, D % block_k == 0 and F % block_n == 0; named only (not yet measured)",
+    auto=False, tiles=functools.partial(_tiles, name="grouped_swiglu_triton")))

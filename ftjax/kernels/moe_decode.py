@@ -17,7 +17,7 @@ elementwise multiply + reduce fusions. Here two Pallas kernels compute the same 
 
 With ``d_split > 1`` the gate/up stage also splits the D input rows over that many programs
 (grid (P, F / block_f, d_split)) and writes their float32 partial sums of gate and up; outside
-the kernel they are added up in float32 and then gated (``_silu_mul``, the same roundings to the
+the kernel they are added up in float32 and then gated (``common.silu_mul``, the same roundings to the
 input dtype as with one part), in every format including int4, so a split changes only the
 float32 summation order. (Summing and gating them in the down stage's programs instead, as they
 read h, saves that one small XLA kernel per layer but made the down stage 1.8x slower on the
@@ -103,14 +103,6 @@ def supported(x: jax.Array, gate_up: jax.Array, down: jax.Array, fmt: str, block
     return True
 
 
-def _silu_mul(g: jax.Array, u: jax.Array, dtype) -> jax.Array:
-    """silu(g) * u with the reference's roundings: g, u and silu(g) rounded to ``dtype``."""
-    g = g.astype(dtype).astype(jnp.float32)
-    u = u.astype(dtype).astype(jnp.float32)
-    s = (g / (1.0 + jnp.exp(-g))).astype(dtype).astype(jnp.float32)
-    return (s * u).astype(dtype)
-
-
 def _gate_up_kernel(slots_ref, x_ref, gu_ref, *rest, k, f, bd, bf, fmt, split):
     s_ref = rest[0] if fmt != "dense" else None
     outs = rest[1:] if fmt != "dense" else rest
@@ -139,7 +131,7 @@ def _gate_up_kernel(slots_ref, x_ref, gu_ref, *rest, k, f, bd, bf, fmt, split):
         g = g * s_ref[slot, 0, pl.ds(f0, bf)]
         u = u * s_ref[slot, 0, pl.ds(f + f0, bf)]
     if split == 1:
-        outs[0][p, pl.ds(f0, bf)] = _silu_mul(g, u, outs[0].dtype)
+        outs[0][p, pl.ds(f0, bf)] = common.silu_mul(g, u, outs[0].dtype)
     else:  # partial sums, added up (and gated) outside
         outs[0][part, p, pl.ds(f0, bf)] = g
         outs[1][part, p, pl.ds(f0, bf)] = u
@@ -212,8 +204,8 @@ def _gate_up_kernel_int4(slots_ref, x_ref, gu_ref, s_ref, *outs, k, f, bd, bf, s
     ge, go, ue, uo = lax.fori_loop(0, groups, body, (zeros,) * 4)
     if split == 1:
         h_ref = outs[0]
-        h_ref[p, pl.ds(c0, half), 0] = _silu_mul(ge, ue, h_ref.dtype)
-        h_ref[p, pl.ds(c0, half), 1] = _silu_mul(go, uo, h_ref.dtype)
+        h_ref[p, pl.ds(c0, half), 0] = common.silu_mul(ge, ue, h_ref.dtype)
+        h_ref[p, pl.ds(c0, half), 1] = common.silu_mul(go, uo, h_ref.dtype)
     else:  # partial sums, added up (and gated) outside; even and odd columns in contiguous rows
         g_ref, u_ref = outs
         g_ref[part, p, 0, pl.ds(c0, half)] = ge
@@ -303,7 +295,7 @@ def moe_decode_pairs(x: jax.Array, slots: jax.Array, gate_up: jax.Array, down: j
             h = h.reshape(pairs, f)
         else:  # [split, P, 2, F/2] -> [P, F] (columns 2c, 2c + 1 = even, odd of pair c), then as split 1
             g, u = (jnp.swapaxes(jnp.sum(a, axis=0), 1, 2).reshape(pairs, f) for a in h)
-            h = _silu_mul(g, u, x.dtype)
+            h = common.silu_mul(g, u, x.dtype)
         y = pl.pallas_call(
             functools.partial(_down_kernel_int4, bd=bd2, bf=bf2),
             out_shape=jax.ShapeDtypeStruct((pairs, d // 2, 2), x.dtype), grid=(pairs, d // bd2),
@@ -317,7 +309,7 @@ def moe_decode_pairs(x: jax.Array, slots: jax.Array, gate_up: jax.Array, down: j
         grid=(pairs, f // bf1, d_split), interpret=interpret, compiler_params=params, name="moe_decode_gate_up",
     )(flat, x, gate_up, *extra_g)
     if d_split > 1:
-        h = _silu_mul(jnp.sum(h[0], axis=0), jnp.sum(h[1], axis=0), x.dtype)
+        h = common.silu_mul(jnp.sum(h[0], axis=0), jnp.sum(h[1], axis=0), x.dtype)
     y = pl.pallas_call(
         functools.partial(_down_kernel, bd=bd2, bf=bf2, fmt=fmt),
         out_shape=jax.ShapeDtypeStruct((pairs, d), x.dtype), grid=(pairs, d // bd2),

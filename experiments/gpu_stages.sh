@@ -23,7 +23,8 @@
 # gmm-tiles:       bench_grouped_matmul: one prefill layer's grouped expert FFN by piece (the default kernels), the
 #                  Mosaic GPU grouped matmul at its default and two best tiles of 2026-12-05, and six configs of the
 #                  grouped_matmul_triton kernel around its default, at the qwen3.5 (256 x 512) and qwen3 (128 x 768)
-#                  expert shapes (issue 32's MoE prefill; is the Triton kernel faster at 128 experts too?)
+#                  expert shapes, and the fused gate-up + SwiGLU kernel against its three-step chain (issue 32's MoE
+#                  prefill; is the Triton kernel faster at 128 experts too?)
 # hybrid-compile:  the hybrid engine's compile at batch 1 with the auto kernels, then with none (--kernels=xla): the
 #                  Pallas kernels' share of the 46 s compile of a 4-layer cut (issue 32's compile time)
 # hybrid-batch-probe: does the hybrid engine's decode compile at batch 1, 2, 4 (stacks dumped if it hangs)
@@ -89,7 +90,7 @@ for stage in "$@"; do
       run 300 "$stage" experiments/bench_gated_delta.py --stages=model --model_configs=auto,auto+decode-kernels \
         --tag=model-compile ${out:+--out_dir="$out"} ;;
     gmm-tiles)
-      run 330 "$stage" experiments/bench_grouped_matmul.py --tag="${dev}_$day" ${out:+--out_dir="$out"} \
+      run 420 "$stage" experiments/bench_grouped_matmul.py --tag="${dev}_$day" ${out:+--out_dir="$out"} \
         --configs=128:128:64:4:1,64:256:64:4:1,128:128:64:4:4 \
         --triton_configs=64:256:64:8:3,128:256:64:8:3,64:256:64:4:4,64:256:128:8:3,128:128:64:4:4,32:256:64:4:3 ;;
     hybrid-compile)

@@ -166,9 +166,6 @@ def test_decode_graphs_choices_and_resolution():
     assert decode_graphs_on("on", "resident", False, "gpu")
     assert not decode_graphs_on("on", "cached", True, "cpu")
     assert not decode_graphs_on("off", "cached", True, "gpu")
-    # the host-split driver's per-layer programs: only when asked for (not measured)
-    assert decode_graphs_on("on", "cached", False, "gpu", host_split=True)
-    assert not decode_graphs_on("auto", "cached", True, "gpu", host_split=True)
     both = decode_compiler_options("auto", 1, "bfloat16", "gpu", graphs=True)
     assert dict(both) == {**dict(CUBLAS_DECODE_OPTIONS), **dict(GRAPH_DECODE_OPTIONS)} and both == tuple(sorted(both))
     assert decode_compiler_options("xla", 1, "bfloat16", "gpu", graphs=True) == GRAPH_DECODE_OPTIONS

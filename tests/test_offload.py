@@ -455,6 +455,15 @@ def test_call_options_cheap_conds_follow_the_command_buffers(monkeypatch):
         monkeypatch.undo()
         options = plan.compiler_options
         assert plan.opts.cheap_conds == want and ("xla_gpu_enable_command_buffer" in dict(options)) == want, fixed
+    # the host-split driver's per-layer programs (a split that uses the CPU): command buffers under "on" only
+    for graphs, want in (("on", True), ("auto", False)):
+        miss = MissPolicyConfig("adaptive", "callback", fixed_fetch=0, cpu_driver="host")
+        eng = Engine(model, EngineConfig("cached", num_slots=e, max_seq_len=32, miss=miss,
+                                         kernels=KernelConfig(decode_graphs=graphs)))
+        monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+        plan = eng.planner.plan(1, 1, 1)
+        monkeypatch.undo()
+        assert plan.driver == "host_split" and ("xla_gpu_enable_command_buffer" in dict(plan.compiler_options)) == want
 
 
 def test_routed_count_equals_the_mask_sum():

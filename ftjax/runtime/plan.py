@@ -154,12 +154,11 @@ class CallPlanner:
         return (config.miss.cpu_driver == "host" and config.experts != "resident" and config.devices == 1
                 and not self.miss.config.fetches_all(tokens * self.cfg.top_k, self.cfg.num_experts))
 
-    def _graphs(self, tokens_per_row: int, batch: int, host_split: bool = False) -> bool:
+    def _graphs(self, tokens_per_row: int, batch: int) -> bool:
         if tokens_per_row != 1:
             return False
         fetches_all = self.miss.config.fetches_all(batch * self.cfg.top_k, self.cfg.num_experts)
-        return programs.decode_graphs_on(self.config.kernels.decode_graphs, self.config.experts, fetches_all,
-                                         host_split=host_split)
+        return programs.decode_graphs_on(self.config.kernels.decode_graphs, self.config.experts, fetches_all)
 
     def decode_options(self, batch: int) -> tuple:
         """The XLA ``compiler_options`` of a decode step of ``batch`` rows."""
@@ -196,7 +195,7 @@ class CallPlanner:
             # a short prefix-reuse call runs on the scan; under the host driver nothing calls the CPU from a
             # program, so it fetches its misses
             miss, host = dataclasses.replace(miss, table=tuple(range(len(miss.table)))), False
-        graphs = self._graphs(tokens_per_row, batch, host_split=host)
+        graphs = self._graphs(tokens_per_row, batch)  # the host-split programs too: under "on" only (never fetch all)
         options = programs.decode_compiler_options(config.kernels.decode_gemm, tokens_per_row, self.dtype,
                                                    graphs=graphs)
         opts = StepOptions(config.experts, all_logits, stream, config.prefill_overlap and stream, config.cache_policy,

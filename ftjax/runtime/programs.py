@@ -133,26 +133,24 @@ GRAPH_DECODE_OPTIONS = (("xla_gpu_enable_command_buffer",
                          "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"),)
 
 
-def decode_graphs_on(decode_graphs: str, experts: str, fetches_all: bool, backend: str | None = None,
-                     host_split: bool = False) -> bool:
+def decode_graphs_on(decode_graphs: str, experts: str, fetches_all: bool, backend: str | None = None) -> bool:
     """Whether a decode program compiles with :data:`GRAPH_DECODE_OPTIONS`.
 
     decode_graphs: ``KernelConfig.decode_graphs``; experts: the experts mode; fetches_all: the program
-    fetches every miss (``MissConfig.fetches_all``); backend: the jax backend (default: jax's); host_split:
-    the program is one of the host-split driver's per-layer programs (``ftjax.runtime.host_split``). "on" and
+    fetches every miss (``MissConfig.fetches_all``); backend: the jax backend (default: jax's). "on" and
     "auto" apply on a GPU only (command buffers are XLA:GPU's); "auto" only to the cached and on_demand
     modes when the program fetches every miss: their steps copy misses in a loop of data-dependent trip
     count, which XLA otherwise drives from the host (a predicate copied back and a drained stream per
-    iteration); steps with CPU experts (host compute inside) were not measured under command buffers, nor
-    were the host-split driver's programs (no host compute inside, but two dispatches a layer): "on" gives
-    them graphs, "auto" does not.
+    iteration); steps with CPU experts were not measured under command buffers: neither those with host
+    compute inside nor the host-split driver's per-layer programs (``ftjax.runtime.host_split``, which never
+    fetch every miss), which "on" puts in command buffers too.
     Raises:
       ValueError: ``decode_graphs`` is not one of ``registry.DECODE_GRAPHS``."""
     if decode_graphs not in DECODE_GRAPHS:
         raise ValueError(f"unknown decode_graphs {decode_graphs!r}; expected one of {', '.join(DECODE_GRAPHS)}")
     if decode_graphs == "off" or (backend or jax.default_backend()) != "gpu":
         return False
-    return decode_graphs == "on" or (not host_split and experts != "resident" and fetches_all)
+    return decode_graphs == "on" or (experts != "resident" and fetches_all)
 
 
 def decode_compiler_options(decode_gemm: str, tokens_per_row: int, compute_dtype="bfloat16",

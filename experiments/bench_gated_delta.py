@@ -87,7 +87,8 @@ flags.DEFINE_list("model_configs", ["xla-delta-rule", "auto", "auto+decode-kerne
                   "Kernel configurations of the model stage (the first is the logits' reference): xla-delta-rule, "
                   "gated_delta-only, auto, auto-best-tiles, auto+decode-kernels (auto plus causal_conv and "
                   "gated_delta_step, which are not auto), auto-mosaic-moe (auto without grouped_matmul_triton: the "
-                  "Mosaic grouped matmul over a gathered layer), auto+fused-swiglu (auto plus grouped_swiglu_triton).")
+                  "Mosaic grouped matmul over a gathered layer), auto+fused-swiglu (auto plus grouped_swiglu_triton), "
+                  "auto+pool-moe (auto plus grouped_matmul_pool: the experts read in the pool, no layer gather).")
 flags.DEFINE_list("model_decode_configs", ["auto", "auto+decode-kernels"],
                   "Model-stage configurations whose decode is timed too.")
 flags.DEFINE_float("model_deadline_s", 300.0, "Skip the model stage once the run has taken this long.")
@@ -475,7 +476,8 @@ def stage_model(cfg, out: dict) -> None:
              "auto": ("auto", {}), "auto-best-tiles": ("auto", tiles),
              "auto+decode-kernels": (auto + ("causal_conv", "gated_delta_step"), {}),
              "auto-mosaic-moe": (tuple(a for a in auto if a != "grouped_matmul_triton"), {}),
-             "auto+fused-swiglu": (auto + ("grouped_swiglu_triton",), {})}
+             "auto+fused-swiglu": (auto + ("grouped_swiglu_triton",), {}),
+             "auto+pool-moe": (auto + ("grouped_matmul_pool",), {})}
     unknown = sorted(set(FLAGS.model_configs) - set(known))
     if unknown:
         raise app.UsageError(f"--model_configs: unknown {unknown}; expected some of {sorted(known)}")

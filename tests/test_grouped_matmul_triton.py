@@ -54,10 +54,10 @@ def _covered(sizes, m, block_m):
 def test_schedule_covers_every_row_once_with_tiles_inside_one_group(block_m):
     _covered(SIZES, sum(SIZES), block_m)
     _covered((0, 0, 40, 0), 40, block_m)  # all rows in one group
-    _covered((1,) * 20, 20, block_m)  # groups of one row: the most partial tiles (the + G in T)
+    _covered((1,) * 20, 20, block_m)  # groups of one row: the most partial tiles (the + min(G, M) in T)
     _covered((0, 0, 0), 0 + 1, block_m)  # no group has rows: one row past the sum
-    _covered((0,) * 30 + (1, 0, 2) + (0,) * 40, 3, block_m)  # G far above the rows (a pool's slots): T = cdiv + m
-    _covered((1,) * 5 + (0,) * 20, 5, block_m)  # m rows in m groups of one: the bound met exactly
+    _covered((0,) * 30 + (1, 0, 2) + (0,) * 40, 3, block_m)  # G far above the rows: T = cdiv(m) + m
+    _covered((1,) * 4 + (0,) * 20, 5, block_m)  # 4 groups of one row and 1 past the sum: every tile used
     rng, m, sums = np.random.default_rng(0), 4 * block_m, set()
     for i in range(9):  # one shape (9 groups, m rows): sums below m (rows past the sum), at m and above (cut)
         sizes = tuple(int(v) for v in rng.integers(0, block_m, 9) * rng.integers(0, 2, 9))
@@ -218,11 +218,30 @@ def test_lowers_for_cuda_at_qwen35_expert_shapes():
             assert "num_stages = 3 : i32" in txt
 
 
-def test_pool_grouping_reads_the_pool_in_place_and_only_where_the_kernel_runs(monkeypatch):
-    """``grouped_matmul.pool_grouping``: with the kernel named, a layer's grouped FFN groups its rows by pool
-    slot (G = S, no gather of the layer's experts) and matches the gathered path; under ``auto`` it applies on a
-    GPU only for 256 experts or more (the backend stubbed: only the decision is taken), never to float32
-    weights under bf16 rows."""
+def test_slot_table_reads_the_pool_in_place():
+    """group_slot: group g's weights at pool row group_slot[g], for the matmul and the fused gate-up kernel alike:
+    the same as ragged_dot / SwiGLU over the gathered pool rows."""
+    from ftjax.experts.compute import _swiglu
+    lhs, _, sizes = _operands(jnp.float32)
+    rng = np.random.default_rng(5)
+    pool = jnp.asarray(rng.standard_normal((20, 128, 256)) / 4, jnp.float32)
+    slot = jnp.asarray(rng.permutation(20)[:len(SIZES)], jnp.int32)
+    got = gt.grouped_matmul_triton(lhs, pool, sizes, group_slot=slot, interpret=True, block_m=16)
+    _close(got, jax.lax.ragged_dot(lhs, pool[slot], sizes), jnp.float32)
+    tok = jnp.asarray(rng.integers(0, 30, sum(SIZES)), jnp.int32)
+    x = lhs[:30]
+    fused = gt.grouped_swiglu_triton(x, tok, pool, sizes, group_slot=slot, interpret=True, block_m=16, block_n=64)
+    _close(fused, _swiglu(jax.lax.ragged_dot(x[tok], pool[slot], sizes)), jnp.float32)
+    with pytest.raises(ValueError, match=r"group_sizes expected an integer array of shape \(3,\)"):
+        gt.grouped_matmul_triton(lhs, pool, sizes, group_slot=slot[:3], interpret=True, block_m=16)
+    with pytest.raises(ValueError, match="group_slot needs grouped_matmul_triton"):
+        gm.grouped_matmul(lhs, pool, sizes, group_slot=slot)  # the default config: no Triton kernel on the CPU
+
+
+def test_pool_grouping_only_where_named(monkeypatch):
+    """``grouped_matmul.pool_grouping``: with ``grouped_matmul_pool`` named, a layer's grouped FFN reads its E
+    experts in the pool through the slot table (no gather) and matches the gathered path; never under ``auto``,
+    on a GPU either (the backend stubbed: only the decision is taken), nor for mismatched dtypes."""
     from ftjax.experts import compute
     rng = np.random.default_rng(2)
     s, e, d, f = 24, 8, 128, 64
@@ -231,43 +250,47 @@ def test_pool_grouping_reads_the_pool_in_place_and_only_where_the_kernel_runs(mo
     w = jnp.asarray(rng.random((40, 4)), jnp.float32)
     gu = jnp.asarray(rng.standard_normal((s, d, 2 * f)) / 11, jnp.float32)
     dn = jnp.asarray(rng.standard_normal((s, f, d)) / 8, jnp.float32)
-    slot_of_expert = jnp.asarray(rng.permutation(s)[:e], jnp.int32)
+    slot_of_expert = jnp.asarray(rng.permutation(s)[:e], jnp.int32).at[3].set(-1)  # expert 3 without a slot
     ref = compute.experts_from_pool(x, ids, w, slot_of_expert, gu, dn)  # the default on the CPU: gather, ragged_dot
-    groups = []
+    calls = []
     real = compute.experts_grouped
-    monkeypatch.setattr(compute, "experts_grouped", lambda *a, **kw: groups.append(a[3].shape[0]) or real(*a, **kw))
-    named = KernelConfig(use=("grouped_matmul_triton",), tiles={"grouped_matmul_triton": (16, 128, 64)})
+    monkeypatch.setattr(compute, "experts_grouped",
+                        lambda *a, **kw: calls.append((a[3].shape[0], kw.get("group_slot") is not None))
+                        or real(*a, **kw))
+    named = KernelConfig(use=("grouped_matmul_triton", "grouped_matmul_pool"),
+                         tiles={"grouped_matmul_triton": (16, 128, 64)})
     with using(named), registry.recording() as ran:
         got = compute.experts_from_pool(x, ids, w, slot_of_expert, gu, dn)
-    assert ran == {"grouped_matmul_triton"} and groups == [s]  # the pool's 24 slots, read in place
+    assert ran == {"grouped_matmul_triton", "grouped_matmul_pool"} and calls == [(s, True)]  # the pool, in place
     _close(got, ref, jnp.float32)
-    with using(named):  # no Triton tiling of these shapes (F = 48 is no multiple of block_k 64): the gather
+    with using(named):  # F = 48 is no multiple of block_k 64: the Triton kernel does not take it, so the gather
         compute.experts_from_pool(x, ids, w, slot_of_expert, gu[:, :, :96], dn[:, :48])
-    assert groups == [s, e]
+    assert calls[-1] == (e, False)
 
     monkeypatch.setattr(registry.jax, "default_backend", lambda: "gpu")
     sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
     xs = sd((4096, 2048), bf)
     pool = lambda slots, dtype=bf: (sd((slots, 2048, 1024), dtype), sd((slots, 512, 2048), dtype))  # noqa: E731
     with using(KernelConfig()):
-        assert gm.pool_grouping(xs, *pool(10240), num_experts=256)
-        assert not gm.pool_grouping(xs, *pool(6144), num_experts=128)  # qwen3's 128: the Mosaic kernel, gathered
-        assert not gm.pool_grouping(xs, *pool(200), num_experts=256)  # fewer slots than the kernel's threshold
-        assert not gm.pool_grouping(xs, *pool(10240, jnp.float32), num_experts=256)
-    with using(KernelConfig(grouped_matmul="mgpu")):
-        assert not gm.pool_grouping(xs, *pool(10240), num_experts=256)
+        assert not gm.pool_grouping(xs, *pool(10240))  # auto: never (not measured)
+    with using(KernelConfig(use=("grouped_matmul_triton", "grouped_matmul_pool"))):
+        assert gm.pool_grouping(xs, *pool(10240))
+        assert not gm.pool_grouping(xs, *pool(10240, jnp.float32))
+    with using(KernelConfig(use=("grouped_matmul_triton", "grouped_matmul_pool"), grouped_matmul="mgpu")):
+        assert not gm.pool_grouping(xs, *pool(10240))
 
 
 def test_engine_with_the_kernel_cached_equals_resident():
-    """A 300-token prompt through the engine with the kernel named (interpreted): the prefill groups rows by slot
-    over the resident bank (24 slots) and over the cached pool (8); the logits are bit-identical between the two
-    and within float32 rounding of the default path (gather + ragged_dot)."""
+    """A 300-token prompt through the engine with the pool kernel named (interpreted): the prefill reads its experts
+    in place from the resident bank (24 slots) and from the cached pool (8); the logits are bit-identical between
+    the two and within float32 rounding of the default path (gather + ragged_dot)."""
     from conftest import load_fixture
     from ftjax import Engine
     from ftjax.config import EngineConfig
     model, exp = load_fixture("olmoe_fp32")
     prompt = exp["long_prompt_ids"].tolist()
-    named = KernelConfig(use=("grouped_matmul_triton",), tiles={"grouped_matmul_triton": (16, 32, 32)})
+    named = KernelConfig(use=("grouped_matmul_triton", "grouped_matmul_pool"),
+                         tiles={"grouped_matmul_triton": (16, 32, 32)})
 
     def logits(mode, slots, kernels):
         eng = Engine(model, EngineConfig(mode, num_slots=slots, max_seq_len=320, kernels=kernels))
@@ -275,9 +298,9 @@ def test_engine_with_the_kernel_cached_equals_resident():
         return np.asarray(out.step_logits), eng.programs.kernels_applied()
 
     want, _ = logits("resident", None, KernelConfig())
-    resident, ran = logits("resident", None, named)
-    cached, _ = logits("cached", model.cfg.num_experts, named)
-    assert "grouped_matmul_triton" in ran
+    resident, ran_resident = logits("resident", None, named)
+    cached, ran_cached = logits("cached", model.cfg.num_experts, named)
+    assert {"grouped_matmul_triton", "grouped_matmul_pool"} <= ran_resident & ran_cached
     np.testing.assert_array_equal(cached, resident)
     _close(resident, want, jnp.float32)
 

@@ -140,9 +140,9 @@ def test_grouped_kernel_sees_the_layers_experts_not_the_pool(monkeypatch, mode, 
     groups = []
     real = compute.grouped_matmul
 
-    def spy(lhs, rhs, group_sizes, impl=None):
+    def spy(lhs, rhs, group_sizes, impl=None, group_slot=None):
         groups.append((rhs.shape[0], group_sizes.shape[0]))
-        return real(lhs, rhs, group_sizes, impl)
+        return real(lhs, rhs, group_sizes, impl, group_slot)
 
     monkeypatch.setattr(compute, "grouped_matmul", spy)
     programs.clear()  # trace afresh, so the spy sees every call

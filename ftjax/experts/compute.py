@@ -11,9 +11,9 @@ its matmuls; dense weights pass through unchanged.
   On GPUs a fused Pallas kernel reads them from the pool in place (``ftjax.kernels.moe_decode``);
   the jnp reference gathers them into a temporary first.
 * ``grouped``: tokens sorted by expert and multiplied group by group against the layer's E
-  experts (``ftjax.kernels.grouped_matmul``: a Mosaic GPU kernel on GPUs, ``ragged_dot`` else), or
-  sorted by pool slot and multiplied against the pool in place where the Triton grouped matmul
-  runs (``grouped_matmul_triton``: on GPUs for 256 experts or more). For prefill, where N*k >> E.
+  experts (``ftjax.kernels.grouped_matmul``: on GPUs a Pallas Triton kernel for 256 experts or more, the
+  Mosaic GPU kernel for fewer; ``ragged_dot`` else), gathered from the pool first or, where
+  ``grouped_matmul_pool`` is named, read in place through a slot table. For prefill, where N*k >> E.
 """
 
 from __future__ import annotations
@@ -77,25 +77,28 @@ def experts_gather(x: jax.Array, slots: jax.Array, weights: jax.Array, gate_up: 
 
 
 def experts_grouped(x: jax.Array, ids: jax.Array, weights: jax.Array, gate_up: jax.Array,
-                    down: jax.Array, scales: tuple | None = None, fmt: str = "dense") -> jax.Array:
+                    down: jax.Array, scales: tuple | None = None, fmt: str = "dense",
+                    group_slot: jax.Array | None = None) -> jax.Array:
     """Grouped (sorted + ragged_dot) formulation over one layer's experts.
 
-    x: [N, D]; ids: int32 [N, k] group (expert or slot) ids in [0, G); weights: [N, k];
+    x: [N, D]; ids: int32 [N, k] group (expert) ids in [0, G); weights: [N, k];
     gate_up: [G, D, 2F] and down: [G, F, D] in format ``fmt`` with ``scales`` ([G, ...] each),
-    dequantized here just before the grouped matmul. Returns [N, D] in x's dtype.
+    dequantized here just before the grouped matmul. group_slot: int32 [G] or None: group g's weights are
+    row group_slot[g] of a dense pool gate_up [S, D, 2F] / down [S, F, D], read in place
+    (``grouped_matmul.pool_grouping``). Returns [N, D] in x's dtype.
     """
     n, k = ids.shape
-    e = gate_up.shape[0]
+    e = gate_up.shape[0] if group_slot is None else group_slot.shape[0]
     sg, sd = scales if scales is not None else (None, None)
     gate_up = quant.dequantize_expert(fmt, "gate_up", gate_up, sg, x.dtype)
     down = quant.dequantize_expert(fmt, "down", down, sd, x.dtype)
     flat = ids.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     group_sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
-    act = grouped_swiglu(x, order // k, gate_up, group_sizes)  # one kernel where named, else None
+    act = grouped_swiglu(x, order // k, gate_up, group_sizes, group_slot)  # one kernel where named, else None
     if act is None:
-        act = _swiglu(grouped_matmul(x[order // k], gate_up, group_sizes))
-    y = grouped_matmul(act, down, group_sizes)
+        act = _swiglu(grouped_matmul(x[order // k], gate_up, group_sizes, group_slot=group_slot))
+    y = grouped_matmul(act, down, group_sizes, group_slot=group_slot)
     # Back to pair order by a gather with the inverse permutation (a scatter of N*k int32), not a
     # scatter of the [N*k, D] rows: the same values, but the row scatter ran at ~260 GB/s on an H200
     # (1 ms per layer at 8192 tokens, docs/PROFILE.md) and the gather fuses into the weighted sum.
@@ -126,23 +129,23 @@ def experts_from_pool(x: jax.Array, ids: jax.Array, weights: jax.Array, slot_of_
     experts need a valid slot). Picks the formulation from the static size N*k. pair_slots:
     ``slot_of_expert[ids]`` int32 [N, k] where the caller has it (the slot lookup kernel makes it), or None.
 
-    Grouped: where the grouped matmul runs ``grouped_matmul_triton`` over the pool's S slots
-    (:func:`ftjax.kernels.grouped_matmul.pool_grouping`: dense weights; on a GPU for E >= 256), the rows
-    are grouped by *slot* (G = S groups, most empty) and both matmuls read the pool in place. Otherwise
-    the layer's E experts are gathered from the pool in expert order (one device copy; a quantized
-    format gathers its stored bytes and scales and dequantizes these E experts) and the kernel sees E
-    groups. Either way each row meets the same weights in the same kernel: the pool size does not change
-    the arithmetic. (The Mosaic GPU kernel unrolls a loop over its groups: at G = S its compile time grew
-    to minutes, docs/MISS_POLICY.md, "Open"; hence the gather there.)
+    Grouped: the layer's E experts are gathered from the pool in expert order (one device copy; a
+    quantized format gathers its stored bytes and scales and dequantizes these E experts) and the
+    kernel sees E groups whatever the pool size S, so every pool size gives the same operands. Where the
+    kernel config names ``grouped_matmul_pool`` (:func:`ftjax.kernels.grouped_matmul.pool_grouping`: dense
+    weights), the same E groups read their weights in the pool through a slot table instead, with no copy.
+    Grouping rows by *slot* over the whole pool (G = S groups, most empty) is what neither does: the Mosaic
+    GPU kernel unrolls a loop over its groups (its compile time grew to minutes, docs/MISS_POLICY.md,
+    "Open"), and the Triton kernel's tile count grows with G.
     """
     with jax.named_scope("experts"):
         slots = slot_of_expert[ids] if pair_slots is None else pair_slots
         if ids.size <= GATHER_MAX_PAIRS:
             return experts_gather(x, slots, weights, gate_up, down, scales, fmt)
-        if fmt == "dense" and pool_grouping(x, gate_up, down, slot_of_expert.shape[0]):
-            # a pair whose expert has no slot (-1: its miss is computed on the CPU) reads slot 0; the merge
-            # replaces its output, as the gather path's does
-            return experts_grouped(x, jnp.maximum(slots, 0), weights, gate_up, down)
+        # an expert without a slot (-1: a padding token's or another device's pair, whose output is weighted 0 or
+        # dropped) reads slot 0, on both paths
         safe = jnp.maximum(slot_of_expert, 0)
+        if fmt == "dense" and pool_grouping(x, gate_up, down):
+            return experts_grouped(x, ids, weights, gate_up, down, group_slot=safe)
         layer_scales = None if scales is None else tuple(s[safe] for s in scales)
         return experts_grouped(x, ids, weights, gate_up[safe], down[safe], layer_scales, fmt)

@@ -14,9 +14,11 @@ selects which run, and is part of every compiled program's key.
 * ``rope_cache``: decode attention's prologue (q/k norms, RoPE, the K/V cache write).
 * ``slot_lookup``: the cached mode's LRU slot-table lookup of a decode layer.
 * ``route_decode``: a decode layer's router after ``norm_dense_decode``'s partial logits.
-* ``grouped_matmul``: the prefill expert matmul (Mosaic GPU kernel on GPUs, ``ragged_dot``
-  elsewhere; ``KernelConfig.grouped_matmul``); ``grouped_matmul_triton``: the same over a tile schedule
-  computed once per call (no per-tile search over the groups), named only.
+* ``grouped_matmul``: the prefill expert matmul (on GPUs ``grouped_matmul_triton`` for 256 experts or
+  more, the Mosaic GPU kernel for fewer; ``ragged_dot`` elsewhere; ``KernelConfig.grouped_matmul``).
+  ``grouped_matmul_triton``: the matmul over a tile schedule computed once per call (no per-tile search over
+  the groups); ``grouped_swiglu_triton``: its gate-up with the token gather and SwiGLU fused (named only);
+  ``grouped_matmul_pool``: both reading the layer's experts in the slot pool in place (named only).
 * ``causal_conv``, ``gated_delta``, ``gated_delta_solve``, ``gated_delta_step``: the Gated DeltaNet layer's
   conv, chunk scan, chunk solve and decode step.
 

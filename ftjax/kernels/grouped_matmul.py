@@ -16,7 +16,8 @@ tiles of rows, one at a time, once the whole one would exceed :data:`XLA_EXPAND_
 The named kernel ``grouped_matmul_triton`` (``ftjax.kernels.grouped_matmul_triton``: a Pallas Triton
 kernel over a precomputed tile schedule, no per-tile loop over the groups) replaces both where the
 kernel config names it, and under ``auto`` on a GPU for 256 groups or more (measured faster there:
-:mod:`ftjax.kernels.grouped_matmul_triton`).
+:mod:`ftjax.kernels.grouped_matmul_triton`). Through a slot table it also reads a layer's experts where
+they sit in the pool (``grouped_matmul_pool``, :func:`pool_grouping`; named only).
 """
 
 from __future__ import annotations
@@ -74,37 +75,43 @@ def _triton_mode(lhs, rhs, auto: bool, record: bool = True, name: str = "grouped
     return how, tiles
 
 
-def grouped_swiglu(x: jax.Array, row_token: jax.Array, gate_up: jax.Array, group_sizes: jax.Array) -> jax.Array | None:
-    """``swiglu(grouped_matmul(x[row_token], gate_up, group_sizes))`` in one kernel where the kernel config
-    names ``grouped_swiglu_triton`` and it takes the operands (:func:`ftjax.kernels.grouped_matmul_triton.
-    grouped_swiglu_triton`; interpreted off a GPU), else None: the caller runs the three steps. x: [N, D];
-    row_token: int32 [M]; gate_up: [G, D, 2F]; returns [M, F] in x's dtype. Never under ``auto`` (not measured)."""
+def grouped_swiglu(x: jax.Array, row_token: jax.Array, gate_up: jax.Array, group_sizes: jax.Array,
+                   group_slot: jax.Array | None = None) -> jax.Array | None:
+    """``swiglu(grouped_matmul(x[row_token], gate_up, group_sizes, group_slot=group_slot))`` in one kernel where
+    the kernel config names ``grouped_swiglu_triton`` and it takes the operands (:func:`ftjax.kernels.
+    grouped_matmul_triton.grouped_swiglu_triton`; interpreted off a GPU), else None: the caller runs the three
+    steps. x: [N, D]; row_token: int32 [M]; gate_up: [G, D, 2F] (or [S, D, 2F] with group_slot int32 [G]);
+    returns [M, F] in x's dtype. Never under ``auto`` (not measured)."""
     if registry.active().grouped_matmul != "auto":
         return None
     how, tiles = _triton_mode(x, gate_up, False, name="grouped_swiglu_triton")
     if how == "xla":
         return None
-    return gmt.grouped_swiglu_triton(x, row_token, gate_up, group_sizes, interpret=how == "interpret", **tiles)
+    return gmt.grouped_swiglu_triton(x, row_token, gate_up, group_sizes, group_slot=group_slot,
+                                     interpret=how == "interpret", **tiles)
 
 
-def pool_grouping(x: jax.Array, gate_up: jax.Array, down: jax.Array, num_experts: int) -> bool:
-    """Whether a layer's grouped expert FFN can group its rows by pool slot: x [N, D]; gate_up [S, D, 2F] and
-    down [S, F, D], a pool of S slots in x's dtype; num_experts: the layer's E. True where both matmuls would
-    run ``grouped_matmul_triton`` with G = S (its tile schedule does not grow with the empty slots): the kernel
-    config names it, or ``auto`` picks it on a GPU, which it does for E >= 256 (where it was measured faster
-    than the Mosaic kernel at G = E) and S >= 256. Then the matmuls read the pool in place and the layer's E
-    experts are not gathered into a temporary first (1.6 GB per qwen3.5-35b-a3b layer)."""
+def pool_grouping(x: jax.Array, gate_up: jax.Array, down: jax.Array) -> bool:
+    """Whether a layer's grouped expert FFN reads its experts in the pool through a slot table (the kernel
+    ``grouped_matmul_pool``) instead of gathering them first: x [N, D]; gate_up [S, D, 2F] and down [S, F, D],
+    a pool of S slots in x's dtype. True where the kernel config names ``grouped_matmul_pool`` (or interprets
+    every kernel) and ``grouped_matmul_triton`` takes both matmuls; never under ``auto`` (not measured: the
+    gather it saves is 1.6 GB per qwen3.5-35b-a3b layer, against 64-bit addressing of a pool above 4 GiB).
+    Decided from the config and shapes alone, so every expert mode decides alike."""
     if registry.active().grouped_matmul != "auto" or gate_up.dtype != x.dtype:
         return False
-    auto = num_experts >= gmt.AUTO_MIN_GROUPS and gmt.auto_picks(gate_up)
     h = jax.ShapeDtypeStruct((x.shape[0], down.shape[1]), x.dtype)
-    return all(_triton_mode(a, w, auto, record=False)[0] != "xla" for a, w in ((x, gate_up), (h, down)))
+    takes = all(_triton_mode(a, w, False, record=False)[0] != "xla" for a, w in ((x, gate_up), (h, down)))
+    return takes and registry.mode("grouped_matmul_pool", auto=False) != "xla"
 
 
-def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, impl: str | None = None) -> jax.Array:
+def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, impl: str | None = None,
+                   group_slot: jax.Array | None = None) -> jax.Array:
     """out[r] = lhs[r] @ rhs[g(r)], rows of lhs grouped contiguously by group.
 
     lhs: [M, K]; rhs: [G, K, N]; group_sizes: int32 [G] with sum == M. Returns [M, N] in lhs's dtype.
+    group_slot: int32 [G] or None: group g's weights are rhs[group_slot[g]] of an rhs [S, K, N], read in place
+    by ``grouped_matmul_triton`` (only where :func:`pool_grouping` said so).
     impl: "auto" (Mosaic GPU kernel where supported, else ragged_dot), "mgpu", or "xla";
       default: the active kernel config's ``grouped_matmul`` (``ftjax.kernels.registry``).
     With impl left out and ``KernelConfig.grouped_matmul`` "auto", the kernel ``grouped_matmul_triton`` runs
@@ -112,8 +119,15 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, impl:
     G >= 256: :func:`ftjax.kernels.grouped_matmul_triton.auto_picks`) and it takes the operands
     (:func:`ftjax.kernels.grouped_matmul_triton.supported` at the config's tiles); interpreted off a GPU.
     Raises:
-      ValueError: unknown impl, or "mgpu" asked for where it cannot run.
+      ValueError: unknown impl, or "mgpu" asked for where it cannot run; a group_slot where the Triton
+        kernel does not run.
     """
+    if group_slot is not None:
+        how, tiles = _triton_mode(lhs, rhs, False)
+        if how == "xla" or impl is not None:
+            raise ValueError("grouped_matmul: group_slot needs grouped_matmul_triton (see pool_grouping)")
+        return gmt.grouped_matmul_triton(lhs, rhs, group_sizes, group_slot=group_slot, interpret=how == "interpret",
+                                         **tiles)
     if impl is None and registry.active().grouped_matmul == "auto":  # an explicit choice is taken as asked
         how, tiles = _triton_mode(lhs, rhs, gmt.auto_picks(rhs))
         if how != "xla":

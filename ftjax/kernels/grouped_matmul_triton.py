@@ -12,9 +12,13 @@ The idea is the grouped GEMM with a per-tile work list: MegaBlocks' block-sparse
 Triton tutorial's grouped GEMM both hand every program a precomputed (problem, tile) entry instead of
 letting it search for its work. Here the entries are row tiles cut at each group's own first row (not
 aligned to block_m), so no tile straddles two groups and the kernel needs only a row mask; the price
-is at most one partial tile per group with rows, hence the + min(G, M) in T. So G may be far larger than
-the rows' groups: the expert FFN groups rows by pool slot (G = the pool's slots, most of them empty) and
-reads the pool in place instead of gathering a layer's experts first (:mod:`ftjax.experts.compute`).
+is at most one partial tile per group with rows, hence the + min(G, M) in T.
+
+With a slot table (``group_slot``, int32 [G]), group g's weights are read at row ``group_slot[g]`` of an rhs of
+any number of rows: the expert FFN then reads a layer's experts where they sit in the pool, without gathering
+them into a [E, K, N] temporary first (kernel name ``grouped_matmul_pool``, named only until measured:
+:mod:`ftjax.experts.compute`). Rows stay grouped by expert, so T does not grow with the pool; a pool above
+4 GiB makes Pallas address it with 64-bit offsets.
 
 Generic Pallas primitives plus the Triton backend's masked ``load`` / ``store``: interpreted on the CPU
 (the tests, any float dtype), lowered through Triton on a GPU (16-bit floats).
@@ -93,11 +97,15 @@ def auto_picks(rhs: jax.Array) -> bool:
     return rhs.ndim == 3 and rhs.shape[0] >= AUTO_MIN_GROUPS
 
 
-def _kernel(group_ref, row_ref, rows_ref, *refs, groups, bm, bn, bk, k_steps, up_cols):
+def _kernel(group_ref, row_ref, rows_ref, *refs, groups, bm, bn, bk, k_steps, up_cols, slots, gather):
     """One (row tile, column block) of the product, or with ``up_cols`` (F) of SwiGLU(gate, up) where gate and up
-    are column blocks j and F / bn + j; with a ``tok_ref`` first in ``refs``, the tile's lhs rows are gathered
-    from the token rows ``lhs[tok[r]]`` (no copy of the gathered rows)."""
-    tok_ref, lhs_ref, rhs_ref, o_ref = refs if len(refs) == 4 else (None, *refs)
+    are column blocks j and F / bn + j. refs: [slot_ref] (``slots``: group g's weights at rhs row slot[g]),
+    [tok_ref] (``gather``: the tile's lhs rows gathered from the token rows ``lhs[tok[r]]``, no copy of them),
+    lhs_ref, rhs_ref, o_ref."""
+    refs = list(refs)
+    slot_ref = refs.pop(0) if slots else None
+    tok_ref = refs.pop(0) if gather else None
+    lhs_ref, rhs_ref, o_ref = refs
     t, j = pl.program_id(0), pl.program_id(1)
     g, row0, n_rows = group_ref[t], row_ref[t], rows_ref[t]
     rows, cols = pl.ds(row0, bm), pl.ds(j * bn, bn)
@@ -109,6 +117,7 @@ def _kernel(group_ref, row_ref, rows_ref, *refs, groups, bm, bn, bk, k_steps, up
 
     @pl.when((n_rows > 0) & (g < groups))
     def _():
+        w = g if slot_ref is None else slot_ref[g]  # the weights' row of rhs
         if tok_ref is None:
             load = lambda ks: plt.load(lhs_ref.at[rows, ks], mask=live, other=0)  # noqa: E731
         else:  # a dead row reads token row 0 (valid) and is never stored
@@ -118,7 +127,7 @@ def _kernel(group_ref, row_ref, rows_ref, *refs, groups, bm, bn, bk, k_steps, up
         def step(i, accs):
             ks = pl.ds(pl.multiple_of(i * bk, bk), bk)
             a = load(ks)
-            return tuple(acc + jnp.dot(a, rhs_ref[g, ks, c], preferred_element_type=jnp.float32)
+            return tuple(acc + jnp.dot(a, rhs_ref[w, ks, c], preferred_element_type=jnp.float32)
                          for acc, c in zip(accs, blocks))
 
         accs = lax.fori_loop(0, k_steps, step, tuple(jnp.zeros((bm, bn), jnp.float32) for _ in blocks))
@@ -130,15 +139,21 @@ def _kernel(group_ref, row_ref, rows_ref, *refs, groups, bm, bn, bk, k_steps, up
         plt.store(o_ref.at[rows, cols], jnp.zeros((bm, bn), o_ref.dtype), mask=live)
 
 
-def _check(lhs, rhs, group_sizes, block_m, block_n, block_k, name="grouped_matmul_triton"):
+def _check(lhs, rhs, group_sizes, block_m, block_n, block_k, name="grouped_matmul_triton", group_slot=None):
     """Raises ValueError naming the kernel and the operand (expected vs got) or the tile."""
     if lhs.ndim != 2:
         raise ValueError(f"{name}: lhs expected shape [M, K], got {lhs.shape}")
     k = lhs.shape[1]
     if rhs.ndim != 3 or rhs.shape[1] != k:
         raise ValueError(f"{name}: rhs expected shape [G, {k}, N] (K of lhs), got {rhs.shape}")
-    if group_sizes.shape != (rhs.shape[0],) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-        raise ValueError(f"{name}: group_sizes expected an integer array of shape ({rhs.shape[0]},), "
+    g = rhs.shape[0]
+    if group_slot is not None:
+        if group_slot.ndim != 1 or not jnp.issubdtype(group_slot.dtype, jnp.integer):
+            raise ValueError(f"{name}: group_slot expected an integer array of shape [G], got {group_slot.dtype} "
+                             f"{group_slot.shape}")
+        g = group_slot.shape[0]
+    if group_sizes.shape != (g,) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise ValueError(f"{name}: group_sizes expected an integer array of shape ({g},), "
                          f"got {group_sizes.dtype} {group_sizes.shape}")
     if not jnp.issubdtype(lhs.dtype, jnp.floating) or rhs.dtype != lhs.dtype:
         raise ValueError(f"{name}: lhs and rhs expected one float dtype, got {lhs.dtype} and {rhs.dtype}")
@@ -151,14 +166,17 @@ def _check(lhs, rhs, group_sizes, block_m, block_n, block_k, name="grouped_matmu
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_m", "block_n", "block_k", "num_warps", "num_stages"))
-def grouped_matmul_triton(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, interpret: bool = False,
-                          block_m: int = BLOCK_M, block_n: int = BLOCK_N, block_k: int = BLOCK_K,
-                          num_warps: int | None = NUM_WARPS, num_stages: int | None = NUM_STAGES) -> jax.Array:
+def grouped_matmul_triton(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, group_slot: jax.Array | None = None,
+                          interpret: bool = False, block_m: int = BLOCK_M, block_n: int = BLOCK_N,
+                          block_k: int = BLOCK_K, num_warps: int | None = NUM_WARPS,
+                          num_stages: int | None = NUM_STAGES) -> jax.Array:
     """``jax.lax.ragged_dot(lhs, rhs, group_sizes)``: out[r] = lhs[r] @ rhs[g(r)] (module docstring).
 
     lhs: [M, K]; rhs: [G, K, N], lhs's dtype (16-bit floats on a GPU; any float interpreted); group_sizes:
     int [G] >= 0, rows of lhs contiguous by group, meant to sum to M: rows past the sum come out as zeros
-    and groups past row M are cut (both as ragged_dot). Returns [M, N] in lhs's dtype, each row a float32
+    and groups past row M are cut (both as ragged_dot). group_slot: int32 [G] or None: group g's weights are
+    rhs[group_slot[g]] of an rhs [S, K, N] (``ragged_dot(lhs, rhs[group_slot], group_sizes)`` without the
+    gather; slots in [0, S)). Returns [M, N] in lhs's dtype, each row a float32
     sum over K in block_k steps. Grid (T, N / block_n) over :func:`tile_schedule`'s T row tiles; a tile
     with no rows returns at once. interpret: Pallas interpret mode (CPU); block_m, block_n, block_k:
     powers of two >= 16, K % block_k == 0, N % block_n == 0; num_warps / num_stages: Triton's.
@@ -167,41 +185,45 @@ def grouped_matmul_triton(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
       ValueError: shapes or dtypes that disagree, or tiles that do not fit (the message names the
         operand, expected vs got).
     """
-    _check(lhs, rhs, group_sizes, block_m, block_n, block_k)
+    _check(lhs, rhs, group_sizes, block_m, block_n, block_k, group_slot=group_slot)
     m, n = lhs.shape[0], rhs.shape[2]
     if m == 0:
         return jnp.zeros((0, n), lhs.dtype)
     return _scheduled(tile_schedule(group_sizes, m, block_m), lhs, rhs, interpret=interpret, block_m=block_m,
-                      block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
+                      block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
+                      group_slot=group_slot)
 
 
 def _scheduled(schedule, lhs, rhs, *, interpret, block_m, block_n, block_k, num_warps, num_stages, tok=None,
-               swiglu=False):
+               swiglu=False, group_slot=None):
     """The pallas_call over a :func:`tile_schedule` (any order of its tiles gives the same output: on a GPU
     the programs run in no fixed order). tok: int32 [M], lhs's row of each output row (None: row r itself);
-    swiglu: out = SwiGLU of the product's two column halves ([M, N / 2])."""
-    k, (g, _, n) = lhs.shape[1], rhs.shape
+    swiglu: out = SwiGLU of the product's two column halves ([M, N / 2]); group_slot: int32 [G], each group's
+    row of rhs (None: row g)."""
+    k, n = lhs.shape[1], rhs.shape[2]
+    g = rhs.shape[0] if group_slot is None else group_slot.shape[0]
     m = lhs.shape[0] if tok is None else tok.shape[0]
     n_out = n // 2 if swiglu else n
+    extra = tuple(a.astype(jnp.int32) for a in (group_slot, tok) if a is not None)
     return pl.pallas_call(
         functools.partial(_kernel, groups=g, bm=block_m, bn=block_n, bk=block_k, k_steps=k // block_k,
-                          up_cols=n_out if swiglu else None),
+                          up_cols=n_out if swiglu else None, slots=group_slot is not None, gather=tok is not None),
         out_shape=jax.ShapeDtypeStruct((m, n_out), lhs.dtype), grid=(schedule[0].shape[0], n_out // block_n),
         interpret=interpret, compiler_params=common.triton_params(interpret, num_warps, num_stages),
         name="grouped_swiglu_triton" if swiglu else "grouped_matmul_triton",
-    )(*schedule, *(() if tok is None else (tok,)), lhs, rhs)
+    )(*schedule, *extra, lhs, rhs)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_m", "block_n", "block_k", "num_warps", "num_stages"))
 def grouped_swiglu_triton(x: jax.Array, row_token: jax.Array, gate_up: jax.Array, group_sizes: jax.Array, *,
-                          interpret: bool = False, block_m: int = BLOCK_M, block_n: int = BLOCK_N,
+                          group_slot: jax.Array | None = None, interpret: bool = False, block_m: int = BLOCK_M, block_n: int = BLOCK_N,
                           block_k: int = BLOCK_K, num_warps: int | None = NUM_WARPS,
                           num_stages: int | None = NUM_STAGES) -> jax.Array:
     """The experts' gate-up matmul with the token gather before it and SwiGLU after it, in one kernel:
     ``swiglu(ragged_dot(x[row_token], gate_up, group_sizes))`` with swiglu(h) = silu(h[:, :F]) * h[:, F:].
 
     x: [N, D] token rows; row_token: int32 [M] in [0, N), the token of each (token, expert) row, rows sorted
-    by group; gate_up: [G, D, 2F] (gate columns first), x's dtype; group_sizes: int [G] >= 0 (as
+    by group; gate_up: [G, D, 2F] (gate columns first), x's dtype; group_sizes: int [G] >= 0 and group_slot (as
     :func:`grouped_matmul_triton`). Returns [M, F] in x's dtype: the gate and up products are each rounded to
     x's dtype first, then silu(gate) is, then the product (the roundings of the unfused matmul and SwiGLU).
     Saves the gathered rows [M, D] and the product [M, 2F] that the unfused path writes and reads back. Tiles
@@ -217,13 +239,13 @@ def grouped_swiglu_triton(x: jax.Array, row_token: jax.Array, gate_up: jax.Array
     if gate_up.ndim != 3 or gate_up.shape[2] % (2 * block_n):
         raise ValueError(f"{name}: gate_up expected shape [G, D, 2F] with F % block_n == 0, got {gate_up.shape} "
                          f"with block_n={block_n}")
-    _check(x, gate_up, group_sizes, block_m, block_n, block_k, name)
+    _check(x, gate_up, group_sizes, block_m, block_n, block_k, name, group_slot)
     m = row_token.shape[0]
     if m == 0:
         return jnp.zeros((0, gate_up.shape[2] // 2), x.dtype)
     return _scheduled(tile_schedule(group_sizes, m, block_m), x, gate_up, interpret=interpret, block_m=block_m,
                       block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
-                      tok=row_token.astype(jnp.int32), swiglu=True)
+                      tok=row_token, swiglu=True, group_slot=group_slot)
 
 
 def _tiles(vals: tuple[int, ...], name: str = "grouped_matmul_triton") -> dict:
@@ -248,3 +270,8 @@ registry.register(registry.Kernel(
     "prefill's gate-up matmul with its token gather and SwiGLU fused (ftjax.experts.compute.experts_grouped): "
     "16-bit float operands on a GPU, D % block_k == 0 and F % block_n == 0; named only (not yet measured)",
     auto=False, tiles=functools.partial(_tiles, name="grouped_swiglu_triton")))
+registry.register(registry.Kernel(
+    "grouped_matmul_pool", "jax.lax.ragged_dot",
+    "prefill's routed-expert FFN reading a layer's experts in the slot pool through a slot table, without gathering "
+    "them first (ftjax.experts.compute.experts_from_pool): dense weights, where grouped_matmul_triton takes the "
+    "operands; named only (not yet measured)", auto=False, needs=("grouped_matmul_triton",)))

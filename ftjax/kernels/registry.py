@@ -170,8 +170,9 @@ class KernelConfig:
         entry parses its own (e.g. dense_decode: block_k, block_n, num_warps, k_split). Tiles of
         ``dense_decode`` that do not fit a call's operands (where its default tiles would) raise ValueError
         at trace time; ``moe_decode`` runs the reference for operands its tiles do not fit.
-      grouped_matmul: one of :data:`GROUPED_MATMULS`: the Mosaic GPU kernel where it runs ("auto"),
-        always ("mgpu"; an error where it cannot run) or ``ragged_dot`` ("xla").
+      grouped_matmul: one of :data:`GROUPED_MATMULS`: on a GPU the ``grouped_matmul_triton`` kernel where
+        ``use`` selects it (auto: 256 experts or more) and else the Mosaic GPU kernel where it runs ("auto"),
+        the Mosaic kernel always ("mgpu"; an error where it cannot run) or ``ragged_dot`` ("xla").
       flash_prefill: one of :data:`FLASH_PREFILLS`: the Pallas flash kernel, or jax's Mosaic GPU
         attention for calls whose rows all start at 0.
       slot_order: one of :data:`SLOT_ORDERS`: the slot table's eviction-order implementation

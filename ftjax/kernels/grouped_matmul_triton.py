@@ -93,7 +93,8 @@ def supported(lhs: jax.Array, rhs: jax.Array, block_k: int = BLOCK_K, block_n: i
 
 def auto_picks(rhs: jax.Array) -> bool:
     """Whether ``use="auto"`` picks this kernel for rhs [G, K, N] on a GPU: G >= :data:`AUTO_MIN_GROUPS`, the
-    many small groups where it was measured faster than the Mosaic kernel (module docstring)."""
+    many small groups where it was measured faster than the Mosaic kernel (module docstring). G is the call's:
+    under expert parallelism (``ftjax.experts.parallel``) each device's share of the experts."""
     return rhs.ndim == 3 and rhs.shape[0] >= AUTO_MIN_GROUPS
 
 

@@ -29,6 +29,9 @@
 #                  prefill; is the Triton kernel faster at 128 experts too?)
 # hybrid-compile:  the hybrid engine's compile at batch 1 with the auto kernels, then with none (--kernels=xla): the
 #                  Pallas kernels' share of the 46 s compile of a 4-layer cut (issue 32's compile time)
+# hybrid-stream:   bench_prefill, qwen3.5-35b-a3b (40 layers) at 24 GB, an 8192-token prompt streamed on the
+#                  layer-pipelined driver (per layer kind), on the block scan (1.82x its copy bound on 2026-11-30)
+#                  and resident (issue 32's streamed-prefill target: <= 1.0x the copy bound)
 # hybrid-batch-probe: does the hybrid engine's decode compile at batch 1, 2, 4 (stacks dumped if it hangs)
 # LIMIT_<stage> (seconds, dashes as underscores) overrides a stage's limit.
 set -uo pipefail
@@ -101,6 +104,10 @@ for stage in "$@"; do
         run 150 "$stage-$k" experiments/probe_hybrid_batch_decode.py --batches=1 --kernels="$k" --tag="compile-$k" \
           ${out:+--out_dir="$out"}
       done ;;
+    hybrid-stream)
+      XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=115 run 540 "$stage" experiments/bench_prefill.py --preset=qwen3.5-35b-a3b \
+        --vram_budget_gb=24 --lengths=8192 --variants=stream,stream_scan,resident --repeats=3 \
+        ${out:+--out_dir="$out"} ;;
     hybrid-batch-probe)
       timeout -s ABRT -k 10 "${LIMIT_hybrid_batch_probe:-200}" python3 -X faulthandler \
         experiments/probe_hybrid_batch_decode.py ${out:+--out_dir="$out"} > "$logs/$stage.log" 2>&1

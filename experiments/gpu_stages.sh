@@ -32,6 +32,9 @@
 # hybrid-stream:   bench_prefill, qwen3.5-35b-a3b (40 layers) at 24 GB, an 8192-token prompt streamed on the
 #                  layer-pipelined driver (per layer kind), on the block scan (1.82x its copy bound on 2026-11-30)
 #                  and resident (issue 32's streamed-prefill target: <= 1.0x the copy bound)
+# hybrid-decode:   bench_decode_speed on the 2026-12-03 side-by-side shape of issue 32: qwen3.5-35b-a3b cut to 16
+#                  layers, 512-token prompt, 128 steps, batch 1, decode blocks of 16, resident and cached at 512 slots
+#                  (targets: >= 490 and >= 65 tok/s; FreeToken 410 and 59.0)
 # hybrid-batch-probe: does the hybrid engine's decode compile at batch 1, 2, 4 (stacks dumped if it hangs)
 # LIMIT_<stage> (seconds, dashes as underscores) overrides a stage's limit.
 set -uo pipefail
@@ -107,6 +110,10 @@ for stage in "$@"; do
     hybrid-stream)
       XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=115 run 540 "$stage" experiments/bench_prefill.py --preset=qwen3.5-35b-a3b \
         --vram_budget_gb=24 --lengths=8192 --variants=stream,stream_scan,resident --repeats=3 \
+        ${out:+--out_dir="$out"} ;;
+    hybrid-decode)
+      run 420 "$stage" experiments/bench_decode_speed.py --preset=qwen3.5-35b-a3b --layers=16 --slots=512 --batches=1 \
+        --decode_blocks=16 --repeats=3 --trace_steps=0 --tag="qwen3.5-16l-512-slots_${dev}_$day" \
         ${out:+--out_dir="$out"} ;;
     hybrid-batch-probe)
       timeout -s ABRT -k 10 "${LIMIT_hybrid_batch_probe:-200}" python3 -X faulthandler \

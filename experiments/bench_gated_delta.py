@@ -88,7 +88,8 @@ flags.DEFINE_list("model_configs", ["xla-delta-rule", "auto", "auto+decode-kerne
                   "gated_delta-only, auto, auto-best-tiles, auto+decode-kernels (auto plus causal_conv and "
                   "gated_delta_step, which are not auto), auto-mosaic-moe (auto without grouped_matmul_triton: the "
                   "Mosaic grouped matmul over a gathered layer), auto+fused-swiglu (auto plus grouped_swiglu_triton), "
-                  "auto+pool-moe (auto plus grouped_matmul_pool: the experts read in the pool, no layer gather).")
+                  "auto+pool-moe (auto plus grouped_matmul_pool: the experts read in the pool, no layer gather), auto+graphs "
+                  "(auto with decode_graphs=on: the decode block as a CUDA graph).")
 flags.DEFINE_list("model_decode_configs", ["auto", "auto+decode-kernels"],
                   "Model-stage configurations whose decode is timed too.")
 flags.DEFINE_float("model_deadline_s", 300.0, "Skip the model stage once the run has taken this long.")
@@ -477,15 +478,17 @@ def stage_model(cfg, out: dict) -> None:
              "auto+decode-kernels": (auto + ("causal_conv", "gated_delta_step"), {}),
              "auto-mosaic-moe": (tuple(a for a in auto if a != "grouped_matmul_triton"), {}),
              "auto+fused-swiglu": (auto + ("grouped_swiglu_triton",), {}),
-             "auto+pool-moe": (auto + ("grouped_matmul_pool",), {})}
+             "auto+pool-moe": (auto + ("grouped_matmul_pool",), {}),
+             "auto+graphs": ("auto", {}, {"decode_graphs": "on"})}
     unknown = sorted(set(FLAGS.model_configs) - set(known))
     if unknown:
         raise app.UsageError(f"--model_configs: unknown {unknown}; expected some of {sorted(known)}")
     configs = tuple((name, *known[name]) for name in FLAGS.model_configs)
     rows, first = [], None
-    for name, use, kt in configs:
+    for name, use, kt, *more in configs:
+        kernels = registry.KernelConfig(use=use, tiles=kt, **(more[0] if more else {}))
         eng = Engine(model, EngineConfig("resident", max_seq_len=FLAGS.tokens + 16, prefill_chunk=FLAGS.tokens,
-                                         kernels=registry.KernelConfig(use=use, tiles=kt)))
+                                         kernels=kernels))
         runs = [eng.generate([prompt], 1, keep_logits=True) for _ in range(1 + min(FLAGS.repeats, 5))]
         logits = np.asarray(runs[-1].step_logits[0])
         first = logits if first is None else first

@@ -21,7 +21,8 @@
 #                  fetch-only: does it cut the front / device dispatch phases (0.78 / 0.30 ms a layer on an H100)?
 # gdn-model:       bench_gated_delta's 16-layer model stage: resident 8192-token prefill TTFT and compile with the MoE
 #                  prefill on the Mosaic kernel (the default before 2026-12-05), on grouped_matmul_triton (auto since),
-#                  with grouped_matmul_pool (no layer gather) and with grouped_swiglu_triton named (issue 32's TTFT)
+#                  with grouped_matmul_pool (no layer gather) and with grouped_swiglu_triton named (issue 32's TTFT);
+#                  the resident decode with and without the decode block as a CUDA graph (decode_graphs=on)
 # gmm-tiles:       bench_grouped_matmul: one prefill layer's grouped expert FFN by piece (the default kernels), the
 #                  Mosaic GPU grouped matmul at its default and two best tiles of 2026-12-05, and six configs of the
 #                  grouped_matmul_triton kernel around its default, at the qwen3.5 (256 x 512) and qwen3 (128 x 768)
@@ -96,7 +97,8 @@ for stage in "$@"; do
         --time_budget_s=220 ${out:+--out_dir="$out/host-graphs"} ;;
     gdn-model)
       run 480 "$stage" experiments/bench_gated_delta.py --stages=model --model_deadline_s=420 \
-        --model_configs=auto-mosaic-moe,auto,auto+pool-moe,auto+fused-swiglu --model_decode_configs=auto \
+        --model_configs=auto-mosaic-moe,auto,auto+pool-moe,auto+fused-swiglu,auto+graphs \
+        --model_decode_configs=auto,auto+graphs \
         --tag=model-moe ${out:+--out_dir="$out"} ;;
     gmm-tiles)
       run 420 "$stage" experiments/bench_grouped_matmul.py --tag="${dev}_$day" ${out:+--out_dir="$out"} \

@@ -88,8 +88,10 @@ flags.DEFINE_list("model_configs", ["xla-delta-rule", "auto", "auto+decode-kerne
                   "gated_delta-only, auto, auto-best-tiles, auto+decode-kernels (auto plus causal_conv and "
                   "gated_delta_step, which are not auto), auto-mosaic-moe (auto without grouped_matmul_triton: the "
                   "Mosaic grouped matmul over a gathered layer), auto+fused-swiglu (auto plus grouped_swiglu_triton), "
-                  "auto+pool-moe (auto plus grouped_matmul_pool: the experts read in the pool, no layer gather), auto+graphs "
-                  "(auto with decode_graphs=on: the decode block as a CUDA graph).")
+                  "auto+pool-moe (auto plus grouped_matmul_pool: the experts read in the pool, no layer gather), "
+                  "auto+graphs (auto with decode_graphs=on: the decode block as a CUDA graph). The 'auto+' and "
+                  "'-moe' configs list the auto kernels by name, so each runs wherever it takes the operands, "
+                  "without auto's own conditions (minimum tokens, group counts): alike for this 8192-token prefill.")
 flags.DEFINE_list("model_decode_configs", ["auto", "auto+decode-kernels"],
                   "Model-stage configurations whose decode is timed too.")
 flags.DEFINE_float("model_deadline_s", 300.0, "Skip the model stage once the run has taken this long.")

@@ -176,8 +176,8 @@ def define_flags(flag_values: flags.FlagValues = FLAGS, module_name: str | None 
     d.DEFINE_list("kernel_tiles", [], "Tile overrides, name:ints with the ints separated by '/', e.g. "
                   "dense_decode:64/128/0/0,moe_decode:64/64/0/0 (KernelConfig.tiles).")
     d.DEFINE_enum("grouped_matmul", "auto", list(GROUPED_MATMULS), "The prefill expert matmul: on a GPU the "
-                  "grouped_matmul_triton kernel where --kernels selects it (auto: 256 experts or more), else the Mosaic "
-                  "GPU kernel where it runs (auto); the Mosaic kernel always (mgpu); or ragged_dot (xla).")
+                  "grouped_matmul_triton kernel where --kernels selects it (auto: 256 experts or more), else the "
+                  "Mosaic GPU kernel where it runs (auto); the Mosaic kernel always (mgpu); or ragged_dot (xla).")
     d.DEFINE_enum("flash_prefill", "pallas", list(FLASH_PREFILLS), "Flash attention of prefill: the Pallas kernel, "
                   "or jax's Mosaic GPU attention for calls starting at 0.")
     d.DEFINE_enum("slot_order", "auto", list(SLOT_ORDERS), "How the slot table finds the slots misses take (every "

@@ -57,7 +57,7 @@ def test_schedule_covers_every_row_once_with_tiles_inside_one_group(block_m):
     _covered((1,) * 20, 20, block_m)  # groups of one row: the most partial tiles (the + min(G, M) in T)
     _covered((0, 0, 0), 0 + 1, block_m)  # no group has rows: one row past the sum
     _covered((0,) * 30 + (1, 0, 2) + (0,) * 40, 3, block_m)  # G far above the rows: T = cdiv(m) + m
-    _covered((1,) * 4 + (0,) * 20, 5, block_m)  # 4 groups of one row and 1 past the sum: every tile used
+    _covered((1,) * 4 + (0,) * 20, 5, block_m)  # 4 groups of one row and 1 past the sum: 5 of the 6 tiles used
     rng, m, sums = np.random.default_rng(0), 4 * block_m, set()
     for i in range(9):  # one shape (9 groups, m rows): sums below m (rows past the sum), at m and above (cut)
         sizes = tuple(int(v) for v in rng.integers(0, block_m, 9) * rng.integers(0, 2, 9))
@@ -266,13 +266,19 @@ def test_pool_grouping_only_where_named(monkeypatch):
     with using(named):  # F = 48 is no multiple of block_k 64: the Triton kernel does not take it, so the gather
         compute.experts_from_pool(x, ids, w, slot_of_expert, gu[:, :, :96], dn[:, :48])
     assert calls[-1] == (e, False)
+    with using(KernelConfig(use=("grouped_matmul_triton",), tiles={"grouped_matmul_triton": (16, 128, 64)})):
+        compute.experts_from_pool(x, ids, w, slot_of_expert, gu, dn)  # the matmul kernel alone: still the gather
+    assert calls[-1] == (e, False)
+    with pytest.raises(ValueError, match="group_slot reads dense pool rows in place, got format 'int8'"):
+        compute.experts_grouped(x, ids, w, gu, dn, fmt="int8", group_slot=slot_of_expert)
 
     monkeypatch.setattr(registry.jax, "default_backend", lambda: "gpu")
     sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
     xs = sd((4096, 2048), bf)
     pool = lambda slots, dtype=bf: (sd((slots, 2048, 1024), dtype), sd((slots, 512, 2048), dtype))  # noqa: E731
-    with using(KernelConfig()):
-        assert not gm.pool_grouping(xs, *pool(10240))  # auto: never (not measured)
+    for cfg in (KernelConfig(), KernelConfig(use=("grouped_matmul_triton",))):
+        with using(cfg):
+            assert not gm.pool_grouping(xs, *pool(10240))  # auto: never (not measured); nor without its name
     with using(KernelConfig(use=("grouped_matmul_triton", "grouped_matmul_pool"))):
         assert gm.pool_grouping(xs, *pool(10240))
         assert not gm.pool_grouping(xs, *pool(10240, jnp.float32))
@@ -282,8 +288,9 @@ def test_pool_grouping_only_where_named(monkeypatch):
 
 def test_engine_with_the_kernel_cached_equals_resident():
     """A 300-token prompt through the engine with the pool kernel named (interpreted): the prefill reads its experts
-    in place from the resident bank (24 slots) and from the cached pool (8); the logits are bit-identical between
-    the two and within float32 rounding of the default path (gather + ragged_dot)."""
+    in place from the resident bank (24 slots), a cached and an on-demand pool of E + 3 slots and the scan's
+    streamed buffers; the logits are bit-identical across them and within float32 rounding of the default path
+    (gather + ragged_dot)."""
     from conftest import load_fixture
     from ftjax import Engine
     from ftjax.config import EngineConfig
@@ -298,17 +305,24 @@ def test_engine_with_the_kernel_cached_equals_resident():
         return np.asarray(out.step_logits), eng.programs.kernels_applied()
 
     want, _ = logits("resident", None, KernelConfig())
-    resident, ran_resident = logits("resident", None, named)
-    cached, ran_cached = logits("cached", model.cfg.num_experts, named)
-    assert {"grouped_matmul_triton", "grouped_matmul_pool"} <= ran_resident & ran_cached
-    np.testing.assert_array_equal(cached, resident)
+    resident, ran = logits("resident", None, named)
+    assert {"grouped_matmul_triton", "grouped_matmul_pool"} <= ran
     _close(resident, want, jnp.float32)
+    e = model.cfg.num_experts
+    for mode, slots, extra in (("cached", e + 3, {}), ("on_demand", e + 3, {}),
+                               ("cached", 2 * e + 2, {"prefill": "stream", "prefill_driver": "scan"})):
+        eng = Engine(model, EngineConfig(mode, num_slots=slots, max_seq_len=320, kernels=named, **extra))
+        got = np.asarray(eng.generate([prompt], 2, keep_logits=True).step_logits)
+        assert {"grouped_matmul_triton", "grouped_matmul_pool"} <= eng.programs.kernels_applied(), (mode, extra)
+        np.testing.assert_array_equal(got, resident, err_msg=f"{mode} {slots} {extra}")
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_fused_gate_up_swiglu_matches_the_three_steps(dtype):
-    """``grouped_swiglu_triton`` (interpreted): the token gather, the gate-up matmul and SwiGLU in one kernel equal
-    ``swiglu(ragged_dot(x[tok], gate_up, sizes))`` with its roundings; rows past the sum come out as zeros."""
+    """``grouped_swiglu_triton`` (interpreted): the token gather, the gate-up matmul and SwiGLU in one kernel match
+    ``swiglu(ragged_dot(x[tok], gate_up, sizes))``; rows past the sum come out as zeros. Against the same matmul
+    kernel followed by XLA's SwiGLU, bf16 results differ by at most 3 ulp (silu rounded once, not inside the
+    sigmoid)."""
     from ftjax.experts.compute import _swiglu
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.standard_normal((30, 128)), dtype)
@@ -321,6 +335,10 @@ def test_fused_gate_up_swiglu_matches_the_three_steps(dtype):
     assert got.shape == (m, 128) and got.dtype == dtype
     np.testing.assert_array_equal(np.asarray(got[sum(SIZES):], np.float32), 0)
     _close(got, want, dtype)
+    if dtype == jnp.bfloat16:
+        chain = np.asarray(_swiglu(gt.grouped_matmul_triton(x[tok], gu, sizes, interpret=True, block_m=16)), np.float32)
+        ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(chain), 2.0 ** -100))) - 7)  # bf16: 8 significant bits
+        assert np.max(np.abs(np.asarray(got, np.float32) - chain) / ulp) <= 3
     with pytest.raises(ValueError, match=r"gate_up expected shape \[G, D, 2F\] with F % block_n == 0"):
         gt.grouped_swiglu_triton(x, tok, gu[:, :, :192], sizes, interpret=True, block_n=64)
     with pytest.raises(ValueError, match="row_token expected an integer array"):

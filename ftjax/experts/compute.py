@@ -86,7 +86,11 @@ def experts_grouped(x: jax.Array, ids: jax.Array, weights: jax.Array, gate_up: j
     dequantized here just before the grouped matmul. group_slot: int32 [G] or None: group g's weights are
     row group_slot[g] of a dense pool gate_up [S, D, 2F] / down [S, F, D], read in place
     (``grouped_matmul.pool_grouping``). Returns [N, D] in x's dtype.
+    Raises:
+      ValueError: group_slot with a quantized format (the pool rows would be read as stored).
     """
+    if group_slot is not None and fmt != "dense":
+        raise ValueError(f"experts_grouped: group_slot reads dense pool rows in place, got format {fmt!r}")
     n, k = ids.shape
     e = gate_up.shape[0] if group_slot is None else group_slot.shape[0]
     sg, sd = scales if scales is not None else (None, None)

@@ -167,9 +167,9 @@ def _check(lhs, rhs, group_sizes, block_m, block_n, block_k, name="grouped_matmu
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_m", "block_n", "block_k", "num_warps", "num_stages"))
-def grouped_matmul_triton(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, group_slot: jax.Array | None = None,
-                          interpret: bool = False, block_m: int = BLOCK_M, block_n: int = BLOCK_N,
-                          block_k: int = BLOCK_K, num_warps: int | None = NUM_WARPS,
+def grouped_matmul_triton(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
+                          group_slot: jax.Array | None = None, interpret: bool = False, block_m: int = BLOCK_M,
+                          block_n: int = BLOCK_N, block_k: int = BLOCK_K, num_warps: int | None = NUM_WARPS,
                           num_stages: int | None = NUM_STAGES) -> jax.Array:
     """``jax.lax.ragged_dot(lhs, rhs, group_sizes)``: out[r] = lhs[r] @ rhs[g(r)] (module docstring).
 
@@ -217,8 +217,8 @@ def _scheduled(schedule, lhs, rhs, *, interpret, block_m, block_n, block_k, num_
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_m", "block_n", "block_k", "num_warps", "num_stages"))
 def grouped_swiglu_triton(x: jax.Array, row_token: jax.Array, gate_up: jax.Array, group_sizes: jax.Array, *,
-                          group_slot: jax.Array | None = None, interpret: bool = False, block_m: int = BLOCK_M, block_n: int = BLOCK_N,
-                          block_k: int = BLOCK_K, num_warps: int | None = NUM_WARPS,
+                          group_slot: jax.Array | None = None, interpret: bool = False, block_m: int = BLOCK_M,
+                          block_n: int = BLOCK_N, block_k: int = BLOCK_K, num_warps: int | None = NUM_WARPS,
                           num_stages: int | None = NUM_STAGES) -> jax.Array:
     """The experts' gate-up matmul with the token gather before it and SwiGLU after it, in one kernel:
     ``swiglu(ragged_dot(x[row_token], gate_up, group_sizes))`` with swiglu(h) = silu(h[:, :F]) * h[:, F:].
@@ -226,7 +226,10 @@ def grouped_swiglu_triton(x: jax.Array, row_token: jax.Array, gate_up: jax.Array
     x: [N, D] token rows; row_token: int32 [M] in [0, N), the token of each (token, expert) row, rows sorted
     by group; gate_up: [G, D, 2F] (gate columns first), x's dtype; group_sizes: int [G] >= 0 and group_slot (as
     :func:`grouped_matmul_triton`). Returns [M, F] in x's dtype: the gate and up products are each rounded to
-    x's dtype first, then silu(gate) is, then the product (the roundings of the unfused matmul and SwiGLU).
+    x's dtype first (as the unfused matmul's output is), then silu(gate) = g / (1 + exp(-g)) is computed in
+    float32 and rounded, then the product. XLA's SwiGLU of the unfused path rounds inside the sigmoid too, so the
+    two differ by a few ulp of x's dtype (at most 3 in the tests): not bit-identical, though every expert mode
+    runs the same kernel and so agrees with the others.
     Saves the gathered rows [M, D] and the product [M, 2F] that the unfused path writes and reads back. Tiles
     as :func:`grouped_matmul_triton`, with F % block_n == 0.
 

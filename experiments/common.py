@@ -232,8 +232,10 @@ def define_kernel_flags(skip: tuple[str, ...] = (), multi_use: bool = False) -> 
             "kernel_tiles", [], "Tile overrides, name:ints with the ints separated by '/', e.g. "
             "dense_decode:64/128/0/0,moe_decode:64/64/0/0 (KernelConfig.tiles).", **mod),
         "grouped_matmul": lambda: flags.DEFINE_enum(
-            "grouped_matmul", "auto", list(GROUPED_MATMULS), "The prefill expert matmul: the Mosaic GPU kernel "
-            "where it runs (auto), always (mgpu), or ragged_dot (xla) (KernelConfig.grouped_matmul).", **mod),
+            "grouped_matmul", "auto", list(GROUPED_MATMULS), "The prefill expert matmul: on a GPU the "
+            "grouped_matmul_triton kernel where --kernels selects it (auto: 256 experts or more), else the Mosaic GPU "
+            "kernel where it runs (auto); the Mosaic kernel always (mgpu); or ragged_dot (xla) "
+            "(KernelConfig.grouped_matmul).", **mod),
         "flash_prefill": lambda: flags.DEFINE_enum(
             "flash_prefill", "pallas", list(FLASH_PREFILLS), "Flash attention of prefill: the Pallas kernel, or "
             "jax's Mosaic GPU attention for calls starting at 0 (KernelConfig.flash_prefill).", **mod),

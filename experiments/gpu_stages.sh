@@ -28,8 +28,9 @@
 #                  grouped_matmul_triton kernel around its default, at the qwen3.5 (256 x 512) and qwen3 (128 x 768)
 #                  expert shapes, and the fused gate-up + SwiGLU kernel against its three-step chain (issue 32's MoE
 #                  prefill; is the Triton kernel faster at 128 experts too?)
-# hybrid-compile:  the hybrid engine's compile at batch 1 with the auto kernels, then with none (--kernels=xla): the
-#                  Pallas kernels' share of the 46 s compile of a 4-layer cut (issue 32's compile time)
+# hybrid-compile:  the hybrid engine's compile at batch 1 with the auto kernels, with none (--kernels=xla: the grouped
+#                  matmul still jax's Mosaic kernel), and with no Mosaic kernel either (--grouped_matmul=xla): where the
+#                  40-44 s compile of a 4-layer cut goes (issue 32's compile time)
 # hybrid-stream:   bench_prefill, qwen3.5-35b-a3b (40 layers) at 24 GB, an 8192-token prompt streamed on the
 #                  layer-pipelined driver (per layer kind), on the block scan (1.82x its copy bound on 2026-11-30)
 #                  and resident (issue 32's streamed-prefill target: <= 1.0x the copy bound)
@@ -108,7 +109,9 @@ for stage in "$@"; do
       for k in auto xla; do
         run 150 "$stage-$k" experiments/probe_hybrid_batch_decode.py --batches=1 --kernels="$k" --tag="compile-$k" \
           ${out:+--out_dir="$out"}
-      done ;;
+      done
+      run 150 "$stage-xla-ragged" experiments/probe_hybrid_batch_decode.py --batches=1 --kernels=xla \
+        --grouped_matmul=xla --tag=compile-xla-ragged ${out:+--out_dir="$out"} ;;
     hybrid-stream)
       XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=115 run 540 "$stage" experiments/bench_prefill.py --preset=qwen3.5-35b-a3b \
         --vram_budget_gb=24 --lengths=8192 --variants=stream,stream_scan,resident --repeats=3 \

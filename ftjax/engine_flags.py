@@ -244,7 +244,7 @@ def check_flags() -> None:
       UserError: a budget or host size that is not a finite number >= 0, a seed outside [0, 2^32), a size
         below 1, both --expert_slots and --vram_budget_gb, --fixed_fetch without --miss_policy=adaptive or
         below 0, --devices > 1 with --kv_offload, a cpu / adaptive miss policy or the pipelined prefill driver,
-        --expert_split=tensor with a quantized --expert_dtype."""
+        --expert_split=tensor with a quantized --expert_dtype, kernel flags KernelConfig refuses."""
     for name in ("vram_budget_gb", "kv_host_gb"):
         v = FLAGS[name].value
         if v is not None and not (math.isfinite(v) and v >= 0):
@@ -257,6 +257,10 @@ def check_flags() -> None:
             raise UserError(f"--{name} must be >= 1, got {v}")
     if FLAGS.expert_slots is not None and FLAGS.vram_budget_gb is not None:
         raise UserError("give --expert_slots or --vram_budget_gb, not both")
+    try:  # an unknown kernel, one named without the kernel it needs, a bad tile: refused before the model loads
+        kernel_config()
+    except ValueError as e:
+        raise UserError(str(e)) from None
     if FLAGS.fixed_fetch is not None and (FLAGS.miss_policy != "adaptive" or FLAGS.fixed_fetch < 0):
         raise UserError("--fixed_fetch needs --miss_policy=adaptive and a value >= 0")
     if FLAGS.devices > 1:
@@ -335,6 +339,10 @@ def plan(model, max_seq_len: int, prompts: list[list[int]], batch: int):
     cfg = model.cfg
     if FLAGS.expert_slots is not None and FLAGS.vram_budget_gb is not None:
         raise UserError("give --expert_slots or --vram_budget_gb, not both")
+    try:  # an unknown kernel, one named without the kernel it needs, a bad tile: refused before the model loads
+        kernel_config()
+    except ValueError as e:
+        raise UserError(str(e)) from None
     mode, slots = FLAGS.experts, FLAGS.expert_slots
     if mode == "resident" and slots is not None:
         print(f"note: --experts=resident keeps all {cfg.num_layers * cfg.num_experts} experts on the device; "

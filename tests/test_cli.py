@@ -128,6 +128,7 @@ def test_default_demo_runs_with_cache_smaller_than_pool(tmp_path):
     (["--vram_budget_gb=inf"], "finite number"),
     (["--prompt_len=0"], "--prompt_len must be >= 1"),
     (["--decode_block=0"], "--decode_block must be >= 1"),
+    (["--kernels=grouped_matmul_pool"], "needs grouped_matmul_triton selected too"),
     (["--seed=99999999999999999999"], "--seed must be in"),
     (["--logits_npy=/nonexistent/l.npy"], "not a writable file path"),
     (["stray"], "unexpected arguments: stray"),

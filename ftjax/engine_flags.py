@@ -339,10 +339,6 @@ def plan(model, max_seq_len: int, prompts: list[list[int]], batch: int):
     cfg = model.cfg
     if FLAGS.expert_slots is not None and FLAGS.vram_budget_gb is not None:
         raise UserError("give --expert_slots or --vram_budget_gb, not both")
-    try:  # an unknown kernel, one named without the kernel it needs, a bad tile: refused before the model loads
-        kernel_config()
-    except ValueError as e:
-        raise UserError(str(e)) from None
     mode, slots = FLAGS.experts, FLAGS.expert_slots
     if mode == "resident" and slots is not None:
         print(f"note: --experts=resident keeps all {cfg.num_layers * cfg.num_experts} experts on the device; "

@@ -22,7 +22,6 @@ they sit in the pool (``grouped_matmul_pool``, :func:`pool_grouping`; named only
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 

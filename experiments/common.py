@@ -21,12 +21,14 @@ every script ``--compilation_cache_dir`` (JAX's persistent compilation cache, on
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
 import re
 import sys
 import time
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -485,6 +487,62 @@ def hlo_ops(text: str) -> dict:
             ops[op] = ops.get(op, 0) + 1
     ops["host_memory_space_S(5)"] = text.count("S(5)")
     return ops
+
+
+# ---- an engine's GPU programs, lowered on a machine without a GPU ---------------------------------
+#: A custom call of a StableHLO module text and its target (a Triton or Mosaic GPU kernel is one).
+_CUSTOM_CALL = re.compile(r"stablehlo\.custom_call @([\w$.\-]+)")
+
+
+def custom_calls(text: str) -> dict[str, int]:
+    """Custom-call targets of a StableHLO module text, with their counts."""
+    return dict(collections.Counter(_CUSTOM_CALL.findall(text)))
+
+
+def capture_programs(engine_fn):
+    """Runs ``engine_fn()`` (an engine's ``precompile``: nothing executes) while recording every program the engine
+    would compile, instead of compiling it: a list of (step function, arguments, static options), one per distinct
+    program, in order."""
+    from ftjax.runtime import programs
+    seen, out = set(), []
+    orig = programs.Programs.compile
+
+    def recording_compile(self, fn, args, compiler_options=(), **static):
+        key = (fn.__name__,) + programs._compile_key(args, **static)
+        if key not in seen:
+            seen.add(key)
+            out.append((fn, args, static))
+
+    programs.Programs.compile = recording_compile
+    try:
+        engine_fn()
+    finally:
+        programs.Programs.compile = orig
+    return out
+
+
+def lower_for_cuda(fn, args, static, device_kind: str) -> dict:
+    """Traces ``fn`` at the shapes of ``args`` with the GPU's kernel choices and lowers it for CUDA; returns
+    {trace_s, lower_s, chars, lines, while_loops, custom_calls, kernels}. Needs no GPU: an abstract
+    ``device_kind`` device and ``ftjax.kernels.registry.lowering_for("gpu")``; XLA's compile is not run."""
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+
+    from ftjax.kernels import registry
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x, args)
+    dev = AbstractDevice(device_kind=device_kind, num_cores=132, platform="gpu")
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Auto,), abstract_device=dev)
+    jax.clear_caches()  # a lowering of this program from an earlier config would be reused
+    with registry.lowering_for("gpu"), use_abstract_mesh(mesh), registry.recording() as applied, \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the Triton backend's deprecation warning
+        t0 = time.perf_counter()
+        traced = fn.trace(*shapes, **static)
+        t1 = time.perf_counter()
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
+        t2 = time.perf_counter()
+    return {"trace_s": t1 - t0, "lower_s": t2 - t1, "chars": len(text), "lines": text.count("\n"),
+            "while_loops": text.count("stablehlo.while"), "custom_calls": custom_calls(text),
+            "kernels": sorted(applied)}
 
 
 def _jsonable(o):

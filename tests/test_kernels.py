@@ -349,6 +349,41 @@ def test_gated_deltanet_conv_and_decode_kernels_lower_for_cuda_at_real_shapes():
         assert "output_operand_alias<output_tuple_indices = [1], operand_index = 5" in txt
 
 
+def test_engine_programs_lower_for_cuda_with_the_gpus_kernel_choices():
+    """``registry.lowering_for("gpu")``: kernel choices made as on a GPU, on this machine. An engine's programs,
+    captured by its precompile (nothing compiled or run) and lowered for CUDA (``experiments/lower_programs.py``):
+    a hybrid model with 256 experts gets the Triton grouped matmul in its prefill (auto from 256 experts) and no
+    Mosaic GPU call; its decode block gets the fused MoE decode kernel."""
+    from experiments import common
+    from ftjax import Engine
+    from ftjax.checkpoint import random_model
+    from ftjax.config import EngineConfig, preset
+    assert registry.backend() == jax.default_backend() and registry.mode("flash_prefill") == "xla"
+    with registry.lowering_for("gpu"):
+        assert registry.backend() == "gpu" and registry.mode("flash_prefill") == "gpu"
+    with pytest.raises(ValueError, match="'cuda'"):
+        with registry.lowering_for("cuda"):
+            pass
+    # 256 experts of N >= 256 columns (the Triton kernel's default column block)
+    cfg = dataclasses.replace(preset("tiny-hybrid"), num_experts=256, hidden_size=256, expert_ffn=256,
+                              dtype="bfloat16")
+    eng = Engine(random_model(cfg, "bfloat16"), EngineConfig("resident", max_seq_len=80, prefill_chunk=64,
+                                                             decode_block=4))
+    eng.open_rows(1)
+    eng.admit(list(range(1, 65)), 4)  # 64 x top-4 rows: the grouped FFN (fewer take the decode kernel)
+
+    def precompile():
+        eng.precompile(decode=False)
+        eng.precompile_block(4, eos_width=1)
+    progs = common.capture_programs(precompile)
+    assert [fn.__name__ for fn, _, _ in progs] == ["forward_step", "decode_block"]
+    prefill = common.lower_for_cuda(*progs[0], device_kind="NVIDIA H200")
+    assert "grouped_matmul_triton" in prefill["kernels"] and "mosaic_gpu_v2" not in prefill["custom_calls"]
+    assert prefill["custom_calls"]["__gpu$xla.gpu.triton"] >= 1
+    decode = common.lower_for_cuda(*progs[1], device_kind="NVIDIA H200")
+    assert "moe_decode" in decode["kernels"] and decode["custom_calls"]["__gpu$xla.gpu.triton"] >= 1
+
+
 # ------------------------------------------------------------------ the model, every kernel interpreted
 def _tiny_engine_run(mode, slots, kernels):
     from ftjax import Engine

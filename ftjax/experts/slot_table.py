@@ -348,7 +348,7 @@ def lookup_layer(
     pol = _policy(policy, half_life_tokens)
     impl = registry.active().slot_order if impl is None else impl
     if impl == "auto":
-        impl = "sort" if jax.default_backend() == "cpu" else "rank" if S <= RANK_MAX_SLOTS else "top_k"
+        impl = "sort" if registry.backend() == "cpu" else "rank" if S <= RANK_MAX_SLOTS else "top_k"
     if impl not in ORDER_IMPLS:
         raise ValueError(f"unknown slot table impl {impl!r}; expected one of {ORDER_IMPLS}")
     routed = jnp.asarray(routed)

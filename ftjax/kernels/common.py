@@ -22,13 +22,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ftjax.kernels import registry
+
 
 def dot_dtype_ok(dtype) -> bool:
     """Whether a kernel built on ``dot`` may take operands of ``dtype`` here: anywhere for 16-bit
     floats; float32 only off the GPU (interpret mode). On the GPU the Triton backend would run a
     float32 dot as TF32 whatever ``jax.default_matmul_precision`` says, and the float32 oracle
     runs need full float32, so float32 attention keeps the XLA path."""
-    return jnp.dtype(dtype).itemsize == 2 or jax.default_backend() != "gpu"
+    return jnp.dtype(dtype).itemsize == 2 or registry.backend() != "gpu"
 
 
 def pow2(n: int) -> bool:

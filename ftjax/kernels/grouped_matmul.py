@@ -59,7 +59,7 @@ def mgpu_tiles(k: int, n: int) -> dict:
 def mgpu_supported(lhs: jax.Array, rhs: jax.Array) -> bool:
     """True when the Mosaic GPU kernel can run these operands on the current backend:
     a GPU, 16-bit float operands of one dtype, K % 64 == 0 and N % 128 == 0."""
-    if jax.default_backend() != "gpu" or lhs.dtype != rhs.dtype or lhs.dtype not in (jnp.bfloat16, jnp.float16):
+    if registry.backend() != "gpu" or lhs.dtype != rhs.dtype or lhs.dtype not in (jnp.bfloat16, jnp.float16):
         return False
     k, n = rhs.shape[1], rhs.shape[2]
     return k % BLOCK_K == 0 and n % BLOCK_N == 0
@@ -137,7 +137,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, impl:
     use_mgpu = impl == "mgpu" or (impl == "auto" and mgpu_supported(lhs, rhs))
     if use_mgpu:
         if not mgpu_supported(lhs, rhs):
-            raise ValueError(f"mgpu grouped matmul cannot run here (backend {jax.default_backend()}, "
+            raise ValueError(f"mgpu grouped matmul cannot run here (backend {registry.backend()}, "
                              f"dtype {lhs.dtype}, K={rhs.shape[1]}, N={rhs.shape[2]})")
         from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
         return ragged_dot_mgpu.ragged_dot(lhs, rhs, group_sizes=group_sizes, **mgpu_tiles(rhs.shape[1], rhs.shape[2]))

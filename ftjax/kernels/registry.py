@@ -253,7 +253,7 @@ class KernelConfig:
         """:attr:`min_dot_rows` resolved for ``backend`` (default: jax's)."""
         if self.min_dot_rows is not None:
             return self.min_dot_rows
-        return 4 if (backend or jax.default_backend()) == "gpu" else 0
+        return 4 if (backend or _TARGET.get() or jax.default_backend()) == "gpu" else 0
 
     def miss_group(self) -> int:
         """:attr:`fetch_group`, or :data:`FETCH_GROUP` where unset (one default on every backend)."""
@@ -273,6 +273,7 @@ class KernelConfig:
 
 
 _ACTIVE: contextvars.ContextVar[KernelConfig | None] = contextvars.ContextVar("ftjax_kernels", default=None)
+_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("ftjax_target_backend", default=None)
 _RECORD: contextvars.ContextVar[set | None] = contextvars.ContextVar("ftjax_kernels_applied", default=None)
 
 
@@ -295,6 +296,29 @@ def using(config: KernelConfig):
         yield config
     finally:
         _ACTIVE.reset(token)
+
+
+def backend() -> str:
+    """The backend the kernel choices are made for: jax's default backend ("cpu", "gpu", ...), or the one
+    :func:`lowering_for` names."""
+    return _TARGET.get() or jax.default_backend()
+
+
+@contextlib.contextmanager
+def lowering_for(platform: str):
+    """Within it, every kernel choice (:func:`mode`, :func:`backend`) is made as on ``platform`` ("gpu"):
+    a program traced here and lowered with ``lowering_platforms=("cuda",)`` holds the GPU's kernels, so
+    its size and lowering time can be measured on a machine without that backend
+    (``experiments/lower_programs.py``). Nothing compiled inside it can run on this machine.
+    Raises:
+      ValueError: ``platform`` is not "cpu", "gpu" or "tpu"."""
+    if platform not in ("cpu", "gpu", "tpu"):
+        raise ValueError(f"lowering_for: expected 'cpu', 'gpu' or 'tpu', got {platform!r}")
+    token = _TARGET.set(platform)
+    try:
+        yield platform
+    finally:
+        _TARGET.reset(token)
 
 
 @contextlib.contextmanager
@@ -322,7 +346,7 @@ def mode(name: str, supported: bool = True, auto: bool | None = None, record: bo
     """
     entry = get(name)
     use = active().use
-    on_gpu = jax.default_backend() == "gpu"
+    on_gpu = backend() == "gpu"
     if use == "xla" or not supported:
         how = "xla"
     elif use == "interpret":

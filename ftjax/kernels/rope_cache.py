@@ -80,7 +80,7 @@ def _inv_freq(theta: float, hd: int) -> jax.Array:
     Where nothing can be compiled at trace time (lowering for an abstract device, as the lowering
     tests do) they stay traced ops."""
     try:
-        return jnp.asarray(_program_inv_freq(float(theta), hd, jax.default_backend()))
+        return jnp.asarray(_program_inv_freq(float(theta), hd, registry.backend()))
     except (ValueError, RuntimeError):  # under an abstract device: "Unknown backend: 'gpu' requested"
         return _freqs(theta, hd)
 

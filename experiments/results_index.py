@@ -406,6 +406,13 @@ def _probe_hybrid_batch_decode(d: dict) -> str:
     return ", ".join(f"B={r['batch']} compile {r['compile_s']:.0f} s" for r in rows) or "-"
 
 
+def _lower_programs(d: dict) -> str:
+    rows = [r for r in d.get("rows") or [] if r.get("program") == "forward_step"]
+    first = rows[:len({r["grouped_matmul"] for r in rows})]  # the first program: the prefill
+    return ", ".join(f"prefill {r['grouped_matmul']} {r['chars'] / 1e3:.0f} k chars, "
+                     f"{r['trace_s'] + r['lower_s']:.1f} s" for r in first) or "-"
+
+
 HEADLINES = {
     "bench_decode": _bench_decode,
     "bench_decode_speed": _bench_decode_speed,
@@ -427,6 +434,7 @@ HEADLINES = {
     "probe_h2d": _probe_h2d,
     "bench_grouped_matmul": _bench_grouped_matmul,
     "probe_hybrid_batch_decode": _probe_hybrid_batch_decode,
+    "lower_programs": _lower_programs,
     "ab_slot_table": _ab_slot_table,
     "serve_soak": _serve_soak,
 }

@@ -284,6 +284,15 @@ def active() -> KernelConfig:
 
 
 @contextlib.contextmanager
+def _bound(var: contextvars.ContextVar, value):
+    """Within it, ``var`` holds ``value`` (yielded); the old value is back after it."""
+    token = var.set(value)
+    try:
+        yield value
+    finally:
+        var.reset(token)
+
+
 def using(config: KernelConfig):
     """Within it, :func:`mode` and the other readers answer for ``config``. A jitted step enters it
     with the config from its static options, so the choice is part of the program's key.
@@ -291,11 +300,7 @@ def using(config: KernelConfig):
       TypeError: ``config`` is not a :class:`KernelConfig`."""
     if not isinstance(config, KernelConfig):
         raise TypeError(f"expected a KernelConfig, got {type(config).__name__}")
-    token = _ACTIVE.set(config)
-    try:
-        yield config
-    finally:
-        _ACTIVE.reset(token)
+    return _bound(_ACTIVE, config)
 
 
 def backend() -> str:
@@ -304,7 +309,6 @@ def backend() -> str:
     return _TARGET.get() or jax.default_backend()
 
 
-@contextlib.contextmanager
 def lowering_for(platform: str):
     """Within it, every kernel choice (:func:`mode`, :func:`backend`) is made as on ``platform`` ("gpu"):
     a program traced here and lowered with ``lowering_platforms=("cuda",)`` holds the GPU's kernels, so
@@ -314,23 +318,13 @@ def lowering_for(platform: str):
       ValueError: ``platform`` is not "cpu", "gpu" or "tpu"."""
     if platform not in ("cpu", "gpu", "tpu"):
         raise ValueError(f"lowering_for: expected 'cpu', 'gpu' or 'tpu', got {platform!r}")
-    token = _TARGET.set(platform)
-    try:
-        yield platform
-    finally:
-        _TARGET.reset(token)
+    return _bound(_TARGET, platform)
 
 
-@contextlib.contextmanager
 def recording():
     """Collects the names of the kernels that :func:`mode` selected (not "xla") while traced inside
     it: yields the set, filled as tracing goes."""
-    seen: set[str] = set()
-    token = _RECORD.set(seen)
-    try:
-        yield seen
-    finally:
-        _RECORD.reset(token)
+    return _bound(_RECORD, set())
 
 
 def mode(name: str, supported: bool = True, auto: bool | None = None, record: bool = True) -> str:

@@ -364,11 +364,12 @@ def test_engine_programs_lower_for_cuda_with_the_gpus_kernel_choices():
     with pytest.raises(ValueError, match="'cuda'"):
         with registry.lowering_for("cuda"):
             pass
-    # 256 experts of N >= 256 columns (the Triton kernel's default column block)
-    cfg = dataclasses.replace(preset("tiny-hybrid"), num_experts=256, hidden_size=256, expert_ffn=256,
-                              dtype="bfloat16")
+    # one block of (Gated DeltaNet, attention) with 256 experts; column blocks of 64 (the default 256 > D = 128)
+    cfg = dataclasses.replace(preset("tiny-hybrid"), num_experts=256, num_layers=2, dtype="bfloat16",
+                              layer_types=("linear_attention", "full_attention"))
+    kernels = KernelConfig(tiles={"grouped_matmul_triton": (64, 64, 64, 4, 1)})
     eng = Engine(random_model(cfg, "bfloat16"), EngineConfig("resident", max_seq_len=80, prefill_chunk=64,
-                                                             decode_block=4))
+                                                             decode_block=4, kernels=kernels))
     eng.open_rows(1)
     eng.admit(list(range(1, 65)), 4)  # 64 x top-4 rows: the grouped FFN (fewer take the decode kernel)
 

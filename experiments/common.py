@@ -427,11 +427,18 @@ def define_expert_dtypes() -> None:
                              f"--expert_dtypes: each must be one of {', '.join(quant.FORMATS)}")
 
 
-def build_random_model(preset_name: str, dtype: str):
-    """Random weights at a preset's shape; returns (cfg, model, build seconds, B_P dict)."""
+def build_random_model(preset_name: str, dtype: str, layers: int = 0):
+    """Random weights at a preset's shape, cut to its first ``layers`` layers (0: all of them; a hybrid keeps
+    those layers' kinds); returns (cfg, model, build seconds, B_P dict).
+    Raises:
+      ValueError: ``layers`` above the preset's."""
     from ftjax.checkpoint import random_model
     from ftjax.config import preset
     cfg = preset(preset_name)
+    if layers:
+        if layers > cfg.num_layers:
+            raise ValueError(f"{preset_name} has {cfg.num_layers} layers, not {layers}")
+        cfg = dataclasses.replace(cfg, num_layers=layers, layer_types=cfg.layer_types[:layers])
     t0 = time.perf_counter()
     model = random_model(cfg, dtype)
     model.host_down.block_until_ready()

@@ -37,6 +37,9 @@
 # hybrid-decode:   bench_decode_speed on the 2026-12-03 side-by-side shape of issue 32: qwen3.5-35b-a3b cut to 16
 #                  layers, 512-token prompt, 128 steps, batch 1, decode blocks of 16, resident and cached at 512 slots
 #                  (targets: >= 490 and >= 65 tok/s; FreeToken 410 and 59.0)
+# profile-hybrid:  profile_step on issue 32's 16-layer qwen3.5-35b-a3b cut, resident: one decode step (batch 1, after a
+#                  512-token prompt) and one 8192-token prefill chunk, GPU time by layer kind (Gated DeltaNet mixers
+#                  in linear_attention, the gated attention in attention, the MoE in experts) against each one's bytes
 # hybrid-batch-probe: does the hybrid engine's decode compile at batch 1, 2, 4 (stacks dumped if it hangs)
 # LIMIT_<stage> (seconds, dashes as underscores) overrides a stage's limit.
 set -uo pipefail
@@ -120,6 +123,9 @@ for stage in "$@"; do
       run 420 "$stage" experiments/bench_decode_speed.py --preset=qwen3.5-35b-a3b --layers=16 --slots=512 --batches=1 \
         --decode_blocks=16 --repeats=3 --trace_steps=0 --tag="qwen3.5-16l-512-slots_${dev}_$day" \
         ${out:+--out_dir="$out"} ;;
+    profile-hybrid)
+      run 420 "$stage" experiments/profile_step.py --preset=qwen3.5-35b-a3b --layers=16 \
+        --runs=resident_decode,resident_prefill --batches=1 --trace_steps=2 ${out:+--out_dir="$out"} ;;
     hybrid-batch-probe)
       timeout -s ABRT -k 10 "${LIMIT_hybrid_batch_probe:-200}" python3 -X faulthandler \
         experiments/probe_hybrid_batch_decode.py ${out:+--out_dir="$out"} > "$logs/$stage.log" 2>&1

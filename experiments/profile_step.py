@@ -54,7 +54,7 @@ import sys
 import tempfile
 import time
 
-from absl import flags
+from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -73,6 +73,8 @@ RUNS = ("cached_decode", "resident_decode", "resident_prefill")
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("preset", "qwen3-30b-a3b", "Model shape (random weights).")
+flags.DEFINE_integer("layers", 0, "Cut the preset to its first N layers (0: all; a hybrid keeps their kinds).",
+                     lower_bound=0)
 flags.DEFINE_string("dtype", "bfloat16", "Compute and bank dtype.")
 flags.DEFINE_float("vram_budget_gb", 24.0, "Device budget that sizes the expert cache of cached_decode.")
 flags.DEFINE_list("batches", ["1", "4"], "Decode batch sizes.")
@@ -112,35 +114,46 @@ _next_token = jax.jit(lambda logits: jnp.argmax(logits, axis=-1).astype(jnp.int3
 # --------------------------------------------------------------------------------------------
 # Analytic bytes and flops
 # --------------------------------------------------------------------------------------------
-def _layer_param_groups(params) -> dict[str, list]:
+def _layer_param_groups(cfg, params) -> dict[str, list]:
     """The stacked layer params by category: router, norm, experts (a hybrid's shared expert),
-    attention (everything else: projections, a hybrid's linear-attention weights)."""
-    groups: dict[str, list] = {"attention": [], "router": [], "norm": [], "experts": []}
+    linear_attention (a hybrid's Gated DeltaNet weights but its norm), attention (everything else)."""
+    from ftjax.layers import gated_deltanet
+    linear = set(gated_deltanet.param_shapes(cfg)) if cfg.is_hybrid else set()
+    groups: dict[str, list] = {"attention": [], "linear_attention": [], "router": [], "norm": [], "experts": []}
     for path, leaf in jax.tree_util.tree_flatten_with_path(params["layers"])[0]:
-        key = jax.tree_util.keystr(path).lower()
-        cat = ("router" if "router" in key else "norm" if "norm" in key else
-               "experts" if "shared" in key else "attention")
+        name = str(path[-1].key) if hasattr(path[-1], "key") else jax.tree_util.keystr(path)
+        key = name.lower()
+        cat = ("router" if "router" in key else "norm" if "norm" in key else "experts" if "shared" in key else
+               "linear_attention" if name in linear else "attention")
         groups[cat].append(leaf)
     return groups
 
 
 def analytic_bytes(model, tokens: int, kv_rows_read: int, kv_rows_written: int, distinct_experts: float,
-                   fetched_experts: float) -> dict:
+                   fetched_experts: float, sequences: int = 1) -> dict:
     """Bytes one step must move, by category (see the module docstring).
 
     tokens: embedding rows read (B for a decode step, the chunk's tokens for prefill);
     kv_rows_read / kv_rows_written: (sequence, position) K/V rows of all attention layers read /
     written; distinct_experts: distinct routed experts summed over layers; fetched_experts: experts
-    copied from the host. Returns {hbm: {category: bytes}, hbm_total, h2d_link} in bytes.
+    copied from the host; sequences: rows of the step, each with a hybrid's recurrent and conv states read and
+    written once per linear-attention layer. Returns {hbm: {category: bytes}, hbm_total, h2d_link} in bytes.
     """
     cfg, params = model.cfg, model.params
     item = jnp.dtype(params["embed"].dtype).itemsize
     nbytes = lambda xs: int(sum(x.size * jnp.dtype(x.dtype).itemsize for x in xs))  # noqa: E731
-    groups = _layer_param_groups(params)
+    groups = _layer_param_groups(cfg, params)
     head_w = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
     kv_row = 2 * cfg.num_attention_layers * cfg.num_kv_heads * cfg.head_dim * item
     eb = model.expert_bytes
+    states = 0
+    if cfg.is_hybrid:
+        from ftjax.layers import gated_deltanet
+        n_lin = cfg.num_layers - cfg.num_attention_layers
+        conv, rec = gated_deltanet.state_shapes(cfg, n_lin, sequences)
+        states = 2 * (int(np.prod(conv)) * item + int(np.prod(rec)) * 4)  # read and written; the state is float32
     hbm = {"attention": nbytes(groups["attention"]) + (kv_rows_read + kv_rows_written) * kv_row,
+           "linear_attention": nbytes(groups["linear_attention"]) + states,
            "router": nbytes(groups["router"]), "norm": nbytes(groups["norm"]) + nbytes([params["final_norm"]]),
            "experts": int(distinct_experts * eb) + nbytes(groups["experts"]),
            "head": nbytes([head_w]) + (0 if cfg.tie_word_embeddings else tokens * cfg.hidden_size * item),
@@ -153,8 +166,8 @@ def analytic_flops(model, tokens: int, sequences: int, key_pairs: int) -> float:
     projections, router and its top-k experts; one LM head row per sequence; ``key_pairs`` (query,
     visible key) pairs per attention layer and head."""
     cfg = model.cfg
-    groups = _layer_param_groups(model.params)
-    dense = sum(x.size for x in groups["attention"] + groups["router"] + groups["experts"])
+    groups = _layer_param_groups(cfg, model.params)
+    dense = sum(x.size for x in groups["attention"] + groups["linear_attention"] + groups["router"] + groups["experts"])
     routed = cfg.num_layers * cfg.top_k * 3 * cfg.hidden_size * cfg.expert_ffn
     attn = 4 * cfg.num_heads * cfg.head_dim * cfg.num_attention_layers * key_pairs
     return float(2 * tokens * (dense + routed) + 2 * sequences * cfg.hidden_size * cfg.vocab_size + attn)
@@ -269,7 +282,7 @@ def decode_run(model, mode: str, batch: int, slots: int | None, trace_dir: str, 
            "traced_steps": FLAGS.trace_steps, "routing": {"distinct_experts_per_step": distinct,
                                                            "fetched_experts_per_step": fetched,
                                                            "hit_rate": 1.0 - fetched / distinct if distinct else None},
-           "bytes": analytic_bytes(model, batch, int(rows_read), batch, distinct, fetched),
+           "bytes": analytic_bytes(model, batch, int(rows_read), batch, distinct, fetched, sequences=batch),
            "flops": analytic_flops(model, batch, batch, key_pairs), "xla_cost": xla_cost(exe),
            "profile": _breakdown(exe, events), "engine": eng.describe()}
     return row
@@ -357,7 +370,10 @@ def tables(rows: list[dict]) -> str:
 def main(argv):
     del argv
     info = common.meta()
-    cfg, model, build_s, bp = common.build_random_model(FLAGS.preset, FLAGS.dtype)
+    try:
+        cfg, model, build_s, bp = common.build_random_model(FLAGS.preset, FLAGS.dtype, FLAGS.layers)
+    except ValueError as err:
+        raise app.UsageError(f"--layers={FLAGS.layers}: {err}") from None
     bp_gbps = bp["h2d_GBps"]["median"]
     hbm = common.measure_hbm(int(FLAGS.hbm_gb * 2**30), FLAGS.hbm_repeats)
     print(f"{info['device']}: random {FLAGS.preset} built in {build_s:.1f} s; B_P = {bp_gbps:.1f} GB/s; "
@@ -369,7 +385,7 @@ def main(argv):
         if run in FLAGS.runs:
             todo += [(run, b) for b in map(int, FLAGS.batches)] if run.endswith("decode") else [(run, 1)]
     rows, plans = [], {}
-    name = f"profile_step_{FLAGS.preset}.json"
+    name = f"profile_step_{FLAGS.preset}" + (f"_{FLAGS.layers}l" if FLAGS.layers else "") + ".json"
     kernel_sets = FLAGS.kernels or [None]
     configs = {k: common.kernel_config(use=k) for k in kernel_sets}  # each engine's (EngineConfig.kernels)
     for kernels, run, batch in [(k, r, b) for k in kernel_sets for r, b in todo]:

@@ -123,18 +123,20 @@ def trace_events(fn, log_dir: str, python_tracer: bool = True):
 # --------------------------------------------------------------------------------------------
 #: Categories of GPU time, in table order. attention: the attention block (QKV / output
 #: projections, RoPE, KV cache writes, the attention itself, Pallas decode_attention /
-#: flash_prefill); router: router matmul, softmax, top-k; slot_table: slot-table lookup and
-#: the routed-expert mask; experts: expert gather and matmuls (Pallas moe_decode, grouped matmul);
-#: norm: RMSNorms; head: what runs outside the layer loop (embedding rows, last-token select, LM
-#: head); h2d_copy: host-to-device copies and the device side of expert / layer / KV loads;
-#: loop: the layer loop's own work (per-layer slicing of the stacked weights and cache, loop
-#: condition, device-to-host copies of the loop predicate); other: everything else (residual
-#: adds, stats, memsets, ops the profile could not name). Idle GPU time inside a step is
-#: ``gap`` (reported beside these).
-CATEGORIES = ("attention", "router", "slot_table", "experts", "norm", "head", "h2d_copy", "loop", "other")
+#: flash_prefill); linear_attention: a hybrid's Gated DeltaNet token mixer (its projections, conv,
+#: gated delta rule and gated norm; the Pallas causal_conv / gated_delta kernels); router: router
+#: matmul, softmax, top-k; slot_table: slot-table lookup and the routed-expert mask; experts:
+#: expert gather and matmuls (Pallas moe_decode, grouped matmul); norm: RMSNorms; head: what runs
+#: outside the layer loop (embedding rows, last-token select, LM head); h2d_copy: host-to-device
+#: copies and the device side of expert / layer / KV loads; loop: the layer loop's own work
+#: (per-layer slicing of the stacked weights and cache, loop condition, device-to-host copies of
+#: the loop predicate); other: everything else (residual adds, stats, memsets, ops the profile
+#: could not name). Idle GPU time inside a step is ``gap`` (reported beside these).
+CATEGORIES = ("attention", "linear_attention", "router", "slot_table", "experts", "norm", "head", "h2d_copy", "loop",
+              "other")
 
 #: jax.named_scope names set in ftjax (grep named_scope ftjax/) -> category; the innermost wins.
-SCOPE_CATEGORY = {"attention": "attention", "gated_deltanet": "attention", "router": "router",
+SCOPE_CATEGORY = {"attention": "attention", "gated_deltanet": "linear_attention", "router": "router",
                   "slot_lookup": "slot_table", "experts": "experts", "shared_expert": "experts",
                   "cpu_experts": "experts", "norm": "norm", "expert_fetch": "h2d_copy", "stream_prefetch": "h2d_copy",
                   "kv_prefix_load": "h2d_copy", "kv_prefix_state_load": "h2d_copy",
@@ -221,7 +223,7 @@ def classify_op(name: str, op_name: str = "") -> str:
     :func:`hlo_op_names`). Copies are classified by name; then the innermost ftjax named scope in
     op_name decides (:data:`SCOPE_CATEGORY`); an op in the layer loop outside every named scope is
     ``loop``, one outside the loop ``head``; with no op_name, the Pallas kernels' names
-    (moe_decode, decode_attention, flash_prefill) still name their category; else ``other``.
+    (moe_decode, decode_attention, flash_prefill, gated_delta, causal_conv) still name their category; else ``other``.
     """
     low = name.lower()
     if any(w in low for w in _H2D_WORDS):
@@ -238,6 +240,8 @@ def classify_op(name: str, op_name: str = "") -> str:
         return "loop" if "while" in parts else "head"
     if "moe_decode" in low or "grouped" in low:
         return "experts"
+    if "gated_delta" in low or "causal_conv" in low:
+        return "linear_attention"
     if "attention" in low or "flash" in low:
         return "attention"
     return "other"

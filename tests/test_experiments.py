@@ -769,6 +769,33 @@ def test_profile_step_smoke(tmp_path):
     assert plots.plot(str(tmp_path / "profile_step_tiny.json"), str(tmp_path / "p.png"))
 
 
+@pytest.mark.slow
+def test_profile_step_hybrid_by_layer_kind(tmp_path):
+    """A hybrid's profile (issue 32: where the time goes by layer kind): the Gated DeltaNet mixers in their own
+    category, with their weights and the recurrent and conv states (read and written once a step) as its bytes;
+    ``--layers`` names the file and a cut above the preset's layers is refused."""
+    import numpy as np
+
+    from ftjax.config import preset
+    from ftjax.layers import gated_deltanet
+    flags = ("--preset=tiny-hybrid", "--dtype=float32", "--prompt_len=16", "--prefill_tokens=64", "--warm_steps=1",
+             "--timed_steps=2", "--pipelined_steps=2", "--trace_steps=1", "--hbm_gb=0.0625", "--batches=2",
+             "--runs=resident_decode,resident_prefill")
+    d = _run("profile_step", tmp_path, *flags, "--layers=4")
+    assert d["file"] == "profile_step_tiny-hybrid_4l.json"
+    cfg = preset("tiny-hybrid")
+    n_lin = cfg.num_layers - cfg.num_attention_layers
+    weights = n_lin * sum(int(np.prod(s)) for k, s in gated_deltanet.param_shapes(cfg).items() if k != "norm") * 4
+    for r in d["runs"]:
+        cats, rows = r["profile"]["categories"], r["batch"]
+        assert cats["linear_attention"]["s"] > 0 and cats["linear_attention"]["count"] > 0, r["run"]
+        conv, rec = gated_deltanet.state_shapes(cfg, n_lin, rows)
+        assert r["bytes"]["hbm"]["linear_attention"] == weights + 2 * 4 * (np.prod(conv) + np.prod(rec))
+    bad = _run_script("profile_step", f"--out_dir={tmp_path / 'bad'}", *flags, "--layers=5")
+    assert bad.returncode == 1 and "--layers=5: tiny-hybrid has 4 layers" in bad.stderr
+    assert not (tmp_path / "bad").exists()
+
+
 _KV_REUSE_HLO_OF_EACH_COPY = """
 import numpy as np
 from experiments import bench_kv_reuse as b

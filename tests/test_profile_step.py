@@ -36,6 +36,9 @@ BODY = "jit(_forward_step)/while/body/eval_jaxpr"
     ("gemm_fusion_dot", "jit(_forward_step)/dot_general", "head"),  # LM head: outside the loop
     ("moe_decode_down", "", "experts"),  # no HLO name: the Pallas kernels by their names
     ("flash_prefill", "", "attention"),
+    ("fusion_9", f"{BODY}/gated_deltanet/dot_general", "linear_attention"),  # a hybrid's Gated DeltaNet mixer
+    ("gated_delta_step", "", "linear_attention"),
+    ("causal_conv", "", "linear_attention"),
     ("nvjet_sm90_tst_128x160", "", "other"),
 ])
 def test_classify_op(name, op_name, want):

@@ -3,8 +3,8 @@ and notebooks import it freely.
 
 * :func:`summarize_trace`: copy vs compute on the GPU: how much of the host-to-device copy time
   runs while kernels run (issue 12, item 5; the script is ``experiments/profile_overlap.py``).
-* :func:`step_breakdown`: where a step's GPU time goes, by op category (attention, router,
-  slot table, experts, norms, ...) and idle gaps (issue 13; ``experiments/profile_step.py``).
+* :func:`step_breakdown`: where a step's GPU time goes, by op category (attention, a hybrid's
+  linear attention, router, slot table, experts, norms, ...) and idle gaps (issue 13; ``experiments/profile_step.py``).
   Events are classified by kernel name and by the ``op_name`` metadata (the ``jax.named_scope``
   path) of their HLO instruction (:func:`hlo_op_names`), on GPU kernels or, on the CPU backend,
   on the host events that execute each HLO instruction.

@@ -427,18 +427,26 @@ def define_expert_dtypes() -> None:
                              f"--expert_dtypes: each must be one of {', '.join(quant.FORMATS)}")
 
 
+def preset_cut(preset_name: str, layers: int = 0):
+    """A preset's config cut to its first ``layers`` layers (0: all of them; a hybrid keeps those layers' kinds).
+    Raises:
+      ValueError: ``layers`` above the preset's."""
+    from ftjax.config import preset
+    cfg = preset(preset_name)
+    if not layers:
+        return cfg
+    if layers > cfg.num_layers:
+        raise ValueError(f"{preset_name} has {cfg.num_layers} layers, not {layers}")
+    return dataclasses.replace(cfg, num_layers=layers, layer_types=cfg.layer_types[:layers])
+
+
 def build_random_model(preset_name: str, dtype: str, layers: int = 0):
-    """Random weights at a preset's shape, cut to its first ``layers`` layers (0: all of them; a hybrid keeps
-    those layers' kinds); returns (cfg, model, build seconds, B_P dict).
+    """Random weights at a preset's shape cut to ``layers`` (:func:`preset_cut`); returns (cfg, model, build
+    seconds, B_P dict).
     Raises:
       ValueError: ``layers`` above the preset's."""
     from ftjax.checkpoint import random_model
-    from ftjax.config import preset
-    cfg = preset(preset_name)
-    if layers:
-        if layers > cfg.num_layers:
-            raise ValueError(f"{preset_name} has {cfg.num_layers} layers, not {layers}")
-        cfg = dataclasses.replace(cfg, num_layers=layers, layer_types=cfg.layer_types[:layers])
+    cfg = preset_cut(preset_name, layers)
     t0 = time.perf_counter()
     model = random_model(cfg, dtype)
     model.host_down.block_until_ready()

@@ -12,7 +12,7 @@ Why (issue 32, the hybrid family's compile): on an H100 (2026-12-05) a 4-layer q
 the layer count past one block of the layer pattern (the layer scan runs over blocks), so a 4-layer cut stands
 for 16 and 40 layers.
 
-Usage (about 2 minutes on 2 cores; ~13 GB of memory at 4 layers of qwen3.5-35b-a3b)::
+Usage (about 2 minutes on 2 cores; a peak of ~19 GB of host memory at 4 layers of qwen3.5-35b-a3b in bf16)::
 
   PYTHONPATH=. python experiments/lower_programs.py --preset=qwen3.5-35b-a3b --layers=4 \\
       --grouped_matmuls=auto,mgpu,xla
@@ -41,18 +41,18 @@ common.check_preset()
 common.check_names("grouped_matmuls", GROUPED_MATMULS)
 FLAGS = flags.FLAGS
 
+
 def main(argv):
     del argv
     import numpy as np
 
     from ftjax import Engine
     from ftjax.checkpoint import random_model
-    from ftjax.config import PRESETS, EngineConfig
-    base = PRESETS[FLAGS.preset]
-    if FLAGS.layers > base.num_layers:
-        raise app.UsageError(f"--layers={FLAGS.layers}: {FLAGS.preset} has {base.num_layers}")
-    types = base.layer_types[:FLAGS.layers] if base.layer_types else base.layer_types
-    cfg = dataclasses.replace(base, num_layers=FLAGS.layers, layer_types=types)
+    from ftjax.config import EngineConfig
+    try:
+        cfg = common.preset_cut(FLAGS.preset, FLAGS.layers)
+    except ValueError as err:
+        raise app.UsageError(f"--layers={FLAGS.layers}: {err}") from None
     model = random_model(cfg, FLAGS.dtype)
     eng = Engine(model, EngineConfig("resident", batch=1, max_seq_len=FLAGS.prompt_len + FLAGS.steps + 8,
                                      prefill_chunk=FLAGS.prompt_len, decode_block=FLAGS.block))

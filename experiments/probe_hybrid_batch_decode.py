@@ -15,10 +15,9 @@ CPU, a 4-layer cut's decode-block program holds 15 distinct Pallas kernels (11 o
 per projection shape) and its prefill program 8 more, each a Triton compile of its own on a GPU.
 """
 
-import dataclasses
 import time
 
-from absl import flags
+from absl import app, flags
 
 from experiments import common
 
@@ -40,9 +39,11 @@ def main(argv):
 
     from ftjax import Engine
     from ftjax.checkpoint import random_model
-    from ftjax.config import PRESETS, EngineConfig
-    base = PRESETS[FLAGS.preset]
-    cfg = dataclasses.replace(base, num_layers=FLAGS.layers, layer_types=base.layer_types[:FLAGS.layers])
+    from ftjax.config import EngineConfig
+    try:
+        cfg = common.preset_cut(FLAGS.preset, FLAGS.layers)
+    except ValueError as err:
+        raise app.UsageError(f"--layers={FLAGS.layers}: {err}") from None
     model = random_model(cfg, FLAGS.dtype)
     rng = np.random.default_rng(0)
     out = {"layers": FLAGS.layers, "block": FLAGS.block, "steps": FLAGS.steps, "rows": []}

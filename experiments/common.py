@@ -430,13 +430,15 @@ def define_expert_dtypes() -> None:
 def preset_cut(preset_name: str, layers: int = 0):
     """A preset's config cut to its first ``layers`` layers (0: all of them; a hybrid keeps those layers' kinds).
     Raises:
-      ValueError: ``layers`` above the preset's."""
+      app.UsageError: ``layers`` above the preset's (``--layers=N: ...``, a script's one-line error)."""
+    from absl import app
+
     from ftjax.config import preset
     cfg = preset(preset_name)
     if not layers:
         return cfg
     if layers > cfg.num_layers:
-        raise ValueError(f"{preset_name} has {cfg.num_layers} layers, not {layers}")
+        raise app.UsageError(f"--layers={layers}: {preset_name} has {cfg.num_layers} layers")
     return dataclasses.replace(cfg, num_layers=layers, layer_types=cfg.layer_types[:layers])
 
 
@@ -444,7 +446,7 @@ def build_random_model(preset_name: str, dtype: str, layers: int = 0):
     """Random weights at a preset's shape cut to ``layers`` (:func:`preset_cut`); returns (cfg, model, build
     seconds, B_P dict).
     Raises:
-      ValueError: ``layers`` above the preset's."""
+      app.UsageError: ``layers`` above the preset's."""
     from ftjax.checkpoint import random_model
     cfg = preset_cut(preset_name, layers)
     t0 = time.perf_counter()

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from absl import app, flags
+from absl import flags
 
 from experiments import common
 from ftjax.kernels.registry import GROUPED_MATMULS
@@ -49,10 +49,7 @@ def main(argv):
     from ftjax import Engine
     from ftjax.checkpoint import random_model
     from ftjax.config import EngineConfig
-    try:
-        cfg = common.preset_cut(FLAGS.preset, FLAGS.layers)
-    except ValueError as err:
-        raise app.UsageError(f"--layers={FLAGS.layers}: {err}") from None
+    cfg = common.preset_cut(FLAGS.preset, FLAGS.layers)
     model = random_model(cfg, FLAGS.dtype)
     eng = Engine(model, EngineConfig("resident", batch=1, max_seq_len=FLAGS.prompt_len + FLAGS.steps + 8,
                                      prefill_chunk=FLAGS.prompt_len, decode_block=FLAGS.block))

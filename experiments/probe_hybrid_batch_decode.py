@@ -17,7 +17,7 @@ per projection shape) and its prefill program 8 more, each a Triton compile of i
 
 import time
 
-from absl import app, flags
+from absl import flags
 
 from experiments import common
 
@@ -40,10 +40,7 @@ def main(argv):
     from ftjax import Engine
     from ftjax.checkpoint import random_model
     from ftjax.config import EngineConfig
-    try:
-        cfg = common.preset_cut(FLAGS.preset, FLAGS.layers)
-    except ValueError as err:
-        raise app.UsageError(f"--layers={FLAGS.layers}: {err}") from None
+    cfg = common.preset_cut(FLAGS.preset, FLAGS.layers)
     model = random_model(cfg, FLAGS.dtype)
     rng = np.random.default_rng(0)
     out = {"layers": FLAGS.layers, "block": FLAGS.block, "steps": FLAGS.steps, "rows": []}

@@ -511,6 +511,17 @@ def hlo_ops(text: str) -> dict:
 _CUSTOM_CALL = re.compile(r"stablehlo\.custom_call @([\w$.\-]+)")
 
 
+def call_tokens(fn, args) -> int | None:
+    """The token count of a step call (its ``tokens`` argument's second axis: 1 for a decode step), or None for a
+    step without one (a decode block)."""
+    import inspect
+    try:
+        tokens = inspect.signature(fn).bind_partial(*args).arguments.get("tokens")
+    except (TypeError, ValueError):
+        return None
+    return None if tokens is None or getattr(tokens, "ndim", 0) != 2 else int(tokens.shape[1])
+
+
 def custom_calls(text: str) -> dict[str, int]:
     """Custom-call targets of a StableHLO module text, with their counts."""
     return dict(collections.Counter(_CUSTOM_CALL.findall(text)))
@@ -519,7 +530,7 @@ def custom_calls(text: str) -> dict[str, int]:
 def capture_programs(engine_fn):
     """Runs ``engine_fn()`` (an engine's ``precompile``: nothing executes) while recording every program the engine
     would compile, instead of compiling it: a list of (step function, arguments, static options), one per distinct
-    program, in order."""
+    program, in order. Every engine of the process is recorded, not compiled, while it runs."""
     from ftjax.runtime import programs
     seen, out = set(), []
     orig = programs.Programs.compile
@@ -541,22 +552,35 @@ def capture_programs(engine_fn):
 def lower_for_cuda(fn, args, static, device_kind: str) -> dict:
     """Traces ``fn`` at the shapes of ``args`` with the GPU's kernel choices and lowers it for CUDA; returns
     {trace_s, lower_s, chars, lines, while_loops, custom_calls, kernels}. Needs no GPU: an abstract
-    ``device_kind`` device and ``ftjax.kernels.registry.lowering_for("gpu")``; XLA's compile is not run."""
+    ``device_kind`` device and ``ftjax.kernels.registry.lowering_for("gpu")``; XLA's compile is not run.
+    jax's caches are cleared before (a trace of ``fn`` made here earlier, e.g. under another config, would be
+    reused) and after (this trace holds GPU kernels: a later call on this machine must not reuse it).
+    Only a resident engine's programs: an offloading one's plan was made for this machine (e.g. its
+    ``cheap_conds``), and its host-memory operands would lower as device ones (an abstract argument does not keep
+    its memory kind; the resident programs read no host operand).
+    Raises:
+      ValueError: a program of another experts mode."""
     from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
     from ftjax.kernels import registry
+    mode = getattr(static.get("opts"), "mode", "resident")
+    if mode != "resident":
+        raise ValueError(f"{fn.__name__}: experts mode {mode!r}; only a resident engine's programs lower here")
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x, args)
     dev = AbstractDevice(device_kind=device_kind, num_cores=132, platform="gpu")
     mesh = AbstractMesh((1,), ("x",), (AxisType.Auto,), abstract_device=dev)
-    jax.clear_caches()  # a lowering of this program from an earlier config would be reused
-    with registry.lowering_for("gpu"), use_abstract_mesh(mesh), registry.recording() as applied, \
-            warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the Triton backend's deprecation warning
-        t0 = time.perf_counter()
-        traced = fn.trace(*shapes, **static)
-        t1 = time.perf_counter()
-        text = traced.lower(lowering_platforms=("cuda",)).as_text()
-        t2 = time.perf_counter()
+    jax.clear_caches()
+    try:
+        with registry.lowering_for("gpu"), use_abstract_mesh(mesh), registry.recording() as applied, \
+                warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the Triton backend's deprecation warning
+            t0 = time.perf_counter()
+            traced = fn.trace(*shapes, **static)
+            t1 = time.perf_counter()
+            text = traced.lower(lowering_platforms=("cuda",)).as_text()
+            t2 = time.perf_counter()
+    finally:
+        jax.clear_caches()
     return {"trace_s": t1 - t0, "lower_s": t2 - t1, "chars": len(text), "lines": text.count("\n"),
             "while_loops": text.count("stablehlo.while"), "custom_calls": custom_calls(text),
             "kernels": sorted(applied)}

@@ -67,11 +67,12 @@ def main(argv):
             opts = static.get("opts")
             st = dict(static, opts=dataclasses.replace(opts, kernels=dataclasses.replace(
                 opts.kernels, grouped_matmul=gm))) if opts is not None else static
-            row = {"program": fn.__name__, "grouped_matmul": gm,
+            row = {"program": fn.__name__, "tokens": common.call_tokens(fn, args), "grouped_matmul": gm,
                    **common.lower_for_cuda(fn, args, st, FLAGS.device_kind)}
             rows.append(row)
-            print(f"{row['program']:>24} {gm:>5}: trace {row['trace_s']:.2f} s, lower {row['lower_s']:.2f} s, "
-                  f"{row['chars'] / 1e3:.0f} k chars, custom calls {row['custom_calls']}", flush=True)
+            print(f"{row['program']:>14} {row['tokens'] or '':>4} {gm:>5}: trace {row['trace_s']:.2f} s, "
+                  f"lower {row['lower_s']:.2f} s, {row['chars'] / 1e3:.0f} k chars, custom calls "
+                  f"{row['custom_calls']}", flush=True)
             if opts is None:
                 break  # no kernel config: one lowering
     name = f"lower_programs_{FLAGS.preset}_{FLAGS.layers}l" + (f"_{FLAGS.tag}" if FLAGS.tag else "") + ".json"

@@ -778,19 +778,20 @@ def test_profile_step_hybrid_by_layer_kind(tmp_path):
 
     from ftjax.config import preset
     from ftjax.layers import gated_deltanet
-    flags = ("--preset=tiny-hybrid", "--dtype=float32", "--prompt_len=16", "--prefill_tokens=64", "--warm_steps=1",
+    flags = ("--preset=tiny-hybrid", "--dtype=bfloat16", "--prompt_len=16", "--prefill_tokens=64", "--warm_steps=1",
              "--timed_steps=2", "--pipelined_steps=2", "--trace_steps=1", "--hbm_gb=0.0625", "--batches=2",
              "--runs=resident_decode,resident_prefill")
     d = _run("profile_step", tmp_path, *flags, "--layers=4")
     assert d["file"] == "profile_step_tiny-hybrid_4l.json"
     cfg = preset("tiny-hybrid")
     n_lin = cfg.num_layers - cfg.num_attention_layers
-    weights = n_lin * sum(int(np.prod(s)) for k, s in gated_deltanet.param_shapes(cfg).items() if k != "norm") * 4
+    weights = n_lin * sum(int(np.prod(s)) for k, s in gated_deltanet.param_shapes(cfg).items() if k != "norm") * 2
     for r in d["runs"]:
         cats, rows = r["profile"]["categories"], r["batch"]
         assert cats["linear_attention"]["s"] > 0 and cats["linear_attention"]["count"] > 0, r["run"]
         conv, rec = gated_deltanet.state_shapes(cfg, n_lin, rows)
-        assert r["bytes"]["hbm"]["linear_attention"] == weights + 2 * 4 * (np.prod(conv) + np.prod(rec))
+        # read and written: the conv state in bf16, the recurrent state in float32
+        assert r["bytes"]["hbm"]["linear_attention"] == weights + 2 * (2 * np.prod(conv) + 4 * np.prod(rec))
     bad = _run_script("profile_step", f"--out_dir={tmp_path / 'bad'}", *flags, "--layers=5")
     assert bad.returncode == 1 and "--layers=5: tiny-hybrid has 4 layers" in bad.stderr
     assert not (tmp_path / "bad").exists()

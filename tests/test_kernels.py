@@ -358,9 +358,15 @@ def test_engine_programs_lower_for_cuda_with_the_gpus_kernel_choices():
     from ftjax import Engine
     from ftjax.checkpoint import random_model
     from ftjax.config import EngineConfig, preset
+    from ftjax.kernels import common as kernels_common
+    from ftjax.kernels import grouped_matmul as gmm
+    bf_rows, bf_experts = jnp.zeros((8, 128), jnp.bfloat16), jnp.zeros((4, 128, 256), jnp.bfloat16)
     assert registry.backend() == jax.default_backend() and registry.mode("flash_prefill") == "xla"
-    with registry.lowering_for("gpu"):
+    assert kernels_common.dot_dtype_ok(jnp.float32) and not gmm.mgpu_supported(bf_rows, bf_experts)
+    with registry.lowering_for("gpu"):  # every kernel choice as on a GPU
         assert registry.backend() == "gpu" and registry.mode("flash_prefill") == "gpu"
+        assert not kernels_common.dot_dtype_ok(jnp.float32) and gmm.mgpu_supported(bf_rows, bf_experts)
+        assert registry.active().dot_rows() == 4
     with pytest.raises(ValueError, match="'cuda'"):
         with registry.lowering_for("cuda"):
             pass
@@ -378,7 +384,12 @@ def test_engine_programs_lower_for_cuda_with_the_gpus_kernel_choices():
         eng.precompile_block(4, eos_width=1)
     progs = common.capture_programs(precompile)
     assert [fn.__name__ for fn, _, _ in progs] == ["forward_step", "decode_block"]
-    prefill = common.lower_for_cuda(*progs[0], device_kind="NVIDIA H200")
+    fn, args, static = progs[0]
+    assert common.call_tokens(fn, args) == 64
+    with pytest.raises(ValueError, match="experts mode 'cached'"):  # its plan and host operands are this machine's
+        common.lower_for_cuda(fn, args, {**static, "opts": dataclasses.replace(static["opts"], mode="cached")},
+                              device_kind="NVIDIA H200")
+    prefill = common.lower_for_cuda(fn, args, static, device_kind="NVIDIA H200")
     assert "grouped_matmul_triton" in prefill["kernels"] and "mosaic_gpu_v2" not in prefill["custom_calls"]
     assert prefill["custom_calls"]["__gpu$xla.gpu.triton"] >= 1
     decode = common.lower_for_cuda(*progs[1], device_kind="NVIDIA H200")

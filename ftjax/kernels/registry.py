@@ -313,7 +313,9 @@ def lowering_for(platform: str):
     """Within it, every kernel choice (:func:`mode`, :func:`backend`) is made as on ``platform`` ("gpu"):
     a program traced here and lowered with ``lowering_platforms=("cuda",)`` holds the GPU's kernels, so
     its size and lowering time can be measured on a machine without that backend
-    (``experiments/lower_programs.py``). Nothing compiled inside it can run on this machine.
+    (``experiments/lower_programs.py``). Nothing compiled inside it can run on this machine. It applies to what
+    is traced inside it: jax's trace cache does not key on it, so clear jax's caches (``jax.clear_caches()``)
+    before lowering a function already traced here, and after, before calling it here again.
     Raises:
       ValueError: ``platform`` is not "cpu", "gpu" or "tpu"."""
     if platform not in ("cpu", "gpu", "tpu"):

@@ -62,6 +62,7 @@ def main(argv):
         eng.precompile_block(FLAGS.block, eos_width=1)
     captured = common.capture_programs(precompile)
     rows = []
+    print(f"{'program':>14} {'tokens':>6} {'grouped_matmul':>14}: tracing, lowering, StableHLO size, custom calls")
     for fn, args, static in captured:
         for gm in FLAGS.grouped_matmuls:
             opts = static.get("opts")
@@ -70,7 +71,7 @@ def main(argv):
             row = {"program": fn.__name__, "tokens": common.call_tokens(fn, args), "grouped_matmul": gm,
                    **common.lower_for_cuda(fn, args, st, FLAGS.device_kind)}
             rows.append(row)
-            print(f"{row['program']:>14} {row['tokens'] or '':>4} {gm:>5}: trace {row['trace_s']:.2f} s, "
+            print(f"{row['program']:>14} {row['tokens'] or '':>6} {gm:>14}: trace {row['trace_s']:.2f} s, "
                   f"lower {row['lower_s']:.2f} s, {row['chars'] / 1e3:.0f} k chars, custom calls "
                   f"{row['custom_calls']}", flush=True)
             if opts is None:

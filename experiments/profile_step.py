@@ -419,10 +419,11 @@ def main(argv):
         payload["targets_by_kernels"] = {k: targets([r for r in rows if r.get("kernels") == k], bp_gbps)
                                          for k in kernel_sets}
     path = common.write_json(FLAGS.out_dir, name, payload)
-    print(tables(rows))
+    if len(rows) > 1:  # each run's tables were printed as it ended
+        print(tables(rows))
     for k, t in payload.get("targets_by_kernels", {None: payload["targets"]}).items():
-        print("issue 13 targets (same run)" + (f", --kernels={k}" if k else "") + ":",
-              {n: v if isinstance(v, list) else round(v, 3) for n, v in t.items()})
+        label = "decode step / floor and cached / (resident + misses), same run" + (f", --kernels={k}" if k else "")
+        print(label + ":", {n: v if isinstance(v, list) else round(v, 3) for n, v in t.items()})
     print("wrote", path)
 
 

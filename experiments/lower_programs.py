@@ -1,11 +1,12 @@
 """How big an engine's GPU programs are, measured on a machine without a GPU.
 
-Runs a short ``generate`` of a resident engine on this machine's backend (the CPU) at a preset cut to ``--layers``
-(random weights), keeps every program the engine compiles, and lowers each again for CUDA with the kernel choices
-a GPU would make (``registry.lowering_for("gpu")``, an abstract H200 device; no GPU needed), once per
-``--grouped_matmuls`` value. Per program it records the seconds of jax's tracing and of its lowering to StableHLO,
-the module's size, its custom calls by target (each Triton or Mosaic GPU kernel is one; XLA compiles each on the
-GPU) and the kernels that applied. XLA's own compile (the other part of a GPU compile) is not measured here.
+Builds a resident engine at a preset cut to ``--layers`` (random weights), admits one ``--prompt_len`` prompt,
+records every program its precompile would compile (nothing is compiled or run here: ``common.capture_programs``),
+and lowers each for CUDA with the kernel choices a GPU would make (``registry.lowering_for("gpu")``, an abstract
+H200 device; no GPU needed), once per ``--grouped_matmuls`` value. Per program it records the seconds of jax's
+tracing and of its lowering to StableHLO, the module's size, its custom calls by target (each Triton or Mosaic GPU
+kernel is one; XLA compiles each on the GPU) and the kernels that applied. XLA's own compile (the other part of a
+GPU compile) is not measured here.
 
 Why (issue 32, the hybrid family's compile): on an H100 (2026-12-05) a 4-layer qwen3.5-35b-a3b cut compiled in
 44 s, the prefill program 12.8 s of tracing and lowering plus 27.5 s in XLA. The program's size does not grow with
@@ -65,17 +66,15 @@ def main(argv):
     print(f"{'program':>14} {'tokens':>6} {'grouped_matmul':>14}: tracing, lowering, StableHLO size, custom calls")
     for fn, args, static in captured:
         for gm in FLAGS.grouped_matmuls:
-            opts = static.get("opts")
-            st = dict(static, opts=dataclasses.replace(opts, kernels=dataclasses.replace(
-                opts.kernels, grouped_matmul=gm))) if opts is not None else static
+            opts = static["opts"]  # every engine step carries its StepOptions
+            st = dict(static, opts=dataclasses.replace(opts, kernels=dataclasses.replace(opts.kernels,
+                                                                                       grouped_matmul=gm)))
             row = {"program": fn.__name__, "tokens": common.call_tokens(fn, args), "grouped_matmul": gm,
                    **common.lower_for_cuda(fn, args, st, FLAGS.device_kind)}
             rows.append(row)
             print(f"{row['program']:>14} {row['tokens'] or '':>6} {gm:>14}: trace {row['trace_s']:.2f} s, "
                   f"lower {row['lower_s']:.2f} s, {row['chars'] / 1e3:.0f} k chars, custom calls "
                   f"{row['custom_calls']}", flush=True)
-            if opts is None:
-                break  # no kernel config: one lowering
     name = f"lower_programs_{FLAGS.preset}_{FLAGS.layers}l" + (f"_{FLAGS.tag}" if FLAGS.tag else "") + ".json"
     path = common.write_json(FLAGS.out_dir, name, {"preset": FLAGS.preset, "layers": FLAGS.layers,
                                                    "device_kind": FLAGS.device_kind, "rows": rows,

@@ -64,6 +64,7 @@ import numpy as np  # noqa: E402
 
 from experiments import common  # noqa: E402
 from experiments.timeline import CATEGORIES, hlo_op_names, step_breakdown, targets, trace_events  # noqa: E402
+from ftjax.layers import gated_deltanet  # noqa: E402
 from ftjax import Engine  # noqa: E402
 from ftjax.checkpoint import DTYPES  # noqa: E402
 from ftjax.config import EngineConfig  # noqa: E402
@@ -117,7 +118,6 @@ _next_token = jax.jit(lambda logits: jnp.argmax(logits, axis=-1).astype(jnp.int3
 def _layer_param_groups(cfg, params) -> dict[str, list]:
     """The stacked layer params by category: router, norm, experts (a hybrid's shared expert),
     linear_attention (a hybrid's Gated DeltaNet weights but its norm), attention (everything else)."""
-    from ftjax.layers import gated_deltanet
     linear = set(gated_deltanet.param_shapes(cfg)) if cfg.is_hybrid else set()
     groups: dict[str, list] = {"attention": [], "linear_attention": [], "router": [], "norm": [], "experts": []}
     for path, leaf in jax.tree_util.tree_flatten_with_path(params["layers"])[0]:
@@ -148,7 +148,6 @@ def analytic_bytes(model, tokens: int, kv_rows_read: int, kv_rows_written: int, 
     eb = model.expert_bytes
     states = 0
     if cfg.is_hybrid:
-        from ftjax.layers import gated_deltanet
         n_lin = cfg.num_layers - cfg.num_attention_layers
         conv, rec = gated_deltanet.state_shapes(cfg, n_lin, sequences)
         states = 2 * (int(np.prod(conv)) * item + int(np.prod(rec)) * 4)  # read and written; the state is float32

@@ -249,11 +249,11 @@ class KernelConfig:
                 return get(name).tiles(t)
         return None
 
-    def dot_rows(self, backend: str | None = None) -> int:
-        """:attr:`min_dot_rows` resolved for ``backend`` (default: jax's)."""
+    def dot_rows(self, platform: str | None = None) -> int:
+        """:attr:`min_dot_rows` resolved for ``platform`` (default: :func:`backend`)."""
         if self.min_dot_rows is not None:
             return self.min_dot_rows
-        return 4 if (backend or _TARGET.get() or jax.default_backend()) == "gpu" else 0
+        return 4 if (platform or backend()) == "gpu" else 0
 
     def miss_group(self) -> int:
         """:attr:`fetch_group`, or :data:`FETCH_GROUP` where unset (one default on every backend)."""

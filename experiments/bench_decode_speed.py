@@ -19,7 +19,6 @@ steps): what the host's per-step work leaves idle.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import json
 import os
@@ -133,12 +132,10 @@ def main(argv):
     import jax
 
     from ftjax.checkpoint import random_model
-    from ftjax.config import preset
     bp = common.measure_h2d()
     rows = []
     for n in map(int, FLAGS.layers):
-        cfg = preset(FLAGS.preset)
-        cfg = dataclasses.replace(cfg, num_layers=n or cfg.num_layers)
+        cfg = common.preset_cut(FLAGS.preset, n)  # a hybrid keeps its first n layers' kinds
         t0 = time.perf_counter()
         model = random_model(cfg, "bfloat16")
         jax.block_until_ready(model.params)

@@ -57,6 +57,9 @@ class ModelConfig:
         a sigmoid gate.
       linear_num_key_heads, linear_num_value_heads, linear_key_head_dim, linear_value_head_dim,
       linear_conv_kernel: the Gated DeltaNet layers' shape (0 without such layers).
+
+    Raises:
+      ValueError: ``layer_types`` given with a length other than ``num_layers``.
     """
 
     model_type: str
@@ -86,6 +89,12 @@ class ModelConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel: int = 0
+
+    def __post_init__(self):
+        # a cut that forgets layer_types would scan the wrong blocks and fail deep inside a trace
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"ModelConfig: layer_types has {len(self.layer_types)} entries, num_layers is "
+                             f"{self.num_layers} (cut both: experiments.common.preset_cut)")
 
     # ---- hybrid layer pattern --------------------------------------------------------------
     @property

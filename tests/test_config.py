@@ -170,3 +170,12 @@ def test_decode_graphs_choices_and_resolution():
     assert dict(both) == {**dict(CUBLAS_DECODE_OPTIONS), **dict(GRAPH_DECODE_OPTIONS)} and both == tuple(sorted(both))
     assert decode_compiler_options("xla", 1, "bfloat16", "gpu", graphs=True) == GRAPH_DECODE_OPTIONS
     assert decode_compiler_options("auto", 16, "bfloat16", "gpu", graphs=True) == ()  # prefill: XLA's defaults
+
+
+def test_layer_types_must_match_num_layers():
+    import dataclasses
+    cfg = preset("tiny-hybrid")
+    with pytest.raises(ValueError, match="layer_types has 4 entries, num_layers is 2"):
+        dataclasses.replace(cfg, num_layers=2)
+    cut = dataclasses.replace(cfg, num_layers=2, layer_types=cfg.layer_types[:2])
+    assert cut.block_pattern == ("linear_attention",) and cut.num_blocks == 2

@@ -86,9 +86,10 @@ flags.DEFINE_integer("decode_prompt_len", 512, "Prompt tokens before those decod
 flags.DEFINE_list("model_configs", ["xla-delta-rule", "auto", "auto+decode-kernels"],
                   "Kernel configurations of the model stage (the first is the logits' reference): xla-delta-rule, "
                   "gated_delta-only, auto, auto-best-tiles, auto+decode-kernels (auto plus causal_conv and "
-                  "gated_delta_step, which are not auto), auto-mosaic-moe (auto without grouped_matmul_triton: the "
-                  "Mosaic grouped matmul over a gathered layer), auto+fused-swiglu (auto plus grouped_swiglu_triton), "
-                  "auto+pool-moe (auto plus grouped_matmul_pool: the experts read in the pool, no layer gather), "
+                  "gated_delta_step, which are not auto), auto-mosaic-moe (auto without grouped_matmul_triton and "
+                  "grouped_matmul_pool: the Mosaic grouped matmul over a gathered layer), auto-gather-moe (auto "
+                  "without grouped_matmul_pool: the Triton matmul over a gathered layer: auto's choice at "
+                  "a733c60), auto+fused-swiglu (auto plus grouped_swiglu_triton), "
                   "auto+graphs (auto with decode_graphs=on: the decode block as a CUDA graph). The 'auto+' and "
                   "'-moe' configs list the auto kernels by name, so each runs wherever it takes the operands, "
                   "without auto's own conditions (minimum tokens, group counts): alike for this 8192-token prefill.")
@@ -478,9 +479,10 @@ def stage_model(cfg, out: dict) -> None:
              "gated_delta-only": (tuple(a for a in auto if a != "gated_delta_solve"), tiles),
              "auto": ("auto", {}), "auto-best-tiles": ("auto", tiles),
              "auto+decode-kernels": (auto + ("causal_conv", "gated_delta_step"), {}),
-             "auto-mosaic-moe": (tuple(a for a in auto if a != "grouped_matmul_triton"), {}),
+             "auto-mosaic-moe": (tuple(a for a in auto if a not in ("grouped_matmul_triton", "grouped_matmul_pool")),
+                                 {}),
+             "auto-gather-moe": (tuple(a for a in auto if a != "grouped_matmul_pool"), {}),
              "auto+fused-swiglu": (auto + ("grouped_swiglu_triton",), {}),
-             "auto+pool-moe": (auto + ("grouped_matmul_pool",), {}),
              "auto+graphs": ("auto", {}, {"decode_graphs": "on"})}
     unknown = sorted(set(FLAGS.model_configs) - set(known))
     if unknown:

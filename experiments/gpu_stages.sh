@@ -20,8 +20,9 @@
 # miss-host-graphs: the host-split driver with its per-layer programs as CUDA graphs (--decode_graphs=on), beside
 #                  fetch-only: does it cut the front / device dispatch phases (0.78 / 0.30 ms a layer on an H100)?
 # gdn-model:       bench_gated_delta's 16-layer model stage: resident 8192-token prefill TTFT and compile with the MoE
-#                  prefill on the Mosaic kernel (the default before 2026-12-05), on grouped_matmul_triton (auto since),
-#                  with grouped_matmul_pool (no layer gather) and with grouped_swiglu_triton named (issue 32's TTFT);
+#                  prefill on the Mosaic kernel (the default before 2026-12-05), on grouped_matmul_triton over a
+#                  gathered layer (auto at a733c60), auto (since: reading the pool in place, grouped_matmul_pool) and
+#                  with grouped_swiglu_triton named (issue 32's TTFT);
 #                  the resident decode with and without the decode block as a CUDA graph (decode_graphs=on)
 # gmm-tiles:       bench_grouped_matmul: one prefill layer's grouped expert FFN by piece (the default kernels), the
 #                  Mosaic GPU grouped matmul at its default and two best tiles of 2026-12-05, and six configs of the
@@ -101,7 +102,7 @@ for stage in "$@"; do
         --time_budget_s=220 ${out:+--out_dir="$out/host-graphs"} ;;
     gdn-model)
       run 480 "$stage" experiments/bench_gated_delta.py --stages=model --model_deadline_s=420 \
-        --model_configs=auto-mosaic-moe,auto,auto+pool-moe,auto+fused-swiglu,auto+graphs \
+        --model_configs=auto-mosaic-moe,auto-gather-moe,auto,auto+fused-swiglu,auto+graphs \
         --model_decode_configs=auto,auto+graphs \
         --tag=model-moe ${out:+--out_dir="$out"} ;;
     gmm-tiles)

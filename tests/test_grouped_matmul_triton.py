@@ -238,10 +238,11 @@ def test_slot_table_reads_the_pool_in_place():
         gm.grouped_matmul(lhs, pool, sizes, group_slot=slot)  # the default config: no Triton kernel on the CPU
 
 
-def test_pool_grouping_only_where_named(monkeypatch):
+def test_pool_grouping_where_named_or_auto_at_256_experts(monkeypatch):
     """``grouped_matmul.pool_grouping``: with ``grouped_matmul_pool`` named, a layer's grouped FFN reads its E
-    experts in the pool through the slot table (no gather) and matches the gathered path; never under ``auto``,
-    on a GPU either (the backend stubbed: only the decision is taken), nor for mismatched dtypes."""
+    experts in the pool through the slot table (no gather) and matches the gathered path; under ``auto`` on a GPU
+    (the backend stubbed: only the decision is taken) for 256 experts a layer, not 128; never for mismatched
+    dtypes nor with the Mosaic grouped matmul asked for."""
     from ftjax.experts import compute
     rng = np.random.default_rng(2)
     s, e, d, f = 24, 8, 128, 64
@@ -276,14 +277,15 @@ def test_pool_grouping_only_where_named(monkeypatch):
     sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
     xs = sd((4096, 2048), bf)
     pool = lambda slots, dtype=bf: (sd((slots, 2048, 1024), dtype), sd((slots, 512, 2048), dtype))  # noqa: E731
-    for cfg in (KernelConfig(), KernelConfig(use=("grouped_matmul_triton",))):
-        with using(cfg):
-            assert not gm.pool_grouping(xs, *pool(10240))  # auto: never (not measured); nor without its name
+    with using(KernelConfig()):  # auto: where the Triton matmul is auto too (256 experts a layer, not qwen3's 128)
+        assert gm.pool_grouping(xs, *pool(10240), 256) and not gm.pool_grouping(xs, *pool(6144), 128)
+    with using(KernelConfig(use=("grouped_matmul_triton",))):
+        assert not gm.pool_grouping(xs, *pool(10240), 256)  # a named list without it
     with using(KernelConfig(use=("grouped_matmul_triton", "grouped_matmul_pool"))):
-        assert gm.pool_grouping(xs, *pool(10240))
-        assert not gm.pool_grouping(xs, *pool(10240, jnp.float32))
-    with using(KernelConfig(use=("grouped_matmul_triton", "grouped_matmul_pool"), grouped_matmul="mgpu")):
-        assert not gm.pool_grouping(xs, *pool(10240))
+        assert gm.pool_grouping(xs, *pool(6144), 128)  # named: any expert count the kernel takes
+        assert not gm.pool_grouping(xs, *pool(10240, jnp.float32), 256)
+    with using(KernelConfig(grouped_matmul="mgpu")):
+        assert not gm.pool_grouping(xs, *pool(10240), 256)
 
 
 def test_engine_with_the_kernel_cached_equals_resident():

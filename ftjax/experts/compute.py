@@ -136,8 +136,9 @@ def experts_from_pool(x: jax.Array, ids: jax.Array, weights: jax.Array, slot_of_
     Grouped: the layer's E experts are gathered from the pool in expert order (one device copy; a
     quantized format gathers its stored bytes and scales and dequantizes these E experts) and the
     kernel sees E groups whatever the pool size S, so every pool size gives the same operands. Where the
-    kernel config names ``grouped_matmul_pool`` (:func:`ftjax.kernels.grouped_matmul.pool_grouping`: dense
-    weights), the same E groups read their weights in the pool through a slot table instead, with no copy.
+    kernel config names ``grouped_matmul_pool``, or ``auto`` on a GPU picks it (E >= 256:
+    :func:`ftjax.kernels.grouped_matmul.pool_grouping`; dense weights), the same E groups read their weights in the
+    pool through a slot table instead, with no copy.
     Grouping rows by *slot* over the whole pool (G = S groups, most empty) is what neither does: the Mosaic
     GPU kernel unrolls a loop over its groups (its compile time grew to minutes, docs/MISS_POLICY.md,
     "Open"), and the Triton kernel's tile count grows with G.
@@ -149,7 +150,7 @@ def experts_from_pool(x: jax.Array, ids: jax.Array, weights: jax.Array, slot_of_
         # an expert without a slot (-1: a padding token's or another device's pair, whose output is weighted 0 or
         # dropped) reads slot 0, on both paths
         safe = jnp.maximum(slot_of_expert, 0)
-        if fmt == "dense" and pool_grouping(x, gate_up, down):
+        if fmt == "dense" and pool_grouping(x, gate_up, down, slot_of_expert.shape[0]):
             return experts_grouped(x, ids, weights, gate_up, down, group_slot=safe)
         layer_scales = None if scales is None else tuple(s[safe] for s in scales)
         return experts_grouped(x, ids, weights, gate_up[safe], down[safe], layer_scales, fmt)

@@ -18,7 +18,7 @@ selects which run, and is part of every compiled program's key.
   more, the Mosaic GPU kernel for fewer; ``ragged_dot`` elsewhere; ``KernelConfig.grouped_matmul``).
   ``grouped_matmul_triton``: the matmul over a tile schedule computed once per call (no per-tile search over
   the groups); ``grouped_swiglu_triton``: its gate-up with the token gather and SwiGLU fused (named only);
-  ``grouped_matmul_pool``: both reading the layer's experts in the slot pool in place (named only).
+  ``grouped_matmul_pool``: both reading the layer's experts in the slot pool in place (auto where the first is).
 * ``causal_conv``, ``gated_delta``, ``gated_delta_solve``, ``gated_delta_step``: the Gated DeltaNet layer's
   conv, chunk scan, chunk solve and decode step.
 

@@ -17,7 +17,7 @@ The named kernel ``grouped_matmul_triton`` (``ftjax.kernels.grouped_matmul_trito
 kernel over a precomputed tile schedule, no per-tile loop over the groups) replaces both where the
 kernel config names it, and under ``auto`` on a GPU for 256 groups or more (measured faster there:
 :mod:`ftjax.kernels.grouped_matmul_triton`). Through a slot table it also reads a layer's experts where
-they sit in the pool (``grouped_matmul_pool``, :func:`pool_grouping`; named only).
+they sit in the pool (``grouped_matmul_pool``, :func:`pool_grouping`; auto where the Triton kernel is).
 """
 
 from __future__ import annotations
@@ -90,18 +90,29 @@ def grouped_swiglu(x: jax.Array, row_token: jax.Array, gate_up: jax.Array, group
                                      interpret=how == "interpret", **tiles)
 
 
-def pool_grouping(x: jax.Array, gate_up: jax.Array, down: jax.Array) -> bool:
+def pool_auto(groups: int) -> bool:
+    """Whether ``use="auto"`` reads a layer's ``groups`` experts in the pool on a GPU (``grouped_matmul_pool``):
+    where it also picks ``grouped_matmul_triton`` (at least :data:`ftjax.kernels.grouped_matmul_triton.
+    AUTO_MIN_GROUPS` experts a layer). Measured on an H100 (2026-12-05, ``experiments/results/gated_delta/
+    bench_gated_delta_qwen3.5-35b-a3b_model-moe_h100_2026-12-05.json``): qwen3.5-35b-a3b cut to 16 layers,
+    resident, an 8192-token prefill: TTFT 0.122 s against 0.140 s with the layer gather (1.6 GB copied a layer),
+    logits bit-identical, with the 25.8 GB pool addressed in 64-bit offsets."""
+    return groups >= gmt.AUTO_MIN_GROUPS
+
+
+def pool_grouping(x: jax.Array, gate_up: jax.Array, down: jax.Array, groups: int) -> bool:
     """Whether a layer's grouped expert FFN reads its experts in the pool through a slot table (the kernel
     ``grouped_matmul_pool``) instead of gathering them first: x [N, D]; gate_up [S, D, 2F] and down [S, F, D],
-    a pool of S slots in x's dtype. True where the kernel config names ``grouped_matmul_pool`` (or interprets
-    every kernel) and ``grouped_matmul_triton`` takes both matmuls; never under ``auto`` (not measured: the
-    gather it saves is 1.6 GB per qwen3.5-35b-a3b layer, against 64-bit addressing of a pool above 4 GiB).
-    Decided from the config and shapes alone, so every expert mode decides alike."""
+    a pool of S slots in x's dtype; ``groups``: the layer's experts E (the slot table's length). True where
+    ``grouped_matmul_triton`` takes both matmuls and the kernel config names ``grouped_matmul_pool`` (or
+    interprets every kernel), or under ``use="auto"`` on a GPU for E >= 256 (:func:`pool_auto`). Decided from
+    the config and shapes alone, so every expert mode decides alike."""
     if registry.active().grouped_matmul != "auto" or gate_up.dtype != x.dtype:
         return False
+    auto = pool_auto(groups)
     h = jax.ShapeDtypeStruct((x.shape[0], down.shape[1]), x.dtype)
-    takes = all(_triton_mode(a, w, False, record=False)[0] != "xla" for a, w in ((x, gate_up), (h, down)))
-    return takes and registry.mode("grouped_matmul_pool", auto=False) != "xla"
+    takes = all(_triton_mode(a, w, auto, record=False)[0] != "xla" for a, w in ((x, gate_up), (h, down)))
+    return takes and registry.mode("grouped_matmul_pool", auto=auto) != "xla"
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, impl: str | None = None,
@@ -122,7 +133,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, impl:
         kernel does not run.
     """
     if group_slot is not None:
-        how, tiles = _triton_mode(lhs, rhs, False)
+        how, tiles = _triton_mode(lhs, rhs, pool_auto(group_slot.shape[0]))
         if how == "xla" or impl is not None:
             raise ValueError("grouped_matmul: group_slot needs grouped_matmul_triton (see pool_grouping)")
         return gmt.grouped_matmul_triton(lhs, rhs, group_sizes, group_slot=group_slot, interpret=how == "interpret",

@@ -278,4 +278,5 @@ registry.register(registry.Kernel(
     "grouped_matmul_pool", "jax.lax.ragged_dot",
     "prefill's routed-expert FFN reading a layer's experts in the slot pool through a slot table, without gathering "
     "them first (ftjax.experts.compute.experts_from_pool): dense weights, where grouped_matmul_triton takes the "
-    "operands; named only (not yet measured)", auto=False, needs=("grouped_matmul_triton",)))
+    "operands; auto for >= 256 experts a layer, as grouped_matmul_triton (ftjax.kernels.grouped_matmul.pool_auto)",
+    auto=True, needs=("grouped_matmul_triton",)))

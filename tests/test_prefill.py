@@ -244,13 +244,15 @@ def test_grouped_matmul_workspace_does_not_grow_with_groups_times_rows(monkeypat
     assert large <= 4.5 * small, (small, large)
 
 
-def test_mgpu_tiles_take_wide_tiles_for_the_down_projection_only():
+def test_mgpu_tiles_by_operand_shape():
     """The Mosaic GPU grouped matmul's tiles by operand shape: the measured 64x256 tiles for a short K (the down
-    projection, K = F) where N is a multiple of 256; the default 128x128 for the gate-up matmul (K = D) and where
-    256 does not divide N."""
+    projection, K = F) where N is a multiple of 256; 128x128 for the gate-up matmul (K = D), walked 4 column blocks
+    at a time where 512 divides N; plain 128x128 elsewhere."""
     from ftjax.kernels import grouped_matmul as gm
     wide = {"block_m": 64, "block_n": 256, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 1}
     default = {**wide, "block_m": 128, "block_n": 128}
     assert gm.mgpu_tiles(512, 2048) == wide and gm.mgpu_tiles(768, 2048) == wide  # qwen3.5 / qwen3 down
-    assert gm.mgpu_tiles(2048, 1024) == default and gm.mgpu_tiles(2048, 1536) == default  # their gate-up
+    snake = {**default, "grid_block_n": 4}
+    assert gm.mgpu_tiles(2048, 1024) == snake and gm.mgpu_tiles(2048, 1536) == snake  # their gate-up
     assert gm.mgpu_tiles(768, 1152) == default  # 1152 = 9 x 128: not a multiple of 256
+    assert gm.mgpu_tiles(2048, 1152) == default  # nor of 4 x 128

@@ -40,10 +40,16 @@ TILE_ROW_MULTIPLE = 64
 # SHORT_K: the experts' down projection, K = F) takes SHORT_K_TILES where N allows: measured on an H200
 # (2026-12-05, experiments/results/gated_delta/bench_grouped_matmul_h200_2026-12-05.json, 8192 tokens, top-8) the
 # down matmul ran 1.30 vs 1.59 ms (256 experts, F = 512) and 1.16 vs 1.38 ms (128 experts, F = 768) against the
-# default tiles, the same bits; the gate-up matmul (K = D = 2048) was within the runs' spread either way.
+# default tiles, the same bits. A longer K (the gate-up matmul, K = D) walks its output tiles 4 column blocks at a
+# time (LONG_K_GRID_BLOCK_N: the kernel's planar snake over the tile grid, the same arithmetic per tile) where 4 x
+# block_n divides N: the qwen3 family's 128-expert gate-up (K = 2048, N = 1536; the Mosaic kernel stays auto there)
+# ran 1.38 vs 1.92 ms on an H100 (gated_delta/bench_grouped_matmul_tiles-e9fe957_h100_2026-12-05.json) and 1.27
+# vs 1.69 ms on an H200 (gated_delta/bench_grouped_matmul_h200_2026-12-05.json); at 256 experts it was faster in 3
+# of 4 runs.
 BLOCK_M, BLOCK_N, BLOCK_K, STAGES = 128, 128, 64, 4
 SHORT_K = 1024
 SHORT_K_TILES = {"block_m": 64, "block_n": 256}
+LONG_K_GRID_BLOCK_N = 4
 
 
 def mgpu_tiles(k: int, n: int) -> dict:
@@ -53,6 +59,8 @@ def mgpu_tiles(k: int, n: int) -> dict:
              "grid_block_n": 1}
     if k <= SHORT_K and n % SHORT_K_TILES["block_n"] == 0:
         tiles.update(SHORT_K_TILES)
+    elif k > SHORT_K and n % (LONG_K_GRID_BLOCK_N * BLOCK_N) == 0:
+        tiles["grid_block_n"] = LONG_K_GRID_BLOCK_N
     return tiles
 
 

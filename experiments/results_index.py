@@ -164,6 +164,11 @@ def _bench_miss_copy(d: dict) -> str:
 def _bench_gated_delta(d: dict) -> str:
     rule = {(r.get("variant"), r.get("chunk_states"), r.get("highest")): r for r in d.get("rule") or [] if "s" in r}
     xla = rule.get(("xla", False, False))
+    model = [r for r in (d.get("model") or {}).get("rows") or [] if "ttft_s" in r]
+    if xla is None and model:  # a model-stage run: its kernel configs' TTFT
+        best = min(model, key=lambda r: r["ttft_s"]["median"])
+        return (f"{d['model']['layers']}-layer prefill TTFT {model[0]['kernels']} {_secs(model[0]['ttft_s']['median'])}"
+                f", best {best['kernels']} {_secs(best['ttft_s']['median'])}")
     if xla is None:
         return "-"
     out = []
@@ -174,7 +179,6 @@ def _bench_gated_delta(d: dict) -> str:
     s = f"rule at {d.get('shape', {}).get('tokens')} tokens: XLA {_secs(xla['s']['median'])}"
     if best:
         s += f", {best[1]} {_secs(best[0])} ({xla['s']['median'] / best[0]:.2f}x)"
-    model = (d.get("model") or {}).get("rows") or []
     if len(model) > 1:
         s += (f"; {d['model']['layers']}-layer prefill TTFT {_secs(model[0]['ttft_s']['median'])} -> "
               f"{_secs(model[-1]['ttft_s']['median'])}")
@@ -220,7 +224,9 @@ def _bench_miss_policy(d: dict) -> str:
         return "-"
     r = max(rows, key=lambda r: (r["decode_tokens_per_s"], str(r.get("policy"))))
     impl = f"/{r['impl']}" if r.get("impl") else ""
-    return f"{r.get('policy')}{impl} {r.get('budget_gb'):g} GB: {r['decode_tokens_per_s']:.2f} tok/s"
+    # a split that ran no miss on the CPU made fetch's choices: its lead over fetch is the runs' spread
+    same = " (no miss on the CPU)" if r.get("policy") == "adaptive" and r.get("cpu_decode") == 0 else ""
+    return f"{r.get('policy')}{impl} {r.get('budget_gb'):g} GB: {r['decode_tokens_per_s']:.2f} tok/s{same}"
 
 
 def _bench_cpu_experts(d: dict) -> str:

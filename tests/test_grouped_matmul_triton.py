@@ -171,6 +171,23 @@ def test_prefill_expert_ffn_with_the_kernel_matches_ragged_dot():
     _close(got, ref, jnp.float32)
 
 
+def test_default_tiles_by_contraction(monkeypatch):
+    """The down projection (K <= 1024) runs 128-row tiles, the gate-up matmul 64-row ones (the H100 timings of
+    ``default_tiles``); a --kernel_tiles override replaces both. Only the kernel's arguments are checked."""
+    seen = []
+    monkeypatch.setattr(gt, "grouped_matmul_triton", lambda *a, **kw: seen.append(kw["block_m"]))
+    sizes = jnp.asarray([4, 4], jnp.int32)
+    x = lambda k: jnp.zeros((8, k), jnp.bfloat16)  # noqa: E731
+    w = lambda k, n: jnp.zeros((2, k, n), jnp.bfloat16)  # noqa: E731
+    with using(KernelConfig(use=("grouped_matmul_triton",))):
+        gm.grouped_matmul(x(512), w(512, 2048), sizes)  # qwen3.5's down
+        gm.grouped_matmul(x(768), w(768, 2048), sizes)  # qwen3's down
+        gm.grouped_matmul(x(2048), w(2048, 1024), sizes)  # the gate-up
+    with using(KernelConfig(use=("grouped_matmul_triton",), tiles={"grouped_matmul_triton": (32, 256, 64)})):
+        gm.grouped_matmul(x(512), w(512, 2048), sizes)
+    assert seen == [128, 128, 64, 32]
+
+
 def test_tiles_parser_and_shape_errors_are_refused():
     parse = registry.get("grouped_matmul_triton").tiles
     assert parse((64, 128, 64)) == {**gt.TILES, "block_m": 64, "block_n": 128, "block_k": 64}

@@ -76,7 +76,7 @@ def mgpu_supported(lhs: jax.Array, rhs: jax.Array) -> bool:
 def _triton_mode(lhs, rhs, auto: bool, record: bool = True, name: str = "grouped_matmul_triton") -> tuple[str, dict]:
     """How kernel ``name`` (``grouped_matmul_triton`` or ``grouped_swiglu_triton``) would run on lhs [M, K] /
     rhs [G, K, N] under the active kernel config ("xla": it does not), and its tiles."""
-    tiles = registry.tiles(name, gmt.TILES)
+    tiles = registry.tiles(name, gmt.default_tiles(rhs.shape[1]) if name == "grouped_matmul_triton" else gmt.TILES)
     bn = tiles["block_n"] * (2 if name == "grouped_swiglu_triton" else 1)  # F = N / 2 split in block_n columns
     how = registry.mode(name, gmt.supported(lhs, rhs, tiles["block_k"], bn), auto=auto, record=record)
     return how, tiles

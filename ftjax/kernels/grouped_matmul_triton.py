@@ -16,8 +16,8 @@ is at most one partial tile per group with rows, hence the + min(G, M) in T.
 
 With a slot table (``group_slot``, int32 [G]), group g's weights are read at row ``group_slot[g]`` of an rhs of
 any number of rows: the expert FFN then reads a layer's experts where they sit in the pool, without gathering
-them into a [E, K, N] temporary first (kernel name ``grouped_matmul_pool``, named only until measured:
-:mod:`ftjax.experts.compute`). Rows stay grouped by expert, so T does not grow with the pool; a pool above
+them into a [E, K, N] temporary first (kernel name ``grouped_matmul_pool``, auto where this kernel is:
+:func:`ftjax.kernels.grouped_matmul.pool_grouping`). Rows stay grouped by expert, so T does not grow with the pool; a pool above
 4 GiB makes Pallas address it with 64-bit offsets.
 
 Generic Pallas primitives plus the Triton backend's masked ``load`` / ``store``: interpreted on the CPU
@@ -26,9 +26,10 @@ Generic Pallas primitives plus the Triton backend's masked ``load`` / ``store``:
 Measured on an H100 (2026-12-05, ``experiments/results/gated_delta/bench_grouped_matmul_h100_2026-12-05.json``:
 8192 tokens x top-8 = 65536 rows over qwen3.5-35b-a3b's 256 experts, bf16), at the default tiles below: gate-up
 (K = 2048, N = 1024) 1.37 ms against 1.98 ms for the Mosaic kernel at its default tiles and 1.49 ms at its best
-of eleven; down (K = 512, N = 2048) 1.10 ms against 1.32 ms at its 64x256 tiles; the outputs bit-identical.
+of eleven; down (K = 512, N = 2048) 1.10 ms against 1.32 ms at its 64x256 tiles; the outputs bit-identical. The
+down matmul has since taken 128-row tiles (:func:`default_tiles`: 0.96 ms in a later run).
 ``auto`` therefore picks it on a GPU for calls of at least :data:`AUTO_MIN_GROUPS` groups. Fewer groups (the
-qwen3 family's 128) keep the Mosaic kernel: there its group loop costs less and this kernel is unmeasured.
+qwen3 family's 128) keep the Mosaic kernel: there its gate-up matmul ran faster (docs/HYBRID.md).
 """
 
 from __future__ import annotations
@@ -51,6 +52,17 @@ BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 64, 256, 64, 8, 3
 AUTO_MIN_GROUPS = 256
 TILES = {"block_m": BLOCK_M, "block_n": BLOCK_N, "block_k": BLOCK_K, "num_warps": NUM_WARPS,
          "num_stages": NUM_STAGES}
+#: A contraction of at most SHORT_K (the experts' down projection, K = F) takes SHORT_K_BLOCK_M rows a tile: on an
+#: H100 (2026-12-05, e9fe957, ``experiments/results/gated_delta/bench_grouped_matmul_tiles-e9fe957_h100_2026-12-05.json``)
+#: the down matmul ran 0.96 vs 1.15 ms (256 experts, K = 512) and 1.06 vs 1.29 ms (128 experts, K = 768) at 128
+#: rows; the gate-up matmul (K = 2048) stays at 64. block_k is unchanged, so each row's sums are the same.
+SHORT_K, SHORT_K_BLOCK_M = 1024, 128
+
+
+def default_tiles(k: int) -> dict:
+    """The default tiles of ``grouped_matmul_triton`` for rhs [G, k, N]: :data:`TILES`, with block_m
+    :data:`SHORT_K_BLOCK_M` for k <= :data:`SHORT_K` (the down projection)."""
+    return {**TILES, "block_m": SHORT_K_BLOCK_M} if k <= SHORT_K else dict(TILES)
 
 
 def tile_schedule(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -17,8 +17,8 @@ is at most one partial tile per group with rows, hence the + min(G, M) in T.
 With a slot table (``group_slot``, int32 [G]), group g's weights are read at row ``group_slot[g]`` of an rhs of
 any number of rows: the expert FFN then reads a layer's experts where they sit in the pool, without gathering
 them into a [E, K, N] temporary first (kernel name ``grouped_matmul_pool``, auto where this kernel is:
-:func:`ftjax.kernels.grouped_matmul.pool_grouping`). Rows stay grouped by expert, so T does not grow with the pool; a pool above
-4 GiB makes Pallas address it with 64-bit offsets.
+:func:`ftjax.kernels.grouped_matmul.pool_grouping`). Rows stay grouped by expert, so T does not grow with the
+pool; a pool above 4 GiB makes Pallas address it with 64-bit offsets.
 
 Generic Pallas primitives plus the Triton backend's masked ``load`` / ``store``: interpreted on the CPU
 (the tests, any float dtype), lowered through Triton on a GPU (16-bit floats).
@@ -52,9 +52,9 @@ BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 64, 256, 64, 8, 3
 AUTO_MIN_GROUPS = 256
 TILES = {"block_m": BLOCK_M, "block_n": BLOCK_N, "block_k": BLOCK_K, "num_warps": NUM_WARPS,
          "num_stages": NUM_STAGES}
-#: A contraction of at most SHORT_K (the experts' down projection, K = F) takes SHORT_K_BLOCK_M rows a tile: on an
-#: H100 (2026-12-05, e9fe957, ``experiments/results/gated_delta/bench_grouped_matmul_tiles-e9fe957_h100_2026-12-05.json``)
-#: the down matmul ran 0.96 vs 1.15 ms (256 experts, K = 512) and 1.06 vs 1.29 ms (128 experts, K = 768) at 128
+#: A contraction of at most SHORT_K (the experts' down projection, K = F) takes SHORT_K_BLOCK_M rows a tile: on
+#: an H100 (2026-12-05, e9fe957,
+#: ``experiments/results/gated_delta/bench_grouped_matmul_tiles-e9fe957_h100_2026-12-05.json``) the down matmul ran 0.96 vs 1.15 ms (256 experts, K = 512) and 1.06 vs 1.29 ms (128 experts, K = 768) at 128
 #: rows; the gate-up matmul (K = 2048) stays at 64. block_k is unchanged, so each row's sums are the same.
 SHORT_K, SHORT_K_BLOCK_M = 1024, 128
 

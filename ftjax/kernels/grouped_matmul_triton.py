@@ -54,7 +54,8 @@ TILES = {"block_m": BLOCK_M, "block_n": BLOCK_N, "block_k": BLOCK_K, "num_warps"
          "num_stages": NUM_STAGES}
 #: A contraction of at most SHORT_K (the experts' down projection, K = F) takes SHORT_K_BLOCK_M rows a tile: on
 #: an H100 (2026-12-05, e9fe957,
-#: ``experiments/results/gated_delta/bench_grouped_matmul_tiles-e9fe957_h100_2026-12-05.json``) the down matmul ran 0.96 vs 1.15 ms (256 experts, K = 512) and 1.06 vs 1.29 ms (128 experts, K = 768) at 128
+#: ``experiments/results/gated_delta/bench_grouped_matmul_tiles-e9fe957_h100_2026-12-05.json``) the down matmul
+#: ran 0.96 vs 1.15 ms (256 experts, K = 512) and 1.06 vs 1.29 ms (128 experts, K = 768) at 128
 #: rows; the gate-up matmul (K = 2048) stays at 64. block_k is unchanged, so each row's sums are the same.
 SHORT_K, SHORT_K_BLOCK_M = 1024, 128
 

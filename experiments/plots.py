@@ -113,8 +113,28 @@ def label(row: dict) -> str:
     return " ".join(parts) or "run"
 
 
+def category_shares(rows: list[dict]) -> list[tuple[str, list[tuple[str, float]], float]]:
+    """Per traced run (``profile_step``'s rows with ``profile.categories``; the rows that :func:`rows_of` splits
+    out of one run share its profile and give one bar): (label, [(category, share of the step's span)] in the
+    JSON's order, the span in ms). Categories, span and gaps are per step in the JSON; each category's device
+    time and the gaps between kernels (``gap``) over the span sum to about 1 whatever the step's length."""
+    out, seen = [], set()
+    for r in rows:
+        prof = r.get("profile") if isinstance(r.get("profile"), dict) else {}
+        cats, span = prof.get("categories"), prof.get("span_s")
+        if not isinstance(cats, dict) or not span or id(prof) in seen:
+            continue
+        seen.add(id(prof))
+        parts = [(c, v["s"] / span) for c, v in cats.items() if isinstance(v, dict) and v.get("s")]
+        parts.append(("gap", (prof.get("gap_s") or 0.0) / span))
+        lab = label({k: v for k, v in r.items() if k != "variant"})
+        out.append((lab, parts, 1e3 * span))
+    return out
+
+
 def plot(path: str, out: str | None = None) -> str | None:
-    """Draws ``path``'s metrics into ``out`` (default: the JSON's path with .png). Returns the PNG
+    """Draws ``path``'s metrics into ``out`` (default: the JSON's path with .png), and for a step profile each
+    traced run's device time by category (:func:`category_shares`) as one stacked bar. Returns the PNG
     path, or None when the file has no run rows with a known metric.
 
     Raises:
@@ -137,9 +157,12 @@ def plot(path: str, out: str | None = None) -> str | None:
             panels.append((name, pts))
     if not panels:
         return None
+    shares = category_shares(rows)
     n_rows = max(len(p) for _, p in panels)
-    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 0.9 + 0.28 * n_rows * len(panels) + 0.6 * len(panels)),
-                             squeeze=False)
+    n_axes = len(panels) + bool(shares)
+    fig, axes = plt.subplots(n_axes, 1, figsize=(9, 0.9 + 0.28 * n_rows * n_axes + 0.6 * n_axes), squeeze=False)
+    if shares:
+        _draw_shares(axes[-1, 0], shares)
     for ax, (name, pts) in zip(axes[:, 0], panels):
         labels = [lab for lab, _ in pts]
         centres = [v[0] for _, v in pts]
@@ -158,6 +181,24 @@ def plot(path: str, out: str | None = None) -> str | None:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def _draw_shares(ax, shares) -> None:
+    """One stacked horizontal bar per traced run: its categories' shares of the span, in a fixed colour each."""
+    import matplotlib.pyplot as plt
+    names = list(dict.fromkeys(c for _, parts, _ in shares for c, _ in parts))
+    colours = {c: plt.get_cmap("tab20")(i % 20) for i, c in enumerate(names)}
+    colours["gap"] = "lightgrey"
+    for i, (_, parts, _) in enumerate(shares):
+        left = 0.0
+        for c, v in parts:
+            ax.barh(i, v, left=left, color=colours[c])
+            left += v
+    ax.set_yticks(range(len(shares)), [f"{lab} ({ms:.2f} ms)" for lab, _, ms in shares], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("share of the step's span (device time by category; gap: between kernels)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colours[c]) for c in names]
+    ax.legend(handles, names, fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
 
 
 # ---- figures for a paper ----------------------------------------------------------------------

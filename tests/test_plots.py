@@ -160,3 +160,18 @@ def test_command_line_writes_the_named_files(prefill_json, tmp_path, capsys):
                                         ("wibble", "wibble")])
 def test_axis_labels_carry_units(name, label):
     assert plots.axis_label(name) == label
+
+
+def test_step_profile_draws_one_stacked_bar_per_traced_run(tmp_path):
+    """A profile_step run split into variant rows gives one bar of category shares (device time and gaps over
+    the step's span, per step as the JSON holds them), and the PNG gets that panel."""
+    cats = {"experts": {"s": 0.002}, "linear_attention": {"s": 0.001}, "slot_table": {"s": 0.0}}
+    run = {"mode": "resident", "batch": 1, "tokens": 1, "tpot_s": 0.004,
+           "profile": {"span_s": 0.004, "gap_s": 0.001, "steps": 2, "categories": cats}}
+    rows = [dict(run, variant="timed_steps"), dict(run, variant="floor"), {"mode": "cached", "tpot_s": 0.01}]
+    [(lab, parts, ms)] = plots.category_shares(rows)  # the two variants share one profile; cached has none
+    assert lab == "resident batch=1 tokens=1" and ms == pytest.approx(4.0)
+    assert parts == [("experts", pytest.approx(0.5)), ("linear_attention", pytest.approx(0.25)),
+                     ("gap", pytest.approx(0.25))]
+    png = plots.plot(_write(tmp_path / "profile_step_x.json", {"runs": [run]}))
+    assert png and pathlib.Path(png).stat().st_size > 0

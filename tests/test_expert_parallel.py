@@ -209,3 +209,34 @@ def test_gpu_script_smoke(tmp_path):
     assert tensor["memory_plan"]["num_experts"] == E and tensor["decode"]["cold"]["routed_imbalance"] == 1.0
     assert tensor["decode_slots"] == tensor["memory_plan"]["slots"]  # one table: every device holds S pieces
     assert set(d["summary"]["by_split"]) == {"expert", "tensor"}
+
+
+def test_expert_split_traces_with_the_gpus_kernels():
+    """Experts split over 2 devices, each holding 256 a layer: with the kernel choices a GPU makes
+    (``registry.lowering_for("gpu")``) the prefill (Triton grouped matmul reading the pool in place) and the
+    decode block (the MoE decode kernel) trace inside the split's ``shard_map``; only traced, nothing lowered
+    or run. The Pallas kernels' outputs carry no varying-axes marking, which shard_map's check refused."""
+    import dataclasses
+
+    from experiments import common
+    from ftjax.kernels import registry
+    from ftjax.kernels.registry import KernelConfig
+    cfg = dataclasses.replace(preset("tiny"), num_experts=512, num_layers=1, dtype="bfloat16")
+    kernels = KernelConfig(tiles={"grouped_matmul_triton": (64, 64, 64, 4, 1)})
+    eng = Engine(random_model(cfg, "bfloat16"), EngineConfig("resident", max_seq_len=80, prefill_chunk=64,
+                                                             decode_block=4, devices=2, kernels=kernels))
+    eng.open_rows(1)
+    eng.admit(list(range(1, 65)), 4)
+
+    def precompile():
+        eng.precompile(decode=False)
+        eng.precompile_block(4, eos_width=1)
+    progs = common.capture_programs(precompile)
+    jax.clear_caches()
+    try:
+        with registry.lowering_for("gpu"), registry.recording() as applied:
+            for fn, args, static in progs:
+                fn.trace(*args, **static)
+    finally:
+        jax.clear_caches()  # these traces hold GPU kernels
+    assert {"grouped_matmul_triton", "grouped_matmul_pool", "moe_decode"} <= applied

@@ -13,7 +13,8 @@ its matmuls; dense weights pass through unchanged.
 * ``grouped``: tokens sorted by expert and multiplied group by group against the layer's E
   experts (``ftjax.kernels.grouped_matmul``: on GPUs a Pallas Triton kernel for 256 experts or more, the
   Mosaic GPU kernel for fewer; ``ragged_dot`` else), gathered from the pool first or, where
-  ``grouped_matmul_pool`` is named, read in place through a slot table. For prefill, where N*k >> E.
+  ``grouped_matmul_pool`` runs (auto beside the Triton kernel), read in place through a slot table. For
+  prefill, where N*k >> E.
 """
 
 from __future__ import annotations

@@ -214,8 +214,10 @@ def _split_expert_fn(mesh: Mesh, num_experts: int, banks: ExpertBanks | None, lo
             return jax.lax.psum(y, EXPERT_AXIS), _stack(state), counts
 
         spec = _state_spec(state)
+        # the Pallas kernels' outputs carry no varying-axes marking, so check_vma would refuse the body (the
+        # psums above make y and the counts replicated, which is all out_specs P() asks)
         fn = jax.shard_map(body, mesh=mesh, out_specs=(P(), spec, P()),
-                           in_specs=(spec, P(None, EXPERT_AXIS), P(), P(), P(), P(), P()))
+                           in_specs=(spec, P(None, EXPERT_AXIS), P(), P(), P(), P(), P()), check_vma=False)
         y, state, counts = fn(state, banks, layer, r.x, r.ids, r.weights, r.valid)
         return y, state, stats_fn(counts[0], counts[1], r)
 

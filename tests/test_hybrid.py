@@ -158,6 +158,29 @@ def test_preset_35b_a3b_shape_and_state_bytes():
                           - plan.layer_gather_bytes) // cfg.expert_bytes(2)
 
 
+def test_stated_plan_holds_no_layer_gather_where_the_pool_is_read_in_place():
+    """A stated plan reserves one layer's gathered experts (1.61 GB here) only where the grouped FFN gathers them:
+    on a GPU the auto kernels read 256 dense experts a layer in the pool, so those 256 slots go to the cache;
+    the xla kernels and a quantized format (dequantized into the gather) keep it."""
+    from ftjax.config import preset
+    from ftjax.kernels import registry
+    from ftjax.kernels.registry import KernelConfig
+    from ftjax.runtime.planner import plan_memory
+
+    cfg = preset("qwen3.5-35b-a3b")
+    eb, budget = cfg.expert_bytes(2), int(16e9)
+    here = plan_memory(cfg, 2, budget_bytes=budget)  # this CPU machine: ragged_dot over a gathered layer
+    assert here.layer_gather_bytes == 256 * eb
+    with registry.lowering_for("gpu"):
+        gpu = plan_memory(cfg, 2, budget_bytes=budget)
+        int8 = plan_memory(cfg, 2, budget_bytes=budget, expert_bytes=eb // 2 + 4096)
+        with registry.using(KernelConfig(use="xla")):
+            xla = plan_memory(cfg, 2, budget_bytes=budget)
+    assert gpu.layer_gather_bytes == 0 and gpu.slots == here.slots + 256
+    assert "layer gather for prefill (none: the experts are read in the pool)" in gpu.describe()
+    assert xla.layer_gather_bytes == here.layer_gather_bytes and int8.layer_gather_bytes > 256 * (eb // 2)
+
+
 # ---- prefix reuse: the linear layers resume from the stored state -----------------------------
 def _prefix_cache(**kw):
     from ftjax.config import KVOffloadConfig

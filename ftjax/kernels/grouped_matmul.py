@@ -123,6 +123,19 @@ def pool_grouping(x: jax.Array, gate_up: jax.Array, down: jax.Array, groups: int
     return takes and registry.mode("grouped_matmul_pool", auto=auto) != "xla"
 
 
+def reads_pool_in_place(hidden: int, expert_ffn: int, groups: int, itemsize: int) -> bool:
+    """Whether a layer's grouped expert FFN would read dense experts of ``itemsize`` bytes (hidden D, width F) in
+    the pool (:func:`pool_grouping`) under the active kernel config and backend, so that no layer gather is
+    allocated: what a stated memory plan reserves or not (``ftjax.runtime.planner.plan_memory``)."""
+    dtype = {2: jnp.bfloat16, 4: jnp.float32}.get(itemsize)
+    if dtype is None:
+        return False
+    sd = jax.ShapeDtypeStruct
+    x = sd((gmt.AUTO_MIN_GROUPS, hidden), dtype)  # the row count does not enter the decision
+    return pool_grouping(x, sd((groups, hidden, 2 * expert_ffn), dtype), sd((groups, expert_ffn, hidden), dtype),
+                         groups)
+
+
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, impl: str | None = None,
                    group_slot: jax.Array | None = None) -> jax.Array:
     """out[r] = lhs[r] @ rhs[g(r)], rows of lhs grouped contiguously by group.

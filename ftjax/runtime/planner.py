@@ -31,6 +31,7 @@ import numpy as np
 
 from ftjax import model as model_lib
 from ftjax.config import EngineConfig, MissPolicyConfig, ModelConfig
+from ftjax.kernels import grouped_matmul, registry
 from ftjax.runtime.engine import Engine
 
 GB = 1e9
@@ -126,9 +127,10 @@ class MemoryPlan:
         measured = self.workspace_temp_bytes is not None
         if self.pipelined:
             gather = [(f"stream buffers (2 x {self.num_experts} experts)", self.layer_gather_bytes)]
-        else:  # a measured workspace includes the gather
-            gather = [] if measured else [
-                (f"layer gather for prefill ({self.num_experts} experts)", self.layer_gather_bytes)]
+        else:  # a measured workspace includes the gather; the kernels may read the pool in place instead
+            label = "layer gather for prefill " + (f"({self.num_experts} experts)" if self.layer_gather_bytes
+                                                   else "(none: the experts are read in the pool)")
+            gather = [] if measured else [(label, self.layer_gather_bytes)]
         rows = [("budget", self.budget_bytes), ("non-expert weights", self.non_expert_bytes),
                 ("KV cache", self.kv_cache_bytes),
                 ("workspace (" + ("measured" if measured else "stated") + ")", self.workspace_bytes),
@@ -183,7 +185,8 @@ def plan_memory(cfg: ModelConfig, itemsize: int, budget_bytes: int | None = None
       budget_bytes: device bytes available to ftjax. slots: explicit S instead.
       workspace_bytes: the measured temporaries of the compiled steps (the layer gather
         included; the allocator margin is added here); None: the stated WORKSPACE_BYTES plus
-        the layer gather.
+        the layer gather, unless the active kernel config on this backend reads dense experts in the pool
+        (``grouped_matmul.reads_pool_in_place``: a GPU, 256 experts a layer or more).
       expert_bytes: bytes of one expert as stored (``ExpertBanks.expert_bytes``: quantized
         weights + scales); default: dense at ``itemsize``. Slots are sized by it; the stated
         layer gather is E experts as stored plus, when quantized, their dequantized copy.
@@ -209,8 +212,11 @@ def plan_memory(cfg: ModelConfig, itemsize: int, budget_bytes: int | None = None
     kv = cfg.kv_cache_bytes(batch, max_seq_len, itemsize)
     if workspace_bytes is None:
         workspace = WORKSPACE_BYTES
-        # one layer's experts, copied for the grouped matmul (prefill chunks > 64 pairs), and dequantized
-        gather = e * eb + (e * dense_eb if eb != dense_eb else 0)
+        # one layer's experts, copied for the grouped matmul (prefill chunks > 64 pairs), and dequantized; none
+        # where the kernels read dense experts in the pool (on a GPU from 256 experts a layer)
+        in_place = eb == dense_eb and grouped_matmul.reads_pool_in_place(cfg.hidden_size, cfg.expert_ffn // piece,
+                                                                         e, itemsize)
+        gather = 0 if in_place else e * eb + (e * dense_eb if eb != dense_eb else 0)
     else:
         workspace = int(workspace_bytes * (1 + WORKSPACE_MARGIN_FRACTION)) + WORKSPACE_MARGIN_BYTES
         gather = 0  # part of the measured temporaries
@@ -268,6 +274,12 @@ def plan_run(model, config: EngineConfig, prompts: Sequence[Sequence[int]], budg
         needs on the scan driver, or, with ``mode="resident"``, fewer than the whole pool (the message gives
         the budget it needs).
     """
+    with registry.using(config.kernels):  # the run's kernels decide what a stated plan holds (the layer gather)
+        return _plan_run(model, config, prompts, budget_bytes, slots, mode)
+
+
+def _plan_run(model, config: EngineConfig, prompts, budget_bytes: int | None, slots: int | None,
+              mode: str) -> tuple[EngineConfig, MemoryPlan | None]:
     cfg = model.cfg
     if budget_bytes is not None and slots is not None:
         raise ValueError("give a VRAM budget or a slot count, not both")

@@ -134,7 +134,7 @@ def plan_budget(cfg, itemsize: int, budget_gb: float, batch: int, max_seq_len: i
         and the batch, and gives the minimum budget."""
     try:
         return plan_memory(cfg, itemsize, budget_bytes=int(budget_gb * GB), batch=batch, max_seq_len=max_seq_len,
-                           expert_bytes=expert_bytes)
+                           expert_bytes=expert_bytes, kernels=common.kernel_config())
     except ValueError as e:  # the budget does not fit this batch / format
         flag = "vram_budgets_gb" if FLAGS.vram_budgets_gb is not None else "vram_budget_gb"
         raise app.UsageError(f"--{flag}: {budget_gb:g} GB ({label}, batch {batch}): {e}") from None
@@ -287,7 +287,8 @@ def main(argv):
                                        prompts_of[batch]))
             if "resident" in FLAGS.modes:  # last: it needs the whole pool on the device
                 plan = plan_memory(cfg, itemsize, slots=cfg.num_layers * cfg.num_experts, batch=batch,
-                                   max_seq_len=max_seq_len, expert_bytes=fmodel.expert_bytes)
+                                   max_seq_len=max_seq_len, expert_bytes=fmodel.expert_bytes,
+                                   kernels=common.kernel_config())
                 plans[f"{label}/b{batch}/resident"] = plan.as_dict()
                 record(run_setting(fmodel, label, "resident", "lru", plan.slots, resident_budget_gb(plan), batch,
                                    max_seq_len, prompts_of[batch]))

@@ -599,9 +599,11 @@ def main(argv):
     plan = None
     if "cached" in FLAGS.modes:
         if FLAGS.expert_slots is not None:
-            plan = plan_memory(cfg, itemsize, slots=FLAGS.expert_slots, max_seq_len=max_seq_len)
+            plan = plan_memory(cfg, itemsize, slots=FLAGS.expert_slots, max_seq_len=max_seq_len,
+                               kernels=common.kernel_config())
         else:
-            plan = plan_memory(cfg, itemsize, budget_bytes=int(FLAGS.vram_budget_gb * GB), max_seq_len=max_seq_len)
+            plan = plan_memory(cfg, itemsize, budget_bytes=int(FLAGS.vram_budget_gb * GB), max_seq_len=max_seq_len,
+                               kernels=common.kernel_config())
         print(plan.describe(), flush=True)
     # store capacity only: one chunk's K/V and linear state are the cache bytes of C tokens of one
     # sequence (the JSON's chunk bytes are read from the stored entries)

@@ -158,7 +158,7 @@ def _run():
     for i, b in enumerate(FLAGS.budgets_gb):
         try:
             plan = plan_memory(cfg, itemsize, budget_bytes=int(float(b) * GB), batch=FLAGS.batch,
-                               max_seq_len=max_seq_len)
+                               max_seq_len=max_seq_len, kernels=common.kernel_config())
         except ValueError as e:  # checked before the minute-long model build and calibration
             raise app.UsageError(f"--budgets_gb={b}: {e}") from None
         if plan.fits_resident:

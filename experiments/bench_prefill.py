@@ -171,7 +171,8 @@ def main(argv):
                     name = f"{label}/{name}"
                 try:
                     plan = plan_memory(cfg, itemsize, budget_bytes=int(FLAGS.vram_budget_gb * GB),
-                                       max_seq_len=max_seq_len, pipelined=pipelined, expert_bytes=fmodel.expert_bytes)
+                                       max_seq_len=max_seq_len, pipelined=pipelined, expert_bytes=fmodel.expert_bytes,
+                                       kernels=common.kernel_config())
                 except ValueError as ex:  # the budget does not hold this driver's buffers: its variants are skipped
                     plans[name] = {"error": str(ex)}
                     print(name, ex, flush=True)

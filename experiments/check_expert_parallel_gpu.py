@@ -79,7 +79,8 @@ for _name in ("prefill_tokens", "decode_tokens", "repeats"):
 def _plan(model, devices: int, max_seq_len: int, split: str):
     itemsize = np.dtype(model.params["embed"].dtype).itemsize
     return plan_memory(model.cfg, itemsize, budget_bytes=int(FLAGS.vram_budget_gb * GB), max_seq_len=max_seq_len,
-                       expert_bytes=model.expert_bytes, devices=devices, expert_split=split)
+                       expert_bytes=model.expert_bytes, devices=devices, expert_split=split,
+                       kernels=common.kernel_config())
 
 
 def routed_imbalance(routing: list[np.ndarray], num_experts: int, devices: int) -> float:

@@ -394,7 +394,7 @@ def main(argv):
                 if run == "cached_decode":
                     plan = plan_memory(cfg, itemsize, budget_bytes=int(FLAGS.vram_budget_gb * GB), batch=batch,
                                        max_seq_len=_decode_max_seq_len(),
-                                       expert_bytes=model.expert_bytes)
+                                       expert_bytes=model.expert_bytes, kernels=configs[kernels])
                     plans[f"b{batch}"], slots = plan.as_dict(), plan.slots
                 row = decode_run(model, run.split("_")[0], batch, slots,
                                  trace_dir if kernels is None else os.path.join(trace_dir, kernels.replace(",", "+")),

@@ -174,8 +174,7 @@ def test_stated_plan_holds_no_layer_gather_where_the_pool_is_read_in_place():
     with registry.lowering_for("gpu"):
         gpu = plan_memory(cfg, 2, budget_bytes=budget)
         int8 = plan_memory(cfg, 2, budget_bytes=budget, expert_bytes=eb // 2 + 4096)
-        with registry.using(KernelConfig(use="xla")):
-            xla = plan_memory(cfg, 2, budget_bytes=budget)
+        xla = plan_memory(cfg, 2, budget_bytes=budget, kernels=KernelConfig(use="xla"))  # the run's, not the active
     assert gpu.layer_gather_bytes == 0 and gpu.slots == here.slots + 256
     assert "layer gather for prefill (none: the experts are read in the pool)" in gpu.describe()
     assert xla.layer_gather_bytes == here.layer_gather_bytes and int8.layer_gather_bytes > 256 * (eb // 2)

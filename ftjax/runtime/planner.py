@@ -177,7 +177,7 @@ def split_factors(devices: int, expert_split: str) -> tuple[int, int]:
 def plan_memory(cfg: ModelConfig, itemsize: int, budget_bytes: int | None = None, slots: int | None = None,
                 batch: int = 1, max_seq_len: int = 512, workspace_bytes: int | None = None,
                 expert_bytes: int | None = None, pipelined: bool = False, devices: int = 1,
-                expert_split: str = "expert") -> MemoryPlan:
+                expert_split: str = "expert", kernels: registry.KernelConfig | None = None) -> MemoryPlan:
     """Plans the device memory for a budget or an explicit slot count (exactly one of them).
 
     Args:
@@ -185,7 +185,7 @@ def plan_memory(cfg: ModelConfig, itemsize: int, budget_bytes: int | None = None
       budget_bytes: device bytes available to ftjax. slots: explicit S instead.
       workspace_bytes: the measured temporaries of the compiled steps (the layer gather
         included; the allocator margin is added here); None: the stated WORKSPACE_BYTES plus
-        the layer gather, unless the active kernel config on this backend reads dense experts in the pool
+        the layer gather, unless the run's kernels on this backend read dense experts in the pool
         (``grouped_matmul.reads_pool_in_place``: a GPU, 256 experts a layer or more).
       expert_bytes: bytes of one expert as stored (``ExpertBanks.expert_bytes``: quantized
         weights + scales); default: dense at ``itemsize``. Slots are sized by it; the stated
@@ -197,6 +197,8 @@ def plan_memory(cfg: ModelConfig, itemsize: int, budget_bytes: int | None = None
         one device's, the non-expert weights and KV cache replicated on it. "expert" (``ftjax.experts.parallel``):
         its experts E/N per layer (pool L*E/N). "tensor" (``ftjax.experts.tensor_parallel``): a slot holds a
         1/N piece of an expert (``expert_bytes`` / N), of all E per layer (pool L*E).
+      kernels: the run's kernel config (``EngineConfig.kernels``), which decides whether a stated plan holds the
+        layer gather; None: the active one (``ftjax.kernels.registry.active``).
     Raises:
       BudgetTooSmall: the budget leaves fewer than E slots (the message gives the minimum budget; a
         ValueError).
@@ -214,8 +216,9 @@ def plan_memory(cfg: ModelConfig, itemsize: int, budget_bytes: int | None = None
         workspace = WORKSPACE_BYTES
         # one layer's experts, copied for the grouped matmul (prefill chunks > 64 pairs), and dequantized; none
         # where the kernels read dense experts in the pool (on a GPU from 256 experts a layer)
-        in_place = eb == dense_eb and grouped_matmul.reads_pool_in_place(cfg.hidden_size, cfg.expert_ffn // piece,
-                                                                         e, itemsize)
+        with registry.using(kernels or registry.active()):
+            in_place = eb == dense_eb and grouped_matmul.reads_pool_in_place(cfg.hidden_size,
+                                                                             cfg.expert_ffn // piece, e, itemsize)
         gather = 0 if in_place else e * eb + (e * dense_eb if eb != dense_eb else 0)
     else:
         workspace = int(workspace_bytes * (1 + WORKSPACE_MARGIN_FRACTION)) + WORKSPACE_MARGIN_BYTES

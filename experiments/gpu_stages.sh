@@ -22,7 +22,8 @@
 # gdn-model:       bench_gated_delta's 16-layer model stage: resident 8192-token prefill TTFT and compile with the MoE
 #                  prefill on the Mosaic kernel (the default before 2026-12-05), on grouped_matmul_triton over a
 #                  gathered layer (auto at a733c60), auto (since: reading the pool in place, grouped_matmul_pool) and
-#                  with grouped_swiglu_triton named (issue 32's TTFT);
+#                  with grouped_swiglu_triton named, and auto with one Triton tile for both matmuls (before 3373cb2)
+#                  (issue 32's TTFT);
 #                  the resident decode with and without the decode block as a CUDA graph (decode_graphs=on)
 # gmm-tiles:       bench_grouped_matmul: one prefill layer's grouped expert FFN by piece (the default kernels), the
 #                  Mosaic GPU grouped matmul at its default and two best tiles of 2026-12-05, and six configs of the
@@ -42,6 +43,9 @@
 #                  512-token prompt) and one 8192-token prefill chunk, GPU time by layer kind (Gated DeltaNet mixers
 #                  in linear_attention, the gated attention in attention, the MoE in experts) against each one's bytes
 # hybrid-batch-probe: does the hybrid engine's decode compile at batch 1, 2, 4 (stacks dumped if it hangs)
+# ab-prefill:      ab_commits_gpu.sh against the tree in .base (git-ignored, so carried: run(carry=[".base"]); made
+#                  with `rm -rf .base && mkdir .base && git archive a733c60 ftjax | tar -x -C .base`): qwen3-30b-a3b's
+#                  resident and streamed 8192-token prefill, before and after the Mosaic gate-up's grid_block_n=4
 # LIMIT_<stage> (seconds, dashes as underscores) overrides a stage's limit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -102,7 +106,7 @@ for stage in "$@"; do
         --time_budget_s=220 ${out:+--out_dir="$out/host-graphs"} ;;
     gdn-model)
       run 480 "$stage" experiments/bench_gated_delta.py --stages=model --model_deadline_s=420 \
-        --model_configs=auto-mosaic-moe,auto-gather-moe,auto,auto+fused-swiglu,auto+graphs \
+        --model_configs=auto-mosaic-moe,auto-gather-moe,auto-one-tile,auto,auto+fused-swiglu,auto+graphs \
         --model_decode_configs=auto,auto+graphs \
         --tag=model-moe ${out:+--out_dir="$out"} ;;
     gmm-tiles)
@@ -127,6 +131,12 @@ for stage in "$@"; do
     profile-hybrid)
       run 420 "$stage" experiments/profile_step.py --preset=qwen3.5-35b-a3b --layers=16 \
         --runs=resident_decode,resident_prefill --batches=1 --trace_steps=2 ${out:+--out_dir="$out"} ;;
+    ab-prefill)
+      [ -d .base/ftjax ] || { echo "ab-prefill: no .base/ftjax (see the header)" >&2; exit 2; }
+      t0=$SECONDS
+      OUT="${out:-experiments/results/ab}" timeout -s INT -k 15 "${LIMIT_ab_prefill:-420}" \
+        bash experiments/ab_commits_gpu.sh .base a733c60 prefill_resident,prefill_stream > "$logs/$stage.log" 2>&1
+      echo "== $stage rc=$? $((SECONDS - t0)) s"; tail -n 25 "$logs/$stage.log" ;;
     hybrid-batch-probe)
       timeout -s ABRT -k 10 "${LIMIT_hybrid_batch_probe:-200}" python3 -X faulthandler \
         experiments/probe_hybrid_batch_decode.py ${out:+--out_dir="$out"} > "$logs/$stage.log" 2>&1

@@ -89,8 +89,8 @@ flags.DEFINE_list("model_configs", ["xla-delta-rule", "auto", "auto+decode-kerne
                   "gated_delta_step, which are not auto), auto-mosaic-moe (auto without grouped_matmul_triton and "
                   "grouped_matmul_pool: the Mosaic grouped matmul over a gathered layer), auto-gather-moe (auto "
                   "without grouped_matmul_pool: the Triton matmul over a gathered layer: auto's choice at "
-                  "a733c60), auto-one-tile (auto with the Triton matmul's 64-row tiles for the down matmul too, as before "
-                  "3373cb2), auto+fused-swiglu (auto plus grouped_swiglu_triton), "
+                  "a733c60), auto-one-tile (auto with the Triton matmul's 64-row tiles for the down matmul too, as "
+                  "before 3373cb2), auto+fused-swiglu (auto plus grouped_swiglu_triton), "
                   "auto+graphs (auto with decode_graphs=on: the decode block as a CUDA graph). The 'auto+' and "
                   "'-moe' configs list the auto kernels by name, so each runs wherever it takes the operands, "
                   "without auto's own conditions (minimum tokens, group counts): alike for this 8192-token prefill.")

@@ -42,6 +42,10 @@
 # profile-hybrid:  profile_step on issue 32's 16-layer qwen3.5-35b-a3b cut, resident: one decode step (batch 1, after a
 #                  512-token prompt) and one 8192-token prefill chunk, GPU time by layer kind (Gated DeltaNet mixers
 #                  in linear_attention, the gated attention in attention, the MoE in experts) against each one's bytes
+# profile-hybrid-nocb: profile-hybrid's decode step with XLA's command buffers off (XLA_FLAGS
+#                  --xla_gpu_enable_command_buffer=): slower steps, but every kernel keeps its HLO op in the trace, so
+#                  the 1.2 ms of "other" in profile-hybrid's decode (a cuBLAS GEMM, the dense_decode kernels) gets
+#                  categories; its JSON under $OUT/no-command-buffers
 # hybrid-batch-probe: does the hybrid engine's decode compile at batch 1, 2, 4 (stacks dumped if it hangs)
 # ab-prefill:      ab_commits_gpu.sh against the tree in .base (git-ignored, so carried: run(carry=[".base"]); made
 #                  with `rm -rf .base && mkdir .base && git archive a733c60 ftjax | tar -x -C .base`): qwen3-30b-a3b's
@@ -137,6 +141,10 @@ for stage in "$@"; do
       OUT="${out:-experiments/results/ab}" timeout -s INT -k 15 "${LIMIT_ab_prefill:-420}" \
         bash experiments/ab_commits_gpu.sh .base a733c60 prefill_resident,prefill_stream > "$logs/$stage.log" 2>&1
       echo "== $stage rc=$? $((SECONDS - t0)) s"; tail -n 25 "$logs/$stage.log" ;;
+    profile-hybrid-nocb)
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" run 300 "$stage" experiments/profile_step.py \
+        --preset=qwen3.5-35b-a3b --layers=16 --runs=resident_decode --batches=1 --trace_steps=2 \
+        ${out:+--out_dir="$out/no-command-buffers"} ;;
     hybrid-batch-probe)
       timeout -s ABRT -k 10 "${LIMIT_hybrid_batch_probe:-200}" python3 -X faulthandler \
         experiments/probe_hybrid_batch_decode.py ${out:+--out_dir="$out"} > "$logs/$stage.log" 2>&1

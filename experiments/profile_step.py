@@ -148,8 +148,7 @@ def analytic_bytes(model, tokens: int, kv_rows_read: int, kv_rows_written: int, 
     eb = model.expert_bytes
     states = 0
     if cfg.is_hybrid:
-        n_lin = cfg.num_layers - cfg.num_attention_layers
-        conv, rec = gated_deltanet.state_shapes(cfg, n_lin, sequences)
+        conv, rec = gated_deltanet.state_shapes(cfg, cfg.num_linear_layers, sequences)
         states = 2 * (int(np.prod(conv)) * item + int(np.prod(rec)) * 4)  # read and written; the state is float32
     hbm = {"attention": nbytes(groups["attention"]) + (kv_rows_read + kv_rows_written) * kv_row,
            "linear_attention": nbytes(groups["linear_attention"]) + states,

@@ -105,7 +105,7 @@ def pool_auto(groups: int) -> bool:
     bench_gated_delta_qwen3.5-35b-a3b_model-moe_h100_2026-12-05.json``): qwen3.5-35b-a3b cut to 16 layers,
     resident, an 8192-token prefill: TTFT 0.122 s against 0.140 s with the layer gather (1.6 GB copied a layer),
     logits bit-identical, with the 25.8 GB pool addressed in 64-bit offsets."""
-    return groups >= gmt.AUTO_MIN_GROUPS
+    return gmt.auto_picks(groups)
 
 
 def pool_grouping(x: jax.Array, gate_up: jax.Array, down: jax.Array, groups: int) -> bool:
@@ -160,7 +160,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, impl:
         return gmt.grouped_matmul_triton(lhs, rhs, group_sizes, group_slot=group_slot, interpret=how == "interpret",
                                          **tiles)
     if impl is None and registry.active().grouped_matmul == "auto":  # an explicit choice is taken as asked
-        how, tiles = _triton_mode(lhs, rhs, gmt.auto_picks(rhs))
+        how, tiles = _triton_mode(lhs, rhs, gmt.auto_picks(rhs.shape[0]))
         if how != "xla":
             return gmt.grouped_matmul_triton(lhs, rhs, group_sizes, interpret=how == "interpret", **tiles)
     impl = impl or registry.active().grouped_matmul

@@ -104,11 +104,12 @@ def supported(lhs: jax.Array, rhs: jax.Array, block_k: int = BLOCK_K, block_n: i
     return lhs.shape[1] == k and common.dot_dtype_ok(lhs.dtype) and k % block_k == 0 and n % block_n == 0
 
 
-def auto_picks(rhs: jax.Array) -> bool:
-    """Whether ``use="auto"`` picks this kernel for rhs [G, K, N] on a GPU: G >= :data:`AUTO_MIN_GROUPS`, the
-    many small groups where it was measured faster than the Mosaic kernel (module docstring). G is the call's:
-    under expert parallelism (``ftjax.experts.parallel``) each device's share of the experts."""
-    return rhs.ndim == 3 and rhs.shape[0] >= AUTO_MIN_GROUPS
+def auto_picks(groups: int) -> bool:
+    """Whether ``use="auto"`` picks this kernel on a GPU for a call of ``groups`` groups (G of rhs [G, K, N], or
+    of a slot table): G >= :data:`AUTO_MIN_GROUPS`, the many small groups where it was measured faster than the
+    Mosaic kernel (module docstring). G is the call's: under expert parallelism (``ftjax.experts.parallel``)
+    each device's share of the experts."""
+    return groups >= AUTO_MIN_GROUPS
 
 
 def _kernel(group_ref, row_ref, rows_ref, *refs, groups, bm, bn, bk, k_steps, up_cols, slots, gather):

@@ -277,12 +277,6 @@ def plan_run(model, config: EngineConfig, prompts: Sequence[Sequence[int]], budg
         needs on the scan driver, or, with ``mode="resident"``, fewer than the whole pool (the message gives
         the budget it needs).
     """
-    with registry.using(config.kernels):  # the run's kernels decide what a stated plan holds (the layer gather)
-        return _plan_run(model, config, prompts, budget_bytes, slots, mode)
-
-
-def _plan_run(model, config: EngineConfig, prompts, budget_bytes: int | None, slots: int | None,
-              mode: str) -> tuple[EngineConfig, MemoryPlan | None]:
     cfg = model.cfg
     if budget_bytes is not None and slots is not None:
         raise ValueError("give a VRAM budget or a slot count, not both")
@@ -296,11 +290,12 @@ def _plan_run(model, config: EngineConfig, prompts, budget_bytes: int | None, sl
         if mode == "resident" or (slots is None and mode == "auto"):
             per_device = None if n == 1 else plan_memory(
                 cfg, itemsize, slots=cfg.num_layers * cfg.num_experts // share, batch=config.batch,
-                max_seq_len=config.max_seq_len, expert_bytes=model.expert_bytes, devices=n, expert_split=split)
+                max_seq_len=config.max_seq_len, expert_bytes=model.expert_bytes, devices=n, expert_split=split,
+                kernels=config.kernels)
             return _resident(config), per_device
         plan = plan_memory(cfg, itemsize, slots=(slots or demo_slots) // share, batch=config.batch,
                            max_seq_len=config.max_seq_len, expert_bytes=model.expert_bytes, pipelined=pipelined,
-                           devices=n, expert_split=split)
+                           devices=n, expert_split=split, kernels=config.kernels)
     else:
         def plan_for(run: EngineConfig, pipelined: bool) -> MemoryPlan:
             return plan_memory(cfg, itemsize, budget_bytes=budget_bytes, batch=run.batch,

@@ -46,6 +46,8 @@
 #                  --xla_gpu_enable_command_buffer=): slower steps, but every kernel keeps its HLO op in the trace, so
 #                  the 1.2 ms of "other" in profile-hybrid's decode (a cuBLAS GEMM, the dense_decode kernels) gets
 #                  categories; its JSON under $OUT/no-command-buffers
+# hybrid-int4-budget: bench_decode, qwen3.5-35b-a3b with int4 experts at 12 and 24 GB (LRU and lookahead) and
+#                  resident (26.16 GB): the int4 points of docs/FIGURES.md's hybrid decode-by-budget figure
 # hybrid-batch-probe: does the hybrid engine's decode compile at batch 1, 2, 4 (stacks dumped if it hangs)
 # ab-prefill:      ab_commits_gpu.sh against the tree in .base (git-ignored, so carried: run(carry=[".base"]); made
 #                  with `rm -rf .base && mkdir .base && git archive a733c60 ftjax | tar -x -C .base`): qwen3-30b-a3b's
@@ -145,6 +147,10 @@ for stage in "$@"; do
       XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" run 300 "$stage" experiments/profile_step.py \
         --preset=qwen3.5-35b-a3b --layers=16 --runs=resident_decode --batches=1 --trace_steps=2 \
         ${out:+--out_dir="$out/no-command-buffers"} ;;
+    hybrid-int4-budget)
+      XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=115 run 540 "$stage" experiments/bench_decode.py --preset=qwen3.5-35b-a3b \
+        --vram_budgets_gb=12,24 --modes=cached,resident --cache_policies=lru,lookahead --batches=1 --steps=48 \
+        --expert_dtypes=int4 ${out:+--out_dir="$out"} ;;
     hybrid-batch-probe)
       timeout -s ABRT -k 10 "${LIMIT_hybrid_batch_probe:-200}" python3 -X faulthandler \
         experiments/probe_hybrid_batch_decode.py ${out:+--out_dir="$out"} > "$logs/$stage.log" 2>&1

@@ -602,7 +602,8 @@ def main(argv: list[str]) -> int:
     paths = argv[1:]
     if any(a.split("=", 1)[0][2:] in FIGURE_FLAGS for a in paths if a.startswith("--")):
         return figure_main(paths)
-    if paths == ["--all"]:
+    every = paths == ["--all"]  # every committed file: one without run rows is skipped, not an error
+    if every:
         paths = result_files()
     if not paths:
         print(__doc__, file=sys.stderr)
@@ -615,7 +616,12 @@ def main(argv: list[str]) -> int:
             print(f"plots: error: {p}: {e}", file=sys.stderr)
             status = 1
             continue
-        print(f"{p} -> {out}" if out else f"{p}: no run rows with a known metric, no plot")
+        if out or every:
+            print(f"{p} -> {out}" if out else f"{p}: no run rows with a known metric, no plot")
+        else:
+            print(f"plots: error: {p}: no run rows with a known metric, so no bar chart (a --metrics_json of "
+                  f"ftjax.generate is drawn in figure mode: --kind=line --x=... --y=...)", file=sys.stderr)
+            status = 1
     return status
 
 

@@ -375,7 +375,7 @@ def _load(ckpt_dir: str, cfg: ModelConfig, dtype: str, np_dtype, stored: str | N
     prefix = fam.tensor_prefix(idx.has)
     _note_skipped(idx, prefix, ckpt_dir)
     bar = tqdm(total=L, desc=f"loading {os.path.basename(os.path.normpath(ckpt_dir))}", unit="layer",
-               disable=not progress, leave=False)
+               disable=None if progress else True, leave=False)  # None: no bar where stderr is not a terminal
 
     def scale_of(name, shape):
         """The fp8 weight_scale_inv of weight ``name`` [out, in], or None when it has none."""

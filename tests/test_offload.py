@@ -281,6 +281,7 @@ def test_plan_for_a_budget_that_fits_everything_is_resident_even_with_prefill_st
     base = EngineConfig("cached", num_slots=2 * cfg.num_experts, max_seq_len=64, prefill="stream")
     config, plan = plan_engine(model, 10**10, [exp["short_prompt_ids"].tolist()], base)
     assert config.experts == "resident" and config.prefill == "auto" and plan.fits_resident
+    assert "prefill double buffer: not needed (every expert has a slot)" in plan.describe()
     assert plan.workspace_temp_bytes is not None and plan.planned_bytes <= 10**10
     budget = plan.planned_bytes - plan.all_slots_bytes + 10 * plan.expert_bytes  # 10 slots: E < 10 < 2E
     with pytest.raises(ValueError, match="prefill=stream on the layer scan needs at least 2E=16 slots"):

@@ -108,7 +108,7 @@ def test_one_budget_sweep_file_draws_the_curve(tmp_path):
         ("mode=resident, expert_dtype=bfloat16", [63.336], [93.0])]
 
 
-def test_generate_metrics_json_per_request_and_one_run(tmp_path):
+def test_generate_metrics_json_per_request_and_one_run(tmp_path, capsys):
     """The layouts ``ftjax.generate --metrics_json`` writes: a ``requests`` list (--prompts_file /
     --kv_offload), else one run's top-level figures."""
     reqs = _write(tmp_path / "m.json", {"model": "tiny", "ttft_s": 0.5, "flags": {"vram_budget_gb": 1.0},
@@ -123,6 +123,9 @@ def test_generate_metrics_json_per_request_and_one_run(tmp_path):
                            out=str(tmp_path / "g"))
     assert data.categories == ["lru", "lookahead"] and data.series[0].y == [0.2, 0.7]
     assert data.y_label == "hit rate (fraction of lookups)"
+    # without figure flags (bar charts of run rows) the same file is refused, pointing at figure mode
+    assert plots.main(["plots", reqs]) == 1
+    assert "figure mode: --kind=" in capsys.readouterr().err
 
 
 def test_bad_field_names_it_and_lists_the_fields(prefill_json, tmp_path, capsys):

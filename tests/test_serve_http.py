@@ -480,6 +480,11 @@ def test_malformed_json_and_other_model_are_refused(served):
         served.client.completions.create(model="gpt-5", prompt="x", max_tokens=1)
     with pytest.raises(openai.BadRequestError, match="context"):  # the openai client's view of a too-long prompt
         served.client.completions.create(model=MODEL, prompt=[5] * MAX_SEQ_LEN, max_tokens=1)
+    # a chat that fills the context alone, max_tokens left to its default: the message does not blame max_tokens
+    r = httpx.post(f"{served.url}/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "x " * (4 * MAX_SEQ_LEN)}]})
+    msg = r.json()["error"]["message"]
+    assert r.status_code == 400 and "leaves no room for a new token" in msg and "max_tokens" not in msg, msg
 
 
 class StuckScheduler:

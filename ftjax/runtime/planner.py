@@ -150,6 +150,8 @@ class MemoryPlan:
         e2 = 2 * self.num_experts
         if self.pipelined:
             buffer = "yes (two full-layer buffers of its own)"
+        elif self.fits_resident:  # every expert has a slot: nothing to stream
+            buffer = "not needed (every expert has a slot)"
         elif self.prefill_double_buffer:
             buffer = f"yes ({e2} slots borrowed from the pool)"
         else:

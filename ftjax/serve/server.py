@@ -574,7 +574,11 @@ class _Server:
                                param=param)
         if self.max_context is not None and len(ids) + max_tokens > self.max_context:
             verb = "have" if param == "messages" else "has"
-            raise APIError(400, f"the {param} {verb} {len(ids)} tokens; with max_tokens={max_tokens} that exceeds the "
+            count = f"{len(ids)} token{'' if len(ids) == 1 else 's'}"
+            if len(ids) >= self.max_context:  # whatever max_tokens is (chat's default included), nothing fits
+                raise APIError(400, f"the {param} {verb} {count}: the context of {self.max_context} tokens leaves no "
+                               f"room for a new token", param=param, code="context_length_exceeded")
+            raise APIError(400, f"the {param} {verb} {count}; with max_tokens={max_tokens} that exceeds the "
                            f"context of {self.max_context} tokens", param="max_tokens",
                            code="context_length_exceeded")
 

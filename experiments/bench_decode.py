@@ -76,6 +76,10 @@ flags.DEFINE_list("cache_policies", ["lru"], f"Slot eviction policies for mode c
 common.define_expert_dtypes()
 flags.DEFINE_integer("prompt_len", 512, "Prompt tokens.", lower_bound=1)
 flags.DEFINE_integer("steps", 128, "Decode steps timed.", lower_bound=1)
+flags.DEFINE_float("temperature", 0.0, "Sampling temperature of the decode (0: greedy). Random weights decode "
+                   "greedily into one repeated token whose experts then stay cached (hits near 1 above the budget that "
+                   "holds one token's experts); sampling at 1.0 keeps the tokens, and so the routing, varied.",
+                   lower_bound=0.0)
 flags.DEFINE_string("out_dir", "experiments/results/decode_by_budget", "Where the JSON goes.")
 flags.DEFINE_string("hlo_dir", None, "If set, write the compiled cached decode step's HLO text here.")
 common.define_kernel_flags()  # the kernel config of every engine (EngineConfig.kernels)
@@ -155,7 +159,7 @@ def run_mode(model, mode, slots, batch, max_seq_len, prompts, policy="lru", hlo_
     is deleted and collected before this returns. ``hlo_tag``: part of the HLO file's name (``--hlo_dir``)."""
     engine = Engine(model, EngineConfig(mode, num_slots=slots, max_seq_len=max_seq_len, batch=batch,
                                         cache_policy=policy, kernels=common.kernel_config()))
-    res = engine.generate(prompts, FLAGS.steps + 1, time_steps=True)
+    res = engine.generate(prompts, FLAGS.steps + 1, temperature=FLAGS.temperature, time_steps=True)
     ec = engine.expert_cache_metrics()
     steps = np.array(res.step_s)
     dec = ec["decode"]

@@ -117,11 +117,12 @@ def test_bench_decode_sweeps_budgets_in_one_process(tmp_path):
     from ftjax.config import preset
     from ftjax.runtime.planner import GB, plan_memory
     proc = _run_script("bench_decode", f"--out_dir={tmp_path}", "--preset=tiny", "--dtype=float32", "--steps=2",
-                       "--prompt_len=8", "--batches=1", "--modes=cached,resident", "--vram_budgets_gb=1.015,1.01")
+                       "--prompt_len=8", "--batches=1", "--modes=cached,resident", "--vram_budgets_gb=1.015,1.01",
+                       "--temperature=1.0")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count(" built in ") == 1, proc.stdout[-3000:]
     d = json.loads((tmp_path / "bench_decode_tiny.json").read_text())
-    assert "partial" not in d and d["budgets_gb"] == [1.015, 1.01]
+    assert "partial" not in d and d["budgets_gb"] == [1.015, 1.01] and d["flags"]["temperature"] == 1.0
     rows = d["results"]
     assert [(r["mode"], r["budget_gb"]) for r in rows] == [("cached", 1.015), ("cached", 1.01), ("resident", 1.018)]
     cfg = preset("tiny")  # prompt 8 + 3 new tokens: a KV cache of 128

@@ -48,6 +48,9 @@
 #                  categories; its JSON under $OUT/no-command-buffers
 # hybrid-int4-budget: bench_decode, qwen3.5-35b-a3b with int4 experts at 12 and 24 GB (LRU and lookahead) and
 #                  resident (26.16 GB): the int4 points of docs/FIGURES.md's hybrid decode-by-budget figure
+# budget-sampled:  bench_decode, qwen3-30b-a3b bf16 at 8, 12, 16, 24 GB (LRU and lookahead) and resident, the decode
+#                  sampled at temperature 1 (--temperature=1.0): the by-budget curve without greedy decoding's
+#                  repeated token
 # hybrid-batch-probe: does the hybrid engine's decode compile at batch 1, 2, 4 (stacks dumped if it hangs)
 # ab-prefill:      ab_commits_gpu.sh against the tree in .base (git-ignored, so carried: run(carry=[".base"]); made
 #                  with `rm -rf .base && mkdir .base && git archive a733c60 ftjax | tar -x -C .base`): qwen3-30b-a3b's
@@ -151,6 +154,10 @@ for stage in "$@"; do
       XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=115 run 540 "$stage" experiments/bench_decode.py --preset=qwen3.5-35b-a3b \
         --vram_budgets_gb=12,24 --modes=cached,resident --cache_policies=lru,lookahead --batches=1 --steps=48 \
         --expert_dtypes=int4 ${out:+--out_dir="$out"} ;;
+    budget-sampled)
+      XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=115 run 570 "$stage" experiments/bench_decode.py --vram_budgets_gb=8,12,16,24 \
+        --modes=cached,resident --cache_policies=lru,lookahead --batches=1 --steps=48 --temperature=1.0 \
+        ${out:+--out_dir="$out"} ;;
     hybrid-batch-probe)
       timeout -s ABRT -k 10 "${LIMIT_hybrid_batch_probe:-200}" python3 -X faulthandler \
         experiments/probe_hybrid_batch_decode.py ${out:+--out_dir="$out"} > "$logs/$stage.log" 2>&1

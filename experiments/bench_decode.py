@@ -270,7 +270,11 @@ def main(argv):
 
     def record(row):
         rows.append(row)
-        print({k: v for k, v in row.items() if k != "tpot_s"}, flush=True)
+        what = (f"{row.get('expert_dtype')} {row.get('budget_gb')} GB {row['mode']} b{row['batch']}: "
+                f"{row.get('slots')} slots, ")
+        print(what + (f"error {row['error'][:300]}" if "error" in row else
+                      f"{row['decode_tokens_per_s']:.2f} tok/s, decode hits {row['hit_rate_decode']:.3f}, "
+                      f"compile {row['compile_s']:.1f} s"), flush=True)
         # partial file after every run: a run cut short by a time limit keeps what it measured
         common.write_json(FLAGS.out_dir, f"bench_decode_{FLAGS.preset}.json",
                           {"meta": info, "partial": True, "B_P": bp, "budgets_gb": budgets, "memory_plans": plans,

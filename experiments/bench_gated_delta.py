@@ -91,9 +91,12 @@ flags.DEFINE_list("model_configs", ["xla-delta-rule", "auto", "auto+decode-kerne
                   "without grouped_matmul_pool: the Triton matmul over a gathered layer: auto's choice at "
                   "a733c60), auto-one-tile (auto with the Triton matmul's 64-row tiles for the down matmul too, as "
                   "before 3373cb2), auto+fused-swiglu (auto plus grouped_swiglu_triton), "
-                  "auto+graphs (auto with decode_graphs=on: the decode block as a CUDA graph). The 'auto+' and "
-                  "'-moe' configs list the auto kernels by name, so each runs wherever it takes the operands, "
-                  "without auto's own conditions (minimum tokens, group counts): alike for this 8192-token prefill.")
+                  "auto+graphs (auto with decode_graphs=on: the decode block as a CUDA graph), auto+offset-norms "
+                  "(the auto kernels by name: norm_dense_decode then also takes the zero-centred norms of the "
+                  "decode layers, with their projections, which auto does not yet: dense_decode.OFFSET_AUTO). The "
+                  "'auto+' and '-moe' configs list the auto kernels by name, so each runs wherever it takes the "
+                  "operands, without auto's own conditions (minimum tokens, group counts, OFFSET_AUTO): alike for "
+                  "this 8192-token prefill; in decode they run the zero-centred norm kernel too.")
 flags.DEFINE_list("model_decode_configs", ["auto", "auto+decode-kernels"],
                   "Model-stage configurations whose decode is timed too.")
 flags.DEFINE_float("model_deadline_s", 300.0, "Skip the model stage once the run has taken this long.")
@@ -485,7 +488,8 @@ def stage_model(cfg, out: dict) -> None:
              "auto-gather-moe": (tuple(a for a in auto if a != "grouped_matmul_pool"), {}),
              "auto-one-tile": ("auto", {"grouped_matmul_triton": (64, 256, 64, 8, 3)}),
              "auto+fused-swiglu": (auto + ("grouped_swiglu_triton",), {}),
-             "auto+graphs": ("auto", {}, {"decode_graphs": "on"})}
+             "auto+graphs": ("auto", {}, {"decode_graphs": "on"}),
+             "auto+offset-norms": (auto, {})}
     unknown = sorted(set(FLAGS.model_configs) - set(known))
     if unknown:
         raise app.UsageError(f"--model_configs: unknown {unknown}; expected some of {sorted(known)}")

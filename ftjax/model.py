@@ -188,9 +188,10 @@ def stacked_weights(cfg: ModelConfig, layer_params: Params, token_shape: tuple[i
     """The weights a call hands its layers whole (``StackedWeight``) rather than sliced: for a decode call
     (tokens [B, T] with T == 1 and B <= ``dense_decode.MAX_ROWS``) while the kernel config selects
     ``dense_decode`` or ``norm_dense_decode`` (under ``auto``: on a GPU for 16-bit weights), every
-    projection of the layers' kinds and of the MoE block (3-D stacks), plus the plain norms where
-    ``norm_dense_decode`` runs and the per-head q/k norms of ``attention`` layers where ``rope_cache``
-    runs; else none. Prefill calls keep the sliced weights: the kernels are GEMVs of few rows.
+    projection of the layers' kinds and of the MoE block (3-D stacks), plus the norms where
+    ``norm_dense_decode`` runs (a zero-centred family's only where ``dense_decode.norm_auto`` or the kernel's
+    name says) and the per-head q/k norms of ``attention`` layers where ``rope_cache`` runs; else none.
+    Prefill calls keep the sliced weights: the kernels are GEMVs of few rows.
     ``layer_params`` may hold a subset of the weights: only those present are handed over, and ``auto``
     reads the dtype of the first projection (the router's in a model)."""
     b, t = token_shape
@@ -202,7 +203,8 @@ def stacked_weights(cfg: ModelConfig, layer_params: Params, token_shape: tuple[i
     auto = bool(out) and dense_decode.auto_for(next(iter(out.values())).dtype)
     # look-aheads (record=False): the kernels count as applied where the layers' projections run them
     dense_on = registry.mode("dense_decode", auto=auto, record=False) != "xla"
-    norm_on = registry.mode("norm_dense_decode", auto=auto, record=False) != "xla" and not cfg.norm_offset
+    norm_auto = bool(out) and dense_decode.norm_auto(next(iter(out.values())).dtype, cfg.norm_offset)
+    norm_on = registry.mode("norm_dense_decode", auto=norm_auto, record=False) != "xla"
     if t != 1 or b > dense_decode.MAX_ROWS or not (dense_on or norm_on):
         return {}
     if norm_on:

@@ -215,14 +215,14 @@ def test_stacked_weights_only_for_decode_calls():
         assert model_lib.stacked_weights(cfg, layers, (1, 1)) == {}
 
 
-def _tiny_generate(kernels, mode="resident", slots=None):
+def _tiny_generate(kernels, mode="resident", slots=None, preset_name="tiny"):
     """A tiny model's greedy decode under ``KernelConfig(use=kernels)`` (its own programs: the kernel
-    config is part of every program's key)."""
+    config is part of every program's key); ``tiny`` cut to 3 layers, or the whole ``preset_name``."""
     from ftjax import Engine
     from ftjax.checkpoint import random_model
     from ftjax.config import EngineConfig
 
-    cfg = dataclasses.replace(preset("tiny"), num_layers=3)
+    cfg = dataclasses.replace(preset("tiny"), num_layers=3) if preset_name == "tiny" else preset(preset_name)
     eng = Engine(random_model(cfg, "float32"), EngineConfig(mode, num_slots=slots, max_seq_len=64, prefill_chunk=16,
                                                             kernels=KernelConfig(use=kernels)))
     return eng.generate([list(range(1, 20))], max_new_tokens=5, keep_logits=True)
@@ -234,7 +234,7 @@ def _fresh_traces():
     programs.clear()
 
 
-def _assert_like_default(kernels, ref, got):
+def _assert_like_default(kernels, ref, got, preset_name="tiny"):
     """``got`` (a greedy decode under ``kernels``) against ``ref`` (the default path): same ids, the
     prefill bit-identical (no kernel runs there), decode logits within float32 tolerance; and the
     cached mode under ``kernels`` bit-identical to ``got``."""
@@ -242,7 +242,7 @@ def _assert_like_default(kernels, ref, got):
     np.testing.assert_array_equal(got.step_logits[0], ref.step_logits[0])  # the prefill
     np.testing.assert_allclose(got.step_logits, ref.step_logits, rtol=1e-5,
                                atol=1e-5 * float(np.abs(ref.step_logits).max()))
-    cached = _tiny_generate(kernels, "cached", 16)
+    cached = _tiny_generate(kernels, "cached", 16, preset_name)
     assert cached.generated_ids == ref.generated_ids
     np.testing.assert_array_equal(cached.step_logits, got.step_logits)
 
@@ -306,6 +306,30 @@ def test_norm_dense_decode_matches_reference(m, dtype):
             _check(xn, want_x)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("m", [1, 3])
+def test_norm_dense_decode_zero_centred_matches_reference(m, dtype):
+    """``offset=True``, the Qwen3.5 family's norm (``rms_norm_offset``: times ``1 + w``), over the Gated DeltaNet
+    layer's four input projections (w_qkv, w_z, w_b, w_a: widths 256, 128, 4, 4, each its own column tile):
+    each product within tolerance of the reference, whose rows equal ``rms_norm_offset``'s; a kernel that
+    multiplied by w instead of 1 + w, or shrank every tile to the narrowest weight's, would miss."""
+    x, g, ws = _norm_operands(m, 128, (256, 128, 4, 4), dtype)
+    g = g - 1.0  # zero-centred weights, near 0
+    want_ys, want_x = dd.norm_dense_decode_reference(x, g, ws, 1, 1e-6, offset=True)
+    np.testing.assert_array_equal(np.asarray(want_x), np.asarray(layers_common.rms_norm_offset(x, g, 1e-6)))
+    plain, _ = dd.norm_dense_decode_reference(x, g, ws, 1, 1e-6)
+    assert float(jnp.max(jnp.abs(plain[0].astype(jnp.float32) - want_ys[0].astype(jnp.float32)))) > 0.1
+    for k_split, write_x, norm_w in ((1, True, g), (2, False, jnp.stack([g * 3.0, g, g]))):
+        ys, xn = dd.norm_dense_decode(x, norm_w, ws, jnp.int32(1), eps=1e-6, write_x=write_x, interpret=True,
+                                      block_k=32, block_n=64, k_split=k_split, offset=True)
+        assert [y.shape for y in ys] == [(m, 256), (m, 128), (m, 4), (m, 4)]
+        for got, want in zip(ys, want_ys):
+            _check(got, want)
+        if write_x:
+            assert xn.dtype == x.dtype
+            _check(xn, want_x)
+
+
 def test_norm_dense_decode_one_weight_differs_from_unnormed():
     """The router's shape ([K, E], one weight): the rows are normalised before the product (a
     kernel that skipped the norm would give x @ w, far from the reference)."""
@@ -351,6 +375,38 @@ def test_greedy_decode_with_the_norm_kernel_matches_the_default_path(monkeypatch
     _assert_like_default("dense_decode,norm_dense_decode", ref, got)
 
 
+def test_hybrid_decode_with_the_zero_centred_norm_kernel_matches_the_default_path(monkeypatch):
+    """tiny-hybrid (Qwen3.5's layer kinds, zero-centred norms) with ``norm_dense_decode`` named (interpreted):
+    each decode layer's input norm and projections are one launch (a Gated DeltaNet layer's four, the gated
+    attention's three, the router), the norms read stacked; same ids and logits within float32 tolerance of the
+    default path, the prefill bit-identical; cached with the kernel bit-identical to resident with it. Under
+    ``auto`` a zero-centred norm does not pick the kernel yet (``dense_decode.OFFSET_AUTO``)."""
+    from ftjax.checkpoint import random_model
+
+    cfg = dataclasses.replace(preset("tiny-hybrid"))
+    layers = random_model(cfg, "bfloat16").params["layers"]
+    with registry.lowering_for("gpu"):  # auto on a GPU, 16-bit weights: projections stacked, the norms not
+        got = model_lib.stacked_weights(cfg, layers, (1, 1))
+    assert "w_qkv" in got and "attn_norm" not in got and not dd.OFFSET_AUTO
+    kernels = "dense_decode,norm_dense_decode"
+    ref = _tiny_generate("xla", preset_name="tiny-hybrid")
+    _fresh_traces()
+    calls = []
+    real = dd.norm_dense_decode
+
+    def spy(x, g, ws, layer, **kw):
+        calls.append((tuple(w.shape[-1] for w in ws), len(g.shape), kw["offset"]))
+        return real(x, g, ws, layer, **kw)
+
+    monkeypatch.setattr(dd, "norm_dense_decode", spy)
+    got = _tiny_generate(kernels, preset_name="tiny-hybrid")
+    hv, cd = cfg.linear_num_value_heads, cfg.linear_conv_dim
+    vd = hv * cfg.linear_value_head_dim
+    qd, kd = 2 * cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    assert set(calls) == {((cd, vd, hv, hv), 2, True), ((qd, kd, kd), 2, True), ((cfg.num_experts,), 2, True)}
+    _assert_like_default(kernels, ref, got, preset_name="tiny-hybrid")
+
+
 def test_norm_dense_decode_lowers_for_cuda():
     """qwen3-30b-a3b's attention input (wq, wk, wv) and router launches lower to one Triton call each."""
     from test_kernels import _lower_cuda
@@ -362,6 +418,13 @@ def test_norm_dense_decode_lowers_for_cuda():
             x, g, tuple(w), l, eps=1e-6, write_x=wx, k_split=s), sd((1, 2048), bf), sd(g, bf),
             sd((), jnp.int32), *[sd((48, *s), bf) for s in shapes])
         assert txt.count("__gpu$xla.gpu.triton") == 1
+    # qwen3.5-35b-a3b's Gated DeltaNet layer: the zero-centred norm stacked over all 40 layers, read at its own
+    # row, and the four input projections stacked over the 30 Gated DeltaNet layers, each its own column tile
+    shapes = ((2048, 8192), (2048, 4096), (2048, 32), (2048, 32))
+    txt = _lower_cuda(lambda x, g, l, nl, *w: dd.norm_dense_decode(
+        x, g, tuple(w), l, eps=1e-6, k_split=4, offset=True, norm_layer=nl), sd((1, 2048), bf), sd((40, 2048), bf),
+        sd((), jnp.int32), sd((), jnp.int32), *[sd((30, *s), bf) for s in shapes])
+    assert txt.count("__gpu$xla.gpu.triton") == 1
 
 
 def test_norm_reference_reads_a_stacked_norm_at_the_layer():

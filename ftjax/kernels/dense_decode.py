@@ -93,11 +93,16 @@ def supported(x: jax.Array, w: jax.Array, block_k: int = BLOCK_K, block_n: int =
     return common.pow2(bk) and common.pow2(bn) and k % (bk * k_split) == 0 and n % bn == 0
 
 
-def _kernel(layer_ref, x_ref, *refs, bk, bn, split, cols, eps, xn_dtype, write_x, merge):
+def _kernel(layer_ref, x_ref, *refs, bk, split, cols, eps, xn_dtype, write_x, merge, offset=False):
     """cols: per weight (its first column block on grid axis 0, its column blocks, its first output
-    column). eps None: x is used as is; else the rows are RMS-normalised first (refs[0]: the norm
+    column, its column tile: ``min(block_n, N_i)``, so a narrow weight does not shrink the others' tiles).
+    eps None: x is used as is; else the rows are RMS-normalised first (refs[0]: the norm
     weight [K]) exactly as ``model.rms_norm``: float32 statistics, cast to x's dtype, times the weight
-    in ``xn_dtype``; write_x: the programs of column block 0 also write those rows (the last ref).
+    in ``xn_dtype``; with ``offset`` as ``layers.common.rms_norm_offset`` (zero-centred weights): the
+    float32 normalised rows times ``1 + weight`` in float32, cast to x's dtype (= ``xn_dtype``); write_x: the
+    programs of column block 0 also write those rows (the last ref). layer_ref: the weights' layer id, then, where
+    it holds two, the stacked norm weight's own row (a layer kind's weights are indexed by the kind's layers,
+    the norm by all layers).
     merge (g, hd): x_ref holds decode attention's unmerged splits (o [M, Hkv, n_split, rows, hd]) and
     the first two refs their m, l; the input rows are the splits merged by log-sum-exp as
     ``decode_attention.merge_splits`` does, cast to ``xn_dtype`` (a K block lies within one head)."""
@@ -109,6 +114,7 @@ def _kernel(layer_ref, x_ref, *refs, bk, bn, split, cols, eps, xn_dtype, write_x
     o_ref = refs[int(norm) + len(cols)]
     j, part = pl.program_id(0), pl.program_id(1)
     layer = common.wrap_clamp(layer_ref[0], w_refs[0].shape[0])
+    norm_layer = layer if layer_ref.shape[0] == 1 or not norm else common.wrap_clamp(layer_ref[1], g_ref.shape[0])
     m, k = x_ref.shape if merge is None else (x_ref.shape[0], x_ref.shape[1] * merge[0] * merge[1])
     k_steps = k // (bk * split)
     base = part * (k_steps * bk)  # this program's share of the input rows
@@ -138,11 +144,14 @@ def _kernel(layer_ref, x_ref, *refs, bk, bn, split, cols, eps, xn_dtype, write_x
             return merged_rows(k0)
         if not norm:
             return [x_ref[r, pl.ds(k0, bk)] for r in range(m)]
-        g = (g_ref[layer, pl.ds(k0, bk)] if len(g_ref.shape) == 2 else g_ref[pl.ds(k0, bk)]).astype(f32)
+        g = (g_ref[norm_layer, pl.ds(k0, bk)] if len(g_ref.shape) == 2 else g_ref[pl.ds(k0, bk)]).astype(f32)
+        if offset:
+            return [(x_ref[r, pl.ds(k0, bk)].astype(f32) * inv[r] * (1.0 + g)).astype(x_ref.dtype).astype(xn_dtype)
+                    for r in range(m)]
         return [(g * (x_ref[r, pl.ds(k0, bk)].astype(f32) * inv[r]).astype(x_ref.dtype).astype(f32)).astype(xn_dtype)
                 for r in range(m)]
 
-    def product(w_ref, b0, off):
+    def product(w_ref, b0, off, bn):
         n0 = (j - b0) * bn
 
         def body(i, acc):
@@ -158,10 +167,10 @@ def _kernel(layer_ref, x_ref, *refs, bk, bn, split, cols, eps, xn_dtype, write_x
                 o_ref[part, r, pl.ds(off + n0, bn)] = a
 
     if len(cols) == 1:
-        product(w_refs[0], 0, 0)
+        product(w_refs[0], 0, 0, cols[0][3])
     else:  # each column block belongs to one weight
-        for w_ref, (b0, nb, off) in zip(w_refs, cols):
-            pl.when((j >= b0) & (j < b0 + nb))(functools.partial(product, w_ref, b0, off))
+        for w_ref, (b0, nb, off, wbn) in zip(w_refs, cols):
+            pl.when((j >= b0) & (j < b0 + nb))(functools.partial(product, w_ref, b0, off, wbn))
 
     if write_x:
         xo_ref = refs[-1]
@@ -177,23 +186,28 @@ def _kernel(layer_ref, x_ref, *refs, bk, bn, split, cols, eps, xn_dtype, write_x
 
 
 def _call(x, ws, layer, norm_w, eps, write_x, interpret, block_k, block_n, num_warps, k_split, sum_parts=True,
-          splits=None):
+          splits=None, offset=False, norm_layer=None):
     """One kernel launch for ``[x' @ w[layer] for w in ws]`` (x' = x, or RMSNorm(x) when eps is set);
     returns (the products, in ``jnp.result_type(x', w)``, the normalised rows or None). sum_parts
     False: the products are one array of the K-split parts instead (:func:`norm_dense_decode`).
-    splits (m, l, g, dtype): x is decode attention's unmerged o, x' its merge (:func:`merge_dense_decode`)."""
+    splits (m, l, g, dtype): x is decode attention's unmerged o, x' its merge (:func:`merge_dense_decode`).
+    offset: the norm's weights are zero-centred (``layers.common.rms_norm_offset``; x' in x's dtype).
+    norm_layer: the row of a stacked norm weight [L_n, K] where it is not ``layer`` (None: ``layer``)."""
     if splits is None:
         m, k = x.shape
-        xn_dtype = x.dtype if eps is None else jnp.result_type(norm_w.dtype, x.dtype)
+        xn_dtype = x.dtype if eps is None or offset else jnp.result_type(norm_w.dtype, x.dtype)
     else:
         m, k = x.shape[0], x.shape[1] * splits[2] * x.shape[4]
         xn_dtype = jnp.dtype(splits[3])
     out_dtype = jnp.result_type(xn_dtype, ws[0].dtype)
     lid = jnp.asarray(layer, jnp.int32).reshape(1)  # wrapped and clamped inside the kernel
-    bk, bn = min(block_k, k), min(block_n, *(w.shape[2] for w in ws))
+    if norm_layer is not None and eps is not None and norm_w.ndim == 2:
+        lid = jnp.concatenate([lid, jnp.asarray(norm_layer, jnp.int32).reshape(1)])
+    bk = min(block_k, k)
     cols, b0, off = [], 0, 0
-    for w in ws:
-        cols.append((b0, w.shape[2] // bn, off))
+    for w in ws:  # each weight its own column tile, min(block_n, N_i)
+        bn = min(block_n, w.shape[2])
+        cols.append((b0, w.shape[2] // bn, off, bn))
         b0, off = b0 + w.shape[2] // bn, off + w.shape[2]
     params = common.triton_params(interpret, num_warps)
     out_shape = [jax.ShapeDtypeStruct((m, off), out_dtype) if k_split == 1
@@ -203,8 +217,8 @@ def _call(x, ws, layer, norm_w, eps, write_x, interpret, block_k, block_n, num_w
     operands = (lid, x) + (tuple(splits[:2]) if splits else ()) + ((norm_w,) if eps is not None else ()) + tuple(ws)
     merge = None if splits is None else (splits[2], x.shape[4])
     outs = pl.pallas_call(
-        functools.partial(_kernel, bk=bk, bn=bn, split=k_split, cols=tuple(cols), eps=eps, xn_dtype=xn_dtype,
-                          write_x=write_x, merge=merge),
+        functools.partial(_kernel, bk=bk, split=k_split, cols=tuple(cols), eps=eps, xn_dtype=xn_dtype,
+                          write_x=write_x, merge=merge, offset=offset),
         out_shape=tuple(out_shape), grid=(b0, k_split), interpret=interpret, compiler_params=params,
         name="norm_dense_decode" if eps is not None else "merge_dense_decode" if splits else "dense_decode",
     )(*operands)
@@ -248,17 +262,22 @@ def dense_decode_reference(x: jax.Array, w: jax.Array, layer: jax.Array) -> jax.
     return y.astype(out)
 
 
-def _norm_shape_ok(norm_w, x, ws) -> bool:
+def _norm_shape_ok(norm_w, x, ws, own_row: bool = False) -> bool:
+    """norm_w [K], or stacked [L, K] over the weights' L layers (any count where it is read at its own row)."""
     k = x.shape[-1]
-    return tuple(norm_w.shape) in ((k,), (ws[0].shape[0], k)) if ws else False
+    if not ws:
+        return False
+    return tuple(norm_w.shape) == (k,) or (norm_w.ndim == 2 and norm_w.shape[1] == k
+                                           and (own_row or norm_w.shape[0] == ws[0].shape[0]))
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "write_x", "interpret", "block_k", "block_n", "num_warps",
-                                             "k_split", "sum_parts"))
+                                             "k_split", "sum_parts", "offset"))
 def norm_dense_decode(x: jax.Array, norm_w: jax.Array, ws: tuple[jax.Array, ...], layer: jax.Array, *, eps: float,
                       write_x: bool = False, interpret: bool = False, block_k: int = BLOCK_K, block_n: int = BLOCK_N,
-                      num_warps: int | None = None, k_split: int = 1,
-                      sum_parts: bool = True) -> tuple[list[jax.Array], jax.Array | None]:
+                      num_warps: int | None = None, k_split: int = 1, sum_parts: bool = True,
+                      offset: bool = False, norm_layer: jax.Array | None = None) -> tuple[list[jax.Array],
+                                                                                         jax.Array | None]:
     """RMSNorm of the rows, then their products with several stacked weights, in one launch:
     ``[rms_norm(x) @ w[layer] for w in ws]``.
 
@@ -276,31 +295,44 @@ def norm_dense_decode(x: jax.Array, norm_w: jax.Array, ws: tuple[jax.Array, ...]
     ``jnp.result_type(norm_w, x)`` (the mean's float32 sum in another order, so one bf16 ulp at
     most apart). Returns ([M, N_i] in ``jnp.result_type(x', w)`` per weight, the normalised rows
     [M, K] when ``write_x`` (written by the programs of the first column block), else None).
-    Tiles as :func:`dense_decode` (block_n capped at the smallest N_i; k_split over K).
+    Tiles as :func:`dense_decode` (block_n capped at each N_i for its own column blocks; k_split over K).
     sum_parts False: the products come back unsummed, as one array [k_split, M, sum N_i] of float32
     partial sums (k_split > 1) or [1, M, sum N_i] in the products' dtype (the columns of ws in order),
     for a consumer that adds them up itself (``ftjax.kernels.rope_cache``: one XLA kernel less).
+    offset: the norm of the Qwen3.5 / Qwen3-Next family (zero-centred weights, ``layers.common.rms_norm_offset``):
+    the float32 normalised rows times ``1 + norm_w`` in float32, cast to x's dtype; the products then in
+    ``jnp.result_type(x, w)``. What a hybrid decode layer starts its Gated DeltaNet mixer (the norm, then
+    w_qkv, w_z, w_b, w_a), its gated attention and its MoE router with.
+    norm_layer: int32 [], the row of a stacked norm_w [L_n, K] when it is not ``layer`` (a hybrid layer kind's
+    weights are stacked over that kind's layers, its norm over all of them); None: ``layer``.
 
     Raises:
-      ValueError: operands or tiles that :func:`supported_all` rejects, or norm_w neither [K] nor [L, K].
+      ValueError: operands or tiles that :func:`supported_all` rejects, or norm_w neither [K] nor [L, K] (L the
+        weights' layer count where ``norm_layer`` is None).
     """
     ws = tuple(ws)
-    if not supported_all(x, ws, block_k, block_n, k_split) or not _norm_shape_ok(norm_w, x, ws):
+    if not supported_all(x, ws, block_k, block_n, k_split) or \
+            not _norm_shape_ok(norm_w, x, ws, own_row=norm_layer is not None):
         raise ValueError(f"norm_dense_decode: unsupported operands or tiles (x {x.shape} {x.dtype}, norm_w "
                          f"{norm_w.shape}, ws {[(w.shape, str(w.dtype)) for w in ws]}, block_k={block_k} "
                          f"block_n={block_n} k_split={k_split})")
-    return _call(x, ws, layer, norm_w, eps, write_x, interpret, block_k, block_n, num_warps, k_split, sum_parts)
+    return _call(x, ws, layer, norm_w, eps, write_x, interpret, block_k, block_n, num_warps, k_split, sum_parts,
+                 offset=offset, norm_layer=norm_layer)
 
 
-def norm_dense_decode_reference(x: jax.Array, norm_w: jax.Array, ws, layer: jax.Array,
-                                eps: float) -> tuple[list[jax.Array], jax.Array]:
-    """The jnp reference of :func:`norm_dense_decode`: ``model.rms_norm``'s arithmetic, then
-    :func:`dense_decode_reference` per weight; a stacked norm weight [L, K] is read at ``layer``.
-    Returns (the products, the normalised rows)."""
+def norm_dense_decode_reference(x: jax.Array, norm_w: jax.Array, ws, layer: jax.Array, eps: float,
+                                offset: bool = False, norm_layer=None) -> tuple[list[jax.Array], jax.Array]:
+    """The jnp reference of :func:`norm_dense_decode`: ``model.rms_norm``'s arithmetic (``rms_norm_offset``'s
+    where ``offset``), then :func:`dense_decode_reference` per weight; a stacked norm weight [L, K] is read at
+    ``layer`` (``norm_layer`` where given). Returns (the products, the normalised rows)."""
     if norm_w.ndim == 2:
-        norm_w = norm_w[layer]
+        norm_w = norm_w[layer if norm_layer is None else norm_layer]
     x32 = x.astype(jnp.float32)
-    xn = norm_w * (x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    y = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if offset:
+        xn = (y * (1.0 + norm_w.astype(jnp.float32))).astype(x.dtype)
+        return [dense_decode_reference(xn, w, layer) for w in ws], xn
+    xn = norm_w * y.astype(x.dtype)
     return [dense_decode_reference(xn, w, layer) for w in ws], xn
 
 
@@ -386,14 +418,13 @@ def auto_k_split(k: int, n: int, block_k: int, block_n: int) -> int:
 
 def supported_all(x: jax.Array, ws, block_k: int = BLOCK_K, block_n: int = BLOCK_N, k_split: int = 1) -> bool:
     """:func:`supported` for one launch over several weights ``ws`` (each [L, K, N_i], one L, K and
-    dtype), with the column tile ``min(block_n, min N_i)`` shared by all of them."""
+    dtype), each with its own column tile ``min(block_n, N_i)``."""
     ws = tuple(ws)
     if not ws or any(getattr(w, "ndim", 0) != 3 for w in ws):
         return False
     if len({(w.shape[0], w.shape[1], jnp.dtype(w.dtype)) for w in ws}) != 1:
         return False
-    bn = min(block_n, *(w.shape[2] for w in ws))
-    return all(supported(x, w, block_k, bn, k_split) for w in ws)
+    return all(supported(x, w, block_k, block_n, k_split) for w in ws)
 
 
 def plan(x: jax.Array, w, name: str = "dense_decode", auto: bool | None = None) -> tuple[str, dict]:
@@ -436,22 +467,38 @@ def maybe(x: jax.Array, w: jax.Array, layer: jax.Array) -> jax.Array | None:
 
 
 def maybe_norm(x: jax.Array, norm_w: jax.Array, eps: float, ws, layer: jax.Array, write_x: bool = False,
-               sum_parts: bool = True) -> tuple[list[jax.Array], jax.Array | None] | None:
+               sum_parts: bool = True, offset: bool = False,
+               norm_layer: jax.Array | None = None) -> tuple[list[jax.Array], jax.Array | None] | None:
     """:func:`norm_dense_decode` of a model call when the kernel config selects ``norm_dense_decode``
     for these operands (:func:`plan`; under ``auto``: :func:`auto_for`), else None (the caller
     runs ``model.rms_norm`` and its projections). x: [..., K] with at most 16 rows; norm_w: [K] or [L, K];
     ws: weights [L, K, N_i]; layer: int32 []. Returns ([..., N_i] per weight, the normalised rows
     [..., K] when ``write_x``, else None); with ``sum_parts`` False the products are
-    :func:`norm_dense_decode`'s unsummed parts, [parts, rows, sum N_i] (rows = x's rows flattened)."""
-    how, t = plan(x, tuple(ws), "norm_dense_decode")
-    if how == "xla" or not _norm_shape_ok(norm_w, x, tuple(ws)):
+    :func:`norm_dense_decode`'s unsummed parts, [parts, rows, sum N_i] (rows = x's rows flattened).
+    offset: a zero-centred norm (:func:`norm_dense_decode`), which ``auto`` runs only where :data:`OFFSET_AUTO`;
+    norm_layer: the row of a stacked norm_w where it is not ``layer``."""
+    how, t = plan(x, tuple(ws), "norm_dense_decode", auto=norm_auto(ws[0].dtype, offset))
+    if how == "xla" or not _norm_shape_ok(norm_w, x, tuple(ws), own_row=norm_layer is not None):
         return None
     lead = x.shape[:-1]
     ys, xn = norm_dense_decode(x.reshape(-1, x.shape[-1]), norm_w, tuple(ws), layer, eps=float(eps), write_x=write_x,
-                               interpret=how == "interpret", sum_parts=sum_parts, **t)
+                               interpret=how == "interpret", sum_parts=sum_parts, offset=offset,
+                               norm_layer=norm_layer, **t)
     if not sum_parts:
         return ys, (None if xn is None else xn.reshape(x.shape))
     return [y.reshape(*lead, y.shape[-1]) for y in ys], (None if xn is None else xn.reshape(x.shape))
+
+
+#: Whether ``use="auto"`` runs :func:`norm_dense_decode` for a zero-centred norm (``offset``: the Qwen3.5 family's
+#: decode layers) on a GPU. Not yet: added 2026-12-05 and not yet measured on a GPU, it runs where
+#: ``norm_dense_decode`` is named (``KernelConfig.use``) until a run shows it faster.
+OFFSET_AUTO = False
+
+
+def norm_auto(dtype, offset: bool) -> bool:
+    """Whether ``use="auto"`` picks ``norm_dense_decode`` on a GPU for weights of ``dtype`` and a norm that is
+    zero-centred (``offset``) or not: :func:`auto_for`, and :data:`OFFSET_AUTO` for a zero-centred one."""
+    return auto_for(dtype) and (OFFSET_AUTO or not offset)
 
 
 #: Whether ``use="auto"`` runs :func:`merge_dense_decode` on a GPU (16-bit weights). Not: it was measured
@@ -480,8 +527,9 @@ registry.register(registry.Kernel(
     f"at most {MAX_ROWS} rows; auto: GPU, 16-bit weights", tiles=parse_tiles))
 registry.register(registry.Kernel(
     "norm_dense_decode", "ftjax.kernels.dense_decode.norm_dense_decode_reference",
-    "a decode step's RMSNorm (plain weights, not zero-centred) and the projections after it (input norm + "
-    "wq/wk/wv, MoE norm + router) in one launch; auto: GPU, 16-bit weights", tiles=parse_tiles))
+    "a decode step's RMSNorm and the projections after it (input norm + wq/wk/wv, MoE norm + router, a Gated "
+    "DeltaNet layer's norm + its four input projections) in one launch; auto: GPU, 16-bit weights, plain norms "
+    "(zero-centred ones by name only: OFFSET_AUTO)", tiles=parse_tiles))
 registry.register(registry.Kernel(
     "merge_dense_decode", "ftjax.kernels.decode_attention.merge_splits then x @ wo[layer]",
     "the wo projection with decode attention's key-split merge in its prologue, after rope_cache; by name only",

@@ -161,22 +161,24 @@ def qk(cfg: ModelConfig, lp: Params, x: jax.Array, positions: jax.Array, qkv: li
     return rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta), v
 
 
-def gated_qkv(cfg: ModelConfig, lp: Params, x: jax.Array, positions: jax.Array):
+def gated_qkv(cfg: ModelConfig, lp: Params, h: jax.Array, positions: jax.Array):
     """Queries, keys, values and the output gate of a gated attention layer.
 
-    x: [B, T, D] normed input; positions int32 [B, T]. q/k get a per-head zero-centred RMSNorm,
-    then RoPE on their first ``cfg.rotary_dim`` dims (the multimodal rope sections of the config
-    reduce to this for text, where all three position grids are equal). Returns q [B, T, Hq, hd],
-    k, v [B, T, Hkv, hd], gate [B, T, Hq*hd].
+    h: [B, T, D] the residual stream; positions int32 [B, T]. The input norm and the wq, wk, wv products
+    (one launch in a decode step where ``norm_dense_decode`` runs: ``layers.common.norm_project``); q/k get a
+    per-head zero-centred RMSNorm, then RoPE on their first ``cfg.rotary_dim`` dims (the multimodal rope
+    sections of the config reduce to this for text, where all three position grids are equal). Returns
+    q [B, T, Hq, hd], k, v [B, T, Hkv, hd], gate [B, T, Hq*hd].
     """
-    b, t, _ = x.shape
+    b, t, _ = h.shape
     hd, rd, eps = cfg.head_dim, cfg.rotary_dim, cfg.rms_norm_eps
     norm = norm_fn(cfg.norm_offset)
-    qg = project(x, lp["wq"]).reshape(b, t, cfg.num_heads, 2 * hd)
+    (qg, kp, vp), _ = norm_project(h, lp["attn_norm"], (lp["wq"], lp["wk"], lp["wv"]), eps, offset=cfg.norm_offset)
+    qg = qg.reshape(b, t, cfg.num_heads, 2 * hd)
     q, gate = qg[..., :hd], qg[..., hd:].reshape(b, t, -1)
     q = norm(q, layer_weight(lp["q_norm"]), eps)
-    k = norm(project(x, lp["wk"]).reshape(b, t, cfg.num_kv_heads, hd), layer_weight(lp["k_norm"]), eps)
-    v = project(x, lp["wv"]).reshape(b, t, cfg.num_kv_heads, hd)
+    k = norm(kp.reshape(b, t, cfg.num_kv_heads, hd), layer_weight(lp["k_norm"]), eps)
+    v = vp.reshape(b, t, cfg.num_kv_heads, hd)
 
     def partial_rope(a):
         return jnp.concatenate([rope(a[..., :rd], positions, cfg.rope_theta), a[..., rd:]], axis=-1)
@@ -258,8 +260,7 @@ def mix(cfg: ModelConfig, lp: Params, h: jax.Array, idx: LayerIndex, cache: KVCa
         if kv_hook is not None:
             ck, cv, hook_carry = kv_hook.before_attention(ck, cv, a, hook_xs, hook_carry)
         if gated:
-            x = norm_fn(cfg.norm_offset)(h, layer_weight(lp["attn_norm"]), cfg.rms_norm_eps)
-            q, k, v, gate = gated_qkv(cfg, lp, x, inputs.positions)
+            q, k, v, gate = gated_qkv(cfg, lp, h, inputs.positions)
             ck, cv = _write_kv(ck, cv, a, k, v, inputs)
         else:
             q, ck, cv = attention_inputs(cfg, lp, h, a, ck, cv, inputs)

@@ -98,14 +98,16 @@ def norm_project(h: jax.Array, norm_w: jax.Array | StackedWeight, ws: tuple, eps
                  write_x: bool = False):
     """``rms_norm(h)`` (``rms_norm_offset`` where ``offset``) and its products with ``ws`` ([..., N_i]
     each), and the normalised rows when ``write_x`` (else None). Where every weight is a
-    :class:`StackedWeight` of one layer, the norm is plain and the kernel config selects
-    ``norm_dense_decode`` (decode steps), one kernel launch does all of it; otherwise the norm and
-    :func:`project` per weight. h: [..., K]; norm_w: [K], or a :class:`StackedWeight` of the norm
-    weights [L, K] (the kernel reads the layer's row in place)."""
-    layers = {id(w.layer) for w in (*ws, norm_w) if isinstance(w, StackedWeight)}
-    if not offset and all(isinstance(w, StackedWeight) for w in ws) and len(layers) == 1:
+    :class:`StackedWeight` of one layer and the kernel config selects ``norm_dense_decode`` for this norm
+    (decode steps; a zero-centred one only where ``dense_decode.norm_auto`` or its name says), one kernel launch
+    does all of it; otherwise the norm and :func:`project` per weight. h: [..., K]; norm_w: [K], or a
+    :class:`StackedWeight` of the norm weights [L, K] (the kernel reads the layer's row in place)."""
+    if all(isinstance(w, StackedWeight) for w in ws) and len({id(w.layer) for w in ws}) == 1:
         g = norm_w.w if isinstance(norm_w, StackedWeight) else norm_w
-        got = dense_decode.maybe_norm(h, g, eps, [w.w for w in ws], ws[0].layer, write_x)
+        # a layer kind's weights index the kind's layers, the norm all layers: the kernel reads each at its own
+        at = norm_w.layer if isinstance(norm_w, StackedWeight) and norm_w.layer is not ws[0].layer else None
+        got = dense_decode.maybe_norm(h, g, eps, [w.w for w in ws], ws[0].layer, write_x, offset=offset,
+                                      norm_layer=at)
         if got is not None:
             return got
     x = norm_fn(offset)(h, layer_weight(norm_w), eps)

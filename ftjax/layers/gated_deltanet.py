@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from ftjax.config import ModelConfig
 from ftjax.kernels import causal_conv as conv_kernel
 from ftjax.kernels import gated_delta, gated_delta_step
-from ftjax.layers.common import layer_weight, norm_fn, project
+from ftjax.layers.common import layer_weight, norm_project, project
 from ftjax.seams import KVCache, KVHook, LayerIndex, LayerInputs
 
 #: Tokens per chunk of the chunked form (transformers' and FLA's default). KV prefix chunks of a
@@ -224,6 +224,10 @@ def gated_rms_norm(o: jax.Array, z: jax.Array, w: jax.Array, eps: float, dtype) 
     return (y * jax.nn.silu(z.astype(jnp.float32))).astype(dtype)
 
 
+#: The Gated DeltaNet mixer's input projections, in the order :func:`mixer` takes their products.
+IN_PROJECTIONS = ("w_qkv", "w_z", "w_b", "w_a")
+
+
 def gated_deltanet(cfg: ModelConfig, lp: dict, x: jax.Array, conv_state: jax.Array, rec_state: jax.Array,
                    valid: jax.Array, state_points: tuple[tuple[int, int], ...] = ()):
     """One Gated DeltaNet token mixer.
@@ -233,21 +237,32 @@ def gated_deltanet(cfg: ModelConfig, lp: dict, x: jax.Array, conv_state: jax.Arr
     chunked form. state_points: (batch row, call-relative token count, a multiple of :data:`DELTA_CHUNK`)
     pairs at which that row's state is wanted (prefix reuse stores it with each new KV chunk).
     Returns (y [B, T, D], conv state, recurrent state, a tuple over the state points of (conv
-    [K-1, conv_dim], rec [Hv, dk, dv]), or None when there are none).
+    [K-1, conv_dim], rec [Hv, dk, dv]), or None when there are none): :func:`mixer` of x's
+    :data:`IN_PROJECTIONS`.
     """
-    b, t, _ = x.shape
+    projected = [project(x, lp[name]) for name in IN_PROJECTIONS]
+    return mixer(cfg, lp, projected, x.dtype, conv_state, rec_state, valid, state_points)
+
+
+def mixer(cfg: ModelConfig, lp: dict, projected, dtype, conv_state: jax.Array, rec_state: jax.Array,
+          valid: jax.Array, state_points: tuple[tuple[int, int], ...] = ()):
+    """:func:`gated_deltanet` from the products of its normed input with :data:`IN_PROJECTIONS` (``projected``:
+    qkv_in [B, T, conv_dim], z [B, T, Hv*dv], b and a [B, T, Hv]), so a decode step may make them in one launch
+    with the input norm (``layers.common.norm_project``); dtype: the normed input's (the output norm's and the
+    output projection's input dtype). Returns as it does."""
+    qkv_in, z, b_in, a_in = projected
+    b, t, _ = qkv_in.shape
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     valid_len = jnp.sum(valid, axis=1, dtype=jnp.int32)
-    qkv_in = project(x, lp["w_qkv"])
-    z = project(x, lp["w_z"]).reshape(b, t, hv, dv)
+    z = z.reshape(b, t, hv, dv)
     qkv, new_conv = causal_conv(qkv_in, layer_weight(lp["conv"]), conv_state, valid_len)
     q = qkv[..., :hk * dk].reshape(b, t, hk, dk)
     k = qkv[..., hk * dk:2 * hk * dk].reshape(b, t, hk, dk)
     v = qkv[..., 2 * hk * dk:].reshape(b, t, hv, dv)
-    beta = jax.nn.sigmoid(project(x, lp["w_b"]))
+    beta = jax.nn.sigmoid(b_in)
     g = -jnp.exp(layer_weight(lp["A_log"]).astype(jnp.float32)) * jax.nn.softplus(
-        project(x, lp["w_a"]).astype(jnp.float32) + layer_weight(lp["dt_bias"]).astype(jnp.float32))
+        a_in.astype(jnp.float32) + layer_weight(lp["dt_bias"]).astype(jnp.float32))
     beta = jnp.where(valid[..., None], beta, 0)  # padding leaves the state exactly as it is
     g = jnp.where(valid[..., None], g, 0.0)
     points = None
@@ -262,7 +277,7 @@ def gated_deltanet(cfg: ModelConfig, lp: dict, x: jax.Array, conv_state: jax.Arr
             conv_in = jnp.concatenate([conv_state.astype(qkv_in.dtype), qkv_in], axis=1)  # [B, K-1+T, conv_dim]
             km1 = cfg.linear_conv_kernel - 1
             points = tuple((conv_in[row, p:p + km1], ends[p // DELTA_CHUNK - 1, row]) for row, p in state_points)
-    y = gated_rms_norm(o.astype(x.dtype), z, layer_weight(lp["norm"]), cfg.rms_norm_eps, x.dtype)
+    y = gated_rms_norm(o.astype(dtype), z, layer_weight(lp["norm"]), cfg.rms_norm_eps, dtype)
     return project(y.reshape(b, t, hv * dv), lp["w_out"]), new_conv, rec, points
 
 
@@ -275,9 +290,14 @@ def mix(cfg: ModelConfig, lp: dict, h: jax.Array, idx: LayerIndex, cache: KVCach
     del hook_xs
     gi = idx.kind
     with jax.named_scope("gated_deltanet"):
-        x = norm_fn(cfg.norm_offset)(h, layer_weight(lp["attn_norm"]), cfg.rms_norm_eps)
+        # the input norm and the four projections: one launch in a decode step where norm_dense_decode runs
+        norm_w = lp["attn_norm"]
+        projected, _ = norm_project(h, norm_w, tuple(lp[n] for n in IN_PROJECTIONS), cfg.rms_norm_eps,
+                                    offset=cfg.norm_offset)
+        # the normed rows' dtype (norm_fn's): the input's for a zero-centred norm, else promoted with the weight
+        dtype = h.dtype if cfg.norm_offset else jnp.result_type(getattr(norm_w, "w", norm_w).dtype, h.dtype)
         points = kv_hook.state_points() if kv_hook is not None else ()
-        y, conv, rec, pts = gated_deltanet(cfg, lp, x, cache.conv[gi], cache.rec[gi], inputs.valid, points)
+        y, conv, rec, pts = mixer(cfg, lp, projected, dtype, cache.conv[gi], cache.rec[gi], inputs.valid, points)
         cache = cache._replace(conv=jax.lax.dynamic_update_index_in_dim(cache.conv, conv.astype(cache.conv.dtype),
                                                                          gi, 0),
                                rec=jax.lax.dynamic_update_index_in_dim(cache.rec, rec.astype(cache.rec.dtype), gi, 0))

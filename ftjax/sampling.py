@@ -143,7 +143,8 @@ class SamplingDefaults:
 
 def check_sampling(temperature: float, top_p: float, top_k: int = 0) -> None:
     """Raises ValueError unless ``temperature`` is a finite real number >= 0, ``top_p`` is a real
-    number in (0, 1] and ``top_k`` an integer >= 0; the message names the parameter and its value."""
+    number in (0, 1] and ``top_k`` an integer in [0, 2**31) (an int32 operand of the sampling program; any
+    value at or above the vocabulary keeps every token); the message names the parameter and its value."""
     for name, v in (("temperature", temperature), ("top_p", top_p)):
         if isinstance(v, bool) or not isinstance(v, numbers.Real):
             raise ValueError(f"{name} must be a real number, got {v!r}")
@@ -151,8 +152,8 @@ def check_sampling(temperature: float, top_p: float, top_k: int = 0) -> None:
         raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
     if not 0.0 < top_p <= 1.0:  # also false for nan
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 0:
-        raise ValueError(f"top_k must be an integer >= 0 (0 = no limit), got {top_k!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or not 0 <= top_k < 2**31:
+        raise ValueError(f"top_k must be an integer in [0, 2**31) (0 = no limit), got {top_k!r}")
 
 
 def sample(logits: jax.Array, key: jax.Array, temperature: float, top_p: float, top_k: int = 0) -> jax.Array:
@@ -255,7 +256,9 @@ def _keep(logits: jax.Array, scaled: jax.Array, top_p, top_k) -> jax.Array:
     probs = jnp.where(jnp.isnan(probs), 0.0, probs)  # a row of all -inf
     cum = jnp.cumsum(probs, axis=-1)
     before = jnp.concatenate([jnp.zeros_like(cum[:, :1]), cum[:, :-1]], axis=-1)  # exclusive prefix sum
-    keep_sorted = (before < top_p) | (top_p >= 1.0)  # no cumulative sum decides a row with top_p 1
+    # no cumulative sum decides a row with top_p 1; the most probable token always stays (a top_p that float32
+    # flushes to 0 keeps it alone, as any tiny top_p does, instead of masking every token)
+    keep_sorted = (before < top_p) | (top_p >= 1.0) | (jnp.arange(cum.shape[-1]) == 0)
     return jnp.where(jnp.take_along_axis(keep_sorted, rank, axis=-1), scaled, -jnp.inf)
 
 

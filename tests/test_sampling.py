@@ -137,6 +137,8 @@ def test_top_p_near_zero_keeps_exactly_the_greedy_token(temperature):
     assert set(_draw([0.5, 2.0, -1.0, 1.9], temperature, 1e-9, n=4096)) == {1}
     assert set(_draw([1.0, 3.0, 3.0, 0.0, 3.0], temperature, 1e-9, n=4096)) == {1}   # tie: lowest id
     assert set(_draw([0.0] * 7, temperature, 1e-9, n=4096)) == {0}                  # all equal: id 0
+    # a top_p that float32 flushes to zero (a server passes any float > 0) keeps the greedy token, not none
+    assert set(_draw([0.5, 2.0, -1.0, 1.9], temperature, 1e-38, n=256)) == {1}
 
 
 def test_top_p_keeps_the_shortest_prefix_reaching_the_mass():
@@ -227,6 +229,13 @@ def test_bad_top_p_refused(top_p, text):
         check_sampling(1.0, top_p)
     with pytest.raises(ValueError, match="top_p"):
         _sample(jnp.zeros((1, 4)), jax.random.key(0), 1.0, top_p)
+
+
+def test_top_k_beyond_int32_refused():
+    """top_k is an int32 operand of the sampling program: 2**31 is refused by name, 2**31 - 1 kept."""
+    check_sampling(1.0, 1.0, 2**31 - 1)
+    with pytest.raises(ValueError, match=r"^top_k .*got 2147483648$"):
+        check_sampling(1.0, 1.0, 2**31)
 
 
 def test_good_values_accepted_including_numpy_scalars():

@@ -485,6 +485,15 @@ def test_malformed_json_and_other_model_are_refused(served):
         "model": MODEL, "messages": [{"role": "user", "content": "x " * (4 * MAX_SEQ_LEN)}]})
     msg = r.json()["error"]["message"]
     assert r.status_code == 400 and "leaves no room for a new token" in msg and "max_tokens" not in msg, msg
+    # a top_k beyond int32, a scheduler refusal and a lone surrogate: 400 naming their field, nothing run
+    for body, param in (({"prompt": "x", "top_k": 2**31}, "top_k"), ({"prompt": "x", "stop_token_ids": [-1]},
+                        "stop_token_ids"), ({"prompt": "a\ud800b"}, "prompt")):
+        r = httpx.post(f"{served.url}/v1/completions", headers={"content-type": "application/json"},
+                       content=json.dumps({"model": MODEL, "max_tokens": 2, **body}))  # JSON's \\ud800 escape
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    r = httpx.post(f"{served.url}/v1/chat/completions", headers={"content-type": "application/json"},
+                   content=json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "\ud800"}]}))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
 
 
 class StuckScheduler:

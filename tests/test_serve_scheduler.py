@@ -498,8 +498,11 @@ def test_stop_tokens_stop_strings_and_submit_errors():
     sched.submit([1, 2], SamplingParams(max_tokens=1), "q")
     with pytest.raises(ValueError, match="already in use"):
         sched.submit([1, 2], SamplingParams(), "q")
-    sched.submit([1, 2], SamplingParams(max_tokens=1))
-    with pytest.raises(QueueFull):
+    # a burst between two steps: the free rows take their share at the next step, max_waiting (2) more wait
+    rows = sched.max_batch
+    for _ in range(rows + 2 - 1):  # "q" was the first
+        sched.submit([1, 2], SamplingParams(max_tokens=1))
+    with pytest.raises(QueueFull, match=f"{rows + 2} requests already wait for {rows} free rows"):
         sched.submit([1, 2], SamplingParams())
     with pytest.raises(ValueError, match="max_batch"):
         Scheduler(eng, max_batch=3)

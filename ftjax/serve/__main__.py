@@ -29,7 +29,7 @@ engine_flags.define_flags()
 flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0: every interface).")
 flags.DEFINE_integer("port", 8000, "TCP port to listen on.")
 flags.DEFINE_integer("max_batch", 8, "Requests decoded together: the engine's batch rows (EngineConfig.batch).")
-flags.DEFINE_integer("max_waiting", 64, "Requests that may wait for a row; more get HTTP 429.")
+flags.DEFINE_integer("max_waiting", 64, "Requests that may wait for a row beyond the free rows; more get HTTP 429.")
 flags.DEFINE_boolean("run_ahead", True, "Dispatch the next decode step before reading this step's tokens, so that "
                      "the host's work overlaps the device's (ftjax.serve.scheduler); --norun_ahead reads each step's "
                      "tokens first.")
@@ -53,8 +53,8 @@ def _check_flags() -> None:
     engine_flags.check_flags()
     if FLAGS.max_batch < 1:
         raise UserError(f"--max_batch must be >= 1, got {FLAGS.max_batch}")
-    if FLAGS.max_waiting < 0:
-        raise UserError(f"--max_waiting must be >= 0, got {FLAGS.max_waiting}")
+    if FLAGS.max_waiting < 1:
+        raise UserError(f"--max_waiting must be >= 1, got {FLAGS.max_waiting}")
     if FLAGS.max_seq_len is not None and FLAGS.max_seq_len < 2:
         raise UserError(f"--max_seq_len must be >= 2, got {FLAGS.max_seq_len}")
     if not 0 <= FLAGS.port < 65536:

@@ -221,7 +221,8 @@ class Scheduler:
     Args:
       engine: an :class:`ftjax.Engine`; the scheduler owns its rows (``open_rows``) from now on.
       max_batch: rows to run at once, in [1, ``EngineConfig.batch``] (default: the engine's batch).
-      max_waiting: most requests waiting for a row (>= 1); :meth:`submit` raises :class:`QueueFull` beyond.
+      max_waiting: most requests waiting for a row (>= 1), beyond those the free rows take at the next step;
+        :meth:`submit` raises :class:`QueueFull` beyond.
       kv_manager: a ``ftjax.kv.prefix_cache.PrefixCache``: every request reuses stored prompt prefixes and
         stores its new full chunks.
       detokenize: ``Callable[[list[int]], str]`` for stop strings: the text of a request's completion ids.
@@ -301,7 +302,7 @@ class Scheduler:
           ValueError: a bad prompt (empty, an id that is not an int in [0, V)), prompt + ``max_tokens``
             beyond the context (``EngineConfig.max_seq_len``), bad parameters, stop strings without
             ``detokenize``, or an id already in use by a waiting or running request.
-          QueueFull: ``max_waiting`` requests already wait.
+          QueueFull: ``max_waiting`` requests already wait beyond the rows free for the next step.
         """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -331,8 +332,10 @@ class Scheduler:
         rid = uuid.uuid4().hex if request_id is None else str(request_id)
         if rid in self._active:
             raise ValueError(f"request id {rid!r} is already in use")
-        if len(self._queue) >= self.max_waiting:
-            raise QueueFull(f"{len(self._queue)} requests already wait (max_waiting={self.max_waiting})")
+        free = self._rows.count(None)  # a burst submitted between two steps fills the free rows first
+        if len(self._queue) >= self.max_waiting + free:
+            raise QueueFull(f"{len(self._queue)} requests already wait for {free} free rows "
+                            f"(max_waiting={self.max_waiting})")
         req = _Request(rid, [int(t) for t in ids], params, sampling, _key_data(int(seed)),
                        self._eos | {int(t) for t in stop_ids}, time.perf_counter())
         if params.stop:

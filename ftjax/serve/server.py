@@ -57,6 +57,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from sse_starlette.sse import EventSourceResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ftjax.serve.chat import ChatTemplate, ChatTemplateError
@@ -98,7 +99,7 @@ class _SamplingBody(_Strict):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, lt=2**31)
     seed: int | None = Field(None, ge=0, lt=2**64)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -190,6 +191,27 @@ def _error_body(message: str, type_: str, param: str | None = None, code: str | 
 
 
 _UNION_TAGS = {"str", "int", "float", "bool", "none"}
+
+
+#: Request fields a scheduler's ValueError may be about: its messages start with the field's name
+#: (``stop_token_ids`` before ``stop``, which it begins with).
+_SCHEDULER_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop")
+
+
+def _field_named(message: str) -> str:
+    """The request field a scheduler's refusal names first (its message starts with it), else "prompt"."""
+    return next((f for f in _SCHEDULER_FIELDS if message.startswith(f)), "prompt")
+
+
+def _check_text(text: str, param: str) -> None:
+    """Refuses text the tokenizer cannot take: a lone surrogate (JSON's ``\\ud800``) is not UTF-8.
+    Raises:
+      APIError: 400 naming ``param`` and the position."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"{param}: not valid UTF-8 text (a lone surrogate at character {e.start})",
+                       param=param) from None
 
 
 def _field_path(loc) -> list[str]:
@@ -597,7 +619,7 @@ class _Server:
             raise APIError(429, f"the server is busy: {e}", type_="rate_limit_error", code="queue_full") from None
         except ValueError as e:
             self.metrics.rejected.labels("invalid").inc()
-            raise APIError(400, str(e), param="prompt") from None
+            raise APIError(400, str(e), param=_field_named(str(e))) from None
         except RuntimeError as e:
             raise APIError(503, str(e), type_="server_error") from None
         return _Job(rid, q, prompt_ids, TextStream(self.decode, params.stop), params.logprobs)
@@ -664,7 +686,9 @@ class _Server:
             if self.tokenizer is None:
                 raise APIError(400, "a text prompt needs a tokenizer (tokenizer.json in the checkpoint); send token "
                                "ids", param="prompt")
-            ids = self.tokenizer.encode(body.prompt).ids
+            _check_text(body.prompt, "prompt")
+            # off the event loop: a long text takes seconds to tokenize, and other requests must go on meanwhile
+            ids = (await run_in_threadpool(self.tokenizer.encode, body.prompt)).ids
         else:
             ids = list(body.prompt)
         max_tokens = body.max_tokens or self.default_max_tokens
@@ -716,8 +740,10 @@ class _Server:
             raise APIError(400, "chat needs a tokenizer (tokenizer.json in the checkpoint)", param="messages")
         messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                     for m in body.messages]
+        for m in messages:
+            _check_text(m["content"], "messages")
         try:
-            ids = self.chat_template.encode(self.tokenizer, messages)
+            ids = await run_in_threadpool(self.chat_template.encode, self.tokenizer, messages)
         except ChatTemplateError as e:
             raise APIError(400, str(e), param="messages") from None
         max_tokens = body.max_completion_tokens or body.max_tokens

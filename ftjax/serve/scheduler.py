@@ -55,7 +55,10 @@ take a free row or the row such a request frees. A stop only the host sees (a st
 is applied when the block is read, and that row's tokens in the block already run ahead are dropped.
 
 Every row's logits are those of the request alone (up to float32 rounding: the calls' shapes differ), and
-the expert cache stays one global cache shared by the rows (DESIGN.md 1.1).
+the expert cache stays one global cache shared by the rows (DESIGN.md 1.1). In float32 the greedy tokens are
+the request's alone (tests); in bfloat16 a row decoded in the same call as another request's prompt chunk runs
+the prefill program's shapes, whose rounding can flip a near-tie (one bf16 step apart in logit) against its solo
+run: seen on the demo model in 12 of 30 trials with prompts prefilling alongside (2026-12-05).
 
 Failures: an exception from the shared engine call ends every running request with an "error" event
 (the call consumed the batch's KV cache) and the scheduler opens fresh rows and goes on; an exception in

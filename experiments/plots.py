@@ -616,8 +616,10 @@ def main(argv: list[str]) -> int:
             print(f"plots: error: {p}: {e}", file=sys.stderr)
             status = 1
             continue
-        if out or every:
-            print(f"{p} -> {out}" if out else f"{p}: no run rows with a known metric, no plot")
+        if out:
+            print(f"{p} -> {out}")
+        elif every:
+            print(f"{p}: no run rows with a known metric, no plot")
         else:
             print(f"plots: error: {p}: no run rows with a known metric, so no bar chart (a --metrics_json of "
                   f"ftjax.generate is drawn in figure mode: --kind=line --x=... --y=...)", file=sys.stderr)

@@ -200,11 +200,12 @@ def stacked_weights(cfg: ModelConfig, layer_params: Params, token_shape: tuple[i
     for k in dict.fromkeys(st.pattern):
         names += layers.get(k).projections
     out = {n: layer_params[n] for n in names if n in layer_params and layer_params[n].ndim == 3}
-    auto = bool(out) and dense_decode.auto_for(next(iter(out.values())).dtype)
+    dtype = next(iter(out.values())).dtype if out else None
+    auto = bool(out) and dense_decode.auto_for(dtype)
     # look-aheads (record=False): the kernels count as applied where the layers' projections run them
     dense_on = registry.mode("dense_decode", auto=auto, record=False) != "xla"
-    norm_auto = bool(out) and dense_decode.norm_auto(next(iter(out.values())).dtype, cfg.norm_offset)
-    norm_on = registry.mode("norm_dense_decode", auto=norm_auto, record=False) != "xla"
+    norm_on = registry.mode("norm_dense_decode", auto=bool(out) and dense_decode.norm_auto(dtype, cfg.norm_offset),
+                            record=False) != "xla"
     if t != 1 or b > dense_decode.MAX_ROWS or not (dense_on or norm_on):
         return {}
     if norm_on:

@@ -329,10 +329,7 @@ def norm_dense_decode_reference(x: jax.Array, norm_w: jax.Array, ws, layer: jax.
         norm_w = norm_w[layer if norm_layer is None else norm_layer]
     x32 = x.astype(jnp.float32)
     y = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    if offset:
-        xn = (y * (1.0 + norm_w.astype(jnp.float32))).astype(x.dtype)
-        return [dense_decode_reference(xn, w, layer) for w in ws], xn
-    xn = norm_w * y.astype(x.dtype)
+    xn = (y * (1.0 + norm_w.astype(jnp.float32))).astype(x.dtype) if offset else norm_w * y.astype(x.dtype)
     return [dense_decode_reference(xn, w, layer) for w in ws], xn
 
 

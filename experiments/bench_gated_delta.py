@@ -93,7 +93,8 @@ flags.DEFINE_list("model_configs", ["xla-delta-rule", "auto", "auto+decode-kerne
                   "before 3373cb2), auto+fused-swiglu (auto plus grouped_swiglu_triton), "
                   "auto+graphs (auto with decode_graphs=on: the decode block as a CUDA graph), auto+offset-norms "
                   "(the auto kernels by name: norm_dense_decode then also takes the zero-centred norms of the "
-                  "decode layers, with their projections, which auto does not yet: dense_decode.OFFSET_AUTO). The "
+                  "decode layers, with their projections, as auto does since 2026-12-05: dense_decode.OFFSET_AUTO; "
+                  "it times auto's choice before then when run with OFFSET_AUTO off). The "
                   "'auto+' and '-moe' configs list the auto kernels by name, so each runs wherever it takes the "
                   "operands, without auto's own conditions (minimum tokens, group counts, OFFSET_AUTO): alike for "
                   "this 8192-token prefill; in decode they run the zero-centred norm kernel too.")

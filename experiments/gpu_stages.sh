@@ -24,9 +24,8 @@
 #                  gathered layer (auto at a733c60), auto (since: reading the pool in place, grouped_matmul_pool) and
 #                  with grouped_swiglu_triton named (the one-tile config, before 3373cb2: auto-one-tile; left out
 #                  since 2026-12-05) (issue 32's TTFT);
-#                  the resident decode with and without the decode block as a CUDA graph (decode_graphs=on), and
-#                  with the zero-centred norms fused into their projections (auto+offset-norms: norm_dense_decode's
-#                  offset, not auto yet)
+#                  the resident decode with and without the decode block as a CUDA graph (decode_graphs=on) (the
+#                  zero-centred norms fused into their projections, auto+offset-norms, are auto since 2026-12-05)
 # gmm-tiles:       bench_grouped_matmul: one prefill layer's grouped expert FFN by piece (the default kernels), the
 #                  Mosaic GPU grouped matmul at its default and two best tiles of 2026-12-05, and six configs of the
 #                  grouped_matmul_triton kernel around its default, at the qwen3.5 (256 x 512) and qwen3 (128 x 768)
@@ -117,8 +116,8 @@ for stage in "$@"; do
         --time_budget_s=220 ${out:+--out_dir="$out/host-graphs"} ;;
     gdn-model)
       run 480 "$stage" experiments/bench_gated_delta.py --stages=model --model_deadline_s=420 \
-        --model_configs=auto,auto+offset-norms,auto+graphs,auto-gather-moe,auto-mosaic-moe,auto+fused-swiglu \
-        --model_decode_configs=auto,auto+graphs,auto+offset-norms \
+        --model_configs=auto,auto+graphs,auto-gather-moe,auto-mosaic-moe,auto+fused-swiglu \
+        --model_decode_configs=auto,auto+graphs \
         --tag=model-moe ${out:+--out_dir="$out"} ;;
     gmm-tiles)
       run 420 "$stage" experiments/bench_grouped_matmul.py --tag="${dev}_$day" ${out:+--out_dir="$out"} \

@@ -380,14 +380,19 @@ def test_hybrid_decode_with_the_zero_centred_norm_kernel_matches_the_default_pat
     each decode layer's input norm and projections are one launch (a Gated DeltaNet layer's four, the gated
     attention's three, the router), the norms read stacked; same ids and logits within float32 tolerance of the
     default path, the prefill bit-identical; cached with the kernel bit-identical to resident with it. Under
-    ``auto`` a zero-centred norm does not pick the kernel yet (``dense_decode.OFFSET_AUTO``)."""
+    ``auto`` on a GPU a zero-centred norm picks the kernel too (``dense_decode.OFFSET_AUTO``): the norms are
+    stacked with the projections."""
     from ftjax.checkpoint import random_model
 
     cfg = dataclasses.replace(preset("tiny-hybrid"))
     layers = random_model(cfg, "bfloat16").params["layers"]
-    with registry.lowering_for("gpu"):  # auto on a GPU, 16-bit weights: projections stacked, the norms not
+    with registry.lowering_for("gpu"):  # auto on a GPU, 16-bit weights: projections and norms stacked
         got = model_lib.stacked_weights(cfg, layers, (1, 1))
-    assert "w_qkv" in got and "attn_norm" not in got and not dd.OFFSET_AUTO
+    assert "w_qkv" in got and "attn_norm" in got and dd.OFFSET_AUTO
+    monkeypatch.setattr(dd, "OFFSET_AUTO", False)  # the switch is what decides
+    with registry.lowering_for("gpu"):
+        assert "attn_norm" not in model_lib.stacked_weights(cfg, layers, (1, 1))
+    monkeypatch.undo()
     kernels = "dense_decode,norm_dense_decode"
     ref = _tiny_generate("xla", preset_name="tiny-hybrid")
     _fresh_traces()

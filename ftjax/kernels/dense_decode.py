@@ -487,9 +487,11 @@ def maybe_norm(x: jax.Array, norm_w: jax.Array, eps: float, ws, layer: jax.Array
 
 
 #: Whether ``use="auto"`` runs :func:`norm_dense_decode` for a zero-centred norm (``offset``: the Qwen3.5 family's
-#: decode layers) on a GPU. Not yet: added 2026-12-05 and not yet measured on a GPU, it runs where
-#: ``norm_dense_decode`` is named (``KernelConfig.use``) until a run shows it faster.
-OFFSET_AUTO = False
+#: decode layers) on a GPU. Yes: on an H100 (2026-12-05, 0a3c039; the 16-layer qwen3.5-35b-a3b cut, batch 1) it
+#: took resident decode from 350.9 to 369.0 tok/s in one process (``bench_gated_delta.py``'s auto vs
+#: auto+offset-norms) and from 375.0 to 395.5 / 398.6 tok/s on the side-by-side shape (``bench_decode_speed.py``);
+#: its logits are within float32 tolerance of the default path's (tests/test_dense_decode.py).
+OFFSET_AUTO = True
 
 
 def norm_auto(dtype, offset: bool) -> bool:
@@ -525,8 +527,8 @@ registry.register(registry.Kernel(
 registry.register(registry.Kernel(
     "norm_dense_decode", "ftjax.kernels.dense_decode.norm_dense_decode_reference",
     "a decode step's RMSNorm and the projections after it (input norm + wq/wk/wv, MoE norm + router, a Gated "
-    "DeltaNet layer's norm + its four input projections) in one launch; auto: GPU, 16-bit weights, plain norms "
-    "(zero-centred ones by name only: OFFSET_AUTO)", tiles=parse_tiles))
+    "DeltaNet layer's norm + its four input projections) in one launch; auto: GPU, 16-bit weights, plain and "
+    "zero-centred norms (OFFSET_AUTO)", tiles=parse_tiles))
 registry.register(registry.Kernel(
     "merge_dense_decode", "ftjax.kernels.decode_attention.merge_splits then x @ wo[layer]",
     "the wo projection with decode attention's key-split merge in its prologue, after rope_cache; by name only",

@@ -43,6 +43,8 @@
 # profile-hybrid:  profile_step on issue 32's 16-layer qwen3.5-35b-a3b cut, resident: one decode step (batch 1, after a
 #                  512-token prompt) and one 8192-token prefill chunk, GPU time by layer kind (Gated DeltaNet mixers
 #                  in linear_attention, the gated attention in attention, the MoE in experts) against each one's bytes
+# profile-hybrid-cached: profile_step on the same cut, cached at 6 GB (284 slots, a few % decode hits): the misses'
+#                  host reads against the rest of the step, one miss per loop iteration (fetch_group 1) and up to 8
 # profile-hybrid-nocb: profile-hybrid's decode step with XLA's command buffers off (XLA_FLAGS
 #                  --xla_gpu_enable_command_buffer=): slower steps, but every kernel keeps its HLO op in the trace, so
 #                  the 1.2 ms of "other" in profile-hybrid's decode (a cuBLAS GEMM, the dense_decode kernels) gets
@@ -141,6 +143,12 @@ for stage in "$@"; do
     profile-hybrid)
       run 420 "$stage" experiments/profile_step.py --preset=qwen3.5-35b-a3b --layers=16 \
         --runs=resident_decode,resident_prefill --batches=1 --trace_steps=2 ${out:+--out_dir="$out"} ;;
+    profile-hybrid-cached)
+      for g in 1 8; do
+        d="${out:-experiments/results/profiles}/fetch-group-$g"; mkdir -p "$d"
+        run 200 "$stage-g$g" experiments/profile_step.py --preset=qwen3.5-35b-a3b --layers=16 --runs=cached_decode \
+          --batches=1 --vram_budget_gb=6 --trace_steps=2 --prefill_repeats=0 --fetch_group="$g" --out_dir="$d"
+      done ;;
     ab-prefill)
       [ -d .base/ftjax ] || { echo "ab-prefill: no .base/ftjax (see the header)" >&2; exit 2; }
       t0=$SECONDS

@@ -82,6 +82,8 @@ flags.DEFINE_list("moe_formats", [f.name for f in formats.all_formats() if f.fus
                   "Pool formats for the MoE kernel (default: every registered format it supports).")
 flags.DEFINE_list("moe_tiles", [], "MoE kernel tiles to time in every format instead of the built-in lists: "
                   "block_d:block_f:num_warps:d_split[:down_cols:down_rows] each (down_* 0 = the gate/up tile).")
+flags.DEFINE_integer("moe_ffn", None, "The experts' intermediate size F of the moe section (default 768: "
+                     "qwen3-30b-a3b; 512: qwen3.5-35b-a3b's experts, D = 2048 in both).", lower_bound=8)
 flags.DEFINE_list("batches", ["1", "4"], "Tokens per decode step.")
 flags.DEFINE_integer("repeats", 10, "Timed calls per measurement (after two warm-up calls).")
 flags.DEFINE_integer("e2e_layers", 16, "Layers of the cut qwen3-30b-a3b preset for the end-to-end runs.")
@@ -667,10 +669,11 @@ def _smoke():
 
 def main(argv):
     del argv
-    global INTERPRET
+    global INTERPRET, F
     INTERPRET = jax.default_backend() != "gpu"
     if FLAGS.smoke:
         _smoke()
+    F = FLAGS.moe_ffn or F
     OUT["meta"] = common.meta()
     print(OUT["meta"], flush=True)
     check("hbm", "negate 2 GiB bf16", lambda: OUT.setdefault("hbm", hbm_bandwidth()))

@@ -24,7 +24,7 @@ read h, saves that one small XLA kernel per layer but made the down stage 1.8x s
 H200; docs/PROFILE.md.) At batch 1 there are only 8 pairs, and more
 programs keep more loads in flight. The model's calls take their tiles from the engine's
 kernel config (``KernelConfig.tiles``, entry ``moe_decode``: block_d, block_f, num_warps, d_split[,
-down_cols, down_rows]; :func:`tiles`), else the module defaults, whose d_split gives the gate/up stage
+down_cols, down_rows]; :func:`tiles`), else the module defaults (by format), whose d_split gives the gate/up stage
 at least 256 programs (:func:`auto_d_split`: 4 at batch 1 of qwen3-30b-a3b, 1 from batch 4; for int4 too);
 ``experiments/check_kernels_gpu.py`` sweeps them.
 
@@ -70,6 +70,13 @@ from ftjax.kernels import common, registry
 #: Default tiles (input rows per step, output columns per program); the GPU script sweeps others.
 #: d_split 0 = :func:`auto_d_split`.
 BLOCK_D, BLOCK_F, D_SPLIT = 64, 64, 0
+#: The input rows per step and Triton warps of 16-bit ("dense") pools, whose steps may span more rows than a
+#: quantized format's scale group. Measured in the model on an H100 (2026-12-05, 16-layer cuts, resident decode,
+#: ``experiments/profile_step.py --kernel_tiles=moe_decode:128/64/8/0`` against the 64-row, 4-warp default):
+#: the experts' device time a step at batch 1 0.639 -> 0.576 ms (qwen3-30b-a3b) and 0.567 -> 0.494 ms
+#: (qwen3.5-35b-a3b), at batch 4 2.173 -> 1.766 and 1.961 -> 1.366 ms; whole steps 1.636 -> 1.571, 2.222 -> 2.156
+#: (batch 1) and 3.449 -> 3.159, 4.396 -> 3.803 ms (batch 4, back to back).
+DENSE_BLOCK_D, DENSE_NUM_WARPS = 128, 8
 #: Programs of the gate/up stage that :func:`auto_d_split` aims for (an H200 has 132 SMs).
 MIN_PROGRAMS = 256
 FP8_BLOCK = 128
@@ -332,11 +339,14 @@ def parse_tiles(vals: tuple[int, ...]) -> dict:
     return {"block_d": bd, "block_f": bf, "num_warps": nw or None, "d_split": ds, "down_cols": dc, "down_rows": dr}
 
 
-def tiles() -> dict:
-    """The tiles the model's calls use: the active kernel config's ``moe_decode`` override
-    (:func:`parse_tiles`), else the module defaults."""
-    return registry.tiles("moe_decode", {"block_d": BLOCK_D, "block_f": BLOCK_F, "num_warps": None,
-                                         "d_split": D_SPLIT, "down_cols": 0, "down_rows": 0})
+def tiles(fmt: str = "dense") -> dict:
+    """The tiles the model's calls use for a pool of format ``fmt``: the active kernel config's ``moe_decode``
+    override (:func:`parse_tiles`), else the module defaults (:data:`DENSE_BLOCK_D` and
+    :data:`DENSE_NUM_WARPS` for "dense", :data:`BLOCK_D` and Triton's warps for the quantized formats)."""
+    dense = fmt == "dense"
+    return registry.tiles("moe_decode", {"block_d": DENSE_BLOCK_D if dense else BLOCK_D, "block_f": BLOCK_F,
+                                         "num_warps": DENSE_NUM_WARPS if dense else None, "d_split": D_SPLIT,
+                                         "down_cols": 0, "down_rows": 0})
 
 
 def auto_d_split(pairs: int, d: int, f: int, block_d: int, block_f: int, fmt: str) -> int:
@@ -357,7 +367,7 @@ def maybe_pairs(x: jax.Array, slots: jax.Array, gate_up: jax.Array, down: jax.Ar
                 fmt: str) -> jax.Array | None:
     """The kernel's per-pair outputs [N, k, D] when the kernel config selects it for these operands
     (``registry.mode``), else None (the caller runs its jnp reference)."""
-    t = tiles()
+    t = tiles(fmt)
     if t["d_split"] == 0:
         t["d_split"] = auto_d_split(slots.size, x.shape[-1], down.shape[1], t["block_d"], t["block_f"], fmt)
     ok = supported(x, gate_up, down, fmt, t["block_d"], t["block_f"], t["d_split"], t["down_cols"], t["down_rows"])

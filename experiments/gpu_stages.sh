@@ -45,6 +45,9 @@
 #                  in linear_attention, the gated attention in attention, the MoE in experts) against each one's bytes
 # profile-hybrid-cached: profile_step on the same cut, cached at 6 GB (284 slots, a few % decode hits): the misses'
 #                  host reads against the rest of the step, one miss per loop iteration (fetch_group 1) and up to 8
+# moe-tiles:       the routed experts' decode kernel (moe_decode) at 64-row steps with Triton's warps (the default
+#                  before f891701) and 128-row steps with 8 warps (its default for 16-bit pools since): profile_step on
+#                  both 16-layer cuts at batch 1 and 4, then bench_decode_speed at 48 layers
 # profile-hybrid-nocb: profile-hybrid's decode step with XLA's command buffers off (XLA_FLAGS
 #                  --xla_gpu_enable_command_buffer=): slower steps, but every kernel keeps its HLO op in the trace, so
 #                  the 1.2 ms of "other" in profile-hybrid's decode (a cuBLAS GEMM, the dense_decode kernels) gets
@@ -148,6 +151,19 @@ for stage in "$@"; do
         d="${out:-experiments/results/profiles}/fetch-group-$g"; mkdir -p "$d"
         run 200 "$stage-g$g" experiments/profile_step.py --preset=qwen3.5-35b-a3b --layers=16 --runs=cached_decode \
           --batches=1 --vram_budget_gb=6 --trace_steps=2 --prefill_repeats=0 --fetch_group="$g" --out_dir="$d"
+      done ;;
+    moe-tiles)
+      for p in qwen3-30b-a3b qwen3.5-35b-a3b; do
+        for t in 64/64/0/0 128/64/8/0; do
+          d="${out:-experiments/results/profiles}/moe-tiles-$p-${t//\//x}"; mkdir -p "$d"
+          run 120 "$stage-$p-${t//\//x}" experiments/profile_step.py --preset="$p" --layers=16 --runs=resident_decode \
+            --batches=1,4 --trace_steps=2 --prefill_repeats=0 --kernel_tiles=moe_decode:"$t" --out_dir="$d"
+        done
+      done
+      for t in 64/64/0/0 128/64/8/0; do
+        run 200 "$stage-48l-${t//\//x}" experiments/bench_decode_speed.py --layers=48 --modes=resident --batches=1,4 \
+          --decode_blocks=16 --repeats=3 --trace_steps=0 --kernel_tiles=moe_decode:"$t" \
+          --tag="48l-moe-tiles-${t//\//x}_${dev}_$day" ${out:+--out_dir="$out"}
       done ;;
     ab-prefill)
       [ -d .base/ftjax ] || { echo "ab-prefill: no .base/ftjax (see the header)" >&2; exit 2; }

@@ -185,6 +185,12 @@ def _kernel(layer_ref, x_ref, *refs, bk, split, cols, eps, xn_dtype, write_x, me
             lax.fori_loop(0, k_steps, store, 0)
 
 
+def normed_dtype(x_dtype, w_dtype, offset: bool) -> jnp.dtype:
+    """The dtype of an RMSNorm's output (``layers.common``): x's for a zero-centred norm (``rms_norm_offset``
+    casts back to it), else x's promoted with the weight's (``rms_norm`` multiplies by the weight)."""
+    return jnp.dtype(x_dtype) if offset else jnp.result_type(w_dtype, x_dtype)
+
+
 def _call(x, ws, layer, norm_w, eps, write_x, interpret, block_k, block_n, num_warps, k_split, sum_parts=True,
           splits=None, offset=False, norm_layer=None):
     """One kernel launch for ``[x' @ w[layer] for w in ws]`` (x' = x, or RMSNorm(x) when eps is set);
@@ -195,7 +201,7 @@ def _call(x, ws, layer, norm_w, eps, write_x, interpret, block_k, block_n, num_w
     norm_layer: the row of a stacked norm weight [L_n, K] where it is not ``layer`` (None: ``layer``)."""
     if splits is None:
         m, k = x.shape
-        xn_dtype = x.dtype if eps is None or offset else jnp.result_type(norm_w.dtype, x.dtype)
+        xn_dtype = x.dtype if eps is None else normed_dtype(x.dtype, norm_w.dtype, offset)
     else:
         m, k = x.shape[0], x.shape[1] * splits[2] * x.shape[4]
         xn_dtype = jnp.dtype(splits[3])

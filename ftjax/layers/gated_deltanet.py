@@ -46,6 +46,7 @@ import jax.numpy as jnp
 from ftjax.config import ModelConfig
 from ftjax.kernels import causal_conv as conv_kernel
 from ftjax.kernels import gated_delta, gated_delta_step
+from ftjax.kernels.dense_decode import normed_dtype
 from ftjax.layers.common import layer_weight, norm_project, project
 from ftjax.seams import KVCache, KVHook, LayerIndex, LayerInputs
 
@@ -294,8 +295,7 @@ def mix(cfg: ModelConfig, lp: dict, h: jax.Array, idx: LayerIndex, cache: KVCach
         norm_w = lp["attn_norm"]
         projected, _ = norm_project(h, norm_w, tuple(lp[n] for n in IN_PROJECTIONS), cfg.rms_norm_eps,
                                     offset=cfg.norm_offset)
-        # the normed rows' dtype (norm_fn's): the input's for a zero-centred norm, else promoted with the weight
-        dtype = h.dtype if cfg.norm_offset else jnp.result_type(getattr(norm_w, "w", norm_w).dtype, h.dtype)
+        dtype = normed_dtype(h.dtype, getattr(norm_w, "w", norm_w).dtype, cfg.norm_offset)
         points = kv_hook.state_points() if kv_hook is not None else ()
         y, conv, rec, pts = mixer(cfg, lp, projected, dtype, cache.conv[gi], cache.rec[gi], inputs.valid, points)
         cache = cache._replace(conv=jax.lax.dynamic_update_index_in_dim(cache.conv, conv.astype(cache.conv.dtype),

@@ -28,7 +28,9 @@ arrivals at that many requests per second, at most N running, the others waiting
 Each level runs ``--requests`` requests of ``--prompt_tokens`` random ids and ``--max_tokens`` new tokens, once
 per scheduler decode block of ``--decode_blocks`` (``Scheduler(decode_block=k)``: k decode steps per program
 while no row prefills; 1: one program per step, with ``--run_ahead``; default: ``--decode_block``'s value), each
-level's row tagged with its ``decode_block``.
+level's row tagged with its ``decode_block``. ``--mixed_calls``: the scheduler decodes the running requests in an
+admission's prefill calls (``Scheduler(mixed_calls=True)``) rather than in decode calls of their own; closed-loop
+requests of equal lengths start and end together, so only an open loop (``--rate``) admits while others decode.
 Per level: output tokens/s and requests/s over the level's wall time; TTFT (from submit), TPOT (each request's
 mean time between tokens) and ITL (every gap between two tokens) as spreads, from ``RequestStats``; engine
 calls by kind (prefill, mixed, one-step decode, decode_block programs) and forward steps
@@ -128,6 +130,9 @@ flags.DEFINE_integer("server_requests", 5, "server_overhead: timed batch-1 reque
 flags.DEFINE_boolean("warmup", True, "Run untimed requests of the same shapes before each timed run.")
 flags.DEFINE_boolean("run_ahead", True, "The scheduler dispatches the next decode step before reading this step's "
                      "tokens (ftjax.serve's --run_ahead).")
+flags.DEFINE_boolean("mixed_calls", False, "The scheduler decodes running requests in the prefill call of an "
+                     "admission (one mixed call a step) instead of a decode call of their own (ftjax.serve's "
+                     "--mixed_calls).")
 flags.DEFINE_list("decode_blocks", [], "Scheduler decode blocks the concurrency part compares "
                   "(Scheduler(decode_block=k): k decode steps per program while no row prefills; 1: one program per "
                   "step, with --run_ahead); empty: --decode_block's value alone.")
@@ -184,7 +189,8 @@ def scheduler(engine, batch: int, kv_manager=None, waiting: int = 64, decode_blo
     """A scheduler over ``engine`` as ``ftjax.serve`` builds one; ``decode_block`` None: --decode_block's."""
     from ftjax.serve import Scheduler
     return Scheduler(engine, max_batch=batch, max_waiting=max(64, waiting), kv_manager=kv_manager,
-                     run_ahead=FLAGS.run_ahead, decode_block=decode_block or FLAGS.decode_block)
+                     run_ahead=FLAGS.run_ahead, decode_block=decode_block or FLAGS.decode_block,
+                     mixed_calls=FLAGS.mixed_calls)
 
 
 def finish(row: dict, engine) -> None:

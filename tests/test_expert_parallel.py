@@ -130,12 +130,13 @@ def test_tensor_split_slots_and_refusals(model):
         Engine(quantized, EngineConfig("cached", num_slots=32, max_seq_len=64, devices=2, expert_split="tensor"))
 
 
-def _served(model, devices: int, split: str = "expert") -> dict[int, list[int]]:
-    """Two requests through the continuous-batching scheduler, the second admitted while the first decodes (mixed
-    calls, prefill in chunks of 16): the token ids of each, by submission order."""
+def _served(model, devices: int, split: str = "expert", mixed: bool = False) -> dict[int, list[int]]:
+    """Two requests through the continuous-batching scheduler, the second admitted while the first decodes (a
+    prefill call and a decode call a step, or with ``mixed`` one mixed call; prefill in chunks of 16): the token
+    ids of each, by submission order."""
     engine = Engine(model, EngineConfig("cached", num_slots=2 * E, max_seq_len=64, batch=2, prefill_chunk=16,
                                         devices=devices, expert_split=split))
-    sched = Scheduler(engine)
+    sched = Scheduler(engine, mixed_calls=mixed)
     ids = [sched.submit(PROMPT[:27], SamplingParams(max_tokens=5))]
     tokens: dict[int, list[int]] = {0: [], 1: []}
     for step in range(30):
@@ -146,11 +147,12 @@ def _served(model, devices: int, split: str = "expert") -> dict[int, list[int]]:
     return tokens
 
 
-def test_scheduler_mixed_calls_match_one_device(model):
-    want = _served(model, 1)
+@pytest.mark.parametrize("mixed", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_scheduler_admitting_while_decoding_matches_one_device(model, mixed):
+    want = _served(model, 1, mixed=mixed)
     assert all(len(t) == 5 for t in want.values())
-    assert _served(model, 2) == want
-    assert _served(model, 2, "tensor") == want
+    assert _served(model, 2, mixed=mixed) == want
+    assert _served(model, 2, "tensor", mixed=mixed) == want
 
 
 def test_refusals(model):

@@ -213,10 +213,12 @@ def test_prefix_reuse_bit_identical_to_recompute(load, route):
 
 
 @pytest.mark.slow
-def test_hybrid_prefix_reuse_on_row_1_resumes_its_own_linear_state():
+@pytest.mark.parametrize("mixed", [False, True])
+def test_hybrid_prefix_reuse_on_row_1_resumes_its_own_linear_state(mixed):
     """tiny-hybrid (Gated DeltaNet layers): the stored chunks carry the linear layers' state, which the hook
-    writes into the reusing row (here row 1, while row 0 decodes in the same call); its tokens and logits
-    equal the request run alone, which recomputes everything (tests/test_serve_scheduler.py has the rest)."""
+    writes into the reusing row (here row 1, while row 0 decodes: in a decode call of its own where row 1
+    idles, or with ``mixed_calls`` in the same call); its tokens and logits equal the request run alone, which
+    recomputes everything (tests/test_serve_scheduler.py has the rest)."""
     from ftjax import HostKVStore, PrefixCache, random_model
     from ftjax.config import KVOffloadConfig, preset
     from ftjax.serve import SamplingParams, Scheduler
@@ -225,7 +227,7 @@ def test_hybrid_prefix_reuse_on_row_1_resumes_its_own_linear_state():
     rng = np.random.default_rng(3)
     mgr = PrefixCache(HostKVStore(10**8), KVOffloadConfig(chunk_tokens=64, prefill_chunk=64))
     eng = Engine(model, EngineConfig("resident", max_seq_len=192, batch=2, prefill_chunk=64))
-    sched = Scheduler(eng, kv_manager=mgr, decode_block=1)  # one advance per step: every logit of B is seen
+    sched = Scheduler(eng, kv_manager=mgr, decode_block=1, mixed_calls=mixed)  # one advance per step: B's logits
     shared = rng.integers(0, 512, 128).tolist()
     b = shared + rng.integers(0, 512, 5).tolist()
     logits = []
@@ -247,12 +249,12 @@ def test_hybrid_prefix_reuse_on_row_1_resumes_its_own_linear_state():
     while sched.has_work():
         for e in sched.step():
             tokens.setdefault(e.request_id, []).append(e.token_id)
-    assert sched.metrics()["engine_calls_mixed"] > 0
+    assert (sched.metrics()["engine_calls_mixed"] > 0) == mixed
     assert sched.stats("B").cached_tokens == 128 and mgr.store.stats.num_pinned == 0
     ref = Engine(model, EngineConfig("resident", max_seq_len=192, prefill_chunk=64))
     alone = ref.generate([b], 3, keep_logits=True)
     assert tokens["B"] == alone.generated_ids[0]
-    assert tokens["A"] == ref.generate([[5, 6, 7]], 4).generated_ids[0]  # decoded in the mixed call's chunked form
+    assert tokens["A"] == ref.generate([[5, 6, 7]], 4).generated_ids[0]  # mixed: decoded in the chunked form
     want = alone.step_logits[:, 0]
     assert len(logits) in (len(want), len(want) + 1)  # run-ahead: one more step ran, its token dropped
     np.testing.assert_allclose(np.stack(logits)[:len(want)], want, rtol=0, atol=1e-5 * float(np.abs(want).max()))

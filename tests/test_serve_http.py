@@ -36,6 +36,7 @@ from conftest import fixture_path
 from ftjax import Engine, EngineConfig, load_checkpoint
 from ftjax.checkpoint import load_tokenizer
 from ftjax.serve.chat import ChatTemplate, ChatTemplateError
+from ftjax.serve import scheduler as scheduler_lib
 from ftjax.serve.scheduler import QueueFull, Scheduler
 from ftjax.serve.server import create_app
 from ftjax.serve.text import TextStream
@@ -656,7 +657,7 @@ def test_many_tiny_requests_leave_nothing_tracked(served):
 # ---- the command ------------------------------------------------------------------------------------------
 def test_serve_command(served, monkeypatch):
     """``python -m ftjax.serve`` builds the app from generate's flags (here a checkpoint with a chat
-    template) and hands it to uvicorn; bad flags are one line and status 1."""
+    template, and --mixed_calls for its scheduler) and hands it to uvicorn; bad flags are one line and status 1."""
     r = run_module_app("ftjax.serve.__main__", ["--max_batch=0"])
     assert r.returncode == 1 and "--max_batch must be >= 1" in r.stderr
     with socket.socket() as taken:  # a port in use: refused before the model loads
@@ -665,12 +666,14 @@ def test_serve_command(served, monkeypatch):
         port = taken.getsockname()[1]
         r = run_module_app("ftjax.serve.__main__", [f"--port={port}", "--checkpoint=/nonexistent"])
     assert r.returncode == 1 and f"--port={port}: cannot listen there" in r.stderr and "nonexistent" not in r.stderr
-    captured = {}
+    captured, made = {}, []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: captured.update(app=app, **kw))
+    monkeypatch.setattr(scheduler_lib, "Scheduler", lambda *a, **kw: made.append(kw) or Scheduler(*a, **kw))
     r = run_module_app("ftjax.serve.__main__", [
         f"--checkpoint={served.ckpt}", f"--max_seq_len={MAX_SEQ_LEN}", "--max_batch=4", "--port=8123", "--noprogress",
-        "--expert_slots=16"])
+        "--expert_slots=16", "--mixed_calls"])
     assert r.returncode == 0, r.stderr[-3000:]
+    assert [kw["mixed_calls"] for kw in made] == [True]
     assert captured["port"] == 8123 and captured["host"] == "127.0.0.1"
     assert "chat template: the checkpoint's" in r.stdout and re.search(r"warm-up requests: [\d.]+ s", r.stdout)
     name = os.path.basename(served.ckpt)

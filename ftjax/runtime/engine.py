@@ -11,18 +11,21 @@ Request-level API (what a scheduler drives):
   its reused chunks looked up and pinned);
 * :meth:`Engine.advance` -- one step: the next prefill chunk of every row still prefilling, merged into
   one call with one token of every decoding row when their last tokens are given (a *mixed* call), or
-  else one decode step of every decoding row; returns the logits of the rows that have a next token;
+  one decode step of every decoding row (``mixed=False``: the prefilling rows idle in it; or no row
+  prefills); returns the logits of the rows that have a next token;
 * :meth:`Engine.advance_block` -- up to k decode steps of every decoding row in one program, each row
   sampled with its own key and parameters (``ftjax.runtime.step.decode_block``); in two halves,
   :meth:`Engine.dispatch_block` and :meth:`Engine.read_block`, so that a block can be dispatched to
   continue one not read yet, fed on the device with its last tokens, keys and positions (run-ahead);
 * :meth:`Engine.release` -- frees a row (its pins too).
 
-Continuous batching (``ftjax.serve.scheduler``) admits requests into free rows while others decode:
-the prefilling rows and the decoding rows then share one call (the prefill program of the chunk's
-bucket; the decoding rows take one token each at their position, start = pos, valid = 1), so a running
-row's time per output token during an admission is one prefill-chunk call (``EngineConfig.prefill_chunk``
-bounds it). Any row can reuse a stored prefix and store its new chunks (``kv_manager``): rows prefilling
+Continuous batching (``ftjax.serve.scheduler``) admits requests into free rows while others decode: each
+step runs the prefilling rows' next chunk in a prefill call (the decoding rows idle) and the decoding rows'
+token in a decode call (the prefilling rows idle), so a decoding row's logits always come from the decode
+program, as when it runs alone; or, as an option, both in one mixed call (the prefill program of the chunk's
+bucket; the decoding rows take one token each at their position, start = pos, valid = 1): one call fewer
+per chunk, but a decoding row's logits then round as that program's shapes do (bfloat16: a near-tie can
+flip). Any row can reuse a stored prefix and store its new chunks (``kv_manager``): rows prefilling
 at once run their chunks in one call whether they reuse, store or neither, the layerwise KV hook loading
 each reusing row's own prefix into its own cache row and emitting each storing row's own new chunks
 (``ftjax.kv.layerwise.HookRow``; one program per set of hooked rows, compiled at admission).
@@ -102,7 +105,8 @@ class Row:
 class Advance:
     """What one :meth:`Engine.advance` did.
 
-    kind: "prefill", "mixed" (prefill chunks and decoding rows' tokens in one call) or "decode";
+    kind: "prefill", "mixed" (prefill chunks and decoding rows' tokens in one call) or "decode" (the decode
+    program: one token of every row done prefilling);
     logits: float32 [B, V] on the device (all positions [B, T, V] for a prefill or mixed call with
     ``all_logits``; a decoding row's are at position 0), valid for ``rows``: the rows whose next-token
     distribution it is (rows that finished their prefill in this call, and every decoding row that took
@@ -620,7 +624,7 @@ class Engine:
                     self._finish_kv(r, failed=True)
             raise
 
-    def advance(self, tokens=None, all_logits: bool = False) -> Advance:
+    def advance(self, tokens=None, all_logits: bool = False, mixed: bool = True) -> Advance:
         """One step of the running rows; returns the :class:`Advance` (its logits on the device).
 
         * Some rows still prefill, ``tokens`` None: one merged call of their next prefill calls ("prefill");
@@ -630,6 +634,10 @@ class Engine:
           (start = pos, valid = 1); the logits of such a row are those of its one token. The call is the
           prefill program of the chunk's bucket, so a decoding row's time per token during an admission is
           one prefill-chunk call (``EngineConfig.prefill_chunk`` bounds it).
+        * Some rows still prefill, ``tokens`` given, ``mixed`` False: one decode step of the rows done
+          prefilling ("decode"; the decode program, :meth:`_decode_step`), the prefilling rows idle in it
+          (valid 0): their state is left as it was, their prefill goes on in the next call without tokens.
+          A decoding row's logits are then those of the decode program, whatever the other rows do.
         * No row prefills: one decode step of every decoding row with ``tokens`` ("decode"; the decode
           program, nothing waits for its logits).
 
@@ -639,13 +647,18 @@ class Engine:
         raises, every row's prefix-reuse request is ended (pins released, nothing stored) and the KV cache
         was consumed: release the rows (or :meth:`open_rows` again) before going on.
         Raises:
-          ValueError: a decode step without ``tokens``, or tokens of another shape than [B, 1].
+          ValueError: a decode step without ``tokens``, or with ``mixed`` False while rows prefill and none is
+            done, or tokens of another shape than [B, 1].
           RuntimeError: a decode block of a running row dispatched and not read (:meth:`read_block`).
         """
         rows = self.rows
         self._check_read(range(len(rows)))
         prefilling = self.prefilling()
         last = None
+        if tokens is not None and prefilling and not mixed:
+            if all(r is None or r.pending for r in rows):
+                raise ValueError("a decode step needs a row done prefilling")
+            return self._decode_step(tokens)
         if tokens is not None and prefilling:
             last = np.asarray(tokens)
             if last.shape != (len(rows), 1):
@@ -671,16 +684,30 @@ class Engine:
                            out.layer_stats, int(call.valid.sum()), failed)
         if tokens is None:
             raise ValueError("a decode step needs the rows' last tokens")
-        live = np.array([r is not None for r in rows])
-        pos = np.array([r.pos if r is not None else 0 for r in rows], np.int32)
-        plan = self.planner.plan(len(rows), 1, int(live.sum()))
-        out = self._run(plan, tokens, pos, live.astype(np.int32), self.cache)
+        return self._decode_step(tokens)
+
+    def _decode_step(self, tokens) -> Advance:
+        """One decode step (the decode program) of every row done prefilling, with ``tokens`` (int32 [B, 1]);
+        free rows and rows still prefilling idle (valid 0).
+
+        What an idle row's state gets (every layer kind, both drivers): the Gated DeltaNet layers' conv and
+        recurrent states are left bit for bit (``ftjax.layers.gated_deltanet``: beta = 0 and g = 0, the conv
+        window slid by 0 tokens); the expert function routes none of its token (no slot lookup, fetch, LRU
+        use or stats: ``LayerRouting.valid``); its ``Row.pos`` stays. Attention writes every row's K/V at its
+        position, an idle row's included: a prefilling row's is put at the start of its next prefill call,
+        which writes that position again before anything reads it, so its sequence reads none of it (a free
+        row's at 0, rewritten by its next request's first call)."""
+        rows = self.rows
+        decoding = [i for i, r in enumerate(rows) if r is not None and not r.pending]
+        live = np.zeros(len(rows), np.int32)
+        live[decoding] = 1
+        pos = np.array([0 if r is None else r.pending[0].start if r.pending else r.pos for r in rows], np.int32)
+        plan = self.planner.plan(len(rows), 1, len(decoding))
+        out = self._run(plan, tokens, pos, live, self.cache)
         self.cache = out.cache
-        for r in rows:
-            if r is not None:
-                r.pos += 1
-        return Advance("decode", out.logits, [i for i, r in enumerate(rows) if r is not None], out.layer_stats,
-                       int(live.sum()))
+        for i in decoding:
+            rows[i].pos += 1
+        return Advance("decode", out.logits, decoding, out.layer_stats, len(decoding))
 
     def release(self, row: int) -> None:
         """Frees ``row`` (an unfinished prefix-reuse request's pins are released, nothing stored); the row is

@@ -33,6 +33,10 @@ flags.DEFINE_integer("max_waiting", 64, "Requests that may wait for a row beyond
 flags.DEFINE_boolean("run_ahead", True, "Dispatch the next decode step before reading this step's tokens, so that "
                      "the host's work overlaps the device's (ftjax.serve.scheduler); --norun_ahead reads each step's "
                      "tokens first.")
+flags.DEFINE_boolean("mixed_calls", False, "While a request prefills, decode the running requests' tokens in its "
+                     "prefill call (one call a step) rather than in a decode call of their own: one call fewer per "
+                     "prefill chunk, but in bfloat16 a running request's greedy tokens may then differ from its run "
+                     "alone (ftjax.serve.scheduler).")
 flags.DEFINE_integer("max_seq_len", None, "Tokens per row, prompt + generation (the KV cache length); default "
                      "min(max_position_embeddings, 2048).")
 flags.DEFINE_string("served_model_name", None, "The model name of /v1/models and of requests; default the "
@@ -121,6 +125,7 @@ def build():
     tokenizer = model.tokenizer
     scheduler = Scheduler(engine, max_batch=FLAGS.max_batch, max_waiting=FLAGS.max_waiting,
                           kv_manager=engine_flags.kv_manager(), run_ahead=FLAGS.run_ahead,
+                          mixed_calls=FLAGS.mixed_calls,
                           detokenize=tokenizer.decode if tokenizer is not None else None)
     ckpt_dir = model.name if os.path.isdir(str(model.name)) else None
     chat = ChatTemplate.from_checkpoint(ckpt_dir)

@@ -6,12 +6,16 @@ A :class:`Scheduler` drives one :class:`ftjax.Engine` through its request API (`
 
 1. admits waiting requests, first come first served, into free rows (``Engine.admit``; with a
    ``kv_manager`` each looks up and pins its stored prefix, in whatever row it gets);
-2. runs one ``Engine.advance``: the next prefill chunk of every prefilling row together with one
-   token of every decoding row (one *mixed* call), or a decode step when no row prefills. Rows that
-   reuse a stored prefix or store new KV chunks prefill in the same call as the others, each loading
-   and storing its own (``ftjax.kv.layerwise.HookRow``), so requests arriving together prefill
-   together. A running request's time per token while another is admitted is therefore one
-   prefill-chunk call (``EngineConfig.prefill_chunk`` bounds it);
+2. runs the engine: when some rows prefill, one prefill call of the next chunk of every prefilling row
+   (``Engine.advance()``: the decoding rows idle) and one decode step of every decoding row
+   (``Engine.advance(tokens, mixed=False)``: the decode program, the prefilling rows idle); a decode step
+   (or block) when no row prefills. Rows that reuse a stored prefix or store new KV chunks prefill in the
+   same call as the others, each loading and storing its own (``ftjax.kv.layerwise.HookRow``), so
+   requests arriving together prefill together. A running request's time per token while another is
+   admitted is therefore one prefill-chunk call (``EngineConfig.prefill_chunk`` bounds it) plus one decode
+   step. ``mixed_calls=True`` runs both in one *mixed* call instead (``Engine.advance(tokens)``: the
+   decoding rows take their token in the prefill program): one call fewer per admission chunk, so that
+   time is one prefill-chunk call, at the cost of the guarantee below in bfloat16;
 3. samples the rows that have a next-token distribution, each with its own parameters and PRNG key
    (``ftjax.sampling.sample_rows``: a request's tokens depend on its seed, not on the batch around it);
 4. ends the requests that stopped (EOS or ``stop_token_ids``, a stop string, ``max_tokens``) and frees
@@ -54,11 +58,20 @@ still generate, so no row runs past its limit or context; no block runs ahead wh
 take a free row or the row such a request frees. A stop only the host sees (a stop string, a cancellation)
 is applied when the block is read, and that row's tokens in the block already run ahead are dropped.
 
-Every row's logits are those of the request alone (up to float32 rounding: the calls' shapes differ), and
-the expert cache stays one global cache shared by the rows (DESIGN.md 1.1). In float32 the greedy tokens are
-the request's alone (tests); in bfloat16 a row decoded in the same call as another request's prompt chunk runs
-the prefill program's shapes, whose rounding can flip a near-tie (one bf16 step apart in logit) against its solo
-run: seen on the demo model in 12 of 30 trials with prompts prefilling alongside (2026-12-05).
+Under greedy decoding a request's tokens are those of the same request run alone, for any arrival pattern,
+batch size, chunk size and expert mode (tests, float32: its logits agree within float32 rounding, the calls'
+shapes differing); the expert cache stays one global cache shared by the rows (DESIGN.md 1.1). A decoding
+row's token always comes from the decode program of the scheduler's batch, whatever the other rows do: rows
+still prefilling idle in it, their state left as it was (``Engine.advance``). So in bfloat16 too, a request
+decoded while other requests' prompts prefill gets bit for bit the tokens and logits of its run alone in the
+same scheduler (tests). What bfloat16 rounding can still move is a prompt's prefill: its chunk may share a
+call of a wider bucket with another row's chunk (requests arriving together), and a run alone at another
+batch size runs other shapes; either can flip a near-tie (on the demo model, a 5-token prompt arriving with
+a 40-token one, ``prefill_chunk`` 64, against it alone: 5 of 30 trials; batch 1 against 2: 3 of 30,
+2026-12-05). With ``mixed_calls=True`` a decoding row also takes its token in the prefill program's shapes
+while another request's prompt prefills, whose bfloat16 rounding can flip a near-tie against its solo run
+(a test has a case; 1 of 30 trials on the demo model, 16 tokens decoded beside 120 prefilling in chunks of
+16, 2026-12-05).
 
 Failures: an exception from the shared engine call ends every running request with an "error" event
 (the call consumed the batch's KV cache) and the scheduler opens fresh rows and goes on; an exception in
@@ -236,6 +249,9 @@ class Scheduler:
       decode_block: decode steps per program in steady decode (module docstring), >= 1; default the
         engine's ``EngineConfig.decode_block`` (1 where its decode steps run on the host-split driver);
         1: one program per decode step.
+      mixed_calls: while some rows prefill, decode the others in the prefill call (one mixed call a step)
+        instead of a decode call of their own (module docstring): one call fewer per admission chunk, but
+        bfloat16 tokens may then differ from the request's alone.
     Raises:
       ValueError: max_batch, max_waiting or decode_block out of range; decode_block > 1 given for an engine whose
         decode steps run on the host-split driver.
@@ -243,7 +259,7 @@ class Scheduler:
 
     def __init__(self, engine, *, max_batch: int | None = None, max_waiting: int = 64, kv_manager=None,
                  detokenize: Callable[[list[int]], str] | None = None, run_ahead: bool = True,
-                 decode_block: int | None = None):
+                 decode_block: int | None = None, mixed_calls: bool = False):
         n = engine.batch if max_batch is None else max_batch
         if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 1 <= n <= engine.batch:
             raise ValueError(f"max_batch must be in [1, {engine.batch}] (EngineConfig.batch), got {max_batch!r}")
@@ -269,6 +285,7 @@ class Scheduler:
         self._stats: collections.OrderedDict[str, RequestStats] = collections.OrderedDict()
         self._counts = collections.Counter()
         self.run_ahead = bool(run_ahead)
+        self.mixed_calls = bool(mixed_calls)
         self._ahead: _Sampled | _Block | None = None  # a decode step or block dispatched, its tokens not read yet
         self._block_read_at = 0.0  # when the last decode block's tokens were read (its successor's time starts)
         engine.open_rows(self.max_batch)
@@ -360,11 +377,11 @@ class Scheduler:
 
     # ---- one step ----------------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
-        """Admits waiting requests into free rows, runs one engine call, samples and stops (module
-        docstring). Returns the events of this step ([] when idle): per running request with a new
-        token, one event (a decode block: one per token of the block, in order); final events of requests
-        that ended. With run-ahead, a decode step's (or block's) tokens come out of the step after the one
-        that dispatched it."""
+        """Admits waiting requests into free rows, runs the engine (one call, or a prefill call and a decode
+        call while some rows prefill), samples and stops (module docstring). Returns the events of this step
+        ([] when idle): per running request with a new token, one event (a decode block: one per token of the
+        block, in order); final events of requests that ended. With run-ahead, a decode step's (or block's)
+        tokens come out of the step after the one that dispatched it."""
         events, self._events = self._events, []
         if isinstance(self._ahead, _Block):
             ahead, self._ahead = self._ahead, None
@@ -403,21 +420,35 @@ class Scheduler:
                     self._read(sampled, events)
             return events
         decoding = [r for r in self._rows if r is not None and r.tokens]
+        if self.mixed_calls or not decoding:
+            sampled = self._prefill(events, self._last_tokens(decoding) if decoding else None)
+            if sampled is not None:
+                self._read(sampled, events)
+            return events
+        # the decode step first: its tokens are read while the device runs the prefill call
+        decoded = self._decode(events)
+        sampled = self._prefill(events) if eng.prefilling() else None
+        for s in (decoded, sampled):
+            if s is not None:
+                self._read(s, events)
+        return events
+
+    def _prefill(self, events: list[TokenEvent], tokens: np.ndarray | None = None) -> "_Sampled | None":
+        """Dispatches the next prefill call of the prefilling rows (with ``tokens``, int32 [B, 1]: a mixed call,
+        every decoding row taking its last token in it) and the draw of the rows it gives a distribution. None
+        if the call failed (every running request ended) or gave no row one."""
         try:
-            adv = eng.advance(self._last_tokens(decoding) if decoding else None)
+            adv = self.engine.advance(tokens)
         except Exception as err:  # noqa: BLE001 - the shared call: its rows fail, the scheduler goes on
             self._fail_running(events, err)
-            return events
+            return None
         self._counts[f"engine_calls_{adv.kind}"] += 1
         self._counts["steps"] += 1
         reqs = [self._rows[i] for i in adv.rows if self._rows[i] is not None]
         for i, msg in adv.failed.items():
             if self._rows[i] is not None:
                 self._end(self._rows[i], "error", events, msg)
-        sampled = self._dispatch_sample(adv.logits, [r for r in reqs if r.row is not None], events)
-        if sampled is not None:
-            self._read(sampled, events)
-        return events
+        return self._dispatch_sample(adv.logits, [r for r in reqs if r.row is not None], events)
 
     def _can_run_ahead(self, ahead: "_Sampled") -> bool:
         """Whether the next call may be dispatched before ``ahead``'s tokens are read: every running request
@@ -427,17 +458,17 @@ class Scheduler:
         return not (self._queue and None in self._rows)
 
     def _decode(self, events: list[TokenEvent], ahead: "_Sampled | None" = None) -> "_Sampled | None":
-        """Dispatches one decode step of every running row and its draw; the last tokens and keys come from
-        ``ahead`` (on the device, not read) or else from the requests (the host). None if the call failed
-        (its requests ended)."""
+        """Dispatches one decode step of every decoding row (rows still prefilling idle in it) and its draw; the
+        last tokens and keys come from ``ahead`` (on the device, not read) or else from the requests (the
+        host). None if the call failed (its requests ended)."""
         eng = self.engine
-        reqs = [r for r in self._rows if r is not None]
+        reqs = [r for r in self._rows if r is not None and r.tokens]
         if ahead is not None:
             tokens, keys = ahead.tokens[:, None], ahead.keys
         else:
             tokens, keys = self._last_tokens(reqs), None
         try:
-            adv = eng.advance(tokens)
+            adv = eng.advance(tokens, mixed=False)
         except Exception as err:  # noqa: BLE001 - the shared call: its rows fail, the scheduler goes on
             self._fail_running(events, err)
             return None
@@ -596,7 +627,8 @@ class Scheduler:
                 self._end(r, "error", events, f"{type(err).__name__}: {err}")
 
     def _admit(self, events: list[TokenEvent]) -> None:
-        """Moves waiting requests into free rows; compiles what their calls need (mixed calls included)."""
+        """Moves waiting requests into free rows; compiles what their calls need (with ``mixed_calls``, the
+        mixed calls too)."""
         admitted = False
         while self._queue and None in self._rows:
             req = self._queue.popleft()
@@ -612,7 +644,7 @@ class Scheduler:
             admitted = True
         if admitted:
             try:
-                self.engine.precompile(mixed=True)
+                self.engine.precompile(mixed=self.mixed_calls)
             except Exception as err:  # noqa: BLE001 - the rows' programs: every running request fails
                 self._fail_running(events, err)
 
@@ -680,9 +712,11 @@ class Scheduler:
     # ---- metrics -----------------------------------------------------------------------------------
     def metrics(self) -> dict:
         """Counters for a /metrics route, a flat dict of numbers: requests submitted / running / waiting /
-        finished (in all and by reason), prompt, cached and generated tokens, steps (forward steps: a decode
-        block counts the steps it ran) and engine calls by kind (prefill, mixed, decode: one-step decode,
-        decode_block: decode-block programs, failed); the expert cache's hits, misses, hit rate, fetched, H2D bytes and
+        finished (in all and by reason), prompt, cached and generated tokens, steps (forward steps: one per
+        call, a decode block counts the steps it ran) and engine calls by kind (prefill: prefill calls of the
+        prefilling rows alone, mixed: prefill calls the decoding rows took a token in, decode: one-step
+        decode programs, also those of the decoding rows while others prefill, decode_block: decode-block
+        programs, failed); the expert cache's hits, misses, hit rate, fetched, H2D bytes and
         extra copies (``Engine.counters``, since the engine was built); with a prefix cache its chunks hit,
         missed, stored, evicted and skipped, bytes loaded and stored."""
         c = self._counts

@@ -55,6 +55,15 @@ GREEDY_BELOW = 1e-6
 """Temperatures below this are greedy (see the module docstring for why 1e-6)."""
 
 
+class ParamError(ValueError):
+    """A refused request parameter: a ValueError that names the field it refuses (``param``: "top_k",
+    "max_tokens", "prompt", ...), so that a server answers 400 naming that field (OpenAI's error ``param``)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 @dataclasses.dataclass(frozen=True)
 class ResolvedSampling:
     """The parameters one request samples with: temperature (0: greedy), top_p, top_k (0: no limit);
@@ -142,18 +151,19 @@ class SamplingDefaults:
 
 
 def check_sampling(temperature: float, top_p: float, top_k: int = 0) -> None:
-    """Raises ValueError unless ``temperature`` is a finite real number >= 0, ``top_p`` is a real
-    number in (0, 1] and ``top_k`` an integer in [0, 2**31) (an int32 operand of the sampling program; any
-    value at or above the vocabulary keeps every token); the message names the parameter and its value."""
+    """Raises :class:`ParamError` (a ValueError) unless ``temperature`` is a finite real number >= 0,
+    ``top_p`` is a real number in (0, 1] and ``top_k`` an integer in [0, 2**31) (an int32 operand of the sampling
+    program; any value at or above the vocabulary keeps every token); the message names the parameter and its
+    value, and ``ParamError.param`` the parameter."""
     for name, v in (("temperature", temperature), ("top_p", top_p)):
         if isinstance(v, bool) or not isinstance(v, numbers.Real):
-            raise ValueError(f"{name} must be a real number, got {v!r}")
+            raise ParamError(name, f"{name} must be a real number, got {v!r}")
     if not (math.isfinite(temperature) and temperature >= 0):
-        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+        raise ParamError("temperature", f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
     if not 0.0 < top_p <= 1.0:  # also false for nan
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+        raise ParamError("top_p", f"top_p must be in (0, 1], got {top_p!r}")
     if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or not 0 <= top_k < 2**31:
-        raise ValueError(f"top_k must be an integer in [0, 2**31) (0 = no limit), got {top_k!r}")
+        raise ParamError("top_k", f"top_k must be an integer in [0, 2**31) (0 = no limit), got {top_k!r}")
 
 
 def sample(logits: jax.Array, key: jax.Array, temperature: float, top_p: float, top_k: int = 0) -> jax.Array:

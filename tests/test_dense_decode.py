@@ -375,6 +375,7 @@ def test_greedy_decode_with_the_norm_kernel_matches_the_default_path(monkeypatch
     _assert_like_default("dense_decode,norm_dense_decode", ref, got)
 
 
+@pytest.mark.slow
 def test_hybrid_decode_with_the_zero_centred_norm_kernel_matches_the_default_path(monkeypatch):
     """tiny-hybrid (Qwen3.5's layer kinds, zero-centred norms) with ``norm_dense_decode`` named (interpreted):
     each decode layer's input norm and projections are one launch (a Gated DeltaNet layer's four, the gated

@@ -421,6 +421,7 @@ def test_bench_miss_policy_smoke(tmp_path):
     assert d["summary"][0]["fetch"]["tokens_per_s_median_tpot"] > 0
 
 
+@pytest.mark.slow
 def test_bench_miss_policy_host_driver_smoke(tmp_path, monkeypatch):
     """The host-split driver's runs (``--cpu_drivers=host``: the mechanism named ``<impl>@host``, calibrated on
     the host step), in this process: no callback runs, so no synchronous dispatch is needed. float32: the
@@ -864,6 +865,7 @@ def test_bench_gated_delta_conv_and_decode_smoke(tmp_path):
     assert d["conv"][0]["err_out"] == 0 and d["decode"][2]["s_per_step"] == d["decode"][2]["s"]["median"] / 2
 
 
+@pytest.mark.slow
 def test_probe_hybrid_batch_decode_smoke(tmp_path):
     """The hybrid batch-decode probe at the tiny-hybrid shape: a row per batch, each row's tokens the
     requested count, and the first row of a batch of 2 the same greedy tokens as the batch of 1."""

@@ -74,6 +74,7 @@ def test_host_driver_splits_as_the_program_does_and_equals_resident(qwen, policy
     assert "host_split" not in mi  # the in-program split keeps no host phases
 
 
+@pytest.mark.slow
 def test_host_driver_hybrid_batch_of_two_equals_resident():
     """Gated DeltaNet and attention layers (the layer pattern's kinds meet in the front programs), two rows of
     different lengths decoded together."""

@@ -77,7 +77,7 @@ def _resident(cache, name, which="short"):
     return cache[name, which]
 
 
-@pytest.mark.parametrize("policy", ["lookahead", pytest.param("lfru", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("policy", [pytest.param(p, marks=pytest.mark.slow) for p in ("lookahead", "lfru")])
 def test_cache_policies_and_on_demand_bit_identical(policy, resident_runs):
     model, exp = load_fixture("qwen3_5_moe_fp32")
     e, prompt = model.cfg.num_experts, exp["short_prompt_ids"].tolist()
@@ -120,6 +120,7 @@ def test_cpu_and_adaptive_misses_bit_identical(policy, kw, resident_runs):
     assert got.generated_ids[0] == want.generated_ids[0][:24]
 
 
+@pytest.mark.slow
 def test_batch_of_different_lengths_matches_single():
     """Right padding must leave each sequence's conv and recurrent state exactly as its own
     tokens left them (padding gets beta = 0, decay 1)."""

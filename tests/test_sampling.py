@@ -19,7 +19,7 @@ import pytest
 from conftest import load_fixture
 from ftjax import Engine
 from ftjax.config import EngineConfig
-from ftjax.sampling import GREEDY_BELOW, check_sampling, sample, sample_rows
+from ftjax.sampling import GREEDY_BELOW, ParamError, check_sampling, sample, sample_rows
 
 N = 20000
 _sample = jax.jit(sample, static_argnames=("temperature", "top_p", "top_k"))  # as ftjax.runtime.step.sample_next
@@ -234,8 +234,9 @@ def test_bad_top_p_refused(top_p, text):
 def test_top_k_beyond_int32_refused():
     """top_k is an int32 operand of the sampling program: 2**31 is refused by name, 2**31 - 1 kept."""
     check_sampling(1.0, 1.0, 2**31 - 1)
-    with pytest.raises(ValueError, match=r"^top_k .*got 2147483648$"):
+    with pytest.raises(ParamError, match=r"^top_k .*got 2147483648$") as err:
         check_sampling(1.0, 1.0, 2**31)
+    assert err.value.param == "top_k" and isinstance(err.value, ValueError)
 
 
 def test_good_values_accepted_including_numpy_scalars():

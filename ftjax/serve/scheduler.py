@@ -97,7 +97,7 @@ import numpy as np
 from ftjax import memory
 from ftjax.runtime.plan import prompt_error
 from ftjax.runtime.step import RowSampling, sample_rows_next
-from ftjax.sampling import GREEDY_BELOW, ResolvedSampling
+from ftjax.sampling import GREEDY_BELOW, ParamError, ResolvedSampling
 from ftjax.serve.text import StopChecker
 
 #: finished requests whose :class:`RequestStats` :meth:`Scheduler.stats` keeps (the most recent)
@@ -319,36 +319,37 @@ class Scheduler:
         :meth:`step`.
 
         Raises:
-          ValueError: a bad prompt (empty, an id that is not an int in [0, V)), prompt + ``max_tokens``
-            beyond the context (``EngineConfig.max_seq_len``), bad parameters, stop strings without
-            ``detokenize``, or an id already in use by a waiting or running request.
+          ParamError: (a ValueError naming the field) a bad prompt (empty, an id that is not an int in [0, V)),
+            prompt + ``max_tokens`` beyond the context (``EngineConfig.max_seq_len``), bad parameters, stop
+            strings without ``detokenize``.
+          ValueError: params not a SamplingParams, or an id already in use by a waiting or running request.
           QueueFull: ``max_waiting`` requests already wait beyond the rows free for the next step.
         """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         ids = list(prompt_ids)
         if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in ids):
-            raise ValueError("prompt token ids must be integers")
+            raise ParamError("prompt", "prompt token ids must be integers")
         mt = params.max_tokens
         if isinstance(mt, bool) or not isinstance(mt, numbers.Integral) or mt < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {mt!r}")
+            raise ParamError("max_tokens", f"max_tokens must be an integer >= 1, got {mt!r}")
         cfg = self.engine.cfg
         problem = prompt_error(ids, cfg.vocab_size, int(mt), self.engine.max_seq_len, "the context (max_seq_len)")
         if problem:
-            raise ValueError(problem)
+            raise ParamError("prompt", problem)
         sampling = self._defaults.resolve(params.temperature, params.top_p, params.top_k)
         seed = params.seed
         if seed is None:
             seed = int(np.random.default_rng().integers(0, 2**63))
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**64:
-            raise ValueError(f"seed must be an integer in [0, 2**64), got {params.seed!r}")
+            raise ParamError("seed", f"seed must be an integer in [0, 2**64), got {params.seed!r}")
         stop_ids = list(params.stop_token_ids)
         if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0 for t in stop_ids):
-            raise ValueError(f"stop_token_ids must be integers >= 0, got {params.stop_token_ids!r}")
+            raise ParamError("stop_token_ids", f"stop_token_ids must be integers >= 0, got {params.stop_token_ids!r}")
         if isinstance(params.stop, str) or any(not isinstance(s, str) or not s for s in params.stop):
-            raise ValueError(f"stop must be a tuple of non-empty strings, got {params.stop!r}")
+            raise ParamError("stop", f"stop must be a tuple of non-empty strings, got {params.stop!r}")
         if params.stop and self.detokenize is None:
-            raise ValueError("stop strings need Scheduler(detokenize=...)")
+            raise ParamError("stop", "stop strings need Scheduler(detokenize=...)")
         rid = uuid.uuid4().hex if request_id is None else str(request_id)
         if rid in self._active:
             raise ValueError(f"request id {rid!r} is already in use")

@@ -193,16 +193,6 @@ def _error_body(message: str, type_: str, param: str | None = None, code: str | 
 _UNION_TAGS = {"str", "int", "float", "bool", "none"}
 
 
-#: Request fields a scheduler's ValueError may be about: its messages start with the field's name
-#: (``stop_token_ids`` before ``stop``, which it begins with).
-_SCHEDULER_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop")
-
-
-def _field_named(message: str) -> str:
-    """The request field a scheduler's refusal names first (its message starts with it), else "prompt"."""
-    return next((f for f in _SCHEDULER_FIELDS if message.startswith(f)), "prompt")
-
-
 def _check_text(text: str, param: str) -> None:
     """Refuses text the tokenizer cannot take: a lone surrogate (JSON's ``\\ud800``) is not UTF-8.
     Raises:
@@ -619,7 +609,7 @@ class _Server:
             raise APIError(429, f"the server is busy: {e}", type_="rate_limit_error", code="queue_full") from None
         except ValueError as e:
             self.metrics.rejected.labels("invalid").inc()
-            raise APIError(400, str(e), param=_field_named(str(e))) from None
+            raise APIError(400, str(e), param=getattr(e, "param", "prompt")) from None
         except RuntimeError as e:
             raise APIError(503, str(e), type_="server_error") from None
         return _Job(rid, q, prompt_ids, TextStream(self.decode, params.stop), params.logprobs)

@@ -190,8 +190,8 @@ def _prefix_cache(**kw):
                                                               prefill_chunk=256, **kw))
 
 
-@pytest.mark.parametrize("load,route", [("prefetch", "scan"), pytest.param("xs", "scan", marks=pytest.mark.slow),
-                                        pytest.param("all_first", "after", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("load,route", [pytest.param(*p, marks=pytest.mark.slow)
+                                        for p in (("prefetch", "scan"), ("xs", "scan"), ("all_first", "after"))])
 def test_prefix_reuse_bit_identical_to_recompute(load, route):
     """Request A (200 tokens) stores 3 chunks of 64 with the DeltaNet states at their ends;
     request B (the 300-token prompt) reuses them (192 tokens) and computes the rest from the

@@ -63,6 +63,9 @@ class ParamError(ValueError):
         super().__init__(message)
         self.param = param
 
+    def __reduce__(self):  # copy and pickle: the constructor takes the field and the message
+        return type(self), (self.param, str(self))
+
 
 @dataclasses.dataclass(frozen=True)
 class ResolvedSampling:

@@ -10,6 +10,7 @@ are checked on every row of every key.
 from __future__ import annotations
 
 import math
+import pickle
 
 import jax
 import jax.numpy as jnp
@@ -237,6 +238,8 @@ def test_top_k_beyond_int32_refused():
     with pytest.raises(ParamError, match=r"^top_k .*got 2147483648$") as err:
         check_sampling(1.0, 1.0, 2**31)
     assert err.value.param == "top_k" and isinstance(err.value, ValueError)
+    again = pickle.loads(pickle.dumps(err.value))  # a refusal crosses processes and copies whole
+    assert (again.param, str(again)) == ("top_k", str(err.value))
 
 
 def test_good_values_accepted_including_numpy_scalars():

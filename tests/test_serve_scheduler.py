@@ -263,6 +263,13 @@ def test_advance_refuses_a_decode_step_without_a_decoding_row():
     with pytest.raises(ValueError, match="a decode step needs a row done prefilling"):
         eng.advance(np.zeros((2, 1), np.int32), mixed=False)
     assert eng.rows[0].pos == 0 and len(eng.rows[0].pending) == 2  # nothing ran
+    while eng.prefilling():
+        eng.advance()
+    eng.admit(PROMPTS[1], N)  # row 1 prefills, row 0 decodes: tokens of another shape are refused, nothing run
+    pos = eng.rows[0].pos
+    with pytest.raises(ValueError, match=r"tokens must be int32 \[2, 1\]"):
+        eng.advance(np.zeros((2, 3), np.int32), mixed=False)
+    assert eng.rows[0].pos == pos and eng.advance(np.zeros((2, 1), np.int32), mixed=False).rows == [0]
 
 
 # ---- prefix reuse on any row ------------------------------------------------------------------------

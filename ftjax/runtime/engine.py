@@ -702,8 +702,17 @@ class Engine:
         live = np.zeros(len(rows), np.int32)
         live[decoding] = 1
         pos = np.array([0 if r is None else r.pending[0].start if r.pending else r.pos for r in rows], np.int32)
+        if np.shape(tokens) != (len(rows), 1):
+            raise ValueError(f"tokens must be int32 [{len(rows)}, 1] (each row's last token), got shape "
+                             f"{np.shape(tokens)}")
         plan = self.planner.plan(len(rows), 1, len(decoding))
-        out = self._run(plan, tokens, pos, live, self.cache)
+        try:
+            out = self._run(plan, tokens, pos, live, self.cache)
+        except BaseException:  # the cache was consumed: end the prefilling rows' prefix-reuse requests too
+            for r in rows:
+                if r is not None and r.kv_request is not None:
+                    self._finish_kv(r, failed=True)
+            raise
         self.cache = out.cache
         for i in decoding:
             rows[i].pos += 1

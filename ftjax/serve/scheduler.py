@@ -64,7 +64,13 @@ shapes differing); the expert cache stays one global cache shared by the rows (D
 row's token always comes from the decode program of the scheduler's batch, whatever the other rows do: rows
 still prefilling idle in it, their state left as it was (``Engine.advance``). So in bfloat16 too, a request
 decoded while other requests' prompts prefill gets bit for bit the tokens and logits of its run alone in the
-same scheduler (tests). What bfloat16 rounding can still move is a prompt's prefill: its chunk may share a
+same scheduler (tests), where every miss is fetched (miss policy ``fetch``, the default): under the ``cpu`` and
+``adaptive`` policies a miss computed on the CPU rounds otherwise than the same expert cached on the device,
+and other requests change which of a request's experts are cached (on the CPU backend the CPU path's
+``numpy_rows_async`` flipped 3 of 60 greedy trials; ``callback_async`` 0 of 10, 2026-12-05). Decode blocks
+(``decode_block`` > 1) add an assumption this checks only on the CPU: a request alone decodes in the block
+program but beside an admission in the one-step program, equal on the CPU backend (tests) and not yet compared
+on a GPU. What bfloat16 rounding can still move is a prompt's prefill: its chunk may share a
 call of a wider bucket with another row's chunk (requests arriving together), and a run alone at another
 batch size runs other shapes; either can flip a near-tie (on the demo model, a 5-token prompt arriving with
 a 40-token one, ``prefill_chunk`` 64, against it alone: 5 of 30 trials; batch 1 against 2: 3 of 30,

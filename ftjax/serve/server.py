@@ -600,7 +600,10 @@ class _Server:
                               seed=body.seed, stop_token_ids=tuple(body.stop_token_ids or ()), stop=body.stops(),
                               logprobs=logprobs)
 
-    async def start(self, prompt_ids: list[int], params: SamplingParams, prefix: str) -> _Job:
+    async def start(self, prompt_ids: list[int], params: SamplingParams, prefix: str,
+                    prompt_field: str = "prompt") -> _Job:
+        """Submits a request; a refusal is an APIError naming its field (the scheduler's "prompt" named as the
+        route's ``prompt_field``: "messages" for chat)."""
         rid = f"{prefix}-{uuid.uuid4().hex}"
         try:
             q = await self.worker.submit(prompt_ids, params, rid)
@@ -609,7 +612,8 @@ class _Server:
             raise APIError(429, f"the server is busy: {e}", type_="rate_limit_error", code="queue_full") from None
         except ValueError as e:
             self.metrics.rejected.labels("invalid").inc()
-            raise APIError(400, str(e), param=getattr(e, "param", "prompt")) from None
+            param = getattr(e, "param", "prompt")
+            raise APIError(400, str(e), param=prompt_field if param == "prompt" else param) from None
         except RuntimeError as e:
             raise APIError(503, str(e), type_="server_error") from None
         return _Job(rid, q, prompt_ids, TextStream(self.decode, params.stop), params.logprobs)
@@ -740,7 +744,8 @@ class _Server:
         if max_tokens is None:  # the rest of the context
             max_tokens = max(1, self.max_context - len(ids)) if self.max_context else self.default_max_tokens
         self.check_prompt(ids, max_tokens, "messages")
-        job = await self.start(ids, self.sampling(body, max_tokens, body.logprobs), "chatcmpl")
+        job = await self.start(ids, self.sampling(body, max_tokens, body.logprobs), "chatcmpl",
+                               "messages")
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return EventSourceResponse(self._stream_chat(job, include_usage), sep="\n", ping=15)

@@ -619,9 +619,7 @@ class Engine:
         try:
             self._precompile(self.rows, self.cache, decode=decode, mixed=mixed)
         except BaseException:
-            for r in self.rows:
-                if r is not None:
-                    self._finish_kv(r, failed=True)
+            self._fail_kv_requests()
             raise
 
     def advance(self, tokens=None, all_logits: bool = False, mixed: bool = True) -> Advance:
@@ -660,18 +658,13 @@ class Engine:
                 raise ValueError("a decode step needs a row done prefilling")
             return self._decode_step(tokens)
         if tokens is not None and prefilling:
-            last = np.asarray(tokens)
-            if last.shape != (len(rows), 1):
-                raise ValueError(f"tokens must be int32 [{len(rows)}, 1] (each row's last token), got "
-                                 f"shape {last.shape}")
-            last = last[:, 0].astype(np.int32)
+            self._check_tokens(tokens)
+            last = np.asarray(tokens)[:, 0].astype(np.int32)
         if prefilling:
             try:
                 out, call = self._prefill_step(rows, self.cache, all_logits, last)
             except BaseException:
-                for r in rows:
-                    if r is not None and r.kv_request is not None:
-                        self._finish_kv(r, failed=True)
+                self._fail_kv_requests()
                 raise
             self.cache = out.cache
             failed = {}
@@ -685,6 +678,19 @@ class Engine:
         if tokens is None:
             raise ValueError("a decode step needs the rows' last tokens")
         return self._decode_step(tokens)
+
+    def _check_tokens(self, tokens) -> None:
+        """Raises ValueError unless ``tokens`` has the shape [B, 1] (each row's last token)."""
+        if np.shape(tokens) != (len(self.rows), 1):
+            raise ValueError(f"tokens must be int32 [{len(self.rows)}, 1] (each row's last token), got shape "
+                             f"{np.shape(tokens)}")
+
+    def _fail_kv_requests(self) -> None:
+        """Ends every row's prefix-reuse request as failed (pins released, nothing stored): after a call that
+        raised (it consumed the KV cache) or programs that failed to compile."""
+        for r in self.rows:
+            if r is not None:
+                self._finish_kv(r, failed=True)
 
     def _decode_step(self, tokens) -> Advance:
         """One decode step (the decode program) of every row done prefilling, with ``tokens`` (int32 [B, 1]);
@@ -702,16 +708,12 @@ class Engine:
         live = np.zeros(len(rows), np.int32)
         live[decoding] = 1
         pos = np.array([0 if r is None else r.pending[0].start if r.pending else r.pos for r in rows], np.int32)
-        if np.shape(tokens) != (len(rows), 1):
-            raise ValueError(f"tokens must be int32 [{len(rows)}, 1] (each row's last token), got shape "
-                             f"{np.shape(tokens)}")
+        self._check_tokens(tokens)
         plan = self.planner.plan(len(rows), 1, len(decoding))
         try:
             out = self._run(plan, tokens, pos, live, self.cache)
         except BaseException:  # the cache was consumed: end the prefilling rows' prefix-reuse requests too
-            for r in rows:
-                if r is not None and r.kv_request is not None:
-                    self._finish_kv(r, failed=True)
+            self._fail_kv_requests()
             raise
         self.cache = out.cache
         for i in decoding:

@@ -97,7 +97,9 @@ flags.DEFINE_list("model_configs", ["xla-delta-rule", "auto", "auto+decode-kerne
                   "it times auto's choice before then when run with OFFSET_AUTO off). The "
                   "'auto+' and '-moe' configs list the auto kernels by name, so each runs wherever it takes the "
                   "operands, without auto's own conditions (minimum tokens, group counts, OFFSET_AUTO): alike for "
-                  "this 8192-token prefill; in decode they run the zero-centred norm kernel too.")
+                  "this 8192-token prefill; in decode they run the zero-centred norm kernel too. Any of them may "
+                  "end in @kernel=a:b:c... tile overrides (KernelConfig.tiles), e.g. "
+                  "auto@grouped_matmul_triton=64:256:64:8:3:0.")
 flags.DEFINE_list("model_decode_configs", ["auto", "auto+decode-kernels"],
                   "Model-stage configurations whose decode is timed too.")
 flags.DEFINE_float("model_deadline_s", 300.0, "Skip the model stage once the run has taken this long.")
@@ -491,10 +493,11 @@ def stage_model(cfg, out: dict) -> None:
              "auto+fused-swiglu": (auto + ("grouped_swiglu_triton",), {}),
              "auto+graphs": ("auto", {}, {"decode_graphs": "on"}),
              "auto+offset-norms": (auto, {})}
-    unknown = sorted(set(FLAGS.model_configs) - set(known))
+    unknown = sorted({c.split("@")[0] for c in FLAGS.model_configs} - set(known))
     if unknown:
-        raise app.UsageError(f"--model_configs: unknown {unknown}; expected some of {sorted(known)}")
-    configs = tuple((name, *known[name]) for name in FLAGS.model_configs)
+        raise app.UsageError(f"--model_configs: unknown {unknown}; expected some of {sorted(known)}, each with "
+                             "optional @kernel=a:b:c tile overrides")
+    configs = tuple(_with_tiles(name, known[name.split("@")[0]]) for name in FLAGS.model_configs)
     rows, first = [], None
     for name, use, kt, *more in configs:
         kernels = registry.KernelConfig(use=use, tiles=kt, **(more[0] if more else {}))
@@ -518,6 +521,20 @@ def stage_model(cfg, out: dict) -> None:
             print(f"model {n} layers {name:>24}: decode {common.spread(tps)['median']:.1f} tok/s", flush=True)
         del eng, runs
     out["model"] = {"layers": n, "rows": rows}
+
+
+def _with_tiles(name: str, config: tuple) -> tuple:
+    """(name, use, tiles, *more) of a --model_configs entry ``base@kernel=a:b:c@...``: the base config's with each
+    named kernel's tiles overridden (``KernelConfig.tiles``; the kernel's parser refuses bad values)."""
+    use, kt, *more = config
+    kt = dict(kt)
+    for spec in name.split("@")[1:]:
+        kernel, _, vals = spec.partition("=")
+        try:
+            kt[kernel] = tuple(int(v) for v in vals.split(":"))
+        except ValueError:
+            raise app.UsageError(f"--model_configs: {name!r}: expected @kernel=a:b:c (integers), got {spec!r}")
+    return (name, use, kt, *more)
 
 
 def main(argv):

@@ -23,7 +23,8 @@ Every row is the median (and spread) of --repeats calls of one jitted function a
   E/2, E/4, E/8 groups (``groups``): what the group count alone costs (the kernel looks up each tile's group
   with a loop unrolled over all G groups). Then the Pallas Triton kernel over a precomputed tile schedule
   (``ftjax.kernels.grouped_matmul_triton``, ``"kernel": "triton"``) on both matmuls at each of --triton_configs
-  (``block_m:block_n:block_k:num_warps:num_stages``), ``err`` against the Mosaic GPU kernel at its default tiles
+  (``block_m:block_n:block_k:num_warps:num_stages[:group_m]``: group_m the programs' order,
+  ``grouped_matmul_triton.GROUP_M``), ``err`` against the Mosaic GPU kernel at its default tiles
   (``grouped_matmul.mgpu_tiles``); a refused config is recorded with its error. At the same configs, the gate-up
   matmul with its token gather and SwiGLU: as a jitted chain of the three (``gate_up+swiglu chain``) and fused
   in one kernel (``gate_up+swiglu fused``, ``grouped_swiglu_triton``), err against the chain. GPU only.
@@ -63,26 +64,33 @@ flags.DEFINE_string("tag", "", "Suffix of the JSON name.")
 flags.DEFINE_string("out_dir", "experiments/results/gated_delta", "Where the JSON goes.")
 
 
-def _tile_entries_ok(entries) -> bool:
-    """Each entry five integers >= 1 separated by colons (checked when the flags are parsed)."""
-    return all(len(e.split(":")) == 5 and all(x.isdigit() and int(x) >= 1 for x in e.split(":")) for e in entries)
+def _tile_entries_ok(entries, counts=(5,)) -> bool:
+    """Each entry one of ``counts`` integers separated by colons, >= 1 but for a sixth (group_m, 0: the two-axis
+    grid) (checked when the flags are parsed)."""
+    return all(len(e.split(":")) in counts and all(x.isdigit() for x in e.split(":"))
+               and all(int(x) >= 1 for x in e.split(":")[:5]) for e in entries)
 
 
 flags.register_validator("configs", _tile_entries_ok,
                          "--configs: each must be block_m:block_n:block_k:stages:grid_block_n (integers >= 1)")
-flags.register_validator("triton_configs", _tile_entries_ok,
-                         "--triton_configs: each must be block_m:block_n:block_k:num_warps:num_stages (integers >= 1)")
+flags.register_validator("triton_configs", lambda e: _tile_entries_ok(e, (5, 6)),
+                         "--triton_configs: each must be block_m:block_n:block_k:num_warps:num_stages[:group_m] "
+                         "(integers >= 1; group_m >= 0)")
 common.check_preset("presets")
 
 
 #: Keyword names of the five fields of a --configs (Mosaic GPU kernel) and a --triton_configs entry.
 MGPU_TILE_NAMES = ("block_m", "block_n", "block_k", "max_concurrent_steps", "grid_block_n")
-TRITON_TILE_NAMES = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
+TRITON_TILE_NAMES = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "group_m")
 
 
 def _tiles(entry: str, names: tuple[str, ...]) -> dict:
-    """A tile entry (checked when the flags were parsed: five integers >= 1) as the kernel's keyword arguments."""
-    return dict(zip(names, (int(v) for v in entry.split(":"))))
+    """A tile entry (checked when the flags were parsed) as the kernel's keyword arguments; a group_m of 0 is
+    None (the two-axis grid)."""
+    tiles = dict(zip(names, (int(v) for v in entry.split(":"))))
+    if "group_m" in tiles:
+        tiles["group_m"] = tiles["group_m"] or None
+    return tiles
 
 
 def _timed_row(row: dict, fn, args, ref=None):

@@ -31,6 +31,11 @@
 #                  grouped_matmul_triton kernel around its default, at the qwen3.5 (256 x 512) and qwen3 (128 x 768)
 #                  expert shapes, and the fused gate-up + SwiGLU kernel against its three-step chain (issue 32's MoE
 #                  prefill; is the Triton kernel faster at 128 experts too?)
+# gmm-order:       bench_grouped_matmul's Triton configs at both expert shapes with the programs in the two-axis grid
+#                  order (group_m 0) and in bands of group_m row tiles (grouped_matmul_triton.GROUP_M: rows and weights
+#                  shared in L2 by programs that run together), for the plain matmuls and the fused gate-up + SwiGLU
+# gdn-model-order: bench_gated_delta's 16-layer model stage (TTFT only) with those orders and with the fused
+#                  gate-up + SwiGLU kernel (issue 32's TTFT)
 # hybrid-compile:  the hybrid engine's compile at batch 1 with the auto kernels, with none (--kernels=xla: the grouped
 #                  matmul still jax's Mosaic kernel), and with no Mosaic kernel either (--grouped_matmul=xla): where the
 #                  40-44 s compile of a 4-layer cut goes (issue 32's compile time)
@@ -128,6 +133,16 @@ for stage in "$@"; do
       run 420 "$stage" experiments/bench_grouped_matmul.py --tag="${dev}_$day" ${out:+--out_dir="$out"} \
         --configs=128:128:64:4:1,64:256:64:4:1,128:128:64:4:4 \
         --triton_configs=64:256:64:8:3,128:256:64:8:3,64:256:64:4:4,64:256:128:8:3,128:128:64:4:4,32:256:64:4:3 ;;
+    gmm-order)
+      run 420 "$stage" experiments/bench_grouped_matmul.py --tag="order_${dev}_$day" ${out:+--out_dir="$out"} \
+        --configs= --triton_configs=64:256:64:8:3:0,64:256:64:8:3:4,64:256:64:8:3:8,64:256:64:8:3:16,\
+128:256:64:8:3:0,128:256:64:8:3:2,128:256:64:8:3:4,128:256:64:8:3:8,128:128:64:4:3:8,64:256:64:4:4:8,128:256:64:8:4:4 ;;
+    gdn-model-order)
+      g=grouped_matmul_triton; f=grouped_swiglu_triton
+      run 420 "$stage" experiments/bench_gated_delta.py --stages=model --model_deadline_s=400 --model_decode_steps=0 \
+        --model_configs=auto,auto@$g=64:256:64:8:3:0,auto@$g=64:256:64:8:3:4,auto@$g=64:256:64:8:3:8,\
+auto@$g=128:256:64:8:3:8,auto+fused-swiglu,auto+fused-swiglu@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8 \
+        --tag="model-order_${dev}_$day" ${out:+--out_dir="$out"} ;;
     hybrid-compile)
       for k in auto xla; do
         run 150 "$stage-$k" experiments/probe_hybrid_batch_decode.py --batches=1 --kernels="$k" --tag="compile-$k" \

@@ -108,6 +108,32 @@ def test_output_does_not_depend_on_the_order_programs_run_in():
         _close(got, ref, jnp.float32)
 
 
+def test_program_order_covers_every_tile_once():
+    """group_m (the grouped program order) hands each program of the 1-D grid one (row tile, column block), every
+    pair exactly once, bands of group_m row tiles column-major (the last band narrower); the output is the same
+    bits as the two-axis grid's, for the matmul and the fused gate-up alike."""
+    for num_tiles, num_cols, group_m in ((7, 3, 2), (8, 4, 4), (5, 2, 8), (6, 1, 1)):
+        pids = jnp.arange(num_tiles * num_cols)
+        t, j = jax.vmap(lambda p: pl_program_tile(p, num_tiles, num_cols, group_m))(pids)
+        pairs = sorted(zip(np.asarray(t).tolist(), np.asarray(j).tolist()))
+        assert pairs == [(a, b) for a in range(num_tiles) for b in range(num_cols)]
+        if group_m < num_tiles:  # the first band walks its group_m row tiles before the next column
+            assert np.asarray(t)[:group_m].tolist() == list(range(group_m)) and np.asarray(j)[:group_m].max() == 0
+    lhs, rhs, sizes = _operands(jnp.float32, m=sum(SIZES) + 9)
+    tiles = dict(block_m=16, block_n=64, block_k=64, num_warps=None, num_stages=None)
+    ref = np.asarray(gt.grouped_matmul_triton(lhs, rhs, sizes, interpret=True, group_m=None, **tiles))
+    for group_m in (1, 3):
+        got = gt.grouped_matmul_triton(lhs, rhs, sizes, interpret=True, group_m=group_m, **tiles)
+        np.testing.assert_array_equal(np.asarray(got), ref)
+
+
+def pl_program_tile(pid, num_tiles, num_cols, group_m):
+    """:func:`gt.program_tile` at program id ``pid`` (program_id patched to it, outside a kernel)."""
+    from unittest import mock
+    with mock.patch.object(gt.pl, "program_id", lambda axis: pid):
+        return gt.program_tile(num_tiles, num_cols, group_m)
+
+
 def test_rows_past_the_sum_are_zeros_and_groups_are_cut_at_m():
     """As ragged_dot: rows past sum(group_sizes) come out as zeros, and group rows past M are dropped."""
     lhs, rhs, sizes = _operands(jnp.float32, m=sum(SIZES) + 20)
@@ -192,8 +218,10 @@ def test_tiles_parser_and_shape_errors_are_refused():
     parse = registry.get("grouped_matmul_triton").tiles
     assert parse((64, 128, 64)) == {**gt.TILES, "block_m": 64, "block_n": 128, "block_k": 64}
     assert parse((128, 64, 64, 8, 3)) == {"block_m": 128, "block_n": 64, "block_k": 64, "num_warps": 8,
-                                          "num_stages": 3}
-    for bad in ((64, 128), (64, 128, 64, 4, 3, 1), (48, 128, 64), (64, 128, 8), (64, 128, 64, 3), (64, 128, 64, 4, 0)):
+                                          "num_stages": 3, "group_m": gt.GROUP_M}
+    assert parse((128, 64, 64, 8, 3, 4))["group_m"] == 4 and parse((128, 64, 64, 8, 3, 0))["group_m"] is None
+    for bad in ((64, 128), (64, 128, 64, 4, 3, 1, 1), (48, 128, 64), (64, 128, 8), (64, 128, 64, 3),
+                (64, 128, 64, 4, 0), (64, 128, 64, 4, 3, -1)):
         with pytest.raises(ValueError, match="grouped_matmul_triton"):
             parse(bad)
     with pytest.raises(ValueError, match="KernelConfig.tiles: .*grouped_matmul_triton"):
@@ -354,6 +382,8 @@ def test_fused_gate_up_swiglu_matches_the_three_steps(dtype):
     assert got.shape == (m, 128) and got.dtype == dtype
     np.testing.assert_array_equal(np.asarray(got[sum(SIZES):], np.float32), 0)
     _close(got, want, dtype)
+    banded = gt.grouped_swiglu_triton(x, tok, gu, sizes, interpret=True, block_m=16, block_n=64, group_m=2)
+    np.testing.assert_array_equal(np.asarray(banded, np.float32), np.asarray(got, np.float32))  # program order
     if dtype == jnp.bfloat16:
         chain = np.asarray(_swiglu(gt.grouped_matmul_triton(x[tok], gu, sizes, interpret=True, block_m=16)), np.float32)
         ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(chain), 2.0 ** -100))) - 7)  # bf16: 8 significant bits

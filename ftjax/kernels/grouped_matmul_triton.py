@@ -48,10 +48,15 @@ from ftjax.kernels import common, registry
 #: (``KernelConfig.tiles``: ``grouped_matmul_triton=(block_m, block_n, block_k[, num_warps[, num_stages]])``).
 #: The fastest of four configs for both of qwen3.5-35b-a3b's expert matmuls on an H100 (module docstring).
 BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 64, 256, 64, 8, 3
+#: The order programs are handed their (row tile, column block): None walks every row tile of one column block
+#: before the next column block (grid (T, N / block_n)), so the lhs rows go through HBM once per column block; an
+#: integer walks ``group_m`` row tiles over all column blocks before the next ``group_m`` (the Triton tutorial's
+#: "grouped ordering" for L2 reuse), so programs that run together share both their rows and their weights.
+GROUP_M = None
 #: ``auto`` picks the kernel for rhs [G, K, N] with G at least this (module docstring).
 AUTO_MIN_GROUPS = 256
 TILES = {"block_m": BLOCK_M, "block_n": BLOCK_N, "block_k": BLOCK_K, "num_warps": NUM_WARPS,
-         "num_stages": NUM_STAGES}
+         "num_stages": NUM_STAGES, "group_m": GROUP_M}
 #: A contraction of at most SHORT_K (the experts' down projection, K = F) takes SHORT_K_BLOCK_M rows a tile: on
 #: an H100 (2026-12-05, e9fe957,
 #: ``experiments/results/gated_delta/bench_grouped_matmul_tiles-e9fe957_h100_2026-12-05.json``) the down matmul
@@ -112,7 +117,21 @@ def auto_picks(groups: int) -> bool:
     return groups >= AUTO_MIN_GROUPS
 
 
-def _kernel(group_ref, row_ref, rows_ref, *refs, groups, bm, bn, bk, k_steps, up_cols, slots, gather):
+def program_tile(num_tiles: int, num_cols: int, group_m: int | None) -> tuple[jax.Array, jax.Array]:
+    """This program's (row tile t, column block j) of a (num_tiles, num_cols) work grid (:data:`GROUP_M`): with
+    group_m None, the grid's own two axes; else from a 1-D grid of num_tiles * num_cols programs, taken in bands
+    of group_m row tiles (the last band narrower), column-major inside a band. Every (t, j) comes once."""
+    if group_m is None:
+        return pl.program_id(0), pl.program_id(1)
+    pid, band = pl.program_id(0), group_m * num_cols
+    first = (pid // band) * group_m
+    width = jnp.minimum(num_tiles - first, group_m)
+    local = pid % band
+    return first + local % width, local // width
+
+
+def _kernel(group_ref, row_ref, rows_ref, *refs, groups, bm, bn, bk, k_steps, up_cols, slots, gather, num_tiles,
+            num_cols, group_m):
     """One (row tile, column block) of the product, or with ``up_cols`` (F) of SwiGLU(gate, up) where gate and up
     are column blocks j and F / bn + j. refs: [slot_ref] (``slots``: group g's weights at rhs row slot[g]),
     [tok_ref] (``gather``: the tile's lhs rows gathered from the token rows ``lhs[tok[r]]``, no copy of them),
@@ -121,7 +140,7 @@ def _kernel(group_ref, row_ref, rows_ref, *refs, groups, bm, bn, bk, k_steps, up
     slot_ref = refs.pop(0) if slots else None
     tok_ref = refs.pop(0) if gather else None
     lhs_ref, rhs_ref, o_ref = refs
-    t, j = pl.program_id(0), pl.program_id(1)
+    t, j = program_tile(num_tiles, num_cols, group_m)
     g, row0, n_rows = group_ref[t], row_ref[t], rows_ref[t]
     rows, cols = pl.ds(row0, bm), pl.ds(j * bn, bn)
     # Masked to the tile's rows: the block may run into the next group's rows (or past M), which are
@@ -180,11 +199,12 @@ def _check(lhs, rhs, group_sizes, block_m, block_n, block_k, name="grouped_matmu
                          f"with block_k={block_k}, block_n={block_n}")
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "block_m", "block_n", "block_k", "num_warps", "num_stages"))
+@functools.partial(jax.jit, static_argnames=("interpret", "block_m", "block_n", "block_k", "num_warps", "num_stages",
+                                             "group_m"))
 def grouped_matmul_triton(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                           group_slot: jax.Array | None = None, interpret: bool = False, block_m: int = BLOCK_M,
                           block_n: int = BLOCK_N, block_k: int = BLOCK_K, num_warps: int | None = NUM_WARPS,
-                          num_stages: int | None = NUM_STAGES) -> jax.Array:
+                          num_stages: int | None = NUM_STAGES, group_m: int | None = GROUP_M) -> jax.Array:
     """``jax.lax.ragged_dot(lhs, rhs, group_sizes)``: out[r] = lhs[r] @ rhs[g(r)] (module docstring).
 
     lhs: [M, K]; rhs: [G, K, N], lhs's dtype (16-bit floats on a GPU; any float interpreted); group_sizes:
@@ -194,7 +214,8 @@ def grouped_matmul_triton(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
     gather; slots in [0, S)). Returns [M, N] in lhs's dtype, each row a float32
     sum over K in block_k steps. Grid (T, N / block_n) over :func:`tile_schedule`'s T row tiles; a tile
     with no rows returns at once. interpret: Pallas interpret mode (CPU); block_m, block_n, block_k:
-    powers of two >= 16, K % block_k == 0, N % block_n == 0; num_warps / num_stages: Triton's.
+    powers of two >= 16, K % block_k == 0, N % block_n == 0; num_warps / num_stages: Triton's; group_m: the
+    programs' order (:data:`GROUP_M`; the output does not depend on it).
 
     Raises:
       ValueError: shapes or dtypes that disagree, or tiles that do not fit (the message names the
@@ -206,11 +227,11 @@ def grouped_matmul_triton(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
         return jnp.zeros((0, n), lhs.dtype)
     return _scheduled(tile_schedule(group_sizes, m, block_m), lhs, rhs, interpret=interpret, block_m=block_m,
                       block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
-                      group_slot=group_slot)
+                      group_slot=group_slot, group_m=group_m)
 
 
 def _scheduled(schedule, lhs, rhs, *, interpret, block_m, block_n, block_k, num_warps, num_stages, tok=None,
-               swiglu=False, group_slot=None):
+               swiglu=False, group_slot=None, group_m=GROUP_M):
     """The pallas_call over a :func:`tile_schedule` (any order of its tiles gives the same output: on a GPU
     the programs run in no fixed order). tok: int32 [M], lhs's row of each output row (None: row r itself);
     swiglu: out = SwiGLU of the product's two column halves ([M, N / 2]); group_slot: int32 [G], each group's
@@ -220,20 +241,24 @@ def _scheduled(schedule, lhs, rhs, *, interpret, block_m, block_n, block_k, num_
     m = lhs.shape[0] if tok is None else tok.shape[0]
     n_out = n // 2 if swiglu else n
     extra = tuple(a.astype(jnp.int32) for a in (group_slot, tok) if a is not None)
+    num_tiles, num_cols = schedule[0].shape[0], n_out // block_n
     return pl.pallas_call(
         functools.partial(_kernel, groups=g, bm=block_m, bn=block_n, bk=block_k, k_steps=k // block_k,
-                          up_cols=n_out if swiglu else None, slots=group_slot is not None, gather=tok is not None),
-        out_shape=jax.ShapeDtypeStruct((m, n_out), lhs.dtype), grid=(schedule[0].shape[0], n_out // block_n),
+                          up_cols=n_out if swiglu else None, slots=group_slot is not None, gather=tok is not None,
+                          num_tiles=num_tiles, num_cols=num_cols, group_m=group_m),
+        out_shape=jax.ShapeDtypeStruct((m, n_out), lhs.dtype),
+        grid=(num_tiles, num_cols) if group_m is None else (num_tiles * num_cols,),
         interpret=interpret, compiler_params=common.triton_params(interpret, num_warps, num_stages),
         name="grouped_swiglu_triton" if swiglu else "grouped_matmul_triton",
     )(*schedule, *extra, lhs, rhs)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "block_m", "block_n", "block_k", "num_warps", "num_stages"))
+@functools.partial(jax.jit, static_argnames=("interpret", "block_m", "block_n", "block_k", "num_warps", "num_stages",
+                                             "group_m"))
 def grouped_swiglu_triton(x: jax.Array, row_token: jax.Array, gate_up: jax.Array, group_sizes: jax.Array, *,
                           group_slot: jax.Array | None = None, interpret: bool = False, block_m: int = BLOCK_M,
                           block_n: int = BLOCK_N, block_k: int = BLOCK_K, num_warps: int | None = NUM_WARPS,
-                          num_stages: int | None = NUM_STAGES) -> jax.Array:
+                          num_stages: int | None = NUM_STAGES, group_m: int | None = GROUP_M) -> jax.Array:
     """The experts' gate-up matmul with the token gather before it and SwiGLU after it, in one kernel:
     ``swiglu(ragged_dot(x[row_token], gate_up, group_sizes))`` with swiglu(h) = silu(h[:, :F]) * h[:, F:].
 
@@ -263,19 +288,21 @@ def grouped_swiglu_triton(x: jax.Array, row_token: jax.Array, gate_up: jax.Array
         return jnp.zeros((0, gate_up.shape[2] // 2), x.dtype)
     return _scheduled(tile_schedule(group_sizes, m, block_m), x, gate_up, interpret=interpret, block_m=block_m,
                       block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
-                      tok=row_token, swiglu=True, group_slot=group_slot)
+                      tok=row_token, swiglu=True, group_slot=group_slot, group_m=group_m)
 
 
 def _tiles(vals: tuple[int, ...], name: str = "grouped_matmul_triton") -> dict:
-    bm, bn, bk, *rest = common.tile_values(name, vals, (3, 4, 5),
-                                           "(block_m, block_n, block_k[, num_warps[, num_stages]])")
+    bm, bn, bk, *rest = common.tile_values(name, vals, (3, 4, 5, 6),
+                                           "(block_m, block_n, block_k[, num_warps[, num_stages[, group_m]]])")
     warps = rest[0] if rest else NUM_WARPS
     stages = rest[1] if len(rest) > 1 else NUM_STAGES
+    group_m = (rest[2] or None) if len(rest) > 2 else GROUP_M  # 0: the two-axis grid
     if not (all(common.pow2(v) and v >= 16 for v in (bm, bn, bk)) and common.pow2(warps)
-            and (stages is None or stages >= 1)):
+            and (stages is None or stages >= 1) and (group_m is None or group_m >= 1)):
         raise ValueError(f"tiles of kernel {name!r}: block_m, block_n, block_k must be powers of two "
-                         f">= 16, num_warps a power of two and num_stages >= 1, got {vals}")
-    return {"block_m": bm, "block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages}
+                         f">= 16, num_warps a power of two, num_stages >= 1 and group_m >= 0, got {vals}")
+    return {"block_m": bm, "block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages,
+            "group_m": group_m}
 
 
 registry.register(registry.Kernel(

@@ -67,7 +67,8 @@ flags.DEFINE_integer("head_dim", None, "Override dk = dv (smoke runs).", lower_b
 flags.DEFINE_integer("value_heads", None, "Override the value heads (smoke runs).", lower_bound=1)
 flags.DEFINE_integer("key_heads", None, "Override the key heads (smoke runs).", lower_bound=1)
 flags.DEFINE_list("tiles", ["32:4:1", "32:2:1", "16:4:1"],
-                  "Kernel tiles to time, block_v:num_warps:num_stages.")
+                  "Kernel tiles to time, block_v:num_warps:num_stages[:operand_bits] (16: q, k and the scores stored "
+                  "as float16, gated_delta.OPERAND_BITS).")
 flags.DEFINE_list("solve_blocks", ["64", "32", "16"], "Diagonal blocks of the solve kernel to time "
                   "(``gated_delta_solve`` tiles; 64 = the whole chunk row by row).")
 flags.DEFINE_list("stages", ["rule", "pieces", "layer", "conv", "decode", "model"],

@@ -134,7 +134,28 @@ def test_the_chunk_scan_kernel_matches_the_scan(chunk_states):
         assert got[2] is None and want[2] is None
 
 
-@pytest.mark.parametrize("block", [16, 32, 64])
+def test_the_scan_kernel_with_16_bit_operands_rounds_as_a_tf32_dot_would():
+    """``gated_delta=(bv, warps, stages, 16)``: q_read, k_write and the scores stored as float16 (bounded by 1, so no
+    overflow). Interpreted, the dots are exact float32, so what is left is float16's rounding of the three (2^-11
+    relative, a TF32 dot's own input rounding): within 1e-3 of the float32 scan, and clearly not bit-equal to it."""
+    from ftjax.kernels.registry import KernelConfig, using
+    r = np.random.default_rng(1)
+    t, dk, dv = 40, 16, 32
+    q = gdn.l2_normalize(jnp.asarray(r.normal(size=(1, t, 2, dk)), jnp.float32))
+    k = gdn.l2_normalize(jnp.asarray(r.normal(size=(1, t, 2, dk)), jnp.float32))
+    v = jnp.asarray(r.normal(size=(1, t, 2, dv)), jnp.float32)
+    g = -jnp.asarray(r.uniform(0.0, 0.3, size=(1, t, 2)), jnp.float32)
+    beta = jnp.asarray(r.uniform(size=(1, t, 2)), jnp.float32)
+    s0 = jnp.asarray(r.normal(size=(1, 2, dk, dv)), jnp.float32)
+    want = gdn.chunked_gated_delta_rule(q, k, v, g, beta, s0, chunk=16)
+    with using(KernelConfig(use="interpret", tiles={"gated_delta": (16, 4, 2, 16)})):
+        got = gdn.chunked_gated_delta_rule(q, k, v, g, beta, s0, chunk=16)
+    for x, y in zip(got, want):
+        err = float(jnp.max(jnp.abs(x - y)) / jnp.max(jnp.abs(y)))
+        assert 1e-6 < err < 1e-3, err
+
+
+@pytest.mark.parametrize("block", [8, 16, 32, 64])
 def test_the_chunk_solve_kernel_matches_the_triangular_solve(block):
     """``gated_delta_solve`` interpreted (forward substitution over diagonal blocks of ``block`` rows, the
     blocks merged by dots; 64: row by row) against ``chunk_solve``'s XLA form (batched triangular solve),
@@ -171,9 +192,13 @@ def test_the_scan_kernel_takes_the_precision_and_shapes_it_was_measured_at():
         assert gd.dot_precision() == lax.Precision.DEFAULT and not gd.tf32_setting()
     assert gd.supported(128, 128, 64) and not gd.supported(256, 128, 64) and not gd.supported(128, 128, 64, 24)
     assert KernelConfig(tiles={"gated_delta": (32, 4, 1)}).tile_args("gated_delta") == \
-        {"block_v": 32, "num_warps": 4, "num_stages": 1}
-    with pytest.raises(ValueError, match="gated_delta"):
-        KernelConfig(tiles={"gated_delta": (24,)})
+        {"block_v": 32, "num_warps": 4, "num_stages": 1, "operand_bits": 32}
+    assert KernelConfig(tiles={"gated_delta": (32, 4, 2, 16)}).tile_args("gated_delta")["operand_bits"] == 16
+    # two pipeline stages fit shared memory with 16-bit q, k and scores only
+    assert gd.supported(128, 128, 64, 32, 2, 16) and not gd.supported(128, 128, 64, 32, 2, 32)
+    for bad in ((24,), (32, 4, 1, 8)):
+        with pytest.raises(ValueError, match="gated_delta"):
+            KernelConfig(tiles={"gated_delta": bad})
 
 
 @pytest.mark.parametrize("chunk,block", [(48, 16), (40, 16), (80, 16)])

@@ -326,9 +326,12 @@ def test_kernels_lower_for_cuda_at_real_shapes():
     # the Gated DeltaNet kernels at qwen3.5-35b-a3b's layer (32 heads, dk = dv = 128, 8192 tokens in chunks of 64)
     from ftjax.kernels import gated_delta as gd
     f32, g, nc, c = jnp.float32, 32, 8192, 64
-    txt = _lower_cuda(lambda *a: gd.chunk_recurrence(*a, chunk=c, chunk_states=True), sd((g, 128, 128), f32),
-                      *(sd((g, nc, 128), f32),) * 4, sd((g, nc, c), f32), sd((g, nc // c), f32))
-    assert txt.count("__gpu$xla.gpu.triton") == 1
+    for bits, stages in ((32, 1), (16, 2)):  # 16-bit q, k and scores: two pipeline stages fit
+        txt = _lower_cuda(lambda *a, b=bits, st=stages: gd.chunk_recurrence(*a, chunk=c, chunk_states=True,
+                                                                           operand_bits=b, num_stages=st),
+                          sd((g, 128, 128), f32), *(sd((g, nc, 128), f32),) * 4, sd((g, nc, c), f32),
+                          sd((g, nc // c), f32))
+        assert txt.count("__gpu$xla.gpu.triton") == 1 and f"num_stages = {stages} : i32" in txt
     for block in (16, 64):  # diagonal blocks merged by three-pass TF32 dots; the whole chunk row by row
         txt = _lower_cuda(lambda *a, b=block: gd.solve_chunks(*a, chunk=c, block=b), *(sd((g, nc, 128), f32),) * 3,
                           sd((g, nc), f32), sd((g, nc), f32))

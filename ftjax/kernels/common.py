@@ -65,15 +65,15 @@ def triton_params(interpret: bool, num_warps: int | None = None, num_stages: int
     return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def block_and_warps(name: str, key: str, default_warps: int):
+def block_and_warps(name: str, key: str, default_warps: int, minimum: int = 16):
     """The tile parser of a kernel whose tiles are ``(key,)`` or ``(key, num_warps)``: ``key`` a power of two
-    >= 16, ``num_warps`` a power of two (``default_warps`` when left out). Returns ``vals -> {key, num_warps}``.
-    The parser raises ValueError naming the kernel and the values."""
+    >= ``minimum``, ``num_warps`` a power of two (``default_warps`` when left out). Returns ``vals -> {key,
+    num_warps}``. The parser raises ValueError naming the kernel and the values."""
     def parse(vals: tuple[int, ...]) -> dict:
         size, *rest = tile_values(name, vals, (1, 2), f"({key},) or ({key}, num_warps)")
-        if not (pow2(size) and size >= 16) or (rest and not pow2(rest[0])):
-            raise ValueError(f"tiles of kernel {name!r}: {key} must be a power of two >= 16 and num_warps a power "
-                             f"of two, got {vals}")
+        if not (pow2(size) and size >= minimum) or (rest and not pow2(rest[0])):
+            raise ValueError(f"tiles of kernel {name!r}: {key} must be a power of two >= {minimum} and num_warps a "
+                             f"power of two, got {vals}")
         return {key: size, "num_warps": rest[0] if rest else default_warps}
     return parse
 

@@ -52,6 +52,13 @@ from ftjax.kernels import common, registry
 BLOCK_V = 32
 NUM_WARPS = 4
 NUM_STAGES = 1
+#: Bits of the scan kernel's bounded operands as stored in HBM (``KernelConfig.tiles``: ``gated_delta=(bv, num_warps,
+#: num_stages, operand_bits)``): 32, or 16 for q_read, k_write and the intra-chunk scores in float16, read back into
+#: float32 inside the kernel. All three are bounded by 1 (L2-normalised q and k, decays <= 1), so float16 cannot
+#: overflow, and its 11-bit significand is a TF32 dot's own input rounding: at the default (TF32) precision the
+#: dots see the same values but for float16's subnormals (below 6.1e-5 of a bound of 1). A chunk's operands then
+#: take a third less of the per-program read, the kernel's bottleneck (128 programs at B = 1, one per SM).
+OPERAND_BITS = 32
 _FULL_PRECISION = ("highest", "float32", "F32_F32_F32")
 #: ``jax.default_matmul_precision`` settings under which XLA runs the reference's float32 dots as TF32 on a
 #: GPU (unset included): those the kernels' DEFAULT dots match, and the only ones ``auto`` picks them at.
@@ -73,17 +80,20 @@ def tf32_setting() -> bool:
     return jax.config.jax_default_matmul_precision in _TF32_SETTINGS
 
 
-#: Shared memory (bytes) the scan kernel's operands of one chunk may take per pipeline stage: a conservative
-#: share of the H200's 227 KiB (q, k, w [C, dk] + the scores [C, C] + u [C, bv], float32).
-SMEM_BUDGET = 128 * 1024
+#: Shared memory (bytes) one chunk's operands may take over all of a kernel's pipeline stages (q, k, w [C, dk] + the
+#: scores [C, C] + u [C, bv], float32; q, k and the scores float16 with 16-bit operands): below the H100's and H200's
+#: 227 KiB with room for Triton's own. Two stages of 16-bit operands (160 KiB at dk = 128) fit; two of float32 do not.
+SMEM_BUDGET = 192 * 1024
 
 
-def supported(dk: int, dv: int, chunk: int, block_v: int = BLOCK_V, num_stages: int = NUM_STAGES) -> bool:
+def supported(dk: int, dv: int, chunk: int, block_v: int = BLOCK_V, num_stages: int = NUM_STAGES,
+              operand_bits: int = OPERAND_BITS) -> bool:
     """Shapes the Triton lowering takes: dk, chunk and the column block min(block_v, dv) powers of two
     >= 16, dv a multiple of the block, one chunk's operands within :data:`SMEM_BUDGET` per stage (dk = 128
-    at chunks of 64 fits; dk = 256 would not)."""
+    at chunks of 64 fits; dk = 256 would not; 16-bit q, k and scores make them smaller)."""
     bv = min(block_v, dv)
-    smem = 4 * chunk * (3 * dk + chunk + bv) * max(num_stages or 1, 1)
+    half = operand_bits // 8
+    smem = chunk * (4 * (dk + bv) + half * (2 * dk + chunk)) * max(num_stages or 1, 1)
     return all(common.pow2(n) and n >= 16 for n in (dk, chunk, bv)) and dv % bv == 0 and smem <= SMEM_BUDGET
 
 
@@ -98,11 +108,13 @@ def _kernel(s0_ref, u_ref, w_ref, q_ref, k_ref, a_ref, d_ref, o_ref, s_ref, *end
     cols = pl.ds(j * bv, bv)
     dot = functools.partial(_dot, precision=precision)
 
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731 - 16-bit stored operands (OPERAND_BITS) read back
+
     def body(n, s):  # s: float32 [dk, bv], the state before chunk n
         rows = pl.ds(n * chunk, chunk)
         v_new = u_ref[bh, rows, cols] - dot(w_ref[bh, rows, :], s)  # [chunk, bv]
-        o_ref[bh, rows, cols] = dot(q_ref[bh, rows, :], s) + dot(a_ref[bh, rows, :], v_new)
-        s = s * d_ref[bh, n] + dot(k_ref[bh, rows, :], v_new, contract=((0,), (0,)))
+        o_ref[bh, rows, cols] = dot(f32(q_ref[bh, rows, :]), s) + dot(f32(a_ref[bh, rows, :]), v_new)
+        s = s * d_ref[bh, n] + dot(f32(k_ref[bh, rows, :]), v_new, contract=((0,), (0,)))
         if ends_ref:
             ends_ref[0][bh, n, :, cols] = s
         return s
@@ -111,23 +123,27 @@ def _kernel(s0_ref, u_ref, w_ref, q_ref, k_ref, a_ref, d_ref, o_ref, s_ref, *end
 
 
 @functools.partial(jax.jit, static_argnames=("chunk", "chunk_states", "interpret", "block_v", "num_warps",
-                                             "num_stages", "precision"))
+                                             "num_stages", "precision", "operand_bits"))
 def chunk_recurrence(s0: jax.Array, u: jax.Array, w: jax.Array, q: jax.Array, k: jax.Array, a: jax.Array,
                      d: jax.Array, *, chunk: int, chunk_states: bool, interpret: bool = False,
                      block_v: int = BLOCK_V, num_warps: int | None = NUM_WARPS, num_stages: int | None = NUM_STAGES,
-                     precision: lax.Precision = lax.Precision.DEFAULT):
+                     precision: lax.Precision = lax.Precision.DEFAULT, operand_bits: int = OPERAND_BITS):
     """The recurrence over chunks (module docstring), for G = batch x heads independent states.
 
     s0: float32 [G, dk, dv] the states before the first chunk; u: [G, N*C, dv] the corrected values;
     w: [G, N*C, dk] what they read from S; q: [G, N*C, dk] the decayed, scaled queries; k: [G, N*C, dk]
     the keys decayed to the chunk's end; a: [G, N*C, C] the masked intra-chunk scores; d: [G, N] each
-    chunk's total decay (all float32, C = ``chunk``). Returns (o float32 [G, N*C, dv], the final states
+    chunk's total decay (all float32, C = ``chunk``; with ``operand_bits`` 16, q, k and a are stored as float16
+    on the way in: :data:`OPERAND_BITS`). Returns (o float32 [G, N*C, dv], the final states
     [G, dk, dv], and with ``chunk_states`` the state after every chunk [G, N, dk, dv], else None).
-    interpret: Pallas interpret mode (CPU); block_v: columns of S per program; num_warps, num_stages: Triton's.
+    interpret: Pallas interpret mode (CPU); block_v: columns of S per program; num_warps, num_stages: Triton's;
+    operand_bits: 32 or 16 (:data:`OPERAND_BITS`).
     """
     g, dk, dv = s0.shape
     n = u.shape[1] // chunk
     bv = min(block_v, dv)
+    if operand_bits == 16:  # bounded by 1 (OPERAND_BITS): XLA fuses the casts into the ops that make them
+        q, k, a = (x.astype(jnp.float16) for x in (q, k, a))
     outs = [jax.ShapeDtypeStruct((g, n * chunk, dv), jnp.float32), jax.ShapeDtypeStruct((g, dk, dv), jnp.float32)]
     if chunk_states:
         outs.append(jax.ShapeDtypeStruct((g, n, dk, dv), jnp.float32))
@@ -145,11 +161,12 @@ def maybe(s0, u, w, q, k, a, d, chunk: int, chunk_states: bool):
     Returns (o [B, H, N, C, dv], final state [B, H, dk, dv], the chunk states [N, B, H, dk, dv] or None)."""
     b, h, n, c, dk = w.shape
     dv = u.shape[-1]
-    tiles = registry.tiles("gated_delta", {"block_v": BLOCK_V, "num_warps": NUM_WARPS, "num_stages": NUM_STAGES})
+    tiles = registry.tiles("gated_delta", {"block_v": BLOCK_V, "num_warps": NUM_WARPS, "num_stages": NUM_STAGES,
+                                           "operand_bits": OPERAND_BITS})
     # auto only at the TF32 precision it was measured faster at: with IEEE float32 dots (the float32 oracle
     # runs) the Triton kernel took 50 ms per layer against XLA's 7 (H200, 2026-12-04)
-    how = registry.mode("gated_delta", supported(dk, dv, c, tiles["block_v"], tiles["num_stages"]),
-                        auto=tf32_setting())
+    how = registry.mode("gated_delta", supported(dk, dv, c, tiles["block_v"], tiles["num_stages"],
+                                                 tiles["operand_bits"]), auto=tf32_setting())
     if how == "xla":
         return None
     flat = lambda x: x.reshape(b * h, n * c, x.shape[-1])  # noqa: E731
@@ -162,13 +179,15 @@ def maybe(s0, u, w, q, k, a, d, chunk: int, chunk_states: bool):
 
 
 def _tiles(vals: tuple[int, ...]) -> dict:
-    bv, *rest = common.tile_values("gated_delta", vals, (1, 2, 3),
-                                   "(block_v,), (block_v, num_warps) or (block_v, num_warps, num_stages)")
-    if not (common.pow2(bv) and bv >= 16) or (rest and not common.pow2(rest[0])) or (len(rest) > 1 and rest[1] < 1):
+    bv, *rest = common.tile_values("gated_delta", vals, (1, 2, 3, 4),
+                                   "(block_v[, num_warps[, num_stages[, operand_bits]]])")
+    if not (common.pow2(bv) and bv >= 16) or (rest and not common.pow2(rest[0])) or (len(rest) > 1 and rest[1] < 1) \
+            or (len(rest) > 2 and rest[2] not in (16, 32)):
         raise ValueError(f"tiles of kernel 'gated_delta': block_v must be a power of two >= 16, num_warps a "
-                         f"power of two and num_stages >= 1, got {vals}")
+                         f"power of two, num_stages >= 1 and operand_bits 16 or 32, got {vals}")
     return {"block_v": bv, "num_warps": rest[0] if rest else NUM_WARPS,
-            "num_stages": rest[1] if len(rest) > 1 else NUM_STAGES}
+            "num_stages": rest[1] if len(rest) > 1 else NUM_STAGES,
+            "operand_bits": rest[2] if len(rest) > 2 else OPERAND_BITS}
 
 
 registry.register(registry.Kernel(
@@ -293,4 +312,4 @@ registry.register(registry.Kernel(
     "matrix, both right-hand sides, intra-chunk scores), power-of-two chunk, dk and dv within SMEM_BUDGET; "
     "auto: GPU at a TF32 matmul precision setting (the default): the rule 1.44x faster than with the scan "
     "kernel alone on the H200, its TF32 error 6.3e-4 against 4.8e-4",
-    tiles=common.block_and_warps("gated_delta_solve", "block", NUM_WARPS)))
+    tiles=common.block_and_warps("gated_delta_solve", "block", NUM_WARPS, minimum=8)))

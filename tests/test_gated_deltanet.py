@@ -267,6 +267,54 @@ def test_the_decode_step_kernel_matches_the_recurrence():
     assert float(jnp.max(jnp.abs(got[1][0] - s0[0]))) > 0.1  # a real row moved
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_one_launch_decode_kernel_matches_the_mixer(dtype):
+    """``gated_deltanet_decode`` interpreted (tiny-hybrid: 2 key heads for 4 value heads, dk = dv = 32), one decode
+    token of layer 1 of a 2-layer stacked cache, one live row and one idle row, weights stacked or not: the mixer's
+    output projection input, conv state and recurrent state as the XLA path makes them (float32 to rounding; bf16 to
+    an ulp of its bf16 values: XLA may keep a bf16 intermediate such as beta in float32 inside a fusion, so the two
+    round differently), layer 0 and the idle row's states untouched bit for bit."""
+    from ftjax.config import preset
+    from ftjax.kernels import gated_delta_step as gs
+    from ftjax.kernels.registry import KernelConfig, recording, using
+    from ftjax.layers.common import StackedWeight
+    from ftjax.seams import KVCache
+    cfg = preset("tiny-hybrid")
+    r = np.random.default_rng(11)
+    shapes = gdn.param_shapes(cfg)
+    lp = {n: jnp.asarray(r.normal(size=s) * (0.05 if len(s) == 2 else 0.5), dtype) for n, s in shapes.items()}
+    lp["A_log"] = lp["A_log"].astype(jnp.float32)
+    (_, _, km1, cd), (_, _, hv, dk, dv) = gdn.state_shapes(cfg, 2, 2)
+    cache = KVCache(None, None, jnp.asarray(r.normal(size=(2, 2, km1, cd)), dtype),
+                    jnp.asarray(r.normal(size=(2, 2, hv, dk, dv)) * 0.3, jnp.float32))
+    x = jnp.asarray(r.normal(size=(2, 1, cfg.hidden_size)), dtype)
+    projected = [gdn.project(x, lp[n]) for n in gdn.IN_PROJECTIONS]
+    valid = jnp.asarray([[True], [False]])
+    y, conv, rec, _ = gdn.mixer(cfg, lp, projected, dtype, cache.conv[1], cache.rec[1], valid)
+    for stacked in (False, True):
+        got_lp = dict(lp)
+        if stacked:  # the layer's row 1 of a 2-layer stack, as a decode step hands them
+            got_lp.update({n: StackedWeight(jnp.stack([lp[n] * 2, lp[n]]), jnp.int32(1))
+                           for n in ("conv", "A_log", "dt_bias", "norm")})
+        with using(KernelConfig(use="gated_deltanet_decode")), recording() as ran:
+            got_y, got_cache = gdn.decode_in_one_launch(cfg, got_lp, projected, dtype, cache, jnp.int32(1), valid)
+        assert ran == {"gated_deltanet_decode"}
+        tol = dict(rtol=1e-5, atol=1e-5) if dtype == jnp.float32 else dict(rtol=2 ** -7, atol=2 ** -7)
+        np.testing.assert_allclose(np.asarray(got_y[0], np.float32), np.asarray(y[0], np.float32), **tol)
+        np.testing.assert_allclose(np.asarray(got_cache.conv[1], np.float32), np.asarray(conv, np.float32), **tol)
+        np.testing.assert_allclose(got_cache.rec[1], rec, **tol)
+        np.testing.assert_array_equal(np.asarray(got_cache.conv[1, 1]), np.asarray(cache.conv[1, 1]))  # idle row
+        np.testing.assert_array_equal(np.asarray(got_cache.rec[1, 1]), np.asarray(cache.rec[1, 1]))
+        np.testing.assert_array_equal(np.asarray(got_cache.rec[0]), np.asarray(cache.rec[0]))  # another layer
+        np.testing.assert_array_equal(np.asarray(got_cache.conv[0]), np.asarray(cache.conv[0]))
+    assert gdn.decode_in_one_launch(cfg, lp, [p[:, :0] for p in projected], dtype, cache, 1, valid) is None
+    assert gs.mixer_supported(16, 32, 128, 128, 8192) and not gs.mixer_supported(16, 32, 128, 128, 8000)
+    with pytest.raises(ValueError, match="gated_deltanet_decode kernel: unsupported shapes"):
+        gs.mixer_step(projected[0][:, 0, :200], *(p[:, 0] for p in projected[1:]), jnp.ones(2, jnp.int32),
+                      cache.conv, cache.rec, jnp.int32(0), *(lp[n][None] for n in ("conv", "A_log", "dt_bias", "norm")),
+                      jnp.zeros(4, jnp.int32), key_heads=2, eps=1e-6, interpret=True)
+
+
 def test_the_layer_runs_the_conv_and_decode_kernels_as_named():
     """``gated_deltanet`` at the tiny-hybrid shape with ``causal_conv`` and ``gated_delta_step`` named
     (interpreted): a 5-token prefill call (the conv kernel; the chunked rule in XLA) and then one decode
@@ -303,3 +351,28 @@ def test_the_layer_runs_the_conv_and_decode_kernels_as_named():
     qk, zeros = jnp.zeros((2, cfg.linear_num_key_heads, dk)), jnp.zeros((2, hv))
     with pytest.raises(ValueError, match="state expected float32"):
         gs.decode_step(qk, qk, jnp.zeros((2, hv, dv)), zeros, zeros, rec0.astype(jnp.bfloat16))
+
+
+@pytest.mark.slow
+def test_hybrid_decode_with_the_one_launch_mixer_matches_the_default_path(monkeypatch):
+    """tiny-hybrid's greedy decode with ``gated_deltanet_decode`` named beside the decode projections' kernels
+    (interpreted; the weights then come stacked): every Gated DeltaNet decode layer runs the kernel, reading its
+    state in the stacked cache; same ids, the prefill bit-identical, decode logits within float32 tolerance of the
+    default path; cached bit-identical to resident with the kernel."""
+    from test_dense_decode import _assert_like_default, _fresh_traces, _tiny_generate
+
+    from ftjax.kernels import gated_delta_step as gs
+    ref = _tiny_generate("xla", preset_name="tiny-hybrid")
+    _fresh_traces()
+    calls = []
+    real = gs.mixer_step
+
+    def spy(*a, **kw):
+        calls.append((a[5].shape, kw["interpret"]))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(gs, "mixer_step", spy)
+    kernels = "dense_decode,norm_dense_decode,gated_deltanet_decode"
+    got = _tiny_generate(kernels, preset_name="tiny-hybrid")
+    assert calls and all(interp for _, interp in calls)
+    _assert_like_default(kernels, ref, got, preset_name="tiny-hybrid")

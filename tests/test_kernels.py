@@ -341,8 +341,8 @@ def test_kernels_lower_for_cuda_at_real_shapes():
 def test_gated_deltanet_conv_and_decode_kernels_lower_for_cuda_at_real_shapes():
     """qwen3.5-35b-a3b's Gated DeltaNet layer (16 key heads, 32 value heads, dk = dv = 128, conv over
     2*16*128 + 32*128 = 8192 channels, 4 taps; bf16 activations): the conv over an 8192-token prompt and one
-    decode token, and the decode step at batch 1 and 4, each lower to one Triton custom call; the decode
-    step's state output aliases its state operand (updated in place)."""
+    decode token, the decode step and the whole decode mixer at batch 1 and 4, each lower to one Triton custom call;
+    the decode step's and the mixer's state outputs alias their state operands (updated in place)."""
     from ftjax.config import preset
     from ftjax.kernels import causal_conv as cc
     from ftjax.kernels import gated_delta_step as gs
@@ -360,6 +360,14 @@ def test_gated_deltanet_conv_and_decode_kernels_lower_for_cuda_at_real_shapes():
                           sd((b, hv), f32), sd((b, hv), bf), sd((b, hv, dk, dv), f32))
         assert txt.count("__gpu$xla.gpu.triton") == 1
         assert "output_operand_alias<output_tuple_indices = [1], operand_index = 5" in txt
+    # the whole mixer of one decode token, over a 30-layer stacked state; the state stack aliased (updated in place)
+    for b in (1, 4):
+        txt = _lower_cuda(lambda *a: gs.mixer_step(*a, key_heads=hk, eps=1e-6), sd((b, c), bf), sd((b, hv * dv), bf),
+                          sd((b, hv), bf), sd((b, hv), bf), sd((b,), jnp.int32), sd((30, b, taps - 1, c), bf),
+                          sd((30, b, hv, dk, dv), f32), sd((), jnp.int32), sd((30, taps, c), bf), sd((30, hv), f32),
+                          sd((30, hv), bf), sd((30, dv), bf), sd((4,), jnp.int32))
+        assert txt.count("__gpu$xla.gpu.triton") == 1
+        assert "output_operand_alias<output_tuple_indices = [2], operand_index = 11" in txt
 
 
 def test_engine_programs_lower_for_cuda_with_the_gpus_kernel_choices():

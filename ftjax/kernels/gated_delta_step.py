@@ -123,3 +123,135 @@ registry.register(registry.Kernel(
     "the float32 state updated in place; power-of-two dk, dv a multiple of the column block min(block_v, dv) "
     "(a power of two >= 16); auto: not picked (named only): not yet measured on a GPU",
     auto=False, tiles=common.block_and_warps("gated_delta_step", "block_v", NUM_WARPS)))
+
+
+# ---- the whole mixer of one decode token -------------------------------------------------------------------
+#: Triton's warps of ``gated_deltanet_decode`` (``KernelConfig.tiles``: ``gated_deltanet_decode=(num_warps,)``): a
+#: program holds one head's whole state [dk, dv] (64 KiB float32 at dk = dv = 128), 64 registers a thread at 8 warps.
+MIXER_WARPS = 8
+
+
+def mixer_supported(key_heads: int, value_heads: int, dk: int, dv: int, conv_dim: int) -> bool:
+    """Shapes ``gated_deltanet_decode`` takes: dk and dv powers of two >= 16, the value heads a multiple of the key
+    heads, and the conv channels laid out as q, k (key heads x dk each) then v (value heads x dv)."""
+    return common.pow2(dk) and dk >= 16 and common.pow2(dv) and dv >= 16 and key_heads >= 1 \
+        and value_heads % key_heads == 0 and conv_dim == 2 * key_heads * dk + value_heads * dv
+
+
+def _mixer_kernel(layers_ref, vlen_ref, qkv_ref, z_ref, b_ref, a_ref, conv_ref, convw_ref, alog_ref, dtb_ref,
+                  normw_ref, rec_in, y_ref, conv_out, rec_ref, *, rep, hk, dk, dv, taps, scale, eps, norm_eps):
+    bi, h = pl.program_id(0), pl.program_id(1)
+    cache_l, conv_l, alog_l, dtb_l, norm_l = (layers_ref[i] for i in range(5))
+    live = vlen_ref[bi] > 0  # an idle row (no token this call): state kept, output unused
+    kh = h // rep
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+
+    def conv(first: int | jax.Array, n: int, owner):
+        """silu(causal conv) of channels [first, first + n) in the input dtype, as ``causal_conv``; the new state's
+        rows written where ``owner`` (one program per channel)."""
+        cols = pl.ds(first, n)
+        x = qkv_ref[bi, cols]
+        xs = [conv_ref[cache_l, bi, i, cols].astype(x.dtype) for i in range(taps - 1)] + [x]
+        acc = 0
+        for i in range(taps):  # the reference's order of the sum
+            acc = acc + f32(xs[i]) * f32(convw_ref[conv_l, i, cols])
+
+        @pl.when(owner)
+        def _():
+            for i in range(taps - 1):  # the window slides by the row's one token, or not at all
+                conv_out[bi, i, cols] = jnp.where(live, xs[i + 1], xs[i]).astype(conv_out.dtype)
+
+        return jax.nn.silu(acc).astype(x.dtype)
+
+    owns_key = h % rep == 0
+    q = conv(kh * dk, dk, owns_key)
+    k = conv(hk * dk + kh * dk, dk, owns_key)
+    v = conv(2 * hk * dk + h * dv, dv, True)
+
+    def l2norm(x):
+        x = f32(x)
+        return x * lax.rsqrt(jnp.sum(x * x) + EPS)
+
+    q = l2norm(q) * scale
+    k = l2norm(k)[:, None]  # [dk, 1]
+    b_in = b_ref[bi, h]
+    # sigmoid in float32 rounded to b's dtype (the mixer's dtype; Triton has no bf16 division)
+    beta = jnp.where(live, f32(jax.nn.sigmoid(f32(b_in)).astype(b_in.dtype)), 0.0)
+    g = -jnp.exp(f32(alog_ref[alog_l, h])) * jax.nn.softplus(f32(a_ref[bi, h]) + f32(dtb_ref[dtb_l, h]))
+    g = jnp.where(live, g, 0.0)
+    s = rec_in[cache_l, bi, h] * jnp.exp(g)  # [dk, dv]
+    delta = (f32(v) - jnp.sum(s * k, axis=0)) * beta
+    s = s + k * delta[None, :]
+    rec_ref[cache_l, bi, h] = s
+    o32 = f32(jnp.sum(s * q[:, None], axis=0).astype(y_ref.dtype))
+    # the output norm (layers.gated_deltanet.gated_rms_norm)
+    y = o32 * lax.rsqrt(jnp.mean(o32 * o32) + norm_eps)
+    y = f32(normw_ref[norm_l, :] * y.astype(y_ref.dtype))
+    z = f32(z_ref[bi, pl.ds(h * dv, dv)])
+    y_ref[bi, pl.ds(h * dv, dv)] = (y * jax.nn.silu(z)).astype(y_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("key_heads", "eps", "interpret", "num_warps"))
+def mixer_step(qkv: jax.Array, z: jax.Array, b_in: jax.Array, a_in: jax.Array, valid_len: jax.Array,
+               conv_cache: jax.Array, rec_cache: jax.Array, cache_layer: jax.Array, conv_w: jax.Array,
+               a_log: jax.Array, dt_bias: jax.Array, norm_w: jax.Array, weight_layers: jax.Array, *, key_heads: int,
+               eps: float, interpret: bool = False, num_warps: int | None = MIXER_WARPS):
+    """One decode token of the Gated DeltaNet mixer between its input and output projections, in one launch: the
+    causal conv with its state, the gates, the q / k L2 norms, the gated delta rule and the gated output norm
+    (``ftjax.layers.gated_deltanet.mixer`` at T = 1; Yang et al., "Gated Delta Networks", 2024).
+
+    qkv: [B, C] the conv's input (C = 2*Hk*dk + Hv*dv); z: [B, Hv*dv]; b_in, a_in: [B, Hv] (the projections'
+    outputs, one dtype: the output's); valid_len: int32 [B], 1 for a row with a token, 0 for an idle row (its
+    states kept); conv_cache: [L, B, K-1, C] and rec_cache: float32 [L, B, Hv, dk, dv], the kind's stacked states,
+    read at layer ``cache_layer`` (int32 []); conv_w: [Lw, K, C], a_log, dt_bias: [Lw, Hv], norm_w: [Lw, dv], each
+    read at its row of ``weight_layers`` (int32 [4]: conv_w, a_log, dt_bias, norm_w; 0 for an unstacked weight
+    given with a leading axis of 1). Returns (y [B, Hv*dv] in qkv's dtype, the layer's new conv state [B, K-1, C]
+    in conv_cache's dtype, rec_cache with the layer's states updated: aliased to rec_cache, so with the cache
+    donated the states are written in place). Each program (row, value head) reads its key head's conv channels
+    itself (no repeat); the first value head of a key head writes that key head's new conv state.
+
+    Raises:
+      ValueError: shapes :func:`mixer_supported` rejects (the message names them).
+    """
+    bsz, c = qkv.shape
+    _, _, hv, dk, dv = rec_cache.shape
+    taps = conv_w.shape[1]
+    if not mixer_supported(key_heads, hv, dk, dv, c) or conv_cache.shape[1:] != (bsz, taps - 1, c):
+        raise ValueError(f"gated_deltanet_decode kernel: unsupported shapes (qkv {qkv.shape}, conv_cache "
+                         f"{conv_cache.shape}, rec_cache {rec_cache.shape}, conv_w {conv_w.shape}, key heads "
+                         f"{key_heads}); expected power-of-two dk and dv >= 16, C = 2*Hk*dk + Hv*dv, "
+                         f"conv_cache [L, B, K-1, C]")
+    layers = jnp.concatenate([jnp.reshape(cache_layer, (1,)), weight_layers]).astype(jnp.int32)
+    sd = jax.ShapeDtypeStruct
+    return pl.pallas_call(
+        functools.partial(_mixer_kernel, rep=hv // key_heads, hk=key_heads, dk=dk, dv=dv, taps=taps,
+                          scale=dk ** -0.5, eps=EPS, norm_eps=eps),
+        out_shape=(sd((bsz, hv * dv), qkv.dtype), sd((bsz, taps - 1, c), conv_cache.dtype),
+                   sd(rec_cache.shape, jnp.float32)),
+        grid=(bsz, hv), input_output_aliases={11: 2}, interpret=interpret,
+        compiler_params=common.triton_params(interpret, num_warps), name="gated_deltanet_decode",
+    )(layers, valid_len.astype(jnp.int32), qkv, z, b_in, a_in, conv_cache, conv_w, a_log, dt_bias, norm_w,
+      rec_cache)
+
+
+def mixer_mode(key_heads: int, value_heads: int, dk: int, dv: int, conv_dim: int, rec_dtype) -> tuple[str, dict]:
+    """How ``gated_deltanet_decode`` runs for these shapes under the active kernel config ("xla": it does not), and
+    its tiles."""
+    tiles = registry.tiles("gated_deltanet_decode", {"num_warps": MIXER_WARPS})
+    ok = rec_dtype == jnp.float32 and mixer_supported(key_heads, value_heads, dk, dv, conv_dim)
+    return registry.mode("gated_deltanet_decode", ok), tiles
+
+
+def _warps(vals: tuple[int, ...]) -> dict:
+    (warps,) = common.tile_values("gated_deltanet_decode", vals, (1,), "(num_warps,)")
+    if not common.pow2(warps):
+        raise ValueError(f"tiles of kernel 'gated_deltanet_decode': num_warps must be a power of two, got {vals}")
+    return {"num_warps": warps}
+
+
+registry.register(registry.Kernel(
+    "gated_deltanet_decode", "ftjax.layers.gated_deltanet.mixer (T = 1)",
+    "Gated DeltaNet decode (T = 1): the mixer between its projections in one launch (conv and its state, gates, "
+    "q / k norms, the recurrent step with the float32 state updated in place in the stacked cache, the gated "
+    "output norm); power-of-two dk and dv; auto: not picked (named only): not yet measured on a GPU",
+    auto=False, tiles=_warps))

@@ -47,7 +47,7 @@ from ftjax.config import ModelConfig
 from ftjax.kernels import causal_conv as conv_kernel
 from ftjax.kernels import gated_delta, gated_delta_step
 from ftjax.kernels.dense_decode import normed_dtype
-from ftjax.layers.common import layer_weight, norm_project, project
+from ftjax.layers.common import StackedWeight, layer_weight, norm_project, project
 from ftjax.seams import KVCache, KVHook, LayerIndex, LayerInputs
 
 #: Tokens per chunk of the chunked form (transformers' and FLA's default). KV prefix chunks of a
@@ -297,8 +297,43 @@ def mix(cfg: ModelConfig, lp: dict, h: jax.Array, idx: LayerIndex, cache: KVCach
                                     offset=cfg.norm_offset)
         dtype = normed_dtype(h.dtype, getattr(norm_w, "w", norm_w).dtype, cfg.norm_offset)
         points = kv_hook.state_points() if kv_hook is not None else ()
+        fused = decode_in_one_launch(cfg, lp, projected, dtype, cache, gi, inputs.valid) if not points else None
+        if fused is not None:
+            y, cache = fused
+            return h + y, cache, hook_carry, None
         y, conv, rec, pts = mixer(cfg, lp, projected, dtype, cache.conv[gi], cache.rec[gi], inputs.valid, points)
         cache = cache._replace(conv=jax.lax.dynamic_update_index_in_dim(cache.conv, conv.astype(cache.conv.dtype),
                                                                          gi, 0),
                                rec=jax.lax.dynamic_update_index_in_dim(cache.rec, rec.astype(cache.rec.dtype), gi, 0))
     return h + y, cache, hook_carry, pts
+
+
+def _stacked(w) -> tuple[jax.Array, jax.Array]:
+    """(a weight stacked over layers, the layer's index) of a :class:`StackedWeight`, or of a layer's own array
+    (given a leading axis of 1, index 0)."""
+    if isinstance(w, StackedWeight):
+        return w.w, jnp.asarray(w.layer, jnp.int32)
+    return w[None], jnp.zeros((), jnp.int32)
+
+
+def decode_in_one_launch(cfg: ModelConfig, lp: dict, projected, dtype, cache: KVCache, gi, valid: jax.Array):
+    """:func:`mixer` of one decode token (T = 1) and its cache update as the ``gated_deltanet_decode`` kernel
+    (``ftjax.kernels.gated_delta_step.mixer_step``: the conv, gates, norms, rule and output norm in one launch,
+    the recurrent state updated in the stacked cache in place), where the kernel config selects it; else None.
+    Returns (the output projection's y [B, 1, D], the cache with layer ``gi``'s states updated)."""
+    qkv_in, z, b_in, a_in = projected
+    b, t, _ = qkv_in.shape
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    if t != 1 or qkv_in.dtype != dtype or not (z.dtype == b_in.dtype == a_in.dtype == dtype):
+        return None
+    how, tiles = gated_delta_step.mixer_mode(hk, hv, dk, dv, qkv_in.shape[-1], cache.rec.dtype)
+    if how == "xla":
+        return None
+    weights = [_stacked(lp[name]) for name in ("conv", "A_log", "dt_bias", "norm")]
+    y, conv, rec = gated_delta_step.mixer_step(
+        qkv_in[:, 0], z[:, 0], b_in[:, 0], a_in[:, 0], jnp.sum(valid, axis=1, dtype=jnp.int32), cache.conv,
+        cache.rec, jnp.asarray(gi, jnp.int32), *(w for w, _ in weights), jnp.stack([i for _, i in weights]),
+        key_heads=hk, eps=cfg.rms_norm_eps, interpret=how == "interpret", **tiles)
+    cache = cache._replace(conv=jax.lax.dynamic_update_index_in_dim(cache.conv, conv, gi, 0), rec=rec)
+    return project(y[:, None], lp["w_out"]), cache

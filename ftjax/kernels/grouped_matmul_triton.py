@@ -313,8 +313,9 @@ registry.register(registry.Kernel(
 registry.register(registry.Kernel(
     "grouped_swiglu_triton", "jax.lax.ragged_dot",
     "prefill's gate-up matmul with its token gather and SwiGLU fused (ftjax.experts.compute.experts_grouped): "
-    "16-bit float operands on a GPU, D % block_k == 0 and F % block_n == 0; named only (not yet measured)",
-    auto=False, tiles=functools.partial(_tiles, name="grouped_swiglu_triton")))
+    "16-bit float operands on a GPU, D % block_k == 0 and F % block_n == 0; auto for >= 256 experts, as "
+    "grouped_matmul_triton (16-layer qwen3.5 TTFT 0.1211 -> 0.1128 s on an H100)",
+    tiles=functools.partial(_tiles, name="grouped_swiglu_triton")))
 registry.register(registry.Kernel(
     "grouped_matmul_pool", "jax.lax.ragged_dot",
     "prefill's routed-expert FFN reading a layer's experts in the slot pool through a slot table, without gathering "

@@ -93,7 +93,7 @@ flags.DEFINE_list("model_configs", ["xla-delta-rule", "auto", "auto+decode-kerne
                   "a733c60), auto-one-tile (auto with the Triton matmul's 64-row tiles for the down matmul too, as "
                   "before 3373cb2), auto+fused-swiglu (auto plus grouped_swiglu_triton), "
                   "auto+mixer-kernel (auto plus gated_deltanet_decode: a decode token's Gated DeltaNet mixer in one "
-                  "launch), "
+                  "launch), auto-unfused (auto without grouped_swiglu_triton: auto before 2026-12-06), "
                   "auto+graphs (auto with decode_graphs=on: the decode block as a CUDA graph), auto+offset-norms "
                   "(the auto kernels by name: norm_dense_decode then also takes the zero-centred norms of the "
                   "decode layers, with their projections, as auto does since 2026-12-05: dense_decode.OFFSET_AUTO; "
@@ -495,6 +495,7 @@ def stage_model(cfg, out: dict) -> None:
              "auto-one-tile": ("auto", {"grouped_matmul_triton": (64, 256, 64, 8, 3)}),
              "auto+fused-swiglu": (auto + ("grouped_swiglu_triton",), {}),
              "auto+mixer-kernel": (auto + ("gated_deltanet_decode",), {}),
+             "auto-unfused": (tuple(a for a in auto if a != "grouped_swiglu_triton"), {}),
              "auto+graphs": ("auto", {}, {"decode_graphs": "on"}),
              "auto+offset-norms": (auto, {})}
     unknown = sorted({c.split("@")[0] for c in FLAGS.model_configs} - set(known))

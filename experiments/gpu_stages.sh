@@ -34,8 +34,9 @@
 # gmm-order:       bench_grouped_matmul's Triton configs at both expert shapes with the programs in the two-axis grid
 #                  order (group_m 0) and in bands of group_m row tiles (grouped_matmul_triton.GROUP_M: rows and weights
 #                  shared in L2 by programs that run together), for the plain matmuls and the fused gate-up + SwiGLU
-# gdn-model-order: bench_gated_delta's 16-layer model stage (TTFT only) with those orders and with the fused
-#                  gate-up + SwiGLU kernel (issue 32's TTFT)
+# gdn-model-order: bench_gated_delta's 16-layer model stage (TTFT only): auto (the fused gate-up + SwiGLU kernel auto
+#                  since 2026-12-06), without it (auto-unfused), and both expert matmuls at group_m 4, 8, 16 (issue
+#                  32's TTFT)
 # gdn-rule-bits:   bench_gated_delta's rule stage: the scan kernel with float32 operands (the default) and with 16-bit
 #                  q, k and scores (gated_delta.OPERAND_BITS) at one and two pipeline stages, then the solve kernel's
 #                  diagonal blocks of 8 and 16 rows (issue 32's Gated DeltaNet prefill)
@@ -146,8 +147,8 @@ for stage in "$@"; do
     gdn-model-order)
       g=grouped_matmul_triton; f=grouped_swiglu_triton
       run 420 "$stage" experiments/bench_gated_delta.py --stages=model --model_deadline_s=400 --model_decode_steps=0 \
-        --model_configs=auto,auto@$g=64:256:64:8:3:0,auto@$g=64:256:64:8:3:4,auto@$g=64:256:64:8:3:8,\
-auto@$g=128:256:64:8:3:8,auto+fused-swiglu,auto+fused-swiglu@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8 \
+        --model_configs=auto,auto-unfused,auto@$f=64:256:64:8:3:4@$g=128:256:64:8:3:4,\
+auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:64:8:3:16 \
         --tag="model-order_${dev}_$day" ${out:+--out_dir="$out"} ;;
     gdn-rule-bits)
       run 300 "$stage" experiments/bench_gated_delta.py --stages=rule --model_layers=0 \

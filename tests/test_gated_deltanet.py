@@ -308,7 +308,8 @@ def test_the_one_launch_decode_kernel_matches_the_mixer(dtype):
         np.testing.assert_array_equal(np.asarray(got_cache.rec[0]), np.asarray(cache.rec[0]))  # another layer
         np.testing.assert_array_equal(np.asarray(got_cache.conv[0]), np.asarray(cache.conv[0]))
     assert gdn.decode_in_one_launch(cfg, lp, [p[:, :0] for p in projected], dtype, cache, 1, valid) is None
-    assert gs.mixer_supported(16, 32, 128, 128, 8192) and not gs.mixer_supported(16, 32, 128, 128, 8000)
+    assert gs.mixer_supported(16, 32, 128, 128, 8192, 4) and not gs.mixer_supported(16, 32, 128, 128, 8000, 4)
+    assert not gs.mixer_supported(16, 32, 128, 128, 8192, 1)  # a conv without state rows: the XLA path
     with pytest.raises(ValueError, match="gated_deltanet_decode kernel: unsupported shapes"):
         gs.mixer_step(projected[0][:, 0, :200], *(p[:, 0] for p in projected[1:]), jnp.ones(2, jnp.int32),
                       cache.conv, cache.rec, jnp.int32(0), *(lp[n][None] for n in ("conv", "A_log", "dt_bias", "norm")),
@@ -356,8 +357,8 @@ def test_the_layer_runs_the_conv_and_decode_kernels_as_named():
 @pytest.mark.slow
 def test_hybrid_decode_with_the_one_launch_mixer_matches_the_default_path(monkeypatch):
     """tiny-hybrid's greedy decode with ``gated_deltanet_decode`` named beside the decode projections' kernels
-    (interpreted; the weights then come stacked): every Gated DeltaNet decode layer runs the kernel, reading its
-    state in the stacked cache; same ids, the prefill bit-identical, decode logits within float32 tolerance of the
+    (interpreted): every Gated DeltaNet decode layer runs the kernel, reading its state in the stacked cache; same
+    ids, the prefill bit-identical, decode logits within float32 tolerance of the
     default path; cached bit-identical to resident with the kernel."""
     from test_dense_decode import _assert_like_default, _fresh_traces, _tiny_generate
 

@@ -81,20 +81,24 @@ def tf32_setting() -> bool:
 
 
 #: Shared memory (bytes) one chunk's operands may take over all of a kernel's pipeline stages (q, k, w [C, dk] + the
-#: scores [C, C] + u [C, bv], float32; q, k and the scores float16 with 16-bit operands): below the H100's and H200's
-#: 227 KiB with room for Triton's own. Two stages of 16-bit operands (160 KiB at dk = 128) fit; two of float32 do not.
-SMEM_BUDGET = 192 * 1024
+#: scores [C, C] + u [C, bv], float32): a conservative share of the H200's 227 KiB, for the float32 scan and the
+#: solve kernel, the shapes they were measured at.
+SMEM_BUDGET = 128 * 1024
+#: The same for the scan with 16-bit operands (q, k and the scores float16): two stages at dk = 128 (160 KiB) fit.
+SMEM_BUDGET_16 = 192 * 1024
 
 
 def supported(dk: int, dv: int, chunk: int, block_v: int = BLOCK_V, num_stages: int = NUM_STAGES,
               operand_bits: int = OPERAND_BITS) -> bool:
     """Shapes the Triton lowering takes: dk, chunk and the column block min(block_v, dv) powers of two
-    >= 16, dv a multiple of the block, one chunk's operands within :data:`SMEM_BUDGET` per stage (dk = 128
-    at chunks of 64 fits; dk = 256 would not; 16-bit q, k and scores make them smaller)."""
+    >= 16, dv a multiple of the block, one chunk's operands over all pipeline stages within :data:`SMEM_BUDGET`
+    (dk = 128 at chunks of 64 fits one stage; dk = 256 would not), or with 16-bit q, k and scores within
+    :data:`SMEM_BUDGET_16`."""
     bv = min(block_v, dv)
     half = operand_bits // 8
     smem = chunk * (4 * (dk + bv) + half * (2 * dk + chunk)) * max(num_stages or 1, 1)
-    return all(common.pow2(n) and n >= 16 for n in (dk, chunk, bv)) and dv % bv == 0 and smem <= SMEM_BUDGET
+    budget = SMEM_BUDGET if operand_bits == 32 else SMEM_BUDGET_16
+    return all(common.pow2(n) and n >= 16 for n in (dk, chunk, bv)) and dv % bv == 0 and smem <= budget
 
 
 def _dot(a, b, precision, contract=((1,), (0,))):

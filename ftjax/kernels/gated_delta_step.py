@@ -131,15 +131,16 @@ registry.register(registry.Kernel(
 MIXER_WARPS = 8
 
 
-def mixer_supported(key_heads: int, value_heads: int, dk: int, dv: int, conv_dim: int) -> bool:
+def mixer_supported(key_heads: int, value_heads: int, dk: int, dv: int, conv_dim: int, taps: int) -> bool:
     """Shapes ``gated_deltanet_decode`` takes: dk and dv powers of two >= 16, the value heads a multiple of the key
-    heads, and the conv channels laid out as q, k (key heads x dk each) then v (value heads x dv)."""
-    return common.pow2(dk) and dk >= 16 and common.pow2(dv) and dv >= 16 and key_heads >= 1 \
+    heads, the conv channels laid out as q, k (key heads x dk each) then v (value heads x dv), and a conv of at
+    least 2 taps (a state of at least one row)."""
+    return common.pow2(dk) and dk >= 16 and common.pow2(dv) and dv >= 16 and key_heads >= 1 and taps >= 2 \
         and value_heads % key_heads == 0 and conv_dim == 2 * key_heads * dk + value_heads * dv
 
 
 def _mixer_kernel(layers_ref, vlen_ref, qkv_ref, z_ref, b_ref, a_ref, conv_ref, convw_ref, alog_ref, dtb_ref,
-                  normw_ref, rec_in, y_ref, conv_out, rec_ref, *, rep, hk, dk, dv, taps, scale, eps, norm_eps):
+                  normw_ref, rec_in, y_ref, conv_out, rec_ref, *, rep, hk, dk, dv, taps, scale, l2_eps, norm_eps):
     bi, h = pl.program_id(0), pl.program_id(1)
     cache_l, conv_l, alog_l, dtb_l, norm_l = (layers_ref[i] for i in range(5))
     live = vlen_ref[bi] > 0  # an idle row (no token this call): state kept, output unused
@@ -170,7 +171,7 @@ def _mixer_kernel(layers_ref, vlen_ref, qkv_ref, z_ref, b_ref, a_ref, conv_ref, 
 
     def l2norm(x):
         x = f32(x)
-        return x * lax.rsqrt(jnp.sum(x * x) + EPS)
+        return x * lax.rsqrt(jnp.sum(x * x) + l2_eps)
 
     q = l2norm(q) * scale
     k = l2norm(k)[:, None]  # [dk, 1]
@@ -216,16 +217,16 @@ def mixer_step(qkv: jax.Array, z: jax.Array, b_in: jax.Array, a_in: jax.Array, v
     bsz, c = qkv.shape
     _, _, hv, dk, dv = rec_cache.shape
     taps = conv_w.shape[1]
-    if not mixer_supported(key_heads, hv, dk, dv, c) or conv_cache.shape[1:] != (bsz, taps - 1, c):
+    if not mixer_supported(key_heads, hv, dk, dv, c, taps) or conv_cache.shape[1:] != (bsz, taps - 1, c):
         raise ValueError(f"gated_deltanet_decode kernel: unsupported shapes (qkv {qkv.shape}, conv_cache "
                          f"{conv_cache.shape}, rec_cache {rec_cache.shape}, conv_w {conv_w.shape}, key heads "
-                         f"{key_heads}); expected power-of-two dk and dv >= 16, C = 2*Hk*dk + Hv*dv, "
+                         f"{key_heads}); expected power-of-two dk and dv >= 16, C = 2*Hk*dk + Hv*dv, K >= 2, "
                          f"conv_cache [L, B, K-1, C]")
     layers = jnp.concatenate([jnp.reshape(cache_layer, (1,)), weight_layers]).astype(jnp.int32)
     sd = jax.ShapeDtypeStruct
     return pl.pallas_call(
         functools.partial(_mixer_kernel, rep=hv // key_heads, hk=key_heads, dk=dk, dv=dv, taps=taps,
-                          scale=dk ** -0.5, eps=EPS, norm_eps=eps),
+                          scale=dk ** -0.5, l2_eps=EPS, norm_eps=eps),
         out_shape=(sd((bsz, hv * dv), qkv.dtype), sd((bsz, taps - 1, c), conv_cache.dtype),
                    sd(rec_cache.shape, jnp.float32)),
         grid=(bsz, hv), input_output_aliases={11: 2}, interpret=interpret,
@@ -234,11 +235,12 @@ def mixer_step(qkv: jax.Array, z: jax.Array, b_in: jax.Array, a_in: jax.Array, v
       rec_cache)
 
 
-def mixer_mode(key_heads: int, value_heads: int, dk: int, dv: int, conv_dim: int, rec_dtype) -> tuple[str, dict]:
+def mixer_mode(key_heads: int, value_heads: int, dk: int, dv: int, conv_dim: int, taps: int,
+               rec_dtype) -> tuple[str, dict]:
     """How ``gated_deltanet_decode`` runs for these shapes under the active kernel config ("xla": it does not), and
     its tiles."""
     tiles = registry.tiles("gated_deltanet_decode", {"num_warps": MIXER_WARPS})
-    ok = rec_dtype == jnp.float32 and mixer_supported(key_heads, value_heads, dk, dv, conv_dim)
+    ok = rec_dtype == jnp.float32 and mixer_supported(key_heads, value_heads, dk, dv, conv_dim, taps)
     return registry.mode("gated_deltanet_decode", ok), tiles
 
 

@@ -242,6 +242,7 @@ def _scheduled(schedule, lhs, rhs, *, interpret, block_m, block_n, block_k, num_
     n_out = n // 2 if swiglu else n
     extra = tuple(a.astype(jnp.int32) for a in (group_slot, tok) if a is not None)
     num_tiles, num_cols = schedule[0].shape[0], n_out // block_n
+    group_m = None if group_m is None else min(group_m, num_tiles)  # a wider band is the whole grid's order
     return pl.pallas_call(
         functools.partial(_kernel, groups=g, bm=block_m, bn=block_n, bk=block_k, k_steps=k // block_k,
                           up_cols=n_out if swiglu else None, slots=group_slot is not None, gather=tok is not None,

@@ -327,7 +327,8 @@ def decode_in_one_launch(cfg: ModelConfig, lp: dict, projected, dtype, cache: KV
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     if t != 1 or qkv_in.dtype != dtype or not (z.dtype == b_in.dtype == a_in.dtype == dtype):
         return None
-    how, tiles = gated_delta_step.mixer_mode(hk, hv, dk, dv, qkv_in.shape[-1], cache.rec.dtype)
+    how, tiles = gated_delta_step.mixer_mode(hk, hv, dk, dv, qkv_in.shape[-1], cfg.linear_conv_kernel,
+                                             cache.rec.dtype)
     if how == "xla":
         return None
     weights = [_stacked(lp[name]) for name in ("conv", "A_log", "dt_bias", "norm")]

@@ -43,6 +43,8 @@
 # gdn-decode-mixer: bench_gated_delta's 16-layer model stage, resident decode (and TTFT) with the auto kernels and with
 #                  gated_deltanet_decode named (a decode token's Gated DeltaNet mixer in one launch), twice each
 #                  (issue 32's resident decode)
+# gdn-quick:       gdn-decode-mixer and gdn-model-order's main rows in one model build (3 repeats): TTFT of auto,
+#                  auto-unfused and both expert matmuls at group_m 8; decode of auto and auto+mixer-kernel
 # hybrid-compile:  the hybrid engine's compile at batch 1 with the auto kernels, with none (--kernels=xla: the grouped
 #                  matmul still jax's Mosaic kernel), and with no Mosaic kernel either (--grouped_matmul=xla): where the
 #                  40-44 s compile of a 4-layer cut goes (issue 32's compile time)
@@ -158,6 +160,11 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
       run 420 "$stage" experiments/bench_gated_delta.py --stages=model --model_deadline_s=400 \
         --model_configs=auto,auto+mixer-kernel,auto,auto+mixer-kernel --model_decode_configs=auto,auto+mixer-kernel \
         --tag="decode-mixer_${dev}_$day" ${out:+--out_dir="$out"} ;;
+    gdn-quick)
+      g=grouped_matmul_triton; f=grouped_swiglu_triton
+      run 400 "$stage" experiments/bench_gated_delta.py --stages=model --model_deadline_s=380 --repeats=3 \
+        --model_configs=auto,auto+mixer-kernel,auto-unfused,auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8 \
+        --model_decode_configs=auto,auto+mixer-kernel --tag="quick_${dev}_$day" ${out:+--out_dir="$out"} ;;
     hybrid-compile)
       for k in auto xla; do
         run 150 "$stage-$k" experiments/probe_hybrid_batch_decode.py --batches=1 --kernels="$k" --tag="compile-$k" \

@@ -539,3 +539,28 @@ def test_causal_conv_auto_for_prefill_calls_only(monkeypatch):
     assert got == [None, None, "kernel", "kernel"] and picked == [cc.AUTO_MIN_TOKENS, 8192]
     with using(KernelConfig(use="xla")):
         assert cc.maybe(jnp.zeros((1, 8192, c)), w, jnp.zeros((1, 3, c)), jnp.full((1,), 8192)) is None
+
+
+def test_the_chunk_scan_defaults_to_16_bit_operands_on_a_gpu_at_tf32_only():
+    """``gated_delta``'s tiles on a GPU at the default (TF32) precision: two pipeline stages, q, k and the scores
+    stored as float16 (``gated_delta.TF32_STAGES``, ``TF32_OPERAND_BITS``); under ``highest`` (IEEE float32 dots,
+    the kernel named) one stage of float32, as everywhere off a GPU; a tile override keeps what it names."""
+    from ftjax.layers import gated_deltanet as gdn
+    sd, f32 = jax.ShapeDtypeStruct, jnp.float32
+    shapes = (sd((1, 128, 2, 32), f32),) * 2 + (sd((1, 128, 2, 32), f32), sd((1, 128, 2), f32), sd((1, 128, 2), f32),
+                                                sd((1, 2, 32, 32), f32))
+
+    def lowered(use="auto", tiles=None, precision=None):
+        fn = lambda *a: gdn.chunked_gated_delta_rule(*a, chunk_states=False)  # noqa: E731
+        with registry.lowering_for("gpu"), registry.using(KernelConfig(use=use, tiles=tiles or {})), \
+                jax.default_matmul_precision(precision):
+            txt = _lower_cuda(fn, *shapes)
+        assert 'name = "gated_delta_chunks"' in txt  # the scan kernel runs
+        return txt
+
+    txt = lowered()
+    assert "num_stages = 2 : i32" in txt and "xf16>" in txt
+    txt = lowered(use=("gated_delta",), precision="highest")
+    assert "num_stages = 1 : i32" in txt and "xf16>" not in txt
+    txt = lowered(tiles={"gated_delta": (32, 4, 1)})
+    assert "num_stages = 2 : i32" not in txt and "xf16>" not in txt

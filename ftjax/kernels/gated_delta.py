@@ -57,8 +57,16 @@ NUM_STAGES = 1
 #: float32 inside the kernel. All three are bounded by 1 (L2-normalised q and k, decays <= 1), so float16 cannot
 #: overflow, and its 11-bit significand is a TF32 dot's own input rounding: at the default (TF32) precision the
 #: dots see the same values but for float16's subnormals (below 6.1e-5 of a bound of 1). A chunk's operands then
-#: take a third less of the per-program read, the kernel's bottleneck (128 programs at B = 1, one per SM).
+#: take a third less of the per-program read, and two pipeline stages fit shared memory. 32 wherever the dots are
+#: exact float32 (the CPU, ``default_matmul_precision("highest")``).
 OPERAND_BITS = 32
+#: The defaults on a GPU at a TF32 precision setting (where ``auto`` picks the kernel): 16-bit operands, two stages.
+#: Measured on an H100 (2026-12-06, 732bed9, ``experiments/results/gated_delta/
+#: bench_gated_delta_qwen3.5-35b-a3b_rule-bits_h100_2026-12-06.json``; qwen3.5-35b-a3b's layer, 8192 tokens): the
+#: rule with XLA's solve 4.33 ms at (32, 4, 1) float32, 4.07 at (32, 4, 1, 16), **3.78 at (32, 4, 2, 16)**, error
+#: against the float32 XLA rule 4.83e-4 in every row (XLA's own TF32 error); the 16-layer cut's resident 8192-token
+#: TTFT 0.1124 / 0.1128 -> **0.1069 s** (``..._scan-bits_h100_2026-12-06.json``).
+TF32_STAGES, TF32_OPERAND_BITS = 2, 16
 _FULL_PRECISION = ("highest", "float32", "F32_F32_F32")
 #: ``jax.default_matmul_precision`` settings under which XLA runs the reference's float32 dots as TF32 on a
 #: GPU (unset included): those the kernels' DEFAULT dots match, and the only ones ``auto`` picks them at.
@@ -165,8 +173,10 @@ def maybe(s0, u, w, q, k, a, d, chunk: int, chunk_states: bool):
     Returns (o [B, H, N, C, dv], final state [B, H, dk, dv], the chunk states [N, B, H, dk, dv] or None)."""
     b, h, n, c, dk = w.shape
     dv = u.shape[-1]
-    tiles = registry.tiles("gated_delta", {"block_v": BLOCK_V, "num_warps": NUM_WARPS, "num_stages": NUM_STAGES,
-                                           "operand_bits": OPERAND_BITS})
+    tf32 = registry.backend() == "gpu" and dot_precision() == lax.Precision.DEFAULT
+    tiles = registry.tiles("gated_delta", {"block_v": BLOCK_V, "num_warps": NUM_WARPS,
+                                           "num_stages": TF32_STAGES if tf32 else NUM_STAGES,
+                                           "operand_bits": TF32_OPERAND_BITS if tf32 else OPERAND_BITS})
     # auto only at the TF32 precision it was measured faster at: with IEEE float32 dots (the float32 oracle
     # runs) the Triton kernel took 50 ms per layer against XLA's 7 (H200, 2026-12-04)
     how = registry.mode("gated_delta", supported(dk, dv, c, tiles["block_v"], tiles["num_stages"],
@@ -198,7 +208,8 @@ registry.register(registry.Kernel(
     "gated_delta", "ftjax.layers.gated_deltanet.chunked_gated_delta_rule",
     "Gated DeltaNet prefill (T > 1): the scan over chunks of the chunked gated delta rule, power-of-two dk and "
     "chunk, dv a multiple of the column block min(block_v, dv) (a power of two >= 16), one chunk's operands "
-    "within SMEM_BUDGET; auto: GPU at a TF32 matmul precision setting (the default)",
+    "within SMEM_BUDGET; auto: GPU at a TF32 matmul precision setting (the default), there with 16-bit q, k and "
+    "scores and two stages (TF32_STAGES, TF32_OPERAND_BITS)",
     tiles=_tiles))
 
 

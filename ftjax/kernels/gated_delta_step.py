@@ -18,9 +18,13 @@ reused. Columns of S are independent (the update is linear in each column), so s
 Every op is elementwise or a reduction over dk (no dot): float32 throughout, the reference's order of
 operations, only the reductions' summation order may differ.
 
-Generic Pallas primitives: interpreted on the CPU (the tests), lowered through Triton on a GPU. Not yet
-measured on a GPU (``experiments/bench_gated_delta.py --stages=decode``), so ``auto`` does not pick it:
-named only.
+Generic Pallas primitives: interpreted on the CPU (the tests), lowered through Triton on a GPU. Measured
+(``experiments/bench_gated_delta.py --stages=decode``, docs/HYBRID.md) barely faster than XLA's, so ``auto`` does
+not pick it: named only. Neither does it pick ``gated_deltanet_decode`` below, the whole mixer of a decode token
+in one launch: on an H100 (2026-12-06, 732bed9, ``experiments/results/gated_delta/
+bench_gated_delta_qwen3.5-35b-a3b_quick_h100_2026-12-06.json``) the 16-layer qwen3.5-35b-a3b cut decoded 367.5
+tok/s with it against 364.9 without (one run each, within noise): with XLA's command buffers on, the mixer's
+small kernels were not what the step waits on.
 """
 
 from __future__ import annotations
@@ -255,5 +259,6 @@ registry.register(registry.Kernel(
     "gated_deltanet_decode", "ftjax.layers.gated_deltanet.mixer (T = 1)",
     "Gated DeltaNet decode (T = 1): the mixer between its projections in one launch (conv and its state, gates, "
     "q / k norms, the recurrent step with the float32 state updated in place in the stacked cache, the gated "
-    "output norm); power-of-two dk and dv; auto: not picked (named only): not yet measured on a GPU",
+    "output norm); power-of-two dk and dv, K >= 2; auto: not picked (named only): measured no faster on an H100 "
+    "(16-layer qwen3.5 decode 367.5 vs 364.9 tok/s, one run each)",
     auto=False, tiles=_warps))

@@ -107,11 +107,8 @@ def test_chunked_form_memory_grows_linearly_in_t(dtype, chunk_states):
     assert small <= 12 * t * per_token, (small, t * per_token)
 
 
-@pytest.mark.parametrize("chunk_states", [True, False])
-def test_the_chunk_scan_kernel_matches_the_scan(chunk_states):
-    """Both ``ftjax.kernels.gated_delta`` kernels interpreted (two column blocks of S per head, three chunks, the last
-    one padded) against the reference's ``lax.scan`` over chunks: outputs, final and per-chunk states."""
-    from ftjax.kernels.registry import KernelConfig, recording, using
+def _scan_kernel_inputs():
+    """(q, k, v, g, beta, s0) of one row, 40 tokens (three chunks of 16, the last padded), 2 heads, dk 16, dv 32."""
     r = np.random.default_rng(1)
     t, dk, dv = 40, 16, 32
     q = gdn.l2_normalize(jnp.asarray(r.normal(size=(1, t, 2, dk)), jnp.float32))
@@ -120,7 +117,16 @@ def test_the_chunk_scan_kernel_matches_the_scan(chunk_states):
     g = -jnp.asarray(r.uniform(0.0, 0.3, size=(1, t, 2)), jnp.float32)
     beta = jnp.asarray(r.uniform(size=(1, t, 2)), jnp.float32)
     s0 = jnp.asarray(r.normal(size=(1, 2, dk, dv)), jnp.float32)
-    args = (q, k, v, g, beta, s0)
+    return q, k, v, g, beta, s0
+
+
+@pytest.mark.parametrize("chunk_states", [True, False])
+def test_the_chunk_scan_kernel_matches_the_scan(chunk_states):
+    """Both ``ftjax.kernels.gated_delta`` kernels interpreted (two column blocks of S per head, three chunks, the last
+    one padded) against the reference's ``lax.scan`` over chunks: outputs, final and per-chunk states."""
+    from ftjax.kernels.registry import KernelConfig, recording, using
+    args = _scan_kernel_inputs()
+    dk, dv = args[0].shape[-1], args[2].shape[-1]
     want = gdn.chunked_gated_delta_rule(*args, chunk=16, chunk_states=chunk_states)
     with using(KernelConfig(use="interpret", tiles={"gated_delta": (16,)})), recording() as ran:
         got = gdn.chunked_gated_delta_rule(*args, chunk=16, chunk_states=chunk_states)
@@ -139,17 +145,10 @@ def test_the_scan_kernel_with_16_bit_operands_rounds_as_a_tf32_dot_would():
     overflow). Interpreted, the dots are exact float32, so what is left is float16's rounding of the three (2^-11
     relative, a TF32 dot's own input rounding): within 1e-3 of the float32 scan, and clearly not bit-equal to it."""
     from ftjax.kernels.registry import KernelConfig, using
-    r = np.random.default_rng(1)
-    t, dk, dv = 40, 16, 32
-    q = gdn.l2_normalize(jnp.asarray(r.normal(size=(1, t, 2, dk)), jnp.float32))
-    k = gdn.l2_normalize(jnp.asarray(r.normal(size=(1, t, 2, dk)), jnp.float32))
-    v = jnp.asarray(r.normal(size=(1, t, 2, dv)), jnp.float32)
-    g = -jnp.asarray(r.uniform(0.0, 0.3, size=(1, t, 2)), jnp.float32)
-    beta = jnp.asarray(r.uniform(size=(1, t, 2)), jnp.float32)
-    s0 = jnp.asarray(r.normal(size=(1, 2, dk, dv)), jnp.float32)
-    want = gdn.chunked_gated_delta_rule(q, k, v, g, beta, s0, chunk=16)
+    args = _scan_kernel_inputs()
+    want = gdn.chunked_gated_delta_rule(*args, chunk=16)
     with using(KernelConfig(use="interpret", tiles={"gated_delta": (16, 4, 2, 16)})):
-        got = gdn.chunked_gated_delta_rule(q, k, v, g, beta, s0, chunk=16)
+        got = gdn.chunked_gated_delta_rule(*args, chunk=16)
     for x, y in zip(got, want):
         err = float(jnp.max(jnp.abs(x - y)) / jnp.max(jnp.abs(y)))
         assert 1e-6 < err < 1e-3, err

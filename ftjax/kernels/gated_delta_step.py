@@ -55,16 +55,19 @@ def supported(key_heads: int, value_heads: int, dk: int, dv: int, block_v: int =
         and key_heads >= 1 and value_heads % key_heads == 0
 
 
+def _l2norm(x, eps):
+    """``ftjax.layers.gated_deltanet.l2_normalize`` of one head's vector inside a kernel: x * rsqrt(sum(x^2) + eps),
+    float32."""
+    x = x.astype(jnp.float32)
+    return x * lax.rsqrt(jnp.sum(x * x) + eps)
+
+
 def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_in, o_ref, s_ref, *, rep, bv, scale, eps):
     b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     cols = pl.ds(j * bv, bv)
 
-    def l2norm(x):  # l2_normalize: x * rsqrt(sum(x^2) + eps), float32
-        x = x.astype(jnp.float32)
-        return x * lax.rsqrt(jnp.sum(x * x) + eps)
-
-    q = l2norm(q_ref[b, h // rep, :]) * scale  # [dk]
-    k = l2norm(k_ref[b, h // rep, :])[:, None]  # [dk, 1]
+    q = _l2norm(q_ref[b, h // rep, :], eps) * scale  # [dk]
+    k = _l2norm(k_ref[b, h // rep, :], eps)[:, None]  # [dk, 1]
     s = s_in[b, h, :, cols] * jnp.exp(g_ref[b, h].astype(jnp.float32))  # [dk, bv]
     delta = (v_ref[b, h, cols].astype(jnp.float32) - jnp.sum(s * k, axis=0)) * beta_ref[b, h].astype(jnp.float32)
     s = s + k * delta[None, :]
@@ -125,7 +128,8 @@ registry.register(registry.Kernel(
     "gated_delta_step", "ftjax.layers.gated_deltanet.gated_delta_decode",
     "Gated DeltaNet decode (T = 1): one token's gated delta rule with the q / k L2 norms and head grouping, "
     "the float32 state updated in place; power-of-two dk, dv a multiple of the column block min(block_v, dv) "
-    "(a power of two >= 16); auto: not picked (named only): not yet measured on a GPU",
+    "(a power of two >= 16); auto: not picked (named only): measured barely faster than XLA's (H200, 2026-12-04: "
+    "21.4 vs 23.9 us a chained step, docs/HYBRID.md)",
     auto=False, tiles=common.block_and_warps("gated_delta_step", "block_v", NUM_WARPS)))
 
 
@@ -173,12 +177,8 @@ def _mixer_kernel(layers_ref, vlen_ref, qkv_ref, z_ref, b_ref, a_ref, conv_ref, 
     k = conv(hk * dk + kh * dk, dk, owns_key)
     v = conv(2 * hk * dk + h * dv, dv, True)
 
-    def l2norm(x):
-        x = f32(x)
-        return x * lax.rsqrt(jnp.sum(x * x) + l2_eps)
-
-    q = l2norm(q) * scale
-    k = l2norm(k)[:, None]  # [dk, 1]
+    q = _l2norm(q, l2_eps) * scale
+    k = _l2norm(k, l2_eps)[:, None]  # [dk, 1]
     b_in = b_ref[bi, h]
     # sigmoid in float32 rounded to b's dtype (the mixer's dtype; Triton has no bf16 division)
     beta = jnp.where(live, f32(jax.nn.sigmoid(f32(b_in)).astype(b_in.dtype)), 0.0)

@@ -40,11 +40,9 @@
 # gdn-rule-bits:   bench_gated_delta's rule stage: the scan kernel with float32 operands (the default) and with 16-bit
 #                  q, k and scores (gated_delta.OPERAND_BITS) at one and two pipeline stages, then the solve kernel's
 #                  diagonal blocks of 8 and 16 rows (issue 32's Gated DeltaNet prefill)
-# gdn-decode-mixer: bench_gated_delta's 16-layer model stage, resident decode (and TTFT) with the auto kernels and with
-#                  gated_deltanet_decode named (a decode token's Gated DeltaNet mixer in one launch), twice each
-#                  (issue 32's resident decode)
-# gdn-quick:       gdn-decode-mixer and gdn-model-order's main rows in one model build (3 repeats): TTFT of auto,
-#                  auto-unfused and both expert matmuls at group_m 8; decode of auto and auto+mixer-kernel
+# gdn-quick:       gdn-model-order's main rows in one model build (3 repeats): TTFT of auto, auto-unfused and both
+#                  expert matmuls at group_m 8; resident decode of auto and auto+mixer-kernel (gated_deltanet_decode
+#                  named: a decode token's Gated DeltaNet mixer in one launch)
 # hybrid-compile:  the hybrid engine's compile at batch 1 with the auto kernels, with none (--kernels=xla: the grouped
 #                  matmul still jax's Mosaic kernel), and with no Mosaic kernel either (--grouped_matmul=xla): where the
 #                  40-44 s compile of a 4-layer cut goes (issue 32's compile time)
@@ -156,10 +154,6 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
       run 300 "$stage" experiments/bench_gated_delta.py --stages=rule --model_layers=0 \
         --tiles=32:4:1,32:4:1:16,32:4:2:16,32:8:2:16,64:8:2:16,16:4:2:16 --solve_blocks=8,16 \
         --tag="rule-bits_${dev}_$day" ${out:+--out_dir="$out"} ;;
-    gdn-decode-mixer)
-      run 420 "$stage" experiments/bench_gated_delta.py --stages=model --model_deadline_s=400 \
-        --model_configs=auto,auto+mixer-kernel,auto,auto+mixer-kernel --model_decode_configs=auto,auto+mixer-kernel \
-        --tag="decode-mixer_${dev}_$day" ${out:+--out_dir="$out"} ;;
     gdn-quick)
       g=grouped_matmul_triton; f=grouped_swiglu_triton
       run 400 "$stage" experiments/bench_gated_delta.py --stages=model --model_deadline_s=380 --repeats=3 \

@@ -114,7 +114,7 @@ def test_program_order_covers_every_tile_once():
     bits as the two-axis grid's, for the matmul and the fused gate-up alike."""
     for num_tiles, num_cols, group_m in ((7, 3, 2), (8, 4, 4), (5, 2, 8), (6, 1, 1)):
         pids = jnp.arange(num_tiles * num_cols)
-        t, j = jax.vmap(lambda p: pl_program_tile(p, num_tiles, num_cols, group_m))(pids)
+        t, j = jax.vmap(lambda p: _program_tile_at(p, num_tiles, num_cols, group_m))(pids)
         pairs = sorted(zip(np.asarray(t).tolist(), np.asarray(j).tolist()))
         assert pairs == [(a, b) for a in range(num_tiles) for b in range(num_cols)]
         if group_m < num_tiles:  # the first band walks its group_m row tiles before the next column
@@ -127,7 +127,7 @@ def test_program_order_covers_every_tile_once():
         np.testing.assert_array_equal(np.asarray(got), ref)
 
 
-def pl_program_tile(pid, num_tiles, num_cols, group_m):
+def _program_tile_at(pid, num_tiles, num_cols, group_m):
     """:func:`gt.program_tile` at program id ``pid`` (program_id patched to it, outside a kernel)."""
     from unittest import mock
     with mock.patch.object(gt.pl, "program_id", lambda axis: pid):

@@ -547,8 +547,7 @@ def test_the_chunk_scan_defaults_to_16_bit_operands_on_a_gpu_at_tf32_only():
     the kernel named) one stage of float32, as everywhere off a GPU; a tile override keeps what it names."""
     from ftjax.layers import gated_deltanet as gdn
     sd, f32 = jax.ShapeDtypeStruct, jnp.float32
-    shapes = (sd((1, 128, 2, 32), f32),) * 2 + (sd((1, 128, 2, 32), f32), sd((1, 128, 2), f32), sd((1, 128, 2), f32),
-                                                sd((1, 2, 32, 32), f32))
+    shapes = (sd((1, 128, 2, 32), f32),) * 3 + (sd((1, 128, 2), f32),) * 2 + (sd((1, 2, 32, 32), f32),)
 
     def lowered(use="auto", tiles=None, precision=None):
         fn = lambda *a: gdn.chunked_gated_delta_rule(*a, chunk_states=False)  # noqa: E731

@@ -69,8 +69,9 @@ flags.DEFINE_integer("key_heads", None, "Override the key heads (smoke runs).", 
 flags.DEFINE_list("tiles", ["32:4:1", "32:2:1", "16:4:1"],
                   "Kernel tiles to time, block_v:num_warps:num_stages[:operand_bits] (16: q, k and the scores stored "
                   "as float16, gated_delta.OPERAND_BITS).")
-flags.DEFINE_list("solve_blocks", ["64", "32", "16"], "Diagonal blocks of the solve kernel to time "
-                  "(``gated_delta_solve`` tiles; 64 = the whole chunk row by row).")
+flags.DEFINE_list("solve_blocks", ["64", "32", "16"], "Solve kernel tiles to time, block[:num_warps[:form]] "
+                  "(``gated_delta_solve`` tiles: diagonal blocks, 64 = the whole chunk row by row; form 0 masked, "
+                  "1 blocked: ftjax.kernels.gated_delta.SOLVE_FORM).")
 flags.DEFINE_list("stages", ["rule", "pieces", "layer", "conv", "decode", "model"],
                   "Stages to run (rule picks the tiles of the others).")
 flags.DEFINE_list("conv_tiles", ["64:128:4", "32:256:4", "128:64:4"],
@@ -144,14 +145,14 @@ def _rule_inputs(cfg, t: int):
     return q, k, f(1, t, h, dv), g, beta, 0.1 * f(1, h, dk, dv)
 
 
-def _kernels(tiles: tuple[int, ...], solve: int | None = None):
-    """The scan kernel at ``tiles`` (with ``solve``: and the chunk-solve kernel at that block), every other op
+def _kernels(tiles: tuple[int, ...], solve: tuple[int, ...] | None = None):
+    """The scan kernel at ``tiles`` (with ``solve``: and the chunk-solve kernel at those tiles), every other op
     in XLA."""
     from ftjax.kernels.registry import KernelConfig
     if solve is None:
         return KernelConfig(use=("gated_delta",), tiles={"gated_delta": tiles})
     return KernelConfig(use=("gated_delta", "gated_delta_solve"),
-                        tiles={"gated_delta": tiles, "gated_delta_solve": (solve,)})
+                        tiles={"gated_delta": tiles, "gated_delta_solve": tuple(solve)})
 
 
 def stage_rule(cfg, out: dict) -> None:
@@ -205,17 +206,17 @@ def stage_rule(cfg, out: dict) -> None:
         name = "kernel " + ":".join(map(str, best[0]))
         row(name, _kernels(best[0]), True)
         best_solve = None
-        for block in map(int, FLAGS.solve_blocks):
+        for entry in FLAGS.solve_blocks:
             try:
-                r = row(f"solve{block}+{name}", _kernels(best[0], block), False)
+                r = row(f"solve{entry}+{name}", _kernels(best[0], _tiles(entry)), False)
             except Exception as e:  # a block the Triton compile refuses: record it, go on
-                rows.append({"variant": f"solve{block}+{name}", "error": f"{type(e).__name__}: {str(e)[:400]}"})
+                rows.append({"variant": f"solve{entry}+{name}", "error": f"{type(e).__name__}: {str(e)[:400]}"})
                 continue
             if best_solve is None or r["s"]["median"] < best_solve[1]:
-                best_solve = (block, r["s"]["median"])
+                best_solve = (entry, r["s"]["median"])
         if best_solve is not None:
             out["best_solve_block"] = best_solve[0]
-            row(f"solve{best_solve[0]}+{name}", _kernels(best[0], best_solve[0]), True)
+            row(f"solve{best_solve[0]}+{name}", _kernels(best[0], _tiles(best_solve[0])), True)
         row("xla", xla, False, highest=True)
         row(name, _kernels(best[0]), False, highest=True)
 
@@ -334,7 +335,7 @@ def stage_layer(cfg, out: dict) -> None:
             choices.append((name, _kernels(tuple(out["best_tiles"]))))
             if "best_solve_block" in out:
                 block = out["best_solve_block"]
-                choices.append((f"solve{block}+{name}", _kernels(tuple(out["best_tiles"]), block)))
+                choices.append((f"solve{block}+{name}", _kernels(tuple(out["best_tiles"]), _tiles(str(block)))))
         if t == 1:
             choices.append(("causal_conv+gated_delta_step", KernelConfig(use=("causal_conv", "gated_delta_step"))))
         for name, kc in choices:

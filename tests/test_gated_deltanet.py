@@ -154,11 +154,12 @@ def test_the_scan_kernel_with_16_bit_operands_rounds_as_a_tf32_dot_would():
         assert 1e-6 < err < 1e-3, err
 
 
-@pytest.mark.parametrize("block", [8, 16, 32, 64])
-def test_the_chunk_solve_kernel_matches_the_triangular_solve(block):
-    """``gated_delta_solve`` interpreted (forward substitution over diagonal blocks of ``block`` rows, the
-    blocks merged by dots; 64: row by row) against ``chunk_solve``'s XLA form (batched triangular solve),
-    on chunks of 64 whose decay spans several orders of magnitude."""
+@pytest.mark.parametrize("block,form", [(8, 0), (16, 0), (32, 0), (64, 0), (16, 1), (32, 1)])
+def test_the_chunk_solve_kernel_matches_the_triangular_solve(block, form):
+    """``gated_delta_solve`` interpreted against ``chunk_solve``'s XLA form (batched triangular solve), on
+    chunks of 64 whose decay spans several orders of magnitude: the masked form (forward substitution over
+    diagonal blocks of ``block`` rows, the blocks merged by dots; 64: row by row) and the blocked form (the
+    chunk as row blocks, solved block by block)."""
     from ftjax.kernels.registry import KernelConfig, recording, using
     r = np.random.default_rng(2)
     lead, c_len, dk, dv = (1, 2, 2), 64, 16, 32
@@ -168,7 +169,7 @@ def test_the_chunk_solve_kernel_matches_the_triangular_solve(block):
     beta = jnp.asarray(r.uniform(size=(*lead, c_len)), jnp.float32)
     c = jnp.cumsum(-jnp.asarray(r.uniform(0.0, 0.2, size=(*lead, c_len)), jnp.float32), axis=-1)
     want = gdn.chunk_solve(q, k, v, beta, c)
-    with using(KernelConfig(use="interpret", tiles={"gated_delta_solve": (block,)})), recording() as ran:
+    with using(KernelConfig(use="interpret", tiles={"gated_delta_solve": (block, 4, form)})), recording() as ran:
         got = gdn.chunk_solve(q, k, v, beta, c)
     assert "gated_delta_solve" in ran
     for x, y in zip(got, want):
@@ -200,11 +201,13 @@ def test_the_scan_kernel_takes_the_precision_and_shapes_it_was_measured_at():
             KernelConfig(tiles={"gated_delta": bad})
 
 
-@pytest.mark.parametrize("chunk,block", [(48, 16), (40, 16), (80, 16)])
-def test_the_solve_kernel_merges_any_number_of_diagonal_blocks(chunk, block):
+@pytest.mark.parametrize("chunk,block,form", [(48, 16, 0), (40, 16, 0), (80, 16, 0), (48, 16, 1), (80, 16, 1),
+                                              (40, 16, 1)])
+def test_the_solve_kernel_merges_any_number_of_diagonal_blocks(chunk, block, form):
     """``solve_chunks`` called directly with a chunk that is not a power-of-two number of ``block``-row
     blocks (3, 3 with a short last one, 5): the block merge needs ceil(log2(blocks)) factors; with
-    log2 rounded down it dropped the products that reach the last block (silently wrong rows)."""
+    log2 rounded down it dropped the products that reach the last block (silently wrong rows). The blocked form
+    solves 3 and 5 blocks row block by row block, and falls back to the masked form for the short last block."""
     from ftjax.kernels import gated_delta as gd
     r = np.random.default_rng(4)
     lead, dk, dv = (1, 2, 2), 16, 16
@@ -215,7 +218,8 @@ def test_the_solve_kernel_merges_any_number_of_diagonal_blocks(chunk, block):
     c = jnp.cumsum(-jnp.asarray(r.uniform(0.0, 0.05, size=(*lead, chunk)), jnp.float32), axis=-1)
     want = gdn.chunk_solve(q, k, v, beta, c)  # XLA's triangular solve (no power-of-two chunk: never the kernel)
     flat = lambda x: x.reshape(-1, lead[-1] * chunk, *x.shape[4:])  # noqa: E731
-    got = gd.solve_chunks(*(flat(a) for a in (q, k, v, beta, c)), chunk=chunk, block=block, interpret=True)
+    got = gd.solve_chunks(*(flat(a) for a in (q, k, v, beta, c)), chunk=chunk, block=block, interpret=True,
+                          form=form)
     for x, y in zip(got, want):
         np.testing.assert_allclose(x.reshape(y.shape), y, rtol=1e-5, atol=1e-5)
 

@@ -332,8 +332,10 @@ def test_kernels_lower_for_cuda_at_real_shapes():
                           sd((g, 128, 128), f32), *(sd((g, nc, 128), f32),) * 4, sd((g, nc, c), f32),
                           sd((g, nc // c), f32))
         assert txt.count("__gpu$xla.gpu.triton") == 1 and f"num_stages = {stages} : i32" in txt
-    for block in (16, 64):  # diagonal blocks merged by three-pass TF32 dots; the whole chunk row by row
-        txt = _lower_cuda(lambda *a, b=block: gd.solve_chunks(*a, chunk=c, block=b), *(sd((g, nc, 128), f32),) * 3,
+    # masked: diagonal blocks merged by three-pass TF32 dots, the whole chunk row by row; blocked: row blocks of 16, 32
+    for block, form in ((16, gd.MASKED), (64, gd.MASKED), (16, gd.BLOCKED), (32, gd.BLOCKED)):
+        txt = _lower_cuda(lambda *a, b=block, f=form: gd.solve_chunks(*a, chunk=c, block=b, form=f),
+                          *(sd((g, nc, 128), f32),) * 3,
                           sd((g, nc), f32), sd((g, nc), f32))
         assert txt.count("__gpu$xla.gpu.triton") == 1
 

@@ -248,12 +248,30 @@ def _unit_lower_inverse(lower, i, j, block: int, exact):
     return exact(x, d_inv)
 
 
+#: The solve kernel's forms (``KernelConfig.tiles``: ``gated_delta_solve=(block, num_warps, form)``).
+#: ``MASKED``: the whole chunk's matrices in registers, the diagonal blocks inverted by ``block`` - 1 masked
+#: [C, C] x [C, C] dots and merged by products (any chunk; 19 three-pass TF32 dots of 64^3 a chunk at 16).
+#: ``BLOCKED``: the chunk read as C / ``block`` row blocks, each diagonal block inverted by exact float32 row
+#: updates on its own [block, block] tile and the blocks below the diagonal solved block by block
+#: (flash-linear-attention's ``solve_tril``): the same inverse from [block, block] dots, C / ``block`` times
+#: fewer of them and each (C / ``block``)^2 times smaller (chunk a multiple of ``block``).
+MASKED, BLOCKED = 0, 1
+SOLVE_FORM = BLOCKED
+
+
 def solve_supported(dk: int, dv: int, chunk: int, block: int = SOLVE_BLOCK) -> bool:
     """Shapes the solve kernel takes: chunk, dk and dv powers of two >= 16, one chunk's q, k, v and scores
-    (float32) within :data:`SMEM_BUDGET`, and ``block`` at least the chunk or dividing it."""
+    (float32) within :data:`SMEM_BUDGET`, and ``block`` at least the chunk or dividing it (either form:
+    :func:`solve_chunks` runs :data:`BLOCKED` where it can, else :data:`MASKED`)."""
     smem = 4 * chunk * (2 * dk + dv + chunk)
     return all(common.pow2(x) and x >= 16 for x in (chunk, dk, dv)) and smem <= SMEM_BUDGET \
         and (block >= chunk or chunk % block == 0)
+
+
+def _decay(c_i, c_j, lower):
+    """exp(c_i - c_j) [len(c_i), len(c_j)], 0 where ``lower`` is False (as the reference: the exponent is -inf
+    there, never overflowed)."""
+    return jnp.exp(jnp.where(lower, c_i[:, None] - c_j[None, :], -jnp.inf))
 
 
 def _solve_kernel(q_ref, k_ref, v_ref, beta_ref, c_ref, u_ref, w_ref, a_ref, *, chunk, block, precision,
@@ -264,7 +282,7 @@ def _solve_kernel(q_ref, k_ref, v_ref, beta_ref, c_ref, u_ref, w_ref, a_ref, *, 
     beta, c = beta_ref[g, rows], c_ref[g, rows]  # [C]
     i = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
     j = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
-    decay = jnp.exp(jnp.where(j <= i, c[:, None] - c[None, :], -jnp.inf))  # as the reference: 0 above the diagonal
+    decay = _decay(c, c, j <= i)
     dot = functools.partial(_dot, precision=precision)
 
     k_beta = k * beta[:, None]
@@ -275,29 +293,91 @@ def _solve_kernel(q_ref, k_ref, v_ref, beta_ref, c_ref, u_ref, w_ref, a_ref, *, 
     a_ref[g, rows, :] = dot(q_ref[g, rows, :], k, contract=((1,), (1,))) * decay
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "block", "interpret", "num_warps", "num_stages", "precision"))
+def _solve_kernel_blocked(q_ref, k_ref, v_ref, beta_ref, c_ref, u_ref, w_ref, a_ref, *, chunk, block, precision,
+                          exact_precision):
+    """:data:`BLOCKED`: X = (I + L)^-1 block by block. Block row r of (I + L) X = I gives
+    X_rr = D_r^-1 and X_rj = -D_r^-1 sum_{j <= m < r} L_rm X_mj (D_r = I + L_rr), so every dot is
+    [block, block] x [block, block] (exact) or [block, block] x [block, d] (the outputs)."""
+    g, n = pl.program_id(0), pl.program_id(1)
+    nb = chunk // block
+    dot = functools.partial(_dot, precision=precision)
+    exact = functools.partial(_dot, precision=exact_precision)
+    part = lambda r: pl.ds(n * chunk + r * block, block)  # noqa: E731 - row block r of the chunk
+    i = lax.broadcasted_iota(jnp.int32, (block, block), 0)
+    j = lax.broadcasted_iota(jnp.int32, (block, block), 1)
+    k = [k_ref[g, part(r), :] for r in range(nb)]
+    beta = [beta_ref[g, part(r)] for r in range(nb)]
+    c = [c_ref[g, part(r)] for r in range(nb)]
+    k_beta = [k[r] * beta[r][:, None] for r in range(nb)]
+    full = i >= 0
+    # L_rm for m <= r (strictly lower on the diagonal)
+    low = {}
+    for r in range(nb):
+        for m in range(r + 1):
+            scores = dot(k_beta[r], k[m], contract=((1,), (1,))) * _decay(c[r], c[m], j <= i if m == r else full)
+            low[r, m] = jnp.where(j < i, scores, 0.0) if m == r else scores
+    eye = jnp.where(i == j, 1.0, 0.0)
+
+    def row(s, invs):  # row s of every D_r^-1: e_s - sum_{t<s} L_rr[s, t] inv[t] (rows above s are final)
+        out = []
+        for r, inv in enumerate(invs):
+            l_s = jnp.sum(jnp.where(i == s, low[r, r], 0.0), axis=0)  # [block]: row s of L_rr, as a column vector
+            out.append(jnp.where(i == s, inv - jnp.sum(l_s[:, None] * inv, axis=0)[None, :], inv))
+        return tuple(out)
+
+    d_inv = lax.fori_loop(1, block, row, (eye,) * nb)
+    x = {(r, r): d_inv[r] for r in range(nb)}
+    for r in range(1, nb):
+        for m0 in range(r):
+            acc = exact(low[r, m0], x[m0, m0])
+            for m in range(m0 + 1, r):
+                acc = acc + exact(low[r, m], x[m, m0])
+            x[r, m0] = -exact(d_inv[r], acc)
+    v_beta = [v_ref[g, part(r), :] * beta[r][:, None] for r in range(nb)]
+    k_exp = [k_beta[r] * jnp.exp(c[r])[:, None] for r in range(nb)]
+    for r in range(nb):
+        u, w = dot(x[r, 0], v_beta[0]), dot(x[r, 0], k_exp[0])
+        for m in range(1, r + 1):
+            u, w = u + dot(x[r, m], v_beta[m]), w + dot(x[r, m], k_exp[m])
+        u_ref[g, part(r), :] = u
+        w_ref[g, part(r), :] = w
+    rows = pl.ds(n * chunk, chunk)
+    ci = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
+    cj = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
+    c_all = c_ref[g, rows]
+    scores = dot(q_ref[g, rows, :], k_ref[g, rows, :], contract=((1,), (1,)))
+    a_ref[g, rows, :] = scores * _decay(c_all, c_all, cj <= ci)
+
+
+@functools.partial(jax.jit, static_argnames=("chunk", "block", "interpret", "num_warps", "num_stages", "precision",
+                                             "form"))
 def solve_chunks(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, c: jax.Array, *, chunk: int,
                  block: int = SOLVE_BLOCK, interpret: bool = False, num_warps: int | None = NUM_WARPS,
-                 num_stages: int | None = NUM_STAGES, precision: lax.Precision = lax.Precision.DEFAULT):
+                 num_stages: int | None = NUM_STAGES, precision: lax.Precision = lax.Precision.DEFAULT,
+                 form: int = SOLVE_FORM):
     """``ftjax.layers.gated_deltanet.chunk_solve`` with one program per (state, chunk): the chunk's unit
-    lower-triangular matrix I + L is inverted in registers (:func:`_unit_lower_inverse`: forward
-    substitution over diagonal blocks of ``block`` rows, then the blocks merged by dots; the reference
-    runs XLA's batched triangular solve), then multiplied into both right-hand sides.
+    lower-triangular matrix I + L is inverted in registers (:data:`MASKED`: :func:`_unit_lower_inverse`,
+    forward substitution over diagonal blocks of ``block`` rows, then the blocks merged by dots;
+    :data:`BLOCKED`: block by block; the reference runs XLA's batched triangular solve), then multiplied into
+    both right-hand sides.
 
     q (scaled), k: float32 [G, N*C, dk]; v: [G, N*C, dv]; beta, c: [G, N*C] (C = ``chunk``). Returns
     (u [G, N*C, dv], w [G, N*C, dk], the intra-chunk scores [G, N*C, C]), float32. The inverse's own dots
     run as three TF32 passes on a GPU at the default precision (near float32: its errors compound over
-    the steps), IEEE float32 otherwise; the others at ``precision``.
+    the steps), IEEE float32 otherwise; the others at ``precision``. ``form`` :data:`BLOCKED` falls back to
+    :data:`MASKED` where ``block`` does not split the chunk into blocks of 16 rows or more.
     """
     g, nc, dk = k.shape
     dv = v.shape[-1]
     n = nc // chunk
+    block = min(block, chunk)
     exact = lax.Precision.HIGHEST if interpret or precision != lax.Precision.DEFAULT \
         else lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    blocked = form == BLOCKED and chunk % block == 0 and 16 <= block < chunk
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
     return pl.pallas_call(
-        functools.partial(_solve_kernel, chunk=chunk, block=min(block, chunk), precision=precision,
-                          exact_precision=exact),
+        functools.partial(_solve_kernel_blocked if blocked else _solve_kernel, chunk=chunk, block=block,
+                          precision=precision, exact_precision=exact),
         out_shape=(f32(g, nc, dv), f32(g, nc, dk), f32(g, nc, chunk)), grid=(g, n), interpret=interpret,
         compiler_params=common.triton_params(interpret, num_warps, num_stages), name="gated_delta_solve",
     )(q, k, v, beta, c)
@@ -309,7 +389,7 @@ def maybe_solve(q, k, v, beta, c):
     the reference returns them."""
     *lead, c_len, dk = k.shape
     dv = v.shape[-1]
-    tiles = registry.tiles("gated_delta_solve", {"block": SOLVE_BLOCK, "num_warps": NUM_WARPS})
+    tiles = registry.tiles("gated_delta_solve", {"block": SOLVE_BLOCK, "num_warps": NUM_WARPS, "form": SOLVE_FORM})
     # auto at the TF32 settings only, as the scan kernel (the float32 oracle runs keep XLA's solve)
     how = registry.mode("gated_delta_solve", k.ndim == 5 and solve_supported(dk, dv, c_len, tiles["block"]),
                         auto=tf32_setting())
@@ -321,10 +401,20 @@ def maybe_solve(q, k, v, beta, c):
     return u.reshape(*lead, c_len, dv), w.reshape(*lead, c_len, dk), a.reshape(*lead, c_len, c_len)
 
 
+def _solve_tiles(vals: tuple[int, ...]) -> dict:
+    block, *rest = common.tile_values("gated_delta_solve", vals, (1, 2, 3), "(block[, num_warps[, form]])")
+    if not (common.pow2(block) and block >= 8) or (rest and not common.pow2(rest[0])) \
+            or (len(rest) > 1 and rest[1] not in (MASKED, BLOCKED)):
+        raise ValueError(f"tiles of kernel 'gated_delta_solve': block must be a power of two >= 8, num_warps a power "
+                         f"of two and form {MASKED} (masked) or {BLOCKED} (blocked), got {vals}")
+    return {"block": block, "num_warps": rest[0] if rest else NUM_WARPS,
+            "form": rest[1] if len(rest) > 1 else SOLVE_FORM}
+
+
 registry.register(registry.Kernel(
     "gated_delta_solve", "ftjax.layers.gated_deltanet.chunk_solve",
     "Gated DeltaNet prefill (T > 1): each chunk's WY / UT transform (inverse of its unit lower-triangular "
     "matrix, both right-hand sides, intra-chunk scores), power-of-two chunk, dk and dv within SMEM_BUDGET; "
     "auto: GPU at a TF32 matmul precision setting (the default): the rule 1.44x faster than with the scan "
     "kernel alone on the H200, its TF32 error 6.3e-4 against 4.8e-4",
-    tiles=common.block_and_warps("gated_delta_solve", "block", NUM_WARPS, minimum=8)))
+    tiles=_solve_tiles))

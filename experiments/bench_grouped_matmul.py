@@ -27,7 +27,9 @@ Every row is the median (and spread) of --repeats calls of one jitted function a
   ``grouped_matmul_triton.GROUP_M``), ``err`` against the Mosaic GPU kernel at its default tiles
   (``grouped_matmul.mgpu_tiles``); a refused config is recorded with its error. At the same configs, the gate-up
   matmul with its token gather and SwiGLU: as a jitted chain of the three (``gate_up+swiglu chain``) and fused
-  in one kernel (``gate_up+swiglu fused``, ``grouped_swiglu_triton``), err against the chain. GPU only.
+  in one kernel (``gate_up+swiglu fused``, ``grouped_swiglu_triton``), err against the chain. With --batched,
+  both matmuls as XLA's batched matmul over E groups padded to the largest and as one dense matmul (cuBLAS at
+  these shapes). GPU only.
 
 Writes ``bench_grouped_matmul[_<tag>].json`` (``presets``: each shape's stages; ``rows``: one per timed program,
 for experiments/plots.py) and prints the tables.
@@ -58,6 +60,9 @@ flags.DEFINE_list("triton_configs", ["64:128:64:4:3", "128:128:64:8:3", "64:256:
                   "Tiles of the Pallas Triton grouped matmul to time (block_m:block_n:block_k:num_warps:num_stages); "
                   "empty: none.")
 flags.DEFINE_integer("repeats", 10, "Timed calls per row.", lower_bound=1)
+flags.DEFINE_bool("batched", False, "Also time both matmuls as XLA's batched matmul over E equal groups padded to "
+                  "the largest group (cuBLAS: what a padded-capacity layout could reach) and as one dense matmul of "
+                  "the same rows (one weight: the ceiling).")
 flags.DEFINE_float("hbm_gbps", 4800.0, "HBM bandwidth for the weights' byte floor (GB/s; the H200's 4.8 TB/s).",
                    lower_bound=1.0)
 flags.DEFINE_string("tag", "", "Suffix of the JSON name.")
@@ -211,6 +216,8 @@ def stage_tiles(cfg, n: int) -> list[dict]:
             rows.append(row)
             print(common.table([row], ["matmul", "kernel", "config", "ms", "tflops", "err", "error"]), flush=True)
     rows += _fused_rows(cfg, x, flat, gate_up, sizes)
+    if FLAGS.batched:
+        rows += _batched_rows(xs, act, gate_up, down, sizes)
     if not FLAGS.configs:
         return rows
     # The same rows and operand shapes in fewer, larger groups (neighbouring experts' rows merged, the first
@@ -226,6 +233,29 @@ def stage_tiles(cfg, n: int) -> list[dict]:
         _timed_row(row, fn, (xs, gate_up[:g], sizes.reshape(g, f).sum(axis=1)))
         rows.append(row)
         print(common.table([row], ["matmul", "groups", "ms", "tflops", "error"]), flush=True)
+    return rows
+
+
+def _batched_rows(xs, act, gate_up, down, sizes) -> list[dict]:
+    """Both matmuls as XLA's batched matmul of E groups of ``cap`` rows (``cap``: the largest group, rounded up to
+    64; ``kernel`` "xla-batched", TFLOP/s counted on the M real rows, so the padding counts against it) and as one
+    dense [M, K] x [K, N] matmul (``kernel`` "xla-dense"): what cuBLAS reaches at these shapes."""
+    import jax
+    import jax.numpy as jnp
+    e = gate_up.shape[0]
+    cap = -(-int(jnp.max(sizes)) // 64) * 64
+    rows = []
+    for name, lhs, rhs in (("gate_up", xs, gate_up), ("down", act, down)):
+        m, kk, nn = lhs.shape[0], rhs.shape[1], rhs.shape[2]
+        padded = jnp.zeros((e, cap, kk), lhs.dtype).at[:, :m // e].set(lhs[:e * (m // e)].reshape(e, m // e, kk))
+        for kernel, fn, args in (
+                ("xla-batched", jax.jit(lambda a, b: jnp.einsum("eck,ekn->ecn", a, b)), (padded, rhs)),
+                ("xla-dense", jax.jit(lambda a, b: a @ b), (lhs, rhs[0]))):
+            row = {"matmul": name, "kernel": kernel, "config": f"cap {cap}" if kernel == "xla-batched" else "dense",
+                   "M": m, "K": kk, "N": nn}
+            _timed_row(row, fn, args)
+            rows.append(row)
+            print(common.table([row], ["matmul", "kernel", "config", "ms", "tflops", "error"]), flush=True)
     return rows
 
 
@@ -264,7 +294,8 @@ def flat_rows(presets: dict) -> list[dict]:
     for p, res in presets.items():
         rows += [{"preset": p, "case": k, "s": v["s"]} for k, v in (res.get("pieces") or {}).items()
                  if isinstance(v, dict) and "s" in v]
-        rows += [{"preset": p, "case": f"{t['matmul']} " + ("triton " if t.get("kernel") == "triton" else "")
+        kernel = lambda t: f"{t['kernel']} " if t.get("kernel", "mgpu") != "mgpu" else ""  # noqa: E731
+        rows += [{"preset": p, "case": f"{t['matmul']} " + kernel(t)
                   + (f"{t['groups']} groups" if t.get("groups") else t["config"]),
                   "s": t["s"], "tflops": t.get("tflops")} for t in res.get("tiles") or [] if "s" in t]
     return rows

@@ -34,6 +34,9 @@
 # gmm-order:       bench_grouped_matmul's Triton configs at both expert shapes with the programs in the two-axis grid
 #                  order (group_m 0) and in bands of group_m row tiles (grouped_matmul_triton.GROUP_M: rows and weights
 #                  shared in L2 by programs that run together), for the plain matmuls and the fused gate-up + SwiGLU
+# gmm-batched:     bench_grouped_matmul at the qwen3.5 expert shape: the Triton kernel's defaults beside XLA's batched
+#                  matmul over 256 groups padded to the largest and one dense matmul of the same rows (what cuBLAS
+#                  reaches there: is a padded-capacity layout worth building? issue 32's TTFT)
 # gdn-model-order: bench_gated_delta's 16-layer model stage (TTFT only): auto (the fused gate-up + SwiGLU kernel auto
 #                  since 2026-12-06), without it (auto-unfused), and both expert matmuls at group_m 4, 8, 16 (issue
 #                  32's TTFT)
@@ -148,6 +151,9 @@ for stage in "$@"; do
       run 420 "$stage" experiments/bench_grouped_matmul.py --tag="order_${dev}_$day" ${out:+--out_dir="$out"} \
         --configs= --triton_configs=64:256:64:8:3:0,64:256:64:8:3:4,64:256:64:8:3:8,64:256:64:8:3:16,\
 128:256:64:8:3:0,128:256:64:8:3:2,128:256:64:8:3:4,128:256:64:8:3:8,128:128:64:4:3:8,64:256:64:4:4:8,128:256:64:8:4:4 ;;
+    gmm-batched)
+      run 300 "$stage" experiments/bench_grouped_matmul.py --tag="batched_${dev}_$day" ${out:+--out_dir="$out"} \
+        --presets=qwen3.5-35b-a3b --configs= --triton_configs=64:256:64:8:3,128:256:64:8:3 --batched --repeats=5 ;;
     gdn-model-order)
       g=grouped_matmul_triton; f=grouped_swiglu_triton
       run 420 "$stage" experiments/bench_gated_delta.py --stages=model --model_deadline_s=400 --model_decode_steps=0 \

@@ -95,7 +95,8 @@ flags.DEFINE_list("model_configs", ["xla-delta-rule", "auto", "auto+decode-kerne
                   "before 3373cb2), auto+fused-swiglu (auto plus grouped_swiglu_triton), "
                   "auto+mixer-kernel (auto plus gated_deltanet_decode: a decode token's Gated DeltaNet mixer in one "
                   "launch), auto-unfused (auto without grouped_swiglu_triton: auto before 2026-12-06), "
-                  "auto+graphs (auto with decode_graphs=on: the decode block as a CUDA graph), auto+offset-norms "
+                  "auto+graphs (auto with decode_graphs=on: the decode block as a CUDA graph), auto+mgpu-attention "
+                  "(auto with flash_prefill=mgpu: jax's Mosaic GPU attention in prefill), auto+offset-norms "
                   "(the auto kernels by name: norm_dense_decode then also takes the zero-centred norms of the "
                   "decode layers, with their projections, as auto does since 2026-12-05: dense_decode.OFFSET_AUTO; "
                   "it times auto's choice before then when run with OFFSET_AUTO off). The "
@@ -484,7 +485,7 @@ def stage_model(cfg, out: dict) -> None:
     prompt = list(np.random.default_rng(3).integers(0, cfg.vocab_size, FLAGS.tokens))
     tiles = {"gated_delta": tuple(out["best_tiles"])} if "best_tiles" in out else {}
     if "best_solve_block" in out:
-        tiles["gated_delta_solve"] = (out["best_solve_block"],)
+        tiles["gated_delta_solve"] = _tiles(str(out["best_solve_block"]))
     gdn = ("gated_delta", "gated_delta_solve")
     known = {"xla-delta-rule": (tuple(a for a in auto if a not in gdn), {}),
              "gated_delta-only": (tuple(a for a in auto if a != "gated_delta_solve"), tiles),
@@ -498,6 +499,7 @@ def stage_model(cfg, out: dict) -> None:
              "auto+mixer-kernel": (auto + ("gated_deltanet_decode",), {}),
              "auto-unfused": (tuple(a for a in auto if a != "grouped_swiglu_triton"), {}),
              "auto+graphs": ("auto", {}, {"decode_graphs": "on"}),
+             "auto+mgpu-attention": ("auto", {}, {"flash_prefill": "mgpu"}),
              "auto+offset-norms": (auto, {})}
     unknown = sorted({c.split("@")[0] for c in FLAGS.model_configs} - set(known))
     if unknown:

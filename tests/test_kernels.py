@@ -275,6 +275,7 @@ def test_the_mgpu_attention_wrapper_scales_its_scores_as_the_model(monkeypatch):
 def test_flash_prefill_supported_and_impl_choice():
     q, k = jnp.zeros((1, 8192, 32, 128), jnp.bfloat16), jnp.zeros((1, 8192, 4, 128), jnp.bfloat16)
     assert fp.supported(q, k) and fp.mgpu_supported(q, k)
+    assert fp.mgpu_block_kv(128) == 128 and fp.mgpu_block_kv(256) == 64  # qwen3.5's hd 256: two K/V steps fit at 64
     assert not fp.supported(jnp.zeros((1, 24, 32, 128)), jnp.zeros((1, 8192, 4, 128)))
     with pytest.raises(ValueError, match="KernelConfig.flash_prefill: unknown value 'nope'"):
         KernelConfig(flash_prefill="nope")

@@ -102,6 +102,14 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array, 
     )(start.astype(jnp.int32), q, k, v)
 
 
+def mgpu_block_kv(hd: int) -> int:
+    """The Mosaic GPU kernel's key block for head dim ``hd``: 128, or 64 above hd 128, so its shared memory (two
+    query blocks of 64 rows plus two pipeline steps of K and V, float16: 2*64*hd*2 + 2*2*block_kv*hd*2 bytes)
+    fits the H100 / H200's 227 KiB: hd 256 at 128 needs 320 KiB, at 64 192 KiB (the 2026-11-30 check: hd 128 at
+    4 steps asked for 290 KiB and was refused)."""
+    return 128 if hd <= 128 else 64
+
+
 def mgpu_supported(q: jax.Array, k: jax.Array, block_q: int = 64, block_kv: int = 128) -> bool:
     """Shapes the shipped Mosaic GPU kernel takes: T a multiple of 2*block_q and of block_kv, T <= S,
     hd % 64 == 0, 16-bit floats."""
@@ -137,10 +145,12 @@ def maybe(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
     impl = registry.active().flash_prefill
     start = q_pos[:, 0]
     if impl == "mgpu":
-        how = registry.mode("flash_prefill", mgpu_supported(q, k))
+        bkv = mgpu_block_kv(q.shape[3])
+        how = registry.mode("flash_prefill", mgpu_supported(q, k, block_kv=bkv))
         if how != "gpu":  # the Mosaic GPU kernel does not interpret on the CPU
             return None
-        return lax.cond(jnp.all(start == 0), lambda: mgpu_attention(q, k, v), lambda: reference(q, k, v, q_pos))
+        return lax.cond(jnp.all(start == 0), lambda: mgpu_attention(q, k, v, block_kv=bkv),
+                        lambda: reference(q, k, v, q_pos))
     how = registry.mode("flash_prefill", supported(q, k) and common.dot_dtype_ok(q.dtype))
     if how == "xla":
         return None

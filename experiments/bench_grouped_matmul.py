@@ -238,8 +238,9 @@ def stage_tiles(cfg, n: int) -> list[dict]:
 
 def _batched_rows(xs, act, gate_up, down, sizes) -> list[dict]:
     """Both matmuls as XLA's batched matmul of E groups of ``cap`` rows (``cap``: the largest group, rounded up to
-    64; ``kernel`` "xla-batched", TFLOP/s counted on the M real rows, so the padding counts against it) and as one
-    dense [M, K] x [K, N] matmul (``kernel`` "xla-dense"): what cuBLAS reaches at these shapes."""
+    64; ``kernel`` "xla-batched", TFLOP/s counted on the M real rows, so the padding counts against it), the same
+    with the weights a dynamic slice of a two-layer pool (``xla-batched-pool-slice``: does XLA copy the layer out
+    first?) and as one dense [M, K] x [K, N] matmul (``kernel`` "xla-dense"): what cuBLAS reaches at these shapes."""
     import jax
     import jax.numpy as jnp
     e = gate_up.shape[0]
@@ -248,10 +249,14 @@ def _batched_rows(xs, act, gate_up, down, sizes) -> list[dict]:
     for name, lhs, rhs in (("gate_up", xs, gate_up), ("down", act, down)):
         m, kk, nn = lhs.shape[0], rhs.shape[1], rhs.shape[2]
         padded = jnp.zeros((e, cap, kk), lhs.dtype).at[:, :m // e].set(lhs[:e * (m // e)].reshape(e, m // e, kk))
+        pool = jnp.concatenate([rhs, rhs])  # two layers' experts: the batched matmul reading layer 1 in place?
+        sliced = jax.jit(lambda a, p, layer: jnp.einsum("eck,ekn->ecn", a,
+                                                        jax.lax.dynamic_slice_in_dim(p, layer * e, e)))
         for kernel, fn, args in (
                 ("xla-batched", jax.jit(lambda a, b: jnp.einsum("eck,ekn->ecn", a, b)), (padded, rhs)),
+                ("xla-batched-pool-slice", sliced, (padded, pool, jnp.int32(1))),
                 ("xla-dense", jax.jit(lambda a, b: a @ b), (lhs, rhs[0]))):
-            row = {"matmul": name, "kernel": kernel, "config": f"cap {cap}" if kernel == "xla-batched" else "dense",
+            row = {"matmul": name, "kernel": kernel, "config": "dense" if kernel == "xla-dense" else f"cap {cap}",
                    "M": m, "K": kk, "N": nn}
             _timed_row(row, fn, args)
             rows.append(row)

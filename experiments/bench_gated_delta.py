@@ -95,6 +95,8 @@ flags.DEFINE_list("model_configs", ["xla-delta-rule", "auto", "auto+decode-kerne
                   "before 3373cb2), auto+fused-swiglu (auto plus grouped_swiglu_triton), "
                   "auto+mixer-kernel (auto plus gated_deltanet_decode: a decode token's Gated DeltaNet mixer in one "
                   "launch), auto-unfused (auto without grouped_swiglu_triton: auto before 2026-12-06), "
+                  "auto-gather-out (auto without grouped_matmul_scatter: the down matmul's rows gathered back to pair "
+                  "order after it, as before 2026-12-06), "
                   "auto+graphs (auto with decode_graphs=on: the decode block as a CUDA graph), auto+mgpu-attention "
                   "(auto with flash_prefill=mgpu: jax's Mosaic GPU attention in prefill), auto+offset-norms "
                   "(the auto kernels by name: norm_dense_decode then also takes the zero-centred norms of the "
@@ -498,6 +500,7 @@ def stage_model(cfg, out: dict) -> None:
              "auto+fused-swiglu": (auto + ("grouped_swiglu_triton",), {}),
              "auto+mixer-kernel": (auto + ("gated_deltanet_decode",), {}),
              "auto-unfused": (tuple(a for a in auto if a != "grouped_swiglu_triton"), {}),
+             "auto-gather-out": (tuple(a for a in auto if a != "grouped_matmul_scatter"), {}),
              "auto+graphs": ("auto", {}, {"decode_graphs": "on"}),
              "auto+mgpu-attention": ("auto", {}, {"flash_prefill": "mgpu"}),
              "auto+offset-norms": (auto, {})}

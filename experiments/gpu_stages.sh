@@ -49,8 +49,8 @@
 # gdn-solve-form:  bench_gated_delta's rule stage at the scan kernel's default tiles with the solve kernel's masked form
 #                  (the default before 2026-12-06: 19 masked three-pass [64, 64] dots a chunk) and its blocked form
 #                  (row blocks of 16 or 32 solved block by block) at 4 and 8 warps, then the 16-layer model's TTFT
-#                  with each form and with jax's Mosaic GPU attention in prefill (flash_prefill=mgpu) (3 repeats;
-#                  issue 32's TTFT)
+#                  with each form, without the down matmul's pair-order store (auto-gather-out) and with jax's
+#                  Mosaic GPU attention in prefill (flash_prefill=mgpu) (3 repeats; issue 32's TTFT)
 # hybrid-compile:  the hybrid engine's compile at batch 1 with the auto kernels, with none (--kernels=xla: the grouped
 #                  matmul still jax's Mosaic kernel), and with no Mosaic kernel either (--grouped_matmul=xla): where the
 #                  40-44 s compile of a 4-layer cut goes (issue 32's compile time)
@@ -173,7 +173,8 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
     gdn-solve-form)
       run 420 "$stage" experiments/bench_gated_delta.py --stages=rule,model --tiles=32:4:2:16 \
         --solve_blocks=16:4:0,16:4:1,32:4:1,16:8:1 --model_deadline_s=400 --repeats=3 --model_decode_steps=0 \
-        --model_configs=auto,auto@gated_delta_solve=16:4:0,auto+mgpu-attention --tag="solve-form_${dev}_$day" \
+        --model_configs=auto,auto@gated_delta_solve=16:4:0,auto-gather-out,auto+mgpu-attention \
+        --tag="solve-form_${dev}_$day" \
         ${out:+--out_dir="$out"} ;;
     hybrid-compile)
       for k in auto xla; do

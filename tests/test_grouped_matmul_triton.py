@@ -145,6 +145,19 @@ def test_rows_past_the_sum_are_zeros_and_groups_are_cut_at_m():
            jax.lax.ragged_dot(lhs, rhs, sizes), jnp.float32)
 
 
+def test_row_dest_stores_each_row_where_asked():
+    """With ``row_dest`` (a permutation) the kernel's rows come out at their destinations, bit for bit the rows it
+    stores without one: rows of partial tiles (dead rows go to the trash row) and rows past the sum (zeros) too."""
+    lhs, rhs, sizes = _operands(jnp.float32, m=sum(SIZES) + 20)
+    perm = jnp.asarray(np.random.default_rng(7).permutation(lhs.shape[0]), jnp.int32)
+    plain = gt.grouped_matmul_triton(lhs, rhs, sizes, interpret=True, block_m=16)
+    got = gt.grouped_matmul_triton(lhs, rhs, sizes, interpret=True, block_m=16, row_dest=perm)
+    assert got.shape == plain.shape
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.zeros_like(plain).at[perm].set(plain)))
+    with pytest.raises(ValueError, match="row_dest expected shape"):
+        gt.grouped_matmul_triton(lhs, rhs, sizes, interpret=True, row_dest=perm[:-1])
+
+
 def test_grouped_matmul_runs_the_kernel_where_named():
     lhs, rhs, sizes = _operands(jnp.float32)
     ref = jax.lax.ragged_dot(lhs, rhs, sizes)
@@ -195,6 +208,11 @@ def test_prefill_expert_ffn_with_the_kernel_matches_ragged_dot():
         got = compute.experts_grouped(x, ids, w, gu, dn)
     assert ran == {"grouped_matmul_triton"}
     _close(got, ref, jnp.float32)
+    # the down matmul storing its rows in pair order itself: the same values as the gather after it, bit for bit
+    with using(KernelConfig(use=("grouped_matmul_triton", "grouped_matmul_scatter"))), registry.recording() as ran:
+        scattered = compute.experts_grouped(x, ids, w, gu, dn)
+    assert ran == {"grouped_matmul_triton", "grouped_matmul_scatter"}
+    np.testing.assert_array_equal(np.asarray(scattered), np.asarray(got))
 
 
 def test_default_tiles_by_contraction(monkeypatch):
@@ -249,12 +267,14 @@ def test_lowers_for_cuda_at_qwen35_expert_shapes():
     dev = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
     mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=dev)
     sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
-    for k, n, tiles in ((2048, 1024, {}), (512, 2048, {"block_m": 128, "num_warps": 8, "num_stages": 3})):
-        fn = lambda a, b, s, t=tiles: gt.grouped_matmul_triton(a, b, s, **t)  # noqa: E731
+    for k, n, tiles, dest in ((2048, 1024, {}, None),
+                              (512, 2048, {"block_m": 128, "num_warps": 8, "num_stages": 3}, None),
+                              (512, 2048, {"block_m": 128}, sd((65536,), jnp.int32))):  # rows stored in pair order
+        fn = lambda a, b, s, *d, t=tiles: gt.grouped_matmul_triton(a, b, s, row_dest=d[0] if d else None, **t)  # noqa
         with use_abstract_mesh(mesh), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the Triton backend's deprecation warning
-            txt = jax.jit(fn).trace(sd((65536, k), bf), sd((256, k, n), bf), sd((256,), jnp.int32)).lower(
-                lowering_platforms=("cuda",)).as_text()
+            txt = jax.jit(fn).trace(sd((65536, k), bf), sd((256, k, n), bf), sd((256,), jnp.int32),
+                                    *([dest] if dest else [])).lower(lowering_platforms=("cuda",)).as_text()
         assert txt.count("__gpu$xla.gpu.triton") == 1
         bm = tiles.get("block_m", gt.BLOCK_M)
         assert f"grid_x = {65536 // bm + 256} : i32, grid_y = {n // gt.BLOCK_N} : i32" in txt
@@ -397,7 +417,7 @@ def test_fused_gate_up_swiglu_matches_the_three_steps(dtype):
 def test_expert_ffn_runs_the_fused_kernel_where_named_or_auto_at_256_experts(monkeypatch):
     """``compute.experts_grouped`` takes the fused gate-up kernel where the config names it (and matches the
     default path); under the default config on a GPU (the backend stubbed: only the trace is taken) with the
-    matmul kernel, for 256 experts a layer (qwen3.5), not for qwen3's 128."""
+    matmul kernel (its down matmul storing in pair order), for 256 experts a layer (qwen3.5), not for qwen3's 128."""
     from ftjax.experts import compute
     rng = np.random.default_rng(4)
     x = jnp.asarray(rng.standard_normal((48, 128)), jnp.float32)
@@ -413,7 +433,8 @@ def test_expert_ffn_runs_the_fused_kernel_where_named_or_auto_at_256_experts(mon
     _close(got, ref, jnp.float32)
     monkeypatch.setattr(registry.jax, "default_backend", lambda: "gpu")
     sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
-    for groups, picked in ((256, {"grouped_matmul_triton", "grouped_swiglu_triton"}), (128, set())):
+    for groups, picked in ((256, {"grouped_matmul_triton", "grouped_swiglu_triton", "grouped_matmul_scatter"}),
+                           (128, set())):
         with using(KernelConfig()), registry.recording() as ran:
             jax.make_jaxpr(compute.experts_grouped)(sd((1024, 2048), bf), sd((1024, 8), jnp.int32),
                                                     sd((1024, 8), bf), sd((groups, 2048, 1024), bf),

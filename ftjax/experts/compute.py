@@ -103,12 +103,11 @@ def experts_grouped(x: jax.Array, ids: jax.Array, weights: jax.Array, gate_up: j
     act = grouped_swiglu(x, order // k, gate_up, group_sizes, group_slot)  # one kernel where named, else None
     if act is None:
         act = _swiglu(grouped_matmul(x[order // k], gate_up, group_sizes, group_slot=group_slot))
-    y = grouped_matmul(act, down, group_sizes, group_slot=group_slot)
-    # Back to pair order by a gather with the inverse permutation (a scatter of N*k int32), not a
-    # scatter of the [N*k, D] rows: the same values, but the row scatter ran at ~260 GB/s on an H200
-    # (1 ms per layer at 8192 tokens, docs/PROFILE.md) and the gather fuses into the weighted sum.
-    inv = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype), unique_indices=True)
-    y = y[inv].reshape(n, k, -1)
+    # Back in (token, expert) pair order: row r of the product is pair order[r]. The Triton kernel stores each row
+    # there itself (grouped_matmul_scatter); otherwise a gather with the inverse permutation follows, not XLA's
+    # scatter of the [N*k, D] rows (~260 GB/s on an H200: 1 ms per layer at 8192 tokens, docs/PROFILE.md).
+    y = grouped_matmul(act, down, group_sizes, group_slot=group_slot, row_dest=order.astype(jnp.int32))
+    y = y.reshape(n, k, -1)
     return jnp.einsum("nkd,nk->nd", y, weights.astype(y.dtype)).astype(x.dtype)
 
 

@@ -142,12 +142,15 @@ def reads_pool_in_place(hidden: int, expert_ffn: int, groups: int, itemsize: int
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, impl: str | None = None,
-                   group_slot: jax.Array | None = None) -> jax.Array:
+                   group_slot: jax.Array | None = None, row_dest: jax.Array | None = None) -> jax.Array:
     """out[r] = lhs[r] @ rhs[g(r)], rows of lhs grouped contiguously by group.
 
     lhs: [M, K]; rhs: [G, K, N]; group_sizes: int32 [G] with sum == M. Returns [M, N] in lhs's dtype.
     group_slot: int32 [G] or None: group g's weights are rhs[group_slot[g]] of an rhs [S, K, N], read in place
-    by ``grouped_matmul_triton`` (only where :func:`pool_grouping` said so).
+    by ``grouped_matmul_triton`` (only where :func:`pool_grouping` said so). row_dest: int32 [M], a permutation
+    of [0, M), or None: the product's row r comes out at row row_dest[r] (the same values in another order):
+    stored there by ``grouped_matmul_triton`` where the kernel config selects ``grouped_matmul_scatter``, else
+    gathered with the inverse permutation afterwards.
     impl: "auto" (Mosaic GPU kernel where supported, else ragged_dot), "mgpu", or "xla";
       default: the active kernel config's ``grouped_matmul`` (``ftjax.kernels.registry``).
     With impl left out and ``KernelConfig.grouped_matmul`` "auto", the kernel ``grouped_matmul_triton`` runs
@@ -158,6 +161,29 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, impl:
       ValueError: unknown impl, or "mgpu" asked for where it cannot run; a group_slot where the Triton
         kernel does not run.
     """
+    if row_dest is not None:
+        out = _grouped_matmul(lhs, rhs, group_sizes, impl, group_slot, row_dest)
+        if out is not None:
+            return out
+        # the same rows gathered back: out[row_dest[r]] = y[r], i.e. out = y[inverse of row_dest]
+        inv = jnp.zeros_like(row_dest).at[row_dest].set(jnp.arange(row_dest.size, dtype=row_dest.dtype),
+                                                         unique_indices=True)
+        return _grouped_matmul(lhs, rhs, group_sizes, impl, group_slot)[inv]
+    return _grouped_matmul(lhs, rhs, group_sizes, impl, group_slot)
+
+
+def _grouped_matmul(lhs, rhs, group_sizes, impl, group_slot, row_dest=None):
+    """:func:`grouped_matmul`; with ``row_dest``: the Triton kernel storing in that order where the kernel config
+    selects ``grouped_matmul_scatter`` for it, else None (the caller gathers)."""
+    if row_dest is not None:
+        groups = rhs.shape[0] if group_slot is None else group_slot.shape[0]
+        how, tiles = _triton_mode(lhs, rhs, gmt.auto_picks(groups), record=False)
+        if impl is not None or registry.active().grouped_matmul != "auto" or how == "xla" \
+                or registry.mode("grouped_matmul_scatter", auto=gmt.auto_picks(groups)) == "xla":
+            return None
+        _triton_mode(lhs, rhs, gmt.auto_picks(groups))  # recorded as run
+        return gmt.grouped_matmul_triton(lhs, rhs, group_sizes, group_slot=group_slot, row_dest=row_dest,
+                                         interpret=how == "interpret", **tiles)
     if group_slot is not None:
         how, tiles = _triton_mode(lhs, rhs, pool_auto(group_slot.shape[0]))
         if how == "xla" or impl is not None:

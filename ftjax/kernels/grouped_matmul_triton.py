@@ -130,15 +130,17 @@ def program_tile(num_tiles: int, num_cols: int, group_m: int | None) -> tuple[ja
     return first + local % width, local // width
 
 
-def _kernel(group_ref, row_ref, rows_ref, *refs, groups, bm, bn, bk, k_steps, up_cols, slots, gather, num_tiles,
-            num_cols, group_m):
+def _kernel(group_ref, row_ref, rows_ref, *refs, groups, bm, bn, bk, k_steps, up_cols, slots, gather, scatter,
+            num_tiles, num_cols, group_m):
     """One (row tile, column block) of the product, or with ``up_cols`` (F) of SwiGLU(gate, up) where gate and up
     are column blocks j and F / bn + j. refs: [slot_ref] (``slots``: group g's weights at rhs row slot[g]),
     [tok_ref] (``gather``: the tile's lhs rows gathered from the token rows ``lhs[tok[r]]``, no copy of them),
+    [dest_ref] (``scatter``: output row r stored at row dest[r]; the output's last row takes the tile's dead rows),
     lhs_ref, rhs_ref, o_ref."""
     refs = list(refs)
     slot_ref = refs.pop(0) if slots else None
     tok_ref = refs.pop(0) if gather else None
+    dest_ref = refs.pop(0) if scatter else None
     lhs_ref, rhs_ref, o_ref = refs
     t, j = program_tile(num_tiles, num_cols, group_m)
     g, row0, n_rows = group_ref[t], row_ref[t], rows_ref[t]
@@ -148,6 +150,13 @@ def _kernel(group_ref, row_ref, rows_ref, *refs, groups, bm, bn, bk, k_steps, up
     live1 = lax.broadcasted_iota(jnp.int32, (bm,), 0) < n_rows
     live = live1[:, None]
     blocks = (cols,) if up_cols is None else (cols, pl.ds(up_cols + j * bn, bn))
+
+    def store(out):
+        if dest_ref is None:
+            plt.store(o_ref.at[rows, cols], out, mask=live)
+        else:  # dead rows go to the trash row (the last), so the store needs no mask
+            dest = plt.load(dest_ref.at[rows], mask=live1, other=o_ref.shape[0] - 1)
+            o_ref[dest, cols] = out
 
     @pl.when((n_rows > 0) & (g < groups))
     def _():
@@ -165,12 +174,11 @@ def _kernel(group_ref, row_ref, rows_ref, *refs, groups, bm, bn, bk, k_steps, up
                          for acc, c in zip(accs, blocks))
 
         accs = lax.fori_loop(0, k_steps, step, tuple(jnp.zeros((bm, bn), jnp.float32) for _ in blocks))
-        out = accs[0].astype(o_ref.dtype) if up_cols is None else common.silu_mul(*accs, o_ref.dtype)
-        plt.store(o_ref.at[rows, cols], out, mask=live)
+        store(accs[0].astype(o_ref.dtype) if up_cols is None else common.silu_mul(*accs, o_ref.dtype))
 
     @pl.when((n_rows > 0) & (g == groups))
     def _():  # rows past sum(group_sizes): zeros, as ragged_dot
-        plt.store(o_ref.at[rows, cols], jnp.zeros((bm, bn), o_ref.dtype), mask=live)
+        store(jnp.zeros((bm, bn), o_ref.dtype))
 
 
 def _check(lhs, rhs, group_sizes, block_m, block_n, block_k, name="grouped_matmul_triton", group_slot=None):
@@ -204,7 +212,8 @@ def _check(lhs, rhs, group_sizes, block_m, block_n, block_k, name="grouped_matmu
 def grouped_matmul_triton(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                           group_slot: jax.Array | None = None, interpret: bool = False, block_m: int = BLOCK_M,
                           block_n: int = BLOCK_N, block_k: int = BLOCK_K, num_warps: int | None = NUM_WARPS,
-                          num_stages: int | None = NUM_STAGES, group_m: int | None = GROUP_M) -> jax.Array:
+                          num_stages: int | None = NUM_STAGES, group_m: int | None = GROUP_M,
+                          row_dest: jax.Array | None = None) -> jax.Array:
     """``jax.lax.ragged_dot(lhs, rhs, group_sizes)``: out[r] = lhs[r] @ rhs[g(r)] (module docstring).
 
     lhs: [M, K]; rhs: [G, K, N], lhs's dtype (16-bit floats on a GPU; any float interpreted); group_sizes:
@@ -215,7 +224,10 @@ def grouped_matmul_triton(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
     sum over K in block_k steps. Grid (T, N / block_n) over :func:`tile_schedule`'s T row tiles; a tile
     with no rows returns at once. interpret: Pallas interpret mode (CPU); block_m, block_n, block_k:
     powers of two >= 16, K % block_k == 0, N % block_n == 0; num_warps / num_stages: Triton's; group_m: the
-    programs' order (:data:`GROUP_M`; the output does not depend on it).
+    programs' order (:data:`GROUP_M`; the output does not depend on it). row_dest: int32 [M] or None: a
+    permutation of [0, M); product row r is stored at row row_dest[r] (``out.at[row_dest].set(product)``, the
+    same values): the experts' down matmul writes its rows back in (token, expert) pair order itself, so no
+    gather with the inverse permutation reads them again (kernel name ``grouped_matmul_scatter``).
 
     Raises:
       ValueError: shapes or dtypes that disagree, or tiles that do not fit (the message names the
@@ -223,35 +235,39 @@ def grouped_matmul_triton(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
     """
     _check(lhs, rhs, group_sizes, block_m, block_n, block_k, group_slot=group_slot)
     m, n = lhs.shape[0], rhs.shape[2]
+    if row_dest is not None and row_dest.shape != (m,):
+        raise ValueError(f"grouped_matmul_triton: row_dest expected shape ({m},) (rows of lhs), got {row_dest.shape}")
     if m == 0:
         return jnp.zeros((0, n), lhs.dtype)
     return _scheduled(tile_schedule(group_sizes, m, block_m), lhs, rhs, interpret=interpret, block_m=block_m,
                       block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
-                      group_slot=group_slot, group_m=group_m)
+                      group_slot=group_slot, group_m=group_m, dest=row_dest)
 
 
 def _scheduled(schedule, lhs, rhs, *, interpret, block_m, block_n, block_k, num_warps, num_stages, tok=None,
-               swiglu=False, group_slot=None, group_m=GROUP_M):
+               swiglu=False, group_slot=None, group_m=GROUP_M, dest=None):
     """The pallas_call over a :func:`tile_schedule` (any order of its tiles gives the same output: on a GPU
     the programs run in no fixed order). tok: int32 [M], lhs's row of each output row (None: row r itself);
     swiglu: out = SwiGLU of the product's two column halves ([M, N / 2]); group_slot: int32 [G], each group's
-    row of rhs (None: row g)."""
+    row of rhs (None: row g); dest: int32 [M], the output row of each product row (None: row r itself; else the
+    kernel writes M + 1 rows, the last one the dead rows' trash, and the first M are returned)."""
     k, n = lhs.shape[1], rhs.shape[2]
     g = rhs.shape[0] if group_slot is None else group_slot.shape[0]
     m = lhs.shape[0] if tok is None else tok.shape[0]
     n_out = n // 2 if swiglu else n
-    extra = tuple(a.astype(jnp.int32) for a in (group_slot, tok) if a is not None)
+    extra = tuple(a.astype(jnp.int32) for a in (group_slot, tok, dest) if a is not None)
     num_tiles, num_cols = schedule[0].shape[0], n_out // block_n
     group_m = None if group_m is None else min(group_m, num_tiles)  # a wider band is the whole grid's order
-    return pl.pallas_call(
+    out = pl.pallas_call(
         functools.partial(_kernel, groups=g, bm=block_m, bn=block_n, bk=block_k, k_steps=k // block_k,
                           up_cols=n_out if swiglu else None, slots=group_slot is not None, gather=tok is not None,
-                          num_tiles=num_tiles, num_cols=num_cols, group_m=group_m),
-        out_shape=jax.ShapeDtypeStruct((m, n_out), lhs.dtype),
+                          scatter=dest is not None, num_tiles=num_tiles, num_cols=num_cols, group_m=group_m),
+        out_shape=jax.ShapeDtypeStruct((m + (dest is not None), n_out), lhs.dtype),
         grid=(num_tiles, num_cols) if group_m is None else (num_tiles * num_cols,),
         interpret=interpret, compiler_params=common.triton_params(interpret, num_warps, num_stages),
         name="grouped_swiglu_triton" if swiglu else "grouped_matmul_triton",
     )(*schedule, *extra, lhs, rhs)
+    return out if dest is None else out[:m]
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_m", "block_n", "block_k", "num_warps", "num_stages",
@@ -317,6 +333,12 @@ registry.register(registry.Kernel(
     "16-bit float operands on a GPU, D % block_k == 0 and F % block_n == 0; auto for >= 256 experts, as "
     "grouped_matmul_triton (16-layer qwen3.5 TTFT 0.1211 -> 0.1128 s on an H100)",
     tiles=functools.partial(_tiles, name="grouped_swiglu_triton")))
+registry.register(registry.Kernel(
+    "grouped_matmul_scatter", "jax.lax.ragged_dot",
+    "prefill's routed-expert down matmul storing each row in (token, expert) pair order itself (row_dest of "
+    "grouped_matmul_triton), instead of a gather with the inverse permutation after it "
+    "(ftjax.experts.compute.experts_grouped); auto where grouped_matmul_triton runs the down matmul",
+    auto=True, needs=("grouped_matmul_triton",)))
 registry.register(registry.Kernel(
     "grouped_matmul_pool", "jax.lax.ragged_dot",
     "prefill's routed-expert FFN reading a layer's experts in the slot pool through a slot table, without gathering "

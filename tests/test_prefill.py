@@ -140,9 +140,9 @@ def test_grouped_kernel_sees_the_layers_experts_not_the_pool(monkeypatch, mode, 
     groups = []
     real = compute.grouped_matmul
 
-    def spy(lhs, rhs, group_sizes, impl=None, group_slot=None):
+    def spy(lhs, rhs, group_sizes, impl=None, group_slot=None, row_dest=None):
         groups.append((rhs.shape[0], group_sizes.shape[0]))
-        return real(lhs, rhs, group_sizes, impl, group_slot)
+        return real(lhs, rhs, group_sizes, impl, group_slot, row_dest)
 
     monkeypatch.setattr(compute, "grouped_matmul", spy)
     programs.clear()  # trace afresh, so the spy sees every call
@@ -157,8 +157,9 @@ def test_grouped_kernel_sees_the_layers_experts_not_the_pool(monkeypatch, mode, 
 
 @pytest.mark.parametrize("n,k,e", [(37, 2, 5), (64, 8, 16), (9, 4, 64)])
 def test_grouped_experts_unpermute_by_gather_equals_row_scatter(n, k, e):
-    """experts_grouped returns the grouped matmul's rows to pair order by gathering with the
-    inverse permutation; the values are those of the scatter it replaced, bit for bit."""
+    """experts_grouped returns the grouped matmul's rows to pair order (gathering with the inverse permutation
+    off the Triton kernel, which stores them there itself); the values are those of the scatter it replaced, bit
+    for bit."""
     import jax.numpy as jnp
     from ftjax.experts import compute
     rng = np.random.default_rng(n * k + e)

@@ -470,7 +470,9 @@ def stage_decode(cfg, out: dict) -> None:
     out["decode"] = rows
 
 
-def stage_model(cfg, out: dict) -> None:
+def stage_model(cfg, out: dict, save=lambda: None) -> None:
+    """The --model_layers cut's resident --tokens prefill (and decode) under each of --model_configs; ``save()``
+    after each config, so a run stopped at its time limit keeps the configs it finished."""
     import jax
 
     from ftjax import Engine
@@ -531,6 +533,8 @@ def stage_model(cfg, out: dict) -> None:
             rows[-1]["decode_tokens_per_s"] = common.spread(tps)
             print(f"model {n} layers {name:>24}: decode {common.spread(tps)['median']:.1f} tok/s", flush=True)
         del eng, runs
+        out["model"] = {"layers": n, "rows": rows}
+        save()
     out["model"] = {"layers": n, "rows": rows}
 
 
@@ -564,7 +568,7 @@ def main(argv):
             common.write_json(FLAGS.out_dir, name, out)
     if FLAGS.model_layers and "model" in FLAGS.stages:
         if time.perf_counter() - t_start < FLAGS.model_deadline_s:
-            stage_model(cfg, out)
+            stage_model(cfg, out, lambda: common.write_json(FLAGS.out_dir, name, out))
         else:
             out["model"] = {"skipped": f"the run had taken {time.perf_counter() - t_start:.0f} s"}
     out["partial"] = False

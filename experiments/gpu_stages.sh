@@ -46,11 +46,11 @@
 # gdn-quick:       gdn-model-order's main rows in one model build (3 repeats): TTFT of auto, auto-unfused and both
 #                  expert matmuls at group_m 8; resident decode of auto and auto+mixer-kernel (gated_deltanet_decode
 #                  named: a decode token's Gated DeltaNet mixer in one launch)
-# gdn-solve-form:  bench_gated_delta's rule stage at the scan kernel's default tiles with the solve kernel's masked form
-#                  (the default before 2026-12-06: 19 masked three-pass [64, 64] dots a chunk) and its blocked form
-#                  (row blocks of 16 or 32 solved block by block) at 4 and 8 warps, then the 16-layer model's TTFT
-#                  with each form, without the down matmul's pair-order store (auto-gather-out) and with jax's
-#                  Mosaic GPU attention in prefill (flash_prefill=mgpu) (3 repeats; issue 32's TTFT)
+# gdn-solve-form:  bench_gated_delta's 16-layer model TTFT (3 repeats) with the solve kernel's blocked form (auto) and
+#                  its masked form (the default before 2026-12-06: 19 masked three-pass [64, 64] dots a chunk), without
+#                  the down matmul's pair-order store (auto-gather-out) and with jax's Mosaic GPU attention in prefill
+#                  (flash_prefill=mgpu); then its rule stage at the scan kernel's default tiles with each solve form
+#                  (blocked: row blocks of 16 or 32) at 4 and 8 warps (issue 32's TTFT)
 # hybrid-compile:  the hybrid engine's compile at batch 1 with the auto kernels, with none (--kernels=xla: the grouped
 #                  matmul still jax's Mosaic kernel), and with no Mosaic kernel either (--grouped_matmul=xla): where the
 #                  40-44 s compile of a 4-layer cut goes (issue 32's compile time)
@@ -171,10 +171,11 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
         --model_configs=auto,auto+mixer-kernel,auto-unfused,auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8 \
         --model_decode_configs=auto,auto+mixer-kernel --tag="quick_${dev}_$day" ${out:+--out_dir="$out"} ;;
     gdn-solve-form)
-      run 420 "$stage" experiments/bench_gated_delta.py --stages=rule,model --tiles=32:4:2:16 \
-        --solve_blocks=16:4:0,16:4:1,32:4:1,16:8:1 --model_deadline_s=400 --repeats=3 --model_decode_steps=0 \
-        --model_configs=auto,auto@gated_delta_solve=16:4:0,auto-gather-out,auto+mgpu-attention \
-        --tag="solve-form_${dev}_$day" \
+      run 300 "$stage-model" experiments/bench_gated_delta.py --stages=model --model_deadline_s=280 --repeats=3 \
+        --model_decode_steps=0 --model_configs=auto,auto@gated_delta_solve=16:4:0,auto-gather-out,auto+mgpu-attention \
+        --tag="solve-form-model_${dev}_$day" ${out:+--out_dir="$out"}
+      run 150 "$stage-rule" experiments/bench_gated_delta.py --stages=rule --model_layers=0 --tiles=32:4:2:16 \
+        --solve_blocks=16:4:0,16:4:1,32:4:1,16:8:1 --repeats=5 --tag="solve-form-rule_${dev}_$day" \
         ${out:+--out_dir="$out"} ;;
     hybrid-compile)
       for k in auto xla; do

@@ -51,6 +51,9 @@
 #                  the down matmul's pair-order store (auto-gather-out) and with jax's Mosaic GPU attention in prefill
 #                  (flash_prefill=mgpu); then its rule stage at the scan kernel's default tiles with each solve form
 #                  (blocked: row blocks of 16 or 32) at 4 and 8 warps (issue 32's TTFT)
+# gdn-attention:   bench_gated_delta's 16-layer model TTFT (3 repeats) with the Pallas flash prefill in its cache of
+#                  8192 + 16 rows (masked last key block: it ran the jnp reference before 2026-12-06), with jax's Mosaic
+#                  GPU attention (flash_prefill=mgpu), and the solve kernel's blocked form at 32-row blocks
 # hybrid-compile:  the hybrid engine's compile at batch 1 with the auto kernels, with none (--kernels=xla: the grouped
 #                  matmul still jax's Mosaic kernel), and with no Mosaic kernel either (--grouped_matmul=xla): where the
 #                  40-44 s compile of a 4-layer cut goes (issue 32's compile time)
@@ -170,6 +173,10 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
       run 400 "$stage" experiments/bench_gated_delta.py --stages=model --model_deadline_s=380 --repeats=3 \
         --model_configs=auto,auto+mixer-kernel,auto-unfused,auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8 \
         --model_decode_configs=auto,auto+mixer-kernel --tag="quick_${dev}_$day" ${out:+--out_dir="$out"} ;;
+    gdn-attention)
+      run 200 "$stage" experiments/bench_gated_delta.py --stages=model --model_deadline_s=190 --repeats=3 \
+        --model_decode_steps=0 --model_configs=auto,auto+mgpu-attention,auto@gated_delta_solve=32:4:1 \
+        --tag="attention_${dev}_$day" ${out:+--out_dir="$out"} ;;
     gdn-solve-form)
       run 300 "$stage-model" experiments/bench_gated_delta.py --stages=model --model_deadline_s=280 --repeats=3 \
         --model_decode_steps=0 --model_configs=auto,auto@gated_delta_solve=16:4:0,auto-gather-out,auto+mgpu-attention \

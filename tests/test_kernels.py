@@ -272,6 +272,20 @@ def test_the_mgpu_attention_wrapper_scales_its_scores_as_the_model(monkeypatch):
     assert _maxdiff(got, ref) <= 2 / 128
 
 
+def test_flash_prefill_takes_a_cache_row_that_is_no_multiple_of_the_key_tile():
+    """S_max = T + 16 (``max_seq_len`` = prompt + 16, as bench_gated_delta's engine): the last key block runs past
+    the row; its loads are masked, and the kernel (not the jnp reference) runs and matches the reference."""
+    rng = np.random.default_rng(8)
+    B, T, S, hkv, g, hd = 2, 64, 80, 2, 2, 16
+    k, v = (jnp.asarray(rng.standard_normal((B, S, hkv, hd)), jnp.float32) for _ in range(2))
+    q = jnp.asarray(rng.standard_normal((B, T, hkv * g, hd)), jnp.float32)
+    start = jnp.asarray([0, 16], jnp.int32)  # row 1's last query sees key 79, in the partial block
+    assert fp.supported(q, k, block_k=32)
+    ref = attention_lib.attention(q, k, v, start[:, None] + jnp.arange(T)[None])
+    got = fp.flash_attention(q, k, v, start, interpret=True, block_q=16, block_k=32)
+    assert _maxdiff(got, ref) <= 1e-5
+
+
 def test_flash_prefill_supported_and_impl_choice():
     q, k = jnp.zeros((1, 8192, 32, 128), jnp.bfloat16), jnp.zeros((1, 8192, 4, 128), jnp.bfloat16)
     assert fp.supported(q, k) and fp.mgpu_supported(q, k)
@@ -338,6 +352,10 @@ def test_kernels_lower_for_cuda_at_real_shapes():
     assert txt.count("__gpu$xla.gpu.triton") == 1
     row = sd((1, 8192, 4, 128), bf)
     txt = _lower_cuda(lambda q, k, v, s: fp.flash_attention(q, k, v, s), sd((1, 8192, 32, 128), bf), row, row,
+                      sd((1,), jnp.int32))
+    assert txt.count("__gpu$xla.gpu.triton") == 1
+    row = sd((1, 8208, 2, 256), bf)  # qwen3.5's attention in a cache of 8192 + 16 rows: the masked last key block
+    txt = _lower_cuda(lambda q, k, v, s: fp.flash_attention(q, k, v, s), sd((1, 8192, 16, 256), bf), row, row,
                       sd((1,), jnp.int32))
     assert txt.count("__gpu$xla.gpu.triton") == 1
     # the Gated DeltaNet kernels at qwen3.5-35b-a3b's layer (32 heads, dk = dv = 128, 8192 tokens in chunks of 64)

@@ -179,7 +179,7 @@ def _grouped_matmul(lhs, rhs, group_sizes, impl, group_slot, row_dest=None):
         groups = rhs.shape[0] if group_slot is None else group_slot.shape[0]
         how, tiles = _triton_mode(lhs, rhs, gmt.auto_picks(groups), record=False)
         if impl is not None or registry.active().grouped_matmul != "auto" or how == "xla" \
-                or registry.mode("grouped_matmul_scatter", auto=gmt.auto_picks(groups)) == "xla":
+                or registry.mode("grouped_matmul_scatter") == "xla":  # by name only (its registry entry)
             return None
         _triton_mode(lhs, rhs, gmt.auto_picks(groups))  # recorded as run
         return gmt.grouped_matmul_triton(lhs, rhs, group_sizes, group_slot=group_slot, row_dest=row_dest,

@@ -274,12 +274,13 @@ def test_the_mgpu_attention_wrapper_scales_its_scores_as_the_model(monkeypatch):
 
 def test_flash_prefill_takes_a_cache_row_that_is_no_multiple_of_the_key_tile():
     """S_max = T + 16 (``max_seq_len`` = prompt + 16, as bench_gated_delta's engine): the last key block runs past
-    the row; its loads are masked, and the kernel (not the jnp reference) runs and matches the reference."""
+    the row; its loads are masked, and the kernel (not the jnp reference) runs and matches the reference, also for
+    (padding) queries past the row, which must not see the zeros read there."""
     rng = np.random.default_rng(8)
-    B, T, S, hkv, g, hd = 2, 64, 80, 2, 2, 16
+    B, T, S, hkv, g, hd = 3, 64, 80, 2, 2, 16
     k, v = (jnp.asarray(rng.standard_normal((B, S, hkv, hd)), jnp.float32) for _ in range(2))
     q = jnp.asarray(rng.standard_normal((B, T, hkv * g, hd)), jnp.float32)
-    start = jnp.asarray([0, 16], jnp.int32)  # row 1's last query sees key 79, in the partial block
+    start = jnp.asarray([0, 16, 40], jnp.int32)  # row 1's last query sees key 79; row 2's last 24 sit past S
     assert fp.supported(q, k, block_k=32)
     ref = attention_lib.attention(q, k, v, start[:, None] + jnp.arange(T)[None])
     got = fp.flash_attention(q, k, v, start, interpret=True, block_q=16, block_k=32)

@@ -73,15 +73,19 @@ def _kernel(start_ref, q_ref, k_ref, v_ref, o_ref, *, bq, bk, group, scale):
     def body(j, carry):
         acc, m, l = carry
         j0 = j * bk
-        if s_max % bk:  # a partial last block: rows past S are read as zeros (and never seen: j > q_pos there)
+        k_pos = j0 + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+        visible = k_pos <= q_pos
+        if s_max % bk:  # a partial last block: rows past S are read as zeros and masked out of the scores (a
+            # padding query may sit past S, where j <= q_pos alone would let them in)
             inside = (j0 + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)) < s_max
             kb = plt.load(k_ref.at[b, pl.ds(j0, bk), kvh, :], mask=inside, other=0)
             vb = plt.load(v_ref.at[b, pl.ds(j0, bk), kvh, :], mask=inside, other=0)
+            visible = visible & (k_pos < s_max)
         else:
             kb = k_ref[b, pl.ds(j0, bk), kvh, :]
             vb = v_ref[b, pl.ds(j0, bk), kvh, :]
         sc = lax.dot_general(q, kb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
-        sc = jnp.where(j0 + lax.broadcasted_iota(jnp.int32, (bq, bk), 1) <= q_pos, sc, NEG)
+        sc = jnp.where(visible, sc, NEG)
         return fold_block(acc, m, l, sc, vb)
 
     init = (jnp.zeros(q.shape, jnp.float32), jnp.full((bq,), NEG, jnp.float32), jnp.zeros((bq,), jnp.float32))

@@ -371,6 +371,8 @@ def solve_chunks(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, c: j
     the steps), IEEE float32 otherwise; the others at ``precision``. ``form`` :data:`BLOCKED` falls back to
     :data:`MASKED` where ``block`` does not split the chunk into blocks of 16 rows or more.
     """
+    if form not in (MASKED, BLOCKED):
+        raise ValueError(f"solve_chunks: form must be {MASKED} (masked) or {BLOCKED} (blocked), got {form!r}")
     g, nc, dk = k.shape
     dv = v.shape[-1]
     n = nc // chunk

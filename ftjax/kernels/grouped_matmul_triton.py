@@ -225,8 +225,9 @@ def grouped_matmul_triton(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
     with no rows returns at once. interpret: Pallas interpret mode (CPU); block_m, block_n, block_k:
     powers of two >= 16, K % block_k == 0, N % block_n == 0; num_warps / num_stages: Triton's; group_m: the
     programs' order (:data:`GROUP_M`; the output does not depend on it). row_dest: int32 [M] or None: a
-    permutation of [0, M); product row r is stored at row row_dest[r] (``out.at[row_dest].set(product)``, the
-    same values): the experts' down matmul writes its rows back in (token, expert) pair order itself, so no
+    permutation of [0, M) (not checked: its values are known only at run time; a repeated or out-of-range
+    destination leaves rows unwritten); product row r is stored at row row_dest[r] (``out.at[row_dest].set(product)``,
+    the same values): the experts' down matmul writes its rows back in (token, expert) pair order itself, so no
     gather with the inverse permutation reads them again (kernel name ``grouped_matmul_scatter``).
 
     Raises:

@@ -287,6 +287,34 @@ def test_flash_prefill_takes_a_cache_row_that_is_no_multiple_of_the_key_tile():
     assert _maxdiff(got, ref) <= 1e-5
 
 
+def test_the_mgpu_path_takes_the_reference_for_operands_beyond_float16(monkeypatch):
+    """``maybe`` with ``flash_prefill="mgpu"`` (the backend stubbed to a GPU and the kernel to jax's own reference,
+    which casts as the kernel does): values beyond float16's range take the jnp attention instead of overflowing,
+    and in-range ones the kernel's path."""
+    from jax.experimental.pallas.ops.gpu import attention_mgpu
+    calls = []
+
+    def kernel(q, k, v, cfg):
+        calls.append(1)
+        return attention_mgpu.attention_reference(q, k, v, causal=cfg.causal)
+
+    monkeypatch.setattr(attention_mgpu, "attention", kernel)
+    monkeypatch.setattr(registry.jax, "default_backend", lambda: "gpu")
+    rng = np.random.default_rng(9)
+    B, T, hkv, g, hd = 1, 128, 2, 2, 64
+    q, k, v = (jnp.asarray(rng.standard_normal((B, T, h, hd)), jnp.bfloat16) for h in (hkv * g, hkv, hkv))
+    pos = jnp.arange(T)[None]
+    for scale, in_range in ((1.0, True), (1e5, False)):
+        calls.clear()
+        vs = v * scale
+        with using(KernelConfig(flash_prefill="mgpu")):
+            assert bool(fp.mgpu_in_range(q, k, vs)) == in_range
+            got = jax.jit(lambda q, k, v: fp.maybe(q, k, v, pos, attention_lib.attention))(q, k, vs)
+        ref = attention_lib.attention(q, k, vs, pos)
+        assert bool(jnp.all(jnp.isfinite(got.astype(jnp.float32))))  # the kernel's branch would be inf at 1e5
+        assert _maxdiff(got, ref) <= 2 / 128 * scale and len(calls) == 1  # the stub traced (lax.cond: both branches)
+
+
 def test_flash_prefill_supported_and_impl_choice():
     q, k = jnp.zeros((1, 8192, 32, 128), jnp.bfloat16), jnp.zeros((1, 8192, 4, 128), jnp.bfloat16)
     assert fp.supported(q, k) and fp.mgpu_supported(q, k)

@@ -20,8 +20,9 @@ Two implementations:
   (``jax.experimental.pallas.ops.gpu.attention_mgpu.attention``, warp-specialised, TMA + WGMMA).
   Its causal mask aligns query t with key t, so it serves only calls where every row starts at 0
   (chosen at run time by ``lax.cond``; other calls take the reference), and in jax 0.11.2 its
-  shared-memory buffers are float16, so bf16 operands are cast to float16 (exact in mantissa,
-  but values beyond +-65504 would overflow) and the output cast back. It cannot run on the CPU.
+  shared-memory buffers are float16, so bf16 operands are cast to float16 (exact in mantissa) and the
+  output cast back; a call with an operand beyond float16's +-65504 takes the reference too. It cannot
+  run on the CPU.
 
 ``KernelConfig.flash_prefill`` (``pallas`` | ``mgpu``) picks one where the kernel config selects the
 ``flash_prefill`` kernel (``ftjax.kernels.registry``).
@@ -149,12 +150,25 @@ def mgpu_attention(q: jax.Array, k: jax.Array, v: jax.Array, block_q: int = 64, 
     return out.astype(q.dtype)
 
 
+#: The largest finite float16: the Mosaic GPU kernel's buffers are float16, so operands beyond it would overflow.
+F16_MAX = 65504.0
+
+
+def mgpu_in_range(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """bool []: whether the operands :func:`mgpu_attention` casts to float16 (q scaled by hd**-0.5, the first T
+    rows of k and v) all fit float16's range; where not, the call takes the reference instead of overflowing to
+    inf. Reads them once (for an 8192-token qwen3.5 layer: 16 MB of k and v, 64 MB of q)."""
+    t, hd = q.shape[1], q.shape[3]
+    big = lambda a, s=1.0: jnp.max(jnp.abs(a.astype(jnp.float32))) * s  # noqa: E731
+    return jnp.maximum(jnp.maximum(big(q, hd ** -0.5), big(k[:, :t])), big(v[:, :t])) <= F16_MAX
+
+
 def maybe(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
           reference: Callable[..., jax.Array]) -> jax.Array | None:
     """Flash attention for a prefill call (q_pos int32 [B, T] = start + t) when the kernel config
     selects it for these operands, else None. ``reference(q, k, v, q_pos)``: the jnp attention,
     taken by the ``mgpu`` implementation (``KernelConfig.flash_prefill``) for calls with a row that
-    does not start at 0."""
+    does not start at 0 or with operands beyond float16's range (:func:`mgpu_in_range`)."""
     impl = registry.active().flash_prefill
     start = q_pos[:, 0]
     if impl == "mgpu":
@@ -162,7 +176,7 @@ def maybe(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
         how = registry.mode("flash_prefill", mgpu_supported(q, k, block_kv=bkv))
         if how != "gpu":  # the Mosaic GPU kernel does not interpret on the CPU
             return None
-        return lax.cond(jnp.all(start == 0), lambda: mgpu_attention(q, k, v, block_kv=bkv),
+        return lax.cond(jnp.all(start == 0) & mgpu_in_range(q, k, v), lambda: mgpu_attention(q, k, v, block_kv=bkv),
                         lambda: reference(q, k, v, q_pos))
     how = registry.mode("flash_prefill", supported(q, k) and common.dot_dtype_ok(q.dtype))
     if how == "xla":

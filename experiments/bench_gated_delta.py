@@ -512,6 +512,7 @@ def stage_model(cfg, out: dict, save=lambda: None) -> None:
                              "optional @kernel=a:b:c tile overrides")
     configs = tuple(_with_tiles(name, known[name.split("@")[0]]) for name in FLAGS.model_configs)
     rows, first = [], None
+    out["model"] = {"layers": n, "rows": rows}  # filled config by config; save() writes what is done so far
     for name, use, kt, *more in configs:
         kernels = registry.KernelConfig(use=use, tiles=kt, **(more[0] if more else {}))
         eng = Engine(model, EngineConfig("resident", max_seq_len=FLAGS.tokens + 16, prefill_chunk=FLAGS.tokens,
@@ -533,9 +534,7 @@ def stage_model(cfg, out: dict, save=lambda: None) -> None:
             rows[-1]["decode_tokens_per_s"] = common.spread(tps)
             print(f"model {n} layers {name:>24}: decode {common.spread(tps)['median']:.1f} tok/s", flush=True)
         del eng, runs
-        out["model"] = {"layers": n, "rows": rows}
         save()
-    out["model"] = {"layers": n, "rows": rows}
 
 
 def _with_tiles(name: str, config: tuple) -> tuple:

@@ -266,7 +266,8 @@ SOLVE_FORM = MASKED
 def solve_supported(dk: int, dv: int, chunk: int, block: int = SOLVE_BLOCK) -> bool:
     """Shapes the solve kernel takes: chunk, dk and dv powers of two >= 16, one chunk's q, k, v and scores
     (float32) within :data:`SMEM_BUDGET`, and ``block`` at least the chunk or dividing it (either form:
-    :func:`solve_chunks` runs :data:`BLOCKED` where it can, else :data:`MASKED`)."""
+    :func:`solve_chunks` runs :data:`BLOCKED` where the form asks for it and the block allows, else
+    :data:`MASKED`)."""
     smem = 4 * chunk * (2 * dk + dv + chunk)
     return all(common.pow2(x) and x >= 16 for x in (chunk, dk, dv)) and smem <= SMEM_BUDGET \
         and (block >= chunk or chunk % block == 0)

@@ -10,9 +10,9 @@ medians, spreads and ratios measured in the same run.
 
 Flags shared by the scripts: :func:`define_kernel_flags` gives a script ``ftjax.generate``'s kernel
 flags (``--kernels``, ``--kernel_tiles``, ``--grouped_matmul``, ``--flash_prefill``, ``--slot_order``,
-``--min_dot_rows``, ``--decode_gemm``, ``--decode_graphs``, ``--fetch_group``) and :func:`kernel_config` the
-``KernelConfig`` they say, passed into each engine (``EngineConfig.kernels``; nothing reads the
-environment). Bad user input stops a script with one line and exit status 1: parse-time checks of a
+``--min_dot_rows``, ``--decode_gemm``, ``--decode_graphs``, ``--decode_loop``, ``--fetch_group``) and
+:func:`kernel_config` the ``KernelConfig`` they say, passed into each engine (``EngineConfig.kernels``; nothing reads
+the environment). Bad user input stops a script with one line and exit status 1: parse-time checks of a
 flag (:func:`validate`, :func:`check_names`, :func:`check_numbers`: ``FATAL Flags parsing error:
 ...``) or ``app.UsageError`` raised in ``main`` under :func:`run` (``error: ...``). :func:`run` also gives
 every script ``--compilation_cache_dir`` (JAX's persistent compilation cache, on by default:
@@ -178,7 +178,7 @@ def check_preset(name: str = "preset") -> None:
 #: The kernel flags of :func:`define_kernel_flags` (``ftjax.generate``'s), each a ``KernelConfig`` field
 #: (``kernels`` is ``KernelConfig.use``, ``kernel_tiles`` its ``tiles``).
 KERNEL_FLAGS = ("kernels", "kernel_tiles", "grouped_matmul", "flash_prefill", "slot_order", "min_dot_rows",
-                "decode_gemm", "decode_graphs", "fetch_group")
+                "decode_gemm", "decode_graphs", "decode_loop", "fetch_group")
 #: Environment variables that chose kernels before ``KernelConfig``: nothing reads them now.
 STALE_ENV = {"FTJAX_KERNELS": "--kernels", "FTJAX_DENSE_DECODE_TILES": "--kernel_tiles=dense_decode:...",
              "FTJAX_MOE_DECODE_TILES": "--kernel_tiles=moe_decode:...", "FTJAX_GROUPED_MATMUL": "--grouped_matmul",
@@ -217,7 +217,8 @@ def define_kernel_flags(skip: tuple[str, ...] = (), multi_use: bool = False) -> 
     (``FLAGS.kernels`` is then a list, default [] = auto). :func:`kernel_config` builds the config."""
     from absl import flags
 
-    from ftjax.kernels.registry import DECODE_GEMMS, DECODE_GRAPHS, FLASH_PREFILLS, GROUPED_MATMULS, SLOT_ORDERS
+    from ftjax.kernels.registry import (DECODE_GEMMS, DECODE_GRAPHS, DECODE_LOOPS, FLASH_PREFILLS, GROUPED_MATMULS,
+                                        SLOT_ORDERS)
     unknown = set(skip) - set(KERNEL_FLAGS)
     if unknown:
         raise ValueError(f"unknown kernel flags {sorted(unknown)}")
@@ -257,6 +258,9 @@ def define_kernel_flags(skip: tuple[str, ...] = (), multi_use: bool = False) -> 
         "decode_graphs": lambda: flags.DEFINE_enum(
             "decode_graphs", "auto", list(DECODE_GRAPHS), "Decode programs on a GPU as CUDA graphs: on, off, or auto "
             "(KernelConfig.decode_graphs).", **mod),
+        "decode_loop": lambda: flags.DEFINE_enum(
+            "decode_loop", "fixed", list(DECODE_LOOPS), "How the loop of a generate's decode block ends: fixed "
+            "(decode_block iterations, a trip count XLA knows) or dynamic (KernelConfig.decode_loop).", **mod),
     }
     names = [n for n in KERNEL_FLAGS if n not in skip]
     for n in names:
@@ -290,7 +294,7 @@ def _kernel_config(values: dict, use=None, **override):
     fields = {"use": use if use is not None else values.get("kernels", "auto"),
               "tiles": parse_tiles(values.get("kernel_tiles"))}
     for n in ("grouped_matmul", "flash_prefill", "slot_order", "min_dot_rows", "decode_gemm", "decode_graphs",
-              "fetch_group"):
+              "decode_loop", "fetch_group"):
         if n in values:
             fields[n] = values[n]
     if isinstance(fields["use"], list):  # the repeated flag, no value picked: auto

@@ -33,8 +33,8 @@ from ftjax.config import (CACHE_POLICIES, CPU_DRIVERS, CPU_EXPERT_IMPLS, EXPERT_
 from ftjax import compile_cache
 from ftjax.experts.policies import describe as describe_cache_policies
 from ftjax.experts.quant import FORMATS as EXPERT_FORMATS
-from ftjax.kernels.registry import (DECODE_GEMMS, DECODE_GRAPHS, FLASH_PREFILLS, GROUPED_MATMULS, SLOT_ORDERS,
-                                    KernelConfig)
+from ftjax.kernels.registry import (DECODE_GEMMS, DECODE_GRAPHS, DECODE_LOOPS, FLASH_PREFILLS, GROUPED_MATMULS,
+                                    SLOT_ORDERS, KernelConfig)
 
 FLAGS = flags.FLAGS
 
@@ -76,10 +76,9 @@ FLAG_NAMES = ("checkpoint", "preset", "seed", "dtype", "expert_dtype", "experts"
               "vram_budget_gb", "progress", "prefill", "prefill_chunk", "prefill_driver", "prefill_overlap",
               "stream_d2d_hits", "prefix_copy", "prefix_copy_layers", "kv_offload", "kv_host_gb", "kv_chunk_tokens",
               "kv_load", "miss_policy", "cpu_expert_impl", "cpu_threads", "cpu_miss_driver", "calibration_profile",
-              "matmul_precision",
-              "decode_gemm", "decode_graphs", "kernels", "kernel_tiles", "grouped_matmul", "flash_prefill",
-               "slot_order", "min_dot_rows", "fetch_group", "fixed_fetch", "decode_block", "devices", "expert_split",
-              "compilation_cache_dir")
+              "matmul_precision", "decode_gemm", "decode_graphs", "decode_loop", "kernels", "kernel_tiles",
+              "grouped_matmul", "flash_prefill", "slot_order", "min_dot_rows", "fetch_group", "fixed_fetch",
+              "decode_block", "devices", "expert_split", "compilation_cache_dir")
 
 
 def define_flags(flag_values: flags.FlagValues = FLAGS, module_name: str | None = None) -> None:
@@ -169,6 +168,10 @@ def define_flags(flag_values: flags.FlagValues = FLAGS, module_name: str | None 
                   "with WHILE and CONDITIONAL): on, off, or auto = on for --experts cached/on_demand when a step "
                   "fetches every miss (its miss copies loop a data-dependent number of times; not with CPU experts) "
                   "(KernelConfig.decode_graphs; docs/PROFILE.md).")
+    d.DEFINE_enum("decode_loop", "fixed", list(DECODE_LOOPS),
+                  "How the loop of a generate's decode block ends: fixed = it runs --decode_block iterations, those "
+                  "past the last step or after every row stopped with every row idle (no predicate read back to the "
+                  "host each step); dynamic = it stops there (KernelConfig.decode_loop).")
     d.DEFINE_string("kernels", "auto", "Pallas kernels to run: auto (each where it applies and was measured faster: "
                     "on a GPU), xla (the plain-JAX references everywhere), interpret (every kernel in Pallas interpret "
                     "mode), or a comma list of kernel names (ftjax.kernels.registry; a kernel asked for by name that "
@@ -287,7 +290,8 @@ def kernel_config() -> KernelConfig:
             raise UserError(f"--kernel_tiles entry {entry!r}: expected name:int/int/...") from None
     return KernelConfig(use=FLAGS.kernels, tiles=tiles, grouped_matmul=FLAGS.grouped_matmul,
                         flash_prefill=FLAGS.flash_prefill, slot_order=FLAGS.slot_order, min_dot_rows=FLAGS.min_dot_rows,
-                        decode_gemm=FLAGS.decode_gemm, decode_graphs=FLAGS.decode_graphs, fetch_group=FLAGS.fetch_group)
+                        decode_gemm=FLAGS.decode_gemm, decode_graphs=FLAGS.decode_graphs, fetch_group=FLAGS.fetch_group,
+                        decode_loop=FLAGS.decode_loop)
 
 
 def miss_config(mode: str) -> MissPolicyConfig:

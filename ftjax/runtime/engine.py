@@ -847,7 +847,8 @@ class Engine:
             if self._blocks_decode(b, max_new_tokens):
                 eos = np.asarray(list(eos_ids), np.int64)
                 self._block_program(self._block_args(np.zeros((b, 1), np.int32), jax.random.key(0), 1, eos,
-                                                     np.zeros(b, bool)), (temperature, top_p, top_k), keep_logits)
+                                                     np.zeros(b, bool)), (temperature, top_p, top_k), keep_logits,
+                                    fixed=self.config.kernels.decode_loop == "fixed")
         except BaseException:
             self.release(0)
             raise
@@ -949,15 +950,17 @@ class Engine:
         return (self.params, self._step_banks, self.cache, self.state, _int32(tokens), _int32(pos),
                 live.astype(np.int32), key, _int32(limit), eos, stopped)
 
-    def _block_program(self, args: tuple, sampling: tuple, keep_logits: bool, steps: int | None = None):
+    def _block_program(self, args: tuple, sampling: tuple, keep_logits: bool, steps: int | None = None,
+                       fixed: bool = False):
         """The compiled :func:`ftjax.runtime.step.decode_block` of ``steps`` steps at most (default
-        ``EngineConfig.decode_block``) for these arguments; ``sampling``: its static (temperature, top_p, top_k)."""
+        ``EngineConfig.decode_block``) for these arguments; ``sampling``: its static (temperature, top_p, top_k);
+        fixed: its loop runs ``steps`` iterations whatever the limit (``decode_block``'s ``fixed``)."""
         b = len(self.rows)
         plan = self.planner.plan(b, 1, b)
         temperature, top_p, top_k = sampling
         return self.programs.compile(decode_block, args, compiler_options=plan.compiler_options, cfg=self.cfg,
                                      opts=plan.opts, steps=steps or self.config.decode_block, temperature=temperature,
-                                     top_p=top_p, top_k=top_k, keep_logits=keep_logits)
+                                     top_p=top_p, top_k=top_k, keep_logits=keep_logits, fixed=fixed)
 
     def _lag(self, i: int) -> int:
         """Steps row ``i``'s blocks not read yet may have moved it past its host ``pos`` (at most)."""
@@ -1034,6 +1037,8 @@ class Engine:
             gated = _continue_limit(after.out.stopped, ran, np.int32(limit))
             args = self._block_args(after.out.last, sampling._replace(keys=after.out.key.keys), gated, eos, stopped,
                                     rows, after.out.pos)
+        # the data-dependent loop end: a block run ahead is gated to no step on the device when a row stopped
+        # before it, which a fixed trip count would run whole with every row idle (KernelConfig.decode_loop)
         exe = self._block_program(args, (0.0, 1.0, 0), False, steps)
         out = self._donating(lambda: exe(*args))
         self.cache, self.state = out.cache, out.state
@@ -1083,14 +1088,20 @@ class Engine:
         Blocks are dispatched back to back; a block ends early on the device once every row has sampled an
         EOS id, and the host stops dispatching when a finished block says so. Appends each step's tokens
         ([B, 1]), stats and (with ``keep_logits``) logits to the lists, as the step-by-step loop does; with
-        ``step_s`` each step of a block is given the block's time over its steps (one host sync a block)."""
+        ``step_s`` each step of a block is given the block's time over its steps (one host sync a block).
+        Under ``KernelConfig.decode_loop`` "fixed" every block's loop runs ``decode_block`` iterations (a last,
+        shorter block's extra ones and those after every row stopped idle: their compute is spent, their outputs
+        are not), so with EOS ids the host reads each block's stop flags before dispatching the next (one block in
+        flight instead of two: at most one block's iterations are spent past the stop)."""
         stopped = np.isin(np.asarray(tok)[:, 0], eos) if eos.size else np.zeros(len(self.rows), bool)
         blocks, left = [], steps
-        while left > 0 and not (len(blocks) >= 2 and bool(np.all(np.asarray(blocks[-2].stopped)))):
+        fixed = self.config.kernels.decode_loop == "fixed"
+        ahead = 1 if eos.size and fixed else 2
+        while left > 0 and not (len(blocks) >= ahead and bool(np.all(np.asarray(blocks[-ahead].stopped)))):
             n = min(self.config.decode_block, left)
             ts = time.perf_counter()
             args = self._block_args(tok, key, n, eos, stopped)
-            exe = self._block_program(args, sampling, keep_logits)
+            exe = self._block_program(args, sampling, keep_logits, fixed=fixed)
             out = self._donating(lambda: exe(*args))  # noqa: B023 - called at once
             self.cache, self.state = out.cache, out.state
             tok, key, stopped = out.last, out.key, out.stopped

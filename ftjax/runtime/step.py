@@ -116,11 +116,12 @@ class DecodeBlock(NamedTuple):
     logprobs: Any = None
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "opts", "steps", "temperature", "top_p", "top_k", "keep_logits"),
+@functools.partial(jax.jit, static_argnames=("cfg", "opts", "steps", "temperature", "top_p", "top_k", "keep_logits",
+                                             "fixed"),
                    donate_argnames=("cache", "state"))
 def decode_block(params, banks, cache, state, tokens, start, valid_len, key, limit, eos, stopped, *, cfg,
                  opts: StepOptions, steps: int, temperature: float, top_p: float, top_k: int = 0,
-                 keep_logits: bool = False) -> DecodeBlock:
+                 keep_logits: bool = False, fixed: bool = False) -> DecodeBlock:
     """Up to ``steps`` decode steps in one program: each step is :func:`forward_step` then :func:`sample_next`'s
     key split and draw, the token fed straight back, so one dispatch serves ``steps`` tokens (the host's
     per-step work -- argument transfers, dispatch, the sampler's own program -- is paid once a block).
@@ -139,46 +140,66 @@ def decode_block(params, banks, cache, state, tokens, start, valid_len, key, lim
     rows already stopped. The loop ends after ``limit`` steps or once every row has stopped (an idle row
     counts as stopped; a row stops on sampling an ``eos`` id and still decodes while others run, as it
     would step by step). Returns a :class:`DecodeBlock`.
+
+    ``fixed``: the loop always runs ``steps`` iterations, a trip count XLA knows, so no step waits on its
+    predicate being read back to the host (a data-dependent loop end costs each step a device-to-host copy and
+    the relaunch of the step's kernels after it: 1.11x decode tokens/s on an H100 at the qwen3.5-35b-a3b
+    16-layer cut, ``experiments/bench_decode_loop.py``). An iteration past ``limit`` or after every row
+    stopped runs with every row idle (valid_len 0: nothing is sampled, no position, token, key or state
+    moves on), so the block's outputs are the data-dependent loop's, bit for bit; those iterations' compute
+    is the price (``Engine.generate``'s blocks: ``KernelConfig.decode_loop``).
     """
     b = tokens.shape[0]
     per_row = isinstance(key, RowSampling)
-    idle = valid_len == 0
 
-    def one(cache, state, tok, pos):
-        return forward_step(params, banks, cache, state, tok, pos, valid_len, (), cfg=cfg, opts=opts)
+    def one(cache, state, tok, pos, valid):
+        return forward_step(params, banks, cache, state, tok, pos, valid, (), cfg=cfg, opts=opts)
 
-    shapes = jax.eval_shape(one, cache, state, tokens, start)
+    shapes = jax.eval_shape(one, cache, state, tokens, start, valid_len)
     buffer = lambda s: jnp.zeros((steps,) + s.shape, s.dtype)  # noqa: E731
-    init = dict(i=jnp.int32(0), tok=tokens, pos=start, stopped=stopped | (valid_len == 0), cache=cache, state=state,
-                key=key, out=jnp.zeros((b, steps), jnp.int32), stats=jax.tree.map(buffer, shapes.layer_stats),
+    init = dict(i=jnp.int32(0), n=jnp.int32(0), tok=tokens, pos=start, stopped=stopped | (valid_len == 0),
+                cache=cache, state=state, key=key, out=jnp.zeros((b, steps), jnp.int32),
+                stats=jax.tree.map(buffer, shapes.layer_stats),
                 logits=buffer(shapes.logits) if keep_logits else None,
                 logprobs=jnp.zeros((b, steps), jnp.float32) if per_row else None)
 
     def cond(c):
+        if fixed:  # a trip count XLA knows: no predicate read back to the host between steps
+            return c["i"] < steps
         return (c["i"] < limit) & ~jnp.all(c["stopped"])
 
     def body(c):
         i = c["i"]
-        out = one(c["cache"], c["state"], c["tok"], c["pos"])
+        live = (i < limit) & ~jnp.all(c["stopped"])  # always true in the data-dependent loop
+        valid = valid_len * live.astype(valid_len.dtype) if fixed else valid_len
+        idle = valid == 0
+        keep = lambda new, old: jax.tree.map(lambda a, o: jnp.where(live, a, o), new, old)  # noqa: E731
+        out = one(c["cache"], c["state"], c["tok"], c["pos"], valid)
         logprobs = c["logprobs"]
         if per_row:
             rs = c["key"]
             tok, keys, lp = sample_rows_next(out.logits, rs.keys, rs.temperature, rs.top_p, rs.top_k)
             key, tok = rs._replace(keys=jnp.where(idle[:, None], rs.keys, keys)), tok[:, None]
-            logprobs = jax.lax.dynamic_update_slice(logprobs, lp[:, None], (0, i))
+            logprobs = jax.lax.dynamic_update_slice(logprobs, keep(lp[:, None], logprobs[:, i][:, None]), (0, i))
         else:
             key, sub = jax.random.split(c["key"])
+            key = keep(key, c["key"]) if fixed else key
             tok = sample(out.logits, sub, temperature, top_p, top_k)[:, None]
         tok = jnp.where(idle[:, None], c["tok"], tok)  # an idle row's token passes through
-        put = lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, x, i, 0)  # noqa: E731
-        return dict(i=i + 1, tok=tok, pos=c["pos"] + valid_len, stopped=c["stopped"] | jnp.any(tok == eos, axis=-1),
+
+        def put(buf, x):  # an idle iteration leaves the buffer's entry as it was
+            x = keep(x, jax.lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)) if fixed else x
+            return jax.lax.dynamic_update_index_in_dim(buf, x, i, 0)
+        new_out = keep(tok, c["out"][:, i][:, None]) if fixed else tok
+        return dict(i=i + 1, n=c["n"] + live.astype(jnp.int32), tok=tok, pos=c["pos"] + valid,
+                    stopped=c["stopped"] | (live & jnp.any(tok == eos, axis=-1)),
                     cache=out.cache, state=out.expert_state, key=key,
-                    out=jax.lax.dynamic_update_slice(c["out"], tok, (0, i)),
+                    out=jax.lax.dynamic_update_slice(c["out"], new_out, (0, i)),
                     stats=jax.tree.map(put, c["stats"], out.layer_stats),
                     logits=put(c["logits"], out.logits) if keep_logits else None, logprobs=logprobs)
 
     c = jax.lax.while_loop(cond, body, init)
-    return DecodeBlock(c["out"], c["i"], c["tok"], c["pos"], c["stopped"], c["stats"], c["logits"], c["cache"],
+    return DecodeBlock(c["out"], c["n"], c["tok"], c["pos"], c["stopped"], c["stats"], c["logits"], c["cache"],
                        c["state"], c["key"], c["logprobs"])
 
 

@@ -1,0 +1,89 @@
+r"""Decode block loop forms (``KernelConfig.decode_loop``), resident, in one process: "dynamic", the block's
+while loop ending at its limit or once every row stopped (XLA reads that predicate back to the host each
+step), against "fixed", a trip count of ``decode_block`` iterations XLA knows. Tokens/s of ``Engine.generate``
+(medians of ``--repeats``, the two forms alternating) and whether both gave the same tokens.
+
+  PYTHONPATH=. python3 experiments/bench_decode_loop.py --out_dir=$OUT
+  .venv/bin/python experiments/bench_decode_loop.py --preset=tiny --layers=2 --steps=32 --repeats=1 --out_dir=/tmp/x
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+import statistics
+import sys
+
+from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+from experiments import common  # noqa: E402
+
+FLAGS = flags.FLAGS
+common.define_kernel_flags()
+flags.DEFINE_string("preset", "qwen3.5-35b-a3b", "Model shape (random weights).")
+flags.DEFINE_integer("layers", 16, "Layers the shape is cut to.", lower_bound=0)
+flags.DEFINE_list("batches", ["1"], "Sequences decoded together (a row per form and batch).")
+flags.DEFINE_integer("prompt_len", 512, "Prompt tokens.", lower_bound=1)
+flags.DEFINE_integer("steps", 128, "Decode steps after the prompt's token.", lower_bound=1)
+flags.DEFINE_integer("decode_block", 16, "Steps per block.", lower_bound=1)
+flags.DEFINE_integer("repeats", 5, "Timed generates per form, alternating (after one untimed each).", lower_bound=1)
+flags.DEFINE_bool("alternate", True, "Both engines held, the forms' timed generates alternating.")
+flags.DEFINE_string("out_dir", "experiments/results/decode_speed", "Where the JSON goes.")
+flags.DEFINE_string("tag", "", "Goes into the JSON's name.")
+common.check_preset()
+common.check_numbers("batches", int, low=1)
+
+
+def main(argv):
+    del argv
+    from ftjax.checkpoint import random_model
+    cfg = common.preset_cut(FLAGS.preset, FLAGS.layers)
+    model = random_model(cfg, "bfloat16")
+    out = {"rows": []}
+    name = f"bench_decode_loop_{FLAGS.preset}" + (f"_{FLAGS.tag}" if FLAGS.tag else "") + ".json"
+    for batch in map(int, FLAGS.batches):
+        out["rows"] += _rows(model, batch)
+        print("wrote", common.write_json(FLAGS.out_dir, name, out))  # after each batch: a cut run keeps its rows
+
+
+def _rows(model, batch: int) -> list[dict]:
+    """Both forms at ``batch`` rows: an untimed (compiling) generate each, then ``--repeats`` alternating (with
+    ``--noalternate`` one form's engine after the other's: two resident engines of a large cut do not fit)."""
+    from ftjax import Engine
+    from ftjax.config import EngineConfig
+    cfg = model.cfg
+    config = EngineConfig(experts="resident", batch=batch, decode_block=FLAGS.decode_block,
+                          max_seq_len=-(-(FLAGS.prompt_len + FLAGS.steps + 1) // 128) * 128)
+    rng = np.random.default_rng(batch)
+    prompts = [rng.integers(0, cfg.vocab_size, FLAGS.prompt_len).tolist() for _ in range(batch)]
+    engines, times, first = {}, {"dynamic": [], "fixed": []}, {}
+    for form in times:
+        e = Engine(model, dataclasses.replace(config, kernels=common.kernel_config(decode_loop=form)))
+        first[form] = e.generate(prompts, FLAGS.steps + 1)  # compiles
+        if FLAGS.alternate:
+            engines[form] = e
+        else:
+            times[form] = [e.generate(prompts, FLAGS.steps + 1).decode_tokens_per_s for _ in range(FLAGS.repeats)]
+            del e
+            gc.collect()
+    for _ in range(FLAGS.repeats if engines else 0):
+        for f, e in engines.items():
+            times[f].append(e.generate(prompts, FLAGS.steps + 1).decode_tokens_per_s)
+    rows = [{"batch": batch, "form": f, "tokens_per_s": common.spread(times[f]),
+             "step_ms": 1e3 * batch / statistics.median(times[f])} for f in times]
+    same = first["dynamic"].generated_ids == first["fixed"].generated_ids
+    rows[1]["same_tokens_as_dynamic"] = same
+    rows[1]["over_dynamic"] = rows[1]["tokens_per_s"]["median"] / rows[0]["tokens_per_s"]["median"]
+    for r in rows:
+        print(f"batch {batch} {r['form']:8s} {r['tokens_per_s']['median']:8.1f} tok/s  step {r['step_ms']:.3f} ms"
+              + (f"  x{r['over_dynamic']:.3f}, same tokens: {same}" if "over_dynamic" in r else ""), flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 #: Fields that identify a row (its label), in the order they are printed.
 LABEL_KEYS = ("preset", "mode", "variant", "policy", "impl", "load", "fixture", "prompt", "dtype", "expert_dtype",
               "format", "mechanism", "batch", "budget_gb", "tokens", "prompt_len", "slots", "case", "kernels",
-              "chunk_states", "highest", "ids", "graphs", "layers")
+              "chunk_states", "highest", "ids", "graphs", "layers", "form")
 #: Metrics drawn when a row has them (name in the JSON, axis label).
 METRICS = (
     ("decode_tokens_per_s", "decode tokens/s"), ("tokens_per_s", "tokens/s"), ("tpot_s", "TPOT (s)"),

@@ -33,8 +33,9 @@ failure or a timeout keeps what ran before it):
   (qwen3-30b-a3b's router: 32 K-split parts of 128 logits, top-8, bf16), batch 1 and 4: ids differing over
   200 random draws, the largest weight difference, time per call.
 * ``flash_prefill``: ``flash_prefill.flash_attention`` (Triton backend) and the shipped Mosaic GPU
-  kernel (``mgpu_attention``) vs ``layers.attention.attention``: T=8192 from position 0 in an 8192 row, and
-  (Triton kernel only) T=1024 from position 4096. Each row's ``ok``: max |diff| within ``FLASH_TOL``; the
+  kernel (``mgpu_attention``) vs ``layers.attention.attention`` at 32 / 4 heads of 128 (qwen3) and 16 / 2 heads
+  of 256 (the qwen3.5 family's gated attention): T=8192 from position 0 in an 8192 row, and (Triton kernel only)
+  T=1024 from position 4096. Each row's ``ok``: max |diff| within ``FLASH_TOL``; the
   script exits 1 if a row is not.
 * ``e2e``: qwen3-30b-a3b cut to --e2e_layers layers, random bf16 weights, resident: decode step
   time (median of --e2e_steps) and TTFT of a --prompt_len prompt with the engine's kernel config
@@ -122,6 +123,9 @@ PRESET = "qwen3-30b-a3b"
 INTERPRET = False  # kernels called directly run in Pallas interpret mode (off the GPU)
 #: Largest |kernel - reference| a flash prefill row may show (bf16 outputs of unit-scale random inputs: 0.016 measured)
 FLASH_TOL = 0.05
+#: (query heads, KV heads, head dim) of the flash_prefill section: qwen3's attention and the qwen3.5 family's
+#: gated attention (where ``mgpu_block_kv`` takes key blocks of 64).
+FLASH_HEADS = ((HQ, HKV, HD), (16, 2, 256))
 T0 = time.perf_counter()
 OUT: dict = {"script": "experiments/check_kernels_gpu.py", "checks": []}
 
@@ -462,20 +466,25 @@ def section_route_decode():
 
 
 def section_flash_prefill():
+    for hq, hkv, hd in FLASH_HEADS:
+        _flash_rows(hq, hkv, hd)
+
+
+def _flash_rows(hq: int, hkv: int, hd: int):
     from ftjax.kernels import flash_prefill as fp
     from ftjax.layers import attention as attention_lib
     s_max = S_MAX[-1]
     for t, start in PREFILL:
         rng = np.random.default_rng(t)
-        k = jnp.asarray(rng.standard_normal((1, s_max, HKV, HD)), jnp.bfloat16)
-        v = jnp.asarray(rng.standard_normal((1, s_max, HKV, HD)), jnp.bfloat16)
-        q = jnp.asarray(rng.standard_normal((1, t, HQ, HD)), jnp.bfloat16)
+        k = jnp.asarray(rng.standard_normal((1, s_max, hkv, hd)), jnp.bfloat16)
+        v = jnp.asarray(rng.standard_normal((1, s_max, hkv, hd)), jnp.bfloat16)
+        q = jnp.asarray(rng.standard_normal((1, t, hq, hd)), jnp.bfloat16)
         st = jnp.asarray([start], jnp.int32)
         pos = st[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
         ref_fn = jax.jit(attention_lib.attention)
         want = ref_fn(q, k, v, pos)
-        info = {"T": t, "start": start, "s_max": s_max,
-                "flops": 4 * HQ * HD * sum(min(start + i + 1, s_max) for i in range(t))}
+        info = {"T": t, "start": start, "s_max": s_max, "heads": f"{hq}/{hkv}x{hd}",
+                "flops": 4 * hq * hd * sum(min(start + i + 1, s_max) for i in range(t))}
         ref = check("flash_prefill", "xla blocked attention", lambda: {"xla_us": median_us(ref_fn, q, k, v, pos)},
                     **info)
 
@@ -495,7 +504,8 @@ def section_flash_prefill():
                 return finish(fn, fn(q, k, v, st))
             check("flash_prefill", f"pallas bq={bq} bk={bk} warps={nw} stages={ns}", row, **info)
         if start == 0:
-            for bq, bkv, steps in [(64, 128, 2), (64, 64, 2), (64, 128, 4)]:
+            for bq, bkv, steps in [(64, 128, 2), (64, 64, 2), (64, 128, 4)] if hd <= 128 else [(64, 64, 2),
+                                                                                                 (64, 128, 2)]:
                 def mrow(bq=bq, bkv=bkv, steps=steps):
                     fn = jax.jit(lambda q, k, v, s: fp.mgpu_attention(q, k, v, bq, bkv, steps))
                     return finish(fn, fn(q, k, v, st))

@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 from experiments import common  # noqa: E402
 
 FLAGS = flags.FLAGS
-common.define_kernel_flags()
+common.define_kernel_flags(skip=("decode_loop",))  # both forms, always
 flags.DEFINE_string("preset", "qwen3.5-35b-a3b", "Model shape (random weights).")
 flags.DEFINE_integer("layers", 16, "Layers the shape is cut to.", lower_bound=0)
 flags.DEFINE_list("batches", ["1"], "Sequences decoded together (a row per form and batch).")

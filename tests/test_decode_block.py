@@ -47,10 +47,11 @@ def test_decode_block_checked():
 def test_fixed_trip_loop_gives_the_dynamic_loops_block_bit_for_bit():
     """``KernelConfig.decode_loop`` "fixed" (every block runs ``decode_block`` iterations, those past the limit or
     after every row stopped idle) against "dynamic" (the loop ends there), on the hybrid fixture (Gated DeltaNet
-    state carried from step to step) cached with misses: 10 decode steps in blocks of 4 (a last block of 2), EOS
-    stopping one row in block 1 and the other in block 2. The same tokens, logits, routing and counters, and
-    afterwards the same Gated DeltaNet states, expert slot table (its clock ticked on by the idle iterations) and
-    K/V at every position written."""
+    state carried from step to step) cached under LFRU (whose decay reads the table's clock) with misses: 10 decode
+    steps in blocks of 4 (a last block of 2), EOS stopping one row in block 1 and the other in block 2, then a
+    second generate on each engine. The same tokens, logits, routing and counters, the same Gated DeltaNet states,
+    expert state (pools, slot table, clock) and K/V at every position written; and the compiled fixed block has
+    the trip count XLA knows."""
     import jax
 
     from ftjax.kernels.registry import KernelConfig
@@ -61,35 +62,32 @@ def test_fixed_trip_loop_gives_the_dynamic_loops_block_bit_for_bit():
     e = model.cfg.num_experts
 
     def run(loop, eos_ids=()):
-        engine = Engine(model, EngineConfig("cached", num_slots=e + 2, batch=2, max_seq_len=64, decode_block=4,
-                                            kernels=KernelConfig(decode_loop=loop)))
-        res = engine.generate(prompts, 11, eos_ids=eos_ids, **kw)
-        return res, engine
+        engine = Engine(model, EngineConfig("cached", num_slots=e + 2, cache_policy="lfru", batch=2, max_seq_len=64,
+                                            decode_block=4, kernels=KernelConfig(decode_loop=loop)))
+        first = engine.generate(prompts, 11, eos_ids=eos_ids, **kw)
+        return first, engine
 
     free, _ = run("dynamic")
     eos = [free.generated_ids[0][2], free.generated_ids[1][6]]
     (dyn, ed), (fix, ef) = run("dynamic", eos), run("fixed", eos)
-    assert dyn.stop_reasons == ["eos", "eos"] and fix.generated_ids == dyn.generated_ids
-    assert 2 < len(dyn.generated_ids[0]) < len(dyn.generated_ids[1]) < 11
-    np.testing.assert_array_equal(fix.step_logits, dyn.step_logits)
-    for a, b in zip(fix.routing, dyn.routing, strict=True):
-        np.testing.assert_array_equal(a, b)
+    assert dyn.stop_reasons == ["eos", "eos"] and 2 < len(dyn.generated_ids[0]) < len(dyn.generated_ids[1]) < 11
+    for row, ids in enumerate(dyn.generated_ids):  # K/V at the positions the row wrote (its last token's is not)
+        n = len(prompts[row]) + len(ids) - 1
+        np.testing.assert_array_equal(np.asarray(ef.cache.k)[:, row, :n], np.asarray(ed.cache.k)[:, row, :n])
+    again = [eng.generate([[5, 4, 3, 2, 1], [9, 8, 7]], 11, **kw) for eng in (ed, ef)]  # on what the first left
+    for a, b in ((fix, dyn), tuple(reversed(again))):
+        assert a.generated_ids == b.generated_ids and a.stop_reasons == b.stop_reasons
+        np.testing.assert_array_equal(a.step_logits, b.step_logits)
+        for x, y in zip(a.routing, b.routing, strict=True):
+            np.testing.assert_array_equal(x, y)
     md, mf = ed.expert_cache_metrics(), ef.expert_cache_metrics()
-    for k in ("hits", "misses", "bytes_h2d", "fetched"):
+    for k in ("hits", "misses", "bytes_h2d", "fetched", "resident_per_layer"):
         assert mf[k] == md[k], k
     assert md["misses"] > 0
     for name in ("conv", "rec"):
         np.testing.assert_array_equal(np.asarray(getattr(ef.cache, name)), np.asarray(getattr(ed.cache, name)))
-    fixed_leaves = jax.tree_util.tree_leaves_with_path(ef.state)
-    for (path, a), b in zip(fixed_leaves, jax.tree.leaves(ed.state), strict=True):
-        if "clock" in jax.tree_util.keystr(path):  # it ticks once per layer call, an idle one too: order kept
-            idle = int(a) - int(b)
-            assert idle > 0 and idle % model.cfg.num_layers == 0, (int(a), int(b))
-        else:
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
-    for row, ids in enumerate(dyn.generated_ids):  # K/V at the positions the row wrote (its last token's is not)
-        n = len(prompts[row]) + len(ids) - 1
-        np.testing.assert_array_equal(np.asarray(ef.cache.k)[:, row, :n], np.asarray(ed.cache.k)[:, row, :n])
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(ef.state), jax.tree.leaves(ed.state), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
     # what the fixed loop is for: XLA knows the block loop's trip count (no predicate read back each step)
     trips = {}
     for _, opts, _, exe in programs.compiled_programs("decode_block"):
@@ -97,3 +95,18 @@ def test_fixed_trip_loop_gives_the_dynamic_loops_block_bit_for_bit():
         trips[opts["fixed"]] = [line for line in entry.splitlines() if " while(" in line]
     assert len(trips[True]) == len(trips[False]) == 1
     assert '"known_trip_count":{"n":"4"}' in trips[True][0] and "known_trip_count" not in trips[False][0]
+
+
+def test_fixed_trip_loop_keeps_the_on_demand_table():
+    """on_demand resets its slot table at each layer call: an idle iteration of the fixed loop must not, so the
+    experts a layer holds after a generate whose last block is short are the dynamic loop's."""
+    from ftjax.kernels.registry import KernelConfig
+    model, _ = load_fixture("qwen3_moe_bf16")
+    e = model.cfg.num_experts
+    held = {}
+    for loop in ("dynamic", "fixed"):
+        engine = Engine(model, EngineConfig("on_demand", num_slots=e, max_seq_len=32, decode_block=4,
+                                            kernels=KernelConfig(decode_loop=loop)))
+        engine.generate([[1, 2, 3, 4, 5]], 6)  # 5 decode steps: a block of 4, then one of 1 (3 idle iterations)
+        held[loop] = engine.expert_cache_metrics()["resident_per_layer"]
+    assert held["fixed"] == held["dynamic"] and sum(held["dynamic"]) > 0

@@ -1085,8 +1085,9 @@ class Engine:
                           toks: list, decode_stats: list, all_logits: list | None, step_s: list | None) -> None:
         """:meth:`generate`'s decode loop as blocks of ``EngineConfig.decode_block`` steps
         (``ftjax.runtime.step.decode_block``): up to ``steps`` steps after ``tok`` (int32 [B, 1] on the device).
-        Blocks are dispatched back to back; a block ends early on the device once every row has sampled an
-        EOS id, and the host stops dispatching when a finished block says so. Appends each step's tokens
+        Blocks are dispatched back to back (two in flight; one with EOS ids under the fixed loop, below); a block's
+        steps after every row sampled an EOS id run no token, and the host stops dispatching when a finished block
+        says so. Appends each step's tokens
         ([B, 1]), stats and (with ``keep_logits``) logits to the lists, as the step-by-step loop does; with
         ``step_s`` each step of a block is given the block's time over its steps (one host sync a block).
         Under ``KernelConfig.decode_loop`` "fixed" every block's loop runs ``decode_block`` iterations (a last,

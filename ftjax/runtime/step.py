@@ -145,9 +145,11 @@ def decode_block(params, banks, cache, state, tokens, start, valid_len, key, lim
     predicate being read back to the host (a data-dependent loop end costs each step a device-to-host copy and
     the relaunch of the step's kernels after it: 1.11x decode tokens/s on an H100 at the qwen3.5-35b-a3b
     16-layer cut, ``experiments/bench_decode_loop.py``). An iteration past ``limit`` or after every row
-    stopped runs with every row idle (valid_len 0: nothing is sampled, no position, token, key or state
-    moves on), so the block's outputs are the data-dependent loop's, bit for bit; those iterations' compute
-    is the price (``Engine.generate``'s blocks: ``KernelConfig.decode_loop``).
+    stopped runs with every row idle (valid_len 0: nothing is sampled, no position, token, key or Gated
+    DeltaNet state moves on, no expert is routed or fetched; the slot table and recency are carried through
+    unchanged; K/V is written only at each row's next position, never a valid one), so the block's outputs
+    and the state later calls read are the data-dependent loop's, bit for bit; those iterations' compute is
+    the price (``Engine.generate``'s blocks: ``KernelConfig.decode_loop``).
     """
     b = tokens.shape[0]
     per_row = isinstance(key, RowSampling)
@@ -170,10 +172,13 @@ def decode_block(params, banks, cache, state, tokens, start, valid_len, key, lim
 
     def body(c):
         i = c["i"]
-        live = (i < limit) & ~jnp.all(c["stopped"])  # always true in the data-dependent loop
-        valid = valid_len * live.astype(valid_len.dtype) if fixed else valid_len
+        if fixed:  # past the limit or every row stopped: an idle iteration that changes no output
+            live = (i < limit) & ~jnp.all(c["stopped"])
+            valid = valid_len * live.astype(valid_len.dtype)
+            keep = lambda new, old: jax.tree.map(lambda a, o: jnp.where(live, a, o), new, old)  # noqa: E731
+        else:
+            live, valid, keep = True, valid_len, lambda new, old: new  # noqa: E731
         idle = valid == 0
-        keep = lambda new, old: jax.tree.map(lambda a, o: jnp.where(live, a, o), new, old)  # noqa: E731
         out = one(c["cache"], c["state"], c["tok"], c["pos"], valid)
         logprobs = c["logprobs"]
         if per_row:
@@ -183,17 +188,23 @@ def decode_block(params, banks, cache, state, tokens, start, valid_len, key, lim
             logprobs = jax.lax.dynamic_update_slice(logprobs, keep(lp[:, None], logprobs[:, i][:, None]), (0, i))
         else:
             key, sub = jax.random.split(c["key"])
-            key = keep(key, c["key"]) if fixed else key
+            key = keep(key, c["key"])
             tok = sample(out.logits, sub, temperature, top_p, top_k)[:, None]
         tok = jnp.where(idle[:, None], c["tok"], tok)  # an idle row's token passes through
+        state = out.expert_state
+        if fixed and state.table is not None:
+            # an idle layer call routes nothing and fills no slot, but its lookup ticks the table's clock (LFRU's
+            # decay reads the ticks) and on_demand's resets the table: the small table and recency stay as they were
+            state = state.replace(table=keep(state.table, c["state"].table),
+                                  last_routed=keep(state.last_routed, c["state"].last_routed))
 
         def put(buf, x):  # an idle iteration leaves the buffer's entry as it was
             x = keep(x, jax.lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)) if fixed else x
             return jax.lax.dynamic_update_index_in_dim(buf, x, i, 0)
         new_out = keep(tok, c["out"][:, i][:, None]) if fixed else tok
-        return dict(i=i + 1, n=c["n"] + live.astype(jnp.int32), tok=tok, pos=c["pos"] + valid,
+        return dict(i=i + 1, n=c["n"] + jnp.int32(1) * live, tok=tok, pos=c["pos"] + valid,
                     stopped=c["stopped"] | (live & jnp.any(tok == eos, axis=-1)),
-                    cache=out.cache, state=out.expert_state, key=key,
+                    cache=out.cache, state=state, key=key,
                     out=jax.lax.dynamic_update_slice(c["out"], new_out, (0, i)),
                     stats=jax.tree.map(put, c["stats"], out.layer_stats),
                     logits=put(c["logits"], out.logits) if keep_logits else None, logprobs=logprobs)

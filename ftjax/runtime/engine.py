@@ -1087,9 +1087,9 @@ class Engine:
         (``ftjax.runtime.step.decode_block``): up to ``steps`` steps after ``tok`` (int32 [B, 1] on the device).
         Blocks are dispatched back to back (two in flight; one with EOS ids under the fixed loop, below); a block's
         steps after every row sampled an EOS id run no token, and the host stops dispatching when a finished block
-        says so. Appends each step's tokens
-        ([B, 1]), stats and (with ``keep_logits``) logits to the lists, as the step-by-step loop does; with
-        ``step_s`` each step of a block is given the block's time over its steps (one host sync a block).
+        says so. Appends each step's tokens ([B, 1]), stats and (with ``keep_logits``) logits to the lists, as the
+        step-by-step loop does; with ``step_s`` each step of a block is given the block's time over its steps (one
+        host sync a block).
         Under ``KernelConfig.decode_loop`` "fixed" every block's loop runs ``decode_block`` iterations (a last,
         shorter block's extra ones and those after every row stopped idle: their compute is spent, their outputs
         are not), so with EOS ids the host reads each block's stop flags before dispatching the next (one block in

@@ -1,7 +1,9 @@
 r"""Decode block loop forms (``KernelConfig.decode_loop``), resident, in one process: "dynamic", the block's
 while loop ending at its limit or once every row stopped (XLA reads that predicate back to the host each
 step), against "fixed", a trip count of ``decode_block`` iterations XLA knows. Tokens/s of ``Engine.generate``
-(medians of ``--repeats``, the two forms alternating) and whether both gave the same tokens.
+(medians of ``--repeats``, the two forms alternating) and whether both gave the same tokens. ``--eos_at``: the
+timed generates stop on an EOS id mid-generation, where a fixed-loop generate reads each block's stop flags
+before dispatching the next (``decode_s``: the decode's seconds, the stop's cost included).
 
   PYTHONPATH=. python3 experiments/bench_decode_loop.py --out_dir=$OUT
   .venv/bin/python experiments/bench_decode_loop.py --preset=tiny --layers=2 --steps=32 --repeats=1 --out_dir=/tmp/x
@@ -32,6 +34,9 @@ flags.DEFINE_integer("prompt_len", 512, "Prompt tokens.", lower_bound=1)
 flags.DEFINE_integer("steps", 128, "Decode steps after the prompt's token.", lower_bound=1)
 flags.DEFINE_integer("decode_block", 16, "Steps per block.", lower_bound=1)
 flags.DEFINE_integer("repeats", 5, "Timed generates per form, alternating (after one untimed each).", lower_bound=1)
+flags.DEFINE_integer("eos_at", None, "With EOS ids: the timed generates stop at the token row 0's untimed dynamic "
+                     "generate made at this index (decode step), the path where a fixed-loop generate keeps one "
+                     "block in flight; unset: no EOS ids.", lower_bound=1)
 flags.DEFINE_bool("alternate", True, "Both engines held, the forms' timed generates alternating.")
 flags.DEFINE_string("out_dir", "experiments/results/decode_speed", "Where the JSON goes.")
 flags.DEFINE_string("tag", "", "Goes into the JSON's name.")
@@ -61,22 +66,37 @@ def _rows(model, batch: int) -> list[dict]:
                           max_seq_len=-(-(FLAGS.prompt_len + FLAGS.steps + 1) // 128) * 128)
     rng = np.random.default_rng(batch)
     prompts = [rng.integers(0, cfg.vocab_size, FLAGS.prompt_len).tolist() for _ in range(batch)]
-    engines, times, first = {}, {"dynamic": [], "fixed": []}, {}
-    for form in times:
-        e = Engine(model, dataclasses.replace(config, kernels=common.kernel_config(decode_loop=form)))
-        first[form] = e.generate(prompts, FLAGS.steps + 1)  # compiles
+    engines, times, first, eos = {}, {"dynamic": [], "fixed": []}, {}, ()
+    decode_s = {f: [] for f in times}
+
+    def timed(e):
+        r = e.generate(prompts, FLAGS.steps + 1, eos_ids=eos)
+        times[f].append(r.decode_tokens_per_s)
+        decode_s[f].append(r.decode_s)
+        return r
+
+    for f in times:
+        e = Engine(model, dataclasses.replace(config, kernels=common.kernel_config(decode_loop=f)))
+        first[f] = e.generate(prompts, FLAGS.steps + 1)  # compiles
+        if FLAGS.eos_at is not None and not eos:
+            if FLAGS.eos_at > FLAGS.steps:
+                raise app.UsageError(f"--eos_at={FLAGS.eos_at} is past --steps={FLAGS.steps}")
+            eos = (first[f].generated_ids[0][FLAGS.eos_at],)
         if FLAGS.alternate:
-            engines[form] = e
+            engines[f] = e
         else:
-            times[form] = [e.generate(prompts, FLAGS.steps + 1).decode_tokens_per_s for _ in range(FLAGS.repeats)]
+            last = [timed(e) for _ in range(FLAGS.repeats)][-1]
+            first[f] = last if eos else first[f]
             del e
             gc.collect()
     for _ in range(FLAGS.repeats if engines else 0):
         for f, e in engines.items():
-            times[f].append(e.generate(prompts, FLAGS.steps + 1).decode_tokens_per_s)
-    rows = [{"batch": batch, "form": f, "tokens_per_s": common.spread(times[f]),
-             "step_ms": 1e3 * batch / statistics.median(times[f])} for f in times]
-    same = first["dynamic"].generated_ids == first["fixed"].generated_ids
+            last = timed(e)
+            first[f] = last if eos else first[f]
+    rows = [{"batch": batch, "form": f, "tokens_per_s": common.spread(times[f]), "decode_s": common.spread(decode_s[f]),
+             "step_ms": 1e3 * batch / statistics.median(times[f]), "eos_ids": list(eos),
+             "generated": [len(g) for g in first[f].generated_ids]} for f in times]
+    same = first["dynamic"].generated_ids == first["fixed"].generated_ids  # with EOS ids: the last timed ones
     rows[1]["same_tokens_as_dynamic"] = same
     rows[1]["over_dynamic"] = rows[1]["tokens_per_s"]["median"] / rows[0]["tokens_per_s"]["median"]
     for r in rows:

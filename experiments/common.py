@@ -259,8 +259,9 @@ def define_kernel_flags(skip: tuple[str, ...] = (), multi_use: bool = False) -> 
             "decode_graphs", "auto", list(DECODE_GRAPHS), "Decode programs on a GPU as CUDA graphs: on, off, or auto "
             "(KernelConfig.decode_graphs).", **mod),
         "decode_loop": lambda: flags.DEFINE_enum(
-            "decode_loop", "fixed", list(DECODE_LOOPS), "How the loop of a generate's decode block ends: fixed "
-            "(decode_block iterations, a trip count XLA knows) or dynamic (KernelConfig.decode_loop).", **mod),
+            "decode_loop", "auto", list(DECODE_LOOPS), "How the loop of a generate's decode block ends: fixed "
+            "(decode_block iterations, a trip count XLA knows), dynamic, or auto = fixed without EOS ids "
+            "(KernelConfig.decode_loop).", **mod),
     }
     names = [n for n in KERNEL_FLAGS if n not in skip]
     for n in names:

@@ -110,3 +110,17 @@ def test_fixed_trip_loop_keeps_the_on_demand_table():
         engine.generate([[1, 2, 3, 4, 5]], 6)  # 5 decode steps: a block of 4, then one of 1 (3 idle iterations)
         held[loop] = engine.expert_cache_metrics()["resident_per_layer"]
     assert held["fixed"] == held["dynamic"] and sum(held["dynamic"]) > 0
+
+
+def test_decode_loop_auto_is_fixed_only_without_eos_ids():
+    """``KernelConfig.decode_loop`` "auto" runs the fixed loop where no EOS can end a block early (its idle
+    iterations would cost more than the loop end it saves in short answers), and refuses unknown values."""
+    from ftjax.kernels.registry import KernelConfig
+    from ftjax.runtime.step import fixed_loop
+    assert KernelConfig().decode_loop == "auto"
+    assert fixed_loop("auto", has_eos=False) and not fixed_loop("auto", has_eos=True)
+    assert fixed_loop("fixed", has_eos=True) and not fixed_loop("dynamic", has_eos=False)
+    with pytest.raises(ValueError, match="unknown decode_loop 'fast'"):
+        fixed_loop("fast", has_eos=False)
+    with pytest.raises(ValueError, match="decode_loop"):
+        KernelConfig(decode_loop="fast")

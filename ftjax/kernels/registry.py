@@ -56,9 +56,10 @@ DECODE_GRAPHS = ("auto", "on", "off")
 #: ``KernelConfig.decode_loop``: how the loop of ``Engine.generate``'s decode blocks ends
 #: (``ftjax.runtime.step.decode_block``): "fixed" runs ``decode_block`` iterations (a trip count XLA knows;
 #: those past the block's limit or after every row stopped run idle), "dynamic" stops at the limit or once every
-#: row stopped (its predicate read back to the host each step). The serving scheduler's blocks keep "dynamic":
-#: a block run ahead ends at no step when a row stopped in the block before.
-DECODE_LOOPS = ("fixed", "dynamic")
+#: row stopped (its predicate read back to the host each step); "auto": fixed for a generate without EOS ids,
+#: dynamic with them (``ftjax.runtime.step.fixed_loop``). The serving scheduler's blocks keep "dynamic": a block
+#: run ahead ends at no step when a row stopped in the block before.
+DECODE_LOOPS = ("auto", "fixed", "dynamic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,7 +190,7 @@ class KernelConfig:
       decode_gemm: one of :data:`DECODE_GEMMS`.
       decode_graphs: one of :data:`DECODE_GRAPHS`.
       decode_loop: one of :data:`DECODE_LOOPS` (the same tokens either way; "fixed" measured 1.11x decode
-        tokens/s on an H100, 2026-12-06).
+        tokens/s on an H100, 2026-12-06, and costs the idle iterations of a block an EOS ends).
       fetch_group: the most misses copied per iteration of the miss loop (``ftjax.experts.fetch.fetch_experts``;
         the pools written are the same for every value); None: :data:`FETCH_GROUP` (1, measured).
     Raises:
@@ -206,7 +207,7 @@ class KernelConfig:
     decode_gemm: str = "auto"
     decode_graphs: str = "auto"
     fetch_group: int | None = None
-    decode_loop: str = "fixed"
+    decode_loop: str = "auto"
 
     def __post_init__(self):
         use = self.use

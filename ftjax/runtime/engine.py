@@ -59,7 +59,7 @@ from ftjax.runtime.drivers import CallArgs, RunContext
 from ftjax.runtime.host_split import HostSplitTimes
 from ftjax.runtime.misses import build_miss_runtime
 from ftjax.runtime.plan import CallPlan, CallPlanner, PrefillCall, chunk_calls, prompt_error
-from ftjax.runtime.step import RowSampling, decode_block, keep_rows, sample_next
+from ftjax.runtime.step import RowSampling, decode_block, fixed_loop, keep_rows, sample_next
 from ftjax.seams import ForwardOut, KVCache
 
 
@@ -848,7 +848,7 @@ class Engine:
                 eos = np.asarray(list(eos_ids), np.int64)
                 self._block_program(self._block_args(np.zeros((b, 1), np.int32), jax.random.key(0), 1, eos,
                                                      np.zeros(b, bool)), (temperature, top_p, top_k), keep_logits,
-                                    fixed=self.config.kernels.decode_loop == "fixed")
+                                    fixed=fixed_loop(self.config.kernels.decode_loop, bool(eos.size)))
         except BaseException:
             self.release(0)
             raise
@@ -1090,13 +1090,14 @@ class Engine:
         says so. Appends each step's tokens ([B, 1]), stats and (with ``keep_logits``) logits to the lists, as the
         step-by-step loop does; with ``step_s`` each step of a block is given the block's time over its steps (one
         host sync a block).
-        Under ``KernelConfig.decode_loop`` "fixed" every block's loop runs ``decode_block`` iterations (a last,
-        shorter block's extra ones and those after every row stopped idle: their compute is spent, their outputs
-        are not), so with EOS ids the host reads each block's stop flags before dispatching the next (one block in
-        flight instead of two: at most one block's iterations are spent past the stop)."""
+        Under a fixed loop (``KernelConfig.decode_loop``, ``ftjax.runtime.step.fixed_loop``: "fixed", or "auto"
+        without EOS ids) every block's loop runs ``decode_block`` iterations (a last, shorter block's extra ones
+        and those after every row stopped idle: their compute is spent, their outputs are not), so with EOS ids the
+        host reads each block's stop flags before dispatching the next (one block in flight instead of two: at most
+        one block's iterations are spent past the stop)."""
         stopped = np.isin(np.asarray(tok)[:, 0], eos) if eos.size else np.zeros(len(self.rows), bool)
         blocks, left = [], steps
-        fixed = self.config.kernels.decode_loop == "fixed"
+        fixed = fixed_loop(self.config.kernels.decode_loop, bool(eos.size))
         ahead = 1 if eos.size and fixed else 2
         while left > 0 and not (len(blocks) >= ahead and bool(np.all(np.asarray(blocks[-ahead].stopped)))):
             n = min(self.config.decode_block, left)

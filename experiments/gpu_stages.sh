@@ -60,9 +60,10 @@
 # hybrid-stream:   bench_prefill, qwen3.5-35b-a3b (40 layers) at 24 GB, an 8192-token prompt streamed on the
 #                  layer-pipelined driver (per layer kind), on the block scan (1.82x its copy bound on 2026-11-30)
 #                  and resident (issue 32's streamed-prefill target: <= 1.0x the copy bound)
-# decode-loop:     bench_decode_loop: generate's decode blocks with a fixed trip count (KernelConfig.decode_loop, the
-#                  default since 2026-12-06) against the loop ending on its data-dependent predicate, resident, at the
-#                  qwen3.5-35b-a3b 16-layer cut (batch 1) and qwen3-30b-a3b at 48 layers (batch 1 and 4; issue 33)
+# decode-loop:     bench_decode_loop: generate's decode blocks with a fixed trip count (KernelConfig.decode_loop fixed;
+#                  auto's choice without EOS ids since 2026-12-06) against the loop ending on its data-dependent
+#                  predicate, resident, at the qwen3.5-35b-a3b 16-layer cut (batch 1; then with an EOS after 40
+#                  tokens), qwen3-30b-a3b at 16 layers (batch 1 and 4) and at 48 layers (batch 1 and 4; issue 33)
 # hybrid-decode:   bench_decode_speed on the 2026-12-03 side-by-side shape of issue 32: qwen3.5-35b-a3b cut to 16
 #                  layers, 512-token prompt, 128 steps, batch 1, decode blocks of 16, resident and cached at 512 slots
 #                  (targets: >= 490 and >= 65 tok/s; FreeToken 410 and 59.0)
@@ -201,6 +202,10 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
     decode-loop)
       run 200 "$stage-16l" experiments/bench_decode_loop.py --preset=qwen3.5-35b-a3b --layers=16 --batches=1 \
         --tag="qwen3.5-16l_${dev}_$day" ${out:+--out_dir="$out"}
+      run 200 "$stage-16l-eos" experiments/bench_decode_loop.py --preset=qwen3.5-35b-a3b --layers=16 --batches=1 \
+        --eos_at=40 --tag="qwen3.5-16l-eos-40_${dev}_$day" ${out:+--out_dir="$out"}
+      run 200 "$stage-qwen3-16l" experiments/bench_decode_loop.py --preset=qwen3-30b-a3b --layers=16 --batches=1,4 \
+        --tag="16l_${dev}_$day" ${out:+--out_dir="$out"}
       run 300 "$stage-48l" experiments/bench_decode_loop.py --preset=qwen3-30b-a3b --layers=48 --batches=1,4 --noalternate --repeats=3 \
         --tag="48l_${dev}_$day" ${out:+--out_dir="$out"} ;;
     hybrid-decode)

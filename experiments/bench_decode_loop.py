@@ -34,9 +34,9 @@ flags.DEFINE_integer("prompt_len", 512, "Prompt tokens.", lower_bound=1)
 flags.DEFINE_integer("steps", 128, "Decode steps after the prompt's token.", lower_bound=1)
 flags.DEFINE_integer("decode_block", 16, "Steps per block.", lower_bound=1)
 flags.DEFINE_integer("repeats", 5, "Timed generates per form, alternating (after one untimed each).", lower_bound=1)
-flags.DEFINE_integer("eos_at", None, "With EOS ids: the timed generates stop at the token row 0's untimed dynamic "
-                     "generate made at this index (decode step), the path where a fixed-loop generate keeps one "
-                     "block in flight; unset: no EOS ids.", lower_bound=1)
+flags.DEFINE_integer("eos_at", None, "With EOS ids: the timed generates stop at the first token new to row 0's "
+                     "untimed generate at or after this index (the path where a fixed-loop generate keeps one block "
+                     "in flight; each row's `generated` says where it stopped); unset: no EOS ids.", lower_bound=1)
 flags.DEFINE_bool("alternate", True, "Both engines held, the forms' timed generates alternating.")
 flags.DEFINE_string("out_dir", "experiments/results/decode_speed", "Where the JSON goes.")
 flags.DEFINE_string("tag", "", "Goes into the JSON's name.")
@@ -54,6 +54,20 @@ def main(argv):
     for batch in map(int, FLAGS.batches):
         out["rows"] += _rows(model, batch)
         print("wrote", common.write_json(FLAGS.out_dir, name, out))  # after each batch: a cut run keeps its rows
+
+
+def _first_new_token(ids: list[int], at: int) -> int:
+    """The token whose first occurrence in ``ids`` is the earliest at or after index ``at`` (a stop id there ends
+    the generate there, not at an earlier repeat: random weights often decode into repeated tokens).
+    Raises:
+      app.UsageError: every token from ``at`` on occurred before it."""
+    seen = set(ids[:at])
+    for tok in ids[at:]:
+        if tok not in seen:
+            return tok
+        seen.add(tok)
+    raise app.UsageError(f"--eos_at={at}: every token from there on occurred before it (the greedy decode repeats): "
+                         "no stop id ends the generate there; try a smaller --eos_at")
 
 
 def _rows(model, batch: int) -> list[dict]:
@@ -81,7 +95,7 @@ def _rows(model, batch: int) -> list[dict]:
         if FLAGS.eos_at is not None and not eos:
             if FLAGS.eos_at > FLAGS.steps:
                 raise app.UsageError(f"--eos_at={FLAGS.eos_at} is past --steps={FLAGS.steps}")
-            eos = (first[f].generated_ids[0][FLAGS.eos_at],)
+            eos = (_first_new_token(first[f].generated_ids[0], FLAGS.eos_at),)
         if FLAGS.alternate:
             engines[f] = e
         else:

@@ -149,6 +149,12 @@ def _bench_decode_speed(d: dict) -> str:
             f"{r['tokens_per_s']['median']:.1f} tok/s{gain}")
 
 
+def _bench_decode_loop(d: dict) -> str:
+    fixed = [r for r in d.get("rows") or [] if r.get("form") == "fixed" and "over_dynamic" in r]
+    return "; ".join(f"b{r['batch']} fixed {r['tokens_per_s']['median']:.1f} tok/s = {r['over_dynamic']:.3f}x dynamic"
+                     + (f" (EOS after {max(r['generated'])} tokens)" if r.get("eos_ids") else "") for r in fixed) or "-"
+
+
 def _bench_miss_copy(d: dict) -> str:
     best = [b for b in d.get("best") or [] if isinstance(b.get("ratio_to_contig"), (int, float))]
     if not best:
@@ -429,6 +435,7 @@ HEADLINES = {
     "bench_miss_policy": _bench_miss_policy,
     "bench_cpu_experts": _bench_cpu_experts,
     "bench_miss_copy": _bench_miss_copy,
+    "bench_decode_loop": _bench_decode_loop,
     "profile_step": _profile_step,
     "profile_overlap": _profile_overlap,
     "check_identity_gpu": _check_identity,

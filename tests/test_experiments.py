@@ -904,3 +904,22 @@ def test_bench_grouped_matmul_smoke(tmp_path):
     assert res["shape"]["rows"] == 64 * 4 and pieces["group_rows"]["mean"] == 64 * 4 / 16
     assert "tiles" not in res and d["partial"] is False
     assert [r["case"] for r in d["rows"]][:2] == ["sort", "gather_in"] and all(r["preset"] == "tiny" for r in d["rows"])
+
+
+@pytest.mark.slow
+def test_bench_decode_loop_smoke(tmp_path):
+    """Both loop forms at batch 1 with an EOS that stops the generate mid-block: the same tokens, both stopped at
+    the same length before the last step, rates > 0, and the index's headline."""
+    d = _run("bench_decode_loop", tmp_path, "--preset=tiny", "--layers=2", "--steps=30", "--prompt_len=8",
+             "--repeats=1", "--decode_block=8", "--eos_at=12")
+    assert _meta(d)["device"]
+    dyn, fix = d["rows"]
+    assert (dyn["form"], fix["form"]) == ("dynamic", "fixed") and fix["same_tokens_as_dynamic"] is True
+    assert dyn["eos_ids"] == fix["eos_ids"] and len(fix["eos_ids"]) == 1
+    assert dyn["generated"] == fix["generated"] and 12 < fix["generated"][0] <= 31
+    assert dyn["tokens_per_s"]["median"] > 0 and fix["over_dynamic"] > 0
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import results_index
+    (path,) = tmp_path.glob("bench_decode_loop_tiny.json")
+    headline = results_index.row(str(path), path.name, results_index._scripts())["headline"]
+    assert headline.startswith("b1 fixed ") and "x dynamic (EOS after" in headline

@@ -846,9 +846,9 @@ class Engine:
             self._warm_sampling(b, temperature, top_p, top_k)
             if self._blocks_decode(b, max_new_tokens):
                 eos = np.asarray(list(eos_ids), np.int64)
-                self._block_program(self._block_args(np.zeros((b, 1), np.int32), jax.random.key(0), 1, eos,
-                                                     np.zeros(b, bool)), (temperature, top_p, top_k), keep_logits,
-                                    fixed=fixed_loop(self.config.kernels.decode_loop, bool(eos.size)))
+                args = self._block_args(np.zeros((b, 1), np.int32), jax.random.key(0), 1, eos, np.zeros(b, bool))
+                for fixed in self._block_loops(max_new_tokens - 1, bool(eos.size)):
+                    self._block_program(args, (temperature, top_p, top_k), keep_logits, fixed=fixed)
         except BaseException:
             self.release(0)
             raise
@@ -961,6 +961,11 @@ class Engine:
         return self.programs.compile(decode_block, args, compiler_options=plan.compiler_options, cfg=self.cfg,
                                      opts=plan.opts, steps=steps or self.config.decode_block, temperature=temperature,
                                      top_p=top_p, top_k=top_k, keep_logits=keep_logits, fixed=fixed)
+
+    def _block_loops(self, steps: int, has_eos: bool) -> set[bool]:
+        """The loop forms (``decode_block``'s ``fixed``) of a generate's blocks over ``steps`` decode steps."""
+        block, loop = self.config.decode_block, self.config.kernels.decode_loop
+        return {fixed_loop(loop, has_eos, full) for full in ([True] * (steps >= block) + [False] * (steps % block > 0))}
 
     def _lag(self, i: int) -> int:
         """Steps row ``i``'s blocks not read yet may have moved it past its host ``pos`` (at most)."""
@@ -1090,20 +1095,21 @@ class Engine:
         says so. Appends each step's tokens ([B, 1]), stats and (with ``keep_logits``) logits to the lists, as the
         step-by-step loop does; with ``step_s`` each step of a block is given the block's time over its steps (one
         host sync a block).
-        Under a fixed loop (``KernelConfig.decode_loop``, ``ftjax.runtime.step.fixed_loop``: "fixed", or "auto"
-        without EOS ids) every block's loop runs ``decode_block`` iterations (a last, shorter block's extra ones
-        and those after every row stopped idle: their compute is spent, their outputs are not), so with EOS ids the
-        host reads each block's stop flags before dispatching the next (one block in flight instead of two: at most
-        one block's iterations are spent past the stop)."""
+        A block under the fixed loop (``KernelConfig.decode_loop``, ``ftjax.runtime.step.fixed_loop``: every block
+        under "fixed", a full block without EOS ids under "auto") runs ``decode_block`` iterations (a shorter
+        block's extra ones and those after every row stopped idle: their compute is spent, their outputs are not),
+        so under "fixed" with EOS ids the host reads each block's stop flags before dispatching the next (one block
+        in flight instead of two: at most one block's iterations are spent past the stop)."""
         stopped = np.isin(np.asarray(tok)[:, 0], eos) if eos.size else np.zeros(len(self.rows), bool)
         blocks, left = [], steps
-        fixed = fixed_loop(self.config.kernels.decode_loop, bool(eos.size))
-        ahead = 1 if eos.size and fixed else 2
+        loop = self.config.kernels.decode_loop
+        ahead = 1 if eos.size and fixed_loop(loop, True) else 2
         while left > 0 and not (len(blocks) >= ahead and bool(np.all(np.asarray(blocks[-ahead].stopped)))):
             n = min(self.config.decode_block, left)
             ts = time.perf_counter()
             args = self._block_args(tok, key, n, eos, stopped)
-            exe = self._block_program(args, sampling, keep_logits, fixed=fixed)
+            exe = self._block_program(args, sampling, keep_logits,
+                                      fixed=fixed_loop(loop, bool(eos.size), n == self.config.decode_block))
             out = self._donating(lambda: exe(*args))  # noqa: B023 - called at once
             self.cache, self.state = out.cache, out.state
             tok, key, stopped = out.last, out.key, out.stopped

@@ -116,17 +116,18 @@ class DecodeBlock(NamedTuple):
     logprobs: Any = None
 
 
-def fixed_loop(decode_loop: str, has_eos: bool) -> bool:
-    """Whether a generate's decode blocks run :func:`decode_block` with ``fixed`` (``KernelConfig.decode_loop``:
-    "fixed", "dynamic", or "auto" = fixed when the generate has no EOS ids). With EOS ids the fixed loop spends
-    the rest of the block a stop falls in (on average half a block of idle iterations, each about a whole step)
-    against ~0.25 ms a step won (an H100, 2026-12-06): a loss for answers shorter than ~70 tokens at the
-    qwen3.5-35b-a3b 16-layer cut, a gain for longer ones, so "auto" keeps the dynamic loop there.
+def fixed_loop(decode_loop: str, has_eos: bool, full: bool = True) -> bool:
+    """Whether a block of a generate runs :func:`decode_block` with ``fixed`` (``KernelConfig.decode_loop``:
+    "fixed": every block; "dynamic": none; "auto": a full block (``full``: its limit is the program's steps) of a
+    generate without EOS ids). An idle iteration costs about a whole step against ~0.25 ms a step won (an H100,
+    2026-12-06, the qwen3.5-35b-a3b 16-layer cut): a last, shorter block would spend the rest of the block, and
+    with EOS ids so would the block a stop falls in (half a block on average: a loss for answers shorter than
+    ~70 tokens there), so "auto" keeps the dynamic loop for those.
     Raises:
       ValueError: an unknown ``decode_loop``."""
     if decode_loop not in ("auto", "fixed", "dynamic"):
         raise ValueError(f"unknown decode_loop {decode_loop!r}; expected auto, fixed or dynamic")
-    return decode_loop == "fixed" or (decode_loop == "auto" and not has_eos)
+    return decode_loop == "fixed" or (decode_loop == "auto" and not has_eos and full)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "opts", "steps", "temperature", "top_p", "top_k", "keep_logits",

@@ -112,7 +112,11 @@ def build():
       UserError, ConfigError, CheckpointError, ValueError, OSError: bad flags or files."""
     from ftjax.serve.chat import ChatTemplate
     from ftjax.serve.scheduler import Scheduler
-    from ftjax.serve.server import create_app
+    try:
+        from ftjax.serve.server import create_app
+    except ModuleNotFoundError as err:  # the HTTP stack is the [serve] extra's
+        raise UserError(f"the server needs the serve extra ({err.name} is not installed): "
+                        "pip install -e '.[serve]'") from None
     _check_flags()
     model = engine_flags.load_model(DEFAULT_CHECKPOINT, program="ftjax.serve")
     cfg = model.cfg
@@ -132,6 +136,9 @@ def build():
     name = FLAGS.served_model_name or os.path.basename(os.path.normpath(str(model.name)))
     if tokenizer is None:
         print("note: the model has no tokenizer.json: prompts must be token ids, and answers carry no text")
+    if FLAGS["decode_loop"].present:  # a shared engine flag that only generate's blocks read
+        print(f"note: --decode_loop={FLAGS.decode_loop} is ignored here: the server's decode blocks end on the "
+              "device's stop check (a block run ahead runs no step once a row has stopped)")
     print("chat template: " + ("plain (role: content)" if chat.is_plain else "the checkpoint's"))
     if FLAGS.warmup:
         print(f"warm-up requests: {_warmup(scheduler, max_seq_len):.1f} s (compilation included)")

@@ -46,6 +46,8 @@ common.check_numbers("batches", int, low=1)
 
 def main(argv):
     del argv
+    if FLAGS.eos_at is not None and FLAGS.eos_at > FLAGS.steps:  # before the model is built
+        raise app.UsageError(f"--eos_at={FLAGS.eos_at} is past --steps={FLAGS.steps}")
     from ftjax.checkpoint import random_model
     cfg = common.preset_cut(FLAGS.preset, FLAGS.layers)
     model = random_model(cfg, "bfloat16")
@@ -83,30 +85,28 @@ def _rows(model, batch: int) -> list[dict]:
     engines, times, first, eos = {}, {"dynamic": [], "fixed": []}, {}, ()
     decode_s = {f: [] for f in times}
 
-    def timed(e):
+    def timed(e, form: str) -> None:  # with EOS ids, the generates compared are the timed ones
         r = e.generate(prompts, FLAGS.steps + 1, eos_ids=eos)
-        times[f].append(r.decode_tokens_per_s)
-        decode_s[f].append(r.decode_s)
-        return r
+        times[form].append(r.decode_tokens_per_s)
+        decode_s[form].append(r.decode_s)
+        if eos:
+            first[form] = r
 
     for f in times:
         e = Engine(model, dataclasses.replace(config, kernels=common.kernel_config(decode_loop=f)))
         first[f] = e.generate(prompts, FLAGS.steps + 1)  # compiles
         if FLAGS.eos_at is not None and not eos:
-            if FLAGS.eos_at > FLAGS.steps:
-                raise app.UsageError(f"--eos_at={FLAGS.eos_at} is past --steps={FLAGS.steps}")
             eos = (_first_new_token(first[f].generated_ids[0], FLAGS.eos_at),)
         if FLAGS.alternate:
             engines[f] = e
         else:
-            last = [timed(e) for _ in range(FLAGS.repeats)][-1]
-            first[f] = last if eos else first[f]
+            for _ in range(FLAGS.repeats):
+                timed(e, f)
             del e
             gc.collect()
     for _ in range(FLAGS.repeats if engines else 0):
         for f, e in engines.items():
-            last = timed(e)
-            first[f] = last if eos else first[f]
+            timed(e, f)
     rows = [{"batch": batch, "form": f, "tokens_per_s": common.spread(times[f]), "decode_s": common.spread(decode_s[f]),
              "step_ms": 1e3 * batch / statistics.median(times[f]), "eos_ids": list(eos),
              "generated": [len(g) for g in first[f].generated_ids]} for f in times]

@@ -125,8 +125,8 @@ def fixed_loop(decode_loop: str, has_eos: bool, full: bool = True) -> bool:
     ~70 tokens there), so "auto" keeps the dynamic loop for those.
     Raises:
       ValueError: an unknown ``decode_loop``."""
-    if decode_loop not in ("auto", "fixed", "dynamic"):
-        raise ValueError(f"unknown decode_loop {decode_loop!r}; expected auto, fixed or dynamic")
+    if decode_loop not in registry.DECODE_LOOPS:
+        raise ValueError(f"unknown decode_loop {decode_loop!r}; expected one of {', '.join(registry.DECODE_LOOPS)}")
     return decode_loop == "fixed" or (decode_loop == "auto" and not has_eos and full)
 
 
@@ -213,9 +213,9 @@ def decode_block(params, banks, cache, state, tokens, start, valid_len, key, lim
                                   last_routed=keep(state.last_routed, c["state"].last_routed))
 
         def put(buf, x):  # an idle iteration leaves the buffer's entry as it was
-            x = keep(x, jax.lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)) if fixed else x
-            return jax.lax.dynamic_update_index_in_dim(buf, x, i, 0)
-        new_out = keep(tok, c["out"][:, i][:, None]) if fixed else tok
+            return jax.lax.dynamic_update_index_in_dim(buf, keep(x, jax.lax.dynamic_index_in_dim(buf, i, 0, False)),
+                                                       i, 0)
+        new_out = keep(tok, c["out"][:, i][:, None])
         return dict(i=i + 1, n=c["n"] + jnp.int32(1) * live, tok=tok, pos=c["pos"] + valid,
                     stopped=c["stopped"] | (live & jnp.any(tok == eos, axis=-1)),
                     cache=out.cache, state=state, key=key,

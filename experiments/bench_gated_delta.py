@@ -98,7 +98,9 @@ flags.DEFINE_list("model_configs", ["xla-delta-rule", "auto", "auto+decode-kerne
                   "auto-gather-out (auto without grouped_matmul_scatter: the down matmul's rows gathered back to pair "
                   "order after it, as before 2026-12-06), "
                   "auto+graphs (auto with decode_graphs=on: the decode block as a CUDA graph), auto+mgpu-attention "
-                  "(auto with flash_prefill=mgpu: jax's Mosaic GPU attention in prefill), auto+offset-norms "
+                  "(auto with flash_prefill=mgpu: jax's Mosaic GPU attention in prefill, the jnp attention where it does "
+                  "not serve), auto+pallas-attention (auto with flash_prefill=pallas: the Pallas flash kernel for every "
+                  "prefill call, auto before 2026-12-06), auto+offset-norms "
                   "(the auto kernels by name: norm_dense_decode then also takes the zero-centred norms of the "
                   "decode layers, with their projections, as auto does since 2026-12-05: dense_decode.OFFSET_AUTO; "
                   "it times auto's choice before then when run with OFFSET_AUTO off). The "
@@ -505,6 +507,7 @@ def stage_model(cfg, out: dict, save=lambda: None) -> None:
              "auto-gather-out": (tuple(a for a in auto if a != "grouped_matmul_scatter"), {}),
              "auto+graphs": ("auto", {}, {"decode_graphs": "on"}),
              "auto+mgpu-attention": ("auto", {}, {"flash_prefill": "mgpu"}),
+             "auto+pallas-attention": ("auto", {}, {"flash_prefill": "pallas"}),
              "auto+offset-norms": (auto, {})}
     unknown = sorted({c.split("@")[0] for c in FLAGS.model_configs} - set(known))
     if unknown:

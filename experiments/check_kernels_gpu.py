@@ -565,7 +565,7 @@ def _run(model, value, mode="resident", slots=None, prompt_len=None, steps=None,
     from ftjax.config import EngineConfig
     from ftjax.kernels.registry import KernelConfig
     prompt = np.random.default_rng(0).integers(0, model.cfg.vocab_size, prompt_len or FLAGS.prompt_len).tolist()
-    kcfg = KernelConfig(use=value, flash_prefill=flash or "pallas", tiles=tiles or {})
+    kcfg = KernelConfig(use=value, flash_prefill=flash or "auto", tiles=tiles or {})
     eng = Engine(model, EngineConfig(mode, num_slots=slots, max_seq_len=max_seq_len, kernels=kcfg))
     try:
         n = steps if steps is not None else FLAGS.e2e_steps
@@ -648,7 +648,7 @@ def section_e2e_prefill():
     msl = -(-(n + 2) // 128) * 128
     runs = {}
     for name, value, flash in (("xla", "xla", None), ("flash pallas", "flash_prefill", "pallas"),
-                               ("flash mgpu", "flash_prefill", "mgpu")):
+                               ("flash mgpu", "flash_prefill", "mgpu"), ("flash auto", "flash_prefill", "auto")):
         def row(name=name, value=value, flash=flash):
             res = _run(model, value, prompt_len=n, steps=0, max_seq_len=msl, flash=flash)
             runs[name] = res

@@ -54,6 +54,10 @@
 # gdn-attention:   bench_gated_delta's 16-layer model TTFT (3 repeats) with the Pallas flash prefill in its cache of
 #                  8192 + 16 rows (masked last key block: it ran the jnp reference before 2026-12-06), with jax's Mosaic
 #                  GPU attention (flash_prefill=mgpu), and the solve kernel's blocked form at 32-row blocks
+# flash-auto:      flash_prefill auto (jax's Mosaic GPU attention for prefill calls from 0 on Hopper, the Pallas kernel
+#                  for the others; the default since 2026-12-06) against pallas and mgpu: bench_gated_delta's 16-layer
+#                  TTFT, check_kernels_gpu's qwen3 16-layer resident prefill (logits against XLA's attention), and
+#                  check_reuse_gpu (prefix reuse: the reusing request's calls start past 0 and take the Pallas kernel)
 # hybrid-compile:  the hybrid engine's compile at batch 1 with the auto kernels, with none (--kernels=xla: the grouped
 #                  matmul still jax's Mosaic kernel), and with no Mosaic kernel either (--grouped_matmul=xla): where the
 #                  40-44 s compile of a 4-layer cut goes (issue 32's compile time)
@@ -188,6 +192,13 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
       run 150 "$stage-rule" experiments/bench_gated_delta.py --stages=rule --model_layers=0 --tiles=32:4:2:16 \
         --solve_blocks=16:4:0,16:4:1,32:4:1,16:8:1 --repeats=5 --tag="solve-form-rule_${dev}_$day" \
         ${out:+--out_dir="$out"} ;;
+    flash-auto)
+      run 200 "$stage-model" experiments/bench_gated_delta.py --stages=model --model_deadline_s=190 --repeats=3 \
+        --model_decode_steps=0 --model_configs=auto,auto+pallas-attention,auto+mgpu-attention \
+        --tag="flash-auto_${dev}_$day" ${out:+--out_dir="$out"}
+      run 150 "$stage-e2e" experiments/check_kernels_gpu.py --sections=e2e_prefill --time_budget_s=130 \
+        ${out:+--out_dir="$out"}
+      run 150 "$stage-reuse" experiments/check_reuse_gpu.py --time_budget_s=120 ${out:+--out_dir="$out"} ;;
     hybrid-compile)
       for k in auto xla; do
         run 150 "$stage-$k" experiments/probe_hybrid_batch_decode.py --batches=1 --kernels="$k" --tag="compile-$k" \

@@ -315,6 +315,38 @@ def test_the_mgpu_path_takes_the_reference_for_operands_beyond_float16(monkeypat
         assert _maxdiff(got, ref) <= 2 / 128 * scale and len(calls) == 1  # the stub traced (lax.cond: both branches)
 
 
+def test_auto_flash_prefill_takes_the_mosaic_kernel_only_for_calls_from_0_on_a_hopper_gpu(monkeypatch):
+    """``flash_prefill="auto"`` (the default) with the backend stubbed to a GPU: a call whose rows all start at 0
+    takes the Mosaic kernel (stubbed to its reference negated, so the branch shows in the values), a call from
+    another start the Pallas kernel (run interpreted), and on a GPU other than Hopper no call reaches the Mosaic
+    kernel."""
+    from jax.experimental.pallas.ops.gpu import attention_mgpu
+    calls, pallas = [], fp.flash_attention
+
+    def kernel(q, k, v, cfg):
+        calls.append(1)
+        return -attention_mgpu.attention_reference(q, k, v, causal=cfg.causal)
+
+    monkeypatch.setattr(attention_mgpu, "attention", kernel)
+    monkeypatch.setattr(fp, "flash_attention", lambda q, k, v, start, interpret: pallas(q, k, v, start, interpret=True))
+    monkeypatch.setattr(registry.jax, "default_backend", lambda: "gpu")
+    rng = np.random.default_rng(9)
+    B, T, S, hkv, g, hd = 1, 128, 256, 2, 2, 64
+    q = jnp.asarray(rng.standard_normal((B, T, hkv * g, hd)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((B, S, hkv, hd)), jnp.bfloat16) for _ in range(2))
+    assert KernelConfig().flash_prefill == "auto"
+    for is_hopper in (True, False):
+        monkeypatch.setattr(fp, "hopper", lambda h=is_hopper: h)
+        calls.clear()
+        for start in (0, 37):
+            pos = start + jnp.arange(T)[None]
+            with using(KernelConfig()):
+                got = jax.jit(lambda q, k, v, pos: fp.maybe(q, k, v, pos, attention_lib.attention))(q, k, v, pos)
+            sign = -1 if is_hopper and start == 0 else 1
+            assert _maxdiff(sign * got.astype(jnp.float32), attention_lib.attention(q, k, v, pos)) <= 2 / 128
+        assert len(calls) == (2 if is_hopper else 0)  # traced in both calls' lax.cond on Hopper, never elsewhere
+
+
 def test_flash_prefill_supported_and_impl_choice():
     q, k = jnp.zeros((1, 8192, 32, 128), jnp.bfloat16), jnp.zeros((1, 8192, 4, 128), jnp.bfloat16)
     assert fp.supported(q, k) and fp.mgpu_supported(q, k)

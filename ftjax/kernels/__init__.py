@@ -6,8 +6,8 @@ selects which run, and is part of every compiled program's key.
 
 * ``moe_decode``: fused decode expert FFN straight from the slot pool.
 * ``decode_attention``: split-K decode attention over the filled cache positions only.
-* ``flash_prefill``: causal GQA flash attention with per-row start offsets, or jax's Mosaic GPU
-  attention for calls starting at 0 (``KernelConfig.flash_prefill``).
+* ``flash_prefill``: causal GQA flash attention with per-row start offsets, and jax's Mosaic GPU
+  attention for the calls starting at 0 on a Hopper GPU (``KernelConfig.flash_prefill``).
 * ``dense_decode``: the decode step's dense projections read from weights stacked over layers;
   ``norm_dense_decode``: the RMSNorm and several of those projections in one launch;
   ``merge_dense_decode``: the wo projection with decode attention's split merge in its prologue.

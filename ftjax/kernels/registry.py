@@ -43,7 +43,7 @@ USES = ("auto", "xla", "interpret")
 #: ``KernelConfig.grouped_matmul``: the prefill expert matmul (``ftjax.kernels.grouped_matmul``).
 GROUPED_MATMULS = ("auto", "mgpu", "xla")
 #: ``KernelConfig.flash_prefill``: the flash attention of prefill (``ftjax.kernels.flash_prefill``).
-FLASH_PREFILLS = ("pallas", "mgpu")
+FLASH_PREFILLS = ("auto", "pallas", "mgpu")
 #: ``KernelConfig.slot_order``: how the slot table finds the slots misses take
 #: (``ftjax.experts.slot_table``; every one gives the same table).
 SLOT_ORDERS = ("auto", "sort", "lexsort", "top_k", "rank")
@@ -180,8 +180,9 @@ class KernelConfig:
       grouped_matmul: one of :data:`GROUPED_MATMULS`: on a GPU the ``grouped_matmul_triton`` kernel where
         ``use`` selects it (auto: 256 experts or more) and else the Mosaic GPU kernel where it runs ("auto"),
         the Mosaic kernel always ("mgpu"; an error where it cannot run) or ``ragged_dot`` ("xla").
-      flash_prefill: one of :data:`FLASH_PREFILLS`: the Pallas flash kernel, or jax's Mosaic GPU
-        attention for calls whose rows all start at 0.
+      flash_prefill: one of :data:`FLASH_PREFILLS`: jax's Mosaic GPU attention for the calls whose rows all
+        start at 0 on a Hopper GPU and the Pallas flash kernel for the others ("auto"), the Pallas kernel
+        always ("pallas"), or the Mosaic kernel where it serves and the jnp attention elsewhere ("mgpu").
       slot_order: one of :data:`SLOT_ORDERS`: the slot table's eviction-order implementation
         ("auto": "rank" on an accelerator up to ``slot_table.RANK_MAX_SLOTS`` slots, "top_k" above,
         "sort" on the CPU).
@@ -201,7 +202,7 @@ class KernelConfig:
     use: str | tuple[str, ...] = "auto"
     tiles: tuple[tuple[str, tuple[int, ...]], ...] = ()
     grouped_matmul: str = "auto"
-    flash_prefill: str = "pallas"
+    flash_prefill: str = "auto"
     slot_order: str = "auto"
     min_dot_rows: int | None = None
     decode_gemm: str = "auto"

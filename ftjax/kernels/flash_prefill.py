@@ -26,9 +26,10 @@ Two implementations:
 * ``auto`` (the default): ``mgpu`` for the calls it serves on a Hopper GPU, the ``pallas`` kernel for
   the others (a chunked or prefix-reuse prefill's later calls, operands beyond float16, other GPUs, the
   CPU's interpreted runs). Measured on an H100 (2026-12-06, ``check_kernels_gpu.py
-  --sections=flash_prefill``, 8192 tokens from 0): the Mosaic kernel 1.331 vs 1.766 ms at qwen3's 32 / 4
-  heads of 128, 1.185 vs 1.687 ms at qwen3.5's 16 / 2 heads of 256; the 16-layer qwen3.5 cut's TTFT
-  0.0785 vs 0.0808 s (``bench_gated_delta.py``, in one process).
+  --sections=flash_prefill``, 8192 tokens from 0): the Mosaic kernel 1.294 vs 1.649 ms at qwen3's 32 / 4
+  heads of 128, 1.185 vs 1.687 ms at qwen3.5's 16 / 2 heads of 256; resident 8192-token TTFT of the 16-layer
+  cuts, auto vs pallas: qwen3.5 0.0791 vs 0.0810 s (``bench_gated_delta.py``), qwen3 0.0845 vs 0.0902 s
+  (``check_kernels_gpu.py --sections=e2e_prefill``).
 
 ``KernelConfig.flash_prefill`` (``auto`` | ``pallas`` | ``mgpu``) picks one where the kernel config
 selects the ``flash_prefill`` kernel (``ftjax.kernels.registry``).

@@ -118,17 +118,19 @@ def test_tiles_config():
 
 
 def test_one_row_calls_take_their_own_tiles_where_they_fit():
-    """Batch-1 calls step over 128 rows with 8 warps (``ONE_ROW_TILES``), larger calls keep the defaults; a one-row
-    call whose K the 128-row step does not divide keeps the defaults instead of leaving the kernel; an override
-    applies to every call."""
-    w = jnp.ones((2, 256, 128), jnp.bfloat16)
+    """Batch-1 calls of K >= 1024 step over 128 rows with 8 warps (``ONE_ROW_TILES``); larger calls and a small K
+    keep the defaults; a one-row call whose K the 128-row step does not divide keeps the defaults instead of
+    leaving the kernel; an override applies to every call."""
+    bf = jnp.bfloat16
+    w = jax.ShapeDtypeStruct((2, 2048, 128), bf)
     with using(KernelConfig(use="dense_decode")):
-        one, four = dd.plan(jnp.ones((1, 256), jnp.bfloat16), w)[1], dd.plan(jnp.ones((4, 256), jnp.bfloat16), w)[1]
+        one, four = dd.plan(jnp.ones((1, 2048), bf), w)[1], dd.plan(jnp.ones((4, 2048), bf), w)[1]
         assert (one["block_k"], one["num_warps"]) == (128, 8) and (four["block_k"], four["num_warps"]) == (64, None)
-        how, odd = dd.plan(jnp.ones((1, 192), jnp.bfloat16), jnp.ones((2, 192, 128), jnp.bfloat16))
+        assert dd.plan(jnp.ones((1, 256), bf), jax.ShapeDtypeStruct((2, 256, 128), bf))[1]["block_k"] == 64
+        how, odd = dd.plan(jnp.ones((1, 1088), bf), jax.ShapeDtypeStruct((2, 1088, 128), bf))  # 17 x 64
         assert how != "xla" and (odd["block_k"], odd["num_warps"]) == (64, None)
     with using(KernelConfig(use="dense_decode", tiles={"dense_decode": (32, 64, 0, 0)})):
-        assert dd.plan(jnp.ones((1, 256), jnp.bfloat16), w)[1]["block_k"] == 32
+        assert dd.plan(jnp.ones((1, 2048), bf), w)[1]["block_k"] == 32
 
 
 def test_explicit_tiles_that_do_not_fit_raise():

@@ -19,7 +19,7 @@ partial sums ``[k_split, M, N]`` that are added up in float32 outside the kernel
 (so a split changes only the float32 summation order). Tiles come from the engine's kernel config
 (``KernelConfig.tiles``, entry ``dense_decode``: block_k, block_n, num_warps, k_split; :func:`tiles`),
 else the module defaults: block_k 64, block_n 128, Triton's default warps (block_k 128 and 8 warps for one-row
-calls: :data:`ONE_ROW_TILES`), and k_split
+calls of K >= 1024: :data:`ONE_ROW_TILES`), and k_split
 :func:`auto_k_split` (the smallest power of two giving at least :data:`MIN_PROGRAMS` programs:
 8 for wq [2048, 4096] of qwen3-30b-a3b, 16 for wo [4096, 2048], 32 for wk / wv [2048, 512] and the
 router [2048, 128], whose K allows no more).
@@ -405,14 +405,17 @@ def parse_tiles(vals: tuple[int, ...]) -> dict:
 #: (2026-12-05, the 16-layer qwen3.5-35b-a3b cut, ``profile_step.py``) they took the batch-1 steps run back to back
 #: from 2.196 to 2.105 ms, but a 4-row step from 3.835 to 4.048 ms, so only one-row calls take them.
 ONE_ROW_TILES = {"block_k": 128, "num_warps": 8}
+#: The smallest K that takes :data:`ONE_ROW_TILES` (measured at K 2048 and 4096; a small K would lose K-split parts).
+ONE_ROW_MIN_K = 1024
 
 
-def tiles(rows: int | None = None) -> dict:
-    """The tiles the model's calls of ``rows`` input rows use: the active kernel config's ``dense_decode`` override
-    (:func:`parse_tiles`; it applies to :func:`norm_dense_decode` and :func:`merge_dense_decode` too), else the
-    module defaults, with :data:`ONE_ROW_TILES` for one row."""
+def tiles(rows: int | None = None, k: int | None = None) -> dict:
+    """The tiles the model's calls of ``rows`` input rows of width ``k`` use: the active kernel config's
+    ``dense_decode`` override (:func:`parse_tiles`; it applies to :func:`norm_dense_decode` and
+    :func:`merge_dense_decode` too), else the module defaults, with :data:`ONE_ROW_TILES` for one row of
+    K >= :data:`ONE_ROW_MIN_K`."""
     defaults = {"block_k": BLOCK_K, "block_n": BLOCK_N, "num_warps": None, "k_split": K_SPLIT}
-    if rows == 1:
+    if rows == 1 and (k or 0) >= ONE_ROW_MIN_K:
         defaults.update(ONE_ROW_TILES)
     return registry.tiles("dense_decode", defaults)
 
@@ -456,7 +459,7 @@ def plan(x: jax.Array, w, name: str = "dense_decode", auto: bool | None = None) 
     auto = auto_for(ws[0].dtype) if auto is None else auto
     x2 = jax.ShapeDtypeStruct((math.prod(x.shape[:-1]), x.shape[-1]), x.dtype)
     for rows in dict.fromkeys((x2.shape[0], None)):  # a one-row call's tiles, else the defaults where they do not fit
-        t = tiles(rows)
+        t = tiles(rows, x.shape[-1])
         if t["k_split"] == 0:
             t["k_split"] = auto_k_split(x.shape[-1], sum(v.shape[-1] for v in ws), t["block_k"], t["block_n"])
         ok = supported_all(x2, ws, t["block_k"], t["block_n"], t["k_split"])

@@ -232,8 +232,8 @@ def test_decode_attention_matches_reference(dtype, tol, n_split):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_the_merge_kernel_matches_the_jnp_merge(dtype):
     """``attention_merge`` (interpreted) against ``merge_splits``: splits with work and empty ones (m at NEG, l 0, as
-    the kernel leaves a split past the filled length), g below the tile's rows; refused for a g that is no power
-    of two."""
+    the kernel leaves a split past the filled length), g below the tile's rows, one that is no power of two;
+    refused for a split count that is none."""
     from ftjax.kernels.online_softmax import NEG
     rng = np.random.default_rng(8)
     B, hkv, n_split, rows, hd, g = 2, 2, 16, 16, 32, 8
@@ -241,13 +241,14 @@ def test_the_merge_kernel_matches_the_jnp_merge(dtype):
     m = jnp.asarray(rng.standard_normal((B, hkv, n_split, rows)) * 4, jnp.float32)
     l = jnp.asarray(rng.uniform(0.5, 3.0, (B, hkv, n_split, rows)), jnp.float32)
     m, l, o = m.at[:, :, 10:].set(NEG), l.at[:, :, 10:].set(0.0), o.at[:, :, 10:].set(0.0)
-    ref = da.merge_splits(o, m, l, g, dtype)
-    got = da.merge_splits_kernel(o, m, l, g=g, dtype=dtype, interpret=True)
-    assert got.shape == ref.shape == (B, 1, hkv * g, hd) and got.dtype == dtype
-    assert _maxdiff(got, ref) <= (1e-6 if dtype == jnp.float32 else 2 / 256) * float(jnp.max(jnp.abs(ref)))
-    assert not da.merge_supported(o, 6)
+    for g in (8, 6):
+        ref = da.merge_splits(o, m, l, g, dtype)
+        got = da.merge_splits_kernel(o, m, l, g=g, dtype=dtype, interpret=True)
+        assert got.shape == ref.shape == (B, 1, hkv * g, hd) and got.dtype == dtype
+        assert _maxdiff(got, ref) <= (1e-6 if dtype == jnp.float32 else 2 / 256) * float(jnp.max(jnp.abs(ref)))
+    assert not da.merge_supported(o[:, :, :12], 8)
     with pytest.raises(ValueError, match="merge_splits_kernel: unsupported splits"):
-        da.merge_splits_kernel(o, m, l, g=6, dtype=dtype, interpret=True)
+        da.merge_splits_kernel(o[:, :, :12], m[:, :, :12], l[:, :, :12], g=8, dtype=dtype, interpret=True)
 
 
 def test_decode_attention_merges_through_the_kernel_where_selected():

@@ -142,43 +142,37 @@ def grouped(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Ar
     return merge_splits(o, m, l, g, qg.dtype)
 
 
-def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, g):
-    b, h = pl.program_id(0), pl.program_id(1)
-    n_split = o_ref.shape[2]
-    rows = pl.ds(0, g)  # the GQA group's rows; the tile's pad rows are never read
-    top = m_ref[b, h, 0, rows]
-    for s in range(1, n_split):
-        top = jnp.maximum(top, m_ref[b, h, s, rows])
-    acc = jnp.zeros((g, o_ref.shape[4]), jnp.float32)
-    den = jnp.zeros((g,), jnp.float32)
-    for s in range(n_split):  # static: n_split is 16 by default, each step a [g, hd] tile
-        w = jnp.exp(m_ref[b, h, s, rows] - top)
-        acc = acc + w[:, None] * o_ref[b, h, s, rows, :]
-        den = den + w * l_ref[b, h, s, rows]
-    out_ref[b, h, :, :] = (acc / den[:, None]).astype(out_ref.dtype)
+def _merge_kernel(o_ref, m_ref, l_ref, out_ref):
+    b, h, r = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    m = m_ref[b, h, :, r]  # [n_split]: one query head's splits, loaded at once
+    w = jnp.exp(m - jnp.max(m))
+    den = jnp.sum(w * l_ref[b, h, :, r])
+    out = jnp.sum(w[:, None] * o_ref[b, h, :, r, :], axis=0) / den
+    out_ref[b, h, r, :] = out.astype(out_ref.dtype)
 
 
 def merge_supported(o: jax.Array, g: int) -> bool:
-    """Whether :func:`merge_splits_kernel` takes these splits: g a power of two (a Triton block) up to the tile's
-    rows, o float32 [B, Hkv, n_split, rows, hd] with n_split <= 64 (unrolled)."""
-    return o.ndim == 5 and o.dtype == jnp.float32 and common.pow2(g) and g <= o.shape[3] and o.shape[2] <= 64
+    """Whether :func:`merge_splits_kernel` takes these splits: o float32 [B, Hkv, n_split, rows, hd] with n_split and
+    hd powers of two (Triton blocks) and g <= rows."""
+    return (o.ndim == 5 and o.dtype == jnp.float32 and common.pow2(o.shape[2]) and common.pow2(o.shape[4])
+            and 1 <= g <= o.shape[3])
 
 
 @functools.partial(jax.jit, static_argnames=("g", "dtype", "interpret"))
 def merge_splits_kernel(o: jax.Array, m: jax.Array, l: jax.Array, *, g: int, dtype,
                         interpret: bool = False) -> jax.Array:
-    """:func:`merge_splits` in one Pallas launch, grid (B, Hkv): program (b, h) reads the n_split results of KV head
-    h's g query heads and writes their merge, so XLA's four kernels for it (the max, the weights, the two sums and
-    the pad rows' slice) become one. Same arithmetic in float32, the splits summed in order (XLA's reduce may
-    order them otherwise: a float32 ulp). Returns [B, 1, Hkv * g, hd] in ``dtype``.
+    """:func:`merge_splits` in one Pallas launch, grid (B, Hkv, g): program (b, h, r) reads the n_split results of
+    query head r of KV head h ([n_split, hd] float32) and writes their merge, so XLA's four kernels for it (the
+    max, the weights, the two sums and the pad rows' slice) become one. Same arithmetic in float32 (the sums'
+    order may differ from XLA's: a float32 ulp). Returns [B, 1, Hkv * g, hd] in ``dtype``.
     Raises:
       ValueError: splits :func:`merge_supported` does not take."""
     if not merge_supported(o, g):
         raise ValueError(f"merge_splits_kernel: unsupported splits (o {o.shape} {o.dtype}, g={g}; expected float32 "
-                         "[B, Hkv, n_split <= 64, rows >= g, hd] and g a power of two)")
+                         "[B, Hkv, n_split, rows >= g, hd] with n_split and hd powers of two)")
     b, hkv, _, _, hd = o.shape
     out = pl.pallas_call(
-        functools.partial(_merge_kernel, g=g), out_shape=jax.ShapeDtypeStruct((b, hkv, g, hd), dtype), grid=(b, hkv),
+        _merge_kernel, out_shape=jax.ShapeDtypeStruct((b, hkv, g, hd), dtype), grid=(b, hkv, g),
         interpret=interpret, compiler_params=common.triton_params(interpret), name="attention_merge",
     )(o, m, l)
     return out.reshape(b, 1, hkv * g, hd)
@@ -218,5 +212,5 @@ registry.register(registry.Kernel(
     "decode attention (T = 1) over the filled cache positions only, 16-bit operands on a GPU; auto: GPU"))
 registry.register(registry.Kernel(
     "attention_merge", "ftjax.kernels.decode_attention.merge_splits",
-    "decode attention's key-split merge in one launch (g a power of two); auto: GPU",
+    "decode attention's key-split merge in one launch (n_split and hd powers of two); auto: GPU",
     needs=("decode_attention",)))

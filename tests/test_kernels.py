@@ -229,46 +229,6 @@ def test_decode_attention_matches_reference(dtype, tol, n_split):
     assert _maxdiff(got, ref) <= tol
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_the_merge_kernel_matches_the_jnp_merge(dtype):
-    """``attention_merge`` (interpreted) against ``merge_splits``: splits with work and empty ones (m at NEG, l 0, as
-    the kernel leaves a split past the filled length), g below the tile's rows, one that is no power of two;
-    refused for a split count that is none."""
-    from ftjax.kernels.online_softmax import NEG
-    rng = np.random.default_rng(8)
-    B, hkv, n_split, rows, hd, g = 2, 2, 16, 16, 32, 8
-    o = jnp.asarray(rng.standard_normal((B, hkv, n_split, rows, hd)), jnp.float32)
-    m = jnp.asarray(rng.standard_normal((B, hkv, n_split, rows)) * 4, jnp.float32)
-    l = jnp.asarray(rng.uniform(0.5, 3.0, (B, hkv, n_split, rows)), jnp.float32)
-    m, l, o = m.at[:, :, 10:].set(NEG), l.at[:, :, 10:].set(0.0), o.at[:, :, 10:].set(0.0)
-    for g in (8, 6):
-        ref = da.merge_splits(o, m, l, g, dtype)
-        got = da.merge_splits_kernel(o, m, l, g=g, dtype=dtype, interpret=True)
-        assert got.shape == ref.shape == (B, 1, hkv * g, hd) and got.dtype == dtype
-        assert _maxdiff(got, ref) <= (1e-6 if dtype == jnp.float32 else 2 / 256) * float(jnp.max(jnp.abs(ref)))
-    assert not da.merge_supported(o[:, :, :12], 8)
-    with pytest.raises(ValueError, match="merge_splits_kernel: unsupported splits"):
-        da.merge_splits_kernel(o[:, :, :12], m[:, :, :12], l[:, :, :12], g=8, dtype=dtype, interpret=True)
-
-
-def test_decode_attention_merges_through_the_kernel_where_selected():
-    """With every kernel interpreted, ``decode_attention`` merges its splits with ``attention_merge`` and still
-    matches the reference attention; under the CPU's auto it takes the jnp merge."""
-    rng = np.random.default_rng(10)
-    L, B, S, hkv, g, hd = 1, 2, 128, 2, 4, 32
-    kc, vc = (jnp.asarray(rng.standard_normal((L, B, S, hkv, hd)), jnp.float32) for _ in range(2))
-    q = jnp.asarray(rng.standard_normal((B, 1, hkv * g, hd)), jnp.float32)
-    pos = jnp.asarray([[5], [100]], jnp.int32)
-    fn = lambda q, kc, vc: da.decode_attention(q, kc, vc, 0, pos[:, 0] + 1, interpret=True, block_k=16)  # noqa: E731
-    with using(KernelConfig(use="interpret")), registry.recording() as ran:
-        got = jax.jit(fn)(q, kc, vc)
-    assert "attention_merge" in ran
-    with registry.recording() as ran_auto:
-        jax.jit(fn).lower(q, kc, vc)
-    assert "attention_merge" not in ran_auto  # the CPU's auto: the jnp merge
-    assert _maxdiff(got, attention_lib.attention(q, kc[0], vc[0], pos)) <= 1e-5
-
-
 def test_decode_attention_ignores_unfilled_positions():
     rng = np.random.default_rng(4)
     kc = jnp.asarray(rng.standard_normal((1, 1, 64, 1, 16)), jnp.float32)

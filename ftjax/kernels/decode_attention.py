@@ -10,9 +10,8 @@ its share of the filled positions, ``chunk = ceil(ceil(length / n_split) / block
 keys starting at ``s * chunk``, in blocks of ``block_k`` with an online softmax in float32 (running
 max m, running sum l, unnormalised output; FlashAttention, Dao et al. 2022). Splitting the keys
 over ``n_split`` programs keeps the GPU busy at batch 1, where B * Hkv is only 4 programs
-(FlashDecoding, Dao et al. 2023); the split results are merged by their log-sum-exp, in one more launch
-(:func:`merge_splits_kernel`, kernel ``attention_merge``), in jnp (:func:`merge_splits`) or in the prologue of the
-wo product (``dense_decode.merge_dense_decode``).
+(FlashDecoding, Dao et al. 2023); the split results are merged by their log-sum-exp, in jnp
+(:func:`merge_splits`) or in the prologue of the wo product (``dense_decode.merge_dense_decode``).
 Splits are sized by the filled length, not by S_max, so every split does work and none reads an
 unfilled position. The cache is passed whole ([L, B, S_max, Hkv, hd]) with the layer index, so
 the layer's slice is never copied out of the scan carry.
@@ -107,9 +106,8 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer
     g = hq // hkv
     rows = query_rows(g)
     qg = jnp.pad(q.reshape(b, hkv, g, hd), ((0, 0), (0, 0), (0, rows - g), (0, 0)))
-    o, m, l = grouped(qg, k_cache, v_cache, layer, lengths, g=g, offset=offset, interpret=interpret, block_k=block_k,
-                      n_split=n_split, num_warps=num_warps, num_stages=num_stages, merged=False)
-    return merge(o, m, l, g, q.dtype)
+    return grouped(qg, k_cache, v_cache, layer, lengths, g=g, offset=offset, interpret=interpret, block_k=block_k,
+                   n_split=n_split, num_warps=num_warps, num_stages=num_stages)
 
 
 @functools.partial(jax.jit, static_argnames=("g", "interpret", "block_k", "n_split", "num_warps", "num_stages",
@@ -142,51 +140,6 @@ def grouped(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Ar
     return merge_splits(o, m, l, g, qg.dtype)
 
 
-def _merge_kernel(o_ref, m_ref, l_ref, out_ref):
-    b, h, r = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    m = m_ref[b, h, :, r]  # [n_split]: one query head's splits, loaded at once
-    w = jnp.exp(m - jnp.max(m))
-    den = jnp.sum(w * l_ref[b, h, :, r])
-    out = jnp.sum(w[:, None] * o_ref[b, h, :, r, :], axis=0) / den
-    out_ref[b, h, r, :] = out.astype(out_ref.dtype)
-
-
-def merge_supported(o: jax.Array, g: int) -> bool:
-    """Whether :func:`merge_splits_kernel` takes these splits: o float32 [B, Hkv, n_split, rows, hd] with n_split and
-    hd powers of two (Triton blocks) and g <= rows."""
-    return (o.ndim == 5 and o.dtype == jnp.float32 and common.pow2(o.shape[2]) and common.pow2(o.shape[4])
-            and 1 <= g <= o.shape[3])
-
-
-@functools.partial(jax.jit, static_argnames=("g", "dtype", "interpret"))
-def merge_splits_kernel(o: jax.Array, m: jax.Array, l: jax.Array, *, g: int, dtype,
-                        interpret: bool = False) -> jax.Array:
-    """:func:`merge_splits` in one Pallas launch, grid (B, Hkv, g): program (b, h, r) reads the n_split results of
-    query head r of KV head h ([n_split, hd] float32) and writes their merge, so XLA's four kernels for it (the
-    max, the weights, the two sums and the pad rows' slice) become one. Same arithmetic in float32 (the sums'
-    order may differ from XLA's: a float32 ulp). Returns [B, 1, Hkv * g, hd] in ``dtype``.
-    Raises:
-      ValueError: splits :func:`merge_supported` does not take."""
-    if not merge_supported(o, g):
-        raise ValueError(f"merge_splits_kernel: unsupported splits (o {o.shape} {o.dtype}, g={g}; expected float32 "
-                         "[B, Hkv, n_split, rows >= g, hd] with n_split and hd powers of two)")
-    b, hkv, _, _, hd = o.shape
-    out = pl.pallas_call(
-        _merge_kernel, out_shape=jax.ShapeDtypeStruct((b, hkv, g, hd), dtype), grid=(b, hkv, g),
-        interpret=interpret, compiler_params=common.triton_params(interpret), name="attention_merge",
-    )(o, m, l)
-    return out.reshape(b, 1, hkv * g, hd)
-
-
-def merge(o: jax.Array, m: jax.Array, l: jax.Array, g: int, dtype) -> jax.Array:
-    """The splits' merge [B, 1, Hkv * g, hd]: :func:`merge_splits_kernel` where the kernel config selects
-    ``attention_merge`` for these splits, else :func:`merge_splits`."""
-    how = registry.mode("attention_merge", merge_supported(o, g))
-    if how == "xla":
-        return merge_splits(o, m, l, g, dtype)
-    return merge_splits_kernel(o, m, l, g=g, dtype=jnp.dtype(dtype), interpret=how == "interpret")
-
-
 def merge_splits(o: jax.Array, m: jax.Array, l: jax.Array, g: int, dtype) -> jax.Array:
     """The attention output [B, 1, Hkv * g, hd] in ``dtype`` from the kernel's per-split results
     (o float32 [B, Hkv, n_split, rows, hd]: unnormalised outputs; m, l [B, Hkv, n_split, rows]:
@@ -210,7 +163,3 @@ def maybe(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array
 registry.register(registry.Kernel(
     "decode_attention", "ftjax.layers.attention.attention",
     "decode attention (T = 1) over the filled cache positions only, 16-bit operands on a GPU; auto: GPU"))
-registry.register(registry.Kernel(
-    "attention_merge", "ftjax.kernels.decode_attention.merge_splits",
-    "decode attention's key-split merge in one launch (n_split and hd powers of two); auto: GPU",
-    needs=("decode_attention",)))

@@ -130,14 +130,14 @@ def cached_attention(q: jax.Array | GroupedQuery, ck: jax.Array, cv: jax.Array, 
 def attention_output(o: jax.Array | SplitAttention, wo: jax.Array | StackedWeight) -> jax.Array:
     """The output projection ``o @ wo`` [B, T, D] of o [B, T, Hq, hd] or of a :class:`SplitAttention`
     (T = 1): where the kernel config selects ``merge_dense_decode`` for a stacked wo, one launch
-    merges the splits and projects; otherwise the merge (``decode_attention.merge``) and then
+    merges the splits and projects; otherwise the merge (``decode_attention.merge_splits``) and then
     :func:`project`."""
     if isinstance(o, SplitAttention):
         if isinstance(wo, StackedWeight):
             y = dense_decode.maybe_merge(o.o, o.m, o.l, o.g, o.dtype, wo.w, wo.layer)
             if y is not None:
                 return y[:, None]
-        o = decode_attention.merge(o.o, o.m, o.l, o.g, o.dtype)
+        o = decode_attention.merge_splits(o.o, o.m, o.l, o.g, o.dtype)
     b, t = o.shape[:2]
     return project(o.reshape(b, t, -1), wo)
 

@@ -43,8 +43,10 @@ failure or a timeout keeps what ran before it):
   ``moe`` section (``tiles={"moe_decode": ...}``), and each kernel alone; logits diff and greedy ids vs
   xla; a cached run (--e2e_slots) with kernels on must give the resident run's logits bit for bit.
   Each row records its engine's config (``engine``: the kernel config and ``kernels_applied``).
-* ``e2e_prefill``: one --prefill_len prompt, resident, kernels off / flash (Triton) / flash (mgpu)
-  (``KernelConfig(use="flash_prefill", flash_prefill="pallas" | "mgpu")``).
+* ``e2e_prefill``: one --prefill_len prompt, resident, kernels off / flash (Triton) / flash (mgpu) / flash (auto)
+  (``KernelConfig(use="flash_prefill", flash_prefill="pallas" | "mgpu" | "auto")``). The ``e2e`` rows take the
+  default ``flash_prefill`` (auto since 2026-12-06; pallas before), so their TTFTs from then on include the
+  Mosaic attention.
 
 First of all, the device memory bandwidth of a large elementwise op (``hbm``), the figure the
 kernels' GBps compare against.

@@ -57,7 +57,8 @@
 # flash-auto:      flash_prefill auto (jax's Mosaic GPU attention for prefill calls from 0 on Hopper, the Pallas kernel
 #                  for the others; the default since 2026-12-06) against pallas and mgpu: bench_gated_delta's 16-layer
 #                  TTFT, check_kernels_gpu's qwen3 16-layer resident prefill (logits against XLA's attention), and
-#                  check_reuse_gpu (prefix reuse: the reusing request's calls start past 0 and take the Pallas kernel)
+#                  check_reuse_gpu's bf16 case (prefix reuse: the reusing request's calls start past 0 and take the
+#                  Pallas kernel; on a GPU the float32 cases take XLA's attention)
 # hybrid-compile:  the hybrid engine's compile at batch 1 with the auto kernels, with none (--kernels=xla: the grouped
 #                  matmul still jax's Mosaic kernel), and with no Mosaic kernel either (--grouped_matmul=xla): where the
 #                  40-44 s compile of a 4-layer cut goes (issue 32's compile time)
@@ -198,7 +199,8 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
         --tag="flash-auto_${dev}_$day" ${out:+--out_dir="$out"}
       run 150 "$stage-e2e" experiments/check_kernels_gpu.py --sections=e2e_prefill --time_budget_s=130 \
         ${out:+--out_dir="$out"}
-      run 150 "$stage-reuse" experiments/check_reuse_gpu.py --time_budget_s=120 ${out:+--out_dir="$out"} ;;
+      run 150 "$stage-reuse" experiments/check_reuse_gpu.py --flash_prefill=auto --cases=preset_bfloat16 \
+        --time_budget_s=120 ${out:+--out_dir="$out"} ;;
     hybrid-compile)
       for k in auto xla; do
         run 150 "$stage-$k" experiments/probe_hybrid_batch_decode.py --batches=1 --kernels="$k" --tag="compile-$k" \

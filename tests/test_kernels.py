@@ -335,16 +335,50 @@ def test_auto_flash_prefill_takes_the_mosaic_kernel_only_for_calls_from_0_on_a_h
     q = jnp.asarray(rng.standard_normal((B, T, hkv * g, hd)), jnp.bfloat16)
     k, v = (jnp.asarray(rng.standard_normal((B, S, hkv, hd)), jnp.bfloat16) for _ in range(2))
     assert KernelConfig().flash_prefill == "auto"
+    def run(*args):  # a new trace per call: jit's cache keys neither the kernel config nor the stubs
+        return jax.jit(lambda q, k, v, pos: fp.maybe(q, k, v, pos, attention_lib.attention))(*args)
+
     for is_hopper in (True, False):
         monkeypatch.setattr(fp, "hopper", lambda h=is_hopper: h)
         calls.clear()
         for start in (0, 37):
             pos = start + jnp.arange(T)[None]
             with using(KernelConfig()):
-                got = jax.jit(lambda q, k, v, pos: fp.maybe(q, k, v, pos, attention_lib.attention))(q, k, v, pos)
+                got = run(q, k, v, pos)
             sign = -1 if is_hopper and start == 0 else 1
             assert _maxdiff(sign * got.astype(jnp.float32), attention_lib.attention(q, k, v, pos)) <= 2 / 128
-        assert len(calls) == (2 if is_hopper else 0)  # traced in both calls' lax.cond on Hopper, never elsewhere
+        assert bool(calls) == is_hopper  # traced (mgpu_traces, the lax.cond) on Hopper only
+    # on Hopper: two rows of which one starts past 0, and operands beyond float16, take the Pallas kernel
+    monkeypatch.setattr(fp, "hopper", lambda: True)
+    q2, k2, v2 = (jnp.concatenate([a, a]) for a in (q, k, v))
+    pos2 = jnp.asarray([0, 37])[:, None] + jnp.arange(T)[None]
+    pos0 = jnp.arange(T)[None]
+    with using(KernelConfig()):
+        mixed, big = run(q2, k2, v2, pos2), run(q, k, v * 1e5, pos0)
+    assert _maxdiff(mixed, attention_lib.attention(q2, k2, v2, pos2)) <= 2 / 128
+    ref_big = attention_lib.attention(q, k, v * 1e5, pos0)
+    assert _maxdiff(big, ref_big) <= 2 / 128 * 1e5 < float(jnp.max(jnp.abs(ref_big)))  # negated: ~2x the max apart
+
+
+def test_auto_flash_prefill_lowered_for_a_gpu_takes_the_pallas_kernel_where_the_mosaic_one_cannot_trace(monkeypatch):
+    """Tracing the default prefill attention for a GPU (``registry.lowering_for``) on a machine whose jax cannot
+    trace jax's Mosaic attention (no CUDA libraries here: it asserts them) raises nothing and holds the Pallas
+    kernel; where it can trace, the Mosaic kernel's branch is there too."""
+    seen, pallas = [], fp.flash_attention
+    monkeypatch.setattr(fp, "flash_attention", lambda *a, **kw: seen.append(1) or pallas(*a, **kw))
+    sd = jax.ShapeDtypeStruct
+    q, kv, pos = sd((1, 128, 4, 64), jnp.bfloat16), sd((1, 256, 2, 64), jnp.bfloat16), sd((1, 128), jnp.int32)
+    traces = fp.mgpu_traces(q, kv, kv, fp.mgpu_block_kv(64))
+    jax.clear_caches()
+    try:
+        with registry.lowering_for("gpu"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the Triton backend's deprecation warning
+            jax.jit(lambda q, k, v, p: fp.maybe(q, k, v, p, attention_lib.attention)).trace(q, kv, kv, pos)
+    finally:
+        jax.clear_caches()
+    assert len(seen) == 1  # the Pallas kernel: alone, or as the lax.cond's other branch
+    if jax.default_backend() == "cpu":
+        assert not traces
 
 
 def test_flash_prefill_supported_and_impl_choice():

@@ -23,10 +23,12 @@ Two implementations:
   shared-memory buffers are float16, so bf16 operands are cast to float16 (exact in mantissa) and the
   output cast back; a call with an operand beyond float16's +-65504 takes the reference too. It runs
   on Hopper GPUs only (compute capability 9.x), never on the CPU.
-* ``auto`` (the default): ``mgpu`` for the calls it serves on a Hopper GPU, the ``pallas`` kernel for
-  the others (a chunked or prefix-reuse prefill's later calls, operands beyond float16, other GPUs, the
-  CPU's interpreted runs). Measured on an H100 (2026-12-06, ``check_kernels_gpu.py
-  --sections=flash_prefill``, 8192 tokens from 0): the Mosaic kernel 1.294 vs 1.649 ms at qwen3's 32 / 4
+* ``auto`` (the default): ``mgpu`` for the calls it serves on a Hopper GPU where it traces
+  (:func:`mgpu_traces`), the ``pallas`` kernel for the others (a chunked or prefix-reuse prefill's later
+  calls, operands beyond float16, head dims above 256, other GPUs, the CPU's interpreted runs). Every
+  prefill program then compiles both kernels: 8.8 vs 5.9 s for the qwen3 16-layer cut on an H100.
+  Measured on an H100 (2026-12-06, ``check_kernels_gpu.py --sections=flash_prefill``, 8192 tokens
+  from 0): the Mosaic kernel 1.294 vs 1.649 ms at qwen3's 32 / 4
   heads of 128, 1.185 vs 1.687 ms at qwen3.5's 16 / 2 heads of 256; resident 8192-token TTFT of the 16-layer
   cuts, auto vs pallas: qwen3.5 0.0791 vs 0.0810 s (``bench_gated_delta.py``), qwen3 0.0845 vs 0.0902 s
   (``check_kernels_gpu.py --sections=e2e_prefill``).
@@ -133,10 +135,22 @@ def mgpu_block_kv(hd: int) -> int:
 
 def mgpu_supported(q: jax.Array, k: jax.Array, block_q: int = 64, block_kv: int = 128) -> bool:
     """Shapes the shipped Mosaic GPU kernel takes: T a multiple of 2*block_q and of block_kv, T <= S,
-    hd % 64 == 0, 16-bit floats."""
+    hd % 64 == 0 and hd <= 256 (above, its buffers overflow shared memory even at :func:`mgpu_block_kv`'s 64),
+    16-bit floats."""
     t, hd, s = q.shape[1], q.shape[3], k.shape[1]
-    return (q.dtype in (jnp.bfloat16, jnp.float16) and hd % 64 == 0 and t % (2 * block_q) == 0
+    return (q.dtype in (jnp.bfloat16, jnp.float16) and hd % 64 == 0 and hd <= 256 and t % (2 * block_q) == 0
             and t % block_kv == 0 and t <= s)
+
+
+def mgpu_traces(q: jax.Array, k: jax.Array, v: jax.Array, block_kv: int) -> bool:
+    """Whether :func:`mgpu_attention` traces for these operands here. In jax 0.11.2 the kernel asserts that CUDA's
+    libraries are loaded (not so on a CPU-only machine lowering for a GPU: ``registry.lowering_for``) and refuses
+    causal attention under CUDA runtimes 12.8 to 12.9; ``auto`` then takes the Pallas kernel."""
+    try:
+        jax.eval_shape(functools.partial(mgpu_attention, block_kv=block_kv), q, k, v)
+    except (AssertionError, ValueError, ImportError, NotImplementedError):
+        return False
+    return True
 
 
 def mgpu_attention(q: jax.Array, k: jax.Array, v: jax.Array, block_q: int = 64, block_kv: int = 128,
@@ -172,8 +186,8 @@ def mgpu_in_range(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
 
 def hopper() -> bool:
     """Whether the Mosaic GPU kernel can run on this machine's GPU (compute capability 9.x: H100, H200). True
-    where jax's first device is no GPU: a program lowered for CUDA on the CPU (``registry.lowering_for``)
-    holds the kernel the target would run."""
+    where jax's first device is no GPU (a program lowered for CUDA on the CPU, ``registry.lowering_for``); there
+    :func:`mgpu_traces` decides."""
     dev = jax.devices()[0]
     if dev.platform != "gpu":
         return True
@@ -200,7 +214,8 @@ def maybe(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
     if how == "xla":
         return None
     pallas = lambda: flash_attention(q, k, v, start, interpret=how == "interpret")  # noqa: E731
-    if impl == "auto" and how == "gpu" and mgpu_supported(q, k, block_kv=bkv) and hopper():
+    if impl == "auto" and how == "gpu" and mgpu_supported(q, k, block_kv=bkv) and hopper() \
+            and mgpu_traces(q, k, v, bkv):
         return lax.cond(jnp.all(start == 0) & mgpu_in_range(q, k, v), lambda: mgpu_attention(q, k, v, block_kv=bkv),
                         pallas)
     return pallas()

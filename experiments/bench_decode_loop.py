@@ -38,10 +38,14 @@ flags.DEFINE_integer("eos_at", None, "With EOS ids: the timed generates stop at 
                      "untimed generate at or after this index (the path where a fixed-loop generate keeps one block "
                      "in flight; each row's `generated` says where it stopped); unset: no EOS ids.", lower_bound=1)
 flags.DEFINE_bool("alternate", True, "Both engines held, the forms' timed generates alternating.")
+flags.DEFINE_list("forms", ["dynamic", "fixed"], "The order the forms' engines are built and timed in (with "
+                  "--noalternate: one form's generates all before the other's), both named once.")
 flags.DEFINE_string("out_dir", "experiments/results/decode_speed", "Where the JSON goes.")
 flags.DEFINE_string("tag", "", "Goes into the JSON's name.")
 common.check_preset()
 common.check_numbers("batches", int, low=1)
+flags.register_validator("forms", lambda v: sorted(v) == ["dynamic", "fixed"],
+                         message="--forms: expected dynamic and fixed, each once, in the order to run them")
 
 
 def main(argv):
@@ -92,7 +96,7 @@ def _rows(model, batch: int) -> list[dict]:
         if eos:
             first[form] = r
 
-    for f in times:
+    for f in FLAGS.forms:
         e = Engine(model, dataclasses.replace(config, kernels=common.kernel_config(decode_loop=f)))
         first[f] = e.generate(prompts, FLAGS.steps + 1)  # compiles
         if FLAGS.eos_at is not None and not eos:
@@ -109,7 +113,8 @@ def _rows(model, batch: int) -> list[dict]:
             timed(e, f)
     rows = [{"batch": batch, "form": f, "tokens_per_s": common.spread(times[f]), "decode_s": common.spread(decode_s[f]),
              "step_ms": 1e3 * batch / statistics.median(times[f]), "eos_ids": list(eos),
-             "generated": [len(g) for g in first[f].generated_ids]} for f in times]
+             "generated": [len(g) for g in first[f].generated_ids], "run_order": FLAGS.forms.index(f)}
+            for f in times]  # dynamic, then fixed, whatever order they ran in
     same = first["dynamic"].generated_ids == first["fixed"].generated_ids  # with EOS ids: the last timed ones
     rows[1]["same_tokens_as_dynamic"] = same
     rows[1]["over_dynamic"] = rows[1]["tokens_per_s"]["median"] / rows[0]["tokens_per_s"]["median"]

@@ -908,13 +908,15 @@ def test_bench_grouped_matmul_smoke(tmp_path):
 
 @pytest.mark.slow
 def test_bench_decode_loop_smoke(tmp_path):
-    """Both loop forms at batch 1 with an EOS that stops the generate mid-block: the same tokens, both stopped at
-    the same length before the last step, rates > 0, and the index's headline."""
+    """Both loop forms at batch 1 with an EOS that stops the generate mid-block, the fixed form's engine first and
+    alone: the same tokens, both stopped at the same length before the last step, rates > 0, and the index's
+    headline."""
     d = _run("bench_decode_loop", tmp_path, "--preset=tiny", "--layers=2", "--steps=30", "--prompt_len=8",
-             "--repeats=1", "--decode_block=8", "--eos_at=12")
+             "--repeats=1", "--decode_block=8", "--eos_at=12", "--forms=fixed,dynamic", "--noalternate")
     assert _meta(d)["device"]
     dyn, fix = d["rows"]
     assert (dyn["form"], fix["form"]) == ("dynamic", "fixed") and fix["same_tokens_as_dynamic"] is True
+    assert (fix["run_order"], dyn["run_order"]) == (0, 1)
     assert dyn["eos_ids"] == fix["eos_ids"] and len(fix["eos_ids"]) == 1
     assert dyn["generated"] == fix["generated"] and 12 < fix["generated"][0] <= 31
     assert dyn["tokens_per_s"]["median"] > 0 and fix["over_dynamic"] > 0

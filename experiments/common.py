@@ -240,10 +240,10 @@ def define_kernel_flags(skip: tuple[str, ...] = (), multi_use: bool = False) -> 
             "kernel where it runs (auto); the Mosaic kernel always (mgpu); or ragged_dot (xla) "
             "(KernelConfig.grouped_matmul).", **mod),
         "flash_prefill": lambda: flags.DEFINE_enum(
-            "flash_prefill", "auto", list(FLASH_PREFILLS), "Flash attention of prefill: jax's Mosaic GPU attention "
-            "for calls starting at 0 on a Hopper GPU and the Pallas kernel for the others (auto), the Pallas kernel "
-            "always (pallas), or the Mosaic kernel and the jnp attention elsewhere (mgpu) "
-            "(KernelConfig.flash_prefill).", **mod),
+            "flash_prefill", "auto", list(FLASH_PREFILLS), "Flash attention of prefill, where --kernels selects "
+            "flash_prefill (auto: on a GPU): jax's Mosaic GPU attention for calls starting at 0 on a Hopper GPU and "
+            "the Pallas kernel for the others (auto), the Pallas kernel always (pallas), or the Mosaic kernel and "
+            "the jnp attention elsewhere (mgpu) (KernelConfig.flash_prefill).", **mod),
         "slot_order": lambda: flags.DEFINE_enum(
             "slot_order", "auto", list(SLOT_ORDERS), "How the slot table finds the slots misses take (every one "
             "gives the same table; auto: rank on an accelerator, sort on the CPU; KernelConfig.slot_order).", **mod),

@@ -183,9 +183,10 @@ def define_flags(flag_values: flags.FlagValues = FLAGS, module_name: str | None 
     d.DEFINE_enum("grouped_matmul", "auto", list(GROUPED_MATMULS), "The prefill expert matmul: on a GPU the "
                   "grouped_matmul_triton kernel where --kernels selects it (auto: 256 experts or more), else the "
                   "Mosaic GPU kernel where it runs (auto); the Mosaic kernel always (mgpu); or ragged_dot (xla).")
-    d.DEFINE_enum("flash_prefill", "auto", list(FLASH_PREFILLS), "Flash attention of prefill: jax's Mosaic GPU "
-                  "attention for calls starting at 0 on a Hopper GPU and the Pallas kernel for the others (auto), "
-                  "the Pallas kernel always (pallas), or the Mosaic kernel and the jnp attention elsewhere (mgpu).")
+    d.DEFINE_enum("flash_prefill", "auto", list(FLASH_PREFILLS), "Flash attention of prefill, where --kernels "
+                  "selects flash_prefill (auto: on a GPU): jax's Mosaic GPU attention for calls starting at 0 on a "
+                  "Hopper GPU and the Pallas kernel for the others (auto), the Pallas kernel always (pallas), or the "
+                  "Mosaic kernel and the jnp attention elsewhere (mgpu).")
     d.DEFINE_enum("slot_order", "auto", list(SLOT_ORDERS), "How the slot table finds the slots misses take (every "
                   "one gives the same table; auto: rank on an accelerator, sort on the CPU).")
     d.DEFINE_integer("min_dot_rows", None, "Rows a one-row dense projection is padded to (default 4 on a GPU, 0 "

@@ -97,6 +97,11 @@ def _load_model():
     return engine_flags.load_model(DEFAULT_CHECKPOINT, program="ftjax.generate")
 
 
+def is_demo_checkpoint(path: str) -> bool:
+    """Whether ``path`` names the bundled demo model, however it is spelled (relative, absolute, through a link)."""
+    return os.path.realpath(path) == os.path.realpath(DEFAULT_CHECKPOINT)
+
+
 def _prompt_ids(model) -> list[int]:
     import numpy as np
     given = [x for x in (FLAGS.prompt, FLAGS.prompt_ids, FLAGS.prompt_len) if x is not None]
@@ -114,7 +119,7 @@ def _prompt_ids(model) -> list[int]:
             return [int(x) for x in FLAGS.prompt_ids]
         except ValueError:
             raise UserError(f"--prompt_ids must be integers, got {','.join(FLAGS.prompt_ids)}") from None
-    if not given and model.name == DEFAULT_CHECKPOINT and model.tokenizer is not None:
+    if not given and is_demo_checkpoint(model.name) and model.tokenizer is not None:
         return model.tokenizer.encode(DEFAULT_PROMPT).ids
     n = FLAGS.prompt_len or 16
     return np.random.default_rng(FLAGS.seed).integers(0, model.cfg.vocab_size, n).tolist()

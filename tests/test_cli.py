@@ -204,3 +204,15 @@ def test_help_exits_zero_and_flag_errors_stay_one(monkeypatch):
     with pytest.raises(SystemExit) as e:  # a bad flag, or main exiting 1: unchanged
         absl_app.run(lambda argv: None, ["prog", "--bogus=1"])
     assert e.value.code == 1
+
+
+def test_the_demo_checkpoint_is_recognised_however_its_path_is_spelled(tmp_path):
+    """The demo model's built-in prompt follows the model, not the spelling of --checkpoint: a relative path (as the
+    README writes it) and a link name it too; another folder does not."""
+    from ftjax import generate
+    demo = generate.DEFAULT_CHECKPOINT
+    link = tmp_path / "demo"
+    link.symlink_to(demo)
+    assert generate.is_demo_checkpoint(demo) and generate.is_demo_checkpoint(str(link))
+    assert generate.is_demo_checkpoint(os.path.relpath(demo))
+    assert not generate.is_demo_checkpoint(str(tmp_path)) and not generate.is_demo_checkpoint("preset:tiny")

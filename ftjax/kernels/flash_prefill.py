@@ -7,7 +7,7 @@ tile can see, so neither the score tensor nor the unreachable keys are touched.
 
 Semantics (the reference's): queries of row b sit at positions ``start[b] + t`` (t < T) and see
 keys ``j <= start[b] + t`` of the row's cache ``[S_max, Hkv, hd]``; keys above hold stale data.
-Two implementations:
+Two implementations, and the default's choice between them:
 
 * ``pallas``: :func:`flash_attention`, written here with generic Pallas
   primitives, grid (B, Hq, T / block_q): program (b, h, i) holds queries ``[i*bq, (i+1)*bq)`` of

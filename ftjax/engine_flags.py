@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import sys
 from typing import Any, Callable
 
@@ -34,7 +35,7 @@ from ftjax import compile_cache
 from ftjax.experts.policies import describe as describe_cache_policies
 from ftjax.experts.quant import FORMATS as EXPERT_FORMATS
 from ftjax.kernels.registry import (DECODE_GEMMS, DECODE_GRAPHS, DECODE_LOOPS, FLASH_PREFILLS, GROUPED_MATMULS,
-                                    SLOT_ORDERS, KernelConfig)
+                                    SLOT_ORDERS, USES, KernelConfig)
 
 FLAGS = flags.FLAGS
 
@@ -284,7 +285,8 @@ def check_flags() -> None:
 def kernel_config() -> KernelConfig:
     """The run's KernelConfig from the kernel flags.
     Raises:
-      UserError: a malformed --kernel_tiles entry."""
+      UserError: a malformed --kernel_tiles entry, or a choice the KernelConfig refuses (the message names the
+        flag)."""
     tiles = {}
     for entry in FLAGS.kernel_tiles:
         name, _, ints = entry.partition(":")
@@ -292,10 +294,21 @@ def kernel_config() -> KernelConfig:
             tiles[name.strip()] = tuple(int(v) for v in ints.split("/"))
         except ValueError:
             raise UserError(f"--kernel_tiles entry {entry!r}: expected name:int/int/...") from None
-    return KernelConfig(use=FLAGS.kernels, tiles=tiles, grouped_matmul=FLAGS.grouped_matmul,
-                        flash_prefill=FLAGS.flash_prefill, slot_order=FLAGS.slot_order, min_dot_rows=FLAGS.min_dot_rows,
-                        decode_gemm=FLAGS.decode_gemm, decode_graphs=FLAGS.decode_graphs, fetch_group=FLAGS.fetch_group,
-                        decode_loop=FLAGS.decode_loop)
+    try:
+        return KernelConfig(use=FLAGS.kernels, tiles=tiles, grouped_matmul=FLAGS.grouped_matmul,
+                            flash_prefill=FLAGS.flash_prefill, slot_order=FLAGS.slot_order,
+                            min_dot_rows=FLAGS.min_dot_rows, decode_gemm=FLAGS.decode_gemm,
+                            decode_graphs=FLAGS.decode_graphs, fetch_group=FLAGS.fetch_group,
+                            decode_loop=FLAGS.decode_loop)
+    except ValueError as err:  # the config's message names its field: name the flag instead
+        msg = re.sub(r"KernelConfig\.(\w+)", lambda m: "--" + _FLAG_OF_KERNEL_FIELD.get(m[1], m[1]), str(err))
+        if msg.startswith("--kernels: unknown kernel"):
+            msg += f" (or one of {', '.join(USES)})"
+        raise UserError(msg) from None
+
+
+#: The kernel flags whose names differ from their ``KernelConfig`` fields.
+_FLAG_OF_KERNEL_FIELD = {"use": "kernels", "tiles": "kernel_tiles"}
 
 
 def miss_config(mode: str) -> MissPolicyConfig:

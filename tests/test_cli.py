@@ -129,6 +129,8 @@ def test_default_demo_runs_with_cache_smaller_than_pool(tmp_path):
     (["--prompt_len=0"], "--prompt_len must be >= 1"),
     (["--decode_block=0"], "--decode_block must be >= 1"),
     (["--kernels=grouped_matmul_pool"], "needs grouped_matmul_triton selected too"),
+    (["--kernels=bogus"], "--kernels: unknown kernel 'bogus'; expected one of "),  # the flag, not the config field
+    (["--kernel_tiles=dense_decode:64/128"], "--kernel_tiles: tiles of kernel 'dense_decode'"),
     (["--seed=99999999999999999999"], "--seed must be in"),
     (["--logits_npy=/nonexistent/l.npy"], "not a writable file path"),
     (["stray"], "unexpected arguments: stray"),

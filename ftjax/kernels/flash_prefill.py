@@ -204,20 +204,23 @@ def maybe(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
     impl = registry.active().flash_prefill
     start = q_pos[:, 0]
     bkv = mgpu_block_kv(q.shape[3])
+
+    def mosaic_or(other: Callable[[], jax.Array]) -> jax.Array:  # the Mosaic kernel where it serves, else other
+        return lax.cond(jnp.all(start == 0) & mgpu_in_range(q, k, v), lambda: mgpu_attention(q, k, v, block_kv=bkv),
+                        other)
+
     if impl == "mgpu":
         how = registry.mode("flash_prefill", mgpu_supported(q, k, block_kv=bkv))
         if how != "gpu":  # the Mosaic GPU kernel does not interpret on the CPU
             return None
-        return lax.cond(jnp.all(start == 0) & mgpu_in_range(q, k, v), lambda: mgpu_attention(q, k, v, block_kv=bkv),
-                        lambda: reference(q, k, v, q_pos))
+        return mosaic_or(lambda: reference(q, k, v, q_pos))
     how = registry.mode("flash_prefill", supported(q, k) and common.dot_dtype_ok(q.dtype))
     if how == "xla":
         return None
     pallas = lambda: flash_attention(q, k, v, start, interpret=how == "interpret")  # noqa: E731
     if impl == "auto" and how == "gpu" and mgpu_supported(q, k, block_kv=bkv) and hopper() \
             and mgpu_traces(q, k, v, bkv):
-        return lax.cond(jnp.all(start == 0) & mgpu_in_range(q, k, v), lambda: mgpu_attention(q, k, v, block_kv=bkv),
-                        pallas)
+        return mosaic_or(pallas)
     return pallas()
 
 

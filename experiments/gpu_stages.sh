@@ -69,6 +69,8 @@
 #                  auto's choice without EOS ids since 2026-12-06) against the loop ending on its data-dependent
 #                  predicate, resident, at the qwen3.5-35b-a3b 16-layer cut (batch 1; then with an EOS after 40
 #                  tokens), qwen3-30b-a3b at 16 layers (batch 1 and 4) and at 48 layers (batch 1 and 4; issue 33)
+# decode-targets:  the decode targets of issues 32 and 33 in one call (under 600 s): hybrid-decode, then decode-loop's
+#                  qwen3-30b-a3b rows (16 layers at batch 1 and 4, 48 layers at batch 1 and 4)
 # decode-loop-order: bench_decode_loop at qwen3-30b-a3b's 48 layers, batch 4, one engine after the other, the fixed
 #                  form's first, then the dynamic form's first: is the fixed loop's 0.97-0.98x there the loop or the
 #                  order (both 2026-12-06 runs timed the dynamic engine first)?
@@ -224,6 +226,14 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
         --tag="16l_${dev}_$day" ${out:+--out_dir="$out"}
       run 300 "$stage-48l" experiments/bench_decode_loop.py --preset=qwen3-30b-a3b --layers=48 --batches=1,4 --noalternate --repeats=3 \
         --tag="48l_${dev}_$day" ${out:+--out_dir="$out"} ;;
+    decode-targets)
+      run 260 "hybrid-decode" experiments/bench_decode_speed.py --preset=qwen3.5-35b-a3b --layers=16 --slots=512 \
+        --batches=1 --decode_blocks=16 --repeats=3 --trace_steps=0 --tag="qwen3.5-16l-512-slots_${dev}_$day" \
+        ${out:+--out_dir="$out"}
+      run 150 "$stage-qwen3-16l" experiments/bench_decode_loop.py --preset=qwen3-30b-a3b --layers=16 --batches=1,4 \
+        --tag="16l_${dev}_$day" ${out:+--out_dir="$out"}
+      run 170 "$stage-48l" experiments/bench_decode_loop.py --preset=qwen3-30b-a3b --layers=48 --batches=1,4 \
+        --noalternate --repeats=3 --tag="48l_${dev}_$day" ${out:+--out_dir="$out"} ;;
     decode-loop-order)
       for forms in fixed,dynamic dynamic,fixed; do
         run 200 "$stage-${forms%%,*}-first" experiments/bench_decode_loop.py --preset=qwen3-30b-a3b --layers=48 \

@@ -262,8 +262,8 @@ def define_kernel_flags(skip: tuple[str, ...] = (), multi_use: bool = False) -> 
             "(KernelConfig.decode_graphs).", **mod),
         "decode_loop": lambda: flags.DEFINE_enum(
             "decode_loop", "auto", list(DECODE_LOOPS), "How the loop of a generate's decode block ends: fixed "
-            "(decode_block iterations, a trip count XLA knows), dynamic, or auto = fixed for the full blocks of a "
-            "generate without EOS ids (KernelConfig.decode_loop).", **mod),
+            "(decode_block iterations, a trip count XLA knows), dynamic, or auto = on a GPU fixed for the full "
+            "blocks of a generate without EOS ids, else dynamic (KernelConfig.decode_loop).", **mod),
     }
     names = [n for n in KERNEL_FLAGS if n not in skip]
     for n in names:

@@ -173,8 +173,8 @@ def define_flags(flag_values: flags.FlagValues = FLAGS, module_name: str | None 
                   "How the loop of a generate's decode block ends: fixed = it runs --decode_block iterations, those "
                   "past the last step or after every row stopped with every row idle (no predicate read back to the "
                   "host each step; a shorter last block or an EOS costs the rest of the block); dynamic = it stops "
-                  "there; auto = fixed for the full blocks of a generate without EOS ids. The server's blocks always "
-                  "stop there (KernelConfig.decode_loop).")
+                  "there; auto = on a GPU, fixed for the full blocks of a generate without EOS ids, else dynamic. "
+                  "The server's blocks always stop there (KernelConfig.decode_loop).")
     d.DEFINE_string("kernels", "auto", "Pallas kernels to run: auto (each where it applies and was measured faster: "
                     "on a GPU), xla (the plain-JAX references everywhere), interpret (every kernel in Pallas interpret "
                     "mode), or a comma list of kernel names (ftjax.kernels.registry; a kernel asked for by name that "

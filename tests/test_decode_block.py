@@ -110,20 +110,29 @@ def test_fixed_trip_loop_keeps_the_on_demand_table():
     assert held["fixed"] == held["dynamic"] and sum(held["dynamic"]) > 0
 
 
-def test_decode_loop_auto_is_fixed_only_for_full_blocks_without_eos_ids():
-    """``KernelConfig.decode_loop`` "auto" runs the fixed loop only where no iteration would idle: a full block of
-    a generate without EOS ids (a shorter last block, or an EOS, would spend the rest of the block), and the
-    engine compiles exactly the forms a generate's blocks take; unknown values are refused."""
+def test_decode_loop_auto_is_fixed_only_for_full_blocks_without_eos_ids_on_a_gpu():
+    """``KernelConfig.decode_loop`` "auto" runs the fixed loop only on a GPU (where a loop's predicate is read back
+    to the host) and only where no iteration would idle: a full block of a generate without EOS ids (a shorter
+    last block, or an EOS, would spend the rest of the block); on the CPU it is dynamic. The engine compiles
+    exactly the forms a generate's blocks take; unknown values are refused."""
+    from ftjax.kernels import registry
     from ftjax.kernels.registry import KernelConfig
     from ftjax.runtime.step import fixed_loop
     assert KernelConfig().decode_loop == "auto"
-    assert fixed_loop("auto", has_eos=False, full=True) and not fixed_loop("auto", has_eos=False, full=False)
-    assert not fixed_loop("auto", has_eos=True, full=True)
-    assert fixed_loop("fixed", has_eos=True, full=False) and not fixed_loop("dynamic", has_eos=False, full=True)
+    gpu = dict(platform="gpu")
+    assert fixed_loop("auto", has_eos=False, full=True, **gpu)
+    assert not fixed_loop("auto", has_eos=False, full=False, **gpu)
+    assert not fixed_loop("auto", has_eos=True, full=True, **gpu)
+    assert not fixed_loop("auto", has_eos=False, full=True, platform="cpu")
+    assert not fixed_loop("auto", has_eos=False, full=True)  # this machine's backend: the CPU
+    assert fixed_loop("fixed", has_eos=True, full=False) and not fixed_loop("dynamic", has_eos=False, full=True, **gpu)
     model, _ = load_fixture("qwen3_moe_bf16")
     engine = Engine(model, EngineConfig("resident", max_seq_len=64, decode_block=4))
-    assert engine._block_loops(8, has_eos=False) == {True} and engine._block_loops(3, has_eos=False) == {False}
-    assert engine._block_loops(10, has_eos=False) == {True, False} and engine._block_loops(8, has_eos=True) == {False}
+    assert engine._block_loops(8, has_eos=False) == engine._block_loops(10, has_eos=False) == {False}
+    with registry.lowering_for("gpu"):  # the choices a GPU would make
+        assert engine._block_loops(8, has_eos=False) == {True} and engine._block_loops(3, has_eos=False) == {False}
+        assert engine._block_loops(10, has_eos=False) == {True, False}
+        assert engine._block_loops(8, has_eos=True) == {False}
     with pytest.raises(ValueError, match="unknown decode_loop 'fast'"):
         fixed_loop("fast", has_eos=False)
     with pytest.raises(ValueError, match="decode_loop"):

@@ -59,9 +59,10 @@ def _run(model, case: str, devices: int, split: str = "expert"):
 
 
 def _params():
+    """By default the smallest cache on 2 devices and resident on 4; the other (mode, devices) pairs are slow."""
     for case in CASES:
         for n in (2, 4):
-            slow = n == 4 and case != "resident"
+            slow = (case, n) not in (("cached_smallest", 2), ("resident", 4))
             yield pytest.param(case, n, marks=pytest.mark.slow if slow else ())
 
 

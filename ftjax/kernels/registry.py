@@ -191,7 +191,8 @@ class KernelConfig:
       decode_gemm: one of :data:`DECODE_GEMMS`.
       decode_graphs: one of :data:`DECODE_GRAPHS`.
       decode_loop: one of :data:`DECODE_LOOPS` (the same tokens either way; "fixed" measured 1.11x decode
-        tokens/s on an H100, 2026-12-06, and costs the idle iterations of a block an EOS ends).
+        tokens/s on an H100, 2026-12-06, and costs the idle iterations of a block an EOS ends; "auto" takes it on a
+        GPU only: ``ftjax.runtime.step.fixed_loop``).
       fetch_group: the most misses copied per iteration of the miss loop (``ftjax.experts.fetch.fetch_experts``;
         the pools written are the same for every value); None: :data:`FETCH_GROUP` (1, measured).
     Raises:

@@ -116,18 +116,23 @@ class DecodeBlock(NamedTuple):
     logprobs: Any = None
 
 
-def fixed_loop(decode_loop: str, has_eos: bool, full: bool = True) -> bool:
+def fixed_loop(decode_loop: str, has_eos: bool, full: bool = True, platform: str | None = None) -> bool:
     """Whether a block of a generate runs :func:`decode_block` with ``fixed`` (``KernelConfig.decode_loop``:
-    "fixed": every block; "dynamic": none; "auto": a full block (``full``: its limit is the program's steps) of a
-    generate without EOS ids). An idle iteration costs about a whole step against ~0.25 ms a step won (an H100,
-    2026-12-06, the qwen3.5-35b-a3b 16-layer cut): a last, shorter block would spend the rest of the block, and
-    with EOS ids so would the block a stop falls in (half a block on average: a loss for answers shorter than
-    ~70 tokens there), so "auto" keeps the dynamic loop for those.
+    "fixed": every block; "dynamic": none; "auto": on a GPU, a full block (``full``: its limit is the program's
+    steps) of a generate without EOS ids). An idle iteration costs about a whole step against ~0.25 ms a step won
+    (an H100, 2026-12-06, the qwen3.5-35b-a3b 16-layer cut): a last, shorter block would spend the rest of the
+    block, and with EOS ids so would the block a stop falls in (half a block on average: a loss for answers
+    shorter than ~70 tokens there), so "auto" keeps the dynamic loop for those. Elsewhere (``platform``, default
+    ``registry.backend()``: "cpu") "auto" is dynamic: XLA:CPU evaluates a loop's predicate on the host, so there is
+    no read-back to save (the tiny preset on 2 CPU cores, 2026-12-06: fixed 0.988x dynamic), and a generate whose
+    last block is shorter would compile both programs.
     Raises:
       ValueError: an unknown ``decode_loop``."""
     if decode_loop not in registry.DECODE_LOOPS:
         raise ValueError(f"unknown decode_loop {decode_loop!r}; expected one of {', '.join(registry.DECODE_LOOPS)}")
-    return decode_loop == "fixed" or (decode_loop == "auto" and not has_eos and full)
+    if decode_loop != "auto":
+        return decode_loop == "fixed"
+    return (platform or registry.backend()) == "gpu" and not has_eos and full
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "opts", "steps", "temperature", "top_p", "top_k", "keep_logits",

@@ -124,11 +124,13 @@ def test_decode_loop_auto_is_fixed_only_for_full_blocks_without_eos_ids_on_a_gpu
     assert not fixed_loop("auto", has_eos=False, full=False, **gpu)
     assert not fixed_loop("auto", has_eos=True, full=True, **gpu)
     assert not fixed_loop("auto", has_eos=False, full=True, platform="cpu")
-    assert not fixed_loop("auto", has_eos=False, full=True)  # this machine's backend: the CPU
+    with registry.lowering_for("cpu"):  # the platform when none is given: the backend choices are made for
+        assert not fixed_loop("auto", has_eos=False, full=True)
     assert fixed_loop("fixed", has_eos=True, full=False) and not fixed_loop("dynamic", has_eos=False, full=True, **gpu)
     model, _ = load_fixture("qwen3_moe_bf16")
     engine = Engine(model, EngineConfig("resident", max_seq_len=64, decode_block=4))
-    assert engine._block_loops(8, has_eos=False) == engine._block_loops(10, has_eos=False) == {False}
+    with registry.lowering_for("cpu"):
+        assert engine._block_loops(8, has_eos=False) == engine._block_loops(10, has_eos=False) == {False}
     with registry.lowering_for("gpu"):  # the choices a GPU would make
         assert engine._block_loops(8, has_eos=False) == {True} and engine._block_loops(3, has_eos=False) == {False}
         assert engine._block_loops(10, has_eos=False) == {True, False}

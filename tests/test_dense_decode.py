@@ -49,9 +49,15 @@ def _check(got, want):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * float(np.abs(r).max()))
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def _rows_by_dtype(rows):
+    """(rows, dtype) cases: every row count in bfloat16 (the models' dtype) and one row in float32 by default; float32
+    at more rows (the same kernel and tiles, another dtype) in the slow selection."""
+    return [pytest.param(m, dt, marks=pytest.mark.slow) if dt == jnp.float32 and m > 1 else (m, dt)
+            for m in rows for dt in (jnp.float32, jnp.bfloat16)]
+
+
 @pytest.mark.parametrize("k,n", [(128, 64), (256, 384)])
-@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("m,dtype", _rows_by_dtype([1, 3, 16]))
 def test_dense_decode_matches_reference(m, k, n, dtype):
     x, w = _operands(m, k, n, dtype)
     for k_split in (1, 2):
@@ -301,8 +307,7 @@ def _norm_operands(m, k, ns, dtype, layers=3, seed=1):
     return x, g, ws
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("m,dtype", _rows_by_dtype([1, 3]))
 def test_norm_dense_decode_matches_reference(m, dtype):
     """Three weights of different widths (wq, wk, wv's shape) in one launch, with and without the
     K split and the normalised rows written: each product within the tolerance of
@@ -322,8 +327,7 @@ def test_norm_dense_decode_matches_reference(m, dtype):
             _check(xn, want_x)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("m,dtype", _rows_by_dtype([1, 3]))
 def test_norm_dense_decode_zero_centred_matches_reference(m, dtype):
     """``offset=True``, the Qwen3.5 family's norm (``rms_norm_offset``: times ``1 + w``), over the Gated DeltaNet
     layer's four input projections (w_qkv, w_z, w_b, w_a: widths 256, 128, 4, 4, each its own column tile):
@@ -474,8 +478,7 @@ def _splits(b, hkv=2, ns=4, rows=16, hd=32, seed=2):
     return jnp.asarray(o), jnp.asarray(m), jnp.asarray(l)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("b", [1, 3])
+@pytest.mark.parametrize("b,dtype", _rows_by_dtype([1, 3]))
 def test_merge_dense_decode_matches_merge_then_product(b, dtype):
     """The fused kernel against ``decode_attention.merge_splits`` then the reference product; g = 3
     query heads per KV head of 16 rows (the pad rows hold junk the kernel must not read)."""

@@ -59,10 +59,12 @@ def _run(model, case: str, devices: int, split: str = "expert"):
 
 
 def _params():
-    """By default the smallest cache on 2 devices and resident on 4; the other (mode, devices) pairs are slow."""
+    """By default the smallest cache and on_demand (no other default test splits them) on 2 devices, and resident on
+    4; the other (mode, devices) pairs are slow (resident on 2 is the split of the 4-device case; the streamed
+    prefill on 2 runs by default in test_scheduler_admitting_while_decoding_matches_one_device, tokens only)."""
     for case in CASES:
         for n in (2, 4):
-            slow = (case, n) not in (("cached_smallest", 2), ("resident", 4))
+            slow = (case, n) not in (("cached_smallest", 2), ("on_demand", 2), ("resident", 4))
             yield pytest.param(case, n, marks=pytest.mark.slow if slow else ())
 
 

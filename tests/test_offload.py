@@ -43,7 +43,8 @@ def _resident(cache, name):
 
 def _slot_cases():
     """Every family at S = E (the smallest cache: it must evict) and qwen3_moe_fp32 at L*E (everything fits) by
-    default; every other (family, size) pair in the slow selection."""
+    default; every other (family, size) pair in the slow selection (E + 1 slots run by default in
+    test_cache_policy_bit_identical)."""
     for name in FIXTURE_NAMES + HYBRID_FIXTURE_NAMES:
         for rule in ("E", "E+1", "2E", "L*E"):
             default = rule == "E" or (name == "qwen3_moe_fp32" and rule == "L*E")

@@ -56,9 +56,10 @@ DECODE_GRAPHS = ("auto", "on", "off")
 #: ``KernelConfig.decode_loop``: how the loop of ``Engine.generate``'s decode blocks ends
 #: (``ftjax.runtime.step.decode_block``): "fixed" runs ``decode_block`` iterations (a trip count XLA knows;
 #: those past the block's limit or after every row stopped run idle), "dynamic" stops at the limit or once every
-#: row stopped (its predicate read back to the host each step); "auto": fixed for the full blocks of a generate
-#: without EOS ids, dynamic for the others (``ftjax.runtime.step.fixed_loop``). The serving scheduler's blocks
-#: keep "dynamic": a block run ahead ends at no step when a row stopped in the block before.
+#: row stopped (its predicate read back to the host each step); "auto": on a GPU, fixed for the full blocks
+#: of a generate without EOS ids, dynamic for the others and on the CPU (``ftjax.runtime.step.fixed_loop``).
+#: The serving scheduler's blocks keep "dynamic": a block run ahead ends at no step when a row stopped in the
+#: block before.
 DECODE_LOOPS = ("auto", "fixed", "dynamic")
 
 

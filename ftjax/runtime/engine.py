@@ -1096,7 +1096,7 @@ class Engine:
         step-by-step loop does; with ``step_s`` each step of a block is given the block's time over its steps (one
         host sync a block).
         A block under the fixed loop (``KernelConfig.decode_loop``, ``ftjax.runtime.step.fixed_loop``: every block
-        under "fixed", a full block without EOS ids under "auto") runs ``decode_block`` iterations (a shorter
+        under "fixed", a full block without EOS ids under "auto" on a GPU) runs ``decode_block`` iterations (a shorter
         block's extra ones and those after every row stopped idle: their compute is spent, their outputs are not),
         so under "fixed" with EOS ids the host reads each block's stop flags before dispatching the next (one block
         in flight instead of two: at most one block's iterations are spent past the stop)."""

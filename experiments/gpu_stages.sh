@@ -117,6 +117,17 @@ run() {  # run LIMIT NAME python-args...
   local rc=$?
   echo "== $name rc=$rc $((SECONDS - t0)) s"; grep -v -E "^[WIE][0-9]{4}|libtpu|TPU" "$logs/$name.log" | tail -n 25
 }
+hybrid_decode() {  # hybrid_decode LIMIT: issue 32's decode shape (hybrid-decode, decode-targets)
+  run "$1" hybrid-decode experiments/bench_decode_speed.py --preset=qwen3.5-35b-a3b --layers=16 --slots=512 \
+    --batches=1 --decode_blocks=16 --repeats=3 --trace_steps=0 --tag="qwen3.5-16l-512-slots_${dev}_$day" \
+    ${out:+--out_dir="$out"}
+}
+qwen3_decode_loops() {  # qwen3_decode_loops LIMIT_16L LIMIT_48L PREFIX: issue 33's rows (decode-loop, decode-targets)
+  run "$1" "$3-qwen3-16l" experiments/bench_decode_loop.py --preset=qwen3-30b-a3b --layers=16 --batches=1,4 \
+    --tag="16l_${dev}_$day" ${out:+--out_dir="$out"}
+  run "$2" "$3-48l" experiments/bench_decode_loop.py --preset=qwen3-30b-a3b --layers=48 --batches=1,4 --noalternate \
+    --repeats=3 --tag="48l_${dev}_$day" ${out:+--out_dir="$out"}
+}
 for stage in "$@"; do
   case "$stage" in
     decode-b4-probe)
@@ -222,28 +233,17 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
         --tag="qwen3.5-16l_${dev}_$day" ${out:+--out_dir="$out"}
       run 200 "$stage-16l-eos" experiments/bench_decode_loop.py --preset=qwen3.5-35b-a3b --layers=16 --batches=1 \
         --eos_at=40 --tag="qwen3.5-16l-eos-40_${dev}_$day" ${out:+--out_dir="$out"}
-      run 200 "$stage-qwen3-16l" experiments/bench_decode_loop.py --preset=qwen3-30b-a3b --layers=16 --batches=1,4 \
-        --tag="16l_${dev}_$day" ${out:+--out_dir="$out"}
-      run 300 "$stage-48l" experiments/bench_decode_loop.py --preset=qwen3-30b-a3b --layers=48 --batches=1,4 --noalternate --repeats=3 \
-        --tag="48l_${dev}_$day" ${out:+--out_dir="$out"} ;;
+      qwen3_decode_loops 200 300 "$stage" ;;
     decode-targets)
-      run 260 "hybrid-decode" experiments/bench_decode_speed.py --preset=qwen3.5-35b-a3b --layers=16 --slots=512 \
-        --batches=1 --decode_blocks=16 --repeats=3 --trace_steps=0 --tag="qwen3.5-16l-512-slots_${dev}_$day" \
-        ${out:+--out_dir="$out"}
-      run 150 "$stage-qwen3-16l" experiments/bench_decode_loop.py --preset=qwen3-30b-a3b --layers=16 --batches=1,4 \
-        --tag="16l_${dev}_$day" ${out:+--out_dir="$out"}
-      run 170 "$stage-48l" experiments/bench_decode_loop.py --preset=qwen3-30b-a3b --layers=48 --batches=1,4 \
-        --noalternate --repeats=3 --tag="48l_${dev}_$day" ${out:+--out_dir="$out"} ;;
+      hybrid_decode 260
+      qwen3_decode_loops 150 170 "$stage" ;;
     decode-loop-order)
       for forms in fixed,dynamic dynamic,fixed; do
         run 200 "$stage-${forms%%,*}-first" experiments/bench_decode_loop.py --preset=qwen3-30b-a3b --layers=48 \
           --batches=4 --noalternate --repeats=3 --forms="$forms" --tag="48l-b4-${forms%%,*}-first_${dev}_$day" \
           ${out:+--out_dir="$out"}
       done ;;
-    hybrid-decode)
-      run 420 "$stage" experiments/bench_decode_speed.py --preset=qwen3.5-35b-a3b --layers=16 --slots=512 --batches=1 \
-        --decode_blocks=16 --repeats=3 --trace_steps=0 --tag="qwen3.5-16l-512-slots_${dev}_$day" \
-        ${out:+--out_dir="$out"} ;;
+    hybrid-decode) hybrid_decode 420 ;;
     profile-hybrid)
       run 420 "$stage" experiments/profile_step.py --preset=qwen3.5-35b-a3b --layers=16 \
         --runs=resident_decode,resident_prefill --batches=1 --trace_steps=2 ${out:+--out_dir="$out"} ;;

@@ -110,7 +110,32 @@ def _trace(engine, prompts, block: int) -> dict:
     span = merged[-1][1] - merged[0][0]
     return {"source": source, "steps": n, "events": len(dev), "decode_s": res.decode_s,
             "device_busy_s": busy * 1e-6, "device_span_s": span * 1e-6, "busy_of_span": busy / span,
-            "kernels_per_step": len(dev) / (n + 1)}
+            "kernels_per_step": len(dev) / (n + 1), "programs": _by_program(dev, n)}
+
+
+def _by_program(dev: list[dict], steps: int, top: int = 30) -> list[dict]:
+    """The traced device work per compiled program (``hlo_module``), most events first: events, busy and span
+    (ms, merged over the program's own events), and for the program with the most events (the decode steps' or
+    blocks') its ``top`` kernel names by time, each with its count and microseconds per decode step: what a step
+    launches besides the layers (issue 33 item 1)."""
+    mods: dict[str, list[dict]] = {}
+    for e in dev:
+        mods.setdefault(e["hlo_module"] or "?", []).append(e)
+    out = []
+    for name, evs in sorted(mods.items(), key=lambda kv: -len(kv[1])):
+        merged = timeline._merge([(e["ts"], e["end"]) for e in evs])
+        row = {"module": name, "events": len(evs), "busy_ms": sum(b - a for a, b in merged) * 1e-3,
+               "span_ms": (merged[-1][1] - merged[0][0]) * 1e-3}
+        if not out:
+            kinds: dict[str, list[float]] = {}
+            for e in evs:
+                k = kinds.setdefault(e["name"][:80], [0, 0.0])
+                k[0] += 1
+                k[1] += e["end"] - e["ts"]
+            row["top_kernels_per_step"] = [{"name": k, "count": c / steps, "us": t / steps} for k, (c, t) in
+                                           sorted(kinds.items(), key=lambda kv: -kv[1][1])[:top]]
+        out.append(row)
+    return out
 
 
 def _bounds(rows: list[dict], bp_gbps: float) -> None:

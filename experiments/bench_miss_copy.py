@@ -33,7 +33,11 @@ The jitted variants (``--groups``, ``--variants``):
 * ``put_then_slice``: the whole bank ``device_put`` inside the program once per call, sliced on the device (whether
   XLA moves only the slices: its temporary bytes say; its GB/s count the misses' bytes only);
 * ``direct``: a host slice written into the device pool without ``device_put`` (whether the copy can land straight
-  in the slot; JAX may refuse to trace it: the error is recorded).
+  in the slot; JAX may refuse to trace it: the error is recorded);
+* ``kernel``: ``ftjax.experts.slot_copy``'s CUDA kernel (an FFI call per bank and layer: every miss read from the
+  host bank and written straight into its slot, no temporary, no loop), the bank an operand of the call;
+  ``kernel_ptr``: the same with the bank's address an attribute (where XLA refuses a host operand). Off the GPU,
+  or without nvcc, the row records why it could not run.
 
 ``--graphs``: each program compiled as the cached decode step is on a GPU (command buffers with WHILE and
 CONDITIONAL nodes, ``ftjax.runtime.programs.GRAPH_DECODE_OPTIONS``: ``on``) and without (``off``: the loop's trip
@@ -86,7 +90,7 @@ flags.DEFINE_boolean("torch", True, "Also time torch's pinned copy where torch i
 flags.DEFINE_string("hlo_dir", "", "Where the compiled programs' HLO text goes (empty: not written).")
 flags.DEFINE_string("out_dir", "experiments/results/decode_speed", "Where the JSON goes.")
 flags.DEFINE_string("tag", "", "Goes into the JSON's name.")
-VARIANTS = ("static", "coalesce", "put_then_slice", "direct")
+VARIANTS = ("static", "coalesce", "put_then_slice", "direct", "kernel", "kernel_ptr")
 common.check_preset()
 common.check_numbers("groups", int, low=1)
 common.check_names("variants", VARIANTS, allow_empty=True)
@@ -191,24 +195,39 @@ def _direct(banks, state, ids, slots, count):
     return fetch._with_pools(state, jax.lax.fori_loop(0, count, one, fetch._pool_arrays(state)))
 
 
-def layer_fetch(variant: str, misses: int):
-    """The per-layer fetch of a variant: ``(banks, state, ids [M], slots [M], count) -> state``."""
+def _kernel(banks, state, ids, slots, count, addresses=None):
+    """``ftjax.experts.slot_copy``: one kernel per bank and layer writes the misses straight into their slots
+    (``addresses``: the banks' buffer addresses as attributes, ``kernel_ptr``, instead of the banks as operands)."""
+    from ftjax.experts import fetch, slot_copy
+    pools = tuple(slot_copy.copy_into_slots(b, p, ids, slots, count, None if addresses is None else a)
+                  for b, p, a in zip(fetch._bank_arrays(banks), fetch._pool_arrays(state), addresses or (None,) * 4))
+    return fetch._with_pools(state, pools)
+
+
+def layer_fetch(variant: str, misses: int, banks=None):
+    """The per-layer fetch of a variant: ``(banks, state, ids [M], slots [M], count) -> state`` (``banks``: the
+    concrete banks, whose addresses ``kernel_ptr`` bakes into its program)."""
     import functools
 
     from ftjax.experts import fetch
+    if variant == "kernel":
+        return _kernel
+    if variant == "kernel_ptr":
+        return functools.partial(_kernel, addresses=tuple(b.unsafe_buffer_pointer()
+                                                          for b in fetch._bank_arrays(banks)))
     if variant.startswith("group"):
         return functools.partial(fetch.fetch_experts, group=int(variant[5:]))
     return {"static": functools.partial(_static, lanes=misses), "coalesce": functools.partial(_coalesce, lanes=misses),
             "put_then_slice": _slice_on_device, "direct": _direct}[variant]
 
 
-def call_fn(variant: str, misses: int):
+def call_fn(variant: str, misses: int, concrete_banks=None):
     """The jitted call of a row: ``(banks, pools, ids [N, M], slots [N, M], counts [N]) -> pools``, a scan over
     the N layers, the pools donated (written in place)."""
     import jax
 
     from ftjax.experts.state import ExpertState
-    fetch_one = layer_fetch(variant, misses)
+    fetch_one = layer_fetch(variant, misses, concrete_banks)
 
     def call(banks, pools, ids, slots, counts):
         if variant == "put_then_slice":
@@ -322,7 +341,7 @@ def measure_row(variant: str, ids_kind: str, graphs: str, layers: int, banks, po
            "bytes": layers * misses * expert_bytes}
     try:
         t = time.perf_counter()
-        exe = call_fn(variant, misses).lower(banks, pools, *calls[0]).compile(compile_options(graphs))
+        exe = call_fn(variant, misses, banks).lower(banks, pools, *calls[0]).compile(compile_options(graphs))
         row["compile_s"] = time.perf_counter() - t
     except Exception as e:  # noqa: BLE001 - a variant that JAX or XLA refuses is a result
         row["error"] = f"{type(e).__name__}: {str(e)[:400]}"

@@ -10,7 +10,7 @@ medians, spreads and ratios measured in the same run.
 
 Flags shared by the scripts: :func:`define_kernel_flags` gives a script ``ftjax.generate``'s kernel
 flags (``--kernels``, ``--kernel_tiles``, ``--grouped_matmul``, ``--flash_prefill``, ``--slot_order``,
-``--min_dot_rows``, ``--decode_gemm``, ``--decode_graphs``, ``--decode_loop``, ``--fetch_group``) and
+``--min_dot_rows``, ``--decode_gemm``, ``--decode_graphs``, ``--decode_loop``, ``--fetch_group``, ``--miss_copy``) and
 :func:`kernel_config` the ``KernelConfig`` they say, passed into each engine (``EngineConfig.kernels``; nothing reads
 the environment). Bad user input stops a script with one line and exit status 1: parse-time checks of a
 flag (:func:`validate`, :func:`check_names`, :func:`check_numbers`: ``FATAL Flags parsing error:
@@ -178,7 +178,7 @@ def check_preset(name: str = "preset") -> None:
 #: The kernel flags of :func:`define_kernel_flags` (``ftjax.generate``'s), each a ``KernelConfig`` field
 #: (``kernels`` is ``KernelConfig.use``, ``kernel_tiles`` its ``tiles``).
 KERNEL_FLAGS = ("kernels", "kernel_tiles", "grouped_matmul", "flash_prefill", "slot_order", "min_dot_rows",
-                "decode_gemm", "decode_graphs", "decode_loop", "fetch_group")
+                "decode_gemm", "decode_graphs", "decode_loop", "fetch_group", "miss_copy")
 #: Environment variables that chose kernels before ``KernelConfig``: nothing reads them now.
 STALE_ENV = {"FTJAX_KERNELS": "--kernels", "FTJAX_DENSE_DECODE_TILES": "--kernel_tiles=dense_decode:...",
              "FTJAX_MOE_DECODE_TILES": "--kernel_tiles=moe_decode:...", "FTJAX_GROUPED_MATMUL": "--grouped_matmul",
@@ -218,7 +218,7 @@ def define_kernel_flags(skip: tuple[str, ...] = (), multi_use: bool = False) -> 
     from absl import flags
 
     from ftjax.kernels.registry import (DECODE_GEMMS, DECODE_GRAPHS, DECODE_LOOPS, FLASH_PREFILLS, GROUPED_MATMULS,
-                                        SLOT_ORDERS)
+                                        MISS_COPIES, SLOT_ORDERS)
     unknown = set(skip) - set(KERNEL_FLAGS)
     if unknown:
         raise ValueError(f"unknown kernel flags {sorted(unknown)}")
@@ -254,6 +254,12 @@ def define_kernel_flags(skip: tuple[str, ...] = (), multi_use: bool = False) -> 
             "fetch_group", None, "The most cache misses copied per iteration of a layer's miss loop (default 1 "
             "everywhere: larger groups measured no faster on an H200; KernelConfig.fetch_group).", lower_bound=1,
             **mod),
+        "miss_copy": lambda: flags.DEFINE_enum(
+            "miss_copy", "auto", list(MISS_COPIES), "How a layer's cache misses reach their slots: kernel = one "
+            "CUDA kernel reads every miss from the pinned host bank straight into its slot (a GPU with nvcc; "
+            "ftjax.experts.slot_copy), xla = XLA's loop of host reads and slot writes (--fetch_group per "
+            "iteration), auto = the kernel where it builds and the banks are whole, else xla. The same pools "
+            "either way (KernelConfig.miss_copy).", **mod),
         "decode_gemm": lambda: flags.DEFINE_enum(
             "decode_gemm", "auto", list(DECODE_GEMMS), "GEMMs of the decode programs on a GPU: xla, cublas, or auto "
             "(KernelConfig.decode_gemm).", **mod),
@@ -297,7 +303,7 @@ def _kernel_config(values: dict, use=None, **override):
     fields = {"use": use if use is not None else values.get("kernels", "auto"),
               "tiles": parse_tiles(values.get("kernel_tiles"))}
     for n in ("grouped_matmul", "flash_prefill", "slot_order", "min_dot_rows", "decode_gemm", "decode_graphs",
-              "decode_loop", "fetch_group"):
+              "decode_loop", "fetch_group", "miss_copy"):
         if n in values:
             fields[n] = values[n]
     if isinstance(fields["use"], list):  # the repeated flag, no value picked: auto

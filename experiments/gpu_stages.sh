@@ -71,6 +71,13 @@
 #                  tokens), qwen3-30b-a3b at 16 layers (batch 1 and 4) and at 48 layers (batch 1 and 4; issue 33)
 # decode-targets:  the decode targets of issues 32 and 33 in one call (under 600 s): hybrid-decode, then decode-loop's
 #                  qwen3-30b-a3b rows (16 layers at batch 1 and 4, 48 layers at batch 1 and 4)
+# slot-copy:       bench_miss_copy at both expert shapes (qwen3.5-35b-a3b, qwen3-30b-a3b), 16 layers of top-k misses: the
+#                  slot-copy kernel (ftjax.experts.slot_copy: every miss of a layer read from the host bank straight
+#                  into its slot, one launch; kernel_ptr: the bank passed by address) beside XLA's loop of one copy
+#                  per iteration (issue 33 item 2)
+# slot-copy-identity: check_identity_gpu with --miss_copy=kernel: cached = resident bit for bit with the kernel
+# slot-copy-decode: bench_decode_speed's cached rows with --miss_copy=xla, then kernel: issue 32's shape (qwen3.5, 16
+#                  layers, 512 slots, with its resident row) and issue 33's 48-layer offload row (280 slots, 64 steps)
 # decode-loop-order: bench_decode_loop at qwen3-30b-a3b's 48 layers, batch 4, one engine after the other, the fixed
 #                  form's first, then the dynamic form's first: is the fixed loop's 0.97-0.98x there the loop or the
 #                  order (both 2026-12-06 runs timed the dynamic engine first)?
@@ -111,7 +118,7 @@ dev="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 |
 dev="${dev:-gpu}"
 run() {  # run LIMIT NAME python-args...
   local lim="$1" name="$2"; shift 2
-  local var="LIMIT_${name//-/_}"; lim="${!var:-$lim}"
+  local var="LIMIT_${name//[-.]/_}"; lim="${!var:-$lim}"
   local t0=$SECONDS
   timeout -s INT -k 15 "$lim" python3 "$@" > "$logs/$name.log" 2>&1
   local rc=$?
@@ -237,6 +244,26 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
     decode-targets)
       hybrid_decode 260
       qwen3_decode_loops 150 170 "$stage" ;;
+    slot-copy)
+      for p in qwen3.5-35b-a3b qwen3-30b-a3b; do
+        run 150 "$stage-$p" experiments/bench_miss_copy.py --preset="$p" --layers_per_call=16 --decode_layers=16 \
+          --repeats=5 --groups=1 --variants=kernel,kernel_ptr --graphs=on,off --notorch --bank_experts=512 \
+          --tag="slot-kernel_${dev}_$day" ${out:+--out_dir="$out"}
+      done ;;
+    slot-copy-identity)
+      run 200 "$stage" experiments/check_identity_gpu.py --miss_copy=kernel ${out:+--out_dir="$out"} ;;
+    slot-copy-decode)
+      for mc in xla kernel; do
+        modes=cached; [ "$mc" = xla ] && modes=resident,cached
+        run 200 "$stage-qwen3.5-$mc" experiments/bench_decode_speed.py --preset=qwen3.5-35b-a3b --layers=16 \
+          --slots=512 --modes="$modes" --batches=1 --decode_blocks=16 --repeats=3 --trace_steps=0 --miss_copy="$mc" \
+          --tag="qwen3.5-16l-512-slots-miss-copy-${mc}_${dev}_$day" ${out:+--out_dir="$out"}
+      done
+      for mc in xla kernel; do
+        run 120 "$stage-qwen3-48l-$mc" experiments/bench_decode_speed.py --preset=qwen3-30b-a3b --layers=48 \
+          --slots=280 --modes=cached --batches=1 --decode_blocks=16 --cached_steps=64 --trace_steps=0 \
+          --miss_copy="$mc" --tag="48l-280-slots-miss-copy-${mc}_${dev}_$day" ${out:+--out_dir="$out"}
+      done ;;
     decode-loop-order)
       for forms in fixed,dynamic dynamic,fixed; do
         run 200 "$stage-${forms%%,*}-first" experiments/bench_decode_loop.py --preset=qwen3-30b-a3b --layers=48 \

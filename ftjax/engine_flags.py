@@ -35,7 +35,7 @@ from ftjax import compile_cache
 from ftjax.experts.policies import describe as describe_cache_policies
 from ftjax.experts.quant import FORMATS as EXPERT_FORMATS
 from ftjax.kernels.registry import (DECODE_GEMMS, DECODE_GRAPHS, DECODE_LOOPS, FLASH_PREFILLS, GROUPED_MATMULS,
-                                    SLOT_ORDERS, USES, KernelConfig)
+                                    MISS_COPIES, SLOT_ORDERS, USES, KernelConfig)
 
 FLAGS = flags.FLAGS
 
@@ -78,8 +78,8 @@ FLAG_NAMES = ("checkpoint", "preset", "seed", "dtype", "expert_dtype", "experts"
               "stream_d2d_hits", "prefix_copy", "prefix_copy_layers", "kv_offload", "kv_host_gb", "kv_chunk_tokens",
               "kv_load", "miss_policy", "cpu_expert_impl", "cpu_threads", "cpu_miss_driver", "calibration_profile",
               "matmul_precision", "decode_gemm", "decode_graphs", "decode_loop", "kernels", "kernel_tiles",
-              "grouped_matmul", "flash_prefill", "slot_order", "min_dot_rows", "fetch_group", "fixed_fetch",
-              "decode_block", "devices", "expert_split", "compilation_cache_dir")
+              "grouped_matmul", "flash_prefill", "slot_order", "min_dot_rows", "fetch_group", "miss_copy",
+              "fixed_fetch", "decode_block", "devices", "expert_split", "compilation_cache_dir")
 
 
 def define_flags(flag_values: flags.FlagValues = FLAGS, module_name: str | None = None) -> None:
@@ -196,6 +196,12 @@ def define_flags(flag_values: flags.FlagValues = FLAGS, module_name: str | None 
                      "their host reads issued before their slot writes (unset: 1; larger groups measured no faster "
                      "on an H200; the same pools either way; KernelConfig.fetch_group; "
                      "experiments/bench_miss_copy.py).", lower_bound=1)
+    d.DEFINE_enum("miss_copy", "auto", list(MISS_COPIES),
+                  "How a layer's cache misses reach their slots: kernel = one CUDA kernel reads every miss from "
+                  "the pinned host bank straight into its slot (a GPU with nvcc; ftjax.experts.slot_copy), xla = "
+                  "XLA's loop of host reads and slot writes (--fetch_group per iteration), auto = the kernel "
+                  "where it builds and the banks are whole, else xla. The same pools either way "
+                  "(KernelConfig.miss_copy).")
     d.DEFINE_integer("fixed_fetch", None, "Adaptive: fetch min(N, misses) per layer instead of the calibrated split.")
     d.DEFINE_integer("devices", 1, "Devices of this host to split the routed experts over, as --expert_split says; "
                      "each copies its own misses over its own link; weights and KV cache replicated "
@@ -299,7 +305,7 @@ def kernel_config() -> KernelConfig:
                             flash_prefill=FLAGS.flash_prefill, slot_order=FLAGS.slot_order,
                             min_dot_rows=FLAGS.min_dot_rows, decode_gemm=FLAGS.decode_gemm,
                             decode_graphs=FLAGS.decode_graphs, fetch_group=FLAGS.fetch_group,
-                            decode_loop=FLAGS.decode_loop)
+                            decode_loop=FLAGS.decode_loop, miss_copy=FLAGS.miss_copy)
     except ValueError as err:  # the config's message names its field: name the flag instead
         msg = re.sub(r"KernelConfig\.(\w+)", lambda m: "--" + _FLAG_OF_KERNEL_FIELD.get(m[1], m[1]), str(err))
         if msg.startswith("--kernels: unknown kernel"):

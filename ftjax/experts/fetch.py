@@ -5,7 +5,9 @@ memory, the one operation applied to host data (DESIGN.md section 2: other math 
 operands turns into slow host compute). A quantized format's scales travel with their weights
 (the pools store what the banks store; ``ftjax.experts.quant``). A layer's misses are copied up to
 ``registry.FETCH_GROUP`` per loop iteration, every host read of an iteration issued before its slot
-writes (issue 33, item 2: misses at the link's speed; ``experiments/bench_miss_copy.py``).
+writes (issue 33, item 2: misses at the link's speed; ``experiments/bench_miss_copy.py``), or, on a GPU where it
+builds (``KernelConfig.miss_copy``), all of a layer's misses by one kernel that writes them straight into their
+slots (``ftjax.experts.slot_copy``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ftjax.experts import slot_copy
 from ftjax.experts.state import ExpertBanks, ExpertState
 from ftjax.kernels import registry
 
@@ -96,8 +99,12 @@ def fetch_experts(banks: ExpertBanks, state: ExpertState, flat_ids: jax.Array, s
     reads took ~191 us: the copies at 96% of B_P, the loop at 88%; docs/PROFILE.md); FreeToken moves a
     step's misses at ~51 GB/s. ``experiments/bench_miss_copy.py`` measures each group size against the
     pinned copy rate. The pools written are the same for every ``group``.
+    On a GPU, ``KernelConfig.miss_copy`` may pick the slot-copy kernel instead (:func:`uses_slot_kernel`): one
+    launch per bank and layer writes every miss straight into its slot, no loop; ``group`` is then unused.
     Raises:
-      ValueError: ``group`` < 1.
+      ValueError: ``group`` < 1, or ``miss_copy="kernel"`` where the kernel cannot apply (split banks, rows that
+        differ from the pool's).
+      slot_copy.SlotCopyUnavailable: ``miss_copy="kernel"`` where the kernel cannot build or run.
     """
     group = registry.active().miss_group() if group is None else group
     if group < 1:
@@ -106,11 +113,37 @@ def fetch_experts(banks: ExpertBanks, state: ExpertState, flat_ids: jax.Array, s
     flat_ids, slots = jnp.asarray(flat_ids), jnp.asarray(slots)
     g = max(1, min(group, flat_ids.shape[0]))
     with jax.named_scope("expert_fetch"):
-        if g == 1:
+        if uses_slot_kernel(src, _pool_arrays(state)):
+            pools = tuple(slot_copy.copy_into_slots(b, p, flat_ids, slots, count)
+                          for b, p in zip(src, _pool_arrays(state)))
+        elif g == 1:
             pools = _one_per_iteration(src, _pool_arrays(state), flat_ids, slots, count)
         else:
             pools = _grouped(src, _pool_arrays(state), flat_ids, slots, count, g)
     return _with_pools(state, pools)
+
+
+def uses_slot_kernel(src: tuple, pools: tuple) -> bool:
+    """Whether :func:`fetch_experts` copies these banks' misses with the slot-copy kernel
+    (``KernelConfig.miss_copy``, :data:`registry.MISS_COPIES`): "xla" never; "auto" on a GPU where the kernel
+    builds and every bank is whole (not a device's split share) with its pool's row shape and dtype; "kernel"
+    wherever those hold.
+    Raises:
+      ValueError: "kernel" with split banks or rows that differ from the pool's.
+      slot_copy.SlotCopyUnavailable: "kernel" where the kernel cannot build or run (not a GPU, no nvcc)."""
+    choice = registry.active().miss_copy
+    if choice == "xla" or (choice == "auto" and registry.backend() != "gpu"):
+        return False
+    fits = all(not _split(b, p) and b.shape[1:] == p.shape[1:] and b.dtype == p.dtype for b, p in zip(src, pools))
+    if not fits:
+        if choice == "kernel":
+            raise ValueError("KernelConfig.miss_copy: the slot-copy kernel needs whole banks whose rows match their "
+                             "pools' (not a device's split share, no dtype conversion); use auto or xla")
+        return False
+    if choice == "kernel":
+        slot_copy.register()  # raises with the reason
+        return True
+    return slot_copy.unavailable() is None
 
 
 def _one_per_iteration(src: tuple, pools: tuple, flat_ids: jax.Array, slots: jax.Array, count) -> tuple:

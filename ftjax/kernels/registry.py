@@ -61,6 +61,12 @@ DECODE_GRAPHS = ("auto", "on", "off")
 #: The serving scheduler's blocks keep "dynamic": a block run ahead ends at no step when a row stopped in the
 #: block before.
 DECODE_LOOPS = ("auto", "fixed", "dynamic")
+#: ``KernelConfig.miss_copy``: how a layer's cache misses reach their slots (``ftjax.experts.fetch.fetch_experts``):
+#: "kernel": ``ftjax.experts.slot_copy``'s CUDA kernel, every miss read from the pinned host bank straight into its
+#: slot in one launch (a GPU with nvcc; an error elsewhere); "xla": XLA's loop of host reads into a temporary and
+#: slot writes (``KernelConfig.fetch_group`` per iteration); "auto": the kernel where it builds and the banks are
+#: whole (not split over devices), else XLA's loop. The same pools either way.
+MISS_COPIES = ("auto", "kernel", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +202,7 @@ class KernelConfig:
         GPU only: ``ftjax.runtime.step.fixed_loop``).
       fetch_group: the most misses copied per iteration of the miss loop (``ftjax.experts.fetch.fetch_experts``;
         the pools written are the same for every value); None: :data:`FETCH_GROUP` (1, measured).
+      miss_copy: one of :data:`MISS_COPIES` (XLA's loop is the only one that reads ``fetch_group``).
     Raises:
       ValueError: an unknown choice or kernel name, a malformed tile override, or a named kernel
         without the kernels it needs (the message names the field).
@@ -211,6 +218,7 @@ class KernelConfig:
     decode_graphs: str = "auto"
     fetch_group: int | None = None
     decode_loop: str = "auto"
+    miss_copy: str = "auto"
 
     def __post_init__(self):
         use = self.use
@@ -244,6 +252,7 @@ class KernelConfig:
         _choice("decode_gemm", self.decode_gemm, DECODE_GEMMS)
         _choice("decode_graphs", self.decode_graphs, DECODE_GRAPHS)
         _choice("decode_loop", self.decode_loop, DECODE_LOOPS)
+        _choice("miss_copy", self.miss_copy, MISS_COPIES)
         rows = self.min_dot_rows
         if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 0):
             raise ValueError(f"KernelConfig.min_dot_rows: expected None or an integer >= 0, got {rows!r}")

@@ -1,0 +1,193 @@
+"""Cache misses copied from the pinned host banks straight into their device slots by one CUDA kernel per layer.
+
+Source of the idea: FreeToken copies each miss from pinned host memory into its slot with one host-issued copy
+(DESIGN.md 1.1); issue 33, item 2 asks for a step's misses at >= 95% of the pinned copy rate. XLA has no
+operation for a host slice written at a dynamic device offset, so ftjax's XLA path (``ftjax.experts.fetch``)
+reads each miss into a device temporary, copies it into the slot, and runs one loop iteration per miss
+(docs/PROFILE.md: the copies at 95-96% of B_P, the loop at 88%). This module's kernel (``native/slot_copy.cu``,
+an XLA FFI target) reads the miss list on the device and has its blocks read every miss's bytes from the host
+bank through the bank's unified address, writing them into the slot: one launch for all misses of a layer,
+no temporary, no loop, no read-back (so it also runs inside the decode step's CUDA graph).
+
+:func:`build` compiles the source with ``nvcc`` on first use
+
+    nvcc -O3 -std=c++17 -shared -Xcompiler -fPIC -arch=native -I<jax.ffi.include_dir()> slot_copy.cu -o <lib>
+
+into ``<cache dir>/slot_copy-<key>.so`` (the cache directory of ``ftjax.experts.cpu_native``; ``<key>`` hashes the
+source, nvcc's path and version, the flags and the GPU's name); :func:`register` loads it and registers its two
+FFI targets once per process. :func:`copy_into_slots` is the jitted call. Where it cannot run (no GPU backend,
+no nvcc, a failed build) :func:`unavailable` says why, and the engine keeps the XLA path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ftjax import compile_cache
+
+#: The kernel's CUDA source (package data).
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "slot_copy.cu")
+#: nvcc flags of every build (``-arch=native``: machine code for the GPUs of the building machine).
+NVCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-arch=native")
+#: The source's ``ftjax_slot_copy_abi()``; a library that reports another is refused.
+ABI = 1
+#: FFI target names: the bank as an operand, and the bank as an address attribute.
+TARGET, TARGET_PTR = "ftjax_slot_copy", "ftjax_slot_copy_ptr"
+#: Thread blocks per miss (each of 256 threads, 4 x 16-byte loads in flight): 64 blocks x 16 KiB of reads in
+#: flight per pass over a 6-9 MB expert, enough to keep a PCIe 5.0 x16 link's ~1-2 us read latency covered.
+BLOCKS_PER_MISS = 64
+
+
+class SlotCopyUnavailable(RuntimeError):
+    """The slot-copy kernel cannot run here: no GPU backend, no nvcc, a failed build, or a bad library."""
+
+
+#: Where nvcc is looked for after PATH and ``$CUDA_HOME/bin``.
+NVCC_PLACES = ("/usr/local/cuda/bin/nvcc",)
+
+
+def find_nvcc() -> str:
+    """nvcc's path: ``nvcc`` on PATH, else ``$CUDA_HOME/bin/nvcc``, else the first of :data:`NVCC_PLACES`.
+
+    Raises:
+      SlotCopyUnavailable: none found.
+    """
+    found = shutil.which("nvcc")
+    home = os.environ.get("CUDA_HOME")
+    places = ([found] if found else []) + ([os.path.join(home, "bin", "nvcc")] if home else []) + list(NVCC_PLACES)
+    for cand in places:
+        if os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+    raise SlotCopyUnavailable(f"no nvcc for the slot-copy kernel: looked on PATH, in $CUDA_HOME/bin and at "
+                              f"{', '.join(NVCC_PLACES)} (XLA's miss loop runs instead)")
+
+
+def _gpu_name() -> str:
+    return ";".join(sorted({d.device_kind for d in jax.devices() if d.platform == "gpu"}))
+
+
+def build(cache_dir: str | None = None, nvcc: str | None = None, source: str = SOURCE) -> str:
+    """Compiles the kernel (or finds the cached build with the same key); returns the library's path.
+
+    Raises:
+      SlotCopyUnavailable: no nvcc, an unwritable cache directory, or a failed compile (the message has the
+        command and nvcc's error).
+    """
+    nvcc = nvcc or find_nvcc()
+    cache_dir = os.path.abspath(os.path.expanduser(cache_dir or compile_cache.native_dir()))
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+    except OSError as e:
+        raise SlotCopyUnavailable(f"cannot create the native kernel cache directory {cache_dir}: {e}") from None
+    try:
+        version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise SlotCopyUnavailable(f"cannot run {nvcc}: {e}") from None
+    flags = NVCC_FLAGS + (f"-I{jax.ffi.include_dir()}",)
+    key = hashlib.sha256()
+    with open(source, "rb") as f:
+        key.update(f.read())
+    for part in (os.path.realpath(nvcc), version, " ".join(NVCC_FLAGS), jax.__version__, _gpu_name()):
+        key.update(part.encode())
+    path = os.path.join(cache_dir, f"slot_copy-{key.hexdigest()[:20]}.so")
+    if os.path.exists(path):
+        return path
+    fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=os.path.basename(path) + ".", suffix=".tmp")
+    os.close(fd)
+    cmd = [nvcc, *flags, source, "-o", tmp]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if p.returncode != 0:
+            raise SlotCopyUnavailable(f"`{' '.join(cmd)}` exited {p.returncode}: {p.stderr.strip()[-1500:]}")
+        os.replace(tmp, path)
+        return path
+    except (OSError, subprocess.SubprocessError) as e:
+        raise SlotCopyUnavailable(f"`{' '.join(cmd)}`: {e}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+_STATE: dict = {}
+_LOCK = threading.Lock()
+
+
+def register() -> str:
+    """Builds, loads and registers the FFI targets once per process; returns the library's path.
+
+    Raises:
+      SlotCopyUnavailable: not on a GPU backend, or :func:`build` / loading failed (the same error again on
+        later calls, without a second try).
+    """
+    with _LOCK:
+        if "error" in _STATE:
+            raise SlotCopyUnavailable(_STATE["error"])
+        if "path" in _STATE:
+            return _STATE["path"]
+        try:
+            if jax.default_backend() != "gpu":
+                raise SlotCopyUnavailable(f"the slot-copy kernel needs a GPU backend, not {jax.default_backend()}")
+            path = build()
+            try:
+                lib = ctypes.CDLL(path)
+            except OSError as e:
+                raise SlotCopyUnavailable(f"cannot load {path}: {e}") from None
+            if lib.ftjax_slot_copy_abi() != ABI:
+                raise SlotCopyUnavailable(f"{path} reports ABI {lib.ftjax_slot_copy_abi()}, expected {ABI}")
+            jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.FtjaxSlotCopy), platform="CUDA")
+            jax.ffi.register_ffi_target(TARGET_PTR, jax.ffi.pycapsule(lib.FtjaxSlotCopyPtr), platform="CUDA")
+        except SlotCopyUnavailable as e:
+            _STATE["error"] = str(e)
+            raise
+        _STATE["path"], _STATE["lib"] = path, lib
+        return path
+
+
+def unavailable() -> str | None:
+    """None where :func:`register` succeeds, else why the kernel cannot run here."""
+    try:
+        register()
+        return None
+    except SlotCopyUnavailable as e:
+        return str(e)
+
+
+def copy_into_slots(bank: jax.Array, pool: jax.Array, flat_ids: jax.Array, slots: jax.Array, count: jax.Array,
+                    bank_address: int | None = None, blocks_per_miss: int = BLOCKS_PER_MISS) -> jax.Array:
+    """Rows ``flat_ids[:count]`` of the host ``bank`` written into rows ``slots[:count]`` of the device ``pool``
+    (traced inside jit; the pool's buffer is updated in place where the caller donates it).
+
+    bank: [N, ...] in pinned host memory; pool: [S, ...] on the device, the same row shape and dtype;
+    flat_ids, slots: int32 [M]; count: int32 [] in [0, M]. Rows whose id or slot is out of range are skipped.
+    ``bank_address``: the bank's buffer address (``bank.unsafe_buffer_pointer()`` of the concrete array) to pass
+    as an attribute instead of the bank as an operand (``TARGET_PTR``); the program is then valid only for that
+    buffer. Returns the new pool [S, ...].
+
+    Raises:
+      SlotCopyUnavailable: as :func:`register`.
+      ValueError: bank and pool rows differ in shape or dtype.
+    """
+    register()
+    if bank.shape[1:] != pool.shape[1:] or bank.dtype != pool.dtype:
+        raise ValueError(f"copy_into_slots: bank rows {bank.shape[1:]} {bank.dtype} differ from pool rows "
+                         f"{pool.shape[1:]} {pool.dtype}")
+    ids = jnp.asarray(flat_ids, jnp.int32)
+    sl = jnp.asarray(slots, jnp.int32)
+    n = jnp.asarray(count, jnp.int32).reshape(())
+    out = jax.ShapeDtypeStruct(pool.shape, pool.dtype)
+    if bank_address is None:
+        call = jax.ffi.ffi_call(TARGET, out, input_output_aliases={4: 0})
+        return call(bank, ids, sl, n, pool, blocks_per_miss=np.int64(blocks_per_miss))
+    call = jax.ffi.ffi_call(TARGET_PTR, out, input_output_aliases={3: 0})
+    return call(ids, sl, n, pool, bank_ptr=np.int64(bank_address), bank_rows=np.int64(bank.shape[0]),
+                blocks_per_miss=np.int64(blocks_per_miss))

@@ -1,0 +1,102 @@
+"""The slot-copy kernel's choice and build (``ftjax.experts.slot_copy``, ``KernelConfig.miss_copy``) on a machine
+without a GPU: ``auto`` keeps XLA's miss loop, ``kernel`` is refused with the reason, and the nvcc build finds,
+caches and reports as documented (a stand-in nvcc). The kernel itself runs only on a GPU: its pools against XLA's
+loop are ``experiments/bench_miss_copy.py``'s ``same_pools_as_group1`` (results under experiments/results/)."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import jax
+import numpy as np
+import pytest
+
+from ftjax import memory
+from ftjax.experts import fetch, slot_copy
+from ftjax.experts.state import ExpertBanks, ExpertState
+from ftjax.kernels import registry
+from ftjax.kernels.registry import KernelConfig
+
+
+def _banks_and_state(split: bool = False, pool_dtype=np.float32):
+    lead = (2, 4) if split else (8,)
+    gu = memory.to_host(np.arange(np.prod(lead) * 6, dtype=np.float32).reshape(lead + (2, 3)))
+    dn = memory.to_host(np.ones(lead + (3, 2), np.float32))
+    state = ExpertState(jax.numpy.zeros((4, 2, 3), pool_dtype), jax.numpy.zeros((4, 3, 2), pool_dtype), None)
+    return ExpertBanks(gu, dn), state
+
+
+def test_bad_miss_copy_is_refused_naming_the_field():
+    with pytest.raises(ValueError, match=r"KernelConfig\.miss_copy: unknown value 'dma'; expected one of auto, kernel"):
+        KernelConfig(miss_copy="dma")
+
+
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])
+def test_auto_keeps_the_xla_loop_where_the_kernel_cannot_run(backend):
+    """On the CPU auto never asks for the kernel; traced as for a GPU on a machine without one, it asks, hears why
+    not, and keeps XLA's loop (so lowering a GPU program here holds no custom call)."""
+    banks, state = _banks_and_state()
+    src, pools = fetch._bank_arrays(banks), fetch._pool_arrays(state)
+    with registry.lowering_for(backend):
+        assert fetch.uses_slot_kernel(src, pools) is False
+    assert (slot_copy.unavailable() is not None) == (jax.default_backend() != "gpu")
+
+
+def test_kernel_asked_for_off_the_gpu_is_refused_with_the_reason():
+    banks, state = _banks_and_state()
+    ids = np.array([3, 5], np.int32)
+    with registry.using(KernelConfig(miss_copy="kernel")), \
+            pytest.raises(slot_copy.SlotCopyUnavailable, match="needs a GPU backend, not cpu"):
+        fetch.fetch_experts(banks, state, ids, np.array([0, 1], np.int32), np.int32(2))
+    with registry.using(KernelConfig(miss_copy="xla")):  # the same call on XLA's loop copies rows 3 and 5
+        got = fetch.fetch_experts(banks, state, ids, np.array([0, 1], np.int32), np.int32(2))
+    np.testing.assert_array_equal(np.asarray(got.gate_up[:2]), np.asarray(banks.gate_up)[[3, 5]])
+
+
+@pytest.mark.parametrize("split, dtype", [(True, np.float32), (False, np.float16)])
+def test_kernel_asked_for_where_it_cannot_apply_names_why(split, dtype):
+    banks, state = _banks_and_state(split, dtype)
+    with registry.using(KernelConfig(miss_copy="kernel")), \
+            pytest.raises(ValueError, match="needs whole banks whose rows match their pools'"):
+        fetch.uses_slot_kernel(fetch._bank_arrays(banks), fetch._pool_arrays(state))
+
+
+def _fake_nvcc(folder, exit_code: int = 0) -> str:
+    """A stand-in nvcc: prints a version; otherwise writes its -o file (or fails with ``exit_code``)."""
+    path = os.path.join(folder, "nvcc")
+    with open(path, "w") as f:
+        f.write("#!/bin/sh\n"
+                'if [ "$1" = "--version" ]; then echo "fake nvcc 9.9"; exit 0; fi\n'
+                f'if [ {exit_code} -ne 0 ]; then echo "slot_copy.cu(1): error: boom" >&2; exit {exit_code}; fi\n'
+                'while [ $# -gt 0 ]; do if [ "$1" = "-o" ]; then echo built >> "$2"; fi; shift; done\n'
+                f'echo run >> "{folder}/calls"\n')
+    os.chmod(path, os.stat(path).st_mode | stat.S_IEXEC)
+    return path
+
+
+def test_build_compiles_once_per_key_and_reports_a_failed_compile(tmp_path):
+    nvcc = _fake_nvcc(str(tmp_path))
+    cache = tmp_path / "cache"
+    first = slot_copy.build(str(cache), nvcc)
+    assert os.path.basename(first).startswith("slot_copy-") and open(first).read() == "built\n"
+    assert slot_copy.build(str(cache), nvcc) == first  # cached: nvcc not run again
+    assert open(tmp_path / "calls").read() == "run\n"
+    assert [p.name for p in cache.iterdir()] == [os.path.basename(first)]  # no temporary left behind
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    with pytest.raises(slot_copy.SlotCopyUnavailable, match=r"exited 1: slot_copy.cu\(1\): error: boom"):
+        slot_copy.build(str(tmp_path / "cache2"), _fake_nvcc(str(bad), exit_code=1))
+    assert list((tmp_path / "cache2").iterdir()) == []
+
+
+def test_no_nvcc_is_reported_with_where_it_was_looked_for(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.setattr(slot_copy, "NVCC_PLACES", (str(tmp_path / "missing" / "nvcc"),))
+    with pytest.raises(slot_copy.SlotCopyUnavailable, match=r"no nvcc for the slot-copy kernel: looked on PATH"):
+        slot_copy.find_nvcc()
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    (tmp_path / "bin").mkdir()
+    fake = _fake_nvcc(str(tmp_path / "bin"))
+    assert slot_copy.find_nvcc() == fake

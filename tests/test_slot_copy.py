@@ -100,3 +100,13 @@ def test_no_nvcc_is_reported_with_where_it_was_looked_for(monkeypatch, tmp_path)
     (tmp_path / "bin").mkdir()
     fake = _fake_nvcc(str(tmp_path / "bin"))
     assert slot_copy.find_nvcc() == fake
+
+
+def test_auto_on_a_gpu_without_the_kernel_warns_once(monkeypatch):
+    import warnings
+    monkeypatch.setattr(slot_copy, "_STATE", {})
+    with pytest.warns(RuntimeWarning, match=r"cannot run here \(no nvcc\); cache misses take XLA's loop"):
+        slot_copy.warn_once("no nvcc")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        slot_copy.warn_once("no nvcc")  # the second time: silent

@@ -143,7 +143,10 @@ def uses_slot_kernel(src: tuple, pools: tuple) -> bool:
     if choice == "kernel":
         slot_copy.register()  # raises with the reason
         return True
-    return slot_copy.unavailable() is None
+    why = slot_copy.unavailable()
+    if why is not None and registry.backend() == jax.default_backend():  # a real GPU run, not a lowering elsewhere
+        slot_copy.warn_once(why)
+    return why is None
 
 
 def _one_per_iteration(src: tuple, pools: tuple, flat_ids: jax.Array, slots: jax.Array, count) -> tuple:

@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -160,6 +161,16 @@ def unavailable() -> str | None:
         return None
     except SlotCopyUnavailable as e:
         return str(e)
+
+
+def warn_once(why: str) -> None:
+    """One warning per process that ``miss_copy="auto"`` keeps XLA's miss loop on a GPU, and why."""
+    with _LOCK:
+        if _STATE.get("warned"):
+            return
+        _STATE["warned"] = True
+    warnings.warn(f"miss_copy=auto: the slot-copy kernel cannot run here ({why}); cache misses take XLA's loop, "
+                  "~1.12-1.16x slower decode at zero hits (docs/PROFILE.md)", RuntimeWarning, stacklevel=2)
 
 
 def copy_into_slots(bank: jax.Array, pool: jax.Array, flat_ids: jax.Array, slots: jax.Array, count: jax.Array,

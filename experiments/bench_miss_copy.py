@@ -227,7 +227,10 @@ def call_fn(variant: str, misses: int, concrete_banks=None):
     import jax
 
     from ftjax.experts.state import ExpertState
+    from ftjax.kernels import registry
     fetch_one = layer_fetch(variant, misses, concrete_banks)
+    # every variant but the kernel's copies through XLA's loop, whatever auto would pick on this machine
+    kernels = registry.KernelConfig(miss_copy="kernel" if variant.startswith("kernel") else "xla")
 
     def call(banks, pools, ids, slots, counts):
         if variant == "put_then_slice":
@@ -236,7 +239,8 @@ def call_fn(variant: str, misses: int, concrete_banks=None):
         def layer(pools, xs):
             state = fetch_one(banks, ExpertState(pools[0], pools[1], None), *xs)
             return (state.gate_up, state.down), None
-        return jax.lax.scan(layer, pools, (ids, slots, counts))[0]
+        with registry.using(kernels):
+            return jax.lax.scan(layer, pools, (ids, slots, counts))[0]
     return jax.jit(call, donate_argnums=(1,))
 
 

@@ -51,6 +51,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ftjax import compile_cache
+from ftjax.experts.fetch import miss_copy_mode
+from ftjax.kernels import registry
 
 PROFILE_VERSION = 1
 
@@ -280,10 +282,11 @@ def split_model_from(impl_entry: dict):
 # --------------------------------------------------------------------------------------------
 # Measurement
 # --------------------------------------------------------------------------------------------
-@functools.partial(jax.jit, static_argnames=("cpu",), donate_argnames=("pools",))
-def _probe(banks, pools, x, fetch_ids, cpu_ids, n_fetch, n_cpu, *, cpu):
+@functools.partial(jax.jit, static_argnames=("cpu", "miss_copy"), donate_argnames=("pools",))
+def _probe(banks, pools, x, fetch_ids, cpu_ids, n_fetch, n_cpu, *, cpu, miss_copy="auto"):
     """``reps`` layers of ``fetch_and_cpu``: banks, the host ``ExpertBanks``; pools, an ``ExpertState`` of a
-    few slots (no table); fetch_ids [reps, Cf], cpu_ids [reps, Cc] flat ids. Returns (pools, a checksum)."""
+    few slots (no table); fetch_ids [reps, Cf], cpu_ids [reps, Cc] flat ids; the fetches copied as ``miss_copy``
+    says (``KernelConfig.miss_copy``). Returns (pools, a checksum)."""
     from ftjax.experts import miss_policy
     slots = jnp.arange(pools.gate_up.shape[0], dtype=jnp.int32)
 
@@ -293,15 +296,18 @@ def _probe(banks, pools, x, fetch_ids, cpu_ids, n_fetch, n_cpu, *, cpu):
         st, y = miss_policy.fetch_and_cpu(cpu, banks, st, x, fids, slots, n_fetch, cids, n_cpu)
         return (st, acc + jnp.sum(y, dtype=jnp.float32)), None
 
-    (pools, acc), _ = jax.lax.scan(rep, (pools, jnp.float32(0)), (fetch_ids, cpu_ids))
+    with registry.using(registry.KernelConfig(miss_copy=miss_copy)):
+        (pools, acc), _ = jax.lax.scan(rep, (pools, jnp.float32(0)), (fetch_ids, cpu_ids))
     return pools, acc
 
 
-@functools.partial(jax.jit, donate_argnames=("pools",))
-def _fetch_probe(banks, pools, fetch_ids, n_fetch):
+@functools.partial(jax.jit, static_argnames=("miss_copy",), donate_argnames=("pools",))
+def _fetch_probe(banks, pools, fetch_ids, n_fetch, *, miss_copy="auto"):
     """One layer's fetches as the host-split driver's device program copies them (``fetch_experts``)."""
     from ftjax.experts.fetch import fetch_experts
-    return fetch_experts(banks, pools, fetch_ids, jnp.arange(pools.gate_up.shape[0], dtype=jnp.int32), n_fetch)
+    with registry.using(registry.KernelConfig(miss_copy=miss_copy)):
+        return fetch_experts(banks, pools, fetch_ids, jnp.arange(pools.gate_up.shape[0], dtype=jnp.int32),
+                             n_fetch)
 
 
 #: the host-split driver's front program as far as the host sees it: outputs it reads
@@ -338,13 +344,14 @@ def plan_points(max_misses: int, quick: bool) -> dict:
 
 def measure_impl(cpu, banks, tokens: int, max_misses: int, quick: bool, reps: int, repeats: int,
                  seed: int = 0, log: Callable[[str], None] = print, driver: str = "callback",
-                 compute_dtype=None) -> dict:
+                 compute_dtype=None, miss_copy: str = "auto") -> dict:
     """Times one mechanism; returns the raw points for :func:`fit_impl`. ``driver`` "callback": ``reps`` layers
     of ``fetch_and_cpu`` in one program (the CPU's share through callbacks); "host": ``reps`` layers of the
     host-split driver's host step (``ftjax.runtime.host_split``): the layer's fetch program dispatched, the
     split's outputs read, the host kernel called from Python, its outputs put on the device and a program
     waiting for both. ``banks``: the host ``ExpertBanks`` (a quantized format's with its scales);
-    ``compute_dtype``: the activations' dtype (default the banks')."""
+    ``compute_dtype``: the activations' dtype (default the banks'); ``miss_copy``: how the fetches are copied
+    (``KernelConfig.miss_copy``: the engine's, so the cost model fits the copies it will run)."""
     from ftjax.experts.state import ExpertState
     host_gu, host_dn = banks.gate_up, banks.down
     plan = plan_points(max_misses, quick)
@@ -361,12 +368,13 @@ def measure_impl(cpu, banks, tokens: int, max_misses: int, quick: bool, reps: in
 
     def layers(nf: int, nc: int):
         if driver == "callback":
-            state[0], acc = _probe(banks, state[0], x, fetch_ids, cpu_ids, jnp.int32(nf), jnp.int32(nc), cpu=cpu)
+            state[0], acc = _probe(banks, state[0], x, fetch_ids, cpu_ids, jnp.int32(nf), jnp.int32(nc), cpu=cpu,
+                                   miss_copy=miss_copy)
             return acc
         acc, zeros = jnp.float32(0), jnp.zeros((cpu_ids.shape[1], tokens, d), dtype)
         for r in range(reps):
             xh, idh = _handoff_probe(x, cpu_ids[r])
-            state[0] = _fetch_probe(banks, state[0], fetch_ids[r], jnp.int32(nf))
+            state[0] = _fetch_probe(banks, state[0], fetch_ids[r], jnp.int32(nf), miss_copy=miss_copy)
             xn, idn = jax.device_get((xh, idh))
             y = jax.device_put(np.asarray(cpu.kernel.compute(xn, idn, nc))) if nc else zeros
             acc = _merge_probe(acc, state[0].down, y)
@@ -418,7 +426,7 @@ def sweep_threads(banks, tokens: int, max_misses: int, candidates: Sequence[int]
 def calibrate(host_gu: jax.Array, host_dn: jax.Array, cfg, dtype: str, tokens: int, impls: Sequence[str],
               threads: int | None = None, quick: bool = False, reps: int | None = None,
               repeats: int | None = None, log: Callable[[str], None] = print, driver: str = "callback",
-              scales=None, bank_fmt: str = "dense") -> dict:
+              scales=None, bank_fmt: str = "dense", miss_copy: str = "auto") -> dict:
     """Measures and fits every mechanism in ``impls`` on these host banks; returns a profile entry.
 
     Args:
@@ -435,6 +443,8 @@ def calibrate(host_gu: jax.Array, host_dn: jax.Array, cfg, dtype: str, tokens: i
         mechanisms with a host kernel (``CALLBACK_IMPLS``).
       scales, bank_fmt: a quantized format's scale banks and format (``ExpertBanks.scales`` / ``.fmt``): the
         copies move weights and scales, the CPU kernels dequantize, ``dtype`` is then the compute dtype.
+      miss_copy: how the fetches are copied (``KernelConfig.miss_copy``); the entry records the copy that ran
+        (``miss_copy``: "kernel" or "xla", :func:`ftjax.experts.fetch.miss_copy_mode`).
     Returns:
       the entry: device, format, date, jax version, tokens, and ``impls: {impl_key(impl, driver): fitted
       figures}``.
@@ -450,7 +460,8 @@ def calibrate(host_gu: jax.Array, host_dn: jax.Array, cfg, dtype: str, tokens: i
     entry: dict[str, Any] = {
         "device": device_name(), "platform": jax.default_backend(), "host_cpus": os.cpu_count(),
         "jax": jax.__version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "format": fmt, "tokens": tokens, "max_misses": max_misses, "quick": quick, "reps": reps, "impls": {}}
+        "format": fmt, "tokens": tokens, "max_misses": max_misses, "quick": quick, "reps": reps,
+        "miss_copy": miss_copy_mode(miss_copy), "impls": {}}
     sweeps: dict[str, list] = {}  # per host kernel kind
     for impl in impls:
         t0 = time.perf_counter()
@@ -472,7 +483,7 @@ def calibrate(host_gu: jax.Array, host_dn: jax.Array, cfg, dtype: str, tokens: i
             cpu = make_cpu_experts(impl, host_gu, host_dn, th, from_program=driver == "callback", scales=banks.scales,
                                    fmt=bank_fmt)
             pts = measure_impl(cpu, banks, tokens, max_misses, quick, reps, repeats, log=log, driver=driver,
-                               compute_dtype=DTYPES[dtype])
+                               compute_dtype=DTYPES[dtype], miss_copy=miss_copy)
             res = fit_impl(pts, fmt["expert_bytes"], max_misses)
             res["mechanism"] = cpu.describe()
         except Exception as e:  # noqa: BLE001 - a failing mechanism is a finding, not a crash
@@ -511,9 +522,12 @@ def synthetic_banks(cfg, dtype: str, rows: int, seed: int = 0) -> tuple[jax.Arra
 
 
 def profile_for(model, impl: str, tokens: int, path: str | None = None, threads: int | None = None,
-                log: Callable[[str], None] = print, driver: str = "callback") -> tuple[dict, str, str, bool]:
+                log: Callable[[str], None] = print, driver: str = "callback",
+                miss_copy: str = "auto") -> tuple[dict, str, str, bool]:
     """The profile entry for a loaded model and mechanism (reached by ``driver``, its results under
-    ``impls[impl_key(impl, driver)]``); quick-calibrates and saves it if missing.
+    ``impls[impl_key(impl, driver)]``); quick-calibrates and saves it if missing. ``miss_copy``: the engine's
+    ``KernelConfig.miss_copy``; fetches copied by the slot-copy kernel have their own entry (the key ends in
+    ``|slot_kernel``), so a profile fitted on XLA's loop is not reused for the kernel's copies, nor the reverse.
 
     Returns (entry, key, path, calibrated_now). Raises CalibrationError for an unreadable
     profile; the entry may record a failed mechanism (``split_model_from`` raises then).
@@ -521,7 +535,7 @@ def profile_for(model, impl: str, tokens: int, path: str | None = None, threads:
     path = path or default_profile_path()
     banks = model.banks
     fmt = expert_format(model.cfg, model.dtype, banks.fmt, banks.expert_bytes)
-    key = profile_key(device_name(), fmt, tokens)
+    key = profile_key(device_name(), fmt, tokens) + ("|slot_kernel" if miss_copy_mode(miss_copy) == "kernel" else "")
     entry = get_entry(path, key)
     if entry is not None and impl_key(impl, driver) in entry.get("impls", {}):
         return entry, key, path, False
@@ -529,7 +543,7 @@ def profile_for(model, impl: str, tokens: int, path: str | None = None, threads:
     log(f"calibration: no profile for {key} / {impl_key(impl, driver)} in {path}; quick calibration on this "
         f"model ...")
     new = calibrate(banks.gate_up, banks.down, model.cfg, model.dtype, tokens, [impl], threads,
-                    quick=True, log=log, driver=driver, scales=banks.scales, bank_fmt=banks.fmt)
+                    quick=True, log=log, driver=driver, scales=banks.scales, bank_fmt=banks.fmt, miss_copy=miss_copy)
     save_entry(path, key, new)
     return get_entry(path, key), key, path, True
 

@@ -1,7 +1,8 @@
 """The slot-copy kernel's choice and build (``ftjax.experts.slot_copy``, ``KernelConfig.miss_copy``) on a machine
 without a GPU: ``auto`` keeps XLA's miss loop, ``kernel`` is refused with the reason, and the nvcc build finds,
-caches and reports as documented (a stand-in nvcc). The kernel itself runs only on a GPU: its pools against XLA's
-loop are ``experiments/bench_miss_copy.py``'s ``same_pools_as_group1`` (results under experiments/results/)."""
+caches and reports as documented (a stand-in nvcc). The kernel itself runs only on a CUDA GPU: the last test
+(skipped elsewhere) checks its pools against numpy; ``experiments/check_identity_gpu.py --miss_copy=kernel`` checks
+the engine's logits (results under experiments/results/checks/)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,11 @@ def test_bad_miss_copy_is_refused_naming_the_field():
         KernelConfig(miss_copy="dma")
 
 
+ON_GPU = jax.default_backend() == "gpu"
+no_gpu = pytest.mark.skipif(ON_GPU, reason="checks the choice where the kernel cannot run")
+
+
+@no_gpu
 @pytest.mark.parametrize("backend", ["cpu", "gpu"])
 def test_auto_keeps_the_xla_loop_where_the_kernel_cannot_run(backend):
     """On the CPU auto never asks for the kernel; traced as for a GPU on a machine without one, it asks, hears why
@@ -43,6 +49,7 @@ def test_auto_keeps_the_xla_loop_where_the_kernel_cannot_run(backend):
     assert (slot_copy.unavailable() is not None) == (jax.default_backend() != "gpu")
 
 
+@no_gpu
 def test_kernel_asked_for_off_the_gpu_is_refused_with_the_reason():
     banks, state = _banks_and_state()
     ids = np.array([3, 5], np.int32)
@@ -75,6 +82,21 @@ def _fake_nvcc(folder, exit_code: int = 0) -> str:
     return path
 
 
+def test_split_engines_and_the_cpu_keep_the_xla_loop_under_auto():
+    """Experts split over devices keep XLA's loop under auto (the kernel was measured on one device); the
+    calibration's key follows the same choice."""
+    from ftjax.runtime.step import StepOptions
+    with StepOptions("cached", devices=2).tracing():
+        assert registry.active().miss_copy == "xla"
+    with StepOptions("cached", devices=2, kernels=KernelConfig(miss_copy="kernel")).tracing():
+        assert registry.active().miss_copy == "kernel"  # asked for by name: kept
+    with registry.lowering_for("gpu"):
+        assert fetch.miss_copy_mode("auto", devices=2) == "xla"
+    assert fetch.miss_copy_mode("xla") == "xla"
+    if not ON_GPU:
+        assert fetch.miss_copy_mode("auto") == "xla"
+
+
 def test_build_compiles_once_per_key_and_reports_a_failed_compile(tmp_path):
     nvcc = _fake_nvcc(str(tmp_path))
     cache = tmp_path / "cache"
@@ -88,6 +110,10 @@ def test_build_compiles_once_per_key_and_reports_a_failed_compile(tmp_path):
     with pytest.raises(slot_copy.SlotCopyUnavailable, match=r"exited 1: slot_copy.cu\(1\): error: boom"):
         slot_copy.build(str(tmp_path / "cache2"), _fake_nvcc(str(bad), exit_code=1))
     assert list((tmp_path / "cache2").iterdir()) == []
+    edited = tmp_path / "slot_copy.cu"  # another source: another key, built again
+    edited.write_text(open(slot_copy.SOURCE).read() + "// edited\n")
+    second = slot_copy.build(str(cache), nvcc, source=str(edited))
+    assert second != first and open(tmp_path / "calls").read() == "run\nrun\n"
 
 
 def test_no_nvcc_is_reported_with_where_it_was_looked_for(monkeypatch, tmp_path):
@@ -110,3 +136,26 @@ def test_auto_on_a_gpu_without_the_kernel_warns_once(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         slot_copy.warn_once("no nvcc")  # the second time: silent
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the slot-copy kernel runs on a CUDA GPU")
+@pytest.mark.parametrize("row, dtype", [((6, 8), np.float32), ((3,), np.float32), ((3,), jax.numpy.bfloat16)])
+@pytest.mark.parametrize("address", [False, True])
+def test_kernel_writes_the_rows_numpy_says(row, dtype, address):
+    """16-byte, 4-byte and 2-byte rows (the kernel's three vector widths), the bank as an operand and by address:
+    rows ids[:count] land in slots[:count]; count 0, below M, past M, negative; out-of-range ids are skipped."""
+    n, s_, m = 12, 7, 5
+    bank_np = (np.arange(n * int(np.prod(row))) % 251).reshape((n,) + row).astype(dtype)
+    bank = memory.to_host(bank_np)
+    ids = np.array([3, 11, 0, 20, 7], np.int32)  # 20: out of range, skipped
+    slots = np.array([6, 0, 2, 4, 5], np.int32)
+    for count in (0, 2, 5, 9, -1):
+        pool = jax.numpy.full((s_,) + row, -1, dtype)
+        fn = jax.jit(lambda b, p, i, s, c: slot_copy.copy_into_slots(
+            b, p, i, s, c, bank.unsafe_buffer_pointer() if address else None))
+        got = np.asarray(fn(bank, pool, ids, slots, np.int32(count)))
+        want = np.full((s_,) + row, -1, dtype)
+        for j in range(min(max(count, 0), m)):
+            if 0 <= ids[j] < n:
+                want[slots[j]] = bank_np[ids[j]]
+        np.testing.assert_array_equal(got, want)

@@ -149,6 +149,15 @@ def uses_slot_kernel(src: tuple, pools: tuple) -> bool:
     return why is None
 
 
+def miss_copy_mode(choice: str = "auto", devices: int = 1) -> str:
+    """How misses are copied on this machine under ``KernelConfig.miss_copy`` = ``choice`` for whole banks on
+    ``devices`` devices: "kernel" (the slot-copy kernel) or "xla" (XLA's loop), as :func:`uses_slot_kernel`
+    decides at trace time (``ftjax.calibrate`` keys its profiles by it)."""
+    if choice == "xla" or (choice == "auto" and (devices > 1 or registry.backend() != "gpu")):
+        return "xla"
+    return "kernel" if choice == "kernel" or slot_copy.unavailable() is None else "xla"
+
+
 def _one_per_iteration(src: tuple, pools: tuple, flat_ids: jax.Array, slots: jax.Array, count) -> tuple:
     """:func:`fetch_experts`' loop with group 1: one copy per iteration (the fetch as it was before groups)."""
     return jax.lax.fori_loop(0, count, lambda i, p: _copy_lanes(src, p, flat_ids, slots, [i]), pools)

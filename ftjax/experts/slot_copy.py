@@ -80,42 +80,46 @@ def _gpu_name() -> str:
 def build(cache_dir: str | None = None, nvcc: str | None = None, source: str = SOURCE) -> str:
     """Compiles the kernel (or finds the cached build with the same key); returns the library's path.
 
+    The key hashes the source, nvcc's path and version, the flags (with the FFI headers' folder), the FFI header's
+    text, jax's and jaxlib's versions and the GPUs' names.
+
     Raises:
-      SlotCopyUnavailable: no nvcc, an unwritable cache directory, or a failed compile (the message has the
-        command and nvcc's error).
+      SlotCopyUnavailable: no nvcc, an unreadable source, an unwritable cache directory, or a failed compile (the
+        message has the command and nvcc's error).
     """
     nvcc = nvcc or find_nvcc()
     cache_dir = os.path.abspath(os.path.expanduser(cache_dir or compile_cache.native_dir()))
     try:
         os.makedirs(cache_dir, exist_ok=True)
-    except OSError as e:
-        raise SlotCopyUnavailable(f"cannot create the native kernel cache directory {cache_dir}: {e}") from None
-    try:
         version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
+        include = jax.ffi.include_dir()
+        flags = NVCC_FLAGS + (f"-I{include}",)
+        key = hashlib.sha256()
+        for path in (source, os.path.join(include, "xla", "ffi", "api", "ffi.h")):
+            with open(path, "rb") as f:
+                key.update(hashlib.sha256(f.read()).digest())
     except (OSError, subprocess.SubprocessError) as e:
-        raise SlotCopyUnavailable(f"cannot run {nvcc}: {e}") from None
-    flags = NVCC_FLAGS + (f"-I{jax.ffi.include_dir()}",)
-    key = hashlib.sha256()
-    with open(source, "rb") as f:
-        key.update(f.read())
-    for part in (os.path.realpath(nvcc), version, " ".join(NVCC_FLAGS), jax.__version__, _gpu_name()):
-        key.update(part.encode())
+        raise SlotCopyUnavailable(f"cannot prepare the slot-copy kernel's build in {cache_dir}: {e}") from None
+    import jaxlib
+    for part in (os.path.realpath(nvcc), version, " ".join(flags), jax.__version__, jaxlib.__version__, _gpu_name()):
+        key.update(hashlib.sha256(part.encode()).digest())
     path = os.path.join(cache_dir, f"slot_copy-{key.hexdigest()[:20]}.so")
     if os.path.exists(path):
         return path
-    fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=os.path.basename(path) + ".", suffix=".tmp")
-    os.close(fd)
-    cmd = [nvcc, *flags, source, "-o", tmp]
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=os.path.basename(path) + ".", suffix=".tmp")
+        os.close(fd)
+        cmd = [nvcc, *flags, source, "-o", tmp]
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if p.returncode != 0:
             raise SlotCopyUnavailable(f"`{' '.join(cmd)}` exited {p.returncode}: {p.stderr.strip()[-1500:]}")
         os.replace(tmp, path)
         return path
     except (OSError, subprocess.SubprocessError) as e:
-        raise SlotCopyUnavailable(f"`{' '.join(cmd)}`: {e}") from None
+        raise SlotCopyUnavailable(f"building the slot-copy kernel with {nvcc} in {cache_dir}: {e}") from None
     finally:
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
 
 
@@ -127,8 +131,8 @@ def register() -> str:
     """Builds, loads and registers the FFI targets once per process; returns the library's path.
 
     Raises:
-      SlotCopyUnavailable: not on a GPU backend, or :func:`build` / loading failed (the same error again on
-        later calls, without a second try).
+      SlotCopyUnavailable: not on a CUDA GPU backend, or :func:`build` / loading / registering failed, whatever
+        the cause (the same error again on later calls, without a second try).
     """
     with _LOCK:
         if "error" in _STATE:
@@ -138,6 +142,9 @@ def register() -> str:
         try:
             if jax.default_backend() != "gpu":
                 raise SlotCopyUnavailable(f"the slot-copy kernel needs a GPU backend, not {jax.default_backend()}")
+            if "cuda" not in str(jax.devices()[0].client.platform_version).lower():
+                raise SlotCopyUnavailable("the slot-copy kernel needs a CUDA GPU, not "
+                                          f"{jax.devices()[0].client.platform_version}")
             path = build()
             try:
                 lib = ctypes.CDLL(path)
@@ -150,6 +157,9 @@ def register() -> str:
         except SlotCopyUnavailable as e:
             _STATE["error"] = str(e)
             raise
+        except Exception as e:  # noqa: BLE001 - any failure here means XLA's loop runs instead
+            _STATE["error"] = f"the slot-copy kernel did not load: {type(e).__name__}: {e}"
+            raise SlotCopyUnavailable(_STATE["error"]) from None
         _STATE["path"], _STATE["lib"] = path, lib
         return path
 
@@ -169,8 +179,9 @@ def warn_once(why: str) -> None:
         if _STATE.get("warned"):
             return
         _STATE["warned"] = True
-    warnings.warn(f"miss_copy=auto: the slot-copy kernel cannot run here ({why}); cache misses take XLA's loop, "
-                  "~1.12-1.16x slower decode at zero hits (docs/PROFILE.md)", RuntimeWarning, stacklevel=2)
+    warnings.warn(f"miss_copy=auto: the slot-copy kernel cannot run here ({why}); cache misses take XLA's loop "
+                  "(offload decode measured 1.12-1.16x faster with the kernel on an H100; docs/PROFILE.md)",
+                  RuntimeWarning, stacklevel=2)
 
 
 def copy_into_slots(bank: jax.Array, pool: jax.Array, flat_ids: jax.Array, slots: jax.Array, count: jax.Array,
@@ -178,20 +189,23 @@ def copy_into_slots(bank: jax.Array, pool: jax.Array, flat_ids: jax.Array, slots
     """Rows ``flat_ids[:count]`` of the host ``bank`` written into rows ``slots[:count]`` of the device ``pool``
     (traced inside jit; the pool's buffer is updated in place where the caller donates it).
 
-    bank: [N, ...] in pinned host memory; pool: [S, ...] on the device, the same row shape and dtype;
-    flat_ids, slots: int32 [M]; count: int32 [] in [0, M]. Rows whose id or slot is out of range are skipped.
-    ``bank_address``: the bank's buffer address (``bank.unsafe_buffer_pointer()`` of the concrete array) to pass
-    as an attribute instead of the bank as an operand (``TARGET_PTR``); the program is then valid only for that
-    buffer. Returns the new pool [S, ...].
+    bank: [N, ...] in pinned host memory (or on the device); pool: [S, ...] on the device, the same row shape and
+    dtype; flat_ids, slots: int32 [M]; count: int32 [] (the first min(count, M) rows are copied; <= 0: none).
+    ``slots[:count]`` must be distinct (two misses into one slot race; the slot table never does that). Rows
+    whose id or slot is out of range are skipped (XLA's loop would clamp them). ``bank_address``: the bank's
+    buffer address (``bank.unsafe_buffer_pointer()`` of the concrete array) to pass as an attribute instead of
+    the bank as an operand (``TARGET_PTR``); the program is then valid only for that buffer. ``blocks_per_miss``:
+    thread blocks (256 threads each) that copy one miss. Returns the new pool [S, ...].
 
     Raises:
-      SlotCopyUnavailable: as :func:`register`.
       ValueError: bank and pool rows differ in shape or dtype.
+      SlotCopyUnavailable: as :func:`register`.
+      (at run time) a kernel fault surfaces as XLA's runtime error of the program.
     """
-    register()
     if bank.shape[1:] != pool.shape[1:] or bank.dtype != pool.dtype:
         raise ValueError(f"copy_into_slots: bank rows {bank.shape[1:]} {bank.dtype} differ from pool rows "
                          f"{pool.shape[1:]} {pool.dtype}")
+    register()
     ids = jnp.asarray(flat_ids, jnp.int32)
     sl = jnp.asarray(slots, jnp.int32)
     n = jnp.asarray(count, jnp.int32).reshape(())

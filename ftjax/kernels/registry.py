@@ -64,8 +64,9 @@ DECODE_LOOPS = ("auto", "fixed", "dynamic")
 #: ``KernelConfig.miss_copy``: how a layer's cache misses reach their slots (``ftjax.experts.fetch.fetch_experts``):
 #: "kernel": ``ftjax.experts.slot_copy``'s CUDA kernel, every miss read from the pinned host bank straight into its
 #: slot in one launch (a GPU with nvcc; an error elsewhere); "xla": XLA's loop of host reads into a temporary and
-#: slot writes (``KernelConfig.fetch_group`` per iteration); "auto": the kernel where it builds and the banks are
-#: whole (not split over devices), else XLA's loop. The same pools either way.
+#: slot writes (``KernelConfig.fetch_group`` per iteration); "auto": the kernel on one CUDA GPU where it builds and
+#: the banks are whole, else XLA's loop (experts split over devices keep the loop: not measured there). The same
+#: pools either way; offload decode 1.12-1.16x faster with the kernel on an H100 (2026-12-06, docs/PROFILE.md).
 MISS_COPIES = ("auto", "kernel", "xla")
 
 

@@ -244,7 +244,8 @@ class Engine:
             self._step_banks = tensor_parallel.shard_host_banks(model.banks, self.config.devices)
         elif self.mesh is not None:  # offloading: each device's share of the experts in host memory
             self._step_banks = parallel.shard_host_banks(model.banks, self.cfg.num_layers, self.mesh)
-        self.miss = build_miss_runtime(model, self.config.miss, self.config.batch)
+        self.miss = build_miss_runtime(model, self.config.miss, self.config.batch,
+                                       miss_copy=self.config.kernels.miss_copy)
         self.programs = programs.Programs()
         self.planner = CallPlanner(cfg, self.config, self.miss, self.dtype)
         self.state = self._fresh_state()

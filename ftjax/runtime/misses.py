@@ -13,8 +13,9 @@ from ftjax.config import MissPolicyConfig
 from ftjax.experts import cpu_experts, miss_policy
 
 
-def build_miss_runtime(model, miss: MissPolicyConfig, batch: int) -> miss_policy.MissRuntime:
+def build_miss_runtime(model, miss: MissPolicyConfig, batch: int, miss_copy: str = "auto") -> miss_policy.MissRuntime:
     """The ``MissRuntime`` of ``miss`` for ``model`` (``ftjax.checkpoint.LoadedModel``) decoding ``batch`` rows.
+    ``miss_copy``: the engine's ``KernelConfig.miss_copy``, under which a calibration times its fetches.
 
     The ``compute_on`` mechanisms read the banks inside the program, so their banks must carry the host
     memory kind in their type: ``model.banks`` is replaced by such a view where it does not.
@@ -38,7 +39,8 @@ def build_miss_runtime(model, miss: MissPolicyConfig, batch: int) -> miss_policy
         from ftjax import calibrate
 
         path = miss.calibration_profile or calibrate.default_profile_path()
-        entry, key, path, fresh = calibrate.profile_for(model, impl, batch, path, threads, driver=miss.cpu_driver)
+        entry, key, path, fresh = calibrate.profile_for(model, impl, batch, path, threads, driver=miss.cpu_driver,
+                                                          miss_copy=miss_copy)
         name = calibrate.impl_key(impl, miss.cpu_driver)
         measured = entry["impls"][name]
         split_model = calibrate.split_model_from(measured)

@@ -55,8 +55,12 @@ class StepOptions:
 
     @contextlib.contextmanager
     def tracing(self):
-        """Within it, a step traces under these options' matmul precision and kernel config."""
-        with jax.default_matmul_precision(self.precision), registry.using(self.kernels):
+        """Within it, a step traces under these options' matmul precision and kernel config. Split over devices,
+        ``miss_copy`` "auto" keeps XLA's miss loop: the slot-copy kernel was measured on one device only."""
+        kernels = self.kernels
+        if self.devices > 1 and kernels.miss_copy == "auto":
+            kernels = dataclasses.replace(kernels, miss_copy="xla")
+        with jax.default_matmul_precision(self.precision), registry.using(kernels):
             yield
 
 

@@ -163,7 +163,8 @@ def _bench_miss_copy(d: dict) -> str:
     group1 = [r for r in d.get("rows") or [] if r.get("variant") == "group1" and r.get("ids") == "random"
               and r.get("layers") == b["layers"] and r.get("graphs") == b["graphs"] and "ratio_to_contig" in r]
     was = f" (one copy per iteration {group1[0]['ratio_to_contig']:.3f}x)" if group1 else ""
-    return (f"misses of {b['layers']} layers, graphs {b['graphs']}: {b['variant']} {b['GBps']:.1f} GB/s = "
+    caveat = f"{d['caveat']}; " if d.get("caveat") else ""  # a run whose rows are not what their names say
+    return (f"{caveat}misses of {b['layers']} layers, graphs {b['graphs']}: {b['variant']} {b['GBps']:.1f} GB/s = "
             f"{b['ratio_to_contig']:.3f}x the pinned copy{was}")
 
 

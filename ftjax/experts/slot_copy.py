@@ -142,9 +142,9 @@ def register() -> str:
         try:
             if jax.default_backend() != "gpu":
                 raise SlotCopyUnavailable(f"the slot-copy kernel needs a GPU backend, not {jax.default_backend()}")
-            if "cuda" not in str(jax.devices()[0].client.platform_version).lower():
-                raise SlotCopyUnavailable("the slot-copy kernel needs a CUDA GPU, not "
-                                          f"{jax.devices()[0].client.platform_version}")
+            version = str(getattr(jax.devices()[0].client, "platform_version", ""))
+            if "rocm" in version.lower():
+                raise SlotCopyUnavailable(f"the slot-copy kernel needs a CUDA GPU, not {version}")
             path = build()
             try:
                 lib = ctypes.CDLL(path)

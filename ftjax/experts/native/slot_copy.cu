@@ -12,7 +12,8 @@
 // The FFI target (XLA's typed FFI, jax.ffi.ffi_call; ftjax/experts/slot_copy.py builds and registers it):
 //   ftjax_slot_copy(bank, flat_ids, slots, count, pool) -> pool (aliased: updated in place)
 //   bank: [N, ...] in host memory (pinned_host); pool: [S, ...] on the device, the same row shape and dtype;
-//   flat_ids, slots: int32 [M]; count: int32 [] (the first min(count, M) entries are copied; count <= 0: none).
+//   flat_ids, slots: int32 [M], M <= 65535 (one block row of the grid per entry; those at or past `count` exit at
+//   once); count: int32 [] (the first min(count, M) entries are copied; count <= 0: none).
 //   slots[:count] must be distinct: two misses into one slot race (the row is then undefined), where XLA's loop
 //   lets the later one win. The slot table never gives one slot twice in a layer.
 // ftjax_slot_copy_ptr is the same copy with the bank given as its address (attribute `bank_ptr`, int64, and
@@ -32,34 +33,31 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;  // loads in flight per thread before its stores: a PCIe read takes ~1-2 us
-constexpr int kMaxMissBlocks = 64;  // grid.y: a layer has ~8-32 misses of up to E entries; more loop in the block
 
-// grid: (x: blocks per miss, y: a miss, then every gridDim.y-th after it). Each thread copies kUnroll vectors per
-// pass. The miss list's length is read on the device, so the launch never waits for it.
+// grid: (x: blocks per miss, y: miss index). Each thread copies kUnroll vectors per pass.
 template <typename V>
 __global__ void SlotCopyKernel(const V* __restrict__ bank, V* __restrict__ pool, const int32_t* __restrict__ ids,
-                               const int32_t* __restrict__ slots, const int32_t* __restrict__ count, int64_t m_max,
+                               const int32_t* __restrict__ slots, const int32_t* __restrict__ count,
                                int64_t row_vecs, int64_t bank_rows, int64_t pool_rows) {
-  const int64_t n = *count < m_max ? *count : m_max;
+  const int m = blockIdx.y;
+  if (m >= *count) return;
+  const int64_t id = ids[m], slot = slots[m];
+  if (id < 0 || id >= bank_rows || slot < 0 || slot >= pool_rows) return;
+  const V* src = bank + id * row_vecs;
+  V* dst = pool + slot * row_vecs;
   const int64_t stride = (int64_t)gridDim.x * blockDim.x * kUnroll;
-  for (int64_t m = blockIdx.y; m < n; m += gridDim.y) {
-    const int64_t id = ids[m], slot = slots[m];
-    if (id < 0 || id >= bank_rows || slot < 0 || slot >= pool_rows) continue;
-    const V* src = bank + id * row_vecs;
-    V* dst = pool + slot * row_vecs;
-    for (int64_t base = ((int64_t)blockIdx.x * blockDim.x) * kUnroll + threadIdx.x; base < row_vecs;
-         base += stride) {
-      V v[kUnroll];
+  for (int64_t base = ((int64_t)blockIdx.x * blockDim.x) * kUnroll + threadIdx.x; base < row_vecs;
+       base += stride) {
+    V v[kUnroll];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t i = base + (int64_t)u * blockDim.x;
-        if (i < row_vecs) v[u] = src[i];
-      }
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + (int64_t)u * blockDim.x;
+      if (i < row_vecs) v[u] = src[i];
+    }
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t i = base + (int64_t)u * blockDim.x;
-        if (i < row_vecs) dst[i] = v[u];
-      }
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + (int64_t)u * blockDim.x;
+      if (i < row_vecs) dst[i] = v[u];
     }
   }
 }
@@ -72,9 +70,9 @@ void Launch(cudaStream_t stream, const void* bank, void* pool, const int32_t* id
   const int64_t per_block = (int64_t)kThreads * kUnroll;
   int64_t need = (row_vecs + per_block - 1) / per_block;
   const int bx = (int)(need < blocks_per_miss ? (need < 1 ? 1 : need) : blocks_per_miss);
-  dim3 grid(bx, (unsigned)(max_misses < kMaxMissBlocks ? max_misses : kMaxMissBlocks));
+  dim3 grid(bx, (unsigned)max_misses);
   SlotCopyKernel<V><<<grid, kThreads, 0, stream>>>(static_cast<const V*>(bank), static_cast<V*>(pool), ids, slots,
-                                                    count, max_misses, row_vecs, bank_rows, pool_rows);
+                                                    count, row_vecs, bank_rows, pool_rows);
 }
 
 ffi::Error Copy(cudaStream_t stream, const void* bank, int64_t bank_rows, ffi::Buffer<ffi::S32> ids,
@@ -90,6 +88,7 @@ ffi::Error Copy(cudaStream_t stream, const void* bank, int64_t bank_rows, ffi::B
   if ((int64_t)slots.element_count() != m)
     return ffi::Error::InvalidArgument("ftjax_slot_copy: flat_ids and slots differ in length");
   if (m == 0 || row_bytes == 0) return ffi::Error::Success();
+  if (m > 65535) return ffi::Error::InvalidArgument("ftjax_slot_copy: more than 65535 misses in one call");
   const int bpm = (int)(blocks_per_miss < 1 ? 1 : blocks_per_miss);
   const uintptr_t align = (uintptr_t)bank | (uintptr_t)pool.untyped_data() | (uintptr_t)row_bytes;
   const int32_t* pi = ids.typed_data();

@@ -258,8 +258,8 @@ def define_kernel_flags(skip: tuple[str, ...] = (), multi_use: bool = False) -> 
             "miss_copy", "auto", list(MISS_COPIES), "How a layer's cache misses reach their slots: kernel = one "
             "CUDA kernel reads every miss from the pinned host bank straight into its slot (a GPU with nvcc; "
             "ftjax.experts.slot_copy), xla = XLA's loop of host reads and slot writes (--fetch_group per "
-            "iteration), auto = the kernel where it builds and the banks are whole, else xla. The same pools "
-            "either way (KernelConfig.miss_copy).", **mod),
+            "iteration), auto = the kernel on one GPU where it builds and the banks are whole, else xla. The "
+            "same pools either way (KernelConfig.miss_copy).", **mod),
         "decode_gemm": lambda: flags.DEFINE_enum(
             "decode_gemm", "auto", list(DECODE_GEMMS), "GEMMs of the decode programs on a GPU: xla, cublas, or auto "
             "(KernelConfig.decode_gemm).", **mod),

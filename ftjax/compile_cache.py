@@ -36,6 +36,11 @@ def user_cache_dir(*parts: str) -> str:
     return os.path.join(base, "ftjax", *parts)
 
 
+def cuda_home() -> str | None:
+    """``$CUDA_HOME`` (where ``ftjax.experts.slot_copy`` looks for nvcc after PATH), or None where unset or empty."""
+    return os.environ.get("CUDA_HOME", "").strip() or None
+
+
 def native_dir() -> str:
     """The folder of the native CPU expert kernel's builds: ``$FTJAX_NATIVE_CACHE`` when set, else
     :func:`user_cache_dir` ``("native")``."""

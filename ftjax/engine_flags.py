@@ -200,7 +200,7 @@ def define_flags(flag_values: flags.FlagValues = FLAGS, module_name: str | None 
                   "How a layer's cache misses reach their slots: kernel = one CUDA kernel reads every miss from "
                   "the pinned host bank straight into its slot (a GPU with nvcc; ftjax.experts.slot_copy), xla = "
                   "XLA's loop of host reads and slot writes (--fetch_group per iteration), auto = the kernel "
-                  "where it builds and the banks are whole, else xla. The same pools either way "
+                  "on one GPU where it builds and the banks are whole, else xla. The same pools either way "
                   "(KernelConfig.miss_copy).")
     d.DEFINE_integer("fixed_fetch", None, "Adaptive: fetch min(N, misses) per layer instead of the calibrated split.")
     d.DEFINE_integer("devices", 1, "Devices of this host to split the routed experts over, as --expert_split says; "

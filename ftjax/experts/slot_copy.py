@@ -64,7 +64,7 @@ def find_nvcc() -> str:
       SlotCopyUnavailable: none found.
     """
     found = shutil.which("nvcc")
-    home = os.environ.get("CUDA_HOME")
+    home = compile_cache.cuda_home()
     places = ([found] if found else []) + ([os.path.join(home, "bin", "nvcc")] if home else []) + list(NVCC_PLACES)
     for cand in places:
         if os.path.isfile(cand) and os.access(cand, os.X_OK):

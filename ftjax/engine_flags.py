@@ -291,8 +291,8 @@ def check_flags() -> None:
 def kernel_config() -> KernelConfig:
     """The run's KernelConfig from the kernel flags.
     Raises:
-      UserError: a malformed --kernel_tiles entry, or a choice the KernelConfig refuses (the message names the
-        flag)."""
+      UserError: a malformed --kernel_tiles entry, a choice the KernelConfig refuses (the message names the
+        flag), or --miss_copy=kernel where the slot-copy kernel cannot run (the message says why)."""
     tiles = {}
     for entry in FLAGS.kernel_tiles:
         name, _, ints = entry.partition(":")
@@ -301,16 +301,22 @@ def kernel_config() -> KernelConfig:
         except ValueError:
             raise UserError(f"--kernel_tiles entry {entry!r}: expected name:int/int/...") from None
     try:
-        return KernelConfig(use=FLAGS.kernels, tiles=tiles, grouped_matmul=FLAGS.grouped_matmul,
-                            flash_prefill=FLAGS.flash_prefill, slot_order=FLAGS.slot_order,
-                            min_dot_rows=FLAGS.min_dot_rows, decode_gemm=FLAGS.decode_gemm,
-                            decode_graphs=FLAGS.decode_graphs, fetch_group=FLAGS.fetch_group,
-                            decode_loop=FLAGS.decode_loop, miss_copy=FLAGS.miss_copy)
+        config = KernelConfig(use=FLAGS.kernels, tiles=tiles, grouped_matmul=FLAGS.grouped_matmul,
+                              flash_prefill=FLAGS.flash_prefill, slot_order=FLAGS.slot_order,
+                              min_dot_rows=FLAGS.min_dot_rows, decode_gemm=FLAGS.decode_gemm,
+                              decode_graphs=FLAGS.decode_graphs, fetch_group=FLAGS.fetch_group,
+                              decode_loop=FLAGS.decode_loop, miss_copy=FLAGS.miss_copy)
     except ValueError as err:  # the config's message names its field: name the flag instead
         msg = re.sub(r"KernelConfig\.(\w+)", lambda m: "--" + _FLAG_OF_KERNEL_FIELD.get(m[1], m[1]), str(err))
         if msg.startswith("--kernels: unknown kernel"):
             msg += f" (or one of {', '.join(USES)})"
         raise UserError(msg) from None
+    if FLAGS.miss_copy == "kernel":  # asked for by name: refused here, not deep inside the first trace
+        from ftjax.experts import slot_copy
+        why = slot_copy.unavailable()
+        if why is not None:
+            raise UserError(f"--miss_copy=kernel: {why}; use --miss_copy=auto or xla")
+    return config
 
 
 #: The kernel flags whose names differ from their ``KernelConfig`` fields.

@@ -131,6 +131,7 @@ def test_default_demo_runs_with_cache_smaller_than_pool(tmp_path):
     (["--kernels=grouped_matmul_pool"], "needs grouped_matmul_triton selected too"),
     (["--kernels=bogus"], "--kernels: unknown kernel 'bogus'; expected one of "),  # the flag, not the config field
     (["--kernel_tiles=dense_decode:64/128"], "--kernel_tiles: tiles of kernel 'dense_decode'"),
+    (["--miss_copy=kernel"], "--miss_copy=kernel: the slot-copy kernel needs a GPU backend, not cpu"),
     (["--seed=99999999999999999999"], "--seed must be in"),
     (["--logits_npy=/nonexistent/l.npy"], "not a writable file path"),
     (["stray"], "unexpected arguments: stray"),

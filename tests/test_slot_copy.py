@@ -97,6 +97,17 @@ def test_split_engines_and_the_cpu_keep_the_xla_loop_under_auto():
         assert fetch.miss_copy_mode("auto") == "xla"
 
 
+def test_the_engine_reports_how_its_misses_are_copied():
+    """``Engine.describe`` (the metrics JSON's ``engine``) resolves auto: XLA's loop here, None with no misses."""
+    from ftjax import Engine
+    from ftjax.checkpoint import random_model
+    from ftjax.config import EngineConfig, preset
+    model = random_model(preset("tiny"), "float32", seed=0)
+    want = "kernel" if ON_GPU and slot_copy.unavailable() is None else "xla"
+    assert Engine(model, EngineConfig("cached", num_slots=16, max_seq_len=32)).describe()["miss_copy_resolved"] == want
+    assert Engine(model, EngineConfig("resident", max_seq_len=32)).describe()["miss_copy_resolved"] is None
+
+
 def test_build_compiles_once_per_key_and_reports_a_failed_compile(tmp_path):
     nvcc = _fake_nvcc(str(tmp_path))
     cache = tmp_path / "cache"

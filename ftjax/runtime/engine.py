@@ -50,7 +50,7 @@ from ftjax import memory
 from ftjax import model as model_lib
 from ftjax.checkpoint import LoadedModel
 from ftjax.config import EngineConfig
-from ftjax.experts import parallel, tensor_parallel
+from ftjax.experts import fetch, parallel, tensor_parallel
 from ftjax.experts.slot_table import reset_table
 from ftjax.experts.state import ExpertCounters, ExpertState, init_expert_state
 from ftjax.kv.layerwise import split_runs
@@ -302,9 +302,12 @@ class Engine:
         return self.programs.compile_s
 
     def describe(self) -> dict:
-        """JSON-ready run configuration: the engine config, resolved precision, miss policy, the XLA
-        options of its decode programs, the kernels that applied to its programs."""
-        return {**self.config.as_dict(), "matmul_precision_resolved": self.precision,
+        """JSON-ready run configuration: the engine config, resolved precision, miss policy, how its misses are
+        copied ("kernel" or "xla", ``fetch.miss_copy_mode``; None when every expert is resident), the XLA options
+        of its decode programs, the kernels that applied to its programs."""
+        copy = None if self.config.experts == "resident" else fetch.miss_copy_mode(self.config.kernels.miss_copy,
+                                                                                   self.config.devices)
+        return {**self.config.as_dict(), "matmul_precision_resolved": self.precision, "miss_copy_resolved": copy,
                 "decode_compiler_options": dict(self.planner.decode_options(self.batch)),
                 "miss_policy": self.miss.policy, "compute_dtype": self.dtype.name,
                 "prefix_copy_layers_resolved": self.prefix_copy_rows(),

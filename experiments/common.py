@@ -219,6 +219,7 @@ def define_kernel_flags(skip: tuple[str, ...] = (), multi_use: bool = False) -> 
 
     from ftjax.kernels.registry import (DECODE_GEMMS, DECODE_GRAPHS, DECODE_LOOPS, FLASH_PREFILLS, GROUPED_MATMULS,
                                         MISS_COPIES, SLOT_ORDERS)
+    from ftjax.engine_flags import MISS_COPY_HELP
     unknown = set(skip) - set(KERNEL_FLAGS)
     if unknown:
         raise ValueError(f"unknown kernel flags {sorted(unknown)}")
@@ -254,12 +255,7 @@ def define_kernel_flags(skip: tuple[str, ...] = (), multi_use: bool = False) -> 
             "fetch_group", None, "The most cache misses copied per iteration of a layer's miss loop (default 1 "
             "everywhere: larger groups measured no faster on an H200; KernelConfig.fetch_group).", lower_bound=1,
             **mod),
-        "miss_copy": lambda: flags.DEFINE_enum(
-            "miss_copy", "auto", list(MISS_COPIES), "How a layer's cache misses reach their slots: kernel = one "
-            "CUDA kernel reads every miss from the pinned host bank straight into its slot (a GPU with nvcc; "
-            "ftjax.experts.slot_copy), xla = XLA's loop of host reads and slot writes (--fetch_group per "
-            "iteration), auto = the kernel on one GPU where it builds and the banks are whole, else xla. The "
-            "same pools either way (KernelConfig.miss_copy).", **mod),
+        "miss_copy": lambda: flags.DEFINE_enum("miss_copy", "auto", list(MISS_COPIES), MISS_COPY_HELP, **mod),
         "decode_gemm": lambda: flags.DEFINE_enum(
             "decode_gemm", "auto", list(DECODE_GEMMS), "GEMMs of the decode programs on a GPU: xla, cublas, or auto "
             "(KernelConfig.decode_gemm).", **mod),

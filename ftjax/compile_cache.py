@@ -41,6 +41,31 @@ def cuda_home() -> str | None:
     return os.environ.get("CUDA_HOME", "").strip() or None
 
 
+def build_native(path: str, command, timeout_s: float) -> str | None:
+    """Builds a native library at ``path`` (``ftjax.experts.cpu_native``'s and ``ftjax.experts.slot_copy``'s
+    kernels): ``command(tmp)`` is the compiler's argument list writing to a temporary file in ``path``'s folder,
+    renamed to ``path`` on success, so a concurrent build never sees half a file; the temporary is removed
+    whatever happens. Returns None on success, else the error (the command, and the compiler's exit status and
+    the end of its stderr, or the OS error)."""
+    import subprocess
+    import tempfile
+    tmp, cmd = None, None
+    try:
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=os.path.basename(path) + ".", suffix=".tmp")
+        os.close(fd)
+        cmd = list(command(tmp))
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        if p.returncode != 0:
+            return f"`{' '.join(cmd)}` exited {p.returncode}: {p.stderr.strip()[-1500:]}"
+        os.replace(tmp, path)
+        return None
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"`{' '.join(cmd)}`: {e}" if cmd else f"cannot create a temporary file beside {path}: {e}"
+    finally:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 def native_dir() -> str:
     """The folder of the native CPU expert kernel's builds: ``$FTJAX_NATIVE_CACHE`` when set, else
     :func:`user_cache_dir` ``("native")``."""

@@ -38,6 +38,12 @@ from ftjax.kernels.registry import (DECODE_GEMMS, DECODE_GRAPHS, DECODE_LOOPS, F
                                     MISS_COPIES, SLOT_ORDERS, USES, KernelConfig)
 
 FLAGS = flags.FLAGS
+#: ``--miss_copy``'s help (here and in the experiments' kernel flags, ``experiments/common.py``).
+MISS_COPY_HELP = ("How a layer's cache misses reach their slots: kernel = one CUDA kernel reads every miss from the "
+                  "pinned host bank straight into its slot (a GPU with nvcc; ftjax.experts.slot_copy), xla = XLA's "
+                  "loop of host reads and slot writes (--fetch_group per iteration), auto = the kernel on one GPU "
+                  "where it builds and the banks are whole, else xla. The same pools either way "
+                  "(KernelConfig.miss_copy).")
 
 # The default demo: the trained model (experiments/train_moe.py).
 DEFAULT_CHECKPOINT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "stdlib_moe")
@@ -196,12 +202,7 @@ def define_flags(flag_values: flags.FlagValues = FLAGS, module_name: str | None 
                      "their host reads issued before their slot writes (unset: 1; larger groups measured no faster "
                      "on an H200; the same pools either way; KernelConfig.fetch_group; "
                      "experiments/bench_miss_copy.py).", lower_bound=1)
-    d.DEFINE_enum("miss_copy", "auto", list(MISS_COPIES),
-                  "How a layer's cache misses reach their slots: kernel = one CUDA kernel reads every miss from "
-                  "the pinned host bank straight into its slot (a GPU with nvcc; ftjax.experts.slot_copy), xla = "
-                  "XLA's loop of host reads and slot writes (--fetch_group per iteration), auto = the kernel "
-                  "on one GPU where it builds and the banks are whole, else xla. The same pools either way "
-                  "(KernelConfig.miss_copy).")
+    d.DEFINE_enum("miss_copy", "auto", list(MISS_COPIES), MISS_COPY_HELP)
     d.DEFINE_integer("fixed_fetch", None, "Adaptive: fetch min(N, misses) per layer instead of the calibrated split.")
     d.DEFINE_integer("devices", 1, "Devices of this host to split the routed experts over, as --expert_split says; "
                      "each copies its own misses over its own link; weights and KV cache replicated "

@@ -37,7 +37,6 @@ import os
 import platform
 import shutil
 import subprocess
-import tempfile
 import threading
 import warnings
 
@@ -183,20 +182,10 @@ def build(cache_dir: str | None = None, compiler: str | None = None, openmp: boo
         path = os.path.join(cache_dir, f"expert_ffn-{key.hexdigest()[:20]}.so")
         if os.path.exists(path):
             return _load(path, cc, flags, built=False)
-        fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=os.path.basename(path) + ".", suffix=".tmp")
-        os.close(fd)
-        cmd = [cc, *flags, source, "-o", tmp, "-lm"]
-        try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-            if p.returncode == 0:
-                os.replace(tmp, path)
-                return _load(path, cc, flags, built=True)
-            errors.append(f"`{' '.join(cmd)}` exited {p.returncode}: {p.stderr.strip()[-1500:]}")
-        except (OSError, subprocess.SubprocessError) as e:
-            errors.append(f"`{' '.join(cmd)}`: {e}")
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        error = compile_cache.build_native(path, lambda tmp: [cc, *flags, source, "-o", tmp, "-lm"], 300)
+        if error is None:
+            return _load(path, cc, flags, built=True)
+        errors.append(error)
     raise NativeBuildError("the native CPU expert kernel did not build: " + "; ".join(errors))
 
 

@@ -132,21 +132,18 @@ def uses_slot_kernel(src: tuple, pools: tuple) -> bool:
       ValueError: "kernel" with split banks or rows that differ from the pool's.
       slot_copy.SlotCopyUnavailable: "kernel" where the kernel cannot build or run (not a GPU, no nvcc)."""
     choice = registry.active().miss_copy
-    if choice == "xla" or (choice == "auto" and registry.backend() != "gpu"):
+    if miss_copy_mode(choice) == "xla":
+        if choice == "auto" and registry.backend() == "gpu" == jax.default_backend():  # a GPU run, not a lowering
+            slot_copy.warn_once(slot_copy.unavailable())
         return False
-    fits = all(not _split(b, p) and b.shape[1:] == p.shape[1:] and b.dtype == p.dtype for b, p in zip(src, pools))
-    if not fits:
+    if not all(not _split(b, p) and b.shape[1:] == p.shape[1:] and b.dtype == p.dtype for b, p in zip(src, pools)):
         if choice == "kernel":
             raise ValueError("KernelConfig.miss_copy: the slot-copy kernel needs whole banks whose rows match their "
                              "pools' (not a device's split share, no dtype conversion); use auto or xla")
         return False
     if choice == "kernel":
         slot_copy.register()  # raises with the reason
-        return True
-    why = slot_copy.unavailable()
-    if why is not None and registry.backend() == jax.default_backend():  # a real GPU run, not a lowering elsewhere
-        slot_copy.warn_once(why)
-    return why is None
+    return True
 
 
 def miss_copy_mode(choice: str = "auto", devices: int = 1) -> str:

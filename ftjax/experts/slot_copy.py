@@ -26,7 +26,6 @@ import hashlib
 import os
 import shutil
 import subprocess
-import tempfile
 import threading
 import warnings
 
@@ -106,21 +105,10 @@ def build(cache_dir: str | None = None, nvcc: str | None = None, source: str = S
     path = os.path.join(cache_dir, f"slot_copy-{key.hexdigest()[:20]}.so")
     if os.path.exists(path):
         return path
-    tmp = None
-    try:
-        fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=os.path.basename(path) + ".", suffix=".tmp")
-        os.close(fd)
-        cmd = [nvcc, *flags, source, "-o", tmp]
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if p.returncode != 0:
-            raise SlotCopyUnavailable(f"`{' '.join(cmd)}` exited {p.returncode}: {p.stderr.strip()[-1500:]}")
-        os.replace(tmp, path)
-        return path
-    except (OSError, subprocess.SubprocessError) as e:
-        raise SlotCopyUnavailable(f"building the slot-copy kernel with {nvcc} in {cache_dir}: {e}") from None
-    finally:
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
+    error = compile_cache.build_native(path, lambda tmp: [nvcc, *flags, source, "-o", tmp], 600)
+    if error is not None:
+        raise SlotCopyUnavailable(f"the slot-copy kernel did not build: {error}")
+    return path
 
 
 _STATE: dict = {}

@@ -75,6 +75,8 @@
 #                  slot-copy kernel (ftjax.experts.slot_copy: every miss of a layer read from the host bank straight
 #                  into its slot, one launch; kernel_ptr: the bank passed by address) beside XLA's loop of one copy
 #                  per iteration (issue 33 item 2)
+# gpu-tests:       the suite's GPU-only cases (tests/test_slot_copy.py's kernel against numpy, test_kernels' and
+#                  test_dense_decode's GPU cases), pytest's report as pytest_gpu_<card>_<day>.txt under $OUT
 # slot-copy-identity: check_identity_gpu with --miss_copy=kernel: cached = resident bit for bit with the kernel
 # slot-copy-decode: bench_decode_speed's cached rows with --miss_copy=xla, then kernel: issue 32's shape (qwen3.5, 16
 #                  layers, 512 slots, with its resident row) and issue 33's 48-layer offload row (280 slots, 64 steps)
@@ -250,6 +252,13 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
           --repeats=5 --groups=1 --variants=kernel,kernel_ptr --graphs=on,off --notorch --bank_experts=512 \
           --tag="slot-kernel_${dev}_$day" ${out:+--out_dir="$out"}
       done ;;
+    gpu-tests)
+      report="${out:-/tmp}/pytest_gpu_${dev}_$day.txt"
+      { echo "git: $(git rev-parse HEAD 2>/dev/null || echo unknown) jax: $(python3 -c 'import jax; print(jax.__version__)')"
+        nvidia-smi --query-gpu=name --format=csv,noheader | head -1; } > "$report"
+      run 240 "$stage" -m pytest tests/test_slot_copy.py tests/test_kernels.py tests/test_dense_decode.py -q -n 0 \
+        -p no:cacheprovider -o addopts="" -m "not slow" -rs
+      grep -v -E "^[WIE][0-9]{4}" "$logs/$stage.log" | tail -n 60 >> "$report" ;;
     slot-copy-identity)
       run 200 "$stage" experiments/check_identity_gpu.py --miss_copy=kernel ${out:+--out_dir="$out"} ;;
     slot-copy-decode)

@@ -77,6 +77,9 @@
 #                  per iteration (issue 33 item 2)
 # gpu-tests:       the suite's GPU-only cases (tests/test_slot_copy.py's kernel against numpy, test_kernels' and
 #                  test_dense_decode's GPU cases), pytest's report as pytest_gpu_<card>_<day>.txt under $OUT
+# decode-hlo:      bench_decode_speed's resident batch-1 row of qwen3-30b-a3b cut to 16 layers (blocks of 16) with XLA's
+#                  dump on: the decode block's optimized HLO as decode_block_resident_b1_qwen3-30b-a3b_16l_<card>_<day>
+#                  .hlo.txt under $OUT (which fusions are the step's ~190 small kernels; issue 33 item 1)
 # slot-copy-identity: check_identity_gpu with --miss_copy=kernel: cached = resident bit for bit with the kernel
 # slot-copy-decode: bench_decode_speed's cached rows with --miss_copy=xla, then kernel: issue 32's shape (qwen3.5, 16
 #                  layers, 512 slots, with its resident row) and issue 33's 48-layer offload row (280 slots, 64 steps)
@@ -259,6 +262,14 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
       run 240 "$stage" -m pytest tests/test_slot_copy.py tests/test_kernels.py tests/test_dense_decode.py -q -n 0 \
         -p no:cacheprovider -o addopts="" -m "not slow" -rs
       grep -v -E "^[WIE][0-9]{4}" "$logs/$stage.log" | tail -n 60 >> "$report" ;;
+    decode-hlo)
+      dump=/tmp/decode-hlo-dump; rm -rf "$dump"
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=decode_block" \
+        run 200 "$stage" experiments/bench_decode_speed.py --preset=qwen3-30b-a3b --layers=16 --modes=resident \
+        --batches=1 --decode_blocks=16 --repeats=1 --trace_steps=0 --out_dir=/tmp/decode-hlo-json
+      f="$(ls -S "$dump"/*decode_block*after_optimizations.txt 2>/dev/null | head -1)"
+      if [ -n "$f" ]; then cp "$f" "${out:-/tmp}/decode_block_resident_b1_qwen3-30b-a3b_16l_${dev}_$day.hlo.txt"
+      else echo "no decode_block dump under $dump"; ls "$dump" | head; fi ;;
     slot-copy-identity)
       run 200 "$stage" experiments/check_identity_gpu.py --miss_copy=kernel ${out:+--out_dir="$out"} ;;
     slot-copy-decode)

@@ -266,7 +266,8 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, start: jax.Arra
         layers the tuple (KV, conv [G, Nl, K-1, conv_dim], rec [G, Nl, Hv, dk, dv]): the linear
         states at the chunk's end, by block.
     Raises:
-      ValueError: a KV hook on a model whose blocks have other than one attention layer.
+      ValueError: a KV hook on a model whose blocks have other than one attention layer; layers whose stats
+        differ in layout (routed ids' shape, d2d counted or not).
     """
     st = structure(cfg)
     p = len(st.pattern)
@@ -279,7 +280,7 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, start: jax.Arra
             raise ValueError(f"prefix reuse needs one attention layer per block of the layer pattern, got "
                              f"{attn_per_block} in {st.pattern}")
         cache = kv_hook.load_state(cache)
-    packed = []  # set while the scan traces the body: its LayerStats went out as LayerStats.packed's pair
+    packed = []  # set while the scan traces the body: (routed ids' shape, d2d or not) of the LayerStats it packed
 
     def body(carry, xs):
         lp_block, blk, hx = xs
@@ -302,7 +303,7 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, start: jax.Arra
                     lp[name] = StackedWeight(w, idx.layer if owner == "" else idx.kind)
             carry, (s, out) = decoder_layer(cfg, kind, lp, idx, carry, inputs, expert_fn, kv_hook, hx)
             if isinstance(s, LayerStats):
-                packed.append(True)
+                packed.append((tuple(s.routed_ids.shape), s.d2d is not None))
                 s = s.packed()
             stats.append(s)
             if layers.get(kind).state == ("k", "v"):
@@ -322,7 +323,9 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, start: jax.Arra
     carry, (stats, kv, pts) = jax.lax.scan(body, carry, (xs_layers, blocks, hook_xs))
     stats = jax.tree.map(lambda a: a.reshape((cfg.num_layers,) + a.shape[2:]), stats)
     if packed:
-        stats = LayerStats.unpacked(*stats)
+        if len(set(packed)) != 1:  # one stacked vector needs one layout in every layer of the pattern
+            raise ValueError(f"forward: the layers' stats differ in layout {sorted(set(packed))}")
+        stats = LayerStats.unpacked(stats, *packed[0])
     kv_out = kv
     if pts is not None:
         kv_out = tuple((kv[m], pts[m][0], pts[m][1]) for m in range(len(kv)))

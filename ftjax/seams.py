@@ -57,17 +57,32 @@ class LayerStats(NamedTuple):
         """Stats of a layer whose every miss was fetched."""
         return cls(hits, misses, misses, jnp.int32(0), routed_ids)
 
-    def packed(self) -> tuple[jax.Array, jax.Array]:
-        """(int32 [4] or [5]: hits, misses, fetched, cpu[, d2d]; routed_ids): one layer's stats as a layer scan
-        stacks them. One counter vector is one write per layer into the scan's output, where five scalars were
-        five copy kernels inside a decode step's layer loop."""
+    def packed(self) -> jax.Array:
+        """One layer's stats as one int32 vector [4 + N*k] (or [5 + N*k] with ``d2d``): hits, misses, fetched,
+        cpu[, d2d], then ``routed_ids`` flattened. A layer scan stacks its outputs with one write per output and
+        layer inside a decode step's layer loop: five scalars were five copy kernels, counts and ids two; one
+        vector is one. :meth:`unpacked` is the inverse."""
         counts = [self.hits, self.misses, self.fetched, self.cpu] + ([self.d2d] if self.d2d is not None else [])
-        return jnp.stack([jnp.asarray(c, jnp.int32) for c in counts]), self.routed_ids
+        return jnp.concatenate([jnp.stack([jnp.asarray(c, jnp.int32) for c in counts]),
+                                jnp.asarray(self.routed_ids, jnp.int32).reshape(-1)])
 
     @classmethod
-    def unpacked(cls, counts: jax.Array, routed_ids: jax.Array) -> "LayerStats":
-        """The inverse of :meth:`packed` over leading axes: counts int32 [..., 4 or 5] -> fields [...]."""
-        return cls(*(counts[..., i] for i in range(4)), routed_ids, counts[..., 4] if counts.shape[-1] == 5 else None)
+    def unpacked(cls, packed: jax.Array, ids_shape: tuple[int, ...], d2d: bool) -> "LayerStats":
+        """The inverse of :meth:`packed` over leading axes: packed int32 [..., 4 (5 with ``d2d``) + prod(ids_shape)]
+        -> fields [...] and routed_ids [..., *ids_shape].
+
+        Raises:
+          ValueError: the last axis is not the counts plus prod(ids_shape).
+        """
+        c = 5 if d2d else 4
+        n = 1
+        for d in ids_shape:
+            n *= int(d)
+        if packed.shape[-1] != c + n:
+            raise ValueError(f"LayerStats.unpacked: last axis {packed.shape[-1]}, expected {c} counts + {n} routed ids "
+                             f"(ids shape {tuple(ids_shape)})")
+        ids = packed[..., c:].reshape(packed.shape[:-1] + tuple(ids_shape))
+        return cls(*(packed[..., i] for i in range(4)), ids, packed[..., 4] if d2d else None)
 
 
 #: expert_fn(expert state, layer int32 [], routing) -> (y [N, D], new expert state, LayerStats)

@@ -260,8 +260,8 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
       { echo "git: $(git rev-parse HEAD 2>/dev/null || echo unknown) jax: $(python3 -c 'import jax; print(jax.__version__)')"
         nvidia-smi --query-gpu=name --format=csv,noheader | head -1; } > "$report"
       run 240 "$stage" -m pytest tests/test_slot_copy.py tests/test_kernels.py tests/test_dense_decode.py -q -n 0 \
-        -p no:cacheprovider -o addopts="" -m "not slow" -rs
-      grep -v -E "^[WIE][0-9]{4}" "$logs/$stage.log" | tail -n 60 >> "$report" ;;
+        -p no:cacheprovider -o addopts="" -m "not slow" -rfs --tb=line -W ignore::DeprecationWarning
+      grep -v -E "^[WIE][0-9]{4}" "$logs/$stage.log" >> "$report" ;;
     decode-hlo)
       dump=/tmp/decode-hlo-dump; rm -rf "$dump"
       XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=decode_block" \

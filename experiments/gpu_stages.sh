@@ -75,8 +75,8 @@
 #                  slot-copy kernel (ftjax.experts.slot_copy: every miss of a layer read from the host bank straight
 #                  into its slot, one launch; kernel_ptr: the bank passed by address) beside XLA's loop of one copy
 #                  per iteration (issue 33 item 2)
-# gpu-tests:       the suite's GPU-only cases (tests/test_slot_copy.py's kernel against numpy, test_kernels' and
-#                  test_dense_decode's GPU cases), pytest's report as pytest_gpu_<card>_<day>.txt under $OUT
+# gpu-tests:       the suite on the GPU (pytest --backend=default) where it has GPU-only cases: tests/test_slot_copy.py
+#                  (the slot-copy kernel against numpy); pytest's report as pytest_gpu_<card>_<day>.txt under $OUT
 # decode-hlo:      bench_decode_speed's resident batch-1 row of qwen3-30b-a3b cut to 16 layers (blocks of 16) with XLA's
 #                  dump on: the decode block's optimized HLO as decode_block_resident_b1_qwen3-30b-a3b_16l_<card>_<day>
 #                  .hlo.txt under $OUT (which fusions are the step's ~190 small kernels; issue 33 item 1)
@@ -259,8 +259,8 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
       report="${out:-/tmp}/pytest_gpu_${dev}_$day.txt"
       { echo "git: $(git rev-parse HEAD 2>/dev/null || echo unknown) jax: $(python3 -c 'import jax; print(jax.__version__)')"
         nvidia-smi --query-gpu=name --format=csv,noheader | head -1; } > "$report"
-      run 240 "$stage" -m pytest tests/test_slot_copy.py tests/test_kernels.py tests/test_dense_decode.py -q -n 0 \
-        -p no:cacheprovider -o addopts="" -m "not slow" -rfs --tb=line -W ignore::DeprecationWarning
+      run 240 "$stage" -m pytest tests/test_slot_copy.py --backend=default -q -n 0 -p no:cacheprovider -o addopts="" \
+        -m "not slow" -rA --tb=line -W ignore::DeprecationWarning
       grep -v -E "^[WIE][0-9]{4}" "$logs/$stage.log" >> "$report" ;;
     decode-hlo)
       dump=/tmp/decode-hlo-dump; rm -rf "$dump"

@@ -115,6 +115,22 @@ def _count_compile_events() -> None:
 _count_compile_events()
 
 
+def pytest_addoption(parser):
+    parser.addoption("--backend", choices=("cpu", "default"), default="cpu",
+                     help="JAX backend of the run: cpu (the default, as CI, also on a GPU machine: the suite's "
+                          "float32 tolerances and kernel choices are the CPU's) or default (JAX's own choice, the "
+                          "GPU where there is one: for the GPU-only cases, e.g. tests/test_slot_copy.py)")
+
+
+def pytest_configure(config):
+    """``--backend=cpu``: JAX (and the command lines the tests start) on the CPU backend, whatever the machine has.
+    Set before any test module asks JAX for its backend (collection imports them after this)."""
+    if config.getoption("backend") == "cpu":
+        import jax
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        jax.config.update("jax_platforms", "cpu")
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """One line: this process's XLA compiles and the persistent cache's hits (none under xdist's
     controller, which runs no test)."""

@@ -36,7 +36,8 @@ The jitted variants (``--groups``, ``--variants``):
   in the slot; JAX may refuse to trace it: the error is recorded);
 * ``kernel``: ``ftjax.experts.slot_copy``'s CUDA kernel (an FFI call per bank and layer: every miss read from the
   host bank and written straight into its slot, no temporary, no loop), the bank an operand of the call;
-  ``kernel_ptr``: the same with the bank's address an attribute (where XLA refuses a host operand). Off the GPU,
+  ``kernel_ptr``: the same with the bank's address an attribute (where XLA refuses a host operand); ``kernel@B``
+  (``--kernel_blocks``): the kernel with B blocks per miss in its grid (default 64). Off the GPU,
   or without nvcc, the row records why it could not run.
 
 ``--graphs``: each program compiled as the cached decode step is on a GPU (command buffers with WHILE and
@@ -84,6 +85,8 @@ flags.DEFINE_integer("slots", 280, "Slots of the device pool (the qwen3-30b-a3b 
 flags.DEFINE_integer("repeats", 10, "Timed calls per row (after two untimed).", lower_bound=1)
 flags.DEFINE_list("groups", ["1", "2", "4", "8"], "fetch_experts group sizes (copies per loop iteration).")
 flags.DEFINE_list("variants", ["static", "coalesce", "put_then_slice", "direct"], "Other variants.")
+flags.DEFINE_list("kernel_blocks", [], "Further blocks per miss of the slot-copy kernel's grid (rows kernel@B beside "
+                  "kernel's default, slot_copy.BLOCKS_PER_MISS), when kernel is among --variants.")
 flags.DEFINE_list("graphs", ["on", "off"], "Compile each program with the decode step's command buffers (on) "
                   "and / or without (off); GPU only (elsewhere: off).")
 flags.DEFINE_boolean("torch", True, "Also time torch's pinned copy where torch is installed.")
@@ -95,6 +98,7 @@ common.check_preset()
 common.check_numbers("groups", int, low=1)
 common.check_names("variants", VARIANTS, allow_empty=True)
 common.check_names("graphs", ("on", "off"))
+common.check_numbers("kernel_blocks", int, low=1)
 
 #: The HLO ops counted per program (``hlo`` of a row).
 HLO_OPS = ("copy-start", "copy-done", "copy", "dynamic-slice", "dynamic-update-slice", "fusion", "async-start",
@@ -195,11 +199,14 @@ def _direct(banks, state, ids, slots, count):
     return fetch._with_pools(state, jax.lax.fori_loop(0, count, one, fetch._pool_arrays(state)))
 
 
-def _kernel(banks, state, ids, slots, count, addresses=None):
+def _kernel(banks, state, ids, slots, count, addresses=None, blocks=None):
     """``ftjax.experts.slot_copy``: one kernel per bank and layer writes the misses straight into their slots
-    (``addresses``: the banks' buffer addresses as attributes, ``kernel_ptr``, instead of the banks as operands)."""
+    (``addresses``: the banks' buffer addresses as attributes, ``kernel_ptr``, instead of the banks as operands;
+    ``blocks``: blocks per miss of the kernel's grid, default ``slot_copy.BLOCKS_PER_MISS``)."""
     from ftjax.experts import fetch, slot_copy
-    pools = tuple(slot_copy.copy_into_slots(b, p, ids, slots, count, None if addresses is None else a)
+    blocks = slot_copy.BLOCKS_PER_MISS if blocks is None else blocks
+    pools = tuple(slot_copy.copy_into_slots(b, p, ids, slots, count, None if addresses is None else a,
+                                            blocks_per_miss=blocks)
                   for b, p, a in zip(fetch._bank_arrays(banks), fetch._pool_arrays(state), addresses or (None,) * 4))
     return fetch._with_pools(state, pools)
 
@@ -212,6 +219,8 @@ def layer_fetch(variant: str, misses: int, banks=None):
     from ftjax.experts import fetch
     if variant == "kernel":
         return _kernel
+    if variant.startswith("kernel@"):
+        return functools.partial(_kernel, blocks=int(variant[7:]))
     if variant == "kernel_ptr":
         return functools.partial(_kernel, addresses=tuple(b.unsafe_buffer_pointer()
                                                           for b in fetch._bank_arrays(banks)))
@@ -398,11 +407,15 @@ def _best(rows: list[dict]) -> list[dict]:
              "ratio_to_contig": r.get("ratio_to_contig"), "meets_95": r.get("meets_95")} for k, r in best.items()]
 
 
-def plan(groups, variants, misses: int) -> list[tuple[str, str]]:
+def plan(groups, variants, misses: int, kernel_blocks=()) -> list[tuple[str, str]]:
     """(variant, ids kind) of every row, in run order: group1 first on each ids kind (the identity check's
-    reference), the groups, the other variants; coalesce also on runs ids, beside group1 and group{misses}."""
+    reference), the groups, the other variants (after kernel, kernel@B for each of ``kernel_blocks``); coalesce
+    also on runs ids, beside group1 and group{misses}."""
     rows = [(f"group{g}", "random") for g in dict.fromkeys([1, *map(int, groups)])]
-    rows += [(v, "random") for v in variants]
+    for v in variants:
+        rows.append((v, "random"))
+        if v == "kernel":
+            rows += [(f"kernel@{int(b)}", "random") for b in kernel_blocks]
     if "coalesce" in variants:
         rows += [("group1", "runs"), (f"group{misses}", "runs"), ("coalesce", "runs")]
     return list(dict.fromkeys(rows))
@@ -430,7 +443,7 @@ def main(argv):
     gu_shape, dn_shape = (cfg.hidden_size, 2 * cfg.expert_ffn), (cfg.expert_ffn, cfg.hidden_size)
     expert_bytes = (_prod(gu_shape) + _prod(dn_shape)) * dtype.itemsize
     layer_counts = list(dict.fromkeys([FLAGS.layers_per_call, FLAGS.decode_layers or cfg.num_layers]))
-    rows_plan = plan(FLAGS.groups, FLAGS.variants, misses)
+    rows_plan = plan(FLAGS.groups, FLAGS.variants, misses, FLAGS.kernel_blocks)
     graphs = list(dict.fromkeys(FLAGS.graphs)) if jax.default_backend() == "gpu" else ["off"]
     shape = {"preset": FLAGS.preset, "dtype": FLAGS.dtype, "hidden_size": cfg.hidden_size,
              "expert_ffn": cfg.expert_ffn, "top_k": cfg.top_k, "gate_up": list(gu_shape), "down": list(dn_shape),

@@ -80,6 +80,8 @@
 # decode-hlo:      bench_decode_speed's resident batch-1 row of qwen3-30b-a3b cut to 16 layers (blocks of 16) with XLA's
 #                  dump on: the decode block's optimized HLO as decode_block_resident_b1_qwen3-30b-a3b_16l_<card>_<day>
 #                  .hlo.txt under $OUT (which fusions are the step's ~190 small kernels; issue 33 item 1)
+# slot-copy-blocks: bench_miss_copy at both expert shapes, the slot-copy kernel's grid at 16, 32, 64 (the default),
+#                  128 and 256 blocks per miss, graphs on (are the misses' 0.93-0.95x of a contiguous copy the grid's?)
 # slot-copy-identity: check_identity_gpu with --miss_copy=kernel: cached = resident bit for bit with the kernel
 # slot-copy-decode: bench_decode_speed's cached rows with --miss_copy=xla, then kernel: issue 32's shape (qwen3.5, 16
 #                  layers, 512 slots, with its resident row) and issue 33's 48-layer offload row (280 slots, 64 steps)
@@ -270,6 +272,12 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
       f="$(ls -S "$dump"/*decode_block*after_optimizations.txt 2>/dev/null | head -1)"
       if [ -n "$f" ]; then cp "$f" "${out:-/tmp}/decode_block_resident_b1_qwen3-30b-a3b_16l_${dev}_$day.hlo.txt"
       else echo "no decode_block dump under $dump"; ls "$dump" | head; fi ;;
+    slot-copy-blocks)
+      for p in qwen3.5-35b-a3b qwen3-30b-a3b; do
+        run 120 "$stage-$p" experiments/bench_miss_copy.py --preset="$p" --layers_per_call=16 --decode_layers=16 \
+          --repeats=5 --groups=1 --variants=kernel --kernel_blocks=16,32,128,256 --graphs=on --notorch \
+          --bank_experts=512 --tag="slot-kernel-blocks_${dev}_$day" ${out:+--out_dir="$out"}
+      done ;;
     slot-copy-identity)
       run 200 "$stage" experiments/check_identity_gpu.py --miss_copy=kernel ${out:+--out_dir="$out"} ;;
     slot-copy-decode)

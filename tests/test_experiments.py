@@ -506,12 +506,16 @@ def test_bench_miss_copy_smoke(tmp_path):
     bytes of layers x misses x one expert, rates > 0 with their ratios to the references; the compiled
     programs' structure (a group > 1 adds one conditional; the static fetch has no loop of its own)."""
     d = _run("bench_miss_copy", tmp_path, "--preset=tiny", "--bank_experts=64", "--slots=32", "--layers_per_call=2",
-             "--decode_layers=4", "--repeats=2", "--groups=1,2,4")
+             "--decode_layers=4", "--repeats=2", "--groups=1,2,4",
+             "--variants=static,coalesce,put_then_slice,direct,kernel", "--kernel_blocks=16")
     assert _meta(d)["device"] and _meta(d)["jax"] and d["b_p"]["h2d_GBps"]["median"] > 0
     shape = d["shape"]
     misses, expert = shape["misses"], shape["expert_bytes"]
     assert misses == 4 and expert == (128 * 256 + 128 * 128) * 2 and shape["layer_counts"] == [2, 4]  # tiny, bf16
     rows = {(r["variant"], r["ids"], r["layers"]): r for r in d["rows"]}
+    for n in (2, 4):  # the slot-copy kernel (and its grid of 16 blocks per miss) needs a GPU: each row says why
+        for variant in ("kernel", "kernel@16"):
+            assert "SlotCopyUnavailable" in rows.pop((variant, "random", n))["error"]
     variants = {"group1", "group2", "group4", "static", "coalesce", "put_then_slice", "direct"}
     want = {(v, "random", n) for v in variants for n in (2, 4)} | {
         (v, "runs", n) for v in ("group1", "group4", "coalesce") for n in (2, 4)}

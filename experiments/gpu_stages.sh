@@ -259,7 +259,7 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
       done ;;
     gpu-tests)
       report="${out:-/tmp}/pytest_gpu_${dev}_$day.txt"
-      { echo "git: $(git rev-parse HEAD 2>/dev/null || echo unknown) jax: $(python3 -c 'import jax; print(jax.__version__)')"
+      { python3 -c 'import jax; from ftjax.provenance import git_commit; print("git:", git_commit(), "jax:", jax.__version__)'
         nvidia-smi --query-gpu=name --format=csv,noheader | head -1; } > "$report"
       run 240 "$stage" -m pytest tests/test_slot_copy.py --backend=default -q -n 0 -p no:cacheprovider -o addopts="" \
         -m "not slow" -rA --tb=line -W ignore::DeprecationWarning

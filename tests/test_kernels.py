@@ -26,12 +26,6 @@ from ftjax.kernels.registry import KernelConfig, using
 from ftjax.layers import attention as attention_lib
 from ftjax.layers import common as layers_common
 
-# The CPU's interpret-mode checks of the kernels against their jnp references (float32 to 1e-5, bf16 to an ulp, the
-# CPU's kernel choices). On a GPU (pytest --backend=default) the references' dots run as TF32 and in another
-# summation order and auto picks the kernels: experiments/check_kernels_gpu.py checks the kernels there.
-pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU interpret-mode checks; on a GPU: "
-                                "experiments/check_kernels_gpu.py")
-
 
 def _maxdiff(a, b) -> float:
     return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
@@ -63,6 +57,7 @@ def test_moe_decode_matches_gather_reference(fmt):
     assert _maxdiff(got, ref) <= 2 / 64
 
 
+@pytest.mark.cpu_only("float32 references run as TF32 on a GPU")
 @pytest.mark.parametrize("block_d,block_f,d_split", [(64, 64, 1), (32, 128, 4), (128, 32, 2)])
 def test_moe_decode_float32_tiles_and_negative_slots(block_d, block_f, d_split):
     rng = np.random.default_rng(1)
@@ -167,6 +162,7 @@ def test_moe_decode_tiles_config_rejects_zero_and_negative_values():
             KernelConfig(use="moe_decode", tiles={"moe_decode": bad})
 
 
+@pytest.mark.cpu_only("asserts the interpret-mode split of the pairs")
 def test_moe_decode_maybe_pairs_splits_int4(monkeypatch):
     """maybe_pairs hands int4 the tiles of ``KernelConfig.tiles`` and auto_d_split's split like the other
     formats (it used to force d_split 1); under auto it still keeps int4 on XLA (no GPU here anyway)."""
@@ -200,6 +196,7 @@ def test_moe_decode_maybe_pairs_splits_int4(monkeypatch):
         assert md.maybe_pairs(x, slots, qg, qd, (sg, sd), "int4") is None and len(calls) == 2
 
 
+@pytest.mark.cpu_only("asserts the CPU's kernel choices (auto picks the kernels on a GPU)")
 def test_experts_gather_uses_kernel_only_when_selected():
     rng = np.random.default_rng(2)
     gu, dn = _pool(rng, dtype=jnp.float32)
@@ -220,6 +217,7 @@ def test_experts_gather_uses_kernel_only_when_selected():
 
 
 # ------------------------------------------------------------------ decode attention
+@pytest.mark.cpu_only("float32 references run as TF32 on a GPU")
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2 / 256)])
 @pytest.mark.parametrize("n_split", [1, 4, 16])
 def test_decode_attention_matches_reference(dtype, tol, n_split):
@@ -247,6 +245,7 @@ def test_decode_attention_ignores_unfilled_positions():
 
 
 # ------------------------------------------------------------------ flash prefill
+@pytest.mark.cpu_only("float32 references run as TF32 on a GPU")
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2 / 128)])
 def test_flash_prefill_matches_reference_with_offsets(dtype, tol):
     rng = np.random.default_rng(5)
@@ -278,6 +277,7 @@ def test_the_mgpu_attention_wrapper_scales_its_scores_as_the_model(monkeypatch):
     assert _maxdiff(got, ref) <= 2 / 128
 
 
+@pytest.mark.cpu_only("float32 references run as TF32 on a GPU")
 def test_flash_prefill_takes_a_cache_row_that_is_no_multiple_of_the_key_tile():
     """S_max = T + 16 (``max_seq_len`` = prompt + 16, as bench_gated_delta's engine): the last key block runs past
     the row; its loads are masked, and the kernel (not the jnp reference) runs and matches the reference, also for
@@ -508,6 +508,7 @@ def test_gated_deltanet_conv_and_decode_kernels_lower_for_cuda_at_real_shapes():
         assert "output_operand_alias<output_tuple_indices = [2], operand_index = 11" in txt
 
 
+@pytest.mark.cpu_only("asserts the CPU's registry before lowering for cuda")
 def test_engine_programs_lower_for_cuda_with_the_gpus_kernel_choices():
     """``registry.lowering_for("gpu")``: kernel choices made as on a GPU, on this machine. An engine's programs,
     captured by its precompile (nothing compiled or run) and lowered for CUDA (``experiments/lower_programs.py``):
@@ -581,6 +582,7 @@ def test_model_with_interpreted_kernels_matches_xla_and_cached_is_bit_identical(
     programs.clear()  # the interpreted programs are large: not kept for the rest of the module
 
 
+@pytest.mark.cpu_only("float32 references run as TF32 on a GPU")
 @pytest.mark.parametrize("shape", [(1, 1, 48), (2, 1, 48), (1, 3, 48), (5, 48)])
 def test_project_pads_few_rows_to_the_same_product(shape):
     """``layers.common.project``: with fewer rows than ``KernelConfig.min_dot_rows`` the rows are padded
@@ -662,6 +664,7 @@ def test_project_with_an_empty_contraction_is_x_at_w(shape):
         np.testing.assert_array_equal(np.asarray(got), np.zeros(shape[:-1] + (5,), np.float32))
 
 
+@pytest.mark.cpu_only("asserts the CPU's kernel choices (auto picks the kernels on a GPU)")
 def test_causal_conv_auto_for_prefill_calls_only(monkeypatch):
     """``use="auto"`` on a GPU picks ``causal_conv`` for calls of >= AUTO_MIN_TOKENS tokens (measured faster
     than XLA over a prefill) and keeps XLA for the decode token (not measured); on the CPU auto is XLA."""

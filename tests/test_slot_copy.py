@@ -1,7 +1,7 @@
 """The slot-copy kernel's choice and build (``ftjax.experts.slot_copy``, ``KernelConfig.miss_copy``) on a machine
 without a GPU: ``auto`` keeps XLA's miss loop, ``kernel`` is refused with the reason, and the nvcc build finds,
 caches and reports as documented (a stand-in nvcc). The kernel itself runs only on a CUDA GPU: the last test
-(skipped elsewhere; ``pytest --backend=default tests/test_slot_copy.py`` on a GPU, tests/conftest.py) checks its
+(skipped elsewhere; ``pytest --backend=default -n 0 tests/test_slot_copy.py`` on a GPU, tests/conftest.py) checks its
 pools against numpy; ``experiments/check_identity_gpu.py --miss_copy=kernel`` checks
 the engine's logits (results under experiments/results/checks/)."""
 

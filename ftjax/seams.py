@@ -13,6 +13,7 @@ This module imports nothing of ftjax: every other module may import it.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, NamedTuple, Protocol
 
 import jax
@@ -58,13 +59,14 @@ class LayerStats(NamedTuple):
         return cls(hits, misses, misses, jnp.int32(0), routed_ids)
 
     def packed(self) -> jax.Array:
-        """One layer's stats as one int32 vector [4 + N*k] (or [5 + N*k] with ``d2d``): hits, misses, fetched,
-        cpu[, d2d], then ``routed_ids`` flattened. A layer scan stacks its outputs with one write per output and
-        layer inside a decode step's layer loop: five scalars were five copy kernels, counts and ids two; one
-        vector is one. :meth:`unpacked` is the inverse."""
+        """The stats as one int32 vector per layer, [..., 4 + N*k] (or [..., 5 + N*k] with ``d2d``): hits, misses,
+        fetched, cpu[, d2d], then ``routed_ids`` flattened; leading axes (layers, steps) as the counters'. A layer
+        scan, and a decode block's step loop, stack their outputs with one write per output and iteration: five
+        scalars were five copy kernels, counts and ids two; one vector is one. :meth:`unpacked` is the inverse."""
         counts = [self.hits, self.misses, self.fetched, self.cpu] + ([self.d2d] if self.d2d is not None else [])
-        return jnp.concatenate([jnp.stack([jnp.asarray(c, jnp.int32) for c in counts]),
-                                jnp.asarray(self.routed_ids, jnp.int32).reshape(-1)])
+        lead = jnp.shape(self.hits)
+        counts = jnp.stack([jnp.broadcast_to(jnp.asarray(c, jnp.int32), lead) for c in counts], axis=-1)
+        return jnp.concatenate([counts, jnp.asarray(self.routed_ids, jnp.int32).reshape(lead + (-1,))], axis=-1)
 
     @classmethod
     def unpacked(cls, packed: jax.Array, ids_shape: tuple[int, ...], d2d: bool) -> "LayerStats":
@@ -74,10 +76,7 @@ class LayerStats(NamedTuple):
         Raises:
           ValueError: the last axis is not the counts plus prod(ids_shape).
         """
-        c = 5 if d2d else 4
-        n = 1
-        for d in ids_shape:
-            n *= int(d)
+        c, n = 5 if d2d else 4, math.prod(int(d) for d in ids_shape)
         if packed.shape[-1] != c + n:
             raise ValueError(f"LayerStats.unpacked: last axis {packed.shape[-1]}, expected {c} counts + {n} routed ids "
                              f"(ids shape {tuple(ids_shape)})")

@@ -25,6 +25,19 @@ def test_packed_stats_unpack_to_the_same_fields_over_stacked_layers(d2d):
         np.testing.assert_array_equal(back.d2d, [3, 4])
 
 
+def test_stacked_stats_pack_along_their_leading_axes():
+    """A decode block's per-step stats ([steps, L] counters, [steps, L, N, k] ids) pack into [steps, L, 4 + N*k]."""
+    ids = jnp.arange(2 * 3 * 1 * 2, dtype=jnp.int32).reshape(2, 3, 1, 2)
+    hits = jnp.arange(6, dtype=jnp.int32).reshape(2, 3)
+    s = LayerStats(hits, hits + 10, hits + 20, jnp.zeros((2, 3), jnp.int32), ids)
+    packed = s.packed()
+    assert packed.shape == (2, 3, 4 + 2)
+    np.testing.assert_array_equal(packed[1, 2], [5, 15, 25, 0, 10, 11])
+    back = LayerStats.unpacked(packed, (1, 2), False)
+    np.testing.assert_array_equal(back.routed_ids, ids)
+    np.testing.assert_array_equal(back.misses, hits + 10)
+
+
 def test_unpacking_with_the_wrong_ids_shape_is_refused():
     s = LayerStats(jnp.int32(1), jnp.int32(0), jnp.int32(0), jnp.int32(0), jnp.zeros((1, 8), jnp.int32))
     with pytest.raises(ValueError, match="expected 4 counts \\+ 4 routed ids"):

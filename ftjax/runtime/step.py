@@ -24,6 +24,7 @@ from ftjax.kernels import registry
 from ftjax.kernels.registry import KernelConfig
 from ftjax.kv.layerwise import KVStep
 from ftjax.sampling import sample, sample_rows
+from ftjax.seams import LayerStats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,7 +185,7 @@ def decode_block(params, banks, cache, state, tokens, start, valid_len, key, lim
     buffer = lambda s: jnp.zeros((steps,) + s.shape, s.dtype)  # noqa: E731
     init = dict(i=jnp.int32(0), n=jnp.int32(0), tok=tokens, pos=start, stopped=stopped | (valid_len == 0),
                 cache=cache, state=state, key=key, out=jnp.zeros((b, steps), jnp.int32),
-                stats=jax.tree.map(buffer, shapes.layer_stats),
+                stats=buffer(jax.eval_shape(LayerStats.packed, shapes.layer_stats)),
                 logits=buffer(shapes.logits) if keep_logits else None,
                 logprobs=jnp.zeros((b, steps), jnp.float32) if per_row else None)
 
@@ -229,11 +230,13 @@ def decode_block(params, banks, cache, state, tokens, start, valid_len, key, lim
                     stopped=c["stopped"] | (live & jnp.any(tok == eos, axis=-1)),
                     cache=out.cache, state=state, key=key,
                     out=jax.lax.dynamic_update_slice(c["out"], new_out, (0, i)),
-                    stats=jax.tree.map(put, c["stats"], out.layer_stats),
+                    stats=put(c["stats"], out.layer_stats.packed()),  # one write a step, not one per field
                     logits=put(c["logits"], out.logits) if keep_logits else None, logprobs=logprobs)
 
     c = jax.lax.while_loop(cond, body, init)
-    return DecodeBlock(c["out"], c["n"], c["tok"], c["pos"], c["stopped"], c["stats"], c["logits"], c["cache"],
+    ls = shapes.layer_stats
+    stats = LayerStats.unpacked(c["stats"], ls.routed_ids.shape[ls.hits.ndim:], ls.d2d is not None)
+    return DecodeBlock(c["out"], c["n"], c["tok"], c["pos"], c["stopped"], stats, c["logits"], c["cache"],
                        c["state"], c["key"], c["logprobs"])
 
 

@@ -31,6 +31,9 @@ from ftjax.layers import common as layers_common
 #: the norms too (the former ``model.STACKED_NORMS``).
 STACKED_NAMES = ("wq", "wk", "wv", "wo", "router")
 STACKED_NORMS = ("attn_norm", "mlp_norm")
+#: Why a case holds on the CPU backend only (``cpu_only``, tests/conftest.py).
+CHOICE = "asserts the CPU's kernel choices (auto picks the kernels on a GPU)"
+ORDER = "bf16 sums in the GPU's order differ from the reference's by more than an ulp"
 
 
 def _operands(m, k, n, dtype, layers=3, seed=0, x_dtype=None):
@@ -50,10 +53,11 @@ def _check(got, want):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * float(np.abs(r).max()))
 
 
-def _rows_by_dtype(rows):
-    """(rows, dtype) cases: every row count in bfloat16 (the models' dtype) and one row in float32 by default; float32
-    at more rows (the same kernel and tiles, another dtype) in the slow selection."""
-    return [pytest.param(m, dt, marks=pytest.mark.slow) if dt == jnp.float32 and m > 1 else (m, dt)
+def _rows_by_dtype(rows, bf16_marks=()):
+    """(rows, dtype) cases: every row count in bfloat16 (the models' dtype; with ``bf16_marks``) and one row in
+    float32 by default; float32 at more rows (the same kernel and tiles, another dtype) in the slow selection."""
+    return [pytest.param(m, dt, marks=pytest.mark.slow) if dt == jnp.float32 and m > 1
+            else pytest.param(m, dt, marks=bf16_marks) if dt == jnp.bfloat16 else (m, dt)
             for m in rows for dt in (jnp.float32, jnp.bfloat16)]
 
 
@@ -154,7 +158,7 @@ def test_explicit_tiles_that_do_not_fit_raise():
         assert dd.plan(x, w)[0] == "xla"
 
 
-@pytest.mark.cpu_only("asserts the CPU's kernel choices (auto picks the kernels on a GPU)")
+@pytest.mark.cpu_only(CHOICE)
 def test_registry_knows_the_kernel(monkeypatch):
     assert "dense_decode" in registry.names()
     # auto: on a GPU for 16-bit weights only (float32 programs keep XLA's GEMMs); never on the CPU
@@ -186,8 +190,8 @@ def _spy(monkeypatch):
     return calls
 
 
-@pytest.mark.cpu_only("asserts the CPU's kernel choices (auto picks the kernels on a GPU)")
-@pytest.mark.parametrize("shape", [(1, 1, 128), (3, 128), (16, 128), (17, 128)])
+@pytest.mark.parametrize("shape", [pytest.param(sh, marks=pytest.mark.cpu_only(CHOICE))
+                                   for sh in [(1, 1, 128), (3, 128), (16, 128)]] + [(17, 128)])
 def test_project_stacked_weight(shape, monkeypatch):
     """``project(x, StackedWeight(w, l))``: default (CPU) exactly ``project(x, w[l])``; with the
     kernel selected it runs for at most 16 rows (tiles from the kernel config) and falls back to the
@@ -310,8 +314,7 @@ def _norm_operands(m, k, ns, dtype, layers=3, seed=1):
     return x, g, ws
 
 
-@pytest.mark.cpu_only("bf16 sums in the GPU's order differ from the reference's by more than an ulp")
-@pytest.mark.parametrize("m,dtype", _rows_by_dtype([1, 3]))
+@pytest.mark.parametrize("m,dtype", _rows_by_dtype([1, 3], bf16_marks=pytest.mark.cpu_only(ORDER)))
 def test_norm_dense_decode_matches_reference(m, dtype):
     """Three weights of different widths (wq, wk, wv's shape) in one launch, with and without the
     K split and the normalised rows written: each product within the tolerance of
@@ -331,8 +334,7 @@ def test_norm_dense_decode_matches_reference(m, dtype):
             _check(xn, want_x)
 
 
-@pytest.mark.cpu_only("bf16 sums in the GPU's order differ from the reference's by more than an ulp")
-@pytest.mark.parametrize("m,dtype", _rows_by_dtype([1, 3]))
+@pytest.mark.parametrize("m,dtype", _rows_by_dtype([1, 3], bf16_marks=pytest.mark.cpu_only(ORDER)))
 def test_norm_dense_decode_zero_centred_matches_reference(m, dtype):
     """``offset=True``, the Qwen3.5 family's norm (``rms_norm_offset``: times ``1 + w``), over the Gated DeltaNet
     layer's four input projections (w_qkv, w_z, w_b, w_a: widths 256, 128, 4, 4, each its own column tile):

@@ -26,6 +26,9 @@ from ftjax.kernels.registry import KernelConfig, using
 from ftjax.layers import attention as attention_lib
 from ftjax.layers import common as layers_common
 
+#: Why a float32 case holds on the CPU backend only (``cpu_only``, tests/conftest.py).
+TF32 = "float32 references run as TF32 on a GPU"
+
 
 def _maxdiff(a, b) -> float:
     return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
@@ -57,8 +60,8 @@ def test_moe_decode_matches_gather_reference(fmt):
     assert _maxdiff(got, ref) <= 2 / 64
 
 
-@pytest.mark.cpu_only("float32 references run as TF32 on a GPU")
-@pytest.mark.parametrize("block_d,block_f,d_split", [(64, 64, 1), (32, 128, 4), (128, 32, 2)])
+@pytest.mark.parametrize("block_d,block_f,d_split", [
+    (64, 64, 1), pytest.param(32, 128, 4, marks=pytest.mark.cpu_only(TF32)), (128, 32, 2)])
 def test_moe_decode_float32_tiles_and_negative_slots(block_d, block_f, d_split):
     rng = np.random.default_rng(1)
     gu, dn = _pool(rng, dtype=jnp.float32)
@@ -217,8 +220,8 @@ def test_experts_gather_uses_kernel_only_when_selected():
 
 
 # ------------------------------------------------------------------ decode attention
-@pytest.mark.cpu_only("float32 references run as TF32 on a GPU")
-@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2 / 256)])
+@pytest.mark.parametrize("dtype,tol", [pytest.param(jnp.float32, 1e-5, marks=pytest.mark.cpu_only(TF32)),
+                                       (jnp.bfloat16, 2 / 256)])
 @pytest.mark.parametrize("n_split", [1, 4, 16])
 def test_decode_attention_matches_reference(dtype, tol, n_split):
     rng = np.random.default_rng(3)
@@ -245,8 +248,8 @@ def test_decode_attention_ignores_unfilled_positions():
 
 
 # ------------------------------------------------------------------ flash prefill
-@pytest.mark.cpu_only("float32 references run as TF32 on a GPU")
-@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2 / 128)])
+@pytest.mark.parametrize("dtype,tol", [pytest.param(jnp.float32, 1e-5, marks=pytest.mark.cpu_only(TF32)),
+                                       (jnp.bfloat16, 2 / 128)])
 def test_flash_prefill_matches_reference_with_offsets(dtype, tol):
     rng = np.random.default_rng(5)
     B, T, S, hkv, g, hd = 3, 64, 128, 2, 2, 16
@@ -277,7 +280,7 @@ def test_the_mgpu_attention_wrapper_scales_its_scores_as_the_model(monkeypatch):
     assert _maxdiff(got, ref) <= 2 / 128
 
 
-@pytest.mark.cpu_only("float32 references run as TF32 on a GPU")
+@pytest.mark.cpu_only(TF32)
 def test_flash_prefill_takes_a_cache_row_that_is_no_multiple_of_the_key_tile():
     """S_max = T + 16 (``max_seq_len`` = prompt + 16, as bench_gated_delta's engine): the last key block runs past
     the row; its loads are masked, and the kernel (not the jnp reference) runs and matches the reference, also for
@@ -582,8 +585,8 @@ def test_model_with_interpreted_kernels_matches_xla_and_cached_is_bit_identical(
     programs.clear()  # the interpreted programs are large: not kept for the rest of the module
 
 
-@pytest.mark.cpu_only("float32 references run as TF32 on a GPU")
-@pytest.mark.parametrize("shape", [(1, 1, 48), (2, 1, 48), (1, 3, 48), (5, 48)])
+@pytest.mark.parametrize("shape", [pytest.param((1, 1, 48), marks=pytest.mark.cpu_only(TF32)), (2, 1, 48), (1, 3, 48),
+                                   (5, 48)])
 def test_project_pads_few_rows_to_the_same_product(shape):
     """``layers.common.project``: with fewer rows than ``KernelConfig.min_dot_rows`` the rows are padded
     (behind ``pad`` ops) and sliced back: same shape and values as ``x @ w``."""

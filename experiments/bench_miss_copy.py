@@ -37,7 +37,8 @@ The jitted variants (``--groups``, ``--variants``):
 * ``kernel``: ``ftjax.experts.slot_copy``'s CUDA kernel (an FFI call per bank and layer: every miss read from the
   host bank and written straight into its slot, no temporary, no loop), the bank an operand of the call;
   ``kernel_ptr``: the same with the bank's address an attribute (where XLA refuses a host operand); ``kernel@B``
-  (``--kernel_blocks``): the kernel with B blocks per miss in its grid (default 64). Off the GPU,
+  (``--kernel_blocks``): the kernel with B blocks per miss in its grid (default 64; it launches no more than a row
+  needs, 192 for qwen3-30b-a3b's down rows, so a larger B runs as that). Off the GPU,
   or without nvcc, the row records why it could not run.
 
 ``--graphs``: each program compiled as the cached decode step is on a GPU (command buffers with WHILE and
@@ -98,7 +99,7 @@ common.check_preset()
 common.check_numbers("groups", int, low=1)
 common.check_names("variants", VARIANTS, allow_empty=True)
 common.check_names("graphs", ("on", "off"))
-common.check_numbers("kernel_blocks", int, low=1, allow_empty=True)
+common.check_numbers("kernel_blocks", int, low=1, high=65535, allow_empty=True)
 
 #: The HLO ops counted per program (``hlo`` of a row).
 HLO_OPS = ("copy-start", "copy-done", "copy", "dynamic-slice", "dynamic-update-slice", "fusion", "async-start",
@@ -407,15 +408,16 @@ def _best(rows: list[dict]) -> list[dict]:
              "ratio_to_contig": r.get("ratio_to_contig"), "meets_95": r.get("meets_95")} for k, r in best.items()]
 
 
-def plan(groups, variants, misses: int, kernel_blocks=()) -> list[tuple[str, str]]:
+def plan(groups, variants, misses: int, kernel_blocks=(), default_blocks: int = 64) -> list[tuple[str, str]]:
     """(variant, ids kind) of every row, in run order: group1 first on each ids kind (the identity check's
-    reference), the groups, the other variants (after kernel, kernel@B for each of ``kernel_blocks``); coalesce
+    reference), the groups, the other variants (after kernel, kernel@B for each of ``kernel_blocks`` but the kernel's
+    default, ``default_blocks``); coalesce
     also on runs ids, beside group1 and group{misses}."""
     rows = [(f"group{g}", "random") for g in dict.fromkeys([1, *map(int, groups)])]
     for v in variants:
         rows.append((v, "random"))
-        if v == "kernel":
-            rows += [(f"kernel@{int(b)}", "random") for b in kernel_blocks]
+        if v == "kernel":  # the default's row is kernel's own
+            rows += [(f"kernel@{b}", "random") for b in dict.fromkeys(map(int, kernel_blocks)) if b != default_blocks]
     if "coalesce" in variants:
         rows += [("group1", "runs"), (f"group{misses}", "runs"), ("coalesce", "runs")]
     return list(dict.fromkeys(rows))
@@ -437,13 +439,17 @@ def main(argv):
     dtype = jnp.dtype(FLAGS.dtype)
     misses = FLAGS.misses or cfg.top_k
     width = cfg.num_experts  # the engine's miss arrays are [E]
+    from absl import app
     if misses > min(width, FLAGS.bank_experts, FLAGS.slots):
-        from absl import app
         raise app.UsageError(f"--misses={misses} exceeds the experts per layer ({width}), --bank_experts or --slots")
+    if FLAGS.kernel_blocks and "kernel" not in FLAGS.variants:
+        raise app.UsageError(f"--kernel_blocks={','.join(FLAGS.kernel_blocks)} adds rows beside kernel's: give "
+                             "--variants with kernel")
     gu_shape, dn_shape = (cfg.hidden_size, 2 * cfg.expert_ffn), (cfg.expert_ffn, cfg.hidden_size)
     expert_bytes = (_prod(gu_shape) + _prod(dn_shape)) * dtype.itemsize
     layer_counts = list(dict.fromkeys([FLAGS.layers_per_call, FLAGS.decode_layers or cfg.num_layers]))
-    rows_plan = plan(FLAGS.groups, FLAGS.variants, misses, FLAGS.kernel_blocks)
+    from ftjax.experts import slot_copy
+    rows_plan = plan(FLAGS.groups, FLAGS.variants, misses, FLAGS.kernel_blocks, slot_copy.BLOCKS_PER_MISS)
     graphs = list(dict.fromkeys(FLAGS.graphs)) if jax.default_backend() == "gpu" else ["off"]
     shape = {"preset": FLAGS.preset, "dtype": FLAGS.dtype, "hidden_size": cfg.hidden_size,
              "expert_ffn": cfg.expert_ffn, "top_k": cfg.top_k, "gate_up": list(gu_shape), "down": list(dn_shape),

@@ -33,14 +33,21 @@ def _cases(tmp: pathlib.Path) -> dict:
                          f"{tmp / 'a_file'} is a file"),
         "ab_commits": (["--measure=decode_resident,bogus", "--commit=x", f"--out={tmp / 'ab.json'}"],
                        "--measure: unknown ['bogus']; expected from "),
+        # the other flags at their defaults (an empty --kernel_blocks among them) parse
+        "bench_miss_copy": (["--preset=tiny", "--misses=999", f"--out_dir={tmp}"],
+                            "--misses=999 exceeds the experts per layer (16), --bank_experts or --slots"),
+        "bench_miss_copy:kernel_blocks": (["--preset=tiny", "--variants=static", "--kernel_blocks=16",
+                                           f"--out_dir={tmp}"],
+                                          "--kernel_blocks=16 adds rows beside kernel's: give --variants with kernel"),
     }
 
 
-@pytest.mark.parametrize("script", ["replay_policies", "check_oracle_gpu", "policy_study", "bench_prefill",
-                                    "bench_decode", "ab_commits"])
-def test_bad_input_is_one_error_line_and_status_1(tmp_path, script):
+@pytest.mark.parametrize("case", ["replay_policies", "check_oracle_gpu", "policy_study", "bench_prefill",
+                                  "bench_decode", "ab_commits", "bench_miss_copy", "bench_miss_copy:kernel_blocks"])
+def test_bad_input_is_one_error_line_and_status_1(tmp_path, case):
     from experiments import common
-    args, message = _cases(tmp_path)[script]
+    args, message = _cases(tmp_path)[case]
+    script = case.split(":")[0]
     own = script == "ab_commits"
     define = (lambda m: m.define_flags()) if script == "policy_study" else None  # defined when run as a script
     r = run_module_app(f"experiments.{script}", args, program=str(ROOT / "experiments" / f"{script}.py"),

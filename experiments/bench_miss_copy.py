@@ -99,7 +99,7 @@ common.check_preset()
 common.check_numbers("groups", int, low=1)
 common.check_names("variants", VARIANTS, allow_empty=True)
 common.check_names("graphs", ("on", "off"))
-common.check_numbers("kernel_blocks", int, low=1, high=65535, allow_empty=True)
+common.check_numbers("kernel_blocks", int, low=1, high=65535, allow_empty=True)  # slot_copy.MAX_BLOCKS_PER_MISS
 
 #: The HLO ops counted per program (``hlo`` of a row).
 HLO_OPS = ("copy-start", "copy-done", "copy", "dynamic-slice", "dynamic-update-slice", "fusion", "async-start",

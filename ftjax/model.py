@@ -303,7 +303,7 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, start: jax.Arra
                     lp[name] = StackedWeight(w, idx.layer if owner == "" else idx.kind)
             carry, (s, out) = decoder_layer(cfg, kind, lp, idx, carry, inputs, expert_fn, kv_hook, hx)
             if isinstance(s, LayerStats):
-                packed.append((tuple(s.routed_ids.shape), s.d2d is not None))
+                packed.append(s.layout())
                 s = s.packed()
             stats.append(s)
             if layers.get(kind).state == ("k", "v"):

@@ -68,6 +68,11 @@ class LayerStats(NamedTuple):
         counts = jnp.stack([jnp.broadcast_to(jnp.asarray(c, jnp.int32), lead) for c in counts], axis=-1)
         return jnp.concatenate([counts, jnp.asarray(self.routed_ids, jnp.int32).reshape(lead + (-1,))], axis=-1)
 
+    def layout(self) -> tuple[tuple[int, ...], bool]:
+        """What :meth:`unpacked` needs to invert :meth:`packed`: (one layer's routed ids' shape, without the
+        counters' leading axes; whether ``d2d`` is counted). Works on arrays and on ``jax.eval_shape``'s structs."""
+        return tuple(self.routed_ids.shape[len(getattr(self.hits, "shape", ())):]), self.d2d is not None
+
     @classmethod
     def unpacked(cls, packed: jax.Array, ids_shape: tuple[int, ...], d2d: bool) -> "LayerStats":
         """The inverse of :meth:`packed` over leading axes: packed int32 [..., 4 (5 with ``d2d``) + prod(ids_shape)]

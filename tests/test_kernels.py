@@ -28,6 +28,7 @@ from ftjax.layers import common as layers_common
 
 #: Why a float32 case holds on the CPU backend only (``cpu_only``, tests/conftest.py).
 TF32 = "float32 references run as TF32 on a GPU"
+CHOICE = "asserts the CPU's kernel choices (auto picks the kernels on a GPU)"
 
 
 def _maxdiff(a, b) -> float:
@@ -199,7 +200,7 @@ def test_moe_decode_maybe_pairs_splits_int4(monkeypatch):
         assert md.maybe_pairs(x, slots, qg, qd, (sg, sd), "int4") is None and len(calls) == 2
 
 
-@pytest.mark.cpu_only("asserts the CPU's kernel choices (auto picks the kernels on a GPU)")
+@pytest.mark.cpu_only(CHOICE)
 def test_experts_gather_uses_kernel_only_when_selected():
     rng = np.random.default_rng(2)
     gu, dn = _pool(rng, dtype=jnp.float32)
@@ -667,7 +668,7 @@ def test_project_with_an_empty_contraction_is_x_at_w(shape):
         np.testing.assert_array_equal(np.asarray(got), np.zeros(shape[:-1] + (5,), np.float32))
 
 
-@pytest.mark.cpu_only("asserts the CPU's kernel choices (auto picks the kernels on a GPU)")
+@pytest.mark.cpu_only(CHOICE)
 def test_causal_conv_auto_for_prefill_calls_only(monkeypatch):
     """``use="auto"`` on a GPU picks ``causal_conv`` for calls of >= AUTO_MIN_TOKENS tokens (measured faster
     than XLA over a prefill) and keeps XLA for the decode token (not measured); on the CPU auto is XLA."""

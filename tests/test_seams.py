@@ -33,7 +33,8 @@ def test_stacked_stats_pack_along_their_leading_axes():
     packed = s.packed()
     assert packed.shape == (2, 3, 4 + 2)
     np.testing.assert_array_equal(packed[1, 2], [5, 15, 25, 0, 10, 11])
-    back = LayerStats.unpacked(packed, (1, 2), False)
+    assert s.layout() == ((1, 2), False)
+    back = LayerStats.unpacked(packed, *s.layout())
     np.testing.assert_array_equal(back.routed_ids, ids)
     np.testing.assert_array_equal(back.misses, hits + 10)
 

@@ -38,11 +38,11 @@ ON_GPU = jax.default_backend() == "gpu"
 no_gpu = pytest.mark.skipif(ON_GPU, reason="checks the choice where the kernel cannot run")
 
 
-@pytest.mark.parametrize("blocks", [0, slot_copy.MAX_BLOCKS_PER_MISS + 1])
+@pytest.mark.parametrize("blocks", [0, slot_copy.MAX_BLOCKS_PER_MISS + 1, 2.5, True])
 def test_a_grid_outside_its_range_is_refused_before_any_build(blocks):
     bank = pool = np.zeros((4, 8), np.float32)
     ids = np.zeros(2, np.int32)
-    with pytest.raises(ValueError, match=f"blocks_per_miss={blocks}, expected 1 to 65535"):
+    with pytest.raises(ValueError, match=f"blocks_per_miss={blocks!r}, expected an integer 1 to 65535"):
         slot_copy.copy_into_slots(bank, pool, ids, ids, np.int32(1), blocks_per_miss=blocks)
 
 

@@ -46,8 +46,9 @@ TARGET, TARGET_PTR = "ftjax_slot_copy", "ftjax_slot_copy_ptr"
 #: Thread blocks per miss (each of 256 threads, 4 x 16-byte loads in flight): 64 blocks x 16 KiB of reads in
 #: flight per pass over a 6-9 MB expert, enough to keep a PCIe 5.0 x16 link's ~1-2 us read latency covered.
 BLOCKS_PER_MISS = 64
-#: The most blocks per miss a call may ask for (the grid's x dimension is an int on the CUDA side; a row of a
-#: qwen3-30b-a3b gate_up row, 6.3 MB, needs 384 blocks of 16 KB passes; the kernel launches no more than a row needs).
+#: The most blocks per miss a call may ask for: a bound well past any row's need (a qwen3-30b-a3b gate_up row, 6.3 MB,
+#: needs 384 blocks of 16 KB passes, and the kernel launches no more than a row needs), far below the int the CUDA side
+#: casts it to.
 MAX_BLOCKS_PER_MISS = 65535
 
 
@@ -194,8 +195,10 @@ def copy_into_slots(bank: jax.Array, pool: jax.Array, flat_ids: jax.Array, slots
       SlotCopyUnavailable: as :func:`register`.
       (at run time) a kernel fault surfaces as XLA's runtime error of the program.
     """
-    if not 1 <= int(blocks_per_miss) <= MAX_BLOCKS_PER_MISS:
-        raise ValueError(f"copy_into_slots: blocks_per_miss={blocks_per_miss}, expected 1 to {MAX_BLOCKS_PER_MISS}")
+    if isinstance(blocks_per_miss, bool) or int(blocks_per_miss) != blocks_per_miss or \
+            not 1 <= blocks_per_miss <= MAX_BLOCKS_PER_MISS:
+        raise ValueError(f"copy_into_slots: blocks_per_miss={blocks_per_miss!r}, expected an integer 1 to "
+                         f"{MAX_BLOCKS_PER_MISS}")
     if bank.shape[1:] != pool.shape[1:] or bank.dtype != pool.dtype:
         raise ValueError(f"copy_into_slots: bank rows {bank.shape[1:]} {bank.dtype} differ from pool rows "
                          f"{pool.shape[1:]} {pool.dtype}")

@@ -234,8 +234,7 @@ def decode_block(params, banks, cache, state, tokens, start, valid_len, key, lim
                     logits=put(c["logits"], out.logits) if keep_logits else None, logprobs=logprobs)
 
     c = jax.lax.while_loop(cond, body, init)
-    ls = shapes.layer_stats
-    stats = LayerStats.unpacked(c["stats"], ls.routed_ids.shape[ls.hits.ndim:], ls.d2d is not None)
+    stats = LayerStats.unpacked(c["stats"], *shapes.layer_stats.layout())
     return DecodeBlock(c["out"], c["n"], c["tok"], c["pos"], c["stopped"], stats, c["logits"], c["cache"],
                        c["state"], c["key"], c["logprobs"])
 

@@ -70,7 +70,9 @@
 #                  predicate, resident, at the qwen3.5-35b-a3b 16-layer cut (batch 1; then with an EOS after 40
 #                  tokens), qwen3-30b-a3b at 16 layers (batch 1 and 4) and at 48 layers (batch 1 and 4; issue 33)
 # decode-targets:  the decode targets of issues 32 and 33 in one call (under 600 s): hybrid-decode, then decode-loop's
-#                  qwen3-30b-a3b rows (16 layers at batch 1 and 4, 48 layers at batch 1 and 4)
+#                  qwen3-30b-a3b rows (16 layers at batch 1 and 4, 48 layers at batch 1 and 4), then issue 33's offload
+#                  rows (48 layers, 280 slots, batch 1 and 4, the default miss copy, beside a resident row of the same
+#                  run for the cached step's bound; ~330 s in all on an H100, 2026-12-06)
 # slot-copy:       bench_miss_copy at both expert shapes (qwen3.5-35b-a3b, qwen3-30b-a3b), 16 layers of top-k misses: the
 #                  slot-copy kernel (ftjax.experts.slot_copy: every miss of a layer read from the host bank straight
 #                  into its slot, one launch; kernel_ptr: the bank passed by address) beside XLA's loop of one copy
@@ -249,8 +251,11 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
         --eos_at=40 --tag="qwen3.5-16l-eos-40_${dev}_$day" ${out:+--out_dir="$out"}
       qwen3_decode_loops 200 300 "$stage" ;;
     decode-targets)
-      hybrid_decode 260
-      qwen3_decode_loops 150 170 "$stage" ;;
+      hybrid_decode 180
+      qwen3_decode_loops 120 150 "$stage"
+      run 145 "$stage-48l-offload" experiments/bench_decode_speed.py --preset=qwen3-30b-a3b --layers=48 --slots=280 \
+        --modes=resident,cached --batches=1,4 --decode_blocks=16 --repeats=1 --cached_steps=32 --trace_steps=0 \
+        --tag="48l-280-slots_${dev}_$day" ${out:+--out_dir="$out"} ;;
     slot-copy)
       for p in qwen3.5-35b-a3b qwen3-30b-a3b; do
         run 150 "$stage-$p" experiments/bench_miss_copy.py --preset="$p" --layers_per_call=16 --decode_layers=16 \

@@ -310,6 +310,8 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, start: jax.Arra
                 kv = out
             elif out is not None:
                 points.append(out)
+        if len(set(packed)) > 1:  # one stacked vector needs one layout in every layer of the pattern
+            raise ValueError(f"forward: the layers' stats differ in layout {sorted(set(packed))}")
         stats = jax.tree.map(lambda *a: jnp.stack(a), *stats)
         pts = None
         if points:  # per state point: the block's linear layers stacked [Nl, ...], moved down by the hook
@@ -323,8 +325,6 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, start: jax.Arra
     carry, (stats, kv, pts) = jax.lax.scan(body, carry, (xs_layers, blocks, hook_xs))
     stats = jax.tree.map(lambda a: a.reshape((cfg.num_layers,) + a.shape[2:]), stats)
     if packed:
-        if len(set(packed)) != 1:  # one stacked vector needs one layout in every layer of the pattern
-            raise ValueError(f"forward: the layers' stats differ in layout {sorted(set(packed))}")
         stats = LayerStats.unpacked(stats, *packed[0])
     kv_out = kv
     if pts is not None:

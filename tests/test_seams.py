@@ -43,3 +43,33 @@ def test_unpacking_with_the_wrong_ids_shape_is_refused():
     s = LayerStats(jnp.int32(1), jnp.int32(0), jnp.int32(0), jnp.int32(0), jnp.zeros((1, 8), jnp.int32))
     with pytest.raises(ValueError, match="expected 4 counts \\+ 4 routed ids"):
         LayerStats.unpacked(s.packed()[None], (1, 4), False)
+
+
+def test_a_block_whose_layers_pack_their_stats_differently_is_refused():
+    """``model.forward`` stacks one packed vector per layer: a block of the layer pattern whose expert functions
+    report different layouts (here ``d2d`` counted in one layer of the block and not in the next) cannot stack, and
+    the error names the layouts."""
+    import jax
+
+    from ftjax import model as model_lib
+    from ftjax.checkpoint import random_model
+    from ftjax.config import preset
+    from ftjax.experts import offload
+    from ftjax.experts.state import init_expert_state
+
+    m = random_model(preset("tiny-hybrid"), "float32")  # one block of 4 layers
+    cfg, resident = m.cfg, offload.make_expert_fn("resident", m.cfg.num_experts)
+    calls = []
+
+    def expert_fn(state, layer, routing):
+        y, state, st = resident(state, layer, routing)
+        calls.append(0)
+        return y, state, st._replace(d2d=jnp.int32(0) if len(calls) % 2 else None)
+
+    state = init_expert_state("resident", cfg.num_layers, cfg.num_experts, 0, m.banks, jnp.float32)
+    cache = model_lib.init_kv_cache(cfg, 1, 16, jnp.float32)
+    tokens = jnp.zeros((1, 4), jnp.int32)
+    layouts = r"\[\(\(4, 4\), False\), \(\(4, 4\), True\)\]"  # 4 tokens x top-4, d2d counted or not
+    with pytest.raises(ValueError, match=r"forward: the layers' stats differ in layout " + layouts):
+        jax.eval_shape(lambda: model_lib.forward(m.params, cfg, tokens, jnp.zeros(1, jnp.int32),
+                                                 jnp.full(1, 4, jnp.int32), cache, expert_fn, state))

@@ -114,7 +114,9 @@
 # ab-prefill:      ab_commits_gpu.sh against the tree in .base (git-ignored, so carried: run(carry=[".base"]); made
 #                  with `rm -rf .base && mkdir .base && git archive a733c60 ftjax | tar -x -C .base`): qwen3-30b-a3b's
 #                  resident and streamed 8192-token prefill, before and after the Mosaic gate-up's grid_block_n=4
-# LIMIT_<stage> (seconds, dashes as underscores) overrides a stage's limit.
+# LIMIT_<stage> (seconds, dashes as underscores) overrides a stage's limit. The GPU machine's copy of the tree may
+# carry stale git metadata: name the commit the copy holds, FTJAX_GIT_COMMIT=<sha> bash experiments/gpu_stages.sh ...
+# (ftjax.provenance records it in every JSON's meta.git_commit and in gpu-tests' report).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-}"; logs=/tmp  # logs stay on the machine: a call brings back at most 8 files; their tails print

@@ -12,7 +12,14 @@ import jax
 
 
 def git_commit() -> str | None:
-    """The checkout's commit (with ``+dirty`` when tracked files changed), or None outside git."""
+    """The checkout's commit (with ``+dirty`` when tracked files changed), or None outside git.
+
+    ``$FTJAX_GIT_COMMIT``, when set, is returned as given instead: for a copy of the tree whose git metadata is
+    missing or stale (a GPU machine's copy of the working tree kept an older ``.git``, so its results recorded a
+    commit they did not run; experiments/results/README.md), the caller names the commit the copy holds."""
+    given = os.environ.get("FTJAX_GIT_COMMIT", "").strip()
+    if given:
+        return given
     here = os.path.dirname(os.path.abspath(__file__))
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)

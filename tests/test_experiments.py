@@ -929,3 +929,14 @@ def test_bench_decode_loop_smoke(tmp_path):
     (path,) = tmp_path.glob("bench_decode_loop_tiny.json")
     headline = results_index.row(str(path), path.name, results_index._scripts())["headline"]
     assert headline.startswith("b1 fixed ") and "x dynamic (EOS after" in headline
+
+
+def test_a_given_commit_is_recorded_as_given(monkeypatch):
+    """``$FTJAX_GIT_COMMIT`` names the commit of a tree copied without its git metadata (a GPU machine's copy):
+    every result's ``meta.git_commit`` takes it; unset, the checkout's own commit."""
+    from ftjax import provenance
+    monkeypatch.delenv("FTJAX_GIT_COMMIT", raising=False)
+    own = provenance.git_commit()
+    assert own is None or len(own.split("+")[0]) == 40
+    monkeypatch.setenv("FTJAX_GIT_COMMIT", " d2e22f3 ")
+    assert provenance.git_commit() == "d2e22f3" and provenance.run_meta()["git_commit"] == "d2e22f3"

@@ -158,7 +158,7 @@ def test_auto_on_a_gpu_without_the_kernel_warns_once(monkeypatch):
         slot_copy.warn_once("no nvcc")  # the second time: silent
 
 
-@pytest.mark.skipif(not ON_GPU, reason="the slot-copy kernel runs on a CUDA GPU (there: pytest --backend=default -n 0)")
+@pytest.mark.gpu("the slot-copy kernel runs on a CUDA GPU")
 @pytest.mark.parametrize("row, dtype", [((6, 8), np.float32), ((3,), np.float32), ((3,), jax.numpy.bfloat16)])
 @pytest.mark.parametrize("address", [False, True])
 def test_kernel_writes_the_rows_numpy_says(row, dtype, address):

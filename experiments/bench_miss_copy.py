@@ -408,11 +408,10 @@ def _best(rows: list[dict]) -> list[dict]:
              "ratio_to_contig": r.get("ratio_to_contig"), "meets_95": r.get("meets_95")} for k, r in best.items()]
 
 
-def plan(groups, variants, misses: int, kernel_blocks=(), default_blocks: int = 64) -> list[tuple[str, str]]:
+def plan(groups, variants, misses: int, kernel_blocks=(), default_blocks: int | None = None) -> list[tuple[str, str]]:
     """(variant, ids kind) of every row, in run order: group1 first on each ids kind (the identity check's
-    reference), the groups, the other variants (after kernel, kernel@B for each of ``kernel_blocks`` but the kernel's
-    default, ``default_blocks``); coalesce
-    also on runs ids, beside group1 and group{misses}."""
+    reference), the groups, the other variants (after kernel, kernel@B for each of ``kernel_blocks`` but the
+    kernel's default, ``default_blocks``); coalesce also on runs ids, beside group1 and group{misses}."""
     rows = [(f"group{g}", "random") for g in dict.fromkeys([1, *map(int, groups)])]
     for v in variants:
         rows.append((v, "random"))

@@ -146,6 +146,14 @@ qwen3_decode_loops() {  # qwen3_decode_loops LIMIT_16L LIMIT_48L PREFIX: issue 3
   run "$2" "$3-48l" experiments/bench_decode_loop.py --preset=qwen3-30b-a3b --layers=48 --batches=1,4 --noalternate \
     --repeats=3 --tag="48l_${dev}_$day" ${out:+--out_dir="$out"}
 }
+kernel_copy_rows() {  # kernel_copy_rows LIMIT STAGE TAG bench_miss_copy-args...: both expert shapes, 16 layers of
+  # top-k misses from a 512-expert bank, XLA's loop (group1) first (slot-copy, slot-copy-blocks)
+  local lim="$1" stage="$2" tag="$3"; shift 3
+  for p in qwen3.5-35b-a3b qwen3-30b-a3b; do
+    run "$lim" "$stage-$p" experiments/bench_miss_copy.py --preset="$p" --layers_per_call=16 --decode_layers=16 \
+      --repeats=5 --groups=1 --notorch --bank_experts=512 "$@" --tag="${tag}_${dev}_$day" ${out:+--out_dir="$out"}
+  done
+}
 for stage in "$@"; do
   case "$stage" in
     decode-b4-probe)
@@ -258,12 +266,7 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
       run 145 "$stage-48l-offload" experiments/bench_decode_speed.py --preset=qwen3-30b-a3b --layers=48 --slots=280 \
         --modes=resident,cached --batches=1,4 --decode_blocks=16 --repeats=1 --cached_steps=32 --trace_steps=0 \
         --tag="48l-280-slots_${dev}_$day" ${out:+--out_dir="$out"} ;;
-    slot-copy)
-      for p in qwen3.5-35b-a3b qwen3-30b-a3b; do
-        run 150 "$stage-$p" experiments/bench_miss_copy.py --preset="$p" --layers_per_call=16 --decode_layers=16 \
-          --repeats=5 --groups=1 --variants=kernel,kernel_ptr --graphs=on,off --notorch --bank_experts=512 \
-          --tag="slot-kernel_${dev}_$day" ${out:+--out_dir="$out"}
-      done ;;
+    slot-copy) kernel_copy_rows 150 "$stage" slot-kernel --variants=kernel,kernel_ptr --graphs=on,off ;;
     gpu-tests)
       report="${out:-/tmp}/pytest_gpu_${dev}_$day.txt"
       { python3 -c 'import jax; from ftjax.provenance import git_commit; print("git:", git_commit(), "jax:", jax.__version__)'
@@ -280,11 +283,7 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
       if [ -n "$f" ]; then cp "$f" "${out:-/tmp}/decode_block_resident_b1_qwen3-30b-a3b_16l_${dev}_$day.hlo.txt"
       else echo "no decode_block dump under $dump"; ls "$dump" | head; fi ;;
     slot-copy-blocks)
-      for p in qwen3.5-35b-a3b qwen3-30b-a3b; do
-        run 120 "$stage-$p" experiments/bench_miss_copy.py --preset="$p" --layers_per_call=16 --decode_layers=16 \
-          --repeats=5 --groups=1 --variants=kernel --kernel_blocks=16,32,128,256 --graphs=on --notorch \
-          --bank_experts=512 --tag="slot-kernel-blocks_${dev}_$day" ${out:+--out_dir="$out"}
-      done ;;
+      kernel_copy_rows 120 "$stage" slot-kernel-blocks --variants=kernel --kernel_blocks=16,32,128,256 --graphs=on ;;
     slot-copy-identity)
       run 200 "$stage" experiments/check_identity_gpu.py --miss_copy=kernel ${out:+--out_dir="$out"} ;;
     slot-copy-decode)

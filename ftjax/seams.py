@@ -64,14 +64,18 @@ class LayerStats(NamedTuple):
         scan, and a decode block's step loop, stack their outputs with one write per output and iteration: five
         scalars were five copy kernels, counts and ids two; one vector is one. :meth:`unpacked` is the inverse."""
         counts = [self.hits, self.misses, self.fetched, self.cpu] + ([self.d2d] if self.d2d is not None else [])
-        lead = jnp.shape(self.hits)
+        lead = self._lead()
         counts = jnp.stack([jnp.broadcast_to(jnp.asarray(c, jnp.int32), lead) for c in counts], axis=-1)
         return jnp.concatenate([counts, jnp.asarray(self.routed_ids, jnp.int32).reshape(lead + (-1,))], axis=-1)
 
     def layout(self) -> tuple[tuple[int, ...], bool]:
         """What :meth:`unpacked` needs to invert :meth:`packed`: (one layer's routed ids' shape, without the
         counters' leading axes; whether ``d2d`` is counted). Works on arrays and on ``jax.eval_shape``'s structs."""
-        return tuple(self.routed_ids.shape[len(getattr(self.hits, "shape", ())):]), self.d2d is not None
+        return tuple(self.routed_ids.shape[len(self._lead()):]), self.d2d is not None
+
+    def _lead(self) -> tuple[int, ...]:
+        """The counters' leading axes (layers, steps; () for one layer), of arrays or ``jax.eval_shape``'s structs."""
+        return tuple(getattr(self.hits, "shape", ()))
 
     @classmethod
     def unpacked(cls, packed: jax.Array, ids_shape: tuple[int, ...], d2d: bool) -> "LayerStats":

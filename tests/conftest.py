@@ -135,15 +135,17 @@ def pytest_runtest_setup(item):
     """A test marked ``cpu_only("why")`` skips on any other backend (``--backend=default`` on a GPU machine): the
     CPU's interpret-mode kernel checks, whose float32 tolerances, bf16 summation order or kernel choices are the
     CPU's (19 such cases failed on an H100, 2026-12-06, experiments/results/checks/). A test marked
-    ``gpu("why")`` skips unless JAX runs on a GPU, and says how to run it on one."""
+    ``gpu("why")`` skips unless JAX runs on a GPU, and says how to run it on one. Unmarked tests do not ask JAX
+    for its backend here (that would start it for tests that never use it)."""
+    cpu_only, gpu = item.get_closest_marker("cpu_only"), item.get_closest_marker("gpu")
+    if cpu_only is None and gpu is None:
+        return
     import jax
     backend = jax.default_backend()
-    mark = item.get_closest_marker("cpu_only")
-    if mark is not None and backend != "cpu":
-        pytest.skip(f"CPU backend only: {mark.args[0] if mark.args else 'written for the CPU backend'}")
-    mark = item.get_closest_marker("gpu")
-    if mark is not None and backend != "gpu":
-        why = mark.args[0] if mark.args else "needs a GPU"
+    if cpu_only is not None and backend != "cpu":
+        pytest.skip(f"CPU backend only: {cpu_only.args[0] if cpu_only.args else 'written for the CPU backend'}")
+    if gpu is not None and backend != "gpu":
+        why = gpu.args[0] if gpu.args else "needs a GPU"
         pytest.skip(f"{why} (on a GPU machine: pytest --backend=default -n 0)")
 
 

@@ -35,7 +35,7 @@ def test_bad_miss_copy_is_refused_naming_the_field():
 
 
 ON_GPU = jax.default_backend() == "gpu"
-no_gpu = pytest.mark.skipif(ON_GPU, reason="checks the choice where the kernel cannot run")
+no_gpu = pytest.mark.cpu_only("checks the choice where the kernel cannot run")
 
 
 @pytest.mark.parametrize("blocks", [0, slot_copy.MAX_BLOCKS_PER_MISS + 1, 2.5, True])

@@ -271,27 +271,13 @@ def _rate(nbytes: int, seconds: list[float]) -> dict:
     return common.spread([nbytes / s / 1e9 for s in seconds])
 
 
-def _host_array(shape: tuple, dtype, salt: int):
-    """A pinned host array whose every row differs (row r, element c: (r * 7 + c + salt) % 251)."""
-    import jax
-    import jax.numpy as jnp
-
-    from ftjax import memory
-
-    def fill():
-        r = jax.lax.broadcasted_iota(jnp.int32, shape, 0)
-        c = jax.lax.broadcasted_iota(jnp.int32, shape, len(shape) - 1)
-        return ((r * 7 + c + salt) % 251).astype(dtype)
-    return jax.jit(fill, out_shardings=memory.host_sharding())()
-
-
 def contig_rate(rows: int, row_elems: int, dtype, repeats: int) -> dict:
     """One ``device_put`` of one contiguous pinned array of ``rows`` x ``row_elems`` elements (``rows`` experts'
     bytes), outside jit: {bytes, GBps}."""
     import jax
 
     from ftjax import memory
-    contig = _host_array((rows, row_elems), dtype, 0)
+    contig = common.pinned_array((rows, row_elems), dtype, 0)
     jax.block_until_ready(contig)
     nbytes = rows * row_elems * np.dtype(dtype).itemsize
     return {"bytes": nbytes, "GBps": _rate(nbytes, _timed(lambda i: jax.device_put(contig, memory.device_sharding()),
@@ -307,7 +293,8 @@ def references(layers: int, misses: int, gu_shape: tuple, dn_shape: tuple, dtype
     dev = memory.device_sharding()
     out = {"contig_put": contig_rate(layers * misses, _prod(gu_shape) + _prod(dn_shape), dtype, repeats)}
     nbytes = out["contig_put"]["bytes"]
-    experts = [a for t in range(misses) for a in (_host_array(gu_shape, dtype, t), _host_array(dn_shape, dtype, t))]
+    experts = [a for t in range(misses)
+               for a in (common.pinned_array(gu_shape, dtype, t), common.pinned_array(dn_shape, dtype, t))]
     jax.block_until_ready(experts)
     out["expert_puts"] = {"bytes": nbytes, "GBps": _rate(nbytes, _timed(
         lambda i: [jax.device_put(experts, dev) for _ in range(layers)], repeats))}
@@ -337,13 +324,6 @@ def _prod(shape) -> int:
     return int(np.prod(shape))
 
 
-def compile_options(graphs: str) -> dict:
-    """The XLA options of a program: the decode step's command buffers for ``on`` on a GPU, else none."""
-    from ftjax import memory
-    from ftjax.runtime import programs
-    return dict(programs.GRAPH_DECODE_OPTIONS) if graphs == "on" and memory.backend() == "gpu" else {}
-
-
 def measure_row(variant: str, ids_kind: str, graphs: str, layers: int, banks, pools: tuple, calls: list,
                 expert_bytes: int, misses: int, repeats: int) -> tuple[dict, tuple, tuple | None]:
     """One row: the variant compiled for ``layers`` layers and timed over ``calls`` (the misses of one call each,
@@ -355,7 +335,7 @@ def measure_row(variant: str, ids_kind: str, graphs: str, layers: int, banks, po
            "bytes": layers * misses * expert_bytes}
     try:
         t = time.perf_counter()
-        exe = call_fn(variant, misses, banks).lower(banks, pools, *calls[0]).compile(compile_options(graphs))
+        exe = call_fn(variant, misses, banks).lower(banks, pools, *calls[0]).compile(common.graph_options(graphs))
         row["compile_s"] = time.perf_counter() - t
     except Exception as e:  # noqa: BLE001 - a variant that JAX or XLA refuses is a result
         row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
@@ -462,8 +442,8 @@ def main(argv):
         return common.write_json(FLAGS.out_dir, name, {**out, "best": _best(out["rows"])})
 
     t = time.perf_counter()
-    banks = ExpertBanks(_host_array((FLAGS.bank_experts,) + gu_shape, dtype, 1),
-                        _host_array((FLAGS.bank_experts,) + dn_shape, dtype, 2))
+    banks = ExpertBanks(common.pinned_array((FLAGS.bank_experts,) + gu_shape, dtype, 1),
+                        common.pinned_array((FLAGS.bank_experts,) + dn_shape, dtype, 2))
     jax.block_until_ready((banks.gate_up, banks.down))
     shape["bank_memory_kind"] = banks.gate_up.sharding.memory_kind
     print(f"bank of {FLAGS.bank_experts} experts ({FLAGS.bank_experts * expert_bytes / 1e9:.2f} GB, "

@@ -500,6 +500,23 @@ def measure_hbm(nbytes: int = 2 << 30, repeats: int = 10) -> dict:
     return {"bytes": 2 * nbytes, "us": us, "GBps": 2 * nbytes / (us["median"] * 1e-6) / 1e9}
 
 
+def pinned_array(shape: tuple, dtype, salt: int) -> jax.Array:
+    """A pinned host array (memory kind ``pinned_host``) whose every row differs: row r, element c holds
+    ``(r * 7 + c + salt) % 251`` (so a copied row can be checked against its source)."""
+    def fill():
+        r = jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+        c = jax.lax.broadcasted_iota(jnp.int32, shape, len(shape) - 1)
+        return ((r * 7 + c + salt) % 251).astype(dtype)
+    return jax.jit(fill, out_shardings=memory.host_sharding())()
+
+
+def graph_options(graphs: str) -> dict:
+    """The XLA compile options of a program: the cached decode step's command buffers
+    (``ftjax.runtime.programs.GRAPH_DECODE_OPTIONS``) for ``on`` on a GPU, else none."""
+    from ftjax.runtime import programs
+    return dict(programs.GRAPH_DECODE_OPTIONS) if graphs == "on" and memory.backend() == "gpu" else {}
+
+
 def hlo_op_names(text: str) -> list[str]:
     """The op name of every instruction of an HLO text, in order (``copy-start``, ``fusion``, ...)."""
     return re.findall(r"(?<=\s)([a-z][a-z0-9\-]*)\(", text)

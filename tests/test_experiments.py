@@ -940,3 +940,22 @@ def test_a_given_commit_is_recorded_as_given(monkeypatch):
     assert own is None or len(own.split("+")[0]) == 40
     monkeypatch.setenv("FTJAX_GIT_COMMIT", " d2e22f3 ")
     assert provenance.git_commit() == "d2e22f3" and provenance.run_meta()["git_commit"] == "d2e22f3"
+
+
+def test_probe_copy_stream_smoke(tmp_path):
+    """XLA's copy on the CPU: the four variants run, the annotated copy keeps its stream id in the compiled program
+    and computes what the serial body does; the slot-copy kernel is skipped with its reason; the overlap entry is
+    (copy + compute - stream1) / min(copy, compute) of the rows' medians."""
+    d = _run("probe_copy_stream", tmp_path, "--expert_mb=0.1", "--compute_mb=0.5", "--layers=3", "--copies=2",
+             "--bank_experts=8", "--repeats=2")
+    assert d["skipped"] == {"kernel": "the slot-copy kernel needs a GPU backend, not cpu"}
+    rows = {r["variant"]: r for r in d["rows"]}
+    assert list(rows) == ["copy", "compute", "serial", "stream1"] and {r["graphs"] for r in d["rows"]} == {"off"}
+    assert all("error" not in r and r["ms_per_layer"]["median"] > 0 for r in d["rows"]), d["rows"]
+    assert rows["stream1"]["stream_ids"] == [1] and rows["serial"]["stream_ids"] == []
+    assert rows["stream1"]["same_result_as_serial"] is True
+    assert d["shape"]["expert_bytes"] == 49152 * 2 and d["shape"]["compute_mats"] == 1  # 0.1 MB in 4096-wide rows
+    (o,) = d["overlap"]
+    ms = {v: rows[v]["ms_per_layer"]["median"] for v in rows}
+    assert o["stream1_hidden"] == pytest.approx((ms["copy"] + ms["compute"] - ms["stream1"])
+                                                / min(ms["copy"], ms["compute"]), abs=1e-3)

@@ -146,11 +146,18 @@ def uses_slot_kernel(src: tuple, pools: tuple) -> bool:
     return True
 
 
+def miss_copy_choice(choice: str, devices: int) -> str:
+    """``KernelConfig.miss_copy`` for experts on ``devices`` devices: "auto" split over several devices is "xla"
+    (the slot-copy kernel was measured on one device only), any other choice itself."""
+    return "xla" if choice == "auto" and devices > 1 else choice
+
+
 def miss_copy_mode(choice: str = "auto", devices: int = 1) -> str:
     """How misses are copied on this machine under ``KernelConfig.miss_copy`` = ``choice`` for whole banks on
     ``devices`` devices: "kernel" (the slot-copy kernel) or "xla" (XLA's loop), as :func:`uses_slot_kernel`
     decides at trace time (``ftjax.calibrate`` keys its profiles by it)."""
-    if choice == "xla" or (choice == "auto" and (devices > 1 or registry.backend() != "gpu")):
+    choice = miss_copy_choice(choice, devices)
+    if choice == "xla" or (choice == "auto" and registry.backend() != "gpu"):
         return "xla"
     return "kernel" if choice == "kernel" or slot_copy.unavailable() is None else "xla"
 

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from ftjax import model as model_lib
-from ftjax.experts import miss_policy, offload, parallel, tensor_parallel
+from ftjax.experts import fetch, miss_policy, offload, parallel, tensor_parallel
 from ftjax.kernels import registry
 from ftjax.kernels.registry import KernelConfig
 from ftjax.kv.layerwise import KVStep
@@ -56,11 +56,10 @@ class StepOptions:
 
     @contextlib.contextmanager
     def tracing(self):
-        """Within it, a step traces under these options' matmul precision and kernel config. Split over devices,
-        ``miss_copy`` "auto" keeps XLA's miss loop: the slot-copy kernel was measured on one device only."""
-        kernels = self.kernels
-        if self.devices > 1 and kernels.miss_copy == "auto":
-            kernels = dataclasses.replace(kernels, miss_copy="xla")
+        """Within it, a step traces under these options' matmul precision and kernel config (``miss_copy`` as
+        ``fetch.miss_copy_choice`` makes it for the devices the experts are split over)."""
+        kernels = dataclasses.replace(self.kernels,
+                                      miss_copy=fetch.miss_copy_choice(self.kernels.miss_copy, self.devices))
         with jax.default_matmul_precision(self.precision), registry.using(kernels):
             yield
 

@@ -1062,13 +1062,15 @@ class Engine:
         if pending in self._unread:
             self._unread.remove(pending)
         out = pending.out
-        n = int(out.n_run)
+        # one read of everything: every transfer is started before the first is waited for
+        n_run, tokens, logprobs, keys, stats = jax.device_get((out.n_run, out.tokens, out.logprobs, out.key.keys,
+                                                               out.stats))
+        n = int(n_run)
         for i in pending.rows:
             if self.rows[i] is not None and self.rows[i] is pending.owners[i]:
                 self.rows[i].pos += n
-        stats = jax.tree.map(np.asarray, out.stats)
-        return BlockAdvance(np.asarray(out.tokens)[:, :n], np.asarray(out.logprobs)[:, :n], np.asarray(out.key.keys),
-                            list(pending.rows), [jax.tree.map(lambda x: x[j], stats) for j in range(n)])  # noqa: B023
+        return BlockAdvance(tokens[:, :n], logprobs[:, :n], keys, list(pending.rows),
+                            [jax.tree.map(lambda x: x[j], stats) for j in range(n)])  # noqa: B023
 
     def discard_block(self, pending: PendingBlock) -> None:
         """Forgets a dispatched block without reading it (its rows' requests all ended: nothing of it is wanted).

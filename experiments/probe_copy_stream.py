@@ -17,7 +17,11 @@ scan carries them) and times the scan per layer (median and spread of ``--repeat
   (bandwidth-bound, as decode is);
 * ``serial``: both in one body, the compute reading the staging buffer the previous layer filled (a prefetch one
   layer ahead: nothing in the body orders the copy after the compute, only XLA's one stream does);
-* ``stream1``: ``serial`` with the copy inside ``compute_on(compute_type="gpu_stream:1")``.
+* ``stream1``: ``serial`` with the copy inside ``compute_on(compute_type="gpu_stream:1")``;
+* ``serial_pool`` / ``stream1_pool``: the same with the copies landing in slots of a pool of ``--pool_experts``
+  (the next free ones, round the pool) that the compute reads too (the previous layer's slots), as a prefetch into
+  the decode step's slot pool would: XLA must not copy the whole pool to keep the compute's read apart from the
+  copy's write (``temp_bytes`` and the time say whether it did).
 
 The copy is XLA's (a dynamic index of the host bank moved to the device, ``--copy=xla``) or the slot-copy kernel's
 (``ftjax.experts.slot_copy``, ``--copy=kernel``: an FFI call handed the stream it runs on). With ``--graphs=on`` the
@@ -30,8 +34,9 @@ start / done pairs and the stream ids XLA gave them) and the error of a variant 
       --out_dir=/tmp/copy_stream                                                                           # CPU smoke
 
 Writes ``probe_copy_stream[_<tag>].json``: ``b_p`` (a 512 MiB pinned ``device_put``), ``shape``, ``rows``
-({variant, copy, graphs, ms_per_layer spread, hlo, stream_ids, same_result_as_serial, error}) and ``overlap`` per
-copy path and graphs: (copy + compute - stream1) / min(copy, compute), the share of the shorter part hidden (1.0:
+({variant, copy, graphs, ms_per_layer spread, hlo, stream_ids, temp_bytes, same_result_as_serial -- a stream1
+variant's result against its serial one --, error}) and ``overlap`` per copy path and graphs: for each of the
+serial and stream1 variants (copy + compute - it) / min(copy, compute), the share of the shorter part hidden (1.0:
 fully overlapped, 0: serial).
 """
 
@@ -56,6 +61,7 @@ flags.DEFINE_float("expert_mb", 6.29, "MB (1e6 bytes) of one expert, bf16 (6.29:
 flags.DEFINE_integer("bank_experts", 64, "Experts in the pinned host bank.", lower_bound=1)
 flags.DEFINE_float("compute_mb", 300.0, "MB of bf16 weights the stand-in compute reads a layer (300 MB: ~0.1 ms "
                    "at an H100's 3.35 TB/s, about the 16-layer hybrid's non-expert time a layer).", lower_bound=0.01)
+flags.DEFINE_integer("pool_experts", 256, "Slots of the pool of the *_pool variants.", lower_bound=1)
 flags.DEFINE_list("copy", ["xla", "kernel"], "Copy paths: xla (a host slice moved to the device), kernel (the "
                   "slot-copy kernel; skipped with the reason where it cannot build).")
 flags.DEFINE_list("graphs", ["on", "off"], "Compile with the cached decode step's command buffers (on) and / or "
@@ -66,7 +72,7 @@ flags.DEFINE_string("tag", "", "Goes into the JSON's name.")
 common.check_names("copy", ("xla", "kernel"))
 common.check_names("graphs", ("on", "off"))
 
-VARIANTS = ("copy", "compute", "serial", "stream1")
+VARIANTS = ("copy", "compute", "serial", "stream1", "serial_pool", "stream1_pool")
 #: XLA's option that turns ``_xla_stream_annotation`` into a stream of its own (without it: "No ExecutionStreamId").
 STREAM_OPTION = {"xla_gpu_experimental_stream_annotation": True}
 #: Rows of the stand-in compute's GEMVs (a decode batch padded to 4 rows, as ``KernelConfig.min_dot_rows``).
@@ -83,46 +89,48 @@ def shapes() -> dict:
 
 
 def _copy_fn(path: str):
-    """``(bank [B, R] host, staging [C, R] device, ids [C]) -> staging``: the layer's copies."""
+    """``(bank [B, R] host, buf [P, R] device, ids [C], slots [C]) -> buf``: the layer's copies, bank row
+    ``ids[j]`` into ``buf`` row ``slots[j]``."""
     import jax
 
     from ftjax.experts import fetch, slot_copy
     if path == "kernel":
-        def copy(bank, staging, ids):
-            slots = jax.numpy.arange(ids.shape[0], dtype=jax.numpy.int32)
-            return slot_copy.copy_into_slots(bank, staging, ids, slots, jax.numpy.int32(ids.shape[0]))
+        def copy(bank, buf, ids, slots):
+            return slot_copy.copy_into_slots(bank, buf, ids, slots, jax.numpy.int32(ids.shape[0]))
         return copy
 
-    def copy(bank, staging, ids):
+    def copy(bank, buf, ids, slots):
         for i in range(ids.shape[0]):
-            staging = jax.lax.dynamic_update_index_in_dim(staging, fetch._bank_row(bank, staging, ids[i]), i, 0)
-        return staging
+            buf = jax.lax.dynamic_update_index_in_dim(buf, fetch._bank_row(bank, buf, ids[i]), slots[i], 0)
+        return buf
     return copy
 
 
 def program(variant: str, path: str):
-    """The jitted scan of a row: ``(bank, weights, staging, act, ids [L, C]) -> (staging, act)``."""
+    """The jitted scan of a row: ``(bank, weights, buf, act, (ids [L, C], slots [L, C], read [L])) -> (buf, act)``
+    (``read[l]``: the slot the compute of layer l reads, one the layer before filled)."""
     import jax
     import jax.numpy as jnp
     from jax.experimental.compute_on import compute_on
 
     copy = _copy_fn(path)
-    if variant == "stream1":
+    if variant.startswith("stream1"):
         copy = compute_on(compute_type="gpu_stream:1", out_memory_spaces=jax.memory.Space.Device)(copy)
 
-    def compute(weights, act, staging):
-        act = act + staging[0, :WIDTH].astype(act.dtype)[None, :]  # the previous layer's prefetch is read
+    def compute(weights, act, buf, read):
+        act = act + buf[read, :WIDTH].astype(act.dtype)[None, :]  # the previous layer's prefetch is read
         for m in range(weights.shape[0]):
             act = jnp.tanh(act @ weights[m]).astype(act.dtype)
         return act
 
-    def call(bank, weights, staging, act, ids):
-        def layer(carry, layer_ids):
-            staging, act = carry
-            new_staging = copy(bank, staging, layer_ids) if variant != "compute" else staging
-            act = compute(weights, act, staging) if variant != "copy" else act
-            return (new_staging, act), None
-        return jax.lax.scan(layer, (staging, act), ids)[0]
+    def call(bank, weights, buf, act, xs):
+        def layer(carry, x):
+            buf, act = carry
+            ids, slots, read = x
+            new_buf = copy(bank, buf, ids, slots) if variant != "compute" else buf
+            act = compute(weights, act, buf, read) if variant != "copy" else act
+            return (new_buf, act), None
+        return jax.lax.scan(layer, (buf, act), xs)[0]
     return jax.jit(call, donate_argnums=(2,))
 
 
@@ -133,26 +141,42 @@ def stream_ids(text: str) -> list[int]:
     return sorted({int(s) for s in found})
 
 
+def layer_slots(pool: int) -> tuple:
+    """The scan's xs for a buffer of ``pool`` rows: (bank ids int32 [L, C] drawn at random, the slots they land in
+    int32 [L, C] -- the next C rows, round the buffer --, the slot each layer's compute reads int32 [L]: the first
+    of the layer before's, the last layer's for layer 0)."""
+    import jax.numpy as jnp
+    import numpy as np
+    c, n = FLAGS.copies, FLAGS.layers
+    ids = np.random.default_rng(0).integers(0, FLAGS.bank_experts, (n, c))
+    slots = (np.arange(n * c) % (pool // c * c)).reshape(n, c)
+    read = np.roll(slots[:, 0], 1)
+    return jnp.asarray(ids, jnp.int32), jnp.asarray(slots, jnp.int32), jnp.asarray(read, jnp.int32)
+
+
 def measure_row(variant: str, path: str, graphs: str, args: tuple, repeats: int) -> tuple[dict, object]:
-    """One row: compile (with :data:`STREAM_OPTION` for stream1), time, and the final (staging, act) for the
-    identity check; an error XLA raises becomes the row's ``error``."""
+    """One row: compile (with :data:`STREAM_OPTION` for the stream1 variants), time, and the final (buf's first
+    columns, act) for the identity check; an error XLA raises becomes the row's ``error``. ``temp_bytes``: XLA's
+    temporary bytes (a copy of the pool shows there)."""
     import jax
     import numpy as np
     row = {"variant": variant, "copy": path, "graphs": graphs}
     opts = common.graph_options(graphs)
-    if variant == "stream1" and jax.default_backend() == "gpu":
+    if variant.startswith("stream1") and jax.default_backend() == "gpu":
         opts = {**opts, **STREAM_OPTION}
-    bank, weights, staging, act, ids = args
+    bank, weights, buf, act, xs = args
     try:
         fn = program(variant, path)
-        compiled = fn.lower(bank, weights, staging, act, ids).compile(compiler_options=opts or None)
+        compiled = fn.lower(bank, weights, buf, act, xs).compile(compiler_options=opts or None)
         text = compiled.as_text()
         row["hlo"] = common.hlo_ops(text)
         row["stream_ids"] = stream_ids(text)
-        state = {"staging": staging}
+        mem = compiled.memory_analysis()
+        row["temp_bytes"] = None if mem is None else int(mem.temp_size_in_bytes)
+        state = {"buf": buf}
 
         def one(_):
-            state["staging"], a = compiled(bank, weights, state["staging"], act, ids)
+            state["buf"], a = compiled(bank, weights, state["buf"], act, xs)
             return a
         for _ in range(2):  # untimed
             jax.block_until_ready(one(0))
@@ -161,8 +185,8 @@ def measure_row(variant: str, path: str, graphs: str, args: tuple, repeats: int)
             t = time.perf_counter()
             jax.block_until_ready(one(0))
             secs.append(time.perf_counter() - t)
-        row["ms_per_layer"] = common.spread([s * 1e3 / ids.shape[0] for s in secs])
-        result = (np.asarray(state["staging"][:, :16].astype(np.float32)), np.asarray(one(0).astype(np.float32)))
+        row["ms_per_layer"] = common.spread([s * 1e3 / xs[2].shape[0] for s in secs])
+        result = (np.asarray(state["buf"][:, :16].astype(np.float32)), np.asarray(one(0).astype(np.float32)))
         return row, result
     except Exception as e:  # noqa: BLE001 - a refused variant is a result
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:400]}"
@@ -181,7 +205,7 @@ def overlap(rows: list[dict]) -> list[dict]:
             shorter = min(ms["copy"], ms["compute"])
             entry = {"copy": path, "graphs": g, "copy_ms": ms["copy"], "compute_ms": ms["compute"],
                      "sum_ms": ms["copy"] + ms["compute"], "max_ms": max(ms["copy"], ms["compute"])}
-            for v in ("serial", "stream1"):
+            for v in ("serial", "stream1", "serial_pool", "stream1_pool"):
                 if v in ms:
                     entry[f"{v}_ms"] = ms[v]
                     entry[f"{v}_hidden"] = round((entry["sum_ms"] - ms[v]) / shorter, 3)
@@ -195,7 +219,12 @@ def main(argv):
     import jax.numpy as jnp
     import numpy as np
 
+    from absl import app
+
     from ftjax.experts import slot_copy
+    if FLAGS.pool_experts < FLAGS.copies:
+        raise app.UsageError(f"--pool_experts={FLAGS.pool_experts} is less than --copies={FLAGS.copies} (a layer's "
+                             "copies land in the pool)")
     shape = shapes()
     paths = list(dict.fromkeys(FLAGS.copy))
     skipped = {}
@@ -211,17 +240,16 @@ def main(argv):
     weights = (jax.random.normal(key, (shape["compute_mats"], WIDTH, WIDTH), jnp.float32) / WIDTH ** 0.5
                ).astype(jnp.bfloat16)
     act = jnp.ones((ROWS, WIDTH), jnp.bfloat16)
-    rng = np.random.default_rng(0)
-    ids = jnp.asarray(rng.integers(0, FLAGS.bank_experts, (FLAGS.layers, FLAGS.copies)), jnp.int32)
     results = {}
     for path in paths:
         for g in graphs:
             for variant in VARIANTS:
-                staging = jnp.zeros((FLAGS.copies, shape["expert_elems"]), jnp.bfloat16)
-                row, res = measure_row(variant, path, g, (bank, weights, staging, act, ids), FLAGS.repeats)
+                rows = FLAGS.pool_experts if variant.endswith("_pool") else FLAGS.copies
+                buf = jnp.zeros((rows, shape["expert_elems"]), jnp.bfloat16)
+                row, res = measure_row(variant, path, g, (bank, weights, buf, act, layer_slots(rows)), FLAGS.repeats)
                 results[(path, g, variant)] = res
-                if variant == "stream1":
-                    base = results.get((path, g, "serial"))
+                if variant.startswith("stream1"):
+                    base = results.get((path, g, variant.replace("stream1", "serial")))
                     row["same_result_as_serial"] = (None if res is None or base is None else
                                                     all(np.array_equal(a, b) for a, b in zip(res, base)))
                 out["rows"].append(row)
@@ -231,7 +259,7 @@ def main(argv):
                       f"{row['ms_per_layer']['median']:.4f} ms a layer, streams {row['stream_ids']}", flush=True)
     path = common.write_json(FLAGS.out_dir, name, out)
     print(common.table(out["overlap"], ["copy", "graphs", "copy_ms", "compute_ms", "serial_ms", "serial_hidden",
-                                        "stream1_ms", "stream1_hidden"]))
+                                        "stream1_ms", "stream1_hidden", "stream1_pool_ms", "stream1_pool_hidden"]))
     print("wrote", path)
 
 

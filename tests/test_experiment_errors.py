@@ -39,11 +39,14 @@ def _cases(tmp: pathlib.Path) -> dict:
         "bench_miss_copy:kernel_blocks": (["--preset=tiny", "--variants=static", "--kernel_blocks=16",
                                            f"--out_dir={tmp}"],
                                           "--kernel_blocks=16 adds rows beside kernel's: give --variants with kernel"),
+        "probe_copy_stream": (["--copies=8", "--pool_experts=4", f"--out_dir={tmp}"],
+                              "--pool_experts=4 is less than --copies=8 (a layer's copies land in the pool)"),
     }
 
 
 @pytest.mark.parametrize("case", ["replay_policies", "check_oracle_gpu", "policy_study", "bench_prefill",
-                                  "bench_decode", "ab_commits", "bench_miss_copy", "bench_miss_copy:kernel_blocks"])
+                                  "bench_decode", "ab_commits", "bench_miss_copy", "bench_miss_copy:kernel_blocks",
+                                  "probe_copy_stream"])
 def test_bad_input_is_one_error_line_and_status_1(tmp_path, case):
     from experiments import common
     args, message = _cases(tmp_path)[case]

@@ -947,13 +947,15 @@ def test_probe_copy_stream_smoke(tmp_path):
     and computes what the serial body does; the slot-copy kernel is skipped with its reason; the overlap entry is
     (copy + compute - stream1) / min(copy, compute) of the rows' medians."""
     d = _run("probe_copy_stream", tmp_path, "--expert_mb=0.1", "--compute_mb=0.5", "--layers=3", "--copies=2",
-             "--bank_experts=8", "--repeats=2")
+             "--bank_experts=8", "--pool_experts=5", "--repeats=2")
     assert d["skipped"] == {"kernel": "the slot-copy kernel needs a GPU backend, not cpu"}
     rows = {r["variant"]: r for r in d["rows"]}
-    assert list(rows) == ["copy", "compute", "serial", "stream1"] and {r["graphs"] for r in d["rows"]} == {"off"}
+    assert list(rows) == ["copy", "compute", "serial", "stream1", "serial_pool", "stream1_pool"]
+    assert {r["graphs"] for r in d["rows"]} == {"off"}
     assert all("error" not in r and r["ms_per_layer"]["median"] > 0 for r in d["rows"]), d["rows"]
-    assert rows["stream1"]["stream_ids"] == [1] and rows["serial"]["stream_ids"] == []
-    assert rows["stream1"]["same_result_as_serial"] is True
+    for v in ("stream1", "stream1_pool"):
+        assert rows[v]["stream_ids"] == [1] and rows[v.replace("stream1", "serial")]["stream_ids"] == []
+        assert rows[v]["same_result_as_serial"] is True
     assert d["shape"]["expert_bytes"] == 49152 * 2 and d["shape"]["compute_mats"] == 1  # 0.1 MB in 4096-wide rows
     (o,) = d["overlap"]
     ms = {v: rows[v]["ms_per_layer"]["median"] for v in rows}

@@ -5,39 +5,43 @@ A decode step's misses and its other kernels run in series on XLA's one compute 
 best the resident step plus its miss bytes over the link (1.04-1.06x of that on an H100, 2026-12-06). Copies that run
 while the non-expert kernels run can beat it. ``jax.experimental.compute_on(compute_type="gpu_stream:N")`` marks a
 computation for stream N (``_xla_stream_annotation``); in DESIGN.md section 3 (2026-11-30) it failed with "No
-ExecutionStreamId found" without XLA's ``xla_gpu_experimental_stream_annotation`` option, which this probe sets in
-the programs' compile options.
+ExecutionStreamId found". XLA has an option for these annotations, ``xla_gpu_experimental_stream_annotation``
+(present in jax 0.11.2's XLA); this probe sets it in the compile options of every variant that copies and computes.
 
-Each row is one jitted ``lax.scan`` over ``--layers`` layers (the pools and buffers carried, as the decode step's
-scan carries them) and times the scan per layer (median and spread of ``--repeats`` calls after two untimed ones):
+Each row is one jitted ``lax.scan`` over ``--layers`` layers (the buffer carried, as the decode step's scan carries
+its slot pool) and times the scan per layer (median and spread of ``--repeats`` calls after two untimed ones). Every
+layer first reads a row of the buffer that the layer before filled, behind an optimization barrier with the buffer
+(so the read is ordered before the layer's copy and XLA need not copy the buffer to keep them apart); then:
 
-* ``copy``: ``--copies`` experts a layer read from a pinned host bank (``--expert_mb`` each) into a device staging
-  buffer (the next layer's, carried);
+* ``empty``: nothing else (the scan's own cost a layer, subtracted from every row in ``overlap``);
+* ``copy``: ``--copies`` experts a layer read from a pinned host bank (``--expert_mb`` each) into the next free rows
+  of a staging buffer of two layers' copies;
 * ``compute``: a stand-in for a layer's non-expert work: ``--compute_mb`` of bf16 weights read by a 4-row GEMV chain
-  (bandwidth-bound, as decode is);
-* ``serial``: both in one body, the compute reading the staging buffer the previous layer filled (a prefetch one
-  layer ahead: nothing in the body orders the copy after the compute, only XLA's one stream does);
+  (bandwidth-bound, as decode is), starting from the row read;
+* ``serial``: both (a prefetch one layer ahead: nothing in the body orders the copy after the compute or before it,
+  only XLA's one stream does);
 * ``stream1``: ``serial`` with the copy inside ``compute_on(compute_type="gpu_stream:1")``;
-* ``serial_pool`` / ``stream1_pool``: the same with the copies landing in slots of a pool of ``--pool_experts``
-  (the next free ones, round the pool) that the compute reads too (the previous layer's slots), as a prefetch into
-  the decode step's slot pool would: XLA must not copy the whole pool to keep the compute's read apart from the
-  copy's write (``temp_bytes`` and the time say whether it did).
+* ``serial_pool`` / ``stream1_pool``: the same with a buffer of ``--pool_experts`` rows, as a prefetch into the decode
+  step's slot pool would be (``buffer_copies``: the compiled program's copies of the whole buffer, which must stay
+  0; ``temp_bytes``).
 
 The copy is XLA's (a dynamic index of the host bank moved to the device, ``--copy=xla``) or the slot-copy kernel's
 (``ftjax.experts.slot_copy``, ``--copy=kernel``: an FFI call handed the stream it runs on). With ``--graphs=on`` the
 programs compile with the cached decode step's command buffers. Overlap shows as ``serial`` near ``copy`` +
-``compute`` and ``stream1`` near max(``copy``, ``compute``); each row records its compiled HLO's op counts (async
-start / done pairs and the stream ids XLA gave them) and the error of a variant XLA refuses.
+``compute`` and ``stream1`` near max(``copy``, ``compute``); each row records its compiled HLO's op counts,
+``annotated`` (the annotation survives in the program text even where XLA ignores it: the CPU keeps it), the
+``operation_queue_ids`` XLA assigned in its backend configs (a second id is the evidence of a second stream) and
+the error of a variant XLA refuses.
 
   PYTHONPATH=. python3 experiments/probe_copy_stream.py --out_dir=$OUT --tag=h200_$(date -u +%F)        # GPU
   .venv/bin/python experiments/probe_copy_stream.py --expert_mb=1 --compute_mb=4 --layers=4 --repeats=2 \
       --out_dir=/tmp/copy_stream                                                                           # CPU smoke
 
 Writes ``probe_copy_stream[_<tag>].json``: ``b_p`` (a 512 MiB pinned ``device_put``), ``shape``, ``rows``
-({variant, copy, graphs, ms_per_layer spread, hlo, stream_ids, temp_bytes, same_result_as_serial -- a stream1
-variant's result against its serial one --, error}) and ``overlap`` per copy path and graphs: for each of the
-serial and stream1 variants (copy + compute - it) / min(copy, compute), the share of the shorter part hidden (1.0:
-fully overlapped, 0: serial).
+({variant, copy, graphs, ms_per_layer spread, hlo, annotated, operation_queue_ids, buffer_copies, temp_bytes,
+same_result_as_serial -- a stream1 variant's result against its serial one --, error}) and ``overlap`` per copy path
+and graphs: with every time net of ``empty``, for each serial and stream1 variant (copy + compute - it) /
+min(copy, compute), the share of the shorter part hidden (1.0: fully overlapped, 0: serial).
 """
 
 from __future__ import annotations
@@ -72,7 +76,7 @@ flags.DEFINE_string("tag", "", "Goes into the JSON's name.")
 common.check_names("copy", ("xla", "kernel"))
 common.check_names("graphs", ("on", "off"))
 
-VARIANTS = ("copy", "compute", "serial", "stream1", "serial_pool", "stream1_pool")
+VARIANTS = ("empty", "copy", "compute", "serial", "stream1", "serial_pool", "stream1_pool")
 #: XLA's option that turns ``_xla_stream_annotation`` into a stream of its own (without it: "No ExecutionStreamId").
 STREAM_OPTION = {"xla_gpu_experimental_stream_annotation": True}
 #: Rows of the stand-in compute's GEMVs (a decode batch padded to 4 rows, as ``KernelConfig.min_dot_rows``).
@@ -117,8 +121,10 @@ def program(variant: str, path: str):
     if variant.startswith("stream1"):
         copy = compute_on(compute_type="gpu_stream:1", out_memory_spaces=jax.memory.Space.Device)(copy)
 
-    def compute(weights, act, buf, read):
-        act = act + buf[read, :WIDTH].astype(act.dtype)[None, :]  # the previous layer's prefetch is read
+    copies = variant not in ("empty", "compute")
+    computes = variant not in ("empty", "copy")
+
+    def compute(weights, act):
         for m in range(weights.shape[0]):
             act = jnp.tanh(act @ weights[m]).astype(act.dtype)
         return act
@@ -127,42 +133,49 @@ def program(variant: str, path: str):
         def layer(carry, x):
             buf, act = carry
             ids, slots, read = x
-            new_buf = copy(bank, buf, ids, slots) if variant != "compute" else buf
-            act = compute(weights, act, buf, read) if variant != "copy" else act
+            # the previous layer's prefetch is read before this layer's copy may overwrite the buffer
+            row, buf = jax.lax.optimization_barrier((buf[read, :WIDTH], buf))
+            act = act + row.astype(act.dtype)[None, :]
+            new_buf = copy(bank, buf, ids, slots) if copies else buf
+            act = compute(weights, act) if computes else act
             return (new_buf, act), None
         return jax.lax.scan(layer, (buf, act), xs)[0]
     return jax.jit(call, donate_argnums=(2,))
 
 
-def stream_ids(text: str) -> list[int]:
-    """The distinct stream ids XLA wrote into the compiled HLO's backend configs (``"operation_queue_id"`` /
-    ``stream``), sorted."""
-    found = re.findall(r'"operation_queue_id":"?(\d+)', text) + re.findall(r'_xla_stream_annotation="?(\d+)', text)
-    return sorted({int(s) for s in found})
+def queue_ids(text: str) -> list[int]:
+    """The distinct ``operation_queue_id`` values of the compiled HLO's backend configs (the streams XLA assigned),
+    sorted."""
+    return sorted({int(q) for q in re.findall(r'"operation_queue_id":"?(\d+)', text)})
 
 
-def layer_slots(pool: int) -> tuple:
-    """The scan's xs for a buffer of ``pool`` rows: (bank ids int32 [L, C] drawn at random, the slots they land in
-    int32 [L, C] -- the next C rows, round the buffer --, the slot each layer's compute reads int32 [L]: the first
-    of the layer before's, the last layer's for layer 0)."""
+def buffer_copies(text: str, shape: tuple) -> int:
+    """Instructions of the compiled HLO that copy a whole bf16 array of ``shape`` on the device (``copy``)."""
+    dims = ",".join(str(d) for d in shape)
+    return len(re.findall(rf"= bf16\[{dims}\]\{{[^}}]*\}} copy\(", text))
+
+
+def layer_slots(pool: int, copies: int, layers: int, bank_experts: int) -> tuple:
+    """The scan's xs for a buffer of ``pool`` >= 2C rows: (bank ids int32 [L, C] drawn at random, the slots they
+    land in int32 [L, C] -- the next C rows, round the buffer's whole blocks of C --, the slot each layer reads int32
+    [L]: the first of the layer before's, the last layer's for layer 0 -- a row this layer does not write)."""
     import jax.numpy as jnp
     import numpy as np
-    c, n = FLAGS.copies, FLAGS.layers
-    ids = np.random.default_rng(0).integers(0, FLAGS.bank_experts, (n, c))
+    c, n = copies, layers
+    ids = np.random.default_rng(0).integers(0, bank_experts, (n, c))
     slots = (np.arange(n * c) % (pool // c * c)).reshape(n, c)
     read = np.roll(slots[:, 0], 1)
     return jnp.asarray(ids, jnp.int32), jnp.asarray(slots, jnp.int32), jnp.asarray(read, jnp.int32)
 
 
 def measure_row(variant: str, path: str, graphs: str, args: tuple, repeats: int) -> tuple[dict, object]:
-    """One row: compile (with :data:`STREAM_OPTION` for the stream1 variants), time, and the final (buf's first
-    columns, act) for the identity check; an error XLA raises becomes the row's ``error``. ``temp_bytes``: XLA's
-    temporary bytes (a copy of the pool shows there)."""
+    """One row: compile (with :data:`STREAM_OPTION` on a GPU), time, and the final (buf's first columns, act) for
+    the identity check; an error XLA raises becomes the row's ``error``."""
     import jax
     import numpy as np
     row = {"variant": variant, "copy": path, "graphs": graphs}
     opts = common.graph_options(graphs)
-    if variant.startswith("stream1") and jax.default_backend() == "gpu":
+    if jax.default_backend() == "gpu":  # every variant alike: the annotation is the one difference
         opts = {**opts, **STREAM_OPTION}
     bank, weights, buf, act, xs = args
     try:
@@ -170,7 +183,9 @@ def measure_row(variant: str, path: str, graphs: str, args: tuple, repeats: int)
         compiled = fn.lower(bank, weights, buf, act, xs).compile(compiler_options=opts or None)
         text = compiled.as_text()
         row["hlo"] = common.hlo_ops(text)
-        row["stream_ids"] = stream_ids(text)
+        row["annotated"] = "_xla_stream_annotation" in text
+        row["operation_queue_ids"] = queue_ids(text)
+        row["buffer_copies"] = buffer_copies(text, buf.shape)
         mem = compiled.memory_analysis()
         row["temp_bytes"] = None if mem is None else int(mem.temp_size_in_bytes)
         state = {"buf": buf}
@@ -194,21 +209,24 @@ def measure_row(variant: str, path: str, graphs: str, args: tuple, repeats: int)
 
 
 def overlap(rows: list[dict]) -> list[dict]:
-    """Per copy path and graphs: the share of the shorter of copy and compute that stream1 (and serial) hid."""
+    """Per copy path and graphs, every median net of ``empty``'s (the scan's own cost a layer): copy_ms, compute_ms,
+    and for each serial and stream1 variant its ms and the share of the shorter of copy and compute it hid,
+    (copy + compute - it) / min(copy, compute)."""
     out = []
     for path in dict.fromkeys(r["copy"] for r in rows):
         for g in dict.fromkeys(r["graphs"] for r in rows):
             ms = {r["variant"]: r["ms_per_layer"]["median"] for r in rows
                   if r["copy"] == path and r["graphs"] == g and "ms_per_layer" in r}
-            if "copy" not in ms or "compute" not in ms:
+            if not {"empty", "copy", "compute"} <= set(ms):
                 continue
-            shorter = min(ms["copy"], ms["compute"])
-            entry = {"copy": path, "graphs": g, "copy_ms": ms["copy"], "compute_ms": ms["compute"],
-                     "sum_ms": ms["copy"] + ms["compute"], "max_ms": max(ms["copy"], ms["compute"])}
+            net = {v: t - ms["empty"] for v, t in ms.items() if v != "empty"}
+            shorter = min(net["copy"], net["compute"])
+            entry = {"copy": path, "graphs": g, "empty_ms": ms["empty"], "copy_ms": net["copy"],
+                     "compute_ms": net["compute"]}
             for v in ("serial", "stream1", "serial_pool", "stream1_pool"):
-                if v in ms:
-                    entry[f"{v}_ms"] = ms[v]
-                    entry[f"{v}_hidden"] = round((entry["sum_ms"] - ms[v]) / shorter, 3)
+                if v in net:
+                    entry[f"{v}_ms"] = net[v]
+                    entry[f"{v}_hidden"] = round((net["copy"] + net["compute"] - net[v]) / shorter, 3)
             out.append(entry)
     return out
 
@@ -222,19 +240,21 @@ def main(argv):
     from absl import app
 
     from ftjax.experts import slot_copy
-    if FLAGS.pool_experts < FLAGS.copies:
-        raise app.UsageError(f"--pool_experts={FLAGS.pool_experts} is less than --copies={FLAGS.copies} (a layer's "
-                             "copies land in the pool)")
+    if FLAGS.pool_experts < 2 * FLAGS.copies:
+        raise app.UsageError(f"--pool_experts={FLAGS.pool_experts} is less than two layers' copies (2 x --copies="
+                             f"{FLAGS.copies}): a layer would write the rows it reads")
     shape = shapes()
     paths = list(dict.fromkeys(FLAGS.copy))
     skipped = {}
     if "kernel" in paths and slot_copy.unavailable() is not None:
         skipped["kernel"] = slot_copy.unavailable()
         paths.remove("kernel")
+    if not paths:
+        raise app.UsageError(f"--copy={','.join(FLAGS.copy)}: nothing to run here ({skipped['kernel']})")
     graphs = list(dict.fromkeys(FLAGS.graphs)) if jax.default_backend() == "gpu" else ["off"]
     name = f"probe_copy_stream{'_' + FLAGS.tag if FLAGS.tag else ''}.json"
     out = {"question": "do a layer scan's copies on gpu_stream:1 overlap the layer's compute?",
-           "b_p": common.measure_h2d(), "shape": shape, "skipped": skipped, "rows": []}
+           "b_p": common.measure_h2d(), "shape": shape, "skipped": skipped, "rows": [], "overlap": []}
     bank = common.pinned_array((FLAGS.bank_experts, shape["expert_elems"]), jnp.bfloat16, 1)
     key = jax.random.key(0)
     weights = (jax.random.normal(key, (shape["compute_mats"], WIDTH, WIDTH), jnp.float32) / WIDTH ** 0.5
@@ -244,9 +264,10 @@ def main(argv):
     for path in paths:
         for g in graphs:
             for variant in VARIANTS:
-                rows = FLAGS.pool_experts if variant.endswith("_pool") else FLAGS.copies
+                rows = FLAGS.pool_experts if variant.endswith("_pool") else 2 * FLAGS.copies
                 buf = jnp.zeros((rows, shape["expert_elems"]), jnp.bfloat16)
-                row, res = measure_row(variant, path, g, (bank, weights, buf, act, layer_slots(rows)), FLAGS.repeats)
+                xs = layer_slots(rows, FLAGS.copies, FLAGS.layers, FLAGS.bank_experts)
+                row, res = measure_row(variant, path, g, (bank, weights, buf, act, xs), FLAGS.repeats)
                 results[(path, g, variant)] = res
                 if variant.startswith("stream1"):
                     base = results.get((path, g, variant.replace("stream1", "serial")))
@@ -256,10 +277,11 @@ def main(argv):
                 out["overlap"] = overlap(out["rows"])
                 common.write_json(FLAGS.out_dir, name, out)
                 print(f"{path} graphs {g} {variant}:", row.get("error") or
-                      f"{row['ms_per_layer']['median']:.4f} ms a layer, streams {row['stream_ids']}", flush=True)
+                      f"{row['ms_per_layer']['median']:.4f} ms a layer, queues {row['operation_queue_ids']}, "
+                      f"buffer copies {row['buffer_copies']}", flush=True)
     path = common.write_json(FLAGS.out_dir, name, out)
-    print(common.table(out["overlap"], ["copy", "graphs", "copy_ms", "compute_ms", "serial_ms", "serial_hidden",
-                                        "stream1_ms", "stream1_hidden", "stream1_pool_ms", "stream1_pool_hidden"]))
+    print(common.table(out["overlap"], ["copy", "graphs", "empty_ms", "copy_ms", "compute_ms", "serial_hidden",
+                                        "stream1_hidden", "serial_pool_hidden", "stream1_pool_hidden"]))
     print("wrote", path)
 
 

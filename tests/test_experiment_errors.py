@@ -40,7 +40,8 @@ def _cases(tmp: pathlib.Path) -> dict:
                                            f"--out_dir={tmp}"],
                                           "--kernel_blocks=16 adds rows beside kernel's: give --variants with kernel"),
         "probe_copy_stream": (["--copies=8", "--pool_experts=4", f"--out_dir={tmp}"],
-                              "--pool_experts=4 is less than --copies=8 (a layer's copies land in the pool)"),
+                              "--pool_experts=4 is less than two layers' copies (2 x --copies=8): a layer would write "
+                              "the rows it reads"),
     }
 
 

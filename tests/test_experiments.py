@@ -943,21 +943,33 @@ def test_a_given_commit_is_recorded_as_given(monkeypatch):
 
 
 def test_probe_copy_stream_smoke(tmp_path):
-    """XLA's copy on the CPU: the four variants run, the annotated copy keeps its stream id in the compiled program
-    and computes what the serial body does; the slot-copy kernel is skipped with its reason; the overlap entry is
-    (copy + compute - stream1) / min(copy, compute) of the rows' medians."""
+    """XLA's copy on the CPU: the seven variants run with no copy of the whole buffer (the read of the layer before's
+    row is ordered before the copy), the annotated variants compute what their serial ones do and keep the annotation
+    in the program text, with no stream of their own on the CPU; the slot-copy kernel is skipped with its reason."""
     d = _run("probe_copy_stream", tmp_path, "--expert_mb=0.1", "--compute_mb=0.5", "--layers=3", "--copies=2",
              "--bank_experts=8", "--pool_experts=5", "--repeats=2")
     assert d["skipped"] == {"kernel": "the slot-copy kernel needs a GPU backend, not cpu"}
     rows = {r["variant"]: r for r in d["rows"]}
-    assert list(rows) == ["copy", "compute", "serial", "stream1", "serial_pool", "stream1_pool"]
+    assert list(rows) == ["empty", "copy", "compute", "serial", "stream1", "serial_pool", "stream1_pool"]
     assert {r["graphs"] for r in d["rows"]} == {"off"}
     assert all("error" not in r and r["ms_per_layer"]["median"] > 0 for r in d["rows"]), d["rows"]
+    assert all(r["buffer_copies"] == 0 and r["operation_queue_ids"] == [] for r in d["rows"]), d["rows"]
     for v in ("stream1", "stream1_pool"):
-        assert rows[v]["stream_ids"] == [1] and rows[v.replace("stream1", "serial")]["stream_ids"] == []
+        assert rows[v]["annotated"] and not rows[v.replace("stream1", "serial")]["annotated"]
         assert rows[v]["same_result_as_serial"] is True
     assert d["shape"]["expert_bytes"] == 49152 * 2 and d["shape"]["compute_mats"] == 1  # 0.1 MB in 4096-wide rows
     (o,) = d["overlap"]
-    ms = {v: rows[v]["ms_per_layer"]["median"] for v in rows}
-    assert o["stream1_hidden"] == pytest.approx((ms["copy"] + ms["compute"] - ms["stream1"])
-                                                / min(ms["copy"], ms["compute"]), abs=1e-3)
+    assert o["copy_ms"] == pytest.approx(rows["copy"]["ms_per_layer"]["median"] - o["empty_ms"])
+
+
+def test_probe_copy_stream_rows_and_copies():
+    """Each layer reads a row the layer before wrote and this layer does not (a pool of 5 rows and 2 copies: a ring
+    of 4); a whole-buffer copy in HLO text is counted, a copy of another shape is not."""
+    probe = import_app("experiments.probe_copy_stream")
+    ids, slots, read = (a.tolist() for a in probe.layer_slots(5, copies=2, layers=3, bank_experts=8))
+    assert slots == [[0, 1], [2, 3], [0, 1]] and read == [0, 0, 2]
+    assert all(read[l] in slots[l - 1] and read[l] not in slots[l] for l in range(1, 3))
+    assert all(0 <= i < 8 for row in ids for i in row)
+    text = ("  %copy.3 = bf16[5,4096]{1,0} copy(bf16[5,4096]{1,0} %p)\n  %copy.4 = bf16[2,4096]{1,0} copy(%r)\n"
+            "  %fusion.2 = bf16[5,4096]{1,0} fusion(%p), kind=kLoop\n")
+    assert probe.buffer_copies(text, (5, 4096)) == 1

@@ -37,7 +37,7 @@ the error of a variant XLA refuses.
   .venv/bin/python experiments/probe_copy_stream.py --expert_mb=1 --compute_mb=4 --layers=4 --repeats=2 \
       --out_dir=/tmp/copy_stream                                                                           # CPU smoke
 
-Writes ``probe_copy_stream[_<tag>].json``: ``b_p`` (a 512 MiB pinned ``device_put``), ``shape``, ``rows``
+Writes ``probe_copy_stream[_<tag>].json``: ``b_p`` (a pinned ``device_put`` of ``--b_p_mib``), ``shape``, ``rows``
 ({variant, copy, graphs, ms_per_layer spread, hlo, annotated, operation_queue_ids, buffer_copies, temp_bytes,
 same_result_as_serial -- a stream1 variant's result against its serial one --, error}) and ``overlap`` per copy path
 and graphs: with every time net of ``empty``, for each serial and stream1 variant (copy + compute - it) /
@@ -70,6 +70,7 @@ flags.DEFINE_list("copy", ["xla", "kernel"], "Copy paths: xla (a host slice move
                   "slot-copy kernel; skipped with the reason where it cannot build).")
 flags.DEFINE_list("graphs", ["on", "off"], "Compile with the cached decode step's command buffers (on) and / or "
                   "without (off); GPU only (elsewhere: off).")
+flags.DEFINE_integer("b_p_mib", 512, "MiB of the pinned device_put that measures the copy rate B_P.", lower_bound=1)
 flags.DEFINE_integer("repeats", 10, "Timed calls per row (after two untimed).", lower_bound=1)
 flags.DEFINE_string("out_dir", "experiments/results/overlap", "Where the JSON goes.")
 flags.DEFINE_string("tag", "", "Goes into the JSON's name.")
@@ -254,7 +255,7 @@ def main(argv):
     graphs = list(dict.fromkeys(FLAGS.graphs)) if jax.default_backend() == "gpu" else ["off"]
     name = f"probe_copy_stream{'_' + FLAGS.tag if FLAGS.tag else ''}.json"
     out = {"question": "do a layer scan's copies on gpu_stream:1 overlap the layer's compute?",
-           "b_p": common.measure_h2d(), "shape": shape, "skipped": skipped, "rows": [], "overlap": []}
+           "b_p": common.measure_h2d(FLAGS.b_p_mib * 2**20), "shape": shape, "skipped": skipped, "rows": [], "overlap": []}
     bank = common.pinned_array((FLAGS.bank_experts, shape["expert_elems"]), jnp.bfloat16, 1)
     key = jax.random.key(0)
     weights = (jax.random.normal(key, (shape["compute_mats"], WIDTH, WIDTH), jnp.float32) / WIDTH ** 0.5

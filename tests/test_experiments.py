@@ -947,7 +947,7 @@ def test_probe_copy_stream_smoke(tmp_path):
     row is ordered before the copy), the annotated variants compute what their serial ones do and keep the annotation
     in the program text, with no stream of their own on the CPU; the slot-copy kernel is skipped with its reason."""
     d = _run("probe_copy_stream", tmp_path, "--expert_mb=0.1", "--compute_mb=0.5", "--layers=3", "--copies=2",
-             "--bank_experts=8", "--pool_experts=5", "--repeats=2")
+             "--bank_experts=8", "--pool_experts=5", "--repeats=2", "--b_p_mib=8")
     assert d["skipped"] == {"kernel": "the slot-copy kernel needs a GPU backend, not cpu"}
     rows = {r["variant"]: r for r in d["rows"]}
     assert list(rows) == ["empty", "copy", "compute", "serial", "stream1", "serial_pool", "stream1_pool"]

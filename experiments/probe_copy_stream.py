@@ -255,7 +255,8 @@ def main(argv):
     graphs = list(dict.fromkeys(FLAGS.graphs)) if jax.default_backend() == "gpu" else ["off"]
     name = f"probe_copy_stream{'_' + FLAGS.tag if FLAGS.tag else ''}.json"
     out = {"question": "do a layer scan's copies on gpu_stream:1 overlap the layer's compute?",
-           "b_p": common.measure_h2d(FLAGS.b_p_mib * 2**20), "shape": shape, "skipped": skipped, "rows": [], "overlap": []}
+           "b_p": common.measure_h2d(FLAGS.b_p_mib * 2**20), "shape": shape, "skipped": skipped, "rows": [],
+           "overlap": []}
     bank = common.pinned_array((FLAGS.bank_experts, shape["expert_elems"]), jnp.bfloat16, 1)
     key = jax.random.key(0)
     weights = (jax.random.normal(key, (shape["compute_mats"], WIDTH, WIDTH), jnp.float32) / WIDTH ** 0.5

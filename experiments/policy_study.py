@@ -44,8 +44,17 @@ Next-layer prediction (the signal of speculative prefetch, e.g. Pre-gated MoE, H
 against the experts layer l+1 actually routes, for prefetching k and 2k experts, per layer and
 mean (for k predicted experts precision = recall).
 
+Random weights (``--random_preset=NAME``, the benchmarks' case: issue 32's and 33's targets are set on random
+weights at a preset's shape): ``ftjax.checkpoint.random_model`` at that preset cut to ``--random_layers`` layers,
+and ``--streams`` windows of uniformly random token ids (no corpus, no tokenizer); the same trace, replay and
+statistics. Its routing is near uniform, so the hit rates sit near S / (L*E); the next-layer prediction is what it
+adds (how well a predicted prefetch would do in the benchmarks).
+
+  python experiments/policy_study.py --random_preset=qwen3-30b-a3b --random_layers=3 --streams=2 --stream_len=96 \
+      --policies=lru,belady --out_dir=experiments/results/policy
+
 Output (``--out_dir``): ``policy_study.json`` and ``policy_study.png`` (hit rate vs slots per policy;
-prediction and reuse per layer).
+prediction and reuse per layer); with ``--random_preset``, ``policy_study_random_<preset>_<L>l.{json,png}``.
 """
 
 from __future__ import annotations
@@ -306,8 +315,11 @@ def plot(path: str, results: dict, num_experts: int, nlp: dict, stats: dict, tit
 
 
 def run_study(ckpt: str, streams: int, stream_len: int, max_files: int, slots: list[int] | None,
-              policies: list[str], half_life: float, dtype: str, batch: int) -> dict:
-    """Traces, replays and statistics; returns the result dict (see the module docstring).
+              policies: list[str], half_life: float, dtype: str, batch: int, random: tuple[str, int] | None = None
+              ) -> dict:
+    """Traces, replays and statistics; returns the result dict (see the module docstring). ``random``: (preset,
+    layers) for random weights at that preset's shape and random token windows instead of ``ckpt`` and its
+    held-out corpus (``max_files`` unused).
 
     Raises:
       ValueError: unknown policy, a slot count outside [E, L*E], or a held-out stream shorter
@@ -317,20 +329,31 @@ def run_study(ckpt: str, streams: int, stream_len: int, max_files: int, slots: l
         if p not in POLICIES:
             raise StudyInputError(f"unknown policy {p!r}; expected some of {POLICIES}")
     t0 = time.perf_counter()
-    model = load_checkpoint(ckpt, dtype, progress=False)
+    if random is not None:
+        from ftjax.checkpoint import random_model
+        model = random_model(common.preset_cut(*random), "bfloat16")
+    else:
+        model = load_checkpoint(ckpt, dtype, progress=False)
     cfg = model.cfg
     L, E, k = cfg.num_layers, cfg.num_experts, cfg.top_k
     slots = slots or default_slots(L, E)
     for s in slots:
         if not E <= s <= L * E:
             raise StudyInputError(f"slots={s} outside [E={E}, L*E={L * E}]")
-    if model.tokenizer is None:
-        raise StudyInputError(f"{ckpt}: no tokenizer.json")
-    stream, corpus = heldout_stream(model.tokenizer, max_files)
-    n = min(streams, len(stream) // stream_len)
-    if n < 1:
-        raise StudyInputError(f"held-out stream has {len(stream)} tokens, fewer than --stream_len={stream_len}")
-    windows = stream[: n * stream_len].reshape(n, stream_len)
+    if random is not None:  # uniformly random token ids
+        n = streams
+        windows = np.random.default_rng(0).integers(0, cfg.vocab_size, (n, stream_len)).astype(np.int32)
+        corpus = {"random_tokens": True, "seed": 0}
+        ckpt = f"random weights: {random[0]} cut to {L} layers (ftjax.checkpoint.random_model, bfloat16)"
+    else:
+        if model.tokenizer is None:
+            raise StudyInputError(f"{ckpt}: no tokenizer.json")
+        stream, corpus = heldout_stream(model.tokenizer, max_files)
+        n = min(streams, len(stream) // stream_len)
+        if n < 1:
+            raise StudyInputError(f"held-out stream has {len(stream)} tokens, fewer than --stream_len={stream_len}")
+        windows = stream[: n * stream_len].reshape(n, stream_len)
+        ckpt = os.path.abspath(ckpt)
     ids, pred = trace(model, windows, dtype, batch)
     trace_s = time.perf_counter() - t0
     results: dict[str, list[dict]] = {}
@@ -344,7 +367,7 @@ def run_study(ckpt: str, streams: int, stream_len: int, max_files: int, slots: l
         results[p] = rows
     corpus = {key: v for key, v in corpus.items() if key != "heldout_files"}
     return {
-        "meta": common.meta(), "checkpoint": os.path.abspath(ckpt), "config": {
+        "meta": common.meta(), "checkpoint": ckpt, "config": {
             "num_layers": L, "num_experts": E, "top_k": k, "hidden_size": cfg.hidden_size,
             "expert_ffn": cfg.expert_ffn, "vocab_size": cfg.vocab_size},
         "flags": {"streams": n, "stream_len": stream_len, "max_files": max_files, "slots": slots,
@@ -369,6 +392,16 @@ def define_flags() -> None:
     flags.DEFINE_float("lfru_half_life_tokens", LFRU_HALF_LIFE_TOKENS, "lfru: tokens after which a use counts half.")
     flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype of the trace forward.")
     flags.DEFINE_integer("batch", 8, "Streams per forward call.")
+    flags.DEFINE_string("random_preset", "", "Random weights at this preset's shape and random token windows instead "
+                        "of --ckpt (the benchmarks' case; see the module docstring).")
+    flags.DEFINE_integer("random_layers", 3, "Layers of the --random_preset cut (its experts are computed densely "
+                         "for every token: ~30 s for 3 qwen3-30b-a3b layers x 2 x 96 tokens on 2 CPU cores).")
+    flags.register_validator("random_layers", lambda v: v >= 2, "must be >= 2 (a prediction needs a next layer)")
+
+    def random_preset(v):
+        from ftjax.config import PRESETS
+        return f"unknown preset {v!r}; known: {', '.join(PRESETS)}" if v and v not in PRESETS else None
+    common.validate("random_preset", random_preset)
     common.check_names("policies", POLICIES)
     common.check_numbers("slots", int, low=1)
     for name in ("streams", "stream_len", "batch"):
@@ -382,22 +415,34 @@ def main(argv):
     max_files = FLAGS.max_files or (24 if FLAGS.smoke else 0)
     streams, stream_len = (4, 64) if FLAGS.smoke else (FLAGS.streams, FLAGS.stream_len)
     slots = [int(s) for s in FLAGS.slots] if FLAGS.slots else None
-    if not os.path.isfile(os.path.join(FLAGS.ckpt, "config.json")):
+    random = (FLAGS.random_preset, FLAGS.random_layers) if FLAGS.random_preset else None
+    if random is not None:
+        from ftjax.config import preset
+        cfg = preset(random[0])
+        kinds = sorted(set(cfg.layer_types) - {"full_attention"})
+        if kinds:
+            raise app.UsageError(f"--random_preset={random[0]}: its {', '.join(kinds)} layers are not in the study's "
+                                 "forward (train_moe.forward_train: attention layers only)")
+        if random[1] > cfg.num_layers:
+            raise app.UsageError(f"--random_layers={random[1]}: {random[0]} has {cfg.num_layers} layers")
+    if random is None and not os.path.isfile(os.path.join(FLAGS.ckpt, "config.json")):
         raise app.UsageError(f"--ckpt={FLAGS.ckpt}: no config.json there (train one: experiments/train_moe.py)")
     if importlib.util.find_spec("matplotlib") is None:  # the figure comes last: say so before the study runs
         raise app.UsageError("the study's figure needs matplotlib: pip install -e '.[train]'")
     try:
         res = run_study(FLAGS.ckpt, streams, stream_len, max_files, slots, FLAGS.policies,
-                        FLAGS.lfru_half_life_tokens, FLAGS.dtype, FLAGS.batch)
+                        FLAGS.lfru_half_life_tokens, FLAGS.dtype, FLAGS.batch, random)
     except (StudyInputError, CheckpointError) as e:
         raise app.UsageError(str(e)) from None
     os.makedirs(FLAGS.out_dir, exist_ok=True)
-    common.write_json(FLAGS.out_dir, "policy_study.json", res)
+    stem = f"policy_study_random_{random[0]}_{random[1]}l" if random else "policy_study"
+    common.write_json(FLAGS.out_dir, f"{stem}.json", res)
     E = res["config"]["num_experts"]
     nlp = res["next_layer_prediction"]
-    plot(os.path.join(FLAGS.out_dir, "policy_study.png"), res["hit_rate"], E, nlp, res["routing_stats"],
-         f"{os.path.basename(os.path.normpath(FLAGS.ckpt))}: L={res['config']['num_layers']} E={E} "
-         f"k={res['config']['top_k']}, {res['flags']['streams']} x {res['flags']['stream_len']} held-out tokens")
+    source = f"{random[0]} random weights" if random else os.path.basename(os.path.normpath(FLAGS.ckpt))
+    plot(os.path.join(FLAGS.out_dir, f"{stem}.png"), res["hit_rate"], E, nlp, res["routing_stats"],
+         f"{source}: L={res['config']['num_layers']} E={E} k={res['config']['top_k']}, {res['flags']['streams']} x "
+         f"{res['flags']['stream_len']} {'random' if random else 'held-out'} tokens")
     rows = [{"policy": p, **{f"S={r['slots']}": r["hit_rate"] for r in rs}} for p, rs in res["hit_rate"].items()]
     print(common.table(rows, list(rows[0])))
     m = res["routing_stats"]["mean"]

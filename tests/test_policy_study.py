@@ -151,3 +151,25 @@ def test_traced_routing_matches_engine():
     _, _, _, stats = engine.prefill([window[0].tolist()], engine.new_cache(1))
     want = np.concatenate([np.asarray(s.routed_ids) for s in stats], axis=1)[:, :64]  # [L, T, k]
     np.testing.assert_array_equal(np.sort(ids[0].transpose(1, 0, 2), -1), np.sort(want, -1))
+
+
+def test_random_weights_study(tmp_path):
+    """--random_preset: random weights at the tiny preset cut to 2 layers, random token windows; the JSON and figure
+    take the preset's name, the requests count every (token, layer, k), and the 2k prefetch's precision is its
+    recall at k scaled by k / 2k (the same hits)."""
+    proc = run_module_app("experiments.policy_study", ["--random_preset=tiny", "--random_layers=2", "--streams=2",
+                                                       "--stream_len=32", "--policies=lru,belady",
+                                                       f"--out_dir={tmp_path}"],
+                          program=os.path.join(REPO, "experiments", "policy_study.py"),
+                          define=lambda m: m.define_flags())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((tmp_path / "policy_study_random_tiny_2l.json").read_text())
+    assert (tmp_path / "policy_study_random_tiny_2l.png").read_bytes()[:4] == b"\x89PNG"
+    cfg = res["config"]
+    assert cfg["num_layers"] == 2 and res["corpus"] == {"random_tokens": True, "seed": 0}
+    assert res["checkpoint"].startswith("random weights: tiny cut to 2 layers")
+    assert res["requests"] == 2 * 32 * 2 * cfg["top_k"] and list(res["hit_rate"]) == ["lru", "belady"]
+    k = cfg["top_k"]
+    nlp = res["next_layer_prediction"]
+    assert nlp[f"prefetch_{2 * k}"]["mean_precision"] == pytest.approx(nlp[f"prefetch_{2 * k}"]["mean_recall"] / 2)
+    assert 0 < nlp[f"prefetch_{k}"]["mean_recall"] <= nlp[f"prefetch_{2 * k}"]["mean_recall"] <= 1

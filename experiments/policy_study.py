@@ -50,8 +50,8 @@ and ``--streams`` windows of uniformly random token ids (no corpus, no tokenizer
 statistics. Its routing is near uniform, so the hit rates sit near S / (L*E); the next-layer prediction is what it
 adds (how well a predicted prefetch would do in the benchmarks).
 
-  python experiments/policy_study.py --random_preset=qwen3-30b-a3b --random_layers=3 --streams=2 --stream_len=96 \
-      --policies=lru,belady --out_dir=experiments/results/policy
+  JAX_PLATFORMS=cpu python experiments/policy_study.py --random_preset=qwen3-30b-a3b --random_layers=4 --streams=2 \
+      --stream_len=96 --policies=lru,belady --out_dir=/tmp/policy   # ~2 min, ~21 GB of host memory on 2 cores
 
 Output (``--out_dir``): ``policy_study.json`` and ``policy_study.png`` (hit rate vs slots per policy;
 prediction and reuse per layer); with ``--random_preset``, ``policy_study_random_<preset>_<L>l.{json,png}``.
@@ -339,7 +339,7 @@ def run_study(ckpt: str, streams: int, stream_len: int, max_files: int, slots: l
     slots = slots or default_slots(L, E)
     for s in slots:
         if not E <= s <= L * E:
-            raise StudyInputError(f"slots={s} outside [E={E}, L*E={L * E}]")
+            raise StudyInputError(f"--slots={s} outside [E={E}, L*E={L * E}]")
     if random is not None:  # uniformly random token ids
         n = streams
         windows = np.random.default_rng(0).integers(0, cfg.vocab_size, (n, stream_len)).astype(np.int32)

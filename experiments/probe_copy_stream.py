@@ -79,7 +79,7 @@ flags.DEFINE_string("tag", "", "Goes into the JSON's name.")
 common.check_names("copy", ("xla", "kernel"))
 common.check_names("graphs", ("on", "off"))
 
-VARIANTS = ("empty", "copy", "compute", "serial", "stream1", "serial_pool", "stream1_pool")
+VARIANTS = ("empty", "copy", "compute", "serial", "stream1", "serial_pool", "stream1_pool", "stream1_compute")
 #: XLA's option that turns ``_xla_stream_annotation`` into a stream of its own (without it: "No ExecutionStreamId").
 STREAM_OPTION = {"xla_gpu_experimental_stream_annotation": True}
 #: Rows of the stand-in compute's GEMVs (a decode batch padded to 4 rows, as ``KernelConfig.min_dot_rows``).
@@ -121,7 +121,7 @@ def program(variant: str, path: str):
     from jax.experimental.compute_on import compute_on
 
     copy = _copy_fn(path)
-    if variant.startswith("stream1"):
+    if variant in ("stream1", "stream1_pool"):
         copy = compute_on(compute_type="gpu_stream:1", out_memory_spaces=jax.memory.Space.Device)(copy)
 
     copies = variant not in ("empty", "compute")
@@ -131,6 +131,8 @@ def program(variant: str, path: str):
         for m in range(weights.shape[0]):
             act = jnp.tanh(act @ weights[m]).astype(act.dtype)
         return act
+    if variant == "stream1_compute":  # the other way round: the compute on stream 1, the copy on XLA's stream
+        compute = compute_on(compute_type="gpu_stream:1", out_memory_spaces=jax.memory.Space.Device)(compute)
 
     def call(bank, weights, buf, act, xs):
         def layer(carry, x):
@@ -226,7 +228,7 @@ def overlap(rows: list[dict]) -> list[dict]:
             shorter = min(net["copy"], net["compute"])
             entry = {"copy": path, "graphs": g, "empty_ms": ms["empty"], "copy_ms": net["copy"],
                      "compute_ms": net["compute"]}
-            for v in ("serial", "stream1", "serial_pool", "stream1_pool"):
+            for v in ("serial", "stream1", "serial_pool", "stream1_pool", "stream1_compute"):
                 if v in net:
                     entry[f"{v}_ms"] = net[v]
                     entry[f"{v}_hidden"] = round((net["copy"] + net["compute"] - net[v]) / shorter, 3)
@@ -278,7 +280,7 @@ def main(argv):
                 row, res = measure_row(variant, path, g, (bank, weights, buf, act, xs), FLAGS.repeats)
                 results[(path, g, variant)] = res
                 if variant.startswith("stream1"):
-                    base = results.get((path, g, variant.replace("stream1", "serial")))
+                    base = results.get((path, g, "serial_pool" if variant == "stream1_pool" else "serial"))
                     row["same_result_as_serial"] = (None if res is None or base is None else
                                                     all(np.array_equal(a, b) for a, b in zip(res, base)))
                 out["rows"].append(row)

@@ -79,7 +79,8 @@ flags.DEFINE_string("tag", "", "Goes into the JSON's name.")
 common.check_names("copy", ("xla", "kernel"))
 common.check_names("graphs", ("on", "off"))
 
-VARIANTS = ("empty", "copy", "compute", "serial", "stream1", "serial_pool", "stream1_pool", "stream1_compute")
+VARIANTS = ("empty", "copy", "compute", "serial", "stream1", "serial_pool", "stream1_pool", "compute_on1",
+            "stream1_compute")
 #: XLA's option that turns ``_xla_stream_annotation`` into a stream of its own (without it: "No ExecutionStreamId").
 STREAM_OPTION = {"xla_gpu_experimental_stream_annotation": True}
 #: Rows of the stand-in compute's GEMVs (a decode batch padded to 4 rows, as ``KernelConfig.min_dot_rows``).
@@ -124,14 +125,14 @@ def program(variant: str, path: str):
     if variant in ("stream1", "stream1_pool"):
         copy = compute_on(compute_type="gpu_stream:1", out_memory_spaces=jax.memory.Space.Device)(copy)
 
-    copies = variant not in ("empty", "compute")
+    copies = variant not in ("empty", "compute", "compute_on1")
     computes = variant not in ("empty", "copy")
 
     def compute(weights, act):
         for m in range(weights.shape[0]):
             act = jnp.tanh(act @ weights[m]).astype(act.dtype)
         return act
-    if variant == "stream1_compute":  # the other way round: the compute on stream 1, the copy on XLA's stream
+    if variant in ("compute_on1", "stream1_compute"):  # the other way round: the compute on stream 1, the copy on XLA's stream
         compute = compute_on(compute_type="gpu_stream:1", out_memory_spaces=jax.memory.Space.Device)(compute)
 
     def call(bank, weights, buf, act, xs):
@@ -283,6 +284,8 @@ def main(argv):
                     base = results.get((path, g, "serial_pool" if variant == "stream1_pool" else "serial"))
                     row["same_result_as_serial"] = (None if res is None or base is None else
                                                     all(np.array_equal(a, b) for a, b in zip(res, base)))
+                    if res is not None and base is not None:
+                        row["max_abs_diff_vs_serial"] = [float(np.max(np.abs(a - b))) for a, b in zip(res, base)]
                 out["rows"].append(row)
                 out["overlap"] = overlap(out["rows"])
                 common.write_json(FLAGS.out_dir, name, out)

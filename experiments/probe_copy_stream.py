@@ -23,7 +23,10 @@ layer first reads a row of the buffer that the layer before filled, behind an op
 * ``stream1``: ``serial`` with the copy inside ``compute_on(compute_type="gpu_stream:1")``;
 * ``serial_pool`` / ``stream1_pool``: the same with a buffer of ``--pool_experts`` rows, as a prefetch into the decode
   step's slot pool would be (``buffer_copies``: the compiled program's copies of the whole buffer, which must stay
-  0; ``temp_bytes``).
+  0; ``temp_bytes``);
+* ``compute_on1`` / ``stream1_compute``: the other way round, the compute inside ``compute_on("gpu_stream:1")``,
+  alone (the baseline: the call boundary alone changes how XLA fuses the compute) and beside the copy on XLA's
+  stream.
 
 The copy is XLA's (a dynamic index of the host bank moved to the device, ``--copy=xla``) or the slot-copy kernel's
 (``ftjax.experts.slot_copy``, ``--copy=kernel``: an FFI call handed the stream it runs on). With ``--graphs=on`` the
@@ -40,9 +43,10 @@ the error of a variant XLA refuses.
 Writes ``probe_copy_stream[_<tag>].json``: ``b_p`` (a pinned ``device_put`` of ``--b_p_mib``), ``shape``,
 ``skipped`` (a copy path or the command buffers this machine cannot run, with the reason; also printed), ``rows``
 ({variant, copy, graphs, ms_per_layer spread, hlo, annotated, operation_queue_ids, buffer_copies, temp_bytes,
-same_result_as_serial -- a stream1 variant's result against its serial one --, error}) and ``overlap`` per copy path
-and graphs: with every time net of ``empty``, for each serial and stream1 variant (copy + compute - it) /
-min(copy, compute), the share of the shorter part hidden (1.0: fully overlapped, 0: serial). On a CPU there is one
+same_result_as_serial and max_abs_diff_vs_serial -- a stream1 variant's (buffer, act) against its serial one's --,
+error}) and ``overlap`` per copy path and graphs: with every time net of ``empty``, for each serial and stream1
+variant (copy + compute - it) / min(copy, compute), the share of the shorter part hidden (1.0: fully overlapped,
+0: serial; ``stream1_compute``'s against ``compute_on1``, the compute it runs). On a CPU there is one
 stream and the rows are milliseconds of noise: the CPU run checks the programs, not the overlap.
 """
 
@@ -132,7 +136,7 @@ def program(variant: str, path: str):
         for m in range(weights.shape[0]):
             act = jnp.tanh(act @ weights[m]).astype(act.dtype)
         return act
-    if variant in ("compute_on1", "stream1_compute"):  # the other way round: the compute on stream 1, the copy on XLA's stream
+    if variant in ("compute_on1", "stream1_compute"):  # the other way round: the compute on stream 1
         compute = compute_on(compute_type="gpu_stream:1", out_memory_spaces=jax.memory.Space.Device)(compute)
 
     def call(bank, weights, buf, act, xs):
@@ -216,8 +220,8 @@ def measure_row(variant: str, path: str, graphs: str, args: tuple, repeats: int)
 
 def overlap(rows: list[dict]) -> list[dict]:
     """Per copy path and graphs, every median net of ``empty``'s (the scan's own cost a layer): copy_ms, compute_ms,
-    and for each serial and stream1 variant its ms and the share of the shorter of copy and compute it hid,
-    (copy + compute - it) / min(copy, compute)."""
+    compute_on1_ms, and for each serial and stream1 variant its ms and the share of the shorter of copy and compute
+    it hid, (copy + compute - it) / min(copy, compute), where compute is compute_on1's for stream1_compute."""
     out = []
     for path in dict.fromkeys(r["copy"] for r in rows):
         for g in dict.fromkeys(r["graphs"] for r in rows):
@@ -226,13 +230,14 @@ def overlap(rows: list[dict]) -> list[dict]:
             if not {"empty", "copy", "compute"} <= set(ms):
                 continue
             net = {v: t - ms["empty"] for v, t in ms.items() if v != "empty"}
-            shorter = min(net["copy"], net["compute"])
             entry = {"copy": path, "graphs": g, "empty_ms": ms["empty"], "copy_ms": net["copy"],
-                     "compute_ms": net["compute"]}
+                     "compute_ms": net["compute"], "compute_on1_ms": net.get("compute_on1")}
             for v in ("serial", "stream1", "serial_pool", "stream1_pool", "stream1_compute"):
                 if v in net:
+                    # stream1_compute against the compute it runs (compute_on1's), the others against compute's
+                    comp = net.get("compute_on1", net["compute"]) if v == "stream1_compute" else net["compute"]
                     entry[f"{v}_ms"] = net[v]
-                    entry[f"{v}_hidden"] = round((net["copy"] + net["compute"] - net[v]) / shorter, 3)
+                    entry[f"{v}_hidden"] = round((net["copy"] + comp - net[v]) / min(net["copy"], comp), 3)
             out.append(entry)
     return out
 

@@ -426,6 +426,17 @@ def _lower_programs(d: dict) -> str:
                      f"{r['trace_s'] + r['lower_s']:.1f} s" for r in first) or "-"
 
 
+def _probe_copy_stream(d: dict) -> str:
+    """Per copy path and graphs, the share of the shorter part a stream1 variant hid (1: overlapped, 0: serial)."""
+    out = []
+    for o in d.get("overlap") or []:
+        hid = [f"{v} {o[v + '_hidden']:+.2f}" for v in ("stream1", "stream1_compute")
+               if o.get(v + "_hidden") is not None]
+        if hid:
+            out.append(f"{o['copy']} graphs {o['graphs']}: " + ", ".join(hid))
+    return ("hidden share " + "; ".join(out)) if out else "-"
+
+
 HEADLINES = {
     "bench_decode": _bench_decode,
     "bench_decode_speed": _bench_decode_speed,
@@ -446,6 +457,7 @@ HEADLINES = {
     "plan_vs_peak": _plan_vs_peak,
     "policy_study": _policy_study,
     "probe_h2d": _probe_h2d,
+    "probe_copy_stream": _probe_copy_stream,
     "bench_grouped_matmul": _bench_grouped_matmul,
     "probe_hybrid_batch_decode": _probe_hybrid_batch_decode,
     "lower_programs": _lower_programs,

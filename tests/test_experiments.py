@@ -943,7 +943,7 @@ def test_a_given_commit_is_recorded_as_given(monkeypatch):
 
 
 def test_probe_copy_stream_smoke(tmp_path):
-    """XLA's copy on the CPU: the seven variants run with no copy of the whole buffer (the read of the layer before's
+    """XLA's copy on the CPU: the nine variants run with no copy of the whole buffer (the read of the layer before's
     row is ordered before the copy), the annotated variants compute what their serial ones do and keep the annotation
     in the program text, with no stream of their own on the CPU; the slot-copy kernel is skipped with its reason."""
     d = _run("probe_copy_stream", tmp_path, "--expert_mb=0.1", "--compute_mb=0.5", "--layers=3", "--copies=2",
@@ -951,13 +951,18 @@ def test_probe_copy_stream_smoke(tmp_path):
     assert d["skipped"] == {"kernel": "the slot-copy kernel needs a GPU backend, not cpu",
                             "graphs=on": "command buffers are XLA:GPU's"}
     rows = {r["variant"]: r for r in d["rows"]}
-    assert list(rows) == ["empty", "copy", "compute", "serial", "stream1", "serial_pool", "stream1_pool"]
+    assert list(rows) == ["empty", "copy", "compute", "serial", "stream1", "serial_pool", "stream1_pool", "compute_on1",
+                          "stream1_compute"]
     assert {r["graphs"] for r in d["rows"]} == {"off"}
     assert all("error" not in r and r["ms_per_layer"]["median"] > 0 for r in d["rows"]), d["rows"]
     assert all(r["buffer_copies"] == 0 and r["operation_queue_ids"] == [] for r in d["rows"]), d["rows"]
     for v in ("stream1", "stream1_pool"):
         assert rows[v]["annotated"] and not rows[v.replace("stream1", "serial")]["annotated"]
-        assert rows[v]["same_result_as_serial"] is True
+        assert rows[v]["same_result_as_serial"] is True and rows[v]["max_abs_diff_vs_serial"] == [0.0, 0.0]
+    assert rows["compute_on1"]["annotated"] and rows["stream1_compute"]["annotated"]
+    # the compute's fusion may change at the call boundary: the buffer is the same, the activations within rounding
+    buf_diff, act_diff = rows["stream1_compute"]["max_abs_diff_vs_serial"]
+    assert buf_diff == 0.0 and act_diff < 1e-2
     assert d["shape"]["expert_bytes"] == 49152 * 2 and d["shape"]["compute_mats"] == 1  # 0.1 MB in 4096-wide rows
     (o,) = d["overlap"]
     assert o["copy_ms"] == pytest.approx(rows["copy"]["ms_per_layer"]["median"] - o["empty_ms"])

@@ -352,8 +352,7 @@ def run_study(ckpt: str, streams: int, stream_len: int, max_files: int, slots: l
         n = min(streams, len(stream) // stream_len)
         if n < 1:
             raise StudyInputError(f"held-out stream has {len(stream)} tokens, fewer than --stream_len={stream_len}")
-        windows = stream[: n * stream_len].reshape(n, stream_len)
-        ckpt = os.path.abspath(ckpt)
+        windows = stream[: n * stream_len].reshape(n, stream_len)  # ckpt is recorded as given (no machine path)
     ids, pred = trace(model, windows, dtype, batch)
     trace_s = time.perf_counter() - t0
     results: dict[str, list[dict]] = {}

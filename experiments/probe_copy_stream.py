@@ -168,13 +168,15 @@ def buffer_copies(text: str, shape: tuple) -> int:
 def layer_slots(pool: int, copies: int, layers: int, bank_experts: int) -> tuple:
     """The scan's xs for a buffer of ``pool`` >= 2C rows: (bank ids int32 [L, C] drawn at random, the slots they
     land in int32 [L, C] -- the next C rows, round the buffer's whole blocks of C --, the slot each layer reads int32
-    [L]: the first of the layer before's, the last layer's for layer 0 -- a row this layer does not write)."""
+    [L]: the first of the layer before's, for layer 0 the first of the ring's last block -- never a row the layer
+    writes)."""
     import jax.numpy as jnp
     import numpy as np
     c, n = copies, layers
     ids = np.random.default_rng(0).integers(0, bank_experts, (n, c))
-    slots = (np.arange(n * c) % (pool // c * c)).reshape(n, c)
-    read = np.roll(slots[:, 0], 1)
+    ring = pool // c * c
+    slots = (np.arange(n * c) % ring).reshape(n, c)
+    read = np.concatenate([[ring - c], slots[:-1, 0]])
     return jnp.asarray(ids, jnp.int32), jnp.asarray(slots, jnp.int32), jnp.asarray(read, jnp.int32)
 
 
@@ -235,9 +237,10 @@ def overlap(rows: list[dict]) -> list[dict]:
             for v in ("serial", "stream1", "serial_pool", "stream1_pool", "stream1_compute"):
                 if v in net:
                     # stream1_compute against the compute it runs (compute_on1's), the others against compute's
-                    comp = net.get("compute_on1", net["compute"]) if v == "stream1_compute" else net["compute"]
+                    comp = net.get("compute_on1") if v == "stream1_compute" else net["compute"]
                     entry[f"{v}_ms"] = net[v]
-                    entry[f"{v}_hidden"] = round((net["copy"] + comp - net[v]) / min(net["copy"], comp), 3)
+                    entry[f"{v}_hidden"] = (None if comp is None or min(net["copy"], comp) <= 0 else  # no baseline
+                                            round((net["copy"] + comp - net[v]) / min(net["copy"], comp), 3))
             out.append(entry)
     return out
 

@@ -973,8 +973,8 @@ def test_probe_copy_stream_rows_and_copies():
     of 4); a whole-buffer copy in HLO text is counted, a copy of another shape is not."""
     probe = import_app("experiments.probe_copy_stream")
     ids, slots, read = (a.tolist() for a in probe.layer_slots(5, copies=2, layers=3, bank_experts=8))
-    assert slots == [[0, 1], [2, 3], [0, 1]] and read == [0, 0, 2]
-    assert all(read[l] in slots[l - 1] and read[l] not in slots[l] for l in range(1, 3))
+    assert slots == [[0, 1], [2, 3], [0, 1]] and read == [2, 0, 2]
+    assert read[0] not in slots[0] and all(read[l] in slots[l - 1] and read[l] not in slots[l] for l in range(1, 3))
     assert all(0 <= i < 8 for row in ids for i in row)
     text = ("  %copy.3 = bf16[5,4096]{1,0} copy(bf16[5,4096]{1,0} %p)\n  %copy.4 = bf16[2,4096]{1,0} copy(%r)\n"
             "  %fusion.2 = bf16[5,4096]{1,0} fusion(%p), kind=kLoop\n")

@@ -99,6 +99,8 @@ def test_split_engines_and_the_cpu_keep_the_xla_loop_under_auto():
         assert registry.active().miss_copy == "xla"
     with StepOptions("cached", devices=2, kernels=KernelConfig(miss_copy="kernel")).tracing():
         assert registry.active().miss_copy == "kernel"  # asked for by name: kept
+    assert [fetch.miss_copy_choice(c, n) for c, n in (("auto", 2), ("auto", 1), ("kernel", 2), ("xla", 1))] == [
+        "xla", "auto", "kernel", "xla"]
     with registry.lowering_for("gpu"):
         assert fetch.miss_copy_mode("auto", devices=2) == "xla"
     assert fetch.miss_copy_mode("xla") == "xla"

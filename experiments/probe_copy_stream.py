@@ -29,7 +29,10 @@ layer first reads a row of the buffer that the layer before filled, behind an op
   stream.
 
 The copy is XLA's (a dynamic index of the host bank moved to the device, ``--copy=xla``) or the slot-copy kernel's
-(``ftjax.experts.slot_copy``, ``--copy=kernel``: an FFI call handed the stream it runs on). With ``--graphs=on`` the
+(``ftjax.experts.slot_copy``, ``--copy=kernel``: an FFI call handed the stream it runs on), or that kernel on a
+stream the library owns (``--copy=kernel_async``: ``slot_copy.copy_into_slots_start``, returning at once, and
+``wait_slots`` at the next layer's start making XLA's stream wait for it; both run outside XLA's CUDA graphs; its
+``serial`` rows are the overlap question, the stream-annotated rows are not run). With ``--graphs=on`` the
 programs compile with the cached decode step's command buffers. Overlap shows as ``serial`` near ``copy`` +
 ``compute`` and ``stream1`` near max(``copy``, ``compute``); each row records its compiled HLO's op counts,
 ``annotated`` (the annotation survives in the program text even where XLA ignores it: the CPU keeps it), the
@@ -73,18 +76,21 @@ flags.DEFINE_float("compute_mb", 300.0, "MB of bf16 weights the stand-in compute
                    "at an H100's 3.35 TB/s, about the 16-layer hybrid's non-expert time a layer).", lower_bound=0.01)
 flags.DEFINE_integer("pool_experts", 256, "Slots of the pool of the *_pool variants.", lower_bound=1)
 flags.DEFINE_list("copy", ["xla", "kernel"], "Copy paths: xla (a host slice moved to the device), kernel (the "
-                  "slot-copy kernel; skipped with the reason where it cannot build).")
+                  "slot-copy kernel; skipped with the reason where it cannot build), kernel_async (the same kernel on "
+                  "a stream of its own, joined by the next layer: serial and serial_pool rows only).")
 flags.DEFINE_list("graphs", ["on", "off"], "Compile with the cached decode step's command buffers (on) and / or "
                   "without (off); GPU only (elsewhere: off).")
 flags.DEFINE_integer("b_p_mib", 512, "MiB of the pinned device_put that measures the copy rate B_P.", lower_bound=1)
 flags.DEFINE_integer("repeats", 10, "Timed calls per row (after two untimed).", lower_bound=1)
 flags.DEFINE_string("out_dir", "experiments/results/overlap", "Where the JSON goes.")
 flags.DEFINE_string("tag", "", "Goes into the JSON's name.")
-common.check_names("copy", ("xla", "kernel"))
+common.check_names("copy", ("xla", "kernel", "kernel_async"))
 common.check_names("graphs", ("on", "off"))
 
 VARIANTS = ("empty", "copy", "compute", "serial", "stream1", "serial_pool", "stream1_pool", "compute_on1",
             "stream1_compute")
+#: The rows of ``--copy=kernel_async`` (its own stream is the question; the stream-annotated rows are the others').
+ASYNC_VARIANTS = ("empty", "copy", "compute", "serial", "serial_pool")
 #: XLA's option that turns ``_xla_stream_annotation`` into a stream of its own (without it: "No ExecutionStreamId").
 STREAM_OPTION = {"xla_gpu_experimental_stream_annotation": True}
 #: Rows of the stand-in compute's GEMVs (a decode batch padded to 4 rows, as ``KernelConfig.min_dot_rows``).
@@ -109,6 +115,10 @@ def _copy_fn(path: str):
     if path == "kernel":
         def copy(bank, buf, ids, slots):
             return slot_copy.copy_into_slots(bank, buf, ids, slots, jax.numpy.int32(ids.shape[0]))
+        return copy
+    if path == "kernel_async":  # on the library's own stream; the next layer's wait_slots joins it
+        def copy(bank, buf, ids, slots):
+            return slot_copy.copy_into_slots_start(bank, buf, ids, slots, jax.numpy.int32(ids.shape[0]))
         return copy
 
     def copy(bank, buf, ids, slots):
@@ -139,17 +149,26 @@ def program(variant: str, path: str):
     if variant in ("compute_on1", "stream1_compute"):  # the other way round: the compute on stream 1
         compute = compute_on(compute_type="gpu_stream:1", out_memory_spaces=jax.memory.Space.Device)(compute)
 
+    joins = path == "kernel_async" and copies  # the copy runs on; the next layer (and the end) waits for it
+    if joins:
+        from ftjax.experts import slot_copy
+
     def call(bank, weights, buf, act, xs):
         def layer(carry, x):
             buf, act = carry
             ids, slots, read = x
+            if joins:  # the layer before's copy has landed before its row is read
+                buf = slot_copy.wait_slots(buf)
             # the previous layer's prefetch is read before this layer's copy may overwrite the buffer
             row, buf = jax.lax.optimization_barrier((buf[read, :WIDTH], buf))
             act = act + row.astype(act.dtype)[None, :]
             new_buf = copy(bank, buf, ids, slots) if copies else buf
+            if copies and computes:  # the copy is issued before the compute (kernel_async: so it can run beside it)
+                new_buf, act = jax.lax.optimization_barrier((new_buf, act))
             act = compute(weights, act) if computes else act
             return (new_buf, act), None
-        return jax.lax.scan(layer, (buf, act), xs)[0]
+        buf, act = jax.lax.scan(layer, (buf, act), xs)[0]
+        return (slot_copy.wait_slots(buf) if joins else buf), act
     return jax.jit(call, donate_argnums=(2,))
 
 
@@ -260,11 +279,12 @@ def main(argv):
     shape = shapes()
     paths = list(dict.fromkeys(FLAGS.copy))
     skipped = {}
-    if "kernel" in paths and slot_copy.unavailable() is not None:
-        skipped["kernel"] = slot_copy.unavailable()
-        paths.remove("kernel")
+    for kernel in ("kernel", "kernel_async"):
+        if kernel in paths and slot_copy.unavailable() is not None:
+            skipped[kernel] = slot_copy.unavailable()
+            paths.remove(kernel)
     if not paths:
-        raise app.UsageError(f"--copy={','.join(FLAGS.copy)}: nothing to run here ({skipped['kernel']})")
+        raise app.UsageError(f"--copy={','.join(FLAGS.copy)}: nothing to run here ({'; '.join(skipped.values())})")
     graphs = list(dict.fromkeys(FLAGS.graphs)) if jax.default_backend() == "gpu" else ["off"]
     if graphs != list(dict.fromkeys(FLAGS.graphs)):
         skipped["graphs=on"] = "command buffers are XLA:GPU's"
@@ -283,6 +303,8 @@ def main(argv):
     for path in paths:
         for g in graphs:
             for variant in VARIANTS:
+                if path == "kernel_async" and variant not in ASYNC_VARIANTS:
+                    continue
                 rows = FLAGS.pool_experts if variant.endswith("_pool") else 2 * FLAGS.copies
                 buf = jnp.zeros((rows, shape["expert_elems"]), jnp.bfloat16)
                 xs = layer_slots(rows, FLAGS.copies, FLAGS.layers, FLAGS.bank_experts)

@@ -42,6 +42,9 @@ def _cases(tmp: pathlib.Path) -> dict:
         "policy_study:hybrid": (["--random_preset=qwen3.5-35b-a3b", f"--out_dir={tmp}"],
                                  "--random_preset=qwen3.5-35b-a3b: its linear_attention layers are not in the study's "
                                  "forward (train_moe.forward_train: attention layers only)"),
+        "probe_copy_stream:kernel_async": (["--copy=kernel_async", f"--out_dir={tmp}"],
+                                           "--copy=kernel_async: nothing to run here (the slot-copy kernel needs a "
+                                           "GPU backend, not cpu)"),
         "probe_copy_stream": (["--copies=8", "--pool_experts=4", f"--out_dir={tmp}"],
                               "--pool_experts=4 is less than two layers' copies (2 x --copies=8): a layer would write "
                               "the rows it reads"),
@@ -50,7 +53,7 @@ def _cases(tmp: pathlib.Path) -> dict:
 
 @pytest.mark.parametrize("case", ["replay_policies", "check_oracle_gpu", "policy_study", "bench_prefill",
                                   "bench_decode", "ab_commits", "bench_miss_copy", "bench_miss_copy:kernel_blocks",
-                                  "probe_copy_stream", "policy_study:hybrid"])
+                                  "probe_copy_stream", "probe_copy_stream:kernel_async", "policy_study:hybrid"])
 def test_bad_input_is_one_error_line_and_status_1(tmp_path, case):
     from experiments import common
     args, message = _cases(tmp_path)[case]

@@ -40,9 +40,11 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "slo
 #: nvcc flags of every build (``-arch=native``: machine code for the GPUs of the building machine).
 NVCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-arch=native")
 #: The source's ``ftjax_slot_copy_abi()``; a library that reports another is refused.
-ABI = 1
+ABI = 2
 #: FFI target names: the bank as an operand, and the bank as an address attribute.
 TARGET, TARGET_PTR = "ftjax_slot_copy", "ftjax_slot_copy_ptr"
+#: The copy on the library's own stream and the compute stream's wait for it (:func:`copy_into_slots_start`).
+TARGET_START, TARGET_WAIT = "ftjax_slot_copy_start", "ftjax_slot_copy_wait"
 #: Thread blocks per miss (each of 256 threads, 4 x 16-byte loads in flight): 64 blocks x 16 KiB of reads in
 #: flight per pass over a 6-9 MB expert, enough to keep a PCIe 5.0 x16 link's ~1-2 us read latency covered.
 BLOCKS_PER_MISS = 64
@@ -146,6 +148,8 @@ def register() -> str:
                 raise SlotCopyUnavailable(f"{path} reports ABI {lib.ftjax_slot_copy_abi()}, expected {ABI}")
             jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.FtjaxSlotCopy), platform="CUDA")
             jax.ffi.register_ffi_target(TARGET_PTR, jax.ffi.pycapsule(lib.FtjaxSlotCopyPtr), platform="CUDA")
+            jax.ffi.register_ffi_target(TARGET_START, jax.ffi.pycapsule(lib.FtjaxSlotCopyStart), platform="CUDA")
+            jax.ffi.register_ffi_target(TARGET_WAIT, jax.ffi.pycapsule(lib.FtjaxSlotCopyWait), platform="CUDA")
         except SlotCopyUnavailable as e:
             _STATE["error"] = str(e)
             raise
@@ -176,6 +180,22 @@ def warn_once(why: str) -> None:
                   RuntimeWarning, stacklevel=2)
 
 
+def _check(name: str, bank: jax.Array, pool: jax.Array, blocks_per_miss) -> None:
+    """The copy calls' argument checks, then :func:`register`.
+    Raises:
+      ValueError: ``blocks_per_miss`` not an integer in [1, :data:`MAX_BLOCKS_PER_MISS`]; bank and pool rows that
+        differ in shape or dtype.
+      SlotCopyUnavailable: as :func:`register`."""
+    if isinstance(blocks_per_miss, bool) or int(blocks_per_miss) != blocks_per_miss or \
+            not 1 <= blocks_per_miss <= MAX_BLOCKS_PER_MISS:
+        raise ValueError(f"{name}: blocks_per_miss={blocks_per_miss!r}, expected an integer 1 to "
+                         f"{MAX_BLOCKS_PER_MISS}")
+    if bank.shape[1:] != pool.shape[1:] or bank.dtype != pool.dtype:
+        raise ValueError(f"{name}: bank rows {bank.shape[1:]} {bank.dtype} differ from pool rows "
+                         f"{pool.shape[1:]} {pool.dtype}")
+    register()
+
+
 def copy_into_slots(bank: jax.Array, pool: jax.Array, flat_ids: jax.Array, slots: jax.Array, count: jax.Array,
                     bank_address: int | None = None, blocks_per_miss: int = BLOCKS_PER_MISS) -> jax.Array:
     """Rows ``flat_ids[:count]`` of the host ``bank`` written into rows ``slots[:count]`` of the device ``pool``
@@ -195,14 +215,7 @@ def copy_into_slots(bank: jax.Array, pool: jax.Array, flat_ids: jax.Array, slots
       SlotCopyUnavailable: as :func:`register`.
       (at run time) a kernel fault surfaces as XLA's runtime error of the program.
     """
-    if isinstance(blocks_per_miss, bool) or int(blocks_per_miss) != blocks_per_miss or \
-            not 1 <= blocks_per_miss <= MAX_BLOCKS_PER_MISS:
-        raise ValueError(f"copy_into_slots: blocks_per_miss={blocks_per_miss!r}, expected an integer 1 to "
-                         f"{MAX_BLOCKS_PER_MISS}")
-    if bank.shape[1:] != pool.shape[1:] or bank.dtype != pool.dtype:
-        raise ValueError(f"copy_into_slots: bank rows {bank.shape[1:]} {bank.dtype} differ from pool rows "
-                         f"{pool.shape[1:]} {pool.dtype}")
-    register()
+    _check("copy_into_slots", bank, pool, blocks_per_miss)
     ids = jnp.asarray(flat_ids, jnp.int32)
     sl = jnp.asarray(slots, jnp.int32)
     n = jnp.asarray(count, jnp.int32).reshape(())
@@ -213,3 +226,36 @@ def copy_into_slots(bank: jax.Array, pool: jax.Array, flat_ids: jax.Array, slots
     call = jax.ffi.ffi_call(TARGET_PTR, out, input_output_aliases={3: 0})
     return call(ids, sl, n, pool, bank_ptr=np.int64(bank_address), bank_rows=np.int64(bank.shape[0]),
                 blocks_per_miss=np.int64(blocks_per_miss))
+
+
+def copy_into_slots_start(bank: jax.Array, pool: jax.Array, flat_ids: jax.Array, slots: jax.Array,
+                          count: jax.Array, tag: int = 0, blocks_per_miss: int = BLOCKS_PER_MISS) -> jax.Array:
+    """:func:`copy_into_slots` launched on a CUDA stream of the library's own, after the compute stream's work so
+    far, without waiting for it: the returned pool [S, ...] aliases ``pool`` while its ``slots[:count]`` rows are
+    still being written. The program must pass the pool through :func:`wait_slots` (same ``tag``, an int; 64 tags
+    in flight at most) before it reads those rows; other rows may be read meanwhile, so the copy runs beside XLA's
+    kernels. Not command-buffer compatible: XLA runs both calls outside its CUDA graphs. A probe of copies beside
+    compute (``experiments/probe_copy_stream.py``, ``--copy=kernel_async``); the engine does not use it.
+
+    Raises:
+      ValueError, SlotCopyUnavailable: as :func:`copy_into_slots`.
+    """
+    _check("copy_into_slots_start", bank, pool, blocks_per_miss)
+    call = jax.ffi.ffi_call(TARGET_START, jax.ShapeDtypeStruct(pool.shape, pool.dtype), input_output_aliases={4: 0},
+                            has_side_effect=True)
+    return call(bank, jnp.asarray(flat_ids, jnp.int32), jnp.asarray(slots, jnp.int32),
+                jnp.asarray(count, jnp.int32).reshape(()), pool, blocks_per_miss=np.int64(blocks_per_miss),
+                tag=np.int64(tag))
+
+
+def wait_slots(pool: jax.Array, tag: int = 0) -> jax.Array:
+    """The pool [S, ...] once the last :func:`copy_into_slots_start` of ``tag`` has finished writing it (the compute
+    stream waits for the copy's stream; nothing is copied).
+
+    Raises:
+      SlotCopyUnavailable: as :func:`register`.
+    """
+    register()
+    call = jax.ffi.ffi_call(TARGET_WAIT, jax.ShapeDtypeStruct(pool.shape, pool.dtype), input_output_aliases={0: 0},
+                            has_side_effect=True)
+    return call(pool, tag=np.int64(tag))

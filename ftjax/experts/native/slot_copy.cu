@@ -20,7 +20,16 @@
 // `bank_rows`, the bank's row count) instead of an operand, for XLA builds that refuse a host operand.
 // Rows whose flat id or slot is out of range are skipped (XLA's loop would clamp them; the engine never passes
 // one). Kernel faults surface as XLA runtime errors when the program runs.
+//
+// ftjax_slot_copy_start / ftjax_slot_copy_wait (a probe of copies beside compute, experiments/probe_copy_stream.py;
+// not used by the engine): _start is the same copy launched on a stream of this library's own, after the
+// compute stream's work so far, and returns at once (the pool result aliases the pool, its rows being written);
+// _wait(pool) makes the compute stream wait for the last _start of the same `tag` (mod kTags). Between the two,
+// XLA's kernels run beside the copy: the program must not read the slots being written before the _wait. Neither
+// is command-buffer compatible (a copy forked inside a captured call must join before it returns), so XLA runs
+// them outside its CUDA graphs. One GPU per process.
 #include <cstdint>
+#include <mutex>
 #include <string>
 
 #include <cuda_runtime.h>
@@ -127,9 +136,57 @@ ffi::Error SlotCopyPtrImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::
               blocks_per_miss);
 }
 
+constexpr int kTags = 64;
+
+struct SideStream {
+  cudaStream_t stream = nullptr;
+  cudaEvent_t start = nullptr;
+  cudaEvent_t done[kTags] = {};
+  cudaError_t error = cudaSuccess;
+};
+
+SideStream& Side() {
+  static SideStream side;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    cudaError_t e = cudaStreamCreateWithFlags(&side.stream, cudaStreamNonBlocking);
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&side.start, cudaEventDisableTiming);
+    for (int i = 0; i < kTags && e == cudaSuccess; ++i) e = cudaEventCreateWithFlags(&side.done[i], cudaEventDisableTiming);
+    side.error = e;
+  });
+  return side;
+}
+
+ffi::Error SlotCopyStartImpl(cudaStream_t stream, ffi::AnyBuffer bank, ffi::Buffer<ffi::S32> ids,
+                             ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> count, ffi::AnyBuffer pool,
+                             ffi::Result<ffi::AnyBuffer> out, int64_t blocks_per_miss, int64_t tag) {
+  SideStream& side = Side();
+  if (side.error != cudaSuccess)
+    return ffi::Error::Internal(std::string("ftjax_slot_copy_start: ") + cudaGetErrorString(side.error));
+  cudaError_t e = cudaEventRecord(side.start, stream);  // after the compute stream's work so far
+  if (e == cudaSuccess) e = cudaStreamWaitEvent(side.stream, side.start, 0);
+  if (e != cudaSuccess) return ffi::Error::Internal(std::string("ftjax_slot_copy_start: ") + cudaGetErrorString(e));
+  ffi::Error err = SlotCopyImpl(side.stream, bank, ids, slots, count, pool, out, blocks_per_miss);
+  if (!err.success()) return err;
+  e = cudaEventRecord(side.done[((tag % kTags) + kTags) % kTags], side.stream);
+  if (e != cudaSuccess) return ffi::Error::Internal(std::string("ftjax_slot_copy_start: ") + cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
+ffi::Error SlotCopyWaitImpl(cudaStream_t stream, ffi::AnyBuffer pool, ffi::Result<ffi::AnyBuffer> out, int64_t tag) {
+  if (out->untyped_data() != pool.untyped_data())
+    return ffi::Error::InvalidArgument("ftjax_slot_copy_wait: the pool result must alias the pool operand");
+  SideStream& side = Side();
+  if (side.error != cudaSuccess)
+    return ffi::Error::Internal(std::string("ftjax_slot_copy_wait: ") + cudaGetErrorString(side.error));
+  cudaError_t e = cudaStreamWaitEvent(stream, side.done[((tag % kTags) + kTags) % kTags], 0);
+  if (e != cudaSuccess) return ffi::Error::Internal(std::string("ftjax_slot_copy_wait: ") + cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
-extern "C" int ftjax_slot_copy_abi() { return 1; }
+extern "C" int ftjax_slot_copy_abi() { return 2; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxSlotCopy, SlotCopyImpl,
                               ffi::Ffi::Bind()
@@ -155,3 +212,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxSlotCopyPtr, SlotCopyPtrImpl,
                                   .Attr<int64_t>("bank_rows")
                                   .Attr<int64_t>("blocks_per_miss"),
                               {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxSlotCopyStart, SlotCopyStartImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("blocks_per_miss")
+                                  .Attr<int64_t>("tag"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxSlotCopyWait, SlotCopyWaitImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("tag"));

@@ -310,6 +310,10 @@ def main(argv):
                 xs = layer_slots(rows, FLAGS.copies, FLAGS.layers, FLAGS.bank_experts)
                 row, res = measure_row(variant, path, g, (bank, weights, buf, act, xs), FLAGS.repeats)
                 results[(path, g, variant)] = res
+                if path == "kernel_async" and ("kernel", g, variant) in results:  # the same copies, joined later
+                    base = results[("kernel", g, variant)]
+                    row["same_result_as_kernel"] = (None if res is None or base is None else
+                                                    all(np.array_equal(a, b) for a, b in zip(res, base)))
                 if variant.startswith("stream1"):
                     base = results.get((path, g, "serial_pool" if variant == "stream1_pool" else "serial"))
                     row["same_result_as_serial"] = (None if res is None or base is None else

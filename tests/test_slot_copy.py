@@ -44,6 +44,20 @@ def test_a_grid_outside_its_range_is_refused_before_any_build(blocks):
     ids = np.zeros(2, np.int32)
     with pytest.raises(ValueError, match=f"blocks_per_miss={blocks!r}, expected an integer 1 to 65535"):
         slot_copy.copy_into_slots(bank, pool, ids, ids, np.int32(1), blocks_per_miss=blocks)
+    with pytest.raises(ValueError, match=f"copy_into_slots_start: blocks_per_miss={blocks!r}, expected"):
+        slot_copy.copy_into_slots_start(bank, pool, ids, ids, np.int32(1), blocks_per_miss=blocks)
+
+
+@no_gpu
+def test_the_copy_on_its_own_stream_is_refused_off_the_gpu_with_the_reason():
+    bank = pool = np.zeros((4, 8), np.float32)
+    ids = np.zeros(2, np.int32)
+    with pytest.raises(ValueError, match=r"copy_into_slots_start: bank rows \(8,\) float32 differ from pool rows"):
+        slot_copy.copy_into_slots_start(bank, np.zeros((4, 8), np.float16), ids, ids, np.int32(1))
+    for call in (lambda: slot_copy.copy_into_slots_start(bank, pool, ids, ids, np.int32(1)),
+                 lambda: slot_copy.wait_slots(pool)):
+        with pytest.raises(slot_copy.SlotCopyUnavailable, match="needs a GPU backend, not cpu"):
+            call()
 
 
 @no_gpu

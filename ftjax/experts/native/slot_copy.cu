@@ -188,17 +188,20 @@ ffi::Error SlotCopyWaitImpl(cudaStream_t stream, ffi::AnyBuffer pool, ffi::Resul
 
 extern "C" int ftjax_slot_copy_abi() { return 2; }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxSlotCopy, SlotCopyImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("blocks_per_miss"),
-                              {ffi::Traits::kCmdBufferCompatible});
+// (bank, flat_ids, slots, count, pool) -> pool, blocks_per_miss: the binding of ftjax_slot_copy and its _start.
+static auto CopyBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::AnyBuffer>()
+      .Ret<ffi::AnyBuffer>()
+      .Attr<int64_t>("blocks_per_miss");
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxSlotCopy, SlotCopyImpl, CopyBinding(), {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxSlotCopyPtr, SlotCopyPtrImpl,
                               ffi::Ffi::Bind()
@@ -213,17 +216,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxSlotCopyPtr, SlotCopyPtrImpl,
                                   .Attr<int64_t>("blocks_per_miss"),
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxSlotCopyStart, SlotCopyStartImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("blocks_per_miss")
-                                  .Attr<int64_t>("tag"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxSlotCopyStart, SlotCopyStartImpl, CopyBinding().Attr<int64_t>("tag"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxSlotCopyWait, SlotCopyWaitImpl,
                               ffi::Ffi::Bind()

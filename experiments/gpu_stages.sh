@@ -79,7 +79,9 @@
 #                  per iteration (issue 33 item 2)
 # copy-stream:     probe_copy_stream: a layer scan's expert copy (XLA's and the slot-copy kernel's) on gpu_stream:1
 #                  (compute_on + xla_gpu_experimental_stream_annotation) beside a stand-in compute, with and without
-#                  command buffers: does the copy overlap the compute (issue 32's offload decode past its serial bound)?
+#                  command buffers, and the kernel on a stream of its own (kernel_async: copy_into_slots_start, joined
+#                  at the next layer): does the copy overlap the compute (issue 32's offload decode past its serial
+#                  bound)? No on every gpu_stream:1 route (H100, 2026-12-06); kernel_async not yet run
 # gpu-tests:       the suite on the GPU (pytest --backend=default) where it has GPU-only cases: tests/test_slot_copy.py
 #                  (the slot-copy kernel against numpy); pytest's report as pytest_gpu_<card>_<day>.txt under $OUT
 # decode-hlo:      bench_decode_speed's resident batch-1 row of qwen3-30b-a3b cut to 16 layers (blocks of 16) with XLA's
@@ -270,7 +272,8 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
         --modes=resident,cached --batches=1,4 --decode_blocks=16 --repeats=1 --cached_steps=32 --trace_steps=0 \
         --tag="48l-280-slots_${dev}_$day" ${out:+--out_dir="$out"} ;;
     slot-copy) kernel_copy_rows 150 "$stage" slot-kernel --variants=kernel,kernel_ptr --graphs=on,off ;;
-    copy-stream) run 150 "$stage" experiments/probe_copy_stream.py --tag="${dev}_$day" ${out:+--out_dir="$out"} ;;
+    copy-stream) run 150 "$stage" experiments/probe_copy_stream.py --copy=xla,kernel,kernel_async --tag="${dev}_$day" \
+      ${out:+--out_dir="$out"} ;;
     gpu-tests)
       report="${out:-/tmp}/pytest_gpu_${dev}_$day.txt"
       { python3 -c 'import jax; from ftjax.provenance import git_commit; print("git:", git_commit(), "jax:", jax.__version__)'

@@ -10,7 +10,8 @@ ExecutionStreamId found". XLA has an option for these annotations, ``xla_gpu_exp
 
 Each row is one jitted ``lax.scan`` over ``--layers`` layers (the buffer carried, as the decode step's scan carries
 its slot pool) and times the scan per layer (median and spread of ``--repeats`` calls after two untimed ones). Every
-layer first reads a row of the buffer that the layer before filled, behind an optimization barrier with the buffer
+layer first reads a row of the buffer that the layer before filled (its last 4096 columns, which a copy writes last),
+behind an optimization barrier with the buffer
 (so the read is ordered before the layer's copy and XLA need not copy the buffer to keep them apart); then:
 
 * ``empty``: nothing else (the scan's own cost a layer, subtracted from every row in ``overlap``);
@@ -32,7 +33,9 @@ The copy is XLA's (a dynamic index of the host bank moved to the device, ``--cop
 (``ftjax.experts.slot_copy``, ``--copy=kernel``: an FFI call handed the stream it runs on), or that kernel on a
 stream the library owns (``--copy=kernel_async``: ``slot_copy.copy_into_slots_start``, returning at once, and
 ``wait_slots`` at the next layer's start making XLA's stream wait for it; both run outside XLA's CUDA graphs; its
-``serial`` rows are the overlap question, the stream-annotated rows are not run). With ``--graphs=on`` the
+``serial`` rows are the overlap question, the stream-annotated rows are not run; ``same_result_as_kernel`` compares
+them with the kernel's rows, and ``valid`` is false where the compiled program copies the whole buffer, which would
+race with the copy). With ``--graphs=on`` the
 programs compile with the cached decode step's command buffers. Overlap shows as ``serial`` near ``copy`` +
 ``compute`` and ``stream1`` near max(``copy``, ``compute``); each row records its compiled HLO's op counts,
 ``annotated`` (the annotation survives in the program text even where XLA ignores it: the CPU keeps it), the
@@ -155,20 +158,23 @@ def program(variant: str, path: str):
 
     def call(bank, weights, buf, act, xs):
         def layer(carry, x):
-            buf, act = carry
+            buf, act, last = carry
             ids, slots, read = x
-            if joins:  # the layer before's copy has landed before its row is read
-                buf = slot_copy.wait_slots(buf)
-            # the previous layer's prefetch is read before this layer's copy may overwrite the buffer
-            row, buf = jax.lax.optimization_barrier((buf[read, :WIDTH], buf))
+            if joins:  # the layer before's copy has landed before its row is read (its indices kept alive till then)
+                buf = slot_copy.wait_slots(buf, *last)
+            # the previous layer's prefetch is read before this layer's copy may overwrite the buffer; its last
+            # columns, the ones a copy writes last
+            row, buf = jax.lax.optimization_barrier((buf[read, -WIDTH:], buf))
             act = act + row.astype(act.dtype)[None, :]
             new_buf = copy(bank, buf, ids, slots) if copies else buf
             if copies and computes:  # the copy is issued before the compute (kernel_async: so it can run beside it)
                 new_buf, act = jax.lax.optimization_barrier((new_buf, act))
             act = compute(weights, act) if computes else act
-            return (new_buf, act), None
-        buf, act = jax.lax.scan(layer, (buf, act), xs)[0]
-        return (slot_copy.wait_slots(buf) if joins else buf), act
+            return (new_buf, act, (ids, slots, jnp.int32(ids.shape[0]))), None
+        c = xs[0].shape[1]
+        none = (jnp.zeros((c,), jnp.int32), jnp.zeros((c,), jnp.int32), jnp.int32(0))
+        buf, act, last = jax.lax.scan(layer, (buf, act, none), xs)[0]
+        return (slot_copy.wait_slots(buf, *last) if joins else buf), act
     return jax.jit(call, donate_argnums=(2,))
 
 
@@ -310,6 +316,8 @@ def main(argv):
                 xs = layer_slots(rows, FLAGS.copies, FLAGS.layers, FLAGS.bank_experts)
                 row, res = measure_row(variant, path, g, (bank, weights, buf, act, xs), FLAGS.repeats)
                 results[(path, g, variant)] = res
+                if path == "kernel_async":  # a copy of the pool while the copy writes it would race: not a result
+                    row["valid"] = row.get("buffer_copies") == 0
                 if path == "kernel_async" and ("kernel", g, variant) in results:  # the same copies, joined later
                     base = results[("kernel", g, variant)]
                     row["same_result_as_kernel"] = (None if res is None or base is None else

@@ -55,7 +55,7 @@ def test_the_copy_on_its_own_stream_is_refused_off_the_gpu_with_the_reason():
     with pytest.raises(ValueError, match=r"copy_into_slots_start: bank rows \(8,\) float32 differ from pool rows"):
         slot_copy.copy_into_slots_start(bank, np.zeros((4, 8), np.float16), ids, ids, np.int32(1))
     for call in (lambda: slot_copy.copy_into_slots_start(bank, pool, ids, ids, np.int32(1)),
-                 lambda: slot_copy.wait_slots(pool)):
+                 lambda: slot_copy.wait_slots(pool, ids, ids, np.int32(1))):
         with pytest.raises(slot_copy.SlotCopyUnavailable, match="needs a GPU backend, not cpu"):
             call()
 

@@ -232,10 +232,12 @@ def copy_into_slots_start(bank: jax.Array, pool: jax.Array, flat_ids: jax.Array,
                           count: jax.Array, tag: int = 0, blocks_per_miss: int = BLOCKS_PER_MISS) -> jax.Array:
     """:func:`copy_into_slots` launched on a CUDA stream of the library's own, after the compute stream's work so
     far, without waiting for it: the returned pool [S, ...] aliases ``pool`` while its ``slots[:count]`` rows are
-    still being written. The program must pass the pool through :func:`wait_slots` (same ``tag``, an int; 64 tags
-    in flight at most) before it reads those rows; other rows may be read meanwhile, so the copy runs beside XLA's
-    kernels. Not command-buffer compatible: XLA runs both calls outside its CUDA graphs. A probe of copies beside
-    compute (``experiments/probe_copy_stream.py``, ``--copy=kernel_async``); the engine does not use it.
+    still being written, so XLA's next kernels run beside the copy. The program must use the returned pool only
+    through :func:`wait_slots` (same ``tag``, an int, and the same ``flat_ids``, ``slots`` and ``count``, which the
+    copy reads until then) -- no read, write or copy of it before -- and must wait for every start before it ends;
+    the compiled program must hold no copy of the pool (check it: ``experiments/probe_copy_stream.py`` counts them).
+    Not command-buffer compatible: XLA runs both calls outside its CUDA graphs. One GPU per process. A probe of
+    copies beside compute (``--copy=kernel_async``); the engine does not use it.
 
     Raises:
       ValueError, SlotCopyUnavailable: as :func:`copy_into_slots`.
@@ -248,9 +250,10 @@ def copy_into_slots_start(bank: jax.Array, pool: jax.Array, flat_ids: jax.Array,
                 tag=np.int64(tag))
 
 
-def wait_slots(pool: jax.Array, tag: int = 0) -> jax.Array:
+def wait_slots(pool: jax.Array, flat_ids: jax.Array, slots: jax.Array, count: jax.Array, tag: int = 0) -> jax.Array:
     """The pool [S, ...] once the last :func:`copy_into_slots_start` of ``tag`` has finished writing it (the compute
-    stream waits for the copy's stream; nothing is copied).
+    stream waits for the copy's stream; nothing is copied). ``flat_ids``, ``slots``, ``count``: that start's, unused
+    here but operands, so that XLA keeps their buffers until the copy has read them.
 
     Raises:
       SlotCopyUnavailable: as :func:`register`.
@@ -258,4 +261,5 @@ def wait_slots(pool: jax.Array, tag: int = 0) -> jax.Array:
     register()
     call = jax.ffi.ffi_call(TARGET_WAIT, jax.ShapeDtypeStruct(pool.shape, pool.dtype), input_output_aliases={0: 0},
                             has_side_effect=True)
-    return call(pool, tag=np.int64(tag))
+    return call(pool, jnp.asarray(flat_ids, jnp.int32), jnp.asarray(slots, jnp.int32),
+                jnp.asarray(count, jnp.int32).reshape(()), tag=np.int64(tag))

@@ -24,10 +24,13 @@
 // ftjax_slot_copy_start / ftjax_slot_copy_wait (a probe of copies beside compute, experiments/probe_copy_stream.py;
 // not used by the engine): _start is the same copy launched on a stream of this library's own, after the
 // compute stream's work so far, and returns at once (the pool result aliases the pool, its rows being written);
-// _wait(pool) makes the compute stream wait for the last _start of the same `tag` (mod kTags). Between the two,
-// XLA's kernels run beside the copy: the program must not read the slots being written before the _wait. Neither
-// is command-buffer compatible (a copy forked inside a captured call must join before it returns), so XLA runs
-// them outside its CUDA graphs. One GPU per process.
+// _wait(pool, flat_ids, slots, count) makes the compute stream wait for the last _start of the same `tag` (mod
+// kTags); its index operands are _start's, passed again so that XLA keeps them alive until the copy has read them.
+// Between the two, XLA's kernels run beside the copy: the program must neither read nor write the started pool
+// except through the _wait (XLA must not copy it either: check the compiled program), and every _start needs its
+// _wait before the program ends. Neither is command-buffer compatible (a copy forked inside a captured call must
+// join before it returns), so XLA runs them outside its CUDA graphs. One GPU per process (the first device that
+// calls _start; another device's call fails with CUDA's error).
 #include <cstdint>
 #include <mutex>
 #include <string>
@@ -163,6 +166,8 @@ ffi::Error SlotCopyStartImpl(cudaStream_t stream, ffi::AnyBuffer bank, ffi::Buff
   SideStream& side = Side();
   if (side.error != cudaSuccess)
     return ffi::Error::Internal(std::string("ftjax_slot_copy_start: ") + cudaGetErrorString(side.error));
+  static std::mutex mu;  // one start event: a second thread's record must not fall between this record and wait
+  std::lock_guard<std::mutex> lock(mu);
   cudaError_t e = cudaEventRecord(side.start, stream);  // after the compute stream's work so far
   if (e == cudaSuccess) e = cudaStreamWaitEvent(side.stream, side.start, 0);
   if (e != cudaSuccess) return ffi::Error::Internal(std::string("ftjax_slot_copy_start: ") + cudaGetErrorString(e));
@@ -173,7 +178,8 @@ ffi::Error SlotCopyStartImpl(cudaStream_t stream, ffi::AnyBuffer bank, ffi::Buff
   return ffi::Error::Success();
 }
 
-ffi::Error SlotCopyWaitImpl(cudaStream_t stream, ffi::AnyBuffer pool, ffi::Result<ffi::AnyBuffer> out, int64_t tag) {
+ffi::Error SlotCopyWaitImpl(cudaStream_t stream, ffi::AnyBuffer pool, ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::S32>,
+                           ffi::Buffer<ffi::S32>, ffi::Result<ffi::AnyBuffer> out, int64_t tag) {
   if (out->untyped_data() != pool.untyped_data())
     return ffi::Error::InvalidArgument("ftjax_slot_copy_wait: the pool result must alias the pool operand");
   SideStream& side = Side();
@@ -222,5 +228,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxSlotCopyWait, SlotCopyWaitImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("tag"));

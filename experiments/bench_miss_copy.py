@@ -255,18 +255,6 @@ def call_fn(variant: str, misses: int, concrete_banks=None):
 
 
 # ---- timing ----------------------------------------------------------------------------------------------------
-def _timed(fn, repeats: int, warm: int = 2) -> list[float]:
-    """Seconds of ``repeats`` calls of ``fn(i)`` (each waited for) after ``warm`` untimed ones."""
-    import jax
-    out = []
-    for i in range(warm + repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(i))
-        if i >= warm:
-            out.append(time.perf_counter() - t)
-    return out
-
-
 def _rate(nbytes: int, seconds: list[float]) -> dict:
     return common.spread([nbytes / s / 1e9 for s in seconds])
 
@@ -280,8 +268,8 @@ def contig_rate(rows: int, row_elems: int, dtype, repeats: int) -> dict:
     contig = common.pinned_array((rows, row_elems), dtype, 0)
     jax.block_until_ready(contig)
     nbytes = rows * row_elems * np.dtype(dtype).itemsize
-    return {"bytes": nbytes, "GBps": _rate(nbytes, _timed(lambda i: jax.device_put(contig, memory.device_sharding()),
-                                                          repeats))}
+    put = common.timed(lambda i: jax.device_put(contig, memory.device_sharding()), repeats)
+    return {"bytes": nbytes, "GBps": _rate(nbytes, put)}
 
 
 def references(layers: int, misses: int, gu_shape: tuple, dn_shape: tuple, dtype, repeats: int) -> dict:
@@ -296,7 +284,7 @@ def references(layers: int, misses: int, gu_shape: tuple, dn_shape: tuple, dtype
     experts = [a for t in range(misses)
                for a in (common.pinned_array(gu_shape, dtype, t), common.pinned_array(dn_shape, dtype, t))]
     jax.block_until_ready(experts)
-    out["expert_puts"] = {"bytes": nbytes, "GBps": _rate(nbytes, _timed(
+    out["expert_puts"] = {"bytes": nbytes, "GBps": _rate(nbytes, common.timed(
         lambda i: [jax.device_put(experts, dev) for _ in range(layers)], repeats))}
     if FLAGS.torch:
         out["torch_pinned"] = _torch_rate(nbytes, repeats)
@@ -315,7 +303,7 @@ def _torch_rate(nbytes: int, repeats: int) -> dict:
         def copy(_):
             dst.copy_(src, non_blocking=True)
             torch.cuda.synchronize()
-        return {"bytes": nbytes, "GBps": _rate(nbytes, _timed(copy, repeats))}
+        return {"bytes": nbytes, "GBps": _rate(nbytes, common.timed(copy, repeats))}
     except Exception as e:  # noqa: BLE001 - a missing optional reference is recorded, not fatal
         return {"error": repr(e)[:300]}
 
@@ -357,7 +345,7 @@ def measure_row(variant: str, ids_kind: str, graphs: str, layers: int, banks, po
         box[0] = exe(banks, box[0], *calls[i % len(calls)])
         return box[0]
     try:
-        secs = _timed(one, repeats)
+        secs = common.timed(one, repeats)
         check = jax.block_until_ready(exe(banks, tuple(jnp.zeros(*s) for s in shapes), *calls[0]))
     except Exception as e:  # noqa: BLE001 - a program that fails to run is a result; its donated pools are gone
         row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
@@ -400,11 +388,6 @@ def plan(groups, variants, misses: int, kernel_blocks=(), default_blocks: int | 
     if "coalesce" in variants:
         rows += [("group1", "runs"), (f"group{misses}", "runs"), ("coalesce", "runs")]
     return list(dict.fromkeys(rows))
-
-
-def _same(a: tuple | None, b: tuple | None) -> bool | None:
-    import jax.numpy as jnp
-    return None if a is None or b is None else all(bool(jnp.array_equal(x, y)) for x, y in zip(a, b))
 
 
 def main(argv):
@@ -464,7 +447,7 @@ def main(argv):
                                                 misses, FLAGS.repeats)
                 if variant == "group1":
                     base[kind] = check
-                row["same_pools_as_group1"] = _same(base.get(kind), check)
+                row["same_pools_as_group1"] = common.same_arrays(base.get(kind), check)
                 _ratios(row, ref)
                 out["rows"].append(row)
                 write()

@@ -510,6 +510,23 @@ def pinned_array(shape: tuple, dtype, salt: int) -> jax.Array:
     return jax.jit(fill, out_shardings=memory.host_sharding())()
 
 
+def timed(fn, repeats: int, warm: int = 2) -> list[float]:
+    """Seconds of ``repeats`` calls of ``fn(i)`` (``i`` the call's index; each waited for with
+    ``jax.block_until_ready``) after ``warm`` untimed ones."""
+    out = []
+    for i in range(warm + repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(i))
+        if i >= warm:
+            out.append(time.perf_counter() - t)
+    return out
+
+
+def same_arrays(a: tuple | None, b: tuple | None) -> bool | None:
+    """Whether two results (tuples of arrays) are equal element for element; None when either is missing."""
+    return None if a is None or b is None else all(bool(jnp.array_equal(x, y)) for x, y in zip(a, b))
+
+
 def graph_options(graphs: str) -> dict:
     """The XLA compile options of a program: the cached decode step's command buffers
     (``ftjax.runtime.programs.GRAPH_DECODE_OPTIONS``) for ``on`` on a GPU, else none."""

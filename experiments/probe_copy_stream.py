@@ -61,7 +61,6 @@ from __future__ import annotations
 import os
 import re
 import sys
-import time
 
 from absl import flags
 
@@ -230,13 +229,7 @@ def measure_row(variant: str, path: str, graphs: str, args: tuple, repeats: int)
         def one(_):
             state["buf"], a = compiled(bank, weights, state["buf"], act, xs)
             return a
-        for _ in range(2):  # untimed
-            jax.block_until_ready(one(0))
-        secs = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            jax.block_until_ready(one(0))
-            secs.append(time.perf_counter() - t)
+        secs = common.timed(one, repeats)
         row["ms_per_layer"] = common.spread([s * 1e3 / xs[2].shape[0] for s in secs])
         result = (np.asarray(state["buf"][:, :16].astype(np.float32)), np.asarray(one(0).astype(np.float32)))
         return row, result
@@ -319,13 +312,10 @@ def main(argv):
                 if path == "kernel_async":  # a copy of the pool while the copy writes it would race: not a result
                     row["valid"] = row.get("buffer_copies") == 0
                 if path == "kernel_async" and ("kernel", g, variant) in results:  # the same copies, joined later
-                    base = results[("kernel", g, variant)]
-                    row["same_result_as_kernel"] = (None if res is None or base is None else
-                                                    all(np.array_equal(a, b) for a, b in zip(res, base)))
+                    row["same_result_as_kernel"] = common.same_arrays(res, results[("kernel", g, variant)])
                 if variant.startswith("stream1"):
                     base = results.get((path, g, "serial_pool" if variant == "stream1_pool" else "serial"))
-                    row["same_result_as_serial"] = (None if res is None or base is None else
-                                                    all(np.array_equal(a, b) for a, b in zip(res, base)))
+                    row["same_result_as_serial"] = common.same_arrays(res, base)
                     if res is not None and base is not None:
                         row["max_abs_diff_vs_serial"] = [float(np.max(np.abs(a - b))) for a, b in zip(res, base)]
                 out["rows"].append(row)

@@ -196,6 +196,12 @@ def _check(name: str, bank: jax.Array, pool: jax.Array, blocks_per_miss) -> None
     register()
 
 
+def _indices(flat_ids, slots, count) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The calls' index operands: flat_ids and slots int32 [M], count int32 []."""
+    return (jnp.asarray(flat_ids, jnp.int32), jnp.asarray(slots, jnp.int32),
+            jnp.asarray(count, jnp.int32).reshape(()))
+
+
 def copy_into_slots(bank: jax.Array, pool: jax.Array, flat_ids: jax.Array, slots: jax.Array, count: jax.Array,
                     bank_address: int | None = None, blocks_per_miss: int = BLOCKS_PER_MISS) -> jax.Array:
     """Rows ``flat_ids[:count]`` of the host ``bank`` written into rows ``slots[:count]`` of the device ``pool``
@@ -216,9 +222,7 @@ def copy_into_slots(bank: jax.Array, pool: jax.Array, flat_ids: jax.Array, slots
       (at run time) a kernel fault surfaces as XLA's runtime error of the program.
     """
     _check("copy_into_slots", bank, pool, blocks_per_miss)
-    ids = jnp.asarray(flat_ids, jnp.int32)
-    sl = jnp.asarray(slots, jnp.int32)
-    n = jnp.asarray(count, jnp.int32).reshape(())
+    ids, sl, n = _indices(flat_ids, slots, count)
     out = jax.ShapeDtypeStruct(pool.shape, pool.dtype)
     if bank_address is None:
         call = jax.ffi.ffi_call(TARGET, out, input_output_aliases={4: 0})
@@ -245,8 +249,7 @@ def copy_into_slots_start(bank: jax.Array, pool: jax.Array, flat_ids: jax.Array,
     _check("copy_into_slots_start", bank, pool, blocks_per_miss)
     call = jax.ffi.ffi_call(TARGET_START, jax.ShapeDtypeStruct(pool.shape, pool.dtype), input_output_aliases={4: 0},
                             has_side_effect=True)
-    return call(bank, jnp.asarray(flat_ids, jnp.int32), jnp.asarray(slots, jnp.int32),
-                jnp.asarray(count, jnp.int32).reshape(()), pool, blocks_per_miss=np.int64(blocks_per_miss),
+    return call(bank, *_indices(flat_ids, slots, count), pool, blocks_per_miss=np.int64(blocks_per_miss),
                 tag=np.int64(tag))
 
 
@@ -261,5 +264,4 @@ def wait_slots(pool: jax.Array, flat_ids: jax.Array, slots: jax.Array, count: ja
     register()
     call = jax.ffi.ffi_call(TARGET_WAIT, jax.ShapeDtypeStruct(pool.shape, pool.dtype), input_output_aliases={0: 0},
                             has_side_effect=True)
-    return call(pool, jnp.asarray(flat_ids, jnp.int32), jnp.asarray(slots, jnp.int32),
-                jnp.asarray(count, jnp.int32).reshape(()), tag=np.int64(tag))
+    return call(pool, *_indices(flat_ids, slots, count), tag=np.int64(tag))

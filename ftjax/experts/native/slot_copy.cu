@@ -87,6 +87,10 @@ void Launch(cudaStream_t stream, const void* bank, void* pool, const int32_t* id
                                                     count, row_vecs, bank_rows, pool_rows);
 }
 
+ffi::Error CudaFailure(const char* who, cudaError_t e) {
+  return ffi::Error::Internal(std::string(who) + ": " + cudaGetErrorString(e));
+}
+
 ffi::Error Copy(cudaStream_t stream, const void* bank, int64_t bank_rows, ffi::Buffer<ffi::S32> ids,
                 ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> count, ffi::AnyBuffer pool,
                 ffi::Result<ffi::AnyBuffer> out, int64_t blocks_per_miss) {
@@ -114,7 +118,7 @@ ffi::Error Copy(cudaStream_t stream, const void* bank, int64_t bank_rows, ffi::B
     Launch<uint8_t>(stream, bank, pool.untyped_data(), pi, ps, pc, row_bytes, bank_rows, pool_rows, m, bpm);
   }
   cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) return ffi::Error::Internal(std::string("ftjax_slot_copy: ") + cudaGetErrorString(err));
+  if (err != cudaSuccess) return CudaFailure("ftjax_slot_copy", err);
   return ffi::Error::Success();
 }
 
@@ -146,6 +150,7 @@ struct SideStream {
   cudaEvent_t start = nullptr;
   cudaEvent_t done[kTags] = {};
   cudaError_t error = cudaSuccess;
+  cudaEvent_t Done(int64_t tag) const { return done[((tag % kTags) + kTags) % kTags]; }
 };
 
 SideStream& Side() {
@@ -154,7 +159,8 @@ SideStream& Side() {
   std::call_once(once, [] {
     cudaError_t e = cudaStreamCreateWithFlags(&side.stream, cudaStreamNonBlocking);
     if (e == cudaSuccess) e = cudaEventCreateWithFlags(&side.start, cudaEventDisableTiming);
-    for (int i = 0; i < kTags && e == cudaSuccess; ++i) e = cudaEventCreateWithFlags(&side.done[i], cudaEventDisableTiming);
+    for (int i = 0; i < kTags && e == cudaSuccess; ++i)
+      e = cudaEventCreateWithFlags(&side.done[i], cudaEventDisableTiming);
     side.error = e;
   });
   return side;
@@ -165,16 +171,16 @@ ffi::Error SlotCopyStartImpl(cudaStream_t stream, ffi::AnyBuffer bank, ffi::Buff
                              ffi::Result<ffi::AnyBuffer> out, int64_t blocks_per_miss, int64_t tag) {
   SideStream& side = Side();
   if (side.error != cudaSuccess)
-    return ffi::Error::Internal(std::string("ftjax_slot_copy_start: ") + cudaGetErrorString(side.error));
+    return CudaFailure("ftjax_slot_copy_start", side.error);
   static std::mutex mu;  // one start event: a second thread's record must not fall between this record and wait
   std::lock_guard<std::mutex> lock(mu);
   cudaError_t e = cudaEventRecord(side.start, stream);  // after the compute stream's work so far
   if (e == cudaSuccess) e = cudaStreamWaitEvent(side.stream, side.start, 0);
-  if (e != cudaSuccess) return ffi::Error::Internal(std::string("ftjax_slot_copy_start: ") + cudaGetErrorString(e));
+  if (e != cudaSuccess) return CudaFailure("ftjax_slot_copy_start", e);
   ffi::Error err = SlotCopyImpl(side.stream, bank, ids, slots, count, pool, out, blocks_per_miss);
   if (!err.success()) return err;
-  e = cudaEventRecord(side.done[((tag % kTags) + kTags) % kTags], side.stream);
-  if (e != cudaSuccess) return ffi::Error::Internal(std::string("ftjax_slot_copy_start: ") + cudaGetErrorString(e));
+  e = cudaEventRecord(side.Done(tag), side.stream);
+  if (e != cudaSuccess) return CudaFailure("ftjax_slot_copy_start", e);
   return ffi::Error::Success();
 }
 
@@ -184,9 +190,9 @@ ffi::Error SlotCopyWaitImpl(cudaStream_t stream, ffi::AnyBuffer pool, ffi::Buffe
     return ffi::Error::InvalidArgument("ftjax_slot_copy_wait: the pool result must alias the pool operand");
   SideStream& side = Side();
   if (side.error != cudaSuccess)
-    return ffi::Error::Internal(std::string("ftjax_slot_copy_wait: ") + cudaGetErrorString(side.error));
-  cudaError_t e = cudaStreamWaitEvent(stream, side.done[((tag % kTags) + kTags) % kTags], 0);
-  if (e != cudaSuccess) return ffi::Error::Internal(std::string("ftjax_slot_copy_wait: ") + cudaGetErrorString(e));
+    return CudaFailure("ftjax_slot_copy_wait", side.error);
+  cudaError_t e = cudaStreamWaitEvent(stream, side.Done(tag), 0);
+  if (e != cudaSuccess) return CudaFailure("ftjax_slot_copy_wait", e);
   return ffi::Error::Success();
 }
 

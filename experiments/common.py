@@ -165,11 +165,14 @@ def check_choice(name: str, choices) -> None:
              f"unknown {v!r}; expected one of {', '.join(choices)}")
 
 
-def check_preset(name: str = "preset") -> None:
-    """Parse-time check that flag ``name`` names a preset of ``ftjax.config.PRESETS`` (a list flag: each)."""
+def check_preset(name: str = "preset", allow_empty: bool = False) -> None:
+    """Parse-time check that flag ``name`` names a preset of ``ftjax.config.PRESETS`` (a list flag: each;
+    ``allow_empty``: an empty string passes, for a flag whose preset is optional)."""
     from ftjax.config import PRESETS
 
     def check(v):
+        if allow_empty and v == "":
+            return None
         bad = [x for x in ([v] if isinstance(v, str) else v or []) if x not in PRESETS]
         return f"unknown preset {', '.join(map(repr, bad))}; known: {', '.join(PRESETS)}" if bad else None
     validate(name, check)
@@ -436,10 +439,10 @@ def define_expert_dtypes() -> None:
                              f"--expert_dtypes: each must be one of {', '.join(quant.FORMATS)}")
 
 
-def preset_cut(preset_name: str, layers: int = 0):
+def preset_cut(preset_name: str, layers: int = 0, flag: str = "layers"):
     """A preset's config cut to its first ``layers`` layers (0: all of them; a hybrid keeps those layers' kinds).
     Raises:
-      app.UsageError: ``layers`` above the preset's (``--layers=N: ...``, a script's one-line error)."""
+      app.UsageError: ``layers`` above the preset's (``--<flag>=N: ...``, a script's one-line error)."""
     from absl import app
 
     from ftjax.config import preset
@@ -447,7 +450,7 @@ def preset_cut(preset_name: str, layers: int = 0):
     if not layers:
         return cfg
     if layers > cfg.num_layers:
-        raise app.UsageError(f"--layers={layers}: {preset_name} has {cfg.num_layers} layers")
+        raise app.UsageError(f"--{flag}={layers}: {preset_name} has {cfg.num_layers} layers")
     return dataclasses.replace(cfg, num_layers=layers, layer_types=cfg.layer_types[:layers])
 
 

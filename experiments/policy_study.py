@@ -396,11 +396,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("random_layers", 3, "Layers of the --random_preset cut (its experts are computed densely "
                          "for every token: ~30 s for 3 qwen3-30b-a3b layers x 2 x 96 tokens on 2 CPU cores).")
     flags.register_validator("random_layers", lambda v: v >= 2, "must be >= 2 (a prediction needs a next layer)")
-
-    def random_preset(v):
-        from ftjax.config import PRESETS
-        return f"unknown preset {v!r}; known: {', '.join(PRESETS)}" if v and v not in PRESETS else None
-    common.validate("random_preset", random_preset)
+    common.check_preset("random_preset", allow_empty=True)
     common.check_names("policies", POLICIES)
     common.check_numbers("slots", int, low=1)
     for name in ("streams", "stream_len", "batch"):
@@ -416,14 +412,10 @@ def main(argv):
     slots = [int(s) for s in FLAGS.slots] if FLAGS.slots else None
     random = (FLAGS.random_preset, FLAGS.random_layers) if FLAGS.random_preset else None
     if random is not None:
-        from ftjax.config import preset
-        cfg = preset(random[0])
-        kinds = sorted(set(cfg.layer_types) - {"full_attention"})
+        kinds = sorted(set(common.preset_cut(*random, flag="random_layers").layer_types) - {"full_attention"})
         if kinds:
             raise app.UsageError(f"--random_preset={random[0]}: its {', '.join(kinds)} layers are not in the study's "
                                  "forward (train_moe.forward_train: attention layers only)")
-        if random[1] > cfg.num_layers:
-            raise app.UsageError(f"--random_layers={random[1]}: {random[0]} has {cfg.num_layers} layers")
     if random is None and not os.path.isfile(os.path.join(FLAGS.ckpt, "config.json")):
         raise app.UsageError(f"--ckpt={FLAGS.ckpt}: no config.json there (train one: experiments/train_moe.py)")
     if importlib.util.find_spec("matplotlib") is None:  # the figure comes last: say so before the study runs

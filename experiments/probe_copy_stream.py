@@ -35,7 +35,9 @@ stream the library owns (``--copy=kernel_async``: ``slot_copy.copy_into_slots_st
 ``wait_slots`` at the next layer's start making XLA's stream wait for it; both run outside XLA's CUDA graphs; its
 ``serial`` rows are the overlap question, the stream-annotated rows are not run; ``same_result_as_kernel`` compares
 them with the kernel's rows, and ``valid`` is false where the compiled program copies the whole buffer, which would
-race with the copy). With ``--graphs=on`` the
+race with the copy; its ``copy_nowait`` row is the negative control: ``copy`` without the waits inside the scan (only
+the one at its end), whose rows are read while their copies still run, so its ``same_result_as_kernel`` against the
+kernel's ``copy`` row must be false, or the check cannot see a missing wait). With ``--graphs=on`` the
 programs compile with the cached decode step's command buffers. Overlap shows as ``serial`` near ``copy`` +
 ``compute`` and ``stream1`` near max(``copy``, ``compute``); each row records its compiled HLO's op counts,
 ``annotated`` (the annotation survives in the program text even where XLA ignores it: the CPU keeps it), the
@@ -91,8 +93,9 @@ common.check_names("graphs", ("on", "off"))
 
 VARIANTS = ("empty", "copy", "compute", "serial", "stream1", "serial_pool", "stream1_pool", "compute_on1",
             "stream1_compute")
-#: The rows of ``--copy=kernel_async`` (its own stream is the question; the stream-annotated rows are the others').
-ASYNC_VARIANTS = ("empty", "copy", "compute", "serial", "serial_pool")
+#: The rows of ``--copy=kernel_async`` (its own stream is the question; the stream-annotated rows are the others'),
+#: with the negative control ``copy_nowait`` (no wait inside the scan: the check must see stale rows).
+ASYNC_VARIANTS = ("empty", "copy", "compute", "serial", "serial_pool", "copy_nowait")
 #: XLA's option that turns ``_xla_stream_annotation`` into a stream of its own (without it: "No ExecutionStreamId").
 STREAM_OPTION = {"xla_gpu_experimental_stream_annotation": True}
 #: Rows of the stand-in compute's GEMVs (a decode batch padded to 4 rows, as ``KernelConfig.min_dot_rows``).
@@ -142,7 +145,7 @@ def program(variant: str, path: str):
         copy = compute_on(compute_type="gpu_stream:1", out_memory_spaces=jax.memory.Space.Device)(copy)
 
     copies = variant not in ("empty", "compute", "compute_on1")
-    computes = variant not in ("empty", "copy")
+    computes = variant not in ("empty", "copy", "copy_nowait")
 
     def compute(weights, act):
         for m in range(weights.shape[0]):
@@ -152,6 +155,7 @@ def program(variant: str, path: str):
         compute = compute_on(compute_type="gpu_stream:1", out_memory_spaces=jax.memory.Space.Device)(compute)
 
     joins = path == "kernel_async" and copies  # the copy runs on; the next layer (and the end) waits for it
+    waits_each_layer = joins and variant != "copy_nowait"  # the negative control waits only at the end
     if joins:
         from ftjax.experts import slot_copy
 
@@ -159,7 +163,7 @@ def program(variant: str, path: str):
         def layer(carry, x):
             buf, act, last = carry
             ids, slots, read = x
-            if joins:  # the layer before's copy has landed before its row is read (its indices kept alive till then)
+            if waits_each_layer:  # the layer before's copy has landed before its row is read (its indices kept alive)
                 buf = slot_copy.wait_slots(buf, *last)
             # the previous layer's prefetch is read before this layer's copy may overwrite the buffer; its last
             # columns, the ones a copy writes last
@@ -301,9 +305,7 @@ def main(argv):
     results = {}
     for path in paths:
         for g in graphs:
-            for variant in VARIANTS:
-                if path == "kernel_async" and variant not in ASYNC_VARIANTS:
-                    continue
+            for variant in ASYNC_VARIANTS if path == "kernel_async" else VARIANTS:
                 rows = FLAGS.pool_experts if variant.endswith("_pool") else 2 * FLAGS.copies
                 buf = jnp.zeros((rows, shape["expert_elems"]), jnp.bfloat16)
                 xs = layer_slots(rows, FLAGS.copies, FLAGS.layers, FLAGS.bank_experts)
@@ -311,8 +313,9 @@ def main(argv):
                 results[(path, g, variant)] = res
                 if path == "kernel_async":  # a copy of the pool while the copy writes it would race: not a result
                     row["valid"] = row.get("buffer_copies") == 0
-                if path == "kernel_async" and ("kernel", g, variant) in results:  # the same copies, joined later
-                    row["same_result_as_kernel"] = common.same_arrays(res, results[("kernel", g, variant)])
+                same = "copy" if variant == "copy_nowait" else variant  # the control against the waited copies
+                if path == "kernel_async" and ("kernel", g, same) in results:  # the same copies, joined later
+                    row["same_result_as_kernel"] = common.same_arrays(res, results[("kernel", g, same)])
                 if variant.startswith("stream1"):
                     base = results.get((path, g, "serial_pool" if variant == "stream1_pool" else "serial"))
                     row["same_result_as_serial"] = common.same_arrays(res, base)

@@ -195,3 +195,30 @@ def test_kernel_writes_the_rows_numpy_says(row, dtype, address):
             if 0 <= ids[j] < n:
                 want[slots[j]] = bank_np[ids[j]]
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.gpu("the slot-copy kernel runs on a CUDA GPU")
+def test_the_copy_on_its_own_stream_lands_what_numpy_says_once_waited_for():
+    """Two starts on two tags inside one program, each joined by its wait: the pool holds the rows numpy says, and a
+    computation on the waited pool (the rows doubled) sees them; the next call's pool is independent of the last's."""
+    n, s_, width = 16, 8, 1 << 16  # 256 KiB float32 rows: long enough that a late copy would show
+    bank_np = (np.arange(n * width) % 251).reshape(n, width).astype(np.float32)
+    bank = memory.to_host(bank_np)
+    ids_a, slots_a = np.array([3, 9, 15], np.int32), np.array([0, 5, 2], np.int32)
+    ids_b, slots_b = np.array([1, 4], np.int32), np.array([7, 3], np.int32)
+
+    def step(b, p):
+        p = slot_copy.copy_into_slots_start(b, p, ids_a, slots_a, np.int32(3), tag=1)
+        p = slot_copy.wait_slots(p, ids_a, slots_a, np.int32(3), tag=1)
+        p = slot_copy.copy_into_slots_start(b, p, ids_b, slots_b, np.int32(2), tag=2)
+        p = slot_copy.wait_slots(p, ids_b, slots_b, np.int32(2), tag=2)
+        return p, p * 2
+
+    fn = jax.jit(step, donate_argnums=(1,))
+    want = np.full((s_, width), -1, np.float32)
+    for ids, slots in ((ids_a, slots_a), (ids_b, slots_b)):
+        want[slots] = bank_np[ids]
+    for _ in range(3):
+        pool, doubled = fn(bank, jax.numpy.full((s_, width), -1, np.float32))
+        np.testing.assert_array_equal(np.asarray(pool), want)
+        np.testing.assert_array_equal(np.asarray(doubled), want * 2)

@@ -162,3 +162,20 @@ def test_clear_errors_without_a_compiler(tmp_path, monkeypatch):
     with pytest.raises(cpu_native.NativeBuildError, match="did not build: `.*false -O3 -march=native"):
         cpu_native.build(cache_dir=str(tmp_path), compiler="false", openmp=False)
     assert os.listdir(tmp_path) == []  # nothing half-written left behind
+
+
+@needs_c_compiler
+@pytest.mark.parametrize("fmt", ["bfloat16", "int8", "int4"])
+def test_rows_left_after_the_four_row_passes_are_summed(fmt):
+    """Matrices whose rows are not a multiple of the kernel's four-row pass (70 and 38 rows: two left over, one of
+    them inside int4's second 64-row scale group): the float32 FFN still within float32 summation error."""
+    d, f = 70, 38
+    gu, dn, scales, tag = random_banks(fmt, 6, d, f)
+    k = _kernel(gu, dn, scales, tag, 2)
+    try:
+        x = np.random.default_rng(3).standard_normal((3, d)).astype(jnp.bfloat16)
+        ids = np.array([5, 0, 2], np.int32)
+        want = np.stack([_reference(gu, dn, scales, tag, x, i) for i in ids])
+        assert np.abs(k.run(x, ids) - want).max() <= 1e-5 * np.abs(want).max()
+    finally:
+        k.close()

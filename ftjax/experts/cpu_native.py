@@ -14,14 +14,15 @@ per block), each row decoded to float32 in registers (or once into the core's ca
 float32 sums scaled per scale block, the SiLU gate between the two matrices, one C call per layer.
 :func:`build` compiles it into a shared library
 
-    <compiler> -O3 -march=native -fno-math-errno -shared -fPIC [-fopenmp] expert_ffn.c -o <lib> -lm
+    <compiler> -O3 -march=native [-mprefer-vector-width=512] -fno-math-errno -shared -fPIC [-fopenmp] \
+        expert_ffn.c -o <lib> -lm
 
-(``<lib>``: ``<cache dir>/expert_ffn-<key>.so``). ``<compiler>`` is ``cc`` or ``gcc`` on PATH (or the
-``compiler`` argument) and ``<key>`` hashes the source, the compiler (path and ``--version``), the flags
-and the host CPU (``-march=native`` code runs only on CPUs like the one that built it). A second build
-with the same key loads the cached library without compiling. The library is written to a temporary name
-and renamed, so concurrent builds never see half a file. Without OpenMP (``-fopenmp`` fails, e.g. Apple
-clang) it is built without it and runs on one thread.
+(``<lib>``: ``<cache dir>/expert_ffn-<key>.so``; the vector width flag on x86 only). ``<compiler>`` is ``cc`` or
+``gcc`` on PATH (or the ``compiler`` argument) and ``<key>`` hashes the source, the compiler (path and ``--version``),
+the flags and the host CPU (``-march=native`` code runs only on CPUs like the one that built it). A second build with
+the same key loads the cached library without compiling. The library is written to a temporary name and renamed, so
+concurrent builds never see half a file. Without OpenMP (``-fopenmp`` fails, e.g. Apple clang) it is built without it
+and runs on one thread.
 
 Cache directory (as ``ftjax.compile_cache`` names JAX's): the ``cache_dir`` argument, else
 ``$FTJAX_NATIVE_CACHE`` when set, else ``$XDG_CACHE_HOME/ftjax/native``, else ``~/.cache/ftjax/native``.
@@ -48,8 +49,11 @@ from ftjax.experts.host_async import DriverThreadKernel
 
 #: The kernel's one C source (package data).
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "expert_ffn.c")
+#: x86 only: 512-bit vectors where the CPU has them (``-march=native`` alone keeps GCC and clang at 256 bits); the
+#: int4 and int8 decodes ran 1.4-1.6x faster a core with them on a 2-core AVX-512 Xeon, bf16 the same (2026-12-07).
+X86_FLAGS = ("-mprefer-vector-width=512",) if platform.machine().lower() in ("x86_64", "amd64") else ()
 #: Compiler flags of every build; :data:`OPENMP_FLAGS` are added when the compiler supports them.
-CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC")
+CFLAGS = ("-O3", "-march=native", *X86_FLAGS, "-fno-math-errno", "-shared", "-fPIC")
 OPENMP_FLAGS = ("-fopenmp",)
 #: Compilers looked for on PATH, in order, when none is given.
 COMPILERS = ("cc", "gcc")

@@ -49,8 +49,8 @@ from ftjax.experts.host_async import DriverThreadKernel
 
 #: The kernel's one C source (package data).
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "expert_ffn.c")
-#: x86 only: 512-bit vectors where the CPU has them (``-march=native`` alone keeps GCC and clang at 256 bits); the
-#: int4 and int8 decodes ran 1.4-1.6x faster a core with them on a 2-core AVX-512 Xeon, bf16 the same (2026-12-07).
+#: x86 only: 512-bit vectors where the CPU has them (``-march=native`` alone keeps GCC at 256 bits). On one core of a
+#: 2-core AVX-512 VM, a matrix hot in cache (2026-12-07): int4 and int8 rows decoded 1.5x faster with them, bf16 alike.
 X86_FLAGS = ("-mprefer-vector-width=512",) if platform.machine().lower() in ("x86_64", "amd64") else ()
 #: Compiler flags of every build; :data:`OPENMP_FLAGS` are added when the compiler supports them.
 CFLAGS = ("-O3", "-march=native", *X86_FLAGS, "-fno-math-errno", "-shared", "-fPIC")

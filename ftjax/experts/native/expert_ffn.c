@@ -91,11 +91,12 @@ static const float* scales_row(const ftjax_mat* m, const float* s, int gi, float
     staged = 1;                                                                             \
   }
 
-/* The rows r..r+3 of one expert's stored matrix (bf16, float32, int8, int4) into the token sums:
-   dst[t][c] += sum over the four rows of x[t][row] * decode(W[row][c]), decoded in registers for every token.
-   Summing four rows before the sums are loaded and stored again quarters the traffic to the sums, which
-   bounds the one-row loop (two loads and a store of float32 per weight; 2026-12-07: one core read
-   2.9-12 GB/s of weights that way, below its DRAM rate). */
+/* The rows r..r+3 of one expert's stored int8 or int4 matrix into the token sums: dst[t][c] += sum over the
+   four rows of x[t][row] * decode(W[row][c]), decoded in registers for every token. Summing four rows before
+   the sums are loaded and stored again quarters the traffic to the sums, which bounds the one-row loop of
+   the one-byte and half-byte formats (a float32 load and store per weight of one or half a byte). bf16 and
+   float32 keep the one-row loop: on a 2-core AVX-512 VM (2026-12-07) four rows were no faster for them
+   when read from DRAM. */
 #define ROWS_PER_PASS 4
 #define FOUR(TYPE, ROWLEN, BODY)                                                            \
   {                                                                                         \
@@ -111,7 +112,6 @@ static const float* scales_row(const ftjax_mat* m, const float* s, int gi, float
     }                                                                                       \
   }
 #define DOT4(DEC, C) (x0 * DEC(q0[C]) + x1 * DEC(q1[C]) + x2 * DEC(q2[C]) + x3 * DEC(q3[C]))
-#define DEC_BF16(v) bf16(v)
 #define DEC_SAME(v) (float)(v)
 #define DEC_LO(v) (float)((int)((v) & 15) - 8)
 #define DEC_HI(v) (float)((int)((v) >> 4) - 8)
@@ -120,8 +120,6 @@ static void accum_four_rows(const ftjax_mat* m, const void* w, int r, const floa
                             float* restrict dst) {
   int cols = m->cols, half = cols / 2;
   switch (m->kind) {
-    case FT_BF16: FOUR(uint16_t, cols, for (int c = 0; c < cols; c++) d0[c] += DOT4(DEC_BF16, c);) break;
-    case FT_F32: FOUR(float, cols, for (int c = 0; c < cols; c++) d0[c] += DOT4(DEC_SAME, c);) break;
     case FT_I8: FOUR(int8_t, cols, for (int c = 0; c < cols; c++) d0[c] += DOT4(DEC_SAME, c);) break;
     case FT_I4:   /* low nibbles -> the first half of the decoded order, high -> the second */
       FOUR(uint8_t, half, {
@@ -141,7 +139,7 @@ static void accum_rows(const ftjax_mat* m, const void* w, int r0, int r1, const 
                        float* restrict dst, float* restrict wf) {
   int cols = m->cols, half = cols / 2;
   int r = r0;
-  if (m->kind != FT_LUT8)   /* four rows a pass: a quarter of the sums' loads and stores per weight */
+  if (m->kind == FT_I8 || m->kind == FT_I4)   /* four rows a pass (accum_four_rows) */
     for (; r + ROWS_PER_PASS <= r1; r += ROWS_PER_PASS) accum_four_rows(m, w, r, x, ldx, n, dst);
   for (; r < r1; r++) {
     int staged = 0;

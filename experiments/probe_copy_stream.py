@@ -78,6 +78,8 @@ flags.DEFINE_float("expert_mb", 6.29, "MB (1e6 bytes) of one expert, bf16 (6.29:
 flags.DEFINE_integer("bank_experts", 64, "Experts in the pinned host bank.", lower_bound=1)
 flags.DEFINE_float("compute_mb", 300.0, "MB of bf16 weights the stand-in compute reads a layer (300 MB: ~0.1 ms "
                    "at an H100's 3.35 TB/s, about the 16-layer hybrid's non-expert time a layer).", lower_bound=0.01)
+flags.DEFINE_integer("blocks_per_miss", 0, "Thread blocks per miss of the slot-copy kernel (0: its default, "
+                     "slot_copy.BLOCKS_PER_MISS); fewer leave SMs to the compute beside an async copy.", lower_bound=0)
 flags.DEFINE_integer("pool_experts", 256, "Slots of the pool of the *_pool variants.", lower_bound=1)
 flags.DEFINE_list("copy", ["xla", "kernel"], "Copy paths: xla (a host slice moved to the device), kernel (the "
                   "slot-copy kernel; skipped with the reason where it cannot build), kernel_async (the same kernel on "
@@ -117,13 +119,16 @@ def _copy_fn(path: str):
     import jax
 
     from ftjax.experts import fetch, slot_copy
+    blocks = FLAGS.blocks_per_miss or slot_copy.BLOCKS_PER_MISS
     if path == "kernel":
         def copy(bank, buf, ids, slots):
-            return slot_copy.copy_into_slots(bank, buf, ids, slots, jax.numpy.int32(ids.shape[0]))
+            return slot_copy.copy_into_slots(bank, buf, ids, slots, jax.numpy.int32(ids.shape[0]),
+                                             blocks_per_miss=blocks)
         return copy
     if path == "kernel_async":  # on the library's own stream; the next layer's wait_slots joins it
         def copy(bank, buf, ids, slots):
-            return slot_copy.copy_into_slots_start(bank, buf, ids, slots, jax.numpy.int32(ids.shape[0]))
+            return slot_copy.copy_into_slots_start(bank, buf, ids, slots, jax.numpy.int32(ids.shape[0]),
+                                                   blocks_per_miss=blocks)
         return copy
 
     def copy(bank, buf, ids, slots):

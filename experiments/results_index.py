@@ -427,11 +427,12 @@ def _lower_programs(d: dict) -> str:
 
 
 def _probe_copy_stream(d: dict) -> str:
-    """Per copy path and graphs, the share of the shorter part a stream1 variant hid (1: overlapped, 0: serial)."""
+    """Per copy path and graphs, the share of the shorter part a stream1 variant (for kernel_async: the serial ones,
+    its copy on the library's stream) hid (1: overlapped, 0: serial)."""
     out = []
     for o in d.get("overlap") or []:
-        hid = [f"{v} {o[v + '_hidden']:+.2f}" for v in ("stream1", "stream1_compute")
-               if o.get(v + "_hidden") is not None]
+        names = ("serial", "serial_pool") if o["copy"] == "kernel_async" else ("stream1", "stream1_compute")
+        hid = [f"{v} {o[v + '_hidden']:+.2f}" for v in names if o.get(v + "_hidden") is not None]
         if hid:
             out.append(f"{o['copy']} graphs {o['graphs']}: " + ", ".join(hid))
     return ("hidden share " + "; ".join(out)) if out else "-"

@@ -30,19 +30,20 @@ behind an optimization barrier with the buffer
   stream.
 
 The copy is XLA's (a dynamic index of the host bank moved to the device, ``--copy=xla``) or the slot-copy kernel's
-(``ftjax.experts.slot_copy``, ``--copy=kernel``: an FFI call handed the stream it runs on), or that kernel on a
-stream the library owns (``--copy=kernel_async``: ``slot_copy.copy_into_slots_start``, returning at once, and
-``wait_slots`` at the next layer's start making XLA's stream wait for it; both run outside XLA's CUDA graphs; its
-``serial`` rows are the overlap question, the stream-annotated rows are not run; ``same_result_as_kernel`` compares
-them with the kernel's rows, and ``valid`` is false where the compiled program copies the whole buffer, which would
-race with the copy; its ``copy_nowait`` row is the negative control: ``copy`` without the waits inside the scan (only
-the one at its end), whose rows are read while their copies still run, so its ``same_result_as_kernel`` against the
-kernel's ``copy`` row must be false, or the check cannot see a missing wait). With ``--graphs=on`` the
-programs compile with the cached decode step's command buffers. Overlap shows as ``serial`` near ``copy`` +
-``compute`` and ``stream1`` near max(``copy``, ``compute``); each row records its compiled HLO's op counts,
-``annotated`` (the annotation survives in the program text even where XLA ignores it: the CPU keeps it), the
-``operation_queue_ids`` XLA assigned in its backend configs (a second id is the evidence of a second stream) and
-the error of a variant XLA refuses.
+(``ftjax.experts.slot_copy``, ``--copy=kernel``: an FFI call handed the stream it runs on), or that kernel on a stream
+the library owns (``--copy=kernel_async``: ``slot_copy.copy_into_slots_start``, returning at once, and ``wait_slots``
+at the next layer's start making XLA's stream wait for it; both run outside XLA's CUDA graphs; its ``serial`` rows are
+the overlap question, the stream-annotated rows are not run; ``same_result_as_kernel`` compares them with the kernel's
+rows, and ``valid`` is false where the compiled program copies the whole buffer, which would race with the copy; its
+``copy_nowait`` row is the negative control: ``copy`` without the waits inside the scan (only the one at its end),
+whose rows are read while their copies still run, so its ``same_result_as_kernel`` against the kernel's ``copy`` row
+must be false, or the check cannot see a missing wait; ``--blocks_per_miss`` sets the kernel's thread blocks per miss:
+the async copy overlaps with 2-8, not with the default 64 at several misses). With ``--graphs=on`` the programs
+compile with the cached decode step's command buffers. Overlap shows as ``serial`` near ``copy`` + ``compute`` and
+``stream1`` near max(``copy``, ``compute``); each row records its compiled HLO's op counts, ``annotated`` (the
+annotation survives in the program text even where XLA ignores it: the CPU keeps it), the ``operation_queue_ids`` XLA
+assigned in its backend configs (a second id is the evidence of a second stream) and the error of a variant XLA
+refuses.
 
   PYTHONPATH=. python3 experiments/probe_copy_stream.py --out_dir=$OUT --tag=h200_$(date -u +%F)        # GPU
   .venv/bin/python experiments/probe_copy_stream.py --expert_mb=1 --compute_mb=4 --layers=4 --repeats=2 \

@@ -50,6 +50,9 @@ flags.DEFINE_integer("repeats", 3, "Timed generates per row (after one untimed).
 flags.DEFINE_integer("cached_repeats", 1, "Timed generates per cached row (after one untimed).", lower_bound=1)
 flags.DEFINE_integer("trace_steps", 32, "Resident batch-1 decode steps traced per block setting (0: no trace).",
                      lower_bound=0)
+flags.DEFINE_boolean("split_probe", False, "Put an empty start / wait pair of the slot-copy kernel on its own stream "
+                     "(slot_copy.copy_into_slots_start, wait_slots; count 0) in every cached layer: what a prefetch "
+                     "on that stream costs the step by splitting its command buffers, with nothing copied. GPU only.")
 flags.DEFINE_string("out_dir", "experiments/results/decode_speed", "Where the JSON goes.")
 flags.DEFINE_string("tag", "", "Goes into the JSON's name.")
 common.define_kernel_flags()
@@ -138,6 +141,28 @@ def _by_program(dev: list[dict], steps: int, top: int = 30) -> list[dict]:
     return out
 
 
+def _split_probe() -> None:
+    """Wraps every cached expert function built from here on (``offload.make_expert_fn``) so that its layer starts
+    with an empty asynchronous copy into the gate_up pool and its wait (count 0: nothing copied, the same results):
+    the two calls XLA keeps out of its CUDA graphs, where a predicted prefetch would put them."""
+    import jax.numpy as jnp
+
+    from ftjax.experts import offload, slot_copy
+    build = offload.make_expert_fn
+
+    def make(mode, num_experts, banks=None, *args, **kw):
+        fn = build(mode, num_experts, banks, *args, **kw)
+        if mode != "cached":
+            return fn
+
+        def expert_fn(state, layer, r):
+            none, count = jnp.zeros((1,), jnp.int32), jnp.int32(0)
+            pool = slot_copy.copy_into_slots_start(banks.gate_up, state.gate_up, none, none, count, blocks_per_miss=4)
+            return fn(state.replace(gate_up=slot_copy.wait_slots(pool, none, none, count)), layer, r)
+        return expert_fn
+    offload.make_expert_fn = make
+
+
 def _bounds(rows: list[dict], bp_gbps: float) -> None:
     res = {(r["layers"], r["batch"], r["decode_block"]): r["step_ms"] for r in rows if r["mode"] == "resident"}
     for r in rows:
@@ -156,7 +181,15 @@ def main(argv):
     del argv
     import jax
 
+    from absl import app
+
     from ftjax.checkpoint import random_model
+    from ftjax.experts import slot_copy
+    if FLAGS.split_probe:
+        why = slot_copy.unavailable()
+        if why is not None:
+            raise app.UsageError(f"--split_probe needs the slot-copy kernel: {why}")
+        _split_probe()
     bp = common.measure_h2d()
     rows = []
     for n in map(int, FLAGS.layers):
@@ -180,7 +213,7 @@ def main(argv):
     _bounds(rows, bp["h2d_GBps"]["median"])
     name = f"bench_decode_speed_{FLAGS.preset}{'_' + FLAGS.tag if FLAGS.tag else ''}.json"
     path = common.write_json(FLAGS.out_dir, name, {
-        "b_p": bp, "rows": rows,
+        "b_p": bp, "rows": rows, "split_probe": FLAGS.split_probe,
         "seed_note": "seed_tokens_per_s: FreeToken 0.1.3 on one H200, 2026-12-03 (issue 33's table), not measured "
                      "in this run"})
     cols = ["layers", "mode", "batch", "decode_block", "tokens_per_s", "step_ms", "speedup_vs_block1", "vs_seed",

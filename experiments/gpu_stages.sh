@@ -81,7 +81,8 @@
 #                  (compute_on + xla_gpu_experimental_stream_annotation) beside a stand-in compute, with and without
 #                  command buffers, and the kernel on a stream of its own (kernel_async: copy_into_slots_start, joined
 #                  at the next layer): does the copy overlap the compute (issue 32's offload decode past its serial
-#                  bound)? No on every gpu_stream:1 route (H100, 2026-12-06); kernel_async not yet run
+#                  bound)? No on every gpu_stream:1 route (H100, 2026-12-06); kernel_async: yes at 2-8 blocks per miss
+#                  (--blocks_per_miss; 2026-12-07), not at the default 64 with several misses a layer
 # gpu-tests:       the suite on the GPU (pytest --backend=default) where it has GPU-only cases: tests/test_slot_copy.py
 #                  (the slot-copy kernel against numpy); pytest's report as pytest_gpu_<card>_<day>.txt under $OUT
 # decode-hlo:      bench_decode_speed's resident batch-1 row of qwen3-30b-a3b cut to 16 layers (blocks of 16) with XLA's
@@ -90,6 +91,10 @@
 # slot-copy-blocks: bench_miss_copy at both expert shapes, the slot-copy kernel's grid at 16, 32, 64 (the default),
 #                  128 and 256 blocks per miss, graphs on (are the misses' 0.93-0.95x of a contiguous copy the grid's?)
 # slot-copy-identity: check_identity_gpu with --miss_copy=kernel: cached = resident bit for bit with the kernel
+# split-probe:     bench_decode_speed at issue 32's shape (qwen3.5, 16 layers, 512 slots, decode blocks of 16), cached,
+#                  without and then with --split_probe (an empty start / wait pair of the slot-copy kernel on its own
+#                  stream in every cached layer): what a predicted prefetch on that stream costs the step in split
+#                  CUDA graphs, before anything is copied beside the compute
 # slot-copy-decode: bench_decode_speed's cached rows with --miss_copy=xla, then kernel: issue 32's shape (qwen3.5, 16
 #                  layers, 512 slots, with its resident row) and issue 33's 48-layer offload row (280 slots, 64 steps)
 # decode-loop-order: bench_decode_loop at qwen3-30b-a3b's 48 layers, batch 4, one engine after the other, the fixed
@@ -293,6 +298,12 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
       kernel_copy_rows 120 "$stage" slot-kernel-blocks --variants=kernel --kernel_blocks=16,32,128,256 --graphs=on ;;
     slot-copy-identity)
       run 200 "$stage" experiments/check_identity_gpu.py --miss_copy=kernel ${out:+--out_dir="$out"} ;;
+    split-probe)
+      for sp in nosplit_probe split_probe; do
+        run 200 "$stage-$sp" experiments/bench_decode_speed.py --preset=qwen3.5-35b-a3b --layers=16 --slots=512 \
+          --modes=cached --batches=1 --decode_blocks=16 --repeats=3 --cached_repeats=3 --trace_steps=0 --"$sp" \
+          --tag="qwen3.5-16l-512-slots-${sp}_${dev}_$day" ${out:+--out_dir="$out"}
+      done ;;
     slot-copy-decode)
       for mc in xla kernel; do
         modes=cached; [ "$mc" = xla ] && modes=resident,cached

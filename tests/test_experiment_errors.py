@@ -45,6 +45,9 @@ def _cases(tmp: pathlib.Path) -> dict:
         "probe_copy_stream:kernel_async": (["--copy=kernel_async", f"--out_dir={tmp}"],
                                            "--copy=kernel_async: nothing to run here (the slot-copy kernel needs a "
                                            "GPU backend, not cpu)"),
+        "bench_decode_speed:split_probe": (["--preset=tiny", "--split_probe", f"--out_dir={tmp}"],
+                                           "--split_probe needs the slot-copy kernel: the slot-copy kernel needs a "
+                                           "GPU backend, not cpu"),
         "probe_copy_stream": (["--copies=8", "--pool_experts=4", f"--out_dir={tmp}"],
                               "--pool_experts=4 is less than two layers' copies (2 x --copies=8): a layer would write "
                               "the rows it reads"),
@@ -53,7 +56,8 @@ def _cases(tmp: pathlib.Path) -> dict:
 
 @pytest.mark.parametrize("case", ["replay_policies", "check_oracle_gpu", "policy_study", "bench_prefill",
                                   "bench_decode", "ab_commits", "bench_miss_copy", "bench_miss_copy:kernel_blocks",
-                                  "probe_copy_stream", "probe_copy_stream:kernel_async", "policy_study:hybrid"])
+                                  "probe_copy_stream", "probe_copy_stream:kernel_async", "policy_study:hybrid",
+                                  "bench_decode_speed:split_probe"])
 def test_bad_input_is_one_error_line_and_status_1(tmp_path, case):
     from experiments import common
     args, message = _cases(tmp_path)[case]

@@ -50,9 +50,11 @@ flags.DEFINE_integer("repeats", 3, "Timed generates per row (after one untimed).
 flags.DEFINE_integer("cached_repeats", 1, "Timed generates per cached row (after one untimed).", lower_bound=1)
 flags.DEFINE_integer("trace_steps", 32, "Resident batch-1 decode steps traced per block setting (0: no trace).",
                      lower_bound=0)
-flags.DEFINE_boolean("split_probe", False, "Put an empty start / wait pair of the slot-copy kernel on its own stream "
-                     "(slot_copy.copy_into_slots_start, wait_slots; count 0) in every cached layer: what a prefetch "
-                     "on that stream costs the step by splitting its command buffers, with nothing copied. GPU only.")
+flags.DEFINE_boolean("split_probe", False, "Put an empty start / wait pair of the slot-copy kernel on its own "
+                     "stream (slot_copy.copy_into_slots_start, wait_slots; count 0) in every cached layer, side by "
+                     "side before the lookup (as many graph segments a layer as a prefetch started before the "
+                     "attention): what a prefetch on that stream costs the step by splitting its command buffers, "
+                     "with nothing copied. GPU only.")
 flags.DEFINE_string("out_dir", "experiments/results/decode_speed", "Where the JSON goes.")
 flags.DEFINE_string("tag", "", "Goes into the JSON's name.")
 common.define_kernel_flags()

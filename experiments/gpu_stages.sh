@@ -300,9 +300,14 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
       run 200 "$stage" experiments/check_identity_gpu.py --miss_copy=kernel ${out:+--out_dir="$out"} ;;
     split-probe)
       for sp in nosplit_probe split_probe; do
-        run 200 "$stage-$sp" experiments/bench_decode_speed.py --preset=qwen3.5-35b-a3b --layers=16 --slots=512 \
+        dump=/tmp/split-probe-dump-$sp; rm -rf "$dump"
+        XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=decode_block" \
+          run 200 "$stage-$sp" experiments/bench_decode_speed.py --preset=qwen3.5-35b-a3b --layers=16 --slots=512 \
           --modes=cached --batches=1 --decode_blocks=16 --repeats=3 --cached_repeats=3 --trace_steps=0 --"$sp" \
           --tag="qwen3.5-16l-512-slots-${sp}_${dev}_$day" ${out:+--out_dir="$out"}
+        # a whole copy of the 512-slot gate_up pool would race with an asynchronous copy: count them
+        f="$(ls -S "$dump"/*decode_block*after_optimizations.txt 2>/dev/null | head -1)"
+        [ -n "$f" ] && echo "$sp: pool copies in $(basename "$f"): $(grep -c 'bf16\[512,2048,1024\]{[^}]*} copy(' "$f")"
       done ;;
     slot-copy-decode)
       for mc in xla kernel; do

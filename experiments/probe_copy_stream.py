@@ -334,6 +334,11 @@ def main(argv):
                       f"{row['ms_per_layer']['median']:.4f} ms a layer, queues {row['operation_queue_ids']}, "
                       f"buffer copies {row['buffer_copies']}", flush=True)
     path = common.write_json(FLAGS.out_dir, name, out)
+    for r in out["rows"]:
+        if r["variant"] == "copy_nowait":  # must differ from the waited copies, or the check cannot see a late copy
+            seen = r.get("same_result_as_kernel")
+            print(f"negative control (graphs {r['graphs']}): same_result_as_kernel={seen}",
+                  "(as it must be)" if seen is False else "(WARNING: the result check did not see the missing wait)")
     print(common.table(out["overlap"], ["copy", "graphs", "empty_ms", "copy_ms", "compute_ms", "serial_hidden",
                                         "stream1_hidden", "serial_pool_hidden", "stream1_pool_hidden"]))
     print("wrote", path)

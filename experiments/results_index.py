@@ -38,6 +38,13 @@ ARCHIVE = "archive"
 #: repository had stale git metadata), mapped to the commit recorded for the run when the file was added
 #: (experiments/results/README.md, the commit messages that added them).
 COMMIT_AS_RUN = {
+    "probe_copy_stream_h100_2026-12-07_copies-1_blocks-16.json": "034a310",
+    "probe_copy_stream_h100_2026-12-07_copies-1_blocks-4.json": "034a310",
+    "probe_copy_stream_h100_2026-12-07_copies-4_blocks-2.json": "034a310",
+    "probe_copy_stream_h100_2026-12-07_copies-4_blocks-4.json": "034a310",
+    "probe_copy_stream_h100_2026-12-07_copies-4_blocks-4_graphs.json": "034a310",
+    "probe_copy_stream_h100_2026-12-07_copies-4_blocks-8.json": "034a310",
+    "probe_copy_stream_h100_2026-12-07_copies-8_blocks-2.json": "034a310",
     "bench_gated_delta_qwen3.5-35b-a3b_scan-kernel_h200_2026-12-04.json": "57a2d1a",
     "bench_gated_delta_qwen3.5-35b-a3b_solve-kernel_h200_2026-12-04.json": "7474a03",
     "bench_decode_speed_qwen3-30b-a3b_16l_h200_2026-12-03.json": "f19eceb",

@@ -199,26 +199,29 @@ def test_kernel_writes_the_rows_numpy_says(row, dtype, address):
 
 @pytest.mark.gpu("the slot-copy kernel runs on a CUDA GPU")
 def test_the_copy_on_its_own_stream_lands_what_numpy_says_once_waited_for():
-    """Two starts on two tags inside one program, each joined by its wait: the pool holds the rows numpy says, and a
-    computation on the waited pool (the rows doubled) sees them; the next call's pool is independent of the last's."""
-    n, s_, width = 16, 8, 1 << 16  # 256 KiB float32 rows: long enough that a late copy would show
+    """Two pools started on two tags, both copies in flight, then joined in the other order, each read at once after
+    its wait (the rows doubled in the same program): both pools hold the rows numpy says. The rows are 4 MiB, so a
+    wait that returned early (a tag joined to the other tag's copy, which the library's in-order stream finishes
+    first) would let the read see rows still being written."""
+    n, s_, width = 12, 6, 1 << 20
     bank_np = (np.arange(n * width) % 251).reshape(n, width).astype(np.float32)
     bank = memory.to_host(bank_np)
-    ids_a, slots_a = np.array([3, 9, 15], np.int32), np.array([0, 5, 2], np.int32)
-    ids_b, slots_b = np.array([1, 4], np.int32), np.array([7, 3], np.int32)
+    ids_a, slots_a = np.array([3, 9, 11], np.int32), np.array([0, 5, 2], np.int32)
+    ids_b, slots_b = np.array([1, 4, 7], np.int32), np.array([4, 3, 1], np.int32)
 
-    def step(b, p):
-        p = slot_copy.copy_into_slots_start(b, p, ids_a, slots_a, np.int32(3), tag=1)
-        p = slot_copy.wait_slots(p, ids_a, slots_a, np.int32(3), tag=1)
-        p = slot_copy.copy_into_slots_start(b, p, ids_b, slots_b, np.int32(2), tag=2)
-        p = slot_copy.wait_slots(p, ids_b, slots_b, np.int32(2), tag=2)
-        return p, p * 2
+    def step(b, pa, pb):
+        pa = slot_copy.copy_into_slots_start(b, pa, ids_a, slots_a, np.int32(3), tag=1)
+        pb = slot_copy.copy_into_slots_start(b, pb, ids_b, slots_b, np.int32(3), tag=2)
+        pb = slot_copy.wait_slots(pb, ids_b, slots_b, np.int32(3), tag=2)
+        read_b = pb * 2
+        pa = slot_copy.wait_slots(pa, ids_a, slots_a, np.int32(3), tag=1)
+        return pa * 2, read_b
 
-    fn = jax.jit(step, donate_argnums=(1,))
-    want = np.full((s_, width), -1, np.float32)
-    for ids, slots in ((ids_a, slots_a), (ids_b, slots_b)):
-        want[slots] = bank_np[ids]
+    fn = jax.jit(step, donate_argnums=(1, 2))
+    want_a, want_b = (np.full((s_, width), -1, np.float32) for _ in range(2))
+    want_a[slots_a], want_b[slots_b] = bank_np[ids_a], bank_np[ids_b]
     for _ in range(3):
-        pool, doubled = fn(bank, jax.numpy.full((s_, width), -1, np.float32))
-        np.testing.assert_array_equal(np.asarray(pool), want)
-        np.testing.assert_array_equal(np.asarray(doubled), want * 2)
+        fresh = lambda: jax.numpy.full((s_, width), -1, np.float32)  # noqa: E731
+        got_a, got_b = fn(bank, fresh(), fresh())
+        np.testing.assert_array_equal(np.asarray(got_a), want_a * 2)
+        np.testing.assert_array_equal(np.asarray(got_b), want_b * 2)

@@ -241,9 +241,9 @@ def copy_into_slots_start(bank: jax.Array, pool: jax.Array, flat_ids: jax.Array,
     copy reads until then) -- no read, write or copy of it before -- and must wait for every start before it ends;
     the compiled program must hold no copy of the pool (check it: ``experiments/probe_copy_stream.py`` counts them).
     Not command-buffer compatible: XLA runs both calls outside its CUDA graphs. One GPU per process. Give it few
-    ``blocks_per_miss`` (2-8): its blocks stay resident for the whole copy, and at the default 64 a few misses hold
-    every SM, so XLA's next kernels wait behind them (H100, 2026-12-07: 4 misses a layer hid 0.94-0.97 of the
-    shorter part at 2-8 blocks, 0.02-0.10 at 64; ``experiments/probe_copy_stream.py --copy=kernel_async``). The
+    ``blocks_per_miss`` (2-8): at the default 64, a few misses' long-lived blocks keep XLA's next kernels from running
+    beside the copy (H100, 2026-12-07: 4 misses a layer hid 0.94-0.97 of the shorter part at 2-8 blocks, 0.02-0.10
+    at 64, not traced further; ``experiments/probe_copy_stream.py --copy=kernel_async``). The
     engine does not use it yet.
 
     Raises:

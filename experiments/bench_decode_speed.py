@@ -50,6 +50,8 @@ flags.DEFINE_integer("repeats", 3, "Timed generates per row (after one untimed).
 flags.DEFINE_integer("cached_repeats", 1, "Timed generates per cached row (after one untimed).", lower_bound=1)
 flags.DEFINE_integer("trace_steps", 32, "Resident batch-1 decode steps traced per block setting (0: no trace).",
                      lower_bound=0)
+flags.DEFINE_integer("prefetch_guesses", 0, "EngineConfig.prefetch_guesses of the cached rows: experts guessed per "
+                     "token and copied before each layer's token mixer (0: none).", lower_bound=0)
 flags.DEFINE_boolean("split_probe", False, "Put an empty start / wait pair of the slot-copy kernel on its own "
                      "stream (slot_copy.copy_into_slots_start, wait_slots; count 0) in every cached layer, side by "
                      "side before the lookup (as many graph segments a layer as a prefetch started before the "
@@ -75,7 +77,8 @@ def _row(model, layers: int, mode: str, batch: int, block: int, repeats: int) ->
     cfg = model.cfg
     config = EngineConfig(experts=mode, num_slots=FLAGS.slots if mode == "cached" else None, batch=batch,
                           max_seq_len=-(-(FLAGS.prompt_len + FLAGS.steps) // 128) * 128, decode_block=block,
-                          kernels=common.kernel_config())
+                          kernels=common.kernel_config(),
+                          prefetch_guesses=FLAGS.prefetch_guesses if mode == "cached" else 0)
     engine = Engine(model, config)
     rng = np.random.default_rng(batch)
     prompts = [rng.integers(0, cfg.vocab_size, FLAGS.prompt_len).tolist() for _ in range(batch)]
@@ -87,6 +90,7 @@ def _row(model, layers: int, mode: str, batch: int, block: int, repeats: int) ->
     tok_s = [r.decode_tokens_per_s for r in runs]
     steps = n_new - 1
     row = {"layers": layers, "mode": mode, "batch": batch, "decode_block": block, "new_tokens": n_new,
+           "prefetch_guesses": config.prefetch_guesses, "generated_ids": runs[-1].generated_ids,
            "tokens_per_s": common.spread(tok_s), "step_ms": 1e3 * batch / statistics.median(tok_s),
            "ttft_s": statistics.median(r.ttft_s for r in runs), "compile_s": first.compile_s,
            "hit_rate": decode["hit_rate"], "h2d_bytes_per_step": decode["bytes_h2d"] / (steps * repeats)}
@@ -167,6 +171,12 @@ def _split_probe() -> None:
 
 def _bounds(rows: list[dict], bp_gbps: float) -> None:
     res = {(r["layers"], r["batch"], r["decode_block"]): r["step_ms"] for r in rows if r["mode"] == "resident"}
+    tokens = {(r["layers"], r["batch"], r["decode_block"]): r["generated_ids"] for r in rows if r["mode"] == "resident"}
+    for r in rows:  # greedy: a cached row's tokens are the resident row's (the ids themselves are not kept)
+        ids = r.pop("generated_ids")
+        want = tokens.get((r["layers"], r["batch"], r["decode_block"]))
+        if r["mode"] == "cached" and want is not None:
+            r["same_tokens_as_resident"] = ids == want
     for r in rows:
         base = res.get((r["layers"], r["batch"], r["decode_block"]))
         if r["mode"] == "cached" and base is not None:

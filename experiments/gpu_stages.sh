@@ -91,10 +91,11 @@
 # slot-copy-blocks: bench_miss_copy at both expert shapes, the slot-copy kernel's grid at 16, 32, 64 (the default),
 #                  128 and 256 blocks per miss, graphs on (are the misses' 0.93-0.95x of a contiguous copy the grid's?)
 # slot-copy-identity: check_identity_gpu with --miss_copy=kernel: cached = resident bit for bit with the kernel
-# split-probe:     bench_decode_speed at issue 32's shape (qwen3.5, 16 layers, 512 slots, decode blocks of 16), cached,
-#                  without and then with --split_probe (an empty start / wait pair of the slot-copy kernel on its own
-#                  stream in every cached layer): what a predicted prefetch on that stream costs the step in split
-#                  CUDA graphs, before anything is copied beside the compute
+# split-probe:     bench_decode_speed at issue 32's shape (qwen3.5, 16 layers, 512 slots, decode blocks of 16), cached:
+#                  plain, with --split_probe (an empty start / wait pair of the slot-copy kernel on its own stream in
+#                  every cached layer: what a prefetch on that stream costs the step in split CUDA graphs), and with
+#                  --prefetch_guesses=2 (the prefetch itself), each beside its resident row (the bound, the tokens);
+#                  whole copies of the pool counted in each decode block
 # slot-copy-decode: bench_decode_speed's cached rows with --miss_copy=xla, then kernel: issue 32's shape (qwen3.5, 16
 #                  layers, 512 slots, with its resident row) and issue 33's 48-layer offload row (280 slots, 64 steps)
 # decode-loop-order: bench_decode_loop at qwen3-30b-a3b's 48 layers, batch 4, one engine after the other, the fixed
@@ -299,15 +300,16 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
     slot-copy-identity)
       run 200 "$stage" experiments/check_identity_gpu.py --miss_copy=kernel ${out:+--out_dir="$out"} ;;
     split-probe)
-      for sp in nosplit_probe split_probe; do
-        dump=/tmp/split-probe-dump-$sp; rm -rf "$dump"
+      for v in plain:--nosplit_probe split:--split_probe prefetch-2:--prefetch_guesses=2; do
+        name="${v%%:*}"; dump=/tmp/split-probe-dump-$name; rm -rf "$dump"
         XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=decode_block" \
-          run 200 "$stage-$sp" experiments/bench_decode_speed.py --preset=qwen3.5-35b-a3b --layers=16 --slots=512 \
-          --modes=cached --batches=1 --decode_blocks=16 --repeats=3 --cached_repeats=3 --trace_steps=0 --"$sp" \
-          --tag="qwen3.5-16l-512-slots-${sp}_${dev}_$day" ${out:+--out_dir="$out"}
+          run 200 "$stage-$name" experiments/bench_decode_speed.py --preset=qwen3.5-35b-a3b --layers=16 --slots=512 \
+          --modes=resident,cached --batches=1 --decode_blocks=16 --repeats=3 --cached_repeats=3 --trace_steps=0 "${v#*:}" \
+          --tag="qwen3.5-16l-512-slots-${name}_${dev}_$day" ${out:+--out_dir="$out"}
         # a whole copy of the 512-slot gate_up pool would race with an asynchronous copy: count them
-        f="$(ls -S "$dump"/*decode_block*after_optimizations.txt 2>/dev/null | head -1)"
-        [ -n "$f" ] && echo "$sp: pool copies in $(basename "$f"): $(grep -c 'bf16\[512,2048,1024\]{[^}]*} copy(' "$f")"
+        n="$(ls "$dump"/*decode_block*after_optimizations.txt 2>/dev/null | wc -l)"
+        echo "$name: whole copies of the 512-slot pool in $n decode_block programs:" \
+          "$(cat "$dump"/*decode_block*after_optimizations.txt 2>/dev/null | grep -c 'bf16\[512,2048,1024\]{[^}]*} copy(')"
       done ;;
     slot-copy-decode)
       for mc in xla kernel; do

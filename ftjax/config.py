@@ -427,6 +427,11 @@ class EngineConfig:
         (each device a pool of S / N slots and its own slot table). "tensor": each device holds a 1/N piece of
         every expert's FFN width (``ftjax.experts.tensor_parallel``); N must divide F, the banks must be dense,
         and S is the one replicated table's (each device a pool of S pieces).
+      prefetch_guesses: G > 0: each layer of a cached decode call (at most ``ftjax.experts.prefetch.MAX_TOKENS``
+        tokens) guesses its experts from its input before its token mixer (its router, top G per token) and starts
+        copying the guesses not cached, on a GPU on the slot-copy kernel's own stream beside the mixer; its lookup
+        then finds them cached (``ftjax.experts.prefetch``; the same logits). 0: off. Needs experts "cached", the
+        fetch miss policy and one device.
     Raises:
       ValueError: a choice outside its registry or a size out of range (the message names the field).
     """
@@ -449,6 +454,7 @@ class EngineConfig:
     decode_block: int = 16
     devices: int = 1
     expert_split: str = "expert"
+    prefetch_guesses: int = 0
 
     def __post_init__(self):
         _choice("experts mode", self.experts, EXPERT_MODES)
@@ -468,6 +474,11 @@ class EngineConfig:
             raise ValueError(f"miss must be a MissPolicyConfig, got {type(self.miss).__name__}")
         if self.num_slots is not None:
             _at_least("num_slots", self.num_slots, 1)
+        _at_least("prefetch_guesses", self.prefetch_guesses, 0)
+        if self.prefetch_guesses and (self.experts != "cached" or self.miss.policy != "fetch" or self.devices > 1):
+            raise ValueError(f"prefetch_guesses={self.prefetch_guesses} needs experts 'cached', the fetch miss policy "
+                             f"and one device, got experts {self.experts!r}, miss policy {self.miss.policy!r}, "
+                             f"devices={self.devices}")
         if self.experts != "resident" and self.num_slots is None:
             raise ValueError(f"experts mode {self.experts!r} needs num_slots")
         if self.prefill == "stream" and self.experts == "resident":

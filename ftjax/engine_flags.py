@@ -85,7 +85,7 @@ FLAG_NAMES = ("checkpoint", "preset", "seed", "dtype", "expert_dtype", "experts"
               "kv_load", "miss_policy", "cpu_expert_impl", "cpu_threads", "cpu_miss_driver", "calibration_profile",
               "matmul_precision", "decode_gemm", "decode_graphs", "decode_loop", "kernels", "kernel_tiles",
               "grouped_matmul", "flash_prefill", "slot_order", "min_dot_rows", "fetch_group", "miss_copy",
-              "fixed_fetch", "decode_block", "devices", "expert_split", "compilation_cache_dir")
+              "fixed_fetch", "decode_block", "devices", "expert_split", "prefetch_guesses", "compilation_cache_dir")
 
 
 def define_flags(flag_values: flags.FlagValues = FLAGS, module_name: str | None = None) -> None:
@@ -212,6 +212,11 @@ def define_flags(flag_values: flags.FlagValues = FLAGS, module_name: str | None 
                   "divide E and --expert_slots) or tensor (each device holds 1/N of every expert's FFN width, one "
                   "slot table replicated on all: balanced links, one device's hit rate; N must divide F; dense "
                   "experts only).")
+    d.DEFINE_integer("prefetch_guesses", 0, "Cached decode: each layer guesses this many experts per token from its "
+                     "input before its token mixer (its router) and starts copying the guesses not cached, on a GPU "
+                     "on the slot-copy kernel's own stream beside the mixer; the same logits (EngineConfig."
+                     "prefetch_guesses; docs/PROFILE.md \"Open\"). 0: off. Needs --experts=cached (or a plan that "
+                     "picks it) and --miss_policy=fetch.", lower_bound=0)
     d.DEFINE_string("compilation_cache_dir", None, compile_cache.FLAG_HELP)
 
 
@@ -357,7 +362,8 @@ def engine_config(mode: str, slots: int | None, max_seq_len: int, batch: int, no
                         prefix_copy=FLAGS.prefix_copy, prefix_copy_layers=FLAGS.prefix_copy_layers,
                         cache_policy=FLAGS.cache_policy, matmul_precision=FLAGS.matmul_precision,
                         kernels=kernel_config(), miss=miss_config(mode) if note else MissPolicyConfig(),
-                        decode_block=FLAGS.decode_block, devices=FLAGS.devices, expert_split=FLAGS.expert_split)
+                        decode_block=FLAGS.decode_block, devices=FLAGS.devices, expert_split=FLAGS.expert_split,
+                        prefetch_guesses=FLAGS.prefetch_guesses if mode == "cached" else 0)
 
 
 def plan(model, max_seq_len: int, prompts: list[list[int]], batch: int):

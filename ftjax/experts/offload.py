@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from ftjax.config import EXPERT_MODES
-from ftjax.experts import miss_policy
+from ftjax.experts import miss_policy, prefetch as prefetch_lib
 from ftjax.experts.compute import experts_from_layer, experts_from_pool
 from ftjax.experts.fetch import fetch_experts, fetch_layer
 from ftjax.experts.slot_table import LayerLookup, forget_slots, lookup_layer, reset_table
@@ -64,7 +64,7 @@ def trace_ids(r: LayerRouting) -> jax.Array:
 
 
 def make_expert_fn(mode: str, num_experts: int, banks: ExpertBanks | None = None, policy: str = "lru",
-                   miss: miss_policy.MissConfig | None = None, cheap_conds: bool = False):
+                   miss: miss_policy.MissConfig | None = None, cheap_conds: bool = False, prefetch: int = 0):
     """Builds the expert function (``ftjax.model.ExpertFn``) of an experts mode.
 
     Call it inside the jitted step, with the host banks an argument of that jit (memory kind
@@ -83,9 +83,12 @@ def make_expert_fn(mode: str, num_experts: int, banks: ExpertBanks | None = None
         run as a command buffer with CONDITIONAL: ``EngineConfig.decode_graphs``). Then a cached layer
         that routes fewer (token, expert) pairs than E takes the slot table's all-hit fast path
         (``lookup_layer(skip_if_all_hit=True)``; same results).
+      prefetch: G > 0 (cached mode, fetch miss policy): the function gets a ``prefetch`` attribute
+        (``ftjax.experts.prefetch.Starter``) that starts copying G guessed experts per token before each layer's
+        token mixer, and joins them before its lookup (``ftjax.experts.prefetch``; same results). 0: none.
     Raises:
-      ValueError: unknown mode, host banks missing for an offloading mode, or a cpu / adaptive
-        miss policy with resident experts.
+      ValueError: unknown mode, host banks missing for an offloading mode, a cpu / adaptive
+        miss policy with resident experts, or a prefetch outside the cached mode's fetch policy.
     """
     if mode not in MODES:
         raise ValueError(f"unknown experts mode {mode!r}; expected one of {MODES}")
@@ -93,6 +96,9 @@ def make_expert_fn(mode: str, num_experts: int, banks: ExpertBanks | None = None
         raise ValueError(f"experts mode {mode!r} needs the host expert banks")
     if miss is not None and miss.policy != "fetch" and mode == "resident":
         raise ValueError(f"miss policy {miss.policy!r} needs experts mode cached or on_demand, got {mode!r}")
+    if prefetch and (mode != "cached" or (miss is not None and miss.policy != "fetch")):
+        raise ValueError(f"prefetch={prefetch} needs experts mode cached and the fetch miss policy, got {mode!r}"
+                         f"{'' if miss is None else f' and {miss.policy!r}'}")
     e = num_experts
 
     def expert_fn(state: ExpertState, layer: jax.Array, r: LayerRouting):
@@ -123,6 +129,15 @@ def make_expert_fn(mode: str, num_experts: int, banks: ExpertBanks | None = None
             look = lookup_layer(table, layer, routed, e, policy, skip_if_all_hit=skip)
         return _fetch_and_compute(banks, state.replace(table=look.table, last_routed=recency), layer, look, r, e)
 
+    if not prefetch:
+        return expert_fn
+    layer_fn = expert_fn
+
+    def expert_fn(state: ExpertState, layer: jax.Array, r: LayerRouting):  # noqa: F811 - the prefetch around it
+        state, pending = prefetch_lib.join(banks, state)
+        y, state, stats = layer_fn(state, layer, r)
+        return y, state, prefetch_lib.stats(stats, pending, routed_mask(r.ids, r.valid, e))
+    expert_fn.prefetch = prefetch_lib.Starter(banks, policy, prefetch)
     return expert_fn
 
 
@@ -234,11 +249,11 @@ def make_layer_buffer_expert_fn(num_experts: int, buffer: tuple, fmt: str = "den
 
 def step_expert_fn(num_layers: int, num_experts: int, mode: str, banks: ExpertBanks, state: ExpertState,
                    stream: bool = False, overlap: bool = True, policy: str = "lru",
-                   miss: miss_policy.MissConfig | None = None, cheap_conds: bool = False):
+                   miss: miss_policy.MissConfig | None = None, cheap_conds: bool = False, prefetch: int = 0):
     """(state, expert function) of one jitted step, inside the jit: full-layer streaming for a
     long prefill chunk (every expert fetched, whatever the miss policy), else the experts mode
-    with the cache ``policy``, the ``miss`` policy and ``cheap_conds`` (:func:`make_expert_fn`)."""
+    with the cache ``policy``, the ``miss`` policy, ``cheap_conds`` and ``prefetch`` (:func:`make_expert_fn`)."""
     if stream:
         state = stream_prologue(banks, state, num_experts, overlap)
         return state, make_stream_expert_fn(num_experts, num_layers, banks, overlap)
-    return state, make_expert_fn(mode, num_experts, banks, policy, miss, cheap_conds)
+    return state, make_expert_fn(mode, num_experts, banks, policy, miss, cheap_conds, prefetch)

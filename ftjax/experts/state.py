@@ -14,6 +14,7 @@ offload; DESIGN.md 1.1-1.3):
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import flax.struct
 import jax
@@ -71,7 +72,8 @@ class ExpertState:
     slot = flat id). last_routed: int32 [L*E], the table clock at each flat id's last routing
     (-1 = never); kept only for miss policies that rank misses by recency (None otherwise).
     scales: the pools' scales of a quantized format ((gate_up [S, ...], down [S, ...]) float32,
-    filled with the weights), None for dense. fmt: the banks' format (static).
+    filled with the weights), None for dense. fmt: the banks' format (static). prefetch: a layer's started prefetch
+    (``ftjax.experts.prefetch.Pending``) between its token mixer and its expert function, else None.
     """
 
     gate_up: jax.Array
@@ -80,6 +82,7 @@ class ExpertState:
     last_routed: jax.Array | None = None
     scales: tuple | None = None
     fmt: str = flax.struct.field(pytree_node=False, default="dense")
+    prefetch: Any = None
 
 
 def init_expert_state(mode: str, num_layers: int, num_experts: int, num_slots: int, banks: ExpertBanks,

@@ -201,7 +201,8 @@ class CallPlanner:
         opts = StepOptions(config.experts, all_logits, stream, config.prefill_overlap and stream, config.cache_policy,
                            miss, kv, config.precision(jax.numpy.dtype(self.dtype).name),
                            config.kernels, cheap_conds=graphs or jax.default_backend() == "cpu", devices=config.devices,
-                           expert_split=config.expert_split)
+                           expert_split=config.expert_split,
+                           prefetch=config.prefetch_guesses if not stream and not host and kv is None else 0)
         d2d = pipelined and stream and config.stream_d2d_hits and config.experts != "resident"
         extra = e if stream and config.prefill_overlap and not pipelined else 0
         return CallPlan(opts, "host_split" if host else "pipelined" if pipelined else "scan", options, d2d, extra)

@@ -38,7 +38,8 @@ class StepOptions:
     kernels: the kernel config (``EngineConfig.kernels``); cheap_conds: a ``lax.cond`` costs this
     program no host round trip (``offload.make_expert_fn``; set per call by the plan); devices: the experts
     split over this many devices (``EngineConfig.devices``), as ``expert_split`` says (``EngineConfig.expert_split``:
-    ``ftjax.experts.parallel`` or ``ftjax.experts.tensor_parallel``).
+    ``ftjax.experts.parallel`` or ``ftjax.experts.tensor_parallel``); prefetch: guessed experts per token a cached
+    layer starts copying before its token mixer (``EngineConfig.prefetch_guesses``; 0 in calls it does not apply to).
     """
 
     mode: str
@@ -53,6 +54,7 @@ class StepOptions:
     cheap_conds: bool = False
     devices: int = 1
     expert_split: str = "expert"
+    prefetch: int = 0
 
     @contextlib.contextmanager
     def tracing(self):
@@ -81,7 +83,7 @@ def forward_step(params, banks, cache, state, tokens, start, valid_len, prefix, 
         else:
             state, expert_fn = offload.step_expert_fn(cfg.num_layers, cfg.num_experts, opts.mode, banks, state,
                                                       opts.stream, opts.overlap, opts.policy, opts.miss,
-                                                      opts.cheap_conds)
+                                                      opts.cheap_conds, opts.prefetch)
         hook = opts.kv.hook(prefix) if opts.kv is not None else None
         return model_lib.forward(params, cfg, tokens, start, valid_len, cache, expert_fn, state, opts.all_logits,
                                  kv_hook=hook)

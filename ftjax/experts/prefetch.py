@@ -1,0 +1,125 @@
+"""A cached decode layer's experts guessed before its token mixer and copied beside it
+(``EngineConfig.prefetch_guesses``).
+
+Why (issue 32's offload decode past its serial bound; docs/PROFILE.md "Open"): a cached step copies a layer's misses
+only once its router has run, so the copies and the layer's other kernels run in series. A layer's experts can be
+guessed earlier: its router applied to the layer's *input* (before the token mixer), normed by its own MoE norm,
+finds most of the experts the router will pick from the mixer's output (the residual stream changes little in one
+layer; on the benchmarks' random weights at qwen3-30b-a3b's shape the router on the layer before's output found
+87.5% with k guesses: ``policy/policy_study_random_qwen3-30b-a3b_4l.json``). So, per cached decode layer:
+
+1. :func:`start`: the top ``guesses`` experts per valid token; those not cached get slots from the slot table
+   (:func:`ftjax.experts.slot_table.lookup_layer`, the engine's policy, so the guesses become the most recent
+   entries) and are copied. On a GPU with the slot-copy kernel the copies run on the kernel's own stream
+   (``slot_copy.copy_into_slots_start``, few blocks per miss so the mixer's kernels keep their SMs) while the token
+   mixer runs; elsewhere they are copied at once in the step's stream (the same pools, so the same results).
+2. The token mixer.
+3. :func:`join` at the start of the expert function: XLA's stream waits for the copies (``slot_copy.wait_slots``);
+   the layer's lookup then finds the right guesses cached, and copies the rest as before.
+
+The weights in every slot are the banks' rows, so the logits are those of the same step without a prefetch (tests:
+tests/test_prefetch.py). Only what moves over the link changes: a wrong guess is an extra copy. :func:`stats` counts
+a layer's misses as every expert it copied (guesses included) and its hits as the routed experts that were cached
+before the layer began, so ``bytes_h2d`` stays every byte copied.
+
+Not command-buffer compatible on a GPU: XLA runs the two calls outside its CUDA graphs, splitting the step's graph
+(``experiments/bench_decode_speed.py --split_probe`` measures that cost alone).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from ftjax.experts import fetch, slot_copy
+from ftjax.experts.slot_table import lookup_layer
+from ftjax.experts.state import ExpertBanks, ExpertState
+from ftjax.seams import LayerStats
+
+#: Thread blocks per miss of a copy on the kernel's own stream: at the kernel's default 64, four misses' blocks kept
+#: a stand-in layer's kernels from running beside the copy; at 2-8 the copy hid 0.94-1.11 of the shorter part at
+#: 46-48 GB/s (H100, 2026-12-07, ``overlap/probe_copy_stream_h100_2026-12-07_copies-4_blocks-*.json``).
+BLOCKS_PER_MISS = 4
+#: Tokens of a call above which no prefetch is started (a decode step has one per row; a prefill chunk's guesses
+#: would name most of the layer's experts).
+MAX_TOKENS = 16
+
+
+class Pending(NamedTuple):
+    """A layer's started prefetch: flat ids and slots int32 [E] (the first ``count`` valid), count int32 [], and
+    copied bool [E], the layer's experts whose copies it started."""
+
+    flat: jax.Array
+    slots: jax.Array
+    count: jax.Array
+    copied: jax.Array
+
+
+def asynchronous(banks: ExpertBanks, state: ExpertState) -> bool:
+    """Whether the copies run on the slot-copy kernel's own stream (the kernel applies to these banks, as
+    ``fetch.uses_slot_kernel`` decides), else in the step's stream (:func:`fetch.fetch_experts`)."""
+    return fetch.uses_slot_kernel(fetch._bank_arrays(banks), fetch._pool_arrays(state))
+
+
+def start(banks: ExpertBanks, state: ExpertState, layer: jax.Array, mask: jax.Array, policy: str) -> ExpertState:
+    """The guesses ``mask`` (bool [E]) of layer ``layer`` made cached: slots from the table, copies started. Returns
+    the state with the updated table and pools and :class:`Pending` in ``state.prefetch`` (joined by :func:`join`).
+    On the kernel's own stream the returned pools must not be read until then."""
+    e = mask.shape[0]
+    look = lookup_layer(state.table, layer, mask, e, policy)
+    valid = jnp.arange(e) < look.n_miss
+    flat = jnp.where(valid, layer * e + look.miss_experts, 0).astype(jnp.int32)
+    slots = jnp.where(valid, look.miss_slots, 0).astype(jnp.int32)
+    copied = jnp.zeros((e,), jnp.bool_).at[jnp.where(valid, look.miss_experts, e)].set(True, mode="drop")
+    state = state.replace(table=look.table)
+    with jax.named_scope("expert_prefetch"):
+        if asynchronous(banks, state):
+            pools = tuple(slot_copy.copy_into_slots_start(b, p, flat, slots, look.n_miss, tag=i,
+                                                          blocks_per_miss=BLOCKS_PER_MISS)
+                          for i, (b, p) in enumerate(zip(fetch._bank_arrays(banks), fetch._pool_arrays(state))))
+            state = fetch._with_pools(state, pools)
+        else:
+            state = fetch.fetch_experts(banks, state, flat, slots, look.n_miss)
+    return state.replace(prefetch=Pending(flat, slots, look.n_miss, copied))
+
+
+class Starter:
+    """The expert function's ``prefetch`` attribute, which ``ftjax.model.decoder_layer`` calls before the token mixer
+    with the layer's guesses (``ftjax.layers.moe.guess_experts``, ``guesses`` per token): :func:`start` on these
+    banks under the cache ``policy``, for calls of at most :data:`MAX_TOKENS` tokens (:meth:`applies`)."""
+
+    def __init__(self, banks: ExpertBanks, policy: str, guesses: int):
+        self.banks, self.policy, self.guesses = banks, policy, guesses
+
+    def applies(self, shape: tuple) -> bool:
+        """Whether a call whose residual stream has ``shape`` ([B, T, D]) prefetches."""
+        return shape[0] * shape[1] <= MAX_TOKENS
+
+    def __call__(self, state: ExpertState, layer: jax.Array, mask: jax.Array) -> ExpertState:
+        return start(self.banks, state, layer, mask, self.policy)
+
+
+def join(banks: ExpertBanks, state: ExpertState) -> tuple[ExpertState, Pending | None]:
+    """The state once its started copies have landed (XLA's stream waits for the kernel's; nothing to wait for where
+    they ran in the step's stream), with ``prefetch`` cleared; and the :class:`Pending` joined, or None."""
+    pending = state.prefetch
+    if pending is None:
+        return state, None
+    state = state.replace(prefetch=None)
+    if asynchronous(banks, state):
+        pools = tuple(slot_copy.wait_slots(p, pending.flat, pending.slots, pending.count, tag=i)
+                      for i, p in enumerate(fetch._pool_arrays(state)))
+        state = fetch._with_pools(state, pools)
+    return state, pending
+
+
+def stats(s: LayerStats, pending: Pending | None, routed: jax.Array) -> LayerStats:
+    """A layer's stats with its prefetch counted: misses and fetched + the copies it started, hits - the routed
+    experts among them (routed: bool [E]), so misses are every expert the layer copied and hits the routed ones
+    cached before it began."""
+    if pending is None:
+        return s
+    used = jnp.sum(pending.copied & routed, dtype=jnp.int32)
+    return s._replace(hits=s.hits - used, misses=s.misses + pending.count, fetched=s.fetched + pending.count)

@@ -306,10 +306,10 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
           run 200 "$stage-$name" experiments/bench_decode_speed.py --preset=qwen3.5-35b-a3b --layers=16 --slots=512 \
           --modes=resident,cached --batches=1 --decode_blocks=16 --repeats=3 --cached_repeats=3 --trace_steps=0 "${v#*:}" \
           --tag="qwen3.5-16l-512-slots-${name}_${dev}_$day" ${out:+--out_dir="$out"}
-        # a whole copy of the 512-slot gate_up pool would race with an asynchronous copy: count them
+        # a whole copy of a 512-slot pool would race with an asynchronous copy: count them (anywhere in the program)
         n="$(ls "$dump"/*decode_block*after_optimizations.txt 2>/dev/null | wc -l)"
-        echo "$name: whole copies of the 512-slot pool in $n decode_block programs:" \
-          "$(cat "$dump"/*decode_block*after_optimizations.txt 2>/dev/null | grep -c 'bf16\[512,2048,1024\]{[^}]*} copy(')"
+        echo "$name: whole copies of the 512-slot pools (gate_up, down) in $n decode_block programs:" \
+          "$(cat "$dump"/*decode_block*after_optimizations.txt 2>/dev/null | grep -c -E 'bf16\[512,(2048,1024|512,2048)\]\{[^}]*\} copy\(')"
       done ;;
     slot-copy-decode)
       for mc in xla kernel; do

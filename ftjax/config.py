@@ -431,7 +431,8 @@ class EngineConfig:
         tokens) guesses its experts from its input before its token mixer (its router, top G per token) and starts
         copying the guesses not cached, on a GPU on the slot-copy kernel's own stream beside the mixer; its lookup
         then finds them cached (``ftjax.experts.prefetch``; the same logits). 0: off. Needs experts "cached", the
-        fetch miss policy and one device.
+        fetch miss policy, one device and the lru cache policy (a guess's lookup is a reference and a clock tick:
+        LRU's order is what it should be, other policies' counts and decay would be skewed).
     Raises:
       ValueError: a choice outside its registry or a size out of range (the message names the field).
     """
@@ -475,10 +476,11 @@ class EngineConfig:
         if self.num_slots is not None:
             _at_least("num_slots", self.num_slots, 1)
         _at_least("prefetch_guesses", self.prefetch_guesses, 0)
-        if self.prefetch_guesses and (self.experts != "cached" or self.miss.policy != "fetch" or self.devices > 1):
-            raise ValueError(f"prefetch_guesses={self.prefetch_guesses} needs experts 'cached', the fetch miss policy "
-                             f"and one device, got experts {self.experts!r}, miss policy {self.miss.policy!r}, "
-                             f"devices={self.devices}")
+        if self.prefetch_guesses and (self.experts != "cached" or self.miss.policy != "fetch" or self.devices > 1
+                                      or self.cache_policy != "lru"):
+            raise ValueError(f"prefetch_guesses={self.prefetch_guesses} needs experts 'cached', the fetch miss policy, "
+                             f"one device and the lru cache policy, got experts {self.experts!r}, miss policy "
+                             f"{self.miss.policy!r}, devices={self.devices}, cache policy {self.cache_policy!r}")
         if self.experts != "resident" and self.num_slots is None:
             raise ValueError(f"experts mode {self.experts!r} needs num_slots")
         if self.prefill == "stream" and self.experts == "resident":

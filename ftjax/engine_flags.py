@@ -215,8 +215,8 @@ def define_flags(flag_values: flags.FlagValues = FLAGS, module_name: str | None 
     d.DEFINE_integer("prefetch_guesses", 0, "Cached decode: each layer guesses this many experts per token from its "
                      "input before its token mixer (its router) and starts copying the guesses not cached, on a GPU "
                      "on the slot-copy kernel's own stream beside the mixer; the same logits (EngineConfig."
-                     "prefetch_guesses; docs/PROFILE.md \"Open\"). 0: off. Needs --experts=cached (or a plan that "
-                     "picks it) and --miss_policy=fetch.", lower_bound=0)
+                     "prefetch_guesses; docs/PROFILE.md \"Open\"). 0: off. Applies where the experts run cached (given "
+                     "or planned), with --miss_policy=fetch and --cache_policy=lru.", lower_bound=0)
     d.DEFINE_string("compilation_cache_dir", None, compile_cache.FLAG_HELP)
 
 
@@ -350,12 +350,17 @@ def miss_config(mode: str) -> MissPolicyConfig:
 
 def engine_config(mode: str, slots: int | None, max_seq_len: int, batch: int, note: bool = True) -> EngineConfig:
     """The run's EngineConfig from the flags, for ``batch`` rows of ``max_seq_len`` tokens (a resident run has
-    nothing to stream: --prefill=stream then prefills as auto does, with a note)."""
+    nothing to stream: --prefill=stream then prefills as auto does, with a note; --prefetch_guesses applies to the
+    cached mode only, with a note elsewhere). ``note`` False: the planner's base config (no notes, the fetch miss
+    policy, no prefetch: the plan may pick another mode)."""
     prefill = FLAGS.prefill
     if mode == "resident" and prefill == "stream":
         if note:
             print("note: all experts are resident, so there is nothing to stream; --prefill=stream ignored")
         prefill = "auto"
+    prefetch = FLAGS.prefetch_guesses if note and mode == "cached" else 0
+    if note and FLAGS.prefetch_guesses and mode != "cached":
+        print(f"note: the experts run {mode}, not cached; --prefetch_guesses={FLAGS.prefetch_guesses} ignored")
     return EngineConfig(mode, num_slots=slots, max_seq_len=max_seq_len, batch=batch, prefill=prefill,
                         prefill_chunk=FLAGS.prefill_chunk, prefill_overlap=FLAGS.prefill_overlap,
                         prefill_driver=FLAGS.prefill_driver, stream_d2d_hits=FLAGS.stream_d2d_hits,
@@ -363,7 +368,7 @@ def engine_config(mode: str, slots: int | None, max_seq_len: int, batch: int, no
                         cache_policy=FLAGS.cache_policy, matmul_precision=FLAGS.matmul_precision,
                         kernels=kernel_config(), miss=miss_config(mode) if note else MissPolicyConfig(),
                         decode_block=FLAGS.decode_block, devices=FLAGS.devices, expert_split=FLAGS.expert_split,
-                        prefetch_guesses=FLAGS.prefetch_guesses if mode == "cached" else 0)
+                        prefetch_guesses=prefetch)
 
 
 def plan(model, max_seq_len: int, prompts: list[list[int]], batch: int):

@@ -5,6 +5,10 @@ the stats count every copy. On the CPU the copies run in the step's stream; on a
 
 from __future__ import annotations
 
+import functools
+import json
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -58,12 +62,20 @@ def test_a_layer_finds_its_guesses_cached_and_counts_every_copy():
     fn = offload.make_expert_fn("cached", 4, banks, prefetch=2)
     assert fn.prefetch.guesses == 2 and fn.prefetch.applies((1, 1, 8)) and not fn.prefetch.applies((1, 64, 8))
     layer = jnp.int32(1)
-    state = fn.prefetch(state, layer, jnp.array([True, False, True, False]))
-    assert isinstance(state.prefetch, prefetch.Pending) and int(state.prefetch.count) == 2
     r = LayerRouting(jnp.ones((1, 8), jnp.float32), jnp.array([[2, 3]], jnp.int32), jnp.full((1, 2), 0.5),
                      jnp.array([True]))
-    y, state, stats = fn(state, layer, r)
-    assert state.prefetch is None
+    started = []
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def layer_step(state, guesses):  # start, then the expert function (which joins): one program, as in a step
+        state = fn.prefetch(state, layer, guesses)
+        started.append(state.prefetch)
+        y, state, stats = fn(state, layer, r)
+        assert state.prefetch is None
+        return state, stats
+
+    state, stats = layer_step(state, jnp.array([True, False, True, False]))
+    assert isinstance(started[0], prefetch.Pending)
     assert (int(stats.hits), int(stats.misses), int(stats.fetched)) == (0, 3, 3)
     slot_of = np.asarray(state.table.slot_of)
     for expert in (0, 2, 3):
@@ -71,14 +83,17 @@ def test_a_layer_finds_its_guesses_cached_and_counts_every_copy():
         np.testing.assert_array_equal(np.asarray(state.gate_up[slot_of[flat]]), gu[flat])
         np.testing.assert_array_equal(np.asarray(state.down[slot_of[flat]]), dn[flat])
     # the next step's layer 1 routes {2, 3} again: both cached before the layer began, nothing guessed: two hits
-    _, _, stats = fn(state, layer, r)
+    _, stats = layer_step(state, jnp.zeros(4, bool))
     assert (int(stats.hits), int(stats.misses)) == (2, 0)
 
 
 def test_prefetch_outside_the_cached_fetch_policy_is_refused():
-    with pytest.raises(ValueError, match=r"prefetch_guesses=2 needs experts 'cached', the fetch miss policy and one "
-                                         r"device, got experts 'resident'"):
+    with pytest.raises(ValueError, match=r"prefetch_guesses=2 needs experts 'cached', the fetch miss policy, one "
+                                         r"device and the lru cache policy, got experts 'resident'"):
         EngineConfig(prefetch_guesses=2)
+    with pytest.raises(ValueError, match=r"one device and the lru cache policy, got experts 'cached', miss policy "
+                                         r"'fetch', devices=1, cache policy 'lfru'"):
+        EngineConfig(experts="cached", num_slots=8, prefetch_guesses=2, cache_policy="lfru")
     with pytest.raises(ValueError, match=r"got experts 'cached', miss policy 'cpu'"):
         EngineConfig(experts="cached", num_slots=8, prefetch_guesses=2, miss=MissPolicyConfig("cpu"))
     with pytest.raises(ValueError, match=r"prefetch_guesses must be an integer >= 0, got -1"):
@@ -87,3 +102,22 @@ def test_prefetch_outside_the_cached_fetch_policy_is_refused():
     with pytest.raises(ValueError, match=r"prefetch=2 needs experts mode cached and the fetch miss policy, got "
                                          r"'on_demand'"):
         offload.make_expert_fn("on_demand", 4, banks, prefetch=2)
+
+
+def test_the_cli_prefetches_where_the_plan_picks_cached_and_notes_it_elsewhere(tmp_path):
+    """``--prefetch_guesses`` with a checkpoint the plan keeps resident: a note, and the run goes on (the planner's
+    base config carries no prefetch); with ``--expert_slots`` (cached) the prefetch runs and the tokens are the
+    fixture's."""
+    from cli_helpers import run_generate
+    from conftest import fixture_path
+    _, exp = load_fixture("qwen3_moe_fp32")
+    args = [f"--checkpoint={fixture_path('qwen3_moe_fp32')}", "--prompt_ids=" + ",".join(
+        map(str, exp["short_prompt_ids"].tolist())), "--dtype=float32", "--temperature=0", "--max_new_tokens=8",
+        "--prefetch_guesses=2"]
+    r = run_generate(*args)
+    assert r.returncode == 0, r.stderr
+    assert "note: the experts run resident, not cached; --prefetch_guesses=2 ignored" in r.stdout
+    r = run_generate(*args, "--expert_slots=8", f"--metrics_json={tmp_path / 'm.json'}")
+    assert r.returncode == 0 and "ignored" not in r.stdout, r.stdout + r.stderr
+    m = json.loads((tmp_path / "m.json").read_text())
+    assert m["generated_ids"] == exp["short_generated_ids"].tolist()[:8]

@@ -134,7 +134,7 @@ def make_expert_fn(mode: str, num_experts: int, banks: ExpertBanks | None = None
     layer_fn = expert_fn
 
     def expert_fn(state: ExpertState, layer: jax.Array, r: LayerRouting):  # noqa: F811 - the prefetch around it
-        state, pending = prefetch_lib.join(banks, state)
+        state, pending = prefetch_lib.join(banks, state, r.x)
         y, state, stats = layer_fn(state, layer, r)
         return y, state, prefetch_lib.stats(stats, pending, routed_mask(r.ids, r.valid, e))
     expert_fn.prefetch = prefetch_lib.Starter(banks, policy, prefetch)

@@ -42,8 +42,8 @@ from ftjax.seams import LayerStats
 #: a stand-in layer's kernels from running beside the copy; at 2-8 the copy hid 0.94-1.11 of the shorter part at
 #: 46-48 GB/s (H100, 2026-12-07, ``overlap/probe_copy_stream_h100_2026-12-07_copies-4_blocks-*.json``).
 BLOCKS_PER_MISS = 4
-#: Tokens of a call above which no prefetch is started (a decode step has one per row; a prefill chunk's guesses
-#: would name most of the layer's experts).
+#: Tokens of a call (rows x tokens per row, padding included) above which no prefetch is started (a decode step has
+#: one per row; a prefill chunk's guesses would name most of the layer's experts).
 MAX_TOKENS = 16
 
 
@@ -101,16 +101,19 @@ class Starter:
         return start(self.banks, state, layer, mask, self.policy)
 
 
-def join(banks: ExpertBanks, state: ExpertState) -> tuple[ExpertState, Pending | None]:
+def join(banks: ExpertBanks, state: ExpertState, after: jax.Array) -> tuple[ExpertState, Pending | None]:
     """The state once its started copies have landed (XLA's stream waits for the kernel's; nothing to wait for where
-    they ran in the step's stream), with ``prefetch`` cleared; and the :class:`Pending` joined, or None."""
+    they ran in the step's stream), with ``prefetch`` cleared; and the :class:`Pending` joined, or None. ``after``:
+    an array the layer computed since the start (the router's input): the wait is tied to it, so that XLA cannot
+    schedule the wait before the token mixer, which would leave the copies nothing to run beside."""
     pending = state.prefetch
     if pending is None:
         return state, None
     state = state.replace(prefetch=None)
     if asynchronous(banks, state):
+        pools, _ = jax.lax.optimization_barrier((fetch._pool_arrays(state), after))
         pools = tuple(slot_copy.wait_slots(p, pending.flat, pending.slots, pending.count, tag=i)
-                      for i, p in enumerate(fetch._pool_arrays(state)))
+                      for i, p in enumerate(pools))
         state = fetch._with_pools(state, pools)
     return state, pending
 

@@ -244,7 +244,7 @@ def copy_into_slots_start(bank: jax.Array, pool: jax.Array, flat_ids: jax.Array,
     ``blocks_per_miss`` (2-8): at the default 64, a few misses' long-lived blocks keep XLA's next kernels from running
     beside the copy (H100, 2026-12-07: 4 misses a layer hid 0.94-0.97 of the shorter part at 2-8 blocks, 0.02-0.10
     at 64, not traced further; ``experiments/probe_copy_stream.py --copy=kernel_async``). The
-    engine does not use it yet.
+    engine's prefetch uses it (``ftjax.experts.prefetch``, ``EngineConfig.prefetch_guesses``).
 
     Raises:
       ValueError, SlotCopyUnavailable: as :func:`copy_into_slots`.

@@ -147,9 +147,18 @@ def _bench_decode(d: dict) -> str:
 
 
 def _bench_decode_speed(d: dict) -> str:
+    """The fastest resident batch-1 row; in a file of cached rows only, the first one (with its prefetch and split
+    probe, where set)."""
     rows = [r for r in d.get("rows") or [] if r.get("mode") == "resident" and r.get("batch") == 1]
     if not rows:
-        return "-"
+        cached = [r for r in d.get("rows") or [] if r.get("mode") == "cached"]
+        if not cached:
+            return "-"
+        r = cached[0]
+        extra = "".join([f", prefetch {r['prefetch_guesses']}" if r.get("prefetch_guesses") else "",
+                         ", split probe" if d.get("split_probe") else ""])
+        return (f"{r['layers']} layers cached b{r['batch']}, decode_block {r['decode_block']}{extra}: "
+                f"{r['tokens_per_s']['median']:.2f} tok/s, hit rate {r['hit_rate']:.3f}")
     r = max(rows, key=lambda r: r["tokens_per_s"]["median"])
     gain = f", {r['speedup_vs_block1']:.2f}x block 1" if r.get("speedup_vs_block1") else ""
     return (f"{r['layers']} layers resident b1, decode_block {r['decode_block']}: "

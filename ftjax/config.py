@@ -430,9 +430,10 @@ class EngineConfig:
       prefetch_guesses: G > 0: each layer of a cached decode call (at most ``ftjax.experts.prefetch.MAX_TOKENS``
         tokens) guesses its experts from its input before its token mixer (its router, top G per token) and starts
         copying the guesses not cached, on a GPU on the slot-copy kernel's own stream beside the mixer; its lookup
-        then finds them cached (``ftjax.experts.prefetch``; the same logits). 0: off. Needs experts "cached", the
-        fetch miss policy, one device and the lru cache policy (a guess's lookup is a reference and a clock tick:
-        LRU's order is what it should be, other policies' counts and decay would be skewed).
+        then finds them cached (``ftjax.experts.prefetch``; the same logits on the CPU; measured 0.938x of the plain
+        cached step on an H100 at qwen3.5's 16-layer shape, 2026-12-07: experimental). 0: off. Needs experts
+        "cached", the fetch miss policy, one device and the lru cache policy (a guess's lookup is a reference and a
+        clock tick: LRU's order is what it should be, other policies' counts and decay would be skewed).
     Raises:
       ValueError: a choice outside its registry or a size out of range (the message names the field).
     """

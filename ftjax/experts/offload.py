@@ -85,7 +85,8 @@ def make_expert_fn(mode: str, num_experts: int, banks: ExpertBanks | None = None
         (``lookup_layer(skip_if_all_hit=True)``; same results).
       prefetch: G > 0 (cached mode, fetch miss policy): the function gets a ``prefetch`` attribute
         (``ftjax.experts.prefetch.Starter``) that starts copying G guessed experts per token before each layer's
-        token mixer, and joins them before its lookup (``ftjax.experts.prefetch``; same results). 0: none.
+        token mixer, and joins them before its lookup (``ftjax.experts.prefetch``; the same weights in the slots).
+        0: none.
     Raises:
       ValueError: unknown mode, host banks missing for an offloading mode, a cpu / adaptive
         miss policy with resident experts, or a prefetch outside the cached mode's fetch policy.

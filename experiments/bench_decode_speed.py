@@ -228,8 +228,8 @@ def main(argv):
         "b_p": bp, "rows": rows, "split_probe": FLAGS.split_probe,
         "seed_note": "seed_tokens_per_s: FreeToken 0.1.3 on one H200, 2026-12-03 (issue 33's table), not measured "
                      "in this run"})
-    cols = ["layers", "mode", "batch", "decode_block", "tokens_per_s", "step_ms", "speedup_vs_block1", "vs_seed",
-            "hit_rate", "step_over_bound"]
+    cols = ["layers", "mode", "batch", "decode_block", "prefetch_guesses", "tokens_per_s", "step_ms",
+            "speedup_vs_block1", "vs_seed", "hit_rate", "step_over_bound", "same_tokens_as_resident"]
     print(common.table([{**r, "tokens_per_s": r["tokens_per_s"]["median"]} for r in rows], cols))
     print("wrote", path)
 

@@ -215,10 +215,11 @@ def define_flags(flag_values: flags.FlagValues = FLAGS, module_name: str | None 
     d.DEFINE_integer("prefetch_guesses", 0, "Cached decode: each layer guesses this many experts per token from its "
                      "input before its token mixer (its router) and starts copying the guesses not cached, on a GPU "
                      "on the slot-copy kernel's own stream beside the mixer (the same weights in the slots; "
-                     "EngineConfig.prefetch_guesses; docs/PROFILE.md \"Open\"). Experimental: 0.94x of the plain "
-                     "cached step on an H100 at 2, and the hybrid's logits 1.1e-5 off resident there. 0: off. "
-                     "Applies where the experts run cached (given or planned), with --miss_policy=fetch and "
-                     "--cache_policy=lru.", lower_bound=0)
+                     "EngineConfig.prefetch_guesses; docs/PROFILE.md \"Open\"). Experimental: slower, 0.94x the plain "
+                     "cached tokens/s on an H100 at 2, and the hybrid's logits 1.1e-5 off resident there. A right "
+                     "guess was copied, so it counts as a miss (the hit rate falls). 0: off. Applies where the "
+                     "experts run cached (given or planned), with --miss_policy=fetch and --cache_policy=lru.",
+                     lower_bound=0)
     d.DEFINE_string("compilation_cache_dir", None, compile_cache.FLAG_HELP)
 
 

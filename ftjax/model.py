@@ -170,8 +170,8 @@ def decoder_layer(cfg: ModelConfig, kind: str, lp: Params, idx: LayerIndex, carr
     """
     start = getattr(expert_fn, "prefetch", None)  # a cached decode layer's guessed experts, copied beside its mixer
     if start is not None and start.applies(carry.h.shape):
-        guesses = moe.guess_experts(cfg, lp, carry.h, inputs.valid, start.guesses)
-        carry = carry._replace(expert_state=start(carry.expert_state, idx.layer, guesses))
+        guesses = moe.guess_experts(cfg, lp, carry.h, start.guesses)
+        carry = carry._replace(expert_state=start(carry.expert_state, idx.layer, guesses, inputs.valid.reshape(-1)))
     carry, hook_out = token_mixer(cfg, kind, lp, idx, carry, inputs, kv_hook, hook_xs)
     h, state, stats = moe.block(cfg, lp, carry.h, idx, expert_fn, carry.expert_state, inputs)
     return carry._replace(h=h, expert_state=state), (stats, hook_out)

@@ -78,14 +78,14 @@ def test_a_layer_finds_its_guesses_cached_and_counts_every_copy():
     started = []
 
     @functools.partial(jax.jit, donate_argnums=0)
-    def layer_step(state, guesses):  # start, then the expert function (which joins): one program, as in a step
-        state = fn.prefetch(state, layer, guesses)
+    def layer_step(state, guesses, valid):  # start, then the expert function (which joins): one program, as in a step
+        state = fn.prefetch(state, layer, guesses, valid)
         started.append(state.prefetch)
         y, state, stats = fn(state, layer, r)
         assert state.prefetch is None
         return state, stats
 
-    state, stats = layer_step(state, jnp.array([True, False, True, False]))
+    state, stats = layer_step(state, jnp.array([[0, 2]], jnp.int32), jnp.array([True]))  # one token's two guesses
     assert isinstance(started[0], prefetch.Pending)
     assert (int(stats.hits), int(stats.misses), int(stats.fetched)) == (0, 3, 3)
     slot_of = np.asarray(state.table.slot_of)
@@ -94,7 +94,7 @@ def test_a_layer_finds_its_guesses_cached_and_counts_every_copy():
         np.testing.assert_array_equal(np.asarray(state.gate_up[slot_of[flat]]), gu[flat])
         np.testing.assert_array_equal(np.asarray(state.down[slot_of[flat]]), dn[flat])
     # the next step's layer 1 routes {2, 3} again: both cached before the layer began, nothing guessed: two hits
-    _, stats = layer_step(state, jnp.zeros(4, bool))
+    _, stats = layer_step(state, jnp.array([[2, 3]], jnp.int32), jnp.array([False]))  # a padding token's: none
     assert (int(stats.hits), int(stats.misses)) == (2, 0)
 
 

@@ -138,7 +138,7 @@ def make_expert_fn(mode: str, num_experts: int, banks: ExpertBanks | None = None
         state, pending = prefetch_lib.join(banks, state, r.x)
         y, state, stats = layer_fn(state, layer, r)
         return y, state, prefetch_lib.stats(stats, pending, routed_mask(r.ids, r.valid, e))
-    expert_fn.prefetch = prefetch_lib.Starter(banks, policy, prefetch)
+    expert_fn.prefetch = prefetch_lib.Starter(banks, policy, prefetch, lambda ids, valid: routed_mask(ids, valid, e))
     return expert_fn
 
 

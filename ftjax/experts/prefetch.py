@@ -91,17 +91,19 @@ def start(banks: ExpertBanks, state: ExpertState, layer: jax.Array, mask: jax.Ar
 class Starter:
     """The expert function's ``prefetch`` attribute, which ``ftjax.model.decoder_layer`` calls before the token mixer
     with the layer's guesses (``ftjax.layers.moe.guess_experts``, ``guesses`` per token): :func:`start` on these
-    banks under the cache ``policy``, for calls of at most :data:`MAX_TOKENS` tokens (:meth:`applies`)."""
+    banks under the cache ``policy``, for calls of at most :data:`MAX_TOKENS` tokens (:meth:`applies`). ``mask``:
+    ``(ids int32 [N, G], valid bool [N]) -> bool [E]``, the experts named by valid tokens (the expert function's
+    ``ftjax.experts.offload.routed_mask``)."""
 
-    def __init__(self, banks: ExpertBanks, policy: str, guesses: int):
-        self.banks, self.policy, self.guesses = banks, policy, guesses
+    def __init__(self, banks: ExpertBanks, policy: str, guesses: int, mask):
+        self.banks, self.policy, self.guesses, self.mask = banks, policy, guesses, mask
 
     def applies(self, shape: tuple) -> bool:
         """Whether a call whose residual stream has ``shape`` ([B, T, D]) prefetches."""
         return shape[0] * shape[1] <= MAX_TOKENS
 
-    def __call__(self, state: ExpertState, layer: jax.Array, mask: jax.Array) -> ExpertState:
-        return start(self.banks, state, layer, mask, self.policy)
+    def __call__(self, state: ExpertState, layer: jax.Array, ids: jax.Array, valid: jax.Array) -> ExpertState:
+        return start(self.banks, state, layer, self.mask(ids, valid), self.policy)
 
 
 def join(banks: ExpertBanks, state: ExpertState, after: jax.Array) -> tuple[ExpertState, Pending | None]:

@@ -69,16 +69,15 @@ def _route_decode(cfg: ModelConfig, lp: dict, h: jax.Array):
     return None if routed is None else (*routed, x.reshape(b * t, -1))
 
 
-def guess_experts(cfg: ModelConfig, lp: dict, h: jax.Array, valid: jax.Array, guesses: int) -> jax.Array:
-    """bool [E]: the layer's experts guessed from its input h [B, T, D] before its token mixer: the top ``guesses``
-    of its router on h normed by its MoE norm, for each valid token (valid: bool [B, T]); the prefetch's guess
+def guess_experts(cfg: ModelConfig, lp: dict, h: jax.Array, guesses: int) -> jax.Array:
+    """int32 [B*T, G]: the layer's experts guessed from its input h [B, T, D] before its token mixer, the top
+    ``guesses`` (G) of its router on h normed by its MoE norm, per token; the prefetch's guess
     (``ftjax.experts.prefetch``)."""
     b, t, _ = h.shape
     with jax.named_scope("guess_experts"):
         (logits,), _ = norm_project(h, lp["mlp_norm"], (lp["router"],), cfg.rms_norm_eps, offset=cfg.norm_offset)
         e = cfg.num_experts
-        ids = jax.lax.top_k(logits.reshape(b * t, e).astype(jnp.float32), min(guesses, e))[1]
-        return jnp.zeros((e,), jnp.bool_).at[ids].max(jnp.broadcast_to(valid.reshape(-1)[:, None], ids.shape))
+        return jax.lax.top_k(logits.reshape(b * t, e).astype(jnp.float32), min(guesses, e))[1]
 
 
 def shared_expert(cfg: ModelConfig, lp: dict, x: jax.Array) -> jax.Array:

@@ -85,6 +85,13 @@
 #                  (--blocks_per_miss; 2026-12-07), not at the default 64 with several misses a layer
 # gpu-tests:       the suite on the GPU (pytest --backend=default) where it has GPU-only cases: tests/test_slot_copy.py
 #                  (the slot-copy kernel against numpy); pytest's report as pytest_gpu_<card>_<day>.txt under $OUT
+# gpu-tests-prefetch: the same with the slow cases too, for the prefetch's GPU questions: tests/test_slot_copy.py (the
+#                  kernel's start / wait), tests/test_prefetch.py and test_hybrid.py's cached-vs-resident fp32 hybrid
+#                  (is the plain cached hybrid, without a prefetch, bit-identical to resident on a GPU?); its report as
+#                  pytest_gpu_prefetch_<card>_<day>.txt
+# profile-prefetch: profile_step's cached decode step on issue 32's shape (qwen3.5, 16 layers, 512 slots, batch 1)
+#                  without and with --prefetch_guesses=2: where the prefetched step's extra time goes (0.938x the
+#                  plain step's tokens/s on an H100, 2026-12-07); JSONs under $OUT/prefetch-0 and prefetch-2
 # decode-hlo:      bench_decode_speed's resident batch-1 row of qwen3-30b-a3b cut to 16 layers (blocks of 16) with XLA's
 #                  dump on: the decode block's optimized HLO as decode_block_resident_b1_qwen3-30b-a3b_16l_<card>_<day>
 #                  .hlo.txt under $OUT (which fusions are the step's ~190 small kernels; issue 33 item 1)
@@ -164,6 +171,16 @@ kernel_copy_rows() {  # kernel_copy_rows LIMIT STAGE TAG bench_miss_copy-args...
     run "$lim" "$stage-$p" experiments/bench_miss_copy.py --preset="$p" --layers_per_call=16 --decode_layers=16 \
       --repeats=5 --groups=1 --notorch --bank_experts=512 "$@" --tag="${tag}_${dev}_$day" ${out:+--out_dir="$out"}
   done
+}
+gpu_pytest() {  # gpu_pytest LIMIT STAGE MARKERS pytest-args...: the suite on the GPU, its report under $OUT
+  local lim="$1" stage="$2" markers="$3"; shift 3
+  local what="${stage#gpu-tests}"; what="${what#-}"
+  local report="${out:-/tmp}/pytest_gpu_${what:+${what}_}${dev}_$day.txt"
+  { python3 -c 'import jax; from ftjax.provenance import git_commit; print("git:", git_commit(), "jax:", jax.__version__)'
+    nvidia-smi --query-gpu=name --format=csv,noheader | head -1; } > "$report"
+  run "$lim" "$stage" -m pytest "$@" --backend=default -q -n 0 -p no:cacheprovider -o addopts="" -m "$markers" -rA \
+    --tb=short -W ignore::DeprecationWarning
+  grep -v -E "^[WIE][0-9]{4}" "$logs/$stage.log" >> "$report"
 }
 for stage in "$@"; do
   case "$stage" in
@@ -280,13 +297,16 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
     slot-copy) kernel_copy_rows 150 "$stage" slot-kernel --variants=kernel,kernel_ptr --graphs=on,off ;;
     copy-stream) run 150 "$stage" experiments/probe_copy_stream.py --copy=xla,kernel,kernel_async --tag="${dev}_$day" \
       ${out:+--out_dir="$out"} ;;
-    gpu-tests)
-      report="${out:-/tmp}/pytest_gpu_${dev}_$day.txt"
-      { python3 -c 'import jax; from ftjax.provenance import git_commit; print("git:", git_commit(), "jax:", jax.__version__)'
-        nvidia-smi --query-gpu=name --format=csv,noheader | head -1; } > "$report"
-      run 240 "$stage" -m pytest tests/test_slot_copy.py --backend=default -q -n 0 -p no:cacheprovider -o addopts="" \
-        -m "not slow" -rA --tb=line -W ignore::DeprecationWarning
-      grep -v -E "^[WIE][0-9]{4}" "$logs/$stage.log" >> "$report" ;;
+    gpu-tests) gpu_pytest 240 "$stage" "not slow" tests/test_slot_copy.py ;;
+    gpu-tests-prefetch)
+      gpu_pytest 300 "$stage" "slow or not slow" tests/test_slot_copy.py tests/test_prefetch.py \
+        tests/test_hybrid.py -k "slot or prefetch or test_cache_policies_and_on_demand_bit_identical" ;;
+    profile-prefetch)
+      for g in 0 2; do
+        d="${out:-experiments/results/profiles}/prefetch-$g"; mkdir -p "$d"
+        run 200 "$stage-g$g" experiments/profile_step.py --preset=qwen3.5-35b-a3b --layers=16 --runs=cached_decode \
+          --batches=1 --slots=512 --prefetch_guesses="$g" --trace_steps=2 --prefill_repeats=0 --out_dir="$d"
+      done ;;
     decode-hlo)
       dump=/tmp/decode-hlo-dump; rm -rf "$dump"
       XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=decode_block" \

@@ -7,8 +7,8 @@ r"""Profile first (issue 13, item 1): where the GPU time of one decode step / pr
 
 Random weights at --preset (``ftjax.checkpoint.random_model``). Runs (--runs):
 
-* ``cached_decode``: decode steps with an expert cache of the slots --vram_budget_gb leaves
-  (``ftjax.runtime.planner``), at each of --batches;
+* ``cached_decode``: decode steps with an expert cache of --slots slots (0: those --vram_budget_gb leaves,
+  ``ftjax.runtime.planner``), at each of --batches, with --prefetch_guesses;
 * ``resident_decode``: the same with every expert on the device;
 * ``resident_prefill``: one prefill chunk of --prefill_tokens tokens (one jitted call).
 
@@ -78,6 +78,10 @@ flags.DEFINE_integer("layers", 0, "Cut the preset to its first N layers (0: all;
                      lower_bound=0)
 flags.DEFINE_string("dtype", "bfloat16", "Compute and bank dtype.")
 flags.DEFINE_float("vram_budget_gb", 24.0, "Device budget that sizes the expert cache of cached_decode.")
+flags.DEFINE_integer("slots", 0, "Expert slots of cached_decode (0: as many as --vram_budget_gb leaves).",
+                     lower_bound=0)
+flags.DEFINE_integer("prefetch_guesses", 0, "EngineConfig.prefetch_guesses of cached_decode: each layer's experts "
+                     "guessed before its token mixer and copied beside it (0: off).", lower_bound=0)
 flags.DEFINE_list("batches", ["1", "4"], "Decode batch sizes.")
 flags.DEFINE_list("runs", list(RUNS), f"What to profile: {', '.join(RUNS)}.")
 flags.DEFINE_integer("prompt_len", 512, "Prompt tokens before the decode steps.")
@@ -225,7 +229,9 @@ def decode_run(model, mode: str, batch: int, slots: int | None, trace_dir: str, 
     on an engine with kernel config ``kernels``; ``tag`` names its HLO file apart."""
     cfg = model.cfg
     max_seq_len = _decode_max_seq_len()
-    eng = Engine(model, EngineConfig(mode, num_slots=slots, max_seq_len=max_seq_len, batch=batch, kernels=kernels))
+    prefetch = FLAGS.prefetch_guesses if mode == "cached" else 0
+    eng = Engine(model, EngineConfig(mode, num_slots=slots, max_seq_len=max_seq_len, batch=batch, kernels=kernels,
+                                     prefetch_guesses=prefetch))
     rng = np.random.default_rng(batch)
     prompts = [rng.integers(0, cfg.vocab_size, FLAGS.prompt_len).tolist() for _ in range(batch)]
     cache = eng.new_cache(batch)
@@ -274,7 +280,8 @@ def decode_run(model, mode: str, batch: int, slots: int | None, trace_dir: str, 
     rows_read = float(np.mean([np.sum(pos0 + i + 1) for i in range(FLAGS.trace_steps)]))
     key_pairs = int(round(rows_read))
     row = {"run": f"{mode}_decode", "variant": "decode", "mode": mode, "batch": batch, "tokens": batch,
-           "slots": eng.num_slots, "prompt_len": FLAGS.prompt_len, "step_s": common.spread(times),
+           "slots": eng.num_slots, "prefetch_guesses": prefetch, "prompt_len": FLAGS.prompt_len,
+           "step_s": common.spread(times),
            "pipelined_step_s": pipelined, "pipelined_steps": FLAGS.pipelined_steps,
            "timed_steps": {"s": times, "h2d_bytes": [int(f * model.expert_bytes) for f in fetched_timed]},
            "traced_steps": FLAGS.trace_steps, "routing": {"distinct_experts_per_step": distinct,
@@ -394,7 +401,7 @@ def main(argv):
                     plan = plan_memory(cfg, itemsize, budget_bytes=int(FLAGS.vram_budget_gb * GB), batch=batch,
                                        max_seq_len=_decode_max_seq_len(),
                                        expert_bytes=model.expert_bytes, kernels=configs[kernels])
-                    plans[f"b{batch}"], slots = plan.as_dict(), plan.slots
+                    plans[f"b{batch}"], slots = plan.as_dict(), FLAGS.slots or plan.slots
                 row = decode_run(model, run.split("_")[0], batch, slots,
                                  trace_dir if kernels is None else os.path.join(trace_dir, kernels.replace(",", "+")),
                                  configs[kernels], kernels or "")

@@ -139,6 +139,7 @@ CATEGORIES = ("attention", "linear_attention", "router", "slot_table", "experts"
 SCOPE_CATEGORY = {"attention": "attention", "gated_deltanet": "linear_attention", "router": "router",
                   "slot_lookup": "slot_table", "experts": "experts", "shared_expert": "experts",
                   "cpu_experts": "experts", "norm": "norm", "expert_fetch": "h2d_copy", "stream_prefetch": "h2d_copy",
+                  "expert_prefetch": "h2d_copy", "guess_experts": "router",
                   "kv_prefix_load": "h2d_copy", "kv_prefix_state_load": "h2d_copy",
                   "moe": "other", "kv_store": "other"}  # the rest of the MoE block: residual add, reshapes
 

@@ -342,7 +342,9 @@ def run() -> dict:
     print(f"{cache}, {ec['misses']} misses, "
           f"{ec['bytes_h2d'] / 1e6:.1f} MB host-to-device"
           + (f", {ec['bytes_d2d'] / 1e6:.1f} MB device-to-device ({ec['d2d_copies']} cached experts into streamed "
-             f"layers)" if ec["d2d_copies"] else ""))
+             f"layers)" if ec["d2d_copies"] else "")
+          + (f", {ec['prefetch_copies']} copied by the prefetch ({ec['prefetch_used']} routed; hit rate over routed "
+             f"experts {ec['routed_hit_rate']:.3f})" if ec["prefetch_copies"] else ""))
     if miss is not None:
         print(f"misses: {ec['fetched']} fetched, {ec['cpu_computed']} computed on the CPU "
               f"({ec['miss_policy']}, split {ec['split']['rule']})")

@@ -271,7 +271,7 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, start: jax.Arra
         states at the chunk's end, by block.
     Raises:
       ValueError: a KV hook on a model whose blocks have other than one attention layer; layers whose stats
-        differ in layout (routed ids' shape, d2d counted or not).
+        differ in layout (routed ids' shape, the optional counters counted).
     """
     st = structure(cfg)
     p = len(st.pattern)
@@ -284,7 +284,7 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, start: jax.Arra
             raise ValueError(f"prefix reuse needs one attention layer per block of the layer pattern, got "
                              f"{attn_per_block} in {st.pattern}")
         cache = kv_hook.load_state(cache)
-    packed = []  # set while the scan traces the body: (routed ids' shape, d2d or not) of the LayerStats it packed
+    packed = []  # set while the scan traces the body: (routed ids' shape, optional counters) of the stats it packed
 
     def body(carry, xs):
         lp_block, blk, hx = xs

@@ -34,6 +34,10 @@ class LayerRouting(NamedTuple):
     valid: jax.Array
 
 
+#: The optional counters of :class:`LayerStats`, in their packed order: a call counts each in every layer or in none.
+OPTIONAL_COUNTS = ("d2d", "prefetched", "prefetch_used")
+
+
 class LayerStats(NamedTuple):
     """Per-layer counters of one forward call (stacked over layers by the drivers).
 
@@ -42,8 +46,11 @@ class LayerStats(NamedTuple):
     cache are its hits (only with ``EngineConfig.stream_d2d_hits`` on the pipelined driver, else
     0), the rest its misses (``hits + misses == E``). fetched, cpu: int32 [], misses copied over
     PCIe / computed on the CPU (``fetched + cpu == misses``). routed_ids: int32 [N, k] routed
-    expert ids, -1 for padding tokens (routing traces). d2d: int32 [], experts copied device to
-    device (a streamed layer's hits), or None where a call makes no such copies.
+    expert ids, -1 for padding tokens (routing traces). The optional counters (:data:`OPTIONAL_COUNTS`), None where
+    a call makes no such copies: d2d: int32 [], experts copied device to device (a streamed layer's hits);
+    prefetched: int32 [], experts a cached decode layer's prefetch copied before its lookup
+    (``ftjax.experts.prefetch``; counted in misses and fetched too, so bytes_h2d stays every copy), and
+    prefetch_used: int32 [], the routed ones among them (right guesses; the rest were wasted copies).
     """
 
     hits: jax.Array
@@ -52,45 +59,58 @@ class LayerStats(NamedTuple):
     cpu: jax.Array
     routed_ids: jax.Array
     d2d: jax.Array | None = None
+    prefetched: jax.Array | None = None
+    prefetch_used: jax.Array | None = None
 
     @classmethod
     def fetch_only(cls, hits: jax.Array, misses: jax.Array, routed_ids: jax.Array) -> "LayerStats":
         """Stats of a layer whose every miss was fetched."""
         return cls(hits, misses, misses, jnp.int32(0), routed_ids)
 
+    def optional(self) -> tuple[str, ...]:
+        """The names of the optional counters this call counts, in :data:`OPTIONAL_COUNTS` order."""
+        return tuple(n for n in OPTIONAL_COUNTS if getattr(self, n) is not None)
+
     def packed(self) -> jax.Array:
-        """The stats as one int32 vector per layer, [..., 4 + N*k] (or [..., 5 + N*k] with ``d2d``): hits, misses,
-        fetched, cpu[, d2d], then ``routed_ids`` flattened; leading axes (layers, steps) as the counters'. A layer
-        scan, and a decode block's step loop, stack their outputs with one write per output and iteration: five
-        scalars were five copy kernels, counts and ids two; one vector is one. :meth:`unpacked` is the inverse."""
-        counts = [self.hits, self.misses, self.fetched, self.cpu] + ([self.d2d] if self.d2d is not None else [])
+        """The stats as one int32 vector per layer, [..., 4 + len(optional) + N*k]: hits, misses, fetched, cpu, the
+        optional counters counted (:meth:`optional`), then ``routed_ids`` flattened; leading axes (layers, steps) as
+        the counters'. A layer scan, and a decode block's step loop, stack their outputs with one write per output
+        and iteration: five scalars were five copy kernels, counts and ids two; one vector is one. :meth:`unpacked`
+        is the inverse."""
+        counts = [self.hits, self.misses, self.fetched, self.cpu] + [getattr(self, n) for n in self.optional()]
         lead = self._lead()
         counts = jnp.stack([jnp.broadcast_to(jnp.asarray(c, jnp.int32), lead) for c in counts], axis=-1)
         return jnp.concatenate([counts, jnp.asarray(self.routed_ids, jnp.int32).reshape(lead + (-1,))], axis=-1)
 
-    def layout(self) -> tuple[tuple[int, ...], bool]:
+    def layout(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
         """What :meth:`unpacked` needs to invert :meth:`packed`: (one layer's routed ids' shape, without the
-        counters' leading axes; whether ``d2d`` is counted). Works on arrays and on ``jax.eval_shape``'s structs."""
-        return tuple(self.routed_ids.shape[len(self._lead()):]), self.d2d is not None
+        counters' leading axes; the optional counters counted). Works on arrays and on ``jax.eval_shape``'s
+        structs."""
+        return tuple(self.routed_ids.shape[len(self._lead()):]), self.optional()
 
     def _lead(self) -> tuple[int, ...]:
         """The counters' leading axes (layers, steps; () for one layer), of arrays or ``jax.eval_shape``'s structs."""
         return tuple(getattr(self.hits, "shape", ()))
 
     @classmethod
-    def unpacked(cls, packed: jax.Array, ids_shape: tuple[int, ...], d2d: bool) -> "LayerStats":
-        """The inverse of :meth:`packed` over leading axes: packed int32 [..., 4 (5 with ``d2d``) + prod(ids_shape)]
+    def unpacked(cls, packed: jax.Array, ids_shape: tuple[int, ...], optional: tuple[str, ...] = ()) -> "LayerStats":
+        """The inverse of :meth:`packed` over leading axes: packed int32 [..., 4 + len(optional) + prod(ids_shape)]
         -> fields [...] and routed_ids [..., *ids_shape].
 
         Raises:
-          ValueError: the last axis is not the counts plus prod(ids_shape).
+          ValueError: the last axis is not the counts plus prod(ids_shape), or ``optional`` names a counter not in
+            :data:`OPTIONAL_COUNTS` or out of its order.
         """
-        c, n = 5 if d2d else 4, math.prod(int(d) for d in ids_shape)
+        if tuple(n for n in OPTIONAL_COUNTS if n in optional) != tuple(optional):
+            raise ValueError(f"LayerStats.unpacked: optional counters {tuple(optional)}, expected a subsequence of "
+                             f"{OPTIONAL_COUNTS}")
+        c, n = 4 + len(optional), math.prod(int(d) for d in ids_shape)
         if packed.shape[-1] != c + n:
             raise ValueError(f"LayerStats.unpacked: last axis {packed.shape[-1]}, expected {c} counts + {n} routed ids "
                              f"(ids shape {tuple(ids_shape)})")
         ids = packed[..., c:].reshape(packed.shape[:-1] + tuple(ids_shape))
-        return cls(*(packed[..., i] for i in range(4)), ids, packed[..., 4] if d2d else None)
+        return cls(*(packed[..., i] for i in range(4)), ids, **{name: packed[..., 4 + i] for i, name in
+                                                                  enumerate(optional)})
 
 
 #: expert_fn(expert state, layer int32 [], routing) -> (y [N, D], new expert state, LayerStats)

@@ -55,6 +55,10 @@ def test_prefetch_keeps_the_logits_bit_identical(name, guesses):
     m, m0 = engine.expert_cache_metrics()["decode"], plain_engine.expert_cache_metrics()["decode"]
     assert m["bytes_h2d"] == m["misses"] * model.expert_bytes > 0
     assert m["misses"] > m0["misses"] and m["hits"] <= m0["hits"], (m, m0)
+    # the same tokens, so the same routed experts: the prefetch's copies apart, both runs counted the same ones
+    assert 0 < m["prefetch_used"] < m["prefetch_copies"] and m0["prefetch_copies"] == m0["prefetch_used"] == 0
+    assert m["hits"] + m["misses"] - m["prefetch_copies"] + m["prefetch_used"] == m0["hits"] + m0["misses"]
+    assert m["routed_hit_rate"] == m["hits"] / (m0["hits"] + m0["misses"]) and m0["routed_hit_rate"] == m0["hit_rate"]
 
 
 def _tiny_banks(layers=2, e=4, d=8, f=4):
@@ -88,6 +92,7 @@ def test_a_layer_finds_its_guesses_cached_and_counts_every_copy():
     state, stats = layer_step(state, jnp.array([[0, 2]], jnp.int32), jnp.array([True]))  # one token's two guesses
     assert isinstance(started[0], prefetch.Pending)
     assert (int(stats.hits), int(stats.misses), int(stats.fetched)) == (0, 3, 3)
+    assert (int(stats.prefetched), int(stats.prefetch_used)) == (2, 1)  # {0, 2} copied, 2 routed
     slot_of = np.asarray(state.table.slot_of)
     for expert in (0, 2, 3):
         flat = 4 + expert
@@ -95,7 +100,7 @@ def test_a_layer_finds_its_guesses_cached_and_counts_every_copy():
         np.testing.assert_array_equal(np.asarray(state.down[slot_of[flat]]), dn[flat])
     # the next step's layer 1 routes {2, 3} again: both cached before the layer began, nothing guessed: two hits
     _, stats = layer_step(state, jnp.array([[2, 3]], jnp.int32), jnp.array([False]))  # a padding token's: none
-    assert (int(stats.hits), int(stats.misses)) == (2, 0)
+    assert (int(stats.hits), int(stats.misses), int(stats.prefetched), int(stats.prefetch_used)) == (2, 0, 0, 0)
 
 
 def test_prefetch_outside_the_cached_fetch_policy_is_refused():
@@ -136,3 +141,6 @@ def test_the_cli_prefetches_where_the_plan_picks_cached_and_notes_it_elsewhere(t
     assert r.returncode == 0 and "ignored" not in r.stdout, r.stdout + r.stderr
     m = json.loads((tmp_path / "m.json").read_text())
     assert m["generated_ids"] == exp["short_generated_ids"].tolist()[:8]
+    ec = m["expert_cache"]["decode"]
+    assert 0 < ec["prefetch_used"] <= ec["prefetch_copies"]
+    assert f"{m['expert_cache']['prefetch_copies']} copied by the prefetch" in r.stdout

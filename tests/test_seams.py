@@ -4,25 +4,27 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ftjax.seams import LayerStats
+from ftjax.seams import OPTIONAL_COUNTS, LayerStats
 
 
-@pytest.mark.parametrize("d2d", [None, 3])
-def test_packed_stats_unpack_to_the_same_fields_over_stacked_layers(d2d):
+@pytest.mark.parametrize("optional", [{}, {"d2d": 3}, {"prefetched": 5, "prefetch_used": 1}])
+def test_packed_stats_unpack_to_the_same_fields_over_stacked_layers(optional):
     ids = [jnp.array([[5, 1], [-1, -1], [7, 2]], jnp.int32), jnp.array([[0, 4], [6, 3], [2, 2]], jnp.int32)]
     layers = [LayerStats(jnp.int32(1 + i), jnp.int32(2), jnp.int32(2 - i), jnp.int32(i), ids[i],
-                         None if d2d is None else jnp.int32(d2d + i)) for i in range(2)]
-    stacked = jnp.stack([s.packed() for s in layers])  # [L, 4 (5) + N*k], as the layer scan stacks it
-    assert stacked.shape == (2, (4 if d2d is None else 5) + 6) and stacked.dtype == jnp.int32
-    back = LayerStats.unpacked(stacked, (3, 2), d2d is not None)
+                         **{n: jnp.int32(v + i) for n, v in optional.items()}) for i in range(2)]
+    stacked = jnp.stack([s.packed() for s in layers])  # [L, 4 + optional + N*k], as the layer scan stacks it
+    assert stacked.shape == (2, 4 + len(optional) + 6) and stacked.dtype == jnp.int32
+    assert layers[0].layout() == ((3, 2), tuple(optional))
+    back = LayerStats.unpacked(stacked, *layers[0].layout())
     np.testing.assert_array_equal(back.hits, [1, 2])
     np.testing.assert_array_equal(back.fetched, [2, 1])
     np.testing.assert_array_equal(back.cpu, [0, 1])
     np.testing.assert_array_equal(back.routed_ids, np.stack(ids))
-    if d2d is None:
-        assert back.d2d is None
-    else:
-        np.testing.assert_array_equal(back.d2d, [3, 4])
+    for name in OPTIONAL_COUNTS:
+        if name in optional:
+            np.testing.assert_array_equal(getattr(back, name), [optional[name], optional[name] + 1])
+        else:
+            assert getattr(back, name) is None
 
 
 def test_stacked_stats_pack_along_their_leading_axes():
@@ -33,7 +35,7 @@ def test_stacked_stats_pack_along_their_leading_axes():
     packed = s.packed()
     assert packed.shape == (2, 3, 4 + 2)
     np.testing.assert_array_equal(packed[1, 2], [5, 15, 25, 0, 10, 11])
-    assert s.layout() == ((1, 2), False)
+    assert s.layout() == ((1, 2), ())
     back = LayerStats.unpacked(packed, *s.layout())
     np.testing.assert_array_equal(back.routed_ids, ids)
     np.testing.assert_array_equal(back.misses, hits + 10)
@@ -42,7 +44,9 @@ def test_stacked_stats_pack_along_their_leading_axes():
 def test_unpacking_with_the_wrong_ids_shape_is_refused():
     s = LayerStats(jnp.int32(1), jnp.int32(0), jnp.int32(0), jnp.int32(0), jnp.zeros((1, 8), jnp.int32))
     with pytest.raises(ValueError, match="expected 4 counts \\+ 4 routed ids"):
-        LayerStats.unpacked(s.packed()[None], (1, 4), False)
+        LayerStats.unpacked(s.packed()[None], (1, 4))
+    with pytest.raises(ValueError, match="expected a subsequence of"):  # out of the packed order
+        LayerStats.unpacked(s.packed()[None], (1, 8), ("prefetch_used", "prefetched"))
 
 
 def test_a_block_whose_layers_pack_their_stats_differently_is_refused():
@@ -69,7 +73,7 @@ def test_a_block_whose_layers_pack_their_stats_differently_is_refused():
     state = init_expert_state("resident", cfg.num_layers, cfg.num_experts, 0, m.banks, jnp.float32)
     cache = model_lib.init_kv_cache(cfg, 1, 16, jnp.float32)
     tokens = jnp.zeros((1, 4), jnp.int32)
-    layouts = r"\[\(\(4, 4\), False\), \(\(4, 4\), True\)\]"  # 4 tokens x top-4, d2d counted or not
+    layouts = r"\[\(\(4, 4\), \(\)\), \(\(4, 4\), \('d2d',\)\)\]"  # 4 tokens x top-4, d2d counted or not
     with pytest.raises(ValueError, match=r"forward: the layers' stats differ in layout " + layouts):
         jax.eval_shape(lambda: model_lib.forward(m.params, cfg, tokens, jnp.zeros(1, jnp.int32),
                                                  jnp.full(1, 4, jnp.int32), cache, expert_fn, state))

@@ -21,7 +21,9 @@ The weights in every slot are the banks' rows, so the logits should be those of 
 bit-identical on the CPU (tests/test_prefetch.py) and for qwen3 on an H100; the fp32 hybrid's were 1.1e-5 off resident
 there (2026-12-07), not understood. Only what moves over the link changes: a wrong guess is an extra copy.
 :func:`stats` counts a layer's misses as every expert it copied (guesses included) and its hits as the routed experts
-that were cached before the layer began, so ``bytes_h2d`` stays every byte copied.
+that were cached before the layer began, so ``bytes_h2d`` stays every byte copied; the prefetch's own copies and the
+right guesses among them are counted apart too (the metrics' ``prefetch_copies``, ``prefetch_used`` and
+``routed_hit_rate``: ``ftjax.experts.state.ExpertCounters.summary``).
 
 Not command-buffer compatible on a GPU: XLA runs the two calls outside its CUDA graphs, splitting the step's graph
 (``experiments/bench_decode_speed.py --split_probe`` measures that cost alone: 0.987x of the plain step). Measured
@@ -126,8 +128,10 @@ def join(banks: ExpertBanks, state: ExpertState, after: jax.Array) -> tuple[Expe
 def stats(s: LayerStats, pending: Pending | None, routed: jax.Array) -> LayerStats:
     """A layer's stats with its prefetch counted: misses and fetched + the copies it started, hits - the routed
     experts among them (routed: bool [E]), so misses are every expert the layer copied and hits the routed ones
-    cached before it began."""
+    cached before it began; ``prefetched`` the copies it started and ``prefetch_used`` the routed ones among them
+    (:class:`ftjax.seams.LayerStats`)."""
     if pending is None:
         return s
     used = jnp.sum(pending.copied & routed, dtype=jnp.int32)
-    return s._replace(hits=s.hits - used, misses=s.misses + pending.count, fetched=s.fetched + pending.count)
+    return s._replace(hits=s.hits - used, misses=s.misses + pending.count, fetched=s.fetched + pending.count,
+                      prefetched=pending.count, prefetch_used=used)

@@ -23,7 +23,7 @@ import numpy as np
 
 from ftjax.experts import formats
 from ftjax.experts.slot_table import SlotTable, init_slot_table
-from ftjax.seams import LayerStats
+from ftjax.seams import OPTIONAL_COUNTS, LayerStats
 
 #: Storage formats of the routed-expert banks (the tags of the ``ftjax.experts.formats`` registry):
 #: dense (the compute dtype, or bfloat16), and the quantized formats, whose scales sit in
@@ -118,8 +118,9 @@ class ExpertCounters:
     hits / misses / fetched / cpu as in :class:`LayerStats`; hist[M, F]: number of (layer, call)
     with M misses of which F were fetched (the miss split's histogram); extra_copies: experts
     copied outside any layer's misses (a streamed prefill's prologue and its last, wasted
-    prefetch); d2d: experts copied device to device (slot cache -> a streamed layer's buffer;
-    :attr:`LayerStats.d2d`), int64 [L].
+    prefetch); and the optional counters of :class:`LayerStats` (``ftjax.seams.OPTIONAL_COUNTS``), 0 where a call
+    did not count them: d2d, experts copied device to device (slot cache -> a streamed layer's buffer); prefetched /
+    prefetch_used, the cached decode's prefetch copies and the routed ones among them; int64 [L].
     """
 
     hits: np.ndarray
@@ -129,15 +130,18 @@ class ExpertCounters:
     hist: np.ndarray
     extra_copies: int = 0
     d2d: np.ndarray | None = None
+    prefetched: np.ndarray | None = None
+    prefetch_used: np.ndarray | None = None
 
     def __post_init__(self):
-        if self.d2d is None:
-            self.d2d = np.zeros_like(self.hits)
+        for name in OPTIONAL_COUNTS:
+            if getattr(self, name) is None:
+                setattr(self, name, np.zeros_like(self.hits))
 
     @classmethod
     def zeros(cls, num_layers: int, num_experts: int) -> "ExpertCounters":
         z = lambda: np.zeros(num_layers, np.int64)  # noqa: E731
-        return cls(z(), z(), z(), z(), np.zeros((num_experts + 1, num_experts + 1), np.int64), d2d=z())
+        return cls(z(), z(), z(), z(), np.zeros((num_experts + 1, num_experts + 1), np.int64))
 
     def add(self, stats: LayerStats) -> None:
         """Adds one call's stacked stats (leaves of shape [L]); device arrays are read with one wait (the routed
@@ -148,13 +152,13 @@ class ExpertCounters:
         self.misses += misses
         self.fetched += fetched
         self.cpu += np.asarray(stats.cpu, np.int64)
-        if stats.d2d is not None:
-            self.d2d += np.asarray(stats.d2d, np.int64)
+        for name in stats.optional():
+            getattr(self, name)[...] += np.asarray(getattr(stats, name), np.int64)
         np.add.at(self.hist, (misses, fetched), 1)
 
     def _combine(self, other: "ExpertCounters", op) -> "ExpertCounters":
         arrays = {f: op(getattr(self, f), getattr(other, f))
-                  for f in ("hits", "misses", "fetched", "cpu", "hist", "d2d")}
+                  for f in ("hits", "misses", "fetched", "cpu", "hist") + OPTIONAL_COUNTS}
         return ExpertCounters(**arrays, extra_copies=op(self.extra_copies, other.extra_copies))
 
     def __add__(self, other: "ExpertCounters") -> "ExpertCounters":
@@ -171,17 +175,25 @@ class ExpertCounters:
         """JSON-ready: hits, misses, hit_rate, hit_rate_per_layer, fetched, cpu_computed,
         fetch_fraction, bytes_h2d (every expert byte copied over PCIe; ``expert_bytes`` is one
         expert's bytes), d2d_copies (experts copied device to device from the slot cache into a
-        streamed layer's buffer), bytes_d2d (their bytes, not in bytes_h2d), split_histogram."""
+        streamed layer's buffer), bytes_d2d (their bytes, not in bytes_h2d), the prefetch's counts
+        (``EngineConfig.prefetch_guesses``; 0 without it): prefetch_copies (experts it copied, right
+        or wrong guesses, in misses and bytes_h2d too), prefetch_used (the routed ones among them),
+        routed_hit_rate (the routed experts that their layer did not copy / the routed experts:
+        hit_rate over routed experts only, where hit_rate also counts the prefetch's wrong guesses as
+        misses; the two are equal without a prefetch), split_histogram."""
         h, m = int(self.hits.sum()), int(self.misses.sum())
         f, c = int(self.fetched.sum()), int(self.cpu.sum())
-        d2d = int(self.d2d.sum())
+        d2d, pf, used = int(self.d2d.sum()), int(self.prefetched.sum()), int(self.prefetch_used.sum())
         seen = self.hits + self.misses
         per_layer = np.where(seen > 0, self.hits / np.maximum(seen, 1), 0.0)
+        routed = h + m - pf + used  # misses hold every prefetch copy; of those, only the used ones were routed
         ms, fs = np.nonzero(self.hist)
         return {"hits": h, "misses": m, "hit_rate": h / (h + m) if h + m else 0.0,
                 "hit_rate_per_layer": [round(float(x), 6) for x in per_layer],
+                "routed_hit_rate": h / routed if routed else 0.0,
                 "fetched": f, "cpu_computed": c, "fetch_fraction": f / (f + c) if f + c else None,
                 "bytes_h2d": (f + self.extra_copies) * expert_bytes,
                 "d2d_copies": d2d, "bytes_d2d": d2d * expert_bytes,
+                "prefetch_copies": pf, "prefetch_used": used,
                 "split_histogram": [{"misses": int(a), "fetched": int(b), "layers": int(self.hist[a, b])}
                                     for a, b in zip(ms, fs) if a > 0]}

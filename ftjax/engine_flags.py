@@ -217,7 +217,9 @@ def define_flags(flag_values: flags.FlagValues = FLAGS, module_name: str | None 
                      "on the slot-copy kernel's own stream beside the mixer (the same weights in the slots; "
                      "EngineConfig.prefetch_guesses; docs/PROFILE.md \"Open\"). Experimental: slower, 0.94x the plain "
                      "cached tokens/s on an H100 at 2, and the hybrid's logits 1.1e-5 off resident there. A right "
-                     "guess was copied, so it counts as a miss (the hit rate falls). 0: off. Applies where the "
+                     "guess was copied, so it counts as a miss (the hit rate falls; the metrics' routed_hit_rate "
+                     "leaves the prefetch's copies out, prefetch_copies / prefetch_used count them). 0: off. Applies "
+                     "where the "
                      "experts run cached (given or planned), with --miss_policy=fetch and --cache_policy=lru.",
                      lower_bound=0)
     d.DEFINE_string("compilation_cache_dir", None, compile_cache.FLAG_HELP)

@@ -5,7 +5,8 @@ CPU the tests check it; this script checks it where the decode programs differ m
 a GPU, in bfloat16, with the cached modes' decode steps as CUDA graphs (``KernelConfig.decode_graphs``)
 and the slot table's all-hit fast path (``lookup_layer(skip_if_all_hit=True)``). For each fixture and
 prompt it greedily generates ``--steps`` tokens with a resident engine and with each cached variant
-(S = E and S = 2E slots; ``decode_graphs`` auto, i.e. on, and off) and compares every step's logits
+(S = E and S = 2E slots; ``decode_graphs`` auto, i.e. on, and off; on request with the prefetch of
+``EngineConfig.prefetch_guesses``) and compares every step's logits
 bit for bit (the float32 logits' bits, so -0.0 against 0.0 and NaNs count as differences; ids equal).
 
     PYTHONPATH=. python3 experiments/check_identity_gpu.py --out_dir=$OUT
@@ -36,14 +37,17 @@ from ftjax import Engine  # noqa: E402
 from ftjax.checkpoint import DTYPES, load_checkpoint  # noqa: E402
 from ftjax.config import EngineConfig  # noqa: E402
 
-# name -> (slots in units of E, KernelConfig.decode_graphs)
-VARIANTS = {"cached_S=E": (1, "auto"), "cached_S=2E": (2, "auto"), "cached_S=E_graphs_off": (1, "off")}
+# name -> (slots in units of E, KernelConfig.decode_graphs, EngineConfig.prefetch_guesses)
+VARIANTS = {"cached_S=E": (1, "auto", 0), "cached_S=2E": (2, "auto", 0), "cached_S=E_graphs_off": (1, "off", 0),
+            "cached_S=E_prefetch-2": (1, "auto", 2)}
+DEFAULT_VARIANTS = ["cached_S=E", "cached_S=2E", "cached_S=E_graphs_off"]
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("fixtures", ["qwen3_moe_bf16", "qwen3_5_moe_bf16"], "Fixture folders under tests/fixtures/.")
 flags.DEFINE_string("dtype", "bfloat16", "Compute and bank dtype.")
 flags.DEFINE_list("prompts", ["short", "long"], "Prompts of expected.npz.")
-flags.DEFINE_list("variants", list(VARIANTS), f"Cached variants, of {list(VARIANTS)}.")
+flags.DEFINE_list("variants", DEFAULT_VARIANTS, f"Cached variants, of {list(VARIANTS)} (prefetch-2: "
+                  "EngineConfig.prefetch_guesses=2, a layer's guessed experts copied beside its token mixer).")
 flags.DEFINE_integer("steps", 16, "Greedy steps compared.", lower_bound=1)
 flags.DEFINE_string("out_dir", "experiments/results/checks", "Where the JSON goes.")
 common.define_kernel_flags(skip=("decode_graphs",))  # each variant sets its own
@@ -55,9 +59,9 @@ common.validate("fixtures", lambda v: next((f"no fixture {f!r} (no {os.path.join
                                            None))
 
 
-def _generate(model, experts: str, slots, graphs: str, prompt: list[int]):
+def _generate(model, experts: str, slots, graphs: str, prompt: list[int], prefetch: int = 0):
     config = EngineConfig(experts, num_slots=slots, max_seq_len=len(prompt) + FLAGS.steps + 8,
-                          kernels=common.kernel_config(decode_graphs=graphs))
+                          kernels=common.kernel_config(decode_graphs=graphs), prefetch_guesses=prefetch)
     eng = Engine(model, config)
     res = eng.generate([prompt], max_new_tokens=FLAGS.steps, keep_logits=True)
     return np.asarray(res.step_logits, np.float32), res.generated_ids, eng.describe()
@@ -75,8 +79,8 @@ def main(argv):
         for name, prompt in prompts.items():
             ref_logits, ref_ids, ref_engine = _generate(model, "resident", None, "auto", prompt)
             for variant in FLAGS.variants:
-                mult, graphs = VARIANTS[variant]
-                logits, ids, engine = _generate(model, "cached", mult * e, graphs, prompt)
+                mult, graphs, prefetch = VARIANTS[variant]
+                logits, ids, engine = _generate(model, "cached", mult * e, graphs, prompt, prefetch)
                 same_shape = logits.shape == ref_logits.shape
                 diff = float(np.max(np.abs(logits - ref_logits))) if same_shape else float("inf")
                 bits = same_shape and np.array_equal(logits.view(np.uint32), ref_logits.view(np.uint32))

@@ -85,10 +85,13 @@
 #                  (--blocks_per_miss; 2026-12-07), not at the default 64 with several misses a layer
 # gpu-tests:       the suite on the GPU (pytest --backend=default) where it has GPU-only cases: tests/test_slot_copy.py
 #                  (the slot-copy kernel against numpy); pytest's report as pytest_gpu_<card>_<day>.txt under $OUT
-# gpu-tests-prefetch: the same with the slow cases too, for the prefetch's GPU questions: tests/test_slot_copy.py (the
-#                  kernel's start / wait), tests/test_prefetch.py and test_hybrid.py's cached-vs-resident fp32 hybrid
-#                  (is the plain cached hybrid, without a prefetch, bit-identical to resident on a GPU?); its report as
+# gpu-tests-prefetch: the same with the slow cases too, for the prefetch: tests/test_slot_copy.py (the kernel's start /
+#                  wait, 706e543's stricter case) and tests/test_prefetch.py; its report as
 #                  pytest_gpu_prefetch_<card>_<day>.txt
+# prefetch-identity: check_identity_gpu, short prompt, cached at S = E without and with the prefetch (prefetch_guesses
+#                  2), float32 fixtures in float32 then the bfloat16 ones: is the fp32 hybrid's 1.1e-5 the prefetch's,
+#                  or does the plain cached fp32 hybrid differ from resident on a GPU too? JSONs under
+#                  $OUT/prefetch-identity-<dtype>
 # profile-prefetch: profile_step's cached decode step on issue 32's shape (qwen3.5, 16 layers, 512 slots, batch 1)
 #                  without and with --prefetch_guesses=2: where the prefetched step's extra time goes (0.938x the
 #                  plain step's tokens/s on an H100, 2026-12-07); JSONs under $OUT/prefetch-0 and prefetch-2
@@ -298,9 +301,14 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
     copy-stream) run 150 "$stage" experiments/probe_copy_stream.py --copy=xla,kernel,kernel_async --tag="${dev}_$day" \
       ${out:+--out_dir="$out"} ;;
     gpu-tests) gpu_pytest 240 "$stage" "not slow" tests/test_slot_copy.py ;;
-    gpu-tests-prefetch)
-      gpu_pytest 300 "$stage" "slow or not slow" tests/test_slot_copy.py tests/test_prefetch.py \
-        tests/test_hybrid.py -k "slot or prefetch or test_cache_policies_and_on_demand_bit_identical" ;;
+    gpu-tests-prefetch) gpu_pytest 240 "$stage" "slow or not slow" tests/test_slot_copy.py tests/test_prefetch.py ;;
+    prefetch-identity)
+      for dt in float32 bfloat16; do
+        fx=qwen3_moe_fp32,qwen3_5_moe_fp32; [ "$dt" = bfloat16 ] && fx=qwen3_moe_bf16,qwen3_5_moe_bf16
+        d="${out:-experiments/results/checks}/prefetch-identity-$dt"; mkdir -p "$d"
+        run 200 "$stage-$dt" experiments/check_identity_gpu.py --fixtures="$fx" --dtype="$dt" --prompts=short \
+          --variants=cached_S=E,cached_S=E_prefetch-2 --out_dir="$d"
+      done ;;
     profile-prefetch)
       for g in 0 2; do
         d="${out:-experiments/results/profiles}/prefetch-$g"; mkdir -p "$d"

@@ -19,6 +19,8 @@ from ftjax import Engine, memory
 from ftjax.config import EngineConfig, MissPolicyConfig
 from ftjax.experts import offload, prefetch
 from ftjax.experts.state import ExpertBanks, init_expert_state
+from ftjax.kernels import registry, slot_lookup
+from ftjax.kernels.registry import KernelConfig
 from ftjax.seams import LayerRouting
 
 STEPS = 24
@@ -72,6 +74,26 @@ def test_a_layer_finds_its_guesses_cached_and_counts_every_copy():
     """Layer 1 guesses experts {0, 2}; the router then picks {2, 3}: 2 was copied by the prefetch (a hit of the
     lookup, but counted as a miss: copied for this layer), 0 was a wrong guess (a copy counted as a miss), 3 is
     copied by the lookup. The pool holds the banks' rows where the table says."""
+    _guess_then_route()
+
+
+def test_the_guesses_take_the_slot_lookup_kernel_where_the_layer_does(monkeypatch):
+    """With the slot lookup kernel selected (interpret mode on the CPU) the guesses' lookup runs it too (two launches
+    a layer), and the counts and the slot table are the jnp lookups'."""
+    want, _ = _guess_then_route()
+    calls = []
+    kernel = slot_lookup.lookup_lru
+    monkeypatch.setattr(slot_lookup, "lookup_lru", lambda *a, **kw: calls.append(kw["interpret"]) or kernel(*a, **kw))
+    with registry.using(KernelConfig(use=("slot_lookup",))):
+        got, traces = _guess_then_route()
+    assert calls == [True, True] * traces  # per trace of the layer's step: the guesses' lookup and the layer's
+    for name in ("slot_of", "id_of_slot", "last_use", "clock"):
+        np.testing.assert_array_equal(getattr(got.table, name), getattr(want.table, name), err_msg=name)
+
+
+def _guess_then_route():
+    """The first test's two steps of layer 1, their stats checked; returns the last state and how many times the
+    step was traced."""
     banks, gu, dn = _tiny_banks()
     state = init_expert_state("cached", 2, 4, 6, banks, jnp.float32)
     fn = offload.make_expert_fn("cached", 4, banks, prefetch=2)
@@ -99,8 +121,9 @@ def test_a_layer_finds_its_guesses_cached_and_counts_every_copy():
         np.testing.assert_array_equal(np.asarray(state.gate_up[slot_of[flat]]), gu[flat])
         np.testing.assert_array_equal(np.asarray(state.down[slot_of[flat]]), dn[flat])
     # the next step's layer 1 routes {2, 3} again: both cached before the layer began, nothing guessed: two hits
-    _, stats = layer_step(state, jnp.array([[2, 3]], jnp.int32), jnp.array([False]))  # a padding token's: none
+    state, stats = layer_step(state, jnp.array([[2, 3]], jnp.int32), jnp.array([False]))  # a padding token's: none
     assert (int(stats.hits), int(stats.misses), int(stats.prefetched), int(stats.prefetch_used)) == (2, 0, 0, 0)
+    return state, len(started)
 
 
 def test_prefetch_outside_the_cached_fetch_policy_is_refused():

@@ -138,7 +138,15 @@ def make_expert_fn(mode: str, num_experts: int, banks: ExpertBanks | None = None
         state, pending = prefetch_lib.join(banks, state, r.x)
         y, state, stats = layer_fn(state, layer, r)
         return y, state, prefetch_lib.stats(stats, pending, routed_mask(r.ids, r.valid, e))
-    expert_fn.prefetch = prefetch_lib.Starter(banks, policy, prefetch, lambda ids, valid: routed_mask(ids, valid, e))
+
+    def guess_lookup(state: ExpertState, layer: jax.Array, ids: jax.Array, valid: jax.Array) -> LayerLookup:
+        """The slot table's lookup of the guesses ids int32 [N, G] of valid tokens, as the layer's own (above)."""
+        if policy == "lru" and state.last_routed is None:
+            got = _kernel_lookup(state.table, layer, LayerRouting(None, ids, None, valid), e)
+            if got is not None:
+                return got[0]
+        return lookup_layer(state.table, layer, routed_mask(ids, valid, e), e, policy)
+    expert_fn.prefetch = prefetch_lib.Starter(banks, prefetch, guess_lookup)
     return expert_fn
 
 

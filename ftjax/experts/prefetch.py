@@ -8,11 +8,12 @@ finds most of the experts the router will pick from the mixer's output (the resi
 layer; on the benchmarks' random weights at qwen3-30b-a3b's shape the router on the layer before's output found
 87.5% with k guesses: ``policy/policy_study_random_qwen3-30b-a3b_4l.json``). So, per cached decode layer:
 
-1. :func:`start`: the top ``guesses`` experts per valid token; those not cached get slots from the slot table
-   (:func:`ftjax.experts.slot_table.lookup_layer`, the engine's policy, so the guesses become the most recent
-   entries) and are copied. On a GPU with the slot-copy kernel the copies run on the kernel's own stream
-   (``slot_copy.copy_into_slots_start``, few blocks per miss so the mixer's kernels keep their SMs) while the token
-   mixer runs; elsewhere they are copied at once in the step's stream (the same pools, so the same results).
+1. :class:`Starter`, then :func:`start`: the top ``guesses`` experts per valid token; those not cached get slots from
+   the slot table (the lookup the layer's own routed experts get: the engine's policy, the slot lookup kernel where it
+   applies; so the guesses become the most recent entries) and are copied. On a GPU with the slot-copy kernel the
+   copies run on the kernel's own stream (``slot_copy.copy_into_slots_start``, few blocks per miss so the mixer's
+   kernels keep their SMs) while the token mixer runs; elsewhere they are copied at once in the step's stream (the
+   same pools, so the same results).
 2. The token mixer.
 3. :func:`join` at the start of the expert function: XLA's stream waits for the copies (``slot_copy.wait_slots``);
    the layer's lookup then finds the right guesses cached, and copies the rest as before.
@@ -39,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from ftjax.experts import fetch, slot_copy
-from ftjax.experts.slot_table import lookup_layer
+from ftjax.experts.slot_table import LayerLookup
 from ftjax.experts.state import ExpertBanks, ExpertState
 from ftjax.seams import LayerStats
 
@@ -68,12 +69,12 @@ def asynchronous(banks: ExpertBanks, state: ExpertState) -> bool:
     return fetch.uses_slot_kernel(fetch._bank_arrays(banks), fetch._pool_arrays(state))
 
 
-def start(banks: ExpertBanks, state: ExpertState, layer: jax.Array, mask: jax.Array, policy: str) -> ExpertState:
-    """The guesses ``mask`` (bool [E]) of layer ``layer`` made cached: slots from the table, copies started. Returns
-    the state with the updated table and pools and :class:`Pending` in ``state.prefetch`` (joined by :func:`join`).
-    On the kernel's own stream the returned pools must not be read until then."""
-    e = mask.shape[0]
-    look = lookup_layer(state.table, layer, mask, e, policy)
+def start(banks: ExpertBanks, state: ExpertState, layer: jax.Array, look: LayerLookup) -> ExpertState:
+    """The misses of ``look``, the slot table's lookup of layer ``layer``'s guesses (its table already the new one),
+    copied into their slots. Returns the state with that table and the pools and :class:`Pending` in
+    ``state.prefetch`` (joined by :func:`join`). On the kernel's own stream the returned pools must not be read until
+    then."""
+    e = look.miss_experts.shape[0]
     valid = jnp.arange(e) < look.n_miss
     flat = jnp.where(valid, layer * e + look.miss_experts, 0).astype(jnp.int32)
     slots = jnp.where(valid, look.miss_slots, 0).astype(jnp.int32)
@@ -92,20 +93,21 @@ def start(banks: ExpertBanks, state: ExpertState, layer: jax.Array, mask: jax.Ar
 
 class Starter:
     """The expert function's ``prefetch`` attribute, which ``ftjax.model.decoder_layer`` calls before the token mixer
-    with the layer's guesses (``ftjax.layers.moe.guess_experts``, ``guesses`` per token): :func:`start` on these
-    banks under the cache ``policy``, for calls of at most :data:`MAX_TOKENS` tokens (:meth:`applies`). ``mask``:
-    ``(ids int32 [N, G], valid bool [N]) -> bool [E]``, the experts named by valid tokens (the expert function's
-    ``ftjax.experts.offload.routed_mask``)."""
+    with the layer's guesses (``ftjax.layers.moe.guess_experts``, ``guesses`` per token): the slot table's lookup of
+    the guesses, then :func:`start` on these banks, for calls of at most :data:`MAX_TOKENS` tokens (:meth:`applies`).
+    ``lookup``: ``(state, layer, ids int32 [N, G], valid bool [N]) -> LayerLookup``, the lookup of the experts named by
+    valid tokens under the engine's cache policy, the one the layer's own lookup runs (``ftjax.experts.offload``: the
+    slot lookup kernel where it applies; the jnp lookup was ~40 us a layer more on an H200)."""
 
-    def __init__(self, banks: ExpertBanks, policy: str, guesses: int, mask):
-        self.banks, self.policy, self.guesses, self.mask = banks, policy, guesses, mask
+    def __init__(self, banks: ExpertBanks, guesses: int, lookup):
+        self.banks, self.guesses, self.lookup = banks, guesses, lookup
 
     def applies(self, shape: tuple) -> bool:
         """Whether a call whose residual stream has ``shape`` ([B, T, D]) prefetches."""
         return shape[0] * shape[1] <= MAX_TOKENS
 
     def __call__(self, state: ExpertState, layer: jax.Array, ids: jax.Array, valid: jax.Array) -> ExpertState:
-        return start(self.banks, state, layer, self.mask(ids, valid), self.policy)
+        return start(self.banks, state, layer, self.lookup(state, layer, ids, valid))
 
 
 def join(banks: ExpertBanks, state: ExpertState, after: jax.Array) -> tuple[ExpertState, Pending | None]:

@@ -135,7 +135,8 @@
 # ab-prefill:      ab_commits_gpu.sh against the tree in .base (git-ignored, so carried: run(carry=[".base"]); made
 #                  with `rm -rf .base && mkdir .base && git archive a733c60 ftjax | tar -x -C .base`): qwen3-30b-a3b's
 #                  resident and streamed 8192-token prefill, before and after the Mosaic gate-up's grid_block_n=4
-# LIMIT_<stage> (seconds, dashes as underscores) overrides a stage's limit. The GPU machine's copy of the tree may
+# LIMIT_<run> (seconds, dashes and dots as underscores) overrides a run's limit; a stage's runs are named <stage> or
+# <stage>-<part>, as each "== <run> rc=..." line prints (e.g. LIMIT_profile_prefetch_g2). The GPU machine's copy of the tree may
 # carry stale git metadata: name the commit the copy holds, FTJAX_GIT_COMMIT=<sha> bash experiments/gpu_stages.sh ...
 # (ftjax.provenance records it in every JSON's meta.git_commit and in gpu-tests' report).
 set -uo pipefail
@@ -301,7 +302,7 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
     copy-stream) run 150 "$stage" experiments/probe_copy_stream.py --copy=xla,kernel,kernel_async --tag="${dev}_$day" \
       ${out:+--out_dir="$out"} ;;
     gpu-tests) gpu_pytest 240 "$stage" "not slow" tests/test_slot_copy.py ;;
-    gpu-tests-prefetch) gpu_pytest 240 "$stage" "slow or not slow" tests/test_slot_copy.py tests/test_prefetch.py ;;
+    gpu-tests-prefetch) gpu_pytest 300 "$stage" "slow or not slow" tests/test_slot_copy.py tests/test_prefetch.py ;;
     prefetch-identity)
       for dt in float32 bfloat16; do
         fx=qwen3_moe_fp32,qwen3_5_moe_fp32; [ "$dt" = bfloat16 ] && fx=qwen3_moe_bf16,qwen3_5_moe_bf16

@@ -209,10 +209,28 @@ def _breakdown(exe, events) -> dict:
     return step_breakdown(events, hlo_op_names(exe.as_text()), module="forward_step")
 
 
+def _routed(s) -> float:
+    """Distinct routed experts summed over the layers of one step's stacked LayerStats: hits + misses, less the
+    prefetch's wrong guesses (its copies count as misses; the used ones were routed)."""
+    n = float(np.sum(np.asarray(s.hits)) + np.sum(np.asarray(s.misses)))
+    if s.prefetched is not None:
+        n -= float(np.sum(np.asarray(s.prefetched)) - np.sum(np.asarray(s.prefetch_used)))
+    return n
+
+
+def _prefetch_counts(stats) -> dict:
+    """The prefetch's copies and the routed ones among them, mean per step over the steps' stacked LayerStats
+    (empty without a prefetch)."""
+    if not stats or stats[0].prefetched is None:
+        return {}
+    return {f"{name}_per_step": float(np.mean([np.sum(np.asarray(getattr(s, name))) for s in stats]))
+            for name in ("prefetched", "prefetch_used")}
+
+
 def _stats(outs) -> tuple[float, float]:
     """(distinct routed experts summed over layers, fetched experts), mean per step, of the
     steps' stacked LayerStats."""
-    distinct = [float(np.sum(np.asarray(s.hits)) + np.sum(np.asarray(s.misses))) for s in outs]
+    distinct = [_routed(s) for s in outs]
     fetched = [float(np.sum(np.asarray(s.fetched))) for s in outs]
     return float(np.mean(distinct)), float(np.mean(fetched))
 
@@ -286,7 +304,8 @@ def decode_run(model, mode: str, batch: int, slots: int | None, trace_dir: str, 
            "timed_steps": {"s": times, "h2d_bytes": [int(f * model.expert_bytes) for f in fetched_timed]},
            "traced_steps": FLAGS.trace_steps, "routing": {"distinct_experts_per_step": distinct,
                                                            "fetched_experts_per_step": fetched,
-                                                           "hit_rate": 1.0 - fetched / distinct if distinct else None},
+                                                           "hit_rate": 1.0 - fetched / distinct if distinct else None,
+                                                           **_prefetch_counts([o.layer_stats for o in outs])},
            "bytes": analytic_bytes(model, batch, int(rows_read), batch, distinct, fetched, sequences=batch),
            "flops": analytic_flops(model, batch, batch, key_pairs), "xla_cost": xla_cost(exe),
            "profile": _breakdown(exe, events), "engine": eng.describe()}
@@ -397,11 +416,13 @@ def main(argv):
                 row = prefill_run(model, trace_dir, configs[kernels])
             else:
                 slots = None
-                if run == "cached_decode":
+                if run == "cached_decode" and FLAGS.slots:
+                    plans[f"b{batch}"], slots = {"slots": FLAGS.slots, "from": "--slots"}, FLAGS.slots
+                elif run == "cached_decode":
                     plan = plan_memory(cfg, itemsize, budget_bytes=int(FLAGS.vram_budget_gb * GB), batch=batch,
                                        max_seq_len=_decode_max_seq_len(),
                                        expert_bytes=model.expert_bytes, kernels=configs[kernels])
-                    plans[f"b{batch}"], slots = plan.as_dict(), FLAGS.slots or plan.slots
+                    plans[f"b{batch}"], slots = plan.as_dict(), plan.slots
                 row = decode_run(model, run.split("_")[0], batch, slots,
                                  trace_dir if kernels is None else os.path.join(trace_dir, kernels.replace(",", "+")),
                                  configs[kernels], kernels or "")

@@ -139,7 +139,8 @@ CATEGORIES = ("attention", "linear_attention", "router", "slot_table", "experts"
 SCOPE_CATEGORY = {"attention": "attention", "gated_deltanet": "linear_attention", "router": "router",
                   "slot_lookup": "slot_table", "experts": "experts", "shared_expert": "experts",
                   "cpu_experts": "experts", "norm": "norm", "expert_fetch": "h2d_copy", "stream_prefetch": "h2d_copy",
-                  "expert_prefetch": "h2d_copy", "guess_experts": "router",
+                  "expert_prefetch": "h2d_copy", "prefetch_wait": "h2d_copy", "guess_experts": "router",
+                  "prefetch_lookup": "slot_table", "prefetch_stats": "slot_table",
                   "kv_prefix_load": "h2d_copy", "kv_prefix_state_load": "h2d_copy",
                   "moe": "other", "kv_store": "other"}  # the rest of the MoE block: residual add, reshapes
 

@@ -212,14 +212,15 @@ def define_flags(flag_values: flags.FlagValues = FLAGS, module_name: str | None 
                   "divide E and --expert_slots) or tensor (each device holds 1/N of every expert's FFN width, one "
                   "slot table replicated on all: balanced links, one device's hit rate; N must divide F; dense "
                   "experts only).")
-    d.DEFINE_integer("prefetch_guesses", 0, "Cached decode: each layer guesses this many experts per token from its "
+    d.DEFINE_integer("prefetch_guesses", 0, "Cached calls of at most 16 tokens (decode steps, short prefills): each "
+                     "layer guesses this many experts per token from its "
                      "input before its token mixer (its router) and starts copying the guesses not cached, on a GPU "
                      "on the slot-copy kernel's own stream beside the mixer (the same weights in the slots; "
                      "EngineConfig.prefetch_guesses; docs/PROFILE.md \"Open\"). Experimental: slower, 0.94x the plain "
                      "cached tokens/s on an H100 at 2, and the hybrid's logits 1.1e-5 off resident there. A right "
-                     "guess was copied, so it counts as a miss (the hit rate falls; the metrics' routed_hit_rate "
-                     "leaves the prefetch's copies out, prefetch_copies / prefetch_used count them). 0: off. Applies "
-                     "where the "
+                     "guess was copied, so it counts as a miss (the hit rate falls); the metrics' prefetch_copies / "
+                     "prefetch_used count the prefetch's copies and right guesses, routed_hit_rate leaves the wrong "
+                     "guesses out and lookup_hit_rate counts the right ones as hits. 0: off. Applies where the "
                      "experts run cached (given or planned), with --miss_policy=fetch and --cache_policy=lru.",
                      lower_bound=0)
     d.DEFINE_string("compilation_cache_dir", None, compile_cache.FLAG_HELP)

@@ -44,13 +44,17 @@ class LayerStats(NamedTuple):
     hits, misses: int32 [] distinct routed experts found resident / not resident. A streamed
     layer copies all E experts into its buffer: the ones copied device to device from the slot
     cache are its hits (only with ``EngineConfig.stream_d2d_hits`` on the pipelined driver, else
-    0), the rest its misses (``hits + misses == E``). fetched, cpu: int32 [], misses copied over
-    PCIe / computed on the CPU (``fetched + cpu == misses``). routed_ids: int32 [N, k] routed
-    expert ids, -1 for padding tokens (routing traces). The optional counters (:data:`OPTIONAL_COUNTS`), None where
-    a call makes no such copies: d2d: int32 [], experts copied device to device (a streamed layer's hits);
-    prefetched: int32 [], experts a cached decode layer's prefetch copied before its lookup
-    (``ftjax.experts.prefetch``; counted in misses and fetched too, so bytes_h2d stays every copy), and
-    prefetch_used: int32 [], the routed ones among them (right guesses; the rest were wasted copies).
+    0), the rest its misses (``hits + misses == E``). With a prefetch, misses are every expert
+    the layer copied (wrong guesses too) and hits the routed experts it did not copy, so the
+    routed experts are ``hits + misses - prefetched + prefetch_used``. fetched, cpu: int32 [],
+    misses copied over PCIe / computed on the CPU (``fetched + cpu == misses``). routed_ids: int32
+    [N, k] routed expert ids, -1 for padding tokens (routing traces). The optional counters
+    (:data:`OPTIONAL_COUNTS`), None where a call makes no such copies: d2d: int32 [], experts
+    copied device to device (a streamed layer's hits); prefetched: int32 [], experts the layer's
+    prefetch copied before its lookup (``ftjax.experts.prefetch``, in calls of at most
+    ``prefetch.MAX_TOKENS`` tokens: decode steps, short prefills; counted in misses and fetched too,
+    so bytes_h2d stays every copy), and prefetch_used: int32 [], the routed ones among them (right
+    guesses; the rest were wasted copies).
     """
 
     hits: jax.Array
@@ -75,8 +79,8 @@ class LayerStats(NamedTuple):
         """The stats as one int32 vector per layer, [..., 4 + len(optional) + N*k]: hits, misses, fetched, cpu, the
         optional counters counted (:meth:`optional`), then ``routed_ids`` flattened; leading axes (layers, steps) as
         the counters'. A layer scan, and a decode block's step loop, stack their outputs with one write per output
-        and iteration: five scalars were five copy kernels, counts and ids two; one vector is one. :meth:`unpacked`
-        is the inverse."""
+        and iteration: one output per counter was one copy kernel each, counts and ids two; one vector is one.
+        :meth:`unpacked` is the inverse."""
         counts = [self.hits, self.misses, self.fetched, self.cpu] + [getattr(self, n) for n in self.optional()]
         lead = self._lead()
         counts = jnp.stack([jnp.broadcast_to(jnp.asarray(c, jnp.int32), lead) for c in counts], axis=-1)
@@ -101,9 +105,9 @@ class LayerStats(NamedTuple):
           ValueError: the last axis is not the counts plus prod(ids_shape), or ``optional`` names a counter not in
             :data:`OPTIONAL_COUNTS` or out of its order.
         """
-        if tuple(n for n in OPTIONAL_COUNTS if n in optional) != tuple(optional):
-            raise ValueError(f"LayerStats.unpacked: optional counters {tuple(optional)}, expected a subsequence of "
-                             f"{OPTIONAL_COUNTS}")
+        if isinstance(optional, (bool, str)) or tuple(n for n in OPTIONAL_COUNTS if n in optional) != tuple(optional):
+            raise ValueError(f"LayerStats.unpacked: optional counters {optional!r}, expected a subsequence of "
+                             f"{OPTIONAL_COUNTS} (a tuple of names)")
         c, n = 4 + len(optional), math.prod(int(d) for d in ids_shape)
         if packed.shape[-1] != c + n:
             raise ValueError(f"LayerStats.unpacked: last axis {packed.shape[-1]}, expected {c} counts + {n} routed ids "

@@ -45,7 +45,8 @@ HYBRID_ON_GPU = pytest.mark.xfail(jax.default_backend() == "gpu", strict=True,
 def test_prefetch_keeps_the_logits_bit_identical(name, guesses):
     """The smallest cache (S = E, where the guesses evict what the layer before used): the same greedy tokens and
     logits as resident; every decode copy counted in bytes_h2d; the guesses change what is copied (wrong guesses
-    are extra misses; right ones are copied before the lookup, so no more hits are counted than without them)."""
+    are extra misses), and the counts split the prefetch's copies from the routed experts' (the same routed experts
+    as without a prefetch: the same tokens)."""
     model, exp = load_fixture(name)
     prompt = exp["short_prompt_ids"].tolist()
     e = model.cfg.num_experts
@@ -56,11 +57,13 @@ def test_prefetch_keeps_the_logits_bit_identical(name, guesses):
     np.testing.assert_array_equal(got.step_logits, want.step_logits)
     m, m0 = engine.expert_cache_metrics()["decode"], plain_engine.expert_cache_metrics()["decode"]
     assert m["bytes_h2d"] == m["misses"] * model.expert_bytes > 0
-    assert m["misses"] > m0["misses"] and m["hits"] <= m0["hits"], (m, m0)
+    assert m["misses"] > m0["misses"], (m, m0)
     # the same tokens, so the same routed experts: the prefetch's copies apart, both runs counted the same ones
     assert 0 < m["prefetch_used"] < m["prefetch_copies"] and m0["prefetch_copies"] == m0["prefetch_used"] == 0
     assert m["hits"] + m["misses"] - m["prefetch_copies"] + m["prefetch_used"] == m0["hits"] + m0["misses"]
-    assert m["routed_hit_rate"] == m["hits"] / (m0["hits"] + m0["misses"]) and m0["routed_hit_rate"] == m0["hit_rate"]
+    routed = m0["hits"] + m0["misses"]
+    assert m["routed_hit_rate"] == m["hits"] / routed and m0["routed_hit_rate"] == m0["hit_rate"]
+    assert m["lookup_hit_rate"] == (m["hits"] + m["prefetch_used"]) / routed > m["routed_hit_rate"]
 
 
 def _tiny_banks(layers=2, e=4, d=8, f=4):

@@ -65,6 +65,19 @@ ENTRY %main.1 (p0: f32[4], p1: f32[4,4]) -> f32[4] {{
 """
 
 
+def test_every_named_scope_of_ftjax_has_a_category():
+    """A ``jax.named_scope`` added to ftjax without an entry in ``timeline.SCOPE_CATEGORY`` would put its kernels in
+    the enclosing scope's category (or in loop / other) without a word."""
+    import re
+
+    from experiments.timeline import SCOPE_CATEGORY
+    root = pathlib.Path(__file__).resolve().parents[1] / "ftjax"
+    scopes = {m for f in root.rglob("*.py") for m in re.findall(r'named_scope\("([a-z_]+)"\)', f.read_text())}
+    assert {"expert_fetch", "prefetch_lookup", "prefetch_wait"} <= scopes  # the scan finds them
+    assert sorted(scopes - set(SCOPE_CATEGORY)) == []
+    assert set(SCOPE_CATEGORY.values()) <= set(CATEGORIES)
+
+
 def test_hlo_op_names():
     names = hlo_op_names(HLO)
     assert names["rsqrt.2"] == f"{BODY}/attention/norm/rsqrt"

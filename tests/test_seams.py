@@ -47,6 +47,8 @@ def test_unpacking_with_the_wrong_ids_shape_is_refused():
         LayerStats.unpacked(s.packed()[None], (1, 4))
     with pytest.raises(ValueError, match="expected a subsequence of"):  # out of the packed order
         LayerStats.unpacked(s.packed()[None], (1, 8), ("prefetch_used", "prefetched"))
+    with pytest.raises(ValueError, match="expected a subsequence of .* \\(a tuple of names\\)"):  # the old bool
+        LayerStats.unpacked(s.packed()[None], (1, 8), True)
 
 
 def test_a_block_whose_layers_pack_their_stats_differently_is_refused():

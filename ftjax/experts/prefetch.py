@@ -107,7 +107,9 @@ class Starter:
         return shape[0] * shape[1] <= MAX_TOKENS
 
     def __call__(self, state: ExpertState, layer: jax.Array, ids: jax.Array, valid: jax.Array) -> ExpertState:
-        return start(self.banks, state, layer, self.lookup(state, layer, ids, valid))
+        with jax.named_scope("prefetch_lookup"):
+            look = self.lookup(state, layer, ids, valid)
+        return start(self.banks, state, layer, look)
 
 
 def join(banks: ExpertBanks, state: ExpertState, after: jax.Array) -> tuple[ExpertState, Pending | None]:
@@ -120,20 +122,22 @@ def join(banks: ExpertBanks, state: ExpertState, after: jax.Array) -> tuple[Expe
         return state, None
     state = state.replace(prefetch=None)
     if asynchronous(banks, state):
-        pools, _ = jax.lax.optimization_barrier((fetch._pool_arrays(state), after))
-        pools = tuple(slot_copy.wait_slots(p, pending.flat, pending.slots, pending.count, tag=i)
-                      for i, p in enumerate(pools))
+        with jax.named_scope("prefetch_wait"):
+            pools, _ = jax.lax.optimization_barrier((fetch._pool_arrays(state), after))
+            pools = tuple(slot_copy.wait_slots(p, pending.flat, pending.slots, pending.count, tag=i)
+                          for i, p in enumerate(pools))
         state = fetch._with_pools(state, pools)
     return state, pending
 
 
 def stats(s: LayerStats, pending: Pending | None, routed: jax.Array) -> LayerStats:
     """A layer's stats with its prefetch counted: misses and fetched + the copies it started, hits - the routed
-    experts among them (routed: bool [E]), so misses are every expert the layer copied and hits the routed ones
-    cached before it began; ``prefetched`` the copies it started and ``prefetch_used`` the routed ones among them
-    (:class:`ftjax.seams.LayerStats`)."""
+    experts among them (routed: bool [E]), so misses are every expert the layer copied and hits the routed ones it
+    did not copy (cached before it began and not evicted by its guesses); ``prefetched`` the copies it started and
+    ``prefetch_used`` the routed ones among them (:class:`ftjax.seams.LayerStats`)."""
     if pending is None:
         return s
-    used = jnp.sum(pending.copied & routed, dtype=jnp.int32)
+    with jax.named_scope("prefetch_stats"):
+        used = jnp.sum(pending.copied & routed, dtype=jnp.int32)
     return s._replace(hits=s.hits - used, misses=s.misses + pending.count, fetched=s.fetched + pending.count,
                       prefetched=pending.count, prefetch_used=used)

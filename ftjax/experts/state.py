@@ -120,7 +120,8 @@ class ExpertCounters:
     copied outside any layer's misses (a streamed prefill's prologue and its last, wasted
     prefetch); and the optional counters of :class:`LayerStats` (``ftjax.seams.OPTIONAL_COUNTS``), 0 where a call
     did not count them: d2d, experts copied device to device (slot cache -> a streamed layer's buffer); prefetched /
-    prefetch_used, the cached decode's prefetch copies and the routed ones among them; int64 [L].
+    prefetch_used, the prefetch's copies (calls of at most ``prefetch.MAX_TOKENS`` tokens) and the routed ones among
+    them; int64 [L].
     """
 
     hits: np.ndarray
@@ -178,9 +179,12 @@ class ExpertCounters:
         streamed layer's buffer), bytes_d2d (their bytes, not in bytes_h2d), the prefetch's counts
         (``EngineConfig.prefetch_guesses``; 0 without it): prefetch_copies (experts it copied, right
         or wrong guesses, in misses and bytes_h2d too), prefetch_used (the routed ones among them),
-        routed_hit_rate (the routed experts that their layer did not copy / the routed experts:
-        hit_rate over routed experts only, where hit_rate also counts the prefetch's wrong guesses as
-        misses; the two are equal without a prefetch), split_histogram."""
+        routed_hit_rate (hits / the routed experts: the routed experts that their layer did not copy,
+        its prefetch's right guesses counted as misses; hit_rate's denominator also holds the wrong
+        guesses), lookup_hit_rate ((hits + prefetch_used) / the routed experts: the routed experts
+        already in a slot at their layer's lookup, the prefetch's right guesses counted as hits); the
+        three are equal without a prefetch. Over a streamed prefill's layers, hits + misses are all E
+        experts, not the routed ones; split_histogram."""
         h, m = int(self.hits.sum()), int(self.misses.sum())
         f, c = int(self.fetched.sum()), int(self.cpu.sum())
         d2d, pf, used = int(self.d2d.sum()), int(self.prefetched.sum()), int(self.prefetch_used.sum())
@@ -191,6 +195,7 @@ class ExpertCounters:
         return {"hits": h, "misses": m, "hit_rate": h / (h + m) if h + m else 0.0,
                 "hit_rate_per_layer": [round(float(x), 6) for x in per_layer],
                 "routed_hit_rate": h / routed if routed else 0.0,
+                "lookup_hit_rate": (h + used) / routed if routed else 0.0,
                 "fetched": f, "cpu_computed": c, "fetch_fraction": f / (f + c) if f + c else None,
                 "bytes_h2d": (f + self.extra_copies) * expert_bytes,
                 "d2d_copies": d2d, "bytes_d2d": d2d * expert_bytes,

@@ -740,7 +740,8 @@ class Scheduler:
         ec = total.summary(eng.model.expert_bytes)
         m.update({f"expert_cache_{k}": ec[k] for k in ("hits", "misses", "hit_rate", "fetched", "cpu_computed",
                                                          "bytes_h2d", "d2d_copies", "bytes_d2d",
-                                                         "routed_hit_rate", "prefetch_copies", "prefetch_used")})
+                                                         "routed_hit_rate", "lookup_hit_rate", "prefetch_copies",
+                                                         "prefetch_used")})
         m["expert_cache_extra_copies"] = int(total.extra_copies)
         if self.kv_manager is not None:
             kv = self.kv_manager.metrics()

@@ -32,6 +32,7 @@ from ftjax.config import (CACHE_POLICIES, CPU_DRIVERS, CPU_EXPERT_IMPLS, EXPERT_
                           MATMUL_PRECISIONS, MISS_POLICIES, PREFILL_DRIVERS, PREFILL_MODES, PREFIX_COPIES, EngineConfig,
                           KVOffloadConfig, MissPolicyConfig)
 from ftjax import compile_cache
+from ftjax.experts import prefetch as prefetch_lib
 from ftjax.experts.policies import describe as describe_cache_policies
 from ftjax.experts.quant import FORMATS as EXPERT_FORMATS
 from ftjax.kernels.registry import (DECODE_GEMMS, DECODE_GRAPHS, DECODE_LOOPS, FLASH_PREFILLS, GROUPED_MATMULS,
@@ -212,8 +213,8 @@ def define_flags(flag_values: flags.FlagValues = FLAGS, module_name: str | None 
                   "divide E and --expert_slots) or tensor (each device holds 1/N of every expert's FFN width, one "
                   "slot table replicated on all: balanced links, one device's hit rate; N must divide F; dense "
                   "experts only).")
-    d.DEFINE_integer("prefetch_guesses", 0, "Cached calls of at most 16 tokens (decode steps, short prefills): each "
-                     "layer guesses this many experts per token from its "
+    d.DEFINE_integer("prefetch_guesses", 0, "Cached calls of at most 16 tokens, rows x padded tokens (decode steps of "
+                     "up to 16 rows, short prefills): each layer guesses this many experts per token from its "
                      "input before its token mixer (its router) and starts copying the guesses not cached, on a GPU "
                      "on the slot-copy kernel's own stream beside the mixer (the same weights in the slots; "
                      "EngineConfig.prefetch_guesses; docs/PROFILE.md \"Open\"). Experimental: slower, 0.94x the plain "
@@ -221,7 +222,8 @@ def define_flags(flag_values: flags.FlagValues = FLAGS, module_name: str | None 
                      "guess was copied, so it counts as a miss (the hit rate falls); the metrics' prefetch_copies / "
                      "prefetch_used count the prefetch's copies and right guesses, routed_hit_rate leaves the wrong "
                      "guesses out and lookup_hit_rate counts the right ones as hits. 0: off. Applies where the "
-                     "experts run cached (given or planned), with --miss_policy=fetch and --cache_policy=lru.",
+                     "experts run cached (given or planned), on one device, with --miss_policy=fetch and "
+                     "--cache_policy=lru.",
                      lower_bound=0)
     d.DEFINE_string("compilation_cache_dir", None, compile_cache.FLAG_HELP)
 
@@ -367,6 +369,10 @@ def engine_config(mode: str, slots: int | None, max_seq_len: int, batch: int, no
     prefetch = FLAGS.prefetch_guesses if note and mode == "cached" else 0
     if note and FLAGS.prefetch_guesses and mode != "cached":
         print(f"note: the experts run {mode}, not cached; --prefetch_guesses={FLAGS.prefetch_guesses} ignored")
+    elif prefetch and batch > prefetch_lib.MAX_TOKENS:
+        print(f"note: a decode step of {batch} rows has more than the prefetch's {prefetch_lib.MAX_TOKENS} tokens, "
+              f"so decode runs without it (--prefetch_guesses={prefetch} applies to calls of at most "
+              f"{prefetch_lib.MAX_TOKENS} tokens, rows x padded tokens)")
     return EngineConfig(mode, num_slots=slots, max_seq_len=max_seq_len, batch=batch, prefill=prefill,
                         prefill_chunk=FLAGS.prefill_chunk, prefill_overlap=FLAGS.prefill_overlap,
                         prefill_driver=FLAGS.prefill_driver, stream_d2d_hits=FLAGS.stream_d2d_hits,

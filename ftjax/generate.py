@@ -343,9 +343,10 @@ def run() -> dict:
           f"{ec['bytes_h2d'] / 1e6:.1f} MB host-to-device"
           + (f", {ec['bytes_d2d'] / 1e6:.1f} MB device-to-device ({ec['d2d_copies']} cached experts into streamed "
              f"layers)" if ec["d2d_copies"] else "")
-          + (f", {ec['prefetch_copies']} copied by the prefetch ({ec['prefetch_used']} routed; decode: hit rate over "
-             f"routed experts {ec['decode']['routed_hit_rate']:.3f}, {ec['decode']['lookup_hit_rate']:.3f} with "
-             f"the prefetch's right guesses)" if ec["prefetch_copies"] else ""))
+          + (f"; decode: {ec['decode']['prefetch_copies']} copied by the prefetch ({ec['decode']['prefetch_used']} "
+             f"routed), hit rate over routed experts {ec['decode']['routed_hit_rate']:.3f}, "
+             f"{ec['decode']['lookup_hit_rate']:.3f} with the prefetch's right guesses" if ec["prefetch_copies"]
+             else ""))
     if miss is not None:
         print(f"misses: {ec['fetched']} fetched, {ec['cpu_computed']} computed on the CPU "
               f"({ec['miss_policy']}, split {ec['split']['rule']})")

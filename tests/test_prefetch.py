@@ -153,7 +153,7 @@ def test_prefetch_outside_the_cached_fetch_policy_is_refused():
 def test_the_cli_prefetches_where_the_plan_picks_cached_and_notes_it_elsewhere(tmp_path):
     """``--prefetch_guesses`` with a checkpoint the plan keeps resident: a note, and the run goes on (the planner's
     base config carries no prefetch); with ``--expert_slots`` (cached) the prefetch runs and the tokens are the
-    fixture's."""
+    fixture's; at a batch over ``prefetch.MAX_TOKENS`` rows a note says decode runs without it."""
     from cli_helpers import run_generate
     from conftest import fixture_path
     _, exp = load_fixture("qwen3_moe_fp32")
@@ -169,4 +169,7 @@ def test_the_cli_prefetches_where_the_plan_picks_cached_and_notes_it_elsewhere(t
     assert m["generated_ids"] == exp["short_generated_ids"].tolist()[:8]
     ec = m["expert_cache"]["decode"]
     assert 0 < ec["prefetch_used"] <= ec["prefetch_copies"]
-    assert f"{m['expert_cache']['prefetch_copies']} copied by the prefetch" in r.stdout
+    assert f"decode: {ec['prefetch_copies']} copied by the prefetch ({ec['prefetch_used']} routed)" in r.stdout
+    r = run_generate(*args, "--expert_slots=8", "--batch=17", f"--metrics_json={tmp_path / 'm17.json'}")
+    assert r.returncode == 0 and "a decode step of 17 rows has more than the prefetch's 16 tokens" in r.stdout
+    assert json.loads((tmp_path / "m17.json").read_text())["expert_cache"]["decode"]["prefetch_copies"] == 0

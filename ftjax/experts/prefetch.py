@@ -22,9 +22,9 @@ The weights in every slot are the banks' rows, so the logits should be those of 
 bit-identical on the CPU (tests/test_prefetch.py) and for qwen3 on an H100; the fp32 hybrid's were 1.1e-5 off resident
 there (2026-12-07), not understood. Only what moves over the link changes: a wrong guess is an extra copy.
 :func:`stats` counts a layer's misses as every expert it copied (guesses included) and its hits as the routed experts
-that were cached before the layer began, so ``bytes_h2d`` stays every byte copied; the prefetch's own copies and the
-right guesses among them are counted apart too (the metrics' ``prefetch_copies``, ``prefetch_used`` and
-``routed_hit_rate``: ``ftjax.experts.state.ExpertCounters.summary``).
+it did not copy, so ``bytes_h2d`` stays every byte copied; the prefetch's own copies and the right guesses among them
+are counted apart too (the metrics' ``prefetch_copies``, ``prefetch_used``, ``routed_hit_rate`` and
+``lookup_hit_rate``: ``ftjax.experts.state.ExpertCounters.summary``).
 
 Not command-buffer compatible on a GPU: XLA runs the two calls outside its CUDA graphs, splitting the step's graph
 (``experiments/bench_decode_speed.py --split_probe`` measures that cost alone: 0.987x of the plain step). Measured
@@ -97,7 +97,7 @@ class Starter:
     the guesses, then :func:`start` on these banks, for calls of at most :data:`MAX_TOKENS` tokens (:meth:`applies`).
     ``lookup``: ``(state, layer, ids int32 [N, G], valid bool [N]) -> LayerLookup``, the lookup of the experts named by
     valid tokens under the engine's cache policy, the one the layer's own lookup runs (``ftjax.experts.offload``: the
-    slot lookup kernel where it applies; the jnp lookup was ~40 us a layer more on an H200)."""
+    slot lookup kernel where it applies, one launch against the jnp lookup's dozen small kernels)."""
 
     def __init__(self, banks: ExpertBanks, guesses: int, lookup):
         self.banks, self.guesses, self.lookup = banks, guesses, lookup

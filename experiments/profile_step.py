@@ -209,15 +209,6 @@ def _breakdown(exe, events) -> dict:
     return step_breakdown(events, hlo_op_names(exe.as_text()), module="forward_step")
 
 
-def _routed(s) -> float:
-    """Distinct routed experts summed over the layers of one step's stacked LayerStats: hits + misses, less the
-    prefetch's wrong guesses (its copies count as misses; the used ones were routed)."""
-    n = float(np.sum(np.asarray(s.hits)) + np.sum(np.asarray(s.misses)))
-    if s.prefetched is not None:
-        n -= float(np.sum(np.asarray(s.prefetched)) - np.sum(np.asarray(s.prefetch_used)))
-    return n
-
-
 def _prefetch_counts(stats) -> dict:
     """The prefetch's copies and the routed ones among them, mean per step over the steps' stacked LayerStats
     (empty without a prefetch)."""
@@ -230,7 +221,7 @@ def _prefetch_counts(stats) -> dict:
 def _stats(outs) -> tuple[float, float]:
     """(distinct routed experts summed over layers, fetched experts), mean per step, of the
     steps' stacked LayerStats."""
-    distinct = [_routed(s) for s in outs]
+    distinct = [float(np.sum(np.asarray(s.routed()))) for s in outs]
     fetched = [float(np.sum(np.asarray(s.fetched))) for s in outs]
     return float(np.mean(distinct)), float(np.mean(fetched))
 

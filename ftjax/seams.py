@@ -71,6 +71,13 @@ class LayerStats(NamedTuple):
         """Stats of a layer whose every miss was fetched."""
         return cls(hits, misses, misses, jnp.int32(0), routed_ids)
 
+    def routed(self) -> jax.Array:
+        """The distinct routed experts, int32 like hits (any leading axes): ``hits + misses``, less the prefetch's
+        wrong guesses where it counted (its copies are misses; only the used ones were routed)."""
+        if self.prefetched is None:
+            return self.hits + self.misses
+        return self.hits + self.misses - self.prefetched + self.prefetch_used
+
     def optional(self) -> tuple[str, ...]:
         """The names of the optional counters this call counts, in :data:`OPTIONAL_COUNTS` order."""
         return tuple(n for n in OPTIONAL_COUNTS if getattr(self, n) is not None)

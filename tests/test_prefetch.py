@@ -118,6 +118,7 @@ def _guess_then_route():
     assert isinstance(started[0], prefetch.Pending)
     assert (int(stats.hits), int(stats.misses), int(stats.fetched)) == (0, 3, 3)
     assert (int(stats.prefetched), int(stats.prefetch_used)) == (2, 1)  # {0, 2} copied, 2 routed
+    assert int(stats.routed()) == 2  # {2, 3}: the wrong guess 0 left out
     slot_of = np.asarray(state.table.slot_of)
     for expert in (0, 2, 3):
         flat = 4 + expert

@@ -110,10 +110,9 @@ def make_expert_fn(mode: str, num_experts: int, banks: ExpertBanks | None = None
             stats = LayerStats.fetch_only(hits, jnp.int32(0), trace_ids(r))
             return experts_from_pool(r.x, r.ids, r.weights, slot_of_expert, state.gate_up, state.down, state.scales,
                                      state.fmt), state, stats
-        if mode == "cached" and policy == "lru" and state.last_routed is None and (
-                miss is None or miss.fetches_all(r.ids.size, e)):
+        if mode == "cached" and (miss is None or miss.fetches_all(r.ids.size, e)):
             with jax.named_scope("slot_lookup"):
-                got = _kernel_lookup(state.table, layer, r, e)
+                got = _kernel_lookup(state, layer, r.ids, r.valid, e, policy)
             if got is not None:  # one launch for the lookup (ftjax.kernels.slot_lookup); same results
                 look, flat_miss, pair_slots = got
                 return _fetch_and_compute(banks, state.replace(table=look.table), layer, look, r, e, flat_miss,
@@ -141,10 +140,9 @@ def make_expert_fn(mode: str, num_experts: int, banks: ExpertBanks | None = None
 
     def guess_lookup(state: ExpertState, layer: jax.Array, ids: jax.Array, valid: jax.Array) -> LayerLookup:
         """The slot table's lookup of the guesses ids int32 [N, G] of valid tokens, as the layer's own (above)."""
-        if policy == "lru" and state.last_routed is None:
-            got = _kernel_lookup(state.table, layer, LayerRouting(None, ids, None, valid), e)
-            if got is not None:
-                return got[0]
+        got = _kernel_lookup(state, layer, ids, valid, e, policy)
+        if got is not None:
+            return got[0]
         return lookup_layer(state.table, layer, routed_mask(ids, valid, e), e, policy)
     expert_fn.prefetch = prefetch_lib.Starter(banks, prefetch, guess_lookup)
     return expert_fn
@@ -165,11 +163,16 @@ def layer_routing(mode: str, state: ExpertState, layer: jax.Array, r: LayerRouti
     return routed, table, recency
 
 
-def _kernel_lookup(table, layer: jax.Array, r: LayerRouting, e: int):
-    """``lookup_layer(table, layer, routed_mask(r.ids, r.valid, e), e, "lru")`` through the slot lookup
-    kernel where the kernel config selects it for this layer (a decode layer: fewer pairs than E), else None:
-    (the :class:`LayerLookup`, the misses' flat ids int32 [E], each pair's slot int32 [N, k])."""
-    got = slot_lookup.maybe(r.ids, r.valid, table.slot_of, table.id_of_slot, table.last_use, table.clock, layer, e)
+def _kernel_lookup(state: ExpertState, layer: jax.Array, ids: jax.Array, valid: jax.Array, e: int, policy):
+    """``lookup_layer(state.table, layer, routed_mask(ids, valid, e), e, "lru")`` through the slot lookup kernel
+    (ids int32 [N, k] of tokens valid bool [N]) where it applies: the LRU policy, no recency kept
+    (``state.last_routed`` None), and the kernel config selects it for this layer (a decode layer: fewer pairs than
+    E); else None. Returns (the :class:`LayerLookup`, the misses' flat ids int32 [E], each pair's slot int32
+    [N, k])."""
+    if policy != "lru" or state.last_routed is not None:
+        return None
+    table = state.table
+    got = slot_lookup.maybe(ids, valid, table.slot_of, table.id_of_slot, table.last_use, table.clock, layer, e)
     if got is None:
         return None
     (slot_of, id_of_slot, last_use, slot_of_expert, miss_experts, miss_slots, evicted_ids, n_miss, n_hit, flat_miss,

@@ -184,8 +184,8 @@ static void accum_rows(const ftjax_mat* m, const void* w, int r0, int r1, const 
 
 /* One token's int4 rows on AVX-512, scale group by scale group: blk [cols] (decoded order: the low nibbles'
    columns, then the high ones') += x[r0:r1] @ (decode(W[r0:r1, :]) * scales). A group's sums stay in registers
-   for a chunk of I4_CHUNK stored bytes (2 x I4_CHUNK columns) while its rows stream past, so the sums are loaded
-   and stored once a group instead of once every four rows (accum_four_rows), and a nibble becomes nibble - 8 in
+   for a chunk of I4_CHUNK stored bytes (2 x I4_CHUNK columns) while its rows stream past, so a chunk's sums are
+   loaded and stored once a group instead of once every four rows (accum_four_rows), and a nibble becomes nibble - 8 in
    one permute of a 16-entry float table (vpermps reads an index's low four bits) instead of a mask, a subtract
    and a convert. Same sums as accum_four_rows' in another order. */
 #if defined(__AVX512F__)
@@ -202,12 +202,13 @@ static void i4_one_token(const ftjax_mat* m, const uint8_t* w, const float* s, i
     int gi = g0 / m->bi;
     g1 = (gi + 1) * m->bi < r1 ? (gi + 1) * m->bi : r1;
     const float* restrict sr = s + (size_t)gi * m->nsc;   /* this group's scale row */
+    size_t pf = g1 < r1 ? ahead : 0;   /* the last group of a block: the next rows are another unit's */
     for (int j0 = 0; j0 < full; j0 += I4_CHUNK) {
       __m512 lo[I4_CHUNK / 16], hi[I4_CHUNK / 16];
       for (int v = 0; v < I4_CHUNK / 16; v++) lo[v] = hi[v] = _mm512_setzero_ps();
       for (int r = g0; r < g1; r++) {
         const uint8_t* q = w + (size_t)r * half + j0;
-        _mm_prefetch((const char*)(q + ahead), _MM_HINT_T0);
+        _mm_prefetch((const char*)(q + pf), _MM_HINT_T0);
         __m512 xr = _mm512_set1_ps(x[r]);
         for (int v = 0; v < I4_CHUNK / 16; v++) {
           __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + 16 * v)));

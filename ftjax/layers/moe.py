@@ -75,6 +75,10 @@ def guess_experts(cfg: ModelConfig, lp: dict, h: jax.Array, guesses: int) -> jax
     (``ftjax.experts.prefetch``)."""
     b, t, _ = h.shape
     with jax.named_scope("guess_experts"):
+        # A barrier between h and the guesses' norm: XLA may otherwise fuse that norm's reduction with the token
+        # mixer's norm of the same h (a sibling multi-output fusion), and a fused reduction may sum in another
+        # order, so the layer's own arithmetic could change with the prefetch on; the guesses only pick copies.
+        h = jax.lax.optimization_barrier(h)
         (logits,), _ = norm_project(h, lp["mlp_norm"], (lp["router"],), cfg.rms_norm_eps, offset=cfg.norm_offset)
         e = cfg.num_experts
         return jax.lax.top_k(logits.reshape(b * t, e).astype(jnp.float32), min(guesses, e))[1]

@@ -51,10 +51,10 @@ def _reference(gu, dn, scales, tag, x, fid):
 @pytest.mark.parametrize("fmt", ["bfloat16", "int8", "int4", "float32", "fp8"])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_native_ffn_equals_the_float64_reference(fmt, threads):
-    """1 to 4 experts of a call, 1 to 5 tokens (int4 on AVX-512: 1-4 in i4_rows' chunks of 64 and 32 bytes, 5 in
-    the four-row passes), 1 and 3 threads (row blocks of 16 to 160 rows, int4's 64-row groups and fp8's 128 x 128
-    blocks cut by the blocks): the float32 FFN within float32 summation error of float64; through ``compute``,
-    rows past ``count`` zero and the outputs in x's dtype."""
+    """1 to 4 experts of a call, 1 to 5 tokens (int4 on AVX-512: 1-4 in i4_rows' chunks of 64 and 32 bytes, with
+    the columns past the last chunk, 5 in the four-row passes), 1 and 3 threads (row blocks of 16 to 160 rows;
+    int4's last 64-row group and fp8's last 128 x 128 block partial): the float32 FFN within float32 summation
+    error of float64; through ``compute``, rows past ``count`` zero and the outputs in x's dtype."""
     gu, dn, scales, tag = random_banks(fmt, 12, D, F)
     k = _kernel(gu, dn, scales, tag, threads)
     try:

@@ -5,8 +5,8 @@
    an expert FFN is a matrix-vector product bound by how fast the cores read its weights from DRAM, so
    every thread works on every expert: each expert's matrices are cut into blocks of contiguous input
    rows, one (expert, row block) per work unit, spread over OpenMP threads; each row is decoded to float32
-   in registers (int4 and table formats: once, into the core's cache, when there are several tokens) and
-   multiplied into float32 sums of all tokens; the sums of rows that share a scale row are then scaled. One
+   in registers (again for every token; table formats, and int4's rows left after its four-row passes: once,
+   into the core's cache, when there are several tokens) and multiplied into float32 sums of all tokens; the sums of rows that share a scale row are then scaled. One
    to four tokens' int4 rows on AVX-512 take their own loop (i4_rows: a scale group's sums kept in registers).
 
    One call computes, for the k experts ids[0..k-1] and the n tokens x [n][D] (float32):
@@ -189,7 +189,7 @@ static void accum_rows(const ftjax_mat* m, const void* w, int r0, int r1, const 
    is decoded once for all the tokens, and a nibble becomes nibble - 8 in one permute of a 16-entry float table
    (vpermps reads an index's low four bits) instead of a mask, a subtract and a convert. Same sums as
    accum_four_rows' in another order. nt and ch are constants at each call (i4_few_tokens), so the loops over
-   them unroll and the sums live in registers: 2 x nt x ch / 16 of them (at most 16). */
+   them unroll and the sums live in registers: 2 x nt x ch / 16 of them (at most 24). */
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define I4_FEW_TOKENS 4
@@ -256,15 +256,16 @@ static inline __attribute__((always_inline)) void i4_rows(const ftjax_mat* m, co
   }
 }
 
-/* i4_rows for n = 1 to I4_FEW_TOKENS tokens: chunks of 64 stored bytes (one cache line) for one or two tokens, 32
-   for three or four (the sums' registers). On a 2-core AVX-512 VM (2026-12-07) one token ran 16.7 GB/s in 64-byte
-   chunks against 14.1-14.5 in 32-byte ones and 11.9 in 128-byte ones. */
+/* i4_rows for n = 1 to I4_FEW_TOKENS tokens: chunks of 64 stored bytes (one cache line) for one to three tokens, 32
+   for four (at 64, four tokens' 32 sums would not fit the registers). On a 2-core AVX-512 VM (2026-12-07) one token
+   ran 17-18 GB/s in 64-byte chunks against 14.1-14.5 in 32-byte ones and 11.9 in 128-byte ones; three tokens
+   14.4-14.6 in 64-byte chunks against 13.3-13.6 in 32-byte ones. */
 static void i4_few_tokens(const ftjax_mat* m, const uint8_t* w, const float* s, int r0, int r1, const float* x,
                           int ldx, int n, float* restrict blk, float* restrict srow) {
   switch (n) {
     case 1: i4_rows(m, w, s, r0, r1, x, ldx, blk, srow, 1, 64); break;
     case 2: i4_rows(m, w, s, r0, r1, x, ldx, blk, srow, 2, 64); break;
-    case 3: i4_rows(m, w, s, r0, r1, x, ldx, blk, srow, 3, 32); break;
+    case 3: i4_rows(m, w, s, r0, r1, x, ldx, blk, srow, 3, 64); break;
     default: i4_rows(m, w, s, r0, r1, x, ldx, blk, srow, 4, 32); break;
   }
 }

@@ -181,7 +181,7 @@ def check_preset(name: str = "preset", allow_empty: bool = False) -> None:
 #: The kernel flags of :func:`define_kernel_flags` (``ftjax.generate``'s), each a ``KernelConfig`` field
 #: (``kernels`` is ``KernelConfig.use``, ``kernel_tiles`` its ``tiles``).
 KERNEL_FLAGS = ("kernels", "kernel_tiles", "grouped_matmul", "flash_prefill", "slot_order", "min_dot_rows",
-                "decode_gemm", "decode_graphs", "decode_loop", "fetch_group", "miss_copy")
+                "decode_gemm", "decode_graphs", "decode_loop", "fetch_group", "miss_copy", "prefetch_blocks")
 #: Environment variables that chose kernels before ``KernelConfig``: nothing reads them now.
 STALE_ENV = {"FTJAX_KERNELS": "--kernels", "FTJAX_DENSE_DECODE_TILES": "--kernel_tiles=dense_decode:...",
              "FTJAX_MOE_DECODE_TILES": "--kernel_tiles=moe_decode:...", "FTJAX_GROUPED_MATMUL": "--grouped_matmul",
@@ -222,7 +222,8 @@ def define_kernel_flags(skip: tuple[str, ...] = (), multi_use: bool = False) -> 
 
     from ftjax.kernels.registry import (DECODE_GEMMS, DECODE_GRAPHS, DECODE_LOOPS, FLASH_PREFILLS, GROUPED_MATMULS,
                                         MISS_COPIES, SLOT_ORDERS)
-    from ftjax.engine_flags import MISS_COPY_HELP
+    from ftjax.engine_flags import MISS_COPY_HELP, PREFETCH_BLOCKS_HELP
+    from ftjax.kernels.registry import MAX_PREFETCH_BLOCKS
     unknown = set(skip) - set(KERNEL_FLAGS)
     if unknown:
         raise ValueError(f"unknown kernel flags {sorted(unknown)}")
@@ -259,6 +260,8 @@ def define_kernel_flags(skip: tuple[str, ...] = (), multi_use: bool = False) -> 
             "everywhere: larger groups measured no faster on an H200; KernelConfig.fetch_group).", lower_bound=1,
             **mod),
         "miss_copy": lambda: flags.DEFINE_enum("miss_copy", "auto", list(MISS_COPIES), MISS_COPY_HELP, **mod),
+        "prefetch_blocks": lambda: flags.DEFINE_integer(
+            "prefetch_blocks", None, PREFETCH_BLOCKS_HELP, lower_bound=1, upper_bound=MAX_PREFETCH_BLOCKS, **mod),
         "decode_gemm": lambda: flags.DEFINE_enum(
             "decode_gemm", "auto", list(DECODE_GEMMS), "GEMMs of the decode programs on a GPU: xla, cublas, or auto "
             "(KernelConfig.decode_gemm).", **mod),
@@ -302,7 +305,7 @@ def _kernel_config(values: dict, use=None, **override):
     fields = {"use": use if use is not None else values.get("kernels", "auto"),
               "tiles": parse_tiles(values.get("kernel_tiles"))}
     for n in ("grouped_matmul", "flash_prefill", "slot_order", "min_dot_rows", "decode_gemm", "decode_graphs",
-              "decode_loop", "fetch_group", "miss_copy"):
+              "decode_loop", "fetch_group", "miss_copy", "prefetch_blocks"):
         if n in values:
             fields[n] = values[n]
     if isinstance(fields["use"], list):  # the repeated flag, no value picked: auto

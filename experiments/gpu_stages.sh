@@ -106,6 +106,10 @@
 #                  every cached layer: what a prefetch on that stream costs the step in split CUDA graphs), and with
 #                  --prefetch_guesses=2 (the prefetch itself), each beside its resident row (the bound, the tokens);
 #                  whole copies of the pool counted in each decode block
+# prefetch-blocks: bench_decode_speed's cached row at issue 32's shape (qwen3.5, 16 layers, 512 slots, decode blocks of
+#                  16, 64 steps), without the prefetch, then --prefetch_guesses=2 with its copies at 4 (the default),
+#                  16 and 64 thread blocks per miss (--prefetch_blocks): a profile of the default (2026-12-07, H100)
+#                  saw its ~1.7 guessed misses a layer copied at ~33 GB/s on the kernel's own stream
 # slot-copy-decode: bench_decode_speed's cached rows with --miss_copy=xla, then kernel: issue 32's shape (qwen3.5, 16
 #                  layers, 512 slots, with its resident row) and issue 33's 48-layer offload row (280 slots, 64 steps)
 # decode-loop-order: bench_decode_loop at qwen3-30b-a3b's 48 layers, batch 4, one engine after the other, the fixed
@@ -339,6 +343,14 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
         n="$(ls "$dump"/*decode_block*after_optimizations.txt 2>/dev/null | wc -l)"
         echo "$name: whole copies of the 512-slot pools (gate_up, down) in $n decode_block programs:" \
           "$(cat "$dump"/*decode_block*after_optimizations.txt 2>/dev/null | grep -c -E 'bf16\[512,(2048,1024|512,2048)\]\{[^}]*\} copy\(')"
+      done ;;
+    prefetch-blocks)
+      for v in plain:0:4 prefetch-2-blocks-4:2:4 prefetch-2-blocks-16:2:16 prefetch-2-blocks-64:2:64; do
+        IFS=: read -r name g b <<< "$v"
+        run 120 "$stage-$name" experiments/bench_decode_speed.py --preset=qwen3.5-35b-a3b --layers=16 --slots=512 \
+          --modes=cached --batches=1 --decode_blocks=16 --repeats=1 --cached_repeats=1 --cached_steps=64 --trace_steps=0 \
+          --prefetch_guesses="$g" --prefetch_blocks="$b" --tag="qwen3.5-16l-512-slots-${name}-cached-only_${dev}_$day" \
+          ${out:+--out_dir="$out"}
       done ;;
     slot-copy-decode)
       for mc in xla kernel; do

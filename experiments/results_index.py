@@ -253,12 +253,14 @@ def _bench_miss_policy(d: dict) -> str:
 
 
 def _bench_cpu_experts(d: dict) -> str:
-    """All-thread DRAM read; per format the CPU mechanism with the highest fitted weight GB/s (1 token),
-    its fraction of DRAM and fixed cost; the split's per-token gain at the slowest modelled link."""
+    """All-thread DRAM read; per format the CPU mechanism with the highest fitted weight GB/s (1 token) at most the
+    DRAM's (a fit above it comes from a large fixed cost over k = 1..8, not a read rate), its fraction of DRAM and
+    fixed cost; the split's per-token gain at the slowest modelled link."""
     out = [f"DRAM {_num((d.get('dram_all_threads_GBps') or {}).get('alone'), '.1f')} GB/s"]
     for fmt in ("bfloat16", "int8", "int4"):
         fits = [(r["fits"]["1"], r["mechanism"]) for r in d.get("ffn") or []
-                if r.get("format") == fmt and ((r.get("fits") or {}).get("1") or {}).get("GBps")]
+                if r.get("format") == fmt and ((r.get("fits") or {}).get("1") or {}).get("GBps")
+                and (r["fits"]["1"].get("fraction_of_dram") or 0) <= 1]
         if fits:
             fit, mech = max(fits, key=lambda f: f[0]["GBps"])
             out.append(f"{fmt} {mech} {fit['GBps']:.1f} GB/s ({_num(fit.get('fraction_of_dram'), '.2f')} of DRAM, "

@@ -36,7 +36,8 @@ from ftjax.experts import prefetch as prefetch_lib
 from ftjax.experts.policies import describe as describe_cache_policies
 from ftjax.experts.quant import FORMATS as EXPERT_FORMATS
 from ftjax.kernels.registry import (DECODE_GEMMS, DECODE_GRAPHS, DECODE_LOOPS, FLASH_PREFILLS, GROUPED_MATMULS,
-                                    MISS_COPIES, SLOT_ORDERS, USES, KernelConfig)
+                                    MAX_PREFETCH_BLOCKS, MISS_COPIES, PREFETCH_BLOCKS, SLOT_ORDERS, USES,
+                                    KernelConfig)
 
 FLAGS = flags.FLAGS
 #: ``--miss_copy``'s help (here and in the experiments' kernel flags, ``experiments/common.py``).
@@ -45,6 +46,10 @@ MISS_COPY_HELP = ("How a layer's cache misses reach their slots: kernel = one CU
                   "loop of host reads and slot writes (--fetch_group per iteration), auto = the kernel on one GPU "
                   "where it builds and the banks are whole, else xla. The same pools either way "
                   "(KernelConfig.miss_copy).")
+#: ``--prefetch_blocks``' help (here and in the experiments' kernel flags).
+PREFETCH_BLOCKS_HELP = (f"Thread blocks per miss of --prefetch_guesses' copies on the slot-copy kernel's own stream "
+                        f"(unset: {PREFETCH_BLOCKS}: few, so the token mixer's kernels keep their SMs while the copies "
+                        f"run; more copy a lone miss faster; the same pools either way; KernelConfig.prefetch_blocks).")
 
 # The default demo: the trained model (experiments/train_moe.py).
 DEFAULT_CHECKPOINT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "stdlib_moe")
@@ -86,7 +91,8 @@ FLAG_NAMES = ("checkpoint", "preset", "seed", "dtype", "expert_dtype", "experts"
               "kv_load", "miss_policy", "cpu_expert_impl", "cpu_threads", "cpu_miss_driver", "calibration_profile",
               "matmul_precision", "decode_gemm", "decode_graphs", "decode_loop", "kernels", "kernel_tiles",
               "grouped_matmul", "flash_prefill", "slot_order", "min_dot_rows", "fetch_group", "miss_copy",
-              "fixed_fetch", "decode_block", "devices", "expert_split", "prefetch_guesses", "compilation_cache_dir")
+              "prefetch_blocks", "fixed_fetch", "decode_block", "devices", "expert_split", "prefetch_guesses",
+              "compilation_cache_dir")
 
 
 def define_flags(flag_values: flags.FlagValues = FLAGS, module_name: str | None = None) -> None:
@@ -204,6 +210,7 @@ def define_flags(flag_values: flags.FlagValues = FLAGS, module_name: str | None 
                      "on an H200; the same pools either way; KernelConfig.fetch_group; "
                      "experiments/bench_miss_copy.py).", lower_bound=1)
     d.DEFINE_enum("miss_copy", "auto", list(MISS_COPIES), MISS_COPY_HELP)
+    d.DEFINE_integer("prefetch_blocks", None, PREFETCH_BLOCKS_HELP, lower_bound=1, upper_bound=MAX_PREFETCH_BLOCKS)
     d.DEFINE_integer("fixed_fetch", None, "Adaptive: fetch min(N, misses) per layer instead of the calibrated split.")
     d.DEFINE_integer("devices", 1, "Devices of this host to split the routed experts over, as --expert_split says; "
                      "each copies its own misses over its own link; weights and KV cache replicated "
@@ -319,7 +326,8 @@ def kernel_config() -> KernelConfig:
                               flash_prefill=FLAGS.flash_prefill, slot_order=FLAGS.slot_order,
                               min_dot_rows=FLAGS.min_dot_rows, decode_gemm=FLAGS.decode_gemm,
                               decode_graphs=FLAGS.decode_graphs, fetch_group=FLAGS.fetch_group,
-                              decode_loop=FLAGS.decode_loop, miss_copy=FLAGS.miss_copy)
+                              decode_loop=FLAGS.decode_loop, miss_copy=FLAGS.miss_copy,
+                              prefetch_blocks=FLAGS.prefetch_blocks)
     except ValueError as err:  # the config's message names its field: name the flag instead
         msg = re.sub(r"KernelConfig\.(\w+)", lambda m: "--" + _FLAG_OF_KERNEL_FIELD.get(m[1], m[1]), str(err))
         if msg.startswith("--kernels: unknown kernel"):

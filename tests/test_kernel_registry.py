@@ -90,6 +90,20 @@ def test_fetch_group_default_is_per_backend():
     assert KernelConfig().miss_group() == FETCH_GROUP == 1 and KernelConfig(fetch_group=3).miss_group() == 3
 
 
+@pytest.mark.parametrize("blocks", [0, 65536, "four", 4.0, True])
+def test_bad_prefetch_blocks_is_refused_naming_the_field(blocks):
+    with pytest.raises(ValueError, match=r"KernelConfig\.prefetch_blocks: expected None or an integer 1 to 65535"):
+        KernelConfig(prefetch_blocks=blocks)
+
+
+def test_prefetch_blocks_default_and_override_and_key():
+    """Unset: the measured default; set: its value; and a config that sets it is another program key."""
+    from ftjax.kernels.registry import PREFETCH_BLOCKS
+    assert KernelConfig().prefetch_blocks_per_miss() == PREFETCH_BLOCKS == 4
+    assert KernelConfig(prefetch_blocks=16).prefetch_blocks_per_miss() == 16
+    assert KernelConfig(prefetch_blocks=16) != KernelConfig() and KernelConfig(prefetch_blocks=4) != KernelConfig()
+
+
 def test_equal_choices_make_equal_configs():
     """A comma-separated string and a tuple in another order, a dict of tiles and its pairs: one config
     (equal and of one hash, so one program key)."""

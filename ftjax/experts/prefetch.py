@@ -11,9 +11,9 @@ layer; on the benchmarks' random weights at qwen3-30b-a3b's shape the router on 
 1. :class:`Starter`, then :func:`start`: the top ``guesses`` experts per valid token; those not cached get slots from
    the slot table (the lookup the layer's own routed experts get: the engine's policy, the slot lookup kernel where it
    applies; so the guesses become the most recent entries) and are copied. On a GPU with the slot-copy kernel the
-   copies run on the kernel's own stream (``slot_copy.copy_into_slots_start``, few blocks per miss so the mixer's
-   kernels keep their SMs) while the token mixer runs; elsewhere they are copied at once in the step's stream (the
-   same pools, so the same results).
+   copies run on the kernel's own stream (``slot_copy.copy_into_slots_start``, ``KernelConfig.prefetch_blocks``
+   blocks per miss, few so the mixer's kernels keep their SMs) while the token mixer runs; elsewhere they are copied
+   at once in the step's stream (the same pools, so the same results).
 2. The token mixer.
 3. :func:`join` at the start of the expert function: XLA's stream waits for the copies (``slot_copy.wait_slots``);
    the layer's lookup then finds the right guesses cached, and copies the rest as before.
@@ -42,12 +42,9 @@ import jax.numpy as jnp
 from ftjax.experts import fetch, slot_copy
 from ftjax.experts.slot_table import LayerLookup
 from ftjax.experts.state import ExpertBanks, ExpertState
+from ftjax.kernels import registry
 from ftjax.seams import LayerStats
 
-#: Thread blocks per miss of a copy on the kernel's own stream: at the kernel's default 64, four misses' blocks kept
-#: a stand-in layer's kernels from running beside the copy; at 2-8 the copy hid 0.94-1.11 of the shorter part at
-#: 46-48 GB/s (H100, 2026-12-07, ``overlap/probe_copy_stream_h100_2026-12-07_copies-4_blocks-*.json``).
-BLOCKS_PER_MISS = 4
 #: Tokens of a call (rows x tokens per row, padding included) above which no prefetch is started (a decode step has
 #: one per row; a prefill chunk's guesses would name most of the layer's experts).
 MAX_TOKENS = 16
@@ -82,8 +79,9 @@ def start(banks: ExpertBanks, state: ExpertState, layer: jax.Array, look: LayerL
     state = state.replace(table=look.table)
     with jax.named_scope("expert_prefetch"):
         if asynchronous(banks, state):
+            blocks = registry.active().prefetch_blocks_per_miss()
             pools = tuple(slot_copy.copy_into_slots_start(b, p, flat, slots, look.n_miss, tag=i,
-                                                          blocks_per_miss=BLOCKS_PER_MISS)
+                                                          blocks_per_miss=blocks)
                           for i, (b, p) in enumerate(zip(fetch._bank_arrays(banks), fetch._pool_arrays(state))))
             state = fetch._with_pools(state, pools)
         else:

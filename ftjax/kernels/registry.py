@@ -171,6 +171,14 @@ def _choice(field: str, value, choices: tuple) -> None:
 #: so one copy per iteration. The host reads themselves are the limit (0.89-0.91x of the same experts put
 #: one by one outside a program).
 FETCH_GROUP = 1
+#: Thread blocks per miss of the prefetch's copies on the slot-copy kernel's own stream
+#: (``KernelConfig.prefetch_blocks`` unset): at the kernel's in-stream 64, four misses' blocks kept a stand-in layer's
+#: kernels from running beside the copy; at 2-8 the copy hid 0.94-1.11 of the shorter part at 46-48 GB/s (H100,
+#: 2026-12-07, ``overlap/probe_copy_stream_h100_2026-12-07_copies-4_blocks-*.json``). In the engine (16-layer
+#: qwen3.5-35b-a3b, 512 slots, 1.7 guessed misses a layer, H100, 2026-12-07) the copies at 4 ran ~33 GB/s.
+PREFETCH_BLOCKS = 4
+#: The most thread blocks per miss a CUDA grid takes (``ftjax.experts.slot_copy.MAX_BLOCKS_PER_MISS``).
+MAX_PREFETCH_BLOCKS = 65535
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,6 +212,9 @@ class KernelConfig:
       fetch_group: the most misses copied per iteration of the miss loop (``ftjax.experts.fetch.fetch_experts``;
         the pools written are the same for every value); None: :data:`FETCH_GROUP` (1, measured).
       miss_copy: one of :data:`MISS_COPIES` (XLA's loop is the only one that reads ``fetch_group``).
+      prefetch_blocks: thread blocks per miss of the prefetch's copies on the slot-copy kernel's own stream
+        (``EngineConfig.prefetch_guesses``; ``ftjax.experts.prefetch``; the pools written are the same for every
+        value); None: :data:`PREFETCH_BLOCKS`.
     Raises:
       ValueError: an unknown choice or kernel name, a malformed tile override, or a named kernel
         without the kernels it needs (the message names the field).
@@ -220,6 +231,7 @@ class KernelConfig:
     fetch_group: int | None = None
     decode_loop: str = "auto"
     miss_copy: str = "auto"
+    prefetch_blocks: int | None = None
 
     def __post_init__(self):
         use = self.use
@@ -260,6 +272,11 @@ class KernelConfig:
         group = self.fetch_group
         if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 1):
             raise ValueError(f"KernelConfig.fetch_group: expected None or an integer >= 1, got {group!r}")
+        blocks = self.prefetch_blocks
+        if blocks is not None and (isinstance(blocks, bool) or not isinstance(blocks, int)
+                                   or not 1 <= blocks <= MAX_PREFETCH_BLOCKS):
+            raise ValueError(f"KernelConfig.prefetch_blocks: expected None or an integer 1 to {MAX_PREFETCH_BLOCKS}, "
+                             f"got {blocks!r}")
 
     @property
     def named(self) -> tuple[str, ...]:
@@ -282,6 +299,10 @@ class KernelConfig:
     def miss_group(self) -> int:
         """:attr:`fetch_group`, or :data:`FETCH_GROUP` where unset (one default on every backend)."""
         return FETCH_GROUP if self.fetch_group is None else self.fetch_group
+
+    def prefetch_blocks_per_miss(self) -> int:
+        """:attr:`prefetch_blocks`, or :data:`PREFETCH_BLOCKS` where unset."""
+        return PREFETCH_BLOCKS if self.prefetch_blocks is None else self.prefetch_blocks
 
     def check_applied(self, applied: set[str]) -> list[str]:
         """Notes for the kernels asked for by name that ran in none of the programs (``applied``: the

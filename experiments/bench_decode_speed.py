@@ -169,14 +169,26 @@ def _split_probe() -> None:
     offload.make_expert_fn = make
 
 
+def _first_difference(ids: list[list[int]], want: list[list[int]]) -> int | None:
+    """The first decode step at which a row's tokens differ from ``want``'s over the steps both ran (ids, want:
+    [rows][steps] generated ids), or None where they agree."""
+    if len(ids) != len(want):
+        return 0
+    steps = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(ids, want)]
+    steps = [i for i in steps if i is not None]
+    return min(steps) if steps else None
+
+
 def _bounds(rows: list[dict], bp_gbps: float) -> None:
     res = {(r["layers"], r["batch"], r["decode_block"]): r["step_ms"] for r in rows if r["mode"] == "resident"}
     tokens = {(r["layers"], r["batch"], r["decode_block"]): r["generated_ids"] for r in rows if r["mode"] == "resident"}
     for r in rows:  # greedy: a cached row's tokens are the resident row's (the ids themselves are not kept)
         ids = r.pop("generated_ids")
         want = tokens.get((r["layers"], r["batch"], r["decode_block"]))
-        if r["mode"] == "cached" and want is not None:
-            r["same_tokens_as_resident"] = ids == want
+        if r["mode"] == "cached" and want is not None:  # the cached rows may run fewer steps (--cached_steps)
+            first = _first_difference(ids, want)
+            r["same_tokens_as_resident"] = first is None
+            r["first_token_unlike_resident"] = first
     for r in rows:
         base = res.get((r["layers"], r["batch"], r["decode_block"]))
         if r["mode"] == "cached" and base is not None:

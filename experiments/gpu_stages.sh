@@ -345,11 +345,11 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
           "$(cat "$dump"/*decode_block*after_optimizations.txt 2>/dev/null | grep -c -E 'bf16\[512,(2048,1024|512,2048)\]\{[^}]*\} copy\(')"
       done ;;
     prefetch-blocks)
-      for v in plain:0:4 prefetch-2-blocks-4:2:4 prefetch-2-blocks-16:2:16 prefetch-2-blocks-64:2:64; do
+      for v in plain:0:4 4:2:4 16:2:16 64:2:64; do
         IFS=: read -r name g b <<< "$v"
         run 120 "$stage-$name" experiments/bench_decode_speed.py --preset=qwen3.5-35b-a3b --layers=16 --slots=512 \
           --modes=cached --batches=1 --decode_blocks=16 --repeats=1 --cached_repeats=1 --cached_steps=64 --trace_steps=0 \
-          --prefetch_guesses="$g" --prefetch_blocks="$b" --tag="qwen3.5-16l-512-slots-${name}-cached-only_${dev}_$day" \
+          --prefetch_guesses="$g" --prefetch_blocks="$b" --tag="16l-512-slots-prefetch-blocks-${name}_${dev}_$day" \
           ${out:+--out_dir="$out"}
       done ;;
     slot-copy-decode)

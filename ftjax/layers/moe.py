@@ -78,6 +78,8 @@ def guess_experts(cfg: ModelConfig, lp: dict, h: jax.Array, guesses: int) -> jax
         # A barrier between h and the guesses' norm: XLA may otherwise fuse that norm's reduction with the token
         # mixer's norm of the same h (a sibling multi-output fusion), and a fused reduction may sum in another
         # order, so the layer's own arithmetic could change with the prefetch on; the guesses only pick copies.
+        # A precaution: the fp32 hybrid's difference from resident on an H100 is its cached prefill's, with or
+        # without a prefetch (docs/PROFILE.md, 2026-12-07).
         h = jax.lax.optimization_barrier(h)
         (logits,), _ = norm_project(h, lp["mlp_norm"], (lp["router"],), cfg.rms_norm_eps, offset=cfg.norm_offset)
         e = cfg.num_experts

@@ -746,7 +746,9 @@ def links_section(res: dict, banks: dict, log) -> dict:
     out: dict = {"links_gbps": [float(v) for v in FLAGS.links_gbps], "formats": {}}
     h2d = ((res.get("dram") or {}).get("h2d") or {}).get("alone_GBps")
     fitted = {k: v for k, v in ((res.get("refit") or {}).get("impls") or {}).items() if v.get("ok")}
-    links = [("measured", None)] + [(f"{float(v):g} GB/s", float(v) * 1e9) for v in FLAGS.links_gbps]
+    # the run's own link where it measured one, else the assumed 50 GB/s of copy_src below
+    links = [("measured" if h2d else "assumed", None)] + [(f"{float(v):g} GB/s", float(v) * 1e9)
+                                                          for v in FLAGS.links_gbps]
     for fmt, bank in banks.items():
         eb = bank.expert_bytes
         alpha_p, copy_src = 0.0, f"measured H2D rate ({h2d} GB/s), no fixed cost"

@@ -170,10 +170,13 @@ def _split_probe() -> None:
 
 
 def _first_difference(ids: list[list[int]], want: list[list[int]]) -> int | None:
-    """The first decode step at which a row's tokens differ from ``want``'s over the steps both ran (ids, want:
-    [rows][steps] generated ids), or None where they agree."""
+    """The first index (0: the first generated token, the prefill's) at which a row's generated tokens differ from
+    ``want``'s, over the tokens both generated (ids, want: [rows][tokens] generated ids), or None where they agree.
+
+    Raises:
+      ValueError: ids and want have different numbers of rows (not the same batch)."""
     if len(ids) != len(want):
-        return 0
+        raise ValueError(f"tokens of {len(ids)} rows compared with {len(want)} rows")
     steps = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(ids, want)]
     steps = [i for i in steps if i is not None]
     return min(steps) if steps else None
@@ -241,7 +244,8 @@ def main(argv):
         "seed_note": "seed_tokens_per_s: FreeToken 0.1.3 on one H200, 2026-12-03 (issue 33's table), not measured "
                      "in this run"})
     cols = ["layers", "mode", "batch", "decode_block", "prefetch_guesses", "tokens_per_s", "step_ms",
-            "speedup_vs_block1", "vs_seed", "hit_rate", "step_over_bound", "same_tokens_as_resident"]
+            "speedup_vs_block1", "vs_seed", "hit_rate", "step_over_bound", "same_tokens_as_resident",
+            "first_token_unlike_resident"]
     print(common.table([{**r, "tokens_per_s": r["tokens_per_s"]["median"]} for r in rows], cols))
     print("wrote", path)
 

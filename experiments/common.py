@@ -221,9 +221,8 @@ def define_kernel_flags(skip: tuple[str, ...] = (), multi_use: bool = False) -> 
     from absl import flags
 
     from ftjax.kernels.registry import (DECODE_GEMMS, DECODE_GRAPHS, DECODE_LOOPS, FLASH_PREFILLS, GROUPED_MATMULS,
-                                        MISS_COPIES, SLOT_ORDERS)
+                                        MAX_PREFETCH_BLOCKS, MISS_COPIES, SLOT_ORDERS)
     from ftjax.engine_flags import MISS_COPY_HELP, PREFETCH_BLOCKS_HELP
-    from ftjax.kernels.registry import MAX_PREFETCH_BLOCKS
     unknown = set(skip) - set(KERNEL_FLAGS)
     if unknown:
         raise ValueError(f"unknown kernel flags {sorted(unknown)}")
@@ -304,8 +303,7 @@ def _kernel_config(values: dict, use=None, **override):
     from ftjax.kernels.registry import KernelConfig
     fields = {"use": use if use is not None else values.get("kernels", "auto"),
               "tiles": parse_tiles(values.get("kernel_tiles"))}
-    for n in ("grouped_matmul", "flash_prefill", "slot_order", "min_dot_rows", "decode_gemm", "decode_graphs",
-              "decode_loop", "fetch_group", "miss_copy", "prefetch_blocks"):
+    for n in KERNEL_FLAGS[2:]:  # the flags named as their KernelConfig fields
         if n in values:
             fields[n] = values[n]
     if isinstance(fields["use"], list):  # the repeated flag, no value picked: auto

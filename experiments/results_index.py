@@ -148,7 +148,7 @@ def _bench_decode(d: dict) -> str:
 
 def _bench_decode_speed(d: dict) -> str:
     """The fastest resident batch-1 row; in a file of cached rows only, the first one (with its prefetch and split
-    probe, where set)."""
+    probe, where set); then where a cached row was compared with resident, whether its tokens were the same."""
     rows = [r for r in d.get("rows") or [] if r.get("mode") == "resident" and r.get("batch") == 1]
     if not rows:
         cached = [r for r in d.get("rows") or [] if r.get("mode") == "cached"]
@@ -161,8 +161,14 @@ def _bench_decode_speed(d: dict) -> str:
                 f"{r['tokens_per_s']['median']:.2f} tok/s, hit rate {r['hit_rate']:.3f}")
     r = max(rows, key=lambda r: r["tokens_per_s"]["median"])
     gain = f", {r['speedup_vs_block1']:.2f}x block 1" if r.get("speedup_vs_block1") else ""
-    return (f"{r['layers']} layers resident b1, decode_block {r['decode_block']}: "
-            f"{r['tokens_per_s']['median']:.1f} tok/s{gain}")
+    out = (f"{r['layers']} layers resident b1, decode_block {r['decode_block']}: "
+           f"{r['tokens_per_s']['median']:.1f} tok/s{gain}")
+    for c in (c for c in d.get("rows") or [] if "first_token_unlike_resident" in c):
+        first = c["first_token_unlike_resident"]
+        extra = f", prefetch {c['prefetch_guesses']}" if c.get("prefetch_guesses") else ""
+        out += (f"; cached b{c['batch']}{extra} {c['tokens_per_s']['median']:.2f} tok/s, tokens "
+                + ("= resident" if first is None else f"unlike resident from index {first}"))
+    return out
 
 
 def _bench_decode_loop(d: dict) -> str:

@@ -47,9 +47,10 @@ MISS_COPY_HELP = ("How a layer's cache misses reach their slots: kernel = one CU
                   "where it builds and the banks are whole, else xla. The same pools either way "
                   "(KernelConfig.miss_copy).")
 #: ``--prefetch_blocks``' help (here and in the experiments' kernel flags).
-PREFETCH_BLOCKS_HELP = (f"Thread blocks per miss of --prefetch_guesses' copies on the slot-copy kernel's own stream "
-                        f"(unset: {PREFETCH_BLOCKS}: few, so the token mixer's kernels keep their SMs while the copies "
-                        f"run; more copy a lone miss faster; the same pools either way; KernelConfig.prefetch_blocks).")
+PREFETCH_BLOCKS_HELP = (f"On a GPU with --prefetch_guesses > 0 (no effect otherwise): thread blocks per miss of the "
+                        f"prefetch's copies on the slot-copy kernel's own stream; unset means {PREFETCH_BLOCKS} (few, "
+                        f"so the token mixer's kernels keep their SMs while the copies run; more copy a lone miss "
+                        f"faster). The same pools either way (KernelConfig.prefetch_blocks).")
 
 # The default demo: the trained model (experiments/train_moe.py).
 DEFAULT_CHECKPOINT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "stdlib_moe")
@@ -382,6 +383,9 @@ def engine_config(mode: str, slots: int | None, max_seq_len: int, batch: int, no
         print(f"note: a decode step of {batch} rows has more than the prefetch's {prefetch_lib.MAX_TOKENS} tokens, "
               f"so decode runs without it (--prefetch_guesses={prefetch} applies to calls of at most "
               f"{prefetch_lib.MAX_TOKENS} tokens, rows x padded tokens)")
+    if note and FLAGS.prefetch_blocks is not None and not prefetch:
+        print(f"note: no prefetch runs (--prefetch_guesses={FLAGS.prefetch_guesses}, experts {mode}); "
+              f"--prefetch_blocks={FLAGS.prefetch_blocks} ignored")
     return EngineConfig(mode, num_slots=slots, max_seq_len=max_seq_len, batch=batch, prefill=prefill,
                         prefill_chunk=FLAGS.prefill_chunk, prefill_overlap=FLAGS.prefill_overlap,
                         prefill_driver=FLAGS.prefill_driver, stream_d2d_hits=FLAGS.stream_d2d_hits,

@@ -979,3 +979,17 @@ def test_probe_copy_stream_rows_and_copies():
     text = ("  %copy.3 = bf16[5,4096]{1,0} copy(bf16[5,4096]{1,0} %p)\n  %copy.4 = bf16[2,4096]{1,0} copy(%r)\n"
             "  %fusion.2 = bf16[5,4096]{1,0} fusion(%p), kind=kLoop\n")
     assert probe.buffer_copies(text, (5, 4096)) == 1
+
+
+def test_decode_speed_compares_tokens_over_the_steps_both_ran():
+    """A cached row's tokens against the resident row's: equal over the shorter run is no difference (the cached rows
+    run fewer steps), the first differing index over every row is reported, and another batch is refused."""
+    first = import_app("experiments.bench_decode_speed")._first_difference
+    want = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]
+    assert first([[1, 2, 3], [6, 7, 8]], want) is None
+    assert first([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]], want) is None
+    assert first([[1, 2, 3], [6, 0, 8]], want) == 1
+    assert first([[1, 2, 0], [6, 7, 8, 0]], want) == 2
+    assert first([[9], [6]], want) == 0
+    with pytest.raises(ValueError, match="tokens of 1 rows compared with 2 rows"):
+        first([[1, 2]], want)

@@ -154,18 +154,19 @@ def test_prefetch_outside_the_cached_fetch_policy_is_refused():
 
 
 def test_the_cli_prefetches_where_the_plan_picks_cached_and_notes_it_elsewhere(tmp_path):
-    """``--prefetch_guesses`` with a checkpoint the plan keeps resident: a note, and the run goes on (the planner's
-    base config carries no prefetch); with ``--expert_slots`` (cached) the prefetch runs and the tokens are the
+    """``--prefetch_guesses`` with a checkpoint the plan keeps resident: a note (and one for ``--prefetch_blocks``),
+    and the run goes on (the planner's base config carries no prefetch); with ``--expert_slots`` (cached) the prefetch runs and the tokens are the
     fixture's; at a batch over ``prefetch.MAX_TOKENS`` rows a note says decode runs without it."""
     from cli_helpers import run_generate
     from conftest import fixture_path
     _, exp = load_fixture("qwen3_moe_fp32")
     args = [f"--checkpoint={fixture_path('qwen3_moe_fp32')}", "--prompt_ids=" + ",".join(
         map(str, exp["short_prompt_ids"].tolist())), "--dtype=float32", "--temperature=0", "--max_new_tokens=8",
-        "--prefetch_guesses=2"]
+        "--prefetch_guesses=2", "--prefetch_blocks=8"]
     r = run_generate(*args)
     assert r.returncode == 0, r.stderr
     assert "note: the experts run resident, not cached; --prefetch_guesses=2 ignored" in r.stdout
+    assert "note: no prefetch runs (--prefetch_guesses=2, experts resident); --prefetch_blocks=8 ignored" in r.stdout
     r = run_generate(*args, "--expert_slots=8", f"--metrics_json={tmp_path / 'm.json'}")
     assert r.returncode == 0 and "ignored" not in r.stdout, r.stdout + r.stderr
     m = json.loads((tmp_path / "m.json").read_text())

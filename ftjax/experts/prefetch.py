@@ -33,8 +33,9 @@ are counted apart too (the metrics' ``prefetch_copies``, ``prefetch_used``, ``ro
 
 Not command-buffer compatible on a GPU: XLA runs the two calls outside its CUDA graphs, splitting the step's graph
 (``experiments/bench_decode_speed.py --split_probe`` measures that cost alone: 0.987x of the plain step). Measured
-(H100, 2026-12-07, qwen3.5's 16-layer shape at 512 slots, G = 2): **0.938x** of the plain cached step, the copied
-bytes +0.5%; why is not traced (docs/PROFILE.md "Open"). Experimental, off by default.
+(H100, 2026-12-07, qwen3.5's 16-layer shape at 512 slots, G = 2): 0.936-0.951x of the plain cached step at 4 to 64
+blocks per miss (``KernelConfig.prefetch_blocks``), the copied bytes +1%; a profile finds its copies no slower than the
+step's own but not overlapped (docs/PROFILE.md "Open"). Experimental, off by default.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ftjax import compile_cache
+from ftjax.kernels import registry
 
 #: The kernel's CUDA source (package data).
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "slot_copy.cu")
@@ -48,10 +49,8 @@ TARGET_START, TARGET_WAIT = "ftjax_slot_copy_start", "ftjax_slot_copy_wait"
 #: Thread blocks per miss (each of 256 threads, 4 x 16-byte loads in flight): 64 blocks x 16 KiB of reads in
 #: flight per pass over a 6-9 MB expert, enough to keep a PCIe 5.0 x16 link's ~1-2 us read latency covered.
 BLOCKS_PER_MISS = 64
-#: The most blocks per miss a call may ask for: a bound well past any row's need (a qwen3-30b-a3b gate_up row, 6.3 MB,
-#: needs 384 blocks of 16 KB passes, and the kernel launches no more than a row needs), far below the int the CUDA side
-#: casts it to.
-MAX_BLOCKS_PER_MISS = 65535
+#: The most blocks per miss a call may ask for (``registry.MAX_PREFETCH_BLOCKS`` says why this bound).
+MAX_BLOCKS_PER_MISS = registry.MAX_PREFETCH_BLOCKS
 
 
 class SlotCopyUnavailable(RuntimeError):

@@ -177,7 +177,10 @@ FETCH_GROUP = 1
 #: 2026-12-07, ``overlap/probe_copy_stream_h100_2026-12-07_copies-4_blocks-*.json``). In the engine (16-layer
 #: qwen3.5-35b-a3b, 512 slots, 1.7 guessed misses a layer, H100, 2026-12-07) the copies at 4 ran ~33 GB/s.
 PREFETCH_BLOCKS = 4
-#: The most thread blocks per miss a CUDA grid takes (``ftjax.experts.slot_copy.MAX_BLOCKS_PER_MISS``).
+#: The most thread blocks per miss a slot-copy call may ask for, in the step's stream or the prefetch's
+#: (``ftjax.experts.slot_copy.MAX_BLOCKS_PER_MISS`` is this bound): well past any row's need (a qwen3-30b-a3b gate_up
+#: row, 6.3 MB, needs 384 blocks of 16 KB passes, and the kernel launches no more than a row needs), far below the
+#: int the CUDA side casts it to.
 MAX_PREFETCH_BLOCKS = 65535
 
 

@@ -156,7 +156,8 @@ def test_prefetch_outside_the_cached_fetch_policy_is_refused():
 def test_the_cli_prefetches_where_the_plan_picks_cached_and_notes_it_elsewhere(tmp_path):
     """``--prefetch_guesses`` with a checkpoint the plan keeps resident: a note (and one for ``--prefetch_blocks``),
     and the run goes on (the planner's base config carries no prefetch); with ``--expert_slots`` (cached) the
-    prefetch runs and the tokens are the fixture's; at a batch over ``prefetch.MAX_TOKENS`` rows a note says decode runs without it."""
+    prefetch runs and the tokens are the fixture's; at a batch over ``prefetch.MAX_TOKENS`` rows a note says decode
+    runs without it."""
     from cli_helpers import run_generate
     from conftest import fixture_path
     _, exp = load_fixture("qwen3_moe_fp32")

@@ -6,8 +6,9 @@
    every thread works on every expert: each expert's matrices are cut into blocks of contiguous input
    rows, one (expert, row block) per work unit, spread over OpenMP threads; each row is decoded to float32
    in registers (again for every token; table formats, and int4's rows left after its four-row passes: once,
-   into the core's cache, when there are several tokens) and multiplied into float32 sums of all tokens; the sums of rows that share a scale row are then scaled. One
-   to four tokens' int4 rows on AVX-512 take their own loop (i4_rows: a scale group's sums kept in registers).
+   into the core's cache, when there are several tokens) and multiplied into float32 sums of all tokens; the sums
+   of rows that share a scale row are then scaled. One to four tokens' int4 rows on AVX-512 or AVX2 take their own
+   loop (i4_rows: a scale group's sums in registers).
 
    One call computes, for the k experts ids[0..k-1] and the n tokens x [n][D] (float32):
      h = x @ gate_up[id]   [n][2F]   (gate | up),
@@ -182,56 +183,90 @@ static void accum_rows(const ftjax_mat* m, const void* w, int r0, int r1, const 
   }
 }
 
-/* A few tokens' int4 rows on AVX-512, scale group by scale group: blk [nt][cols] (decoded order: the low nibbles'
-   columns, then the high ones') += x[:, r0:r1] @ (decode(W[r0:r1, :]) * scales), x [nt][ldx]. A group's sums
-   stay in registers for a chunk of `ch` stored bytes (2 x ch columns, each token's) while its rows stream past, so
-   a chunk's sums are loaded and stored once a group instead of once every four rows (accum_four_rows), each row
-   is decoded once for all the tokens, and a nibble becomes nibble - 8 in one permute of a 16-entry float table
-   (vpermps reads an index's low four bits) instead of a mask, a subtract and a convert. Same sums as
-   accum_four_rows' in another order. nt and ch are constants at each call (i4_few_tokens), so the loops over
-   them unroll and the sums live in registers: 2 x nt x ch / 16 of them (at most 24). */
-#if defined(__AVX512F__)
+/* A few tokens' int4 rows in vector registers (AVX-512, or AVX2 with FMA), scale group by scale group: blk [nt][cols]
+   (decoded order: the low nibbles' columns, then the high ones') += x[:, r0:r1] @ (decode(W[r0:r1, :]) * scales),
+   x [nt][ldx]. A group's sums stay in registers for a chunk of `ch` stored bytes (2 x ch columns, each token's)
+   while its rows stream past, so a chunk's sums are loaded and stored once a group instead of once every four rows
+   (accum_four_rows), and each row is decoded once for all the tokens. On AVX-512 a nibble becomes nibble - 8 in one
+   permute of a 16-entry float table (vpermps reads an index's low four bits) instead of a mask, a convert and a
+   subtract (AVX2's permute takes 8 entries: it masks, converts and subtracts). Same sums as accum_four_rows' in
+   another order. nt and ch are constants at each call (i4_few_tokens), so the loops over them unroll and the sums
+   live in registers: 2 x nt x ch / I4_LANES of them. FTJAX_NO_AVX512 (tests) builds the AVX2 form on an AVX-512
+   CPU. */
+#if defined(__AVX512F__) && !defined(FTJAX_NO_AVX512)
 #include <immintrin.h>
 #define I4_FEW_TOKENS 4
+#define I4_LANES 16
+typedef __m512 i4_vf;
+typedef __m512i i4_vi;
+#define I4_ZERO() _mm512_setzero_ps()
+#define I4_SET1(v) _mm512_set1_ps(v)
+#define I4_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define I4_LOADF(p) _mm512_loadu_ps(p)
+#define I4_STOREF(p, v) _mm512_storeu_ps(p, v)
+#define I4_BYTES(q) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q)))   /* 16 bytes -> 16 int32 */
+#define I4_GATHER(idx, base) _mm512_i32gather_ps(_mm512_loadu_si512(idx), base, 4)
+#define I4_TABLE const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
+#define I4_LO(b) _mm512_permutexvar_ps(b, table)
+#define I4_HI(b) _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table)
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define I4_FEW_TOKENS 4
+#define I4_LANES 8
+typedef __m256 i4_vf;
+typedef __m256i i4_vi;
+#define I4_ZERO() _mm256_setzero_ps()
+#define I4_SET1(v) _mm256_set1_ps(v)
+#define I4_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define I4_LOADF(p) _mm256_loadu_ps(p)
+#define I4_STOREF(p, v) _mm256_storeu_ps(p, v)
+#define I4_BYTES(q) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(q)))   /* 8 bytes -> 8 int32 */
+#define I4_GATHER(idx, base) _mm256_i32gather_ps(base, _mm256_loadu_si256((const __m256i*)(idx)), 4)
+#define I4_TABLE const __m256i mask = _mm256_set1_epi32(15); const __m256 eight = _mm256_set1_ps(8.0f)
+#define I4_LO(b) _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, mask)), eight)
+#define I4_HI(b) _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), eight)
+#endif
 
+#ifdef I4_FEW_TOKENS
 static inline __attribute__((always_inline)) void i4_rows(const ftjax_mat* m, const uint8_t* w, const float* s,
                                                           int r0, int r1, const float* x, int ldx,
                                                           float* restrict blk, float* restrict srow, const int nt,
                                                           const int ch) {
+  enum { V = I4_LANES };
   int cols = m->cols, half = cols / 2, full = half - half % ch;
   size_t ahead = (size_t)m->bi * half;   /* the same bytes of the next scale group, read a group ahead */
-  const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+  I4_TABLE;
   for (int g0 = r0, g1; g0 < r1; g0 = g1) {
     int gi = g0 / m->bi;
     g1 = (gi + 1) * m->bi < r1 ? (gi + 1) * m->bi : r1;
     const float* restrict sr = s + (size_t)gi * m->nsc;   /* this group's scale row */
     size_t pf = g1 < r1 ? ahead : 0;   /* the last group of a block: the next rows are another unit's */
     for (int j0 = 0; j0 < full; j0 += ch) {
-      __m512 lo[I4_FEW_TOKENS][4], hi[I4_FEW_TOKENS][4];
+      i4_vf lo[I4_FEW_TOKENS][4], hi[I4_FEW_TOKENS][4];
       for (int t = 0; t < nt; t++)
-        for (int v = 0; v < ch / 16; v++) lo[t][v] = hi[t][v] = _mm512_setzero_ps();
+        for (int v = 0; v < ch / V; v++) lo[t][v] = hi[t][v] = I4_ZERO();
       for (int r = g0; r < g1; r++) {
         const uint8_t* q = w + (size_t)r * half + j0;
         _mm_prefetch((const char*)(q + pf), _MM_HINT_T0);
-        __m512 xr[I4_FEW_TOKENS];
-        for (int t = 0; t < nt; t++) xr[t] = _mm512_set1_ps(x[(size_t)t * ldx + r]);
-        for (int v = 0; v < ch / 16; v++) {
-          __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + 16 * v)));
-          __m512 dl = _mm512_permutexvar_ps(b, table), dh = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
+        i4_vf xr[I4_FEW_TOKENS];
+        for (int t = 0; t < nt; t++) xr[t] = I4_SET1(x[(size_t)t * ldx + r]);
+        for (int v = 0; v < ch / V; v++) {
+          i4_vi b = I4_BYTES(q + V * v);
+          i4_vf dl = I4_LO(b), dh = I4_HI(b);
           for (int t = 0; t < nt; t++) {
-            lo[t][v] = _mm512_fmadd_ps(xr[t], dl, lo[t][v]);
-            hi[t][v] = _mm512_fmadd_ps(xr[t], dh, hi[t][v]);
+            lo[t][v] = I4_FMA(xr[t], dl, lo[t][v]);
+            hi[t][v] = I4_FMA(xr[t], dh, hi[t][v]);
           }
         }
       }
-      for (int v = 0; v < ch / 16; v++) {   /* the scales of the decoded columns, gathered */
-        int cl = j0 + 16 * v, chi = half + cl;
-        __m512 sl = m->sidx ? _mm512_i32gather_ps(_mm512_loadu_si512(m->sidx + cl), sr, 4) : _mm512_loadu_ps(sr + cl);
-        __m512 sh = m->sidx ? _mm512_i32gather_ps(_mm512_loadu_si512(m->sidx + chi), sr, 4) : _mm512_loadu_ps(sr + chi);
+      for (int v = 0; v < ch / V; v++) {   /* the scales of the decoded columns, gathered */
+        int cl = j0 + V * v, chi = half + cl;
+        i4_vf sl = m->sidx ? I4_GATHER(m->sidx + cl, sr) : I4_LOADF(sr + cl);
+        i4_vf sh = m->sidx ? I4_GATHER(m->sidx + chi, sr) : I4_LOADF(sr + chi);
         for (int t = 0; t < nt; t++) {
           float* bt = blk + (size_t)t * cols;
-          _mm512_storeu_ps(bt + cl, _mm512_fmadd_ps(sl, lo[t][v], _mm512_loadu_ps(bt + cl)));
-          _mm512_storeu_ps(bt + chi, _mm512_fmadd_ps(sh, hi[t][v], _mm512_loadu_ps(bt + chi)));
+          I4_STOREF(bt + cl, I4_FMA(sl, lo[t][v], I4_LOADF(bt + cl)));
+          I4_STOREF(bt + chi, I4_FMA(sh, hi[t][v], I4_LOADF(bt + chi)));
         }
       }
     }
@@ -256,18 +291,28 @@ static inline __attribute__((always_inline)) void i4_rows(const ftjax_mat* m, co
   }
 }
 
-/* i4_rows for n = 1 to I4_FEW_TOKENS tokens: chunks of 64 stored bytes (one cache line) for one to three tokens, 32
-   for four (at 64, four tokens' 32 sums would not fit the registers). On a 2-core AVX-512 VM (2026-12-07) one token
-   ran 17-18 GB/s in 64-byte chunks against 14.1-14.5 in 32-byte ones and 11.9 in 128-byte ones; three tokens
-   14.4-14.6 in 64-byte chunks against 13.3-13.6 in 32-byte ones. */
+/* i4_rows for n = 1 to I4_FEW_TOKENS tokens. AVX-512 (32 registers): chunks of 64 stored bytes (one cache line) for
+   one to three tokens, 32 for four (at 64, four tokens' 32 sums would not fit). On a 2-core AVX-512 VM (2026-12-07)
+   one token ran 17-18 GB/s in 64-byte chunks against 14.1-14.5 in 32-byte ones and 11.9 in 128-byte ones; three
+   tokens 14.4-14.6 in 64-byte chunks against 13.3-13.6 in 32-byte ones. AVX2 (16 registers): 32 bytes for one token,
+   16 for two, 8 for three or four (8 to 16 sums). */
 static void i4_few_tokens(const ftjax_mat* m, const uint8_t* w, const float* s, int r0, int r1, const float* x,
                           int ldx, int n, float* restrict blk, float* restrict srow) {
+#if I4_LANES == 16
   switch (n) {
     case 1: i4_rows(m, w, s, r0, r1, x, ldx, blk, srow, 1, 64); break;
     case 2: i4_rows(m, w, s, r0, r1, x, ldx, blk, srow, 2, 64); break;
     case 3: i4_rows(m, w, s, r0, r1, x, ldx, blk, srow, 3, 64); break;
     default: i4_rows(m, w, s, r0, r1, x, ldx, blk, srow, 4, 32); break;
   }
+#else
+  switch (n) {
+    case 1: i4_rows(m, w, s, r0, r1, x, ldx, blk, srow, 1, 32); break;
+    case 2: i4_rows(m, w, s, r0, r1, x, ldx, blk, srow, 2, 16); break;
+    case 3: i4_rows(m, w, s, r0, r1, x, ldx, blk, srow, 3, 8); break;
+    default: i4_rows(m, w, s, r0, r1, x, ldx, blk, srow, 4, 8); break;
+  }
+#endif
 }
 #endif
 

@@ -197,6 +197,10 @@ static void accum_rows(const ftjax_mat* m, const void* w, int r0, int r1, const 
 #include <immintrin.h>
 #define I4_FEW_TOKENS 4
 #define I4_LANES 16
+#define I4_CHUNK_1 64   /* stored bytes per chunk for 1, 2, 3 and 4 tokens (i4_few_tokens) */
+#define I4_CHUNK_2 64
+#define I4_CHUNK_3 64
+#define I4_CHUNK_4 32
 typedef __m512 i4_vf;
 typedef __m512i i4_vi;
 #define I4_ZERO() _mm512_setzero_ps()
@@ -213,6 +217,10 @@ typedef __m512i i4_vi;
 #include <immintrin.h>
 #define I4_FEW_TOKENS 4
 #define I4_LANES 8
+#define I4_CHUNK_1 32
+#define I4_CHUNK_2 16
+#define I4_CHUNK_3 8
+#define I4_CHUNK_4 8
 typedef __m256 i4_vf;
 typedef __m256i i4_vi;
 #define I4_ZERO() _mm256_setzero_ps()
@@ -298,21 +306,12 @@ static inline __attribute__((always_inline)) void i4_rows(const ftjax_mat* m, co
    16 for two, 8 for three or four (8 to 16 sums). */
 static void i4_few_tokens(const ftjax_mat* m, const uint8_t* w, const float* s, int r0, int r1, const float* x,
                           int ldx, int n, float* restrict blk, float* restrict srow) {
-#if I4_LANES == 16
   switch (n) {
-    case 1: i4_rows(m, w, s, r0, r1, x, ldx, blk, srow, 1, 64); break;
-    case 2: i4_rows(m, w, s, r0, r1, x, ldx, blk, srow, 2, 64); break;
-    case 3: i4_rows(m, w, s, r0, r1, x, ldx, blk, srow, 3, 64); break;
-    default: i4_rows(m, w, s, r0, r1, x, ldx, blk, srow, 4, 32); break;
+    case 1: i4_rows(m, w, s, r0, r1, x, ldx, blk, srow, 1, I4_CHUNK_1); break;
+    case 2: i4_rows(m, w, s, r0, r1, x, ldx, blk, srow, 2, I4_CHUNK_2); break;
+    case 3: i4_rows(m, w, s, r0, r1, x, ldx, blk, srow, 3, I4_CHUNK_3); break;
+    default: i4_rows(m, w, s, r0, r1, x, ldx, blk, srow, 4, I4_CHUNK_4); break;
   }
-#else
-  switch (n) {
-    case 1: i4_rows(m, w, s, r0, r1, x, ldx, blk, srow, 1, 32); break;
-    case 2: i4_rows(m, w, s, r0, r1, x, ldx, blk, srow, 2, 16); break;
-    case 3: i4_rows(m, w, s, r0, r1, x, ldx, blk, srow, 3, 8); break;
-    default: i4_rows(m, w, s, r0, r1, x, ldx, blk, srow, 4, 8); break;
-  }
-#endif
 }
 #endif
 

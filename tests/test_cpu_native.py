@@ -168,13 +168,14 @@ def test_clear_errors_without_a_compiler(tmp_path, monkeypatch):
 @needs_c_compiler
 def test_int4_rows_without_avx512(tmp_path):
     """The kernel built with ``FTJAX_NO_AVX512`` (i4_rows' AVX2 form on an x86 CPU with AVX2 and FMA, the four-row
-    passes elsewhere): int4 FFNs of 1 to 5 tokens within float32 summation error of float64, at D, F and at the
-    real expert widths of qwen3-30b-a3b's F (768: whole chunks only)."""
+    passes elsewhere): int4 FFNs of 1 to 5 tokens within float32 summation error of float64, at D, F, at
+    qwen3-30b-a3b's F (768: whole chunks only) and at widths of 35 and 38 stored bytes (columns past the last chunk
+    for every token count)."""
     src = tmp_path / "expert_ffn.c"
     src.write_text("#define FTJAX_NO_AVX512 1\n" + open(cpu_native.SOURCE).read())
     lib = cpu_native.build(cache_dir=str(tmp_path / "cache"), source=str(src))
     rng = np.random.default_rng(5)
-    for d, f in ((D, F), (128, 768)):
+    for d, f in ((D, F), (128, 768), (70, 38)):
         gu, dn, scales, tag = random_banks("int4", 4, d, f)
         k = _kernel(gu, dn, scales, tag, 2, library=lib)
         try:

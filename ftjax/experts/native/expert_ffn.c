@@ -7,8 +7,8 @@
    rows, one (expert, row block) per work unit, spread over OpenMP threads; each row is decoded to float32
    in registers (again for every token; table formats, and int4's rows left after its four-row passes: once,
    into the core's cache, when there are several tokens) and multiplied into float32 sums of all tokens; the sums
-   of rows that share a scale row are then scaled. One to four tokens' int4 rows on AVX-512 or AVX2 take their own
-   loop (i4_rows: a scale group's sums in registers).
+   of rows that share a scale row are then scaled. One to four tokens' int4 rows on AVX-512, or AVX2 with FMA,
+   take their own loop (i4_rows: a scale group's sums in registers).
 
    One call computes, for the k experts ids[0..k-1] and the n tokens x [n][D] (float32):
      h = x @ gate_up[id]   [n][2F]   (gate | up),
@@ -303,7 +303,7 @@ static inline __attribute__((always_inline)) void i4_rows(const ftjax_mat* m, co
    one to three tokens, 32 for four (at 64, four tokens' 32 sums would not fit). On a 2-core AVX-512 VM (2026-12-07)
    one token ran 17-18 GB/s in 64-byte chunks against 14.1-14.5 in 32-byte ones and 11.9 in 128-byte ones; three
    tokens 14.4-14.6 in 64-byte chunks against 13.3-13.6 in 32-byte ones. AVX2 (16 registers): 32 bytes for one token,
-   16 for two, 8 for three or four (8 to 16 sums). */
+   16 for two, 8 for three or four (6 to 8 sums). */
 static void i4_few_tokens(const ftjax_mat* m, const uint8_t* w, const float* s, int r0, int r1, const float* x,
                           int ldx, int n, float* restrict blk, float* restrict srow) {
   switch (n) {

@@ -110,6 +110,10 @@
 #                  16, 64 steps), without the prefetch, then --prefetch_guesses=2 with its copies at 4 (the default),
 #                  16 and 64 thread blocks per miss (--prefetch_blocks): a profile of the default (2026-12-07, H100)
 #                  saw its ~1.7 guessed misses a layer copied at ~33 GB/s on the kernel's own stream
+# prefetch-kernels: which Pallas kernel the prefetch's inexact GPU tokens need (2026-12-07, H100: exact with
+#                  --kernels=xla --miss_copy=xla, not with the default kernels): bench_decode_speed's resident and
+#                  cached rows at issue 32's shape with --prefetch_guesses=2 --miss_copy=xla and one kernel group
+#                  named at a time (first_token_unlike_resident in each JSON)
 # slot-copy-decode: bench_decode_speed's cached rows with --miss_copy=xla, then kernel: issue 32's shape (qwen3.5, 16
 #                  layers, 512 slots, with its resident row) and issue 33's 48-layer offload row (280 slots, 64 steps)
 # decode-loop-order: bench_decode_loop at qwen3-30b-a3b's 48 layers, batch 4, one engine after the other, the fixed
@@ -351,6 +355,14 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
           --modes=cached --batches=1 --decode_blocks=16 --repeats=1 --cached_repeats=1 --cached_steps=64 --trace_steps=0 \
           --prefetch_guesses="$g" --prefetch_blocks="$b" --tag="16l-512-slots-prefetch-blocks-${name}_${dev}_$day" \
           ${out:+--out_dir="$out"}
+      done ;;
+    prefetch-kernels)
+      for k in norm_dense_decode,dense_decode moe_decode gated_delta,gated_delta_solve,causal_conv \
+               decode_attention,rope_cache; do
+        run 100 "$stage-${k%%,*}" experiments/bench_decode_speed.py --preset=qwen3.5-35b-a3b --layers=16 --slots=512 \
+          --modes=resident,cached --batches=1 --decode_blocks=16 --repeats=1 --cached_repeats=1 --cached_steps=48 \
+          --trace_steps=0 --prefetch_guesses=2 --miss_copy=xla --kernels="$k" \
+          --tag="16l-512-slots-tokens-prefetch-2-only-${k//,/-}_${dev}_$day" ${out:+--out_dir="$out"}
       done ;;
     slot-copy-decode)
       for mc in xla kernel; do

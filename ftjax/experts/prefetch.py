@@ -23,8 +23,10 @@ bit-identical on the CPU (tests/test_prefetch.py) and, on an H100 (2026-12-07), 
 and qwen3's in fp32 (the fp32 hybrid's 4.5e-6 to 1e-5 are its cached prefill's, with or without a prefetch). But at
 issue 32's 16-layer qwen3.5-35b-a3b shape (512 slots, bf16) the prefetched decode's tokens left the resident ones at
 step 34 of 64 where the plain cached decode kept all 64 (``decode_speed/bench_decode_speed_qwen3.5-35b-a3b_16l-512-
-slots-tokens-prefetch-{0,2}_h100_2026-12-07.json``): on a GPU it is not exact, a defect not yet found (no whole copy of
-a pool in the program; every wait follows its start). Only what moves over the link should change: a wrong guess is an
+slots-tokens-prefetch-*_h100_2026-12-07.json``): on a GPU it is not exact. The same runs with the copies in the step's
+stream (``--miss_copy=xla``) still differ, with every Pallas kernel off (``--kernels=xla --miss_copy=xla``) they do
+not: the defect needs one of the Pallas kernels other than the slot lookup, not found yet (docs/PROFILE.md "Open";
+``experiments/gpu_stages.sh prefetch-kernels``). Only what moves over the link should change: a wrong guess is an
 extra copy.
 :func:`stats` counts a layer's misses as every expert it copied (guesses included) and its hits as the routed experts
 it did not copy, so ``bytes_h2d`` stays every byte copied; the prefetch's own copies and the right guesses among them

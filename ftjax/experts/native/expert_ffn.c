@@ -284,7 +284,7 @@ static inline __attribute__((always_inline)) void i4_rows(const ftjax_mat* m, co
         float lo[I4_FEW_TOKENS] = {0}, hi[I4_FEW_TOKENS] = {0};
         for (int r = g0; r < g1; r++) {
           uint8_t q = w[(size_t)r * half + j];
-          float dl = (float)((int)(q & 15) - 8), dh = (float)((int)(q >> 4) - 8);
+          float dl = DEC_LO(q), dh = DEC_HI(q);
           for (int t = 0; t < nt; t++) {
             lo[t] += x[(size_t)t * ldx + r] * dl;
             hi[t] += x[(size_t)t * ldx + r] * dh;

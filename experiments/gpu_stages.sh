@@ -114,6 +114,8 @@
 #                  --kernels=xla --miss_copy=xla, not with the default kernels): bench_decode_speed's resident and
 #                  cached rows at issue 32's shape with --prefetch_guesses=2 --miss_copy=xla and one kernel group
 #                  named at a time (first_token_unlike_resident in each JSON)
+# prefetch-norm-kernel: the group prefetch-kernels found (norm_dense_decode,dense_decode: unlike resident from token
+#                  9) split: that group with no prefetch (--prefetch_guesses=0), then each of the two alone with it
 # slot-copy-decode: bench_decode_speed's cached rows with --miss_copy=xla, then kernel: issue 32's shape (qwen3.5, 16
 #                  layers, 512 slots, with its resident row) and issue 33's 48-layer offload row (280 slots, 64 steps)
 # decode-loop-order: bench_decode_loop at qwen3-30b-a3b's 48 layers, batch 4, one engine after the other, the fixed
@@ -363,6 +365,14 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
           --modes=resident,cached --batches=1 --decode_blocks=16 --repeats=1 --cached_repeats=1 --cached_steps=48 \
           --trace_steps=0 --prefetch_guesses=2 --miss_copy=xla --kernels="$k" \
           --tag="16l-512-slots-tokens-prefetch-2-only-${k//,/-}_${dev}_$day" ${out:+--out_dir="$out"}
+      done ;;
+    prefetch-norm-kernel)
+      for kg in norm_dense_decode,dense_decode:0 norm_dense_decode:2 dense_decode:2; do
+        k=${kg%%:*} g=${kg##*:}
+        run 100 "$stage-${k//,/-}-$g" experiments/bench_decode_speed.py --preset=qwen3.5-35b-a3b --layers=16 \
+          --slots=512 --modes=resident,cached --batches=1 --decode_blocks=16 --repeats=1 --cached_repeats=1 \
+          --cached_steps=48 --trace_steps=0 --prefetch_guesses="$g" --miss_copy=xla --kernels="$k" \
+          --tag="16l-512-slots-tokens-prefetch-$g-only-${k//,/-}_${dev}_$day" ${out:+--out_dir="$out"}
       done ;;
     slot-copy-decode)
       for mc in xla kernel; do

@@ -83,15 +83,16 @@ def test_a_layer_finds_its_guesses_cached_and_counts_every_copy():
 
 
 def test_the_guesses_take_the_slot_lookup_kernel_where_the_layer_does(monkeypatch):
-    """With the slot lookup kernel selected (interpret mode on the CPU) the guesses' lookup runs it too (two launches
-    a layer), and the counts and the slot table are the jnp lookups'."""
+    """With the slot lookup kernel selected (interpret mode on the CPU, compiled on a GPU) the guesses' lookup runs it
+    too (two launches a layer), and the counts and the slot table are the jnp lookups'."""
     want, _ = _guess_then_route()
     calls = []
     kernel = slot_lookup.lookup_lru
     monkeypatch.setattr(slot_lookup, "lookup_lru", lambda *a, **kw: calls.append(kw["interpret"]) or kernel(*a, **kw))
     with registry.using(KernelConfig(use=("slot_lookup",))):
         got, traces = _guess_then_route()
-    assert calls == [True, True] * traces  # per trace of the layer's step: the guesses' lookup and the layer's
+    interpret = jax.default_backend() == "cpu"
+    assert calls == [interpret, interpret] * traces  # per trace of the layer's step: the guesses' lookup and the layer's
     for name in ("slot_of", "id_of_slot", "last_use", "clock"):
         np.testing.assert_array_equal(getattr(got.table, name), getattr(want.table, name), err_msg=name)
 

@@ -116,6 +116,9 @@
 #                  named at a time (first_token_unlike_resident in each JSON)
 # prefetch-norm-kernel: the group prefetch-kernels found (norm_dense_decode,dense_decode: unlike resident from token
 #                  9) split: that group with no prefetch (--prefetch_guesses=0), then each of the two alone with it
+# prefetch-tiling: the resident and cached decode blocks of the prefetch's tokens run (default kernels, prefetch 2,
+#                  then without it) dumped, and experiments/hlo_tiling.py's list of the ops the programs tile otherwise
+#                  (Triton fusions' tiles, cuBLAS algorithms): is the prefetch's run-to-run inexactness XLA's choice?
 # slot-copy-decode: bench_decode_speed's cached rows with --miss_copy=xla, then kernel: issue 32's shape (qwen3.5, 16
 #                  layers, 512 slots, with its resident row) and issue 33's 48-layer offload row (280 slots, 64 steps)
 # decode-loop-order: bench_decode_loop at qwen3-30b-a3b's 48 layers, batch 4, one engine after the other, the fixed
@@ -373,6 +376,17 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
           --slots=512 --modes=resident,cached --batches=1 --decode_blocks=16 --repeats=1 --cached_repeats=1 \
           --cached_steps=48 --trace_steps=0 --prefetch_guesses="$g" --miss_copy=xla --kernels="$k" \
           --tag="16l-512-slots-tokens-prefetch-$g-only-${k//,/-}_${dev}_$day" ${out:+--out_dir="$out"}
+      done ;;
+    prefetch-tiling)
+      for g in 2 0; do
+        dump=/tmp/prefetch-tiling-dump-$g; rm -rf "$dump"
+        XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=decode_block" \
+          run 150 "$stage-$g" experiments/bench_decode_speed.py --preset=qwen3.5-35b-a3b --layers=16 --slots=512 \
+          --modes=resident,cached --batches=1 --decode_blocks=16 --repeats=1 --cached_repeats=1 --cached_steps=48 \
+          --trace_steps=0 --prefetch_guesses="$g" --tag="16l-512-slots-tiling-prefetch-${g}_${dev}_$day" \
+          ${out:+--out_dir="$out"}
+        python3 experiments/hlo_tiling.py "$dump" \
+          --out="${out:-/tmp}/hlo_tiling_qwen3.5-35b-a3b_16l-512-slots-prefetch-${g}_${dev}_$day.json" | head -40
       done ;;
     slot-copy-decode)
       for mc in xla kernel; do

@@ -993,3 +993,37 @@ def test_decode_speed_compares_tokens_over_the_steps_both_ran():
     assert first([[9], [6]], want) == 0
     with pytest.raises(ValueError, match="tokens of 1 rows compared with 2 rows"):
         first([[1, 2]], want)
+
+
+def test_hlo_tiling_names_the_ops_two_programs_tile_otherwise():
+    """A reduction fusion tiled otherwise and a cuBLAS GEMM on another algorithm are reported by op name and shape;
+    ops tiled alike, and ops only one program has, are not."""
+    tiling = import_app("experiments.hlo_tiling")
+
+    def line(name, shape, op, tiles=None, algorithm=None):
+        meta = f'metadata={{op_name="jit(decode_block)/{op}" stack_frame_id=1}}'
+        if algorithm is not None:
+            return (f'  %{name} = ({shape}, s8[64]{{0}}) custom-call(%a, %b), '
+                    f'custom_call_target="__cublas$lt$matmul", {meta}, '
+                    f'backend_config={{"gemm_backend_config":{{"alpha_real":1,"selected_algorithm":"{algorithm}"}}}}')
+        return (f'  %{name} = {shape} fusion(%a), kind=kCustom, calls=%f, {meta}, '
+                f'backend_config={{"fusion_backend_config":{{"block_level_fusion_config":{{"num_warps":"1","output_tiles":[{{"sizes":["1","{tiles}"]}}]}},'
+                f'"kind":"__triton"}},"operation_queue_id":"0"}}')
+
+    a = tiling.tilings("\n".join([line("r", "f32[4,16]{1,0}", "norm/reduce_sum", tiles=4),
+                                  line("s", "f32[1,128]{1,0}", "router/div", tiles=128),
+                                  line("h", "bf16[151936]{0}", "dot_general", algorithm=0),
+                                  line("x", "f32[8]{0}", "only_here", tiles=8),
+                                  "  %add.1 = f32[4]{0} add(%p, %q)"]))
+    b = tiling.tilings("\n".join([line("r.1", "f32[4,16]{1,0}", "norm/reduce_sum", tiles=16),
+                                  line("s.1", "f32[1,128]{1,0}", "router/div", tiles=128),
+                                  line("h.1", "bf16[151936]{0}", "dot_general", algorithm=5)]))
+    assert [t["name"] for t in a] == ["r", "s", "h", "x"] and a[0]["shape"] == "f32[4,16]{1,0}"
+    assert a[2]["kind"] == "__cublas$lt$matmul" and a[2]["config"] == "algorithm 0"
+    assert a[0]["config"] == '{"num_warps":"1","output_tiles":[{"sizes":["1","4"]}]}'
+    diff = tiling.differences(a, b)
+    assert [(d["op_name"].split("/", 1)[1], d["shape"]) for d in diff] == [
+        ("dot_general", "bf16[151936]{0}"), ("norm/reduce_sum", "f32[4,16]{1,0}")]
+    assert diff[0]["first"] == [["__cublas$lt$matmul", "algorithm 0"]]
+    assert diff[0]["second"] == [["__cublas$lt$matmul", "algorithm 5"]]
+    assert tiling.differences(a, a) == []

@@ -185,8 +185,8 @@ def _first_difference(ids: list[list[int]], want: list[list[int]]) -> int | None
 def _bounds(rows: list[dict], bp_gbps: float) -> None:
     res = {(r["layers"], r["batch"], r["decode_block"]): r["step_ms"] for r in rows if r["mode"] == "resident"}
     tokens = {(r["layers"], r["batch"], r["decode_block"]): r["generated_ids"] for r in rows if r["mode"] == "resident"}
-    for r in rows:  # greedy: a cached row's tokens are the resident row's (the ids themselves are not kept)
-        ids = r.pop("generated_ids")
+    for r in rows:  # greedy: a cached row's tokens are the resident row's; the ids stay in the row, so that runs on
+        ids = r["generated_ids"]  # other machines compare (the prefetch's GPU tokens differ on some machines only)
         want = tokens.get((r["layers"], r["batch"], r["decode_block"]))
         if r["mode"] == "cached" and want is not None:  # the cached rows may run fewer steps (--cached_steps)
             first = _first_difference(ids, want)

@@ -20,13 +20,18 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import pathlib
 import re
 import sys
 
 from absl import app, flags
 
-_OUT = flags.DEFINE_string("out", None, "write the JSON here (else print it)")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from experiments import common  # noqa: E402
+
+_OUT = flags.DEFINE_string("out", None, "write the JSON here, with the run's meta and flags (else print it)")
 _PATTERN = flags.DEFINE_string("pattern", "*after_optimizations.txt", "the dump's files to read (a glob)")
 
 _NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\(?(\w+\[[^\]]*\](?:\{[^}]*\})?)")  # a tuple: its first
@@ -107,12 +112,12 @@ def main(argv):
         print(f"{d['first']} vs {d['second']}: {len(d['ops'])} ops tiled otherwise")
         for op in d["ops"]:
             print(f"  {op['op_name']} {op['shape']}: {op['first']} vs {op['second']}")
-    text = json.dumps(result, indent=1)
     if _OUT.value:
-        pathlib.Path(_OUT.value).write_text(text)
+        out = pathlib.Path(_OUT.value)
+        common.write_json(str(out.parent), out.name, result)
     elif len(programs) == 1:
-        print(text)
+        print(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
-    app.run(main)
+    common.run(main)

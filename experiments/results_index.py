@@ -462,6 +462,14 @@ def _probe_copy_stream(d: dict) -> str:
     return ("hidden share " + "; ".join(out)) if out else "-"
 
 
+def _hlo_tiling(d: dict) -> str:
+    pairs = d.get("differences") or []
+    differing = sum(bool(p["ops"]) for p in pairs)
+    counts = "/".join(str(p["count"]) for p in d.get("programs") or [])
+    return f"{len(d.get('programs') or [])} programs ({counts} tiled ops), {differing} of {len(pairs)} pairs tile " \
+        f"an op otherwise"
+
+
 HEADLINES = {
     "bench_decode": _bench_decode,
     "bench_decode_speed": _bench_decode_speed,
@@ -488,6 +496,7 @@ HEADLINES = {
     "lower_programs": _lower_programs,
     "ab_slot_table": _ab_slot_table,
     "serve_soak": _serve_soak,
+    "hlo_tiling": _hlo_tiling,
 }
 
 

@@ -92,7 +92,8 @@ def test_the_guesses_take_the_slot_lookup_kernel_where_the_layer_does(monkeypatc
     with registry.using(KernelConfig(use=("slot_lookup",))):
         got, traces = _guess_then_route()
     interpret = jax.default_backend() == "cpu"
-    assert calls == [interpret, interpret] * traces  # per trace of the layer's step: the guesses' lookup and the layer's
+    # per trace of the layer's step: the guesses' lookup and the layer's
+    assert calls == [interpret, interpret] * traces
     for name in ("slot_of", "id_of_slot", "last_use", "clock"):
         np.testing.assert_array_equal(getattr(got.table, name), getattr(want.table, name), err_msg=name)
 

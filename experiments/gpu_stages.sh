@@ -119,6 +119,10 @@
 # prefetch-tiling: the resident and cached decode blocks of the prefetch's tokens run (default kernels, prefetch 2,
 #                  then without it) dumped, and experiments/hlo_tiling.py's list of the ops the programs tile otherwise
 #                  (Triton fusions' tiles, cuBLAS algorithms): is the prefetch's run-to-run inexactness XLA's choice?
+# prefetch-sanitizer: the prefetch's cached decode (4 layers of issue 32's shape, 128 slots, one decode block of 16)
+#                  under compute-sanitizer's initcheck (reads of device memory nothing wrote) then racecheck (shared
+#                  memory hazards in a kernel), logs under $OUT: on a machine whose prefetch-tiling run differs from
+#                  resident (a configuration's difference repeats on its machine and is absent on others)
 # slot-copy-decode: bench_decode_speed's cached rows with --miss_copy=xla, then kernel: issue 32's shape (qwen3.5, 16
 #                  layers, 512 slots, with its resident row) and issue 33's 48-layer offload row (280 slots, 64 steps)
 # decode-loop-order: bench_decode_loop at qwen3-30b-a3b's 48 layers, batch 4, one engine after the other, the fixed
@@ -387,6 +391,18 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
           ${out:+--out_dir="$out"}
         python3 experiments/hlo_tiling.py "$dump" \
           --out="${out:-/tmp}/hlo_tiling_qwen3.5-35b-a3b_16l-512-slots-prefetch-${g}_${dev}_$day.json" | head -40
+      done ;;
+    prefetch-sanitizer)
+      san="$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)"
+      [ -n "$san" ] || { echo "prefetch-sanitizer: no compute-sanitizer on PATH or in /usr/local/cuda/bin"; exit 1; }
+      for tool in initcheck racecheck; do
+        log="${out:-/tmp}/compute_sanitizer_${tool}_prefetch-2_${dev}_$day.txt"
+        t0=$SECONDS
+        timeout -s INT -k 15 "${LIMIT_prefetch_sanitizer:-280}" "$san" --tool "$tool" --print-limit 50 \
+          --log-file "$log" python3 experiments/bench_decode_speed.py --preset=qwen3.5-35b-a3b --layers=4 \
+          --slots=128 --modes=cached --batches=1 --decode_blocks=16 --repeats=1 --cached_repeats=1 \
+          --cached_steps=16 --trace_steps=0 --prefetch_guesses=2 --out_dir=/tmp/prefetch-sanitizer > /dev/null 2>&1
+        echo "== $stage-$tool rc=$? $((SECONDS - t0)) s"; grep -E "ERROR SUMMARY|Uninitialized|Race|Hazard" "$log" | head -20
       done ;;
     slot-copy-decode)
       for mc in xla kernel; do

@@ -119,6 +119,9 @@
 # prefetch-tiling: the resident and cached decode blocks of the prefetch's tokens run (default kernels, prefetch 2,
 #                  then without it) dumped, and experiments/hlo_tiling.py's list of the ops the programs tile otherwise
 #                  (Triton fusions' tiles, cuBLAS algorithms): is the prefetch's run-to-run inexactness XLA's choice?
+# hybrid-fp32-tiling: the fp32 hybrid fixture's first logits, resident and cached at S = E (4.53e-6 apart on an H100,
+#                  2026-12-07), with every program dumped, and experiments/hlo_tiling.py's ops the programs tile
+#                  otherwise: is the cached prefill's difference a tile or GEMM algorithm XLA chose for that program?
 # prefetch-sanitizer: the prefetch's cached decode (4 layers of issue 32's shape, 128 slots, one decode block of 16)
 #                  under compute-sanitizer's initcheck (reads of device memory nothing wrote) then racecheck (shared
 #                  memory hazards in a kernel), logs under $OUT: on a machine whose prefetch-tiling run differs from
@@ -392,6 +395,13 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
         python3 experiments/hlo_tiling.py "$dump" \
           --out="${out:-/tmp}/hlo_tiling_qwen3.5-35b-a3b_16l-512-slots-prefetch-${g}_${dev}_$day.json" | head -40
       done ;;
+    hybrid-fp32-tiling)
+      dump=/tmp/hybrid-fp32-tiling-dump; rm -rf "$dump"; d="${out:-/tmp}/hybrid-fp32-tiling"; mkdir -p "$d"
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$dump --xla_dump_hlo_as_text" \
+        run 200 "$stage" experiments/check_identity_gpu.py --fixtures=qwen3_5_moe_fp32 --dtype=float32 --prompts=short \
+        --variants=cached_S=E --steps=1 --out_dir="$d"
+      python3 experiments/hlo_tiling.py "$dump" --out="$d/hlo_tiling_qwen3_5_moe_fp32_first-logits_${dev}_$day.json" |
+        grep -v " 0 ops tiled otherwise" | head -40 ;;
     prefetch-sanitizer)
       san="$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)"
       [ -n "$san" ] || { echo "prefetch-sanitizer: no compute-sanitizer on PATH or in /usr/local/cuda/bin"; exit 1; }

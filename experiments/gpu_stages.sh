@@ -119,13 +119,16 @@
 # prefetch-tiling: the resident and cached decode blocks of the prefetch's tokens run (default kernels, prefetch 2,
 #                  then without it) dumped, and experiments/hlo_tiling.py's list of the ops the programs tile otherwise
 #                  (Triton fusions' tiles, cuBLAS algorithms): is the prefetch's run-to-run inexactness XLA's choice?
+# prefetch-precision: prefetch-tiling with XLA_FLAGS --xla_allow_excess_precision=false (no 16-bit intermediate
+#                  kept in float32 inside a fusion): the prefetch's cached programs fuse the token mixers' residual
+#                  adds elsewhere than resident does (hlo_tiling, 2026-12-07); are its tokens then the resident ones?
 # hybrid-fp32-tiling: the fp32 hybrid fixture's first logits, resident and cached at S = E (4.53e-6 apart on an H100,
 #                  2026-12-07), with every program dumped, and experiments/hlo_tiling.py's ops the programs tile
 #                  otherwise: is the cached prefill's difference a tile or GEMM algorithm XLA chose for that program?
-# prefetch-sanitizer: the prefetch's cached decode (4 layers of issue 32's shape, 128 slots, one decode block of 16)
-#                  under compute-sanitizer's initcheck (reads of device memory nothing wrote) then racecheck (shared
-#                  memory hazards in a kernel), logs under $OUT: on a machine whose prefetch-tiling run differs from
-#                  resident (a configuration's difference repeats on its machine and is absent on others)
+# prefetch-sanitizer: the prefetch's cached decode (issue 32's shape, 16 steps) under compute-sanitizer's initcheck
+#                  (reads of device memory nothing wrote; with the platform allocator) then racecheck (shared memory
+#                  hazards inside a kernel, not races between streams), logs under $OUT: for a machine whose
+#                  prefetch-tiling run differs from resident
 # slot-copy-decode: bench_decode_speed's cached rows with --miss_copy=xla, then kernel: issue 32's shape (qwen3.5, 16
 #                  layers, 512 slots, with its resident row) and issue 33's 48-layer offload row (280 slots, 64 steps)
 # decode-loop-order: bench_decode_loop at qwen3-30b-a3b's 48 layers, batch 4, one engine after the other, the fixed
@@ -176,6 +179,12 @@ run() {  # run LIMIT NAME python-args...
   timeout -s INT -k 15 "$lim" python3 "$@" > "$logs/$name.log" 2>&1
   local rc=$?
   echo "== $name rc=$rc $((SECONDS - t0)) s"; grep -v -E "^[WIE][0-9]{4}|libtpu|TPU" "$logs/$name.log" | tail -n 25
+}
+tiling() {  # tiling NAME DUMP OUT-FILE: experiments/hlo_tiling.py on a dump (its JSON under $OUT, its listing a log)
+  local name="$1" dump="$2" file="${out:-/tmp}/$3"
+  python3 experiments/hlo_tiling.py "$dump" --out="$file" > "$logs/$name.log" 2>&1
+  echo "== $name rc=$?"; grep -v " 0 ops built otherwise, 0 only in the first, 0 only in the second" "$logs/$name.log" |
+    cut -c1-400 | head -n 40
 }
 hybrid_decode() {  # hybrid_decode LIMIT: issue 32's decode shape (hybrid-decode, decode-targets)
   run "$1" hybrid-decode experiments/bench_decode_speed.py --preset=qwen3.5-35b-a3b --layers=16 --slots=512 \
@@ -379,40 +388,45 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
     prefetch-norm-kernel)
       for kg in norm_dense_decode,dense_decode:0 norm_dense_decode:2 dense_decode:2; do
         k=${kg%%:*} g=${kg##*:}
-        run 100 "$stage-${k//,/-}-$g" experiments/bench_decode_speed.py --preset=qwen3.5-35b-a3b --layers=16 \
+        run 150 "$stage-${k//,/-}-$g" experiments/bench_decode_speed.py --preset=qwen3.5-35b-a3b --layers=16 \
           --slots=512 --modes=resident,cached --batches=1 --decode_blocks=16 --repeats=1 --cached_repeats=1 \
           --cached_steps=48 --trace_steps=0 --prefetch_guesses="$g" --miss_copy=xla --kernels="$k" \
           --tag="16l-512-slots-tokens-prefetch-$g-only-${k//,/-}_${dev}_$day" ${out:+--out_dir="$out"}
       done ;;
-    prefetch-tiling)
+    prefetch-tiling|prefetch-precision)
+      extra=""; name=tiling
+      [ "$stage" = prefetch-precision ] && extra="--xla_allow_excess_precision=false" && name=no-excess-precision
       for g in 2 0; do
-        dump=/tmp/prefetch-tiling-dump-$g; rm -rf "$dump"
-        XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=decode_block" \
+        dump=/tmp/$stage-dump-$g; rm -rf "$dump"; flags="--xla_dump_hlo_as_text --xla_dump_hlo_module_re=decode_block"
+        XLA_FLAGS="${XLA_FLAGS:-} $extra --xla_dump_to=$dump $flags" \
           run 150 "$stage-$g" experiments/bench_decode_speed.py --preset=qwen3.5-35b-a3b --layers=16 --slots=512 \
           --modes=resident,cached --batches=1 --decode_blocks=16 --repeats=1 --cached_repeats=1 --cached_steps=48 \
-          --trace_steps=0 --prefetch_guesses="$g" --tag="16l-512-slots-tiling-prefetch-${g}_${dev}_$day" \
+          --trace_steps=0 --prefetch_guesses="$g" --tag="16l-512-slots-$name-prefetch-${g}_${dev}_$day" \
           ${out:+--out_dir="$out"}
-        python3 experiments/hlo_tiling.py "$dump" \
-          --out="${out:-/tmp}/hlo_tiling_qwen3.5-35b-a3b_16l-512-slots-prefetch-${g}_${dev}_$day.json" | head -40
+        tiling "$stage-$g-tiling" "$dump" \
+          "hlo_tiling_qwen3.5-35b-a3b_16l-512-slots-$name-prefetch-${g}_${dev}_$day.json"
       done ;;
     hybrid-fp32-tiling)
       dump=/tmp/hybrid-fp32-tiling-dump; rm -rf "$dump"; d="${out:-/tmp}/hybrid-fp32-tiling"; mkdir -p "$d"
       XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$dump --xla_dump_hlo_as_text" \
         run 200 "$stage" experiments/check_identity_gpu.py --fixtures=qwen3_5_moe_fp32 --dtype=float32 --prompts=short \
         --variants=cached_S=E --steps=1 --out_dir="$d"
-      python3 experiments/hlo_tiling.py "$dump" --out="$d/hlo_tiling_qwen3_5_moe_fp32_first-logits_${dev}_$day.json" |
-        grep -v " 0 ops tiled otherwise" | head -40 ;;
+      tiling "$stage-tiling" "$dump" "hybrid-fp32-tiling/hlo_tiling_qwen3_5_moe_fp32_first-logits_${dev}_$day.json" ;;
     prefetch-sanitizer)
       san="$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)"
       [ -n "$san" ] || { echo "prefetch-sanitizer: no compute-sanitizer on PATH or in /usr/local/cuda/bin"; exit 1; }
       for tool in initcheck racecheck; do
+        name="$stage-$tool" t0=$SECONDS; var="LIMIT_${name//[-.]/_}"
         log="${out:-/tmp}/compute_sanitizer_${tool}_prefetch-2_${dev}_$day.txt"
-        t0=$SECONDS
-        timeout -s INT -k 15 "${LIMIT_prefetch_sanitizer:-280}" "$san" --tool "$tool" --print-limit 50 \
-          --log-file "$log" python3 experiments/bench_decode_speed.py --preset=qwen3.5-35b-a3b --layers=4 \
-          --slots=128 --modes=cached --batches=1 --decode_blocks=16 --repeats=1 --cached_repeats=1 \
-          --cached_steps=16 --trace_steps=0 --prefetch_guesses=2 --out_dir=/tmp/prefetch-sanitizer > /dev/null 2>&1
-        echo "== $stage-$tool rc=$? $((SECONDS - t0)) s"; grep -E "ERROR SUMMARY|Uninitialized|Race|Hazard" "$log" | head -20
+        # the platform allocator: initcheck tracks whole allocations, so inside XLA's pooled arena it would not see a
+        # read of memory an earlier op wrote
+        XLA_PYTHON_CLIENT_ALLOCATOR=platform timeout -s INT -k 15 "${!var:-270}" "$san" --tool "$tool" \
+          --print-limit 50 --log-file "$log" python3 experiments/bench_decode_speed.py --preset=qwen3.5-35b-a3b \
+          --layers=16 --slots=512 --modes=cached --batches=1 --decode_blocks=16 --repeats=1 --cached_repeats=1 \
+          --cached_steps=16 --trace_steps=0 --prefetch_guesses=2 --out_dir=/tmp/prefetch-sanitizer \
+          > "$logs/$name.log" 2>&1
+        echo "== $name rc=$? $((SECONDS - t0)) s"; tail -n 5 "$logs/$name.log"
+        grep -i -E "summary|uninitiali[sz]ed|race|hazard" "$log" | head -20
       done ;;
     slot-copy-decode)
       for mc in xla kernel; do

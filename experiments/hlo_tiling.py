@@ -1,19 +1,24 @@
-"""The tiling XLA:GPU chose for each fusion and GEMM of the programs of an HLO dump, and the ops for which a
-pair of programs chose differently.
+"""The fusions and GEMMs XLA:GPU built for each program of an HLO dump, and the ops two programs of one name build
+otherwise.
 
-XLA:GPU picks a Triton fusion's tiles (``block_level_fusion_config``: output tiles, warps; a reduction's tiles set
-its summation order), a Triton GEMM's config (``triton_gemm_config``, with its split-K) and a cuBLAS algorithm
-(``selected_algorithm``) per program, the GEMMs by timing candidates on the machine. Two programs that compute the
-same op may so sum it in another order. Where a resident and a cached decode program differ in their logits although
-their kernels do the same arithmetic, this lists the candidates: the ops (by the JAX op name XLA keeps in the
-metadata, with the output shape) whose tiling differs between the programs.
+XLA:GPU decides per program which ops become a Triton fusion and with which tiles (``block_level_fusion_config``:
+output tiles, warps; a reduction's tiles set its summation order), a Triton GEMM's config (``triton_gemm_config``,
+with its split-K), a cuBLAS algorithm (``selected_algorithm``) and a cuDNN fusion's plan, the GEMMs by timing
+candidates on the machine. Ops that land in other fusions may also round otherwise (XLA's default
+``--xla_allow_excess_precision`` lets a fusion keep a 16-bit intermediate in float32). Where a resident and a cached
+decode program differ in their logits although their kernels do the same arithmetic, this lists the candidates,
+by the JAX op name XLA keeps in the metadata and the output shape: the ops both programs build as such a fusion or
+GEMM but with another config or count (``ops``), and those only one of them builds so (``only_first``,
+``only_second``: the other fused them elsewhere, or into a kind this does not list).
 
     XLA_FLAGS="--xla_dump_to=/tmp/dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=decode_block" \\
       python experiments/bench_decode_speed.py ...
     python experiments/hlo_tiling.py /tmp/dump --out=tiling.json
 
-Every pair of programs is compared (a dump of bench_decode_speed's resident then cached rows holds their decode
-blocks in that order, by module number).
+Programs are read in module-number order (the order they were compiled: a dump of bench_decode_speed's resident
+then cached rows holds their decode blocks in that order), and each pair of programs of one module name
+(``jit_decode_block``) is compared. The JSON's ``meta`` is the machine this script ran on; run it where the dump was
+made (``experiments/gpu_stages.sh`` does) for the dump's device and commit.
 """
 
 from __future__ import annotations
@@ -34,11 +39,13 @@ from experiments import common  # noqa: E402
 _OUT = flags.DEFINE_string("out", None, "write the JSON here, with the run's meta and flags (else print it)")
 _PATTERN = flags.DEFINE_string("pattern", "*after_optimizations.txt", "the dump's files to read (a glob)")
 
-_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\(?(\w+\[[^\]]*\](?:\{[^}]*\})?)")  # a tuple: its first
-_TRITON = re.compile(r'"kind":"(__triton\w*)"')
-_CUBLAS = re.compile(r'custom_call_target="(__cublas\$[\w$]+|__cudnn\$[\w$]+)"')
+_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\(*(\w+\[[^\]]*\](?:\{[^}]*\})?)")  # a tuple: its first
+_FUSION_KIND = re.compile(r'"kind":"(__triton\w*|__cudnn\$\w+)"')
+_CUSTOM_CALL = re.compile(r'custom_call_target="(__cublas\$[\w$]+|__cudnn\$[\w$]+)"')
 _ALGORITHM = re.compile(r'"selected_algorithm":"?(-?\d+)"?')
+_PLAN = re.compile(r'"plan_id":"?(-?\d+)"?')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+_MODULE = re.compile(r"module_(\d+)\.(.+?)(?:\.sm_[\w.]+?_gpu)?[._]after_optimizations")
 
 
 def _object_after(line: str, key: str) -> str:
@@ -58,16 +65,18 @@ def _object_after(line: str, key: str) -> str:
 
 
 def tilings(text: str) -> list[dict]:
-    """Every Triton fusion (``kind`` ``__triton...``, with its tile or GEMM config) and cuBLAS / cuDNN custom call
-    (with its selected algorithm) of one HLO module's text, each as {name, shape, kind, config, op_name}
-    (op_name: the JAX op XLA recorded, "" where none)."""
+    """Every Triton or cuDNN fusion (with its tile or GEMM config, or its plan) and cuBLAS / cuDNN custom call (with
+    its selected algorithm) of one HLO module's text, each as {name, shape, kind, config, op_name} (shape: the
+    output's, a tuple's first; op_name: the JAX op XLA recorded, "" where none)."""
     out = []
     for line in text.splitlines():
         kind = config = None
-        if m := _TRITON.search(line):
+        if m := _FUSION_KIND.search(line):
             kind = m.group(1)
-            config = _object_after(line, "triton_gemm_config") or _object_after(line, "block_level_fusion_config")
-        elif m := _CUBLAS.search(line):
+            plan = _PLAN.search(line)
+            config = (_object_after(line, "triton_gemm_config") or _object_after(line, "block_level_fusion_config")
+                      or (f"plan {plan.group(1)}" if plan else ""))
+        elif m := _CUSTOM_CALL.search(line):
             kind = m.group(1)
             a = _ALGORITHM.search(line)
             config = f"algorithm {a.group(1)}" if a else ""
@@ -79,44 +88,67 @@ def tilings(text: str) -> list[dict]:
     return out
 
 
-def differences(a: list[dict], b: list[dict]) -> list[dict]:
-    """The ops (op name and output shape) found in both lists of :func:`tilings` whose multisets of (kind, config)
-    differ: {op_name, shape, first, second} with each side's sorted [kind, config] pairs."""
+def differences(a: list[dict], b: list[dict]) -> dict:
+    """How two lists of :func:`tilings` differ, by op (op name and output shape): ``ops``, those in both whose
+    multisets of (kind, config) differ, each {op_name, shape, first, second} with each side's sorted
+    [kind, config, count]; ``only_first`` / ``only_second``, those in one list only, each {op_name, shape, tilings}."""
     def by_op(rows):
         d = collections.defaultdict(collections.Counter)
         for r in rows:
             d[(r["op_name"], r["shape"])][(r["kind"], r["config"])] += 1
         return d
 
+    def listed(counter):
+        return sorted([kind, config, n] for (kind, config), n in counter.items())
+
     da, db = by_op(a), by_op(b)
-    return [{"op_name": op, "shape": shape, "first": sorted(map(list, da[(op, shape)])),
-             "second": sorted(map(list, db[(op, shape)]))}
-            for (op, shape) in sorted(da.keys() & db.keys()) if da[(op, shape)] != db[(op, shape)]]
+    return {"ops": [{"op_name": op, "shape": shape, "first": listed(da[(op, shape)]), "second": listed(db[(op, shape)])}
+                    for (op, shape) in sorted(da.keys() & db.keys()) if da[(op, shape)] != db[(op, shape)]],
+            "only_first": [{"op_name": op, "shape": shape, "tilings": listed(da[(op, shape)])}
+                           for (op, shape) in sorted(da.keys() - db.keys())],
+            "only_second": [{"op_name": op, "shape": shape, "tilings": listed(db[(op, shape)])}
+                            for (op, shape) in sorted(db.keys() - da.keys())]}
+
+
+def module_of(file_name: str) -> tuple[int, str]:
+    """(module number, module name) of a dump's file name (``module_0042.jit_decode_block.sm_9.0a_gpu_after_
+    optimizations.txt`` or ``module_0042.jit_decode_block.after_optimizations.txt`` -> (42, "jit_decode_block"));
+    (-1, the file name) for a name of another form."""
+    m = _MODULE.search(file_name)
+    return (int(m.group(1)), m.group(2)) if m else (-1, file_name)
 
 
 def main(argv):
+    """Reads the dump folder ``argv[1]``, writes (``--out``) or prints the programs' lists and their differences."""
     if len(argv) != 2:
         raise app.UsageError("give one HLO dump folder")
     folder = pathlib.Path(argv[1])
-    files = sorted(folder.glob(_PATTERN.value))
+    files = sorted(folder.glob(_PATTERN.value), key=lambda f: module_of(f.name))
     if not files:
         sys.exit(f"hlo_tiling: no {_PATTERN.value} under {folder}")
-    programs = []
-    for f in files:
-        text = f.read_text()
-        programs.append({"file": f.name, "tilings": tilings(text)})
-    result = {"programs": [{"file": p["file"], "count": len(p["tilings"]), "tilings": p["tilings"]} for p in programs]}
-    result["differences"] = [{"first": a["file"], "second": b["file"], "ops": differences(a["tilings"], b["tilings"])}
-                             for i, a in enumerate(programs) for b in programs[i + 1:]]
-    for d in result["differences"]:
-        print(f"{d['first']} vs {d['second']}: {len(d['ops'])} ops tiled otherwise")
-        for op in d["ops"]:
-            print(f"  {op['op_name']} {op['shape']}: {op['first']} vs {op['second']}")
-    if _OUT.value:
+    programs = [{"file": f.name, "module": module_of(f.name)[1], "tilings": tilings(f.read_text())} for f in files]
+    pairs = []
+    for i, a in enumerate(programs):
+        for b in programs[i + 1:]:
+            if a["module"] == b["module"]:
+                pairs.append({"first": a["file"], "second": b["file"], **differences(a["tilings"], b["tilings"])})
+    result = {"dump": folder.name,
+              "programs": [{"file": p["file"], "module": p["module"], "count": len(p["tilings"]),
+                            "tilings": p["tilings"]} for p in programs],
+              "differences": pairs}
+    if _OUT.value:  # written before anything is printed: a closed pipe (| head) must not lose it
         out = pathlib.Path(_OUT.value)
         common.write_json(str(out.parent), out.name, result)
-    elif len(programs) == 1:
+    else:
         print(json.dumps(result, indent=1))
+    for d in pairs:
+        print(f"{d['first']} vs {d['second']}: {len(d['ops'])} ops built otherwise, {len(d['only_first'])} only in "
+              f"the first, {len(d['only_second'])} only in the second")
+        for op in d["ops"]:
+            print(f"  {op['op_name']} {op['shape']}: {op['first']} vs {op['second']}")
+        for side in ("only_first", "only_second"):
+            for op in d[side]:
+                print(f"  {side}: {op['op_name']} {op['shape']}: {op['tilings']}")
 
 
 if __name__ == "__main__":

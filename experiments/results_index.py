@@ -464,10 +464,10 @@ def _probe_copy_stream(d: dict) -> str:
 
 def _hlo_tiling(d: dict) -> str:
     pairs = d.get("differences") or []
-    differing = sum(bool(p["ops"]) for p in pairs)
+    differing = sum(bool(p.get("ops") or p.get("only_first") or p.get("only_second")) for p in pairs)
     counts = "/".join(str(p["count"]) for p in d.get("programs") or [])
-    return f"{len(d.get('programs') or [])} programs ({counts} tiled ops), {differing} of {len(pairs)} pairs tile " \
-        f"an op otherwise"
+    return f"{len(d.get('programs') or [])} programs ({counts} fusions and GEMMs listed), {differing} of " \
+        f"{len(pairs)} pairs build an op otherwise"
 
 
 HEADLINES = {

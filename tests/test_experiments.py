@@ -995,35 +995,61 @@ def test_decode_speed_compares_tokens_over_the_steps_both_ran():
         first([[1, 2]], want)
 
 
-def test_hlo_tiling_names_the_ops_two_programs_tile_otherwise():
-    """A reduction fusion tiled otherwise and a cuBLAS GEMM on another algorithm are reported by op name and shape;
-    ops tiled alike, and ops only one program has, are not."""
+def _hlo_line(name, shape, op, tiles=None, algorithm=None):
+    """One instruction of an XLA:GPU dump: a Triton fusion with ``tiles`` output tiles, or a cuBLAS GEMM."""
+    meta = f'metadata={{op_name="jit(decode_block)/{op}" stack_frame_id=1}}'
+    if algorithm is not None:
+        return (f'  %{name} = ({shape}, s8[64]{{0}}) custom-call(%a, %b), custom_call_target="__cublas$lt$matmul", '
+                f'{meta}, backend_config={{"gemm_backend_config":{{"alpha_real":1,'
+                f'"selected_algorithm":"{algorithm}"}}}}')
+    return (f'  %{name} = {shape} fusion(%a), kind=kCustom, calls=%f, {meta}, backend_config={{"fusion_backend_config"'
+            f':{{"block_level_fusion_config":{{"num_warps":"1","output_tiles":[{{"sizes":["1","{tiles}"]}}]}},'
+            f'"kind":"__triton"}},"operation_queue_id":"0"}}')
+
+
+def test_hlo_tiling_names_the_ops_two_programs_build_otherwise():
+    """Another tile, another cuBLAS algorithm, another count of one op's fusions and an op fused elsewhere are each
+    reported by op name and shape; ops built alike are not; a tuple's first shape is the op's."""
     tiling = import_app("experiments.hlo_tiling")
-
-    def line(name, shape, op, tiles=None, algorithm=None):
-        meta = f'metadata={{op_name="jit(decode_block)/{op}" stack_frame_id=1}}'
-        if algorithm is not None:
-            return (f'  %{name} = ({shape}, s8[64]{{0}}) custom-call(%a, %b), '
-                    f'custom_call_target="__cublas$lt$matmul", {meta}, '
-                    f'backend_config={{"gemm_backend_config":{{"alpha_real":1,"selected_algorithm":"{algorithm}"}}}}')
-        return (f'  %{name} = {shape} fusion(%a), kind=kCustom, calls=%f, {meta}, '
-                f'backend_config={{"fusion_backend_config":{{"block_level_fusion_config":{{"num_warps":"1","output_tiles":[{{"sizes":["1","{tiles}"]}}]}},'
-                f'"kind":"__triton"}},"operation_queue_id":"0"}}')
-
-    a = tiling.tilings("\n".join([line("r", "f32[4,16]{1,0}", "norm/reduce_sum", tiles=4),
-                                  line("s", "f32[1,128]{1,0}", "router/div", tiles=128),
-                                  line("h", "bf16[151936]{0}", "dot_general", algorithm=0),
-                                  line("x", "f32[8]{0}", "only_here", tiles=8),
+    a = tiling.tilings("\n".join([_hlo_line("r", "f32[4,16]{1,0}", "norm/reduce_sum", tiles=4),
+                                  _hlo_line("s", "f32[1,128]{1,0}", "router/div", tiles=128),
+                                  _hlo_line("h", "bf16[151936]{0}", "dot_general", algorithm=0),
+                                  _hlo_line("x", "bf16[8]{0}", "add", tiles=8),
+                                  _hlo_line("m", "bf16[8]{0}", "moe/add", tiles=8),
                                   "  %add.1 = f32[4]{0} add(%p, %q)"]))
-    b = tiling.tilings("\n".join([line("r.1", "f32[4,16]{1,0}", "norm/reduce_sum", tiles=16),
-                                  line("s.1", "f32[1,128]{1,0}", "router/div", tiles=128),
-                                  line("h.1", "bf16[151936]{0}", "dot_general", algorithm=5)]))
-    assert [t["name"] for t in a] == ["r", "s", "h", "x"] and a[0]["shape"] == "f32[4,16]{1,0}"
+    b = tiling.tilings("\n".join([_hlo_line("r.1", "f32[4,16]{1,0}", "norm/reduce_sum", tiles=16),
+                                  _hlo_line("s.1", "f32[1,128]{1,0}", "router/div", tiles=128),
+                                  _hlo_line("h.1", "bf16[151936]{0}", "dot_general", algorithm=5),
+                                  _hlo_line("m.1", "bf16[8]{0}", "moe/add", tiles=8),
+                                  _hlo_line("m.2", "bf16[8]{0}", "moe/add", tiles=8),
+                                  _hlo_line("y", "s32[]", "stats/reduce_sum", tiles=1)]))
+    assert [t["name"] for t in a] == ["r", "s", "h", "x", "m"] and a[2]["shape"] == "bf16[151936]{0}"
     assert a[2]["kind"] == "__cublas$lt$matmul" and a[2]["config"] == "algorithm 0"
     assert a[0]["config"] == '{"num_warps":"1","output_tiles":[{"sizes":["1","4"]}]}'
     diff = tiling.differences(a, b)
-    assert [(d["op_name"].split("/", 1)[1], d["shape"]) for d in diff] == [
-        ("dot_general", "bf16[151936]{0}"), ("norm/reduce_sum", "f32[4,16]{1,0}")]
-    assert diff[0]["first"] == [["__cublas$lt$matmul", "algorithm 0"]]
-    assert diff[0]["second"] == [["__cublas$lt$matmul", "algorithm 5"]]
-    assert tiling.differences(a, a) == []
+    assert [(d["op_name"].split("/", 1)[1], d["first"], d["second"]) for d in diff["ops"]] == [
+        ("dot_general", [["__cublas$lt$matmul", "algorithm 0", 1]], [["__cublas$lt$matmul", "algorithm 5", 1]]),
+        ("moe/add", [["__triton", a[4]["config"], 1]], [["__triton", a[4]["config"], 2]]),
+        ("norm/reduce_sum", [["__triton", a[0]["config"], 1]], [["__triton", b[0]["config"], 1]])]
+    assert [(d["op_name"].split("/", 1)[1], d["shape"]) for d in diff["only_first"]] == [("add", "bf16[8]{0}")]
+    assert [d["op_name"].split("/", 1)[1] for d in diff["only_second"]] == ["stats/reduce_sum"]
+    assert tiling.differences(a, a) == {"ops": [], "only_first": [], "only_second": []}
+
+
+def test_hlo_tiling_pairs_the_programs_of_one_name_in_compile_order(tmp_path):
+    """The script reads a dump's programs by module number, compares only programs of one module name, and writes
+    its JSON with the run's meta."""
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    files = {"module_0100.jit_decode_block.sm_9.0a_gpu_after_optimizations.txt": 4,
+             "module_0020.jit_decode_block.after_optimizations.txt": 16,
+             "module_0050.jit_forward_step.sm_9.0a_gpu_after_optimizations.txt": 4}
+    for name, tiles in files.items():
+        (dump / name).write_text(_hlo_line("r", "f32[4,16]{1,0}", "norm/reduce_sum", tiles=tiles))
+    r = _run_script("hlo_tiling", str(dump), f"--out={tmp_path / 'out' / 't.json'}")
+    assert r.returncode == 0, r.stderr
+    got = json.loads((tmp_path / "out" / "t.json").read_text())
+    assert [p["module"] for p in got["programs"]] == ["jit_decode_block", "jit_forward_step", "jit_decode_block"]
+    assert [(d["first"][:11], d["second"][:11], len(d["ops"])) for d in got["differences"]] == [
+        ("module_0020", "module_0100", 1)]
+    assert got["meta"]["jax"] and got["dump"] == "dump" and "1 ops built otherwise" in r.stdout

@@ -23,12 +23,12 @@ bit-identical on the CPU (tests/test_prefetch.py) and, on an H100 (2026-12-07), 
 and qwen3's in fp32 (the fp32 hybrid's 4.5e-6 to 1e-5 are its cached prefill's, with or without a prefetch). But at
 issue 32's 16-layer qwen3.5-35b-a3b shape (512 slots, bf16) the prefetched decode's tokens left the resident ones at
 step 34 of 64 where the plain cached decode kept all 64 (``decode_speed/bench_decode_speed_qwen3.5-35b-a3b_16l-512-
-slots-tokens-prefetch-*_h100_2026-12-07.json``): on a GPU it is not exact. Whether a configuration differs depends
-on the machine: the same commit, flags and kernels kept the resident tokens in three runs on one H100 and left them
-at step 34 on two others, and a configuration that differs repeats its step on its machine; XLA tiled every op the
-resident and cached programs share alike (its Triton tiles, its GEMM algorithms; docs/PROFILE.md "Open";
-``experiments/gpu_stages.sh prefetch-tiling``).
-Not found yet. Only what moves over the link should change: a wrong guess is an extra copy.
+slots-tokens-prefetch-*_h100_2026-12-07.json``): on a GPU it is not exact. With the same code and flags one H100 kept
+the resident tokens in three runs and another left them at step 34, as an earlier run had; no particular Pallas
+kernel is needed. XLA builds the token mixers' residual adds otherwise in the prefetch's cached programs than in the
+resident ones: a candidate for a rounding difference under its default excess precision, not confirmed
+(docs/PROFILE.md "Open"; ``experiments/gpu_stages.sh prefetch-precision`` tests it). Only what moves over the link
+should change: a wrong guess is an extra copy.
 :func:`stats` counts a layer's misses as every expert it copied (guesses included) and its hits as the routed experts
 it did not copy, so ``bytes_h2d`` stays every byte copied; the prefetch's own copies and the right guesses among them
 are counted apart too (the metrics' ``prefetch_copies``, ``prefetch_used``, ``routed_hit_rate`` and

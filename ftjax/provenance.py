@@ -42,11 +42,34 @@ def run_env() -> dict:
     return {"variables": {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)}}
 
 
+#: What ``nvidia-smi`` is asked about the GPUs (:func:`gpu_identity`).
+GPU_FIELDS = ("uuid", "driver_version", "pci.bus_id")
+
+
+def gpu_identity() -> list[dict] | None:
+    """Per GPU, its UUID, driver version and PCI bus id from ``nvidia-smi`` (which card ran a result: the same
+    commit and flags have given other tokens on other machines, docs/PROFILE.md), or None where nvidia-smi is missing
+    or fails."""
+    try:
+        r = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(GPU_FIELDS)}", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if r.returncode != 0:
+        return None
+    rows = [[v.strip() for v in line.split(",")] for line in r.stdout.strip().splitlines() if line.strip()]
+    return [dict(zip(GPU_FIELDS, row)) for row in rows if len(row) == len(GPU_FIELDS)] or None
+
+
 def run_meta() -> dict:
-    """Device name, backend, jax version, UTC date, host CPU count, Python version, git commit, and
-    the environment that changes the compiled programs (:func:`run_env`)."""
+    """Device name, backend, jax version, UTC date, host CPU count, Python version, git commit, the
+    environment that changes the compiled programs (:func:`run_env`), and on a GPU the cards
+    (:func:`gpu_identity`)."""
     d = jax.devices()[0]
-    return {"device": getattr(d, "device_kind", str(d)), "backend": d.platform, "jax": jax.__version__,
+    meta = {"device": getattr(d, "device_kind", str(d)), "backend": d.platform, "jax": jax.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "host_cpus": os.cpu_count(), "python": platform.python_version(), "git_commit": git_commit(),
             "env": run_env()}
+    if d.platform == "gpu" and (gpus := gpu_identity()):
+        meta["gpus"] = gpus
+    return meta

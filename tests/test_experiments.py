@@ -942,6 +942,28 @@ def test_a_given_commit_is_recorded_as_given(monkeypatch):
     assert provenance.git_commit() == "d2e22f3" and provenance.run_meta()["git_commit"] == "d2e22f3"
 
 
+def test_the_cards_are_read_from_nvidia_smi_and_left_out_without_it(monkeypatch):
+    """``gpu_identity`` parses nvidia-smi's rows (one per card) into UUID, driver and bus id; a failing or missing
+    nvidia-smi gives None, and a CPU run's meta has no ``gpus``."""
+    import subprocess
+
+    from ftjax import provenance
+    out = "GPU-1a2b, 580.159.04, 00000000:1B:00.0\nGPU-3c4d, 580.159.04, 00000000:2C:00.0\n"
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, out, ""))
+    assert provenance.gpu_identity() == [
+        {"uuid": "GPU-1a2b", "driver_version": "580.159.04", "pci.bus_id": "00000000:1B:00.0"},
+        {"uuid": "GPU-3c4d", "driver_version": "580.159.04", "pci.bus_id": "00000000:2C:00.0"}]
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 9, "", "no devices"))
+    assert provenance.gpu_identity() is None
+
+    def missing(*a, **k):
+        raise FileNotFoundError("nvidia-smi")
+    monkeypatch.setattr(subprocess, "run", missing)
+    assert provenance.gpu_identity() is None
+    monkeypatch.setenv("FTJAX_GIT_COMMIT", "d2e22f3")  # run_meta would ask git otherwise (subprocess is patched)
+    assert "gpus" not in provenance.run_meta()
+
+
 def test_probe_copy_stream_smoke(tmp_path):
     """XLA's copy on the CPU: the nine variants run with no copy of the whole buffer (the read of the layer before's
     row is ordered before the copy), the annotated variants compute what their serial ones do and keep the annotation

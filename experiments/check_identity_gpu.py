@@ -6,7 +6,7 @@ a GPU, in bfloat16, with the cached modes' decode steps as CUDA graphs (``Kernel
 and the slot table's all-hit fast path (``lookup_layer(skip_if_all_hit=True)``). For each fixture and
 prompt it greedily generates ``--steps`` tokens with a resident engine and with each cached variant
 (S = E and S = 2E slots; ``decode_graphs`` auto, i.e. on, and off; on request with the prefetch of
-``EngineConfig.prefetch_guesses``) and compares every step's logits
+``EngineConfig.prefetch_guesses``, or with the prefill on the layer scan) and compares every step's logits
 bit for bit (the float32 logits' bits, so -0.0 against 0.0 and NaNs count as differences; ids equal).
 
     PYTHONPATH=. python3 experiments/check_identity_gpu.py --out_dir=$OUT
@@ -38,8 +38,10 @@ from ftjax.checkpoint import DTYPES, load_checkpoint  # noqa: E402
 from ftjax.config import EngineConfig  # noqa: E402
 
 # name -> (slots in units of E, KernelConfig.decode_graphs, EngineConfig.prefetch_guesses)
-VARIANTS = {"cached_S=E": (1, "auto", 0), "cached_S=2E": (2, "auto", 0), "cached_S=E_graphs_off": (1, "off", 0),
-            "cached_S=E_prefetch-2": (1, "auto", 2)}
+#: variant -> (slots / E, decode_graphs, prefetch_guesses, prefill_driver)
+VARIANTS = {"cached_S=E": (1, "auto", 0, "auto"), "cached_S=2E": (2, "auto", 0, "auto"),
+            "cached_S=E_graphs_off": (1, "off", 0, "auto"), "cached_S=E_prefetch-2": (1, "auto", 2, "auto"),
+            "cached_S=E_scan": (1, "auto", 0, "scan")}
 DEFAULT_VARIANTS = ["cached_S=E", "cached_S=2E", "cached_S=E_graphs_off"]
 
 FLAGS = flags.FLAGS
@@ -47,7 +49,9 @@ flags.DEFINE_list("fixtures", ["qwen3_moe_bf16", "qwen3_5_moe_bf16"], "Fixture f
 flags.DEFINE_string("dtype", "bfloat16", "Compute and bank dtype.")
 flags.DEFINE_list("prompts", ["short", "long"], "Prompts of expected.npz.")
 flags.DEFINE_list("variants", DEFAULT_VARIANTS, f"Cached variants, of {list(VARIANTS)} (prefetch-2: "
-                  "EngineConfig.prefetch_guesses=2, a layer's guessed experts copied beside its token mixer).")
+                  "EngineConfig.prefetch_guesses=2, a layer's guessed experts copied beside its token mixer; scan: "
+                  "the prefill on the layer scan, where a GPU's auto driver streams a prompt of >= E routed tokens "
+                  "on the pipelined driver).")
 flags.DEFINE_integer("steps", 16, "Greedy steps compared.", lower_bound=1)
 flags.DEFINE_string("out_dir", "experiments/results/checks", "Where the JSON goes.")
 common.define_kernel_flags(skip=("decode_graphs",))  # each variant sets its own
@@ -59,9 +63,10 @@ common.validate("fixtures", lambda v: next((f"no fixture {f!r} (no {os.path.join
                                            None))
 
 
-def _generate(model, experts: str, slots, graphs: str, prompt: list[int], prefetch: int = 0):
+def _generate(model, experts: str, slots, graphs: str, prompt: list[int], prefetch: int = 0, driver: str = "auto"):
     config = EngineConfig(experts, num_slots=slots, max_seq_len=len(prompt) + FLAGS.steps + 8,
-                          kernels=common.kernel_config(decode_graphs=graphs), prefetch_guesses=prefetch)
+                          kernels=common.kernel_config(decode_graphs=graphs), prefetch_guesses=prefetch,
+                          prefill_driver=driver)
     eng = Engine(model, config)
     res = eng.generate([prompt], max_new_tokens=FLAGS.steps, keep_logits=True)
     return np.asarray(res.step_logits, np.float32), res.generated_ids, eng.describe()
@@ -79,8 +84,8 @@ def main(argv):
         for name, prompt in prompts.items():
             ref_logits, ref_ids, ref_engine = _generate(model, "resident", None, "auto", prompt)
             for variant in FLAGS.variants:
-                mult, graphs, prefetch = VARIANTS[variant]
-                logits, ids, engine = _generate(model, "cached", mult * e, graphs, prompt, prefetch)
+                mult, graphs, prefetch, driver = VARIANTS[variant]
+                logits, ids, engine = _generate(model, "cached", mult * e, graphs, prompt, prefetch, driver)
                 same_shape = logits.shape == ref_logits.shape
                 diff = float(np.max(np.abs(logits - ref_logits))) if same_shape else float("inf")
                 bits = same_shape and np.array_equal(logits.view(np.uint32), ref_logits.view(np.uint32))

@@ -123,8 +123,9 @@
 #                  kept in float32 inside a fusion): the prefetch's cached programs fuse the token mixers' residual
 #                  adds elsewhere than resident does (hlo_tiling, 2026-12-07); are its tokens then the resident ones?
 # hybrid-fp32-tiling: the fp32 hybrid fixture's first logits, resident and cached at S = E (4.53e-6 apart on an H100,
-#                  2026-12-07), with every program dumped, and experiments/hlo_tiling.py's ops the programs tile
-#                  otherwise: is the cached prefill's difference a tile or GEMM algorithm XLA chose for that program?
+#                  2026-12-07), the cached prefill on the GPU's auto driver (24 routed tokens >= E: streamed on the
+#                  pipelined driver) and on the layer scan (cached_S=E_scan), the forward_step programs dumped and
+#                  compared by experiments/hlo_tiling.py: is the difference the pipelined driver's?
 # prefetch-sanitizer: the prefetch's cached decode (issue 32's shape, 16 steps) under compute-sanitizer's initcheck
 #                  (reads of device memory nothing wrote; with the platform allocator) then racecheck (shared memory
 #                  hazards inside a kernel, not races between streams), logs under $OUT: for a machine whose
@@ -394,8 +395,9 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
           --tag="16l-512-slots-tokens-prefetch-$g-only-${k//,/-}_${dev}_$day" ${out:+--out_dir="$out"}
       done ;;
     prefetch-tiling|prefetch-precision)
-      extra=""; name=tiling
-      [ "$stage" = prefetch-precision ] && extra="--xla_allow_excess_precision=false" && name=no-excess-precision
+      extra=""; name=tiling; what=""  # what: the hlo_tiling files' part of the name (the tiling run's: none)
+      [ "$stage" = prefetch-precision ] && extra="--xla_allow_excess_precision=false" && name=no-excess-precision \
+        && what=no-excess-precision-
       for g in 2 0; do
         dump=/tmp/$stage-dump-$g; rm -rf "$dump"; flags="--xla_dump_hlo_as_text --xla_dump_hlo_module_re=decode_block"
         XLA_FLAGS="${XLA_FLAGS:-} $extra --xla_dump_to=$dump $flags" \
@@ -404,29 +406,29 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
           --trace_steps=0 --prefetch_guesses="$g" --tag="16l-512-slots-$name-prefetch-${g}_${dev}_$day" \
           ${out:+--out_dir="$out"}
         tiling "$stage-$g-tiling" "$dump" \
-          "hlo_tiling_qwen3.5-35b-a3b_16l-512-slots-$name-prefetch-${g}_${dev}_$day.json"
+          "hlo_tiling_qwen3.5-35b-a3b_16l-512-slots-${what}prefetch-${g}_${dev}_$day.json"
       done ;;
     hybrid-fp32-tiling)
       dump=/tmp/hybrid-fp32-tiling-dump; rm -rf "$dump"; d="${out:-/tmp}/hybrid-fp32-tiling"; mkdir -p "$d"
-      XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$dump --xla_dump_hlo_as_text" \
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=forward_step" \
         run 200 "$stage" experiments/check_identity_gpu.py --fixtures=qwen3_5_moe_fp32 --dtype=float32 --prompts=short \
-        --variants=cached_S=E --steps=1 --out_dir="$d"
+        --variants=cached_S=E,cached_S=E_scan --steps=1 --out_dir="$d"
       tiling "$stage-tiling" "$dump" "hybrid-fp32-tiling/hlo_tiling_qwen3_5_moe_fp32_first-logits_${dev}_$day.json" ;;
     prefetch-sanitizer)
       san="$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)"
-      [ -n "$san" ] || { echo "prefetch-sanitizer: no compute-sanitizer on PATH or in /usr/local/cuda/bin"; exit 1; }
-      for tool in initcheck racecheck; do
+      [ -n "$san" ] || echo "== $stage skipped: no compute-sanitizer on PATH or in /usr/local/cuda/bin"
+      for tool in ${san:+initcheck racecheck}; do
         name="$stage-$tool" t0=$SECONDS; var="LIMIT_${name//[-.]/_}"
         log="${out:-/tmp}/compute_sanitizer_${tool}_prefetch-2_${dev}_$day.txt"
-        # the platform allocator: initcheck tracks whole allocations, so inside XLA's pooled arena it would not see a
-        # read of memory an earlier op wrote
+        # initcheck follows which bytes were written; with XLA's pooled allocator a buffer reuses bytes an earlier
+        # op wrote, and the platform allocator narrows that to each program's own temporary buffer (not to nothing)
         XLA_PYTHON_CLIENT_ALLOCATOR=platform timeout -s INT -k 15 "${!var:-270}" "$san" --tool "$tool" \
           --print-limit 50 --log-file "$log" python3 experiments/bench_decode_speed.py --preset=qwen3.5-35b-a3b \
           --layers=16 --slots=512 --modes=cached --batches=1 --decode_blocks=16 --repeats=1 --cached_repeats=1 \
           --cached_steps=16 --trace_steps=0 --prefetch_guesses=2 --out_dir=/tmp/prefetch-sanitizer \
           > "$logs/$name.log" 2>&1
         echo "== $name rc=$? $((SECONDS - t0)) s"; tail -n 5 "$logs/$name.log"
-        grep -i -E "summary|uninitiali[sz]ed|race|hazard" "$log" | head -20
+        [ -f "$log" ] && grep -i -E "summary|uninitiali[sz]ed|race|hazard" "$log" | head -20
       done ;;
     slot-copy-decode)
       for mc in xla kernel; do

@@ -36,7 +36,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from experiments import common  # noqa: E402
 
-_OUT = flags.DEFINE_string("out", None, "write the JSON here, with the run's meta and flags (else print it)")
+_OUT = flags.DEFINE_string("out", None, "write the JSON here, with the run's meta and flags (else print it, and the "
+                           "listing to stderr)")
 _PATTERN = flags.DEFINE_string("pattern", "*after_optimizations.txt", "the dump's files to read (a glob)")
 
 _NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\(*(\w+\[[^\]]*\](?:\{[^}]*\})?)")  # a tuple: its first
@@ -44,7 +45,7 @@ _FUSION_KIND = re.compile(r'"kind":"(__triton\w*|__cudnn\$\w+)"')
 _CUSTOM_CALL = re.compile(r'custom_call_target="(__cublas\$[\w$]+|__cudnn\$[\w$]+)"')
 _ALGORITHM = re.compile(r'"selected_algorithm":"?(-?\d+)"?')
 _PLAN = re.compile(r'"plan_id":"?(-?\d+)"?')
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
 _MODULE = re.compile(r"module_(\d+)\.(.+?)(?:\.sm_[\w.]+?_gpu)?[._]after_optimizations")
 
 
@@ -139,17 +140,21 @@ def main(argv):
     if _OUT.value:  # written before anything is printed: a closed pipe (| head) must not lose it
         out = pathlib.Path(_OUT.value)
         common.write_json(str(out.parent), out.name, result)
+        listing = sys.stdout
     else:
         print(json.dumps(result, indent=1))
+        listing = sys.stderr  # stdout holds the JSON alone
+    alone = [p["file"] for p in programs if sum(q["module"] == p["module"] for q in programs) == 1]
+    if alone:
+        print(f"hlo_tiling: compared with no other program (no other of its module name): {alone}", file=sys.stderr)
     for d in pairs:
         print(f"{d['first']} vs {d['second']}: {len(d['ops'])} ops built otherwise, {len(d['only_first'])} only in "
-              f"the first, {len(d['only_second'])} only in the second")
+              f"the first, {len(d['only_second'])} only in the second", file=listing)
         for op in d["ops"]:
-            print(f"  {op['op_name']} {op['shape']}: {op['first']} vs {op['second']}")
+            print(f"  {op['op_name']} {op['shape']}: {op['first']} vs {op['second']}", file=listing)
         for side in ("only_first", "only_second"):
             for op in d[side]:
-                print(f"  {side}: {op['op_name']} {op['shape']}: {op['tilings']}")
-
+                print(f"  {side}: {op['op_name']} {op['shape']}: {op['tilings']}", file=listing)
 
 if __name__ == "__main__":
     common.run(main)

@@ -47,13 +47,16 @@ GPU_FIELDS = ("uuid", "driver_version", "pci.bus_id")
 
 
 def gpu_identity() -> list[dict] | None:
-    """Per GPU, its UUID, driver version and PCI bus id from ``nvidia-smi`` (which card ran a result: the same
-    commit and flags have given other tokens on other machines, docs/PROFILE.md), or None where nvidia-smi is missing
-    or fails."""
-    try:
-        r = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(GPU_FIELDS)}", "--format=csv,noheader"],
-                           capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
+    """Per GPU the process may use (``CUDA_VISIBLE_DEVICES``' cards where it is set), its UUID, driver version and PCI
+    bus id from ``nvidia-smi`` (which card ran a result: the same commit and flags have given other tokens on other
+    machines, docs/PROFILE.md), or None where nvidia-smi is missing or fails."""
+    cmd = ["nvidia-smi", f"--query-gpu={','.join(GPU_FIELDS)}", "--format=csv,noheader"]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if visible:  # nvidia-smi lists every card of the host; the process sees these (indices or UUIDs)
+        cmd.append(f"--id={visible}")
+    try:  # a card stuck after a fault can leave nvidia-smi unkillable: the timeout bounds the usual hang only
+        r = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=10)
+    except (OSError, subprocess.SubprocessError, ValueError):
         return None
     if r.returncode != 0:
         return None

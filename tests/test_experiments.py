@@ -943,13 +943,20 @@ def test_a_given_commit_is_recorded_as_given(monkeypatch):
 
 
 def test_the_cards_are_read_from_nvidia_smi_and_left_out_without_it(monkeypatch):
-    """``gpu_identity`` parses nvidia-smi's rows (one per card) into UUID, driver and bus id; a failing or missing
-    nvidia-smi gives None, and a CPU run's meta has no ``gpus``."""
+    """``gpu_identity`` asks nvidia-smi about the cards ``CUDA_VISIBLE_DEVICES`` names and parses its rows (one per
+    card) into UUID, driver and bus id; a failing or missing nvidia-smi gives None, and a CPU run's meta has no
+    ``gpus``."""
     import subprocess
 
     from ftjax import provenance
     out = "GPU-1a2b, 580.159.04, 00000000:1B:00.0\nGPU-3c4d, 580.159.04, 00000000:2C:00.0\n"
-    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, out, ""))
+    asked = []
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **k: asked.append(cmd) or subprocess.CompletedProcess(cmd, 0,
+                                                                                                            out, ""))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,3")
+    provenance.gpu_identity()
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert asked[0][-1] == "--id=1,3"  # the cards this process sees, not every card of the host
     assert provenance.gpu_identity() == [
         {"uuid": "GPU-1a2b", "driver_version": "580.159.04", "pci.bus_id": "00000000:1B:00.0"},
         {"uuid": "GPU-3c4d", "driver_version": "580.159.04", "pci.bus_id": "00000000:2C:00.0"}]
@@ -1059,8 +1066,8 @@ def test_hlo_tiling_names_the_ops_two_programs_build_otherwise():
 
 
 def test_hlo_tiling_pairs_the_programs_of_one_name_in_compile_order(tmp_path):
-    """The script reads a dump's programs by module number, compares only programs of one module name, and writes
-    its JSON with the run's meta."""
+    """The script reads a dump's programs by module number, compares only programs of one module name (and names a
+    program it compared with none), and writes its JSON with the run's meta."""
     dump = tmp_path / "dump"
     dump.mkdir()
     files = {"module_0100.jit_decode_block.sm_9.0a_gpu_after_optimizations.txt": 4,
@@ -1075,3 +1082,4 @@ def test_hlo_tiling_pairs_the_programs_of_one_name_in_compile_order(tmp_path):
     assert [(d["first"][:11], d["second"][:11], len(d["ops"])) for d in got["differences"]] == [
         ("module_0020", "module_0100", 1)]
     assert got["meta"]["jax"] and got["dump"] == "dump" and "1 ops built otherwise" in r.stdout
+    assert "no other of its module name): ['module_0050.jit_forward_step" in r.stderr

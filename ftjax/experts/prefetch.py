@@ -24,7 +24,7 @@ and qwen3's in fp32 (the fp32 hybrid's 4.5e-6 to 1e-5 are its cached prefill's, 
 issue 32's 16-layer qwen3.5-35b-a3b shape (512 slots, bf16) the prefetched decode's tokens left the resident ones at
 step 34 of 64 where the plain cached decode kept all 64 (``decode_speed/bench_decode_speed_qwen3.5-35b-a3b_16l-512-
 slots-tokens-prefetch-*_h100_2026-12-07.json``): on a GPU it is not exact. With the same code and flags one H100 kept
-the resident tokens in three runs and another left them at step 34, as an earlier run had; no particular Pallas
+the resident tokens in three runs and another left them at step 34, as 7a2fc08's run had; no particular Pallas
 kernel is needed. XLA builds the token mixers' residual adds otherwise in the prefetch's cached programs than in the
 resident ones: a candidate for a rounding difference under its default excess precision, not confirmed
 (docs/PROFILE.md "Open"; ``experiments/gpu_stages.sh prefetch-precision`` tests it). Only what moves over the link

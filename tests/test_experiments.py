@@ -1083,3 +1083,16 @@ def test_hlo_tiling_pairs_the_programs_of_one_name_in_compile_order(tmp_path):
         ("module_0020", "module_0100", 1)]
     assert got["meta"]["jax"] and got["dump"] == "dump" and "1 ops built otherwise" in r.stdout
     assert "no other of its module name): ['module_0050.jit_forward_step" in r.stderr
+
+
+def test_probe_host_ffi_smoke(tmp_path):
+    """The host-FFI probe on the CPU: every program doubles x (the FFI handler built with the system C++ compiler and
+    called inside a host-compute region), or, without a compiler, the handler's row is skipped with the reason."""
+    d = _run("probe_host_ffi", tmp_path, "--repeats=3", "--hidden=64")
+    rows = {r["variant"]: r for r in d["rows"]}
+    assert all(r["ok"] and r["correct"] and r["us"]["n"] == 3 for r in rows.values()), rows
+    assert rows["device"]["net_us"] == 0
+    if d["skipped"]:
+        assert list(d["skipped"]) == ["host_ffi"] and "host_ffi" not in rows
+    else:
+        assert set(rows) == {"device", "io_callback", "host_jnp", "host_ffi"} and d["compiler"]

@@ -13,7 +13,10 @@ the default device, each taking x float32 [``--rows``, ``--hidden``] on the devi
 * ``device``: 2 x on the device (the baseline every other row is net of);
 * ``io_callback``: x to the host and back through ``jax.experimental.io_callback`` (numpy doubles it);
 * ``host_jnp``: x put in host memory, doubled inside ``compute_on("device_host")``, put back on the device;
-* ``host_ffi``: the same with the FFI handler inside the host region.
+* ``host_ffi``: the same with the FFI handler inside the host region;
+* ``host_ffi_bank``: a second handler inside the host region that also reads one row of a pinned host bank of
+  ``--bank_mb`` (y = 2 x + bank[row], the bank an operand of the region as the expert banks would be): about
+  ``host_ffi``'s time if the bank reaches the handler in place, a copy of the bank's bytes more if XLA copies it.
 
 Each row: ``ok``, ``error`` (the first 800 characters of a refusal), ``correct`` (the result is 2 x), and the call's
 microseconds (median, p10, p90 of ``--repeats`` calls after two untimed ones) with ``net_us`` (median minus
@@ -45,12 +48,15 @@ FLAGS = flags.FLAGS
 flags.DEFINE_integer("rows", 1, "Rows of x (a decode step's tokens).", lower_bound=1)
 flags.DEFINE_integer("hidden", 2048, "Columns of x (the model's hidden size).", lower_bound=1)
 flags.DEFINE_integer("repeats", 200, "Timed calls per program.", lower_bound=1)
+flags.DEFINE_integer("bank_mb", 512, "The pinned host bank of host_ffi_bank, MB (rows of --hidden float32).",
+                     lower_bound=1)
 flags.DEFINE_string("out_dir", "experiments/results/miss_policy", "Where the JSON goes.")
 flags.DEFINE_string("tag", "", "Suffix of the JSON's name.")
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "probe_host_ffi.cc")
-TARGET = "ftjax_probe_double"
-VARIANTS = ("device", "io_callback", "host_jnp", "host_ffi")
+TARGET, TARGET_BANK = "ftjax_probe_double", "ftjax_probe_double_add_row"
+VARIANTS = ("device", "io_callback", "host_jnp", "host_ffi", "host_ffi_bank")
+ROW = 5  # the bank row host_ffi_bank reads
 
 
 def build(folder: str) -> tuple[str | None, str]:
@@ -60,15 +66,16 @@ def build(folder: str) -> tuple[str | None, str]:
     if cxx is None:
         return None, "no C++ compiler (CXX, c++, g++, clang++)"
     lib = os.path.join(folder, "libprobe_host_ffi.so")
-    cmd = [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", f"-I{jax.ffi.include_dir()}", SOURCE, "-o", lib]
+    cmd = [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-w", f"-I{jax.ffi.include_dir()}", SOURCE, "-o", lib]
     r = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=300)
     if r.returncode != 0:
         return None, f"{' '.join(cmd)} failed: {r.stderr[-800:]}"
     return lib, cxx
 
 
-def programs(registered: bool) -> dict:
-    """The jitted program of each variant (:data:`VARIANTS`; ``host_ffi`` only where the handler is registered)."""
+def programs(registered: bool, bank) -> dict:
+    """The jitted program of each variant (:data:`VARIANTS`; the ``host_ffi`` ones only where the handlers are
+    registered), each a function of x; ``bank``: the pinned host bank host_ffi_bank reads."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -83,13 +90,24 @@ def programs(registered: bool) -> dict:
     def ffi_double(x):
         return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
 
+    def ffi_double_add_row(x, b):
+        return jax.ffi.ffi_call(TARGET_BANK, jax.ShapeDtypeStruct(x.shape, x.dtype))(x, b, jnp.int32(ROW))
+
+    def bank_on_host(x, b):
+        y = compute_on(ffi_double_add_row, compute_type="device_host", out_memory_spaces=host)(
+            jax.device_put(x, host), b)
+        return jax.device_put(y, device)
+
     out = {"device": lambda x: x * 2,
            "io_callback": lambda x: io_callback(lambda a: np.asarray(a) * np.float32(2),
                                                 jax.ShapeDtypeStruct(x.shape, jnp.float32), x),
            "host_jnp": on_host(lambda x: x * 2)}
+    out = {k: jax.jit(v) for k, v in out.items()}
     if registered:
-        out["host_ffi"] = on_host(ffi_double)
-    return {k: jax.jit(v) for k, v in out.items()}
+        out["host_ffi"] = jax.jit(on_host(ffi_double))
+        with_bank = jax.jit(bank_on_host)
+        out["host_ffi_bank"] = lambda x: with_bank(x, bank)
+    return out
 
 
 def check(fn, x, want) -> dict:
@@ -133,10 +151,17 @@ def main(argv):
         else:
             handle = ctypes.cdll.LoadLibrary(lib)
             jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handle.FtjaxProbeDouble), platform="cpu")
+            jax.ffi.register_ffi_target(TARGET_BANK, jax.ffi.pycapsule(handle.FtjaxProbeDoubleAddRow), platform="cpu")
         x = jnp.arange(FLAGS.rows * FLAGS.hidden, dtype=jnp.float32).reshape(FLAGS.rows, FLAGS.hidden) / 7
         want = np.asarray(x) * np.float32(2)
-        fns = programs(lib is not None)
-        out["rows"] = [{"variant": name, **check(fn, x, want)} for name, fn in fns.items()]
+        rows = max(ROW + 1, FLAGS.bank_mb * 2**20 // (4 * FLAGS.hidden))
+        bank = common.pinned_array((rows, FLAGS.hidden), jnp.float32, 3) if lib is not None else None
+        out["bank"] = None if bank is None else {"rows": rows, "bytes": rows * FLAGS.hidden * 4,
+                                                 "memory_kind": bank.sharding.memory_kind}
+        wants = {"host_ffi_bank": None if bank is None else want + np.asarray(bank[ROW])[None, :]}
+        fns = programs(lib is not None, bank)
+        out["rows"] = [{"variant": name, **check(fn, x, want if wants.get(name) is None else wants[name])}
+                       for name, fn in fns.items()]
         spreads = time_all({r["variant"]: fns[r["variant"]] for r in out["rows"] if r["ok"]}, x)
     base = spreads.get("device", {}).get("median")
     for r in out["rows"]:

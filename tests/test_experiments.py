@@ -1086,13 +1086,15 @@ def test_hlo_tiling_pairs_the_programs_of_one_name_in_compile_order(tmp_path):
 
 
 def test_probe_host_ffi_smoke(tmp_path):
-    """The host-FFI probe on the CPU: every program doubles x (the FFI handler built with the system C++ compiler and
-    called inside a host-compute region), or, without a compiler, the handler's row is skipped with the reason."""
-    d = _run("probe_host_ffi", tmp_path, "--repeats=3", "--hidden=64")
+    """The host-FFI probe on the CPU: every program doubles x (the FFI handlers built with the system C++ compiler and
+    called inside a host-compute region; the bank's adds the bank row it reads, checked against numpy), or, without
+    a compiler, the handlers' rows are skipped with the reason."""
+    d = _run("probe_host_ffi", tmp_path, "--repeats=3", "--hidden=64", "--bank_mb=1")
     rows = {r["variant"]: r for r in d["rows"]}
     assert all(r["ok"] and r["correct"] and r["us"]["n"] == 3 for r in rows.values()), rows
     assert rows["device"]["net_us"] == 0
     if d["skipped"]:
         assert list(d["skipped"]) == ["host_ffi"] and "host_ffi" not in rows
     else:
-        assert set(rows) == {"device", "io_callback", "host_jnp", "host_ffi"} and d["compiler"]
+        assert set(rows) == {"device", "io_callback", "host_jnp", "host_ffi", "host_ffi_bank"} and d["compiler"]
+        assert d["bank"] == {"rows": 4096, "bytes": 2**20, "memory_kind": "pinned_host"}

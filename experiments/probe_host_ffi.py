@@ -6,27 +6,32 @@ layer, which raise the fixed cost to 0.63 ms (docs/MISS_POLICY.md): a Python rou
 ``compute_on(compute_type="device_host")`` region of a GPU program for the host; if an XLA FFI custom call registered
 for the CPU may run inside such a region, the kernel could be called from the step with no Python at all.
 
-This probe builds a one-line CPU FFI handler (``experiments/native/probe_host_ffi.cc``: y = 2 x, compiled with the
-system C++ compiler against ``jax.ffi.include_dir()``), registers it for the CPU, and times four jitted programs on
-the default device, each taking x float32 [``--rows``, ``--hidden``] on the device and returning 2 x there:
+This probe builds two small CPU FFI handlers (``experiments/native/probe_host_ffi.cc``, compiled with the system C++
+compiler against ``jax.ffi.include_dir()``), registers them for the CPU, and times five jitted programs on the default
+device, each taking x float32 [``--rows``, ``--hidden``] on the device and returning 2 x there (2 x + a bank row for
+the last):
 
 * ``device``: 2 x on the device (the baseline every other row is net of);
 * ``io_callback``: x to the host and back through ``jax.experimental.io_callback`` (numpy doubles it);
 * ``host_jnp``: x put in host memory, doubled inside ``compute_on("device_host")``, put back on the device;
 * ``host_ffi``: the same with the FFI handler inside the host region;
 * ``host_ffi_bank``: a second handler inside the host region that also reads one row of a pinned host bank of
-  ``--bank_mb`` (y = 2 x + bank[row], the bank an operand of the region as the expert banks would be): about
-  ``host_ffi``'s time if the bank reaches the handler in place, a copy of the bank's bytes more if XLA copies it.
+  ``--bank_mb`` MiB (y = 2 x + bank[row], the bank an operand of the region as the expert banks would be, the row an
+  int32 computed on the device as an expert id is): about ``host_ffi``'s time if the bank reaches the handler in
+  place, a copy of the bank's bytes more if XLA copies it.
 
-Each row: ``ok``, ``error`` (the first 800 characters of a refusal), ``correct`` (the result is 2 x), and the call's
-microseconds (median, p10, p90 of ``--repeats`` calls after two untimed ones) with ``net_us`` (median minus
-``device``'s). On the CPU backend every region is the CPU and the rows check the programs only.
+Each row: ``ok``, ``error`` (the first 800 characters of a refusal), ``correct`` (the result is numpy's), ``hlo``
+(counts in the compiled program's text of the FFI targets' names, host-compute annotations and asynchronous host
+calls: whether the region was split off the device program at all), and the call's microseconds (median, p10, p90 of
+``--repeats`` calls, in rounds over the variants, after two untimed ones) with ``net_us`` (median minus
+``device``'s). The JSON is rewritten after each variant's first run, so a crash in XLA's host path keeps the rows
+before it. On the CPU backend every region is the CPU and the rows check the programs only.
 
   PYTHONPATH=. python3 experiments/probe_host_ffi.py --out_dir=$OUT --tag=h100_$(date -u +%F)       # GPU
   .venv/bin/python experiments/probe_host_ffi.py --repeats=5 --out_dir=/tmp/host_ffi                 # CPU smoke
 
-Writes ``probe_host_ffi[_<tag>].json`` (meta, flags, ``compiler``, ``skipped`` with the reason where the handler
-could not be built, ``rows``).
+Writes ``probe_host_ffi[_<tag>].json`` (meta, flags, ``compiler``, ``skipped``: ``host_ffi`` with the reason where
+the handlers could not be built or registered, both handler variants then left out; ``bank``; ``rows``).
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_integer("rows", 1, "Rows of x (a decode step's tokens).", lower_bound=1)
 flags.DEFINE_integer("hidden", 2048, "Columns of x (the model's hidden size).", lower_bound=1)
 flags.DEFINE_integer("repeats", 200, "Timed calls per program.", lower_bound=1)
-flags.DEFINE_integer("bank_mb", 512, "The pinned host bank of host_ffi_bank, MB (rows of --hidden float32).",
+flags.DEFINE_integer("bank_mb", 512, "The pinned host bank of host_ffi_bank, MiB (rows of --hidden float32).",
                      lower_bound=1)
 flags.DEFINE_string("out_dir", "experiments/results/miss_policy", "Where the JSON goes.")
 flags.DEFINE_string("tag", "", "Suffix of the JSON's name.")
@@ -59,6 +64,10 @@ VARIANTS = ("device", "io_callback", "host_jnp", "host_ffi", "host_ffi_bank")
 ROW = 5  # the bank row host_ffi_bank reads
 
 
+#: Targets registered in this process (a second registration of a name from another library is refused).
+_REGISTERED: dict[str, object] = {}
+
+
 def build(folder: str) -> tuple[str | None, str]:
     """Compiles :data:`SOURCE` into ``folder``; returns (the library's path, or None, and the compiler or why not)."""
     import jax
@@ -66,16 +75,38 @@ def build(folder: str) -> tuple[str | None, str]:
     if cxx is None:
         return None, "no C++ compiler (CXX, c++, g++, clang++)"
     lib = os.path.join(folder, "libprobe_host_ffi.so")
-    cmd = [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-w", f"-I{jax.ffi.include_dir()}", SOURCE, "-o", lib]
-    r = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=300)
+    cmd = [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", f"-I{jax.ffi.include_dir()}", SOURCE, "-o", lib]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=300)
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"{' '.join(cmd)}: {type(e).__name__}: {e}"
     if r.returncode != 0:
-        return None, f"{' '.join(cmd)} failed: {r.stderr[-800:]}"
+        errors = "\n".join(line for line in r.stderr.splitlines() if "error" in line)
+        return None, f"{' '.join(cmd)} failed: {(errors or r.stderr)[-800:]}"
     return lib, cxx
 
 
-def programs(registered: bool, bank) -> dict:
-    """The jitted program of each variant (:data:`VARIANTS`; the ``host_ffi`` ones only where the handlers are
-    registered), each a function of x; ``bank``: the pinned host bank host_ffi_bank reads."""
+def register(lib: str) -> str | None:
+    """Registers both handlers of ``lib`` for the CPU, once per process; returns why not, or None."""
+    import ctypes
+
+    import jax
+    if _REGISTERED:
+        return None
+    try:
+        handle = ctypes.cdll.LoadLibrary(lib)
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handle.FtjaxProbeDouble), platform="cpu")
+        jax.ffi.register_ffi_target(TARGET_BANK, jax.ffi.pycapsule(handle.FtjaxProbeDoubleAddRow), platform="cpu")
+    except Exception as e:  # a library that does not load, or a refused registration: the rows say so
+        return f"{type(e).__name__}: {str(e)[:800]}"
+    _REGISTERED.update({TARGET: handle, TARGET_BANK: handle})
+    return None
+
+
+def programs(registered: bool) -> dict:
+    """The jitted program of each variant (:data:`VARIANTS`, the ``host_ffi`` ones last and only where the handlers
+    are registered), each taking (x float32 [rows, hidden] on the device, the bank float32 [R, hidden] in pinned host
+    memory, the bank row int32 [] on the device) and returning its result on the device."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -83,98 +114,116 @@ def programs(registered: bool, bank) -> dict:
     from jax.experimental.compute_on import compute_on
     host, device = jax.memory.Space.Host, jax.memory.Space.Device
 
-    def on_host(fn):
-        return lambda x: jax.device_put(compute_on(fn, compute_type="device_host", out_memory_spaces=host)(
-            jax.device_put(x, host)), device)
+    def region(fn, *args):  # fn on the host; args placed there first (the bank is already)
+        y = compute_on(fn, compute_type="device_host", out_memory_spaces=host)(*args)
+        return jax.device_put(y, device)
 
     def ffi_double(x):
         return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
 
-    def ffi_double_add_row(x, b):
-        return jax.ffi.ffi_call(TARGET_BANK, jax.ShapeDtypeStruct(x.shape, x.dtype))(x, b, jnp.int32(ROW))
+    def ffi_double_add_row(x, bank, row):
+        return jax.ffi.ffi_call(TARGET_BANK, jax.ShapeDtypeStruct(x.shape, x.dtype))(x, bank, row)
 
-    def bank_on_host(x, b):
-        y = compute_on(ffi_double_add_row, compute_type="device_host", out_memory_spaces=host)(
-            jax.device_put(x, host), b)
-        return jax.device_put(y, device)
-
-    out = {"device": lambda x: x * 2,
-           "io_callback": lambda x: io_callback(lambda a: np.asarray(a) * np.float32(2),
-                                                jax.ShapeDtypeStruct(x.shape, jnp.float32), x),
-           "host_jnp": on_host(lambda x: x * 2)}
-    out = {k: jax.jit(v) for k, v in out.items()}
+    out = {"device": lambda x, bank, row: x * 2,
+           "io_callback": lambda x, bank, row: io_callback(lambda a: np.asarray(a) * np.float32(2),
+                                                           jax.ShapeDtypeStruct(x.shape, jnp.float32), x),
+           "host_jnp": lambda x, bank, row: region(lambda a: a * 2, jax.device_put(x, host))}
     if registered:
-        out["host_ffi"] = jax.jit(on_host(ffi_double))
-        with_bank = jax.jit(bank_on_host)
-        out["host_ffi_bank"] = lambda x: with_bank(x, bank)
-    return out
+        out["host_ffi"] = lambda x, bank, row: region(ffi_double, jax.device_put(x, host))
+        out["host_ffi_bank"] = lambda x, bank, row: region(ffi_double_add_row, jax.device_put(x, host), bank,
+                                                           jax.device_put(row, host))
+    return {k: jax.jit(v) for k, v in out.items()}
 
 
-def check(fn, x, want) -> dict:
+def evidence(fn, args) -> dict:
+    """What the compiled program says of where each part ran: counts of the FFI targets' names, of host-compute
+    annotations and of asynchronous host calls in its optimized HLO text (a region XLA did not split off would leave
+    the custom call in the device program with no host annotation)."""
+    try:
+        text = fn.lower(*args).compile().as_text()
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+    marks = (TARGET_BANK, "_xla_compute_type", "host-execute", "HostExecute", "call-start", "custom-call-start")
+    # the bank's target contains the plain one's name: count the plain name apart
+    counts = {m: text.count(m) for m in marks}
+    counts[TARGET] = text.count(f'"{TARGET}"')
+    return counts
+
+
+def check(fn, args, want) -> dict:
     """A variant compiled and run once: {ok, correct} or {ok: False, error}."""
     import numpy as np
     try:
-        got = np.asarray(fn(x))
-        fn(x).block_until_ready()
+        got = np.asarray(fn(*args))
+        fn(*args).block_until_ready()
     except Exception as e:  # a refusal is the probe's answer, not its failure
         return {"ok": False, "error": f"{type(e).__name__}: {str(e)[:800]}"}
     return {"ok": True, "correct": bool(np.array_equal(got, want))}
 
 
-def time_all(fns: dict, x) -> dict:
+def time_all(fns: dict, args) -> dict:
     """Microseconds a call of each program, timed in rounds (one call of each per round, so that drift of the
-    machine reaches every variant alike): variant -> spread."""
-    times = {k: [] for k in fns}
+    machine reaches every variant alike): variant -> spread, or {error} for a variant that failed while timed (it
+    leaves the rounds)."""
+    times, errors = {k: [] for k in fns}, {}
     for _ in range(FLAGS.repeats):
         for k, fn in fns.items():
-            t0 = time.perf_counter()
-            fn(x).block_until_ready()
-            times[k].append(1e6 * (time.perf_counter() - t0))
-    return {k: common.spread(v) for k, v in times.items()}
+            if k in errors:
+                continue
+            try:
+                t0 = time.perf_counter()
+                fn(*args).block_until_ready()
+                times[k].append(1e6 * (time.perf_counter() - t0))
+            except Exception as e:
+                errors[k] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+    return {k: errors.get(k) or common.spread(v) for k, v in times.items()}
 
 
 def main(argv):
     del argv
-    import ctypes
-
-    import jax
     import jax.numpy as jnp
     import numpy as np
     out = {"question": "does a CPU FFI custom call run inside compute_on('device_host') of a GPU program, and at "
                        "what fixed cost against an io_callback?", "skipped": {}, "rows": []}
+    name = f"probe_host_ffi{'_' + FLAGS.tag if FLAGS.tag else ''}.json"
+
+    def save():  # after every step: a crash in XLA's host path must not lose the rows before it
+        return common.write_json(FLAGS.out_dir, name, out)
+
     with tempfile.TemporaryDirectory(prefix="probe_host_ffi-") as folder:
-        lib, compiler = build(folder)
-        out["compiler"] = compiler if lib else None
-        if lib is None:
-            out["skipped"]["host_ffi"] = compiler
-            print(f"skipped: host_ffi ({compiler})", flush=True)
-        else:
-            handle = ctypes.cdll.LoadLibrary(lib)
-            jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handle.FtjaxProbeDouble), platform="cpu")
-            jax.ffi.register_ffi_target(TARGET_BANK, jax.ffi.pycapsule(handle.FtjaxProbeDoubleAddRow), platform="cpu")
-        x = jnp.arange(FLAGS.rows * FLAGS.hidden, dtype=jnp.float32).reshape(FLAGS.rows, FLAGS.hidden) / 7
-        want = np.asarray(x) * np.float32(2)
-        rows = max(ROW + 1, FLAGS.bank_mb * 2**20 // (4 * FLAGS.hidden))
-        bank = common.pinned_array((rows, FLAGS.hidden), jnp.float32, 3) if lib is not None else None
-        out["bank"] = None if bank is None else {"rows": rows, "bytes": rows * FLAGS.hidden * 4,
-                                                 "memory_kind": bank.sharding.memory_kind}
-        wants = {"host_ffi_bank": None if bank is None else want + np.asarray(bank[ROW])[None, :]}
-        fns = programs(lib is not None, bank)
-        out["rows"] = [{"variant": name, **check(fn, x, want if wants.get(name) is None else wants[name])}
-                       for name, fn in fns.items()]
-        spreads = time_all({r["variant"]: fns[r["variant"]] for r in out["rows"] if r["ok"]}, x)
+        lib, compiler = (None, "registered earlier in this process") if _REGISTERED else build(folder)
+        why = None if _REGISTERED else (compiler if lib is None else register(lib))
+        out["compiler"] = None if why else compiler
+        if why:
+            out["skipped"]["host_ffi"] = why  # both handler variants
+            print(f"skipped: host_ffi, host_ffi_bank ({why})", flush=True)
+    x = jnp.arange(FLAGS.rows * FLAGS.hidden, dtype=jnp.float32).reshape(FLAGS.rows, FLAGS.hidden) / 7
+    rows = max(ROW + 1, FLAGS.bank_mb * 2**20 // (4 * FLAGS.hidden))
+    bank = common.pinned_array((rows, FLAGS.hidden), jnp.float32, 3)
+    args = (x, bank, jnp.int32(ROW))
+    out["bank"] = {"rows": rows, "bytes": rows * FLAGS.hidden * 4, "memory_kind": bank.sharding.memory_kind}
+    want = np.asarray(x) * np.float32(2)
+    wants = {"host_ffi_bank": want + np.asarray(bank[ROW])[None, :]}
+    fns = programs(not why)
+    for variant, fn in fns.items():
+        out["rows"].append({"variant": variant, **check(fn, args, wants.get(variant, want)),
+                            "hlo": evidence(fn, args)})
+        save()
+    spreads = time_all({r["variant"]: fns[r["variant"]] for r in out["rows"] if r["ok"]}, args)
     base = spreads.get("device", {}).get("median")
     for r in out["rows"]:
+        timed = spreads.get(r["variant"], {})
+        if r["ok"] and "error" in timed:
+            r.update(ok=False, error=timed["error"])
         if r["ok"]:
-            r["us"] = spreads[r["variant"]]
+            r["us"] = timed
             r["net_us"] = None if base is None else r["us"]["median"] - base
             net = "" if r["net_us"] is None else f" (net {r['net_us']:.1f})"
             shown = f"{r['us']['median']:.1f} us{net}, correct {r['correct']}"
         else:
             shown = r["error"]
-        print(f"{r['variant']:12s} {shown}", flush=True)
-    name = f"probe_host_ffi{'_' + FLAGS.tag if FLAGS.tag else ''}.json"
-    print("wrote", common.write_json(FLAGS.out_dir, name, out))
+        print(f"{r['variant']:14s} {shown}", flush=True)
+    print("wrote", save())
 
 
 if __name__ == "__main__":

@@ -17,28 +17,30 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxProbeDouble, Double,
                               ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
 
 // y = 2 x + bank[row]: x float32 [N, D], bank float32 [R, D] (a host bank, as the expert kernel would read), row
-// int32 [] (clamped into [0, R)). Whether the bank reaches the handler in place, not copied into the host region,
+// int32 [] (clamped into [0, R)); an error where D differs. Whether the bank reaches the handler in place, not copied into the host region,
 // shows in the call's time against the bank's size.
-using Bank = ffi::Buffer<ffi::F32, 2>;  // aliases: a template's comma would split the handler macro's arguments
+using Matrix = ffi::Buffer<ffi::F32, 2>;  // aliases: a template's comma would split the handler macro's arguments
 using Row = ffi::Buffer<ffi::S32, 0>;
+using MatrixOut = ffi::ResultBuffer<ffi::F32, 2>;
 
-static ffi::Error DoubleAddRow(ffi::Buffer<ffi::F32> x, Bank bank, Row row, ffi::ResultBuffer<ffi::F32> y) {
-  const size_t d = bank.dimensions()[1], rows = bank.dimensions()[0];
-  if (rows == 0 || d == 0 || x.element_count() % d != 0) {
-    return ffi::Error::InvalidArgument("x's columns differ from the bank's, or the bank is empty");
+static ffi::Error DoubleAddRow(Matrix x, Matrix bank, Row row, MatrixOut y) {
+  const int64_t d = bank.dimensions()[1], rows = bank.dimensions()[0];
+  if (rows == 0 || x.dimensions()[1] != d || y->element_count() != x.element_count()) {
+    return ffi::Error::InvalidArgument("x [N, D] and the bank [R, D] differ in D, the bank is empty, or y is not x's "
+                                       "shape");
   }
-  long r = row.typed_data()[0];
-  r = r < 0 ? 0 : (r >= static_cast<long>(rows) ? static_cast<long>(rows) - 1 : r);
+  int64_t r = row.typed_data()[0];
+  r = r < 0 ? 0 : (r >= rows ? rows - 1 : r);
   const float* in = x.typed_data();
   const float* b = bank.typed_data() + static_cast<size_t>(r) * d;
   float* out = y->typed_data();
-  for (size_t i = 0, n = x.element_count(); i < n; ++i) out[i] = 2.0f * in[i] + b[i % d];
+  for (size_t i = 0, n = x.element_count(); i < n; ++i) out[i] = 2.0f * in[i] + b[i % static_cast<size_t>(d)];
   return ffi::Error::Success();
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxProbeDoubleAddRow, DoubleAddRow,
                               ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<Bank>()
+                                  .Arg<Matrix>()
+                                  .Arg<Matrix>()
                                   .Arg<Row>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<Matrix>());

@@ -117,8 +117,8 @@
 # prefetch-norm-kernel: the group prefetch-kernels found (norm_dense_decode,dense_decode: unlike resident from token
 #                  9) split: that group with no prefetch (--prefetch_guesses=0), then each of the two alone with it
 # prefetch-tiling: the resident and cached decode blocks of the prefetch's tokens run (default kernels, prefetch 2,
-#                  then without it) dumped, and experiments/hlo_tiling.py's list of the ops the programs tile otherwise
-#                  (Triton fusions' tiles, cuBLAS algorithms): is the prefetch's run-to-run inexactness XLA's choice?
+#                  then without it) dumped, and experiments/hlo_tiling.py's list of the ops the programs build
+#                  otherwise (Triton fusions' tiles, cuBLAS algorithms, ops only one program builds so)
 # prefetch-precision: prefetch-tiling with XLA_FLAGS --xla_allow_excess_precision=false (no 16-bit intermediate
 #                  kept in float32 inside a fusion): the prefetch's cached programs fuse the token mixers' residual
 #                  adds elsewhere than resident does (hlo_tiling, 2026-12-07); are its tokens then the resident ones?

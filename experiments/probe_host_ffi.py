@@ -20,6 +20,14 @@ the last):
   int32 computed on the device as an expert id is): about ``host_ffi``'s time if the bank reaches the handler in
   place, a copy of the bank's bytes more if XLA copies it.
 
+Then the expert rows, the question's own case: the C expert kernel (``ftjax.experts.cpu_native.NativeKernel`` on
+bf16 banks of ``--experts`` experts, [R, ``--hidden``, 2 ``--ffn``] and [R, ``--ffn``, ``--hidden``], in pinned host
+memory, read in place) computing k experts (``--ks``) for x, reached the engine's way (``native_callbacks_k<k>``:
+``native_async``'s two ``io_callback``s, submit then result) and from a host region (``host_expert_ffn_k<k>``: a
+third handler calling the kernel through its address, with its bank descriptors and work buffer as attributes);
+both give the kernel's own result. ``fits``: per route, the fixed microseconds a call and the weight GB/s of the
+line through the smallest and largest k (issue 33 asks <= 0.2 ms fixed a layer).
+
 Each row: ``ok``, ``error`` (the first 800 characters of a refusal), ``correct`` (the result is numpy's), ``hlo``
 (counts in the compiled program's text of the FFI targets' names, host-compute annotations and asynchronous host
 calls: whether the region was split off the device program at all), and the call's microseconds (median, p10, p90 of
@@ -28,10 +36,12 @@ calls: whether the region was split off the device program at all), and the call
 before it. On the CPU backend every region is the CPU and the rows check the programs only.
 
   PYTHONPATH=. python3 experiments/probe_host_ffi.py --out_dir=$OUT --tag=h100_$(date -u +%F)       # GPU
-  .venv/bin/python experiments/probe_host_ffi.py --repeats=5 --out_dir=/tmp/host_ffi                 # CPU smoke
+  .venv/bin/python experiments/probe_host_ffi.py --repeats=5 --bank_mb=8 --experts=8 --hidden=256 --ffn=128 \
+      --out_dir=/tmp/host_ffi                                                                       # CPU smoke
 
 Writes ``probe_host_ffi[_<tag>].json`` (meta, flags, ``compiler``, ``skipped``: ``host_ffi`` with the reason where
-the handlers could not be built or registered, both handler variants then left out; ``bank``; ``rows``).
+the handlers could not be built or registered, every handler variant then left out; ``bank``; ``experts``; ``rows``;
+``fits``).
 """
 
 from __future__ import annotations
@@ -55,11 +65,20 @@ flags.DEFINE_integer("hidden", 2048, "Columns of x (the model's hidden size).", 
 flags.DEFINE_integer("repeats", 200, "Timed calls per program.", lower_bound=1)
 flags.DEFINE_integer("bank_mb", 512, "The pinned host bank of host_ffi_bank, MiB (rows of --hidden float32).",
                      lower_bound=1)
+flags.DEFINE_integer("experts", 64, "Experts in the bf16 banks of the expert rows (pinned host memory).",
+                     lower_bound=1)
+flags.DEFINE_integer("ffn", 768, "The experts' FFN width F (banks [R, D, 2F] and [R, F, D]; qwen3-30b-a3b's 768).",
+                     lower_bound=1)
+flags.DEFINE_list("ks", ["1", "8"], "Experts per call of the expert rows (k; two or more give the fit).")
+flags.DEFINE_integer("threads", 0, "The C kernel's threads (0: every core).", lower_bound=0)
 flags.DEFINE_string("out_dir", "experiments/results/miss_policy", "Where the JSON goes.")
 flags.DEFINE_string("tag", "", "Suffix of the JSON's name.")
 
+common.validate("ks", lambda v: next((f"--ks: {k!r} is not a positive integer" for k in v
+                                      if not k.strip().isdigit() or int(k) < 1), None if v else "--ks is empty"))
+
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "probe_host_ffi.cc")
-TARGET, TARGET_BANK = "ftjax_probe_double", "ftjax_probe_double_add_row"
+TARGET, TARGET_BANK, TARGET_FFN = "ftjax_probe_double", "ftjax_probe_double_add_row", "ftjax_probe_expert_ffn"
 VARIANTS = ("device", "io_callback", "host_jnp", "host_ffi", "host_ffi_bank")
 ROW = 5  # the bank row host_ffi_bank reads
 
@@ -97,9 +116,10 @@ def register(lib: str) -> str | None:
         handle = ctypes.cdll.LoadLibrary(lib)
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handle.FtjaxProbeDouble), platform="cpu")
         jax.ffi.register_ffi_target(TARGET_BANK, jax.ffi.pycapsule(handle.FtjaxProbeDoubleAddRow), platform="cpu")
+        jax.ffi.register_ffi_target(TARGET_FFN, jax.ffi.pycapsule(handle.FtjaxProbeExpertFfn), platform="cpu")
     except Exception as e:  # a library that does not load, or a refused registration: the rows say so
         return f"{type(e).__name__}: {str(e)[:800]}"
-    _REGISTERED.update({TARGET: handle, TARGET_BANK: handle})
+    _REGISTERED.update({TARGET: handle, TARGET_BANK: handle, TARGET_FFN: handle})
     return None
 
 
@@ -135,6 +155,70 @@ def programs(registered: bool) -> dict:
     return {k: jax.jit(v) for k, v in out.items()}
 
 
+def expert_programs(kernel, ks: list[int], registered: bool) -> tuple[dict, dict, list]:
+    """The expert rows: per k in ``ks``, the C kernel's FFN of k experts on x, reached the engine's way
+    (``native_callbacks_k<k>``: ``native_async``'s two ``io_callback``s, submit then result) and, where the handlers
+    are registered, from a host region (``host_expert_ffn_k<k>``: the FFI handler calling the kernel, its
+    descriptors and work buffer attributes). Returns (variant -> jitted program of (x, ids), variant -> ids int32 [k]
+    on the device, the buffers the programs point into, to be kept alive)."""
+    import ctypes
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.experimental import io_callback
+    from jax.experimental.compute_on import compute_on
+
+    from ftjax.experts import cpu_native
+    host, device = jax.memory.Space.Host, jax.memory.Space.Device
+    fns, ids, keep = {}, {}, []
+    fn_addr = ctypes.cast(kernel._lib.ftjax_expert_ffn, ctypes.c_void_p).value
+    gu, dn = ctypes.addressof(kernel._gu.mat), ctypes.addressof(kernel._dn.mat)
+    for k in ks:
+        ids[f"k{k}"] = jnp.asarray((np.arange(k) * 3) % kernel.experts, jnp.int32)
+
+        def callbacks(x, i, k=k):
+            tick = io_callback(lambda a, b: np.int32(kernel.submit(a, b, len(b))), jax.ShapeDtypeStruct((), jnp.int32),
+                               x, i)
+            return io_callback(kernel.result, jax.ShapeDtypeStruct((k,) + x.shape, jnp.float32), tick)
+
+        fns[f"native_callbacks_k{k}"] = jax.jit(callbacks)
+        if registered:
+            rb1, rb2 = kernel._gu.rows_per_block(kernel.threads, k), kernel._dn.rows_per_block(kernel.threads, k)
+            size = int(kernel._lib.ftjax_expert_ffn_work(ctypes.byref(kernel._gu.mat), ctypes.byref(kernel._dn.mat),
+                                                         k, FLAGS.rows, rb1, rb2, kernel.threads))
+            work = cpu_native._Work().get(size)
+            keep.append(work)
+
+            def ffn(x, i, k=k, rb1=rb1, rb2=rb2, work=work):
+                return jax.ffi.ffi_call(TARGET_FFN, jax.ShapeDtypeStruct((k,) + x.shape, jnp.float32))(
+                    x, i, fn=np.uint64(fn_addr), gu=np.uint64(gu), dn=np.uint64(dn), work=np.uint64(work.ctypes.data),
+                    rb1=np.int32(rb1), rb2=np.int32(rb2), threads=np.int32(kernel.threads))
+
+            def on_host(x, i, ffn=ffn):
+                y = compute_on(ffn, compute_type="device_host", out_memory_spaces=host)(jax.device_put(x, host),
+                                                                                      jax.device_put(i, host))
+                return jax.device_put(y, device)
+
+            fns[f"host_expert_ffn_k{k}"] = jax.jit(on_host)
+    return fns, ids, keep
+
+
+def fits(rows: list[dict], expert_bytes: int) -> list[dict]:
+    """Per route of the expert rows, the line through its two ends of k: fixed microseconds a call (the intercept)
+    and weight GB/s (expert bytes per microsecond of slope / 1e3)."""
+    out = []
+    for route in ("native_callbacks", "host_expert_ffn"):
+        pts = sorted((int(r["variant"].rsplit("_k", 1)[1]), r["us"]["median"]) for r in rows
+                     if r["variant"].startswith(route + "_k") and r.get("us"))
+        if len(pts) >= 2 and pts[-1][0] > pts[0][0]:
+            (k0, t0), (k1, t1) = pts[0], pts[-1]
+            per = (t1 - t0) / (k1 - k0)
+            out.append({"route": route, "ks": [k0, k1], "fixed_us": t0 - per * k0,
+                        "gbps": expert_bytes / per / 1e3 if per > 0 else None})
+    return out
+
+
 def evidence(fn, args) -> dict:
     """What the compiled program says of where each part ran: counts of the FFI targets' names, of host-compute
     annotations and of asynchronous host calls in its optimized HLO text (a region XLA did not split off would leave
@@ -143,7 +227,8 @@ def evidence(fn, args) -> dict:
         text = fn.lower(*args).compile().as_text()
     except Exception as e:
         return {"error": f"{type(e).__name__}: {str(e)[:400]}"}
-    marks = (TARGET_BANK, "_xla_compute_type", "host-execute", "HostExecute", "call-start", "custom-call-start")
+    marks = (TARGET_BANK, TARGET_FFN, "_xla_compute_type", "host-execute", "HostExecute", "call-start",
+             "custom-call-start")
     # the bank's target contains the plain one's name: count the plain name apart
     counts = {m: text.count(m) for m in marks}
     counts[TARGET] = text.count(f'"{TARGET}"')
@@ -161,10 +246,10 @@ def check(fn, args, want) -> dict:
     return {"ok": True, "correct": bool(np.array_equal(got, want))}
 
 
-def time_all(fns: dict, args) -> dict:
+def time_all(fns: dict, args: dict) -> dict:
     """Microseconds a call of each program, timed in rounds (one call of each per round, so that drift of the
-    machine reaches every variant alike): variant -> spread, or {error} for a variant that failed while timed (it
-    leaves the rounds)."""
+    machine reaches every variant alike), each on its own arguments (``args``: variant -> tuple): variant -> spread,
+    or {error} for a variant that failed while timed (it leaves the rounds)."""
     times, errors = {k: [] for k in fns}, {}
     for _ in range(FLAGS.repeats):
         for k, fn in fns.items():
@@ -172,17 +257,33 @@ def time_all(fns: dict, args) -> dict:
                 continue
             try:
                 t0 = time.perf_counter()
-                fn(*args).block_until_ready()
+                fn(*args[k]).block_until_ready()
                 times[k].append(1e6 * (time.perf_counter() - t0))
             except Exception as e:
                 errors[k] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
     return {k: errors.get(k) or common.spread(v) for k, v in times.items()}
 
 
+def expert_kernel():
+    """The C kernel (``cpu_native.NativeKernel``) on bf16 banks [experts, hidden, 2 ffn] / [experts, ffn, hidden] in
+    pinned host memory, read in place; returns (the kernel, the banks it borrows from)."""
+    import jax.numpy as jnp
+
+    from ftjax.experts import cpu_experts, cpu_native
+    gu = common.pinned_array((FLAGS.experts, FLAGS.hidden, 2 * FLAGS.ffn), jnp.bfloat16, 11)
+    dn = common.pinned_array((FLAGS.experts, FLAGS.ffn, FLAGS.hidden), jnp.bfloat16, 13)
+    views = cpu_experts.host_bank_view(gu), cpu_experts.host_bank_view(dn)
+    kernel = cpu_native.NativeKernel(*views, threads=FLAGS.threads or None)
+    kernel.expert_bytes = (gu.nbytes + dn.nbytes) // FLAGS.experts
+    return kernel, (gu, dn, views)
+
+
 def main(argv):
     del argv
     import jax.numpy as jnp
     import numpy as np
+
+    from ftjax.experts import cpu_native
     out = {"question": "does a CPU FFI custom call run inside compute_on('device_host') of a GPU program, and at "
                        "what fixed cost against an io_callback?", "skipped": {}, "rows": []}
     name = f"probe_host_ffi{'_' + FLAGS.tag if FLAGS.tag else ''}.json"
@@ -209,7 +310,26 @@ def main(argv):
         out["rows"].append({"variant": variant, **check(fn, args, wants.get(variant, want)),
                             "hlo": evidence(fn, args)})
         save()
-    spreads = time_all({r["variant"]: fns[r["variant"]] for r in out["rows"] if r["ok"]}, args)
+    ks = sorted({int(k) for k in FLAGS.ks})
+    try:
+        kernel, expert_args = expert_kernel()
+    except cpu_native.NativeBuildError as e:  # no C compiler: the expert rows are skipped, the rest stands
+        kernel, expert_args = None, None
+        out["skipped"]["experts"] = str(e)[:800]
+        print(f"skipped: the expert rows ({str(e)[:200]})", flush=True)
+    efns, eids, keep = expert_programs(kernel, ks, not why) if kernel else ({}, {}, [])
+    out["experts"] = None if kernel is None else {
+        "experts": FLAGS.experts, "hidden": FLAGS.hidden, "ffn": FLAGS.ffn, "ks": ks, "threads": kernel.threads,
+        "expert_bytes": kernel.expert_bytes}
+    for variant, fn in efns.items():
+        k = int(variant.rsplit("_k", 1)[1])
+        eargs = (x, eids[f"k{k}"])
+        want_e = kernel.run(np.asarray(x), np.asarray(eids[f"k{k}"]))
+        out["rows"].append({"variant": variant, **check(fn, eargs, want_e), "hlo": evidence(fn, eargs)})
+        save()
+    all_fns = {**fns, **efns}
+    arg_of = {v: args for v in fns} | {v: (x, eids[f"k{int(v.rsplit('_k', 1)[1])}"]) for v in efns}
+    spreads = time_all({r["variant"]: all_fns[r["variant"]] for r in out["rows"] if r["ok"]}, arg_of)
     base = spreads.get("device", {}).get("median")
     for r in out["rows"]:
         timed = spreads.get(r["variant"], {})
@@ -222,7 +342,12 @@ def main(argv):
             shown = f"{r['us']['median']:.1f} us{net}, correct {r['correct']}"
         else:
             shown = r["error"]
-        print(f"{r['variant']:14s} {shown}", flush=True)
+        print(f"{r['variant']:20s} {shown}", flush=True)
+    out["fits"] = fits(out["rows"], kernel.expert_bytes) if kernel else []
+    for f in out["fits"]:
+        gbps = "-" if f["gbps"] is None else f"{f['gbps']:.1f}"
+        print(f"fit {f['route']:18s} fixed {f['fixed_us']:.1f} us, {gbps} GB/s (k {f['ks']})", flush=True)
+    del keep, expert_args
     print("wrote", save())
 
 

@@ -1086,23 +1086,29 @@ def test_hlo_tiling_pairs_the_programs_of_one_name_in_compile_order(tmp_path):
 
 
 def test_probe_host_ffi_smoke(tmp_path):
-    """The host-FFI probe on the CPU: every program gives numpy's result, the handlers (built with the system C++
+    """The host-FFI probe on the CPU: every program gives numpy's result (the expert rows: the C kernel's own, through
+    the engine's callbacks and through the handler in a host region), the handlers (built with the system C++
     compiler) are called inside a host-compute region (their targets and the host annotation in the compiled
     program), the bank's adds the bank row a device int32 names, and a second run in the process reuses the
     handlers; without a C++ compiler the handlers' rows are skipped with the reason."""
     import shutil
-    d = _run("probe_host_ffi", tmp_path / "first", "--repeats=3", "--hidden=64", "--bank_mb=1")
+    small = ("--hidden=64", "--bank_mb=1", "--experts=4", "--ffn=32", "--ks=1,2", "--threads=2")
+    d = _run("probe_host_ffi", tmp_path / "first", "--repeats=3", *small)
     rows = {r["variant"]: r for r in d["rows"]}
     assert all(r["ok"] and r["correct"] and r["us"]["n"] == 3 for r in rows.values()), rows
     assert d["bank"] == {"rows": 4096, "bytes": 2**20, "memory_kind": "pinned_host"}
     if not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
-        assert list(d["skipped"]) == ["host_ffi"] and not {"host_ffi", "host_ffi_bank"} & set(rows)
+        assert "host_ffi" in d["skipped"] and not any(v.startswith("host_ffi") or "expert_ffn" in v for v in rows)
         return
     assert not d["skipped"] and d["compiler"]
-    assert list(rows) == ["device", "io_callback", "host_jnp", "host_ffi", "host_ffi_bank"]
+    assert list(rows) == ["device", "io_callback", "host_jnp", "host_ffi", "host_ffi_bank", "native_callbacks_k1",
+                          "host_expert_ffn_k1", "native_callbacks_k2", "host_expert_ffn_k2"]
+    assert rows["host_expert_ffn_k2"]["hlo"]["ftjax_probe_expert_ffn"] >= 1
+    assert [f["route"] for f in d["fits"]] == ["native_callbacks", "host_expert_ffn"]
+    assert d["experts"]["expert_bytes"] == 2 * 3 * 64 * 32
     assert rows["host_ffi"]["hlo"]["ftjax_probe_double"] >= 1 and rows["host_ffi"]["hlo"]["_xla_compute_type"] >= 1
     assert rows["host_ffi_bank"]["hlo"]["ftjax_probe_double_add_row"] >= 1
     assert rows["device"]["hlo"]["ftjax_probe_double"] == rows["host_jnp"]["hlo"]["ftjax_probe_double"] == 0
-    again = _run("probe_host_ffi", tmp_path / "second", "--repeats=1", "--hidden=64", "--bank_mb=1")
+    again = _run("probe_host_ffi", tmp_path / "second", "--repeats=1", *small)
     assert again["compiler"] == "registered earlier in this process"
-    assert all(r["ok"] and r["correct"] for r in again["rows"]) and len(again["rows"]) == 5
+    assert all(r["ok"] and r["correct"] for r in again["rows"]) and len(again["rows"]) == 9

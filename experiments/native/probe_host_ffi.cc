@@ -44,3 +44,39 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxProbeDoubleAddRow, DoubleAddRow,
                                   .Arg<Matrix>()
                                   .Arg<Row>()
                                   .Ret<Matrix>());
+
+// The CPU expert kernel itself (ftjax/experts/native/expert_ffn.c's ftjax_expert_ffn, loaded by the caller) on
+// x float32 [N, D] and expert ids int32 [K] (rows of the banks): y float32 [K, N, D]. The kernel's address, its two
+// bank descriptors (ftjax_mat, pointing into the pinned host banks in place), a work buffer of at least
+// ftjax_expert_ffn_work(...) floats and its row blocks and threads are attributes, fixed when the program is built,
+// as the slot-copy kernel takes a bank's address.
+typedef int (*ExpertFfn)(const void* gu, const void* dn, const int32_t* ids, int k, int n, const float* x, float* y,
+                         int rb1, int rb2, float* work, int threads);
+using Ids = ffi::Buffer<ffi::S32, 1>;
+using Out3 = ffi::Buffer<ffi::F32, 3>;
+
+static ffi::Error ExpertFfnCall(Matrix x, Ids ids, ffi::ResultBuffer<ffi::F32, 3> y, uint64_t fn, uint64_t gu,
+                                uint64_t dn, uint64_t work, int32_t rb1, int32_t rb2, int32_t threads) {
+  const int64_t k = ids.dimensions()[0], n = x.dimensions()[0];
+  if (y->dimensions()[0] != k || y->dimensions()[1] != n || y->dimensions()[2] != x.dimensions()[1]) {
+    return ffi::Error::InvalidArgument("y must be [K, N, D] for ids [K] and x [N, D]");
+  }
+  int rc = reinterpret_cast<ExpertFfn>(fn)(reinterpret_cast<const void*>(gu), reinterpret_cast<const void*>(dn),
+                                           ids.typed_data(), static_cast<int>(k), static_cast<int>(n),
+                                           x.typed_data(), y->typed_data(), rb1, rb2,
+                                           reinterpret_cast<float*>(work), threads);
+  return rc == 0 ? ffi::Error::Success() : ffi::Error::InvalidArgument("ftjax_expert_ffn refused its arguments");
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxProbeExpertFfn, ExpertFfnCall,
+                              ffi::Ffi::Bind()
+                                  .Arg<Matrix>()
+                                  .Arg<Ids>()
+                                  .Ret<Out3>()
+                                  .Attr<uint64_t>("fn")
+                                  .Attr<uint64_t>("gu")
+                                  .Attr<uint64_t>("dn")
+                                  .Attr<uint64_t>("work")
+                                  .Attr<int32_t>("rb1")
+                                  .Attr<int32_t>("rb2")
+                                  .Attr<int32_t>("threads"));

@@ -470,6 +470,12 @@ def _hlo_tiling(d: dict) -> str:
         f"{len(pairs)} pairs build an op otherwise"
 
 
+def _probe_host_ffi(d: dict) -> str:
+    fits = "; ".join(f"{f['route']} {f['fixed_us'] / 1e3:.2f} ms fixed" for f in d.get("fits") or [])
+    failed = [r["variant"] for r in d.get("rows") or [] if not r.get("ok")]
+    return (fits or "-") + (f"; failed: {', '.join(failed)}" if failed else "")
+
+
 HEADLINES = {
     "bench_decode": _bench_decode,
     "bench_decode_speed": _bench_decode_speed,
@@ -497,6 +503,7 @@ HEADLINES = {
     "ab_slot_table": _ab_slot_table,
     "serve_soak": _serve_soak,
     "hlo_tiling": _hlo_tiling,
+    "probe_host_ffi": _probe_host_ffi,
 }
 
 

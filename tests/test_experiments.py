@@ -1065,6 +1065,23 @@ def test_hlo_tiling_names_the_ops_two_programs_build_otherwise():
     assert tiling.differences(a, a) == {"ops": [], "only_first": [], "only_second": []}
 
 
+def test_hlo_tiling_reads_a_committed_gpu_program():
+    """On a real XLA:GPU decode block (H100, 2026-12-06, committed under experiments/results/hlo/) the parser finds its
+    one cuBLAS GEMM (the head, with its algorithm) and its six Triton fusions with their tiles, each named by its op."""
+    tiling = import_app("experiments.hlo_tiling")
+    name = "decode_block_resident_b1_qwen3-30b-a3b_16l_h100_2026-12-06.hlo.txt"
+    text = (ROOT / "experiments" / "results" / "hlo" / name).read_text()
+    got = tiling.tilings(text)
+    kinds = [t["kind"] for t in got]
+    assert kinds.count("__cublas$lt$matmul") == 1 and kinds.count("__triton") == 6 and len(got) == 7
+    head = next(t for t in got if t["kind"] == "__cublas$lt$matmul")
+    assert head["shape"] == "bf16[151936]{0}" and head["config"] == "algorithm 0"
+    assert head["op_name"].endswith("jit(forward_step)/dot_general")
+    assert all(t["op_name"].startswith("jit(decode_block)/") for t in got)
+    assert all(t["config"].startswith('{"group_size"') and '"output_tiles"' in t["config"] for t in got
+               if t["kind"] == "__triton")
+
+
 def test_hlo_tiling_pairs_the_programs_of_one_name_in_compile_order(tmp_path):
     """The script reads a dump's programs by module number, compares only programs of one module name (and names a
     program it compared with none), and writes its JSON with the run's meta."""

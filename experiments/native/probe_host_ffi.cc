@@ -56,11 +56,19 @@ using Ids = ffi::Buffer<ffi::S32, 1>;
 using Out3 = ffi::Buffer<ffi::F32, 3>;
 
 static ffi::Error ExpertFfnCall(Matrix x, Ids ids, ffi::ResultBuffer<ffi::F32, 3> y, uint64_t fn, uint64_t gu,
-                                uint64_t dn, uint64_t work, int32_t rb1, int32_t rb2, int32_t threads) {
+                                uint64_t dn, uint64_t work, int64_t work_floats, int32_t hidden, int32_t experts,
+                                int32_t rb1, int32_t rb2, int32_t threads) {
   const int64_t k = ids.dimensions()[0], n = x.dimensions()[0];
-  if (y->dimensions()[0] != k || y->dimensions()[1] != n || y->dimensions()[2] != x.dimensions()[1]) {
+  if (x.dimensions()[1] != hidden) return ffi::Error::InvalidArgument("x must be [N, hidden]");
+  if (y->dimensions()[0] != k || y->dimensions()[1] != n || y->dimensions()[2] != hidden) {
     return ffi::Error::InvalidArgument("y must be [K, N, D] for ids [K] and x [N, D]");
   }
+  for (int64_t i = 0; i < k; ++i) {
+    if (ids.typed_data()[i] < 0 || ids.typed_data()[i] >= experts) {
+      return ffi::Error::InvalidArgument("an expert id outside [0, experts)");
+    }
+  }
+  (void)work_floats;  // sized by the caller for this k and N (ftjax_expert_ffn_work); kept for the record
   int rc = reinterpret_cast<ExpertFfn>(fn)(reinterpret_cast<const void*>(gu), reinterpret_cast<const void*>(dn),
                                            ids.typed_data(), static_cast<int>(k), static_cast<int>(n),
                                            x.typed_data(), y->typed_data(), rb1, rb2,
@@ -77,6 +85,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxProbeExpertFfn, ExpertFfnCall,
                                   .Attr<uint64_t>("gu")
                                   .Attr<uint64_t>("dn")
                                   .Attr<uint64_t>("work")
+                                  .Attr<int64_t>("work_floats")
+                                  .Attr<int32_t>("hidden")
+                                  .Attr<int32_t>("experts")
                                   .Attr<int32_t>("rb1")
                                   .Attr<int32_t>("rb2")
                                   .Attr<int32_t>("threads"));

@@ -190,6 +190,13 @@ tiling() {  # tiling NAME DUMP OUT-FILE: experiments/hlo_tiling.py on a dump (it
   echo "== $name rc=$?"; grep -v " 0 ops built otherwise, 0 only in the first, 0 only in the second" "$logs/$name.log" |
     cut -c1-400 | head -n 40
 }
+prefetch_tokens() {  # prefetch_tokens LIMIT NAME TAG bench-args...: bench_decode_speed's tokens run at issue 32's
+  # shape, resident then cached with 48 cached steps (first_token_unlike_resident in its JSON), tagged 16l-512-slots-TAG
+  local lim="$1" name="$2" tag="$3"; shift 3
+  run "$lim" "$name" experiments/bench_decode_speed.py --preset=qwen3.5-35b-a3b --layers=16 --slots=512 \
+    --modes=resident,cached --batches=1 --decode_blocks=16 --repeats=1 --cached_repeats=1 --cached_steps=48 \
+    --trace_steps=0 --tag="16l-512-slots-${tag}_${dev}_$day" ${out:+--out_dir="$out"} "$@"
+}
 hybrid_decode() {  # hybrid_decode LIMIT: issue 32's decode shape (hybrid-decode, decode-targets)
   run "$1" hybrid-decode experiments/bench_decode_speed.py --preset=qwen3.5-35b-a3b --layers=16 --slots=512 \
     --batches=1 --decode_blocks=16 --repeats=3 --trace_steps=0 --tag="qwen3.5-16l-512-slots_${dev}_$day" \
@@ -384,18 +391,14 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
     prefetch-kernels)
       for k in norm_dense_decode,dense_decode moe_decode gated_delta,gated_delta_solve,causal_conv \
                decode_attention,rope_cache; do
-        run 100 "$stage-${k%%,*}" experiments/bench_decode_speed.py --preset=qwen3.5-35b-a3b --layers=16 --slots=512 \
-          --modes=resident,cached --batches=1 --decode_blocks=16 --repeats=1 --cached_repeats=1 --cached_steps=48 \
-          --trace_steps=0 --prefetch_guesses=2 --miss_copy=xla --kernels="$k" \
-          --tag="16l-512-slots-tokens-prefetch-2-only-${k//,/-}_${dev}_$day" ${out:+--out_dir="$out"}
+        prefetch_tokens 100 "$stage-${k%%,*}" "tokens-prefetch-2-only-${k//,/-}" --prefetch_guesses=2 --miss_copy=xla \
+          --kernels="$k"
       done ;;
     prefetch-norm-kernel)
       for kg in norm_dense_decode,dense_decode:0 norm_dense_decode:2 dense_decode:2; do
         k=${kg%%:*} g=${kg##*:}
-        run 150 "$stage-${k//,/-}-$g" experiments/bench_decode_speed.py --preset=qwen3.5-35b-a3b --layers=16 \
-          --slots=512 --modes=resident,cached --batches=1 --decode_blocks=16 --repeats=1 --cached_repeats=1 \
-          --cached_steps=48 --trace_steps=0 --prefetch_guesses="$g" --miss_copy=xla --kernels="$k" \
-          --tag="16l-512-slots-tokens-prefetch-$g-only-${k//,/-}_${dev}_$day" ${out:+--out_dir="$out"}
+        prefetch_tokens 150 "$stage-${k//,/-}-$g" "tokens-prefetch-$g-only-${k//,/-}" --prefetch_guesses="$g" \
+          --miss_copy=xla --kernels="$k"
       done ;;
     prefetch-tiling|prefetch-precision)
       extra=""; name=tiling; what=""  # what: the hlo_tiling files' part of the name (the tiling run's: none)
@@ -404,10 +407,7 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
       for g in 2 0; do
         dump=/tmp/$stage-dump-$g; rm -rf "$dump"; flags="--xla_dump_hlo_as_text --xla_dump_hlo_module_re=decode_block"
         XLA_FLAGS="${XLA_FLAGS:-} $extra --xla_dump_to=$dump $flags" \
-          run 150 "$stage-$g" experiments/bench_decode_speed.py --preset=qwen3.5-35b-a3b --layers=16 --slots=512 \
-          --modes=resident,cached --batches=1 --decode_blocks=16 --repeats=1 --cached_repeats=1 --cached_steps=48 \
-          --trace_steps=0 --prefetch_guesses="$g" --tag="16l-512-slots-$name-prefetch-${g}_${dev}_$day" \
-          ${out:+--out_dir="$out"}
+          prefetch_tokens 150 "$stage-$g" "$name-prefetch-$g" --prefetch_guesses="$g"
         tiling "$stage-$g-tiling" "$dump" \
           "hlo_tiling_qwen3.5-35b-a3b_16l-512-slots-${what}prefetch-${g}_${dev}_$day.json"
       done ;;

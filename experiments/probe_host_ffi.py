@@ -88,7 +88,6 @@ flags.register_multi_flags_validator(["ks", "experts"], lambda f: all(not k.stri
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "probe_host_ffi.cc")
 TARGET, TARGET_BANK, TARGET_FFN = "ftjax_probe_double", "ftjax_probe_double_add_row", "ftjax_probe_expert_ffn"
-VARIANTS = ("device", "io_callback", "host_jnp", "host_ffi", "host_ffi_bank")
 ROW = 5  # the bank row host_ffi_bank reads
 
 
@@ -132,20 +131,26 @@ def register(lib: str) -> str | None:
     return None
 
 
+def on_host(fn, *args, in_place: tuple[int, ...] = ()):
+    """``fn(*args)`` inside a ``compute_on("device_host")`` region, its result put on the device; each of ``args`` is
+    put in host memory first, but those at the positions ``in_place`` (already host arrays: the pinned bank), which
+    are handed over as they are."""
+    import jax
+    from jax.experimental.compute_on import compute_on
+    host = jax.memory.Space.Host
+    placed = (a if n in in_place else jax.device_put(a, host) for n, a in enumerate(args))
+    y = compute_on(fn, compute_type="device_host", out_memory_spaces=host)(*placed)
+    return jax.device_put(y, jax.memory.Space.Device)
+
+
 def programs(registered: bool) -> dict:
-    """The jitted program of each variant (:data:`VARIANTS`, the ``host_ffi`` ones last and only where the handlers
+    """The jitted program of each of the five first variants (the ``host_ffi`` ones last and only where the handlers
     are registered), each taking (x float32 [rows, hidden] on the device, the bank float32 [R, hidden] in pinned host
     memory, the bank row int32 [] on the device) and returning its result on the device."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     from jax.experimental import io_callback
-    from jax.experimental.compute_on import compute_on
-    host, device = jax.memory.Space.Host, jax.memory.Space.Device
-
-    def region(fn, *args):  # fn on the host; args placed there first (the bank is already)
-        y = compute_on(fn, compute_type="device_host", out_memory_spaces=host)(*args)
-        return jax.device_put(y, device)
 
     def ffi_double(x):
         return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
@@ -156,11 +161,10 @@ def programs(registered: bool) -> dict:
     out = {"device": lambda x, bank, row: x * 2,
            "io_callback": lambda x, bank, row: io_callback(lambda a: np.asarray(a) * np.float32(2),
                                                            jax.ShapeDtypeStruct(x.shape, jnp.float32), x),
-           "host_jnp": lambda x, bank, row: region(lambda a: a * 2, jax.device_put(x, host))}
+           "host_jnp": lambda x, bank, row: on_host(lambda a: a * 2, x)}
     if registered:
-        out["host_ffi"] = lambda x, bank, row: region(ffi_double, jax.device_put(x, host))
-        out["host_ffi_bank"] = lambda x, bank, row: region(ffi_double_add_row, jax.device_put(x, host), bank,
-                                                           jax.device_put(row, host))
+        out["host_ffi"] = lambda x, bank, row: on_host(ffi_double, x)
+        out["host_ffi_bank"] = lambda x, bank, row: on_host(ffi_double_add_row, x, bank, row, in_place=(1,))
     return {k: jax.jit(v) for k, v in out.items()}
 
 
@@ -178,20 +182,19 @@ def expert_programs(cpu, ks: list[int], registered: bool) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.experimental.compute_on import compute_on
 
     from ftjax.experts import cpu_native
-    host, device = jax.memory.Space.Host, jax.memory.Space.Device
     kernel = cpu.kernel
     fns = {}
     fn_addr = ctypes.cast(kernel._lib.ftjax_expert_ffn, ctypes.c_void_p).value
     gu, dn = ctypes.addressof(kernel._gu.mat), ctypes.addressof(kernel._dn.mat)
-    for k in ks:
-        def callbacks(x, i):
-            handle = cpu.launch(x, i, jnp.int32(i.shape[0]), None)
-            return cpu.collect(handle, x, i.shape[0])
 
-        fns[f"native_callbacks_k{k}"] = jax.jit(callbacks)
+    def callbacks(x, i):
+        handle = cpu.launch(x, i, jnp.int32(i.shape[0]), None)
+        return cpu.collect(handle, x, i.shape[0])
+
+    for k in ks:
+        fns[f"native_callbacks_k{k}"] = jax.jit(callbacks)  # one jit each: the rows are timed apart
         if not registered:
             continue
         rb1, rb2 = kernel._gu.rows_per_block(kernel.threads, k), kernel._dn.rows_per_block(kernel.threads, k)
@@ -207,12 +210,7 @@ def expert_programs(cpu, ks: list[int], registered: bool) -> dict:
                 work_floats=np.int64(size), hidden=np.int32(kernel.hidden), experts=np.int32(kernel.experts),
                 rb1=np.int32(rb1), rb2=np.int32(rb2), threads=np.int32(kernel.threads))
 
-        def on_host(x, i, ffn=ffn):
-            y = compute_on(ffn, compute_type="device_host", out_memory_spaces=host)(jax.device_put(x, host),
-                                                                                  jax.device_put(i, host))
-            return jax.device_put(y, device)
-
-        fns[f"host_expert_ffn_k{k}"] = jax.jit(on_host)
+        fns[f"host_expert_ffn_k{k}"] = jax.jit(lambda x, i, ffn=ffn: on_host(ffn, x, i))
     return fns
 
 
@@ -241,14 +239,8 @@ def time_block(fn, args_of_call: list) -> dict:
     after two untimed ones and a pause: a route's OpenMP threads (each calling host thread has its own team) run
     alone, not beside another route's spinning ones."""
     time.sleep(0.5)  # longer than an idle OpenMP team spins before it sleeps
-    for c in range(2):
-        fn(*args_of_call[c % len(args_of_call)]).block_until_ready()
-    times = []
-    for c in range(FLAGS.repeats):
-        t0 = time.perf_counter()
-        fn(*args_of_call[c % len(args_of_call)]).block_until_ready()
-        times.append(1e6 * (time.perf_counter() - t0))
-    return common.spread(times)
+    seconds = common.timed(lambda c: fn(*args_of_call[c % len(args_of_call)]), FLAGS.repeats)
+    return common.spread([1e6 * t for t in seconds])
 
 
 def fits(rows: list[dict], expert_bytes: int) -> list[dict]:

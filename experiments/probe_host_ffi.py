@@ -77,6 +77,8 @@ flags.DEFINE_integer("ffn", 768, "The experts' FFN width F (banks [R, D, 2F] and
                      lower_bound=1)
 flags.DEFINE_list("ks", ["1", "8"], "Experts per call of the expert rows (k; two or more give the fit).")
 flags.DEFINE_integer("threads", 0, "The C kernel's threads (0: every core).", lower_bound=0)
+flags.DEFINE_float("pause_s", 0.5, "Seconds of pause before each expert row's timed block (longer than an idle "
+                   "OpenMP team spins before it sleeps).", lower_bound=0)
 flags.DEFINE_string("out_dir", "experiments/results/miss_policy", "Where the JSON goes.")
 flags.DEFINE_string("tag", "", "Suffix of the JSON's name.")
 
@@ -238,7 +240,7 @@ def time_block(fn, args_of_call: list) -> dict:
     """Microseconds a call of one program, its calls back to back (each on the next of ``args_of_call``, round),
     after two untimed ones and a pause: a route's OpenMP threads (each calling host thread has its own team) run
     alone, not beside another route's spinning ones."""
-    time.sleep(0.5)  # longer than an idle OpenMP team spins before it sleeps
+    time.sleep(FLAGS.pause_s)
     seconds = common.timed(lambda c: fn(*args_of_call[c % len(args_of_call)]), FLAGS.repeats)
     return common.spread([1e6 * t for t in seconds])
 

@@ -1109,7 +1109,7 @@ def test_probe_host_ffi_smoke(tmp_path):
     program), the bank's adds the bank row a device int32 names, and a second run in the process reuses the
     handlers; without a C++ compiler the handlers' rows are skipped with the reason."""
     import shutil
-    small = ("--hidden=64", "--bank_mb=1", "--experts=4", "--ffn=32", "--ks=1,2", "--threads=2")
+    small = ("--hidden=64", "--bank_mb=1", "--experts=4", "--ffn=32", "--ks=1,2", "--threads=2", "--pause_s=0")
     d = _run("probe_host_ffi", tmp_path / "first", "--repeats=3", *small)
     rows = {r["variant"]: r for r in d["rows"]}
     assert all(r["ok"] and r["correct"] and r["us"]["n"] == 3 for r in rows.values()), rows

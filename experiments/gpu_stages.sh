@@ -128,7 +128,9 @@
 #                  compared by experiments/hlo_tiling.py: is the difference the pipelined driver's?
 # host-ffi:        experiments/probe_host_ffi.py: does a CPU FFI custom call run inside compute_on("device_host") of a
 #                  GPU program, does a pinned bank reach it in place, and what fixed cost and GB/s has the C expert
-#                  kernel called that way against native_async's two io_callbacks (issue 33: <= 0.2 ms a layer; ~2 min)
+#                  kernel called that way against native_async's two io_callbacks (issue 33: <= 0.2 ms a layer; ~2 min);
+#                  a variant that ends the process (its row "no answer", Python's stack in the log by -X faulthandler)
+#                  is left out of a second run (--skip, tag _skip-2), and so on up to three runs
 # prefetch-sanitizer: the prefetch's cached decode (issue 32's shape, 16 steps) under compute-sanitizer's initcheck
 #                  (reads of device memory nothing wrote; with the platform allocator) then racecheck (shared memory
 #                  hazards inside a kernel, not races between streams), logs under $OUT: for a machine whose
@@ -417,7 +419,18 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
         run 200 "$stage" experiments/check_identity_gpu.py --fixtures=qwen3_5_moe_fp32 --dtype=float32 --prompts=short \
         --variants=cached_S=E,cached_S=E_scan --steps=1 --out_dir="$d"
       tiling "$stage-tiling" "$dump" "hybrid-fp32-tiling/hlo_tiling_qwen3_5_moe_fp32_first-logits_${dev}_$day.json" ;;
-    host-ffi) run 180 "$stage" experiments/probe_host_ffi.py --tag="${dev}_$day" ${out:+--out_dir="$out"} ;;
+    host-ffi)
+      skip=""
+      for attempt in 1 2 3; do
+        tag="${dev}_$day${skip:+_skip-$attempt}"
+        run 180 "$stage-$attempt" -X faulthandler experiments/probe_host_ffi.py --tag="$tag" ${skip:+--skip="$skip"} \
+          ${out:+--out_dir="$out"}
+        dead="$(python3 -c 'import json, sys; print(",".join(r["variant"] for r in json.load(open(sys.argv[1]))["rows"]
+          if str(r.get("error", "")).startswith("no answer")))' \
+          "${out:-experiments/results/miss_policy}/probe_host_ffi_$tag.json" 2>/dev/null)"
+        [ -n "$dead" ] || break
+        echo "== $stage: $dead ended the process; again without it"; skip="${skip:+$skip,}$dead"
+      done ;;
     prefetch-sanitizer)
       san="$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)"
       [ -n "$san" ] || echo "== $stage skipped: no compute-sanitizer on PATH or in /usr/local/cuda/bin"

@@ -37,8 +37,12 @@ expert row the kernel's), ``hlo``
 (counts in the compiled program's text of the FFI targets' names, host-compute annotations and asynchronous host
 calls: whether the region was split off the device program at all), and the call's microseconds (median, p10, p90 of
 ``--repeats`` calls after two untimed ones) with ``net_us`` (median minus
-``device``'s). The JSON is rewritten after each variant's first run, so a crash in XLA's host path keeps the rows
-before it. On the CPU backend every region is the CPU and the rows check the programs only.
+``device``'s). What needs no handler runs and is timed first (``device``, ``io_callback``, ``host_jnp``, then the
+``native_callbacks`` rows), the handlers' rows after it (``host_ffi``, ``host_ffi_bank``, timed in rounds of their
+own, then the ``host_expert_ffn`` rows). The JSON is rewritten before and after each variant's first run, its row
+saying ``no answer: ...`` until that run returns, so a handler that ends the process in XLA's host path (as one did
+on an H100, 2026-12-07, 625eec0) leaves its name and every row before it; ``--skip`` leaves variants out for the
+next run. On the CPU backend every region is the CPU and the rows check the programs only.
 
   PYTHONPATH=. python3 experiments/probe_host_ffi.py --out_dir=$OUT --tag=h100_$(date -u +%F)       # GPU
   .venv/bin/python experiments/probe_host_ffi.py --repeats=5 --bank_mb=8 --experts=8 --hidden=256 --ffn=128 \
@@ -46,8 +50,8 @@ before it. On the CPU backend every region is the CPU and the rows check the pro
 
 Writes ``probe_host_ffi[_<tag>].json`` (meta, flags, ``compiler``, ``skipped``: ``host_ffi`` with the reason where
 the handlers could not be built or registered, every handler variant then left out; ``experts`` with the reason
-where the kernel could not be built or view the banks, the expert rows then left out; ``bank``; ``experts``;
-``rows``; ``fits``).
+where the kernel could not be built or view the banks, the expert rows then left out; each variant ``--skip`` left
+out; ``bank``; ``experts``; ``rows``; ``fits``).
 """
 
 from __future__ import annotations
@@ -79,6 +83,8 @@ flags.DEFINE_list("ks", ["1", "8"], "Experts per call of the expert rows (k; two
 flags.DEFINE_integer("threads", 0, "The C kernel's threads (0: every core).", lower_bound=0)
 flags.DEFINE_float("pause_s", 0.5, "Seconds of pause before each expert row's timed block (longer than an idle "
                    "OpenMP team spins before it sleeps).", lower_bound=0)
+flags.DEFINE_list("skip", [], "Variants to leave out, as names or shell patterns (host_ffi, 'host_expert_ffn_k*'): "
+                  "one that ended the process in an earlier run (its row says so), so that the others still run.")
 flags.DEFINE_string("out_dir", "experiments/results/miss_policy", "Where the JSON goes.")
 flags.DEFINE_string("tag", "", "Suffix of the JSON's name.")
 
@@ -231,7 +237,7 @@ def swiglu_reference(gu, dn, x, ids):
     for e in np.asarray(ids):
         h = np.asarray(x, np.float64) @ np.asarray(gu[e], np.float64)
         f = h.shape[1] // 2
-        a = h[:, :f] / (1 + np.exp(-h[:, :f])) * h[:, f:]
+        a = h[:, :f] * (0.5 + 0.5 * np.tanh(h[:, :f] / 2)) * h[:, f:]  # silu by tanh: no overflow in exp
         out.append(a @ np.asarray(dn[e], np.float64))
     return np.stack(out)
 
@@ -328,8 +334,25 @@ def expert_kernel():
     return cpu, banks
 
 
+PENDING = "no answer: the process ended in this variant's first compile or call"
+
+
+def first_run(out: dict, save, variant: str, fn, args, want, **extra) -> dict:
+    """Appends ``variant``'s row, saved as :data:`PENDING` before its first compile and call and then with
+    :func:`check`'s answer and :func:`evidence` (and ``extra``): a handler that kills the process leaves its name."""
+    row = {"variant": variant, "ok": False, "error": PENDING, **extra}
+    out["rows"].append(row)
+    save()
+    row.pop("error")
+    row.update(check(fn, args, want), hlo=evidence(fn, args))
+    save()
+    return row
+
+
 def main(argv):
     del argv
+    import fnmatch
+
     import jax.numpy as jnp
     import numpy as np
 
@@ -341,6 +364,11 @@ def main(argv):
 
     def save():  # after every step: a crash in XLA's host path must not lose the rows before it
         return common.write_json(FLAGS.out_dir, name, out)
+
+    def wanted(fns: dict) -> dict:
+        left = {v: f for v, f in fns.items() if not any(fnmatch.fnmatchcase(v, p) for p in FLAGS.skip)}
+        out["skipped"].update({v: "--skip" for v in fns if v not in left})
+        return left
 
     with tempfile.TemporaryDirectory(prefix="probe_host_ffi-") as folder:
         lib, compiler = (None, "registered earlier in this process") if _REGISTERED else build(folder)
@@ -356,17 +384,6 @@ def main(argv):
     out["bank"] = {"rows": rows, "bytes": rows * FLAGS.hidden * 4, "memory_kind": bank.sharding.memory_kind}
     want = np.asarray(x) * np.float32(2)
     wants = {"host_ffi_bank": want + np.asarray(bank[ROW])[None, :]}
-    fns = programs(not why)
-    for variant, fn in fns.items():
-        out["rows"].append({"variant": variant, **check(fn, args, wants.get(variant, want)),
-                            "hlo": evidence(fn, args)})
-        save()
-    spreads = time_all({r["variant"]: fns[r["variant"]] for r in out["rows"] if r["ok"]},
-                       {r["variant"]: args for r in out["rows"]})
-    for r in out["rows"]:
-        if r["ok"]:
-            r["us"] = spreads[r["variant"]]
-    save()
     ks = sorted({int(k) for k in FLAGS.ks})
     try:
         cpu, banks = expert_kernel()
@@ -374,25 +391,40 @@ def main(argv):
         cpu, banks = None, None
         out["skipped"]["experts"] = f"{type(e).__name__}: {str(e)[:800]}"
         print(f"skipped: the expert rows ({str(e)[:200]})", flush=True)
-    efns = expert_programs(cpu, ks, not why) if cpu else {}
     out["experts"] = None if cpu is None else {
         "experts": FLAGS.experts, "hidden": FLAGS.hidden, "ffn": FLAGS.ffn, "ks": ks, "threads": cpu.kernel.threads,
         "expert_bytes": cpu.kernel.expert_bytes, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
-    for variant, fn in efns.items():
-        k = int(variant.rsplit("_k", 1)[1])
-        calls = expert_ids(k, max(1, min(FLAGS.repeats, -(-FLAGS.experts // k))), FLAGS.experts)
-        # the kernel's own result, from its driver thread (as the callbacks route runs it), checked against float64
-        want_e = cpu.kernel.result(cpu.kernel.submit(np.asarray(x), np.asarray(calls[0]), k))
-        ref = swiglu_reference(banks[0], banks[1], np.asarray(x), np.asarray(calls[0]))
-        row = {"variant": variant, **check(fn, (x, calls[0]), want_e), "hlo": evidence(fn, (x, calls[0])),
-               "kernel_rel_err": float(np.max(np.abs(want_e - ref)) / max(np.max(np.abs(ref)), 1e-30))}
-        if row["ok"]:
-            try:
-                row["us"] = time_block(fn, [(x, c) for c in calls])
-            except Exception as e:
-                row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:400]}")
-        out["rows"].append(row)
+    fns = wanted(programs(not why))
+    efns = wanted(expert_programs(cpu, ks, not why)) if cpu else {}
+    # what runs without the handlers first, each part timed and saved before any handler's first call: a handler
+    # that kills the process in a host region (on a GPU) then leaves every figure but its own
+    spreads = {}
+    for handlers in (False, True):
+        part = {v: f for v, f in fns.items() if v.startswith("host_ffi") == handlers}
+        done = [first_run(out, save, v, f, args, wants.get(v, want)) for v, f in part.items()]
+        spreads.update(time_all({r["variant"]: fns[r["variant"]] for r in done if r["ok"]},
+                                {r["variant"]: args for r in done}))
+        for r in done:
+            if r["ok"]:
+                r["us"] = spreads[r["variant"]]
         save()
+        for variant, fn in efns.items():
+            if variant.startswith("host_expert_ffn") != handlers:
+                continue
+            k = int(variant.rsplit("_k", 1)[1])
+            calls = expert_ids(k, max(1, min(FLAGS.repeats, -(-FLAGS.experts // k))), FLAGS.experts)
+            # the kernel's own result, from its driver thread (as the callbacks route runs it), checked against
+            # float64
+            want_e = cpu.kernel.result(cpu.kernel.submit(np.asarray(x), np.asarray(calls[0]), k))
+            ref = swiglu_reference(banks[0], banks[1], np.asarray(x), np.asarray(calls[0]))
+            row = first_run(out, save, variant, fn, (x, calls[0]), want_e,
+                            kernel_rel_err=float(np.max(np.abs(want_e - ref)) / max(np.max(np.abs(ref)), 1e-30)))
+            if row["ok"]:
+                try:
+                    row["us"] = time_block(fn, [(x, c) for c in calls])
+                except Exception as e:
+                    row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:400]}")
+            save()
     base = spreads.get("device", {}).get("median")
     for r in out["rows"]:
         timed = r.get("us") or {}

@@ -22,10 +22,13 @@ def embed_program(params, tokens, start, valid_len):
     return model_lib.embed_inputs(params, tokens, start, valid_len)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "all_logits"))
-def head_program(params, h, valid_len, *, cfg, all_logits):
-    """``model.final_logits`` as its own program: float32 logits [B, V] ([B, T, V] with ``all_logits``)."""
-    return model_lib.final_logits(params, cfg, h, valid_len, all_logits)
+@functools.partial(jax.jit, static_argnames=("cfg", "opts"))
+def head_program(params, h, valid_len, *, cfg, opts):
+    """``model.final_logits`` as its own program: float32 logits [B, V] ([B, T, V] with ``opts.all_logits``),
+    traced under the call's ``StepOptions`` (its matmul precision and kernels), as the layer scan's head is: traced
+    outside them the head's product took XLA's default precision, which on a GPU may run a float32 product as TF32."""
+    with opts.tracing():
+        return model_lib.final_logits(params, cfg, h, valid_len, opts.all_logits)
 
 
 @jax.jit

@@ -193,7 +193,7 @@ class PipelinedDriver:
             out = jax.tree.map(device_spec, jax.eval_shape(functools.partial(layer_program, cfg=cfg, opts=opts),
                                                             *args))
             stats, kv_out = out[3], out[4]
-        ctx.compile(head_program, (ctx.params, h, valid), cfg=cfg, all_logits=plan.opts.all_logits)
+        ctx.compile(head_program, (ctx.params, h, valid), cfg=cfg, opts=plan.opts)
         # what run() does after the layers, and the layer-index scalars, made here, outside any timing
         ctx.compile(stack, ([stats] * cfg.num_layers,))
         if kv_out is not None:
@@ -278,8 +278,7 @@ class PipelinedDriver:
                 spare = None
         if d2d:  # the streamed layers left the table as it was: the output state's is known on the host too
             experts.remember_slots(state.table.slot_of, slot_of)
-        logits = ctx.compile(head_program, (ctx.params, h, valid), cfg=cfg,
-                             all_logits=step.all_logits)(ctx.params, h, valid)
+        logits = ctx.compile(head_program, (ctx.params, h, valid), cfg=cfg, opts=step)(ctx.params, h, valid)
         kv_out = None
         if step.kv is not None and step.kv.store_chunks:
             kv_out = ctx.compile(stack, (kv_outs,))(kv_outs)

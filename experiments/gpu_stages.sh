@@ -131,6 +131,10 @@
 #                  kernel called that way against native_async's two io_callbacks (issue 33: <= 0.2 ms a layer; ~2 min);
 #                  a variant that ends the process (its row "no answer", Python's stack in the log by -X faulthandler)
 #                  is left out of a second run (--skip, tag _skip-2), and so on up to three runs
+# pipelined-initcheck: compute-sanitizer's initcheck on the fp32 hybrid fixture's first logits, cached at S = E, its
+#                  prefill on the pipelined driver (4.05e-6 off resident on an H100) and on the scan (bit-identical):
+#                  does the pipelined one read device memory nothing wrote (the prefetch-sanitizer run of 2026-12-07
+#                  saw XLA's wrapped_slice do so in that driver's layer program)?
 # prefetch-sanitizer: the prefetch's cached decode (issue 32's shape, 16 steps) under compute-sanitizer's initcheck
 #                  (reads of device memory nothing wrote; with the platform allocator) then racecheck (shared memory
 #                  hazards inside a kernel, not races between streams), logs under $OUT: for a machine whose
@@ -217,6 +221,19 @@ kernel_copy_rows() {  # kernel_copy_rows LIMIT STAGE TAG bench_miss_copy-args...
     run "$lim" "$stage-$p" experiments/bench_miss_copy.py --preset="$p" --layers_per_call=16 --decode_layers=16 \
       --repeats=5 --groups=1 --notorch --bank_experts=512 "$@" --tag="${tag}_${dev}_$day" ${out:+--out_dir="$out"}
   done
+}
+sanitizer() {  # sanitizer TOOL NAME LOG LIMIT python-args...: compute-sanitizer's TOOL on a python run (XLA's platform
+  # allocator: with its pooled one a buffer reuses bytes an earlier op wrote, and initcheck, which follows which bytes
+  # were written, sees each program's own temporaries only then), its log at LOG, the reporting kernels counted
+  local tool="$1" name="$2" log="$3" lim="$4"; shift 4
+  local var="LIMIT_${name//[-.]/_}" t0=$SECONDS san
+  san="$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)"
+  [ -n "$san" ] || { echo "== $name skipped: no compute-sanitizer on PATH or in /usr/local/cuda/bin"; return; }
+  XLA_PYTHON_CLIENT_ALLOCATOR=platform timeout -s INT -k 15 "${!var:-$lim}" "$san" --tool "$tool" --print-limit 200 \
+    --log-file "$log" python3 -X faulthandler "$@" > "$logs/$name.log" 2>&1
+  echo "== $name rc=$? $((SECONDS - t0)) s"; grep -v -E "^[WIE][0-9]{4}" "$logs/$name.log" | tail -n 8
+  [ -f "$log" ] && { grep -A1 -i -E "uninitiali[sz]ed|hazard|race" "$log" | grep -E "^=+ +at " | sort | uniq -c | head -20
+    grep -i "error summary" "$log"; }
 }
 gpu_pytest() {  # gpu_pytest LIMIT STAGE MARKERS pytest-args...: the suite on the GPU, its report under $OUT
   local lim="$1" stage="$2" markers="$3"; shift 3
@@ -432,20 +449,19 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
         echo "== $stage: $dead ended the process; again without it"; skip="${skip:+$skip,}$dead"
       done ;;
     prefetch-sanitizer)
-      san="$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)"
-      [ -n "$san" ] || echo "== $stage skipped: no compute-sanitizer on PATH or in /usr/local/cuda/bin"
-      for tool in ${san:+initcheck racecheck}; do
-        name="$stage-$tool" t0=$SECONDS; var="LIMIT_${name//[-.]/_}"
-        log="${out:-/tmp}/compute_sanitizer_${tool}_prefetch-2_${dev}_$day.txt"
-        # initcheck follows which bytes were written; with XLA's pooled allocator a buffer reuses bytes an earlier
-        # op wrote, and the platform allocator narrows that to each program's own temporary buffer (not to nothing)
-        XLA_PYTHON_CLIENT_ALLOCATOR=platform timeout -s INT -k 15 "${!var:-270}" "$san" --tool "$tool" \
-          --print-limit 50 --log-file "$log" python3 experiments/bench_decode_speed.py --preset=qwen3.5-35b-a3b \
-          --layers=16 --slots=512 --modes=cached --batches=1 --decode_blocks=16 --repeats=1 --cached_repeats=1 \
-          --cached_steps=16 --trace_steps=0 --prefetch_guesses=2 --out_dir=/tmp/prefetch-sanitizer \
-          > "$logs/$name.log" 2>&1
-        echo "== $name rc=$? $((SECONDS - t0)) s"; tail -n 5 "$logs/$name.log"
-        [ -f "$log" ] && grep -i -E "summary|uninitiali[sz]ed|race|hazard" "$log" | head -20
+      for tool in initcheck racecheck; do
+        sanitizer "$tool" "$stage-$tool" "${out:-/tmp}/compute_sanitizer_${tool}_prefetch-2_${dev}_$day.txt" 270 \
+          experiments/bench_decode_speed.py --preset=qwen3.5-35b-a3b --layers=16 --slots=512 --modes=cached \
+          --batches=1 --decode_blocks=16 --repeats=1 --cached_repeats=1 --cached_steps=16 --trace_steps=0 \
+          --prefetch_guesses=2 --out_dir=/tmp/prefetch-sanitizer
+      done ;;
+    pipelined-initcheck)
+      for driver in pipelined scan; do
+        v=cached_S=E; [ "$driver" = scan ] && v=cached_S=E_scan
+        sanitizer initcheck "$stage-$driver" \
+          "${out:-/tmp}/compute_sanitizer_initcheck_qwen3_5_moe_fp32_first-logits-${driver}_${dev}_$day.txt" 150 \
+          experiments/check_identity_gpu.py --fixtures=qwen3_5_moe_fp32 --dtype=float32 --prompts=short \
+          --variants="$v" --steps=1 --out_dir="/tmp/$stage-$driver"
       done ;;
     slot-copy-decode)
       for mc in xla kernel; do

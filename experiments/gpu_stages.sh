@@ -131,6 +131,10 @@
 #                  kernel called that way against native_async's two io_callbacks (issue 33: <= 0.2 ms a layer; ~2 min);
 #                  a variant that ends the process (its row "no answer", Python's stack in the log by -X faulthandler)
 #                  is left out of a second run (--skip, tag _skip-2), and so on up to three runs
+# hybrid-fp32-drivers: the fp32 hybrid fixture's first logits cached at S = E on the pipelined driver and on the scan
+#                  (check_identity_gpu.py's cached_S=E and cached_S=E_scan), with XLA's GEMM autotuning as it is and
+#                  off (--xla_gpu_autotune_level=0: each GEMM's config by its shapes alone, the same in every program):
+#                  is the pipelined driver's 4.05e-6 (625eec0, H100) autotuning's choice per program?
 # pipelined-initcheck: compute-sanitizer's initcheck on the fp32 hybrid fixture's first logits, cached at S = E, its
 #                  prefill on the pipelined driver (4.05e-6 off resident on an H100) and on the scan (bit-identical):
 #                  does the pipelined one read device memory nothing wrote (the prefetch-sanitizer run of 2026-12-07
@@ -436,6 +440,14 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
         run 200 "$stage" experiments/check_identity_gpu.py --fixtures=qwen3_5_moe_fp32 --dtype=float32 --prompts=short \
         --variants=cached_S=E,cached_S=E_scan --steps=1 --out_dir="$d"
       tiling "$stage-tiling" "$dump" "hybrid-fp32-tiling/hlo_tiling_qwen3_5_moe_fp32_first-logits_${dev}_$day.json" ;;
+    hybrid-fp32-drivers)
+      for tune in default 0; do
+        d="${out:-/tmp}/hybrid-fp32-drivers-autotune-$tune"; mkdir -p "$d"
+        flags=""; [ "$tune" = 0 ] && flags="--xla_gpu_autotune_level=0"
+        XLA_FLAGS="${XLA_FLAGS:-} $flags" run 120 "$stage-autotune-$tune" experiments/check_identity_gpu.py \
+          --fixtures=qwen3_5_moe_fp32 --dtype=float32 --prompts=short --variants=cached_S=E,cached_S=E_scan --steps=1 \
+          --out_dir="$d"
+      done ;;
     host-ffi)
       skip=""
       for attempt in 1 2 3; do

@@ -122,7 +122,12 @@ def build(folder: str) -> tuple[str | None, str]:
 
 
 def register(lib: str) -> str | None:
-    """Registers the three handlers of ``lib`` for the CPU, once per process; returns why not, or None."""
+    """Registers the three handlers of ``lib`` for the CPU, once per process; returns why not, or None.
+
+    On a GPU each is also registered through the GPU plugin for platform "Host" (:data:`HOST_REGISTRATION` says how
+    that went): XLA:GPU compiles a host region with the plugin's own copy of XLA, whose FFI registry the CPU client's
+    registration does not reach (an H100 run of 2026-12-07 aborted in compile: "No FFI handler registered for
+    ftjax_probe_double on a platform Host")."""
     import ctypes
 
     import jax
@@ -130,13 +135,30 @@ def register(lib: str) -> str | None:
         return None
     try:
         handle = ctypes.cdll.LoadLibrary(lib)
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handle.FtjaxProbeDouble), platform="cpu")
-        jax.ffi.register_ffi_target(TARGET_BANK, jax.ffi.pycapsule(handle.FtjaxProbeDoubleAddRow), platform="cpu")
-        jax.ffi.register_ffi_target(TARGET_FFN, jax.ffi.pycapsule(handle.FtjaxProbeExpertFfn), platform="cpu")
+        symbols = {TARGET: handle.FtjaxProbeDouble, TARGET_BANK: handle.FtjaxProbeDoubleAddRow,
+                   TARGET_FFN: handle.FtjaxProbeExpertFfn}
+        for name, symbol in symbols.items():
+            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(symbol), platform="cpu")
     except Exception as e:  # a library that does not load, or a refused registration: the rows say so
         return f"{type(e).__name__}: {str(e)[:800]}"
     _REGISTERED.update({TARGET: handle, TARGET_BANK: handle, TARGET_FFN: handle})
+    if jax.default_backend() == "gpu":
+        from jax._src.lib import xla_client
+        plugin = getattr(xla_client, "_custom_callback_handler", {}).get("CUDA")
+        if plugin is None:
+            HOST_REGISTRATION["error"] = "no CUDA custom-call handler in xla_client"
+        else:
+            try:
+                for name, symbol in symbols.items():
+                    plugin(name, jax.ffi.pycapsule(symbol), "Host", 1, xla_client.CustomCallTargetTraits.DEFAULT)
+                HOST_REGISTRATION["plugin"] = "Host"
+            except Exception as e:
+                HOST_REGISTRATION["error"] = f"{type(e).__name__}: {str(e)[:400]}"
     return None
+
+
+#: How the handlers were registered for the GPU plugin's host platform (:func:`register`; empty off a GPU).
+HOST_REGISTRATION: dict[str, str] = {}
 
 
 def on_host(fn, *args, in_place: tuple[int, ...] = ()):
@@ -374,6 +396,7 @@ def main(argv):
         lib, compiler = (None, "registered earlier in this process") if _REGISTERED else build(folder)
         why = None if _REGISTERED else (compiler if lib is None else register(lib))
         out["compiler"] = None if why else compiler
+        out["host_registration"] = dict(HOST_REGISTRATION)
         if why:
             out["skipped"]["host_ffi"] = why  # every handler variant
             print(f"skipped: host_ffi, host_ffi_bank, host_expert_ffn ({why})", flush=True)

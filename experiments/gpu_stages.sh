@@ -228,7 +228,8 @@ kernel_copy_rows() {  # kernel_copy_rows LIMIT STAGE TAG bench_miss_copy-args...
 }
 sanitizer() {  # sanitizer TOOL NAME LOG LIMIT python-args...: compute-sanitizer's TOOL on a python run (XLA's platform
   # allocator: with its pooled one a buffer reuses bytes an earlier op wrote, and initcheck, which follows which bytes
-  # were written, sees each program's own temporaries only then), its log at LOG, the reporting kernels counted
+  # were written, sees each program's own temporaries only then), its log at LOG, the reports counted by kernel; a
+  # run that dies under the sanitizer (every one on an H100, 2026-12-07) prints no Python stack even with faulthandler
   local tool="$1" name="$2" log="$3" lim="$4"; shift 4
   local var="LIMIT_${name//[-.]/_}" t0=$SECONDS san
   san="$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)"
@@ -236,8 +237,9 @@ sanitizer() {  # sanitizer TOOL NAME LOG LIMIT python-args...: compute-sanitizer
   XLA_PYTHON_CLIENT_ALLOCATOR=platform timeout -s INT -k 15 "${!var:-$lim}" "$san" --tool "$tool" --print-limit 200 \
     --log-file "$log" python3 -X faulthandler "$@" > "$logs/$name.log" 2>&1
   echo "== $name rc=$? $((SECONDS - t0)) s"; grep -v -E "^[WIE][0-9]{4}" "$logs/$name.log" | tail -n 8
-  [ -f "$log" ] && { grep -A1 -i -E "uninitiali[sz]ed|hazard|race" "$log" | grep -E "^=+ +at " | sort | uniq -c | head -20
-    grep -i "error summary" "$log"; }
+  [ -f "$log" ] && { grep -A1 -i -E "uninitiali[sz]ed" "$log" | grep -E "^=+ +at " | sort | uniq -c | head -20
+    grep -i -E "race reported|hazard detected" "$log" | sort | uniq -c | head -20
+    grep -i -E "(error|racecheck) summary" "$log"; }
 }
 gpu_pytest() {  # gpu_pytest LIMIT STAGE MARKERS pytest-args...: the suite on the GPU, its report under $OUT
   local lim="$1" stage="$2" markers="$3"; shift 3
@@ -443,22 +445,27 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
     hybrid-fp32-drivers)
       for tune in default 0; do
         d="${out:-/tmp}/hybrid-fp32-drivers-autotune-$tune"; mkdir -p "$d"
-        flags=""; [ "$tune" = 0 ] && flags="--xla_gpu_autotune_level=0"
-        XLA_FLAGS="${XLA_FLAGS:-} $flags" run 120 "$stage-autotune-$tune" experiments/check_identity_gpu.py \
-          --fixtures=qwen3_5_moe_fp32 --dtype=float32 --prompts=short --variants=cached_S=E,cached_S=E_scan --steps=1 \
-          --out_dir="$d"
+        # XLA reads an XLA_FLAGS that does not start with "--" as a file of flags (" " aborted a run): set it only
+        # with a flag in it
+        flags="${XLA_FLAGS:-}"; [ "$tune" = 0 ] && flags="$flags --xla_gpu_autotune_level=0"
+        args=(experiments/check_identity_gpu.py --fixtures=qwen3_5_moe_fp32 --dtype=float32 --prompts=short
+              --variants=cached_S=E,cached_S=E_scan --steps=1 --out_dir="$d")
+        if [ -n "${flags// /}" ]; then XLA_FLAGS="${flags# }" run 120 "$stage-autotune-$tune" "${args[@]}"
+        else run 120 "$stage-autotune-$tune" "${args[@]}"; fi
       done ;;
     host-ffi)
       skip=""
       for attempt in 1 2 3; do
         tag="${dev}_$day${skip:+_skip-$attempt}"
+        json="${out:-experiments/results/miss_policy}/probe_host_ffi_$tag.json"
+        rm -f "$json"  # a run that dies before its first save must not leave an earlier run's rows to be read
         run 180 "$stage-$attempt" -X faulthandler experiments/probe_host_ffi.py --tag="$tag" ${skip:+--skip="$skip"} \
           ${out:+--out_dir="$out"}
+        grep -E "^F[0-9]{4}|Check failed" "$logs/$stage-$attempt.log" | cut -c1-400 | head -n 3  # XLA's abort, if any
         dead="$(python3 -c 'import json, sys; print(",".join(r["variant"] for r in json.load(open(sys.argv[1]))["rows"]
-          if str(r.get("error", "")).startswith("no answer")))' \
-          "${out:-experiments/results/miss_policy}/probe_host_ffi_$tag.json" 2>/dev/null)"
+          if str(r.get("error", "")).startswith("no answer")))' "$json" 2>/dev/null)"
         [ -n "$dead" ] || break
-        echo "== $stage: $dead ended the process; again without it"; skip="${skip:+$skip,}$dead"
+        echo "== $stage: $dead ended the process"; skip="${skip:+$skip,}$dead"
       done ;;
     prefetch-sanitizer)
       for tool in initcheck racecheck; do

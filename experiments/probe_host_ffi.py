@@ -39,19 +39,21 @@ calls: whether the region was split off the device program at all), and the call
 ``--repeats`` calls after two untimed ones) with ``net_us`` (median minus
 ``device``'s). What needs no handler runs and is timed first (``device``, ``io_callback``, ``host_jnp``, then the
 ``native_callbacks`` rows), the handlers' rows after it (``host_ffi``, ``host_ffi_bank``, timed in rounds of their
-own, then the ``host_expert_ffn`` rows). The JSON is rewritten before and after each variant's first run, its row
-saying ``no answer: ...`` until that run returns, so a handler that ends the process in XLA's host path (as one did
-on an H100, 2026-12-07, 625eec0) leaves its name and every row before it; ``--skip`` leaves variants out for the
-next run. On the CPU backend every region is the CPU and the rows check the programs only.
+own, then the ``host_expert_ffn`` rows). The JSON is rewritten before and after each variant's first run and its
+timing, its row saying ``no answer: ...`` until they return, so a handler that ends the process (as each did on an
+H100, 2026-12-07: XLA:GPU aborted compiling the host region, "No FFI handler registered for ftjax_probe_double on a
+platform Host") leaves its name and every row before it; ``--skip`` leaves variants out for the next run. On a GPU
+the handlers are also registered through the GPU plugin for platform "Host" (``host_registration`` says how that
+went; :func:`register`). On the CPU backend every region is the CPU and the rows check the programs only.
 
   PYTHONPATH=. python3 experiments/probe_host_ffi.py --out_dir=$OUT --tag=h100_$(date -u +%F)       # GPU
   .venv/bin/python experiments/probe_host_ffi.py --repeats=5 --bank_mb=8 --experts=8 --hidden=256 --ffn=128 \
       --out_dir=/tmp/host_ffi                                                                       # CPU smoke
 
-Writes ``probe_host_ffi[_<tag>].json`` (meta, flags, ``compiler``, ``skipped``: ``host_ffi`` with the reason where
-the handlers could not be built or registered, every handler variant then left out; ``experts`` with the reason
-where the kernel could not be built or view the banks, the expert rows then left out; each variant ``--skip`` left
-out; ``bank``; ``experts``; ``rows``; ``fits``).
+Writes ``probe_host_ffi[_<tag>].json`` (meta, flags, ``compiler``, ``host_registration``, ``skipped``: ``host_ffi``
+with the reason where the handlers could not be built or registered, every handler variant then left out; ``experts``
+with the reason where the kernel could not be built or view the banks, the expert rows then left out; ``left_out``: the
+variants ``--skip`` left out; ``bank``; ``experts``; ``rows``; ``fits``).
 """
 
 from __future__ import annotations
@@ -357,6 +359,7 @@ def expert_kernel():
 
 
 PENDING = "no answer: the process ended in this variant's first compile or call"
+TIMING = "no answer: the process ended while this variant was timed"
 
 
 def first_run(out: dict, save, variant: str, fn, args, want, **extra) -> dict:
@@ -381,7 +384,7 @@ def main(argv):
     from ftjax.experts import cpu_experts, cpu_native
     out = {"question": "does a CPU FFI custom call run inside compute_on('device_host') of a GPU program, does a "
                        "pinned bank reach it in place, and what fixed cost has the C expert kernel called that way "
-                       "against native_async's two io_callbacks?", "skipped": {}, "rows": []}
+                       "against native_async's two io_callbacks?", "skipped": {}, "left_out": [], "rows": []}
     name = f"probe_host_ffi{'_' + FLAGS.tag if FLAGS.tag else ''}.json"
 
     def save():  # after every step: a crash in XLA's host path must not lose the rows before it
@@ -389,8 +392,14 @@ def main(argv):
 
     def wanted(fns: dict) -> dict:
         left = {v: f for v, f in fns.items() if not any(fnmatch.fnmatchcase(v, p) for p in FLAGS.skip)}
-        out["skipped"].update({v: "--skip" for v in fns if v not in left})
+        out["left_out"] += [v for v in fns if v not in left]
         return left
+
+    def timing(rows: list[dict]):  # rows saved as TIMING while timed: a crash there leaves their names too
+        for r in rows:
+            r["error"] = TIMING
+        save()
+        return rows
 
     with tempfile.TemporaryDirectory(prefix="probe_host_ffi-") as folder:
         lib, compiler = (None, "registered earlier in this process") if _REGISTERED else build(folder)
@@ -425,11 +434,11 @@ def main(argv):
     for handlers in (False, True):
         part = {v: f for v, f in fns.items() if v.startswith("host_ffi") == handlers}
         done = [first_run(out, save, v, f, args, wants.get(v, want)) for v, f in part.items()]
-        spreads.update(time_all({r["variant"]: fns[r["variant"]] for r in done if r["ok"]},
-                                {r["variant"]: args for r in done}))
-        for r in done:
-            if r["ok"]:
-                r["us"] = spreads[r["variant"]]
+        timed = timing([r for r in done if r["ok"]])
+        spreads.update(time_all({r["variant"]: fns[r["variant"]] for r in timed}, {r["variant"]: args for r in done}))
+        for r in timed:
+            r.pop("error")
+            r["us"] = spreads[r["variant"]]
         save()
         for variant, fn in efns.items():
             if variant.startswith("host_expert_ffn") != handlers:
@@ -443,8 +452,10 @@ def main(argv):
             row = first_run(out, save, variant, fn, (x, calls[0]), want_e,
                             kernel_rel_err=float(np.max(np.abs(want_e - ref)) / max(np.max(np.abs(ref)), 1e-30)))
             if row["ok"]:
+                timing([row])
                 try:
                     row["us"] = time_block(fn, [(x, c) for c in calls])
+                    row.pop("error")
                 except Exception as e:
                     row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:400]}")
             save()

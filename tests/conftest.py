@@ -191,6 +191,19 @@ def fixture_name(request):
     return request.param
 
 
+def head_programs_precision(eng) -> list[tuple[str, bool]]:
+    """(the static options' precision, whether the compiled program's text asks for HIGHEST operands) of each
+    ``head_program`` an engine's own calls compiled or looked up (a layer-by-layer driver's final norm and logits)."""
+    from ftjax.runtime import programs
+    out = []
+    for key in eng.programs.keys:
+        if key[0] == "head_program":
+            opts = dict(key[1])["opts"]
+            text = programs._COMPILED[key].executable.as_text()
+            out.append((opts.precision, "operand_precision={highest,highest}" in text))
+    return out
+
+
 def drop_compiled_programs() -> None:
     """Empties the engine's table of compiled programs and JAX's in-memory caches (traces,
     executables), as a new process starts: the on-disk compilation cache, if any, stays."""

@@ -1138,10 +1138,11 @@ def test_probe_host_ffi_smoke(tmp_path):
     assert again["compiler"] == "registered earlier in this process"
     assert [r["variant"] for r in again["rows"] if r["ok"] and r["correct"]] == [
         "device", "io_callback", "host_jnp", "native_callbacks_k1", "native_callbacks_k2", "host_ffi_bank"]
-    assert again["skipped"] == dict.fromkeys(["host_ffi", "host_expert_ffn_k1", "host_expert_ffn_k2"], "--skip")
+    assert again["left_out"] == ["host_ffi", "host_expert_ffn_k1", "host_expert_ffn_k2"] and again["skipped"] == {}
+    assert again["host_registration"] == {}  # the GPU plugin's host platform: registered only on a GPU
 
 
-def test_probe_host_ffi_pending_row(tmp_path, monkeypatch):
+def test_probe_host_ffi_pending_row():
     """A variant's row is saved as pending before its first compile and call: a handler that ends the process there
     leaves its name in the JSON (what an H100 run of 2026-12-07 left none of)."""
     from experiments import probe_host_ffi

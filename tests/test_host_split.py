@@ -74,6 +74,18 @@ def test_host_driver_splits_as_the_program_does_and_equals_resident(qwen, policy
     assert "host_split" not in mi  # the in-program split keeps no host phases
 
 
+def test_host_driver_head_runs_under_the_steps_matmul_precision(qwen):
+    """The host-split driver's head program is traced under the call's options (HIGHEST for a float32 model), as the
+    layer scan's head is."""
+    from conftest import head_programs_precision
+    model, prompt, _ = qwen
+    eng = _engine(model, MissPolicyConfig("cpu", "callback", cpu_driver="host"))
+    eng.generate([prompt], 2)
+    assert eng.prefill_driver_calls["host_split"] == 1
+    heads = head_programs_precision(eng)  # the prefill's and, where it splits, the decode's
+    assert heads and set(heads) == {("highest", True)}, heads
+
+
 @pytest.mark.slow
 def test_host_driver_hybrid_batch_of_two_equals_resident():
     """Gated DeltaNet and attention layers (the layer pattern's kinds meet in the front programs), two rows of

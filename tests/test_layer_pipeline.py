@@ -690,15 +690,9 @@ def test_a_failing_chunk_preparation_does_not_fail_the_request(monkeypatch):
 def test_pipelined_head_runs_under_the_steps_matmul_precision():
     """The pipelined driver's head program is traced under the call's options, as the scan's head is: a float32
     model's logits product asks for HIGHEST precision (untraced under them it took XLA's default, TF32 on a GPU)."""
-    from ftjax.runtime import call_programs, programs
+    from conftest import head_programs_precision
     model, exp = load_fixture("qwen3_moe_fp32")
     _, _, _, eng = _prefill(model, exp["short_prompt_ids"].tolist(), "pipelined")
-    assert eng.precision == "highest"
-    used = [(opts, sig) for name, opts, sig, _ in programs.compiled_programs("head_program")
-            if opts["opts"].precision == "highest" and opts["cfg"] == model.cfg]
-    assert used, "the pipelined prefill compiled no head program under the step's precision"
-    opts, sig = used[0]
-    args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype, _ in sig]
-    params, (h, valid) = jax.tree.unflatten(jax.tree.structure(eng.params), args[:-2]), args[-2:]
-    text = call_programs.head_program.lower(params, h, valid, cfg=opts["cfg"], opts=opts["opts"]).as_text()
-    assert "precision = [HIGHEST, HIGHEST]" in text
+    assert eng.precision == "highest" and eng.prefill_driver_calls["pipelined"] == 1
+    heads = head_programs_precision(eng)  # the prefill's and, where it splits, the decode's
+    assert heads and set(heads) == {("highest", True)}, heads

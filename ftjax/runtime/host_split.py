@@ -231,7 +231,8 @@ class HostSplitDriver:
                 y_dev = device_spec(jax.eval_shape(functools.partial(device_program, opts=plan.opts), *dev_args)[1])
                 y_cpu = device_spec(jax.ShapeDtypeStruct(handoff.cpu_flat.shape + handoff.x.shape, handoff.x.dtype))
             finish = Finish(y_dev, y_cpu, handoff.ids, handoff.weights, handoff.on_cpu, handoff.cpu_rank)
-        ctx.compile(head_program, (ctx.params, h, valid), cfg=cfg, opts=plan.opts)
+        ctx.compile(head_program, (ctx.params, h, valid), compiler_options=plan.compiler_options, cfg=cfg,
+                    opts=plan.opts)
         ctx.compile(stack, ([stats] * cfg.num_layers,))
 
     def run(self, ctx, plan, a) -> ForwardOut:
@@ -286,7 +287,8 @@ class HostSplitDriver:
             finish = Finish(y_dev, y_cpu, handoff.ids, handoff.weights, handoff.on_cpu, handoff.cpu_rank)
             for phase, dt in zip(PHASES, (front_s, t2 - t1, t3 - t2, t4 - t3)):
                 call_s[phase] += dt
-        logits = ctx.compile(head_program, (ctx.params, h, valid), cfg=cfg, opts=plan.opts)(ctx.params, h, valid)
+        logits = ctx.compile(head_program, (ctx.params, h, valid), compiler_options=plan.compiler_options, cfg=cfg,
+                             opts=plan.opts)(ctx.params, h, valid)
         out = ForwardOut(logits, cache, state, ctx.compile(stack, (stats,))(stats), None)
         times.calls += 1  # a call that raised counts in no field: its layers are not added either
         times.layers += len(stats)

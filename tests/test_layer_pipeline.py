@@ -694,5 +694,5 @@ def test_pipelined_head_runs_under_the_steps_matmul_precision():
     model, exp = load_fixture("qwen3_moe_fp32")
     _, _, _, eng = _prefill(model, exp["short_prompt_ids"].tolist(), "pipelined")
     assert eng.precision == "highest" and eng.prefill_driver_calls["pipelined"] == 1
-    heads = head_programs_precision(eng)  # the prefill's and, where it splits, the decode's
+    heads = head_programs_precision(eng)  # the pipelined prefill's
     assert heads and set(heads) == {("highest", True)}, heads

@@ -597,9 +597,12 @@ def result_files() -> list[str]:
 
 def main(argv: list[str]) -> int:
     """``plots.py FILE...`` / ``plots.py --all``: a debug PNG beside each file (:func:`plot`); any
-    figure flag (:data:`FIGURE_FLAGS`) draws one paper figure instead (:func:`figure_main`). Returns the
-    exit status: 0, 1 on a bad file or bad input, 2 with no arguments."""
+    figure flag (:data:`FIGURE_FLAGS`) draws one paper figure instead (:func:`figure_main`); ``-h`` / ``--help``
+    prints the docstring. Returns the exit status: 0, 1 on a bad file or bad input, 2 with no arguments."""
     paths = argv[1:]
+    if paths in (["-h"], ["--help"]):
+        print(__doc__)
+        return 0
     if any(a.split("=", 1)[0][2:] in FIGURE_FLAGS for a in paths if a.startswith("--")):
         return figure_main(paths)
     every = paths == ["--all"]  # every committed file: one without run rows is skipped, not an error
@@ -622,7 +625,8 @@ def main(argv: list[str]) -> int:
             print(f"{p}: no run rows with a known metric, no plot")
         else:
             print(f"plots: error: {p}: no run rows with a known metric, so no bar chart (a --metrics_json of "
-                  f"ftjax.generate is drawn in figure mode: --kind=line --x=... --y=...)", file=sys.stderr)
+                  f"ftjax.generate is drawn in figure mode, e.g. --kind=bars --x=flags.vram_budget_gb "
+                  f"--y=decode_tokens_per_s)", file=sys.stderr)
             status = 1
     return status
 

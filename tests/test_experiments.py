@@ -698,6 +698,7 @@ def test_plots_draw_every_committed_result(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("[1, 2]")
     assert plots.main(["plots", str(bad)]) == 1
+    assert plots.main(["plots", "--help"]) == 0  # the docstring, not a file named --help
 
 
 def test_profile_overlap_summary_of_a_hand_made_trace():

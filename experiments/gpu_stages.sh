@@ -226,6 +226,10 @@ kernel_copy_rows() {  # kernel_copy_rows LIMIT STAGE TAG bench_miss_copy-args...
       --repeats=5 --groups=1 --notorch --bank_experts=512 "$@" --tag="${tag}_${dev}_$day" ${out:+--out_dir="$out"}
   done
 }
+# the fp32 hybrid fixture's first logits, resident against cached (hybrid-fp32-tiling, hybrid-fp32-drivers,
+# pipelined-initcheck add --variants and --out_dir)
+fp32_first_logits=(experiments/check_identity_gpu.py --fixtures=qwen3_5_moe_fp32 --dtype=float32 --prompts=short
+                   --steps=1)
 sanitizer() {  # sanitizer TOOL NAME LOG LIMIT python-args...: compute-sanitizer's TOOL on a python run (XLA's platform
   # allocator: with its pooled one a buffer reuses bytes an earlier op wrote, and initcheck, which follows which bytes
   # were written, sees each program's own temporaries only then), its log at LOG, the reports counted by kernel; a
@@ -439,8 +443,7 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
     hybrid-fp32-tiling)
       dump=/tmp/hybrid-fp32-tiling-dump; rm -rf "$dump"; d="${out:-/tmp}/hybrid-fp32-tiling"; mkdir -p "$d"
       XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=forward_step" \
-        run 200 "$stage" experiments/check_identity_gpu.py --fixtures=qwen3_5_moe_fp32 --dtype=float32 --prompts=short \
-        --variants=cached_S=E,cached_S=E_scan --steps=1 --out_dir="$d"
+        run 200 "$stage" "${fp32_first_logits[@]}" --variants=cached_S=E,cached_S=E_scan --out_dir="$d"
       tiling "$stage-tiling" "$dump" "hybrid-fp32-tiling/hlo_tiling_qwen3_5_moe_fp32_first-logits_${dev}_$day.json" ;;
     hybrid-fp32-drivers)
       for tune in default 0; do
@@ -448,8 +451,7 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
         # XLA reads an XLA_FLAGS that does not start with "--" as a file of flags (" " aborted a run): set it only
         # with a flag in it
         flags="${XLA_FLAGS:-}"; [ "$tune" = 0 ] && flags="$flags --xla_gpu_autotune_level=0"
-        args=(experiments/check_identity_gpu.py --fixtures=qwen3_5_moe_fp32 --dtype=float32 --prompts=short
-              --variants=cached_S=E,cached_S=E_scan --steps=1 --out_dir="$d")
+        args=("${fp32_first_logits[@]}" --variants=cached_S=E,cached_S=E_scan --out_dir="$d")
         if [ -n "${flags// /}" ]; then XLA_FLAGS="${flags# }" run 120 "$stage-autotune-$tune" "${args[@]}"
         else run 120 "$stage-autotune-$tune" "${args[@]}"; fi
       done ;;
@@ -479,8 +481,7 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
         v=cached_S=E; [ "$driver" = scan ] && v=cached_S=E_scan
         sanitizer initcheck "$stage-$driver" \
           "${out:-/tmp}/compute_sanitizer_initcheck_qwen3_5_moe_fp32_first-logits-${driver}_${dev}_$day.txt" 150 \
-          experiments/check_identity_gpu.py --fixtures=qwen3_5_moe_fp32 --dtype=float32 --prompts=short \
-          --variants="$v" --steps=1 --out_dir="/tmp/$stage-$driver"
+          "${fp32_first_logits[@]}" --variants="$v" --out_dir="/tmp/$stage-$driver"
       done ;;
     slot-copy-decode)
       for mc in xla kernel; do

@@ -430,7 +430,18 @@ def main(argv):
     efns = wanted(expert_programs(cpu, ks, not why)) if cpu else {}
     # what runs without the handlers first, each part timed and saved before any handler's first call: a handler
     # that kills the process in a host region (on a GPU) then leaves every figure but its own
-    spreads = {}
+    spreads, checks = {}, {}  # checks: k -> (its calls' ids, the kernel's own result, its error against float64)
+
+    def kernel_check(k: int):  # once per k: both routes of k call the kernel on the same ids
+        if k not in checks:
+            calls = expert_ids(k, max(1, min(FLAGS.repeats, -(-FLAGS.experts // k))), FLAGS.experts)
+            # the kernel's own result, from its driver thread (as the callbacks route runs it), checked against
+            # float64
+            want_e = cpu.kernel.result(cpu.kernel.submit(np.asarray(x), np.asarray(calls[0]), k))
+            ref = swiglu_reference(banks[0], banks[1], np.asarray(x), np.asarray(calls[0]))
+            checks[k] = calls, want_e, float(np.max(np.abs(want_e - ref)) / max(np.max(np.abs(ref)), 1e-30))
+        return checks[k]
+
     for handlers in (False, True):
         part = {v: f for v, f in fns.items() if v.startswith("host_ffi") == handlers}
         done = [first_run(out, save, v, f, args, wants.get(v, want)) for v, f in part.items()]
@@ -443,14 +454,8 @@ def main(argv):
         for variant, fn in efns.items():
             if variant.startswith("host_expert_ffn") != handlers:
                 continue
-            k = int(variant.rsplit("_k", 1)[1])
-            calls = expert_ids(k, max(1, min(FLAGS.repeats, -(-FLAGS.experts // k))), FLAGS.experts)
-            # the kernel's own result, from its driver thread (as the callbacks route runs it), checked against
-            # float64
-            want_e = cpu.kernel.result(cpu.kernel.submit(np.asarray(x), np.asarray(calls[0]), k))
-            ref = swiglu_reference(banks[0], banks[1], np.asarray(x), np.asarray(calls[0]))
-            row = first_run(out, save, variant, fn, (x, calls[0]), want_e,
-                            kernel_rel_err=float(np.max(np.abs(want_e - ref)) / max(np.max(np.abs(ref)), 1e-30)))
+            calls, want_e, rel_err = kernel_check(int(variant.rsplit("_k", 1)[1]))
+            row = first_run(out, save, variant, fn, (x, calls[0]), want_e, kernel_rel_err=rel_err)
             if row["ok"]:
                 timing([row])
                 try:

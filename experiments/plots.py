@@ -625,7 +625,7 @@ def main(argv: list[str]) -> int:
             print(f"{p}: no run rows with a known metric, no plot")
         else:
             print(f"plots: error: {p}: no run rows with a known metric, so no bar chart (a --metrics_json of "
-                  f"ftjax.generate is drawn in figure mode, e.g. --kind=bars --x=flags.vram_budget_gb "
+                  f"ftjax.generate is drawn in figure mode: --kind=bars --x=flags.vram_budget_gb "
                   f"--y=decode_tokens_per_s)", file=sys.stderr)
             status = 1
     return status

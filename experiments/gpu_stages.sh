@@ -134,7 +134,8 @@
 # hybrid-fp32-drivers: the fp32 hybrid fixture's first logits cached at S = E on the pipelined driver and on the scan
 #                  (check_identity_gpu.py's cached_S=E and cached_S=E_scan), with XLA's GEMM autotuning as it is and
 #                  off (--xla_gpu_autotune_level=0: each GEMM's config by its shapes alone, the same in every program):
-#                  is the pipelined driver's 4.05e-6 (625eec0, H100) autotuning's choice per program?
+#                  is the pipelined driver's 4.05e-6 (625eec0, H100) autotuning's choice per program? (3.1e-6 with it
+#                  off, 2026-12-07); and with --xla_gpu_exclude_nondeterministic_ops=true: is it atomics?
 # pipelined-initcheck: compute-sanitizer's initcheck on the fp32 hybrid fixture's first logits, cached at S = E, its
 #                  prefill on the pipelined driver (4.05e-6 off resident on an H100) and on the scan (bit-identical):
 #                  does the pipelined one read device memory nothing wrote (the prefetch-sanitizer run of 2026-12-07
@@ -446,11 +447,14 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
         run 200 "$stage" "${fp32_first_logits[@]}" --variants=cached_S=E,cached_S=E_scan --out_dir="$d"
       tiling "$stage-tiling" "$dump" "hybrid-fp32-tiling/hlo_tiling_qwen3_5_moe_fp32_first-logits_${dev}_$day.json" ;;
     hybrid-fp32-drivers)
-      for tune in default 0; do
+      # default, GEMM autotuning off, and XLA's deterministic implementations of scatter, GEMMs and attention
+      # (does the difference come from atomics, or from the two drivers' programs fusing differently?)
+      for tune in default 0 det; do
         d="${out:-/tmp}/hybrid-fp32-drivers-autotune-$tune"; mkdir -p "$d"
         # XLA reads an XLA_FLAGS that does not start with "--" as a file of flags (" " aborted a run): set it only
         # with a flag in it
         flags="${XLA_FLAGS:-}"; [ "$tune" = 0 ] && flags="$flags --xla_gpu_autotune_level=0"
+        [ "$tune" = det ] && flags="$flags --xla_gpu_exclude_nondeterministic_ops=true"
         args=("${fp32_first_logits[@]}" --variants=cached_S=E,cached_S=E_scan --out_dir="$d")
         if [ -n "${flags// /}" ]; then XLA_FLAGS="${flags# }" run 120 "$stage-autotune-$tune" "${args[@]}"
         else run 120 "$stage-autotune-$tune" "${args[@]}"; fi

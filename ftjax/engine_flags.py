@@ -44,8 +44,8 @@ FLAGS = flags.FLAGS
 MISS_COPY_HELP = ("How a layer's cache misses reach their slots: kernel = one CUDA kernel reads every miss from the "
                   "pinned host bank straight into its slot (a GPU with nvcc; ftjax.experts.slot_copy), xla = XLA's "
                   "loop of host reads and slot writes (--fetch_group per iteration), auto = the kernel on one GPU "
-                  "where it builds and the banks are whole, else xla. The same pools either way "
-                  "(KernelConfig.miss_copy).")
+                  "where it builds and the banks are whole, else xla (on a GPU with a warning that says why). The "
+                  "same pools either way (KernelConfig.miss_copy; docs/PROFILE.md).")
 #: ``--prefetch_blocks``' help (here and in the experiments' kernel flags).
 PREFETCH_BLOCKS_HELP = (f"On a GPU with --prefetch_guesses > 0 (no effect otherwise): thread blocks per miss of the "
                         f"prefetch's copies on the slot-copy kernel's own stream; unset means {PREFETCH_BLOCKS} (few, "
@@ -120,7 +120,12 @@ def define_flags(flag_values: flags.FlagValues = FLAGS, module_name: str | None 
     d.DEFINE_integer("expert_slots", None, "Device expert slots S (E <= S <= L*E).")
     d.DEFINE_enum("cache_policy", "lru", list(CACHE_POLICIES),
                   "Slot eviction policy (ftjax/experts/policies/, one module each): " + describe_cache_policies())
-    d.DEFINE_float("vram_budget_gb", None, "Device memory budget in GB (1e9 bytes) to plan slots from.")
+    d.DEFINE_float("vram_budget_gb", None, "Device memory budget in GB (1e9 bytes) to plan slots from: weights, KV "
+                   "cache, the activation workspace (measured on the compiled steps before the run) and the prefill's "
+                   "layer buffers come first. Under --prefill_driver=auto and --prefill=auto, a budget where the "
+                   "pipelined driver's two full-layer buffers would leave fewer than E slots is run on the scan "
+                   "driver (the printed plan says so); a budget too small for the scan's plan, or for "
+                   "--prefill_driver=pipelined, is refused with the minimum budget.")
     d.DEFINE_boolean("progress", True, "Show a progress bar while loading.")
     d.DEFINE_enum("prefill", "auto", list(PREFILL_MODES),
                   "Prefill expert loading: stream whole layers through two full-layer buffers (on the scan "
@@ -128,12 +133,14 @@ def define_flags(flag_values: flags.FlagValues = FLAGS, module_name: str | None 
                   "only the routed experts through the cache, or auto (stream when it fits and pays).")
     d.DEFINE_integer("prefill_chunk", 8192, "Prompts longer than this many tokens are prefilled in chunks.")
     d.DEFINE_integer("decode_block", 16, "Decode steps per program (the token fed back and the stop check on the "
-                     "device): in ftjax.generate, and in ftjax.serve's scheduler while no request prefills (tokens "
-                     "stream in bursts of up to this many; a new request waits up to one block); 1: one program per "
-                     "step.")
+                     "device, so the host dispatches once per block): in ftjax.generate, and in ftjax.serve's "
+                     "scheduler while no request prefills (tokens stream in bursts of up to this many; a new request "
+                     "waits up to one block); 1: one program per step. The same tokens either way.")
     d.DEFINE_enum("prefill_driver", "auto", list(PREFILL_DRIVERS),
                   "How prefill calls run their layers: one scan program, or one program per layer with the next "
-                  "layer's host copies issued from Python (auto: pipelined for streamed calls on a GPU).")
+                  "layer's host copies issued from Python, so that they run while the current layer computes "
+                  "(auto: pipelined on a GPU for streamed calls and for calls that reuse a prefix from host memory "
+                  "with --kv_offload, the scan everywhere else; docs/OVERLAP.md).")
     d.DEFINE_boolean("prefill_overlap", True, "Copy layer l+1's experts while layer l computes; "
                      "--noprefill_overlap (alias --no_prefill_overlap) is the serial ablation.")
     d.DEFINE_boolean("stream_d2d_hits", True, "A streamed prefill layer on the pipelined driver copies its experts "
@@ -172,8 +179,9 @@ def define_flags(flag_values: flags.FlagValues = FLAGS, module_name: str | None 
     d.DEFINE_string("calibration_profile", None, "Calibration profile JSON (ftjax.calibrate); default "
                     "~/.cache/ftjax/calibration.json. Adaptive calibrates quickly and adds to it when missing.")
     d.DEFINE_enum("matmul_precision", "auto", list(MATMUL_PRECISIONS),
-                  "Precision of the step's matmuls: auto = full float32 ('highest') for --dtype=float32 and the "
-                  "backend's fast default for 16-bit dtypes (on GPUs float32 dots otherwise run as TF32).")
+                  "Precision of the step's matmuls: auto = full float32 ('highest') for --dtype=float32, as the "
+                  "float32 oracle needs on a GPU (where float32 dots otherwise run as TF32), and the backend's fast "
+                  "default for 16-bit dtypes.")
     d.DEFINE_enum("decode_gemm", "auto", list(DECODE_GEMMS),
                   "GEMMs of the decode programs on a GPU: xla = XLA's Triton GEMM fusions (they copy each layer's "
                   "weight slices first); cublas = cuBLAS reading them in place, dot merger off; auto = cublas on a "
@@ -221,19 +229,16 @@ def define_flags(flag_values: flags.FlagValues = FLAGS, module_name: str | None 
                   "divide E and --expert_slots) or tensor (each device holds 1/N of every expert's FFN width, one "
                   "slot table replicated on all: balanced links, one device's hit rate; N must divide F; dense "
                   "experts only).")
-    d.DEFINE_integer("prefetch_guesses", 0, "Cached calls of at most 16 tokens, rows x padded tokens (decode steps of "
-                     "up to 16 rows, short prefills): each layer guesses this many experts per token from its "
-                     "input before its token mixer (its router) and starts copying the guesses not cached, on a GPU "
-                     "on the slot-copy kernel's own stream beside the mixer (the same weights in the slots; "
-                     "EngineConfig.prefetch_guesses; docs/PROFILE.md \"Open\"). Experimental: slower (0.94-0.95x the "
-                     "plain cached tokens/s on an H100 at 2) and not exact on every GPU (at issue 32's qwen3.5 shape "
-                     "its bf16 tokens left the resident ones at step 34 on some H100s, where plain cached kept them). "
-                     "A right guess was copied, so it counts as a miss (the hit rate falls); the metrics' "
-                     "prefetch_copies / "
-                     "prefetch_used count the prefetch's copies and right guesses, routed_hit_rate leaves the wrong "
-                     "guesses out and lookup_hit_rate counts the right ones as hits. 0: off. Applies where the "
-                     "experts run cached (given or planned), on one device, with --miss_policy=fetch and "
-                     "--cache_policy=lru.",
+    d.DEFINE_integer("prefetch_guesses", 0, "Experimental, 0 = off: each cached layer guesses this many experts per "
+                     "token from its input (its router) and starts copying the guesses not cached before its token "
+                     "mixer runs, on a GPU on the slot-copy kernel's own stream. Applies to cached calls of at most 16 "
+                     "tokens, rows x padded tokens (decode steps of up to 16 rows, short prefills), on one device, "
+                     "with --miss_policy=fetch and --cache_policy=lru. Measured slower: 0.94-0.95x the plain cached "
+                     "tokens/s on an H100 at 2. Exact on the CPU, but not on every GPU: at the 16-layer qwen3.5 "
+                     "shape its bf16 tokens left the resident ones at step 34 on some H100s, where plain cached kept "
+                     "them. A copied guess counts as a miss even when right; the metrics' prefetch_copies, "
+                     "prefetch_used, routed_hit_rate and lookup_hit_rate count the prefetch apart "
+                     "(EngineConfig.prefetch_guesses; docs/PROFILE.md \"Open\").",
                      lower_bound=0)
     d.DEFINE_string("compilation_cache_dir", None, compile_cache.FLAG_HELP)
 

@@ -45,7 +45,8 @@ flags.DEFINE_string("prompt", None, "Prompt text (needs tokenizer.json in the ch
 flags.DEFINE_list("prompt_ids", None, "Prompt token ids, comma separated.")
 flags.DEFINE_integer("prompt_len", None, "A random prompt of this many tokens (any model; without a prompt flag the "
                      "demo model continues its built-in prompt, any other gets 16 random tokens).")
-flags.DEFINE_integer("batch", 1, "Decode this many copies of the prompt together.")
+flags.DEFINE_integer("batch", 1, "Decode this many copies of the prompt together; stdout and --logits_npy show "
+                     "the first, the metrics JSON's batch_generated_ids holds every one.")
 flags.DEFINE_integer("max_new_tokens", 32, "Tokens to generate per sequence.")
 flags.DEFINE_float("temperature", None, "Sampling temperature; 0 = greedy. Default: the checkpoint's "
                    "generation_config.json (its temperature when do_sample is true, else greedy).")
@@ -62,7 +63,8 @@ flags.DEFINE_string("prompts_file", None, "JSON lines (UTF-8, a byte-order mark 
                     "{\"prompt_ids\": [...]} or {\"prompt\": \"...\"}: requests run in order in this process "
                     "(batch 1), after every line was checked (an error names the file and line; nothing runs).")
 flags.DEFINE_boolean("ignore_eos", False, "Generate --max_new_tokens tokens even past the checkpoint's EOS id(s) "
-                     "(benchmarks).")
+                     "(benchmarks). Without it each sequence stops at its first EOS id (generation_config.json's, "
+                     "else config.json's).")
 
 
 

@@ -24,8 +24,8 @@ Written by `python scripts/make_flags_doc.py` from the flag definitions (`ftjax/
 `ftjax/engine_flags.py` for those shared with `python -m ftjax.serve`); `tests/test_flags_doc.py` fails when
 this file is not what the script writes, so run it after adding or changing a flag. A boolean `--NAME` is
 turned off by `--noNAME` (`--no_prefill_overlap` is read as `--noprefill_overlap`). `python -m ftjax.generate
---helpfull` also lists absl's own flags (`--flagfile`, logging). The README's "Generating" section says how the
-flags work together.
+--helpfull` also lists absl's own flags (`--flagfile`, logging). The README's "Generating" section has a short
+table of the most-used flags.
 """
 
 SECTIONS = (

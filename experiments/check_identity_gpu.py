@@ -41,7 +41,7 @@ from ftjax.config import EngineConfig  # noqa: E402
 #: variant -> (slots / E, decode_graphs, prefetch_guesses, prefill_driver)
 VARIANTS = {"cached_S=E": (1, "auto", 0, "auto"), "cached_S=2E": (2, "auto", 0, "auto"),
             "cached_S=E_graphs_off": (1, "off", 0, "auto"), "cached_S=E_prefetch-2": (1, "auto", 2, "auto"),
-            "cached_S=E_scan": (1, "auto", 0, "scan")}
+            "cached_S=E_scan": (1, "auto", 0, "scan"), "cached_S=E_pipelined": (1, "auto", 0, "pipelined")}
 DEFAULT_VARIANTS = ["cached_S=E", "cached_S=2E", "cached_S=E_graphs_off"]
 
 FLAGS = flags.FLAGS
@@ -49,9 +49,9 @@ flags.DEFINE_list("fixtures", ["qwen3_moe_bf16", "qwen3_5_moe_bf16"], "Fixture f
 flags.DEFINE_string("dtype", "bfloat16", "Compute and bank dtype.")
 flags.DEFINE_list("prompts", ["short", "long"], "Prompts of expected.npz.")
 flags.DEFINE_list("variants", DEFAULT_VARIANTS, f"Cached variants, of {list(VARIANTS)} (prefetch-2: "
-                  "EngineConfig.prefetch_guesses=2, a layer's guessed experts copied beside its token mixer; scan: "
-                  "the prefill on the layer scan, where a GPU's auto driver streams a prompt of >= E routed tokens "
-                  "on the pipelined driver).")
+                  "EngineConfig.prefetch_guesses=2, a layer's guessed experts copied beside its token mixer; scan / "
+                  "pipelined: the prefill on that driver, where a GPU's auto driver streams a prompt of >= E "
+                  "routed tokens on the pipelined driver in 16-bit dtypes and on the scan in float32).")
 flags.DEFINE_integer("steps", 16, "Greedy steps compared.", lower_bound=1)
 flags.DEFINE_string("out_dir", "experiments/results/checks", "Where the JSON goes.")
 common.define_kernel_flags(skip=("decode_graphs",))  # each variant sets its own

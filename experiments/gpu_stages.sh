@@ -123,19 +123,24 @@
 #                  kept in float32 inside a fusion): the prefetch's cached programs fuse the token mixers' residual
 #                  adds elsewhere than resident does (hlo_tiling, 2026-12-07); are its tokens then the resident ones?
 # hybrid-fp32-tiling: the fp32 hybrid fixture's first logits, resident and cached at S = E (4.53e-6 apart on an H100,
-#                  2026-12-07), the cached prefill on the GPU's auto driver (24 routed tokens >= E: streamed on the
-#                  pipelined driver) and on the layer scan (cached_S=E_scan), the forward_step programs dumped and
+#                  2026-12-07), the cached prefill on the pipelined driver (cached_S=E_pipelined; the 24 routed
+#                  tokens >= E stream) and on the layer scan (cached_S=E_scan), the forward_step programs dumped and
 #                  compared by experiments/hlo_tiling.py: is the difference the pipelined driver's?
 # host-ffi:        experiments/probe_host_ffi.py: does a CPU FFI custom call run inside compute_on("device_host") of a
 #                  GPU program, does a pinned bank reach it in place, and what fixed cost and GB/s has the C expert
 #                  kernel called that way against native_async's two io_callbacks (issue 33: <= 0.2 ms a layer; ~2 min);
 #                  a variant that ends the process (its row "no answer", Python's stack in the log by -X faulthandler)
 #                  is left out of a second run (--skip, tag _skip-2), and so on up to three runs
-# hybrid-fp32-drivers: the fp32 hybrid fixture's first logits cached at S = E on the pipelined driver and on the scan
-#                  (check_identity_gpu.py's cached_S=E and cached_S=E_scan), with XLA's GEMM autotuning as it is and
+# hybrid-fp32-drivers: the fp32 hybrid fixture's first logits cached at S = E on the auto driver (the scan for float32
+#                  since 2026-12-07), the pipelined driver and the scan (check_identity_gpu.py's cached_S=E,
+#                  cached_S=E_pipelined, cached_S=E_scan), with XLA's GEMM autotuning as it is and
 #                  off (--xla_gpu_autotune_level=0: each GEMM's config by its shapes alone, the same in every program):
 #                  is the pipelined driver's 4.05e-6 (625eec0, H100) autotuning's choice per program? (3.1e-6 with it
-#                  off, 2026-12-07); and with --xla_gpu_exclude_nondeterministic_ops=true: is it atomics?
+#                  off, 2026-12-07); and with --xla_gpu_exclude_nondeterministic_ops=true: is it atomics? (no:
+#                  2.44e-6 there, a751b20; docs/OVERLAP.md "Float32 on the pipelined driver")
+# gpu-tests-fp32-driver: the tests of the float32 driver choice on a GPU (auto runs float32 prefills on the scan since
+#                  2026-12-07): the fp32 hybrid's prefetched and plain cached decode bit-identical to resident, the
+#                  pipelined driver against the block scan, the driver choice
 # pipelined-initcheck: compute-sanitizer's initcheck on the fp32 hybrid fixture's first logits, cached at S = E, its
 #                  prefill on the pipelined driver (4.05e-6 off resident on an H100) and on the scan (bit-identical):
 #                  does the pipelined one read device memory nothing wrote (the prefetch-sanitizer run of 2026-12-07
@@ -373,6 +378,8 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
       ${out:+--out_dir="$out"} ;;
     gpu-tests) gpu_pytest 240 "$stage" "not slow" tests/test_slot_copy.py ;;
     gpu-tests-prefetch) gpu_pytest 300 "$stage" "slow or not slow" tests/test_slot_copy.py tests/test_prefetch.py ;;
+    gpu-tests-fp32-driver) gpu_pytest 240 "$stage" "slow or not slow" tests/test_prefetch.py tests/test_layer_pipeline.py \
+      -k "prefetch_keeps_the_logits_bit_identical or driver_choice or float32 or on_the_pipelined_driver_equals" ;;
     prefetch-identity)
       for dt in float32 bfloat16; do
         fx=qwen3_moe_fp32,qwen3_5_moe_fp32; [ "$dt" = bfloat16 ] && fx=qwen3_moe_bf16,qwen3_5_moe_bf16
@@ -444,7 +451,7 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
     hybrid-fp32-tiling)
       dump=/tmp/hybrid-fp32-tiling-dump; rm -rf "$dump"; d="${out:-/tmp}/hybrid-fp32-tiling"; mkdir -p "$d"
       XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=forward_step" \
-        run 200 "$stage" "${fp32_first_logits[@]}" --variants=cached_S=E,cached_S=E_scan --out_dir="$d"
+        run 200 "$stage" "${fp32_first_logits[@]}" --variants=cached_S=E_pipelined,cached_S=E_scan --out_dir="$d"
       tiling "$stage-tiling" "$dump" "hybrid-fp32-tiling/hlo_tiling_qwen3_5_moe_fp32_first-logits_${dev}_$day.json" ;;
     hybrid-fp32-drivers)
       # default, GEMM autotuning off, and XLA's deterministic implementations of scatter, GEMMs and attention
@@ -455,7 +462,7 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
         # with a flag in it
         flags="${XLA_FLAGS:-}"; [ "$tune" = 0 ] && flags="$flags --xla_gpu_autotune_level=0"
         [ "$tune" = det ] && flags="$flags --xla_gpu_exclude_nondeterministic_ops=true"
-        args=("${fp32_first_logits[@]}" --variants=cached_S=E,cached_S=E_scan --out_dir="$d")
+        args=("${fp32_first_logits[@]}" --variants=cached_S=E,cached_S=E_pipelined,cached_S=E_scan --out_dir="$d")
         if [ -n "${flags// /}" ]; then XLA_FLAGS="${flags# }" run 120 "$stage-autotune-$tune" "${args[@]}"
         else run 120 "$stage-autotune-$tune" "${args[@]}"; fi
       done ;;
@@ -482,7 +489,7 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
       done ;;
     pipelined-initcheck)
       for driver in pipelined scan; do
-        v=cached_S=E; [ "$driver" = scan ] && v=cached_S=E_scan
+        v=cached_S=E_$driver
         sanitizer initcheck "$stage-$driver" \
           "${out:-/tmp}/compute_sanitizer_initcheck_qwen3_5_moe_fp32_first-logits-${driver}_${dev}_$day.txt" 150 \
           "${fp32_first_logits[@]}" --variants="$v" --out_dir="/tmp/$stage-$driver"

@@ -527,6 +527,21 @@ class EngineConfig:
                              f"{self.num_slots}, mode {self.experts}); the pipelined driver needs E")
         return self
 
+    def for_compute_dtype(self, dtype: str) -> "EngineConfig":
+        """This config with ``prefill_driver`` "auto" resolved to "scan" for a float32 compute ``dtype`` on a
+        GPU (else unchanged).
+
+        Why: the pipelined driver's per-layer programs are other programs than the layer scan's, and XLA:GPU
+        compiles some of their float32 math otherwise (the fp32 hybrid's first logits 2.4e-6 to 6.7e-6 off the
+        resident ones, deterministic for a commit and set of XLA options, with deterministic ops, GEMM
+        autotuning off or Triton GEMMs off alike; the scan bit-identical; 16-bit dtypes bit-identical on both:
+        docs/OVERLAP.md, "Float32 on the pipelined driver"). float32 is the oracle's dtype, where exactness
+        matters more than prefill speed; ``prefill_driver="pipelined"`` still asks for the driver.
+        """
+        if self.prefill_driver != "auto" or dtype != "float32" or memory.backend() != "gpu":
+            return self
+        return dataclasses.replace(self, prefill_driver="scan")
+
     def pipelines_streams(self) -> bool:
         """Whether streamed prefill calls run on the layer-pipelined driver (its own two full-layer
         buffers, no borrowed slots): ``prefill_driver`` "pipelined", or "auto" on a GPU; never over several

@@ -6,6 +6,9 @@ measured on the GPU (``experiments/bench_prefill.py``, ``experiments/profile_ove
 
 from __future__ import annotations
 
+import dataclasses
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,11 +16,13 @@ import pytest
 
 from conftest import load_fixture
 from ftjax import Engine, memory
+from ftjax import config as config_lib
 from ftjax.config import EngineConfig, KVOffloadConfig
 from ftjax.kv.host_store import HostKVStore
 from ftjax.kv.prefix_cache import PrefixCache
 from ftjax.runtime import drivers, transfers
 from ftjax.runtime import plan as plan_lib
+from ftjax.runtime.planner import plan_run
 from ftjax.runtime.transfers import ExpertLayerSource, host_view
 
 S = 384
@@ -306,7 +311,7 @@ def test_prefix_copy_is_resolved_once_per_engine(overlap, monkeypatch):
 
 
 def test_driver_choice(monkeypatch):
-    model, _ = load_fixture("qwen3_moe_fp32")
+    model, _ = load_fixture("qwen3_moe_bf16")  # 16-bit: float32 resolves auto to the scan on a GPU (below)
     e = model.cfg.num_experts
     host = jax.device_put(jnp.zeros((2, 3)), memory.host_sharding())
     dev = memory.to_device(jnp.zeros((2, 3)))
@@ -334,6 +339,26 @@ def test_driver_choice(monkeypatch):
         EngineConfig(prefill_driver="layers")
 
 
+def test_auto_runs_float32_prefills_on_the_scan_on_a_gpu(monkeypatch):
+    """On a GPU the pipelined driver's float32 logits are a few 1e-6 off the scan's (XLA compiles its per-layer
+    programs otherwise; docs/OVERLAP.md "Float32 on the pipelined driver"), so ``prefill_driver`` "auto" resolves
+    to the scan for a float32 compute dtype there, in the engine and in the memory planner alike; 16-bit dtypes,
+    a driver asked for by name, and the CPU keep their config."""
+    model, _ = load_fixture("qwen3_moe_fp32")
+    e = model.cfg.num_experts
+    base = EngineConfig("cached", num_slots=2 * e, max_seq_len=64)
+    assert base.for_compute_dtype("float32") == base or memory.backend() == "gpu"  # the CPU: nothing to resolve
+    # the config module's view of the backend only: the engine built below still runs on this machine's
+    monkeypatch.setattr(config_lib, "memory", types.SimpleNamespace(backend=lambda: "gpu"))
+    assert base.for_compute_dtype("float32") == dataclasses.replace(base, prefill_driver="scan")
+    assert base.for_compute_dtype("bfloat16") == base and base.for_compute_dtype("float16") == base
+    forced = dataclasses.replace(base, prefill_driver="pipelined")
+    assert forced.for_compute_dtype("float32") == forced
+    assert Engine(model, base).config.prefill_driver == "scan"
+    config, plan = plan_run(model, base, [[1, 2, 3]], slots=2 * e, mode="cached")
+    assert config.prefill_driver == "scan" and not plan.pipelined  # the scan's buffers planned, not the driver's
+
+
 def test_host_view_is_the_array_without_a_copy():
     model, _ = load_fixture("qwen3_moe_bf16")
     banks = model.banks
@@ -358,10 +383,10 @@ def test_hybrid_family_on_the_pipelined_driver_equals_its_block_scan():
     e = model.cfg.num_experts
     prompt = exp["long_prompt_ids"].tolist()[:100]
     eng = Engine(model, EngineConfig("cached", num_slots=2 * e, max_seq_len=S, prefill="stream", prefill_chunk=64))
-    on_gpu = memory.backend() == "gpu"
-    assert eng.planner.pipelines(True) == eng.config.pipelines_streams() == on_gpu
+    # auto: the scan, on the CPU and (for float32, EngineConfig.for_compute_dtype) on a GPU
+    assert not eng.planner.pipelines(True)
     want, want_cache = eng.prefill([prompt], eng.new_cache(1), all_logits=True)[:2]
-    assert eng.prefill_driver_calls == ({"scan": 0, "pipelined": 2} if on_gpu else {"scan": 2, "pipelined": 0})
+    assert eng.prefill_driver_calls == {"scan": 2, "pipelined": 0}
     piped = Engine(model, EngineConfig("cached", num_slots=2 * e, max_seq_len=S, prefill="stream", prefill_chunk=64,
                                        prefill_driver="pipelined"))
     got, got_cache = piped.prefill([prompt], piped.new_cache(1), all_logits=True)[:2]

@@ -229,9 +229,9 @@ class Engine:
 
     def __init__(self, model: LoadedModel, config: EngineConfig | None = None):
         cfg = model.cfg
-        self.config = (config or EngineConfig()).for_model(cfg)
-        self.model, self.cfg = model, cfg
         self.dtype = jnp.dtype(model.params["embed"].dtype)
+        self.config = (config or EngineConfig()).for_compute_dtype(self.dtype.name).for_model(cfg)
+        self.model, self.cfg = model, cfg
         # devices > 1 (``ftjax.experts.parallel``, ``ftjax.experts.tensor_parallel``): the experts split over a
         # mesh; weights, KV cache and tokens replicated on it. The resident pools are the experts' only copy the
         # steps read: they get no host banks.

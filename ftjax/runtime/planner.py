@@ -270,6 +270,8 @@ def plan_run(model, config: EngineConfig, prompts: Sequence[Sequence[int]], budg
     ``budget_bytes`` is each device's budget; ``slots`` the total: split S / N under the expert split, S pieces
     on every device under the tensor split), and a resident run gets that plan too (not None).
     ``mode``: "auto" (resident when the whole pool fits, else cached) or an experts mode to keep.
+    A float32 model on a GPU is planned on the scan driver under ``prefill_driver`` "auto"
+    (``EngineConfig.for_compute_dtype``: the engine runs it there), and the returned config says so.
 
     Raises:
       BudgetTooSmall: the budget leaves fewer than E slots (the message gives the minimum budget): on the
@@ -282,6 +284,7 @@ def plan_run(model, config: EngineConfig, prompts: Sequence[Sequence[int]], budg
     cfg = model.cfg
     if budget_bytes is not None and slots is not None:
         raise ValueError("give a VRAM budget or a slot count, not both")
+    config = config.for_compute_dtype(np.dtype(model.params["embed"].dtype).name)  # float32 on a GPU: the scan
     itemsize = np.dtype(model.params["embed"].dtype).itemsize
     demo_slots = min(2 * cfg.num_experts, cfg.num_layers * cfg.num_experts)
     pipelined = config.pipelines_streams() and config.prefill != "on_demand"

@@ -298,7 +298,8 @@ def check_flags() -> None:
     for name in ("expert_slots", "prefill_chunk", "kv_chunk_tokens", "decode_block"):
         v = FLAGS[name].value
         if v is not None and v < 1:
-            raise UserError(f"--{name} must be >= 1, got {v}")
+            least = "at least E, the model's experts per layer" if name == "expert_slots" else ">= 1"
+            raise UserError(f"--{name} must be {least}, got {v}")
     if FLAGS.expert_slots is not None and FLAGS.vram_budget_gb is not None:
         raise UserError("give --expert_slots or --vram_budget_gb, not both")
     try:  # an unknown kernel, one named without the kernel it needs, a bad tile: refused before the model loads

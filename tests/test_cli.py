@@ -122,6 +122,7 @@ def test_default_demo_runs_with_cache_smaller_than_pool(tmp_path):
     (["--prompt_ids=1,x"], "must be integers"),
     (["--prompt_len=2040", "--max_new_tokens=16"], "max_position_embeddings"),
     (["--expert_slots=3"], "out of range"),
+    (["--expert_slots=0"], "--expert_slots must be at least E, the model's experts per layer, got 0"),
     (["--preset=tiny", "--vram_budget_gb=0.1"], "minimum budget"),
     (["--preset=tiny", "--prompt=hi"], "tokenizer"),  # the trained default model has a tokenizer
     (["--temperature=nan"], "finite --temperature"),

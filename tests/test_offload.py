@@ -130,7 +130,10 @@ def test_plan_memory_budget_and_errors():
     # the same budget gives back the same slots; one byte less gives one slot fewer
     again = plan_memory(cfg, 4, budget_bytes=plan.budget_bytes + 2 * eb)
     assert again.slots == cfg.num_experts + 2
-    assert plan_memory(cfg, 4, budget_bytes=10**12).slots == cfg.num_layers * cfg.num_experts
+    whole = plan_memory(cfg, 4, budget_bytes=10**12)
+    assert whole.slots == cfg.num_layers * cfg.num_experts
+    # every expert in a slot: nothing to stream, in the JSON as in the printed plan
+    assert not whole.prefill_double_buffer and "double buffer: not needed" in whole.describe()
     with pytest.raises(ValueError, match="minimum budget"):
         plan_memory(cfg, 4, budget_bytes=plan.budget_bytes - 1)
     with pytest.raises(ValueError, match="out of range"):

@@ -111,9 +111,9 @@ class MemoryPlan:
 
     @property
     def prefill_double_buffer(self) -> bool:
-        """Whether prefill can stream whole layers: the pipelined driver's buffers are planned, or
-        the scan's 2E borrowed slots fit."""
-        return self.pipelined or self.slots >= 2 * self.num_experts
+        """Whether prefill can stream whole layers: some expert has no slot (with every expert in one there is
+        nothing to stream), and the pipelined driver's buffers are planned or the scan's 2E borrowed slots fit."""
+        return not self.fits_resident and (self.pipelined or self.slots >= 2 * self.num_experts)
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)

@@ -53,10 +53,10 @@ from ftjax.runtime.planner import GB, plan_memory  # noqa: E402
 from ftjax.kernels.grouped_matmul import grouped_matmul, mgpu_supported  # noqa: E402
 
 # variant: (experts mode, prefill, overlap, prefill driver, stream_d2d_hits, warm); "auto" is the layer-pipelined
-# driver on a GPU. warm: before each timed prefill, a short request (loaded on demand, then --warm_decode_tokens
-# decode steps) fills the slot cache, as earlier requests would; the stream_warm pair compares copying those cached
-# experts device to device (the default) with copying every expert over PCIe. Cold variants start from an empty
-# cache, so they have nothing to copy device to device.
+# driver on a GPU (for 16-bit dtypes: float32 runs auto on the scan). warm: before each timed prefill, a short
+# request (loaded on demand, then --warm_decode_tokens decode steps) fills the slot cache, as earlier requests
+# would; the stream_warm pair compares copying those cached experts device to device (the default) with copying
+# every expert over PCIe. Cold variants start from an empty cache, so they have nothing to copy device to device.
 VARIANTS = {"stream": ("cached", "stream", True, "auto", True, False),
             "stream_no_overlap": ("cached", "stream", False, "auto", True, False),
             "stream_scan": ("cached", "stream", True, "scan", True, False),
@@ -188,7 +188,9 @@ def main(argv):
                     config = EngineConfig(mode, num_slots=1, max_seq_len=max_seq_len, prefill=prefill,
                                           prefill_chunk=FLAGS.prefill_chunk, prefill_overlap=overlap,
                                           prefill_driver=driver, stream_d2d_hits=d2d, kernels=kernels)
-                    plan = plan_of[config.pipelines_streams()]
+                    # the driver the engine will run (a float32 model's auto is the scan on a GPU)
+                    plan = plan_of[config.for_compute_dtype(np.dtype(fmodel.params["embed"].dtype).name)
+                                   .pipelines_streams()]
                     eng = Engine(fmodel, dataclasses.replace(config, num_slots=plan.slots))
                     # fewer (token, expert) pairs than E: the warm-up request loads its experts on demand
                     warm_prompt = prompt[: max(1, (cfg.num_experts - 1) // cfg.top_k)]

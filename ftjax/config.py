@@ -243,7 +243,8 @@ PREFILL_MODES = ("auto", "stream", "on_demand")
 #: How a prefill call runs its layers: one ``lax.scan`` program over the layer pattern (``model.forward``),
 #: or one program per layer driven from Python with the next layer's host copies issued while the current
 #: layer computes (``ftjax.runtime.pipelined``); auto: pipelined on a GPU for the calls that stream whole
-#: layers of experts or load a reused prefix from host memory, scan otherwise (docs/OVERLAP.md).
+#: layers of experts or load a reused prefix from host memory, scan otherwise and for a float32 compute dtype
+#: (``EngineConfig.for_compute_dtype``; docs/OVERLAP.md).
 PREFILL_DRIVERS = ("auto", "scan", "pipelined")
 #: Matmul precision of the step's dots: "auto" = full float32 ("highest") when the compute dtype
 #: is float32, the backend's fast default otherwise (on GPUs, TF32 for float32 dots).
@@ -524,7 +525,9 @@ class EngineConfig:
             raise ValueError(f"num_slots must be in [E, L*E] = [{cfg.num_experts}, {all_slots}], got {self.num_slots}")
         if self.prefill == "stream" and self.num_slots < 2 * cfg.num_experts and not self.pipelines_streams():
             raise ValueError(f"prefill=stream on the layer scan needs at least 2E={2 * cfg.num_experts} slots (have "
-                             f"{self.num_slots}, mode {self.experts}); the pipelined driver needs E")
+                             f"{self.num_slots}, mode {self.experts}); the pipelined driver needs E "
+                             f"(prefill_driver='pipelined'; 'auto' runs float32 on the scan on a GPU: "
+                             f"docs/OVERLAP.md)")
         return self
 
     def for_compute_dtype(self, dtype: str) -> "EngineConfig":
@@ -532,11 +535,12 @@ class EngineConfig:
         GPU (else unchanged).
 
         Why: the pipelined driver's per-layer programs are other programs than the layer scan's, and XLA:GPU
-        compiles some of their float32 math otherwise (the fp32 hybrid's first logits 2.4e-6 to 6.7e-6 off the
-        resident ones, deterministic for a commit and set of XLA options, with deterministic ops, GEMM
-        autotuning off or Triton GEMMs off alike; the scan bit-identical; 16-bit dtypes bit-identical on both:
-        docs/OVERLAP.md, "Float32 on the pipelined driver"). float32 is the oracle's dtype, where exactness
-        matters more than prefill speed; ``prefill_driver="pipelined"`` still asks for the driver.
+        compiles some of their float32 math otherwise: the fp32 hybrid fixture's first logits 2.4e-6 to 6.7e-6 off
+        the resident ones on H100s (the same on one machine from process to process, moving with XLA's options
+        and from machine to machine; not a race), the scan's bit-identical in every run; 16-bit dtypes
+        bit-identical on both (docs/OVERLAP.md, "Float32 on the pipelined driver"). float32 is the oracle's
+        dtype, where exactness matters more than prefill speed; ``prefill_driver="pipelined"`` still asks for
+        the driver (and streams with E <= S < 2E slots, which the scan cannot).
         """
         if self.prefill_driver != "auto" or dtype != "float32" or memory.backend() != "gpu":
             return self
@@ -544,8 +548,9 @@ class EngineConfig:
 
     def pipelines_streams(self) -> bool:
         """Whether streamed prefill calls run on the layer-pipelined driver (its own two full-layer
-        buffers, no borrowed slots): ``prefill_driver`` "pipelined", or "auto" on a GPU; never over several
-        devices (``devices`` > 1 runs on the scan)."""
+        buffers, no borrowed slots): ``prefill_driver`` "pipelined", or "auto" on a GPU (which a float32 engine
+        has resolved to "scan" before: :meth:`for_compute_dtype`); never over several devices (``devices`` > 1
+        runs on the scan)."""
         if self.devices > 1:
             return False
         return self.prefill_driver == "pipelined" or (self.prefill_driver == "auto" and memory.backend() == "gpu")

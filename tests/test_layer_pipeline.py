@@ -22,7 +22,7 @@ from ftjax.kv.host_store import HostKVStore
 from ftjax.kv.prefix_cache import PrefixCache
 from ftjax.runtime import drivers, transfers
 from ftjax.runtime import plan as plan_lib
-from ftjax.runtime.planner import plan_run
+from ftjax.runtime.planner import F32_SCAN_NOTE, plan_run
 from ftjax.runtime.transfers import ExpertLayerSource, host_view
 
 S = 384
@@ -311,7 +311,7 @@ def test_prefix_copy_is_resolved_once_per_engine(overlap, monkeypatch):
 
 
 def test_driver_choice(monkeypatch):
-    model, _ = load_fixture("qwen3_moe_bf16")  # 16-bit: float32 resolves auto to the scan on a GPU (below)
+    model, _ = load_fixture("qwen3_moe_bf16", "bfloat16")  # 16-bit: float32 resolves auto to the scan on a GPU
     e = model.cfg.num_experts
     host = jax.device_put(jnp.zeros((2, 3)), memory.host_sharding())
     dev = memory.to_device(jnp.zeros((2, 3)))
@@ -357,6 +357,10 @@ def test_auto_runs_float32_prefills_on_the_scan_on_a_gpu(monkeypatch):
     assert Engine(model, base).config.prefill_driver == "scan"
     config, plan = plan_run(model, base, [[1, 2, 3]], slots=2 * e, mode="cached")
     assert config.prefill_driver == "scan" and not plan.pipelined  # the scan's buffers planned, not the driver's
+    assert plan.driver_note == F32_SCAN_NOTE and F32_SCAN_NOTE in plan.describe()  # the printed plan says why
+    # streaming through fewer than 2E slots needs the pipelined driver: asked for by name, or refused with the way out
+    with pytest.raises(ValueError, match="prefill_driver='pipelined'"):
+        Engine(model, dataclasses.replace(base, num_slots=e, prefill="stream"))
 
 
 def test_host_view_is_the_array_without_a_copy():
@@ -374,6 +378,15 @@ def test_host_view_is_the_array_without_a_copy():
     assert src.layer_bytes == e * model.expert_bytes
 
 
+#: On a GPU the pipelined driver's float32 programs are not the scan's bit for bit (H100, 2026-12-07, 0003351: this
+#: test's logits 3.4e-5 apart; docs/OVERLAP.md, "Float32 on the pipelined driver"), which is why auto runs float32
+#: prefills on the scan there.
+FLOAT32_PIPELINED_ON_GPU = pytest.mark.xfail(memory.backend() == "gpu", strict=True,
+                                             reason="XLA:GPU compiles the per-layer programs' float32 math otherwise "
+                                                    "than the scan's (a few 1e-6 to 1e-5 apart)")
+
+
+@FLOAT32_PIPELINED_ON_GPU
 def test_hybrid_family_on_the_pipelined_driver_equals_its_block_scan():
     """qwen3_5_moe scans blocks of two layer kinds. On the CPU auto keeps the block scan. The pipelined
     driver, which runs every layer kind, gives the block scan's logits and state (K/V and the Gated

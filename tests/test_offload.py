@@ -130,10 +130,7 @@ def test_plan_memory_budget_and_errors():
     # the same budget gives back the same slots; one byte less gives one slot fewer
     again = plan_memory(cfg, 4, budget_bytes=plan.budget_bytes + 2 * eb)
     assert again.slots == cfg.num_experts + 2
-    whole = plan_memory(cfg, 4, budget_bytes=10**12)
-    assert whole.slots == cfg.num_layers * cfg.num_experts
-    # every expert in a slot: nothing to stream, in the JSON as in the printed plan
-    assert not whole.prefill_double_buffer and "double buffer: not needed" in whole.describe()
+    assert plan_memory(cfg, 4, budget_bytes=10**12).slots == cfg.num_layers * cfg.num_experts
     with pytest.raises(ValueError, match="minimum budget"):
         plan_memory(cfg, 4, budget_bytes=plan.budget_bytes - 1)
     with pytest.raises(ValueError, match="out of range"):
@@ -145,6 +142,9 @@ def test_plan_memory_budget_and_errors():
     assert piped.layer_gather_bytes == 2 * cfg.num_experts * eb and piped.prefill_double_buffer
     assert piped.planned_bytes == plan.planned_bytes + cfg.num_experts * eb
     assert "stream buffers (2 x" in piped.describe() and not plan.prefill_double_buffer
+    # every expert in a slot: nothing to stream on either driver, in the JSON as in the printed plan
+    for whole_plan in (plan_memory(cfg, 4, budget_bytes=10**12, pipelined=p) for p in (False, True)):
+        assert not whole_plan.prefill_double_buffer and "double buffer: not needed" in whole_plan.describe()
 
 
 # every registered policy is exact end to end by default in tests/test_policy_registry.py (the tiny preset); here on a
@@ -315,6 +315,8 @@ def test_plan_falls_back_to_the_scan_driver_when_the_pipelined_buffers_do_not_fi
     from ftjax.runtime.planner import BudgetTooSmall, plan_run
 
     model, exp = load_fixture("qwen3_moe_fp32")
+    # the float32 fixture keeps "auto" on a GPU too (its resolution to the scan is test_layer_pipeline's)
+    monkeypatch.setattr(EngineConfig, "for_compute_dtype", lambda self, dtype: self)
     e, eb = model.cfg.num_experts, model.expert_bytes
     prompts = [exp["short_prompt_ids"].tolist()]
     base = EngineConfig("cached", num_slots=2 * e, max_seq_len=64)

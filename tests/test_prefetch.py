@@ -32,14 +32,19 @@ def _decode(model, prompt, **kw):
     return engine.generate([prompt], max_new_tokens=STEPS, keep_logits=True), engine
 
 
-# On an H100 (2026-12-07) the fp32 hybrid's cached logits, prefetch or not, were a few 1e-6 off resident from the
-# first (prefill) logits on: its 12-token prompt streamed on the pipelined driver, whose float32 programs XLA compiles
-# otherwise than the scan's. Since then auto runs float32 prefills on the scan on a GPU (bit-identical there:
-# docs/OVERLAP.md, "Float32 on the pipelined driver"), so this test should hold on a GPU too.
+#: On an H100 the fp32 hybrid's prefetched logits are off resident from the first (prefill) logits on: 1.1e-5 at
+#: 2457147, 1.05e-5 at 0003351 (2026-12-07), where the plain cached prefill, on the scan since auto runs float32
+#: prefills there, is bit-identical (`checks/check_identity_gpu_hybrid-fp32-drivers-0003351-*_h100_2026-12-07.json`).
+#: The prefetch's cached programs (the guesses' router and lookup in each layer, its prompt of <= 16 tokens included)
+#: are other programs than resident's, and XLA:GPU compiles their float32 math otherwise; qwen3's are exact.
+HYBRID_PREFETCH_ON_GPU = pytest.mark.xfail(jax.default_backend() == "gpu", strict=True,
+                                           reason="on a GPU the fp32 hybrid's prefetched programs are ~1e-5 off "
+                                                  "resident (XLA compiles their float32 math otherwise)")
 
 
 @pytest.mark.parametrize("name, guesses", [("qwen3_moe_fp32", 2),
-                                           pytest.param("qwen3_5_moe_fp32", 2, marks=pytest.mark.slow)])
+                                           pytest.param("qwen3_5_moe_fp32", 2, marks=[pytest.mark.slow,
+                                                                                      HYBRID_PREFETCH_ON_GPU])])
 def test_prefetch_keeps_the_logits_bit_identical(name, guesses):
     """The smallest cache (S = E, where the guesses evict what the layer before used): the same greedy tokens and
     logits as resident; every decode copy counted in bytes_h2d; the guesses change what is copied (wrong guesses

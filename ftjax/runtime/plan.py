@@ -126,7 +126,8 @@ class CallPlanner:
 
     def pipelines(self, stream: bool, prefix=(), kv: KVStep | None = None) -> bool:
         """Whether a prefill call runs on the layer-pipelined driver: ``prefill_driver`` "pipelined", or
-        "auto" on a GPU for a call that streams whole layers of experts or loads a reused prefix from
+        "auto" (for 16-bit dtypes: a float32 engine resolved it to "scan", ``EngineConfig.for_compute_dtype``)
+        on a GPU for a call that streams whole layers of experts or loads a reused prefix from
         host memory (:data:`PIPELINE_PREFIX`). A prefix already on the device (the load-all-first
         ablation) runs on the scan, and so does a call with a KV hook on a model with Gated DeltaNet
         layers (their stored states load on the scan), and every call over several devices."""

@@ -36,6 +36,9 @@ from ftjax.runtime.engine import Engine
 
 GB = 1e9
 WORKSPACE_BYTES = int(1.0 * GB)
+#: The plan's ``driver_note`` where ``prefill_driver`` "auto" became the scan for a float32 model on a GPU
+#: (``EngineConfig.for_compute_dtype``).
+F32_SCAN_NOTE = "float32 on a GPU: the scan, whose logits are the resident model's bit for bit (docs/OVERLAP.md)"
 #: Added to a measured workspace: the device allocator's rounding and fragmentation.
 WORKSPACE_MARGIN_FRACTION, WORKSPACE_MARGIN_BYTES = 0.10, int(0.25 * GB)
 
@@ -55,7 +58,8 @@ class MemoryPlan:
     """Bytes per part of the device budget and the resulting slot count.
 
     All sizes in bytes. ``slots`` is S; ``fits_resident``: the whole pool fits (S = L*E);
-    ``prefill_double_buffer``: S >= 2E, so prefill can stream whole layers through two buffers;
+    ``prefill_double_buffer``: prefill can stream whole layers (some expert has no slot, and the pipelined
+    driver's buffers are planned or S >= 2E for the scan's);
     ``workspace_temp_bytes``: the compiled programs' largest temporaries the workspace was
     measured from (None: the workspace is the stated one); ``pipelined``: the layer buffers are the
     pipelined driver's two full-layer buffers (else the scan's layer gather); ``driver_note``: why the
@@ -148,10 +152,10 @@ class MemoryPlan:
         lines.append(f"  slots {self.slots} of {self.pool_slots} experts in the pool "
                      f"({100 * self.slots / self.pool_slots:.1f}%)")
         e2 = 2 * self.num_experts
-        if self.pipelined:
-            buffer = "yes (two full-layer buffers of its own)"
-        elif self.fits_resident:  # every expert has a slot: nothing to stream
+        if self.fits_resident:  # every expert has a slot: nothing to stream
             buffer = "not needed (every expert has a slot)"
+        elif self.pipelined:
+            buffer = "yes (two full-layer buffers of its own)"
         elif self.prefill_double_buffer:
             buffer = f"yes ({e2} slots borrowed from the pool)"
         else:
@@ -262,7 +266,7 @@ def plan_run(model, config: EngineConfig, prompts: Sequence[Sequence[int]], budg
       slots and the driver is the planner's to choose (``prefill_driver`` "auto" and ``prefill`` "auto"),
       the plan is the scan driver's instead (the workspace measured again on a probe of the scan's
       programs, which include its layer gather), the returned config says ``prefill_driver="scan"`` and
-      the plan's ``driver_note`` says why.
+      the plan's ``driver_note`` says why (as it does where a float32 model on a GPU took the scan, below).
     * ``slots``: that many slots (the workspace stated); a resident mode ignores them.
     * neither: resident for ``mode`` "auto" or "resident"; for an offloading mode a cache of min(2E, L*E)
       slots, smaller than the pool, so that the mechanism shows (the demo's default).
@@ -271,7 +275,8 @@ def plan_run(model, config: EngineConfig, prompts: Sequence[Sequence[int]], budg
     on every device under the tensor split), and a resident run gets that plan too (not None).
     ``mode``: "auto" (resident when the whole pool fits, else cached) or an experts mode to keep.
     A float32 model on a GPU is planned on the scan driver under ``prefill_driver`` "auto"
-    (``EngineConfig.for_compute_dtype``: the engine runs it there), and the returned config says so.
+    (``EngineConfig.for_compute_dtype``: the engine runs it there): the returned config says so, and the plan's
+    ``driver_note`` (:data:`F32_SCAN_NOTE`).
 
     Raises:
       BudgetTooSmall: the budget leaves fewer than E slots (the message gives the minimum budget): on the
@@ -284,7 +289,9 @@ def plan_run(model, config: EngineConfig, prompts: Sequence[Sequence[int]], budg
     cfg = model.cfg
     if budget_bytes is not None and slots is not None:
         raise ValueError("give a VRAM budget or a slot count, not both")
-    config = config.for_compute_dtype(np.dtype(model.params["embed"].dtype).name)  # float32 on a GPU: the scan
+    resolved = config.for_compute_dtype(np.dtype(model.params["embed"].dtype).name)  # float32 on a GPU: the scan
+    note = None if resolved == config else F32_SCAN_NOTE
+    config = resolved
     itemsize = np.dtype(model.params["embed"].dtype).itemsize
     demo_slots = min(2 * cfg.num_experts, cfg.num_layers * cfg.num_experts)
     pipelined = config.pipelines_streams() and config.prefill != "on_demand"
@@ -318,6 +325,8 @@ def plan_run(model, config: EngineConfig, prompts: Sequence[Sequence[int]], budg
             plan = dataclasses.replace(plan, driver_note=(
                 f"pipelined buffers do not fit: their {buffers / GB:.3f} GB would leave {err.slots} slots, "
                 f"E={cfg.num_experts} needed"))
+    if note and plan.driver_note is None:
+        plan = dataclasses.replace(plan, driver_note=note)
     if mode == "auto":
         mode = "resident" if plan.fits_resident else "cached"
     if mode == "resident" and not plan.fits_resident:

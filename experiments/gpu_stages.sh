@@ -138,6 +138,10 @@
 #                  is the pipelined driver's 4.05e-6 (625eec0, H100) autotuning's choice per program? (3.1e-6 with it
 #                  off, 2026-12-07); and with --xla_gpu_exclude_nondeterministic_ops=true: is it atomics? (no:
 #                  2.44e-6 there, a751b20; docs/OVERLAP.md "Float32 on the pipelined driver")
+# hybrid-fp32-driver-hlo: the fp32 hybrid fixture's first logits, resident (the layer scan) and cached on the pipelined
+#                  driver (4.05e-6 to 6.68e-6 apart on H100s, 2026-12-07), the forward_step and layer_program programs
+#                  dumped and compared op by op by experiments/hlo_tiling.py --across: which float32 op do the
+#                  per-layer programs build otherwise than the scan body? (~60 s)
 # gpu-tests-fp32-driver: the tests of the float32 driver choice on a GPU (auto runs float32 prefills on the scan since
 #                  2026-12-07): the fp32 hybrid's prefetched and plain cached decode bit-identical to resident, the
 #                  pipelined driver against the block scan, the driver choice
@@ -200,9 +204,10 @@ run() {  # run LIMIT NAME python-args...
   local rc=$?
   echo "== $name rc=$rc $((SECONDS - t0)) s"; grep -v -E "^[WIE][0-9]{4}|libtpu|TPU" "$logs/$name.log" | tail -n 25
 }
-tiling() {  # tiling NAME DUMP OUT-FILE: experiments/hlo_tiling.py on a dump (its JSON under $OUT, its listing a log)
-  local name="$1" dump="$2" file="${out:-/tmp}/$3"
-  python3 experiments/hlo_tiling.py "$dump" --out="$file" > "$logs/$name.log" 2>&1
+tiling() {  # tiling NAME DUMP OUT-FILE [hlo_tiling args]: experiments/hlo_tiling.py on a dump (its JSON under $OUT,
+  # its listing a log)
+  local name="$1" dump="$2" file="${out:-/tmp}/$3"; shift 3
+  python3 experiments/hlo_tiling.py "$dump" --out="$file" "$@" > "$logs/$name.log" 2>&1
   echo "== $name rc=$?"; grep -v " 0 ops built otherwise, 0 only in the first, 0 only in the second" "$logs/$name.log" |
     cut -c1-400 | head -n 40
 }
@@ -453,6 +458,12 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
       XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=forward_step" \
         run 200 "$stage" "${fp32_first_logits[@]}" --variants=cached_S=E_pipelined,cached_S=E_scan --out_dir="$d"
       tiling "$stage-tiling" "$dump" "hybrid-fp32-tiling/hlo_tiling_qwen3_5_moe_fp32_first-logits_${dev}_$day.json" ;;
+    hybrid-fp32-driver-hlo)
+      dump=/tmp/hybrid-fp32-driver-hlo-dump; rm -rf "$dump"; d="${out:-/tmp}/hybrid-fp32-driver-hlo"; mkdir -p "$d"
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=forward_step|layer_program" \
+        run 200 "$stage" "${fp32_first_logits[@]}" --variants=cached_S=E_pipelined --out_dir="$d"
+      tiling "$stage-tiling" "$dump" "hybrid-fp32-driver-hlo/hlo_tiling_qwen3_5_moe_fp32_pipelined-vs-scan_${dev}_$day.json" \
+        --across=jit_forward_step,jit_layer_program ;;
     hybrid-fp32-drivers)
       # default, GEMM autotuning off, and XLA's deterministic implementations of scatter, GEMMs and attention
       # (does the difference come from atomics, or from the two drivers' programs fusing differently?)

@@ -15,6 +15,12 @@ GEMM but with another config or count (``ops``), and those only one of them buil
       python experiments/bench_decode_speed.py ...
     python experiments/hlo_tiling.py /tmp/dump --out=tiling.json
 
+With ``--across=jit_forward_step,jit_layer_program`` it also compares the first layer-scan program (a resident
+prefill's, compiled first) with the pipelined driver's per-layer programs together, op by op without the programs'
+and the scan's name prefixes (``experiments/gpu_stages.sh hybrid-fp32-driver-hlo``: which float32 op does the
+pipelined driver build otherwise? docs/OVERLAP.md). It lists fusions and library calls with a config only: an op
+XLA emits as a plain loop or reduction fusion is not among them.
+
 Programs are read in module-number order (the order they were compiled: a dump of bench_decode_speed's resident
 then cached rows holds their decode blocks in that order), and each pair of programs of one module name
 (``jit_decode_block``) is compared. The JSON's ``meta`` is the machine this script ran on; run it where the dump was
@@ -39,6 +45,11 @@ from experiments import common  # noqa: E402
 _OUT = flags.DEFINE_string("out", None, "write the JSON here, with the run's meta and flags (else print it, and the "
                            "listing to stderr)")
 _PATTERN = flags.DEFINE_string("pattern", "*after_optimizations.txt", "the dump's files to read (a glob)")
+_ACROSS = flags.DEFINE_list("across", [], "FIRST,SECOND module names (e.g. jit_forward_step,jit_layer_program): also "
+                            "compare the first program of module FIRST with every program of module SECOND together, "
+                            "by op names without their program's and the layer scan's prefixes and by the set of "
+                            "configs each op is built with (a scan body holds several layers, a per-layer program "
+                            "one): the layer scan against the pipelined driver's layer programs")
 
 _NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\(*(\w+\[[^\]]*\](?:\{[^}]*\})?)")  # a tuple: its first
 _FUSION_KIND = re.compile(r'"kind":"(__triton\w*|__cudnn\$\w+)"')
@@ -111,6 +122,25 @@ def differences(a: list[dict], b: list[dict]) -> dict:
                             for (op, shape) in sorted(db.keys() - da.keys())]}
 
 
+_PROGRAM_PREFIX = re.compile(r"^jit\([^)]*\)/(?:while/body/(?:eval_jaxpr/|closed_call/)?)?")
+
+
+def layer_op(op_name: str) -> str:
+    """An op name without its program's prefix and, where it sits in the layer scan's body, the scan's
+    (``jit(forward_step)/while/body/eval_jaxpr/moe/add`` and ``jit(layer_program)/moe/add`` -> ``moe/add``), so that
+    an op of the scan body and the same op of a per-layer program compare; loops inside a layer keep theirs."""
+    return _PROGRAM_PREFIX.sub("", op_name)
+
+
+def differences_across(first: list[dict], second: list[dict]) -> dict:
+    """:func:`differences` of two lists of :func:`tilings` by :func:`layer_op` and output shape, with each op's
+    configs compared as sets (a scan body builds an op once per layer of its block, a per-layer program once)."""
+    def normalized(rows):
+        seen = {(layer_op(r["op_name"]), r["shape"], r["kind"], r["config"]) for r in rows}
+        return [{"op_name": op, "shape": shape, "kind": kind, "config": config} for op, shape, kind, config in seen]
+    return differences(normalized(first), normalized(second))
+
+
 def module_of(file_name: str) -> tuple[int, str]:
     """(module number, module name) of a dump's file name (``module_0042.jit_decode_block.sm_9.0a_gpu_after_
     optimizations.txt`` or ``module_0042.jit_decode_block.after_optimizations.txt`` -> (42, "jit_decode_block"));
@@ -133,6 +163,18 @@ def main(argv):
         for b in programs[i + 1:]:
             if a["module"] == b["module"]:
                 pairs.append({"first": a["file"], "second": b["file"], **differences(a["tilings"], b["tilings"])})
+    across = None
+    if _ACROSS.value:
+        if len(_ACROSS.value) != 2:
+            raise app.UsageError(f"--across: give FIRST,SECOND module names, got {_ACROSS.value}")
+        name_a, name_b = _ACROSS.value
+        first = next((p for p in programs if p["module"] == name_a), None)
+        second = [p for p in programs if p["module"] == name_b]
+        if first is None or not second:
+            sys.exit(f"hlo_tiling: --across: no program of module {name_a if first is None else name_b} under {folder}")
+        across = {"first": first["file"], "second": [p["file"] for p in second],
+                  **differences_across(first["tilings"], [t for p in second for t in p["tilings"]])}
+        pairs.append(across)
     result = {"dump": folder.name,
               "programs": [{"file": p["file"], "module": p["module"], "count": len(p["tilings"]),
                             "tilings": p["tilings"]} for p in programs],
@@ -148,7 +190,8 @@ def main(argv):
     if alone:
         print(f"hlo_tiling: compared with no other program (no other of its module name): {alone}", file=sys.stderr)
     for d in pairs:
-        print(f"{d['first']} vs {d['second']}: {len(d['ops'])} ops built otherwise, {len(d['only_first'])} only in "
+        second = d["second"] if isinstance(d["second"], str) else f"{len(d['second'])} programs together"
+        print(f"{d['first']} vs {second}: {len(d['ops'])} ops built otherwise, {len(d['only_first'])} only in "
               f"the first, {len(d['only_second'])} only in the second", file=listing)
         for op in d["ops"]:
             print(f"  {op['op_name']} {op['shape']}: {op['first']} vs {op['second']}", file=listing)

@@ -1066,6 +1066,26 @@ def test_hlo_tiling_names_the_ops_two_programs_build_otherwise():
     assert tiling.differences(a, a) == {"ops": [], "only_first": [], "only_second": []}
 
 
+def test_hlo_tiling_compares_the_layer_scan_with_the_per_layer_programs():
+    """Across programs (--across): an op of the scan body and the same op of a per-layer program compare without
+    their prefixes, an op the scan builds once per layer of its block counts as built once, and a config one side
+    alone uses is reported."""
+    tiling = import_app("experiments.hlo_tiling")
+    assert tiling.layer_op("jit(forward_step)/while/body/eval_jaxpr/moe/add") == "moe/add"
+    assert tiling.layer_op("jit(layer_program)/gated_deltanet/while/body/eval_jaxpr/dot_general") == \
+        "gated_deltanet/while/body/eval_jaxpr/dot_general"  # a loop inside the layer keeps its name
+    scan = tiling.tilings("\n".join([_hlo_line(f"m{i}", "f32[8]{0}", "while/body/eval_jaxpr/moe/add", tiles=8)
+                                      for i in range(3)] +
+                                     [_hlo_line("n", "f32[4,16]{1,0}", "while/body/eval_jaxpr/norm/reduce_sum",
+                                                tiles=4)]))
+    layers = tiling.tilings("\n".join([_hlo_line("m", "f32[8]{0}", "moe/add", tiles=8),
+                                        _hlo_line("n", "f32[4,16]{1,0}", "norm/reduce_sum", tiles=16)]))
+    diff = tiling.differences_across(scan, layers)
+    assert [(d["op_name"], d["first"][0][2], d["second"][0][2]) for d in diff["ops"]] == [("norm/reduce_sum", 1, 1)]
+    assert diff["ops"][0]["first"][0][1] != diff["ops"][0]["second"][0][1]  # 4 against 16 tiles
+    assert diff["only_first"] == diff["only_second"] == []  # moe/add: three layers of the body, one program: alike
+
+
 def test_hlo_tiling_reads_a_committed_gpu_program():
     """On a real XLA:GPU decode block (H100, 2026-12-06, committed under experiments/results/hlo/) the parser finds its
     one cuBLAS GEMM (the head, with its algorithm) and its six Triton fusions with their tiles, each named by its op."""
@@ -1090,15 +1110,20 @@ def test_hlo_tiling_pairs_the_programs_of_one_name_in_compile_order(tmp_path):
     dump.mkdir()
     files = {"module_0100.jit_decode_block.sm_9.0a_gpu_after_optimizations.txt": 4,
              "module_0020.jit_decode_block.after_optimizations.txt": 16,
-             "module_0050.jit_forward_step.sm_9.0a_gpu_after_optimizations.txt": 4}
+             "module_0050.jit_forward_step.sm_9.0a_gpu_after_optimizations.txt": 4,
+             "module_0070.jit_layer_program.sm_9.0a_gpu_after_optimizations.txt": 16}
     for name, tiles in files.items():
         (dump / name).write_text(_hlo_line("r", "f32[4,16]{1,0}", "norm/reduce_sum", tiles=tiles))
-    r = _run_script("hlo_tiling", str(dump), f"--out={tmp_path / 'out' / 't.json'}")
+    r = _run_script("hlo_tiling", str(dump), f"--out={tmp_path / 'out' / 't.json'}",
+                    "--across=jit_forward_step,jit_layer_program")
     assert r.returncode == 0, r.stderr
     got = json.loads((tmp_path / "out" / "t.json").read_text())
-    assert [p["module"] for p in got["programs"]] == ["jit_decode_block", "jit_forward_step", "jit_decode_block"]
-    assert [(d["first"][:11], d["second"][:11], len(d["ops"])) for d in got["differences"]] == [
-        ("module_0020", "module_0100", 1)]
+    assert [p["module"] for p in got["programs"]] == ["jit_decode_block", "jit_forward_step", "jit_layer_program",
+                                                      "jit_decode_block"]
+    # the pair of one name, then the scan program against the layer programs together (--across)
+    assert [(d["first"][:11], d["second"][:11] if isinstance(d["second"], str) else [f[:11] for f in d["second"]],
+             len(d["ops"])) for d in got["differences"]] == [("module_0020", "module_0100", 1),
+                                                             ("module_0050", ["module_0070"], 1)]
     assert got["meta"]["jax"] and got["dump"] == "dump" and "1 ops built otherwise" in r.stdout
     assert "no other of its module name): ['module_0050.jit_forward_step" in r.stderr
 

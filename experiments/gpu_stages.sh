@@ -241,6 +241,15 @@ kernel_copy_rows() {  # kernel_copy_rows LIMIT STAGE TAG bench_miss_copy-args...
 # pipelined-initcheck add --variants and --out_dir)
 fp32_first_logits=(experiments/check_identity_gpu.py --fixtures=qwen3_5_moe_fp32 --dtype=float32 --prompts=short
                    --steps=1)
+fp32_hlo() {  # fp32_hlo STAGE MODULE_RE VARIANTS OUT-FILE [hlo_tiling args]: fp32_first_logits with the programs whose
+  # module names match MODULE_RE dumped, then experiments/hlo_tiling.py on the dump (hybrid-fp32-tiling,
+  # hybrid-fp32-driver-hlo)
+  local stage="$1" module_re="$2" variants="$3" file="$4"; shift 4
+  local dump="/tmp/$stage-dump" d="${out:-/tmp}/$stage"; rm -rf "$dump"; mkdir -p "$d"
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=$module_re" \
+    run 200 "$stage" "${fp32_first_logits[@]}" --variants="$variants" --out_dir="$d"
+  tiling "$stage-tiling" "$dump" "$stage/$file" "$@"
+}
 sanitizer() {  # sanitizer TOOL NAME LOG LIMIT python-args...: compute-sanitizer's TOOL on a python run (XLA's platform
   # allocator: with its pooled one a buffer reuses bytes an earlier op wrote, and initcheck, which follows which bytes
   # were written, sees each program's own temporaries only then), its log at LOG, the reports counted by kernel; a
@@ -453,17 +462,10 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
         tiling "$stage-$g-tiling" "$dump" \
           "hlo_tiling_qwen3.5-35b-a3b_16l-512-slots-${what}prefetch-${g}_${dev}_$day.json"
       done ;;
-    hybrid-fp32-tiling)
-      dump=/tmp/hybrid-fp32-tiling-dump; rm -rf "$dump"; d="${out:-/tmp}/hybrid-fp32-tiling"; mkdir -p "$d"
-      XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=forward_step" \
-        run 200 "$stage" "${fp32_first_logits[@]}" --variants=cached_S=E_pipelined,cached_S=E_scan --out_dir="$d"
-      tiling "$stage-tiling" "$dump" "hybrid-fp32-tiling/hlo_tiling_qwen3_5_moe_fp32_first-logits_${dev}_$day.json" ;;
-    hybrid-fp32-driver-hlo)
-      dump=/tmp/hybrid-fp32-driver-hlo-dump; rm -rf "$dump"; d="${out:-/tmp}/hybrid-fp32-driver-hlo"; mkdir -p "$d"
-      XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=forward_step|layer_program" \
-        run 200 "$stage" "${fp32_first_logits[@]}" --variants=cached_S=E_pipelined --out_dir="$d"
-      tiling "$stage-tiling" "$dump" "hybrid-fp32-driver-hlo/hlo_tiling_qwen3_5_moe_fp32_pipelined-vs-scan_${dev}_$day.json" \
-        --across=jit_forward_step,jit_layer_program ;;
+    hybrid-fp32-tiling) fp32_hlo "$stage" forward_step cached_S=E_pipelined,cached_S=E_scan \
+      "hlo_tiling_qwen3_5_moe_fp32_first-logits_${dev}_$day.json" ;;
+    hybrid-fp32-driver-hlo) fp32_hlo "$stage" "forward_step|layer_program" cached_S=E_pipelined \
+      "hlo_tiling_qwen3_5_moe_fp32_pipelined-vs-scan_${dev}_$day.json" --across=jit_forward_step,jit_layer_program ;;
     hybrid-fp32-drivers)
       # default, GEMM autotuning off, and XLA's deterministic implementations of scatter, GEMMs and attention
       # (does the difference come from atomics, or from the two drivers' programs fusing differently?)

@@ -289,10 +289,11 @@ def plan_run(model, config: EngineConfig, prompts: Sequence[Sequence[int]], budg
     cfg = model.cfg
     if budget_bytes is not None and slots is not None:
         raise ValueError("give a VRAM budget or a slot count, not both")
-    resolved = config.for_compute_dtype(np.dtype(model.params["embed"].dtype).name)  # float32 on a GPU: the scan
+    dtype = np.dtype(model.params["embed"].dtype)
+    resolved = config.for_compute_dtype(dtype.name)  # float32 on a GPU: the scan
     note = None if resolved == config else F32_SCAN_NOTE
     config = resolved
-    itemsize = np.dtype(model.params["embed"].dtype).itemsize
+    itemsize = dtype.itemsize
     demo_slots = min(2 * cfg.num_experts, cfg.num_layers * cfg.num_experts)
     pipelined = config.pipelines_streams() and config.prefill != "on_demand"
     n = config.devices  # over N devices every size is one device's (MemoryPlan.devices)

@@ -57,7 +57,7 @@ _CUSTOM_CALL = re.compile(r'custom_call_target="(__cublas\$[\w$]+|__cudnn\$[\w$]
 _ALGORITHM = re.compile(r'"selected_algorithm":"?(-?\d+)"?')
 _PLAN = re.compile(r'"plan_id":"?(-?\d+)"?')
 _OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
-_MODULE = re.compile(r"module_(\d+)\.(.+?)(?:\.sm_[\w.]+?_gpu)?[._]after_optimizations")
+_MODULE = re.compile(r"module_(\d+)\.(.+?)(?:\.sm_[\w.]+?_gpu|\.cpu)?[._]after_optimizations")
 
 
 def _object_after(line: str, key: str) -> str:
@@ -143,7 +143,8 @@ def differences_across(first: list[dict], second: list[dict]) -> dict:
 
 def module_of(file_name: str) -> tuple[int, str]:
     """(module number, module name) of a dump's file name (``module_0042.jit_decode_block.sm_9.0a_gpu_after_
-    optimizations.txt`` or ``module_0042.jit_decode_block.after_optimizations.txt`` -> (42, "jit_decode_block"));
+    optimizations.txt``, ``module_0042.jit_decode_block.after_optimizations.txt`` or XLA:CPU's
+    ``module_0042.jit_decode_block.cpu_after_optimizations.txt`` -> (42, "jit_decode_block"));
     (-1, the file name) for a name of another form."""
     m = _MODULE.search(file_name)
     return (int(m.group(1)), m.group(2)) if m else (-1, file_name)

@@ -113,3 +113,39 @@ def test_full_index_is_current():
     assert all(f"| `{f}` |" in want for f in files)
     assert results_index.with_index(readme, "| x |") != readme and results_index.readme_index(
         results_index.with_index(readme, "| x |")) == "| x |"
+
+
+#: The travelling tree's limit on the GPU machine is 64 MiB (tracked files, untracked ones and shared/); the
+#: repository keeps 6 MiB of it free for a run's untracked files and the next results.
+TREE_BUDGET_MIB = 58
+UNTRACKED = {".git", ".venv", "__pycache__", ".pytest_cache", ".hypothesis", "out", "build", ".base", ".whl"}
+
+
+def test_committed_pngs_are_the_ones_a_document_shows():
+    """A result PNG is committed only where a document names it on a line that speaks of a PNG (its own name
+    or its JSON's): every other figure is one ``plots.py FILE`` away, and 158 unshown PNGs once took 9.5 of
+    the tree's 64 MiB."""
+    texts = []
+    for pattern in ("*.md", "docs/*.md", "experiments/**/*.md", "experiments/*.py", "experiments/*.sh"):
+        for path in glob.glob(os.path.join(ROOT, pattern), recursive=True):
+            with open(path, encoding="utf-8") as f:
+                texts += [line for line in f if "png" in line.lower()]
+    shown = "\n".join(texts)
+    pngs = glob.glob(os.path.join(RESULTS, "**", "*.png"), recursive=True)
+    assert pngs, "the figures of docs/FIGURES.md have PNGs under experiments/results/"
+    unshown = sorted(os.path.relpath(p, RESULTS) for p in pngs
+                     if "archive" not in os.path.relpath(p, RESULTS).split(os.sep)
+                     and os.path.splitext(os.path.basename(p))[0] not in shown)
+    assert not unshown, f"PNGs no document shows (git rm them; plots.py draws them on demand): {unshown}"
+
+
+def test_the_tree_fits_the_gpu_machines_limit():
+    """The files that travel to the GPU machine (everything but what .gitignore names) stay under
+    TREE_BUDGET_MIB: over 64 MiB no GPU command runs at all."""
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(ROOT):
+        dirnames[:] = [d for d in dirnames if d not in UNTRACKED and not d.endswith(".egg-info")]
+        total += sum(os.path.getsize(os.path.join(dirpath, n)) for n in filenames if not n.endswith(".pyc"))
+    assert 1 << 20 < total < TREE_BUDGET_MIB << 20, (
+        f"the tree holds {total / 2**20:.1f} MiB (limit {TREE_BUDGET_MIB}): move superseded results out or "
+        "drop PNGs no document shows")

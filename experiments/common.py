@@ -228,8 +228,9 @@ def define_kernel_flags(skip: tuple[str, ...] = (), multi_use: bool = False) -> 
         raise ValueError(f"unknown kernel flags {sorted(unknown)}")
     mod = {"module_name": _caller_module(1)}
     use_help = ("Pallas kernels to run: auto (each where it applies and was measured faster: on a GPU), xla (the "
-                "plain-JAX references everywhere), interpret (every kernel in Pallas interpret mode), or a comma "
-                "list of kernel names (ftjax.kernels.registry.names(); KernelConfig.use).")
+                "plain-JAX references everywhere), interpret (every kernel in Pallas interpret mode), a comma "
+                "list of kernel names (ftjax.kernels.registry.names(); KernelConfig.use), or auto with kernels "
+                "added or taken away (auto+gated_deltanet_decode, auto-grouped_swiglu_triton).")
     defs = {
         "kernels": lambda: (flags.DEFINE_multi_string("kernels", [], use_help + " Repeat the flag to run everything "
                                                       "once per value, in this process (an A/B of kernel choices); "

@@ -76,8 +76,8 @@
 # hybrid-mixer:    bench_decode_speed, resident, the qwen3.5-35b-a3b 16-layer cut at batch 1 with a 32-step trace:
 #                  auto against auto plus gated_deltanet_decode (a decode token's Gated DeltaNet mixer in one launch;
 #                  0.08 ms less device time a step, no faster while the block's loop read its predicate back each
-#                  step: is it faster under the fixed loop, where the block is device-bound?), and auto's kernels named
-#                  as a list (the mixer's control), each twice, the second round in reverse order
+#                  step: is it faster under the fixed loop, where the block is device-bound?), each twice, the
+#                  second round in reverse order
 # slot-copy:       bench_miss_copy at both expert shapes (qwen3.5-35b-a3b, qwen3-30b-a3b), 16 layers of top-k misses: the
 #                  slot-copy kernel (ftjax.experts.slot_copy: every miss of a layer read from the host bank straight
 #                  into its slot, one launch; kernel_ptr: the bank passed by address) beside XLA's loop of one copy
@@ -393,12 +393,10 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
         --modes=resident,cached --batches=1,4 --decode_blocks=16 --repeats=1 --cached_steps=32 --trace_steps=0 \
         --tag="48l-280-slots_${dev}_$day" ${out:+--out_dir="$out"} ;;
     hybrid-mixer)
-      mk=$(python3 -c "from ftjax.kernels import registry as r
-print(','.join([n for n, k in r.kernels().items() if k.auto] + ['gated_deltanet_decode']))")
-      for k in auto-1 list-1 mixer-1 mixer-2 list-2 auto-2; do  # list: auto's kernels named (the mixer's control)
-        case "$k" in auto*) use=auto ;; list*) use="${mk%,gated_deltanet_decode}" ;; *) use="$mk" ;; esac
+      for k in auto-1 mixer-1 mixer-2 auto-2; do
         run 100 "$stage-$k" experiments/bench_decode_speed.py --preset=qwen3.5-35b-a3b --layers=16 --modes=resident \
-          --batches=1 --decode_blocks=16 --repeats=5 --trace_steps=32 --kernels="$use" \
+          --batches=1 --decode_blocks=16 --repeats=5 --trace_steps=32 \
+          --kernels="$([ "${k%-*}" = auto ] && echo auto || echo auto+gated_deltanet_decode)" \
           --tag="16l-mixer-ab-${k}_${dev}_$day" ${out:+--out_dir="$out"}
       done ;;
     slot-copy) kernel_copy_rows 150 "$stage" slot-kernel --variants=kernel,kernel_ptr --graphs=on,off ;;

@@ -200,8 +200,9 @@ def define_flags(flag_values: flags.FlagValues = FLAGS, module_name: str | None 
                   "The server's blocks always stop there (KernelConfig.decode_loop).")
     d.DEFINE_string("kernels", "auto", "Pallas kernels to run: auto (each where it applies and was measured faster: "
                     "on a GPU), xla (the plain-JAX references everywhere), interpret (every kernel in Pallas interpret "
-                    "mode), or a comma list of kernel names (ftjax.kernels.registry; a kernel asked for by name that "
-                    "applies to no program is reported).")
+                    "mode), a comma list of kernel names (ftjax.kernels.registry; a kernel asked for by name that "
+                    "applies to no program is reported), or auto with kernels added or taken away, e.g. "
+                    "auto+gated_deltanet_decode or auto-grouped_swiglu_triton.")
     d.DEFINE_list("kernel_tiles", [], "Tile overrides, name:ints with the ints separated by '/', e.g. "
                   "dense_decode:64/128/0/0,moe_decode:64/64/0/0 (KernelConfig.tiles).")
     d.DEFINE_enum("grouped_matmul", "auto", list(GROUPED_MATMULS), "The prefill expert matmul: on a GPU the "

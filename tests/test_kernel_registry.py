@@ -20,7 +20,7 @@ from ftjax.kernels.registry import KernelConfig
     (dict(use=("nope",)), "use", "unknown kernel 'nope'"),
     (dict(use="moe_decode,nope"), "use", "unknown kernel 'nope'"),
     (dict(use="everything"), "use", "unknown kernel 'everything'"),
-    (dict(use=5), "use", "expected one of auto, xla, interpret or kernel names"),
+    (dict(use=5), "use", "expected one of auto, xla, interpret, kernel names or auto\+name"),
     (dict(tiles={"nope": (1, 2, 3, 4)}), "tiles", "unknown kernel 'nope'"),
 ])
 def test_unknown_kernel_names_are_refused_naming_the_field(kw, field, match):
@@ -113,6 +113,31 @@ def test_equal_choices_make_equal_configs():
     assert a.named == ("flash_prefill", "moe_decode") and a.tiles == (("moe_decode", (64, 64, 0, 2)),)
     assert KernelConfig().named == KernelConfig(use="interpret").named == ()
     assert a.as_dict()["use"] == ["flash_prefill", "moe_decode"]
+
+
+def test_auto_with_kernels_added_and_taken_away():
+    """``use="auto+a-b"``: auto's choice for every other kernel, ``a`` as if named (interpreted off a GPU) and ``b``
+    never; the terms in any order make one config; bad terms and needs are refused naming the field."""
+    a = KernelConfig(use="auto-grouped_swiglu_triton+gated_deltanet_decode")
+    b = KernelConfig(use="auto+gated_deltanet_decode-grouped_swiglu_triton")
+    assert a == b and hash(a) == hash(b) and a.use == "auto+gated_deltanet_decode-grouped_swiglu_triton"
+    assert a.named == ("gated_deltanet_decode",) and a.as_dict()["use"] == a.use
+    auto_kernel = next(n for n, k in registry.kernels().items() if k.auto and n != "grouped_swiglu_triton")
+    with registry.using(a):
+        assert registry.mode("gated_deltanet_decode") == "interpret"  # the CPU: a named kernel is interpreted
+        assert registry.mode("grouped_swiglu_triton") == "xla"
+        assert registry.mode(auto_kernel) == "xla"  # auto's choice on the CPU
+        assert registry.mode("gated_deltanet_decode", supported=False) == "xla"
+        with registry.lowering_for("gpu"):
+            assert registry.mode("gated_deltanet_decode") == "gpu"
+            assert registry.mode(auto_kernel) == "gpu" and registry.mode(auto_kernel, auto=False) == "xla"
+            assert registry.mode("grouped_swiglu_triton") == "xla"
+    for bad, match in [("auto+", "expected auto followed by"), ("auto++moe_decode", "expected auto followed by"),
+                       ("auto+nope", "unknown kernel 'nope'"),
+                       ("auto+moe_decode-moe_decode", "moe_decode both added and removed"),
+                       ("auto+rope_cache-decode_attention", "kernel 'rope_cache' needs decode_attention")]:
+        with pytest.raises(ValueError, match=rf"KernelConfig\.use: .*{match}"):
+            KernelConfig(use=bad)
 
 
 # ------------------------------------------------------------------ the registered kernels

@@ -20,6 +20,10 @@ config applies: ``auto``.
 * ``"xla"``: the jnp reference everywhere.
 * ``"interpret"``: every kernel in Pallas interpret mode (any backend; CPU tests of the wiring).
 * a tuple of kernel names: only those kernels, compiled on a GPU and interpreted elsewhere.
+* ``"auto+a+b-c"``: auto's choices, plus kernels ``a`` and ``b`` as if named (compiled on a GPU, interpreted
+  elsewhere, wherever they support the operands) and without kernel ``c`` (its reference everywhere): one
+  kernel added to or taken from the default, the A/B a sweep runs. Stored with the names sorted, so
+  ``"auto-c+b+a"`` keys the same programs.
 
 What ran is recorded per trace (:func:`recording`): the engine reports a named kernel that applied
 to none of its programs (:meth:`KernelConfig.check_applied`), so a run that asks for a kernel that
@@ -31,9 +35,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import importlib
 import numbers
 import pkgutil
+import re
 from typing import Callable
 
 import jax
@@ -158,6 +164,24 @@ def _tile_entries(tiles) -> tuple[tuple[str, tuple[int, ...]], ...]:
     return tuple(sorted(out))
 
 
+@functools.lru_cache(maxsize=256)
+def auto_delta(use) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    """(added, removed) kernel names of a ``KernelConfig.use`` of the form ``"auto+a+b-c"`` (each sorted), or None
+    for any other value ("auto" itself included).
+    Raises:
+      ValueError: a term without a name, or a name both added and removed (the message names the field)."""
+    if not isinstance(use, str) or not use.startswith("auto") or use == "auto" or use[4] not in "+-":
+        return None
+    terms = re.findall(r"([+-])([^+-]*)", use[4:])
+    if "".join(sign + n for sign, n in terms) != use[4:] or any(not n.strip() for _, n in terms):
+        raise ValueError(f"KernelConfig.use: expected auto followed by +name or -name terms, got {use!r}")
+    added = {n.strip() for sign, n in terms if sign == "+"}
+    removed = {n.strip() for sign, n in terms if sign == "-"}
+    if added & removed:
+        raise ValueError(f"KernelConfig.use: {', '.join(sorted(added & removed))} both added and removed in {use!r}")
+    return tuple(sorted(added)), tuple(sorted(removed))
+
+
 def _choice(field: str, value, choices: tuple) -> None:
     if value not in choices:
         raise ValueError(f"KernelConfig.{field}: unknown value {value!r}; expected one of {', '.join(choices)}")
@@ -191,7 +215,8 @@ class KernelConfig:
 
     Attributes:
       use: "auto" | "xla" | "interpret" | a tuple of kernel names (:func:`names`; a comma-separated
-        string is accepted and stored as a tuple): which kernels run (module docstring).
+        string is accepted and stored as a tuple) | "auto+a-b" (auto with kernel a added and b taken away;
+        stored with its terms sorted, added first): which kernels run (module docstring).
       tiles: tile overrides, ``((kernel name, (ints...)), ...)`` (a dict is accepted); each kernel's
         entry parses its own (e.g. dense_decode: block_k, block_n, num_warps, k_split). Tiles of
         ``dense_decode`` that do not fit a call's operands (where its default tiles would) raise ValueError
@@ -238,7 +263,17 @@ class KernelConfig:
 
     def __post_init__(self):
         use = self.use
-        if isinstance(use, str) and use not in USES:
+        delta = auto_delta(use)
+        if delta is not None:
+            for n in delta[0] + delta[1]:
+                _known("use", n)
+            for n in delta[0]:
+                missing = [m for m in get(n).needs if m in delta[1] or (m not in delta[0] and not get(m).auto)]
+                if missing:
+                    raise ValueError(f"KernelConfig.use: kernel {n!r} needs {', '.join(missing)} selected too "
+                                     f"(got {use!r})")
+            use = "auto" + "".join("+" + n for n in delta[0]) + "".join("-" + n for n in delta[1])
+        elif isinstance(use, str) and use not in USES:
             use = tuple(n.strip() for n in use.split(",") if n.strip())
         if isinstance(use, (list, tuple)):
             use = tuple(sorted(set(use)))
@@ -249,8 +284,9 @@ class KernelConfig:
                 if missing:
                     raise ValueError(f"KernelConfig.use: kernel {n!r} needs {', '.join(missing)} selected too "
                                      f"(got {', '.join(use)})")
-        elif use not in USES:
-            raise ValueError(f"KernelConfig.use: expected one of {', '.join(USES)} or kernel names, got {use!r}")
+        elif use not in USES and delta is None:
+            raise ValueError(f"KernelConfig.use: expected one of {', '.join(USES)}, kernel names or "
+                             f"auto+name / auto-name terms, got {use!r}")
         object.__setattr__(self, "use", use)
         tiles = _tile_entries(self.tiles)
         for n, t in tiles:
@@ -283,8 +319,9 @@ class KernelConfig:
 
     @property
     def named(self) -> tuple[str, ...]:
-        """The kernels asked for by name (empty under auto / xla / interpret)."""
-        return self.use if isinstance(self.use, tuple) else ()
+        """The kernels asked for by name (empty under auto / xla / interpret; auto+name's added ones)."""
+        delta = auto_delta(self.use)
+        return delta[0] if delta is not None else self.use if isinstance(self.use, tuple) else ()
 
     def tile_args(self, name: str) -> dict | None:
         """The kernel's parsed tile override, or None for its defaults."""
@@ -397,6 +434,14 @@ def mode(name: str, supported: bool = True, auto: bool | None = None, record: bo
         how = "interpret"
     elif use == "auto":
         how = "gpu" if on_gpu and (entry.auto if auto is None else auto) else "xla"
+    elif isinstance(use, str):  # auto+added-removed
+        added, removed = auto_delta(use)
+        if name in added:
+            how = "gpu" if on_gpu else "interpret"
+        elif name in removed:
+            how = "xla"
+        else:
+            how = "gpu" if on_gpu and (entry.auto if auto is None else auto) else "xla"
     else:
         how = ("gpu" if on_gpu else "interpret") if name in use else "xla"
     seen = _RECORD.get()

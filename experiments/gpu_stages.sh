@@ -78,6 +78,10 @@
 #                  0.08 ms less device time a step, no faster while the block's loop read its predicate back each
 #                  step: is it faster under the fixed loop, where the block is device-bound?), each twice, the
 #                  second round in reverse order
+# moe-tiles-wide:  bench_decode_speed, resident, qwen3-30b-a3b cut to 16 layers, batch 1 and 4: moe_decode's default
+#                  tiles (128 rows a step, 64 columns a program, 8 warps) against wider column strips (128 and 256
+#                  columns: 256 and 512 contiguous bytes of each weight row a load, against 128) for both stages and
+#                  for the down stage alone (the experts' kernels read ~66% of the H100's HBM peak at batch 1)
 # slot-copy:       bench_miss_copy at both expert shapes (qwen3.5-35b-a3b, qwen3-30b-a3b), 16 layers of top-k misses: the
 #                  slot-copy kernel (ftjax.experts.slot_copy: every miss of a layer read from the host bank straight
 #                  into its slot, one launch; kernel_ptr: the bank passed by address) beside XLA's loop of one copy
@@ -398,6 +402,12 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
           --batches=1 --decode_blocks=16 --repeats=5 --trace_steps=32 \
           --kernels="$([ "${k%-*}" = auto ] && echo auto || echo auto+gated_deltanet_decode)" \
           --tag="16l-mixer-ab-${k}_${dev}_$day" ${out:+--out_dir="$out"}
+      done ;;
+    moe-tiles-wide)
+      for t in 128/64/8/0 128/128/8/0 128/256/8/0 128/64/8/0/128/128 128/64/8/0/256/128 128/64/8/0-again; do
+        run 100 "$stage-${t//\//x}" experiments/bench_decode_speed.py --layers=16 --modes=resident --batches=1,4 \
+          --decode_blocks=16 --repeats=3 --trace_steps=0 --kernel_tiles=moe_decode:"${t%-again}" \
+          --tag="16l-moe-tiles-${t//\//x}_${dev}_$day" ${out:+--out_dir="$out"}
       done ;;
     slot-copy) kernel_copy_rows 150 "$stage" slot-kernel --variants=kernel,kernel_ptr --graphs=on,off ;;
     copy-stream) run 150 "$stage" experiments/probe_copy_stream.py --copy=xla,kernel,kernel_async --tag="${dev}_$day" \

@@ -1,11 +1,17 @@
 r"""Decode block loop forms (``KernelConfig.decode_loop``), resident, in one process: "dynamic", the block's
 while loop ending at its limit or once every row stopped (XLA reads that predicate back to the host each
 step), against "fixed", a trip count of ``decode_block`` iterations XLA knows. Tokens/s of ``Engine.generate``
-(medians of ``--repeats``, the two forms alternating) and whether both gave the same tokens. ``--eos_at``: the
-timed generates stop on an EOS id mid-generation, where a fixed-loop generate reads each block's stop flags
-before dispatching the next (``decode_s``: the decode's seconds, the stop's cost included).
+(medians of ``--repeats``, the engines' timed generates alternating) and whether both gave the same tokens.
+``--eos_at``: the timed generates stop on an EOS id mid-generation, where a fixed-loop generate reads each block's
+stop flags before dispatching the next (``decode_s``: the decode's seconds, the stop's cost included).
+
+``--kernels`` may be repeated: one engine per kernel config and form, all timed in turn in this process, so a
+kernel's decode A/B shares the machine's state of the moment (HBM clocks, the host) with its baseline; each row
+of a later config gives ``over_first_kernels`` against the first config's row of its form. ``--forms=fixed`` alone
+times only the fixed loop (the A/B of kernels under auto's loop on a GPU).
 
   PYTHONPATH=. python3 experiments/bench_decode_loop.py --out_dir=$OUT
+  PYTHONPATH=. python3 experiments/bench_decode_loop.py --forms=fixed --kernels=auto --kernels=auto+route_decode
   .venv/bin/python experiments/bench_decode_loop.py --preset=tiny --layers=2 --steps=32 --repeats=1 --out_dir=/tmp/x
 """
 
@@ -26,7 +32,7 @@ import numpy as np  # noqa: E402
 from experiments import common  # noqa: E402
 
 FLAGS = flags.FLAGS
-common.define_kernel_flags(skip=("decode_loop",))  # both forms, always
+common.define_kernel_flags(skip=("decode_loop",), multi_use=True)  # the forms are --forms
 flags.DEFINE_string("preset", "qwen3.5-35b-a3b", "Model shape (random weights).")
 flags.DEFINE_integer("layers", 16, "Layers the shape is cut to.", lower_bound=0)
 flags.DEFINE_list("batches", ["1"], "Sequences decoded together (a row per form and batch).")
@@ -38,14 +44,15 @@ flags.DEFINE_integer("eos_at", None, "With EOS ids: the timed generates stop at 
                      "untimed generate at or after this index (the path where a fixed-loop generate keeps one block "
                      "in flight; each row's `generated` says where it stopped); unset: no EOS ids.", lower_bound=1)
 flags.DEFINE_bool("alternate", True, "Both engines held, the forms' timed generates alternating.")
-flags.DEFINE_list("forms", ["dynamic", "fixed"], "The order the forms' engines are built and timed in (with "
-                  "--noalternate: one form's generates all before the other's), both named once.")
+flags.DEFINE_list("forms", ["dynamic", "fixed"], "The loop forms timed, in the order their engines are built and "
+                  "timed in (with --noalternate: one engine's generates all before the next's), each named at most "
+                  "once.")
 flags.DEFINE_string("out_dir", "experiments/results/decode_speed", "Where the JSON goes.")
 flags.DEFINE_string("tag", "", "Goes into the JSON's name.")
 common.check_preset()
 common.check_numbers("batches", int, low=1)
-flags.register_validator("forms", lambda v: sorted(v) == ["dynamic", "fixed"],
-                         message="--forms: expected dynamic and fixed, each once, in the order to run them")
+flags.register_validator("forms", lambda v: bool(v) and len(set(v)) == len(v) and set(v) <= {"dynamic", "fixed"},
+                         message="--forms: expected dynamic and / or fixed, each at most once, in the order to run")
 
 
 def main(argv):
@@ -77,8 +84,8 @@ def _first_new_token(ids: list[int], at: int) -> int:
 
 
 def _rows(model, batch: int) -> list[dict]:
-    """Both forms at ``batch`` rows: an untimed (compiling) generate each, then ``--repeats`` alternating (with
-    ``--noalternate`` one form's engine after the other's: two resident engines of a large cut do not fit)."""
+    """Every (kernel config, form) at ``batch`` rows: an untimed (compiling) generate each, then ``--repeats`` in turn
+    (with ``--noalternate`` one engine after the other: two resident engines of a large cut do not fit)."""
     from ftjax import Engine
     from ftjax.config import EngineConfig
     cfg = model.cfg
@@ -86,41 +93,59 @@ def _rows(model, batch: int) -> list[dict]:
                           max_seq_len=-(-(FLAGS.prompt_len + FLAGS.steps + 1) // 128) * 128)
     rng = np.random.default_rng(batch)
     prompts = [rng.integers(0, cfg.vocab_size, FLAGS.prompt_len).tolist() for _ in range(batch)]
-    engines, times, first, eos = {}, {"dynamic": [], "fixed": []}, {}, ()
-    decode_s = {f: [] for f in times}
+    uses = FLAGS.kernels or ["auto"]
+    runs = [(use, form) for use in uses for form in FLAGS.forms]  # the build order
+    engines, times, first, eos = {}, {r: [] for r in runs}, {}, ()
+    decode_s = {r: [] for r in runs}
 
-    def timed(e, form: str) -> None:  # with EOS ids, the generates compared are the timed ones
+    def timed(e, run) -> None:  # with EOS ids, the generates compared are the timed ones
         r = e.generate(prompts, FLAGS.steps + 1, eos_ids=eos)
-        times[form].append(r.decode_tokens_per_s)
-        decode_s[form].append(r.decode_s)
+        times[run].append(r.decode_tokens_per_s)
+        decode_s[run].append(r.decode_s)
         if eos:
-            first[form] = r
+            first[run] = r
 
-    for f in FLAGS.forms:
-        e = Engine(model, dataclasses.replace(config, kernels=common.kernel_config(decode_loop=f)))
-        first[f] = e.generate(prompts, FLAGS.steps + 1)  # compiles
+    for run in runs:
+        use, form = run
+        e = Engine(model, dataclasses.replace(config, kernels=common.kernel_config(use=use, decode_loop=form)))
+        first[run] = e.generate(prompts, FLAGS.steps + 1)  # compiles
         if FLAGS.eos_at is not None and not eos:
-            eos = (_first_new_token(first[f].generated_ids[0], FLAGS.eos_at),)
+            eos = (_first_new_token(first[run].generated_ids[0], FLAGS.eos_at),)
         if FLAGS.alternate:
-            engines[f] = e
+            engines[run] = e
         else:
             for _ in range(FLAGS.repeats):
-                timed(e, f)
+                timed(e, run)
             del e
             gc.collect()
     for _ in range(FLAGS.repeats if engines else 0):
-        for f, e in engines.items():
-            timed(e, f)
-    rows = [{"batch": batch, "form": f, "tokens_per_s": common.spread(times[f]), "decode_s": common.spread(decode_s[f]),
-             "step_ms": 1e3 * batch / statistics.median(times[f]), "eos_ids": list(eos),
-             "generated": [len(g) for g in first[f].generated_ids], "run_order": FLAGS.forms.index(f)}
-            for f in times]  # dynamic, then fixed, whatever order they ran in
-    same = first["dynamic"].generated_ids == first["fixed"].generated_ids  # with EOS ids: the last timed ones
-    rows[1]["same_tokens_as_dynamic"] = same
-    rows[1]["over_dynamic"] = rows[1]["tokens_per_s"]["median"] / rows[0]["tokens_per_s"]["median"]
-    for r in rows:
-        print(f"batch {batch} {r['form']:8s} {r['tokens_per_s']['median']:8.1f} tok/s  step {r['step_ms']:.3f} ms"
-              + (f"  x{r['over_dynamic']:.3f}, same tokens: {same}" if "over_dynamic" in r else ""), flush=True)
+        for run, e in engines.items():
+            timed(e, run)
+    rows = []
+    for use in uses:  # dynamic before fixed, whatever order they ran in
+        for form in sorted(f for u, f in runs if u == use):
+            run = (use, form)
+            rows.append({"batch": batch, "kernels": use, "form": form, "tokens_per_s": common.spread(times[run]),
+                         "decode_s": common.spread(decode_s[run]),
+                         "step_ms": 1e3 * batch / statistics.median(times[run]), "eos_ids": list(eos),
+                         "generated": [len(g) for g in first[run].generated_ids], "run_order": runs.index(run)})
+    by = {(r["kernels"], r["form"]): r for r in rows}
+    for r in rows:  # with EOS ids the ids compared are the last timed generate's
+        rate = r["tokens_per_s"]["median"]
+        ids = first[(r["kernels"], r["form"])].generated_ids
+        dyn = by.get((r["kernels"], "dynamic"))
+        if r["form"] == "fixed" and dyn is not None:
+            r["same_tokens_as_dynamic"] = ids == first[(r["kernels"], "dynamic")].generated_ids
+            r["over_dynamic"] = rate / dyn["tokens_per_s"]["median"]
+        base = by.get((uses[0], r["form"]))
+        if r["kernels"] != uses[0] and base is not None:
+            r["same_tokens_as_first_kernels"] = ids == first[(uses[0], r["form"])].generated_ids
+            r["over_first_kernels"] = rate / base["tokens_per_s"]["median"]
+        print(f"batch {batch} {r['kernels']:>24s} {r['form']:8s} {rate:8.1f} tok/s  step {r['step_ms']:.3f} ms"
+              + (f"  x{r['over_dynamic']:.3f} dynamic, same tokens: {r['same_tokens_as_dynamic']}"
+                 if "over_dynamic" in r else "")
+              + (f"  x{r['over_first_kernels']:.3f} {uses[0]}, same tokens: {r['same_tokens_as_first_kernels']}"
+                 if "over_first_kernels" in r else ""), flush=True)
     return rows
 
 

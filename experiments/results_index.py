@@ -172,9 +172,15 @@ def _bench_decode_speed(d: dict) -> str:
 
 
 def _bench_decode_loop(d: dict) -> str:
-    fixed = [r for r in d.get("rows") or [] if r.get("form") == "fixed" and "over_dynamic" in r]
-    return "; ".join(f"b{r['batch']} fixed {r['tokens_per_s']['median']:.1f} tok/s = {r['over_dynamic']:.3f}x dynamic"
-                     + (f" (EOS after {max(r['generated'])} tokens)" if r.get("eos_ids") else "") for r in fixed) or "-"
+    rows = d.get("rows") or []
+    fixed = [r for r in rows if r.get("form") == "fixed" and "over_dynamic" in r]
+    out = [f"b{r['batch']} fixed {r['tokens_per_s']['median']:.1f} tok/s = {r['over_dynamic']:.3f}x dynamic"
+           + (f" (EOS after {max(r['generated'])} tokens)" if r.get("eos_ids") else "") for r in fixed]
+    base = {(r["batch"], r["form"]): r for r in rows if "over_first_kernels" not in r}  # the first kernel config's
+    out += [f"b{r['batch']} {r['form']} {r['kernels']} {r['tokens_per_s']['median']:.1f} tok/s = "
+            f"{r['over_first_kernels']:.3f}x {base[(r['batch'], r['form'])]['kernels']}"
+            for r in rows if "over_first_kernels" in r and (r["batch"], r["form"]) in base]
+    return "; ".join(out) or "-"
 
 
 def _bench_miss_copy(d: dict) -> str:

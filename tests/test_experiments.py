@@ -932,6 +932,25 @@ def test_bench_decode_loop_smoke(tmp_path):
     assert headline.startswith("b1 fixed ") and "x dynamic (EOS after" in headline
 
 
+@pytest.mark.slow
+def test_bench_decode_loop_times_kernel_configs_side_by_side(tmp_path):
+    """Repeated --kernels with one form: an engine per config, timed in turn; the later config's row is given against
+    the first's (its rate ratio, its tokens), and the index's headline names both."""
+    d = _run("bench_decode_loop", tmp_path, "--preset=tiny", "--layers=2", "--steps=12", "--prompt_len=8",
+             "--repeats=1", "--decode_block=4", "--forms=fixed", "--kernels=auto", "--kernels=xla")
+    first, other = d["rows"]
+    assert [(r["kernels"], r["form"]) for r in d["rows"]] == [("auto", "fixed"), ("xla", "fixed")]
+    assert "over_dynamic" not in other and "over_first_kernels" not in first
+    assert other["same_tokens_as_first_kernels"] is True  # on the CPU auto runs the references too
+    assert other["over_first_kernels"] == pytest.approx(other["tokens_per_s"]["median"]
+                                                        / first["tokens_per_s"]["median"])
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import results_index
+    (path,) = tmp_path.glob("bench_decode_loop_tiny.json")
+    headline = results_index.row(str(path), path.name, results_index._scripts())["headline"]
+    assert headline.startswith("b1 fixed xla ") and headline.endswith("x auto")
+
+
 def test_a_given_commit_is_recorded_as_given(monkeypatch):
     """``$FTJAX_GIT_COMMIT`` names the commit of a tree copied without its git metadata (a GPU machine's copy):
     every result's ``meta.git_commit`` takes it; unset, the checkout's own commit."""

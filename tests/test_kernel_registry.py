@@ -20,7 +20,7 @@ from ftjax.kernels.registry import KernelConfig
     (dict(use=("nope",)), "use", "unknown kernel 'nope'"),
     (dict(use="moe_decode,nope"), "use", "unknown kernel 'nope'"),
     (dict(use="everything"), "use", "unknown kernel 'everything'"),
-    (dict(use=5), "use", "expected one of auto, xla, interpret, kernel names or auto\+name"),
+    (dict(use=5), "use", r"expected one of auto, xla, interpret, kernel names or auto\+name"),
     (dict(tiles={"nope": (1, 2, 3, 4)}), "tiles", "unknown kernel 'nope'"),
 ])
 def test_unknown_kernel_names_are_refused_naming_the_field(kw, field, match):

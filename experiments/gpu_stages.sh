@@ -76,9 +76,10 @@
 # decode-kernels-ab: bench_decode_loop under the fixed loop, one process per model, the engines timed in turn: auto
 #                  against auto plus the kernels measured no faster while the block's loop read its predicate back
 #                  each step (the one-launch Gated DeltaNet mixer gated_deltanet_decode: 0.08 ms less device time a
-#                  step then; the router's softmax, top-k and renormalisation in one launch, route_decode), at the
-#                  qwen3.5-35b-a3b 16-layer cut (batch 1) and qwen3-30b-a3b's (batch 1 and 4): now the block is
-#                  device-bound, is either faster?
+#                  step then; the router's softmax, top-k and renormalisation in one launch, route_decode; decode
+#                  attention's split merge in the wo GEMV's prologue, merge_dense_decode: resident steps 0.21-0.37 ms
+#                  faster, cached ones slower on 2026-12-02), at the qwen3.5-35b-a3b 16-layer cut (batch 1) and
+#                  qwen3-30b-a3b's (batch 1 and 4): now the block is device-bound, is any faster?
 # moe-tiles-wide:  bench_decode_speed, resident, qwen3-30b-a3b cut to 16 layers, batch 1 and 4: moe_decode's default
 #                  tiles (128 rows a step, 64 columns a program, 8 warps) against wider column strips (128 and 256
 #                  columns: 256 and 512 contiguous bytes of each weight row a load, against 128) for both stages and
@@ -398,13 +399,13 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
         --modes=resident,cached --batches=1,4 --decode_blocks=16 --repeats=1 --cached_steps=32 --trace_steps=0 \
         --tag="48l-280-slots_${dev}_$day" ${out:+--out_dir="$out"} ;;
     decode-kernels-ab)
-      m=gated_deltanet_decode; r=route_decode
-      run 200 "$stage-hybrid" experiments/bench_decode_loop.py --preset=qwen3.5-35b-a3b --layers=16 --batches=1 \
-        --forms=fixed --repeats=5 --kernels=auto --kernels=auto+$m --kernels=auto+$r --kernels=auto+$m+$r \
-        --tag="16l-kernels-ab_${dev}_$day" ${out:+--out_dir="$out"}
-      run 200 "$stage-qwen3" experiments/bench_decode_loop.py --preset=qwen3-30b-a3b --layers=16 --batches=1,4 \
-        --forms=fixed --repeats=5 --kernels=auto --kernels=auto+$r --tag="16l-kernels-ab_${dev}_$day" \
-        ${out:+--out_dir="$out"} ;;
+      m=gated_deltanet_decode; r=route_decode; w=merge_dense_decode
+      run 220 "$stage-hybrid" experiments/bench_decode_loop.py --preset=qwen3.5-35b-a3b --layers=16 --batches=1 \
+        --forms=fixed --repeats=5 --kernels=auto --kernels=auto+$m --kernels=auto+$r --kernels=auto+$w \
+        --kernels=auto+$m+$r+$w --tag="16l-kernels-ab_${dev}_$day" ${out:+--out_dir="$out"}
+      run 220 "$stage-qwen3" experiments/bench_decode_loop.py --preset=qwen3-30b-a3b --layers=16 --batches=1,4 \
+        --forms=fixed --repeats=5 --kernels=auto --kernels=auto+$r --kernels=auto+$w --kernels=auto+$r+$w \
+        --tag="16l-kernels-ab_${dev}_$day" ${out:+--out_dir="$out"} ;;
     moe-tiles-wide)
       for t in 128/64/8/0 128/128/8/0 128/256/8/0 128/64/8/0/128/128 128/64/8/0/256/128 128/64/8/0-again; do
         run 100 "$stage-${t//\//x}" experiments/bench_decode_speed.py --layers=16 --modes=resident --batches=1,4 \

@@ -55,6 +55,18 @@ flags.register_validator("forms", lambda v: bool(v) and len(set(v)) == len(v) an
                          message="--forms: expected dynamic and / or fixed, each at most once, in the order to run")
 
 
+def _distinct_uses(uses) -> bool:
+    from ftjax.kernels.registry import KernelConfig
+    try:
+        keys = [KernelConfig(use=u).use for u in uses]
+    except ValueError:
+        return True  # common's own validator names the bad value
+    return len(set(keys)) == len(keys)
+
+
+flags.register_validator("kernels", _distinct_uses, message="--kernels: a kernel config named twice (in any spelling)")
+
+
 def main(argv):
     del argv
     if FLAGS.eos_at is not None and FLAGS.eos_at > FLAGS.steps:  # before the model is built
@@ -97,6 +109,7 @@ def _rows(model, batch: int) -> list[dict]:
     runs = [(use, form) for use in uses for form in FLAGS.forms]  # the build order
     engines, times, first, eos = {}, {r: [] for r in runs}, {}, ()
     decode_s = {r: [] for r in runs}
+    applied = {}
 
     def timed(e, run) -> None:  # with EOS ids, the generates compared are the timed ones
         r = e.generate(prompts, FLAGS.steps + 1, eos_ids=eos)
@@ -109,6 +122,7 @@ def _rows(model, batch: int) -> list[dict]:
         use, form = run
         e = Engine(model, dataclasses.replace(config, kernels=common.kernel_config(use=use, decode_loop=form)))
         first[run] = e.generate(prompts, FLAGS.steps + 1)  # compiles
+        applied[run] = (sorted(e.programs.kernels_applied()), e.kernel_notes())
         if FLAGS.eos_at is not None and not eos:
             eos = (_first_new_token(first[run].generated_ids[0], FLAGS.eos_at),)
         if FLAGS.alternate:
@@ -128,7 +142,8 @@ def _rows(model, batch: int) -> list[dict]:
             rows.append({"batch": batch, "kernels": use, "form": form, "tokens_per_s": common.spread(times[run]),
                          "decode_s": common.spread(decode_s[run]),
                          "step_ms": 1e3 * batch / statistics.median(times[run]), "eos_ids": list(eos),
-                         "generated": [len(g) for g in first[run].generated_ids], "run_order": runs.index(run)})
+                         "generated": [len(g) for g in first[run].generated_ids], "run_order": runs.index(run),
+                         "kernels_applied": applied[run][0], "kernel_notes": applied[run][1]})
     by = {(r["kernels"], r["form"]): r for r in rows}
     for r in rows:  # with EOS ids the ids compared are the last timed generate's
         rate = r["tokens_per_s"]["median"]

@@ -174,7 +174,9 @@ def _bench_decode_speed(d: dict) -> str:
 def _bench_decode_loop(d: dict) -> str:
     rows = d.get("rows") or []
     fixed = [r for r in rows if r.get("form") == "fixed" and "over_dynamic" in r]
-    out = [f"b{r['batch']} fixed {r['tokens_per_s']['median']:.1f} tok/s = {r['over_dynamic']:.3f}x dynamic"
+    several = len({r.get("kernels") for r in rows}) > 1
+    out = [f"b{r['batch']} fixed" + (f" {r['kernels']}" if several else "")
+           + f" {r['tokens_per_s']['median']:.1f} tok/s = {r['over_dynamic']:.3f}x dynamic"
            + (f" (EOS after {max(r['generated'])} tokens)" if r.get("eos_ids") else "") for r in fixed]
     base = {(r["batch"], r["form"]): r for r in rows if "over_first_kernels" not in r}  # the first kernel config's
     out += [f"b{r['batch']} {r['form']} {r['kernels']} {r['tokens_per_s']['median']:.1f} tok/s = "

@@ -112,6 +112,7 @@ def test_equal_choices_make_equal_configs():
     assert a == b and hash(a) == hash(b)
     assert a.named == ("flash_prefill", "moe_decode") and a.tiles == (("moe_decode", (64, 64, 0, 2)),)
     assert KernelConfig().named == KernelConfig(use="interpret").named == ()
+    assert KernelConfig(use=["moe_decode", "flash_prefill"]).use == a.use  # a list, as as_dict() writes, reads back
     assert a.as_dict()["use"] == ["flash_prefill", "moe_decode"]
 
 

@@ -164,14 +164,18 @@ def _tile_entries(tiles) -> tuple[tuple[str, tuple[int, ...]], ...]:
     return tuple(sorted(out))
 
 
-@functools.lru_cache(maxsize=256)
 def auto_delta(use) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
     """(added, removed) kernel names of a ``KernelConfig.use`` of the form ``"auto+a+b-c"`` (each sorted), or None
     for any other value ("auto" itself included).
     Raises:
       ValueError: a term without a name, or a name both added and removed (the message names the field)."""
     if not isinstance(use, str) or not use.startswith("auto") or use == "auto" or use[4] not in "+-":
-        return None
+        return None  # a list (unhashable) never reaches the cache
+    return _auto_delta(use)
+
+
+@functools.lru_cache(maxsize=256)
+def _auto_delta(use: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     terms = re.findall(r"([+-])([^+-]*)", use[4:])
     if "".join(sign + n for sign, n in terms) != use[4:] or any(not n.strip() for _, n in terms):
         raise ValueError(f"KernelConfig.use: expected auto followed by +name or -name terms, got {use!r}")

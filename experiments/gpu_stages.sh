@@ -79,8 +79,9 @@
 #                  step then; the router's softmax, top-k and renormalisation in one launch, route_decode; decode
 #                  attention's split merge in the wo GEMV's prologue, merge_dense_decode: resident steps 0.21-0.37 ms
 #                  faster, cached ones slower on 2026-12-02), at the qwen3.5-35b-a3b 16-layer cut (batch 1: the
-#                  mixer only; its zero-centred norms keep route_decode and rope_cache, which merge_dense_decode
-#                  needs, off) and qwen3-30b-a3b's (batch 1 and 4): now the block is device-bound, is any faster?
+#                  mixer and route_decode, which takes zero-centred norms since 2026-12-07; they keep rope_cache,
+#                  which merge_dense_decode needs, off) and qwen3-30b-a3b's (batch 1 and 4): now the block is
+#                  device-bound, is any faster?
 # moe-tiles-wide:  bench_decode_speed, resident, qwen3-30b-a3b cut to 16 layers, batch 1 and 4: moe_decode's default
 #                  tiles (128 rows a step, 64 columns a program, 8 warps) against wider column strips (128 and 256
 #                  columns: 256 and 512 contiguous bytes of each weight row a load, against 128) for both stages and
@@ -401,9 +402,9 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
         --tag="48l-280-slots_${dev}_$day" ${out:+--out_dir="$out"} ;;
     decode-kernels-ab)
       m=gated_deltanet_decode; r=route_decode; w=merge_dense_decode
-      run 160 "$stage-hybrid" experiments/bench_decode_loop.py --preset=qwen3.5-35b-a3b --layers=16 --batches=1 \
-        --forms=fixed --repeats=5 --kernels=auto --kernels=auto+$m --tag="16l-kernels-ab_${dev}_$day" \
-        ${out:+--out_dir="$out"}
+      run 200 "$stage-hybrid" experiments/bench_decode_loop.py --preset=qwen3.5-35b-a3b --layers=16 --batches=1 \
+        --forms=fixed --repeats=5 --kernels=auto --kernels=auto+$m --kernels=auto+$r --kernels=auto+$m+$r \
+        --tag="16l-kernels-ab_${dev}_$day" ${out:+--out_dir="$out"}
       run 220 "$stage-qwen3" experiments/bench_decode_loop.py --preset=qwen3-30b-a3b --layers=16 --batches=1,4 \
         --forms=fixed --repeats=5 --kernels=auto --kernels=auto+$r --kernels=auto+$w --kernels=auto+$r+$w \
         --tag="16l-kernels-ab_${dev}_$day" ${out:+--out_dir="$out"} ;;

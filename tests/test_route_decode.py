@@ -112,6 +112,27 @@ def test_greedy_decode_with_the_kernel_matches_the_default_path(monkeypatch):
     _assert_like_default(kernels, ref, got)
 
 
+def test_hybrid_decode_with_the_kernel_after_a_zero_centred_norm(monkeypatch):
+    """tiny-hybrid (Qwen3.5's zero-centred MoE norm, ``1 + w``): the router kernel runs after the norm + router
+    launch there too, one call per decode layer; same ids, logits within float32 tolerance of the default path,
+    cached bit-identical to resident."""
+    ref = _tiny_generate("xla", preset_name="tiny-hybrid")
+    _fresh_traces()
+    calls = []
+    real = rd.route_decode
+
+    def spy(parts, **kw):
+        calls.append((parts.shape[1:], kw["top_k"]))
+        return real(parts, **kw)
+
+    monkeypatch.setattr(rd, "route_decode", spy)
+    kernels = "dense_decode,norm_dense_decode,route_decode"
+    got = _tiny_generate(kernels, preset_name="tiny-hybrid")
+    cfg = preset("tiny-hybrid")
+    assert calls and set(calls) == {((1, cfg.num_experts), cfg.top_k)}
+    _assert_like_default(kernels, ref, got, "tiny-hybrid")
+
+
 def test_without_the_norm_kernel_the_router_stays_jnp(monkeypatch):
     """The kernel reads norm_dense_decode's partial logits: selected without it, it could never run, so
     the kernel config refuses that choice (the registry entry ``needs`` norm_dense_decode); selected with

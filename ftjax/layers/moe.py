@@ -52,15 +52,16 @@ def route(cfg: ModelConfig, x: jax.Array, w_router: jax.Array) -> tuple[jax.Arra
 def _route_decode(cfg: ModelConfig, lp: dict, h: jax.Array):
     """(ids int32 [N, k], weights [N, k], the normed MLP input x [N, D]) of a decode call's router through
     ``ftjax.kernels.route_decode`` on ``norm_dense_decode``'s partial logits, when the kernel config selects
-    both for a router read from the stacked weights (plain norms only); else None. Same arithmetic as the
-    jnp path (the summed logits rounded to the projection's dtype, softmax, top-k, renormalisation)."""
+    both for a router read from the stacked weights (plain and zero-centred norms); else None. Same arithmetic as
+    the jnp path (the summed logits rounded to the projection's dtype, softmax, top-k, renormalisation)."""
     router, norm_w = lp["router"], lp["mlp_norm"]
     b, t, _ = h.shape
-    if cfg.norm_offset or not isinstance(router, StackedWeight) or \
-            not route_decode.selected(b * t, cfg.num_experts, cfg.top_k):
+    if not isinstance(router, StackedWeight) or not route_decode.selected(b * t, cfg.num_experts, cfg.top_k):
         return None
     g = norm_w.w if isinstance(norm_w, StackedWeight) else norm_w
-    got = dense_decode.maybe_norm(h, g, cfg.rms_norm_eps, [router.w], router.layer, write_x=True, sum_parts=False)
+    at = norm_w.layer if isinstance(norm_w, StackedWeight) and norm_w.layer is not router.layer else None
+    got = dense_decode.maybe_norm(h, g, cfg.rms_norm_eps, [router.w], router.layer, write_x=True, sum_parts=False,
+                                  offset=cfg.norm_offset, norm_layer=at)
     if got is None:
         return None
     (parts,), x = got

@@ -20,11 +20,10 @@ operations, only the reductions' summation order may differ.
 
 Generic Pallas primitives: interpreted on the CPU (the tests), lowered through Triton on a GPU. Measured
 (``experiments/bench_gated_delta.py --stages=decode``, docs/HYBRID.md) barely faster than XLA's, so ``auto`` does
-not pick it: named only. Neither does it pick ``gated_deltanet_decode`` below, the whole mixer of a decode token
-in one launch: on an H100 (2026-12-06, 732bed9, ``experiments/results/gated_delta/
-bench_gated_delta_qwen3.5-35b-a3b_quick_h100_2026-12-06.json``) the 16-layer qwen3.5-35b-a3b cut decoded 367.5
-tok/s with it against 364.9 without (one run each, within noise): with XLA's command buffers on, the mixer's
-small kernels were not what the step waits on.
+not pick it: named only. ``auto`` does pick ``gated_deltanet_decode`` below, the whole mixer of a decode token in
+one launch, for 16-bit models on a GPU since 2026-12-07 (:data:`MIXER_AUTO`); on 2026-12-06 (H100, 732bed9,
+``experiments/results/gated_delta/bench_gated_delta_qwen3.5-35b-a3b_quick_h100_2026-12-06.json``) it had measured
+no faster (367.5 against 364.9 tok/s), while the decode block still waited on the host every step.
 """
 
 from __future__ import annotations
@@ -239,13 +238,24 @@ def mixer_step(qkv: jax.Array, z: jax.Array, b_in: jax.Array, a_in: jax.Array, v
       rec_cache)
 
 
+#: Whether ``use="auto"`` runs ``gated_deltanet_decode`` on a GPU for a model computing in 16 bits (float32 models keep
+#: XLA's mixer, as the dense decode kernels do). Yes since 2026-12-07: under the fixed decode loop, where a decode
+#: block is device-bound, the 16-layer qwen3.5-35b-a3b cut decoded 444.0 against 436.5 tok/s with it (1.017x) and
+#: 475.9 / 474.8 against 466.2 / 466.5 with route_decode beside it (1.018-1.021x), in one process each, both orders
+#: (H100, ``bench_decode_loop.py --forms=fixed``, ``decode_speed/bench_decode_loop_qwen3.5-35b-a3b_16l-kernels-ab*``);
+#: cached = resident bit for bit with it on the GPU (12/12, ``checks/check_identity_gpu_mixer-route_h100_*``). Before
+#: the fixed loop (2026-12-06) it measured no faster: the block then waited on the host each step.
+MIXER_AUTO = True
+
+
 def mixer_mode(key_heads: int, value_heads: int, dk: int, dv: int, conv_dim: int, taps: int,
-               rec_dtype) -> tuple[str, dict]:
+               rec_dtype, dtype=jnp.bfloat16) -> tuple[str, dict]:
     """How ``gated_deltanet_decode`` runs for these shapes under the active kernel config ("xla": it does not), and
-    its tiles."""
+    its tiles. dtype: the mixer's input (the projections') dtype; ``auto`` picks the kernel for 16-bit ones only
+    (:data:`MIXER_AUTO`)."""
     tiles = registry.tiles("gated_deltanet_decode", {"num_warps": MIXER_WARPS})
     ok = rec_dtype == jnp.float32 and mixer_supported(key_heads, value_heads, dk, dv, conv_dim, taps)
-    return registry.mode("gated_deltanet_decode", ok), tiles
+    return registry.mode("gated_deltanet_decode", ok, auto=MIXER_AUTO and jnp.dtype(dtype).itemsize == 2), tiles
 
 
 def _warps(vals: tuple[int, ...]) -> dict:
@@ -259,6 +269,6 @@ registry.register(registry.Kernel(
     "gated_deltanet_decode", "ftjax.layers.gated_deltanet.mixer (T = 1)",
     "Gated DeltaNet decode (T = 1): the mixer between its projections in one launch (conv and its state, gates, "
     "q / k norms, the recurrent step with the float32 state updated in place in the stacked cache, the gated "
-    "output norm); power-of-two dk and dv, K >= 2; auto: not picked (named only): measured no faster on an H100 "
-    "(16-layer qwen3.5 decode 367.5 vs 364.9 tok/s, one run each)",
-    auto=False, tiles=_warps))
+    "output norm); power-of-two dk and dv, K >= 2; auto: GPU, 16-bit models (MIXER_AUTO: 1.017-1.021x decode "
+    "under the fixed loop, H100, 2026-12-07)",
+    auto=MIXER_AUTO, tiles=_warps))

@@ -1,6 +1,6 @@
 """A decode layer's router after its logits GEMV in one Pallas launch: the K-split partial logits summed,
 softmax, top-k and the top-k renormalisation (``model.top_k_route`` on ``model.norm_project``'s logits,
-same arithmetic). The kernel config selects it by name (``route_decode``); see :data:`AUTO`.
+same arithmetic). ``auto`` selects it on a GPU since 2026-12-07 (:data:`AUTO`), or the kernel config names it.
 
 Why: in the H200 trace of a resident batch-1 decode step the router was four
 kernels per layer after the norm + router GEMV kernel (``dense_decode.norm_dense_decode``): the float32
@@ -118,12 +118,19 @@ def maybe(parts: jax.Array, logits_dtype, top_k: int, norm_topk_prob: bool, dtyp
                         interpret=how == "interpret")
 
 
-#: Whether ``use="auto"`` runs the kernel on a GPU. Not: it was measured no faster than the jnp router
-#: (docs/PROFILE.md), and on a GPU XLA's top-k breaks bf16 ties differently, so it runs by name only.
-AUTO = False
+#: Whether ``use="auto"`` runs the kernel on a GPU (where ``norm_dense_decode`` makes the logits: 16-bit models). Yes
+#: since 2026-12-07: under the fixed decode loop (the block device-bound) it took resident decode, in one process
+#: each and in both orders (H100, ``bench_decode_loop.py --forms=fixed``,
+#: ``decode_speed/bench_decode_loop_*_16l-kernels-ab*_h100_2026-12-07.json``), from 590.8 / 592.6 to 610.2 / 615.5
+#: tok/s on the 16-layer qwen3-30b-a3b cut (1.033-1.039x; batch 4 1261.2 -> 1277.5, 1.013x) and from 436.5 / 437.4 to
+#: 466.2 / 466.5 on qwen3.5-35b-a3b's (1.066-1.068x); cached = resident bit for bit with it (12/12 on the GPU). On
+#: 2026-12-02, while the block waited on the host each step, it measured within the spread (docs/PROFILE.md). Its
+#: ties go to the lowest expert id where XLA's GPU top-k may order them otherwise, so greedy tokens of random bf16
+#: weights can differ from the jnp router's (both are top-k of the same probabilities).
+AUTO = True
 
 
 registry.register(registry.Kernel(
     "route_decode", "ftjax.layers.moe.top_k_route",
     "a decode step's router after norm_dense_decode's partial logits (sum, softmax, top-k, renormalisation); "
-    "by name only", auto=AUTO, needs=("norm_dense_decode",)))
+    "auto: GPU, where norm_dense_decode runs (AUTO)", auto=AUTO, needs=("norm_dense_decode",)))

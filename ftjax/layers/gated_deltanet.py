@@ -328,7 +328,7 @@ def decode_in_one_launch(cfg: ModelConfig, lp: dict, projected, dtype, cache: KV
     if t != 1 or qkv_in.dtype != dtype or not (z.dtype == b_in.dtype == a_in.dtype == dtype):
         return None
     how, tiles = gated_delta_step.mixer_mode(hk, hv, dk, dv, qkv_in.shape[-1], cfg.linear_conv_kernel,
-                                             cache.rec.dtype)
+                                             cache.rec.dtype, dtype)
     if how == "xla":
         return None
     weights = [_stacked(lp[name]) for name in ("conv", "A_log", "dt_bias", "norm")]

@@ -73,15 +73,12 @@
 #                  qwen3-30b-a3b rows (16 layers at batch 1 and 4, 48 layers at batch 1 and 4), then issue 33's offload
 #                  rows (48 layers, 280 slots, batch 1 and 4, the default miss copy, beside a resident row of the same
 #                  run for the cached step's bound; ~330 s in all on an H100, 2026-12-06)
-# decode-kernels-ab: bench_decode_loop under the fixed loop, one process per model, the engines timed in turn: auto
-#                  against auto plus the kernels measured no faster while the block's loop read its predicate back
-#                  each step (the one-launch Gated DeltaNet mixer gated_deltanet_decode: 0.08 ms less device time a
-#                  step then; the router's softmax, top-k and renormalisation in one launch, route_decode; decode
-#                  attention's split merge in the wo GEMV's prologue, merge_dense_decode: resident steps 0.21-0.37 ms
-#                  faster, cached ones slower on 2026-12-02), at the qwen3.5-35b-a3b 16-layer cut (batch 1: the
-#                  mixer and route_decode, which takes zero-centred norms since 2026-12-07; they keep rope_cache,
-#                  which merge_dense_decode needs, off) and qwen3-30b-a3b's (batch 1 and 4): now the block is
-#                  device-bound, is any faster?
+# decode-kernels-ab: bench_decode_loop under the fixed loop, one process per model, one engine at a time (four
+#                  resident engines of a 16-layer cut held at once ran out of an H100's memory): auto against auto
+#                  without gated_deltanet_decode and / or route_decode (auto since 2026-12-07: 1.017-1.068x on an
+#                  H100) at the qwen3.5-35b-a3b 16-layer cut (batch 1), and auto against auto without route_decode
+#                  and with merge_dense_decode (by name: 1.018x at batch 1, 0.985x at batch 4) at qwen3-30b-a3b's
+#                  (batch 1 and 4): the same A/B on another card
 # moe-tiles-wide:  bench_decode_speed, resident, qwen3-30b-a3b cut to 16 layers, batch 1 and 4: moe_decode's default
 #                  tiles (128 rows a step, 64 columns a program, 8 warps) against wider column strips (128 and 256
 #                  columns: 256 and 512 contiguous bytes of each weight row a load, against 128) for both stages and
@@ -403,10 +400,10 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
     decode-kernels-ab)
       m=gated_deltanet_decode; r=route_decode; w=merge_dense_decode
       run 200 "$stage-hybrid" experiments/bench_decode_loop.py --preset=qwen3.5-35b-a3b --layers=16 --batches=1 \
-        --forms=fixed --repeats=5 --kernels=auto --kernels=auto+$m --kernels=auto+$r --kernels=auto+$m+$r \
-        --tag="16l-kernels-ab_${dev}_$day" ${out:+--out_dir="$out"}
+        --forms=fixed --repeats=5 --noalternate --kernels=auto --kernels=auto-$m --kernels=auto-$r \
+        --kernels=auto-$m-$r --tag="16l-kernels-ab_${dev}_$day" ${out:+--out_dir="$out"}
       run 220 "$stage-qwen3" experiments/bench_decode_loop.py --preset=qwen3-30b-a3b --layers=16 --batches=1,4 \
-        --forms=fixed --repeats=5 --kernels=auto --kernels=auto+$r --kernels=auto+$w --kernels=auto+$r+$w \
+        --forms=fixed --repeats=5 --noalternate --kernels=auto --kernels=auto-$r --kernels=auto+$w \
         --tag="16l-kernels-ab_${dev}_$day" ${out:+--out_dir="$out"} ;;
     moe-tiles-wide)
       for t in 128/64/8/0 128/128/8/0 128/256/8/0 128/64/8/0/128/128 128/64/8/0/256/128 128/64/8/0-again; do

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import re
 
 import numpy as np
 import pytest
@@ -175,6 +176,19 @@ def test_every_registered_kernel_names_its_reference_and_where_it_applies():
     assert {n for n, k in kernels.items() if k.tiles is not None} >= {"dense_decode", "moe_decode"}
     with pytest.raises(ValueError, match="unknown kernel 'nope'; expected one of "):
         registry.get("nope")
+
+
+def test_the_package_docstring_names_every_kernel_and_those_auto_leaves_out():
+    """``ftjax.kernels``' docstring, the kernels' map, names every registered kernel, and its "by name only" line
+    lists exactly the kernels whose entry ``auto`` does not pick (it went stale once: a kernel made auto kept
+    "named only" there)."""
+    import ftjax.kernels as pkg
+    doc = pkg.__doc__
+    missing = [n for n in registry.names() if f"``{n}``" not in doc]
+    assert not missing, f"ftjax/kernels/__init__.py does not name {missing}"
+    line = doc.split("by name only:", 1)[1].split(".", 1)[0]
+    listed = set(re.findall(r"``(\w+)``", line))
+    assert listed == {n for n, k in registry.kernels().items() if not k.auto}, line
 
 
 def test_registering_another_kernel_under_a_taken_name_is_refused():

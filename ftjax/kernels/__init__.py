@@ -17,10 +17,14 @@ selects which run, and is part of every compiled program's key.
 * ``grouped_matmul``: the prefill expert matmul (on GPUs ``grouped_matmul_triton`` for 256 experts or
   more, the Mosaic GPU kernel for fewer; ``ragged_dot`` elsewhere; ``KernelConfig.grouped_matmul``).
   ``grouped_matmul_triton``: the matmul over a tile schedule computed once per call (no per-tile search over
-  the groups); ``grouped_swiglu_triton``: its gate-up with the token gather and SwiGLU fused (named only);
+  the groups); ``grouped_swiglu_triton``: its gate-up with the token gather and SwiGLU fused;
   ``grouped_matmul_pool``: both reading the layer's experts in the slot pool in place (auto where the first is).
 * ``causal_conv``, ``gated_delta``, ``gated_delta_solve``, ``gated_delta_step``: the Gated DeltaNet layer's
-  conv, chunk scan, chunk solve and decode step.
+  conv, chunk scan, chunk solve and decode step (the last by name only); ``gated_deltanet_decode``: a decode
+  token's whole Gated DeltaNet mixer in one launch.
+
+Which of them ``auto`` picks on a GPU is each registry entry's ``auto`` (``registry.kernels()``); by name only:
+``merge_dense_decode``, ``gated_delta_step``, ``grouped_matmul_scatter``.
 
 ``common`` holds the helpers they share (Pallas backend notes, tile checks).
 """

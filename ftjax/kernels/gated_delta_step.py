@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ftjax.kernels import common, registry
+from ftjax.kernels import common, dense_decode, registry
 
 #: Columns of S per program and Triton's warps (``KernelConfig.tiles``: ``gated_delta_step=(block_v,)`` or
 #: ``(block_v, num_warps)``). 32: at B = 1 and qwen3.5-35b-a3b's 32 value heads, dv = 128, 128 programs
@@ -251,11 +251,11 @@ MIXER_AUTO = True
 def mixer_mode(key_heads: int, value_heads: int, dk: int, dv: int, conv_dim: int, taps: int,
                rec_dtype, dtype=jnp.bfloat16) -> tuple[str, dict]:
     """How ``gated_deltanet_decode`` runs for these shapes under the active kernel config ("xla": it does not), and
-    its tiles. dtype: the mixer's input (the projections') dtype; ``auto`` picks the kernel for 16-bit ones only
-    (:data:`MIXER_AUTO`)."""
+    its tiles. dtype: the mixer's input (the projections') dtype; ``auto`` picks the kernel where it picks the dense
+    decode kernels (``dense_decode.auto_for``: 16-bit) and :data:`MIXER_AUTO`."""
     tiles = registry.tiles("gated_deltanet_decode", {"num_warps": MIXER_WARPS})
     ok = rec_dtype == jnp.float32 and mixer_supported(key_heads, value_heads, dk, dv, conv_dim, taps)
-    return registry.mode("gated_deltanet_decode", ok, auto=MIXER_AUTO and jnp.dtype(dtype).itemsize == 2), tiles
+    return registry.mode("gated_deltanet_decode", ok, auto=MIXER_AUTO and dense_decode.auto_for(dtype)), tiles
 
 
 def _warps(vals: tuple[int, ...]) -> dict:

@@ -430,24 +430,19 @@ def mode(name: str, supported: bool = True, auto: bool | None = None, record: bo
       ValueError: unknown kernel name.
     """
     entry = get(name)
-    use = active().use
+    config = active()
+    use, delta = config.use, auto_delta(config.use)
     on_gpu = backend() == "gpu"
     if use == "xla" or not supported:
         how = "xla"
     elif use == "interpret":
         how = "interpret"
-    elif use == "auto":
+    elif name in config.named:  # a tuple's names and auto+name's added ones
+        how = "gpu" if on_gpu else "interpret"
+    elif use == "auto" or (delta is not None and name not in delta[1]):  # auto's own choice
         how = "gpu" if on_gpu and (entry.auto if auto is None else auto) else "xla"
-    elif isinstance(use, str):  # auto+added-removed
-        added, removed = auto_delta(use)
-        if name in added:
-            how = "gpu" if on_gpu else "interpret"
-        elif name in removed:
-            how = "xla"
-        else:
-            how = "gpu" if on_gpu and (entry.auto if auto is None else auto) else "xla"
-    else:
-        how = ("gpu" if on_gpu else "interpret") if name in use else "xla"
+    else:  # not named, or taken away by auto-name
+        how = "xla"
     seen = _RECORD.get()
     if record and seen is not None and how != "xla":
         seen.add(name)

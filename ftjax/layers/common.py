@@ -94,6 +94,21 @@ def project(x: jax.Array, w: jax.Array | StackedWeight) -> jax.Array:
     return (padded @ w)[:rows].reshape(*x.shape[:-1], w.shape[-1])
 
 
+def norm_project_in_one_launch(h: jax.Array, norm_w: jax.Array | StackedWeight, ws: tuple, eps: float,
+                               offset: bool = False, write_x: bool = False, sum_parts: bool = True):
+    """:func:`norm_project` as one ``norm_dense_decode`` launch (``dense_decode.maybe_norm``), where every weight
+    is a :class:`StackedWeight` of one layer and the kernel config selects the kernel for this norm; else None.
+    With ``sum_parts`` False the products are the kernel's unsummed K-split parts [parts, rows, sum N_i] (the
+    router kernel sums them itself)."""
+    if not (all(isinstance(w, StackedWeight) for w in ws) and len({id(w.layer) for w in ws}) == 1):
+        return None
+    g = norm_w.w if isinstance(norm_w, StackedWeight) else norm_w
+    # a layer kind's weights index the kind's layers, the norm all layers: the kernel reads each at its own
+    at = norm_w.layer if isinstance(norm_w, StackedWeight) and norm_w.layer is not ws[0].layer else None
+    return dense_decode.maybe_norm(h, g, eps, [w.w for w in ws], ws[0].layer, write_x, sum_parts=sum_parts,
+                                   offset=offset, norm_layer=at)
+
+
 def norm_project(h: jax.Array, norm_w: jax.Array | StackedWeight, ws: tuple, eps: float, offset: bool = False,
                  write_x: bool = False):
     """``rms_norm(h)`` (``rms_norm_offset`` where ``offset``) and its products with ``ws`` ([..., N_i]
@@ -102,13 +117,8 @@ def norm_project(h: jax.Array, norm_w: jax.Array | StackedWeight, ws: tuple, eps
     (decode steps; a zero-centred one only where ``dense_decode.norm_auto`` or its name says), one kernel launch
     does all of it; otherwise the norm and :func:`project` per weight. h: [..., K]; norm_w: [K], or a
     :class:`StackedWeight` of the norm weights [L, K] (the kernel reads the layer's row in place)."""
-    if all(isinstance(w, StackedWeight) for w in ws) and len({id(w.layer) for w in ws}) == 1:
-        g = norm_w.w if isinstance(norm_w, StackedWeight) else norm_w
-        # a layer kind's weights index the kind's layers, the norm all layers: the kernel reads each at its own
-        at = norm_w.layer if isinstance(norm_w, StackedWeight) and norm_w.layer is not ws[0].layer else None
-        got = dense_decode.maybe_norm(h, g, eps, [w.w for w in ws], ws[0].layer, write_x, offset=offset,
-                                      norm_layer=at)
-        if got is not None:
-            return got
+    got = norm_project_in_one_launch(h, norm_w, ws, eps, offset, write_x)
+    if got is not None:
+        return got
     x = norm_fn(offset)(h, layer_weight(norm_w), eps)
     return [project(x, w) for w in ws], (x if write_x else None)

@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from ftjax.config import ModelConfig
-from ftjax.kernels import dense_decode, route_decode
-from ftjax.layers.common import StackedWeight, norm_project, project
+from ftjax.kernels import route_decode
+from ftjax.layers.common import StackedWeight, norm_project, norm_project_in_one_launch, project
 from ftjax.seams import ExpertFn, LayerIndex, LayerInputs, LayerRouting
 
 
@@ -54,14 +54,12 @@ def _route_decode(cfg: ModelConfig, lp: dict, h: jax.Array):
     ``ftjax.kernels.route_decode`` on ``norm_dense_decode``'s partial logits, when the kernel config selects
     both for a router read from the stacked weights (plain and zero-centred norms); else None. Same arithmetic as
     the jnp path (the summed logits rounded to the projection's dtype, softmax, top-k, renormalisation)."""
-    router, norm_w = lp["router"], lp["mlp_norm"]
+    router = lp["router"]
     b, t, _ = h.shape
     if not isinstance(router, StackedWeight) or not route_decode.selected(b * t, cfg.num_experts, cfg.top_k):
         return None
-    g = norm_w.w if isinstance(norm_w, StackedWeight) else norm_w
-    at = norm_w.layer if isinstance(norm_w, StackedWeight) and norm_w.layer is not router.layer else None
-    got = dense_decode.maybe_norm(h, g, cfg.rms_norm_eps, [router.w], router.layer, write_x=True, sum_parts=False,
-                                  offset=cfg.norm_offset, norm_layer=at)
+    got = norm_project_in_one_launch(h, lp["mlp_norm"], (router,), cfg.rms_norm_eps, offset=cfg.norm_offset,
+                                     write_x=True, sum_parts=False)
     if got is None:
         return None
     (parts,), x = got

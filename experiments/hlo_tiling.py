@@ -51,6 +51,8 @@ _ACROSS = flags.DEFINE_list("across", [], "FIRST,SECOND module names (e.g. jit_f
                             "configs each op is built with (a scan body holds several layers, a per-layer program "
                             "one): the layer scan against the pipelined driver's layer programs")
 
+flags.register_validator("across", lambda v: len(v) in (0, 2), message="--across: give FIRST,SECOND module names")
+
 _NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\(*(\w+\[[^\]]*\](?:\{[^}]*\})?)")  # a tuple: its first
 _FUSION_KIND = re.compile(r'"kind":"(__triton\w*|__cudnn\$\w+)"')
 _CUSTOM_CALL = re.compile(r'custom_call_target="(__cublas\$[\w$]+|__cudnn\$[\w$]+)"')
@@ -164,18 +166,14 @@ def main(argv):
         for b in programs[i + 1:]:
             if a["module"] == b["module"]:
                 pairs.append({"first": a["file"], "second": b["file"], **differences(a["tilings"], b["tilings"])})
-    across = None
     if _ACROSS.value:
-        if len(_ACROSS.value) != 2:
-            raise app.UsageError(f"--across: give FIRST,SECOND module names, got {_ACROSS.value}")
         name_a, name_b = _ACROSS.value
         first = next((p for p in programs if p["module"] == name_a), None)
         second = [p for p in programs if p["module"] == name_b]
         if first is None or not second:
             sys.exit(f"hlo_tiling: --across: no program of module {name_a if first is None else name_b} under {folder}")
-        across = {"first": first["file"], "second": [p["file"] for p in second],
-                  **differences_across(first["tilings"], [t for p in second for t in p["tilings"]])}
-        pairs.append(across)
+        pairs.append({"first": first["file"], "second": [p["file"] for p in second],
+                      **differences_across(first["tilings"], [t for p in second for t in p["tilings"]])})
     result = {"dump": folder.name,
               "programs": [{"file": p["file"], "module": p["module"], "count": len(p["tilings"]),
                             "tilings": p["tilings"]} for p in programs],

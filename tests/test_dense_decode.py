@@ -276,6 +276,7 @@ def _assert_like_default(kernels, ref, got, preset_name="tiny"):
     np.testing.assert_array_equal(cached.step_logits, got.step_logits)
 
 
+@pytest.mark.slow  # GPUs run it beside norm_dense_decode, as the next test and tests/test_rope_cache.py do by default
 def test_greedy_decode_with_the_kernel_matches_the_default_path(monkeypatch):
     """A tiny model's greedy decode with ``KernelConfig(use="dense_decode")`` (interpreted on the CPU):
     the decode steps' five dense projections per layer run in the kernel, reading the stacked
@@ -517,3 +518,27 @@ def test_merge_dense_decode_supported_and_errors():
     assert not dd.supported_merge(o, m, l, w, 2, jnp.bfloat16, block_k=32)  # K 128 is not w's 192
     with pytest.raises(ValueError, match="merge_dense_decode: unsupported"):
         dd.merge_dense_decode(o, m, l, w, jnp.int32(0), g=3, dtype=jnp.bfloat16, interpret=True)  # block_k 64
+
+
+def test_auto_takes_the_merge_kernel_for_one_row_calls_of_16_bit_weights():
+    """Under ``auto`` on a GPU, the wo projection of a one-row call (batch-1 decode) of bf16 weights takes
+    :func:`merge_dense_decode` (one Triton launch; 1.018-1.036x at batch 1 on an H100, 2026-12-07); four rows
+    (0.985x), float32 weights, and ``auto-merge_dense_decode`` keep the merge and the product apart (None)."""
+    from test_kernels import _lower_cuda
+
+    sd, bf, g, k = jax.ShapeDtypeStruct, jnp.bfloat16, 3, 2 * 3 * 32
+    o, m, l = _splits(4)
+
+    def merge(b, w_dtype, use="auto"):
+        with registry.lowering_for("gpu"), using(KernelConfig(use=use)):
+            if b == 1 and w_dtype == bf and use == "auto":  # the kernel: lower it for CUDA (nothing runs here)
+                return _lower_cuda(lambda o, m, l, w: dd.maybe_merge(o, m, l, g, bf, w, jnp.int32(0)),
+                                   sd((1,) + o.shape[1:], jnp.float32), sd((1,) + m.shape[1:], jnp.float32),
+                                   sd((1,) + l.shape[1:], jnp.float32), sd((3, k, 64), bf))
+            return dd.maybe_merge(o[:b], m[:b], l[:b], g, bf, jnp.zeros((3, k, 64), w_dtype), jnp.int32(0))
+
+    assert dd.merge_auto(bf, 1) and not dd.merge_auto(bf, 4) and not dd.merge_auto(jnp.float32, 1)
+    assert merge(1, bf).count("__gpu$xla.gpu.triton") == 1
+    assert merge(4, bf) is None and merge(1, jnp.float32) is None
+    assert merge(1, bf, "auto-merge_dense_decode") is None
+    jax.clear_caches()  # traced as on a GPU above (registry.lowering_for)

@@ -31,7 +31,7 @@ STEPS = 12
 def qwen():
     model, exp = load_fixture("qwen3_moe_fp32")  # L=3, E=8, top-2
     prompt = exp["short_prompt_ids"].tolist()
-    want = Engine(model, EngineConfig("resident", max_seq_len=96)).generate([prompt], STEPS, keep_logits=True,
+    want = Engine(model, EngineConfig("resident", max_seq_len=384)).generate([prompt], STEPS, keep_logits=True,
                                                                             trace_routing=True)
     return model, prompt, want
 
@@ -41,7 +41,7 @@ def _run_calibrate(*args: str):
 
 
 def _engine(model, miss: MissPolicyConfig, batch: int = 1) -> Engine:
-    return Engine(model, EngineConfig("cached", num_slots=model.cfg.num_experts, max_seq_len=96, batch=batch,
+    return Engine(model, EngineConfig("cached", num_slots=model.cfg.num_experts, max_seq_len=384, batch=batch,
                                       miss=miss))
 
 
@@ -93,7 +93,7 @@ def test_host_driver_hybrid_batch_of_two_equals_resident():
     model, exp = load_fixture("qwen3_5_moe_fp32")
     p = exp["short_prompt_ids"].tolist()
     prompts = [p, p[:5]]
-    want = Engine(model, EngineConfig("resident", max_seq_len=96, batch=2)).generate(prompts, 6, keep_logits=True)
+    want = Engine(model, EngineConfig("resident", max_seq_len=384, batch=2)).generate(prompts, 6, keep_logits=True)
     eng = _engine(model, MissPolicyConfig("adaptive", "callback", fixed_fetch=1, cpu_driver="host"), batch=2)
     got = eng.generate(prompts, 6, keep_logits=True)
     np.testing.assert_array_equal(got.step_logits, want.step_logits)
@@ -114,7 +114,7 @@ def test_host_driver_serves_requests_one_step_per_call(qwen):
     sched = Scheduler(eng)
     assert sched.decode_block == 1
     other = prompt[3:]
-    alone = Engine(model, EngineConfig("resident", max_seq_len=96)).generate([other], 5).generated_ids[0]
+    alone = Engine(model, EngineConfig("resident", max_seq_len=384)).generate([other], 5).generated_ids[0]
     sched.submit(prompt, SamplingParams(max_tokens=6, temperature=0.0), "A")
     tokens, step = {"A": [], "B": []}, 0
     while sched.has_work():
@@ -157,7 +157,7 @@ def test_generate_cli_host_driver(qwen, tmp_path):
     model, prompt, want = qwen
     metrics, logits = tmp_path / "m.json", tmp_path / "l.npy"
     r = run_generate(f"--checkpoint={model.name}", f"--prompt_ids={','.join(map(str, prompt))}",
-                     f"--max_new_tokens={STEPS}", f"--expert_slots={model.cfg.num_experts}", "--max_seq_len=96",
+                     f"--max_new_tokens={STEPS}", f"--expert_slots={model.cfg.num_experts}", "--max_seq_len=384",
                      "--miss_policy=cpu", "--cpu_expert_impl=callback", "--cpu_miss_driver=host", "--decode_block=4",
                      f"--metrics_json={metrics}", f"--logits_npy={logits}")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -168,7 +168,7 @@ def test_generate_cli_host_driver(qwen, tmp_path):
     prof = tmp_path / "prof.json"
     for run in range(2):  # the second run reads the "callback@host" entry the first calibrated
         r = run_generate(f"--checkpoint={model.name}", "--prompt_ids=1,2,3", "--max_new_tokens=3",
-                         f"--expert_slots={model.cfg.num_experts}", "--max_seq_len=96", "--miss_policy=adaptive",
+                         f"--expert_slots={model.cfg.num_experts}", "--max_seq_len=384", "--miss_policy=adaptive",
                          "--cpu_expert_impl=callback", "--cpu_miss_driver=host", f"--calibration_profile={prof}")
         assert r.returncode == 0, r.stderr[-3000:]
         assert ("(calibrated now)" in r.stdout) == (run == 0) and "callback@host: copy" in r.stdout
@@ -183,7 +183,7 @@ def test_a_call_that_streams_whole_layers_keeps_the_scan(qwen):
     split's."""
     model, prompt, want = qwen
     e = model.cfg.num_experts
-    engines = [Engine(model, EngineConfig("cached", num_slots=2 * e, max_seq_len=96, miss=miss)) for miss in (
+    engines = [Engine(model, EngineConfig("cached", num_slots=2 * e, max_seq_len=384, miss=miss)) for miss in (
         MissPolicyConfig("adaptive", "callback", fixed_fetch=1, cpu_driver="host"),
         MissPolicyConfig("adaptive", "compute_on", fixed_fetch=1))]
     plan = engines[0].planner.plan(1, 16, 16)
@@ -243,7 +243,7 @@ def test_quantized_banks_calibrate_their_own_entry(qwen, tmp_path):
     from ftjax.experts import quant
     model, prompt, _ = qwen
     q = dataclasses.replace(model, banks=quant.quantize_banks(model.banks, "int8"))
-    want = Engine(q, EngineConfig("resident", max_seq_len=96)).generate([prompt], 4, keep_logits=True)
+    want = Engine(q, EngineConfig("resident", max_seq_len=384)).generate([prompt], 4, keep_logits=True)
     prof = str(tmp_path / "p.json")
     dense = _engine(model, MissPolicyConfig("adaptive", "callback", cpu_driver="host", calibration_profile=prof))
     eng = _engine(q, MissPolicyConfig("adaptive", "callback", cpu_driver="host", calibration_profile=prof))

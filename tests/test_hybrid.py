@@ -66,7 +66,7 @@ def resident_runs():
 
 
 def _run(model, prompt, steps=STEPS, **config):
-    engine = Engine(model, EngineConfig(max_seq_len=448, **config))
+    engine = Engine(model, EngineConfig(max_seq_len=384, **config))
     return engine.generate([prompt], max_new_tokens=steps, keep_logits=True), engine
 
 
@@ -200,12 +200,12 @@ def test_prefix_reuse_bit_identical_to_recompute(load, route):
     model, exp = load_fixture("qwen3_5_moe_fp32")
     prompt = exp["long_prompt_ids"].tolist()
     mgr = _prefix_cache(load=load, store_route=route)
-    engine = Engine(model, EngineConfig("cached", num_slots=model.cfg.num_experts + 1, max_seq_len=448))
+    engine = Engine(model, EngineConfig("cached", num_slots=model.cfg.num_experts + 1, max_seq_len=384))
     first = engine.generate([prompt[:200]], 2, kv_manager=mgr)
     assert first.kv["chunks_stored"] == 3
     got = engine.generate([prompt], 16, kv_manager=mgr, keep_logits=True)
     assert got.kv["reused_tokens"] == 192 and got.kv["hit_chunks"] == 3
-    recompute = Engine(model, EngineConfig("resident", max_seq_len=448, prefill_chunk=192)).generate(
+    recompute = Engine(model, EngineConfig("resident", max_seq_len=384, prefill_chunk=192)).generate(
         [prompt], 16, keep_logits=True)
     np.testing.assert_array_equal(got.step_logits, recompute.step_logits)
     assert got.generated_ids[0] == exp["long_generated_ids"].tolist()
@@ -323,7 +323,7 @@ def test_stored_state_equals_the_recomputed_state_at_the_chunk_end():
     model, exp = load_fixture("qwen3_5_moe_fp32")
     prompt = exp["long_prompt_ids"].tolist()
     mgr = _prefix_cache()
-    engine = Engine(model, EngineConfig("resident", max_seq_len=448))
+    engine = Engine(model, EngineConfig("resident", max_seq_len=384))
     engine.generate([prompt[:200]], 1, kv_manager=mgr)
     keys = mgr.keys(engine, prompt[:192])
     kv, conv, rec = (np.asarray(a) for a in mgr.store.get(keys[-1:])[0])
@@ -342,18 +342,18 @@ def test_full_hit_reuses_whole_chunks_only():
     model, exp = load_fixture("qwen3_5_moe_fp32")
     prompt = exp["long_prompt_ids"].tolist()[:192]
     mgr = _prefix_cache()
-    engine = Engine(model, EngineConfig("resident", max_seq_len=448))
+    engine = Engine(model, EngineConfig("resident", max_seq_len=384))
     engine.generate([prompt], 1, kv_manager=mgr)
     got = engine.generate([prompt], 8, kv_manager=mgr, keep_logits=True)
     assert got.kv["reused_tokens"] == 128 and got.kv["hit_chunks"] == 2
-    want = Engine(model, EngineConfig("resident", max_seq_len=448, prefill_chunk=128)).generate(
+    want = Engine(model, EngineConfig("resident", max_seq_len=384, prefill_chunk=128)).generate(
         [prompt], 8, keep_logits=True)
     np.testing.assert_array_equal(got.step_logits, want.step_logits)
 
 
 def test_chunk_size_must_sit_on_delta_rule_chunks():
     model, exp = load_fixture("qwen3_5_moe_fp32")
-    engine = Engine(model, EngineConfig("resident", max_seq_len=448))
+    engine = Engine(model, EngineConfig("resident", max_seq_len=384))
     with pytest.raises(ValueError, match="multiple of 64"):
         engine.generate([exp["long_prompt_ids"].tolist()], 1, kv_manager=_prefix_cache(chunk_tokens=32))
 

@@ -343,7 +343,7 @@ def test_expert_fn_fetches_most_recent_misses_and_cpu_misses_stay_out_of_the_tab
 def qwen():
     model, exp = load_fixture("qwen3_moe_fp32")
     prompt = exp["short_prompt_ids"].tolist()
-    want = Engine(model, EngineConfig("resident", max_seq_len=96)).generate([prompt], STEPS, keep_logits=True)
+    want = Engine(model, EngineConfig("resident", max_seq_len=384)).generate([prompt], STEPS, keep_logits=True)
     return model, prompt, want, {}
 
 
@@ -352,7 +352,7 @@ def _run(qwen, name, miss: MissPolicyConfig, slots=None, trace=False):
     model, prompt, _, runs = qwen
     if name not in runs:
         cfg = model.cfg
-        eng = Engine(model, EngineConfig("cached", num_slots=slots or cfg.num_experts, max_seq_len=96, miss=miss))
+        eng = Engine(model, EngineConfig("cached", num_slots=slots or cfg.num_experts, max_seq_len=384, miss=miss))
         runs[name] = (eng.generate([prompt], STEPS, keep_logits=True, trace_routing=trace), eng)
     return runs[name]
 
@@ -435,7 +435,7 @@ def test_generate_cli_adaptive_callback_async_bit_identical(qwen, tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, "-m", "ftjax.generate", "--noprogress", f"--checkpoint={model.name}",
                         f"--prompt_ids={','.join(map(str, prompt))}", f"--max_new_tokens={STEPS}",
-                        f"--expert_slots={model.cfg.num_experts}", "--max_seq_len=96", "--miss_policy=adaptive",
+                        f"--expert_slots={model.cfg.num_experts}", "--max_seq_len=384", "--miss_policy=adaptive",
                         "--cpu_expert_impl=callback_async", "--cpu_threads=2", f"--calibration_profile={prof}",
                         f"--metrics_json={metrics}", f"--logits_npy={logits}"],
                        capture_output=True, text=True, timeout=300, env=env)
@@ -466,13 +466,13 @@ def test_generate_cli_all_core_cpu_misses_match_resident(qwen, tmp_path, expert_
     ref = want.step_logits[:, 0]
     if expert_dtype is not None:
         qmodel = dataclasses.replace(model, banks=quant.quantize_banks(model.banks, expert_dtype))
-        ref = Engine(qmodel, EngineConfig("resident", max_seq_len=96)).generate(
+        ref = Engine(qmodel, EngineConfig("resident", max_seq_len=384)).generate(
             [prompt], STEPS, keep_logits=True).step_logits[:, 0]
     metrics, logits = tmp_path / "m.json", tmp_path / "l.npy"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, "-m", "ftjax.generate", "--noprogress", f"--checkpoint={model.name}",
                         f"--prompt_ids={','.join(map(str, prompt))}", f"--max_new_tokens={STEPS}",
-                        f"--expert_slots={model.cfg.num_experts}", "--max_seq_len=96", "--miss_policy=adaptive",
+                        f"--expert_slots={model.cfg.num_experts}", "--max_seq_len=384", "--miss_policy=adaptive",
                         "--fixed_fetch=1", f"--cpu_expert_impl={impl}", "--cpu_threads=3",
                         f"--metrics_json={metrics}", f"--logits_npy={logits}"]
                        + ([f"--expert_dtype={expert_dtype}"] if expert_dtype else []),

@@ -28,7 +28,7 @@ def resident_runs():
     return {}
 
 
-def _decode(model, mode, slots, prompt, steps=STEPS, max_seq_len=256):
+def _decode(model, mode, slots, prompt, steps=STEPS, max_seq_len=384):
     engine = Engine(model, EngineConfig(mode, num_slots=slots, max_seq_len=max_seq_len))
     res = engine.generate([prompt], max_new_tokens=steps, keep_logits=True)
     return res, engine

@@ -10,7 +10,8 @@ selects which run, and is part of every compiled program's key.
   attention for the calls starting at 0 on a Hopper GPU (``KernelConfig.flash_prefill``).
 * ``dense_decode``: the decode step's dense projections read from weights stacked over layers;
   ``norm_dense_decode``: the RMSNorm and several of those projections in one launch;
-  ``merge_dense_decode``: the wo projection with decode attention's split merge in its prologue.
+  ``merge_dense_decode``: the wo projection with decode attention's split merge in its prologue (auto for
+  one-row calls: batch-1 decode).
 * ``rope_cache``: decode attention's prologue (q/k norms, RoPE, the K/V cache write).
 * ``slot_lookup``: the cached mode's LRU slot-table lookup of a decode layer.
 * ``route_decode``: a decode layer's router after ``norm_dense_decode``'s partial logits.
@@ -24,7 +25,7 @@ selects which run, and is part of every compiled program's key.
   token's whole Gated DeltaNet mixer in one launch.
 
 Which of them ``auto`` picks on a GPU is each registry entry's ``auto`` (``registry.kernels()``); by name only:
-``merge_dense_decode``, ``gated_delta_step``, ``grouped_matmul_scatter``.
+``gated_delta_step``, ``grouped_matmul_scatter``.
 
 ``common`` holds the helpers they share (Pallas backend notes, tile checks).
 """

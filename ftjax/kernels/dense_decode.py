@@ -522,20 +522,32 @@ def norm_auto(dtype, offset: bool) -> bool:
     return auto_for(dtype) and (OFFSET_AUTO or not offset)
 
 
-#: Whether ``use="auto"`` runs :func:`merge_dense_decode` on a GPU (16-bit weights). Not: it was measured
-#: faster for resident steps but slower for cached ones (docs/PROFILE.md), and both modes must run the same
-#: kernels (cached = resident bit for bit), so it stays selectable by name only.
-MERGE_AUTO = False
+#: Whether ``use="auto"`` runs :func:`merge_dense_decode` on a GPU (16-bit weights), for calls of at most
+#: :data:`MERGE_AUTO_MAX_ROWS` rows. Yes for one row since 2026-12-07: under the fixed decode loop on an H100
+#: (``bench_decode_loop.py --kernels=auto --kernels=auto+merge_dense_decode``, one process) it took qwen3-30b-a3b's
+#: resident batch-1 decode 1.018-1.036x at 16 layers (6e261d4) and 1.036x at 48 (430961d), but batch 4 0.985x at
+#: both, and its cached batch-1 decode at 280 slots was 44.69 tok/s against 44.61 / 44.63 without it (430961d; the
+#: 0.6-1.2 ms a cached step it cost on 2026-12-02 was before the fixed loop). Resident and cached programs of one
+#: batch take it alike, so cached = resident bit for bit still holds (docs/PROFILE.md).
+MERGE_AUTO = True
+#: The most rows (decode batch) a call may have for ``auto`` to pick :func:`merge_dense_decode`.
+MERGE_AUTO_MAX_ROWS = 1
+
+
+def merge_auto(dtype, rows: int) -> bool:
+    """Whether ``use="auto"`` picks :func:`merge_dense_decode` on a GPU for wo weights of ``dtype`` and a call of
+    ``rows`` rows (the decode batch): :func:`auto_for`, :data:`MERGE_AUTO`, at most :data:`MERGE_AUTO_MAX_ROWS`."""
+    return MERGE_AUTO and auto_for(dtype) and rows <= MERGE_AUTO_MAX_ROWS
 
 
 def maybe_merge(o: jax.Array, m: jax.Array, l: jax.Array, g: int, dtype, w: jax.Array,
                 layer: jax.Array) -> jax.Array | None:
     """:func:`merge_dense_decode` ([B, N]) of a model call when the kernel config selects
     ``merge_dense_decode`` for these operands (:func:`plan`, the rows [B, Hkv * g * hd] of ``dtype``;
-    not under ``auto``: :data:`MERGE_AUTO`) and :func:`supported_merge` takes them, else None (the
+    under ``auto``: :func:`merge_auto`, one row) and :func:`supported_merge` takes them, else None (the
     caller merges with ``decode_attention.merge_splits`` and projects)."""
     x = jax.ShapeDtypeStruct((o.shape[0], o.shape[1] * g * o.shape[4]), dtype)
-    how, t = plan(x, w, "merge_dense_decode", auto=MERGE_AUTO and auto_for(w.dtype))
+    how, t = plan(x, w, "merge_dense_decode", auto=merge_auto(w.dtype, o.shape[0]))
     t["block_k"] = min(t["block_k"], o.shape[4])  # a K tile within one head (halving keeps k_split's fit)
     if how == "xla" or not supported_merge(o, m, l, w, g, dtype, t["block_k"], t["block_n"], t["k_split"]):
         return None
@@ -553,5 +565,6 @@ registry.register(registry.Kernel(
     "zero-centred norms (OFFSET_AUTO)", tiles=parse_tiles))
 registry.register(registry.Kernel(
     "merge_dense_decode", "ftjax.kernels.decode_attention.merge_splits then x @ wo[layer]",
-    "the wo projection with decode attention's key-split merge in its prologue, after rope_cache; by name only",
+    "the wo projection with decode attention's key-split merge in its prologue, after rope_cache; auto: GPU, "
+    "16-bit weights, one-row calls (MERGE_AUTO_MAX_ROWS)",
     auto=MERGE_AUTO, needs=("rope_cache", "decode_attention"), tiles=parse_tiles))

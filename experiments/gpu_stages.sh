@@ -78,8 +78,9 @@
 #                  without gated_deltanet_decode and / or route_decode (auto since 2026-12-07: 1.017-1.068x on an
 #                  H100) at the qwen3.5-35b-a3b 16-layer cut (batch 1), and auto against auto without route_decode
 #                  and without merge_dense_decode (auto for one-row calls since 2026-12-07: 1.018-1.036x at batch
-#                  1 on an H100; batch 4 does not take it) at qwen3-30b-a3b's 16 and 48-layer cuts (batch 1 and
-#                  4): the same A/B on another card
+#                  1 on an H100) and with it named (so batch 4 takes it too: 0.985x there) at qwen3-30b-a3b's
+#                  16-layer cut (batch 1 and 4), and auto without it at the 48-layer cut (batch 1): the same A/B on
+#                  another card
 # moe-tiles-wide:  bench_decode_speed, resident, qwen3-30b-a3b cut to 16 layers, batch 1 and 4: moe_decode's default
 #                  tiles (128 rows a step, 64 columns a program, 8 warps) against wider column strips (128 and 256
 #                  columns: 256 and 512 contiguous bytes of each weight row a load, against 128) for both stages and
@@ -404,9 +405,9 @@ auto@$f=64:256:64:8:3:8@$g=128:256:64:8:3:8,auto@$f=64:256:64:8:3:16@$g=128:256:
         --forms=fixed --repeats=5 --noalternate --kernels=auto --kernels=auto-$m --kernels=auto-$r \
         --kernels=auto-$m-$r --tag="16l-kernels-ab_${dev}_$day" ${out:+--out_dir="$out"}
       run 220 "$stage-qwen3" experiments/bench_decode_loop.py --preset=qwen3-30b-a3b --layers=16 --batches=1,4 \
-        --forms=fixed --repeats=5 --noalternate --kernels=auto --kernels=auto-$r --kernels=auto-$w \
+        --forms=fixed --repeats=3 --noalternate --kernels=auto --kernels=auto-$r --kernels=auto-$w --kernels=auto+$w \
         --tag="16l-kernels-ab_${dev}_$day" ${out:+--out_dir="$out"}
-      run 200 "$stage-qwen3-48l" experiments/bench_decode_loop.py --preset=qwen3-30b-a3b --layers=48 --batches=1 \
+      run 170 "$stage-qwen3-48l" experiments/bench_decode_loop.py --preset=qwen3-30b-a3b --layers=48 --batches=1 \
         --forms=fixed --repeats=3 --noalternate --kernels=auto --kernels=auto-$w \
         --tag="48l-kernels-ab_${dev}_$day" ${out:+--out_dir="$out"} ;;
     moe-tiles-wide)

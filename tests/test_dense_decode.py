@@ -276,7 +276,10 @@ def _assert_like_default(kernels, ref, got, preset_name="tiny"):
     np.testing.assert_array_equal(cached.step_logits, got.step_logits)
 
 
-@pytest.mark.slow  # GPUs run it beside norm_dense_decode, as the next test and tests/test_rope_cache.py do by default
+# slow: under auto GPUs run it beside norm_dense_decode (wo only), as test_greedy_decode_with_the_norm_kernel_...
+# below and tests/test_rope_cache.py do by default; wq/wk/wv and the router through it alone (auto-norm_dense_decode)
+# are checked here only
+@pytest.mark.slow
 def test_greedy_decode_with_the_kernel_matches_the_default_path(monkeypatch):
     """A tiny model's greedy decode with ``KernelConfig(use="dense_decode")`` (interpreted on the CPU):
     the decode steps' five dense projections per layer run in the kernel, reading the stacked
@@ -538,7 +541,9 @@ def test_auto_takes_the_merge_kernel_for_one_row_calls_of_16_bit_weights():
             return dd.maybe_merge(o[:b], m[:b], l[:b], g, bf, jnp.zeros((3, k, 64), w_dtype), jnp.int32(0))
 
     assert dd.merge_auto(bf, 1) and not dd.merge_auto(bf, 4) and not dd.merge_auto(jnp.float32, 1)
-    assert merge(1, bf).count("__gpu$xla.gpu.triton") == 1
-    assert merge(4, bf) is None and merge(1, jnp.float32) is None
-    assert merge(1, bf, "auto-merge_dense_decode") is None
-    jax.clear_caches()  # traced as on a GPU above (registry.lowering_for)
+    try:
+        assert merge(1, bf).count("__gpu$xla.gpu.triton") == 1
+        assert merge(4, bf) is None and merge(1, jnp.float32) is None
+        assert merge(1, bf, "auto-merge_dense_decode") is None
+    finally:
+        jax.clear_caches()  # traced as on a GPU above (registry.lowering_for): not for the tests after this one

@@ -33,10 +33,9 @@ def tiny():
     return random_model(preset("tiny"), "float32")
 
 
-# int4's cached (and streamed) logits are checked by default in tests/test_quant.py, bfloat16's (the unquantized
-# banks) in tests/test_offload.py's fixtures; their cases here are slow
-@pytest.mark.parametrize("fmt", [pytest.param(f, marks=pytest.mark.slow) if f.expert_dtype in ("int4", "bfloat16")
-                                 else f for f in FORMATS], ids=IDS)
+# int4's cached (and streamed) logits are checked by default in tests/test_quant.py; its case here is slow
+@pytest.mark.parametrize("fmt", [pytest.param(f, marks=pytest.mark.slow) if f.expert_dtype == "int4" else f
+                                 for f in FORMATS], ids=IDS)
 def test_cached_logits_bit_identical_to_resident(tiny, fmt):
     model = dataclasses.replace(tiny, banks=quant.quantize_banks(tiny.banks, fmt.expert_dtype))
     cfg = model.cfg

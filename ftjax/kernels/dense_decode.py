@@ -443,12 +443,13 @@ def supported_all(x: jax.Array, ws, block_k: int = BLOCK_K, block_n: int = BLOCK
     return all(supported(x, w, block_k, block_n, k_split) for w in ws)
 
 
-def plan(x: jax.Array, w, name: str = "dense_decode", auto: bool | None = None) -> tuple[str, dict]:
+def plan(x: jax.Array, w, name: str = "dense_decode", auto: bool | None = None,
+         record: bool = True) -> tuple[str, dict]:
     """(mode, tiles) of a model call of ``x @ w[layer]`` with x [..., K] and w [L, K, N] (or a tuple
     of such weights, one launch for all: :func:`norm_dense_decode`): mode "gpu" / "interpret" when
     the kernel config selects kernel ``name`` for these operands (at most :data:`MAX_ROWS` rows;
     ``registry.mode``; under ``auto`` only where ``auto`` says, default :func:`auto_for` the weights' dtype),
-    else "xla".
+    else "xla". record: ``registry.mode``'s (False where the caller checks more before the kernel runs).
     The default k_split is :func:`auto_k_split` of the weights' summed N.
 
     Raises:
@@ -471,7 +472,7 @@ def plan(x: jax.Array, w, name: str = "dense_decode", auto: bool | None = None) 
         raise ValueError(f"dense_decode tiles {t} do not fit x {x2.shape} @ w "
                          f"{[tuple(v.shape) for v in ws]} (K must be a multiple of min(block_k, K) * k_split, "
                          "each N of min(block_n, N))")
-    return registry.mode(name, ok, auto=auto), t
+    return registry.mode(name, ok, auto=auto, record=record), t
 
 
 def maybe(x: jax.Array, w: jax.Array, layer: jax.Array) -> jax.Array | None:
@@ -547,10 +548,12 @@ def maybe_merge(o: jax.Array, m: jax.Array, l: jax.Array, g: int, dtype, w: jax.
     under ``auto``: :func:`merge_auto`, one row) and :func:`supported_merge` takes them, else None (the
     caller merges with ``decode_attention.merge_splits`` and projects)."""
     x = jax.ShapeDtypeStruct((o.shape[0], o.shape[1] * g * o.shape[4]), dtype)
-    how, t = plan(x, w, "merge_dense_decode", auto=merge_auto(w.dtype, o.shape[0]))
+    auto = merge_auto(w.dtype, o.shape[0])
+    how, t = plan(x, w, "merge_dense_decode", auto=auto, record=False)
     t["block_k"] = min(t["block_k"], o.shape[4])  # a K tile within one head (halving keeps k_split's fit)
     if how == "xla" or not supported_merge(o, m, l, w, g, dtype, t["block_k"], t["block_n"], t["k_split"]):
         return None
+    registry.mode("merge_dense_decode", True, auto=auto)  # recorded as applied only now that it runs
     return merge_dense_decode(o, m, l, w, layer, g=g, dtype=jnp.dtype(dtype), interpret=how == "interpret", **t)
 
 

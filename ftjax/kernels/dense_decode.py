@@ -497,9 +497,11 @@ def maybe_norm(x: jax.Array, norm_w: jax.Array, eps: float, ws, layer: jax.Array
     :func:`norm_dense_decode`'s unsummed parts, [parts, rows, sum N_i] (rows = x's rows flattened).
     offset: a zero-centred norm (:func:`norm_dense_decode`), which ``auto`` runs only where :data:`OFFSET_AUTO`;
     norm_layer: the row of a stacked norm_w where it is not ``layer``."""
-    how, t = plan(x, tuple(ws), "norm_dense_decode", auto=norm_auto(ws[0].dtype, offset))
+    auto = norm_auto(ws[0].dtype, offset)
+    how, t = plan(x, tuple(ws), "norm_dense_decode", auto=auto, record=False)
     if how == "xla" or not _norm_shape_ok(norm_w, x, tuple(ws), own_row=norm_layer is not None):
         return None
+    registry.mode("norm_dense_decode", True, auto=auto)  # recorded as applied only now that it runs
     lead = x.shape[:-1]
     ys, xn = norm_dense_decode(x.reshape(-1, x.shape[-1]), norm_w, tuple(ws), layer, eps=float(eps), write_x=write_x,
                                interpret=how == "interpret", sum_parts=sum_parts, offset=offset,
